@@ -1,0 +1,143 @@
+"""Composition root: builds every part and runs them in one root nursery.
+
+Start order (each with nursery.start, so the next part starts only once the previous one is
+ready): HTTP (answers /health 503 "starting" while the model loads) -> model + engine ->
+decode manager -> RPC listener.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .config import Settings
+from .engine.engine import Engine, GenerationResult
+from .http.server import serve_http
+from .metrics import Metrics
+
+log = logging.getLogger("hydra_trio")
+
+
+def _llama_version() -> str:
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class AppState:
+    """What the HTTP and RPC layers share."""
+
+    settings: Settings
+    nursery: trio.Nursery  # owner of request-scoped background tasks
+    metrics: Metrics = field(default_factory=Metrics)
+    engine: Engine | None = None
+    decodes: Any = None  # decode.manager.DecodeManager once started
+    startup_phase: str = "starting"
+    started_at: float = field(default_factory=time.time)
+    llama_cpp_version: str = field(default_factory=_llama_version)
+    extra_blueprints: list[Any] = field(default_factory=list)
+    log: logging.Logger = log
+
+    def record_generation(self, path: str, res: GenerationResult) -> None:
+        m = self.metrics
+        m.completion_tokens.labels(path).inc(res.completion_tokens)
+        m.prompt_tokens.labels(path).inc(res.n_prompt_processed)
+        m.cached_prompt_tokens.labels(path).inc(res.n_common)
+        m.ttft_ms.labels(path).observe(res.ttft_ms)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    http_port: int
+    rpc_port: int
+    state: AppState
+
+
+def resolve_model(settings: Settings) -> tuple[str, str | None]:
+    """(model path, alias). Without --model: the synthetic demo model from the user cache."""
+    if settings.model:
+        path = Path(settings.model)
+        if not path.is_file():
+            raise SystemExit(f"model file not found: {path}")
+        return str(path), settings.alias
+    from .model.synthetic import cached_model
+
+    path, written = cached_model("small")
+    log.warning(
+        "no --model given: serving the SYNTHETIC demo model %s (random weights, its text is "
+        "noise; %s). Pass --model PATH for a real GGUF.",
+        path,
+        "written now" if written else "from the cache",
+    )
+    return str(path), settings.alias or "hydra-synthetic-small"
+
+
+async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run the whole engine until cancelled."""
+    async with trio.open_nursery() as root:
+        async with trio.open_nursery() as requests:
+            state = AppState(settings=settings, nursery=requests)
+            _register_parts(state)
+            http_port = await root.start(serve_http, state)
+            log.info("HTTP listening on http://%s:%d", settings.host, http_port)
+            state.startup_phase = "loading model"
+            model_path, alias = await trio.to_thread.run_sync(resolve_model, settings)
+            engine = await Engine.load(model_path, settings, alias=alias)
+            await root.start(engine.run)
+            _register_engine_metrics(state, engine)
+            rpc_port = await _start_rpc_and_decodes(root, state, engine)
+            state.engine = engine
+            state.startup_phase = "ready"
+            log.info("ready: HTTP port %d, RPC port %d", http_port, rpc_port)
+            task_status.started(Endpoints(http_port, rpc_port, state))
+            await trio.sleep_forever()
+
+
+def _register_parts(state: AppState) -> None:
+    """Hook for the RPC/decode layers to add their HTTP routes."""
+    try:
+        from .http.state_routes import bp as state_bp
+
+        state.extra_blueprints.append(state_bp)
+    except ImportError:
+        pass
+    try:
+        from .http.decode_routes import bp as decode_bp
+
+        state.extra_blueprints.append(decode_bp)
+    except ImportError:
+        pass
+
+
+def _register_engine_metrics(state: AppState, engine: Engine) -> None:
+    m = state.metrics
+    m.add_live("hydra_slots_busy", "slots claimed by a request", lambda: sum(s.busy for s in engine.slots.slots))
+    m.add_live("hydra_slots_total", "slots", lambda: len(engine.slots))
+    m.add_live("hydra_kv_cells_used", "KV positions held by all slots", engine.backend.cells_in_use)
+    m.add_live("hydra_kv_cells_total", "KV cells shared by all slots", lambda: engine.n_ctx)
+    m.add_live("hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda: engine.worker.busy_s)
+    m.add_live("hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda: engine.worker.calls)
+    m.add_live("hydra_step_batches", "batched generation steps", lambda: engine.batches)
+    m.add_live(
+        "hydra_step_batch_mean_size",
+        "mean number of sequences per generation step",
+        lambda: engine.batch_tokens / engine.batches if engine.batches else 0.0,
+    )
+    m.add_live("hydra_model_load_ms", "model load time", lambda: engine.model_load_ms)
+
+
+async def _start_rpc_and_decodes(root: trio.Nursery, state: AppState, engine: Engine) -> int:
+    try:
+        from .rpc.server import serve_rpc
+    except ImportError:
+        return 0
+    state.engine = engine
+    return await root.start(serve_rpc, state)

@@ -1,0 +1,516 @@
+"""llama.cpp through llama-cpp-python's low-level API. The only module importing llama_cpp.
+
+Every method here is synchronous and must run on the GPU worker (engine/worker.py). The
+backend owns the per-slot token lists so they always describe exactly what the KV holds,
+whatever happens to the trio task that asked for the work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llama_cpp
+import numpy as np
+
+from ..wire.errors import ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+llama_log = logging.getLogger("hydra_trio.llama_cpp")
+
+# ggml_log_level: 0 NONE, 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the last line).
+_LOG_LEVELS = {
+    0: logging.DEBUG,
+    1: logging.DEBUG,
+    2: logging.DEBUG,  # llama.cpp's INFO is very chatty
+    3: logging.WARNING,
+    4: logging.ERROR,
+}
+_log_state = {"last": logging.DEBUG}
+
+
+@llama_cpp.llama_log_callback
+def _route_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    py_level = _LOG_LEVELS.get(level, _log_state["last"])
+    _log_state["last"] = py_level
+    if llama_log.isEnabledFor(py_level):
+        msg = text.decode("utf-8", "replace").rstrip("\n")
+        if msg:
+            llama_log.log(py_level, "%s", msg)
+
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def _init_llama() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            llama_cpp.llama_log_set(_route_llama_log, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _initialised = True
+
+
+class DecodeAborted(Exception):
+    """llama_decode was stopped by the abort flag; the batch's cells were removed."""
+
+
+class NoKvSpace(Exception):
+    """llama_decode found no free KV cell: the shared context is full."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class Sampler:
+    """A llama sampler chain; one per request. Free with close()."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        add = llama_cpp.llama_sampler_chain_add
+        if params.repeat_penalty != 1.0:
+            add(chain, llama_cpp.llama_sampler_init_penalties(params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+        if params.greedy:
+            add(chain, llama_cpp.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
+            if params.top_p < 1.0:
+                add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+            add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
+            add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+        self._chain = chain
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if self._chain is None:
+            raise RuntimeError("sampler already closed")
+        return self._chain
+
+    def close(self) -> None:
+        if self._chain is not None:
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None
+
+    def __del__(self) -> None:  # last resort; owners close explicitly
+        self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    bos: int
+    eos: int
+    add_bos: bool
+    chat_template: str | None
+    recurrent: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """One sequence's share of a batched generation step."""
+
+    slot: int
+    token: int
+    sampler: Sampler
+
+
+class LlamaBackend:
+    """One llama model + context with ``n_slots`` sequences in a unified KV cache.
+
+    Sequence ``n_slots`` is a scratch sequence: restores land there first and move into the
+    slot only once llama.cpp accepted them, so a refused blob never touches a slot.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        n_slots: int,
+        n_ctx: int,
+        n_threads: int,
+        n_batch: int = 512,
+        type_k: int | None = None,
+        type_v: int | None = None,
+    ) -> None:
+        _init_llama()
+        self.model_path = model_path
+        self.n_slots = n_slots
+        self.n_batch = n_batch
+        mparams = llama_cpp.llama_model_default_params()
+        self._model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load model {model_path!r}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.info = self._read_model_info()
+        self._ctx = None
+        self._abort_flag: threading.Event | None = None
+        # ctypes callbacks must outlive the context, or they are garbage-collected under it.
+        self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
+        self._batch = None
+        self._piece_cache: dict[int, bytes] = {}
+        self.seq_tokens: list[list[int]] = []
+        self.type_k = type_k
+        self.type_v = type_v
+        self._build_context(n_ctx, n_threads)
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def _read_model_info(self) -> ModelInfo:
+        m, v = self._model, self._vocab
+        tpl_ptr = llama_cpp.llama_model_chat_template(m, None)
+        template = tpl_ptr.decode("utf-8", "replace") if tpl_ptr else None
+        return ModelInfo(
+            n_vocab=llama_cpp.llama_vocab_n_tokens(v),
+            n_ctx_train=llama_cpp.llama_model_n_ctx_train(m),
+            n_embd=llama_cpp.llama_model_n_embd(m),
+            n_layer=llama_cpp.llama_model_n_layer(m),
+            bos=llama_cpp.llama_vocab_bos(v),
+            eos=llama_cpp.llama_vocab_eos(v),
+            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
+            chat_template=template,
+            recurrent=bool(llama_cpp.llama_model_is_recurrent(m)),
+        )
+
+    def _build_context(self, n_ctx: int, n_threads: int) -> None:
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = self.n_batch
+        cp.n_ubatch = self.n_batch  # one ubatch per call: an abort undoes the whole call
+        cp.n_seq_max = self.n_slots + 1  # + the scratch sequence for restores
+        cp.kv_unified = True
+        cp.n_threads = n_threads
+        cp.n_threads_batch = n_threads
+        if self.type_k is not None:
+            cp.type_k = self.type_k
+        if self.type_v is not None:
+            cp.type_v = self.type_v
+        ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx})")
+        self._ctx = ctx
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        llama_cpp.llama_set_abort_callback(ctx, self._abort_cb, None)
+        self.n_ctx = llama_cpp.llama_n_ctx(ctx)
+        self.n_threads = n_threads
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
+        self.seq_tokens = [[] for _ in range(self.n_slots)]
+        self._measure_state_size()
+
+    def _measure_state_size(self) -> None:
+        # A sequence's state is a fixed header plus a fixed size per position: measure both
+        # once so STATE_META can report the exact size without a llama call.
+        # (llama.cpp writes per-cell metadata, then per-layer rows: linear in the cell count.)
+        seq = self.scratch_seq
+        tok = self.info.bos if self.info.bos >= 0 else 0
+        self._state_base = self.state_size(seq)
+        self._decode_batch([(seq, tok, 0, False)], None)
+        one = self.state_size(seq)
+        self._decode_batch([(seq, tok, 1, False)], None)
+        two = self.state_size(seq)
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._state_per_pos = two - one
+        self._state_first = one - self._state_per_pos  # header of a non-empty sequence
+
+    def state_size_for(self, n_past: int) -> int:
+        return self._state_base if n_past == 0 else self._state_first + n_past * self._state_per_pos
+
+    def rebuild_context(self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None) -> None:
+        """Recreate the context (CONFIGURE T2). All slot contents are dropped."""
+        old = (self.n_ctx, self.type_k, self.type_v)
+        self.type_k = type_k if type_k is not None else self.type_k
+        self.type_v = type_v if type_v is not None else self.type_v
+        self._free_context()
+        try:
+            self._build_context(n_ctx or old[0], self.n_threads)
+        except Exception:
+            _, self.type_k, self.type_v = old  # keep serving with the previous setup
+            self._build_context(old[0], self.n_threads)
+            raise
+
+    def _free_context(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+
+    def close(self) -> None:
+        self._free_context()
+        if self._model is not None:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    @property
+    def scratch_seq(self) -> int:
+        return self.n_slots
+
+    def _should_abort(self, _data: ctypes.c_void_p) -> bool:
+        # Runs on ggml's threads: read a flag, never call into trio.
+        flag = self._abort_flag
+        return flag is not None and flag.is_set()
+
+    # ---- tokens ------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        arr = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            arr = (llama_cpp.llama_token * n_max)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
+        return list(arr[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a generated token contributes to the text (control tokens: none)."""
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._piece_cache[token] = piece
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def token_text(self, token: int) -> str:
+        return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
+
+    # ---- sequences ---------------------------------------------------------------------
+
+    def n_past(self, slot: int) -> int:
+        return len(self.seq_tokens[slot])
+
+    def cells_in_use(self) -> int:
+        """Upper bound of occupied KV cells (shared cells are counted once per sequence)."""
+        return sum(len(t) for t in self.seq_tokens)
+
+    def clear_slot(self, slot: int) -> None:
+        llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self.seq_tokens[slot] = []
+
+    def truncate_slot(self, slot: int, n_keep: int) -> None:
+        """Drop positions >= n_keep from the slot."""
+        if n_keep < len(self.seq_tokens[slot]):
+            llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
+            del self.seq_tokens[slot][n_keep:]
+
+    def _resync(self, seq: int) -> None:
+        # After a failed decode, believe the KV cache, not our bookkeeping.
+        n = llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
+        del self.seq_tokens[seq][max(n, 0):]
+
+    def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
+        """Decode (seq, token, pos, want_logits) entries as one llama_batch."""
+        batch = self._batch
+        for i, (seq, token, pos, logits) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
+        batch.n_tokens = len(entries)
+        self._abort_flag = abort
+        try:
+            rc = llama_cpp.llama_decode(self._ctx, batch)
+        finally:
+            self._abort_flag = None
+        if rc == 0:
+            return
+        for seq in {e[0] for e in entries}:
+            if seq < self.n_slots:
+                self._resync(seq)
+        if rc == 2:
+            raise DecodeAborted
+        if rc == 1:
+            raise NoKvSpace
+        raise RuntimeError(f"llama_decode failed with code {rc}")
+
+    def eval_chunk(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        abort: threading.Event | None,
+        *,
+        sampler: Sampler | None = None,
+        want_logits: bool = False,
+    ) -> tuple[int | None, bytes | None]:
+        """Append ``tokens`` (at most n_batch) to the slot's KV.
+
+        With ``sampler``, samples the next token from the last position's logits in the same
+        call (another slot's decode would overwrite the logits buffer afterwards). With
+        ``want_logits``, also returns those logits as n_vocab little-endian f32 bytes.
+        """
+        if not tokens:
+            raise ValueError("eval_chunk needs at least one token")
+        if len(tokens) > self.n_batch:
+            raise ValueError(f"chunk of {len(tokens)} tokens exceeds n_batch {self.n_batch}")
+        if abort is not None and abort.is_set():
+            raise DecodeAborted
+        start = len(self.seq_tokens[slot])
+        if start + len(tokens) > self.n_ctx:
+            raise NoKvSpace
+        last = len(tokens) - 1
+        need_logits = sampler is not None or want_logits
+        entries = [(slot, t, start + i, need_logits and i == last) for i, t in enumerate(tokens)]
+        self._decode_batch(entries, abort)
+        self.seq_tokens[slot].extend(tokens)
+        logits = self.logits_bytes(-1) if want_logits else None
+        token = None
+        if sampler is not None:
+            token = llama_cpp.llama_sampler_sample(sampler.handle, self._ctx, -1)
+        return token, logits
+
+    def logits_bytes(self, idx: int) -> bytes:
+        ptr = llama_cpp.llama_get_logits_ith(self._ctx, idx)
+        return ctypes.string_at(ptr, 4 * self.info.n_vocab)
+
+    def step(self, requests: Sequence[StepRequest]) -> list[int | None]:
+        """One generation step for several slots in one llama_decode (continuous batching).
+
+        Returns the sampled next token per request, or None for a slot that hit the end of
+        its context or the shared KV pool.
+        """
+        results: list[int | None] = [None] * len(requests)
+        live = [i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx]
+        if not live:
+            return results
+        entries = [(requests[i].slot, requests[i].token, len(self.seq_tokens[requests[i].slot]), True) for i in live]
+        try:
+            self._decode_batch(entries, None)
+        except NoKvSpace:
+            if len(live) == 1:
+                return results
+            # Shared pool is tight: let each sequence try alone so those that fit go on.
+            for i in live:
+                results[i] = self.step([requests[i]])[0]
+            return results
+        for j, i in enumerate(live):
+            r = requests[i]
+            self.seq_tokens[r.slot].append(r.token)
+            results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
+        return results
+
+    def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
+        """Sample with the request's chain from logits that came with a KV blob."""
+        n_vocab = self.info.n_vocab
+        arr = np.empty(n_vocab, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True))
+        arr["id"] = np.arange(n_vocab, dtype=np.int32)
+        arr["logit"] = np.frombuffer(logits, dtype="<f4", count=n_vocab)
+        arr["p"] = 0.0
+        cur = llama_cpp.llama_token_data_array(
+            data=arr.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+            size=n_vocab,
+            selected=-1,
+            sorted=False,
+        )
+        llama_cpp.llama_sampler_apply(sampler.handle, ctypes.byref(cur))
+        if not 0 <= cur.selected < cur.size:
+            raise RuntimeError("sampler selected no token")
+        token = int(cur.data[cur.selected].id)
+        llama_cpp.llama_sampler_accept(sampler.handle, token)
+        return token
+
+    # ---- state -------------------------------------------------------------------------
+
+    def state_size(self, slot: int) -> int:
+        return int(llama_cpp.llama_state_seq_get_size(self._ctx, slot))
+
+    def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
+        """The slot's llama sequence state and its tokens."""
+        size = self.state_size(slot)
+        buf = bytearray(size)
+        cbuf = (ctypes.c_uint8 * size).from_buffer(buf)
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, cbuf, size, slot)
+        del cbuf  # release the export so the bytearray can be resized/sliced freely
+        if n != size:
+            del buf[n:]
+        return buf, list(self.seq_tokens[slot])
+
+    def state_restore(
+        self,
+        slot: int,
+        state: memoryview,
+        tokens: Sequence[int],
+        n_past: int,
+        abort: threading.Event | None = None,
+    ) -> memoryview:
+        """Restore a sequence state into ``slot``, all-or-nothing.
+
+        The state lands in the scratch sequence first; only when llama.cpp accepted it and it
+        holds exactly ``n_past`` positions matching ``tokens`` does it replace the slot.
+        Returns the bytes llama.cpp did not consume (the caller checks them for logits).
+        """
+        scratch = self.scratch_seq
+        llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)
+        size = len(state)
+        src = _as_ubyte_array(state)
+        consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, scratch))
+        if consumed == 0 and self.seq_tokens[slot] and self.cells_in_use() + n_past > self.n_ctx:
+            # The shared pool had no room for a second copy: make room by dropping the slot's
+            # current contents (the spec allows clearing on a failed restore) and try again.
+            self.clear_slot(slot)
+            consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, scratch))
+        try:
+            if consumed == 0:
+                raise ProtocolError(
+                    ErrorCode.RESTORE_FAILED,
+                    "llama.cpp refused the KV state (layout does not match the resident model, "
+                    "or the state is corrupt or truncated)",
+                )
+            restored = llama_cpp.llama_memory_seq_pos_max(self._mem, scratch) + 1
+            if restored != n_past:
+                raise ProtocolError(
+                    ErrorCode.RESTORE_FAILED,
+                    f"KV state holds {restored} positions but the blob declares n_past={n_past}",
+                )
+            if len(tokens) != n_past:
+                raise ProtocolError(
+                    ErrorCode.RESTORE_FAILED,
+                    f"blob lists {len(tokens)} tokens for n_past={n_past}",
+                )
+            if abort is not None and abort.is_set():
+                raise DecodeAborted
+            # Commit: in a unified KV cache seq_cp only tags cells, no bytes are copied.
+            llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+            llama_cpp.llama_memory_seq_cp(self._mem, scratch, slot, -1, -1)
+            self.seq_tokens[slot] = list(tokens)
+            return state[consumed:]
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)
+
+
+def _as_ubyte_array(view: memoryview) -> ctypes.Array[ctypes.c_uint8]:
+    """A ctypes view of a buffer without copying (read-only buffers are copied once)."""
+    size = len(view)
+    if view.readonly:
+        return (ctypes.c_uint8 * size).from_buffer_copy(view)
+    return (ctypes.c_uint8 * size).from_buffer(view)

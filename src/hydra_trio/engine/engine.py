@@ -1,0 +1,501 @@
+"""The engine: one model, N slots, one GPU worker, and the token-step batcher.
+
+Request tasks never call llama.cpp themselves: they ask the engine for work (a prefill
+chunk, a generation step). Generation steps of all generating slots are batched into one
+llama_decode (continuous batching); prefill chunks interleave with those batches on the
+one GPU worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ..config import Settings
+from ..model.identity import ModelIdentity, read_identity
+from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.kvblob import KvBlob, encode_blob_head, split_trailing_logits
+from .backend import DecodeAborted, LlamaBackend, NoKvSpace, Sampler, StepRequest
+from .chat import render_prompt
+from .params import GenerationParams
+from .slots import Slot, SlotTable
+from .text import TextAssembler, common_prefix_len
+from .worker import GpuWorker
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[str], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    prompt_tokens: int = 0
+    n_common: int = 0  # prompt tokens found in the slot's KV (not recomputed)
+    n_prompt_processed: int = 0  # prompt tokens evaluated by this request
+    logits_reused: bool = False  # first token sampled from logits that came with the KV
+    completion_tokens: int = 0
+    text: str = ""
+    stop_type: str = "limit"  # eos | word | limit | context
+    stopping_word: str = ""
+    prompt_ms: float = 0.0  # prompt processing (prefill of the delta)
+    ttft_ms: float = 0.0  # generation start -> first token text available
+    decode_ms: float = 0.0  # first token -> last token
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.stop_type in ("eos", "word") else "length"
+
+    @property
+    def tokens_per_s(self) -> float:
+        if self.completion_tokens <= 1 or self.decode_ms <= 0:
+            return 0.0
+        return (self.completion_tokens - 1) / (self.decode_ms / 1000.0)
+
+
+@dataclass(slots=True)
+class _StepJob:
+    slot: int
+    token: int
+    sampler: Sampler
+    done: trio.Event = field(default_factory=trio.Event)
+    result: int | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+
+
+class Engine:
+    def __init__(self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings) -> None:
+        self.backend = backend
+        self.identity = identity
+        self.settings = settings
+        self.worker = GpuWorker()
+        self.slots = SlotTable(backend.n_slots)
+        self.model_load_ms = 0.0
+        self._step_send, self._step_recv = trio.open_memory_channel[_StepJob](backend.n_slots)
+        self._generating = 0  # requests inside their token loop (batcher waits for them)
+        self.tokens_generated = 0
+        self.prompt_tokens_processed = 0
+        self.batches = 0
+        self.batch_tokens = 0
+        self.ready = trio.Event()
+        # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
+        self._slot_config: list[dict[str, Any]] = [{} for _ in range(backend.n_slots)]
+        self._staged: dict[str, Any] = {}
+        self._staged_changed = trio.Event()
+        self.t3_reloads = 0
+        self.last_t3_reload_ms = 0.0
+        self.model_path = backend.model_path
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> Engine:
+        t0 = time.perf_counter()
+        identity = await trio.to_thread.run_sync(lambda: read_identity(model_path, alias=alias))
+        worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
+        backend = await trio.to_thread.run_sync(
+            lambda: LlamaBackend(
+                model_path,
+                n_slots=settings.slots,
+                n_ctx=settings.ctx_size,
+                n_threads=settings.threads,
+                n_batch=settings.batch_size,
+            ),
+            limiter=worker_limiter,
+        )
+        engine = cls(backend, identity, settings)
+        engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
+        log.info(
+            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, %d threads",
+            engine.model_load_ms,
+            identity.model_name,
+            identity.model_quant,
+            identity.tokenizer,
+            backend.n_slots,
+            backend.n_ctx,
+            backend.n_threads,
+        )
+        return engine
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the step batcher until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._batcher)
+                nursery.start_soon(self._reconfigurer)
+                self.ready.set()
+                task_status.started()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.worker.run(lambda _abort: self.backend.close())
+
+    @property
+    def n_ctx(self) -> int:
+        return self.backend.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.backend.info.n_vocab
+
+    # ---- CONFIGURE ---------------------------------------------------------------------
+
+    def slot_config(self, slot_id: int) -> dict[str, Any]:
+        return self._slot_config[slot_id]
+
+    def configure_slot(self, slot_id: int, t1: dict[str, Any]) -> dict[str, Any]:
+        """T1: applied at once to the slot's defaults for later requests on it."""
+        self.slots.get(slot_id)
+        cfg = self._slot_config[slot_id]
+        for key, value in t1.items():
+            if key == "sampling":
+                cfg.setdefault("sampling", {}).update(value)
+            else:
+                cfg[key] = value
+        return dict(t1)
+
+    def slot_generation_defaults(self, slot_id: int) -> dict[str, Any]:
+        """The slot's T1 settings as request keys (a request's own keys win over them)."""
+        cfg = self._slot_config[slot_id]
+        out: dict[str, Any] = dict(cfg.get("sampling", {}))
+        if "n_predict" in cfg:
+            out["n_predict"] = cfg["n_predict"]
+        if "seed" in cfg:
+            out["seed"] = cfg["seed"]
+        if "antiprompt" in cfg:
+            out["stop"] = cfg["antiprompt"]
+        return out
+
+    def stage_reconfigure(self, changes: dict[str, Any]) -> None:
+        """T2/T3: applied by the reconfigurer once every slot is idle."""
+        self._staged.update(changes)
+        self._staged_changed.set()
+
+    @property
+    def staged(self) -> dict[str, Any]:
+        return dict(self._staged)
+
+    async def _reconfigurer(self) -> None:
+        while True:
+            await self._staged_changed.wait()
+            self._staged_changed = trio.Event()
+            while not self.slots.all_idle():
+                await self.slots.wait_released()
+            changes, self._staged = self._staged, {}
+            if not changes:
+                continue
+            self.slots.frozen = True  # no claims while the context or model is replaced
+            try:
+                await self._apply_staged(changes)
+            except Exception:
+                log.exception("staged reconfiguration %s failed; the engine keeps its old setup", changes)
+            finally:
+                self.slots.frozen = False
+                self.slots.notify()
+
+    async def _apply_staged(self, changes: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        if "model_path" in changes:
+            path = changes["model_path"]
+            identity = await trio.to_thread.run_sync(lambda: read_identity(path, alias=self.identity.model_alias if self.settings.alias else None))
+            old = self.backend
+
+            def load(_abort: threading.Event) -> LlamaBackend:
+                return LlamaBackend(
+                    path,
+                    n_slots=old.n_slots,
+                    n_ctx=changes.get("n_ctx", old.n_ctx),
+                    n_threads=old.n_threads,
+                    n_batch=old.n_batch,
+                    type_k=changes.get("cache_type_k", old.type_k),
+                    type_v=changes.get("cache_type_v", old.type_v),
+                )
+
+            new = await self.worker.run(load)
+            self.backend, self.identity, self.model_path = new, identity, path
+            await self.worker.run(lambda _abort: old.close())
+            self.t3_reloads += 1
+            self.last_t3_reload_ms = (time.perf_counter() - t0) * 1000.0
+            log.info("T3: model reloaded from %s in %.0f ms (%s)", path, self.last_t3_reload_ms, identity.model_name)
+        else:
+            b = self.backend
+            await self.worker.run(
+                lambda _abort: b.rebuild_context(
+                    n_ctx=changes.get("n_ctx"), type_k=changes.get("cache_type_k"), type_v=changes.get("cache_type_v")
+                )
+            )
+            log.info("T2: context rebuilt in %.0f ms: %s", (time.perf_counter() - t0) * 1000.0, changes)
+
+    # ---- prompts -----------------------------------------------------------------------
+
+    async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
+        """Chat template (or plain prompt) -> tokens, refusing prompts that cannot fit."""
+        info = self.backend.info
+        bos = self.backend.token_text(info.bos) if info.bos >= 0 else ""
+        eos = self.backend.token_text(info.eos) if info.eos >= 0 else ""
+        text, _is_chat = render_prompt(request, info.chat_template, bos_token=bos, eos_token=eos)
+        tokens = await self.worker.run(lambda _abort: self.backend.tokenize(text, add_special=True))
+        if not tokens:
+            raise ProtocolError(ErrorCode.BAD_JSON, "prompt is empty", status=Status.BAD_REQUEST)
+        if len(tokens) >= self.n_ctx:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"prompt has {len(tokens)} tokens; the context holds {self.n_ctx}",
+                status=Status.BAD_REQUEST,
+            )
+        return tokens
+
+    # ---- prefill -----------------------------------------------------------------------
+
+    async def prefill(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        n_keep: int,
+        *,
+        sampler: Sampler | None = None,
+        want_logits: bool = False,
+    ) -> tuple[int | None, bytes | None]:
+        """Keep the slot's first ``n_keep`` positions and evaluate ``tokens[n_keep:]`` in
+        chunks, each one cancellable GPU-worker call (abort flag stops a running chunk).
+
+        Returns the token sampled from the last position (with ``sampler``) and its logits
+        (with ``want_logits``).
+        """
+        backend = self.backend
+        rest = list(tokens[n_keep:])
+        if not rest:
+            raise ValueError("prefill needs at least one token to evaluate")
+        step = backend.n_batch
+        chunks = [rest[i : i + step] for i in range(0, len(rest), step)]
+        result: tuple[int | None, bytes | None] = (None, None)
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+
+            def call(abort: threading.Event, chunk: list[int] = chunk, first: bool = i == 0, last: bool = last) -> tuple[int | None, bytes | None]:
+                if first:
+                    backend.truncate_slot(slot, n_keep)
+                return backend.eval_chunk(
+                    slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
+                )
+
+            try:
+                result = await self.worker.run(call)
+            except DecodeAborted:
+                await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
+                raise
+            except NoKvSpace:
+                raise ProtocolError(
+                    ErrorCode.INTERNAL,
+                    f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}; "
+                    f"{self.n_ctx} cells are shared by all slots",
+                ) from None
+            self.prompt_tokens_processed += len(chunk)
+        return result
+
+    # ---- generation steps (batched) ----------------------------------------------------
+
+    async def step(self, slot: int, token: int, sampler: Sampler) -> int | None:
+        """Evaluate ``token`` in ``slot`` and sample the next one; None at the context end."""
+        job = _StepJob(slot, token, sampler)
+        await self._step_send.send(job)
+        try:
+            await job.done.wait()
+        except trio.Cancelled:
+            # If the batcher has not taken the job yet it skips it; if it has, the step is
+            # finishing and we wait for it, so nothing runs for this request after we return.
+            job.cancelled = True
+            with trio.CancelScope(shield=True):
+                await job.done.wait()
+            raise
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    async def _batcher(self) -> None:
+        pending: list[_StepJob] = []
+        try:
+            while True:
+                pending = [await self._step_recv.receive()]
+                # Let the other generating requests hand in their step so they share the
+                # batch: they were woken together by the last batch and need one tick.
+                for _ in range(3):
+                    while True:
+                        try:
+                            pending.append(self._step_recv.receive_nowait())
+                        except trio.WouldBlock:
+                            break
+                    if len(pending) >= self._generating:
+                        break
+                    await trio.lowlevel.checkpoint()
+                jobs = []
+                for job in pending:
+                    if job.cancelled:
+                        job.done.set()
+                    else:
+                        jobs.append(job)
+                if not jobs:
+                    continue
+                reqs = [StepRequest(j.slot, j.token, j.sampler) for j in jobs]
+                try:
+                    with trio.CancelScope(shield=True):  # finish the batch even on shutdown
+                        results = await self.worker.run(lambda _abort: self.backend.step(reqs))
+                except Exception as exc:  # a failed batch fails its requests, not the engine
+                    log.exception("generation step failed")
+                    for job in jobs:
+                        job.error = exc
+                else:
+                    for job, res in zip(jobs, results, strict=True):
+                        job.result = res
+                    self.batches += 1
+                    self.batch_tokens += len(jobs)
+                for job in jobs:
+                    job.done.set()
+                pending = []
+        finally:
+            for job in pending:
+                job.done.set()
+            while True:
+                try:
+                    self._step_recv.receive_nowait().done.set()
+                except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
+                    break
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        slot: int,
+        prompt_tokens: Sequence[int],
+        params: GenerationParams,
+        emit: Emit,
+        *,
+        logits: bytes | memoryview | None = None,
+        result: GenerationResult | None = None,
+    ) -> GenerationResult:
+        """Prefill what the slot lacks of the prompt, then sample until a stop condition.
+
+        ``result`` is filled in as generation goes (callers read it even if cancelled).
+        With ``logits`` (from a restored blob) and a prompt the slot already holds in full,
+        the first token is sampled from them without recomputing anything.
+        """
+        res = result if result is not None else GenerationResult()
+        res.prompt_tokens = len(prompt_tokens)
+        backend = self.backend
+        sampler = Sampler(params.sampling)  # pure CPU object, touches no context state
+        assembler = TextAssembler(params.stop)
+        t_start = time.perf_counter()
+        try:
+            cached = backend.seq_tokens[slot]
+            n_common = common_prefix_len(cached, prompt_tokens)
+            if logits is not None and n_common == len(prompt_tokens) == len(cached):
+                token: int | None = await self.worker.run(lambda _abort: backend.sample_from_logits(sampler, logits))
+                res.logits_reused = True
+            else:
+                if n_common == len(prompt_tokens):
+                    n_common -= 1  # re-evaluate the last prompt token for its logits
+                res.n_prompt_processed = len(prompt_tokens) - n_common
+                token, _ = await self.prefill(slot, prompt_tokens, n_common, sampler=sampler)
+            res.n_common = n_common
+            t_first = time.perf_counter()
+            res.prompt_ms = (t_first - t_start) * 1000.0
+            res.ttft_ms = res.prompt_ms
+            self._generating += 1
+            try:
+                while True:
+                    if token is None:
+                        res.stop_type = "context"
+                        break
+                    if backend.is_eog(token):
+                        res.stop_type = "eos"
+                        break
+                    res.tokens.append(token)
+                    res.completion_tokens += 1
+                    self.tokens_generated += 1
+                    delta = assembler.push(backend.token_bytes(token))
+                    if delta:
+                        res.text += delta
+                        await emit(delta)
+                    if assembler.stopped_by is not None:
+                        res.stop_type = "word"
+                        res.stopping_word = assembler.stopped_by
+                        break
+                    if res.completion_tokens >= params.n_predict:
+                        res.stop_type = "limit"
+                        break
+                    token = await self.step(slot, token, sampler)
+                res.decode_ms = (time.perf_counter() - t_first) * 1000.0
+            finally:
+                self._generating -= 1
+            tail = assembler.finish()
+            if tail:
+                res.text += tail
+                await emit(tail)
+            return res
+        finally:
+            sampler.close()
+
+    # ---- state transfer ----------------------------------------------------------------
+
+    async def state_get(self, slot: int, *, logits: bytes | None = None) -> tuple[bytes, bytearray, int]:
+        """(blob head, llama state, n_past) of the slot; the blob is head + state (+ logits)."""
+
+        def call(_abort: threading.Event) -> tuple[bytearray, list[int]]:
+            return self.backend.state_get(slot)
+
+        state, tokens = await self.worker.run(call)
+        return encode_blob_head(len(tokens), tokens), state, len(tokens)
+
+    async def state_restore(self, slot: int, blob: KvBlob) -> bytes | memoryview | None:
+        """Restore a parsed v2 blob into the slot, all-or-nothing. Returns trailing logits."""
+        if blob.checkpoint is not None and not self.backend.info.recurrent:
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME,
+                "kv blob carries a recurrent-state checkpoint; the resident model is not recurrent",
+            )
+        if blob.n_past >= self.n_ctx:
+            raise ProtocolError(
+                ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; the context holds {self.n_ctx}"
+            )
+        n_vocab = self.n_vocab
+
+        def call(abort: threading.Event) -> bytes | memoryview | None:
+            tail = self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort)
+            try:
+                return split_trailing_logits(tail, n_vocab)
+            except ProtocolError:
+                self.backend.clear_slot(slot)  # the blob was not what it claimed: leave no half
+                raise
+
+        try:
+            return await self.worker.run(call)
+        except DecodeAborted:
+            await trio.lowlevel.checkpoint()
+            raise
+
+    async def clear_slot(self, slot: int) -> None:
+        await self.worker.run(lambda _abort: self.backend.clear_slot(slot))
+
+    def n_past(self, slot: int) -> int:
+        return self.backend.n_past(slot)
+
+    def state_size(self, slot: int) -> int:
+        """Exact serialized size without a GPU-worker call (STATE_META must stay cheap)."""
+        return self.backend.state_size_for(self.n_past(slot))
+
+    def slot_claim(self, slot_id: int, owner: str) -> Slot:
+        return self.slots.claim(slot_id, owner)
+
+    def release(self, slot: Slot) -> None:
+        self.slots.release(slot)
+
+    async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str, timeout_s: float) -> Slot:
+        """A free slot, preferring the one whose KV shares the longest prefix with the prompt."""
+        tokens = self.backend.seq_tokens
+        return await self.slots.claim_any(owner, lambda i: common_prefix_len(tokens[i], prompt_tokens), timeout_s)

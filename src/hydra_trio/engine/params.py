@@ -1,0 +1,88 @@
+"""Generation parameters from a request object (OpenAI names and llama.cpp names)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..wire.errors import ErrorCode, ProtocolError, Status
+from .backend import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+
+
+def bad_param(message: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_JSON, message, status=Status.BAD_REQUEST)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    n_predict: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = field(default=())
+    stream: bool = False
+
+
+def _number(req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float) -> float:
+    for name in names:
+        if name in req and req[name] is not None:
+            v = req[name]
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise bad_param(f"{name} must be a number")
+            if not lo <= v <= hi:
+                raise bad_param(f"{name} must be between {lo} and {hi}, got {v}")
+            return float(v)
+    return default
+
+
+def _integer(req: dict[str, Any], names: tuple[str, ...], default: int, lo: int, hi: int) -> int:
+    for name in names:
+        if name in req and req[name] is not None:
+            v = req[name]
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad_param(f"{name} must be an integer")
+            if not lo <= v <= hi:
+                raise bad_param(f"{name} must be between {lo} and {hi}, got {v}")
+            return v
+    return default
+
+
+def parse_generation(req: dict[str, Any], *, default_n_predict: int, n_ctx: int) -> GenerationParams:
+    """Validate and collect generation settings. ``req`` keys win over ``req["sampling"]``."""
+    sampling = req.get("sampling")
+    if sampling is None:
+        sampling = {}
+    if not isinstance(sampling, dict):
+        raise bad_param("sampling must be an object")
+    merged = {**sampling, **{k: v for k, v in req.items() if k != "sampling"}}
+
+    n_predict = _integer(merged, ("max_completion_tokens", "max_tokens", "n_predict"), default_n_predict, -1, 1 << 30)
+    if n_predict < 0 or n_predict > n_ctx:  # -1 = until the context ends
+        n_predict = n_ctx
+    seed = _integer(merged, ("seed",), 0xFFFFFFFF, -(1 << 63), (1 << 64) - 1)
+    params = SamplingParams(
+        temperature=_number(merged, ("temperature", "temp"), 0.0, 0.0, 100.0),
+        top_k=_integer(merged, ("top_k",), 40, 0, 1 << 20),
+        top_p=_number(merged, ("top_p",), 0.95, 0.0, 1.0),
+        min_p=_number(merged, ("min_p",), 0.05, 0.0, 1.0),
+        repeat_penalty=_number(merged, ("repeat_penalty", "penalty_repeat"), 1.0, 0.0, 100.0),
+        repeat_last_n=_integer(merged, ("repeat_last_n", "penalty_last_n"), 64, 0, 1 << 20),
+        seed=seed & 0xFFFFFFFF,
+    )
+    stop_raw = merged.get("stop")
+    if stop_raw is None:
+        stop: tuple[str, ...] = ()
+    elif isinstance(stop_raw, str):
+        stop = (stop_raw,) if stop_raw else ()
+    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
+        stop = tuple(s for s in stop_raw if s)
+    else:
+        raise bad_param("stop must be a string or an array of strings")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stop):
+        raise bad_param(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
+    stream = merged.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_param("stream must be a boolean")
+    return GenerationParams(n_predict=n_predict, sampling=params, stop=stop, stream=stream)

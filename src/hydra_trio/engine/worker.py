@@ -1,0 +1,62 @@
+"""The one GPU worker: every llama.cpp call runs here, one at a time, off the trio thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+
+class GpuWorker:
+    """Serialises llama.cpp calls through ``trio.to_thread.run_sync`` with a CapacityLimiter(1).
+
+    Waiting for the worker is cancellable (the call never starts). Once a call runs, the
+    thread cannot be abandoned (llama.cpp state would race), so cancellation instead raises
+    an abort flag the call polls: llama_decode stops within milliseconds through the abort
+    callback, and other calls check the flag before committing their effect.
+    """
+
+    def __init__(self) -> None:
+        self.limiter = trio.CapacityLimiter(1)
+        self.busy_s = 0.0  # total seconds the worker spent in calls (utilisation metric)
+        self.calls = 0
+
+    async def run(self, fn: Callable[[threading.Event], T]) -> T:
+        """Run ``fn(abort)`` on the worker; ``abort`` is set if the caller is cancelled."""
+        abort = threading.Event()
+
+        def timed() -> T:
+            if abort.is_set():  # cancelled after the limiter was granted but before we ran
+                raise _AbortedBeforeStart
+            start = time.perf_counter()
+            try:
+                return fn(abort)
+            finally:
+                self.busy_s += time.perf_counter() - start
+                self.calls += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_raise_flag_on_cancel, abort)
+            try:
+                return await trio.to_thread.run_sync(timed, limiter=self.limiter)
+            except _AbortedBeforeStart:
+                await trio.lowlevel.checkpoint()  # delivers the pending Cancelled
+                raise RuntimeError("GPU call aborted without cancellation") from None
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+class _AbortedBeforeStart(Exception):
+    pass
+
+
+async def _raise_flag_on_cancel(flag: threading.Event) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        flag.set()

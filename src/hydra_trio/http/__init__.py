@@ -1,0 +1,1 @@
+"""HTTP API (Quart-Trio on Hypercorn)."""

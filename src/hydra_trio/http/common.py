@@ -1,0 +1,95 @@
+"""Helpers shared by the route modules: app state, JSON responses, error mapping."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from quart import Response, current_app, request
+from werkzeug.exceptions import HTTPException
+
+from ..wire.errors import ProtocolError, Status
+from .sse import error_body
+
+if TYPE_CHECKING:
+    from ..app import AppState
+    from ..engine.engine import Engine
+
+_HTTP_STATUS = {
+    Status.BAD_REQUEST: 400,
+    Status.NOT_FOUND: 404,
+    Status.BUSY: 503,
+    Status.NOT_IMPLEMENTED: 501,
+    Status.ERROR: 500,
+}
+
+
+def app_state() -> AppState:
+    return current_app.config["HYDRA_STATE"]
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return Response(body, status=status, content_type="application/json", headers=headers)
+
+
+class EngineStarting(Exception):
+    pass
+
+
+def require_engine() -> Engine:
+    engine = app_state().engine
+    if engine is None:
+        raise EngineStarting
+    return engine
+
+
+async def read_json_body(max_bytes: int) -> dict[str, Any]:
+    data = await request.get_data(cache=False, as_text=False)
+    if len(data) > max_bytes:
+        raise HttpError(413, f"body is {len(data)} bytes; the limit is {max_bytes}", "invalid_request_error")
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HttpError(400, f"invalid JSON body: {exc}", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "JSON body must be an object", "invalid_request_error")
+    return body
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.headers = headers
+        self.extra = extra
+
+
+def register_error_handlers(app: Any) -> None:
+    @app.errorhandler(ProtocolError)
+    async def _protocol_error(err: ProtocolError) -> Response:
+        status = _HTTP_STATUS.get(err.status, 500)
+        if err.status == Status.BAD_REQUEST and err.code.value == "TOO_LARGE":
+            status = 413
+        kind = "invalid_request_error" if status in (400, 404, 413) else "server_error"
+        return json_response(error_body(status, err.message, kind, error_code=str(err.code), **err.extra), status)
+
+    @app.errorhandler(HttpError)
+    async def _http_error(err: HttpError) -> Response:
+        return json_response(error_body(err.status, err.message, err.kind, **err.extra), err.status, err.headers)
+
+    @app.errorhandler(EngineStarting)
+    async def _starting(_err: EngineStarting) -> Response:
+        return json_response(error_body(503, "model is loading", "unavailable_error"), 503, {"Retry-After": "1"})
+
+    @app.errorhandler(HTTPException)
+    async def _werkzeug(err: HTTPException) -> Response:
+        code = err.code or 500
+        return json_response(error_body(code, err.description or err.name, "invalid_request_error"), code)
+
+    @app.errorhandler(Exception)
+    async def _internal(err: Exception) -> Response:
+        app_state().log.exception("unhandled error in %s %s", request.method, request.path, exc_info=err)
+        return json_response(error_body(500, f"internal error: {type(err).__name__}", "server_error"), 500)

@@ -1,0 +1,62 @@
+"""Builds the Quart-Trio app and serves it with Hypercorn inside the caller's nursery."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from .common import register_error_handlers
+from .openai import bp as openai_bp
+
+if TYPE_CHECKING:
+    from ..app import AppState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(state: AppState) -> QuartTrio:
+    app = QuartTrio("hydra_trio")
+    app.config["HYDRA_STATE"] = state
+    # Streams (SSE) may run far longer than Quart's 60 s default; bodies may be KV blobs.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = 600
+    app.config["MAX_CONTENT_LENGTH"] = max(state.settings.max_kv_bytes, state.settings.max_json_bytes) + (1 << 20)
+    app.register_blueprint(openai_bp)
+    for bp in state.extra_blueprints:
+        app.register_blueprint(bp)
+    register_error_handlers(app)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), status=200, content_type="text/plain; version=0.0.4")
+
+    @app.after_request
+    async def count(response: Response) -> Response:
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        state.metrics.http_requests.labels(rule, str(response.status_code)).inc()
+        return response
+
+    return app
+
+
+async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    config = Config()
+    config.bind = [f"{state.settings.host}:{state.settings.port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 2.0
+    config.keep_alive_timeout = 120
+    app = create_app(state)
+
+    class _Status:
+        def started(self, binds: list[str]) -> None:
+            port = int(binds[0].rsplit(":", 1)[1])
+            task_status.started(port)
+
+    await serve(app, config, task_status=_Status(), mode="asgi")  # type: ignore[arg-type]

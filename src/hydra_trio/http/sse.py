@@ -1,0 +1,59 @@
+"""Server-sent events and OpenAI response shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def wants_sse(accept: str | None) -> bool:
+    return "text/event-stream" in (accept or "").lower()
+
+
+def error_body(status: int, message: str, kind: str, **extra: Any) -> dict[str, Any]:
+    return {"error": {"code": status, "message": message, "type": kind}, **extra}
+
+
+def completion_chunk(cid: str, created: int, model: str, *, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        **extra,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def timings(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float, cached_n: int) -> dict[str, Any]:
+    return {
+        "cache_n": cached_n,
+        "prompt_n": prompt_n,
+        "prompt_ms": round(prompt_ms, 3),
+        "prompt_per_second": round(prompt_n / (prompt_ms / 1000.0), 3) if prompt_ms > 0 else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": round(predicted_ms, 3),
+        "predicted_per_second": round((predicted_n - 1) / (predicted_ms / 1000.0), 3)
+        if predicted_ms > 0 and predicted_n > 1
+        else 0.0,
+    }
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,641 @@
+"""Model identity from a GGUF file (spec §5) and the DECODE identity gate (spec §4.2).
+
+Why not ``gguf.GGUFReader``: it parses every metadata array element into its own numpy view,
+so a Qwen-sized vocabulary (152k tokens + 150k merges + scores + types) takes ~8 s before the
+first key can be read. Identity only needs the key/value section, so this module walks that
+section itself (memory-mapped, with the ``gguf`` package's type codes and enums): scalar arrays
+are skipped in O(1), string arrays with one length read per element, and tensor data is never
+touched. ``tests/test_identity.py`` cross-checks the parsed values against ``GGUFReader``.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import xxhash
+
+__all__ = [
+    "CAPABILITY_NAMES",
+    "CAP_CODE",
+    "CAP_MTP",
+    "CAP_REASONING",
+    "CAP_TOOL_USE",
+    "CAP_VISION",
+    "REJECTING_CAPABILITIES",
+    "IdentityMatch",
+    "ModelIdentity",
+    "capabilities_from_metadata",
+    "capability_names",
+    "compare_identity",
+    "read_identity",
+    "split_words",
+]
+
+CAP_MTP = 0x01
+CAP_VISION = 0x02
+CAP_REASONING = 0x04
+CAP_TOOL_USE = 0x08
+CAP_CODE = 0x10
+
+CAPABILITY_NAMES: dict[int, str] = {
+    CAP_MTP: "MTP",
+    CAP_VISION: "VISION",
+    CAP_REASONING: "REASONING",
+    CAP_TOOL_USE: "TOOL_USE",
+    CAP_CODE: "CODE",
+}
+
+# A KV cache built with/without these cannot be decoded by the other model (spec §4.2).
+REJECTING_CAPABILITIES = CAP_MTP | CAP_VISION
+
+_U32_MAX = 0xFFFFFFFF
+
+
+def capability_names(bits: int) -> list[str]:
+    """Names of the set bits, lowest first; bits without a name come out as ``BIT<n>``."""
+    if not isinstance(bits, int) or bits <= 0:
+        return []
+    names: list[str] = []
+    i = 0
+    while bits >> i:
+        bit = 1 << i
+        if bits & bit:
+            names.append(CAPABILITY_NAMES.get(bit, f"BIT{i}"))
+        i += 1
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# Identity
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    model_alias: str
+    model_path: str
+    tokenizer: str
+    tokenizer_hash: str
+    model_name: str
+    model_quant: str
+    model_capabilities: int
+    architecture: str
+
+    def fields(self) -> dict[str, Any]:
+        """The six identity fields of spec §2 (STATE_* / PREFILL meta, INFO, hydra_metrics)."""
+        return {
+            "model_alias": self.model_alias,
+            "model_path": self.model_path,
+            "tokenizer": self.tokenizer,
+            "model_name": self.model_name,
+            "model_quant": self.model_quant,
+            "model_capabilities": self.model_capabilities,
+        }
+
+    def info_fields(self) -> dict[str, Any]:
+        """Identity fields plus the INFO-only extras (ours)."""
+        out = self.fields()
+        out["tokenizer_hash"] = self.tokenizer_hash
+        out["model_capabilities_names"] = capability_names(self.model_capabilities)
+        return out
+
+
+def read_identity(
+    path: str | os.PathLike[str], *, alias: str | None = None, vision_projector: bool = False
+) -> ModelIdentity:
+    """Read a GGUF file's identity (spec §5) from its metadata only.
+
+    ``alias`` is ``--alias`` (default: the file stem); ``vision_projector`` says a projector
+    (mmproj) is loaded next to the model, which sets VISION. Raises ``OSError`` when the file
+    cannot be opened and ``ValueError`` when it is not a readable GGUF file.
+    """
+    model_path = os.fspath(path)
+    stem = Path(model_path).stem
+    try:
+        with open(model_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            meta = _GGUFMeta(mm)
+            tokenizer_hash = _tokenizer_hash(meta)
+            quant = _model_quant(meta)
+            tags = meta.get_str_list("general.tags") or []
+    except OSError:
+        raise
+    except (ValueError, struct.error, OverflowError, MemoryError) as e:
+        # mmap of an empty file, bad magic, truncation: one error type for callers.
+        raise ValueError(f"{model_path}: not a readable GGUF file: {e}") from e
+
+    general_name = meta.get_str("general.name")
+    base_name = meta.get_str("general.base_model.0.name")
+    model_name = base_name or general_name or stem
+
+    tok_model = meta.get_str("tokenizer.ggml.model") or "none"  # llama.cpp's "no vocab" spelling
+    tok_pre = meta.get_str("tokenizer.ggml.pre")
+    tokenizer = f"{tok_model}/{tok_pre}" if tok_pre else tok_model
+
+    # The stem is only a display name when the file carries none.
+    display_names = [n for n in (general_name, base_name) if n] or [stem]
+    caps = capabilities_from_metadata(
+        meta.scalars,
+        tags=tags,
+        display_names=display_names,
+        vision_projector=vision_projector,
+    )
+    return ModelIdentity(
+        model_alias=alias or stem,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        tokenizer_hash=tokenizer_hash,
+        model_name=model_name,
+        model_quant=quant,
+        model_capabilities=caps,
+        architecture=meta.get_str("general.architecture") or "unknown",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Capabilities
+
+_TOOL_TAGS = frozenset({"tool", "tools", "tool-use", "function-calling"})
+_CODE_TAGS = frozenset({"code", "coding", "coder", "codes"})
+_TOOL_WORDS = frozenset({"tool", "tools", "tooluse", "functioncalling"})
+_CODE_WORDS = frozenset({"code", "coding", "coder", "codes"})
+_TOOL_PHRASES = (("function", "calling"),)  # "function calling", "FunctionCalling", ...
+_TAG_SEPARATORS = re.compile(r"[\s_\-]+")
+_NON_WORD = re.compile(r"[\W_]+")  # anything but letters and digits separates words
+
+
+def split_words(text: str) -> list[str]:
+    """Split a display name into words (original case).
+
+    Words are runs of letters/digits; inside a run, a lower→upper change, a letter↔digit
+    change, and the last capital of a capital run followed by a lowercase letter
+    ("HTMLParser" → HTML, Parser) are boundaries too. "Qwen2.5-Coder-7B" → Qwen, 2, 5, Coder,
+    7, B; "CodeLlama" → Code, Llama; "Decoder" stays one word.
+    """
+    words: list[str] = []
+    for chunk in _NON_WORD.split(text):
+        if not chunk:
+            continue
+        kinds = [_char_kind(ch) for ch in chunk]
+        start = 0
+        for i in range(1, len(chunk)):
+            prev, cur = kinds[i - 1], kinds[i]
+            if (
+                (prev == "d") != (cur == "d")
+                or (prev == "l" and cur == "u")
+                or (prev == "u" and cur == "u" and i + 1 < len(chunk) and kinds[i + 1] == "l")
+            ):
+                words.append(chunk[start:i])
+                start = i
+        words.append(chunk[start:])
+    return words
+
+
+def _char_kind(ch: str) -> str:
+    if ch.isupper():
+        return "u"
+    if ch.isalpha():
+        return "l"  # lowercase, and caseless letters (CJK, ...) behave like lowercase
+    return "d"  # digits and other numeric characters
+
+
+def _name_has(
+    words: list[str], singles: frozenset[str], phrases: Iterable[tuple[str, ...]]
+) -> bool:
+    if any(w in singles for w in words):
+        return True
+    for phrase in phrases:
+        n = len(phrase)
+        if any(tuple(words[i : i + n]) == phrase for i in range(len(words) - n + 1)):
+            return True
+    return False
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, _Array):
+        return value.count > 0
+    return bool(value)
+
+
+def capabilities_from_metadata(
+    kv: Mapping[str, Any],
+    *,
+    tags: Iterable[str],
+    display_names: Iterable[str],
+    vision_projector: bool = False,
+) -> int:
+    """Capability bits (spec §5) from GGUF metadata values, tags and display names.
+
+    VISION rules (the spec only says "declares vision keys"): a projector is loaded; or
+    ``general.architecture`` is ``clip``/``mmproj`` (an mmproj file) unless
+    ``clip.has_vision_encoder`` is explicitly false (audio-only projector); or a key has a
+    non-final dotted segment ``vision`` (``clip.vision.*``, ``<arch>.vision.*``); or a key with
+    a segment ``vision``, starting with ``has_vision`` or containing ``mmproj`` holds a
+    true/non-zero/non-empty value (``clip.has_vision_encoder = true``).
+    """
+    caps = 0
+    for key, value in kv.items():
+        parts = key.split(".")
+        last = parts[-1]
+        if (
+            last == "nextn_predict_layers"
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value > 0
+        ):
+            caps |= CAP_MTP
+        if "vision" in parts[:-1] or (
+            any(p == "vision" or p.startswith("has_vision") or "mmproj" in p for p in parts)
+            and _truthy(value)
+        ):
+            caps |= CAP_VISION
+    arch = kv.get("general.architecture")
+    if (
+        isinstance(arch, str)
+        and arch.casefold() in ("clip", "mmproj")
+        and kv.get("clip.has_vision_encoder") is not False
+    ):
+        caps |= CAP_VISION
+    if vision_projector:
+        caps |= CAP_VISION
+
+    # Tags: separators are equivalent ("tool_use" == "tool-use" == "tool use").
+    norm_tags = [_TAG_SEPARATORS.sub("-", t.strip().casefold()) for t in tags if isinstance(t, str)]
+    if any("reasoning" in t for t in norm_tags):
+        caps |= CAP_REASONING
+    if any(t in _TOOL_TAGS for t in norm_tags):
+        caps |= CAP_TOOL_USE
+    if any(t in _CODE_TAGS for t in norm_tags):
+        caps |= CAP_CODE
+
+    for name in display_names:
+        words = [w.casefold() for w in split_words(name)]
+        if _name_has(words, _TOOL_WORDS, _TOOL_PHRASES):
+            caps |= CAP_TOOL_USE
+        if _name_has(words, _CODE_WORDS, ()):
+            caps |= CAP_CODE
+    return caps
+
+
+# --------------------------------------------------------------------------------------------
+# Identity gate (spec §4.2)
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityMatch:
+    tokenizer_match: bool
+    tokenizer_hash_match: bool | None  # None: the KV side sent no tokenizer_hash
+    model_name_match: bool
+    model_quant_match: bool
+    model_capabilities_match: bool
+    model_alias_match: bool
+    capabilities_xor: int
+    capabilities_diff_bits: tuple[str, ...]
+    accepted: bool
+    reason: str  # every failing check, "; "-separated; "" when accepted
+
+    def as_meta(self) -> dict[str, Any]:
+        """The ``match`` object of DECODE replies."""
+        return {
+            "tokenizer_match": self.tokenizer_match,
+            "tokenizer_hash_match": self.tokenizer_hash_match,
+            "model_name_match": self.model_name_match,
+            "model_quant_match": self.model_quant_match,
+            "model_capabilities_match": self.model_capabilities_match,
+            "model_alias_match": self.model_alias_match,
+            "capabilities_xor": self.capabilities_xor,
+            "capabilities_diff_bits": list(self.capabilities_diff_bits),
+        }
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr() cut to ``limit`` characters: reasons quote coordinator input, which may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _kv_str(kv: Mapping[Any, Any], key: str) -> tuple[str | None, str]:
+    """(value, problem): value when ``kv[key]`` is a string, else a description of what it is."""
+    if key not in kv:
+        return None, f"kv_metadata.{key} missing"
+    value = kv[key]
+    if value is None:
+        return None, f"kv_metadata.{key} is null"
+    if not isinstance(value, str):
+        return None, f"kv_metadata.{key} is not a string ({type(value).__name__})"
+    return value, ""
+
+
+def compare_identity(
+    resident: ModelIdentity, kv_meta: Mapping[str, Any] | None, *, header_model: str | None
+) -> IdentityMatch:
+    """Check a DECODE's ``kv_metadata`` (+ header ``model``) against the resident model.
+
+    Never raises: ``kv_meta`` comes from a coordinator's JSON and may hold anything.
+    """
+    reasons: list[str] = []
+    kv: Mapping[Any, Any]
+    if isinstance(kv_meta, Mapping):
+        kv = kv_meta
+    else:
+        kv = {}
+        reasons.append(f"kv_metadata is not an object ({type(kv_meta).__name__})")
+    alias = resident.model_alias
+
+    tok, problem = _kv_str(kv, "tokenizer")
+    tokenizer_match = tok == resident.tokenizer
+    if problem:
+        reasons.append(problem)
+    elif not tokenizer_match:
+        reasons.append(f"tokenizer mismatch: kv {_short(tok)}, resident {resident.tokenizer!r}")
+
+    # The hash is ours: checked only when the KV side sent one (null counts as not sent).
+    tokenizer_hash_match: bool | None = None
+    if kv.get("tokenizer_hash") is not None:
+        kv_hash = kv["tokenizer_hash"]
+        tokenizer_hash_match = isinstance(kv_hash, str) and kv_hash == resident.tokenizer_hash
+        if not tokenizer_hash_match:
+            reasons.append(
+                f"tokenizer_hash mismatch: kv {_short(kv_hash)}, "
+                f"resident {resident.tokenizer_hash!r}"
+            )
+
+    kv_alias = kv.get("model_alias")
+    model_alias_match = (isinstance(kv_alias, str) and kv_alias == alias) or (
+        isinstance(header_model, str) and header_model == alias
+    )
+    name, name_problem = _kv_str(kv, "model_name")
+    model_name_match = name == resident.model_name or model_alias_match
+    if not model_name_match:
+        what = (
+            name_problem
+            or f"model_name mismatch: kv {_short(name)}, resident {resident.model_name!r}"
+        )
+        reasons.append(f"{what} (and neither kv model_alias nor header model is {alias!r})")
+
+    quant, _ = _kv_str(kv, "model_quant")
+    model_quant_match = quant == resident.model_quant  # reported only: mixed quant is allowed
+
+    raw_caps = kv.get("model_capabilities")
+    caps_note = ""
+    if isinstance(raw_caps, int) and not isinstance(raw_caps, bool) and 0 <= raw_caps <= _U32_MAX:
+        kv_caps = raw_caps
+    else:
+        kv_caps = 0
+        caps_note = (
+            "kv_metadata.model_capabilities missing, treated as 0"
+            if raw_caps is None
+            else f"kv_metadata.model_capabilities invalid ({_short(raw_caps, 40)}), treated as 0"
+        )
+    xor = (kv_caps ^ resident.model_capabilities) & _U32_MAX
+    diff_bits = tuple(capability_names(xor))
+    rejecting = xor & REJECTING_CAPABILITIES
+    if rejecting:
+        reasons.append(
+            f"capability mismatch on {', '.join(capability_names(rejecting))}: "
+            f"kv 0x{kv_caps:02x}, resident 0x{resident.model_capabilities:02x}"
+            + (f" ({caps_note})" if caps_note else "")
+        )
+
+    accepted = not reasons
+    return IdentityMatch(
+        tokenizer_match=tokenizer_match,
+        tokenizer_hash_match=tokenizer_hash_match,
+        model_name_match=model_name_match,
+        model_quant_match=model_quant_match,
+        model_capabilities_match=xor == 0,
+        model_alias_match=model_alias_match,
+        capabilities_xor=xor,
+        capabilities_diff_bits=diff_bits,
+        accepted=accepted,
+        reason="; ".join(reasons),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF metadata reader
+
+_VT = gguf.GGUFValueType
+_SCALAR_FORMATS: dict[int, str] = {
+    _VT.UINT8: "B",
+    _VT.INT8: "b",
+    _VT.UINT16: "H",
+    _VT.INT16: "h",
+    _VT.UINT32: "I",
+    _VT.INT32: "i",
+    _VT.FLOAT32: "f",
+    _VT.BOOL: "?",
+    _VT.UINT64: "Q",
+    _VT.INT64: "q",
+    _VT.FLOAT64: "d",
+}
+_INT_TYPES = frozenset(
+    {_VT.UINT8, _VT.INT8, _VT.UINT16, _VT.INT16, _VT.UINT32, _VT.INT32, _VT.UINT64, _VT.INT64}
+)
+_SUPPORTED_VERSIONS = (2, 3)  # what gguf.GGUFReader reads
+
+
+@dataclass(frozen=True, slots=True)
+class _Array:
+    """An array value left in the file: element type, count and byte range of the elements."""
+
+    elem_type: int
+    count: int
+    start: int
+    end: int
+
+
+class _GGUFMeta:
+    """Key/value section of a memory-mapped GGUF file (no tensor data is read)."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm = mm
+        self.size = len(mm)
+        if self.size < 24 or struct.unpack_from("<I", mm, 0)[0] != gguf.GGUF_MAGIC:
+            raise ValueError("GGUF magic invalid")
+        # Files written on a big-endian host have every number swapped, the magic excepted.
+        for bo in ("<", ">"):
+            if struct.unpack_from(bo + "I", mm, 4)[0] in _SUPPORTED_VERSIONS:
+                break
+        else:
+            raise ValueError(f"unsupported GGUF version {struct.unpack_from('<I', mm, 4)[0]}")
+        self.bo = bo
+        self._u32 = struct.Struct(bo + "I")
+        self._u64 = struct.Struct(bo + "Q")
+        self.tensor_count, kv_count = struct.unpack_from(bo + "QQ", mm, 8)
+        self.scalars: dict[str, Any] = {}  # scalars and strings decoded; arrays as _Array
+        off = 24
+        for _ in range(kv_count):
+            key_bytes, off = self._read_bytes(off)
+            key = key_bytes.decode("utf-8", "replace")
+            vtype = self._u32.unpack_from(mm, off)[0]
+            value, off = self._read_value(vtype, off + 4)
+            if key in self.scalars:
+                raise ValueError(f"duplicate key {key!r}")  # as GGUFReader and llama.cpp
+            self.scalars[key] = value
+        self.tensor_info_offset = off
+
+    def _read_bytes(self, off: int) -> tuple[bytes, int]:
+        n = self._u64.unpack_from(self.mm, off)[0]
+        end = off + 8 + n
+        if end > self.size:
+            raise ValueError("truncated string")
+        return self.mm[off + 8 : end], end
+
+    def _read_value(self, vtype: int, off: int) -> tuple[Any, int]:
+        fmt = _SCALAR_FORMATS.get(vtype)
+        if fmt is not None:
+            size = struct.calcsize(fmt)
+            return struct.unpack_from(self.bo + fmt, self.mm, off)[0], off + size
+        if vtype == _VT.STRING:
+            raw, off = self._read_bytes(off)
+            return raw.decode("utf-8", "replace"), off
+        if vtype == _VT.ARRAY:
+            elem_type = self._u32.unpack_from(self.mm, off)[0]
+            count = self._u64.unpack_from(self.mm, off + 4)[0]
+            start = off + 12
+            end = self._skip_elements(elem_type, count, start)
+            return _Array(elem_type, count, start, end), end
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    def _skip_elements(self, elem_type: int, count: int, off: int) -> int:
+        """Offset just past ``count`` elements of ``elem_type`` starting at ``off``."""
+        fmt = _SCALAR_FORMATS.get(elem_type)
+        if fmt is not None:
+            end = off + count * struct.calcsize(fmt)
+        elif elem_type == _VT.STRING:
+            # The one per-element loop: a length read per string (tokens, merges).
+            unpack, mm, size = self._u64.unpack_from, self.mm, self.size
+            for _ in range(count):
+                off += 8 + unpack(mm, off)[0]
+                if off > size:
+                    break
+            end = off
+        elif elem_type == _VT.ARRAY:
+            for _ in range(count):
+                sub_type = self._u32.unpack_from(self.mm, off)[0]
+                sub_count = self._u64.unpack_from(self.mm, off + 4)[0]
+                off = self._skip_elements(sub_type, sub_count, off + 12)
+            end = off
+        else:
+            raise ValueError(f"unknown GGUF array element type {elem_type}")
+        if end > self.size:
+            raise ValueError("truncated array")
+        return end
+
+    # Typed accessors: a key holding another type reads as absent.
+
+    def get_str(self, key: str) -> str | None:
+        value = self.scalars.get(key)
+        return value if isinstance(value, str) else None
+
+    def get_int(self, key: str) -> int | None:
+        value = self.scalars.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def get_array(self, key: str, elem_types: Iterable[int]) -> _Array | None:
+        value = self.scalars.get(key)
+        if isinstance(value, _Array) and value.elem_type in set(elem_types):
+            return value
+        return None
+
+    def iter_raw_strings(self, arr: _Array) -> Iterable[bytes]:
+        off = arr.start
+        for _ in range(arr.count):
+            raw, off = self._read_bytes(off)
+            yield raw
+
+    def get_str_list(self, key: str) -> list[str] | None:
+        arr = self.get_array(key, (_VT.STRING,))
+        if arr is None:
+            return None
+        return [raw.decode("utf-8", "replace") for raw in self.iter_raw_strings(arr)]
+
+    def canonical_strings(self, arr: _Array) -> bytes:
+        """Elements as u64-LE-length-prefixed UTF-8: for a little-endian file, the raw bytes."""
+        if self.bo == "<":
+            return self.mm[arr.start : arr.end]
+        return b"".join(len(s).to_bytes(8, "little") + s for s in self.iter_raw_strings(arr))
+
+    def int_array(self, arr: _Array) -> np.ndarray:
+        dtype = np.dtype(_SCALAR_FORMATS[arr.elem_type]).newbyteorder(self.bo)
+        # Slice copies out of the mmap, so no buffer export outlives the map.
+        return np.frombuffer(self.mm[arr.start : arr.end], dtype=dtype, count=arr.count)
+
+    def tensor_types(self) -> list[tuple[int, int, int]]:
+        """(ggml type, n_dims, n_elements) of every tensor, from the tensor info section."""
+        out: list[tuple[int, int, int]] = []
+        off = self.tensor_info_offset
+        for _ in range(self.tensor_count):
+            _name, off = self._read_bytes(off)
+            n_dims = self._u32.unpack_from(self.mm, off)[0]
+            if n_dims > 8:
+                raise ValueError(f"tensor with {n_dims} dimensions")
+            dims = struct.unpack_from(f"{self.bo}{n_dims}Q", self.mm, off + 4)
+            off += 4 + 8 * n_dims
+            ggml_type = self._u32.unpack_from(self.mm, off)[0]
+            off += 4 + 8  # type, data offset
+            out.append((ggml_type, n_dims, math.prod(dims)))
+        return out
+
+
+def _tokenizer_hash(meta: _GGUFMeta) -> str:
+    """``xxh3:<16 hex>`` over token list, merges and token types (spec §5, ours).
+
+    Encoding (stable, unambiguous): a version tag; then per section its name, NUL, and either
+    0x00 (absent, or not an array of the right type) or 0x01 + u64-LE count + elements.
+    Strings are u64-LE byte length + UTF-8 bytes; token types are little-endian i32.
+    """
+    h = xxhash.xxh3_64()
+    h.update(b"hydra-trio/tokenizer-hash/v1\x00")
+    for label, key in (("tokens", "tokenizer.ggml.tokens"), ("merges", "tokenizer.ggml.merges")):
+        h.update(label.encode() + b"\x00")
+        arr = meta.get_array(key, (_VT.STRING,))
+        if arr is None:
+            h.update(b"\x00")
+            continue
+        h.update(b"\x01" + arr.count.to_bytes(8, "little"))
+        h.update(meta.canonical_strings(arr))
+    h.update(b"token_type\x00")
+    types = meta.get_array("tokenizer.ggml.token_type", _INT_TYPES)
+    if types is None:
+        h.update(b"\x00")
+    else:
+        h.update(b"\x01" + types.count.to_bytes(8, "little"))
+        h.update(meta.int_array(types).astype("<i4").tobytes())
+    return f"xxh3:{h.intdigest():016x}"
+
+
+def _file_type_name(value: int) -> str:
+    try:
+        name = gguf.LlamaFileType(value).name
+    except ValueError:
+        return f"unknown({value})"
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def _model_quant(meta: _GGUFMeta) -> str:
+    """Name of ``general.file_type``; without one (or GUESSED), the dominant weight type."""
+    file_type = meta.get_int("general.file_type")
+    if file_type is not None and file_type != gguf.LlamaFileType.GUESSED:
+        return _file_type_name(file_type)
+    # Most elements among ≥2-D tensors: 1-D norms stay F32 whatever the quantisation.
+    totals: dict[int, int] = {}
+    for ggml_type, n_dims, n_elements in meta.tensor_types():
+        if n_dims >= 2:
+            totals[ggml_type] = totals.get(ggml_type, 0) + n_elements
+    if not totals:
+        return "unknown"
+    dominant = max(totals, key=lambda t: (totals[t], -t))
+    try:
+        return gguf.GGMLQuantizationType(dominant).name
+    except ValueError:
+        return f"unknown(type {dominant})"

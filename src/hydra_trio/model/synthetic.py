@@ -1,0 +1,264 @@
+"""Write real llama-architecture GGUF files with random weights (tests, demos, benchmarks).
+
+No model can be downloaded where this project is built and tested, so it writes its own:
+llama.cpp loads them like any other GGUF, and greedy output is deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# Bump when the bytes a preset produces change, so cached demo models are rewritten.
+SYNTHETIC_FORMAT_VERSION = 1
+
+CHATML_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}"
+    "{%- for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+UNK_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+
+# Words whose every "▁"-prefix becomes a piece, so SPM merges can reach the whole word.
+_WORDS = (
+    "the of and to in is that it for you was on are with as be at this have from or one had by "
+    "not but what all were when we there can an your which their said if do will each about how "
+    "up out them then she many some so these would other into has more her two like him see time "
+    "could no make than first been its who now people my made over did down only way find use may "
+    "water long little very after words called just where most know get through back much before "
+    "go good new write our used me man too any day same right look think also around another came "
+    "come work three word must because does part even place well such here take why things help "
+    "put years different away again off went old number great tell men say small every found still "
+    "between name should home big give air line set own under read last never us left end along "
+    "while might next sound below saw something thought both few those always looked show large "
+    "often together asked house don world going want school important until form food keep "
+    "children feet land side without boy once animals life enough took sometimes four head above "
+    "kind began almost live page got earth need far hand high year mother light parts country "
+    "father let night following picture being study second eyes soon times story boys since white "
+    "days paper hard near sentence better best across during today others however sure means "
+    "knew whether hello world model token engine decode prefill slot cache server client stream "
+    "request response assistant user system tool function code reasoning"
+).split()
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx_train: int
+    file_type: gguf.LlamaFileType
+    name: str
+
+
+PRESETS: dict[str, Preset] = {
+    # ≈0.5 MB: unit tests, loads in milliseconds.
+    "tiny": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Tiny"),
+    # ≈33 M params: integration tests and the demo model.
+    "small": Preset(8192, 512, 8, 8, 4, 1376, 8192, gguf.LlamaFileType.MOSTLY_F16, "Hydra Synthetic Small"),
+    # ≈134 M params, 768 wide, 12 layers: compute and KV size of a real model of that shape.
+    "bench": Preset(32000, 768, 12, 12, 12, 2048, 8192, gguf.LlamaFileType.MOSTLY_F16, "Hydra Synthetic Bench"),
+}
+
+
+def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """SentencePiece-style vocabulary: control tokens, 256 byte tokens, then scored word pieces."""
+    tokens: list[str] = list(SPECIAL_TOKENS)
+    types = [gguf.TokenType.UNKNOWN, *([gguf.TokenType.CONTROL] * (len(SPECIAL_TOKENS) - 1))]
+    scores = [0.0] * len(SPECIAL_TOKENS)
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(gguf.TokenType.BYTE)
+        scores.append(0.0)
+    seen = set(tokens)
+    pieces: list[str] = []
+
+    def add(piece: str) -> None:
+        if piece not in seen:
+            seen.add(piece)
+            pieces.append(piece)
+
+    # Single characters first, so any ASCII text merges from known symbols.
+    add("▁")
+    for ch in string.ascii_letters + string.digits + string.punctuation:
+        add(ch)
+    for word in _WORDS:
+        w = "▁" + word
+        for i in range(2, len(w) + 1):
+            add(w[:i])
+    # Fill the rest deterministically with two- and three-letter pieces.
+    letters = string.ascii_lowercase
+    for a in letters:
+        for b in letters:
+            add(a + b)
+            add("▁" + a + b)
+    for a in letters:
+        for b in letters:
+            for c in letters:
+                add(a + b + c)
+                add("▁" + a + b + c)
+    room = n_vocab - len(tokens)
+    if room < 0:
+        raise ValueError(f"n_vocab {n_vocab} is below the {len(tokens)} fixed tokens")
+    pieces = pieces[:room]
+    k = 0
+    while len(pieces) < room:  # very large vocabularies: numbered filler pieces
+        add(f"▁tok{k}")
+        k += 1
+    for piece in pieces:
+        tokens.append(piece)
+        types.append(gguf.TokenType.NORMAL)
+        # SPM merges the highest-scoring bigram first: prefer longer pieces.
+        scores.append(float(len(piece)) - 100.0)
+    return tokens, scores, [int(t) for t in types]
+
+
+def _tensor(rng: np.random.Generator, shape: tuple[int, ...], dtype: type, std: float) -> np.ndarray:
+    return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
+
+
+def write_model(
+    path: str | os.PathLike[str],
+    preset: str = "tiny",
+    *,
+    seed: int = 0,
+    name: str | None = None,
+    base_model_name: str | None = None,
+    tags: Sequence[str] = (),
+    file_type: gguf.LlamaFileType | None = None,
+    tokenizer_pre: str | None = None,
+    extra_kv: Mapping[str, Any] | None = None,
+    chat_template: str | None = CHATML_TEMPLATE,
+    n_vocab: int | None = None,
+) -> Path:
+    """Write a llama GGUF with random weights and return its path.
+
+    ``file_type`` only changes the declared ``general.file_type`` label when it is not one of
+    F32/F16 (identity tests need e.g. a "Q4_K_M" label; the weights stay float).
+    ``extra_kv`` adds metadata keys verbatim (ints become u32, bools, floats f32, strings,
+    lists of strings), e.g. ``{"llama.nextn_predict_layers": 1}``.
+    """
+    spec = PRESETS[preset]
+    if n_vocab is not None:
+        spec = replace(spec, n_vocab=n_vocab)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    arch = "llama"
+    weight_dtype = np.float16 if spec.file_type == gguf.LlamaFileType.MOSTLY_F16 else np.float32
+    raw_type = gguf.GGMLQuantizationType.F16 if weight_dtype is np.float16 else gguf.GGMLQuantizationType.F32
+
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    writer.add_name(name or spec.name)
+    if base_model_name:
+        writer.add_uint32("general.base_model.count", 1)
+        writer.add_string("general.base_model.0.name", base_model_name)
+    if tags:
+        writer.add_array("general.tags", list(tags))
+    writer.add_file_type(int(file_type if file_type is not None else spec.file_type))
+    writer.add_context_length(spec.n_ctx_train)
+    writer.add_embedding_length(spec.n_embd)
+    writer.add_block_count(spec.n_layer)
+    writer.add_feed_forward_length(spec.n_ff)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(spec.n_head_kv)
+    writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(spec.n_vocab)
+
+    tokens, scores, types = build_vocab(spec.n_vocab)
+    writer.add_tokenizer_model("llama")
+    if tokenizer_pre:
+        writer.add_tokenizer_pre(tokenizer_pre)
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(IM_END_ID)  # the chat turn terminator ends generation
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    for key, value in (extra_kv or {}).items():
+        _add_kv(writer, key, value)
+
+    rng = np.random.default_rng(seed)
+    d, ff, v = spec.n_embd, spec.n_ff, spec.n_vocab
+    d_kv = d // spec.n_head * spec.n_head_kv
+    std = 0.02
+    # numpy shapes are (rows, cols) = ggml's (ne1, ne0): output features first.
+    writer.add_tensor("token_embd.weight", _tensor(rng, (v, d), weight_dtype, 1.0), raw_dtype=raw_type)
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(d, dtype=np.float32))
+        writer.add_tensor(p + "attn_q.weight", _tensor(rng, (d, d), weight_dtype, std), raw_dtype=raw_type)
+        writer.add_tensor(p + "attn_k.weight", _tensor(rng, (d_kv, d), weight_dtype, std), raw_dtype=raw_type)
+        writer.add_tensor(p + "attn_v.weight", _tensor(rng, (d_kv, d), weight_dtype, std), raw_dtype=raw_type)
+        writer.add_tensor(p + "attn_output.weight", _tensor(rng, (d, d), weight_dtype, std), raw_dtype=raw_type)
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(d, dtype=np.float32))
+        writer.add_tensor(p + "ffn_gate.weight", _tensor(rng, (ff, d), weight_dtype, std), raw_dtype=raw_type)
+        writer.add_tensor(p + "ffn_up.weight", _tensor(rng, (ff, d), weight_dtype, std), raw_dtype=raw_type)
+        writer.add_tensor(p + "ffn_down.weight", _tensor(rng, (d, ff), weight_dtype, std), raw_dtype=raw_type)
+    writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
+    # A larger output scale gives peaked, varied logits instead of near-uniform noise.
+    writer.add_tensor("output.weight", _tensor(rng, (v, d), weight_dtype, 0.5), raw_dtype=raw_type)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(out)  # atomic: a concurrent reader never sees a half-written model
+    return out
+
+
+def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list | tuple):
+        writer.add_array(key, list(value))
+    else:
+        raise TypeError(f"unsupported metadata value for {key!r}: {type(value).__name__}")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hydra-trio" / "models"
+
+
+def cached_model(preset: str = "small", *, seed: int = 0) -> tuple[Path, bool]:
+    """Path of the synthetic model in the user cache, writing it first if missing.
+
+    Returns (path, written_now).
+    """
+    path = cache_dir() / f"hydra-synthetic-{preset}-s{seed}-v{SYNTHETIC_FORMAT_VERSION}.gguf"
+    if path.exists():
+        return path, False
+    log.info("writing synthetic %s model to %s (first run only)", preset, path)
+    write_model(path, preset, seed=seed)
+    return path, True

@@ -1,0 +1,1 @@
+"""Binary RPC transport: server (connection loop + op dispatch) and client (trio + sync)."""

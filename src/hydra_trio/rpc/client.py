@@ -1,0 +1,255 @@
+"""RPC client: an async (trio) client with one method per op, and a sync twin for scripts.
+
+Both share the request builders and response handling below; they differ only in how bytes
+move (trio stream vs blocking socket).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..wire.errors import Status
+from ..wire.frames import encode_decode_frame_v3
+from ..wire.protocol import Op, encode_request_header, parse_response_header, RESPONSE_HEADER
+
+Buffer = bytes | bytearray | memoryview
+
+
+class RpcError(Exception):
+    """A non-OK response: status, error_code and the whole meta."""
+
+    def __init__(self, status: int, meta: dict[str, Any]) -> None:
+        self.status = status
+        self.meta = meta
+        self.error_code = str(meta.get("error_code", ""))
+        self.message = str(meta.get("error", ""))
+        try:
+            name = Status(status).name
+        except ValueError:
+            name = f"0x{status:02x}"
+        super().__init__(f"{name} {self.error_code}: {self.message}")
+
+
+class RpcConnectionClosed(Exception):
+    """The server closed the connection instead of answering."""
+
+
+@dataclass(slots=True)
+class RpcResponse:
+    status: int
+    meta: dict[str, Any]
+    payload: bytearray
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    op: int
+    key: bytes
+    payload: Sequence[Buffer]
+
+
+def _key(slot: int | None) -> bytes:
+    return b"" if slot is None else str(slot).encode()
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def info_call() -> Call:
+    return Call(Op.INFO, b"", ())
+
+
+def state_get_call(slot: int) -> Call:
+    return Call(Op.STATE_GET, _key(slot), ())
+
+
+def state_put_call(slot: int, blob: Buffer | Sequence[Buffer]) -> Call:
+    parts = [blob] if isinstance(blob, bytes | bytearray | memoryview) else list(blob)
+    return Call(Op.STATE_PUT, _key(slot), parts)
+
+
+def state_meta_call(slot: int) -> Call:
+    return Call(Op.STATE_META, _key(slot), ())
+
+
+def configure_call(slot: int | None, settings: dict[str, Any]) -> Call:
+    return Call(Op.CONFIGURE, _key(slot), [_json(settings)])
+
+
+def prefill_call(slot: int, request: dict[str, Any]) -> Call:
+    return Call(Op.PREFILL, _key(slot), [_json(request)])
+
+
+def decode_call(slot: int, frame: Buffer) -> Call:
+    return Call(Op.DECODE, _key(slot), [frame])
+
+
+def build_decode_frame(
+    request: dict[str, Any] | list[Any] | None,
+    kv: Buffer = b"",
+    *,
+    model: str = "",
+    kv_metadata: dict[str, Any] | None = None,
+    model_metadata: dict[str, Any] | None = None,
+    generation: dict[str, Any] | None = None,
+) -> bytes:
+    """A v3 DECODE frame, as coordinators build it."""
+    header = {
+        "v": 3,
+        "model": model,
+        "kv_metadata": kv_metadata or {},
+        "model_metadata": model_metadata or kv_metadata or {},
+        "generation": generation or {},
+    }
+    return encode_decode_frame_v3(header, request, kv)
+
+
+def identity_kv_metadata(meta: dict[str, Any], n_past: int) -> dict[str, Any]:
+    """kv_metadata for a DECODE frame from a PREFILL/STATE_GET reply's identity fields."""
+    keys = ("tokenizer", "model_name", "model_quant", "model_capabilities", "model_alias")
+    return {"n_past": n_past, **{k: meta[k] for k in keys if k in meta}}
+
+
+def _request_bytes(call: Call, trace: bytes) -> list[Buffer]:
+    payload_len = sum(len(p) for p in call.payload)
+    head = encode_request_header(call.op, key_len=len(call.key), payload_len=payload_len, trace_len=len(trace))
+    return [head, call.key, trace, *call.payload]
+
+
+def _finish(resp: RpcResponse, check: bool) -> RpcResponse:
+    if check and not resp.ok:
+        raise RpcError(resp.status, resp.meta)
+    return resp
+
+
+class _Methods:
+    """One method per op over ``self.call`` (defined by the async and sync clients)."""
+
+    call: Callable[..., Any]
+
+    def info(self) -> Any:
+        return self.call(info_call())
+
+    def state_get(self, slot: int) -> Any:
+        return self.call(state_get_call(slot))
+
+    def state_put(self, slot: int, blob: Buffer | Sequence[Buffer]) -> Any:
+        return self.call(state_put_call(slot, blob))
+
+    def state_meta(self, slot: int) -> Any:
+        return self.call(state_meta_call(slot))
+
+    def configure(self, slot: int | None, settings: dict[str, Any]) -> Any:
+        return self.call(configure_call(slot, settings))
+
+    def prefill(self, slot: int, request: dict[str, Any]) -> Any:
+        return self.call(prefill_call(slot, request))
+
+    def decode(self, slot: int, frame: Buffer) -> Any:
+        return self.call(decode_call(slot, frame))
+
+
+class RpcClient(_Methods):
+    """Async client on one persistent connection. Methods return RpcResponse or raise RpcError."""
+
+    def __init__(self, stream: trio.SocketStream, trace: str = "") -> None:
+        self._stream = stream
+        self.trace = trace.encode()
+        self._lock = trio.Lock()  # one request at a time: the protocol has no pipelining
+
+    @classmethod
+    async def connect(cls, host: str, port: int, *, trace: str = "") -> RpcClient:
+        stream = await trio.open_tcp_stream(host, port)
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(stream, trace)
+
+    async def __aenter__(self) -> RpcClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def call(self, call: Call, *, check: bool = True, trace: str | None = None) -> RpcResponse:
+        t = trace.encode() if trace is not None else self.trace
+        async with self._lock:
+            for part in _request_bytes(call, t):
+                if len(part):
+                    await self._stream.send_all(part)
+            return _finish(await self._read_response(), check)
+
+    async def send_raw(self, data: Buffer) -> None:
+        """Send arbitrary bytes (tests of malformed requests)."""
+        await self._stream.send_all(data)
+
+    async def read_response(self) -> RpcResponse:
+        return await self._read_response()
+
+    async def _read_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        sock = self._stream.socket
+        while got < n:
+            k = await sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise RpcConnectionClosed(f"server closed the connection after {got}/{n} bytes")
+            got += k
+        return buf
+
+    async def _read_response(self) -> RpcResponse:
+        head = parse_response_header(await self._read_exact(RESPONSE_HEADER.size))
+        meta = json.loads(await self._read_exact(head.meta_len)) if head.meta_len else {}
+        payload = await self._read_exact(head.payload_len)
+        return RpcResponse(head.status, meta, payload)
+
+
+class SyncRpcClient(_Methods):
+    """Blocking twin of RpcClient for scripts."""
+
+    def __init__(self, host: str, port: int, *, timeout: float | None = 120.0, trace: str = "") -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.trace = trace.encode()
+
+    def __enter__(self) -> SyncRpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def call(self, call: Call, *, check: bool = True, trace: str | None = None) -> RpcResponse:
+        t = trace.encode() if trace is not None else self.trace
+        for part in _request_bytes(call, t):
+            if len(part):
+                self._sock.sendall(part)
+        head = parse_response_header(self._read_exact(RESPONSE_HEADER.size))
+        meta = json.loads(self._read_exact(head.meta_len)) if head.meta_len else {}
+        return _finish(RpcResponse(head.status, meta, self._read_exact(head.payload_len)), check)
+
+    def _read_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise RpcConnectionClosed(f"server closed the connection after {got}/{n} bytes")
+            got += k
+        return buf

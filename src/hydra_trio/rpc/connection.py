@@ -1,0 +1,92 @@
+"""Exact-length reads into preallocated buffers, and disconnect detection, on a trio socket."""
+
+from __future__ import annotations
+
+import socket as stdsocket
+from collections.abc import Sequence
+
+import trio
+
+Buffer = bytes | bytearray | memoryview
+
+
+class PeerClosed(Exception):
+    """The peer closed the connection (or it broke) in the middle of a read."""
+
+
+class Connection:
+    """One RPC connection. Reads go straight into caller buffers with recv_into, so a
+    multi-GB payload is received into one preallocated buffer without per-chunk copies."""
+
+    def __init__(self, stream: trio.SocketStream, idle_timeout_s: float) -> None:
+        self.stream = stream
+        self.sock = stream.socket
+        self.peer = _peer_name(self.sock)
+        self.idle_timeout_s = idle_timeout_s
+
+    async def read_into(self, view: memoryview) -> None:
+        """Fill ``view``. A peer silent for idle_timeout_s mid-read raises trio.TooSlowError
+        (a large payload may take long; a stalled one may not)."""
+        got = 0
+        n = len(view)
+        while got < n:
+            try:
+                with trio.fail_after(self.idle_timeout_s):
+                    k = await self.sock.recv_into(view[got:], n - got)
+            except OSError as exc:
+                raise PeerClosed(f"connection error after {got}/{n} bytes: {exc}") from None
+            if k == 0:
+                raise PeerClosed(f"peer closed after {got}/{n} bytes")
+            got += k
+
+    async def read_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        if n:
+            await self.read_into(memoryview(buf))
+        return buf
+
+    async def drain(self, n: int, chunk: int = 1 << 20) -> None:
+        """Read and discard ``n`` bytes (refused payloads), with one reused buffer."""
+        scratch = memoryview(bytearray(min(n, chunk))) if n else memoryview(b"")
+        left = n
+        while left:
+            k = min(left, len(scratch))
+            await self.read_into(scratch[:k])
+            left -= k
+
+    async def send(self, parts: Sequence[Buffer], chunk: int | None = None) -> None:
+        for part in parts:
+            view = memoryview(part).cast("B") if len(part) else None
+            if view is None:
+                continue
+            if chunk is None or len(view) <= chunk:
+                await self.stream.send_all(view)
+            else:
+                for off in range(0, len(view), chunk):
+                    await self.stream.send_all(view[off : off + chunk])
+
+    async def wait_closed(self) -> None:
+        """Return when the peer has closed the connection (EOF or error).
+
+        Peeks, so it consumes nothing; if the peer sends data instead (a pipelined request,
+        which the protocol does not allow), it stops watching and sleeps forever.
+        """
+        try:
+            data = await self.sock.recv(1, stdsocket.MSG_PEEK)
+        except OSError:
+            return
+        if data == b"":
+            return
+        await trio.sleep_forever()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def _peer_name(sock: trio.socket.SocketType) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+

@@ -1,0 +1,301 @@
+"""What each opcode does (spec §2). The connection loop (server.py) owns the framing rules."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .. import __version__
+from ..config import Settings
+from ..engine import transfer
+from ..engine.transfer import blob_hash
+from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.protocol import Op, decode_json_object, parse_slot_key
+from .connection import Connection
+
+if TYPE_CHECKING:
+    import logging
+
+    from ..app import AppState
+    from ..engine.engine import Engine
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(slots=True)
+class OpContext:
+    conn: Connection
+    key: bytes
+    trace: str
+    log: logging.LoggerAdapter  # type: ignore[type-arg]
+    payload_len: int
+    slot_id: int = 0
+
+
+@dataclass(slots=True)
+class Reply:
+    status: Status
+    meta: dict[str, Any]
+    payload: list[Buffer] = field(default_factory=list)
+    send_chunk: int | None = None
+
+    @property
+    def payload_len(self) -> int:
+        return sum(len(p) for p in self.payload)
+
+    @classmethod
+    def ok(cls, meta: dict[str, Any], payload: list[Buffer] | None = None, send_chunk: int | None = None) -> Reply:
+        return cls(Status.OK, meta, payload or [], send_chunk)
+
+    @classmethod
+    def error(cls, err: ProtocolError) -> Reply:
+        return cls(err.status, err.meta())
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    name: str
+    cap: Callable[[Settings], int]
+    precheck: Callable[[OpContext], None]
+    run: Callable[[OpContext, memoryview], Awaitable[Reply]]
+    cancel_on_disconnect: bool = False  # long ops stop when the caller hangs up
+
+
+CAPABILITIES = (
+    "prefill",
+    "decode",
+    "state_transfer",
+    "tokenizer",
+    "model_name",
+    "model_quant",
+    "model_capabilities",
+    "configure",
+    "kv_hash",
+    "chat_completions",
+)
+
+# CONFIGURE tiers (spec §2.4)
+_T1_KEYS = {"n_predict", "seed", "n_keep", "antiprompt", "sampling", "state_chunk_size"}
+_T1_SAMPLING = {"temperature", "temp", "top_p", "top_k", "min_p", "repeat_penalty", "penalty_repeat", "seed"}
+_T2_KEYS = {"n_ctx", "cache_type_k", "cache_type_v"}
+_T3_KEYS = {"model_path"}
+CHUNK_MIN, CHUNK_MAX = 64 * 1024, 64 * 1024 * 1024
+
+
+class OpTable:
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        s = state.settings
+        no_payload = self._no_payload_cap
+        self._ops: dict[int, OpSpec] = {
+            Op.STATE_GET: OpSpec("STATE_GET", no_payload, self._slot_free, self.state_get),
+            Op.STATE_PUT: OpSpec("STATE_PUT", lambda st: st.max_kv_bytes, self._slot_free, self.state_put),
+            Op.STATE_META: OpSpec("STATE_META", no_payload, self._slot_exists, self.state_meta),
+            Op.CONFIGURE: OpSpec("CONFIGURE", lambda st: st.max_json_bytes, self._slot_or_empty, self.configure),
+            Op.INFO: OpSpec("INFO", no_payload, self._slot_or_empty, self.info),
+            Op.PREFILL: OpSpec(
+                "PREFILL", lambda st: st.max_json_bytes, self._slot_free, self.prefill, cancel_on_disconnect=True
+            ),
+        }
+        if state.decodes is not None:
+            self._ops[Op.DECODE] = state.decodes.rpc_spec(OpSpec, Reply)
+        del s
+
+    @property
+    def engine(self) -> Engine:
+        engine = self.state.engine
+        assert engine is not None, "RPC starts after the engine"
+        return engine
+
+    def name(self, op: int) -> str:
+        try:
+            return Op(op).name
+        except ValueError:
+            return f"0x{op:02x}"
+
+    def get(self, op: int) -> OpSpec:
+        spec = self._ops.get(op)
+        if spec is not None:
+            return spec
+        if op in (Op.EXPERT_MODE, Op.QUANT_SWAP, Op.PIPELINE_ATTACH):
+            raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, f"{Op(op).name} is not implemented by hydra-trio")
+        if op == Op.DECODE:
+            raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, "DECODE is not available")
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op 0x{op:02x}")
+
+    # ---- prechecks (before the payload is read) ----------------------------------------
+
+    def _no_payload_cap(self, settings: Settings) -> int:
+        return settings.drain_limit_bytes  # ignored, but bounded
+
+    def _slot_exists(self, ctx: OpContext) -> None:
+        ctx.slot_id = parse_slot_key(ctx.key)
+        self.engine.slots.get(ctx.slot_id)
+
+    def _slot_free(self, ctx: OpContext) -> None:
+        self._slot_exists(ctx)
+        slot = self.engine.slots.get(ctx.slot_id)
+        if slot.busy:
+            raise ProtocolError(ErrorCode.SLOT_BUSY, f"slot {ctx.slot_id} is busy ({slot.owner})")
+
+    def _slot_or_empty(self, ctx: OpContext) -> None:
+        ctx.slot_id = parse_slot_key(ctx.key, empty_means_zero=True)
+        self.engine.slots.get(ctx.slot_id)
+
+    def _owner(self, ctx: OpContext, op: str) -> str:
+        return f"rpc:{op}:{ctx.trace or ctx.conn.peer}"
+
+    # ---- ops ---------------------------------------------------------------------------
+
+    async def state_get(self, ctx: OpContext, _payload: memoryview) -> Reply:
+        engine = self.engine
+        snap = await transfer.snapshot(engine, ctx.slot_id, self._owner(ctx, "STATE_GET"))
+        ctx.log.info("STATE_GET slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, snap.n_past, snap.size, snap.ms)
+        meta = {
+            "n_past": snap.n_past,
+            "state_size": snap.state_size,
+            "kv_hash": snap.kv_hash,
+            **engine.identity.fields(),
+        }
+        return Reply.ok(meta, list(snap.parts), send_chunk=engine.slot_config(ctx.slot_id).get("state_chunk_size"))
+
+    async def state_put(self, ctx: OpContext, payload: memoryview) -> Reply:
+        meta = await transfer.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
+        self.state.metrics.restore_bytes.inc(len(payload))
+        ctx.log.info("STATE_PUT slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, meta["n_past"], len(payload), meta["restore_ms"])
+        return Reply.ok(meta)
+
+    async def state_meta(self, ctx: OpContext, _payload: memoryview) -> Reply:
+        return Reply.ok(transfer.slot_meta(self.engine, ctx.slot_id))
+
+    async def info(self, _ctx: OpContext, _payload: memoryview) -> Reply:
+        return Reply.ok(self.info_meta())
+
+    def info_meta(self) -> dict[str, Any]:
+        engine = self.engine
+        caps = list(CAPABILITIES)
+        if Op.DECODE in self._ops:
+            caps.insert(0, "merged_decode")
+        return {
+            "engine": "hydra-trio",
+            "version": __version__,
+            "capabilities": caps,
+            "mode": "solo",
+            "solo_active": True,
+            "pipeline_capable": False,
+            "n_slots": len(engine.slots),
+            "n_ctx": engine.n_ctx,
+            "n_vocab": engine.n_vocab,
+            "preset_aliases": [engine.identity.model_alias],
+            **engine.identity.info_fields(),
+        }
+
+    async def configure(self, ctx: OpContext, payload: memoryview) -> Reply:
+        body = decode_json_object(payload, "CONFIGURE")
+        engine = self.engine
+        applied: dict[str, Any] = {}
+        t1: dict[str, Any] = {}
+        staged: dict[str, Any] = {}
+        for key, value in body.items():
+            if key in _T1_KEYS:
+                t1[key] = value
+            elif key in _T2_KEYS or key in _T3_KEYS:
+                staged[key] = value
+        if t1:
+            applied = engine.configure_slot(ctx.slot_id, _validate_t1(t1))
+        if staged:
+            engine.stage_reconfigure(_validate_staged(staged))
+        tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
+        ctx.log.info("CONFIGURE slot %d: applied %s, deferred %s", ctx.slot_id, sorted(applied), sorted(staged))
+        return Reply.ok({"success": True, "tier": tier, "params_applied": applied, "deferred_keys": sorted(staged)})
+
+    async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
+        body = decode_json_object(payload, "PREFILL")
+        engine = self.engine
+        t0 = time.perf_counter()
+        tokens = await engine.tokenize_request(body)
+        slot = engine.slot_claim(ctx.slot_id, self._owner(ctx, "PREFILL"))
+        try:
+            _, logits = await engine.prefill(ctx.slot_id, tokens, 0, want_logits=True)
+            assert logits is not None
+            head, state, n_past = await engine.state_get(ctx.slot_id)
+        finally:
+            engine.release(slot)
+        prefill_ms = (time.perf_counter() - t0) * 1000.0
+        parts: list[Buffer] = [head, state, logits]
+        self.state.metrics.prompt_tokens.labels("prefill").inc(len(tokens))
+        ctx.log.info("PREFILL slot %d: %d tokens in %.1f ms", ctx.slot_id, n_past, prefill_ms)
+        meta = {
+            "n_past": n_past,
+            "state_size": len(state),
+            "logits_size": len(logits),
+            "prefill_ms": round(prefill_ms, 3),
+            "kv_hash": blob_hash(parts),  # type: ignore[arg-type]
+            **engine.identity.fields(),
+        }
+        return Reply.ok(meta, parts)
+
+
+def _bad(msg: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_JSON, msg, status=Status.BAD_REQUEST)
+
+
+def _validate_t1(t1: dict[str, Any]) -> dict[str, Any]:
+    """Normalise T1 keys; unknown sampling keys are ignored, wrong types refused."""
+    out: dict[str, Any] = {}
+    for key in ("n_predict", "seed", "n_keep"):
+        if key in t1:
+            v = t1[key]
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise _bad(f"{key} must be an integer")
+            out[key] = v
+    if "antiprompt" in t1:
+        v = t1["antiprompt"]
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise _bad("antiprompt must be a string or an array of strings")
+        out["antiprompt"] = v
+    if "sampling" in t1:
+        s = t1["sampling"]
+        if not isinstance(s, dict):
+            raise _bad("sampling must be an object")
+        sampling = {}
+        for k, v in s.items():
+            if k in _T1_SAMPLING:
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise _bad(f"sampling.{k} must be a number")
+                sampling[k] = v
+        out["sampling"] = sampling
+    if "state_chunk_size" in t1:
+        v = t1["state_chunk_size"]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _bad("state_chunk_size must be an integer")
+        out["state_chunk_size"] = min(max(v, CHUNK_MIN), CHUNK_MAX)
+    return out
+
+
+_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+
+def _validate_staged(staged: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "n_ctx" in staged:
+        v = staged["n_ctx"]
+        if isinstance(v, bool) or not isinstance(v, int) or not 64 <= v <= 1 << 20:
+            raise _bad("n_ctx must be an integer in 64..1048576")
+        out["n_ctx"] = v
+    for key in ("cache_type_k", "cache_type_v"):
+        if key in staged:
+            v = staged[key]
+            if not isinstance(v, str) or v.lower() not in _CACHE_TYPES:
+                raise _bad(f"{key} must be one of {sorted(_CACHE_TYPES)}")
+            out[key] = _CACHE_TYPES[v.lower()]
+    if "model_path" in staged:
+        v = staged["model_path"]
+        if not isinstance(v, str) or not v:
+            raise _bad("model_path must be a non-empty string")
+        out["model_path"] = v
+    return out

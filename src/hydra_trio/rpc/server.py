@@ -1,0 +1,161 @@
+"""RPC listener and connection loop: the transport rules of spec §1.
+
+Every request gets exactly one well-formed response or the connection closes; a refused
+request's payload is drained (up to the drain limit) so the stream never desynchronises.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import TYPE_CHECKING
+
+import trio
+
+from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
+from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
+from .connection import Connection, PeerClosed
+from .ops import OpContext, OpSpec, OpTable, Reply
+
+if TYPE_CHECKING:
+    from ..app import AppState
+
+log = logging.getLogger(__name__)
+
+
+async def serve_rpc(state: AppState, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    settings = state.settings
+    listeners = await trio.open_tcp_listeners(settings.rpc_port, host=settings.host)
+    port = listeners[0].socket.getsockname()[1]
+    # More connections than the bound wait here for a place: a limiter, not a crash.
+    limiter = trio.CapacityLimiter(settings.max_connections)
+    ops = OpTable(state)
+    log.info("RPC listening on %s:%d (at most %d connections)", settings.host, port, settings.max_connections)
+    task_status.started(port)
+    await trio.serve_listeners(partial(_serve_connection, state, ops, limiter), listeners)
+
+
+async def _serve_connection(state: AppState, ops: OpTable, limiter: trio.CapacityLimiter, stream: trio.SocketStream) -> None:
+    async with limiter:
+        conn = Connection(stream, state.settings.idle_timeout_s)
+        state.metrics.rpc_connections.inc()
+        try:
+            await _connection_loop(state, ops, conn)
+        except (PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.debug("rpc %s: connection ended: %s", conn.peer, exc)
+        except trio.TooSlowError:
+            log.info("rpc %s: peer stalled for %.0f s mid-request; closing", conn.peer, conn.idle_timeout_s)
+        except Exception:
+            log.exception("rpc %s: connection failed", conn.peer)
+        finally:
+            state.metrics.rpc_connections.dec()
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+
+async def _read_request_header(conn: Connection) -> bytearray | None:
+    """The next header, or None when the peer closes (or idles out) between requests."""
+    buf = bytearray(REQUEST_HEADER.size)
+    view = memoryview(buf)
+    with trio.move_on_after(conn.idle_timeout_s):
+        try:
+            k = await conn.sock.recv_into(view, len(buf))
+        except OSError:
+            return None
+        if k == 0:
+            return None
+        if k < len(buf):
+            await conn.read_into(view[k:])
+        return buf
+    log.debug("rpc %s: idle for %.0f s; closing", conn.peer, conn.idle_timeout_s)
+    return None
+
+
+async def _connection_loop(state: AppState, ops: OpTable, conn: Connection) -> None:
+    settings = state.settings
+    while True:
+        raw = await _read_request_header(conn)
+        if raw is None:
+            return
+        try:
+            head = parse_request_header(raw)
+        except BadMagic as exc:
+            log.warning("rpc %s: %s; closing without reply", conn.peer, exc)
+            return
+        key = bytes(await conn.read_exact(head.key_len))
+        trace = bytes(await conn.read_exact(head.trace_len)).decode("utf-8", "replace")[:200]
+        rlog = _TraceLog(log, trace, conn.peer)
+        op_name = ops.name(head.op)
+        ctx = OpContext(conn=conn, key=key, trace=trace, log=rlog, payload_len=head.payload_len)
+        try:
+            if head.flags != 0:
+                raise ProtocolError(ErrorCode.BAD_FRAME, f"unsupported flags 0x{head.flags:02x}", status=Status.BAD_REQUEST)
+            spec = ops.get(head.op)
+            cap = spec.cap(settings)
+            if head.payload_len > cap:
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the cap of {cap}")
+            spec.precheck(ctx)
+        except ProtocolError as err:
+            rlog.info("%s refused before payload: %s", op_name, err.message)
+            state.metrics.rpc_requests.labels(op_name, err.status.name).inc()
+            if head.payload_len <= settings.drain_limit_bytes:
+                await conn.drain(head.payload_len)
+                await _send_reply(conn, Reply.error(err))
+                continue
+            await _send_reply(conn, Reply.error(err))
+            rlog.info("payload of %d bytes is over the drain limit: closing", head.payload_len)
+            return
+        payload = bytearray(head.payload_len)  # the one buffer this payload lives in
+        await conn.read_into(memoryview(payload))
+        state.metrics.rpc_bytes_in.inc(head.payload_len)
+        reply = await _run_op(spec, ctx, payload)
+        if reply is None:  # the peer went away while the op ran: nobody to answer
+            rlog.info("%s: peer closed before the reply; request cancelled", op_name)
+            return
+        state.metrics.rpc_requests.labels(op_name, reply.status.name).inc()
+        await _send_reply(conn, reply)
+        state.metrics.rpc_bytes_out.inc(reply.payload_len)
+        del payload, reply
+
+
+async def _run_op(spec: OpSpec, ctx: OpContext, payload: bytearray) -> Reply | None:
+    try:
+        if not spec.cancel_on_disconnect:
+            return await spec.run(ctx, memoryview(payload))
+        peer_gone = False
+        reply: Reply | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal peer_gone
+                await ctx.conn.wait_closed()
+                peer_gone = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            reply = await spec.run(ctx, memoryview(payload))
+            nursery.cancel_scope.cancel()
+        return None if peer_gone else reply
+    except ProtocolError as err:
+        ctx.log.info("%s failed: %s %s", spec.name, err.code, err.message)
+        return Reply.error(err)
+    except Exception as exc:
+        ctx.log.exception("%s: internal error", spec.name)
+        return Reply.error(ProtocolError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+async def _send_reply(conn: Connection, reply: Reply) -> None:
+    head = encode_response(reply.status, reply.meta, reply.payload_len)
+    await conn.send([head, *reply.payload], chunk=reply.send_chunk)
+
+
+class _TraceLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Puts the request's trace_id (and peer) on every log line of that request."""
+
+    def __init__(self, logger: logging.Logger, trace: str, peer: str) -> None:
+        super().__init__(logger, {"trace_id": trace})
+        self.prefix = f"rpc {peer} trace={trace or '-'}: "
+
+    def process(self, msg: object, kwargs: dict) -> tuple[str, dict]:  # type: ignore[override]
+        kwargs.setdefault("extra", {}).update(self.extra or {})
+        return self.prefix + str(msg), kwargs

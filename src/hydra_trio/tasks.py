@@ -1,0 +1,60 @@
+"""Background work with an owner: each task lives in a nursery and has its own cancel scope."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+
+class OwnedTask:
+    """A handle to cancel a task and wait until it has really stopped."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.scope = trio.CancelScope()
+        self.finished = trio.Event()
+
+    async def cancel_and_wait(self) -> None:
+        self.scope.cancel()
+        await self.finished.wait()
+
+
+async def start_owned(
+    nursery: trio.Nursery,
+    name: str,
+    fn: Callable[..., Awaitable[None]],
+    *args: Any,
+) -> tuple[OwnedTask, Any]:
+    """Start ``fn(task_status, *args)`` in ``nursery`` like ``nursery.start``.
+
+    Errors before ``task_status.started()`` reach the caller; errors after it are logged
+    (a failing request must not take down its owner). Returns (handle, started value).
+    """
+    handle = OwnedTask(name)
+
+    async def runner(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        started = False
+
+        class _Status:
+            def started(self, value: Any = None) -> None:
+                nonlocal started
+                started = True
+                task_status.started(value)
+
+        try:
+            with handle.scope:
+                await fn(_Status(), *args)
+        except Exception:
+            if not started:
+                raise
+            log.exception("background task %s failed", name)
+        finally:
+            handle.finished.set()
+
+    value = await nursery.start(runner)
+    return handle, value

@@ -1,0 +1,152 @@
+"""The v2 KV blob (spec §3): slot tokens + llama sequence state (+ logits after PREFILL).
+
+Parsing is zero-copy: the returned views point into the caller's buffer, so a multi-GB blob
+is held in memory once.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from dataclasses import dataclass
+
+from .errors import ErrorCode, ProtocolError
+
+KV_BLOB_VERSION = 0x02
+FLAG_CHECKPOINT = 0x01
+_HEAD = struct.Struct("<BII")  # version, n_past, n_tok
+_CKPT_HEAD = struct.Struct("<iiqQ")  # pos_min, pos_max, n_tokens, size
+_U64 = struct.Struct("<Q")
+_MAX_TOKENS = 1 << 24  # far above any context length; bounds allocation on hostile input
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Recurrent-state checkpoint (recurrent/hybrid models only)."""
+
+    pos_min: int
+    pos_max: int
+    n_tokens: int
+    data: memoryview
+    draft: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class KvBlob:
+    n_past: int
+    tokens: list[int]
+    # The llama sequence state, possibly followed by n_vocab f32 logits. Only llama.cpp knows
+    # where its state ends, so the restore splits the two (see split_trailing_logits).
+    state: memoryview
+    checkpoint: Checkpoint | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def _bad(msg: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_FRAME, f"kv blob: {msg}")
+
+
+def _tokens_to_bytes(tokens: list[int] | array) -> bytes:
+    arr = array("i", tokens)
+    if sys.byteorder == "big":  # wire is little-endian
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def encode_blob_head(n_past: int, tokens: list[int] | array, checkpoint: Checkpoint | None = None) -> bytes:
+    """Everything before the llama state bytes. Send it, then the state, then optional logits."""
+    parts = [_HEAD.pack(KV_BLOB_VERSION, n_past, len(tokens)), _tokens_to_bytes(tokens)]
+    if checkpoint is None:
+        parts.append(b"\x00")
+    else:
+        parts.append(bytes([FLAG_CHECKPOINT]))
+        parts.append(
+            _CKPT_HEAD.pack(checkpoint.pos_min, checkpoint.pos_max, checkpoint.n_tokens, len(checkpoint.data))
+        )
+        parts.append(bytes(checkpoint.data))
+        parts.append(_U64.pack(len(checkpoint.draft)))
+        parts.append(bytes(checkpoint.draft))
+    return b"".join(parts)
+
+
+def encode_kv_blob(
+    n_past: int,
+    tokens: list[int] | array,
+    state: Buffer,
+    logits: Buffer | None = None,
+    checkpoint: Checkpoint | None = None,
+) -> bytes:
+    parts = [encode_blob_head(n_past, tokens, checkpoint), state]
+    if logits is not None:
+        parts.append(logits)
+    return b"".join(parts)
+
+
+def parse_kv_blob(buf: Buffer) -> KvBlob:
+    """Check the blob's structure; raise ProtocolError(BAD_FRAME) on anything that does not fit."""
+    view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    if len(view) < _HEAD.size + 1:
+        raise _bad(f"too short ({len(view)} bytes)")
+    version, n_past, n_tok = _HEAD.unpack_from(view, 0)
+    if version != KV_BLOB_VERSION:
+        raise _bad(f"unsupported version 0x{version:02x} (expected 0x02)")
+    if n_tok > _MAX_TOKENS:
+        raise _bad(f"n_tok {n_tok} is implausibly large")
+    pos = _HEAD.size
+    end_tokens = pos + 4 * n_tok
+    if end_tokens + 1 > len(view):
+        raise _bad(f"declares {n_tok} tokens but holds only {len(view) - pos} bytes after the head")
+    arr = array("i")
+    arr.frombytes(view[pos:end_tokens])
+    if sys.byteorder == "big":
+        arr.byteswap()
+    tokens = arr.tolist()
+    pos = end_tokens
+    flags = view[pos]
+    pos += 1
+    if flags & ~FLAG_CHECKPOINT:
+        raise _bad(f"unknown flag bits 0x{flags:02x}")
+    checkpoint = None
+    if flags & FLAG_CHECKPOINT:
+        if pos + _CKPT_HEAD.size > len(view):
+            raise _bad("checkpoint header truncated")
+        pos_min, pos_max, ck_tokens, size = _CKPT_HEAD.unpack_from(view, pos)
+        pos += _CKPT_HEAD.size
+        if size > len(view) - pos:
+            raise _bad(f"checkpoint declares {size} bytes, {len(view) - pos} remain")
+        data = view[pos : pos + size]
+        pos += size
+        if pos + _U64.size > len(view):
+            raise _bad("checkpoint draft size truncated")
+        (draft_size,) = _U64.unpack_from(view, pos)
+        pos += _U64.size
+        if draft_size > len(view) - pos:
+            raise _bad(f"checkpoint draft declares {draft_size} bytes, {len(view) - pos} remain")
+        draft = view[pos : pos + draft_size]
+        pos += draft_size
+        checkpoint = Checkpoint(pos_min, pos_max, ck_tokens, data, draft)
+    state = view[pos:]
+    if len(state) == 0:
+        raise _bad("no KV state bytes")
+    return KvBlob(n_past=n_past, tokens=tokens, state=state, checkpoint=checkpoint)
+
+
+def split_trailing_logits(tail: memoryview, n_vocab: int) -> memoryview | None:
+    """Bytes left after llama.cpp consumed its state: logits iff exactly n_vocab f32 values.
+
+    Returns the logits view, None when there is no tail; raises on any other length.
+    """
+    if len(tail) == 0:
+        return None
+    if len(tail) == 4 * n_vocab:
+        return tail
+    raise ProtocolError(
+        ErrorCode.RESTORE_FAILED,
+        f"kv blob: {len(tail)} trailing bytes after the KV state; logits would be {4 * n_vocab}",
+    )

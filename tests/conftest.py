@@ -1,0 +1,82 @@
+"""Shared fixtures: synthetic GGUF models written once per session, and live engines
+started in-process on ephemeral ports."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from hydra_trio.config import Settings
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dir: Path) -> Path:
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "tiny.gguf", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_other(model_dir: Path) -> Path:
+    """Same shape as tiny_model, different weights and name (a "different model")."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "tiny-other.gguf", "tiny", seed=1, name="Other Tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_wide(model_dir: Path) -> Path:
+    """A different shape (n_vocab differs): KV from it must be refused by tiny_model."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "tiny-wide.gguf", "tiny", seed=2, n_vocab=600, name="Hydra Synthetic Tiny")
+
+
+def test_settings(model: Path, **overrides: Any) -> Settings:
+    base = Settings(
+        model=str(model),
+        host="127.0.0.1",
+        port=0,
+        rpc_port=0,
+        slots=2,
+        ctx_size=2048,
+        threads=2,
+        batch_size=64,
+        default_n_predict=16,
+        slot_wait_s=5.0,
+        decode_validate_timeout_s=10.0,
+        log_level="DEBUG",
+    )
+    return replace(base, **overrides)
+
+
+@pytest.fixture
+def start_engine(nursery: trio.Nursery) -> Callable[..., Any]:
+    """``await start_engine(model_path, **settings)`` -> Endpoints; stopped at teardown."""
+    from hydra_trio.app import serve
+
+    async def start(model: Path, **overrides: Any) -> Any:
+        return await nursery.start(serve, test_settings(model, **overrides))
+
+    return start
+
+
+@pytest.fixture
+async def engine(start_engine: Callable[..., Any], tiny_model: Path) -> AsyncIterator[Any]:
+    yield await start_engine(tiny_model)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_llama_logs() -> None:
+    logging.getLogger("hydra_trio.llama_cpp").setLevel(logging.WARNING)

@@ -1,0 +1,263 @@
+"""The v2 KV blob (spec §3): round trips, truncation, mutation, and the refusals."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hydra_trio.wire.errors import ErrorCode, ProtocolError
+from hydra_trio.wire.kvblob import (
+    FLAG_CHECKPOINT,
+    Checkpoint,
+    KvBlob,
+    encode_blob_head,
+    encode_kv_blob,
+    parse_kv_blob,
+    split_trailing_logits,
+)
+
+FAST = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+i32 = st.integers(-(2**31), 2**31 - 1)
+u32 = st.integers(0, 2**32 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
+
+checkpoints = st.builds(
+    Checkpoint,
+    pos_min=i32,
+    pos_max=i32,
+    n_tokens=i64,
+    data=st.binary(max_size=64).map(memoryview),
+    draft=st.binary(max_size=32).map(memoryview),
+)
+
+
+@st.composite
+def blobs(draw: st.DrawFn) -> tuple[bytes, dict]:
+    """A valid encoded blob plus what went into it."""
+    parts = {
+        "n_past": draw(u32),
+        "tokens": draw(st.lists(i32, max_size=48)),
+        "state": draw(st.binary(min_size=1, max_size=128)),
+        "logits": draw(st.none() | st.binary(max_size=16).map(lambda b: b[: len(b) // 4 * 4])),
+        "checkpoint": draw(st.none() | checkpoints),
+    }
+    return encode_kv_blob(**parts), parts
+
+
+def reencode(blob: KvBlob) -> bytes:
+    """The bytes a parsed blob stands for: parsing is lossless iff this equals the input."""
+    return encode_kv_blob(blob.n_past, blob.tokens, blob.state, checkpoint=blob.checkpoint)
+
+
+def assert_consistent(raw: bytes, blob: KvBlob) -> None:
+    assert 0 <= blob.n_past < 2**32
+    assert blob.n_tokens == len(blob.tokens)
+    assert len(blob.state) > 0
+    assert reencode(blob) == raw
+
+
+@FAST
+@given(case=blobs())
+def test_round_trip_byte_exact(case: tuple[bytes, dict]) -> None:
+    raw, parts = case
+    blob = parse_kv_blob(raw)
+    assert blob.n_past == parts["n_past"]
+    assert blob.tokens == parts["tokens"]
+    # The state view holds the llama state and, after PREFILL, the logits: only llama.cpp
+    # knows where its state ends.
+    assert bytes(blob.state) == parts["state"] + (parts["logits"] or b"")
+    ck = parts["checkpoint"]
+    if ck is None:
+        assert blob.checkpoint is None
+        assert raw[9 + 4 * len(parts["tokens"])] == 0  # flags byte
+    else:
+        assert blob.checkpoint is not None
+        got = blob.checkpoint
+        assert (got.pos_min, got.pos_max, got.n_tokens) == (ck.pos_min, ck.pos_max, ck.n_tokens)
+        assert bytes(got.data) == bytes(ck.data)
+        assert bytes(got.draft) == bytes(ck.draft)
+    assert_consistent(raw, blob)
+    # The head + state + logits streaming form is the same bytes.
+    head = encode_blob_head(parts["n_past"], parts["tokens"], parts["checkpoint"])
+    assert head + parts["state"] + (parts["logits"] or b"") == raw
+
+
+@FAST
+@given(case=blobs())
+def test_parse_is_zero_copy(case: tuple[bytes, dict]) -> None:
+    raw, _ = case
+    buf = bytearray(raw)
+    blob = parse_kv_blob(memoryview(buf))
+    assert blob.state.obj is buf
+    buf[-1] ^= 0xFF  # the view sees the caller's buffer, not a copy
+    assert blob.state[-1] == buf[-1]
+
+
+@FAST
+@given(case=blobs(), data=st.data())
+def test_every_truncation_refused_or_consistent(
+    case: tuple[bytes, dict], data: st.DataObject
+) -> None:
+    raw, _ = case
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    prefix = raw[:cut]
+    try:
+        blob = parse_kv_blob(prefix)
+    except ProtocolError as exc:
+        assert exc.code is ErrorCode.BAD_FRAME
+    else:
+        # Only a cut inside the state/logits can still parse: everything before is unchanged.
+        assert_consistent(prefix, blob)
+        full = parse_kv_blob(raw)
+        assert blob.tokens == full.tokens
+        assert bytes(full.state).startswith(bytes(blob.state))
+
+
+def test_all_prefixes_of_one_checkpoint_blob() -> None:
+    ck = Checkpoint(1, 9, 9, memoryview(b"ckpt-data"), memoryview(b"draft"))
+    raw = encode_kv_blob(12, [5, -1, 7], b"STATE", b"\0" * 8, ck)
+    head_len = len(raw) - len(b"STATE") - 8
+    for cut in range(len(raw)):
+        if cut <= head_len:
+            with pytest.raises(ProtocolError) as info:
+                parse_kv_blob(raw[:cut])
+            assert info.value.code is ErrorCode.BAD_FRAME
+        else:
+            assert_consistent(raw[:cut], parse_kv_blob(raw[:cut]))
+
+
+@st.composite
+def mutated_blobs(draw: st.DrawFn) -> bytes:
+    raw = bytearray(draw(blobs())[0])
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "set", "insert", "delete"]))
+        pos = draw(st.integers(0, len(raw) - 1)) if raw else 0
+        if kind == "flip" and raw:
+            raw[pos] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "set" and raw:
+            raw[pos] = draw(st.integers(0, 255))
+        elif kind == "insert":
+            raw[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif raw:
+            del raw[pos : pos + draw(st.integers(1, 8))]
+    return bytes(raw)
+
+
+def _refused_or_consistent(raw: bytes) -> None:
+    try:
+        blob = parse_kv_blob(raw)
+    except ProtocolError as exc:
+        assert exc.code is ErrorCode.BAD_FRAME
+    else:
+        assert_consistent(raw, blob)
+
+
+@FAST
+@given(raw=mutated_blobs())
+def test_mutated_blob_refused_or_consistent(raw: bytes) -> None:
+    _refused_or_consistent(raw)
+
+
+@FAST
+@given(raw=st.binary(max_size=96))
+def test_arbitrary_bytes_refused_or_consistent(raw: bytes) -> None:
+    _refused_or_consistent(raw)
+
+
+@FAST
+@given(raw=st.tuples(st.sampled_from([b"\x02"]), st.binary(max_size=64)).map(lambda t: t[0] + t[1]))
+def test_arbitrary_v2_bodies_refused_or_consistent(raw: bytes) -> None:
+    _refused_or_consistent(raw)
+
+
+# --- specific refusals -------------------------------------------------------------------------
+
+
+def _refused(raw: bytes, needle: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_kv_blob(raw)
+    assert info.value.code is ErrorCode.BAD_FRAME
+    assert needle in info.value.message
+
+
+GOOD = encode_kv_blob(3, [1, 2, 3], b"state")
+
+
+@pytest.mark.parametrize("version", [0x00, 0x01, 0x03, 0xFF])
+def test_wrong_version(version: int) -> None:
+    _refused(bytes([version]) + GOOD[1:], "version")
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x02", GOOD[:9]])
+def test_too_short(raw: bytes) -> None:
+    _refused(raw, "too short")
+
+
+def test_token_count_overflows_the_blob() -> None:
+    raw = struct.pack("<BII", 2, 3, 1000) + b"\0" * 40
+    _refused(raw, "declares 1000 tokens")
+
+
+def test_token_count_implausible() -> None:
+    raw = struct.pack("<BII", 2, 0, 2**32 - 1) + b"\0" * 40
+    _refused(raw, "implausibly large")
+
+
+@pytest.mark.parametrize("flags", [0x02, 0x03, 0x80, 0xFF])
+def test_unknown_flags(flags: int) -> None:
+    raw = bytearray(GOOD)
+    raw[9 + 12] = flags
+    _refused(bytes(raw), "unknown flag bits")
+
+
+def test_no_state_bytes() -> None:
+    _refused(encode_blob_head(3, [1, 2, 3]), "no KV state")
+
+
+def _ck_head(size: int) -> bytes:
+    return (
+        struct.pack("<BII", 2, 0, 0)
+        + bytes([FLAG_CHECKPOINT])
+        + struct.pack("<iiqQ", 0, 1, 2, size)
+    )
+
+
+def test_checkpoint_header_truncated() -> None:
+    _refused(_ck_head(0)[:-3], "checkpoint header truncated")
+
+
+@pytest.mark.parametrize("size", [5, 2**63, 2**64 - 1])
+def test_checkpoint_size_overflows(size: int) -> None:
+    _refused(_ck_head(size) + b"abcd", "checkpoint declares")
+
+
+def test_checkpoint_draft_size_truncated() -> None:
+    _refused(_ck_head(2) + b"ab" + b"\0\0\0", "draft size truncated")
+
+
+@pytest.mark.parametrize("size", [1, 2**64 - 1])
+def test_checkpoint_draft_overflows(size: int) -> None:
+    _refused(_ck_head(0) + struct.pack("<Q", size), "draft declares")
+
+
+# --- trailing logits ---------------------------------------------------------------------------
+
+
+def test_split_trailing_logits() -> None:
+    assert split_trailing_logits(memoryview(b""), 4) is None
+    tail = memoryview(b"\0" * 16)
+    assert split_trailing_logits(tail, 4) is tail
+    for size in (4, 12, 20):
+        with pytest.raises(ProtocolError) as info:
+            split_trailing_logits(memoryview(b"\0" * size), 4)
+        assert info.value.code is ErrorCode.RESTORE_FAILED
