@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -80,3 +81,21 @@ async def engine(start_engine: Callable[..., Any], tiny_model: Path) -> AsyncIte
 @pytest.fixture(autouse=True)
 def _quiet_llama_logs() -> None:
     logging.getLogger("hydra_trio.llama_cpp").setLevel(logging.WARNING)
+
+
+@pytest.fixture
+def run_engine() -> Callable[..., Any]:
+    """``async with run_engine(model_path, **settings) as ep:`` -> Endpoints; the engine is
+    stopped when the block ends (for restarts inside one test)."""
+    from hydra_trio.app import serve
+
+    @asynccontextmanager
+    async def run(model: Path, **overrides: Any) -> AsyncIterator[Any]:
+        async with trio.open_nursery() as nursery:
+            ep = await nursery.start(serve, test_settings(model, **overrides))
+            try:
+                yield ep
+            finally:
+                nursery.cancel_scope.cancel()
+
+    return run

@@ -12,14 +12,16 @@ import time
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from .config import Settings
+from .decode.manager import DecodeManager
+from .decode.store import ResultStore
 from .engine.engine import Engine, GenerationResult
 from .http.server import serve_http
 from .metrics import Metrics
+from .rpc.server import serve_rpc
 
 log = logging.getLogger("hydra_trio")
 
@@ -39,11 +41,10 @@ class AppState:
     nursery: trio.Nursery  # owner of request-scoped background tasks
     metrics: Metrics = field(default_factory=Metrics)
     engine: Engine | None = None
-    decodes: Any = None  # decode.manager.DecodeManager once started
+    decodes: DecodeManager | None = None
     startup_phase: str = "starting"
     started_at: float = field(default_factory=time.time)
     llama_cpp_version: str = field(default_factory=_llama_version)
-    extra_blueprints: list[Any] = field(default_factory=list)
     log: logging.Logger = log
 
     def record_generation(self, path: str, res: GenerationResult) -> None:
@@ -85,7 +86,6 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
     async with trio.open_nursery() as root:
         async with trio.open_nursery() as requests:
             state = AppState(settings=settings, nursery=requests)
-            _register_parts(state)
             http_port = await root.start(serve_http, state)
             log.info("HTTP listening on http://%s:%d", settings.host, http_port)
             state.startup_phase = "loading model"
@@ -93,28 +93,15 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
             engine = await Engine.load(model_path, settings, alias=alias)
             await root.start(engine.run)
             _register_engine_metrics(state, engine)
-            rpc_port = await _start_rpc_and_decodes(root, state, engine)
+            store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
+            state.decodes = DecodeManager(state, engine, store)
+            await root.start(state.decodes.run)
             state.engine = engine
+            rpc_port = await root.start(serve_rpc, state)
             state.startup_phase = "ready"
             log.info("ready: HTTP port %d, RPC port %d", http_port, rpc_port)
             task_status.started(Endpoints(http_port, rpc_port, state))
             await trio.sleep_forever()
-
-
-def _register_parts(state: AppState) -> None:
-    """Hook for the RPC/decode layers to add their HTTP routes."""
-    try:
-        from .http.state_routes import bp as state_bp
-
-        state.extra_blueprints.append(state_bp)
-    except ImportError:
-        pass
-    try:
-        from .http.decode_routes import bp as decode_bp
-
-        state.extra_blueprints.append(decode_bp)
-    except ImportError:
-        pass
 
 
 def _register_engine_metrics(state: AppState, engine: Engine) -> None:
@@ -132,12 +119,3 @@ def _register_engine_metrics(state: AppState, engine: Engine) -> None:
         lambda: engine.batch_tokens / engine.batches if engine.batches else 0.0,
     )
     m.add_live("hydra_model_load_ms", "model load time", lambda: engine.model_load_ms)
-
-
-async def _start_rpc_and_decodes(root: trio.Nursery, state: AppState, engine: Engine) -> int:
-    try:
-        from .rpc.server import serve_rpc
-    except ImportError:
-        return 0
-    state.engine = engine
-    return await root.start(serve_rpc, state)

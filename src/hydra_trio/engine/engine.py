@@ -26,7 +26,7 @@ from .chat import render_prompt
 from .params import GenerationParams
 from .slots import Slot, SlotTable
 from .text import TextAssembler, common_prefix_len
-from .worker import GpuWorker
+from .worker import CallTiming, GpuWorker
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class GenerationResult:
     prompt_ms: float = 0.0  # prompt processing (prefill of the delta)
     ttft_ms: float = 0.0  # generation start -> first token text available
     decode_ms: float = 0.0  # first token -> last token
+    first_token_at: float | None = None  # perf_counter() when the first token was sampled
     tokens: list[int] = field(default_factory=list)
 
     @property
@@ -345,7 +346,7 @@ class Engine:
                 reqs = [StepRequest(j.slot, j.token, j.sampler) for j in jobs]
                 try:
                     with trio.CancelScope(shield=True):  # finish the batch even on shutdown
-                        results = await self.worker.run(lambda _abort: self.backend.step(reqs))
+                        results = await self.worker.run(lambda _abort, reqs=reqs: self.backend.step(reqs))
                 except Exception as exc:  # a failed batch fails its requests, not the engine
                     log.exception("generation step failed")
                     for job in jobs:
@@ -404,6 +405,7 @@ class Engine:
                 token, _ = await self.prefill(slot, prompt_tokens, n_common, sampler=sampler)
             res.n_common = n_common
             t_first = time.perf_counter()
+            res.first_token_at = t_first
             res.prompt_ms = (t_first - t_start) * 1000.0
             res.ttft_ms = res.prompt_ms
             self._generating += 1
@@ -452,7 +454,7 @@ class Engine:
         state, tokens = await self.worker.run(call)
         return encode_blob_head(len(tokens), tokens), state, len(tokens)
 
-    async def state_restore(self, slot: int, blob: KvBlob) -> bytes | memoryview | None:
+    async def state_restore(self, slot: int, blob: KvBlob, timing: CallTiming | None = None) -> bytes | memoryview | None:
         """Restore a parsed v2 blob into the slot, all-or-nothing. Returns trailing logits."""
         if blob.checkpoint is not None and not self.backend.info.recurrent:
             raise ProtocolError(
@@ -474,7 +476,7 @@ class Engine:
                 raise
 
         try:
-            return await self.worker.run(call)
+            return await self.worker.run(call, timing)
         except DecodeAborted:
             await trio.lowlevel.checkpoint()
             raise

@@ -5,11 +5,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import trio
 
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class CallTiming:
+    queue_wait_s: float = 0.0  # waiting for the worker (other calls ahead)
+    run_s: float = 0.0  # inside llama.cpp
 
 
 class GpuWorker:
@@ -26,19 +33,26 @@ class GpuWorker:
         self.busy_s = 0.0  # total seconds the worker spent in calls (utilisation metric)
         self.calls = 0
 
-    async def run(self, fn: Callable[[threading.Event], T]) -> T:
+
+    async def run(self, fn: Callable[[threading.Event], T], timing: CallTiming | None = None) -> T:
         """Run ``fn(abort)`` on the worker; ``abort`` is set if the caller is cancelled."""
         abort = threading.Event()
+        submitted = time.perf_counter()
 
         def timed() -> T:
             if abort.is_set():  # cancelled after the limiter was granted but before we ran
                 raise _AbortedBeforeStart
             start = time.perf_counter()
+            if timing is not None:
+                timing.queue_wait_s = start - submitted
             try:
                 return fn(abort)
             finally:
-                self.busy_s += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                self.busy_s += elapsed
                 self.calls += 1
+                if timing is not None:
+                    timing.run_s = elapsed
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_raise_flag_on_cancel, abort)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import trio
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
 from ..engine.params import parse_generation

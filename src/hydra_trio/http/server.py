@@ -12,6 +12,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from .common import register_error_handlers
+from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 
 if TYPE_CHECKING:
@@ -28,8 +29,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = 600
     app.config["MAX_CONTENT_LENGTH"] = max(state.settings.max_kv_bytes, state.settings.max_json_bytes) + (1 << 20)
     app.register_blueprint(openai_bp)
-    for bp in state.extra_blueprints:
-        app.register_blueprint(bp)
+    app.register_blueprint(decode_bp)
     register_error_handlers(app)
 
     @app.get("/metrics")

@@ -16,7 +16,7 @@ import trio
 
 from ..wire.errors import Status
 from ..wire.frames import encode_decode_frame_v3
-from ..wire.protocol import Op, encode_request_header, parse_response_header, RESPONSE_HEADER
+from ..wire.protocol import RESPONSE_HEADER, Op, encode_request_header, parse_response_header
 
 Buffer = bytes | bytearray | memoryview
 

@@ -40,6 +40,9 @@ class Reply:
     meta: dict[str, Any]
     payload: list[Buffer] = field(default_factory=list)
     send_chunk: int | None = None
+    # Called when the reply could not be written (the peer left): e.g. DECODE cancels the
+    # request nobody will learn the id of.
+    on_send_failed: Callable[[], Awaitable[None]] | None = None
 
     @property
     def payload_len(self) -> int:
@@ -87,7 +90,6 @@ CHUNK_MIN, CHUNK_MAX = 64 * 1024, 64 * 1024 * 1024
 class OpTable:
     def __init__(self, state: AppState) -> None:
         self.state = state
-        s = state.settings
         no_payload = self._no_payload_cap
         self._ops: dict[int, OpSpec] = {
             Op.STATE_GET: OpSpec("STATE_GET", no_payload, self._slot_free, self.state_get),
@@ -101,7 +103,6 @@ class OpTable:
         }
         if state.decodes is not None:
             self._ops[Op.DECODE] = state.decodes.rpc_spec(OpSpec, Reply)
-        del s
 
     @property
     def engine(self) -> Engine:

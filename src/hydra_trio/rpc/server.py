@@ -113,7 +113,13 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection) -> N
             rlog.info("%s: peer closed before the reply; request cancelled", op_name)
             return
         state.metrics.rpc_requests.labels(op_name, reply.status.name).inc()
-        await _send_reply(conn, reply)
+        try:
+            await _send_reply(conn, reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            if reply.on_send_failed is not None:
+                with trio.CancelScope(shield=True):
+                    await reply.on_send_failed()
+            raise
         state.metrics.rpc_bytes_out.inc(reply.payload_len)
         del payload, reply
 

@@ -1,0 +1,1 @@
+"""Decode requests: lifecycle (manager.py) and the bounded result store (store.py)."""

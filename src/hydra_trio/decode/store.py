@@ -1,0 +1,225 @@
+"""Bounded store of decode requests: live entries, finished results (TTL), tombstones.
+
+Only finished entries are evicted (oldest first). A task finishing after its entry was
+deleted, cancelled or evicted cannot bring it back: entries leave the store only through
+here, and sealing checks the entry is still the one the store holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import trio
+
+from ..wire.errors import ErrorCode, ProtocolError
+
+
+class DecodeState(StrEnum):
+    VALIDATING = "validating"
+    RESTORING = "restoring"
+    GENERATING = "generating"
+    DONE = "done"
+    FAILED = "failed"
+    # tombstones
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    EVICTED = "evicted"
+    DELETED = "deleted"
+
+
+RUNNING = {DecodeState.VALIDATING, DecodeState.RESTORING, DecodeState.GENERATING}
+FINISHED = {DecodeState.DONE, DecodeState.FAILED}
+
+
+class IdAllocator:
+    """Random-looking positive int32 ids, never repeated in the life of the process.
+
+    A counter pushed through a keyed bijection of [0, 2^31): distinct counters give distinct
+    ids with O(1) memory (remembering every id ever issued would grow without bound).
+    """
+
+    _MASK = (1 << 31) - 1
+
+    def __init__(self, key: int | None = None) -> None:
+        import secrets
+
+        self._key = (key if key is not None else secrets.randbits(31)) & self._MASK
+        self._counter = 0
+
+    def _mix(self, x: int) -> int:
+        m = self._MASK
+        x = (x * 0x2C1B3C6D + self._key) & m  # odd multiplier: bijective mod 2^31
+        x ^= x >> 15
+        x = (x * 0x297A2D39) & m
+        x ^= x >> 12
+        x = (x * 0x5BD1E995) & m
+        x ^= x >> 16
+        return x
+
+    def next(self) -> int:
+        while True:
+            self._counter += 1
+            if self._counter > self._MASK:
+                raise RuntimeError("decode request ids exhausted (2^31 issued)")
+            value = self._mix(self._counter)
+            if value != 0:
+                return value
+
+
+@dataclass(slots=True)
+class Tombstone:
+    id: int
+    state: DecodeState
+    ended_at: float
+
+
+@dataclass(slots=True)
+class DecodeEntry:
+    id: int
+    slot_id: int
+    created_at: float
+    created_unix: int = field(default_factory=lambda: int(time.time()))
+    state: DecodeState = DecodeState.VALIDATING
+    ended_at: float | None = None
+    chunks: list[str] = field(default_factory=list)  # text deltas, in order
+    error: str = ""
+    error_code: str = ""
+    result: Any = None  # engine GenerationResult once generating
+    metrics: dict[str, Any] = field(default_factory=dict)
+    task: Any = None  # tasks.OwnedTask
+    _subscribers: list[trio.MemorySendChannel[None]] = field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.state in RUNNING
+
+    def subscribe(self) -> trio.MemoryReceiveChannel[None]:
+        """A wake-up channel (bounded, capacity 1): a message means "look again"; the
+        reader reads new chunks from ``chunks`` by index, so a slow reader costs no memory."""
+        send, recv = trio.open_memory_channel[None](1)
+        self._subscribers.append(send)
+        return recv
+
+    def unsubscribe(self, recv: trio.MemoryReceiveChannel[None]) -> None:
+        self._subscribers = [s for s in self._subscribers if not _same_channel(s, recv)]
+        recv.close()
+
+    def notify(self) -> None:
+        live = []
+        for s in self._subscribers:
+            try:
+                s.send_nowait(None)
+            except trio.WouldBlock:
+                pass  # a wake-up is already pending
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                continue
+            live.append(s)
+        self._subscribers = live
+
+    def close_subscribers(self) -> None:
+        for s in self._subscribers:
+            s.close()
+        self._subscribers = []
+
+
+def _same_channel(send: trio.MemorySendChannel[None], recv: trio.MemoryReceiveChannel[None]) -> bool:
+    return send._state is recv._state  # type: ignore[attr-defined]
+
+
+class ResultStore:
+    def __init__(self, *, ttl_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.clock = clock
+        self._entries: OrderedDict[int, DecodeEntry] = OrderedDict()  # insertion order
+        self._tombstones: OrderedDict[int, Tombstone] = OrderedDict()
+        self.max_tombstones = max(64, 4 * max_entries)
+        self.ids = IdAllocator()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[DecodeEntry]:
+        return list(self._entries.values())
+
+    def running(self) -> list[DecodeEntry]:
+        return [e for e in self._entries.values() if e.running]
+
+    def get(self, request_id: int) -> DecodeEntry | Tombstone | None:
+        self.sweep()
+        return self._entries.get(request_id) or self._tombstones.get(request_id)
+
+    def create(self, slot_id: int) -> DecodeEntry:
+        """A new running entry; evicts the oldest finished entry if the store is full.
+
+        Raises BUSY RESULT_STORE_FULL (nothing written) when every entry is still running.
+        """
+        self.sweep()
+        if len(self._entries) >= self.max_entries:
+            victim = next((e for e in self._entries.values() if not e.running), None)
+            if victim is None:
+                raise ProtocolError(
+                    ErrorCode.RESULT_STORE_FULL,
+                    f"result store full: {len(self._entries)} decode requests are still running",
+                )
+            self._bury(victim, DecodeState.EVICTED)
+            self.evictions += 1
+        entry = DecodeEntry(id=self.ids.next(), slot_id=slot_id, created_at=self.clock())
+        self._entries[entry.id] = entry
+        return entry
+
+    def holds(self, entry: DecodeEntry) -> bool:
+        return self._entries.get(entry.id) is entry
+
+    def finish(self, entry: DecodeEntry, state: DecodeState) -> None:
+        """Seal a running entry as done/failed, or bury it as cancelled/timed_out.
+
+        No effect if the entry already left the store (deleted/evicted) or already ended.
+        """
+        if not self.holds(entry) or not entry.running:
+            return
+        entry.ended_at = self.clock()
+        if state in FINISHED:
+            entry.state = state
+            entry.notify()
+            entry.close_subscribers()
+        else:
+            self._bury(entry, state)
+
+    def delete(self, entry: DecodeEntry) -> None:
+        """DELETE of a finished entry: it leaves the store as a "deleted" tombstone."""
+        if self.holds(entry):
+            self._bury(entry, DecodeState.DELETED)
+
+    def _bury(self, entry: DecodeEntry, state: DecodeState) -> None:
+        self._entries.pop(entry.id, None)
+        entry.state = state
+        if entry.ended_at is None:
+            entry.ended_at = self.clock()
+        entry.notify()
+        entry.close_subscribers()
+        entry.chunks = []  # a tombstone keeps no text
+        self._tombstones[entry.id] = Tombstone(entry.id, state, self.clock())
+        while len(self._tombstones) > self.max_tombstones:
+            self._tombstones.popitem(last=False)
+
+    def sweep(self) -> None:
+        """Finished entries older than the TTL become "evicted" tombstones; tombstones older
+        than the TTL are forgotten."""
+        now = self.clock()
+        expired = [
+            e for e in self._entries.values() if not e.running and e.ended_at is not None and now - e.ended_at >= self.ttl_s
+        ]
+        for e in expired:
+            self._bury(e, DecodeState.EVICTED)
+        while self._tombstones:
+            first = next(iter(self._tombstones.values()))
+            if now - first.ended_at < self.ttl_s:
+                break
+            self._tombstones.popitem(last=False)

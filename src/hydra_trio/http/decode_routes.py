@@ -1,0 +1,186 @@
+"""GET /v1/decode/{id} (SSE or JSON) and DELETE /v1/decode/{id} (spec §6.1, §6.2)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+from quart import Blueprint, Response, request
+
+from ..decode.store import DecodeEntry, DecodeState, Tombstone
+from .common import app_state, json_response, require_engine
+from .openai import completion_body
+from .sse import SSE_DONE, completion_chunk, error_body, sse_event, timings, usage, wants_sse
+
+bp = Blueprint("decode", __name__)
+
+MAX_WAIT_S = 600.0
+
+
+def _manager() -> Any:
+    require_engine()
+    manager = app_state().decodes
+    if manager is None:
+        from .common import EngineStarting
+
+        raise EngineStarting
+    return manager
+
+
+def _parse_id(raw: str) -> int | None:
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _bad_id(raw: str) -> Response:
+    return json_response(error_body(400, f"decode_request_id must be an integer, got {raw[:40]!r}", "invalid_request_error"), 400)
+
+
+@bp.get("/v1/decode")
+async def list_decodes() -> Response:
+    """Ours: the entries the store holds (ids, states, slots), newest last."""
+    manager = _manager()
+    return json_response(
+        [{"decode_request_id": e.id, "state": e.state.value, "id_slot": e.slot_id} for e in manager.store.entries()]
+    )
+
+
+@bp.get("/v1/decode/<raw_id>")
+async def get_decode(raw_id: str) -> Response:
+    manager = _manager()
+    request_id = _parse_id(raw_id)
+    if request_id is None:
+        return _bad_id(raw_id)
+    found = manager.lookup(request_id)
+    if found is None:
+        return json_response(error_body(404, "no such decode request", "not_found_error", decode_request_id=request_id), 404)
+    if isinstance(found, Tombstone):
+        return json_response({"state": found.state.value, "decode_request_id": request_id}, 410)
+    entry: DecodeEntry = found
+    if entry.state in (DecodeState.VALIDATING, DecodeState.RESTORING):
+        return json_response({"state": entry.state.value, "decode_request_id": entry.id, "id_slot": entry.slot_id}, 202)
+    if entry.state == DecodeState.FAILED:
+        return _failed(entry)
+    if wants_sse(request.headers.get("Accept")):
+        return Response(
+            _sse_stream(manager, entry), status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+    if entry.running:
+        wait_s = _wait_param()
+        if wait_s > 0:
+            await _wait_finished(entry, wait_s)
+    if entry.state == DecodeState.DONE:
+        return json_response(_result_body(manager, entry))
+    if entry.state == DecodeState.FAILED:
+        return _failed(entry)
+    if entry.running:
+        return json_response(
+            {**error_body(404, "decode_request_id not ready", "not_ready"), "state": entry.state.value},
+            404,
+            headers={"Retry-After": "1"},
+        )
+    return json_response({"state": entry.state.value, "decode_request_id": entry.id}, 410)
+
+
+@bp.delete("/v1/decode/<raw_id>")
+async def delete_decode(raw_id: str) -> Response:
+    manager = _manager()
+    request_id = _parse_id(raw_id)
+    if request_id is None:
+        return _bad_id(raw_id)
+    status, body = await manager.cancel(request_id)
+    return json_response(body, status)
+
+
+def _wait_param() -> float:
+    raw = request.args.get("wait")
+    if raw is None:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        return 0.0
+    return min(max(value, 0.0), MAX_WAIT_S)
+
+
+async def _wait_finished(entry: DecodeEntry, wait_s: float) -> None:
+    wakeups = entry.subscribe()
+    try:
+        with trio.move_on_after(wait_s):
+            while entry.running:
+                try:
+                    await wakeups.receive()
+                except trio.EndOfChannel:
+                    break
+    finally:
+        entry.unsubscribe(wakeups)
+
+
+def _failed(entry: DecodeEntry) -> Response:
+    return json_response(
+        {**error_body(400, entry.error or "decode failed", "decode_failed"), "error_code": "DECODE_FAILED", "reason_code": entry.error_code},
+        400,
+    )
+
+
+def _completion_id(entry: DecodeEntry) -> str:
+    return f"chatcmpl-decode-{entry.id}"
+
+
+def _result_body(manager: Any, entry: DecodeEntry) -> dict[str, Any]:
+    return completion_body(
+        _completion_id(entry),
+        manager.engine.identity.model_alias,
+        entry.slot_id,
+        entry.result,
+        hydra_metrics=manager.hydra_metrics(entry),
+    )
+
+
+async def _sse_stream(manager: Any, entry: DecodeEntry) -> AsyncIterator[bytes]:
+    """Every chunk so far, then live ones; a final chunk with usage and metrics, [DONE].
+
+    A reader leaving does not affect the request (DELETE stops it)."""
+    cid = _completion_id(entry)
+    model = manager.engine.identity.model_alias
+    created = entry.created_unix
+    wakeups = entry.subscribe()
+    sent = 0
+    try:
+        yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
+        while True:
+            while sent < len(entry.chunks):
+                yield sse_event(completion_chunk(cid, created, model, delta={"content": entry.chunks[sent]}))
+                sent += 1
+            if not entry.running:
+                break
+            try:
+                await wakeups.receive()
+            except trio.EndOfChannel:
+                pass
+        if entry.state == DecodeState.DONE:
+            res = entry.result
+            yield sse_event(
+                completion_chunk(
+                    cid,
+                    created,
+                    model,
+                    delta={},
+                    finish_reason=res.finish_reason,
+                    usage=usage(res.prompt_tokens, res.completion_tokens, res.n_common),
+                    timings=timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
+                    id_slot=entry.slot_id,
+                    hydra_metrics=manager.hydra_metrics(entry),
+                )
+            )
+            yield SSE_DONE
+        else:
+            code = "DECODE_FAILED" if entry.state == DecodeState.FAILED else entry.state.value.upper()
+            yield sse_event(
+                {**error_body(410 if entry.state != DecodeState.FAILED else 400, entry.error or entry.state.value, "decode_ended"), "state": entry.state.value, "error_code": code}
+            )
+    finally:
+        entry.unsubscribe(wakeups)

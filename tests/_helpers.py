@@ -1,0 +1,107 @@
+"""Helpers shared by the integration tests (not collected: no test_ prefix)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import trio
+
+from hydra_trio.rpc.client import RpcClient, RpcConnectionClosed, RpcResponse, state_meta_call
+from hydra_trio.wire.errors import Status
+
+MESSAGES = [{"role": "user", "content": "hello world"}]
+OTHER_MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me a story"}]
+POLL_S = 0.01
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    """Poll ``check`` until it is true; TooSlowError after ``timeout_s``."""
+    with trio.fail_after(timeout_s):
+        while not await check():
+            await trio.sleep(POLL_S)
+
+
+def http_client(ep: Any, **kw: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30.0, **kw)
+
+
+async def chat(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    body.setdefault("messages", MESSAGES)
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def parse_sse(lines: list[str]) -> tuple[list[dict[str, Any]], bool]:
+    """(chunks, saw [DONE]) from the ``data:`` lines of an SSE body."""
+    chunks: list[dict[str, Any]] = []
+    done = False
+    for line in lines:
+        if not line.startswith("data: "):
+            assert line == "", f"unexpected SSE line {line!r}"
+            continue
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            assert not done, "two [DONE] events"
+            done = True
+            continue
+        assert not done, "event after [DONE]"
+        chunks.append(json.loads(data))
+    return chunks, done
+
+
+async def stream_chat(client: httpx.AsyncClient, **body: Any) -> tuple[list[dict[str, Any]], bool, httpx.Response]:
+    body.setdefault("messages", MESSAGES)
+    body["stream"] = True
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, (await r.aread()).decode()
+        lines = [line async for line in r.aiter_lines()]
+    chunks, done = parse_sse(lines)
+    return chunks, done, r
+
+
+def stream_text(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if "choices" in c)
+
+
+async def rpc(ep: Any) -> RpcClient:
+    return await RpcClient.connect("127.0.0.1", ep.rpc_port)
+
+
+async def slot_metas(ep: Any) -> list[dict[str, Any]]:
+    """STATE_META of every slot, on a fresh connection."""
+    async with await rpc(ep) as c:
+        info = await c.info()
+        return [(await c.call(state_meta_call(i))).meta for i in range(info.meta["n_slots"])]
+
+
+async def assert_server_healthy(ep: Any) -> None:
+    """A fresh INFO works and no slot is stuck busy (waits for in-flight cleanups)."""
+
+    async def idle() -> bool:
+        return not any(m["is_processing"] or m["is_transferring"] for m in await slot_metas(ep))
+
+    await wait_until(idle, 10.0)
+    async with await rpc(ep) as c:
+        info = await c.info()
+        assert info.ok and info.meta["engine"] == "hydra-trio"
+
+
+def assert_error(resp: RpcResponse, status: Status, code: str) -> None:
+    assert resp.status == status, (Status(resp.status).name, resp.meta)
+    assert resp.meta.get("error_code") == code, resp.meta
+    assert isinstance(resp.meta.get("error"), str) and resp.meta["error"], resp.meta
+    assert resp.payload == b""
+
+
+async def expect_closed(client: RpcClient, timeout_s: float = 10.0) -> None:
+    """The server closes the connection without sending (more) bytes."""
+    with trio.fail_after(timeout_s):
+        try:
+            resp = await client.read_response()
+        except (RpcConnectionClosed, trio.BrokenResourceError, ConnectionResetError):
+            return
+    raise AssertionError(f"expected the connection to be closed, got a response {resp}")
