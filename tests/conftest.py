@@ -44,6 +44,27 @@ def tiny_model_wide(model_dir: Path) -> Path:
     return write_model(model_dir / "tiny-wide.gguf", "tiny", seed=2, n_vocab=600, name="Hydra Synthetic Tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_model_ctx(model_dir: Path) -> Path:
+    """Same shape and vocabulary as tiny_model, with 10x stronger layer weights.
+
+    tiny_model's residual stream is dominated by the current token's embedding, so its
+    greedy text is the same for every prompt (a bigram chain): it cannot tell a correct KV
+    from a wrong one. This model's text depends on the whole context, which makes "same
+    greedy text" comparisons (restarts, restored KV, batching) meaningful.
+    """
+    from hydra_trio.model import synthetic
+
+    orig = synthetic._tensor
+
+    def stronger(rng: Any, shape: tuple[int, ...], dtype: type, std: float) -> Any:
+        return orig(rng, shape, dtype, 0.2 if std == 0.02 else std)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(synthetic, "_tensor", stronger)
+        return synthetic.write_model(model_dir / "tiny-ctx.gguf", "tiny", seed=3, name="Hydra Synthetic Tiny Ctx")
+
+
 def test_settings(model: Path, **overrides: Any) -> Settings:
     base = Settings(
         model=str(model),
@@ -76,6 +97,12 @@ def start_engine(nursery: trio.Nursery) -> Callable[..., Any]:
 @pytest.fixture
 async def engine(start_engine: Callable[..., Any], tiny_model: Path) -> AsyncIterator[Any]:
     yield await start_engine(tiny_model)
+
+
+@pytest.fixture
+async def ctx_engine(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> AsyncIterator[Any]:
+    """A live engine serving tiny_model_ctx (context-sensitive greedy text)."""
+    yield await start_engine(tiny_model_ctx)
 
 
 @pytest.fixture(autouse=True)

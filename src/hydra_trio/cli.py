@@ -10,7 +10,7 @@ import sys
 
 import trio
 
-from .config import add_arguments, settings_from, settings_table
+from .config import Settings, add_arguments, settings_from, settings_table
 
 
 def _setup_logging(level: str) -> None:
@@ -23,18 +23,38 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
 
 
-async def _serve_until_signal(settings: object) -> None:
-    from .app import serve
+async def _serve_until_signal(settings: Settings) -> None:
+    """Serve until SIGINT/SIGTERM; then drain running decodes (a second signal stops now)."""
+    from .app import Endpoints, serve
 
     log = logging.getLogger("hydra_trio")
+    endpoints: Endpoints | None = None
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve, settings)
 
-            async for signum in signals:
-                log.info("received %s: shutting down", signal.Signals(signum).name)
+            async def on_signals() -> None:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if endpoints is None or endpoints.state.decodes is None:
+                        log.info("received %s during startup: stopping", name)
+                        break
+                    grace = settings.shutdown_grace_s
+                    log.info("received %s: draining running decodes (up to %.0f s; signal again to stop now)", name, grace)
+                    decodes = endpoints.state.decodes
+                    async with trio.open_nursery() as drain:
+
+                        async def run_drain() -> None:
+                            await decodes.drain(grace)
+                            drain.cancel_scope.cancel()
+
+                        drain.start_soon(run_drain)
+                        async for _ in signals:  # a second signal: stop without waiting
+                            drain.cancel_scope.cancel()
+                    break
                 nursery.cancel_scope.cancel()
-                break
+
+            nursery.start_soon(on_signals)
+            endpoints = await nursery.start(serve, settings)
     log.info("stopped")
 
 

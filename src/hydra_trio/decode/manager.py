@@ -51,6 +51,7 @@ class DecodeManager:
         self.settings = state.settings
         self._nursery: trio.Nursery | None = None
         self._accepting = True
+        self.drained = trio.Event()
         self._t3_seen = engine.t3_reloads
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -81,6 +82,7 @@ class DecodeManager:
         for entry in self.store.running():
             if entry.task is not None:
                 await entry.task.cancel_and_wait()
+        self.drained.set()
 
     # ---- submit (RPC) ------------------------------------------------------------------
 

@@ -168,6 +168,7 @@ class LlamaBackend:
         self._abort_flag: threading.Event | None = None
         # ctypes callbacks must outlive the context, or they are garbage-collected under it.
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
+        self._no_abort_cb = llama_cpp.ggml_abort_callback(0)  # NULL: no per-node callback
         self._batch = None
         self._piece_cache: dict[int, bytes] = {}
         self.seq_tokens: list[list[int]] = []
@@ -211,7 +212,6 @@ class LlamaBackend:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx})")
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
-        llama_cpp.llama_set_abort_callback(ctx, self._abort_cb, None)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
@@ -338,11 +338,18 @@ class LlamaBackend:
             batch.seq_id[i][0] = seq
             batch.logits[i] = logits
         batch.n_tokens = len(entries)
-        self._abort_flag = abort
+        # The abort callback is Python: ggml calls it for every graph node, and each call
+        # takes the GIL from the trio thread. So it is attached only to calls that can be
+        # cancelled (prefill chunks); a generation step is short and runs without it.
+        if abort is not None:
+            self._abort_flag = abort
+            llama_cpp.llama_set_abort_callback(self._ctx, self._abort_cb, None)
         try:
             rc = llama_cpp.llama_decode(self._ctx, batch)
         finally:
-            self._abort_flag = None
+            if abort is not None:
+                llama_cpp.llama_set_abort_callback(self._ctx, self._no_abort_cb, None)
+                self._abort_flag = None
         if rc == 0:
             return
         for seq in {e[0] for e in entries}:

@@ -14,6 +14,7 @@ from quart_trio import QuartTrio
 from .common import register_error_handlers
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
+from .state_routes import bp as state_bp
 
 if TYPE_CHECKING:
     from ..app import AppState
@@ -30,6 +31,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = max(state.settings.max_kv_bytes, state.settings.max_json_bytes) + (1 << 20)
     app.register_blueprint(openai_bp)
     app.register_blueprint(decode_bp)
+    app.register_blueprint(state_bp)
     register_error_handlers(app)
 
     @app.get("/metrics")

@@ -1,0 +1,206 @@
+"""LlamaBackend used directly (sync, no engine): the KV blob round trip between two backend
+instances, and restore refusals that must leave the slot clean and usable."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from hydra_trio.engine.backend import LlamaBackend, Sampler, SamplingParams, StepRequest
+from hydra_trio.wire.errors import ErrorCode, ProtocolError
+from hydra_trio.wire.kvblob import encode_kv_blob, parse_kv_blob, split_trailing_logits
+
+PROMPT = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+N_GEN = 24
+
+
+def new_backend(model: Path, n_slots: int = 2) -> LlamaBackend:
+    return LlamaBackend(str(model), n_slots=n_slots, n_ctx=512, n_threads=2, n_batch=64)
+
+
+def greedy_from(backend: LlamaBackend, slot: int, first: int, n: int = N_GEN) -> list[int]:
+    """``first`` plus the next n-1 greedy tokens, stepping the slot."""
+    sampler = Sampler(SamplingParams())
+    try:
+        out = [first]
+        tok = first
+        for _ in range(n - 1):
+            nxt = backend.step([StepRequest(slot, tok, sampler)])[0]
+            assert nxt is not None
+            out.append(nxt)
+            tok = nxt
+        return out
+    finally:
+        sampler.close()
+
+
+def continue_slot(backend: LlamaBackend, slot: int, n: int = N_GEN) -> list[int]:
+    """Greedy continuation of what the slot holds, re-evaluating its last token (no logits),
+    then put the slot back as it was."""
+    held = list(backend.seq_tokens[slot])
+    backend.truncate_slot(slot, len(held) - 1)
+    sampler = Sampler(SamplingParams())
+    try:
+        first, _ = backend.eval_chunk(slot, [held[-1]], None, sampler=sampler)
+    finally:
+        sampler.close()
+    assert first is not None
+    out = greedy_from(backend, slot, first, n)
+    backend.truncate_slot(slot, len(held))
+    assert backend.seq_tokens[slot] == held
+    return out
+
+
+def assert_slot_clean(backend: LlamaBackend, slot: int) -> None:
+    """The bookkeeping describes exactly what the KV holds, and the scratch sequence is empty."""
+    mem = llama_cpp.llama_get_memory(backend._ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, slot) + 1 == len(backend.seq_tokens[slot])
+    if backend.seq_tokens[slot]:
+        assert llama_cpp.llama_memory_seq_pos_min(mem, slot) == 0
+    assert llama_cpp.llama_memory_seq_pos_max(mem, backend.scratch_seq) == -1
+    state, tokens = backend.state_get(slot)
+    assert tokens == backend.seq_tokens[slot]
+    assert len(state) == backend.state_size_for(len(tokens))
+
+
+@dataclass
+class Reference:
+    prompt: list[int]
+    continuation: list[int]  # greedy tokens after the prompt, from a fresh prefill
+    state: bytes  # llama state of the prompt alone
+    logits: bytes  # last prompt position's logits
+
+    @property
+    def blob(self) -> bytes:
+        return encode_kv_blob(len(self.prompt), self.prompt, self.state, self.logits)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> Iterator[Reference]:
+    b = new_backend(tiny_model, n_slots=1)
+    try:
+        prompt = b.tokenize(PROMPT, add_special=True)
+        sampler = Sampler(SamplingParams())
+        first, logits = b.eval_chunk(0, prompt, None, sampler=sampler, want_logits=True)
+        sampler.close()
+        assert first is not None and logits is not None
+        assert len(logits) == 4 * b.info.n_vocab
+        b.truncate_slot(0, len(prompt))
+        state, tokens = b.state_get(0)  # before generating: the prompt's KV alone
+        assert tokens == prompt
+        continuation = greedy_from(b, 0, first)
+        yield Reference(prompt, continuation, bytes(state), logits)
+    finally:
+        b.close()
+
+
+@pytest.fixture
+def backend(tiny_model: Path) -> Iterator[LlamaBackend]:
+    b = new_backend(tiny_model)
+    yield b
+    b.close()
+
+
+def test_prefill_is_deterministic_across_instances(tiny_model: Path, reference: Reference) -> None:
+    b = new_backend(tiny_model, n_slots=1)
+    try:
+        assert b.tokenize(PROMPT, add_special=True) == reference.prompt
+        sampler = Sampler(SamplingParams())
+        first, logits = b.eval_chunk(0, reference.prompt, None, sampler=sampler, want_logits=True)
+        sampler.close()
+        assert logits == reference.logits
+        assert greedy_from(b, 0, first) == reference.continuation  # type: ignore[arg-type]
+    finally:
+        b.close()
+
+
+def test_blob_round_trip_with_logits(backend: LlamaBackend, reference: Reference) -> None:
+    blob = parse_kv_blob(reference.blob)
+    assert blob.n_past == len(reference.prompt) and blob.tokens == reference.prompt
+    tail = backend.state_restore(0, blob.state, blob.tokens, blob.n_past)
+    logits = split_trailing_logits(tail, backend.info.n_vocab)
+    assert logits is not None and bytes(logits) == reference.logits
+    assert backend.seq_tokens[0] == reference.prompt
+    assert_slot_clean(backend, 0)
+    # Same bytes out as in: nothing lost or reordered by the restore.
+    state, tokens = backend.state_get(0)
+    assert tokens == reference.prompt and bytes(state) == reference.state
+    sampler = Sampler(SamplingParams())
+    first = backend.sample_from_logits(sampler, logits)
+    sampler.close()
+    assert greedy_from(backend, 0, first) == reference.continuation
+
+
+def test_blob_round_trip_without_logits(backend: LlamaBackend, reference: Reference) -> None:
+    """A STATE_GET-style blob (no logits): the last token is re-evaluated, same text."""
+    raw = encode_kv_blob(len(reference.prompt), reference.prompt, reference.state)
+    blob = parse_kv_blob(raw)
+    tail = backend.state_restore(1, blob.state, blob.tokens, blob.n_past)
+    assert split_trailing_logits(tail, backend.info.n_vocab) is None
+    assert_slot_clean(backend, 1)
+    assert continue_slot(backend, 1) == reference.continuation
+    assert backend.n_past(0) == 0  # the other slot was not touched
+
+
+def _bad_magic(state: bytes) -> bytes:
+    return struct.pack("<I", 0x12345678) + state[4:]
+
+
+def _corrupt_layer_count(state: bytes) -> bytes:
+    # n_stream (offset 8) set to 7: llama.cpp refuses the stream count.
+    return state[:8] + struct.pack("<I", 7) + state[12:]
+
+
+CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
+    "bad-state-magic": _bad_magic,
+    "bad-stream-count": _corrupt_layer_count,
+    "truncated-half": lambda s: s[: len(s) // 2],
+    "truncated-last-byte": lambda s: s[:-1],
+    "truncated-to-10-bytes": lambda s: s[:10],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
+def test_restore_refusal_leaves_slot_clean_and_usable(backend: LlamaBackend, reference: Reference, kind: str) -> None:
+    bad = CORRUPTIONS[kind](reference.state)
+    # Slot 0 already holds the prompt (restored from the good blob); slot 1 is empty.
+    backend.state_restore(0, memoryview(reference.state), reference.prompt, len(reference.prompt))
+    for slot in (0, 1):
+        before = list(backend.seq_tokens[slot])
+        with pytest.raises(ProtocolError) as exc:
+            backend.state_restore(slot, memoryview(bytearray(bad)), reference.prompt, len(reference.prompt))
+        assert exc.value.code == ErrorCode.RESTORE_FAILED
+        # All-or-nothing: the slot holds what it held before, or (spec §2.2) was cleared.
+        assert backend.seq_tokens[slot] in (before, [])
+        assert_slot_clean(backend, slot)
+    # Usable: a good restore into the refused slot works and continues with the same text.
+    for slot in (0, 1):
+        backend.state_restore(slot, memoryview(reference.state), reference.prompt, len(reference.prompt))
+        assert_slot_clean(backend, slot)
+        assert continue_slot(backend, slot) == reference.continuation
+
+
+def test_restore_refuses_n_past_and_token_count_mismatch(backend: LlamaBackend, reference: Reference) -> None:
+    n = len(reference.prompt)
+    with pytest.raises(ProtocolError) as exc:
+        backend.state_restore(0, memoryview(reference.state), reference.prompt, n + 1)
+    assert exc.value.code == ErrorCode.RESTORE_FAILED
+    assert_slot_clean(backend, 0)
+    assert backend.n_past(0) == 0
+    with pytest.raises(ProtocolError) as exc:
+        backend.state_restore(0, memoryview(reference.state), reference.prompt[:-1], n)
+    assert exc.value.code == ErrorCode.RESTORE_FAILED
+    assert_slot_clean(backend, 0)
+    assert backend.n_past(0) == 0
+
+
+def test_state_size_prediction_matches_llama(backend: LlamaBackend, reference: Reference) -> None:
+    """STATE_META reports state_size without a llama call: it must equal the real size."""
+    assert backend.state_size_for(0) == backend.state_size(0)
+    backend.state_restore(0, memoryview(reference.state), reference.prompt, len(reference.prompt))
+    assert backend.state_size_for(len(reference.prompt)) == backend.state_size(0) == len(reference.state)
