@@ -119,3 +119,12 @@ def _register_engine_metrics(state: AppState, engine: Engine) -> None:
         lambda: engine.batch_tokens / engine.batches if engine.batches else 0.0,
     )
     m.add_live("hydra_model_load_ms", "model load time", lambda: engine.model_load_ms)
+    # Live counters read straight from the engine: they show work done after a cancel.
+    m.add_live("hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda: engine.tokens_generated)
+    m.add_live(
+        "hydra_engine_prompt_tokens_processed",
+        "prompt tokens evaluated by the engine (all paths)",
+        lambda: engine.prompt_tokens_processed,
+    )
+    m.add_live("hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda: engine.batch_tokens)
+    m.add_live("hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda: engine.tokens_evaluated)

@@ -300,7 +300,16 @@ class DecodeManager:
             self.state.metrics.cancel_ms.observe((time.perf_counter() - t0) * 1000.0)
             state = entry.state
             if state == DecodeState.CANCELLED:
-                return 200, {"cancelled": True, "decode_request_id": request_id, "state": "cancelled"}
+                res: GenerationResult | None = entry.result
+                return 200, {
+                    "cancelled": True,
+                    "decode_request_id": request_id,
+                    "state": "cancelled",
+                    # ours: what the request had computed when it stopped, and the engine's
+                    # work counter at this moment (compare later: nothing ran after the reply)
+                    "completion_tokens": res.completion_tokens if res else 0,
+                    "engine_tokens_evaluated": self.engine.tokens_evaluated,
+                }
             # It finished on its own before the cancellation landed: now delete it.
         self.store.delete(entry)
         return 200, {"cancelled": False, "decode_request_id": request_id, "state": "deleted"}

@@ -138,6 +138,11 @@ class Engine:
                 await self.worker.run(lambda _abort: self.backend.close())
 
     @property
+    def tokens_evaluated(self) -> int:
+        """Every token llama.cpp has evaluated for requests: prompt chunks + generation steps."""
+        return self.prompt_tokens_processed + self.batch_tokens
+
+    @property
     def n_ctx(self) -> int:
         return self.backend.n_ctx
 

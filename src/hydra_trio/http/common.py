@@ -45,6 +45,9 @@ def require_engine() -> Engine:
 
 
 async def read_json_body(max_bytes: int) -> dict[str, Any]:
+    declared = request.content_length
+    if declared is not None and declared > max_bytes:  # refuse before reading it
+        raise HttpError(413, f"body is {declared} bytes; the limit is {max_bytes}", "invalid_request_error")
     data = await request.get_data(cache=False, as_text=False)
     if len(data) > max_bytes:
         raise HttpError(413, f"body is {len(data)} bytes; the limit is {max_bytes}", "invalid_request_error")
