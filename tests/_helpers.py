@@ -20,7 +20,7 @@ POLL_S = 0.01
 async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
     """Poll ``check`` until it is true; TooSlowError after ``timeout_s``."""
     with trio.fail_after(timeout_s):
-        while not await check():
+        while not await check():  # noqa: ASYNC110 - polling a remote state, not a local event
             await trio.sleep(POLL_S)
 
 
@@ -29,7 +29,8 @@ def http_client(ep: Any, **kw: Any) -> httpx.AsyncClient:
 
 
 async def chat(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
-    body.setdefault("messages", MESSAGES)
+    if "prompt" not in body:
+        body.setdefault("messages", MESSAGES)
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -105,3 +106,25 @@ async def expect_closed(client: RpcClient, timeout_s: float = 10.0) -> None:
         except (RpcConnectionClosed, trio.BrokenResourceError, ConnectionResetError):
             return
     raise AssertionError(f"expected the connection to be closed, got a response {resp}")
+
+
+def assert_same_kv(a: bytes | bytearray, b: bytes | bytearray, *, n_vocab: int | None = None) -> None:
+    """Two v2 blobs hold the same positions and tokens. With ``n_vocab``, trailing logits of
+    ``a`` are dropped first (PREFILL blob vs STATE_GET blob).
+
+    Only blobs read from the same slot id can be compared byte for byte: llama.cpp's
+    sequence state records the sequence id in its header and in every cell.
+    """
+    from hydra_trio.wire.kvblob import parse_kv_blob
+
+    if n_vocab is not None:
+        a = a[: len(a) - 4 * n_vocab]
+    pa, pb = parse_kv_blob(a), parse_kv_blob(b)
+    assert pa.n_past == pb.n_past and pa.tokens == pb.tokens
+    assert len(pa.state) == len(pb.state)
+
+
+# One llama.cpp thread per engine in these tests: the tiny models gain nothing from more, and
+# ggml's spinning thread barriers make a 2-thread engine crawl (seconds per request) when other
+# processes hold the CPUs of a small CI box.
+ENGINE = {"threads": 1}

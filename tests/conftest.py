@@ -73,7 +73,7 @@ def test_settings(model: Path, **overrides: Any) -> Settings:
         rpc_port=0,
         slots=2,
         ctx_size=2048,
-        threads=2,
+        threads=1,  # one llama thread: the trio thread keeps a core on 2-core machines
         batch_size=64,
         default_n_predict=16,
         slot_wait_s=5.0,
@@ -102,7 +102,7 @@ async def engine(start_engine: Callable[..., Any], tiny_model: Path) -> AsyncIte
 @pytest.fixture
 async def ctx_engine(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> AsyncIterator[Any]:
     """A live engine serving tiny_model_ctx (context-sensitive greedy text)."""
-    yield await start_engine(tiny_model_ctx)
+    yield await start_engine(tiny_model_ctx, threads=1)
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +119,7 @@ def run_engine() -> Callable[..., Any]:
     @asynccontextmanager
     async def run(model: Path, **overrides: Any) -> AsyncIterator[Any]:
         async with trio.open_nursery() as nursery:
-            ep = await nursery.start(serve, test_settings(model, **overrides))
+            ep = await nursery.start(serve, test_settings(model, **{"threads": 1, **overrides}))
             try:
                 yield ep
             finally:

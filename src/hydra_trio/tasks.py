@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 
@@ -58,3 +58,19 @@ async def start_owned(
 
     value = await nursery.start(runner)
     return handle, value
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def raise_single(group: BaseExceptionGroup) -> NoReturn:  # type: ignore[type-arg]
+    """Re-raise what a small helper nursery wrapped (trio wraps even one exception in a
+    group): a lone exception, or one Cancelled when all are Cancelled, so callers can catch
+    ``ProtocolError`` or ``trio.Cancelled`` as usual."""
+    leaves = _leaves(group)
+    if len(leaves) == 1 or all(isinstance(e, trio.Cancelled) for e in leaves):
+        raise leaves[0] from None
+    raise group

@@ -17,6 +17,7 @@ import llama_cpp
 import numpy as np
 
 from ..wire.errors import ErrorCode, ProtocolError
+from ..wire.kvblob import split_trailing_logits
 
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("hydra_trio.llama_cpp")
@@ -469,13 +470,21 @@ class LlamaBackend:
         tokens: Sequence[int],
         n_past: int,
         abort: threading.Event | None = None,
-    ) -> memoryview:
+    ) -> memoryview | None:
         """Restore a sequence state into ``slot``, all-or-nothing.
 
-        The state lands in the scratch sequence first; only when llama.cpp accepted it and it
-        holds exactly ``n_past`` positions matching ``tokens`` does it replace the slot.
-        Returns the bytes llama.cpp did not consume (the caller checks them for logits).
+        The state lands in the scratch sequence first; only when llama.cpp accepted it, it
+        holds exactly ``n_past`` positions, and what follows it is either nothing or exactly
+        n_vocab f32 logits, does it replace the slot. Returns those logits (or None).
         """
+        n_vocab = self.info.n_vocab
+        if len(tokens) != n_past:
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob lists {len(tokens)} tokens for n_past={n_past}")
+        if tokens and (min(tokens) < 0 or max(tokens) >= n_vocab):
+            raise ProtocolError(
+                ErrorCode.RESTORE_FAILED,
+                f"blob holds token ids outside the resident vocabulary (0..{n_vocab - 1})",
+            )
         scratch = self.scratch_seq
         llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)
         size = len(state)
@@ -499,18 +508,14 @@ class LlamaBackend:
                     ErrorCode.RESTORE_FAILED,
                     f"KV state holds {restored} positions but the blob declares n_past={n_past}",
                 )
-            if len(tokens) != n_past:
-                raise ProtocolError(
-                    ErrorCode.RESTORE_FAILED,
-                    f"blob lists {len(tokens)} tokens for n_past={n_past}",
-                )
+            logits = split_trailing_logits(state[consumed:], n_vocab)
             if abort is not None and abort.is_set():
                 raise DecodeAborted
             # Commit: in a unified KV cache seq_cp only tags cells, no bytes are copied.
             llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
             llama_cpp.llama_memory_seq_cp(self._mem, scratch, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
-            return state[consumed:]
+            return logits
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)
 

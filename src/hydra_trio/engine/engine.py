@@ -20,7 +20,7 @@ import trio
 from ..config import Settings
 from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError, Status
-from ..wire.kvblob import KvBlob, encode_blob_head, split_trailing_logits
+from ..wire.kvblob import KvBlob, encode_blob_head
 from .backend import DecodeAborted, LlamaBackend, NoKvSpace, Sampler, StepRequest
 from .chat import render_prompt
 from .params import GenerationParams
@@ -291,6 +291,8 @@ class Engine:
                     slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
                 )
 
+            if i == 0:
+                await self.make_room(len(tokens) - n_keep, exclude=slot)
             try:
                 result = await self.worker.run(call)
             except DecodeAborted:
@@ -300,7 +302,7 @@ class Engine:
                 raise ProtocolError(
                     ErrorCode.INTERNAL,
                     f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}; "
-                    f"{self.n_ctx} cells are shared by all slots",
+                    f"{self.n_ctx} cells are shared by all slots and the others are in use",
                 ) from None
             self.prompt_tokens_processed += len(chunk)
         return result
@@ -470,21 +472,36 @@ class Engine:
             raise ProtocolError(
                 ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; the context holds {self.n_ctx}"
             )
-        n_vocab = self.n_vocab
+        await self.make_room(blob.n_past, exclude=slot)
 
         def call(abort: threading.Event) -> bytes | memoryview | None:
-            tail = self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort)
-            try:
-                return split_trailing_logits(tail, n_vocab)
-            except ProtocolError:
-                self.backend.clear_slot(slot)  # the blob was not what it claimed: leave no half
-                raise
+            return self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort)
 
         try:
             return await self.worker.run(call, timing)
         except DecodeAborted:
             await trio.lowlevel.checkpoint()
             raise
+
+    async def make_room(self, needed: int, *, exclude: int) -> None:
+        """Free the KV of idle slots (least recently used first) until ``needed`` more cells
+        fit in the shared cache. A victim is claimed while it is cleared, so no request can
+        start on it halfway."""
+        backend = self.backend
+        while backend.cells_in_use() + needed > self.n_ctx:
+            idle = [
+                s for s in self.slots.slots
+                if not s.busy and s.id != exclude and backend.n_past(s.id) > 0
+            ]
+            if not idle:
+                return  # nothing to free: llama.cpp reports the shortage
+            victim = min(idle, key=lambda s: s.last_used)
+            self.slots.claim(victim.id, "evict")
+            try:
+                log.info("KV cache full: evicting idle slot %d (%d positions)", victim.id, backend.n_past(victim.id))
+                await self.worker.run(lambda _abort, v=victim.id: backend.clear_slot(v))
+            finally:
+                self.slots.release(victim)
 
     async def clear_slot(self, slot: int) -> None:
         await self.worker.run(lambda _abort: self.backend.clear_slot(slot))

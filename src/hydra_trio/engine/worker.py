@@ -10,6 +10,8 @@ from typing import TypeVar
 
 import trio
 
+from ..tasks import raise_single
+
 T = TypeVar("T")
 
 
@@ -54,15 +56,18 @@ class GpuWorker:
                 if timing is not None:
                     timing.run_s = elapsed
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_raise_flag_on_cancel, abort)
-            try:
-                return await trio.to_thread.run_sync(timed, limiter=self.limiter)
-            except _AbortedBeforeStart:
-                await trio.lowlevel.checkpoint()  # delivers the pending Cancelled
-                raise RuntimeError("GPU call aborted without cancellation") from None
-            finally:
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_raise_flag_on_cancel, abort)
+                try:
+                    return await trio.to_thread.run_sync(timed, limiter=self.limiter)
+                except _AbortedBeforeStart:
+                    await trio.lowlevel.checkpoint()  # delivers the pending Cancelled
+                    raise RuntimeError("GPU call aborted without cancellation") from None
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise_single(group)
 
 
 class _AbortedBeforeStart(Exception):

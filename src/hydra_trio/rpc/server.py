@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
 from .connection import Connection, PeerClosed
@@ -130,17 +131,20 @@ async def _run_op(spec: OpSpec, ctx: OpContext, payload: bytearray) -> Reply | N
             return await spec.run(ctx, memoryview(payload))
         peer_gone = False
         reply: Reply | None = None
-        async with trio.open_nursery() as nursery:
+        try:
+            async with trio.open_nursery() as nursery:
 
-            async def watch() -> None:
-                nonlocal peer_gone
-                await ctx.conn.wait_closed()
-                peer_gone = True
+                async def watch() -> None:
+                    nonlocal peer_gone
+                    await ctx.conn.wait_closed()
+                    peer_gone = True
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                reply = await spec.run(ctx, memoryview(payload))
                 nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watch)
-            reply = await spec.run(ctx, memoryview(payload))
-            nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise_single(group)
         return None if peer_gone else reply
     except ProtocolError as err:
         ctx.log.info("%s failed: %s %s", spec.name, err.code, err.message)
