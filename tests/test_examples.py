@@ -11,8 +11,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import cancel  # noqa: E402
-import pd_handoff  # noqa: E402
+import cancel
+import pd_handoff
 
 
 async def test_pd_handoff_example(tiny_model: Path) -> None:

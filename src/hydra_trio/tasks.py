@@ -73,4 +73,7 @@ def raise_single(group: BaseExceptionGroup) -> NoReturn:  # type: ignore[type-ar
     leaves = _leaves(group)
     if len(leaves) == 1 or all(isinstance(e, trio.Cancelled) for e in leaves):
         raise leaves[0] from None
+    others = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    if len(others) == 1:  # the scope stays cancelled: the next checkpoint delivers it
+        raise others[0] from None
     raise group

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import outcome
 import trio
 
 from ..tasks import raise_single
@@ -56,18 +57,23 @@ class GpuWorker:
                 if timing is not None:
                     timing.run_s = elapsed
 
+        # The call's own outcome is captured inside the helper nursery and re-raised outside
+        # it, so callers see DecodeAborted / ProtocolError / Cancelled, not a group.
+        result: outcome.Outcome[T] | None = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_raise_flag_on_cancel, abort)
                 try:
-                    return await trio.to_thread.run_sync(timed, limiter=self.limiter)
-                except _AbortedBeforeStart:
-                    await trio.lowlevel.checkpoint()  # delivers the pending Cancelled
-                    raise RuntimeError("GPU call aborted without cancellation") from None
+                    result = await outcome.acapture(trio.to_thread.run_sync, timed, limiter=self.limiter)
                 finally:
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise_single(group)
+        assert result is not None
+        if isinstance(result, outcome.Error) and isinstance(result.error, _AbortedBeforeStart):
+            await trio.lowlevel.checkpoint()  # delivers the pending Cancelled
+            raise RuntimeError("GPU call aborted without cancellation")
+        return result.unwrap()
 
 
 class _AbortedBeforeStart(Exception):

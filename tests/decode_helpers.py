@@ -1,0 +1,355 @@
+"""Helpers for the DECODE tests (tests/test_decode_*.py); not collected (no test_ prefix).
+
+The one tool that makes the lifecycle tests deterministic is ``WorkerGate``: the test task
+holds the engine's GPU-worker limiter (``engine.worker.limiter``, a CapacityLimiter(1)), so
+every llama.cpp call queues behind it. ``step()`` hands the worker to exactly one queued
+call and takes it back (trio's limiter is FIFO and hands the token over on release), so a
+request can be advanced one GPU call at a time and observed between calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import trio
+
+from hydra_trio.decode.store import DecodeEntry, Tombstone
+from hydra_trio.rpc.client import (
+    RpcClient,
+    RpcResponse,
+    build_decode_frame,
+    decode_call,
+    identity_kv_metadata,
+    prefill_call,
+    state_get_call,
+    state_meta_call,
+)
+from hydra_trio.wire.errors import Status
+from hydra_trio.wire.frames import encode_v3_raw
+from hydra_trio.wire.kvblob import parse_kv_blob
+
+MESSAGES = [{"role": "user", "content": "hello world"}]
+OTHER_MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "tell me a story"},
+]
+# MESSAGES plus an assistant answer and an extra user turn: its rendering extends the
+# rendering of MESSAGES without a generation prompt.
+EXTENDED_MESSAGES = [
+    *MESSAGES,
+    {"role": "assistant", "content": "hi there"},
+    {"role": "user", "content": "tell me a story about the world"},
+]
+# ~1370 prompt tokens on the tiny model (a long delta prefill; fits a 2048 context).
+LONG_TURN = {"role": "user", "content": "the slot cache engine " * 90}
+
+POLL_S = 0.005
+# Every §6.3 key (the spec's list plus "ours").
+HYDRA_METRICS_KEYS = {
+    "decode_request_id",
+    "id_slot",
+    "n_past",
+    "decode_ms",
+    "prompt_ms",
+    "model_load_ms",
+    "restore_slot_ms",
+    "model_identity",
+    "match",
+    "model_fallback",
+    "n_common",
+    "n_prompt_processed",
+    "logits_reused",
+    "kv_bytes",
+    "t3_reloaded",
+    "t3_reload_ms",
+    "decode_init_ms",
+    "validate_ms",
+    "queue_wait_ms",
+    "ttft_ms",
+    "tokens_per_s",
+    "stop_type",
+}
+MATCH_KEYS = {
+    "tokenizer_match",
+    "model_name_match",
+    "model_quant_match",
+    "model_capabilities_match",
+    "model_alias_match",
+    "capabilities_xor",
+    "capabilities_diff_bits",
+}
+INT32_MAX = (1 << 31) - 1
+
+
+# ---- waiting ---------------------------------------------------------------------------
+
+
+async def wait_until(check: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    """Poll ``check`` (sync or async) until true; trio.TooSlowError after ``timeout_s``."""
+    with trio.fail_after(timeout_s):
+        while True:
+            value = check()
+            if not isinstance(value, bool):
+                value = await value
+            if value:
+                return
+            await trio.sleep(POLL_S)
+
+
+# ---- the GPU-worker gate -----------------------------------------------------------------
+
+
+class WorkerGate:
+    """The test task holding the engine's GPU-worker limiter. Use via ``gate(ep)``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.limiter: trio.CapacityLimiter = engine.worker.limiter
+        self.held = False
+
+    async def close(self) -> None:
+        """Take the worker (waits for the call running now, if any)."""
+        assert not self.held
+        await self.limiter.acquire()
+        self.held = True
+
+    def open(self) -> None:
+        """Give the worker back for good (until the next close())."""
+        assert self.held
+        self.held = False
+        self.limiter.release()
+
+    @property
+    def waiting(self) -> int:
+        return self.limiter.statistics().tasks_waiting
+
+    async def wait_queued(self, n: int = 1, timeout_s: float = 10.0) -> None:
+        """Wait until ``n`` calls are queued for the worker behind us."""
+        await wait_until(lambda: self.waiting >= n, timeout_s)
+
+    async def step(self, n: int = 1) -> None:
+        """Let exactly ``n`` queued worker calls run, one after the other, then hold again."""
+        assert self.held
+        for _ in range(n):
+            await self.wait_queued(1)
+            self.limiter.release()  # FIFO: the token goes to the queued call
+            await self.limiter.acquire()  # queued behind it; back once it finished
+
+
+@asynccontextmanager
+async def gate(ep: Any, *, closed: bool = True) -> AsyncIterator[WorkerGate]:
+    """A WorkerGate, closed on entry; always released on exit (the engine's shutdown needs
+    the worker, so a failing test must not leave it held)."""
+    g = WorkerGate(ep.state.engine)
+    if closed:
+        await g.close()
+    try:
+        yield g
+    finally:
+        if g.held:
+            g.open()
+
+
+# ---- HTTP ----------------------------------------------------------------------------------
+
+
+def http(ep: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=90.0)
+
+
+async def chat_completion(
+    h: httpx.AsyncClient, messages: list[dict[str, Any]], n_predict: int
+) -> dict[str, Any]:
+    r = await h.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": n_predict, "temperature": 0},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def get_result(h: httpx.AsyncClient, rid: int, wait_s: float = 60.0) -> dict[str, Any]:
+    """The finished result of a decode request (blocks with ?wait)."""
+    r = await h.get(f"/v1/decode/{rid}", params={"wait": wait_s})
+    assert r.status_code == 200, (r.status_code, r.text)
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    return body
+
+
+def text_of(body: dict[str, Any]) -> str:
+    return body["choices"][0]["message"]["content"]
+
+
+async def listed(h: httpx.AsyncClient) -> list[dict[str, Any]]:
+    r = await h.get("/v1/decode")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def wait_listed(h: httpx.AsyncClient, state: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The (single) entry of GET /v1/decode in ``state``, once there is one."""
+    found: list[dict[str, Any]] = []
+
+    async def check() -> bool:
+        found[:] = [e for e in await listed(h) if e["state"] == state]
+        return bool(found)
+
+    await wait_until(check, timeout_s)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def parse_sse(lines: list[str]) -> tuple[list[dict[str, Any]], bool]:
+    """(events, saw [DONE]) from the lines of an SSE body; [DONE] must be last."""
+    events: list[dict[str, Any]] = []
+    done = False
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), f"unexpected SSE line {line!r}"
+        data = line[len("data: ") :]
+        assert not done, "event after [DONE]"
+        if data == "[DONE]":
+            done = True
+            continue
+        events.append(json.loads(data))
+    return events, done
+
+
+def sse_text(events: list[dict[str, Any]]) -> str:
+    return "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")
+    )
+
+
+SSE_HEADERS = {"Accept": "text/event-stream"}
+
+
+# ---- RPC -----------------------------------------------------------------------------------
+
+
+async def rpc(ep: Any) -> RpcClient:
+    return await RpcClient.connect("127.0.0.1", ep.rpc_port)
+
+
+async def prefill(
+    c: RpcClient, slot: int, messages: list[dict[str, Any]], **extra: Any
+) -> RpcResponse:
+    resp = await c.call(prefill_call(slot, {"messages": messages, **extra}))
+    assert resp.ok
+    return resp
+
+
+def kv_meta(pre: RpcResponse) -> dict[str, Any]:
+    return identity_kv_metadata(pre.meta, pre.meta["n_past"])
+
+
+def frame(
+    messages: list[dict[str, Any]] | None,
+    kv: bytes | bytearray = b"",
+    *,
+    n_predict: int = 16,
+    kv_metadata: dict[str, Any] | None = None,
+    model: str = "",
+    **request: Any,
+) -> bytes:
+    """A v3 DECODE frame, greedy, the generation settings in the prompt segment."""
+    body = {"n_predict": n_predict, "temperature": 0, **request}
+    if messages is not None:
+        body["messages"] = messages
+    return build_decode_frame(body, bytes(kv), kv_metadata=kv_metadata, model=model)
+
+
+def v3_raw(
+    header: dict[str, Any],
+    prompt: bytes,
+    kv: bytes,
+    *,
+    prompt_hash: str = "",
+    kv_hash: str = "",
+    header_hash: int | None = None,
+) -> bytes:
+    """A hand-made v3 frame: explicit segment hashes and (optionally wrong) header hash."""
+    head = dict(header)
+    head["v"] = 3
+    head["segments"] = [
+        {"id": "prompt", "offset": 0, "len": len(prompt), "hash": prompt_hash},
+        {"id": "kv", "offset": len(prompt), "len": len(kv), "hash": kv_hash},
+    ]
+    header_json = json.dumps(head, separators=(",", ":")).encode()
+    return encode_v3_raw(header_json, prompt + kv, header_hash=header_hash)
+
+
+async def decode(c: RpcClient, slot: int, payload: bytes) -> RpcResponse:
+    """DECODE without raising on a non-OK reply."""
+    return await c.call(decode_call(slot, payload), check=False)
+
+
+async def decode_ok(c: RpcClient, slot: int, payload: bytes) -> int:
+    resp = await decode(c, slot, payload)
+    assert resp.status == Status.OK, resp.meta
+    rid = resp.meta["decode_request_id"]
+    assert isinstance(rid, int) and 0 < rid <= INT32_MAX
+    return rid
+
+
+async def slot_meta(c: RpcClient, slot: int) -> dict[str, Any]:
+    resp = await c.call(state_meta_call(slot))
+    return resp.meta
+
+
+async def slot_tokens(c: RpcClient, slot: int) -> list[int]:
+    """The slot's tokens from a STATE_GET blob (needs the GPU worker and a free slot)."""
+    resp = await c.call(state_get_call(slot))
+    blob = parse_kv_blob(resp.payload)
+    assert blob.n_past == len(blob.tokens) == resp.meta["n_past"]
+    return blob.tokens
+
+
+# ---- in-process views --------------------------------------------------------------------
+
+
+def store(ep: Any) -> Any:
+    return ep.state.decodes.store
+
+
+def entry_of(ep: Any, rid: int) -> DecodeEntry:
+    found = store(ep).get(rid)
+    assert isinstance(found, DecodeEntry), found
+    return found
+
+
+def tombstone_state(ep: Any, rid: int) -> str | None:
+    found = store(ep).get(rid)
+    return found.state.value if isinstance(found, Tombstone) else None
+
+
+@dataclass
+class Collected:
+    """What one SSE reader saw."""
+
+    status: int = 0
+    lines: list[str] | None = None
+
+
+async def read_sse(
+    h: httpx.AsyncClient, rid: int, out: Collected, *, stop_after: int | None = None
+) -> None:
+    """Read the SSE stream of ``rid`` into ``out``; with ``stop_after``, disconnect after that
+    many data events."""
+    out.lines = []
+    async with h.stream("GET", f"/v1/decode/{rid}", headers=SSE_HEADERS) as r:
+        out.status = r.status_code
+        n = 0
+        async for line in r.aiter_lines():
+            out.lines.append(line)
+            if line.startswith("data: "):
+                n += 1
+                if stop_after is not None and n >= stop_after:
+                    return

@@ -1,0 +1,404 @@
+"""The decode request lifecycle (spec §4.3, §6.2): validation timeout, DELETE during restore /
+delta prefill / token loop, the RPC connection closing before the reply.
+
+Determinism: the test holds the GPU worker (decode_helpers.WorkerGate) so a request sits
+exactly where the test wants it (restore queued, prefill chunk queued, step queued), and
+"later" is "after an identical request ran to its end", never a bare sleep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from decode_helpers import (
+    LONG_TURN,
+    MESSAGES,
+    OTHER_MESSAGES,
+    chat_completion,
+    decode,
+    decode_ok,
+    entry_of,
+    frame,
+    gate,
+    get_result,
+    http,
+    kv_meta,
+    prefill,
+    rpc,
+    slot_meta,
+    slot_tokens,
+    store,
+    text_of,
+    tombstone_state,
+    wait_listed,
+    wait_until,
+)
+from hydra_trio.rpc.client import RpcResponse, decode_call
+from hydra_trio.wire.errors import Status
+from hydra_trio.wire.protocol import Op, encode_request
+
+N = 12
+LONG_N = 1500  # far more than any of these tests lets run
+STOPPED_N = 64  # for a request held by the gate: more than it can generate before the DELETE
+
+
+
+class Background:
+    """Run one coroutine in a nursery and keep its result."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: Any = None
+
+    def start(self, nursery: trio.Nursery, fn: Callable[..., Any], *args: Any) -> Background:
+        async def runner() -> None:
+            try:
+                self.value = await fn(*args)
+            finally:
+                self.done.set()
+
+        nursery.start_soon(runner)
+        return self
+
+    async def result(self, timeout_s: float = 30.0) -> Any:
+        with trio.fail_after(timeout_s):
+            await self.done.wait()
+        return self.value
+
+
+def assert_cancelled_reply(body: dict[str, Any], rid: int) -> None:
+    """DELETE of a running request (spec §6.2); extra keys ("ours") are allowed."""
+    expected = {"cancelled": True, "decode_request_id": rid, "state": "cancelled"}
+    assert {k: body.get(k) for k in expected} == expected, body
+
+
+# ---- validation timeout ---------------------------------------------------------------------
+
+
+@dataclass
+class Stopped:
+    """A request that was stopped before its reply, and what the test saw."""
+
+    ep: Any
+    h: Any
+    c: Any
+    rid: int
+    resp: RpcResponse | None
+    before: list[int]  # slot 0 tokens before the DECODE
+    calls_before_release: int  # GPU-worker calls made when the worker was given back
+
+
+@asynccontextmanager
+async def timed_out(start_engine: Callable[..., Any], tiny_model: Path) -> AsyncIterator[Stopped]:
+    ep = await start_engine(tiny_model, decode_validate_timeout_s=0.3)
+    async with http(ep) as h, await rpc(ep) as c:
+        pre = await prefill(c, 1, MESSAGES)
+        await prefill(c, 0, OTHER_MESSAGES)
+        before = await slot_tokens(c, 0)
+        async with gate(ep) as g:
+            # We hold the worker from before the DECODE: its restore can only queue, and the
+            # deadline expires while the worker is still busy.
+            with trio.fail_after(10):
+                resp = await decode(
+                    c, 0, frame(MESSAGES, pre.payload, n_predict=N, kv_metadata=kv_meta(pre))
+                )
+            assert resp.status != Status.OK, resp.meta
+            rid = resp.meta["decode_request_id"]
+            assert g.waiting == 0  # the queued restore was withdrawn
+            assert tombstone_state(ep, rid) == "timed_out"
+            meta = await slot_meta(c, 0)
+            assert meta["is_processing"] is False and meta["n_past"] == len(before)
+            calls = ep.state.engine.worker.calls
+        yield Stopped(ep, h, c, rid, resp, before, calls)
+
+
+async def test_validation_timeout_leaves_the_slot_as_it_was(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    async with timed_out(start_engine, tiny_model) as s:
+        assert s.resp is not None and s.resp.status != Status.OK
+        r = await s.h.get(f"/v1/decode/{s.rid}")
+        assert r.status_code == 410 and r.json()["state"] == "timed_out"
+        # After the busy work ended: the slot is unchanged and nothing ran for the request.
+        assert await slot_tokens(s.c, 0) == s.before
+        assert s.ep.state.engine.worker.calls == s.calls_before_release + 1  # the STATE_GET
+        r = await s.h.get(f"/v1/decode/{s.rid}")
+        assert r.status_code == 410 and r.json()["state"] == "timed_out"
+        d = await s.h.delete(f"/v1/decode/{s.rid}")
+        assert d.status_code == 410
+        assert (await slot_meta(s.c, 0))["n_past"] == len(s.before)
+        # And the slot is usable.
+        rid = await decode_ok(s.c, 0, frame(MESSAGES, n_predict=N))
+        assert text_of(await get_result(s.h, rid)) == text_of(
+            await chat_completion(s.h, MESSAGES, N)
+        )
+
+
+async def test_validation_timeout_reply(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    async with timed_out(start_engine, tiny_model) as s:
+        assert s.resp is not None
+        assert (Status(s.resp.status).name, s.resp.meta.get("error_code")) == (
+            "ERROR",
+            "TIMEOUT",
+        ), s.resp.meta
+        assert s.resp.meta["error"] == "validation timeout"
+        assert s.resp.meta["decode_request_id"] == s.rid
+
+
+# ---- DELETE while the restore waits for the worker ---------------------------------------------
+
+
+@asynccontextmanager
+async def deleted_while_restoring(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> AsyncIterator[Stopped]:
+    ep = await start_engine(tiny_model)
+    async with http(ep) as h, await rpc(ep) as c, await rpc(ep) as c2:
+        pre = await prefill(c, 1, MESSAGES)
+        await prefill(c, 0, OTHER_MESSAGES)
+        before = await slot_tokens(c, 0)
+        async with trio.open_nursery() as nursery, gate(ep) as g:
+            reply = Background().start(
+                nursery,
+                decode,
+                c2,
+                0,
+                frame(MESSAGES, pre.payload, n_predict=N, kv_metadata=kv_meta(pre)),
+            )
+            rid = (await wait_listed(h, "restoring"))["decode_request_id"]
+            await g.wait_queued(1)
+            # DELETE returns while we still hold the worker: the queued restore never runs.
+            d = await h.delete(f"/v1/decode/{rid}")
+            assert d.status_code == 200, d.text
+            assert_cancelled_reply(d.json(), rid)
+            resp = await reply.result(timeout_s=10)
+            meta = await slot_meta(c, 0)
+            assert meta["is_processing"] is False and meta["n_past"] == len(before)
+            r = await h.get(f"/v1/decode/{rid}")
+            assert r.status_code == 410 and r.json()["state"] == "cancelled"
+            calls = ep.state.engine.worker.calls
+        yield Stopped(ep, h, c, rid, resp, before, calls)
+
+
+async def test_delete_during_restore(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    async with deleted_while_restoring(start_engine, tiny_model) as s:
+        assert s.resp is not None and s.resp.status != Status.OK
+        assert await slot_tokens(s.c, 0) == s.before
+        assert s.ep.state.engine.worker.calls == s.calls_before_release + 1  # the STATE_GET
+        r = await s.h.get(f"/v1/decode/{s.rid}")
+        assert r.status_code == 410 and r.json()["state"] == "cancelled"
+        d = await s.h.delete(f"/v1/decode/{s.rid}")
+        assert d.status_code == 410 and d.json()["state"] == "cancelled"
+        rid = await decode_ok(s.c, 0, frame(MESSAGES, n_predict=N))
+        assert text_of(await get_result(s.h, rid)) == text_of(
+            await chat_completion(s.h, MESSAGES, N)
+        )
+
+
+async def test_delete_during_restore_reply(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    async with deleted_while_restoring(start_engine, tiny_model) as s:
+        assert s.resp is not None and s.resp.status != Status.OK
+        assert s.resp.meta.get("state") == "cancelled", s.resp.meta
+        assert s.resp.meta.get("decode_request_id") == s.rid
+        assert s.resp.meta.get("error_code") not in (None, "", "INTERNAL")
+
+
+# ---- DELETE during the delta prefill ------------------------------------------------------------
+
+
+async def test_delete_during_delta_prefill(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """The DECODE prompt extends the KV by ~1400 tokens, prefilled in 64-token chunks; DELETE
+    lands while chunk 4 waits for the worker."""
+    ep = await start_engine(tiny_model, batch_size=64)
+    engine = ep.state.engine
+    long_prompt = [*MESSAGES, LONG_TURN]
+    async with http(ep) as h, await rpc(ep) as c:
+        pre = await prefill(c, 0, MESSAGES, add_generation_prompt=False)
+        n_kv = pre.meta["n_past"]
+        async with trio.open_nursery() as nursery, gate(ep) as g:
+            reply = Background().start(
+                nursery,
+                decode,
+                c,
+                1,
+                frame(long_prompt, pre.payload, n_predict=LONG_N, kv_metadata=kv_meta(pre)),
+            )
+            await g.step(1)  # the restore
+            resp = await reply.result()
+            assert resp.status == Status.OK, resp.meta
+            rid = resp.meta["decode_request_id"]
+            entry = entry_of(ep, rid)
+            await g.step(1)  # tokenize
+            await g.step(3)  # three prefill chunks
+            await g.wait_queued(1)  # the fourth chunk
+            res = entry.result
+            assert res is not None and res.first_token_at is None and res.completion_tokens == 0
+            assert res.n_prompt_processed > 10 * 64  # a long delta really is being prefilled
+            assert engine.n_past(1) == n_kv + 3 * 64
+            processed = engine.prompt_tokens_processed
+            d = await h.delete(f"/v1/decode/{rid}")
+            assert d.status_code == 200, d.text
+            assert_cancelled_reply(d.json(), rid)
+            assert entry.state.value == "cancelled"
+            meta = await slot_meta(c, 1)
+            assert meta["is_processing"] is False
+            n_past_after = meta["n_past"]
+        # The worker is free again. Run the same request to its end on the other slot: the
+        # cancelled one would have finished by then.
+        other = await decode_ok(
+            c, 0, frame(long_prompt, pre.payload, n_predict=N, kv_metadata=kv_meta(pre))
+        )
+        body = await get_result(h, other)
+        assert (
+            engine.prompt_tokens_processed
+            == processed + body["hydra_metrics"]["n_prompt_processed"]
+        )
+        assert res.completion_tokens == 0 and res.first_token_at is None
+        assert engine.n_past(1) == n_past_after
+        r = await h.get(f"/v1/decode/{rid}")
+        assert r.status_code == 410 and r.json()["state"] == "cancelled"
+        assert (await slot_meta(c, 1))["is_processing"] is False
+
+
+
+async def test_delete_aborts_a_running_prefill_chunk(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """One ~1400-token prefill chunk (batch_size 2048) is running in llama_decode when DELETE
+    lands: the abort flag stops it, the request is cancelled and its partial chunk is gone."""
+    ep = await start_engine(tiny_model, batch_size=2048)
+    engine = ep.state.engine
+    long_prompt = [*MESSAGES, LONG_TURN]
+    async with http(ep) as h, await rpc(ep) as c:
+        async with gate(ep) as g:
+            rid = await decode_ok(c, 1, frame(long_prompt, n_predict=LONG_N))  # no KV: no restore
+            entry = entry_of(ep, rid)
+            await g.step(1)  # tokenize
+            await g.wait_queued(1)  # the one prefill chunk
+            processed = engine.prompt_tokens_processed
+            g.open()
+
+            def chunk_running() -> bool:
+                # The backend sets the flag only around a prefill chunk's llama_decode.
+                return engine.backend._abort_flag is not None
+
+            await wait_until(chunk_running)
+            d = await h.delete(f"/v1/decode/{rid}")
+        if engine.prompt_tokens_processed != processed:
+            pytest.skip(
+                "the prefill chunk finished before the DELETE landed (machine too slow/fast)"
+            )
+        assert d.status_code == 200, d.text
+        assert_cancelled_reply(d.json(), rid)
+        assert entry.result.completion_tokens == 0
+        meta = await slot_meta(c, 1)
+        assert meta["is_processing"] is False
+        assert meta["n_past"] == 0  # the aborted chunk left no cells behind
+        r = await h.get(f"/v1/decode/{rid}")
+        assert r.status_code == 410 and r.json()["state"] == "cancelled"
+
+
+# ---- DELETE during the token loop ---------------------------------------------------------------
+
+
+async def test_delete_during_token_loop(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model)
+    engine = ep.state.engine
+    async with http(ep) as h, await rpc(ep) as c:
+        async with trio.open_nursery() as nursery, gate(ep) as g:
+            # Paused by the gate, it cannot run far: 64 tokens is plenty ("long-running").
+            rid = await decode_ok(c, 0, frame(MESSAGES, n_predict=STOPPED_N))
+            entry = entry_of(ep, rid)
+            await g.step(2)  # tokenize, prefill (samples the first token)
+            await g.step(5)  # five generation steps
+            await g.wait_queued(1)  # the next step, batched, waits for the worker
+            res = entry.result
+            assert entry.state.value == "generating" and 5 <= res.completion_tokens < STOPPED_N
+            deleted = Background().start(nursery, h.delete, f"/v1/decode/{rid}")
+            await wait_until(lambda: entry.task.scope.cancel_called)
+            # The step in flight must finish before the task can stop: no reply yet.
+            assert not deleted.done.is_set()
+            g.open()
+            d = await deleted.result()
+            # Everything below is "after the DELETE reply".
+            count = res.completion_tokens
+            generated = engine.tokens_generated
+            n_past = engine.n_past(0)
+            assert d.status_code == 200, d.text
+            assert_cancelled_reply(d.json(), rid)
+            assert entry.state.value == "cancelled"
+            meta = await slot_meta(c, 0)
+            assert meta["is_processing"] is False and meta["n_past"] == n_past
+            r = await h.get(f"/v1/decode/{rid}")
+            assert r.status_code == 410 and r.json()["state"] == "cancelled"
+        # The same request, to its end, on the other slot: by then the cancelled one would
+        # have finished too.
+        other = await decode_ok(c, 1, frame(MESSAGES, n_predict=STOPPED_N))
+        body = await get_result(h, other)
+        assert body["usage"]["completion_tokens"] > count
+        assert res.completion_tokens == count
+        assert engine.tokens_generated == generated + body["usage"]["completion_tokens"]
+        assert engine.n_past(0) == n_past
+        r = await h.get(f"/v1/decode/{rid}")
+        assert r.status_code == 410 and r.json()["state"] == "cancelled"
+        assert store(ep).get(rid).state.value == "cancelled"
+        # The text generated before the DELETE was the start of the full answer.
+        assert text_of(body).startswith(res.text)
+
+
+# ---- the RPC connection closes before the reply -------------------------------------------------
+
+
+async def test_connection_closed_before_reply_cancels_the_request(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    ep = await start_engine(tiny_model)
+    async with http(ep) as h, await rpc(ep) as c:
+        pre = await prefill(c, 1, MESSAGES)
+        await prefill(c, 0, OTHER_MESSAGES)
+        before = await slot_tokens(c, 0)
+        async with gate(ep) as g:
+            raw = await rpc(ep)
+            payload = frame(MESSAGES, pre.payload, n_predict=N, kv_metadata=kv_meta(pre))
+            await raw.send_raw(encode_request(Op.DECODE, b"0", payload))
+            rid = (await wait_listed(h, "restoring"))["decode_request_id"]
+            await g.wait_queued(1)
+            await raw.aclose()  # nobody will ever learn the id
+            await wait_until(lambda: tombstone_state(ep, rid) == "cancelled")
+            meta = await slot_meta(c, 0)
+            assert meta["is_processing"] is False and meta["n_past"] == len(before)
+            calls = ep.state.engine.worker.calls
+        assert await slot_tokens(c, 0) == before
+        assert ep.state.engine.worker.calls == calls + 1  # the STATE_GET; nothing for the request
+        r = await h.get(f"/v1/decode/{rid}")
+        assert r.status_code == 410 and r.json()["state"] == "cancelled"
+        rid2 = await decode_ok(
+            c, 0, frame(MESSAGES, pre.payload, n_predict=N, kv_metadata=kv_meta(pre))
+        )
+        assert text_of(await get_result(h, rid2)) == text_of(await chat_completion(h, MESSAGES, N))
+
+
+async def test_connection_closed_after_reply_does_not_cancel(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    ep = await start_engine(tiny_model)
+    async with http(ep) as h:
+        async with gate(ep):
+            raw = await rpc(ep)
+            resp = await raw.call(decode_call(0, frame(MESSAGES, n_predict=N)), check=False)
+            assert resp.status == Status.OK, resp.meta
+            rid = resp.meta["decode_request_id"]
+            await raw.aclose()
+        body = await get_result(h, rid)
+        assert text_of(body) == text_of(await chat_completion(h, MESSAGES, N))
