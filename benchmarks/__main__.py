@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     name = args.name or ("quick" if quick else "full")
     only = set(filter(None, args.only.split(",")))
-    want = (lambda f: not only or f in only)
+    def want(f):
+        return (not only or f in only)
 
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -144,12 +145,12 @@ def render_table(r: dict[str, Any]) -> str:
     if "presets" in r:
         for p, row in r["presets"]["rows"].items():
             lines.append(f"| preset {p} | load {row['load_ms']:.0f} ms, {fmt_summary(row['tokens_per_s'])} tok/s greedy | | |")
-    for n, row in r.get("handoff", {}).items():
+    for _n, row in r.get("handoff", {}).items():
         lines.append(
             f"| 1. TTFT, {row['n_past']}-token prompt ({row['kv_bytes'] / 1e6:.0f} MB KV) | hand-off {fmt_summary(row['handoff_ttft_ms'], ' ms')} "
             f"| recompute {fmt_summary(row['recompute_ttft_ms'], ' ms')} | **{fmt_summary(row['speedup'], '×')}** faster |"
         )
-    for mb, row in r.get("restore", {}).items():
+    for _mb, row in r.get("restore", {}).items():
         lines.append(
             f"| 2. DECODE ack, {row['blob_bytes'] / 1e6:.0f} MB blob | {fmt_summary(row['decode_ack_ms'], ' ms', 2)} "
             f"| in-process set_data {fmt_summary(row['inprocess_set_data_ms'], ' ms', 2)} | {fmt_summary(row['ack_over_set_data'], '×')} |"
