@@ -45,7 +45,9 @@ def start_llama_cpp_server(model: str, ctx: int, log_dir: Path) -> tuple[subproc
     log = open(log_dir / "llama_cpp_server.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(ctx), "--n_threads", "2",
-         "--host", "127.0.0.1", "--port", str(port)],
+         "--host", "127.0.0.1", "--port", str(port),
+         # By default a new request interrupts the running one; queue them instead.
+         "--interrupt_requests", "False"],
         stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"

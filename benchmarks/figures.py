@@ -4,8 +4,8 @@ raw samples, summaries and the headline ratio; __main__ prints and plots them.""
 from __future__ import annotations
 
 import ctypes
+import json
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,21 +57,15 @@ def erase_all(engine: EngineProcess) -> None:
         httpx.post(f"{engine.url}/slots/{i}", params={"action": "erase"}, timeout=60).raise_for_status()
 
 
-def first_sse_content(resp: httpx.Response) -> float | None:
+def first_content_time(resp: httpx.Response) -> float:
+    """perf_counter() at the first SSE chunk carrying text; reads the stream to its end."""
+    first = None
     for line in resp.iter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            import json
-
-            chunk = json.loads(line[6:])
-            choices = chunk.get("choices") or [{}]
-            if choices[0].get("delta", {}).get("content"):
-                return time.perf_counter()
-    return None
-
-
-def drain_sse(resp: httpx.Response) -> None:
-    for _ in resp.iter_lines():
-        pass
+        if first is None and _has_text(line):
+            first = time.perf_counter()
+    if first is None:
+        raise RuntimeError("stream ended without any text")
+    return first
 
 
 # ---- 0. presets ------------------------------------------------------------------------
@@ -113,14 +107,12 @@ def fig_handoff(a: EngineProcess, b: EngineProcess, tok: Tokenizer, sizes: list[
                 t0 = time.perf_counter()
                 rid = rpc_b.decode(0, frame).meta["decode_request_id"]
                 with http_b.stream("GET", f"/v1/decode/{rid}", headers={"Accept": "text/event-stream"}) as resp:
-                    t1 = first_sse_content(resp)
-                    drain_sse(resp)
+                    t1 = first_content_time(resp)
                 handoff.append((t1 - t0) * 1000.0)
                 erase_all(b)
                 t0 = time.perf_counter()
                 with http_b.stream("POST", "/v1/chat/completions", json={**req, "stream": True}) as resp:
-                    t1 = first_sse_content(resp)
-                    drain_sse(resp)
+                    t1 = first_content_time(resp)
                 recompute.append((t1 - t0) * 1000.0)
             ratios = [r / h for r, h in zip(recompute, handoff, strict=True)]
             out[str(n)] = {
@@ -136,37 +128,42 @@ def fig_handoff(a: EngineProcess, b: EngineProcess, tok: Tokenizer, sizes: list[
 # ---- 2. restore path vs its limits -----------------------------------------------------
 
 
+_RECEIVER = r"""
+import socket, sys, time
+n = int(sys.argv[1])
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+buf = bytearray(n)
+view = memoryview(buf)
+got = 0
+while got < n:
+    k = conn.recv_into(view[got:], n - got)
+    if k == 0:
+        break
+    got += k
+conn.sendall(b"1")  # done: the sender stops its clock on this byte
+conn.close()
+"""
+
+
 def _raw_loopback_copy(data: memoryview) -> float:
-    """Seconds to push ``data`` through a loopback TCP socket into a preallocated buffer."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
-    done = threading.Event()
-    result: dict[str, float] = {}
+    """Seconds to push ``data`` over loopback TCP into one preallocated buffer in another
+    process (the engine's situation, minus everything the engine does)."""
+    import subprocess
+    import sys
 
-    def receive() -> None:
-        conn, _ = srv.accept()
-        buf = bytearray(len(data))
-        view = memoryview(buf)
-        got = 0
-        while got < len(buf):
-            k = conn.recv_into(view[got:], len(buf) - got)
-            if k == 0:
-                break
-            got += k
-        result["end"] = time.perf_counter()
-        conn.close()
-        done.set()
-
-    t = threading.Thread(target=receive)
-    t.start()
+    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(len(data))], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
     with socket.create_connection(("127.0.0.1", port)) as c:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         t0 = time.perf_counter()
         c.sendall(data)
-        done.wait()
-    t.join()
-    srv.close()
-    return result["end"] - t0
+        c.recv(1)
+        dt = time.perf_counter() - t0
+    proc.wait()
+    return dt
 
 
 class InProcessRestore:
@@ -279,7 +276,7 @@ def fig_generation(b: EngineProcess, tok: Tokenizer, n_tokens: int, repeats: int
             times = []
             with http.stream("GET", f"/v1/decode/{rid}", headers={"Accept": "text/event-stream"}) as resp:
                 for line in resp.iter_lines():
-                    if '"content":"' in line and '"content":""' not in line:
+                    if _has_text(line):
                         times.append(time.perf_counter())
             final = http.get(f"/v1/decode/{rid}").json()
             n = final["usage"]["completion_tokens"]
@@ -333,7 +330,7 @@ def fig_cancel(b: EngineProcess, tok: Tokenizer, cancels: int, prefill_tokens: i
                     seen = 0
                     with http.stream("GET", f"/v1/decode/{rid}", headers={"Accept": "text/event-stream"}) as resp:
                         for line in resp.iter_lines():
-                            if '"content":"' in line:
+                            if _has_text(line):
                                 seen += 1
                             if seen >= 20:
                                 break
@@ -368,9 +365,17 @@ async def _stream_times(http: httpx.AsyncClient, method: str, url: str, **kw: An
     times: list[float] = []
     async with http.stream(method, url, **kw) as resp:
         async for line in resp.aiter_lines():
-            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+            if _has_text(line):
                 times.append(time.perf_counter())
     return times
+
+
+def _has_text(line: str) -> bool:
+    """An SSE line carrying generated text (any JSON spacing: other servers differ)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return False
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content"))
 
 
 async def _ours_decode(b: EngineProcess, k: int, n_tokens: int) -> list[list[float]]:

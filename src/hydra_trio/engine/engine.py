@@ -311,13 +311,26 @@ class Engine:
 
     async def step(self, slot: int, token: int, sampler: Sampler) -> int | None:
         """Evaluate ``token`` in ``slot`` and sample the next one; None at the context end."""
+        return await self.step_result(self.submit_step(slot, token, sampler))
+
+    def submit_step(self, slot: int, token: int, sampler: Sampler) -> _StepJob:
+        """Hand a step to the batcher without waiting (the caller must await step_result).
+
+        The channel holds one job per slot, and a slot has at most one step outstanding."""
         job = _StepJob(slot, token, sampler)
-        await self._step_send.send(job)
+        self._step_send.send_nowait(job)
+        return job
+
+    async def step_result(self, job: _StepJob, during: Awaitable[None] | None = None) -> int | None:
+        """Wait for a submitted step, after awaiting ``during`` (work overlapped with it).
+
+        If cancelled, a step the batcher has not taken is skipped, and one it has taken is
+        waited for, so nothing runs for the request after this returns."""
         try:
+            if during is not None:
+                await during
             await job.done.wait()
-        except trio.Cancelled:
-            # If the batcher has not taken the job yet it skips it; if it has, the step is
-            # finishing and we wait for it, so nothing runs for this request after we return.
+        except BaseException:
             job.cancelled = True
             with trio.CancelScope(shield=True):
                 await job.done.wait()
@@ -430,15 +443,20 @@ class Engine:
                     delta = assembler.push(backend.token_bytes(token))
                     if delta:
                         res.text += delta
-                        await emit(delta)
                     if assembler.stopped_by is not None:
                         res.stop_type = "word"
                         res.stopping_word = assembler.stopped_by
-                        break
-                    if res.completion_tokens >= params.n_predict:
+                    elif res.completion_tokens >= params.n_predict:
                         res.stop_type = "limit"
-                        break
-                    token = await self.step(slot, token, sampler)
+                    else:
+                        # Pipelined: the next token is computed while this one's text is
+                        # handed to readers.
+                        job = self.submit_step(slot, token, sampler)
+                        token = await self.step_result(job, emit(delta) if delta else None)
+                        continue
+                    if delta:
+                        await emit(delta)
+                    break
                 res.decode_ms = (time.perf_counter() - t_first) * 1000.0
             finally:
                 self._generating -= 1
