@@ -1,4 +1,5 @@
-"""Command line: `hydra-trio serve | make-model | identity`."""
+"""Command line: `hydra-trio serve | make-model | identity | settings | info | prefill | decode |
+result | cancel`."""
 
 from __future__ import annotations
 
@@ -66,12 +67,107 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_pair(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    value: object = raw
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    else:
+        try:
+            value = int(raw)
+        except ValueError:
+            pass
+    return key, value
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from .model.synthetic import write_model
 
-    path = write_model(args.out, args.preset, seed=args.seed, name=args.name, tags=args.tag or ())
+    path = write_model(
+        args.out,
+        args.preset,
+        seed=args.seed,
+        name=args.name,
+        base_model_name=args.base_model,
+        tags=args.tag or (),
+        tokenizer_pre=args.tokenizer_pre,
+        extra_kv=dict(args.kv or []),
+    )
     print(path)
     return 0
+
+
+def _rpc_address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def _request(args: argparse.Namespace) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": args.message}], "max_tokens": args.max_tokens}
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .rpc.client import SyncRpcClient
+
+    with SyncRpcClient(*args.rpc) as c:
+        print(json.dumps(c.info().meta, indent=2))
+    return 0
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .rpc.client import SyncRpcClient
+
+    with SyncRpcClient(*args.rpc) as c:
+        resp = c.prefill(args.slot, _request(args))
+    Path(args.out).write_bytes(resp.payload)
+    print(json.dumps({**resp.meta, "blob": args.out, "blob_bytes": len(resp.payload)}, indent=2))
+    return 0
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .rpc.client import SyncRpcClient, build_decode_frame, identity_kv_metadata
+
+    kv = Path(args.kv).read_bytes() if args.kv else b""
+    kv_meta = {}
+    if args.kv_meta:
+        meta = json.loads(Path(args.kv_meta).read_text())
+        kv_meta = identity_kv_metadata(meta, meta.get("n_past", 0))
+    frame = build_decode_frame(_request(args), kv, kv_metadata=kv_meta)
+    with SyncRpcClient(*args.rpc) as c:
+        print(json.dumps(c.decode(args.slot, frame).meta, indent=2))
+    return 0
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    import httpx
+
+    url = f"{args.http}/v1/decode/{args.id}"
+    if args.stream:
+        with httpx.stream("GET", url, headers={"Accept": "text/event-stream"}, timeout=None) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    choices = chunk.get("choices") or [{}]
+                    print(choices[0].get("delta", {}).get("content") or "", end="", flush=True)
+        print()
+        return 0
+    resp = httpx.get(url, params={"wait": args.wait}, timeout=args.wait + 30)
+    print(json.dumps(resp.json(), indent=2))
+    return 0 if resp.status_code == 200 else 1
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    import httpx
+
+    resp = httpx.delete(f"{args.http}/v1/decode/{args.id}", timeout=60)
+    print(json.dumps(resp.json(), indent=2))
+    return 0 if resp.status_code == 200 else 1
 
 
 def cmd_identity(args: argparse.Namespace) -> int:
@@ -101,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default=None, help="general.name")
     p.add_argument("--tag", action="append", help="general.tags entry (repeatable)")
+    p.add_argument("--base-model", default=None, help="general.base_model.0.name")
+    p.add_argument("--tokenizer-pre", default=None, help="tokenizer.ggml.pre")
+    p.add_argument("--kv", action="append", type=_kv_pair, help="extra metadata KEY=VALUE, e.g. llama.nextn_predict_layers=1")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("identity", help="print the model identity of a GGUF (spec §5)")
@@ -110,6 +209,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("settings", help="print every serve setting with its env variable")
     p.set_defaults(fn=cmd_settings)
+
+    rpc = {"type": _rpc_address, "default": ("127.0.0.1", 9504), "help": "engine RPC HOST:PORT"}
+    p = sub.add_parser("info", help="INFO of a running engine")
+    p.add_argument("--rpc", **rpc)
+    p.set_defaults(fn=cmd_info)
+
+    for name, fn, what in (("prefill", cmd_prefill, "PREFILL a message; write the KV blob"), ("decode", cmd_decode, "DECODE a message (with a KV blob)")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("message")
+        p.add_argument("--rpc", **rpc)
+        p.add_argument("--slot", type=int, default=0)
+        p.add_argument("--max-tokens", type=int, default=64)
+        if name == "prefill":
+            p.add_argument("--out", default="kv.blob", help="where to write the blob")
+        else:
+            p.add_argument("--kv", default=None, help="KV blob file (from prefill); none: continue the slot")
+            p.add_argument("--kv-meta", default=None, help="JSON file with the PREFILL meta (identity for the gate)")
+        p.set_defaults(fn=fn)
+
+    for name, fn, what in (("result", cmd_result, "read a decode result"), ("cancel", cmd_cancel, "DELETE a decode request")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("id", type=int)
+        p.add_argument("--http", default="http://127.0.0.1:8080")
+        if name == "result":
+            p.add_argument("--stream", action="store_true", help="stream over SSE")
+            p.add_argument("--wait", type=float, default=60.0)
+        p.set_defaults(fn=fn)
     return parser
 
 

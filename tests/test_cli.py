@@ -1,0 +1,55 @@
+"""The command line: make-model/identity, and the client commands against a live engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from hydra_trio import cli
+
+
+def test_make_model_with_metadata_and_identity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m.gguf"
+    assert cli.main(["make-model", str(out), "--name", "CodeLlama Tiny", "--tag", "reasoning", "--kv", "llama.nextn_predict_layers=1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["identity", str(out), "--alias", "x"]) == 0
+    ident = json.loads(capsys.readouterr().out)
+    assert ident["model_name"] == "CodeLlama Tiny"
+    assert ident["model_alias"] == "x"
+    assert set(ident["model_capabilities_names"]) == {"MTP", "REASONING", "CODE"}
+
+
+def test_settings_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["settings"]) == 0
+    table = capsys.readouterr().out
+    assert "`--decode-result-ttl-s` | `HYDRA_DECODE_RESULT_TTL_S`" in table
+
+
+async def test_client_commands_against_a_live_engine(engine: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rpc = f"127.0.0.1:{engine.rpc_port}"
+    http = f"http://127.0.0.1:{engine.http_port}"
+
+    async def run(*argv: str) -> dict[str, Any]:
+        rc = await trio.to_thread.run_sync(cli.main, list(argv))
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        return json.loads(out)
+
+    info = await run("info", "--rpc", rpc)
+    assert "merged_decode" in info["capabilities"]
+    blob = tmp_path / "kv.blob"
+    meta = await run("prefill", "hello there", "--rpc", rpc, "--slot", "0", "--out", str(blob), "--max-tokens", "5")
+    assert blob.stat().st_size == meta["blob_bytes"] > 0
+    meta_file = tmp_path / "meta.json"
+    meta_file.write_text(json.dumps(meta))
+    ack = await run("decode", "hello there", "--rpc", rpc, "--slot", "1", "--kv", str(blob), "--kv-meta", str(meta_file), "--max-tokens", "5")
+    assert ack["valid"] is True and ack["n_past_after_restore"] == meta["n_past"]
+    result = await run("result", str(ack["decode_request_id"]), "--http", http)
+    assert result["usage"]["completion_tokens"] == 5
+    assert result["hydra_metrics"]["logits_reused"] is True
+    deleted = await run("cancel", str(ack["decode_request_id"]), "--http", http)
+    assert deleted["state"] == "deleted"
