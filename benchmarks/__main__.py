@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {
         "handoff_sizes": [256, 1024, 4096],
         "handoff_repeats": 2 if quick else 5,
-        "restore_mb": [1, 16, 128] if quick else [1, 16, 64, 256],
+        "restore_mb": [1, 16, 128] if quick else [1, 16, 128, 256],
         "restore_repeats": 3 if quick else 5,
         "gen_tokens": 64 if quick else 256,
         "gen_repeats": 2 if quick else 5,

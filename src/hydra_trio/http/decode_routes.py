@@ -8,22 +8,21 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
+from ..decode.manager import DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
-from .common import app_state, json_response, require_engine
-from .openai import completion_body
-from .sse import SSE_DONE, completion_chunk, error_body, sse_event, timings, usage, wants_sse
+from .common import EngineStarting, app_state, json_response, require_engine
+from .openai import completion_body, final_chunk
+from .sse import SSE_DONE, completion_chunk, error_body, sse_event, wants_sse
 
 bp = Blueprint("decode", __name__)
 
 MAX_WAIT_S = 600.0
 
 
-def _manager() -> Any:
+def _manager() -> DecodeManager:
     require_engine()
     manager = app_state().decodes
     if manager is None:
-        from .common import EngineStarting
-
         raise EngineStarting
     return manager
 
@@ -162,20 +161,7 @@ async def _sse_stream(manager: Any, entry: DecodeEntry) -> AsyncIterator[bytes]:
             except trio.EndOfChannel:
                 pass
         if entry.state == DecodeState.DONE:
-            res = entry.result
-            yield sse_event(
-                completion_chunk(
-                    cid,
-                    created,
-                    model,
-                    delta={},
-                    finish_reason=res.finish_reason,
-                    usage=usage(res.prompt_tokens, res.completion_tokens, res.n_common),
-                    timings=timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
-                    id_slot=entry.slot_id,
-                    hydra_metrics=manager.hydra_metrics(entry),
-                )
-            )
+            yield sse_event(final_chunk(cid, created, model, entry.slot_id, entry.result, hydra_metrics=manager.hydra_metrics(entry)))
             yield SSE_DONE
         else:
             code = "DECODE_FAILED" if entry.state == DecodeState.FAILED else entry.state.value.upper()

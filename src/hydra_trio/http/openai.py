@@ -156,19 +156,7 @@ async def chat_completions() -> Response:
                     if kind == "delta":
                         yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
                     elif kind == "done":
-                        res: GenerationResult = value
-                        yield sse_event(
-                            completion_chunk(
-                                cid,
-                                created,
-                                model,
-                                delta={},
-                                finish_reason=res.finish_reason,
-                                usage=usage(res.prompt_tokens, res.completion_tokens, res.n_common),
-                                timings=timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
-                                id_slot=slot_id,
-                            )
-                        )
+                        yield sse_event(final_chunk(cid, created, model, slot_id, value))
                     else:
                         yield sse_event(error_body(500, str(value), "server_error"))
             yield SSE_DONE
@@ -194,6 +182,21 @@ def _all_slots_busy(state: AppState) -> Response:
 
 async def _discard(_delta: str) -> None:
     return None
+
+
+def final_chunk(cid: str, created: int, model: str, slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
+    """The last chunk of a stream: finish_reason, usage and timings (then [DONE])."""
+    return completion_chunk(
+        cid,
+        created,
+        model,
+        delta={},
+        finish_reason=res.finish_reason,
+        usage=usage(res.prompt_tokens, res.completion_tokens, res.n_common),
+        timings=timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
+        id_slot=slot_id,
+        **extra,
+    )
 
 
 def completion_body(cid: str, model: str, slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ request's payload is drained (up to the drain limit) so the stream never desynch
 from __future__ import annotations
 
 import logging
+import mmap
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -106,8 +107,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection) -> N
             await _send_reply(conn, Reply.error(err))
             rlog.info("payload of %d bytes is over the drain limit: closing", head.payload_len)
             return
-        payload = bytearray(head.payload_len)  # the one buffer this payload lives in
-        await conn.read_into(memoryview(payload))
+        payload = await conn.read_payload(head.payload_len)  # the one buffer it lives in
         state.metrics.rpc_bytes_in.inc(head.payload_len)
         reply = await _run_op(spec, ctx, payload)
         if reply is None:  # the peer went away while the op ran: nobody to answer
@@ -125,7 +125,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection) -> N
         del payload, reply
 
 
-async def _run_op(spec: OpSpec, ctx: OpContext, payload: bytearray) -> Reply | None:
+async def _run_op(spec: OpSpec, ctx: OpContext, payload: bytearray | mmap.mmap) -> Reply | None:
     try:
         if not spec.cancel_on_disconnect:
             return await spec.run(ctx, memoryview(payload))
