@@ -31,6 +31,7 @@ class Settings:
     max_kv_bytes: int = 4 * _GiB
     max_json_bytes: int = 64 * _MiB
     max_decode_header_bytes: int = 32 * 1024
+    max_inflight_bytes: int = 8 * _GiB  # payload bytes held by all RPC connections together
     # DECODE lifecycle (spec §4, §6.4)
     decode_validate_timeout_s: float = 30.0
     decode_result_ttl_s: float = 300.0
@@ -58,6 +59,7 @@ _HELP: dict[str, str] = {
     "max_kv_bytes": "largest KV blob accepted",
     "max_json_bytes": "largest JSON payload accepted",
     "max_decode_header_bytes": "largest DECODE control header accepted",
+    "max_inflight_bytes": "payload bytes all RPC connections may hold at once (more wait)",
     "decode_validate_timeout_s": "deadline for DECODE validate + restore",
     "decode_result_ttl_s": "seconds a finished decode result stays readable",
     "decode_result_max": "decode results kept at most",

@@ -124,7 +124,7 @@ class DecodeManager:
         ack = _Ack()
         task = OwnedTask(f"decode:{entry.id}")
         entry.task = task
-        self._nursery.start_soon(self._run_request, entry, slot, frame, blob, request, params, ack, t0, rlog)
+        self._nursery.start_soon(self._run_request, entry, slot, blob, request, params, ack, t0, rlog)
         try:
             await ack.done.wait()
         except trio.Cancelled:
@@ -153,7 +153,6 @@ class DecodeManager:
         self,
         entry: DecodeEntry,
         slot: Slot,
-        frame: DecodeFrame,
         blob: KvBlob | None,
         request: dict[str, Any],
         params: GenerationParams,
@@ -167,6 +166,7 @@ class DecodeManager:
         try:
             with task.scope:
                 logits = await self._restore_phase(entry, slot, blob, ack, t0)
+                del blob  # the blob is a view of the RPC payload: let that buffer go now
                 if logits is _TIMED_OUT:
                     final = DecodeState.TIMED_OUT
                     return

@@ -479,7 +479,7 @@ class Engine:
         state, tokens = await self.worker.run(call)
         return encode_blob_head(len(tokens), tokens), state, len(tokens)
 
-    async def state_restore(self, slot: int, blob: KvBlob, timing: CallTiming | None = None) -> bytes | memoryview | None:
+    async def state_restore(self, slot: int, blob: KvBlob, timing: CallTiming | None = None) -> bytes | None:
         """Restore a parsed v2 blob into the slot, all-or-nothing. Returns trailing logits."""
         if blob.checkpoint is not None and not self.backend.info.recurrent:
             raise ProtocolError(
@@ -492,8 +492,11 @@ class Engine:
             )
         await self.make_room(blob.n_past, exclude=slot)
 
-        def call(abort: threading.Event) -> bytes | memoryview | None:
-            return self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort)
+        def call(abort: threading.Event) -> bytes | None:
+            logits = self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort)
+            # A copy (n_vocab * 4 bytes): a view would keep the whole received payload, KV
+            # and all, alive for as long as the request generates.
+            return bytes(logits) if logits is not None else None
 
         try:
             return await self.worker.run(call, timing)

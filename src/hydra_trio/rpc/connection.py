@@ -102,3 +102,23 @@ def _peer_name(sock: trio.socket.SocketType) -> str:
     except OSError:
         return "?"
 
+
+
+class ByteBudget:
+    """Bounds the payload bytes held by all connections together: a request whose payload
+    does not fit waits (the sender is held back by TCP) until others release theirs."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._released = trio.Event()
+
+    async def acquire(self, n: int) -> None:
+        while self.used + n > self.total and self.used > 0:
+            await self._released.wait()
+        self.used += n  # a payload larger than the whole budget runs alone
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._released.set()
+        self._released = trio.Event()

@@ -16,7 +16,7 @@ import trio
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
-from .connection import Connection, PeerClosed
+from .connection import ByteBudget, Connection, PeerClosed
 from .ops import OpContext, OpSpec, OpTable, Reply
 
 if TYPE_CHECKING:
@@ -32,17 +32,20 @@ async def serve_rpc(state: AppState, *, task_status: trio.TaskStatus[int] = trio
     # More connections than the bound wait here for a place: a limiter, not a crash.
     limiter = trio.CapacityLimiter(settings.max_connections)
     ops = OpTable(state)
+    budget = ByteBudget(settings.max_inflight_bytes)
     log.info("RPC listening on %s:%d (at most %d connections)", settings.host, port, settings.max_connections)
     task_status.started(port)
-    await trio.serve_listeners(partial(_serve_connection, state, ops, limiter), listeners)
+    await trio.serve_listeners(partial(_serve_connection, state, ops, limiter, budget), listeners)
 
 
-async def _serve_connection(state: AppState, ops: OpTable, limiter: trio.CapacityLimiter, stream: trio.SocketStream) -> None:
+async def _serve_connection(
+    state: AppState, ops: OpTable, limiter: trio.CapacityLimiter, budget: ByteBudget, stream: trio.SocketStream
+) -> None:
     async with limiter:
         conn = Connection(stream, state.settings.idle_timeout_s)
         state.metrics.rpc_connections.inc()
         try:
-            await _connection_loop(state, ops, conn)
+            await _connection_loop(state, ops, conn, budget)
         except (PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("rpc %s: connection ended: %s", conn.peer, exc)
         except trio.TooSlowError:
@@ -73,7 +76,7 @@ async def _read_request_header(conn: Connection) -> bytearray | None:
     return None
 
 
-async def _connection_loop(state: AppState, ops: OpTable, conn: Connection) -> None:
+async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budget: ByteBudget) -> None:
     settings = state.settings
     while True:
         raw = await _read_request_header(conn)
@@ -107,9 +110,14 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection) -> N
             await _send_reply(conn, Reply.error(err))
             rlog.info("payload of %d bytes is over the drain limit: closing", head.payload_len)
             return
-        payload = await conn.read_payload(head.payload_len)  # the one buffer it lives in
-        state.metrics.rpc_bytes_in.inc(head.payload_len)
-        reply = await _run_op(spec, ctx, payload)
+        await budget.acquire(head.payload_len)
+        try:
+            payload = await conn.read_payload(head.payload_len)  # the one buffer it lives in
+            state.metrics.rpc_bytes_in.inc(head.payload_len)
+            reply = await _run_op(spec, ctx, payload)
+            del payload  # ops keep no view of it past their reply
+        finally:
+            budget.release(head.payload_len)
         if reply is None:  # the peer went away while the op ran: nobody to answer
             rlog.info("%s: peer closed before the reply; request cancelled", op_name)
             return
@@ -122,7 +130,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection) -> N
                     await reply.on_send_failed()
             raise
         state.metrics.rpc_bytes_out.inc(reply.payload_len)
-        del payload, reply
+        del reply
 
 
 async def _run_op(spec: OpSpec, ctx: OpContext, payload: bytearray | mmap.mmap) -> Reply | None:
