@@ -135,7 +135,7 @@ class Engine:
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
-                await self.worker.run(lambda _abort: self.backend.close())
+                await self.worker.call(self.backend.close)
 
     @property
     def tokens_evaluated(self) -> int:
@@ -225,7 +225,7 @@ class Engine:
 
             new = await self.worker.run(load)
             self.backend, self.identity, self.model_path = new, identity, path
-            await self.worker.run(lambda _abort: old.close())
+            await self.worker.call(old.close)
             self.t3_reloads += 1
             self.last_t3_reload_ms = (time.perf_counter() - t0) * 1000.0
             log.info("T3: model reloaded from %s in %.0f ms (%s)", path, self.last_t3_reload_ms, identity.model_name)
@@ -246,7 +246,7 @@ class Engine:
         bos = self.backend.token_text(info.bos) if info.bos >= 0 else ""
         eos = self.backend.token_text(info.eos) if info.eos >= 0 else ""
         text, _is_chat = render_prompt(request, info.chat_template, bos_token=bos, eos_token=eos)
-        tokens = await self.worker.run(lambda _abort: self.backend.tokenize(text, add_special=True))
+        tokens = await self.worker.call(lambda: self.backend.tokenize(text, add_special=True))
         if not tokens:
             raise ProtocolError(ErrorCode.BAD_JSON, "prompt is empty", status=Status.BAD_REQUEST)
         if len(tokens) >= self.n_ctx:
@@ -366,7 +366,7 @@ class Engine:
                 reqs = [StepRequest(j.slot, j.token, j.sampler) for j in jobs]
                 try:
                     with trio.CancelScope(shield=True):  # finish the batch even on shutdown
-                        results = await self.worker.run(lambda _abort, reqs=reqs: self.backend.step(reqs))
+                        results = await self.worker.call(lambda reqs=reqs: self.backend.step(reqs))
                 except Exception as exc:  # a failed batch fails its requests, not the engine
                     log.exception("generation step failed")
                     for job in jobs:
@@ -416,7 +416,7 @@ class Engine:
             cached = backend.seq_tokens[slot]
             n_common = common_prefix_len(cached, prompt_tokens)
             if logits is not None and n_common == len(prompt_tokens) == len(cached):
-                token: int | None = await self.worker.run(lambda _abort: backend.sample_from_logits(sampler, logits))
+                token: int | None = await self.worker.call(lambda: backend.sample_from_logits(sampler, logits))
                 res.logits_reused = True
             else:
                 if n_common == len(prompt_tokens):
@@ -470,13 +470,9 @@ class Engine:
 
     # ---- state transfer ----------------------------------------------------------------
 
-    async def state_get(self, slot: int, *, logits: bytes | None = None) -> tuple[bytes, bytearray, int]:
+    async def state_get(self, slot: int) -> tuple[bytes, bytearray, int]:
         """(blob head, llama state, n_past) of the slot; the blob is head + state (+ logits)."""
-
-        def call(_abort: threading.Event) -> tuple[bytearray, list[int]]:
-            return self.backend.state_get(slot)
-
-        state, tokens = await self.worker.run(call)
+        state, tokens = await self.worker.call(lambda: self.backend.state_get(slot))
         return encode_blob_head(len(tokens), tokens), state, len(tokens)
 
     async def state_restore(self, slot: int, blob: KvBlob, timing: CallTiming | None = None) -> bytes | None:
@@ -520,12 +516,12 @@ class Engine:
             self.slots.claim(victim.id, "evict")
             try:
                 log.info("KV cache full: evicting idle slot %d (%d positions)", victim.id, backend.n_past(victim.id))
-                await self.worker.run(lambda _abort, v=victim.id: backend.clear_slot(v))
+                await self.worker.call(lambda v=victim.id: backend.clear_slot(v))
             finally:
                 self.slots.release(victim)
 
     async def clear_slot(self, slot: int) -> None:
-        await self.worker.run(lambda _abort: self.backend.clear_slot(slot))
+        await self.worker.call(lambda: self.backend.clear_slot(slot))
 
     def n_past(self, slot: int) -> int:
         return self.backend.n_past(slot)

@@ -37,6 +37,20 @@ class GpuWorker:
         self.calls = 0
 
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """A short call that needs no abort flag (a generation step, tokenizing, clearing a
+        slot): the plain to_thread hop, without the watcher task ``run`` adds."""
+
+        def timed() -> T:
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.busy_s += time.perf_counter() - start
+                self.calls += 1
+
+        return await trio.to_thread.run_sync(timed, limiter=self.limiter)
+
     async def run(self, fn: Callable[[threading.Event], T], timing: CallTiming | None = None) -> T:
         """Run ``fn(abort)`` on the worker; ``abort`` is set if the caller is cancelled."""
         abort = threading.Event()
