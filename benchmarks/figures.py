@@ -34,7 +34,7 @@ class Tokenizer:
     def count_chat(self, content: str) -> int:
         from hydra_trio.engine.chat import render_prompt
 
-        text, _ = render_prompt({"messages": [{"role": "user", "content": content}]}, self.llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
+        text = render_prompt({"messages": [{"role": "user", "content": content}]}, self.llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
         return len(self.llm.tokenize(text.encode(), add_bos=True, special=True))
 
     def content_for(self, n_tokens: int, seed: int = 0) -> str:
@@ -288,7 +288,7 @@ def fig_generation(b: EngineProcess, tok: Tokenizer, n_tokens: int, repeats: int
     llm = Llama(model, vocab_only=True, verbose=False)
     from hydra_trio.engine.chat import render_prompt
 
-    text, _ = render_prompt(req, llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
+    text = render_prompt(req, llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
     prompt_tokens = llm.tokenize(text.encode(), add_bos=True, special=True)
     del llm
     plain = [plain_llama_loop(model, prompt_tokens, n_tokens) for _ in range(repeats)]

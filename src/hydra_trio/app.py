@@ -52,7 +52,7 @@ class AppState:
         m.completion_tokens.labels(path).inc(res.completion_tokens)
         m.prompt_tokens.labels(path).inc(res.n_prompt_processed)
         m.cached_prompt_tokens.labels(path).inc(res.n_common)
-        m.ttft_ms.labels(path).observe(res.ttft_ms)
+        m.ttft_ms.labels(path).observe(res.prompt_ms)  # the engine's own time to first token
 
 
 @dataclass(frozen=True)

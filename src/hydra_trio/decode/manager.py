@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..engine.chat import render_prompt
 from ..engine.engine import Engine, GenerationResult
 from ..engine.params import GenerationParams, parse_generation
 from ..engine.worker import CallTiming
@@ -99,7 +97,7 @@ class DecodeManager:
         engine.slots.get(slot_id)  # NO_SLOT
         request = {**engine.slot_generation_defaults(slot_id), **merged_generation(frame)}
         params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx)
-        _check_prompt_renders(engine, request)
+        prompt_text = engine.render(request)  # a malformed prompt is refused before the reply
         blob = parse_kv_blob(frame.kv) if len(frame.kv) else None
         slot = engine.slot_claim(slot_id, f"decode:{trace or 'rpc'}")  # SLOT_BUSY
         try:
@@ -124,7 +122,7 @@ class DecodeManager:
         ack = _Ack()
         task = OwnedTask(f"decode:{entry.id}")
         entry.task = task
-        self._nursery.start_soon(self._run_request, entry, slot, blob, request, params, ack, t0, rlog)
+        self._nursery.start_soon(self._run_request, entry, slot, blob, prompt_text, params, ack, t0, rlog)
         try:
             await ack.done.wait()
         except trio.Cancelled:
@@ -154,7 +152,7 @@ class DecodeManager:
         entry: DecodeEntry,
         slot: Slot,
         blob: KvBlob | None,
-        request: dict[str, Any],
+        prompt_text: str,
         params: GenerationParams,
         ack: _Ack,
         t0: float,
@@ -170,7 +168,7 @@ class DecodeManager:
                 if logits is _TIMED_OUT:
                     final = DecodeState.TIMED_OUT
                     return
-                final = await self._generate_phase(entry, request, params, logits, rlog)
+                final = await self._generate_phase(entry, prompt_text, params, logits, rlog)
             if task.scope.cancelled_caught:
                 final = DecodeState.CANCELLED
         except trio.Cancelled:  # shutdown: the manager's nursery is being cancelled
@@ -246,10 +244,10 @@ class DecodeManager:
         return logits
 
     async def _generate_phase(
-        self, entry: DecodeEntry, request: dict[str, Any], params: GenerationParams, logits: Any, rlog: Any
+        self, entry: DecodeEntry, prompt_text: str, params: GenerationParams, logits: Any, rlog: Any
     ) -> DecodeState:
         engine = self.engine
-        tokens = await engine.tokenize_request(request)
+        tokens = await engine.tokenize_text(prompt_text)
         res = GenerationResult()
         entry.result = res
 
@@ -346,43 +344,6 @@ class DecodeManager:
             "stop_type": res.stop_type if res else "",
         }
 
-    # ---- RPC op ------------------------------------------------------------------------
-
-    def rpc_spec(self, spec_cls: Any, reply_cls: Any) -> Any:
-        from ..wire.frames import parse_decode_frame
-
-        settings = self.settings
-
-        def cap(st: Any) -> int:
-            return st.max_decode_header_bytes + st.max_json_bytes + st.max_kv_bytes + 12
-
-        def precheck(ctx: Any) -> None:
-            from ..wire.protocol import parse_slot_key
-
-            ctx.slot_id = parse_slot_key(ctx.key)
-            self.engine.slots.get(ctx.slot_id)
-
-        async def run(ctx: Any, payload: memoryview) -> Any:
-            frame = parse_decode_frame(
-                payload,
-                max_header_bytes=settings.max_decode_header_bytes,
-                max_prompt_bytes=settings.max_json_bytes,
-                max_kv_bytes=settings.max_kv_bytes,
-            )
-            meta = await self.submit(ctx.slot_id, frame, trace=ctx.trace, rlog=ctx.log)
-            ctx.log.info(
-                "DECODE slot %d: id %d, %d kv bytes restored in %.1f ms",
-                ctx.slot_id,
-                meta["decode_request_id"],
-                meta["kv_bytes"],
-                meta["restore_slot_ms"],
-            )
-            reply = reply_cls.ok(meta)
-            reply.on_send_failed = partial(self.cancel, meta["decode_request_id"])
-            return reply
-
-        return spec_cls("DECODE", cap, precheck, run, cancel_on_disconnect=True)
-
 
 class _TimedOut:
     pass
@@ -396,9 +357,3 @@ def _with_id(err: ProtocolError, entry: DecodeEntry, state: DecodeState | None =
     if state is not None:
         extra["state"] = state.value
     return ProtocolError(err.code, err.message, status=err.status, extra=extra)
-
-
-def _check_prompt_renders(engine: Engine, request: dict[str, Any]) -> None:
-    """Refuse a malformed prompt before the reply (tokenizing happens after it)."""
-    info = engine.backend.info
-    render_prompt(request, info.chat_template, bos_token="", eos_token="")

@@ -126,6 +126,8 @@ class ModelInfo:
     add_bos: bool
     chat_template: str | None
     recurrent: bool
+    bos_text: str  # what chat templates see as bos_token / eos_token
+    eos_text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,16 +185,19 @@ class LlamaBackend:
         m, v = self._model, self._vocab
         tpl_ptr = llama_cpp.llama_model_chat_template(m, None)
         template = tpl_ptr.decode("utf-8", "replace") if tpl_ptr else None
+        bos, eos = llama_cpp.llama_vocab_bos(v), llama_cpp.llama_vocab_eos(v)
         return ModelInfo(
             n_vocab=llama_cpp.llama_vocab_n_tokens(v),
             n_ctx_train=llama_cpp.llama_model_n_ctx_train(m),
             n_embd=llama_cpp.llama_model_n_embd(m),
             n_layer=llama_cpp.llama_model_n_layer(m),
-            bos=llama_cpp.llama_vocab_bos(v),
-            eos=llama_cpp.llama_vocab_eos(v),
+            bos=bos,
+            eos=eos,
             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
             chat_template=template,
             recurrent=bool(llama_cpp.llama_model_is_recurrent(m)),
+            bos_text=self._vocab_text(bos),
+            eos_text=self._vocab_text(eos),
         )
 
     def _build_context(self, n_ctx: int, n_threads: int) -> None:
@@ -302,7 +307,9 @@ class LlamaBackend:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
-    def token_text(self, token: int) -> str:
+    def _vocab_text(self, token: int) -> str:
+        if token < 0:
+            return ""
         return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
 
     # ---- sequences ---------------------------------------------------------------------

@@ -71,11 +71,8 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def render_prompt(request: dict[str, Any], template: str | None, *, bos_token: str, eos_token: str) -> tuple[str, bool]:
-    """Prompt text for a request with ``messages`` or a plain ``prompt``.
-
-    Returns (text, is_chat). A plain prompt is used verbatim (no template).
-    """
+def render_prompt(request: dict[str, Any], template: str | None, *, bos_token: str, eos_token: str) -> str:
+    """Prompt text for a request with ``messages`` or a plain ``prompt`` (used verbatim)."""
     if "messages" in request:
         messages = normalise_messages(request["messages"])
         tools = request.get("tools")
@@ -94,8 +91,8 @@ def render_prompt(request: dict[str, Any], template: str | None, *, bos_token: s
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatRequestError(f"chat template failed: {exc}") from None
-        return text, True
+        return text
     prompt = request.get("prompt")
     if isinstance(prompt, str):
-        return prompt, False
+        return prompt
     raise ChatRequestError("request needs 'messages' (array) or 'prompt' (string)")

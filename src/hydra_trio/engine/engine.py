@@ -43,8 +43,7 @@ class GenerationResult:
     text: str = ""
     stop_type: str = "limit"  # eos | word | limit | context
     stopping_word: str = ""
-    prompt_ms: float = 0.0  # prompt processing (prefill of the delta)
-    ttft_ms: float = 0.0  # generation start -> first token text available
+    prompt_ms: float = 0.0  # generation start -> first token sampled (prefill of the delta)
     decode_ms: float = 0.0  # first token -> last token
     first_token_at: float | None = None  # perf_counter() when the first token was sampled
     tokens: list[int] = field(default_factory=list)
@@ -240,12 +239,16 @@ class Engine:
 
     # ---- prompts -----------------------------------------------------------------------
 
-    async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
-        """Chat template (or plain prompt) -> tokens, refusing prompts that cannot fit."""
+    def render(self, request: dict[str, Any]) -> str:
+        """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
         info = self.backend.info
-        bos = self.backend.token_text(info.bos) if info.bos >= 0 else ""
-        eos = self.backend.token_text(info.eos) if info.eos >= 0 else ""
-        text, _is_chat = render_prompt(request, info.chat_template, bos_token=bos, eos_token=eos)
+        return render_prompt(request, info.chat_template, bos_token=info.bos_text, eos_token=info.eos_text)
+
+    async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
+        return await self.tokenize_text(self.render(request))
+
+    async def tokenize_text(self, text: str) -> list[int]:
+        """Prompt text -> tokens, refusing prompts that cannot fit."""
         tokens = await self.worker.call(lambda: self.backend.tokenize(text, add_special=True))
         if not tokens:
             raise ProtocolError(ErrorCode.BAD_JSON, "prompt is empty", status=Status.BAD_REQUEST)
@@ -427,7 +430,6 @@ class Engine:
             t_first = time.perf_counter()
             res.first_token_at = t_first
             res.prompt_ms = (t_first - t_start) * 1000.0
-            res.ttft_ms = res.prompt_ms
             self._generating += 1
             try:
                 while True:

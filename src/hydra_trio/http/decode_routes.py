@@ -10,7 +10,7 @@ from quart import Blueprint, Response, request
 
 from ..decode.manager import DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
-from .common import EngineStarting, app_state, json_response, require_engine
+from .common import EngineStarting, HttpError, app_state, json_response, require_engine
 from .openai import completion_body, final_chunk
 from .sse import SSE_DONE, completion_chunk, error_body, sse_event, wants_sse
 
@@ -27,15 +27,11 @@ def _manager() -> DecodeManager:
     return manager
 
 
-def _parse_id(raw: str) -> int | None:
+def _request_id(raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
-        return None
-
-
-def _bad_id(raw: str) -> Response:
-    return json_response(error_body(400, f"decode_request_id must be an integer, got {raw[:40]!r}", "invalid_request_error"), 400)
+        raise HttpError(400, f"decode_request_id must be an integer, got {raw[:40]!r}", "invalid_request_error") from None
 
 
 @bp.get("/v1/decode")
@@ -50,9 +46,7 @@ async def list_decodes() -> Response:
 @bp.get("/v1/decode/<raw_id>")
 async def get_decode(raw_id: str) -> Response:
     manager = _manager()
-    request_id = _parse_id(raw_id)
-    if request_id is None:
-        return _bad_id(raw_id)
+    request_id = _request_id(raw_id)
     found = manager.lookup(request_id)
     if found is None:
         return json_response(error_body(404, "no such decode request", "not_found_error", decode_request_id=request_id), 404)
@@ -86,11 +80,7 @@ async def get_decode(raw_id: str) -> Response:
 
 @bp.delete("/v1/decode/<raw_id>")
 async def delete_decode(raw_id: str) -> Response:
-    manager = _manager()
-    request_id = _parse_id(raw_id)
-    if request_id is None:
-        return _bad_id(raw_id)
-    status, body = await manager.cancel(request_id)
+    status, body = await _manager().cancel(_request_id(raw_id))
     return json_response(body, status)
 
 

@@ -12,6 +12,7 @@ from ..config import Settings
 from ..engine import transfer
 from ..engine.transfer import blob_hash
 from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.frames import parse_decode_frame
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
 from .connection import Connection
 
@@ -49,8 +50,14 @@ class Reply:
         return sum(len(p) for p in self.payload)
 
     @classmethod
-    def ok(cls, meta: dict[str, Any], payload: list[Buffer] | None = None, send_chunk: int | None = None) -> Reply:
-        return cls(Status.OK, meta, payload or [], send_chunk)
+    def ok(
+        cls,
+        meta: dict[str, Any],
+        payload: list[Buffer] | None = None,
+        send_chunk: int | None = None,
+        on_send_failed: Callable[[], Awaitable[None]] | None = None,
+    ) -> Reply:
+        return cls(Status.OK, meta, payload or [], send_chunk, on_send_failed)
 
     @classmethod
     def error(cls, err: ProtocolError) -> Reply:
@@ -102,7 +109,9 @@ class OpTable:
             ),
         }
         if state.decodes is not None:
-            self._ops[Op.DECODE] = state.decodes.rpc_spec(OpSpec, Reply)
+            self._ops[Op.DECODE] = OpSpec(
+                "DECODE", self._decode_cap, self._slot_exists, self.decode, cancel_on_disconnect=True
+            )
 
     @property
     def engine(self) -> Engine:
@@ -127,6 +136,9 @@ class OpTable:
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op 0x{op:02x}")
 
     # ---- prechecks (before the payload is read) ----------------------------------------
+
+    def _decode_cap(self, settings: Settings) -> int:
+        return 12 + settings.max_decode_header_bytes + settings.max_json_bytes + settings.max_kv_bytes
 
     def _no_payload_cap(self, settings: Settings) -> int:
         return settings.drain_limit_bytes  # ignored, but bounded
@@ -211,6 +223,27 @@ class OpTable:
         tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
         ctx.log.info("CONFIGURE slot %d: applied %s, deferred %s", ctx.slot_id, sorted(applied), sorted(staged))
         return Reply.ok({"success": True, "tier": tier, "params_applied": applied, "deferred_keys": sorted(staged)})
+
+    async def decode(self, ctx: OpContext, payload: memoryview) -> Reply:
+        settings = self.state.settings
+        frame = parse_decode_frame(
+            payload,
+            max_header_bytes=settings.max_decode_header_bytes,
+            max_prompt_bytes=settings.max_json_bytes,
+            max_kv_bytes=settings.max_kv_bytes,
+        )
+        decodes = self.state.decodes
+        assert decodes is not None
+        meta = await decodes.submit(ctx.slot_id, frame, trace=ctx.trace, rlog=ctx.log)
+        rid = meta["decode_request_id"]
+        ctx.log.info(
+            "DECODE slot %d: id %d, %d kv bytes restored in %.1f ms", ctx.slot_id, rid, meta["kv_bytes"], meta["restore_slot_ms"]
+        )
+
+        async def reply_lost() -> None:  # nobody learned the id: the request must not run on
+            await decodes.cancel(rid)
+
+        return Reply.ok(meta, on_send_failed=reply_lost)
 
     async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
         body = decode_json_object(payload, "PREFILL")
