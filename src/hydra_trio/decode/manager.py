@@ -106,7 +106,7 @@ class DecodeManager:
             engine.release(slot)
             raise
         entry.metrics["kv_bytes"] = len(frame.kv)
-        match = self._identity_gate(entry, frame, blob)
+        match = self._identity_gate(frame, blob)
         entry.metrics["validate_ms"] = (time.perf_counter() - t0) * 1000.0
         entry.metrics["match"] = match.as_meta()
         if not match.accepted:
@@ -136,7 +136,7 @@ class DecodeManager:
         self.state.metrics.decode_ack_ms.observe((time.perf_counter() - t0) * 1000.0)
         return ack.meta
 
-    def _identity_gate(self, entry: DecodeEntry, frame: DecodeFrame, blob: KvBlob | None) -> IdentityMatch:
+    def _identity_gate(self, frame: DecodeFrame, blob: KvBlob | None) -> IdentityMatch:
         resident = self.engine.identity
         kv_meta = frame.header.get("kv_metadata")
         if blob is None and not kv_meta:

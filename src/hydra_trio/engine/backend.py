@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,9 +81,19 @@ class SamplingParams:
 
 
 class Sampler:
-    """A llama sampler chain; one per request. Free with close()."""
+    """A llama sampler chain; one per request.
+
+    Made on the trio side but built lazily on first use, which happens inside a GPU-worker
+    call; its owner hands it back with LlamaBackend.retire() so the free runs there too.
+    """
 
     def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._chain: ctypes.c_void_p | None = None
+        self._closed = False
+
+    def _build(self) -> ctypes.c_void_p:
+        params = self.params
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         add = llama_cpp.llama_sampler_chain_add
         if params.repeat_penalty != 1.0:
@@ -98,21 +109,22 @@ class Sampler:
                 add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
             add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
             add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
-        self._chain = chain
+        return chain
 
     @property
     def handle(self) -> ctypes.c_void_p:
-        if self._chain is None:
+        if self._closed:
             raise RuntimeError("sampler already closed")
+        if self._chain is None:
+            self._chain = self._build()
         return self._chain
 
     def close(self) -> None:
+        """Free the chain (on the thread that runs llama calls)."""
+        self._closed = True
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
-
-    def __del__(self) -> None:  # last resort; owners close explicitly
-        self.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,13 +179,17 @@ class LlamaBackend:
             raise RuntimeError(f"llama.cpp could not load model {model_path!r}")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.info = self._read_model_info()
+        # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
+        # the GPU worker) so the token loop needs no llama call on the trio thread.
+        self.pieces: list[bytes] = [self._piece(t) for t in range(self.info.n_vocab)]
+        self.eog_ids = frozenset(t for t in range(self.info.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
         self._ctx = None
         self._abort_flag: threading.Event | None = None
         # ctypes callbacks must outlive the context, or they are garbage-collected under it.
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
         self._no_abort_cb = llama_cpp.ggml_abort_callback(0)  # NULL: no per-node callback
         self._batch = None
-        self._piece_cache: dict[int, bytes] = {}
+        self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
         self.type_k = type_k
         self.type_v = type_v
@@ -264,6 +280,7 @@ class LlamaBackend:
             self._ctx = None
 
     def close(self) -> None:
+        self._free_retired()
         self._free_context()
         if self._model is not None:
             llama_cpp.llama_model_free(self._model)
@@ -291,21 +308,28 @@ class LlamaBackend:
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
         return list(arr[:n])
 
+    def _piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token contributes to the text (control tokens: none)."""
-        piece = self._piece_cache.get(token)
-        if piece is None:
-            buf = ctypes.create_string_buffer(64)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-            piece = buf.raw[:n]
-            self._piece_cache[token] = piece
-        return piece
+        return self.pieces[token]
 
     def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return token in self.eog_ids
+
+    def retire(self, sampler: Sampler) -> None:
+        """Hand a finished request's sampler back; any thread (deque appends are atomic)."""
+        self._retired.append(sampler)
+
+    def _free_retired(self) -> None:
+        while self._retired:
+            self._retired.popleft().close()
 
     def _vocab_text(self, token: int) -> str:
         if token < 0:
@@ -338,6 +362,7 @@ class LlamaBackend:
 
     def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
         """Decode (seq, token, pos, want_logits) entries as one llama_batch."""
+        self._free_retired()
         batch = self._batch
         for i, (seq, token, pos, logits) in enumerate(entries):
             batch.token[i] = token

@@ -412,7 +412,7 @@ class Engine:
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
-        sampler = Sampler(params.sampling)  # pure CPU object, touches no context state
+        sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
         assembler = TextAssembler(params.stop)
         t_start = time.perf_counter()
         try:
@@ -468,7 +468,7 @@ class Engine:
                 await emit(tail)
             return res
         finally:
-            sampler.close()
+            backend.retire(sampler)
 
     # ---- state transfer ----------------------------------------------------------------
 
