@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import trio
 import trio.testing
 
@@ -10,11 +13,11 @@ from hydra_trio.rpc.connection import ByteBudget
 
 async def test_a_payload_that_does_not_fit_waits_for_a_release() -> None:
     budget = ByteBudget(100)
-    await budget.acquire(60)
+    assert await budget.acquire(60, 10)
     got_it = trio.Event()
 
     async def second() -> None:
-        await budget.acquire(60)
+        assert await budget.acquire(60, 10)
         got_it.set()
 
     async with trio.open_nursery() as nursery:
@@ -28,7 +31,42 @@ async def test_a_payload_that_does_not_fit_waits_for_a_release() -> None:
 
 async def test_a_payload_larger_than_the_budget_runs_alone() -> None:
     budget = ByteBudget(100)
-    await budget.acquire(500)  # nothing else held: it goes through instead of waiting forever
+    assert await budget.acquire(500, 10)  # nothing else held: it goes through instead of waiting forever
     assert budget.used == 500
     budget.release(500)
     assert budget.used == 0
+
+
+async def test_the_wait_for_room_has_a_deadline() -> None:
+    budget = ByteBudget(100)
+    assert await budget.acquire(80, 10)
+    assert not await budget.acquire(80, 0.01)
+    assert budget.used == 80
+
+
+async def test_a_live_engine_answers_busy_when_payload_memory_stays_full(start_engine: Any, tiny_model: Path) -> None:
+    """One connection's PREFILL holds the whole payload budget (its op waits for the GPU
+    worker, which the test holds); another request waits its idle timeout, then gets BUSY
+    TIMEOUT, its payload drained: the same connection then works."""
+    from _helpers import assert_error, rpc
+    from hydra_trio.rpc.client import configure_call, prefill_call
+    from hydra_trio.wire.errors import Status
+
+    ep = await start_engine(tiny_model, max_inflight_bytes=200, idle_timeout_s=0.3)
+    request = {"messages": [{"role": "user", "content": "x" * 80}], "max_tokens": 1}
+    first_done = trio.Event()
+    async with await rpc(ep) as holder, await rpc(ep) as other:
+
+        async def hold_budget() -> None:
+            await holder.call(prefill_call(0, request))
+            first_done.set()
+
+        async with trio.open_nursery() as nursery:
+            async with ep.state.engine.worker.limiter:
+                nursery.start_soon(hold_budget)
+                await trio.testing.wait_all_tasks_blocked()
+                resp = await other.call(configure_call(0, {"n_predict": 4, "pad": "y" * 150}), check=False)
+                assert_error(resp, Status.BUSY, "TIMEOUT")
+            await first_done.wait()
+        ok = await other.call(configure_call(0, {"n_predict": 4}))
+        assert ok.meta["success"] is True

@@ -116,10 +116,14 @@ class ByteBudget:
         self.used = 0
         self._released = trio.Event()
 
-    async def acquire(self, n: int) -> None:
-        while self.used + n > self.total and self.used > 0:
-            await self._released.wait()
-        self.used += n  # a payload larger than the whole budget runs alone
+    async def acquire(self, n: int, timeout_s: float) -> bool:
+        """Take ``n`` bytes, waiting up to ``timeout_s`` for room; False if there was none."""
+        with trio.move_on_after(timeout_s):
+            while self.used + n > self.total and self.used > 0:
+                await self._released.wait()
+            self.used += n  # a payload larger than the whole budget runs alone
+            return True
+        return False
 
     def release(self, n: int) -> None:
         self.used -= n

@@ -100,6 +100,12 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             if head.payload_len > cap:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the cap of {cap}")
             spec.precheck(ctx)
+            if not await budget.acquire(head.payload_len, settings.idle_timeout_s):
+                raise ProtocolError(
+                    ErrorCode.TIMEOUT,
+                    f"engine busy: no room for a {head.payload_len}-byte payload within {settings.idle_timeout_s:g} s",
+                    status=Status.BUSY,
+                )
         except ProtocolError as err:
             rlog.info("%s refused before payload: %s", op_name, err.message)
             state.metrics.rpc_requests.labels(op_name, err.status.name).inc()
@@ -110,7 +116,6 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             await _send_reply(conn, Reply.error(err))
             rlog.info("payload of %d bytes is over the drain limit: closing", head.payload_len)
             return
-        await budget.acquire(head.payload_len)
         try:
             payload = await conn.read_payload(head.payload_len)  # the one buffer it lives in
             state.metrics.rpc_bytes_in.inc(head.payload_len)
