@@ -64,3 +64,31 @@ def test_sigint_drains_a_running_decode_before_exit(tiny_model: Path) -> None:
     # follows the ack within milliseconds); it then ran to its end before the exit.
     assert f"decode {rid} done" in text, text
     assert text.index("received SIGINT") < text.index(f"decode {rid} done") < text.index("stopped")
+
+
+def _serve_once(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "hydra_trio.cli", "serve", "--log-level", "WARNING", *args],
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def test_startup_errors_are_one_clear_line(tiny_model: Path, tmp_path: Path) -> None:
+    missing = _serve_once("--model", str(tmp_path / "nope.gguf"), "--port", "0", "--rpc-port", "0")
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [f"hydra-trio: model file not found: {tmp_path / 'nope.gguf'}".encode()]
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    broken = _serve_once("--model", str(bad), "--port", "0", "--rpc-port", "0")
+    assert broken.returncode == 1
+    assert b"not a readable GGUF" in broken.stderr and b"Traceback" not in broken.stderr
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = _serve_once("--model", str(tiny_model), "--port", str(port), "--rpc-port", "0")
+    assert busy.returncode == 1
+    assert f"HTTP 127.0.0.1:{port}".encode() in busy.stderr and b"Traceback" not in busy.stderr

@@ -63,7 +63,22 @@ async def _serve_until_signal(settings: Settings) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     _setup_logging(settings.log_level)
-    trio.run(_serve_until_signal, settings)
+    try:
+        trio.run(_serve_until_signal, settings)
+    except BaseExceptionGroup as group:
+        # Startup failures (port in use, unreadable model) get one clear line, not a trace.
+        from .tasks import leaves
+
+        errors = leaves(group)
+        for exc in errors:
+            if isinstance(exc, SystemExit):
+                print(f"hydra-trio: {exc}", file=sys.stderr)
+                return 2
+        if all(isinstance(exc, OSError | ValueError | RuntimeError) for exc in errors):
+            for exc in errors:
+                print(f"hydra-trio: cannot start: {exc}", file=sys.stderr)
+            return 1
+        raise
     return 0
 
 

@@ -60,9 +60,9 @@ async def start_owned(
     return handle, value
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
+def leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
-        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+        return [leaf for sub in exc.exceptions for leaf in leaves(sub)]
     return [exc]
 
 
@@ -70,10 +70,10 @@ def raise_single(group: BaseExceptionGroup) -> NoReturn:  # type: ignore[type-ar
     """Re-raise what a small helper nursery wrapped (trio wraps even one exception in a
     group): a lone exception, or one Cancelled when all are Cancelled, so callers can catch
     ``ProtocolError`` or ``trio.Cancelled`` as usual."""
-    leaves = _leaves(group)
-    if len(leaves) == 1 or all(isinstance(e, trio.Cancelled) for e in leaves):
-        raise leaves[0] from None
-    others = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    found = leaves(group)
+    if len(found) == 1 or all(isinstance(e, trio.Cancelled) for e in found):
+        raise found[0] from None
+    others = [e for e in found if not isinstance(e, trio.Cancelled)]
     if len(others) == 1:  # the scope stays cancelled: the next checkpoint delivers it
         raise others[0] from None
     raise group

@@ -11,6 +11,7 @@ from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from ..tasks import leaves
 from .common import register_error_handlers
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
@@ -61,4 +62,10 @@ async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = tri
             port = int(binds[0].rsplit(":", 1)[1])
             task_status.started(port)
 
-    await serve(app, config, task_status=_Status(), mode="asgi")  # type: ignore[arg-type]
+    try:
+        await serve(app, config, task_status=_Status(), mode="asgi")  # type: ignore[arg-type]
+    except BaseException as exc:
+        found = leaves(exc)
+        if len(found) == 1 and isinstance(found[0], OSError):  # e.g. the port is taken
+            raise OSError(found[0].errno, f"HTTP {config.bind[0]}: {found[0].strerror}") from None
+        raise

@@ -27,7 +27,10 @@ log = logging.getLogger(__name__)
 
 async def serve_rpc(state: AppState, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     settings = state.settings
-    listeners = await trio.open_tcp_listeners(settings.rpc_port, host=settings.host)
+    try:
+        listeners = await trio.open_tcp_listeners(settings.rpc_port, host=settings.host)
+    except OSError as exc:
+        raise OSError(exc.errno, f"RPC {settings.host}:{settings.rpc_port}: {exc.strerror}") from None
     port = listeners[0].socket.getsockname()[1]
     # More connections than the bound wait here for a place: a limiter, not a crash.
     limiter = trio.CapacityLimiter(settings.max_connections)
