@@ -295,7 +295,9 @@ class Engine:
                 )
 
             if i == 0:
-                await self.make_room(len(tokens) - n_keep, exclude=slot)
+                # The slot keeps n_keep of its positions and drops the rest: what it will hold
+                # beyond what it holds now is len(tokens) - n_past.
+                await self.make_room(len(tokens) - backend.n_past(slot), exclude=slot)
             try:
                 result = await self.worker.run(call)
             except DecodeAborted:
