@@ -262,27 +262,17 @@ async def _assert_slot_untouched(c: RpcClient, slot: int, before: bytes) -> None
     assert await slot_blob(c, slot) == before
 
 
-async def test_truncated_blob_is_bad_frame(engine: Any) -> None:
+@pytest.mark.parametrize("damage", ["truncated", "malformed"])
+async def test_damaged_blob_is_bad_frame(engine: Any, damage: str) -> None:
     blob = state_get_blob(await prefill_blob(engine, 0))
+    variants = _truncations(blob) if damage == "truncated" else _bad_structure(blob)
     async with await rpc(engine) as c:
         before = await slot_blob(c, 0)
-        for name, bad in _truncations(blob).items():
+        for name, bad in variants.items():
             resp = await c.call(Call(Op.STATE_PUT, b"0", [bad]), check=False)
             assert resp.status == Status.BAD_REQUEST and resp.meta.get("error_code") == "BAD_FRAME", (name, resp.meta)
             assert resp.meta["error"]
             await _assert_slot_untouched(c, 0, before)  # refused before the slot is touched
-    await assert_server_healthy(engine)
-
-
-async def test_malformed_blob_is_bad_frame(engine: Any) -> None:
-    blob = state_get_blob(await prefill_blob(engine, 0))
-    async with await rpc(engine) as c:
-        before = await slot_blob(c, 0)
-        for name, bad in _bad_structure(blob).items():
-            resp = await c.call(Call(Op.STATE_PUT, b"0", [bad]), check=False)
-            assert resp.status == Status.BAD_REQUEST and resp.meta.get("error_code") == "BAD_FRAME", (name, resp.meta)
-            assert resp.meta["error"]
-            await _assert_slot_untouched(c, 0, before)
     await assert_server_healthy(engine)
 
 
