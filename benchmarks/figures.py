@@ -243,7 +243,8 @@ def plain_llama_loop(model: str, prompt_tokens: list[int], n: int) -> float:
     """Tokens/s of a plain greedy loop through llama-cpp-python's low-level API."""
     import llama_cpp
 
-    from hydra_trio.engine.backend import LlamaBackend, Sampler, SamplingParams
+    from hydra_trio.engine.backend import LlamaBackend, Sampler
+    from hydra_trio.engine.params import SamplingParams
 
     b = LlamaBackend(model, n_slots=1, n_ctx=4096, n_threads=2)
     try:

@@ -389,6 +389,42 @@ async def test_connection_closed_before_reply_cancels_the_request(
         assert text_of(await get_result(h, rid2)) == text_of(await chat_completion(h, MESSAGES, N))
 
 
+async def test_close_in_the_batch_of_the_ack_cancels_the_request(
+    start_engine: Callable[..., Any], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer's close and the end of the restore wake the RPC handler and the disconnect
+    watcher in the same scheduler batch, in either order: the request is still cancelled
+    (nobody received its id) and its slot is free. The close is made from inside the
+    request's last synchronous step before the ack (reading ``n_past_after_restore``), so
+    the EOF is in the kernel when the handler is woken with the ack."""
+    ep = await start_engine(tiny_model)
+    engine = ep.state.engine
+    sock = trio.socket.socket()
+    await sock.connect(("127.0.0.1", ep.rpc_port))
+    seen: list[Any] = []
+    hung_up = trio.Event()
+    real_n_past = engine.n_past
+
+    def n_past_then_hang_up(slot: int) -> int:
+        if not hung_up.is_set() and store(ep).running():
+            seen.append(store(ep).running()[0])
+            sock.close()  # synchronous: no checkpoint between this and the ack
+            hung_up.set()
+        return real_n_past(slot)
+
+    monkeypatch.setattr(engine, "n_past", n_past_then_hang_up)
+    await sock.send(encode_request(Op.DECODE, b"0", frame(MESSAGES, n_predict=LONG_N)))
+    with trio.fail_after(30):
+        await hung_up.wait()
+        await seen[0].ended.wait()
+    monkeypatch.undo()
+    entry = seen[0]
+    assert tombstone_state(ep, entry.id) == "cancelled"
+    assert entry.result is None or entry.result.completion_tokens < LONG_N
+    async with await rpc(ep) as c:
+        assert (await slot_meta(c, 0))["is_processing"] is False
+
+
 async def test_connection_closed_after_reply_does_not_cancel(
     start_engine: Callable[..., Any], tiny_model: Path
 ) -> None:

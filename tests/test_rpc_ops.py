@@ -311,8 +311,8 @@ async def test_configure_t1(engine: Any) -> None:
         assert applied["sampling"] == {"temperature": 0.5, "top_k": 10, "penalty_repeat": 1.1}
         assert applied["state_chunk_size"] == 64 * 1024  # clamped up
         assert "not_a_key" not in applied
-        assert eng.slot_config(1)["n_predict"] == 8
-        assert "n_predict" not in eng.slot_config(0)  # per slot
+        assert eng.slot_settings.of(1)["n_predict"] == 8
+        assert "n_predict" not in eng.slot_settings.of(0)  # per slot
 
         m = (await c.configure(0, {"state_chunk_size": 1 << 40})).meta
         assert m["params_applied"] == {"state_chunk_size": 64 * 1024 * 1024}  # clamped down

@@ -26,8 +26,9 @@ def _setup_logging(level: str) -> None:
 
 async def _serve_until_signal(settings: Settings) -> None:
     """Serve until SIGINT/SIGTERM; then drain running decodes (a second signal stops now)."""
-    from .app import Endpoints, serve
+    from .app import serve
     from .decode.manager import DecodeManager
+    from .state import Endpoints
 
     log = logging.getLogger("hydra_trio")
     endpoints: Endpoints | None = None
@@ -37,23 +38,25 @@ async def _serve_until_signal(settings: Settings) -> None:
             async def on_signals() -> None:
                 async for signum in signals:
                     name = signal.Signals(signum).name
-                    if endpoints is None or endpoints.state.decodes is None:
+                    decodes = endpoints.state.decodes if endpoints is not None else None
+                    if decodes is None:
                         log.info("received %s during startup: stopping", name)
                         break
                     grace = settings.shutdown_grace_s
                     log.info("received %s: draining running decodes (up to %.0f s; signal again to stop now)", name, grace)
-                    decodes = endpoints.state.decodes
+                    decodes.close_to_new()
                     async with trio.open_nursery() as drain:
 
-                        async def run_drain(decodes: DecodeManager = decodes, grace: float = grace) -> None:
-                            await decodes.drain(grace)
+                        async def wait_drained(decodes: DecodeManager = decodes, grace: float = grace) -> None:
+                            with trio.move_on_after(grace):
+                                await decodes.wait_idle()
                             drain.cancel_scope.cancel()
 
-                        drain.start_soon(run_drain)
+                        drain.start_soon(wait_drained)
                         async for _ in signals:  # a second signal: stop without waiting
                             drain.cancel_scope.cancel()
                     break
-                nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()  # what still runs is cancelled as the engine stops
 
             nursery.start_soon(on_signals)
             endpoints = await nursery.start(serve, settings)

@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import trio
 
-from .app import Endpoints, serve
+from .app import serve
 from .config import Settings
+from .state import Endpoints
 
 
 @asynccontextmanager

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from .engine.engine import Engine, GenerationResult
 
 _MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 
@@ -31,16 +34,42 @@ class Metrics:
         self.restore_bytes = Counter("hydra_restore_bytes", "KV bytes restored into slots", registry=r)
         self.cancel_ms = Histogram("hydra_cancel_ms", "DELETE until the task stopped", buckets=_MS_BUCKETS, registry=r)
 
-    def add_live(self, name: str, doc: str, read: Callable[[], float]) -> None:
+    def record_generation(self, path: str, res: GenerationResult) -> None:
+        """One finished (or stopped) generation's token counts and time to first token."""
+        self.completion_tokens.labels(path).inc(res.completion_tokens)
+        self.prompt_tokens.labels(path).inc(res.n_prompt_processed)
+        self.cached_prompt_tokens.labels(path).inc(res.n_common)
+        self.ttft_ms.labels(path).observe(res.prompt_ms)  # the engine's own time to first token
+
+    def live_gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""
+        Gauge(name, doc, registry=self.registry).set_function(read)
 
-        class _Live:
-            def collect(self) -> list[GaugeMetricFamily]:
-                g = GaugeMetricFamily(name, doc)
-                g.add_metric([], float(read()))
-                return [g]
-
-        self.registry.register(_Live())
+    def watch_engine(self, engine: Engine) -> None:
+        """Gauges read from the engine at scrape time."""
+        g = self.live_gauge
+        g("hydra_slots_busy", "slots claimed by a request", lambda: sum(s.busy for s in engine.slots.slots))
+        g("hydra_slots_total", "slots", lambda: len(engine.slots))
+        g("hydra_kv_cells_used", "KV positions held by all slots", lambda: engine.backend.cells_in_use())
+        g("hydra_kv_cells_total", "KV cells shared by all slots", lambda: engine.n_ctx)
+        g("hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda: engine.worker.busy_s)
+        g("hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda: engine.worker.calls)
+        g("hydra_step_batches", "batched generation steps", lambda: engine.batcher.batches)
+        g(
+            "hydra_step_batch_mean_size",
+            "mean number of sequences per generation step",
+            lambda: engine.batcher.tokens / engine.batcher.batches if engine.batcher.batches else 0.0,
+        )
+        g("hydra_model_load_ms", "model load time", lambda: engine.model_load_ms)
+        # Live counters read straight from the engine: they show work done after a cancel.
+        g("hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda: engine.tokens_generated)
+        g(
+            "hydra_engine_prompt_tokens_processed",
+            "prompt tokens evaluated by the engine (all paths)",
+            lambda: engine.prompt_tokens_processed,
+        )
+        g("hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda: engine.batcher.tokens)
+        g("hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda: engine.tokens_evaluated)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,63 +1,111 @@
 """The decode request lifecycle (spec §4.3).
 
-Each accepted DECODE is one task in the manager's nursery with its own cancel scope:
-validate -> restore (GPU worker, under the validation deadline) -> ack the RPC caller ->
-tokenize + prefill the prompt delta -> token loop -> done | failed | cancelled | timed_out.
-The slot is held from validate until the task ends, however it ends.
+One DECODE is one task, started by its caller with ``nursery.start(manager.run_request,
+...)``: validation and restore run under the caller's scope (a caller that goes away
+cancels them), every refusal reaches the caller as a ``ProtocolError``, and
+``task_status.started(handle)`` hands over the reply meta. From then on the task lives in
+the manager's nursery and generates; the caller writes the reply and calls
+``handle.commit()``, or ``handle.abandon()`` if the reply could not be written, which
+cancels the request (nobody holds its id). The slot is held from validation until the task
+ends, however it ends.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
 
 import trio
 
+from ..config import Settings
 from ..engine.engine import Engine, GenerationResult
 from ..engine.params import GenerationParams, parse_generation
 from ..engine.worker import CallTiming
+from ..metrics import Metrics
 from ..model.identity import IdentityMatch, compare_identity
 from ..tasks import OwnedTask
-from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.frames import DecodeFrame, merged_generation
 from ..wire.kvblob import KvBlob, parse_kv_blob
 from .store import DecodeEntry, DecodeState, ResultStore, Tombstone
-
-if TYPE_CHECKING:
-    from ..app import AppState
-    from ..engine.slots import Slot
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _Ack:
-    """What the request task tells the waiting RPC handler once restore is over."""
+class StartedDecode:
+    """A validated, restored DECODE: the OK meta to send, and the request to commit once the
+    reply is written, or to abandon if it was not."""
 
-    done: trio.Event = field(default_factory=trio.Event)
-    meta: dict[str, Any] | None = None
-    error: ProtocolError | None = None
+    meta: dict[str, Any]
+    entry: DecodeEntry
+    metrics: Metrics
+    started_at: float  # perf_counter() when validation began
+
+    def commit(self) -> None:
+        """The caller holds the id: the request is theirs to read or DELETE."""
+        self.metrics.decode_ack_ms.observe((time.perf_counter() - self.started_at) * 1000.0)
+
+    async def abandon(self) -> None:
+        """The reply was not written: cancel the request and wait until it stopped; it
+        becomes a ``cancelled`` tombstone."""
+        task: OwnedTask = self.entry.task
+        await task.cancel_and_wait()
+
+
+class CancelOutcome(StrEnum):
+    UNKNOWN = "unknown"  # no such id (never existed, or forgotten)
+    ENDED = "ended"  # already a tombstone
+    CANCELLED = "cancelled"  # was running; its task has stopped
+    DELETED = "deleted"  # had finished; its result was removed
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    outcome: CancelOutcome
+    request_id: int
+    state: DecodeState | None = None
+    completion_tokens: int = 0  # what the request had generated when it stopped
 
 
 class DecodeManager:
-    def __init__(self, state: AppState, engine: Engine, store: ResultStore) -> None:
-        self.state = state
+    def __init__(self, engine: Engine, store: ResultStore, settings: Settings, metrics: Metrics) -> None:
         self.engine = engine
         self.store = store
-        self.settings = state.settings
+        self.settings = settings
+        self.metrics = metrics
         self._nursery: trio.Nursery | None = None
         self._accepting = True
-        self.drained = trio.Event()
+        # Requests outlive the front ends that start them: cancelling the owner does not
+        # reach them; ``stop()`` ends them once the front ends have left.
+        self._lifetime = trio.CancelScope(shield=True)
         self._t3_seen = engine.t3_reloads
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._sweeper)
-            task_status.started()
-            await trio.sleep_forever()
+        with self._lifetime:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._sweeper)
+                task_status.started()
+                await trio.sleep_forever()
+
+    @property
+    def nursery(self) -> trio.Nursery:
+        """Where requests live once started: ``await manager.nursery.start(run_request...)``."""
+        if self._nursery is None:
+            raise RuntimeError("the decode manager is not running")
+        return self._nursery
+
+    async def stop(self) -> None:
+        """Cancel every running request, wait until each has stopped, and end ``run``."""
+        self.close_to_new()
+        try:
+            await self.cancel_all()
+        finally:
+            self._lifetime.cancel()
 
     async def _sweeper(self) -> None:
         # Expiry also happens on every store access; this keeps memory bounded when idle.
@@ -66,36 +114,45 @@ class DecodeManager:
             await trio.sleep(period)
             self.store.sweep()
 
-    async def drain(self, grace_s: float) -> None:
-        """Shutdown: refuse new requests, give running ones ``grace_s`` to finish, then
-        cancel the rest and wait until they stopped."""
+    # ---- shutdown (the caller chooses the grace period) --------------------------------
+
+    def close_to_new(self) -> None:
+        """Refuse new DECODEs (BUSY) from now on."""
         self._accepting = False
-        with trio.move_on_after(grace_s):
-            while self.store.running():
-                entry = self.store.running()[0]
-                if entry.task is not None:
-                    await entry.task.finished.wait()
-                else:
-                    await trio.sleep(0.01)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is running."""
+        while running := self.store.running():
+            await running[0].task.finished.wait()
+
+    async def cancel_all(self) -> None:
         for entry in self.store.running():
-            if entry.task is not None:
-                await entry.task.cancel_and_wait()
-        self.drained.set()
+            await entry.task.cancel_and_wait()
 
-    # ---- submit (RPC) ------------------------------------------------------------------
+    # ---- the life of one request --------------------------------------------------------
 
-    async def submit(self, slot_id: int, frame: DecodeFrame, *, trace: str, rlog: Any) -> dict[str, Any]:
-        """Validate, restore and start a decode request; return the OK meta.
+    async def run_request(
+        self,
+        slot_id: int,
+        frame: DecodeFrame,
+        *,
+        trace: str,
+        rlog: logging.LoggerAdapter | logging.Logger,  # type: ignore[type-arg]
+        task_status: trio.TaskStatus[StartedDecode] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Validate, restore, hand the reply meta to the caller, generate (spec §4.3).
 
-        Raises ProtocolError for any refusal. If the caller is cancelled (its connection
-        closed) before the ack, the request is cancelled and becomes a tombstone.
+        Start it with ``nursery.start``. Until ``task_status.started`` it runs under the
+        caller's scope and every refusal is raised to the caller; after it, it runs in the
+        manager's nursery and its end (done, failed, cancelled) is written to its entry.
         """
-        if not self._accepting or self._nursery is None:
-            raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is shutting down", status=Status.BUSY)
         t0 = time.perf_counter()
+        deadline = trio.current_time() + self.settings.decode_validate_timeout_s
+        if not self._accepting or self._nursery is None:
+            raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is shutting down")
         engine = self.engine
         engine.slots.get(slot_id)  # NO_SLOT
-        request = {**engine.slot_generation_defaults(slot_id), **merged_generation(frame)}
+        request = {**engine.slot_settings.generation_defaults(slot_id), **merged_generation(frame)}
         params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx)
         prompt_text = engine.render(request)  # a malformed prompt is refused before the reply
         blob = parse_kv_blob(frame.kv) if len(frame.kv) else None
@@ -105,130 +162,101 @@ class DecodeManager:
         except BaseException:
             engine.release(slot)
             raise
+        entry.task = task = OwnedTask(f"decode:{entry.id}")
         entry.metrics["kv_bytes"] = len(frame.kv)
-        match = self._identity_gate(frame, blob)
-        entry.metrics["validate_ms"] = (time.perf_counter() - t0) * 1000.0
-        entry.metrics["match"] = match.as_meta()
-        if not match.accepted:
-            engine.release(slot)
-            entry.error, entry.error_code = match.reason, ErrorCode.CAP_MISMATCH
-            self.store.finish(entry, DecodeState.FAILED)
-            self.state.metrics.decode_requests.labels("rejected").inc()
-            raise ProtocolError(
-                ErrorCode.CAP_MISMATCH,
-                f"KV does not match the resident model: {match.reason}",
-                extra={"valid": False, "match": match.as_meta(), "decode_request_id": entry.id, "reason": match.reason},
-            )
-        ack = _Ack()
-        task = OwnedTask(f"decode:{entry.id}")
-        entry.task = task
-        self._nursery.start_soon(self._run_request, entry, slot, blob, prompt_text, params, ack, t0, rlog)
+        final, label = DecodeState.FAILED, None
+        started: StartedDecode | None = None
         try:
-            await ack.done.wait()
-        except trio.Cancelled:
-            # Nobody will learn this id: the request must not run on.
-            with trio.CancelScope(shield=True):
-                await task.cancel_and_wait()
+            with task.scope:  # DELETE and abandon() cancel this scope
+                self._check_identity(entry, frame, blob, t0)
+                try:
+                    with trio.fail_at(deadline):
+                        logits = await self._restore(entry, slot.id, blob)
+                except trio.TooSlowError:
+                    # The restore was cancelled (queued or aborted before commit): the slot
+                    # holds exactly what it held before, and nothing runs for this id.
+                    final = DecodeState.TIMED_OUT
+                    raise ProtocolError(ErrorCode.TIMEOUT, "validation timeout") from None
+                del blob  # a view of the RPC payload: let that buffer go now
+                started = self._started(entry, slot.id, t0)
+                task_status.started(started)
+                final = await self._generate(entry, prompt_text, params, logits, rlog)
+            if task.scope.cancelled_caught:
+                final = DecodeState.CANCELLED
+                if started is None:  # DELETE during validation or restore
+                    raise ProtocolError(ErrorCode.RESTORE_FAILED, "decode request cancelled before the restore completed")
+        except trio.Cancelled:  # the caller left before the reply, or the engine stops
+            final = DecodeState.CANCELLED
             raise
-        if ack.error is not None:
-            raise ack.error
-        assert ack.meta is not None
-        self.state.metrics.decode_ack_ms.observe((time.perf_counter() - t0) * 1000.0)
-        return ack.meta
+        except ProtocolError as err:
+            entry.error, entry.error_code = err.message, str(err.code)
+            if err.code == ErrorCode.CAP_MISMATCH:
+                label = "rejected"
+            if started is None:
+                raise _with_id(err, entry, final) from None
+            rlog.info("decode %d failed: %s", entry.id, err.message)
+        except Exception as exc:
+            entry.error, entry.error_code = f"internal error: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL
+            if started is None:
+                raise _with_id(ProtocolError(ErrorCode.INTERNAL, entry.error), entry, final) from exc
+            rlog.exception("decode %d failed", entry.id)
+        finally:
+            engine.release(slot)
+            self._seal(entry, final, label)
+            task.finished.set()
 
-    def _identity_gate(self, frame: DecodeFrame, blob: KvBlob | None) -> IdentityMatch:
+    def _check_identity(self, entry: DecodeEntry, frame: DecodeFrame, blob: KvBlob | None, t0: float) -> None:
+        """The §4.2 identity gate against the resident model; CAP_MISMATCH if it fails."""
         resident = self.engine.identity
         kv_meta = frame.header.get("kv_metadata")
         if blob is None and not kv_meta:
             # No foreign KV and no claims about it: the slot's KV is this engine's own.
             kv_meta = resident.fields()
         header_model = frame.header.get("model")
-        return compare_identity(resident, kv_meta, header_model=header_model if isinstance(header_model, str) else None)
+        match: IdentityMatch = compare_identity(
+            resident, kv_meta, header_model=header_model if isinstance(header_model, str) else None
+        )
+        entry.metrics["match"] = match.as_meta()
+        entry.metrics["validate_ms"] = (time.perf_counter() - t0) * 1000.0
+        if not match.accepted:
+            raise ProtocolError(
+                ErrorCode.CAP_MISMATCH,
+                f"KV does not match the resident model: {match.reason}",
+                extra={"valid": False, "match": match.as_meta(), "reason": match.reason},
+            )
 
-    # ---- the request task --------------------------------------------------------------
-
-    async def _run_request(
-        self,
-        entry: DecodeEntry,
-        slot: Slot,
-        blob: KvBlob | None,
-        prompt_text: str,
-        params: GenerationParams,
-        ack: _Ack,
-        t0: float,
-        rlog: Any,
-    ) -> None:
-        engine = self.engine
-        task: OwnedTask = entry.task
-        final = DecodeState.FAILED
-        try:
-            with task.scope:
-                logits = await self._restore_phase(entry, slot, blob, ack, t0)
-                del blob  # the blob is a view of the RPC payload: let that buffer go now
-                if logits is _TIMED_OUT:
-                    final = DecodeState.TIMED_OUT
-                    return
-                final = await self._generate_phase(entry, prompt_text, params, logits, rlog)
-            if task.scope.cancelled_caught:
-                final = DecodeState.CANCELLED
-        except trio.Cancelled:  # shutdown: the manager's nursery is being cancelled
-            final = DecodeState.CANCELLED
-            raise
-        except ProtocolError as err:
-            entry.error, entry.error_code = err.message, str(err.code)
-            rlog.info("decode %d failed: %s", entry.id, err.message)
-            if not ack.done.is_set():
-                ack.error = _with_id(err, entry)
-        except Exception as exc:
-            rlog.exception("decode %d failed", entry.id)
-            entry.error, entry.error_code = f"internal error: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL
-            if not ack.done.is_set():
-                ack.error = _with_id(ProtocolError(ErrorCode.INTERNAL, entry.error), entry)
-        finally:
-            engine.release(slot)
-            if final == DecodeState.CANCELLED and not ack.done.is_set():
-                ack.error = _with_id(
-                    ProtocolError(ErrorCode.RESTORE_FAILED, "decode request cancelled before the restore completed"),
-                    entry,
-                    state=DecodeState.CANCELLED,
-                )
-            self._seal(entry, final)
-            ack.done.set()
-            task.finished.set()
-
-    async def _restore_phase(
-        self, entry: DecodeEntry, slot: Slot, blob: KvBlob | None, ack: _Ack, t0: float
-    ) -> Any:
+    async def _restore(self, entry: DecodeEntry, slot_id: int, blob: KvBlob | None) -> bytes | None:
+        """Restore the blob into the slot (all-or-nothing); the logits that came with it."""
         engine = self.engine
         entry.state = DecodeState.RESTORING
         entry.notify()
         t_restore = time.perf_counter()
         logits = None
-        timing = CallTiming()
-        with trio.move_on_after(self.settings.decode_validate_timeout_s - (t_restore - t0)) as deadline:
-            if blob is not None:
-                slot.transferring = True
-                logits = await engine.state_restore(slot.id, blob, timing)
+        if blob is not None:
+            slot = engine.slots.get(slot_id)
+            slot.transferring = True
+            try:
+                logits = await engine.state_restore(slot_id, blob, timing := CallTiming())
+            finally:
                 slot.transferring = False
-                self.state.metrics.restore_bytes.inc(entry.metrics["kv_bytes"])
-        if deadline.cancelled_caught:
-            # The restore was cancelled (queued or aborted before commit): the slot holds
-            # exactly what it held before, and nothing will run for this id.
-            ack.error = _with_id(
-                ProtocolError(ErrorCode.TIMEOUT, "validation timeout"), entry, state=DecodeState.TIMED_OUT
-            )
-            return _TIMED_OUT
+            entry.metrics["queue_wait_ms"] = timing.queue_wait_s * 1000.0
+            self.metrics.restore_bytes.inc(entry.metrics["kv_bytes"])
         m = entry.metrics
         m["restore_slot_ms"] = (time.perf_counter() - t_restore) * 1000.0
-        m["queue_wait_ms"] = timing.queue_wait_s * 1000.0
-        m["n_past_after_restore"] = engine.n_past(slot.id)
+        m["n_past_after_restore"] = engine.n_past(slot_id)
         t3 = engine.t3_reloads
         m["t3_reloaded"] = t3 != self._t3_seen
         m["t3_reload_ms"] = engine.last_t3_reload_ms if t3 != self._t3_seen else 0.0
         self._t3_seen = t3
+        return logits
+
+    def _started(self, entry: DecodeEntry, slot_id: int, t0: float) -> StartedDecode:
+        m = entry.metrics
+        m["decode_init_ms"] = (time.perf_counter() - t0) * 1000.0 - m["restore_slot_ms"] - m["validate_ms"]
+        m["acked_at"] = time.perf_counter()
         entry.state = DecodeState.GENERATING
-        entry.metrics["decode_init_ms"] = (time.perf_counter() - t0) * 1000.0 - m["restore_slot_ms"] - m["validate_ms"]
-        ack.meta = {
+        entry.notify()
+        meta = {
             "valid": True,
             "match": m["match"],
             "decode_request_id": entry.id,
@@ -236,15 +264,12 @@ class DecodeManager:
             "restore_slot_ms": round(m["restore_slot_ms"], 3),
             "decode_init_ms": round(m["decode_init_ms"], 3),
             "kv_bytes": m["kv_bytes"],
-            "id_slot": slot.id,
+            "id_slot": slot_id,
         }
-        entry.metrics["acked_at"] = time.perf_counter()
-        ack.done.set()
-        entry.notify()
-        return logits
+        return StartedDecode(meta, entry, self.metrics, t0)
 
-    async def _generate_phase(
-        self, entry: DecodeEntry, prompt_text: str, params: GenerationParams, logits: Any, rlog: Any
+    async def _generate(
+        self, entry: DecodeEntry, prompt_text: str, params: GenerationParams, logits: bytes | None, rlog: Any
     ) -> DecodeState:
         engine = self.engine
         tokens = await engine.tokenize_text(prompt_text)
@@ -268,92 +293,51 @@ class DecodeManager:
         )
         return DecodeState.DONE
 
-    def _seal(self, entry: DecodeEntry, final: DecodeState) -> None:
+    def _seal(self, entry: DecodeEntry, final: DecodeState, label: str | None) -> None:
         res: GenerationResult | None = entry.result
         if res is not None:
+            self.metrics.record_generation("decode", res)
             acked = entry.metrics.get("acked_at")
-            self.state.record_generation("decode", res)
-            m = entry.metrics
             if acked is not None and res.first_token_at is not None:
-                m["ttft_ms"] = (res.first_token_at - acked) * 1000.0
+                entry.metrics["ttft_ms"] = (res.first_token_at - acked) * 1000.0
         self.store.finish(entry, final)
-        self.state.metrics.decode_requests.labels(final.value).inc()
+        self.metrics.decode_requests.labels(label or final.value).inc()
 
-    # ---- HTTP side ---------------------------------------------------------------------
+    # ---- readers and DELETE -------------------------------------------------------------
 
     def lookup(self, request_id: int) -> DecodeEntry | Tombstone | None:
         return self.store.get(request_id)
 
-    async def cancel(self, request_id: int) -> tuple[int, dict[str, Any]]:
-        """DELETE: cancel and wait for the task to stop; or delete a finished entry."""
+    async def cancel(self, request_id: int) -> CancelResult:
+        """DELETE: cancel a running request and wait until its task stopped; or remove a
+        finished one's result."""
         found = self.store.get(request_id)
         if found is None:
-            return 404, {"error": "no such decode request", "decode_request_id": request_id}
+            return CancelResult(CancelOutcome.UNKNOWN, request_id)
         if isinstance(found, Tombstone):
-            return 410, {"state": found.state.value, "decode_request_id": request_id}
+            return CancelResult(CancelOutcome.ENDED, request_id, found.state)
         entry = found
-        if entry.running and entry.task is not None:
+        if entry.running:
             t0 = time.perf_counter()
             await entry.task.cancel_and_wait()
-            self.state.metrics.cancel_ms.observe((time.perf_counter() - t0) * 1000.0)
-            state = entry.state
-            if state == DecodeState.CANCELLED:
+            self.metrics.cancel_ms.observe((time.perf_counter() - t0) * 1000.0)
+            if entry.state == DecodeState.CANCELLED:
                 res: GenerationResult | None = entry.result
-                return 200, {
-                    "cancelled": True,
-                    "decode_request_id": request_id,
-                    "state": "cancelled",
-                    # ours: what the request had computed when it stopped, and the engine's
-                    # work counter at this moment (compare later: nothing ran after the reply)
-                    "completion_tokens": res.completion_tokens if res else 0,
-                    "engine_tokens_evaluated": self.engine.tokens_evaluated,
-                }
+                return CancelResult(
+                    CancelOutcome.CANCELLED,
+                    request_id,
+                    entry.state,
+                    completion_tokens=res.completion_tokens if res else 0,
+                )
             # It finished on its own before the cancellation landed: now delete it.
         self.store.delete(entry)
-        return 200, {"cancelled": False, "decode_request_id": request_id, "state": "deleted"}
-
-    def hydra_metrics(self, entry: DecodeEntry) -> dict[str, Any]:
-        res: GenerationResult | None = entry.result
-        m = entry.metrics
-        engine = self.engine
-        n_common = res.n_common if res else 0
-        return {
-            "decode_request_id": entry.id,
-            "id_slot": entry.slot_id,
-            "n_past": m.get("n_past", m.get("n_past_after_restore", 0)),
-            "decode_ms": round(res.decode_ms, 3) if res else 0.0,
-            "prompt_ms": round(res.prompt_ms, 3) if res else 0.0,
-            "model_load_ms": round(engine.model_load_ms, 3),
-            "restore_slot_ms": round(m.get("restore_slot_ms", 0.0), 3),
-            "model_identity": engine.identity.fields(),
-            "match": m.get("match", {}),
-            # True when the KV carried in could not serve the prompt at all and it was
-            # recomputed from scratch.
-            "model_fallback": bool(m.get("kv_bytes") and res is not None and n_common == 0 and not res.logits_reused),
-            "n_common": n_common,
-            "n_prompt_processed": res.n_prompt_processed if res else 0,
-            "logits_reused": res.logits_reused if res else False,
-            "kv_bytes": m.get("kv_bytes", 0),
-            "t3_reloaded": m.get("t3_reloaded", False),
-            "t3_reload_ms": round(m.get("t3_reload_ms", 0.0), 3),
-            "decode_init_ms": round(m.get("decode_init_ms", 0.0), 3),
-            "validate_ms": round(m.get("validate_ms", 0.0), 3),
-            "queue_wait_ms": round(m.get("queue_wait_ms", 0.0), 3),
-            "ttft_ms": round(m.get("ttft_ms", 0.0), 3),
-            "tokens_per_s": round(res.tokens_per_s, 3) if res else 0.0,
-            "stop_type": res.stop_type if res else "",
-        }
+        return CancelResult(CancelOutcome.DELETED, request_id, DecodeState.DELETED)
 
 
-class _TimedOut:
-    pass
-
-
-_TIMED_OUT = _TimedOut()
-
-
-def _with_id(err: ProtocolError, entry: DecodeEntry, state: DecodeState | None = None) -> ProtocolError:
+def _with_id(err: ProtocolError, entry: DecodeEntry, state: DecodeState) -> ProtocolError:
+    """The refusal the caller sees: it names the request id (and its end state, when the
+    request became a tombstone) so the coordinator can correlate it."""
     extra = {**err.extra, "decode_request_id": entry.id}
-    if state is not None:
+    if state in (DecodeState.TIMED_OUT, DecodeState.CANCELLED):
         extra["state"] = state.value
     return ProtocolError(err.code, err.message, status=err.status, extra=extra)

@@ -92,11 +92,17 @@ class DecodeEntry:
     result: Any = None  # engine GenerationResult once generating
     metrics: dict[str, Any] = field(default_factory=dict)
     task: Any = None  # tasks.OwnedTask
+    ended: trio.Event = field(default_factory=trio.Event)  # set once it left RUNNING
     _subscribers: list[trio.MemorySendChannel[None]] = field(default_factory=list)
 
     @property
     def running(self) -> bool:
         return self.state in RUNNING
+
+    @property
+    def reader_count(self) -> int:
+        """Readers subscribed to this entry's wake-ups (SSE streams, ``?wait`` readers)."""
+        return len(self._subscribers)
 
     def subscribe(self) -> trio.MemoryReceiveChannel[None]:
         """A wake-up channel (bounded, capacity 1): a message means "look again"; the
@@ -189,6 +195,7 @@ class ResultStore:
             entry.state = state
             entry.notify()
             entry.close_subscribers()
+            entry.ended.set()
         else:
             self._bury(entry, state)
 
@@ -204,6 +211,7 @@ class ResultStore:
             entry.ended_at = self.clock()
         entry.notify()
         entry.close_subscribers()
+        entry.ended.set()
         entry.chunks = []  # a tombstone keeps no text
         self._tombstones[entry.id] = Tombstone(entry.id, state, self.clock())
         while len(self._tombstones) > self.max_tombstones:

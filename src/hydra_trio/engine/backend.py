@@ -19,6 +19,7 @@ import numpy as np
 
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import split_trailing_logits
+from .params import SamplingParams
 
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("hydra_trio.llama_cpp")
@@ -63,21 +64,6 @@ class DecodeAborted(Exception):
 
 class NoKvSpace(Exception):
     """llama_decode found no free KV cell: the shared context is full."""
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
 
 
 class Sampler:

@@ -1,9 +1,10 @@
-"""The engine: one model, N slots, one GPU worker, and the token-step batcher.
+"""The engine: one model, N slots, one GPU worker; prefill, generation and state transfer.
 
 Request tasks never call llama.cpp themselves: they ask the engine for work (a prefill
 chunk, a generation step). Generation steps of all generating slots are batched into one
-llama_decode (continuous batching); prefill chunks interleave with those batches on the
-one GPU worker.
+llama_decode by the step batcher (``batcher.py``); prefill chunks interleave with those
+batches on the one GPU worker. CONFIGURE's per-slot settings and staged rebuilds live in
+``reconfigure.py``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvblob import KvBlob, encode_blob_head
 from .backend import DecodeAborted, LlamaBackend, NoKvSpace, Sampler, StepRequest
+from .batcher import StepBatcher
 from .chat import render_prompt
 from .params import GenerationParams
+from .reconfigure import Reconfigurer, SlotSettings
 from .slots import Slot, SlotTable
 from .text import TextAssembler, common_prefix_len
 from .worker import CallTiming, GpuWorker
@@ -59,17 +62,6 @@ class GenerationResult:
         return (self.completion_tokens - 1) / (self.decode_ms / 1000.0)
 
 
-@dataclass(slots=True)
-class _StepJob:
-    slot: int
-    token: int
-    sampler: Sampler
-    done: trio.Event = field(default_factory=trio.Event)
-    result: int | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-
-
 class Engine:
     def __init__(self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings) -> None:
         self.backend = backend
@@ -78,17 +70,15 @@ class Engine:
         self.worker = GpuWorker()
         self.slots = SlotTable(backend.n_slots)
         self.model_load_ms = 0.0
-        self._step_send, self._step_recv = trio.open_memory_channel[_StepJob](backend.n_slots)
-        self._generating = 0  # requests inside their token loop (batcher waits for them)
+        self.batcher = StepBatcher(backend.n_slots, self._run_batch)
         self.tokens_generated = 0
         self.prompt_tokens_processed = 0
-        self.batches = 0
-        self.batch_tokens = 0
-        self.ready = trio.Event()
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
-        self._slot_config: list[dict[str, Any]] = [{} for _ in range(backend.n_slots)]
-        self._staged: dict[str, Any] = {}
-        self._staged_changed = trio.Event()
+        self.slot_settings = SlotSettings(self.slots)
+        self.reconfigurer = Reconfigurer(self.slots, self._apply_staged)
+        # The engine's own tasks run in a scope that outer cancellation cannot reach: the
+        # engine outlives its users and is stopped (``stop``) once they have left.
+        self._lifetime = trio.CancelScope(shield=True)
         self.t3_reloads = 0
         self.last_t3_reload_ms = 0.0
         self.model_path = backend.model_path
@@ -125,21 +115,27 @@ class Engine:
         return engine
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the step batcher until cancelled."""
-        try:
+        """Run the step batcher and the reconfigurer until ``stop()``, then close the model.
+
+        Cancelling the caller does not stop them: whoever owns the engine calls ``stop()``
+        after everything that uses the engine has ended, so no request is left waiting on a
+        step of a closed engine."""
+        with self._lifetime:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._batcher)
-                nursery.start_soon(self._reconfigurer)
-                self.ready.set()
+                nursery.start_soon(self.batcher.run)
+                nursery.start_soon(self.reconfigurer.run)
                 task_status.started()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self.worker.call(self.backend.close)
+        with trio.CancelScope(shield=True):
+            await self.worker.close(self.backend.close)
+
+    def stop(self) -> None:
+        """End ``run``: late steps and GPU calls are refused with a clear error."""
+        self._lifetime.cancel()
 
     @property
     def tokens_evaluated(self) -> int:
         """Every token llama.cpp has evaluated for requests: prompt chunks + generation steps."""
-        return self.prompt_tokens_processed + self.batch_tokens
+        return self.prompt_tokens_processed + self.batcher.tokens
 
     @property
     def n_ctx(self) -> int:
@@ -149,60 +145,7 @@ class Engine:
     def n_vocab(self) -> int:
         return self.backend.info.n_vocab
 
-    # ---- CONFIGURE ---------------------------------------------------------------------
-
-    def slot_config(self, slot_id: int) -> dict[str, Any]:
-        return self._slot_config[slot_id]
-
-    def configure_slot(self, slot_id: int, t1: dict[str, Any]) -> dict[str, Any]:
-        """T1: applied at once to the slot's defaults for later requests on it."""
-        self.slots.get(slot_id)
-        cfg = self._slot_config[slot_id]
-        for key, value in t1.items():
-            if key == "sampling":
-                cfg.setdefault("sampling", {}).update(value)
-            else:
-                cfg[key] = value
-        return dict(t1)
-
-    def slot_generation_defaults(self, slot_id: int) -> dict[str, Any]:
-        """The slot's T1 settings as request keys (a request's own keys win over them)."""
-        cfg = self._slot_config[slot_id]
-        out: dict[str, Any] = dict(cfg.get("sampling", {}))
-        if "n_predict" in cfg:
-            out["n_predict"] = cfg["n_predict"]
-        if "seed" in cfg:
-            out["seed"] = cfg["seed"]
-        if "antiprompt" in cfg:
-            out["stop"] = cfg["antiprompt"]
-        return out
-
-    def stage_reconfigure(self, changes: dict[str, Any]) -> None:
-        """T2/T3: applied by the reconfigurer once every slot is idle."""
-        self._staged.update(changes)
-        self._staged_changed.set()
-
-    @property
-    def staged(self) -> dict[str, Any]:
-        return dict(self._staged)
-
-    async def _reconfigurer(self) -> None:
-        while True:
-            await self._staged_changed.wait()
-            self._staged_changed = trio.Event()
-            while not self.slots.all_idle():
-                await self.slots.wait_released()
-            changes, self._staged = self._staged, {}
-            if not changes:
-                continue
-            self.slots.frozen = True  # no claims while the context or model is replaced
-            try:
-                await self._apply_staged(changes)
-            except Exception:
-                log.exception("staged reconfiguration %s failed; the engine keeps its old setup", changes)
-            finally:
-                self.slots.frozen = False
-                self.slots.notify()
+    # ---- CONFIGURE T2/T3 ---------------------------------------------------------------
 
     async def _apply_staged(self, changes: dict[str, Any]) -> None:
         t0 = time.perf_counter()
@@ -316,82 +259,10 @@ class Engine:
 
     async def step(self, slot: int, token: int, sampler: Sampler) -> int | None:
         """Evaluate ``token`` in ``slot`` and sample the next one; None at the context end."""
-        return await self.step_result(self.submit_step(slot, token, sampler))
+        return await self.batcher.result(self.batcher.submit(slot, token, sampler))
 
-    def submit_step(self, slot: int, token: int, sampler: Sampler) -> _StepJob:
-        """Hand a step to the batcher without waiting (the caller must await step_result).
-
-        The channel holds one job per slot, and a slot has at most one step outstanding."""
-        job = _StepJob(slot, token, sampler)
-        self._step_send.send_nowait(job)
-        return job
-
-    async def step_result(self, job: _StepJob, during: Awaitable[None] | None = None) -> int | None:
-        """Wait for a submitted step, after awaiting ``during`` (work overlapped with it).
-
-        If cancelled, a step the batcher has not taken is skipped, and one it has taken is
-        waited for, so nothing runs for the request after this returns."""
-        try:
-            if during is not None:
-                await during
-            await job.done.wait()
-        except BaseException:
-            job.cancelled = True
-            with trio.CancelScope(shield=True):
-                await job.done.wait()
-            raise
-        if job.error is not None:
-            raise job.error
-        return job.result
-
-    async def _batcher(self) -> None:
-        pending: list[_StepJob] = []
-        try:
-            while True:
-                pending = [await self._step_recv.receive()]
-                # Let the other generating requests hand in their step so they share the
-                # batch: they were woken together by the last batch and need one tick.
-                for _ in range(3):
-                    while True:
-                        try:
-                            pending.append(self._step_recv.receive_nowait())
-                        except trio.WouldBlock:
-                            break
-                    if len(pending) >= self._generating:
-                        break
-                    await trio.lowlevel.checkpoint()
-                jobs = []
-                for job in pending:
-                    if job.cancelled:
-                        job.done.set()
-                    else:
-                        jobs.append(job)
-                if not jobs:
-                    continue
-                reqs = [StepRequest(j.slot, j.token, j.sampler) for j in jobs]
-                try:
-                    with trio.CancelScope(shield=True):  # finish the batch even on shutdown
-                        results = await self.worker.call(lambda reqs=reqs: self.backend.step(reqs))
-                except Exception as exc:  # a failed batch fails its requests, not the engine
-                    log.exception("generation step failed")
-                    for job in jobs:
-                        job.error = exc
-                else:
-                    for job, res in zip(jobs, results, strict=True):
-                        job.result = res
-                    self.batches += 1
-                    self.batch_tokens += len(jobs)
-                for job in jobs:
-                    job.done.set()
-                pending = []
-        finally:
-            for job in pending:
-                job.done.set()
-            while True:
-                try:
-                    self._step_recv.receive_nowait().done.set()
-                except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
-                    break
+    async def _run_batch(self, reqs: Sequence[StepRequest]) -> list[int | None]:
+        return await self.worker.call(lambda: self.backend.step(reqs))
 
     # ---- generation --------------------------------------------------------------------
 
@@ -432,7 +303,7 @@ class Engine:
             t_first = time.perf_counter()
             res.first_token_at = t_first
             res.prompt_ms = (t_first - t_start) * 1000.0
-            self._generating += 1
+            self.batcher.generating += 1
             try:
                 while True:
                     if token is None:
@@ -455,15 +326,15 @@ class Engine:
                     else:
                         # Pipelined: the next token is computed while this one's text is
                         # handed to readers.
-                        job = self.submit_step(slot, token, sampler)
-                        token = await self.step_result(job, emit(delta) if delta else None)
+                        job = self.batcher.submit(slot, token, sampler)
+                        token = await self.batcher.result(job, emit(delta) if delta else None)
                         continue
                     if delta:
                         await emit(delta)
                     break
                 res.decode_ms = (time.perf_counter() - t_first) * 1000.0
             finally:
-                self._generating -= 1
+                self.batcher.generating -= 1
             tail = assembler.finish()
             if tail:
                 res.text += tail
@@ -540,7 +411,8 @@ class Engine:
     def release(self, slot: Slot) -> None:
         self.slots.release(slot)
 
-    async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str, timeout_s: float) -> Slot:
-        """A free slot, preferring the one whose KV shares the longest prefix with the prompt."""
+    async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str) -> Slot:
+        """A free slot, preferring the one whose KV shares the longest prefix with the prompt;
+        waits for one for as long as the caller's scope allows."""
         tokens = self.backend.seq_tokens
-        return await self.slots.claim_any(owner, lambda i: common_prefix_len(tokens[i], prompt_tokens), timeout_s)
+        return await self.slots.claim_any(owner, lambda i: common_prefix_len(tokens[i], prompt_tokens))

@@ -1,4 +1,6 @@
-"""Generation parameters from a request object (OpenAI names and llama.cpp names)."""
+"""Generation parameters from a request object (OpenAI names and llama.cpp names).
+
+Pure validation: importable without llama_cpp (the backend imports SamplingParams from here)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire.errors import ErrorCode, ProtocolError, Status
-from .backend import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -15,6 +16,21 @@ MAX_STOP_LEN = 256
 
 def bad_param(message: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_JSON, message, status=Status.BAD_REQUEST)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,17 +45,16 @@ class SlotTable:
         slot.owner = owner
         return slot
 
-    async def claim_any(self, owner: str, score: Callable[[int], int], timeout_s: float) -> Slot:
-        """Claim the free slot with the highest score (e.g. longest cached prefix), waiting up
-        to ``timeout_s`` for one; raises trio.TooSlowError after that."""
-        with trio.fail_after(timeout_s):
-            while True:
-                free = [s for s in self.slots if not s.busy]
-                if free and not self.frozen:
-                    best = max(free, key=lambda s: (score(s.id), -s.last_used))
-                    best.owner = owner
-                    return best
-                await self._released.wait()
+    async def claim_any(self, owner: str, score: Callable[[int], int]) -> Slot:
+        """Claim the free slot with the highest score (e.g. longest cached prefix), waiting
+        for one for as long as the caller's scope allows."""
+        while True:
+            free = [s for s in self.slots if not s.busy]
+            if free and not self.frozen:
+                best = max(free, key=lambda s: (score(s.id), -s.last_used))
+                best.owner = owner
+                return best
+            await self._released.wait()
 
     def release(self, slot: Slot) -> None:
         slot.owner = None

@@ -12,6 +12,7 @@ import outcome
 import trio
 
 from ..tasks import raise_single
+from ..wire.errors import ErrorCode, ProtocolError, Status
 
 T = TypeVar("T")
 
@@ -35,11 +36,21 @@ class GpuWorker:
         self.limiter = trio.CapacityLimiter(1)
         self.busy_s = 0.0  # total seconds the worker spent in calls (utilisation metric)
         self.calls = 0
+        self._closed = False
 
+    def _refuse_when_closed(self) -> None:
+        if self._closed:
+            raise ProtocolError(ErrorCode.INTERNAL, "engine is stopped", status=Status.BUSY)
+
+    async def close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (freeing the model) as the last call: later calls are refused."""
+        await self.call(fn)
+        self._closed = True
 
     async def call(self, fn: Callable[[], T]) -> T:
         """A short call that needs no abort flag (a generation step, tokenizing, clearing a
         slot): the plain to_thread hop, without the watcher task ``run`` adds."""
+        self._refuse_when_closed()
 
         def timed() -> T:
             start = time.perf_counter()
@@ -53,6 +64,7 @@ class GpuWorker:
 
     async def run(self, fn: Callable[[threading.Event], T], timing: CallTiming | None = None) -> T:
         """Run ``fn(abort)`` on the worker; ``abort`` is set if the caller is cancelled."""
+        self._refuse_when_closed()
         abort = threading.Event()
         submitted = time.perf_counter()
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
@@ -12,8 +14,8 @@ from ..wire.errors import ProtocolError, Status
 from .sse import error_body
 
 if TYPE_CHECKING:
-    from ..app import AppState
     from ..engine.engine import Engine
+    from ..state import AppState
 
 _HTTP_STATUS = {
     Status.BAD_REQUEST: 400,
@@ -26,6 +28,19 @@ _HTTP_STATUS = {
 
 def app_state() -> AppState:
     return current_app.config["HYDRA_STATE"]
+
+
+# The nursery of the HTTP request being handled (see server.py): work that belongs to one
+# request, such as a streaming completion's producer, lives and dies with it.
+_request_nursery: ContextVar[trio.Nursery] = ContextVar("hydra_request_nursery")
+
+
+def request_nursery() -> trio.Nursery:
+    return _request_nursery.get()
+
+
+def set_request_nursery(nursery: trio.Nursery) -> None:
+    _request_nursery.set(nursery)
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

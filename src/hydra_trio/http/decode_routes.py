@@ -8,8 +8,9 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from ..decode.manager import DecodeManager
+from ..decode.manager import CancelOutcome, DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
+from ..engine.engine import Engine, GenerationResult
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
 from .openai import completion_body, final_chunk
 from .sse import SSE_DONE, completion_chunk, error_body, sse_event, wants_sse
@@ -80,8 +81,27 @@ async def get_decode(raw_id: str) -> Response:
 
 @bp.delete("/v1/decode/<raw_id>")
 async def delete_decode(raw_id: str) -> Response:
-    status, body = await _manager().cancel(_request_id(raw_id))
-    return json_response(body, status)
+    manager = _manager()
+    request_id = _request_id(raw_id)
+    result = await manager.cancel(request_id)
+    if result.outcome == CancelOutcome.UNKNOWN:
+        return json_response({"error": "no such decode request", "decode_request_id": request_id}, 404)
+    state = result.state.value if result.state is not None else ""
+    if result.outcome == CancelOutcome.ENDED:
+        return json_response({"state": state, "decode_request_id": request_id}, 410)
+    if result.outcome == CancelOutcome.DELETED:
+        return json_response({"cancelled": False, "decode_request_id": request_id, "state": state})
+    return json_response(
+        {
+            "cancelled": True,
+            "decode_request_id": request_id,
+            "state": state,
+            # ours: what the request had computed when it stopped, and the engine's work
+            # counter at this moment (compare later: nothing ran after the reply)
+            "completion_tokens": result.completion_tokens,
+            "engine_tokens_evaluated": manager.engine.tokens_evaluated,
+        }
+    )
 
 
 def _wait_param() -> float:
@@ -119,17 +139,50 @@ def _completion_id(entry: DecodeEntry) -> str:
     return f"chatcmpl-decode-{entry.id}"
 
 
-def _result_body(manager: Any, entry: DecodeEntry) -> dict[str, Any]:
+def _result_body(manager: DecodeManager, entry: DecodeEntry) -> dict[str, Any]:
     return completion_body(
         _completion_id(entry),
         manager.engine.identity.model_alias,
         entry.slot_id,
         entry.result,
-        hydra_metrics=manager.hydra_metrics(entry),
+        hydra_metrics=hydra_metrics(manager.engine, entry),
     )
 
 
-async def _sse_stream(manager: Any, entry: DecodeEntry) -> AsyncIterator[bytes]:
+def hydra_metrics(engine: Engine, entry: DecodeEntry) -> dict[str, Any]:
+    """The §6.3 ``hydra_metrics`` object of a decode request."""
+    res: GenerationResult | None = entry.result
+    m = entry.metrics
+    n_common = res.n_common if res else 0
+    return {
+        "decode_request_id": entry.id,
+        "id_slot": entry.slot_id,
+        "n_past": m.get("n_past", m.get("n_past_after_restore", 0)),
+        "decode_ms": round(res.decode_ms, 3) if res else 0.0,
+        "prompt_ms": round(res.prompt_ms, 3) if res else 0.0,
+        "model_load_ms": round(engine.model_load_ms, 3),
+        "restore_slot_ms": round(m.get("restore_slot_ms", 0.0), 3),
+        "model_identity": engine.identity.fields(),
+        "match": m.get("match", {}),
+        # True when the KV carried in could not serve the prompt at all and it was
+        # recomputed from scratch.
+        "model_fallback": bool(m.get("kv_bytes") and res is not None and n_common == 0 and not res.logits_reused),
+        "n_common": n_common,
+        "n_prompt_processed": res.n_prompt_processed if res else 0,
+        "logits_reused": res.logits_reused if res else False,
+        "kv_bytes": m.get("kv_bytes", 0),
+        "t3_reloaded": m.get("t3_reloaded", False),
+        "t3_reload_ms": round(m.get("t3_reload_ms", 0.0), 3),
+        "decode_init_ms": round(m.get("decode_init_ms", 0.0), 3),
+        "validate_ms": round(m.get("validate_ms", 0.0), 3),
+        "queue_wait_ms": round(m.get("queue_wait_ms", 0.0), 3),
+        "ttft_ms": round(m.get("ttft_ms", 0.0), 3),
+        "tokens_per_s": round(res.tokens_per_s, 3) if res else 0.0,
+        "stop_type": res.stop_type if res else "",
+    }
+
+
+async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterator[bytes]:
     """Every chunk so far, then live ones; a final chunk with usage and metrics, [DONE].
 
     A reader leaving does not affect the request (DELETE stops it)."""
@@ -151,7 +204,7 @@ async def _sse_stream(manager: Any, entry: DecodeEntry) -> AsyncIterator[bytes]:
             except trio.EndOfChannel:
                 pass
         if entry.state == DecodeState.DONE:
-            yield sse_event(final_chunk(cid, created, model, entry.slot_id, entry.result, hydra_metrics=manager.hydra_metrics(entry)))
+            yield sse_event(final_chunk(cid, created, model, entry.slot_id, entry.result, hydra_metrics=hydra_metrics(manager.engine, entry)))
             yield SSE_DONE
         else:
             code = "DECODE_FAILED" if entry.state == DecodeState.FAILED else entry.state.value.upper()

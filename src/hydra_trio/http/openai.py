@@ -15,11 +15,11 @@ from ..engine.engine import GenerationResult
 from ..engine.params import parse_generation
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
-from .common import app_state, json_response, read_json_body, require_engine
+from .common import app_state, json_response, read_json_body, request_nursery, require_engine
 from .sse import SSE_DONE, completion_chunk, error_body, now_s, sse_event, timings, usage
 
 if TYPE_CHECKING:
-    from ..app import AppState
+    from ..state import AppState
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__)
@@ -102,14 +102,15 @@ async def chat_completions() -> Response:
     model = engine.identity.model_alias
     if not params.stream:
         try:
-            slot = await engine.claim_for_prompt(tokens, f"http:{cid}", state.settings.slot_wait_s)
+            with trio.fail_after(state.settings.slot_wait_s):
+                slot = await engine.claim_for_prompt(tokens, f"http:{cid}")
         except trio.TooSlowError:
             return _all_slots_busy(state)
         try:
             res = await engine.generate(slot.id, tokens, params, _discard)
         finally:
             engine.release(slot)
-        state.record_generation("chat", res)
+        state.metrics.record_generation("chat", res)
         return json_response(completion_body(cid, model, slot.id, res))
 
     send, recv = trio.open_memory_channel[tuple[str, Any]](64)
@@ -117,7 +118,8 @@ async def chat_completions() -> Response:
 
     async def produce(task_status: Any) -> None:
         try:
-            slot = await engine.claim_for_prompt(tokens, f"http:{cid}", state.settings.slot_wait_s)
+            with trio.fail_after(state.settings.slot_wait_s):
+                slot = await engine.claim_for_prompt(tokens, f"http:{cid}")
         except trio.TooSlowError:
             raise _SlotsBusy from None
         task_status.started(slot.id)
@@ -133,7 +135,7 @@ async def chat_completions() -> Response:
         async with send:
             try:
                 res = await engine.generate(slot.id, tokens, params, emit)
-                state.record_generation("chat", res)
+                state.metrics.record_generation("chat", res)
                 await put(("done", res))
             except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 log.info("streaming completion %s ended early: %r", cid, exc)
@@ -143,7 +145,8 @@ async def chat_completions() -> Response:
                 engine.release(slot)
 
     try:
-        task, slot_id = await start_owned(state.nursery, f"chat:{cid}", produce)
+        # The producer belongs to this request: it runs in the request's own nursery.
+        task, slot_id = await start_owned(request_nursery(), f"chat:{cid}", produce)
     except _SlotsBusy:
         return _all_slots_busy(state)
 

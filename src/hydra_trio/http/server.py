@@ -3,28 +3,46 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..tasks import leaves
-from .common import register_error_handlers
+from .common import register_error_handlers, set_request_nursery
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 from .state_routes import bp as state_bp
 
 if TYPE_CHECKING:
-    from ..app import AppState
+    from ..state import AppState
 
 log = logging.getLogger(__name__)
 
 
+class _RequestNurseryConnection(TrioASGIHTTPConnection):
+    """quart-trio's HTTP connection, with its per-request nursery made available to the
+    route (``common.request_nursery()``). That nursery is cancelled when the client goes
+    away or the response has been sent, so what a route starts in it ends with its request."""
+
+    async def __call__(self, receive: Any, send: Any) -> None:
+        request_ = self._create_request_from_scope(send)
+        async with trio.open_nursery() as nursery:
+            set_request_nursery(nursery)  # copied into the two tasks' contexts below
+            nursery.start_soon(self.handle_messages, nursery, request_, receive)
+            nursery.start_soon(self.handle_request, nursery, request_, send)
+
+
+class _App(QuartTrio):
+    asgi_http_class = _RequestNurseryConnection
+
+
 def create_app(state: AppState) -> QuartTrio:
-    app = QuartTrio("hydra_trio")
+    app = _App("hydra_trio")
     app.config["HYDRA_STATE"] = state
     # Streams (SSE) may run far longer than Quart's 60 s default; bodies may be KV blobs.
     app.config["RESPONSE_TIMEOUT"] = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import select
 import socket as stdsocket
 from collections.abc import Sequence
 
@@ -94,6 +95,13 @@ class Connection:
             return
         await trio.sleep_forever()
 
+    def peer_closed(self) -> bool:
+        """Whether the peer's close (EOF or a reset) is already here, without waiting: the
+        disconnect watcher may not have run yet in this scheduler batch."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLRDHUP)
+        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
     async def aclose(self) -> None:
         await self.stream.aclose()
 
@@ -116,14 +124,11 @@ class ByteBudget:
         self.used = 0
         self._released = trio.Event()
 
-    async def acquire(self, n: int, timeout_s: float) -> bool:
-        """Take ``n`` bytes, waiting up to ``timeout_s`` for room; False if there was none."""
-        with trio.move_on_after(timeout_s):
-            while self.used + n > self.total and self.used > 0:
-                await self._released.wait()
-            self.used += n  # a payload larger than the whole budget runs alone
-            return True
-        return False
+    async def acquire(self, n: int) -> None:
+        """Take ``n`` bytes, waiting for room as long as the caller's scope allows."""
+        while self.used + n > self.total and self.used > 0:
+            await self._released.wait()
+        self.used += n  # a payload larger than the whole budget runs alone
 
     def release(self, n: int) -> None:
         self.used -= n

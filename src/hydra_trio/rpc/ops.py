@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import __version__
 from ..config import Settings
@@ -19,8 +20,8 @@ from .connection import Connection
 if TYPE_CHECKING:
     import logging
 
-    from ..app import AppState
     from ..engine.engine import Engine
+    from ..state import AppState
 
 Buffer = bytes | bytearray | memoryview
 
@@ -35,15 +36,23 @@ class OpContext:
     slot_id: int = 0
 
 
+class StartedWork(Protocol):
+    """Work an op started that must not outlive an unsent reply (a DECODE request)."""
+
+    def commit(self) -> None: ...
+
+    async def abandon(self) -> None: ...
+
+
 @dataclass(slots=True)
 class Reply:
     status: Status
     meta: dict[str, Any]
     payload: list[Buffer] = field(default_factory=list)
     send_chunk: int | None = None
-    # Called when the reply could not be written (the peer left): e.g. DECODE cancels the
-    # request nobody will learn the id of.
-    on_send_failed: Callable[[], Awaitable[None]] | None = None
+    # Committed once the reply is written; abandoned if it could not be (nobody will learn
+    # what it started).
+    started: StartedWork | None = None
 
     @property
     def payload_len(self) -> int:
@@ -55,9 +64,9 @@ class Reply:
         meta: dict[str, Any],
         payload: list[Buffer] | None = None,
         send_chunk: int | None = None,
-        on_send_failed: Callable[[], Awaitable[None]] | None = None,
+        started: StartedWork | None = None,
     ) -> Reply:
-        return cls(Status.OK, meta, payload or [], send_chunk, on_send_failed)
+        return cls(Status.OK, meta, payload or [], send_chunk, started)
 
     @classmethod
     def error(cls, err: ProtocolError) -> Reply:
@@ -172,7 +181,7 @@ class OpTable:
             "kv_hash": snap.kv_hash,
             **engine.identity.fields(),
         }
-        return Reply.ok(meta, list(snap.parts), send_chunk=engine.slot_config(ctx.slot_id).get("state_chunk_size"))
+        return Reply.ok(meta, list(snap.parts), send_chunk=engine.slot_settings.of(ctx.slot_id).get("state_chunk_size"))
 
     async def state_put(self, ctx: OpContext, payload: memoryview) -> Reply:
         meta = await transfer.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
@@ -217,9 +226,9 @@ class OpTable:
             elif key in _T2_KEYS or key in _T3_KEYS:
                 staged[key] = value
         if t1:
-            applied = engine.configure_slot(ctx.slot_id, _validate_t1(t1))
+            applied = engine.slot_settings.apply(ctx.slot_id, _validate_t1(t1))
         if staged:
-            engine.stage_reconfigure(_validate_staged(staged))
+            engine.reconfigurer.stage(_validate_staged(staged))
         tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
         ctx.log.info("CONFIGURE slot %d: applied %s, deferred %s", ctx.slot_id, sorted(applied), sorted(staged))
         return Reply.ok({"success": True, "tier": tier, "params_applied": applied, "deferred_keys": sorted(staged)})
@@ -234,16 +243,20 @@ class OpTable:
         )
         decodes = self.state.decodes
         assert decodes is not None
-        meta = await decodes.submit(ctx.slot_id, frame, trace=ctx.trace, rlog=ctx.log)
-        rid = meta["decode_request_id"]
-        ctx.log.info(
-            "DECODE slot %d: id %d, %d kv bytes restored in %.1f ms", ctx.slot_id, rid, meta["kv_bytes"], meta["restore_slot_ms"]
+        # Validation and restore run under this handler's scope (a peer that hangs up
+        # cancels them); refusals arrive here as ProtocolError.
+        started = await decodes.nursery.start(
+            partial(decodes.run_request, ctx.slot_id, frame, trace=ctx.trace, rlog=ctx.log)
         )
-
-        async def reply_lost() -> None:  # nobody learned the id: the request must not run on
-            await decodes.cancel(rid)
-
-        return Reply.ok(meta, on_send_failed=reply_lost)
+        meta = started.meta
+        ctx.log.info(
+            "DECODE slot %d: id %d, %d kv bytes restored in %.1f ms",
+            ctx.slot_id,
+            meta["decode_request_id"],
+            meta["kv_bytes"],
+            meta["restore_slot_ms"],
+        )
+        return Reply.ok(meta, started=started)
 
     async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
         body = decode_json_object(payload, "PREFILL")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ from .connection import ByteBudget, Connection, PeerClosed
 from .ops import OpContext, OpSpec, OpTable, Reply
 
 if TYPE_CHECKING:
-    from ..app import AppState
+    from ..state import AppState
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,9 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             if head.payload_len > cap:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the cap of {cap}")
             spec.precheck(ctx)
-            if not await budget.acquire(head.payload_len, settings.idle_timeout_s):
+            with trio.move_on_after(settings.idle_timeout_s) as waited:
+                await budget.acquire(head.payload_len)
+            if waited.cancelled_caught:
                 raise ProtocolError(
                     ErrorCode.TIMEOUT,
                     f"engine busy: no room for a {head.payload_len}-byte payload within {settings.idle_timeout_s:g} s",
@@ -121,47 +124,73 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             return
         try:
             payload = await conn.read_payload(head.payload_len)  # the one buffer it lives in
-            state.metrics.rpc_bytes_in.inc(head.payload_len)
-            reply = await _run_op(spec, ctx, payload)
-            del payload  # ops keep no view of it past their reply
-        finally:
+        except BaseException:
             budget.release(head.payload_len)
-        if reply is None:  # the peer went away while the op ran: nobody to answer
-            rlog.info("%s: peer closed before the reply; request cancelled", op_name)
-            return
-        state.metrics.rpc_requests.labels(op_name, reply.status.name).inc()
-        try:
-            await _send_reply(conn, reply)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            if reply.on_send_failed is not None:
-                with trio.CancelScope(shield=True):
-                    await reply.on_send_failed()
             raise
-        state.metrics.rpc_bytes_out.inc(reply.payload_len)
-        del reply
+        state.metrics.rpc_bytes_in.inc(head.payload_len)
+        keep_open = await _answer(state, spec, ctx, payload, partial(budget.release, head.payload_len))
+        del payload  # ops keep no view of it past their reply
+        if not keep_open:
+            return
 
 
-async def _run_op(spec: OpSpec, ctx: OpContext, payload: bytearray | mmap.mmap) -> Reply | None:
+async def _answer(
+    state: AppState, spec: OpSpec, ctx: OpContext, payload: bytearray | mmap.mmap, release_payload: Callable[[], None]
+) -> bool:
+    """Run the op and write its one reply; False when the peer hung up first (close).
+
+    For ops that stop when the caller hangs up (PREFILL, DECODE), a peer that closes cancels
+    everything from the op's start until its reply is written. What the op started (a DECODE
+    request) is committed once the reply is out, and abandoned if it could not be written:
+    nobody learned its id.
+    """
     try:
-        if not spec.cancel_on_disconnect:
-            return await spec.run(ctx, memoryview(payload))
-        peer_gone = False
-        reply: Reply | None = None
+        return await _answer_or_hang_up(state, spec, ctx, payload, release_payload)
+    except BaseExceptionGroup as group:  # the watcher's nursery wraps what the body raised
+        raise_single(group)
+
+
+async def _answer_or_hang_up(
+    state: AppState, spec: OpSpec, ctx: OpContext, payload: bytearray | mmap.mmap, release_payload: Callable[[], None]
+) -> bool:
+    async with trio.open_nursery() as hangup:
+        if spec.cancel_on_disconnect:
+            hangup.start_soon(_cancel_on_close, ctx.conn, hangup.cancel_scope)
         try:
-            async with trio.open_nursery() as nursery:
+            reply = await _run_op(spec, ctx, memoryview(payload))
+        finally:
+            release_payload()
+        state.metrics.rpc_requests.labels(spec.name, reply.status.name).inc()
+        try:
+            if spec.cancel_on_disconnect and ctx.conn.peer_closed():
+                # The close came before the reply, in the batch that ended the op; the
+                # watcher has not run yet.
+                raise PeerClosed("peer closed before the reply")
+            await _send_reply(ctx.conn, reply)
+        except BaseException:
+            if reply.started is not None:
+                ctx.log.info("%s: reply not written; cancelling what it started", spec.name)
+                with trio.CancelScope(shield=True):
+                    await reply.started.abandon()
+            raise
+        if reply.started is not None:
+            reply.started.commit()
+        state.metrics.rpc_bytes_out.inc(reply.payload_len)
+        hangup.cancel_scope.cancel()
+        return True
+    ctx.log.info("%s: peer closed before the reply; request cancelled", spec.name)
+    return False
 
-                async def watch() -> None:
-                    nonlocal peer_gone
-                    await ctx.conn.wait_closed()
-                    peer_gone = True
-                    nursery.cancel_scope.cancel()
 
-                nursery.start_soon(watch)
-                reply = await spec.run(ctx, memoryview(payload))
-                nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            raise_single(group)
-        return None if peer_gone else reply
+async def _cancel_on_close(conn: Connection, scope: trio.CancelScope) -> None:
+    await conn.wait_closed()
+    scope.cancel()
+
+
+async def _run_op(spec: OpSpec, ctx: OpContext, payload: memoryview) -> Reply:
+    """The op's reply; a refusal or failure becomes an error reply."""
+    try:
+        return await spec.run(ctx, payload)
     except ProtocolError as err:
         ctx.log.info("%s failed: %s %s", spec.name, err.code, err.message)
         return Reply.error(err)

@@ -1,0 +1,84 @@
+"""CONFIGURE (spec §2.4) inside the engine: per-slot T1 settings, and staged T2/T3 changes
+(context rebuild, model reload) applied once every slot is idle."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from .slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+
+class SlotSettings:
+    """T1: applied at once to a slot's defaults for later requests on it."""
+
+    def __init__(self, slots: SlotTable) -> None:
+        self._slots = slots
+        self._config: list[dict[str, Any]] = [{} for _ in range(len(slots))]
+
+    def of(self, slot_id: int) -> dict[str, Any]:
+        return self._config[slot_id]
+
+    def apply(self, slot_id: int, t1: dict[str, Any]) -> dict[str, Any]:
+        self._slots.get(slot_id)  # NO_SLOT
+        cfg = self._config[slot_id]
+        for key, value in t1.items():
+            if key == "sampling":
+                cfg.setdefault("sampling", {}).update(value)
+            else:
+                cfg[key] = value
+        return dict(t1)
+
+    def generation_defaults(self, slot_id: int) -> dict[str, Any]:
+        """The slot's T1 settings as request keys (a request's own keys win over them)."""
+        cfg = self._config[slot_id]
+        out: dict[str, Any] = dict(cfg.get("sampling", {}))
+        if "n_predict" in cfg:
+            out["n_predict"] = cfg["n_predict"]
+        if "seed" in cfg:
+            out["seed"] = cfg["seed"]
+        if "antiprompt" in cfg:
+            out["stop"] = cfg["antiprompt"]
+        return out
+
+
+class Reconfigurer:
+    """T2/T3: staged by CONFIGURE, applied by ``run`` once every slot is idle. No slot can
+    be claimed while the change is applied."""
+
+    def __init__(self, slots: SlotTable, apply: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        self._slots = slots
+        self._apply = apply
+        self._staged: dict[str, Any] = {}
+        self._changed = trio.Event()
+
+    def stage(self, changes: dict[str, Any]) -> None:
+        self._staged.update(changes)
+        self._changed.set()
+
+    @property
+    def staged(self) -> dict[str, Any]:
+        return dict(self._staged)
+
+    async def run(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed = trio.Event()
+            while not self._slots.all_idle():
+                await self._slots.wait_released()
+            changes, self._staged = self._staged, {}
+            if not changes:
+                continue
+            self._slots.frozen = True  # no claims while the context or model is replaced
+            try:
+                await self._apply(changes)
+            except Exception:
+                log.exception("staged reconfiguration %s failed; the engine keeps its old setup", changes)
+            finally:
+                self._slots.frozen = False
+                self._slots.notify()
