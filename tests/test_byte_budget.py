@@ -50,7 +50,7 @@ async def test_a_live_engine_answers_busy_when_payload_memory_stays_full(start_e
     """One connection's PREFILL holds the whole payload budget (its op waits for the GPU
     worker, which the test holds); another request waits its idle timeout, then gets BUSY
     TIMEOUT, its payload drained: the same connection then works."""
-    from _helpers import assert_error, rpc
+    from helpers import assert_error, rpc
     from hydra_trio.rpc.client import configure_call, prefill_call
     from hydra_trio.wire.errors import Status
 

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import trio
+import trio.testing
 
-from decode_helpers import (
+from helpers import (
     HYDRA_METRICS_KEYS,
     LONG_TURN,
     MESSAGES,
@@ -64,8 +65,11 @@ async def test_plain_get_while_generating_then_wait(
                 waited["status"], waited["body"] = resp.status_code, resp.json()
 
             nursery.start_soon(wait_for_it)
-            await wait_until(lambda: len(entry._subscribers) == 1)  # the waiting GET
-        await wait_until(lambda: "status" in waited, 60)
+            # The waiting GET has subscribed once every task of this process is blocked
+            # (the worker is held by the gate, so generation cannot move).
+            await trio.testing.wait_all_tasks_blocked()
+            assert entry.reader_count == 1
+        # The nursery has waited for wait_for_it: the GET has its answer.
     assert waited["status"] == 200, waited
     body = waited["body"]
     assert body["object"] == "chat.completion"
@@ -89,7 +93,8 @@ async def test_sse_readers_early_late_concurrent_and_leaving(
                 rid = await decode_ok(c, 0, frame(MESSAGES, n_predict=N))
                 entry = entry_of(ep, rid)
                 readers.start_soon(read_sse, h, rid, early)
-                await wait_until(lambda: bool(early.lines))  # the role chunk arrived
+                await trio.testing.wait_all_tasks_blocked()  # the worker is held: all wait
+                assert early.lines  # the role chunk arrived
                 await g.step(2)  # tokenize, prefill
                 await g.step(10)  # ten tokens
                 n_before_join = len(entry.chunks)

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
-from decode_helpers import (
+from helpers import (
     LONG_TURN,
     MESSAGES,
     OTHER_MESSAGES,
@@ -289,11 +290,9 @@ async def test_delete_aborts_a_running_prefill_chunk(
             processed = engine.prompt_tokens_processed
             g.open()
 
-            def chunk_running() -> bool:
-                # The backend sets the flag only around a prefill chunk's llama_decode.
-                return engine.backend._abort_flag is not None
-
-            await wait_until(chunk_running)
+            # The prefill chunk is the only call left: once the worker thread runs a call,
+            # it is that chunk's llama_decode (polled: a thread cannot wake a trio task).
+            await wait_until(lambda: engine.worker.running)
             d = await h.delete(f"/v1/decode/{rid}")
         if engine.prompt_tokens_processed != processed:
             pytest.skip(
@@ -326,7 +325,8 @@ async def test_delete_during_token_loop(start_engine: Callable[..., Any], tiny_m
             res = entry.result
             assert entry.state.value == "generating" and 5 <= res.completion_tokens < STOPPED_N
             deleted = Background().start(nursery, h.delete, f"/v1/decode/{rid}")
-            await wait_until(lambda: entry.task.scope.cancel_called)
+            await trio.testing.wait_all_tasks_blocked()  # the DELETE reached the manager
+            assert entry.task.scope.cancel_called
             # The step in flight must finish before the task can stop: no reply yet.
             assert not deleted.done.is_set()
             g.open()
@@ -374,8 +374,11 @@ async def test_connection_closed_before_reply_cancels_the_request(
             await raw.send_raw(encode_request(Op.DECODE, b"0", payload))
             rid = (await wait_listed(h, "restoring"))["decode_request_id"]
             await g.wait_queued(1)
+            entry = entry_of(ep, rid)
             await raw.aclose()  # nobody will ever learn the id
-            await wait_until(lambda: tombstone_state(ep, rid) == "cancelled")
+            with trio.fail_after(10):
+                await entry.ended.wait()
+            assert tombstone_state(ep, rid) == "cancelled"
             meta = await slot_meta(c, 0)
             assert meta["is_processing"] is False and meta["n_past"] == len(before)
             calls = ep.state.engine.worker.calls

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from decode_helpers import (
+from helpers import (
     MATCH_KEYS,
     MESSAGES,
     OTHER_MESSAGES,

@@ -16,12 +16,12 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 import hydra_trio
-from _helpers import (
+from helpers import (
     ENGINE,
     MESSAGES,
     OTHER_MESSAGES,
     chat,
-    http_client,
+    http,
     stream_chat,
     stream_text,
     wait_until,
@@ -71,7 +71,7 @@ async def engine(start_engine: Callable[..., Any], tiny_model: Path) -> Any:
 
 
 async def _texts(ep: Any) -> list[str]:
-    async with http_client(ep) as c:
+    async with http(ep) as c:
         out = []
         for messages in (MESSAGES, OTHER_MESSAGES, MESSAGES):
             body = await chat(c, messages=messages, max_tokens=32)
@@ -98,7 +98,7 @@ async def test_greedy_identical_across_calls_and_restarts(run_engine: Callable[.
 async def test_concurrent_requests_match_sequential(ctx_engine: Any) -> None:
     """Two requests generating at once (batched steps) give the same text as alone."""
     engine = ctx_engine
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         alone = [(await chat(c, messages=m, max_tokens=48))["choices"][0]["message"]["content"] for m in (MESSAGES, OTHER_MESSAGES)]
         together: list[str] = ["", ""]
 
@@ -116,7 +116,7 @@ async def test_concurrent_requests_match_sequential(ctx_engine: Any) -> None:
 
 
 async def test_non_streaming_completion_shape(engine: Any) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         body = await chat(c, max_tokens=12)
         assert_completion_shape(body)
         assert body["choices"][0]["finish_reason"] == "length"
@@ -133,7 +133,7 @@ async def test_non_streaming_completion_shape(engine: Any) -> None:
 
 
 async def test_streaming_matches_non_streaming(ctx_engine: Any) -> None:
-    async with http_client(ctx_engine) as c:
+    async with http(ctx_engine) as c:
         plain = await chat(c, messages=OTHER_MESSAGES, max_tokens=40)
         chunks, done, resp = await stream_chat(c, messages=OTHER_MESSAGES, max_tokens=40)
     assert resp.headers["content-type"].startswith("text/event-stream")
@@ -162,7 +162,7 @@ async def test_streaming_matches_non_streaming(ctx_engine: Any) -> None:
 
 
 async def test_stop_strings(engine: Any) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         full = (await chat(c, max_tokens=40))["choices"][0]["message"]["content"]
         assert len(full) >= 8
         stop = full[3:6]  # a stop string that likely spans tokens
@@ -183,7 +183,7 @@ async def test_stop_strings(engine: Any) -> None:
 
 @pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens", "n_predict"])
 async def test_max_tokens(engine: Any, key: str) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         long = await chat(c, max_tokens=30)
         short = await chat(c, **{key: 7})
     assert short["usage"]["completion_tokens"] == 7
@@ -192,7 +192,7 @@ async def test_max_tokens(engine: Any, key: str) -> None:
 
 
 async def test_default_max_tokens(engine: Any) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         body = await chat(c)
     assert body["usage"]["completion_tokens"] == engine.state.settings.default_n_predict
 
@@ -225,7 +225,7 @@ BAD_BODIES: dict[str, bytes] = {
 
 
 async def test_bad_requests_get_400_with_openai_error(engine: Any) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         for name, raw in BAD_BODIES.items():
             r = await c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
             body = assert_openai_error(r, 400)
@@ -237,7 +237,7 @@ async def test_bad_requests_get_400_with_openai_error(engine: Any) -> None:
 
 
 async def test_prompt_longer_than_context_is_refused(engine: Any) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         huge = [{"role": "user", "content": "the " * 3000}]
         r = await c.post("/v1/chat/completions", json={"messages": huge, "max_tokens": 4})
         body = assert_openai_error(r, 413)
@@ -247,7 +247,7 @@ async def test_prompt_longer_than_context_is_refused(engine: Any) -> None:
 
 
 async def test_unknown_route_and_method(engine: Any) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         assert_openai_error(await c.get("/v1/nothing-here"), 404)
         r = await c.get("/v1/chat/completions")
         assert r.status_code == 405
@@ -258,7 +258,7 @@ async def test_unknown_route_and_method(engine: Any) -> None:
 
 
 async def test_health_version_models_slots(engine: Any) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         r = await c.get("/health")
         assert r.status_code == 200
         health = r.json()
@@ -303,7 +303,7 @@ def _metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
 
 
 async def test_metrics_after_completion(engine: Any) -> None:
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         await chat(c, max_tokens=9)
         r = await c.get("/metrics")
     assert r.status_code == 200
@@ -331,7 +331,7 @@ async def _slots_idle(c: httpx.AsyncClient) -> bool:
 
 async def test_client_disconnect_stops_generation(engine: Any) -> None:
     eng = engine.state.engine
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         # Baseline: this prompt really runs to 1000 tokens when nobody hangs up.
         full = await chat(c, max_tokens=1000)
         assert full["usage"]["completion_tokens"] == 1000
@@ -349,7 +349,7 @@ async def test_client_disconnect_stops_generation(engine: Any) -> None:
                         break
         # The response is closed without being read to the end: the connection is dropped.
 
-    async with http_client(engine) as c:
+    async with http(engine) as c:
         await wait_until(lambda: _slots_idle(c), 10.0)
     generated = eng.tokens_generated - before
     with trio.fail_after(5):
@@ -360,7 +360,7 @@ async def test_client_disconnect_stops_generation(engine: Any) -> None:
 
 async def test_all_slots_busy_gets_503(start_engine: Callable[..., Any], tiny_model: Path) -> None:
     ep = await start_engine(tiny_model, **ENGINE, slots=1, slot_wait_s=0.2, ctx_size=8192)
-    async with http_client(ep) as c, http_client(ep) as c2:
+    async with http(ep) as c, http(ep) as c2:
         first_done = trio.Event()
         n_chunks = 0
         got_chunk = trio.Event()

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from _helpers import assert_server_healthy
+from helpers import assert_server_healthy
 from hydra_trio.rpc.client import build_decode_frame, encode_request_header
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.protocol import RESPONSE_HEADER, Op, encode_request, parse_response_header

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import trio
 
-from _helpers import (
+from helpers import (
     ENGINE,
     MESSAGES,
     assert_error,
     assert_server_healthy,
     chat,
     expect_closed,
-    http_client,
+    http,
     rpc,
 )
 from hydra_trio.rpc.client import Call, RpcClient
@@ -298,7 +298,7 @@ async def test_refused_restore_error_code(engine: Any, case: str) -> None:
 @pytest.mark.parametrize("case", RESTORE_FAILURES)
 async def test_refused_restore_leaves_slot_clean_and_usable(ctx_engine: Any, case: str) -> None:
     engine = ctx_engine  # greedy text that depends on the KV: "same text" means "same KV"
-    async with http_client(engine) as h:
+    async with http(engine) as h:
         # Greedy text for the prompt from a fresh prefill (no cached prefix anywhere).
         alone = await chat(h, max_tokens=24)
     prefill = await prefill_blob(engine, 0)
@@ -320,7 +320,7 @@ async def test_refused_restore_leaves_slot_clean_and_usable(ctx_engine: Any, cas
         assert await slot_blob(c, 0) == before
         await c.prefill(1, {"prompt": "x"})  # slot 1 must not hold the prompt any more
     # ...and a completion continues from it with the same greedy text.
-    async with http_client(engine) as h:
+    async with http(engine) as h:
         body = await chat(h, max_tokens=24)
     assert body["id_slot"] == 0
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == alone["usage"]["prompt_tokens"] - 1

@@ -37,6 +37,7 @@ class GpuWorker:
         self.busy_s = 0.0  # total seconds the worker spent in calls (utilisation metric)
         self.calls = 0
         self._closed = False
+        self.running = False  # a call is inside llama.cpp now
 
     def _refuse_when_closed(self) -> None:
         if self._closed:
@@ -74,9 +75,11 @@ class GpuWorker:
             start = time.perf_counter()
             if timing is not None:
                 timing.queue_wait_s = start - submitted
+            self.running = True
             try:
                 return fn(abort)
             finally:
+                self.running = False
                 elapsed = time.perf_counter() - start
                 self.busy_s += elapsed
                 self.calls += 1

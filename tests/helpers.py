@@ -1,4 +1,4 @@
-"""Helpers for the DECODE tests (tests/test_decode_*.py); not collected (no test_ prefix).
+"""Helpers shared by the integration tests; not collected (no test_ prefix).
 
 The one tool that makes the lifecycle tests deterministic is ``WorkerGate``: the test task
 holds the engine's GPU-worker limiter (``engine.worker.limiter``, a CapacityLimiter(1)), so
@@ -21,6 +21,7 @@ import trio
 from hydra_trio.decode.store import DecodeEntry, Tombstone
 from hydra_trio.rpc.client import (
     RpcClient,
+    RpcConnectionClosed,
     RpcResponse,
     build_decode_frame,
     decode_call,
@@ -158,8 +159,8 @@ async def gate(ep: Any, *, closed: bool = True) -> AsyncIterator[WorkerGate]:
 # ---- HTTP ----------------------------------------------------------------------------------
 
 
-def http(ep: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=90.0)
+def http(ep: Any, **kw: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=90.0, **kw)
 
 
 async def chat_completion(
@@ -353,3 +354,86 @@ async def read_sse(
                 n += 1
                 if stop_after is not None and n >= stop_after:
                     return
+
+
+# ---- HTTP chat and RPC health (integration tests) -------------------------------------------
+
+
+async def chat(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    if "prompt" not in body:
+        body.setdefault("messages", MESSAGES)
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def stream_chat(client: httpx.AsyncClient, **body: Any) -> tuple[list[dict[str, Any]], bool, httpx.Response]:
+    body.setdefault("messages", MESSAGES)
+    body["stream"] = True
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, (await r.aread()).decode()
+        lines = [line async for line in r.aiter_lines()]
+    chunks, done = parse_sse(lines)
+    return chunks, done, r
+
+
+def stream_text(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if "choices" in c)
+
+
+async def slot_metas(ep: Any) -> list[dict[str, Any]]:
+    """STATE_META of every slot, on a fresh connection."""
+    async with await rpc(ep) as c:
+        info = await c.info()
+        return [(await c.call(state_meta_call(i))).meta for i in range(info.meta["n_slots"])]
+
+
+async def assert_server_healthy(ep: Any) -> None:
+    """A fresh INFO works and no slot is stuck busy (waits for in-flight cleanups)."""
+
+    async def idle() -> bool:
+        return not any(m["is_processing"] or m["is_transferring"] for m in await slot_metas(ep))
+
+    await wait_until(idle, 10.0)
+    async with await rpc(ep) as c:
+        info = await c.info()
+        assert info.ok and info.meta["engine"] == "hydra-trio"
+
+
+def assert_error(resp: RpcResponse, status: Status, code: str) -> None:
+    assert resp.status == status, (Status(resp.status).name, resp.meta)
+    assert resp.meta.get("error_code") == code, resp.meta
+    assert isinstance(resp.meta.get("error"), str) and resp.meta["error"], resp.meta
+    assert resp.payload == b""
+
+
+async def expect_closed(client: RpcClient, timeout_s: float = 10.0) -> None:
+    """The server closes the connection without sending (more) bytes."""
+    with trio.fail_after(timeout_s):
+        try:
+            resp = await client.read_response()
+        except (RpcConnectionClosed, trio.BrokenResourceError, ConnectionResetError):
+            return
+    raise AssertionError(f"expected the connection to be closed, got a response {resp}")
+
+
+def assert_same_kv(a: bytes | bytearray, b: bytes | bytearray, *, n_vocab: int | None = None) -> None:
+    """Two v2 blobs hold the same positions and tokens. With ``n_vocab``, trailing logits of
+    ``a`` are dropped first (PREFILL blob vs STATE_GET blob).
+
+    Only blobs read from the same slot id can be compared byte for byte: llama.cpp's
+    sequence state records the sequence id in its header and in every cell.
+    """
+    from hydra_trio.wire.kvblob import parse_kv_blob
+
+    if n_vocab is not None:
+        a = a[: len(a) - 4 * n_vocab]
+    pa, pb = parse_kv_blob(a), parse_kv_blob(b)
+    assert pa.n_past == pb.n_past and pa.tokens == pb.tokens
+    assert len(pa.state) == len(pb.state)
+
+
+# One llama.cpp thread per engine in these tests: the tiny models gain nothing from more, and
+# ggml's spinning thread barriers make a 2-thread engine crawl (seconds per request) when other
+# processes hold the CPUs of a small CI box.
+ENGINE = {"threads": 1}
