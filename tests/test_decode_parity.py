@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from decode_helpers import (
+from helpers import (
     EXTENDED_MESSAGES,
     HYDRA_METRICS_KEYS,
     INT32_MAX,
@@ -29,6 +29,7 @@ from decode_helpers import (
     rpc,
     slot_meta,
     text_of,
+    v3_raw,
     wait_listed,
 )
 from hydra_trio.wire.errors import Status
@@ -263,3 +264,31 @@ async def test_queue_wait_and_restore_time_are_measured(
     assert resp.meta["restore_slot_ms"] == m["restore_slot_ms"]
     assert m["validate_ms"] > 0 and m["decode_init_ms"] >= 0
     assert m["logits_reused"] is True
+
+
+async def test_empty_prompt_segment_continues_the_slot(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path
+) -> None:
+    """Spec §4.1: the prompt segment may be empty; decoding then continues from what the slot
+    holds (after a PREFILL, or after the DECODE's own KV), and gives the chat's text."""
+    ep = await start_engine(tiny_model_ctx)
+    async with http(ep) as h, await rpc(ep) as c:
+        expected = text_of(await chat_completion(h, MESSAGES, N))
+        # A PREFILL on this engine, then a v3 frame whose prompt segment is empty (0 bytes).
+        await prefill(c, 0, MESSAGES)
+        rid = await decode_ok(c, 0, v3_raw({"generation": {"n_predict": N, "temperature": 0}}, b"", b""))
+        assert text_of(await get_result(h, rid)) == expected
+        # Another slot's PREFILL blob (with logits) in the kv segment; a prompt segment with
+        # generation settings but no prompt: the first token comes from the logits.
+        pre = await prefill(c, 1, MESSAGES)
+        rid = await decode_ok(c, 0, frame(None, pre.payload, n_predict=N, kv_metadata=kv_meta(pre)))
+        body = await get_result(h, rid)
+        assert text_of(body) == expected
+        assert body["hydra_metrics"]["logits_reused"] is True
+        assert body["usage"]["prompt_tokens"] == pre.meta["n_past"]
+        # An empty slot and no prompt: nothing to continue, refused before anything runs.
+        assert (await h.post("/slots/1?action=erase")).status_code == 200
+        resp = await decode(c, 1, frame(None, n_predict=N))
+        assert resp.status == Status.BAD_REQUEST and resp.meta["error_code"] == "BAD_JSON", resp.meta
+        assert "no KV to continue from" in resp.meta["error"]
+        assert (await slot_meta(c, 1))["is_processing"] is False

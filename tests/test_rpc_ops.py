@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 import hydra_trio
-from _helpers import (
+from helpers import (
     ENGINE,
     MESSAGES,
     OTHER_MESSAGES,
@@ -23,11 +23,11 @@ from _helpers import (
     assert_same_kv,
     assert_server_healthy,
     chat,
-    http_client,
+    http,
     rpc,
     wait_until,
 )
-from hydra_trio.rpc.client import Call
+from hydra_trio.rpc.client import Call, prefill_call
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.hashing import xxh3_tag
 from hydra_trio.wire.kvblob import parse_kv_blob
@@ -125,7 +125,7 @@ async def test_prefill_n_past_equals_prompt_tokens(engine: Any, tiny_model: Path
         got = await c.state_get(1)
     assert bytes(got.payload) == strip_logits(resp.payload, n_vocab)
     # The same request over HTTP counts the same prompt tokens.
-    async with http_client(engine) as h:
+    async with http(engine) as h:
         body = await chat(h, **request_body, max_tokens=2)
     assert m["n_past"] == body["usage"]["prompt_tokens"]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == m["n_past"] - 1
@@ -239,7 +239,7 @@ async def test_cross_engine_handoff(start_engine: Callable[..., Any], tiny_model
     b = await start_engine(tiny_model_ctx, **ENGINE)
     assert a.rpc_port != b.rpc_port and a.http_port != b.http_port
     req = {"messages": OTHER_MESSAGES}
-    async with http_client(a) as ha:
+    async with http(a) as ha:
         alone = await chat(ha, **req, max_tokens=48)  # fresh A, no cached prefix
     assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     async with await rpc(a) as ca, await rpc(b) as cb:
@@ -254,7 +254,7 @@ async def test_cross_engine_handoff(start_engine: Callable[..., Any], tiny_model
         assert parse_kv_blob(got.payload).tokens == parse_kv_blob(pre.payload).tokens
         # Same KV bytes as A produced (the blob minus the logits).
         assert bytes(got.payload) == strip_logits(pre.payload, 512)
-    async with http_client(b) as hb:
+    async with http(b) as hb:
         cont = await chat(hb, **req, max_tokens=48)
     assert cont["id_slot"] == 1  # the slot holding the restored prompt
     assert cont["usage"]["prompt_tokens_details"]["cached_tokens"] == n_past - 1 > 0
@@ -269,7 +269,7 @@ async def test_cross_engine_state_get_blob_without_logits(start_engine: Callable
     a = await start_engine(tiny_model_ctx, **ENGINE, slots=1)
     b = await start_engine(tiny_model_ctx, **ENGINE, slots=1)
     req = {"messages": MESSAGES}
-    async with http_client(a) as ha:
+    async with http(a) as ha:
         alone = await chat(ha, **req, max_tokens=40)
     async with await rpc(a) as ca, await rpc(b) as cb:
         blob = (await ca.state_get(0)).payload  # prompt + generated tokens
@@ -278,7 +278,7 @@ async def test_cross_engine_state_get_blob_without_logits(start_engine: Callable
         last_unevaluated = alone["choices"][0]["finish_reason"] == "length"
         assert put.meta["n_past"] == alone["usage"]["total_tokens"] - last_unevaluated
         assert bytes((await cb.state_get(0)).payload) == bytes(blob)
-    async with http_client(b) as hb, http_client(a) as ha:
+    async with http(b) as hb, http(a) as ha:
         # Both engines hold the same KV: the same follow-up gives the same text.
         follow = [*req["messages"], {"role": "assistant", "content": alone["choices"][0]["message"]["content"]}]
         follow.append({"role": "user", "content": "and then"})
@@ -355,6 +355,10 @@ async def test_configure_t2_n_ctx_applied_once_idle(engine: Any) -> None:
         with trio.fail_after(5):
             await trio.testing.wait_all_tasks_blocked(cushion=0.05)
         assert await n_ctx() == 2048, "T2 applied while a slot was busy"
+        # New work waits for the staged change instead of keeping the engine busy forever.
+        async with await rpc(engine) as c:
+            r = await c.call(prefill_call(0, {"messages": MESSAGES}), check=False)
+        assert r.status == Status.BUSY and "reconfiguring" in r.meta["error"], r.meta
         eng.release(holder)
         released = True
         await wait_until(lambda: _eq(n_ctx, 1024), 10.0)
@@ -365,7 +369,7 @@ async def test_configure_t2_n_ctx_applied_once_idle(engine: Any) -> None:
     async with await rpc(engine) as c:
         assert (await c.state_meta(0)).meta["n_past"] == 0
         assert (await c.prefill(0, {"messages": MESSAGES})).ok
-    async with http_client(engine) as h:
+    async with http(engine) as h:
         assert (await h.get("/slots")).json()[0]["n_ctx"] == 1024
         assert (await chat(h, max_tokens=4))["usage"]["completion_tokens"] == 4
     await assert_server_healthy(engine)
@@ -390,7 +394,7 @@ async def test_http_state_routes(engine: Any) -> None:
     async with await rpc(engine) as c:
         pre = await c.prefill(0, {"messages": MESSAGES})
         rpc_blob = bytes((await c.state_get(0)).payload)
-    async with http_client(engine) as h:
+    async with http(engine) as h:
         r = await h.get("/slots/0/state/meta")
         assert r.status_code == 200, r.text
         meta = r.json()
@@ -432,7 +436,7 @@ async def test_http_state_put_refused_by_llama(engine: Any) -> None:
         blob = bytes((await c.prefill(0, {"messages": MESSAGES})).payload)
     head_len = 9 + 4 * parse_kv_blob(blob).n_tokens + 1
     corrupt = blob[:head_len] + b"\x00\x00\x00\x00" + blob[head_len + 4 :]  # llama state magic
-    async with http_client(engine) as h:
+    async with http(engine) as h:
         r = await h.put("/slots/1/state", content=corrupt)
         assert r.status_code in (400, 409, 422, 500), r.text
         assert r.json()["error_code"] == "RESTORE_FAILED", r.text

@@ -544,7 +544,17 @@ def test_neither_kind_and_truncated(raw: bytes) -> None:
 def test_header_over_default_cap() -> None:
     raw = encode_decode_frame_v3({"pad": "x" * (32 * 1024)}, {}, KV)
     refused(raw, ErrorCode.TOO_LARGE)
-    refused(encode_decode_frame_simple({"pad": "x" * (32 * 1024)}, KV), ErrorCode.TOO_LARGE)
+
+
+def test_simple_frame_json_may_carry_a_long_prompt() -> None:
+    """The simple frame's JSON carries the prompt: it is capped at header + prompt caps,
+    not at the header cap alone."""
+    long_prompt = "x" * (40 * 1024)
+    frame = parse_decode_frame(encode_decode_frame_simple({"prompt": long_prompt}, KV))
+    assert frame.kind == "simple" and frame.request == {"prompt": long_prompt}
+    raw = encode_decode_frame_simple({"prompt": "x" * 200}, KV)
+    refused(raw, ErrorCode.TOO_LARGE, max_header_bytes=50, max_prompt_bytes=100)
+    assert parse_decode_frame(raw, max_header_bytes=50, max_prompt_bytes=200).kind == "simple"
 
 
 def test_header_cap_is_checked_before_reading_it() -> None:

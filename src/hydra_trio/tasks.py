@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import trio
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class OwnedTask:
@@ -58,6 +59,20 @@ async def start_owned(
 
     value = await nursery.start(runner)
     return handle, value
+
+
+# Above this many bytes, CPU work on a payload (hashing, JSON, token lists) runs in a thread:
+# ~1 ms per MB would otherwise stall every other connection and stream on the trio thread.
+CPU_OFFLOAD_MIN_BYTES = 1 << 20
+
+
+async def run_cpu_bound(fn: Callable[[], T], nbytes: int) -> T:
+    """``fn()`` on a worker thread when it works on ``nbytes >= CPU_OFFLOAD_MIN_BYTES`` (not the
+    GPU worker: this needs no llama.cpp), else inline (a thread hop costs ~100 us)."""
+    if nbytes >= CPU_OFFLOAD_MIN_BYTES:
+        return await trio.to_thread.run_sync(fn)
+    await trio.lowlevel.checkpoint()
+    return fn()
 
 
 def leaves(exc: BaseException) -> list[BaseException]:

@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 import trio
@@ -26,8 +27,8 @@ from ..engine.params import GenerationParams, parse_generation
 from ..engine.worker import CallTiming
 from ..metrics import Metrics
 from ..model.identity import IdentityMatch, compare_identity
-from ..tasks import OwnedTask
-from ..wire.errors import ErrorCode, ProtocolError
+from ..tasks import OwnedTask, run_cpu_bound
+from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import DecodeFrame, merged_generation
 from ..wire.kvblob import KvBlob, parse_kv_blob
 from .store import DecodeEntry, DecodeState, ResultStore, Tombstone
@@ -154,8 +155,10 @@ class DecodeManager:
         engine.slots.get(slot_id)  # NO_SLOT
         request = {**engine.slot_settings.generation_defaults(slot_id), **merged_generation(frame)}
         params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx)
-        prompt_text = engine.render(request)  # a malformed prompt is refused before the reply
-        blob = parse_kv_blob(frame.kv) if len(frame.kv) else None
+        # A malformed prompt is refused before the reply. No prompt at all (an empty prompt
+        # segment, spec §4.1): decoding continues from what the slot holds after the restore.
+        prompt_text = engine.render(request) if "messages" in request or "prompt" in request else None
+        blob = await run_cpu_bound(partial(parse_kv_blob, frame.kv), len(frame.kv)) if len(frame.kv) else None
         slot = engine.slot_claim(slot_id, f"decode:{trace or 'rpc'}")  # SLOT_BUSY
         try:
             entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written
@@ -178,6 +181,12 @@ class DecodeManager:
                     final = DecodeState.TIMED_OUT
                     raise ProtocolError(ErrorCode.TIMEOUT, "validation timeout") from None
                 del blob  # a view of the RPC payload: let that buffer go now
+                if prompt_text is None and engine.n_past(slot.id) == 0:
+                    raise ProtocolError(
+                        ErrorCode.BAD_JSON,
+                        "DECODE has no prompt, and the slot holds no KV to continue from",
+                        status=Status.BAD_REQUEST,
+                    )
                 started = self._started(entry, slot.id, t0)
                 task_status.started(started)
                 final = await self._generate(entry, prompt_text, params, logits, rlog)
@@ -269,10 +278,13 @@ class DecodeManager:
         return StartedDecode(meta, entry, self.metrics, t0)
 
     async def _generate(
-        self, entry: DecodeEntry, prompt_text: str, params: GenerationParams, logits: bytes | None, rlog: Any
+        self, entry: DecodeEntry, prompt_text: str | None, params: GenerationParams, logits: bytes | None, rlog: Any
     ) -> DecodeState:
         engine = self.engine
-        tokens = await engine.tokenize_text(prompt_text)
+        if prompt_text is None:  # continue the slot: its tokens are the prompt
+            tokens = engine.slot_tokens(entry.slot_id)
+        else:
+            tokens = await engine.tokenize_text(prompt_text)
         res = GenerationResult()
         entry.result = res
 

@@ -401,6 +401,10 @@ class Engine:
     def n_past(self, slot: int) -> int:
         return self.backend.n_past(slot)
 
+    def slot_tokens(self, slot: int) -> list[int]:
+        """The tokens the slot's KV holds (a copy)."""
+        return list(self.backend.seq_tokens[slot])
+
     def state_size(self, slot: int) -> int:
         """Exact serialized size without a GPU-worker call (STATE_META must stay cheap)."""
         return self.backend.state_size_for(self.n_past(slot))

@@ -49,7 +49,7 @@ class SlotSettings:
 
 class Reconfigurer:
     """T2/T3: staged by CONFIGURE, applied by ``run`` once every slot is idle. No slot can
-    be claimed while the change is applied."""
+    be claimed from the moment a change is staged until it has been applied."""
 
     def __init__(self, slots: SlotTable, apply: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         self._slots = slots
@@ -69,16 +69,21 @@ class Reconfigurer:
         while True:
             await self._changed.wait()
             self._changed = trio.Event()
-            while not self._slots.all_idle():
-                await self._slots.wait_released()
-            changes, self._staged = self._staged, {}
-            if not changes:
+            if not self._staged:
                 continue
-            self._slots.frozen = True  # no claims while the context or model is replaced
+            # Drain: no new claims from now on, so the running requests' end is in sight even
+            # under steady traffic (new ones wait, or get BUSY "engine is reconfiguring").
+            self._slots.frozen = True
             try:
+                busy = sum(s.busy for s in self._slots.slots)
+                if busy:
+                    log.info("staged %s: waiting for %d running request(s) to end", sorted(self._staged), busy)
+                while not self._slots.all_idle():
+                    await self._slots.wait_released()
+                changes, self._staged = self._staged, {}
                 await self._apply(changes)
             except Exception:
-                log.exception("staged reconfiguration %s failed; the engine keeps its old setup", changes)
+                log.exception("staged reconfiguration failed; the engine keeps its old setup")
             finally:
                 self._slots.frozen = False
                 self._slots.notify()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import xxhash
 
+from ..tasks import run_cpu_bound
 from ..wire.kvblob import parse_kv_blob
 from .engine import Engine
 
@@ -42,12 +44,13 @@ async def snapshot(engine: Engine, slot_id: int, owner: str) -> Snapshot:
     finally:
         engine.release(slot)
     parts: list[bytes | bytearray] = [head, state]
-    return Snapshot(parts, n_past, len(state), blob_hash(parts), (time.perf_counter() - t0) * 1000.0)
+    kv_hash = await run_cpu_bound(partial(blob_hash, parts), len(head) + len(state))
+    return Snapshot(parts, n_past, len(state), kv_hash, (time.perf_counter() - t0) * 1000.0)
 
 
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:
     """Check a v2 blob's structure, then restore it into the slot, all-or-nothing."""
-    parsed = parse_kv_blob(blob)  # BAD_FRAME before the slot is touched
+    parsed = await run_cpu_bound(partial(parse_kv_blob, blob), len(blob))  # BAD_FRAME before the slot is touched
     t0 = time.perf_counter()
     slot = engine.slot_claim(slot_id, owner)
     slot.transferring = True

@@ -12,6 +12,7 @@ from .. import __version__
 from ..config import Settings
 from ..engine import transfer
 from ..engine.transfer import blob_hash
+from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
@@ -215,7 +216,7 @@ class OpTable:
         }
 
     async def configure(self, ctx: OpContext, payload: memoryview) -> Reply:
-        body = decode_json_object(payload, "CONFIGURE")
+        body = await run_cpu_bound(partial(decode_json_object, payload, "CONFIGURE"), len(payload))
         engine = self.engine
         applied: dict[str, Any] = {}
         t1: dict[str, Any] = {}
@@ -235,12 +236,14 @@ class OpTable:
 
     async def decode(self, ctx: OpContext, payload: memoryview) -> Reply:
         settings = self.state.settings
-        frame = parse_decode_frame(
+        parse = partial(
+            parse_decode_frame,
             payload,
             max_header_bytes=settings.max_decode_header_bytes,
             max_prompt_bytes=settings.max_json_bytes,
             max_kv_bytes=settings.max_kv_bytes,
         )
+        frame = await run_cpu_bound(parse, len(payload))  # hashes the whole kv segment
         decodes = self.state.decodes
         assert decodes is not None
         # Validation and restore run under this handler's scope (a peer that hangs up
@@ -259,7 +262,7 @@ class OpTable:
         return Reply.ok(meta, started=started)
 
     async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
-        body = decode_json_object(payload, "PREFILL")
+        body = await run_cpu_bound(partial(decode_json_object, payload, "PREFILL"), len(payload))
         engine = self.engine
         t0 = time.perf_counter()
         tokens = await engine.tokenize_request(body)
@@ -279,7 +282,7 @@ class OpTable:
             "state_size": len(state),
             "logits_size": len(logits),
             "prefill_ms": round(prefill_ms, 3),
-            "kv_hash": blob_hash(parts),  # type: ignore[arg-type]
+            "kv_hash": await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts))),  # type: ignore[arg-type]
             **engine.identity.fields(),
         }
         return Reply.ok(meta, parts)

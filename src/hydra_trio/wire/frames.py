@@ -139,7 +139,12 @@ def parse_decode_frame(
         raise _bad(f"{total} bytes, need at least the u32 header length")
     (hdr_len,) = _U32.unpack_from(view, 0)
     if hdr_len > max_header_bytes:
-        raise _too_large(f"header is {hdr_len} bytes, cap is {max_header_bytes}")
+        # Too long for a v3 header; a simple frame's JSON also carries the prompt, so it may
+        # be as long as a header plus a prompt.
+        simple_cap = max_header_bytes + max_prompt_bytes
+        if total > 4 and view[4] == _OPEN_BRACE and hdr_len <= simple_cap:
+            return _parse_simple(view, hdr_len, max_kv_bytes=max_kv_bytes)
+        raise _too_large(f"header is {hdr_len} bytes, cap is {max_header_bytes} ({simple_cap} for a simple frame)")
 
     # Telling the kinds apart (spec §4.1), in this order:
     #   * v3 when the 8 bytes after the length equal xxh3_64 of the hdr_len bytes after them;

@@ -114,8 +114,9 @@ def parse_slot_key(key: bytes, *, empty_means_zero: bool = False) -> int:
 def decode_json_object(payload: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
     """Parse a JSON object payload; anything else is BAD_JSON."""
     try:
-        value = json.loads(bytes(payload) if payload else b"{}")
-    except (ValueError, RecursionError) as exc:  # also the int-digits limit and deep nesting
+        # str() of the buffer is the one copy json needs (bytes() then decode would be two).
+        value = json.loads(str(payload, "utf-8") if len(payload) else "{}")
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8, the int-digits limit, deep nesting
         raise ProtocolError(ErrorCode.BAD_JSON, f"{what}: invalid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ProtocolError(ErrorCode.BAD_JSON, f"{what}: expected a JSON object, got {type(value).__name__}")
