@@ -22,6 +22,10 @@ class Settings:
     ctx_size: int = 4096  # KV cells shared by all slots (unified cache); also the per-slot limit
     threads: int = max(1, min(8, os.cpu_count() or 1))
     batch_size: int = 512  # prefill chunk: one cancellable GPU-worker call
+    # Tokens per generation-step batch while streams run: their next tokens, then a part of an
+    # arriving prompt. Small on CPUs (each prompt token costs about what a whole step does);
+    # a GPU takes hundreds at almost no extra step time.
+    step_token_budget: int = 32
     default_n_predict: int = 512  # when a request names no max_tokens / n_predict
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
     # RPC transport (spec §1)
@@ -51,6 +55,7 @@ _HELP: dict[str, str] = {
     "ctx_size": "KV cells shared by all slots; also the most one slot can hold",
     "threads": "CPU threads for llama.cpp",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
+    "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens)",
     "default_n_predict": "tokens to generate when a request does not say",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
     "max_connections": "open RPC connections at most (more wait)",
@@ -129,6 +134,8 @@ def validate(s: Settings) -> None:
         problems.append("ctx_size must be at least 64")
     if not 1 <= s.batch_size <= 8192:
         problems.append("batch_size must be 1..8192")
+    if not 1 <= s.step_token_budget <= 8192:
+        problems.append("step_token_budget must be 1..8192")
     if s.threads < 1:
         problems.append("threads must be >= 1")
     for name in ("port", "rpc_port"):

@@ -69,6 +69,11 @@ class Metrics:
             lambda: engine.prompt_tokens_processed,
         )
         g("hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda: engine.batcher.tokens)
+        g(
+            "hydra_engine_step_prompt_tokens",
+            "prompt tokens evaluated inside generation-step batches (chunked prefill)",
+            lambda: engine.batcher.prompt_tokens,
+        )
         g("hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda: engine.tokens_evaluated)
 
     def render(self) -> bytes:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
+import outcome
 
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import split_trailing_logits
@@ -135,6 +136,18 @@ class StepRequest:
     slot: int
     token: int
     sampler: Sampler
+
+
+@dataclass(slots=True)
+class PrefillPart:
+    """Prompt tokens of one slot that ride along in a generation-step batch (chunked
+    prefill): appended at the slot's end, after dropping its positions >= ``keep``."""
+
+    slot: int
+    tokens: Sequence[int]
+    keep: int | None = None  # the first part of a prompt: truncate the slot first
+    sampler: Sampler | None = None  # the last part: sample the next token from its last position
+    want_logits: bool = False  # the last part: also return that position's logits
 
 
 class LlamaBackend:
@@ -444,6 +457,42 @@ class LlamaBackend:
             self.seq_tokens[r.slot].append(r.token)
             results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
         return results
+
+    def step_mixed(
+        self, requests: Sequence[StepRequest], part: PrefillPart
+    ) -> tuple[list[int | None], outcome.Outcome[tuple[int | None, bytes | None]]]:
+        """One llama_decode holding the generation steps and a part of a prompt.
+
+        Returns the steps' results (as ``step``) and the part's outcome (as ``eval_chunk``:
+        the sampled token and logits, or the error, e.g. NoKvSpace, that only concerns it).
+        """
+        if part.keep is not None:
+            self.truncate_slot(part.slot, part.keep)
+        start = len(self.seq_tokens[part.slot])
+        live = [i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx]
+        if not live or start + len(part.tokens) > self.n_ctx or len(live) + len(part.tokens) > self.n_batch:
+            return self.step(requests), self._eval_part(part)
+        entries = [(requests[i].slot, requests[i].token, len(self.seq_tokens[requests[i].slot]), True) for i in live]
+        need_logits = part.sampler is not None or part.want_logits
+        last = len(part.tokens) - 1
+        entries += [(part.slot, t, start + k, need_logits and k == last) for k, t in enumerate(part.tokens)]
+        try:
+            self._decode_batch(entries, None)
+        except NoKvSpace:  # the shared pool is tight: each goes alone, those that fit go on
+            return self.step(requests), self._eval_part(part)
+        results: list[int | None] = [None] * len(requests)
+        for j, i in enumerate(live):
+            r = requests[i]
+            self.seq_tokens[r.slot].append(r.token)
+            results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
+        self.seq_tokens[part.slot].extend(part.tokens)
+        idx = len(entries) - 1
+        logits = self.logits_bytes(idx) if part.want_logits else None
+        token = llama_cpp.llama_sampler_sample(part.sampler.handle, self._ctx, idx) if part.sampler else None
+        return results, outcome.Value((token, logits))
+
+    def _eval_part(self, part: PrefillPart) -> outcome.Outcome[tuple[int | None, bytes | None]]:
+        return outcome.capture(self.eval_chunk, part.slot, part.tokens, None, sampler=part.sampler, want_logits=part.want_logits)
 
     def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
         """Sample with the request's chain from logits that came with a KV blob."""

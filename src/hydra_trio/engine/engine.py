@@ -22,8 +22,8 @@ from ..config import Settings
 from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvblob import KvBlob, encode_blob_head
-from .backend import DecodeAborted, LlamaBackend, NoKvSpace, Sampler, StepRequest
-from .batcher import StepBatcher
+from .backend import DecodeAborted, LlamaBackend, NoKvSpace, PrefillPart, Sampler, StepRequest
+from .batcher import PartOutcome, StepBatcher
 from .chat import render_prompt
 from .params import GenerationParams
 from .reconfigure import Reconfigurer, SlotSettings
@@ -70,9 +70,11 @@ class Engine:
         self.worker = GpuWorker()
         self.slots = SlotTable(backend.n_slots)
         self.model_load_ms = 0.0
-        self.batcher = StepBatcher(backend.n_slots, self._run_batch)
+        # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
+        budget = min(settings.step_token_budget, backend.n_batch)
+        self.batcher = StepBatcher(backend.n_slots, self._run_steps, self._run_mixed, token_budget=budget)
         self.tokens_generated = 0
-        self.prompt_tokens_processed = 0
+        self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
         self.slot_settings = SlotSettings(self.slots)
         self.reconfigurer = Reconfigurer(self.slots, self._apply_staged)
@@ -131,6 +133,11 @@ class Engine:
     def stop(self) -> None:
         """End ``run``: late steps and GPU calls are refused with a clear error."""
         self._lifetime.cancel()
+
+    @property
+    def prompt_tokens_processed(self) -> int:
+        """Prompt tokens evaluated for requests: in chunks of their own or in step batches."""
+        return self._chunk_prompt_tokens + self.batcher.prompt_tokens
 
     @property
     def tokens_evaluated(self) -> int:
@@ -214,45 +221,52 @@ class Engine:
         sampler: Sampler | None = None,
         want_logits: bool = False,
     ) -> tuple[int | None, bytes | None]:
-        """Keep the slot's first ``n_keep`` positions and evaluate ``tokens[n_keep:]`` in
-        chunks, each one cancellable GPU-worker call (abort flag stops a running chunk).
+        """Keep the slot's first ``n_keep`` positions and evaluate ``tokens[n_keep:]``.
 
-        Returns the token sampled from the last position (with ``sampler``) and its logits
-        (with ``want_logits``).
+        While other requests generate, the prompt rides along in their step batches, a token
+        budget's worth per batch, so their streams keep their pace. Otherwise it runs in
+        ``--batch-size`` chunks, each one cancellable GPU-worker call (the abort flag stops a
+        running chunk). Returns the token sampled from the last position (with ``sampler``)
+        and its logits (with ``want_logits``).
         """
         backend = self.backend
         rest = list(tokens[n_keep:])
         if not rest:
             raise ValueError("prefill needs at least one token to evaluate")
-        step = backend.n_batch
-        chunks = [rest[i : i + step] for i in range(0, len(rest), step)]
+        # The slot keeps n_keep of its positions and drops the rest: what it will hold beyond
+        # what it holds now is len(tokens) - n_past.
+        await self.make_room(len(tokens) - backend.n_past(slot), exclude=slot)
+        done = 0
         result: tuple[int | None, bytes | None] = (None, None)
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
+        try:
+            while done < len(rest):
+                keep = n_keep + done  # after the first chunk: what the slot holds already
+                if self.batcher.generating > 0:
+                    return await self.batcher.prefill(
+                        slot, rest[done:], keep, sampler=sampler, want_logits=want_logits
+                    )
+                chunk = rest[done : done + backend.n_batch]
+                last = done + len(chunk) == len(rest)
 
-            def call(abort: threading.Event, chunk: list[int] = chunk, first: bool = i == 0, last: bool = last) -> tuple[int | None, bytes | None]:
-                if first:
-                    backend.truncate_slot(slot, n_keep)
-                return backend.eval_chunk(
-                    slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
-                )
+                def call(abort: threading.Event, chunk: list[int] = chunk, keep: int = keep, last: bool = last) -> tuple[int | None, bytes | None]:
+                    backend.truncate_slot(slot, keep)
+                    return backend.eval_chunk(
+                        slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
+                    )
 
-            if i == 0:
-                # The slot keeps n_keep of its positions and drops the rest: what it will hold
-                # beyond what it holds now is len(tokens) - n_past.
-                await self.make_room(len(tokens) - backend.n_past(slot), exclude=slot)
-            try:
-                result = await self.worker.run(call)
-            except DecodeAborted:
-                await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
-                raise
-            except NoKvSpace:
-                raise ProtocolError(
-                    ErrorCode.INTERNAL,
-                    f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}; "
-                    f"{self.n_ctx} cells are shared by all slots and the others are in use",
-                ) from None
-            self.prompt_tokens_processed += len(chunk)
+                try:
+                    result = await self.worker.run(call)
+                except DecodeAborted:
+                    await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
+                    raise
+                self._chunk_prompt_tokens += len(chunk)
+                done += len(chunk)
+        except NoKvSpace:
+            raise ProtocolError(
+                ErrorCode.INTERNAL,
+                f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}; "
+                f"{self.n_ctx} cells are shared by all slots and the others are in use",
+            ) from None
         return result
 
     # ---- generation steps (batched) ----------------------------------------------------
@@ -261,8 +275,11 @@ class Engine:
         """Evaluate ``token`` in ``slot`` and sample the next one; None at the context end."""
         return await self.batcher.result(self.batcher.submit(slot, token, sampler))
 
-    async def _run_batch(self, reqs: Sequence[StepRequest]) -> list[int | None]:
+    async def _run_steps(self, reqs: Sequence[StepRequest]) -> list[int | None]:
         return await self.worker.call(lambda: self.backend.step(reqs))
+
+    async def _run_mixed(self, reqs: Sequence[StepRequest], part: PrefillPart) -> tuple[list[int | None], PartOutcome]:
+        return await self.worker.call(lambda: self.backend.step_mixed(reqs, part))
 
     # ---- generation --------------------------------------------------------------------
 
