@@ -70,15 +70,21 @@ class Connection:
             left -= k
 
     async def send(self, parts: Sequence[Buffer], chunk: int | None = None) -> None:
+        """Send every part. A peer that accepts no byte for idle_timeout_s raises
+        trio.TooSlowError: the deadline restarts at each bit of progress, so a large reply
+        to a slow reader may take long, a reader that stopped may not hold the connection."""
         for part in parts:
             view = memoryview(part).cast("B") if len(part) else None
             if view is None:
                 continue
-            if chunk is None or len(view) <= chunk:
-                await self.stream.send_all(view)
-            else:
-                for off in range(0, len(view), chunk):
-                    await self.stream.send_all(view[off : off + chunk])
+            step = len(view) if chunk is None else chunk  # state_chunk_size: most bytes per send
+            off = 0
+            while off < len(view):
+                try:
+                    with trio.fail_after(self.idle_timeout_s):
+                        off += await self.sock.send(view[off : off + step])
+                except OSError as exc:  # what SocketStream.send_all raises: callers catch it
+                    raise trio.BrokenResourceError(f"send failed after {off}/{len(view)} bytes: {exc}") from exc
 
     async def wait_closed(self) -> None:
         """Return when the peer has closed the connection (EOF or error).

@@ -52,7 +52,7 @@ async def _serve_connection(
         except (PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("rpc %s: connection ended: %s", conn.peer, exc)
         except trio.TooSlowError:
-            log.info("rpc %s: peer stalled for %.0f s mid-request; closing", conn.peer, conn.idle_timeout_s)
+            log.info("rpc %s: peer stalled for %g s mid-exchange; closing", conn.peer, conn.idle_timeout_s)
         except Exception:
             log.exception("rpc %s: connection failed", conn.peer)
         finally:
@@ -132,7 +132,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
         state.metrics.rpc_requests.labels(op_name, reply.status.name).inc()
         try:
             await _send_reply(conn, reply)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, trio.TooSlowError):
             if reply.on_send_failed is not None:
                 with trio.CancelScope(shield=True):
                     await reply.on_send_failed()
