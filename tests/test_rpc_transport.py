@@ -1,8 +1,9 @@
 """RPC transport hardening on a live engine: a peer that stops reading is closed after the
-idle timeout and frees what it held."""
+idle timeout and frees what it held; peers beyond the connection bound are not accepted."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,10 @@ from typing import Any
 import gguf
 import pytest
 import trio
+import trio.testing
 
-from _helpers import rpc, wait_until
+from _helpers import ENGINE, rpc, wait_until
+from hydra_trio.rpc.client import RpcClient
 from hydra_trio.wire.protocol import RESPONSE_HEADER, Op, encode_request_header
 
 
@@ -68,3 +71,42 @@ async def test_a_peer_that_stops_reading_is_closed_and_frees_its_connection(
 
 async def _async(value: bool) -> bool:
     return value
+
+
+def accepted_sockets(port: int) -> int:
+    """Server-side sockets on ``port`` that this process has accept()ed. A connection still in
+    the kernel's accept queue is ESTABLISHED in /proc/net/tcp too, but no process holds it."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    n = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port = int(fields[1].rsplit(":", 1)[1], 16)
+        if local_port == port and fields[3] == "01" and f"socket:[{fields[9]}]" in held:
+            n += 1
+    return n
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux /proc/net/tcp")
+async def test_peers_beyond_the_connection_bound_wait_in_the_kernel(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, max_connections=1, **ENGINE)
+    async with await rpc(ep) as first:
+        await first.info()
+        # Their TCP handshakes complete (the kernel's listen backlog), but the engine holds
+        # no socket beyond the bound: nothing it would have to park without a deadline.
+        waiting = [await trio.open_tcp_stream("127.0.0.1", ep.rpc_port) for _ in range(2)]
+        await trio.testing.wait_all_tasks_blocked()
+        assert accepted_sockets(ep.rpc_port) == 1
+    # The place is free again: the first waiting peer is accepted and served, the next waits.
+    async with RpcClient(waiting[0]) as second:
+        with trio.fail_after(10):
+            assert (await second.info()).meta["engine"] == "hydra-trio"
+        await trio.testing.wait_all_tasks_blocked()
+        assert accepted_sockets(ep.rpc_port) == 1
+    async with RpcClient(waiting[1]) as third:
+        with trio.fail_after(10):
+            assert (await third.info()).meta["engine"] == "hydra-trio"

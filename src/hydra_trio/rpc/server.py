@@ -6,8 +6,11 @@ request's payload is drained (up to the drain limit) so the stream never desynch
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -24,27 +27,62 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# accept() errors that mean "out of a resource, try again soon" (as in trio.serve_listeners)
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
 
 async def serve_rpc(state: AppState, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     settings = state.settings
     try:
-        listeners = await trio.open_tcp_listeners(settings.rpc_port, host=settings.host)
+        # The kernel queues at most max_connections more peers until there is a place.
+        listeners = await trio.open_tcp_listeners(
+            settings.rpc_port, host=settings.host, backlog=settings.max_connections
+        )
     except OSError as exc:
         raise OSError(exc.errno, f"RPC {settings.host}:{settings.rpc_port}: {exc.strerror}") from None
     port = listeners[0].socket.getsockname()[1]
-    # More connections than the bound wait here for a place: a limiter, not a crash.
-    limiter = trio.CapacityLimiter(settings.max_connections)
+    # More connections than the bound wait for a place: a limiter, not a crash.
+    places = trio.Semaphore(settings.max_connections)
     ops = OpTable(state)
     budget = ByteBudget(settings.max_inflight_bytes)
     log.info("RPC listening on %s:%d (at most %d connections)", settings.host, port, settings.max_connections)
-    task_status.started(port)
-    await trio.serve_listeners(partial(_serve_connection, state, ops, limiter, budget), listeners)
+    serve = partial(_serve_connection, state, ops, places, budget)
+    async with trio.open_nursery() as nursery:  # owns the accept loops and every connection
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, listener, places, serve, nursery)
+        task_status.started(port)
+
+
+async def _accept_loop(
+    listener: trio.SocketListener,
+    places: trio.Semaphore,
+    serve: Callable[[trio.SocketStream], Awaitable[None]],
+    nursery: trio.Nursery,
+) -> None:
+    """Take a connection place first, then accept: the engine never holds a socket it cannot
+    serve (peers beyond the bound wait in the kernel's listen backlog, not in this process)."""
+    async with listener:
+        while True:
+            await places.acquire()
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                places.release()
+                if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                log.error("RPC accept failed (%s); retrying in 100 ms", exc)
+                await trio.sleep(0.1)
+                continue
+            except BaseException:
+                places.release()
+                raise
+            nursery.start_soon(serve, stream)  # releases the place when it ends
 
 
 async def _serve_connection(
-    state: AppState, ops: OpTable, limiter: trio.CapacityLimiter, budget: ByteBudget, stream: trio.SocketStream
+    state: AppState, ops: OpTable, places: trio.Semaphore, budget: ByteBudget, stream: trio.SocketStream
 ) -> None:
-    async with limiter:
+    with _releasing(places):  # the place the accept loop took for this connection
         conn = Connection(stream, state.settings.idle_timeout_s)
         state.metrics.rpc_connections.inc()
         try:
@@ -59,6 +97,14 @@ async def _serve_connection(
             state.metrics.rpc_connections.dec()
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+
+
+@contextmanager
+def _releasing(places: trio.Semaphore) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        places.release()
 
 
 async def _read_request_header(conn: Connection) -> bytearray | None:
