@@ -1,4 +1,4 @@
-"""The RPC payload budget: payloads that do not fit wait for others to be released."""
+"""The payload budget: payloads that do not fit wait for others to be released."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from hydra_trio.rpc.connection import ByteBudget
 
 async def test_a_payload_that_does_not_fit_waits_for_a_release() -> None:
     budget = ByteBudget(100)
-    assert await budget.acquire(60, 10)
+    await budget.acquire(60)
     got_it = trio.Event()
 
     async def second() -> None:
-        assert await budget.acquire(60, 10)
+        await budget.acquire(60)
         got_it.set()
 
     async with trio.open_nursery() as nursery:
@@ -31,16 +31,21 @@ async def test_a_payload_that_does_not_fit_waits_for_a_release() -> None:
 
 async def test_a_payload_larger_than_the_budget_runs_alone() -> None:
     budget = ByteBudget(100)
-    assert await budget.acquire(500, 10)  # nothing else held: it goes through instead of waiting forever
+    await budget.acquire(500)  # nothing else held: it goes through instead of waiting forever
     assert budget.used == 500
     budget.release(500)
     assert budget.used == 0
 
 
-async def test_the_wait_for_room_has_a_deadline() -> None:
+async def test_a_cancelled_wait_for_room_takes_nothing() -> None:
     budget = ByteBudget(100)
-    assert await budget.acquire(80, 10)
-    assert not await budget.acquire(80, 0.01)
+    await budget.acquire(80)
+    with trio.move_on_after(0.01) as wait:  # the caller's deadline
+        await budget.acquire(80)
+    assert wait.cancelled_caught and budget.used == 80
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await budget.acquire(10)  # would fit, but the caller is already cancelled
     assert budget.used == 80
 
 

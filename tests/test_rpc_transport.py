@@ -8,7 +8,6 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 import trio
 import trio.testing
@@ -16,19 +15,6 @@ import trio.testing
 from _helpers import ENGINE, rpc, wait_until
 from hydra_trio.rpc.client import RpcClient
 from hydra_trio.wire.protocol import RESPONSE_HEADER, Op, encode_request_header
-
-
-@pytest.fixture(scope="module")
-def wide_kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """16 layers x 256 wide, full KV heads: 16 KB of KV per token, so a few hundred tokens
-    make a slot larger than what loopback socket buffers absorb (the sender's buffer
-    autotunes up to net.ipv4.tcp_wmem's 4 MB maximum)."""
-    from hydra_trio.model import synthetic
-
-    preset = synthetic.Preset(512, 256, 16, 4, 4, 64, 4096, gguf.LlamaFileType.MOSTLY_F16, "Hydra Wide KV")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(synthetic.PRESETS, "wide-kv", preset)
-        return synthetic.write_model(tmp_path_factory.mktemp("wide") / "wide-kv.gguf", "wide-kv")
 
 
 def sample(ep: Any, name: str, labels: dict[str, str] | None = None) -> float:

@@ -16,6 +16,7 @@ from .common import register_error_handlers
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 from .state_routes import bp as state_bp
+from .state_routes import hold_state_uploads
 
 if TYPE_CHECKING:
     from ..app import AppState
@@ -34,6 +35,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(decode_bp)
     app.register_blueprint(state_bp)
     register_error_handlers(app)
+    app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import mmap
 import socket as stdsocket
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import trio
+
+if TYPE_CHECKING:
+    from ..app import AppState
 
 Buffer = bytes | bytearray | memoryview
 _MMAP_MIN = 64 << 20  # above glibc malloc's largest mmap threshold: smaller buffers reuse heap pages
@@ -42,14 +46,8 @@ class Connection:
             got += k
 
     async def read_payload(self, n: int) -> bytearray | mmap.mmap:
-        """Read ``n`` bytes into one new buffer.
-
-        Very large buffers are anonymous mappings: the kernel supplies zero pages as
-        recv_into first writes them, skipping bytearray(n)'s zeroing pass (py-spy put that
-        memset at the top of a 130 MB DECODE; ack ~3% lower). Smaller ones stay bytearrays:
-        malloc reuses already-mapped heap pages for them, which a fresh mapping (faulting
-        every page again) measured 2-3x slower at 1-17 MB."""
-        buf: bytearray | mmap.mmap = mmap.mmap(-1, n) if n >= max(_MMAP_MIN, 1) else bytearray(n)
+        """Read ``n`` bytes into one new buffer (see payload_buffer)."""
+        buf = payload_buffer(n)
         if n:
             await self.read_into(memoryview(buf))
         return buf
@@ -104,6 +102,17 @@ class Connection:
         await self.stream.aclose()
 
 
+def payload_buffer(n: int) -> bytearray | mmap.mmap:
+    """One buffer of ``n`` bytes for a payload to be received into.
+
+    Very large buffers are anonymous mappings: the kernel supplies zero pages as recv_into
+    first writes them, skipping bytearray(n)'s zeroing pass (py-spy put that memset at the
+    top of a 130 MB DECODE; ack ~3% lower). Smaller ones stay bytearrays: malloc reuses
+    already-mapped heap pages for them, which a fresh mapping (faulting every page again)
+    measured 2-3x slower at 1-17 MB."""
+    return mmap.mmap(-1, n) if n >= max(_MMAP_MIN, 1) else bytearray(n)
+
+
 def _peer_name(sock: trio.socket.SocketType) -> str:
     try:
         host, port = sock.getpeername()[:2]
@@ -114,24 +123,39 @@ def _peer_name(sock: trio.socket.SocketType) -> str:
 
 
 class ByteBudget:
-    """Bounds the payload bytes held by all connections together: a request whose payload
-    does not fit waits (the sender is held back by TCP) until others release theirs."""
+    """Bounds the payload bytes held by all requests together (RPC payloads, HTTP state
+    uploads): a request whose payload does not fit waits (its sender is held back by TCP)
+    until others release theirs."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.used = 0
         self._released = trio.Event()
 
-    async def acquire(self, n: int, timeout_s: float) -> bool:
-        """Take ``n`` bytes, waiting up to ``timeout_s`` for room; False if there was none."""
-        with trio.move_on_after(timeout_s):
-            while self.used + n > self.total and self.used > 0:
-                await self._released.wait()
-            self.used += n  # a payload larger than the whole budget runs alone
-            return True
-        return False
+    async def acquire(self, n: int) -> None:
+        """Take ``n`` bytes once they fit. No deadline of its own: the caller's cancel scope
+        bounds the wait, and a cancelled wait takes nothing."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while self.used + n > self.total and self.used > 0:
+            await self._released.wait()
+        self.used += n  # a payload larger than the whole budget runs alone
 
     def release(self, n: int) -> None:
         self.used -= n
         self._released.set()
         self._released = trio.Event()
+
+
+def payload_budget(state: AppState) -> ByteBudget:
+    """The engine's one payload budget, shared by the RPC server and the HTTP state routes.
+
+    Made on first use and kept on the AppState instance (with a live gauge of the bytes it
+    holds), so both layers find the same one without being wired to each other."""
+    budget: ByteBudget | None = getattr(state, "_payload_budget", None)
+    if budget is None:
+        budget = ByteBudget(state.settings.max_inflight_bytes)
+        state._payload_budget = budget  # type: ignore[attr-defined]
+        state.metrics.add_live(
+            "hydra_payload_bytes_held", "payload bytes held by RPC and HTTP uploads", lambda: budget.used
+        )
+    return budget

@@ -19,7 +19,7 @@ import trio
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
-from .connection import ByteBudget, Connection, PeerClosed
+from .connection import ByteBudget, Connection, PeerClosed, payload_budget
 from .ops import OpContext, OpSpec, OpTable, Reply
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ async def serve_rpc(state: AppState, *, task_status: trio.TaskStatus[int] = trio
     # More connections than the bound wait for a place: a limiter, not a crash.
     places = trio.Semaphore(settings.max_connections)
     ops = OpTable(state)
-    budget = ByteBudget(settings.max_inflight_bytes)
+    budget = payload_budget(state)  # shared with the HTTP state uploads
     log.info("RPC listening on %s:%d (at most %d connections)", settings.host, port, settings.max_connections)
     serve = partial(_serve_connection, state, ops, places, budget)
     async with trio.open_nursery() as nursery:  # owns the accept loops and every connection
@@ -149,7 +149,9 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             if head.payload_len > cap:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the cap of {cap}")
             spec.precheck(ctx)
-            if not await budget.acquire(head.payload_len, settings.idle_timeout_s):
+            with trio.move_on_after(settings.idle_timeout_s) as wait:
+                await budget.acquire(head.payload_len)
+            if wait.cancelled_caught:
                 raise ProtocolError(
                     ErrorCode.TIMEOUT,
                     f"engine busy: no room for a {head.payload_len}-byte payload within {settings.idle_timeout_s:g} s",
