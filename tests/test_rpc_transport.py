@@ -96,3 +96,19 @@ async def test_peers_beyond_the_connection_bound_wait_in_the_kernel(start_engine
     async with RpcClient(waiting[1]) as third:
         with trio.fail_after(10):
             assert (await third.info()).meta["engine"] == "hydra-trio"
+
+
+async def test_a_peer_that_stops_sending_mid_payload_frees_its_budget(start_engine: Any, tiny_model: Path) -> None:
+    from hydra_trio.rpc.connection import payload_budget
+
+    ep = await start_engine(tiny_model, max_connections=1, idle_timeout_s=0.3, **ENGINE)
+    budget = payload_budget(ep.state)
+    async with await trio.open_tcp_stream("127.0.0.1", ep.rpc_port) as stream:
+        await stream.send_all(encode_request_header(Op.STATE_PUT, key_len=1, payload_len=50_000) + b"0" + b"\x02" * 1000)
+        await wait_until(lambda: _async(budget.used == 50_000))
+        # ... and nothing more: closed after the idle timeout, its budget and place released.
+        with trio.fail_after(10):
+            assert await stream.receive_some() == b""
+    await wait_until(lambda: _async(budget.used == 0 and sample(ep, "hydra_rpc_connections") == 0))
+    async with await rpc(ep) as c:
+        assert (await c.info()).meta["engine"] == "hydra-trio"
