@@ -24,8 +24,14 @@ async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10
             await trio.sleep(POLL_S)
 
 
-def http_client(ep: Any, **kw: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30.0, **kw)
+def http_client(ep: Any, *, api_key: str | None = None, **kw: Any) -> httpx.AsyncClient:
+    """A client for ``ep``'s HTTP port; ``api_key`` defaults to the key the engine was
+    started with (none: no Authorization header)."""
+    key = api_key if api_key is not None else ep.state.settings.http_api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30.0, headers={**headers, **kw.pop("headers", {})}, **kw
+    )
 
 
 async def chat(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from ..tasks import leaves
+from .auth import install_auth
 from .common import register_error_handlers
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
@@ -35,6 +36,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(decode_bp)
     app.register_blueprint(state_bp)
     register_error_handlers(app)
+    install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
 
     @app.get("/metrics")

@@ -7,6 +7,7 @@ request's payload is drained (up to the drain limit) so the stream never desynch
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import mmap
 from collections.abc import Awaitable, Callable, Iterator
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from ..config import is_loopback
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
@@ -47,15 +49,48 @@ async def serve_rpc(state: AppState, *, task_status: trio.TaskStatus[int] = trio
     budget = payload_budget(state)  # shared with the HTTP state uploads
     log.info("RPC listening on %s:%d (at most %d connections)", settings.host, port, settings.max_connections)
     serve = partial(_serve_connection, state, ops, places, budget)
+    admit = _admission(state)
     async with trio.open_nursery() as nursery:  # owns the accept loops and every connection
         for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, places, serve, nursery)
+            nursery.start_soon(_accept_loop, listener, places, admit, serve, nursery)
         task_status.started(port)
+
+
+def _admission(state: AppState) -> Callable[[trio.SocketStream], bool]:
+    """--rpc-allow: whether a just-accepted peer may be served (nothing read or written yet)."""
+    settings = state.settings
+    nets = settings.rpc_networks()
+    if nets is None:
+        if not is_loopback(settings.host):
+            log.warning(
+                "RPC binds %s without --rpc-allow: any peer that reaches the port can read and "
+                "overwrite slots (RPC has no per-request authentication)",
+                settings.host,
+            )
+        return lambda _stream: True
+    log.info("RPC peers allowed from %s", ", ".join(map(str, nets)))
+
+    def admit(stream: trio.SocketStream) -> bool:
+        try:
+            host = stream.socket.getpeername()[0]
+            ip = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone
+        except (OSError, ValueError):
+            ip = None
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # a dual-stack socket reports IPv4 peers as ::ffff:a.b.c.d
+        if ip is not None and any(ip in net for net in nets):
+            return True
+        state.metrics.rpc_peers_refused.inc()
+        log.info("rpc %s: peer not in --rpc-allow; closed", ip)
+        return False
+
+    return admit
 
 
 async def _accept_loop(
     listener: trio.SocketListener,
     places: trio.Semaphore,
+    admit: Callable[[trio.SocketStream], bool],
     serve: Callable[[trio.SocketStream], Awaitable[None]],
     nursery: trio.Nursery,
 ) -> None:
@@ -76,6 +111,10 @@ async def _accept_loop(
             except BaseException:
                 places.release()
                 raise
+            if not admit(stream):
+                places.release()
+                await trio.aclose_forcefully(stream)
+                continue
             nursery.start_soon(serve, stream)  # releases the place when it ends
 
 
