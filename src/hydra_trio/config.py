@@ -89,13 +89,15 @@ _HELP: dict[str, str] = {
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
     "default_n_predict": "tokens to generate when a request does not say",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
-    "max_connections": "open RPC connections at most (more wait)",
-    "idle_timeout_s": "an idle RPC connection closes after this many seconds",
+    "max_connections": "RPC connections served at once (as many more wait in the listen backlog)",
+    "idle_timeout_s": "an RPC peer idle, or sending/reading no byte mid-request, this long is "
+    "closed; also the wait for payload room",
     "drain_limit_bytes": "a refused request's payload up to this size is drained, larger closes",
     "max_kv_bytes": "largest KV blob accepted",
     "max_json_bytes": "largest JSON payload accepted",
     "max_decode_header_bytes": "largest DECODE control header accepted",
-    "max_inflight_bytes": "payload bytes all RPC connections may hold at once (more wait)",
+    "max_inflight_bytes": "payload bytes RPC connections and HTTP state uploads may hold at once "
+    "(more wait)",
     "decode_validate_timeout_s": "deadline for DECODE validate + restore",
     "decode_result_ttl_s": "seconds a finished decode result stays readable",
     "decode_result_max": "decode results kept at most",
