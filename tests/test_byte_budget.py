@@ -37,6 +37,14 @@ async def test_a_payload_larger_than_the_budget_runs_alone() -> None:
     assert budget.used == 0
 
 
+async def test_an_empty_payload_never_waits() -> None:
+    budget = ByteBudget(100)
+    await budget.acquire(500)  # an oversized payload running alone: the budget is over full
+    with trio.fail_after(1):
+        await budget.acquire(0)  # e.g. INFO: holds nothing, so it need not wait for room
+    assert budget.used == 500
+
+
 async def test_a_cancelled_wait_for_room_takes_nothing() -> None:
     budget = ByteBudget(100)
     await budget.acquire(80)

@@ -136,7 +136,7 @@ class ByteBudget:
         """Take ``n`` bytes once they fit. No deadline of its own: the caller's cancel scope
         bounds the wait, and a cancelled wait takes nothing."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        while self.used + n > self.total and self.used > 0:
+        while n and self.used + n > self.total and self.used > 0:  # zero bytes never wait
             await self._released.wait()
         self.used += n  # a payload larger than the whole budget runs alone
 
