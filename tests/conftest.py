@@ -65,6 +65,21 @@ def tiny_model_ctx(model_dir: Path) -> Path:
         return synthetic.write_model(model_dir / "tiny-ctx.gguf", "tiny", seed=3, name="Hydra Synthetic Tiny Ctx")
 
 
+@pytest.fixture(scope="session")
+def wide_kv_model(model_dir: Path) -> Path:
+    """16 layers x 256 wide, full KV heads: 16 KB of KV per token, so a few hundred tokens
+    make a slot of megabytes (larger than what loopback socket buffers absorb: the sender's
+    buffer autotunes up to net.ipv4.tcp_wmem's 4 MB maximum)."""
+    import gguf
+
+    from hydra_trio.model import synthetic
+
+    preset = synthetic.Preset(512, 256, 16, 4, 4, 64, 4096, gguf.LlamaFileType.MOSTLY_F16, "Hydra Wide KV")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(synthetic.PRESETS, "wide-kv", preset)
+        return synthetic.write_model(model_dir / "wide-kv.gguf", "wide-kv")
+
+
 def test_settings(model: Path, **overrides: Any) -> Settings:
     base = Settings(
         model=str(model),

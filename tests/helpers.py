@@ -159,8 +159,17 @@ async def gate(ep: Any, *, closed: bool = True) -> AsyncIterator[WorkerGate]:
 # ---- HTTP ----------------------------------------------------------------------------------
 
 
-def http(ep: Any, **kw: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=90.0, **kw)
+def http(ep: Any, *, api_key: str | None = None, **kw: Any) -> httpx.AsyncClient:
+    """A client for ``ep``'s HTTP port; ``api_key`` defaults to the key the engine was
+    started with (none: no Authorization header)."""
+    key = api_key if api_key is not None else ep.state.settings.http_api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{ep.http_port}",
+        timeout=90.0,
+        headers={**headers, **kw.pop("headers", {})},
+        **kw,
+    )
 
 
 async def chat_completion(

@@ -27,7 +27,7 @@ N_GEN = 24
 
 
 def new_backend(model: Path, n_slots: int = 2) -> LlamaBackend:
-    return LlamaBackend(str(model), n_slots=n_slots, n_ctx=512, n_threads=1, n_batch=64)  # see _helpers.ENGINE
+    return LlamaBackend(str(model), n_slots=n_slots, n_ctx=512, n_threads=1, n_batch=64)  # see helpers.ENGINE
 
 
 def greedy_from(backend: LlamaBackend, slot: int, first: int, n: int = N_GEN) -> list[int]:

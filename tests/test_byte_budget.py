@@ -1,4 +1,4 @@
-"""The RPC payload budget: payloads that do not fit wait for others to be released."""
+"""The payload budget: payloads that do not fit wait for others to be released."""
 
 from __future__ import annotations
 
@@ -37,13 +37,24 @@ async def test_a_payload_larger_than_the_budget_runs_alone() -> None:
     assert budget.used == 0
 
 
-async def test_the_wait_for_room_ends_with_the_callers_scope() -> None:
+async def test_an_empty_payload_never_waits() -> None:
+    budget = ByteBudget(100)
+    await budget.acquire(500)  # an oversized payload running alone: the budget is over full
+    with trio.fail_after(1):
+        await budget.acquire(0)  # e.g. INFO: holds nothing, so it need not wait for room
+    assert budget.used == 500
+
+
+async def test_a_cancelled_wait_for_room_takes_nothing() -> None:
     budget = ByteBudget(100)
     await budget.acquire(80)
-    with trio.move_on_after(0.01) as waited:
+    with trio.move_on_after(0.01) as wait:  # the caller's deadline
         await budget.acquire(80)
-    assert waited.cancelled_caught
-    assert budget.used == 80  # the cancelled wait took nothing
+    assert wait.cancelled_caught and budget.used == 80
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await budget.acquire(10)  # would fit, but the caller is already cancelled
+    assert budget.used == 80
 
 
 async def test_a_live_engine_answers_busy_when_payload_memory_stays_full(start_engine: Any, tiny_model: Path) -> None:

@@ -1,7 +1,7 @@
 """The decode request lifecycle (spec §4.3, §6.2): validation timeout, DELETE during restore /
 delta prefill / token loop, the RPC connection closing before the reply.
 
-Determinism: the test holds the GPU worker (decode_helpers.WorkerGate) so a request sits
+Determinism: the test holds the GPU worker (helpers.WorkerGate) so a request sits
 exactly where the test wants it (restore queued, prefill chunk queued, step queued), and
 "later" is "after an identical request ran to its end", never a bare sleep.
 """

@@ -63,7 +63,7 @@ def assert_completion_shape(body: dict[str, Any], *, model: str = "tiny") -> Non
 
 @pytest.fixture
 async def engine(start_engine: Callable[..., Any], tiny_model: Path) -> Any:
-    """The shared fixture's engine, single-threaded (see _helpers.ENGINE)."""
+    """The shared fixture's engine, single-threaded (see helpers.ENGINE)."""
     return await start_engine(tiny_model, **ENGINE)
 
 

@@ -53,7 +53,7 @@ async def slot_blob(c: RpcClient, slot: int) -> bytes:
 
 @pytest.fixture
 async def engine(start_engine: Callable[..., Any], tiny_model: Path) -> Any:
-    """The shared fixture's engine, single-threaded (see _helpers.ENGINE)."""
+    """The shared fixture's engine, single-threaded (see helpers.ENGINE)."""
     return await start_engine(tiny_model, **ENGINE)
 
 
@@ -233,6 +233,8 @@ def _bad_structure(blob: bytes) -> dict[str, bytes]:
         "unknown-flag-bit": blob[: head_len - 1] + b"\x02" + blob[head_len:],
         "n_tok-too-large": blob[:5] + struct.pack("<I", 0xFFFFFFFF) + blob[9:],
         "n_tok-overruns": blob[:5] + struct.pack("<I", len(blob)) + blob[9:],
+        # More tokens than the context (2048) holds, all present: refused before the list is built.
+        "n_tok-beyond-context": encode_blob_head(parsed.n_past, [1] * 2049) + blob[head_len:],
         # A recurrent-state checkpoint on a model that has none: refused clearly.
         "checkpoint-on-non-recurrent": encode_blob_head(parsed.n_past, parsed.tokens, ck) + blob[head_len:],
     }

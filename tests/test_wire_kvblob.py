@@ -210,7 +210,17 @@ def test_token_count_overflows_the_blob() -> None:
 
 def test_token_count_implausible() -> None:
     raw = struct.pack("<BII", 2, 0, 2**32 - 1) + b"\0" * 40
-    _refused(raw, "implausibly large")
+    _refused(raw, "a slot holds at most")
+
+
+def test_token_count_bounded_by_the_callers_limit() -> None:
+    """The engine passes its n_ctx: a blob declaring more tokens is refused, all bytes present."""
+    raw = encode_kv_blob(4, [1, 2, 3, 4], b"state")
+    assert parse_kv_blob(raw, max_tokens=4).tokens == [1, 2, 3, 4]
+    with pytest.raises(ProtocolError) as info:
+        parse_kv_blob(raw, max_tokens=3)
+    assert info.value.code is ErrorCode.BAD_FRAME
+    assert "declares 4 tokens; a slot holds at most 3" in info.value.message
 
 
 @pytest.mark.parametrize("flags", [0x02, 0x03, 0x80, 0xFF])

@@ -165,9 +165,16 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_result(args: argparse.Namespace) -> int:
     import httpx
 
+    from .http_client import auth_headers
+
     url = f"{args.http}/v1/decode/{args.id}"
+    auth = auth_headers(args.api_key)
     if args.stream:
-        with httpx.stream("GET", url, headers={"Accept": "text/event-stream"}, timeout=None) as resp:
+        with httpx.stream("GET", url, headers={"Accept": "text/event-stream", **auth}, timeout=None) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                print(json.dumps(resp.json(), indent=2))
+                return 1
             for line in resp.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chunk = json.loads(line[6:])
@@ -175,7 +182,7 @@ def cmd_result(args: argparse.Namespace) -> int:
                     print(choices[0].get("delta", {}).get("content") or "", end="", flush=True)
         print()
         return 0
-    resp = httpx.get(url, params={"wait": args.wait}, timeout=args.wait + 30)
+    resp = httpx.get(url, params={"wait": args.wait}, headers=auth, timeout=args.wait + 30)
     print(json.dumps(resp.json(), indent=2))
     return 0 if resp.status_code == 200 else 1
 
@@ -183,7 +190,9 @@ def cmd_result(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     import httpx
 
-    resp = httpx.delete(f"{args.http}/v1/decode/{args.id}", timeout=60)
+    from .http_client import auth_headers
+
+    resp = httpx.delete(f"{args.http}/v1/decode/{args.id}", headers=auth_headers(args.api_key), timeout=60)
     print(json.dumps(resp.json(), indent=2))
     return 0 if resp.status_code == 200 else 1
 
@@ -250,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=what)
         p.add_argument("id", type=int)
         p.add_argument("--http", default="http://127.0.0.1:8080")
+        p.add_argument("--api-key", default=None, help="the engine's API key (default: env HYDRA_API_KEY)")
         if name == "result":
             p.add_argument("--stream", action="store_true", help="stream over SSE")
             p.add_argument("--wait", type=float, default=60.0)

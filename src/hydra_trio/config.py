@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _MiB = 1024 * 1024
 _GiB = 1024 * _MiB
@@ -42,6 +46,38 @@ class Settings:
     decode_result_max: int = 1024
     shutdown_grace_s: float = 10.0
     log_level: str = "INFO"
+    # Security (README "Security"). repr=False: a logged Settings never shows the key.
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    rpc_allow: str | None = None  # comma-separated CIDRs; None: every peer
+
+    def http_api_key(self) -> str | None:
+        """The key every HTTP request but /health must present: --api-key, else the first
+        line of --api-key-file; None when neither is set (HTTP open to whoever reaches it)."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_file is None:
+            return None
+        try:
+            lines = Path(self.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise SystemExit(f"api_key_file: cannot read {self.api_key_file}: {exc.strerror}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise SystemExit(f"api_key_file: {self.api_key_file} holds no key on its first line")
+        return key
+
+    def rpc_networks(self) -> tuple[IPNetwork, ...] | None:
+        """The networks RPC peers must come from; None: no allowlist (every peer)."""
+        if self.rpc_allow is None:
+            return None
+        nets = []
+        for item in self.rpc_allow.split(","):
+            try:
+                nets.append(ipaddress.ip_network(item.strip(), strict=False))
+            except ValueError as exc:
+                raise SystemExit(f"rpc_allow: {exc}") from None
+        return tuple(nets)
 
 
 # flag name -> (env var, help). The env var is read when the flag is not given.
@@ -58,18 +94,25 @@ _HELP: dict[str, str] = {
     "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens)",
     "default_n_predict": "tokens to generate when a request does not say",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
-    "max_connections": "open RPC connections at most (more wait)",
-    "idle_timeout_s": "an idle RPC connection closes after this many seconds",
+    "max_connections": "RPC connections served at once (as many more wait in the listen backlog)",
+    "idle_timeout_s": "an RPC peer idle, or sending/reading no byte mid-request, this long is "
+    "closed; also the wait for payload room",
     "drain_limit_bytes": "a refused request's payload up to this size is drained, larger closes",
     "max_kv_bytes": "largest KV blob accepted",
     "max_json_bytes": "largest JSON payload accepted",
     "max_decode_header_bytes": "largest DECODE control header accepted",
-    "max_inflight_bytes": "payload bytes all RPC connections may hold at once (more wait)",
+    "max_inflight_bytes": "payload bytes RPC connections and HTTP state uploads may hold at once "
+    "(more wait)",
     "decode_validate_timeout_s": "deadline for DECODE validate + restore",
     "decode_result_ttl_s": "seconds a finished decode result stays readable",
     "decode_result_max": "decode results kept at most",
     "shutdown_grace_s": "seconds running decodes get to finish on shutdown",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "api_key": "HTTP requests (all but /health) must send 'Authorization: Bearer KEY' "
+    "(prefer the file or the variable: a flag shows in ps)",
+    "api_key_file": "read the API key from the first line of this file",
+    "rpc_allow": "RPC peers allowed, CIDR[,CIDR...] (e.g. 10.0.0.0/8,127.0.0.1); others are "
+    "closed at accept (default: all)",
 }
 
 # Spec §6.4 names these two variables; the rest follow HYDRA_<FLAG>.
@@ -143,8 +186,27 @@ def validate(s: Settings) -> None:
             problems.append(f"{name} must be 0..65535")
     if s.decode_result_max < 1:
         problems.append("decode_result_max must be >= 1")
+    if s.api_key is not None and s.api_key_file is not None:
+        problems.append("give api_key or api_key_file, not both")
+    if s.api_key is not None and not s.api_key.strip():
+        problems.append("api_key must not be empty")
+    if s.rpc_allow is not None and not s.rpc_allow.strip():
+        problems.append("rpc_allow must name at least one network")
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
+    s.http_api_key()  # an unreadable key file or a bad CIDR stops startup here, with its reason
+    s.rpc_networks()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a port to this machine ("0.0.0.0", "::", a LAN address or
+    a name other than localhost do not)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def settings_table() -> str:

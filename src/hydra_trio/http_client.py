@@ -4,15 +4,23 @@ the benchmarks and the CLI."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """``Authorization`` for an engine started with an API key: ``api_key``, else the
+    HYDRA_API_KEY variable (the one `hydra-trio serve` reads); none when neither is set."""
+    key = api_key if api_key is not None else os.environ.get("HYDRA_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class DecodeHttpClient:
-    def __init__(self, base_url: str, *, timeout: float = 600.0) -> None:
-        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout)
+    def __init__(self, base_url: str, *, timeout: float = 600.0, api_key: str | None = None) -> None:
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=auth_headers(api_key))
 
     async def __aenter__(self) -> DecodeHttpClient:
         return self

@@ -21,6 +21,12 @@ class Metrics:
         self.rpc_bytes_in = Counter("hydra_rpc_payload_bytes_in", "RPC payload bytes received", registry=r)
         self.rpc_bytes_out = Counter("hydra_rpc_payload_bytes_out", "RPC payload bytes sent", registry=r)
         self.rpc_connections = Gauge("hydra_rpc_connections", "open RPC connections", registry=r)
+        self.rpc_peers_refused = Counter(
+            "hydra_rpc_peers_refused", "RPC connections closed at accept: peer not in --rpc-allow", registry=r
+        )
+        self.http_auth_rejected = Counter(
+            "hydra_http_auth_rejected", "HTTP requests refused 401: missing or wrong API key", registry=r
+        )
         self.completion_tokens = Counter("hydra_completion_tokens", "tokens generated", ["path"], registry=r)
         self.prompt_tokens = Counter("hydra_prompt_tokens", "prompt tokens evaluated", ["path"], registry=r)
         self.cached_prompt_tokens = Counter(

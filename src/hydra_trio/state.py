@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from .config import Settings
 from .metrics import Metrics
+from .rpc.connection import ByteBudget
 
 if TYPE_CHECKING:
     from .decode.manager import DecodeManager
@@ -35,10 +36,18 @@ class AppState:
     metrics: Metrics = field(default_factory=Metrics)
     engine: Engine | None = None  # set once the model is loaded
     decodes: DecodeManager | None = None  # set once the decode manager runs
+    # Payload bytes held by RPC requests and HTTP state uploads together (--max-inflight-bytes).
+    payload_budget: ByteBudget = field(init=False)
     startup_phase: str = "starting"
     started_at: float = field(default_factory=time.time)
     llama_cpp_version: str = field(default_factory=_llama_version)
     log: logging.Logger = log
+
+    def __post_init__(self) -> None:
+        self.payload_budget = budget = ByteBudget(self.settings.max_inflight_bytes)
+        self.metrics.live_gauge(
+            "hydra_payload_bytes_held", "payload bytes held by RPC requests and HTTP uploads", lambda: budget.used
+        )
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,11 @@ class DecodeManager:
         # A malformed prompt is refused before the reply. No prompt at all (an empty prompt
         # segment, spec §4.1): decoding continues from what the slot holds after the restore.
         prompt_text = engine.render(request) if "messages" in request or "prompt" in request else None
-        blob = await run_cpu_bound(partial(parse_kv_blob, frame.kv), len(frame.kv)) if len(frame.kv) else None
+        blob = (  # the token list is bounded by the context before it is materialised
+            await run_cpu_bound(partial(parse_kv_blob, frame.kv, max_tokens=engine.n_ctx), len(frame.kv))
+            if len(frame.kv)
+            else None
+        )
         slot = engine.slot_claim(slot_id, f"decode:{trace or 'rpc'}")  # SLOT_BUSY
         try:
             entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written

@@ -10,7 +10,7 @@ import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from ..wire.errors import ProtocolError, Status
+from ..wire.errors import ErrorCode, ProtocolError, Status
 from .sse import error_body
 
 if TYPE_CHECKING:
@@ -24,6 +24,20 @@ _HTTP_STATUS = {
     Status.NOT_IMPLEMENTED: 501,
     Status.ERROR: 500,
 }
+# Codes whose RPC status (ERROR) would read as the engine's fault over HTTP, but are the caller's:
+_CODE_STATUS = {
+    ErrorCode.TOO_LARGE: 413,
+    # A well-formed blob whose contents llama.cpp (or the context size) refuses for this
+    # model: understood, not processable (BAD_FRAME, a malformed blob, stays 400).
+    ErrorCode.RESTORE_FAILED: 422,
+    # KV from another model: valid in itself, in conflict with the model this engine holds
+    # (it would succeed on an engine with the matching model).
+    ErrorCode.CAP_MISMATCH: 409,
+}
+
+
+def http_status(err: ProtocolError) -> int:
+    return _CODE_STATUS.get(err.code) or _HTTP_STATUS.get(err.status, 500)
 
 
 def app_state() -> AppState:
@@ -88,10 +102,8 @@ class HttpError(Exception):
 def register_error_handlers(app: Any) -> None:
     @app.errorhandler(ProtocolError)
     async def _protocol_error(err: ProtocolError) -> Response:
-        status = _HTTP_STATUS.get(err.status, 500)
-        if err.status == Status.BAD_REQUEST and err.code.value == "TOO_LARGE":
-            status = 413
-        kind = "invalid_request_error" if status in (400, 404, 413) else "server_error"
+        status = http_status(err)
+        kind = "invalid_request_error" if status < 500 else "server_error"
         return json_response(error_body(status, err.message, kind, error_code=str(err.code), **err.extra), status)
 
     @app.errorhandler(HttpError)

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import trio
 from quart import Blueprint, Response, request
 
+from ..config import Settings
 from ..engine import transfer
+from ..rpc.connection import payload_buffer
 from .common import HttpError, app_state, json_response, require_engine
 
 bp = Blueprint("slot_state", __name__)
+
+_CHUNK = 1 << 20  # GET sends the blob in slices of this size
+_STATE_PATH = re.compile(r"/slots/[^/]+/state")
+_GATE = "hydra.upload_gate"  # ASGI scope key: set once the route has room for the body
+
+ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
+ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[dict[str, Any], ASGIReceive, ASGISend], Awaitable[None]]
 
 
 def _slot_id(raw: str) -> int:
@@ -26,12 +41,12 @@ async def state_get(raw_id: str) -> Response:
     engine = require_engine()
     slot_id = _slot_id(raw_id)
     snap = await transfer.snapshot(engine, slot_id, f"http:state_get:{slot_id}")
-    body = b"".join(snap.parts)
     return Response(
-        body,
+        _chunks(snap.parts),  # streamed from the snapshot's own buffers: no joined copy
         status=200,
         content_type="application/octet-stream",
         headers={
+            "Content-Length": str(snap.size),
             "X-Hydra-State-Size": str(snap.state_size),
             "X-Hydra-N-Past": str(snap.n_past),
             "X-Hydra-KV-Hash": snap.kv_hash,
@@ -39,19 +54,116 @@ async def state_get(raw_id: str) -> Response:
     )
 
 
+async def _chunks(parts: list[bytes | bytearray]) -> AsyncIterator[memoryview]:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for off in range(0, len(view), _CHUNK):
+            yield view[off : off + _CHUNK]
+
+
 @bp.put("/slots/<raw_id>/state")
 async def state_put(raw_id: str) -> Response:
+    """The body goes into one buffer of Content-Length bytes, taken from the payload budget
+    RPC payloads use; the upload is held back (hold_state_uploads) until it has that room."""
     engine = require_engine()
     slot_id = _slot_id(raw_id)
     engine.slots.get(slot_id)
-    limit = app_state().settings.max_kv_bytes
+    state = app_state()
+    settings = state.settings
     length = request.content_length
-    if length is not None and length > limit:
-        raise HttpError(413, f"blob of {length} bytes exceeds the cap of {limit}", "invalid_request_error")
-    data = bytearray(await request.get_data(cache=False, as_text=False))
-    meta = await transfer.restore(engine, slot_id, memoryview(data), f"http:state_put:{slot_id}")
-    app_state().metrics.restore_bytes.inc(len(data))
+    if length is None:
+        raise HttpError(411, "a Content-Length is required (the blob is received into one buffer)", "invalid_request_error")
+    if length > settings.max_kv_bytes:
+        raise HttpError(413, f"blob of {length} bytes exceeds the cap of {settings.max_kv_bytes}", "invalid_request_error")
+    budget = state.payload_budget
+    with trio.move_on_after(settings.idle_timeout_s) as wait:
+        await budget.acquire(length)
+    if wait.cancelled_caught:
+        raise HttpError(
+            503,
+            f"engine busy: no room for a {length}-byte blob within {settings.idle_timeout_s:g} s",
+            "unavailable_error",
+            headers={"Retry-After": "1"},
+        )
+    try:
+        buf = payload_buffer(length)
+        await _receive_into(memoryview(buf), settings.idle_timeout_s)
+        meta = await transfer.restore(engine, slot_id, memoryview(buf), f"http:state_put:{slot_id}")
+        del buf
+    finally:
+        budget.release(length)
+    state.metrics.restore_bytes.inc(length)
     return json_response(meta, headers={"X-Hydra-N-Past": str(meta["n_past"])})
+
+
+async def _receive_into(view: memoryview, idle_timeout_s: float) -> None:
+    """Copy the request body into ``view`` as it arrives; a sender silent for idle_timeout_s
+    gets 408 (a large blob may take long, a stalled one may not)."""
+    gate: trio.Event | None = request.scope.get(_GATE)
+    if gate is not None:
+        gate.set()  # room is taken: let the body in
+    got = 0
+    chunks = aiter(request.body)
+    while True:
+        try:
+            with trio.fail_after(idle_timeout_s):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            break
+        except trio.TooSlowError:
+            raise HttpError(408, f"body stalled after {got}/{len(view)} bytes", "invalid_request_error") from None
+        if got + len(chunk) > len(view):
+            raise HttpError(400, f"body is longer than its Content-Length {len(view)}", "invalid_request_error")
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    if got != len(view):
+        raise HttpError(400, f"body ended after {got} of {len(view)} bytes", "invalid_request_error")
+
+
+def hold_state_uploads(asgi_app: ASGIApp, settings: Settings) -> ASGIApp:
+    """ASGI wrapper: the body of PUT /slots/{id}/state is not read from the socket until the
+    route has taken room for it from the payload budget.
+
+    Quart reads every request body into its own buffer as soon as the request starts,
+    whatever the route does; a blob waiting for room would sit there in full, outside the
+    budget. Held back here instead, it waits in the socket (TCP pushes back on the sender)."""
+
+    async def app(scope: dict[str, Any], receive: ASGIReceive, send: ASGISend) -> None:
+        if scope["type"] != "http" or scope["method"] != "PUT" or not _STATE_PATH.fullmatch(scope["path"]):
+            await asgi_app(scope, receive, send)
+            return
+        gate = trio.Event()
+
+        async def gated_receive() -> dict[str, Any]:
+            await gate.wait()
+            return await receive()
+
+        async with trio.open_nursery() as nursery:
+
+            async def send_reply(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.body" and not message.get("more_body") and not gate.is_set():
+                    # Refused unread (413, 503, ...). Hypercorn ends the exchange by queueing
+                    # a disconnect for the app, behind the body parts it already read: with
+                    # that queue full, this last send would never return. Drop the body as
+                    # it comes (up to the drain limit, like RPC) while the reply goes out.
+                    nursery.start_soon(_drain, receive, settings.drain_limit_bytes, settings.idle_timeout_s)
+                await send(message)
+
+            await asgi_app({**scope, _GATE: gate}, gated_receive, send_reply)
+
+    return app
+
+
+async def _drain(receive: ASGIReceive, limit: int, idle_timeout_s: float) -> None:
+    left = limit
+    while left > 0:
+        with trio.move_on_after(idle_timeout_s):
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            left -= len(message.get("body", b""))
+            continue
+        return  # the sender stalled
 
 
 @bp.post("/slots/<raw_id>")

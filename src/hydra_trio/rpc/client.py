@@ -37,7 +37,15 @@ class RpcError(Exception):
 
 
 class RpcConnectionClosed(Exception):
-    """The server closed the connection instead of answering."""
+    """The server closed the connection instead of answering, or an earlier exchange on this
+    client was interrupted (cancelled, timed out, failed) and the client closed it."""
+
+
+def _interrupted(exc: BaseException) -> str:
+    return (
+        f"connection closed: an earlier call was interrupted mid-exchange ({type(exc).__name__}); "
+        "its reply could arrive in place of the next one, so open a new client"
+    )
 
 
 @dataclass(slots=True)
@@ -167,6 +175,7 @@ class RpcClient(_Methods):
         self._stream = stream
         self.trace = trace.encode()
         self._lock = trio.Lock()  # one request at a time: the protocol has no pipelining
+        self._broken: str | None = None  # why the connection was closed under an exchange
 
     @classmethod
     async def connect(cls, host: str, port: int, *, trace: str = "") -> RpcClient:
@@ -186,10 +195,21 @@ class RpcClient(_Methods):
     async def call(self, call: Call, *, check: bool = True, trace: str | None = None) -> RpcResponse:
         t = trace.encode() if trace is not None else self.trace
         async with self._lock:
-            for part in _request_bytes(call, t):
-                if len(part):
-                    await self._stream.send_all(part)
-            return _finish(await self._read_response(), check)
+            if self._broken is not None:
+                raise RpcConnectionClosed(self._broken)
+            try:
+                for part in _request_bytes(call, t):
+                    if len(part):
+                        await self._stream.send_all(part)
+                resp = await self._read_response()
+            except BaseException as exc:
+                # Cancelled or failed between the first byte sent and the last byte read: the
+                # stream position is unknown (a late reply would answer the next call), so the
+                # connection cannot be reused. Closing is synchronous: no checkpoint here.
+                self._broken = _interrupted(exc)
+                self._stream.socket.close()
+                raise
+            return _finish(resp, check)
 
     async def send_raw(self, data: Buffer) -> None:
         """Send arbitrary bytes (tests of malformed requests)."""
@@ -224,6 +244,7 @@ class SyncRpcClient(_Methods):
         self._sock = socket.create_connection((host, port), timeout=timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.trace = trace.encode()
+        self._broken: str | None = None  # why the connection was closed under an exchange
 
     def __enter__(self) -> SyncRpcClient:
         return self
@@ -236,12 +257,20 @@ class SyncRpcClient(_Methods):
 
     def call(self, call: Call, *, check: bool = True, trace: str | None = None) -> RpcResponse:
         t = trace.encode() if trace is not None else self.trace
-        for part in _request_bytes(call, t):
-            if len(part):
-                self._sock.sendall(part)
-        head = parse_response_header(self._read_exact(RESPONSE_HEADER.size))
-        meta = json.loads(self._read_exact(head.meta_len)) if head.meta_len else {}
-        return _finish(RpcResponse(head.status, meta, self._read_exact(head.payload_len)), check)
+        if self._broken is not None:
+            raise RpcConnectionClosed(self._broken)
+        try:
+            for part in _request_bytes(call, t):
+                if len(part):
+                    self._sock.sendall(part)
+            head = parse_response_header(self._read_exact(RESPONSE_HEADER.size))
+            meta = json.loads(self._read_exact(head.meta_len)) if head.meta_len else {}
+            resp = RpcResponse(head.status, meta, self._read_exact(head.payload_len))
+        except BaseException as exc:  # a socket timeout, Ctrl-C, a bad reply: same hazard as above
+            self._broken = _interrupted(exc)
+            self._sock.close()
+            raise
+        return _finish(resp, check)
 
     def _read_exact(self, n: int) -> bytearray:
         buf = bytearray(n)

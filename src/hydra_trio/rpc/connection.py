@@ -43,14 +43,8 @@ class Connection:
             got += k
 
     async def read_payload(self, n: int) -> bytearray | mmap.mmap:
-        """Read ``n`` bytes into one new buffer.
-
-        Very large buffers are anonymous mappings: the kernel supplies zero pages as
-        recv_into first writes them, skipping bytearray(n)'s zeroing pass (py-spy put that
-        memset at the top of a 130 MB DECODE; ack ~3% lower). Smaller ones stay bytearrays:
-        malloc reuses already-mapped heap pages for them, which a fresh mapping (faulting
-        every page again) measured 2-3x slower at 1-17 MB."""
-        buf: bytearray | mmap.mmap = mmap.mmap(-1, n) if n >= max(_MMAP_MIN, 1) else bytearray(n)
+        """Read ``n`` bytes into one new buffer (see payload_buffer)."""
+        buf = payload_buffer(n)
         if n:
             await self.read_into(memoryview(buf))
         return buf
@@ -71,15 +65,21 @@ class Connection:
             left -= k
 
     async def send(self, parts: Sequence[Buffer], chunk: int | None = None) -> None:
+        """Send every part. A peer that accepts no byte for idle_timeout_s raises
+        trio.TooSlowError: the deadline restarts at each bit of progress, so a large reply
+        to a slow reader may take long, a reader that stopped may not hold the connection."""
         for part in parts:
             view = memoryview(part).cast("B") if len(part) else None
             if view is None:
                 continue
-            if chunk is None or len(view) <= chunk:
-                await self.stream.send_all(view)
-            else:
-                for off in range(0, len(view), chunk):
-                    await self.stream.send_all(view[off : off + chunk])
+            step = len(view) if chunk is None else chunk  # state_chunk_size: most bytes per send
+            off = 0
+            while off < len(view):
+                try:
+                    with trio.fail_after(self.idle_timeout_s):
+                        off += await self.sock.send(view[off : off + step])
+                except OSError as exc:  # what SocketStream.send_all raises: callers catch it
+                    raise trio.BrokenResourceError(f"send failed after {off}/{len(view)} bytes: {exc}") from exc
 
     async def wait_closed(self) -> None:
         """Return when the peer has closed the connection (EOF or error).
@@ -106,6 +106,17 @@ class Connection:
         await self.stream.aclose()
 
 
+def payload_buffer(n: int) -> bytearray | mmap.mmap:
+    """One buffer of ``n`` bytes for a payload to be received into.
+
+    Very large buffers are anonymous mappings: the kernel supplies zero pages as recv_into
+    first writes them, skipping bytearray(n)'s zeroing pass (py-spy put that memset at the
+    top of a 130 MB DECODE; ack ~3% lower). Smaller ones stay bytearrays: malloc reuses
+    already-mapped heap pages for them, which a fresh mapping (faulting every page again)
+    measured 2-3x slower at 1-17 MB."""
+    return mmap.mmap(-1, n) if n >= max(_MMAP_MIN, 1) else bytearray(n)
+
+
 def _peer_name(sock: trio.socket.SocketType) -> str:
     try:
         host, port = sock.getpeername()[:2]
@@ -116,8 +127,9 @@ def _peer_name(sock: trio.socket.SocketType) -> str:
 
 
 class ByteBudget:
-    """Bounds the payload bytes held by all connections together: a request whose payload
-    does not fit waits (the sender is held back by TCP) until others release theirs."""
+    """Bounds the payload bytes held by all requests together (RPC payloads, HTTP state
+    uploads): a request whose payload does not fit waits (its sender is held back by TCP)
+    until others release theirs."""
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -125,8 +137,10 @@ class ByteBudget:
         self._released = trio.Event()
 
     async def acquire(self, n: int) -> None:
-        """Take ``n`` bytes, waiting for room as long as the caller's scope allows."""
-        while self.used + n > self.total and self.used > 0:
+        """Take ``n`` bytes once they fit. No deadline of its own: the caller's cancel scope
+        bounds the wait, and a cancelled wait takes nothing."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while n and self.used + n > self.total and self.used > 0:  # zero bytes never wait
             await self._released.wait()
         self.used += n  # a payload larger than the whole budget runs alone
 

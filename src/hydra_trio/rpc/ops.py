@@ -226,13 +226,27 @@ class OpTable:
                 t1[key] = value
             elif key in _T2_KEYS or key in _T3_KEYS:
                 staged[key] = value
+        unused: dict[str, str] = {}
         if t1:
-            applied = engine.slot_settings.apply(ctx.slot_id, _validate_t1(t1))
+            t1 = _validate_t1(t1)
+            if "n_keep" in t1:
+                # n_keep picks the prefix kept when a full context is shifted; this engine
+                # never shifts (a slot that fills up stops with stop_type "context"), so
+                # nothing would apply it: reported as accepted-but-unused, not as applied.
+                del t1["n_keep"]
+                unused["n_keep"] = "accepted, not applied: no context shifting (generation stops at the context limit)"
+        if t1:
+            applied = engine.slot_settings.apply(ctx.slot_id, t1)
         if staged:
             engine.reconfigurer.stage(_validate_staged(staged))
         tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
-        ctx.log.info("CONFIGURE slot %d: applied %s, deferred %s", ctx.slot_id, sorted(applied), sorted(staged))
-        return Reply.ok({"success": True, "tier": tier, "params_applied": applied, "deferred_keys": sorted(staged)})
+        ctx.log.info(
+            "CONFIGURE slot %d: applied %s, unused %s, deferred %s", ctx.slot_id, sorted(applied), sorted(unused), sorted(staged)
+        )
+        meta = {"success": True, "tier": tier, "params_applied": applied, "deferred_keys": sorted(staged)}
+        if unused:
+            meta["params_unused"] = unused
+        return Reply.ok(meta)
 
     async def decode(self, ctx: OpContext, payload: memoryview) -> Reply:
         settings = self.state.settings

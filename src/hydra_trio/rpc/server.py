@@ -6,14 +6,18 @@ request's payload is drained (up to the drain limit) so the stream never desynch
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import logging
 import mmap
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
 
+from ..config import is_loopback
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
@@ -25,27 +29,99 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# accept() errors that mean "out of a resource, try again soon" (as in trio.serve_listeners)
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
 
 async def serve_rpc(state: AppState, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     settings = state.settings
     try:
-        listeners = await trio.open_tcp_listeners(settings.rpc_port, host=settings.host)
+        # The kernel queues at most max_connections more peers until there is a place.
+        listeners = await trio.open_tcp_listeners(
+            settings.rpc_port, host=settings.host, backlog=settings.max_connections
+        )
     except OSError as exc:
         raise OSError(exc.errno, f"RPC {settings.host}:{settings.rpc_port}: {exc.strerror}") from None
     port = listeners[0].socket.getsockname()[1]
-    # More connections than the bound wait here for a place: a limiter, not a crash.
-    limiter = trio.CapacityLimiter(settings.max_connections)
+    # More connections than the bound wait for a place: a limiter, not a crash.
+    places = trio.Semaphore(settings.max_connections)
     ops = OpTable(state)
-    budget = ByteBudget(settings.max_inflight_bytes)
+    budget = state.payload_budget  # shared with the HTTP state uploads
     log.info("RPC listening on %s:%d (at most %d connections)", settings.host, port, settings.max_connections)
-    task_status.started(port)
-    await trio.serve_listeners(partial(_serve_connection, state, ops, limiter, budget), listeners)
+    serve = partial(_serve_connection, state, ops, places, budget)
+    admit = _admission(state)
+    async with trio.open_nursery() as nursery:  # owns the accept loops and every connection
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, listener, places, admit, serve, nursery)
+        task_status.started(port)
+
+
+def _admission(state: AppState) -> Callable[[trio.SocketStream], bool]:
+    """--rpc-allow: whether a just-accepted peer may be served (nothing read or written yet)."""
+    settings = state.settings
+    nets = settings.rpc_networks()
+    if nets is None:
+        if not is_loopback(settings.host):
+            log.warning(
+                "RPC binds %s without --rpc-allow: any peer that reaches the port can read and "
+                "overwrite slots (RPC has no per-request authentication)",
+                settings.host,
+            )
+        return lambda _stream: True
+    log.info("RPC peers allowed from %s", ", ".join(map(str, nets)))
+
+    def admit(stream: trio.SocketStream) -> bool:
+        try:
+            host = stream.socket.getpeername()[0]
+            ip = ipaddress.ip_address(host.split("%", 1)[0])  # drop an IPv6 zone
+        except (OSError, ValueError):
+            ip = None
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # a dual-stack socket reports IPv4 peers as ::ffff:a.b.c.d
+        if ip is not None and any(ip in net for net in nets):
+            return True
+        state.metrics.rpc_peers_refused.inc()
+        log.info("rpc %s: peer not in --rpc-allow; closed", ip)
+        return False
+
+    return admit
+
+
+async def _accept_loop(
+    listener: trio.SocketListener,
+    places: trio.Semaphore,
+    admit: Callable[[trio.SocketStream], bool],
+    serve: Callable[[trio.SocketStream], Awaitable[None]],
+    nursery: trio.Nursery,
+) -> None:
+    """Take a connection place first, then accept: the engine never holds a socket it cannot
+    serve (peers beyond the bound wait in the kernel's listen backlog, not in this process)."""
+    async with listener:
+        while True:
+            await places.acquire()
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                places.release()
+                if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                log.error("RPC accept failed (%s); retrying in 100 ms", exc)
+                await trio.sleep(0.1)
+                continue
+            except BaseException:
+                places.release()
+                raise
+            if not admit(stream):
+                places.release()
+                await trio.aclose_forcefully(stream)
+                continue
+            nursery.start_soon(serve, stream)  # releases the place when it ends
 
 
 async def _serve_connection(
-    state: AppState, ops: OpTable, limiter: trio.CapacityLimiter, budget: ByteBudget, stream: trio.SocketStream
+    state: AppState, ops: OpTable, places: trio.Semaphore, budget: ByteBudget, stream: trio.SocketStream
 ) -> None:
-    async with limiter:
+    with _releasing(places):  # the place the accept loop took for this connection
         conn = Connection(stream, state.settings.idle_timeout_s)
         state.metrics.rpc_connections.inc()
         try:
@@ -53,13 +129,21 @@ async def _serve_connection(
         except (PeerClosed, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("rpc %s: connection ended: %s", conn.peer, exc)
         except trio.TooSlowError:
-            log.info("rpc %s: peer stalled for %.0f s mid-request; closing", conn.peer, conn.idle_timeout_s)
+            log.info("rpc %s: peer stalled for %g s mid-exchange; closing", conn.peer, conn.idle_timeout_s)
         except Exception:
             log.exception("rpc %s: connection failed", conn.peer)
         finally:
             state.metrics.rpc_connections.dec()
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+
+
+@contextmanager
+def _releasing(places: trio.Semaphore) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        places.release()
 
 
 async def _read_request_header(conn: Connection) -> bytearray | None:

@@ -88,16 +88,20 @@ def encode_kv_blob(
     return b"".join(parts)
 
 
-def parse_kv_blob(buf: Buffer) -> KvBlob:
-    """Check the blob's structure; raise ProtocolError(BAD_FRAME) on anything that does not fit."""
+def parse_kv_blob(buf: Buffer, *, max_tokens: int = _MAX_TOKENS) -> KvBlob:
+    """Check the blob's structure; raise ProtocolError(BAD_FRAME) on anything that does not fit.
+
+    ``max_tokens``: the most tokens a slot can hold (the engine passes its n_ctx). A larger
+    declared count is refused before the token list is built (up to 2^24 Python ints, ~0.5 GB,
+    otherwise)."""
     view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
     if len(view) < _HEAD.size + 1:
         raise _bad(f"too short ({len(view)} bytes)")
     version, n_past, n_tok = _HEAD.unpack_from(view, 0)
     if version != KV_BLOB_VERSION:
         raise _bad(f"unsupported version 0x{version:02x} (expected 0x02)")
-    if n_tok > _MAX_TOKENS:
-        raise _bad(f"n_tok {n_tok} is implausibly large")
+    if n_tok > min(max_tokens, _MAX_TOKENS):
+        raise _bad(f"declares {n_tok} tokens; a slot holds at most {min(max_tokens, _MAX_TOKENS)}")
     pos = _HEAD.size
     end_tokens = pos + 4 * n_tok
     if end_tokens + 1 > len(view):

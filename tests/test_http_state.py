@@ -1,0 +1,153 @@
+"""HTTP slot-state transfer and the payload budget: an upload lives in one buffer taken from
+the budget RPC payloads use (refused when too large or when no room comes in time), and a
+download is streamed from the snapshot, never joined into a second copy."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from helpers import ENGINE, MESSAGES, http, rpc, wait_until
+
+OCTETS = {"content-type": "application/octet-stream"}
+
+
+async def state_blob(ep: Any, slot: int = 0, request: dict[str, Any] | None = None) -> bytes:
+    async with await rpc(ep) as c:
+        await c.prefill(slot, request or {"messages": MESSAGES})
+        return bytes((await c.state_get(slot)).payload)
+
+
+async def test_an_upload_holds_its_size_of_the_payload_budget_while_in_flight(
+    start_engine: Any, tiny_model: Path
+) -> None:
+    ep = await start_engine(tiny_model, **ENGINE)
+    blob = await state_blob(ep)
+    budget = ep.state.payload_budget
+    rest_may_go = trio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield blob[:100]
+        await rest_may_go.wait()
+        yield blob[100:]
+
+    async with http(ep) as h:
+        async with trio.open_nursery() as nursery:
+            result: dict[str, Any] = {}
+
+            async def upload() -> None:
+                headers = {**OCTETS, "content-length": str(len(blob))}
+                result["r"] = await h.put("/slots/1/state", content=body(), headers=headers)
+
+            nursery.start_soon(upload)
+            await wait_until(lambda: _true(budget.used == len(blob)))
+            metrics = (await h.get("/metrics")).text
+            assert f"hydra_payload_bytes_held {float(len(blob))}" in metrics
+            rest_may_go.set()
+        r = result["r"]
+        assert r.status_code == 200, r.text
+        assert budget.used == 0
+        assert (await h.get("/slots/1/state/meta")).json()["n_past"] == r.json()["n_past"] > 0
+
+
+async def test_an_upload_waits_for_room_then_gets_503(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, max_inflight_bytes=1000, idle_timeout_s=0.3, **ENGINE)
+    blob = await state_blob(ep)
+    budget = ep.state.payload_budget
+    await budget.acquire(1000)  # RPC payloads hold the whole budget
+    try:
+        async with http(ep) as h:
+            r = await h.put("/slots/1/state", content=blob, headers=OCTETS)
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "unavailable_error"
+            assert budget.used == 1000
+    finally:
+        budget.release(1000)
+    async with http(ep) as h:  # with room, the same upload goes through
+        assert (await h.put("/slots/1/state", content=blob, headers=OCTETS)).status_code == 200
+    assert budget.used == 0
+
+
+async def test_an_upload_over_the_cap_or_without_a_length_is_refused(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, max_kv_bytes=1000, **ENGINE)
+
+    async def chunked() -> AsyncIterator[bytes]:
+        yield b"\x02" * 10
+
+    async with http(ep) as h:
+        r = await h.put("/slots/1/state", content=b"\x02" * 2000, headers=OCTETS)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == 413
+        r = await h.put("/slots/1/state", content=chunked(), headers=OCTETS)  # chunked: no length
+        assert r.status_code == 411, r.text
+    assert ep.state.payload_budget.used == 0
+
+
+@pytest.mark.parametrize("direction", ["get", "put"])
+async def test_a_blob_crosses_http_held_once(start_engine: Any, wide_kv_model: Path, direction: str) -> None:
+    """Peak Python memory during one transfer of a ~5 MB blob (the client reads/writes in
+    chunks in this same process): about one blob, not the two or three copies that joining
+    (GET) or get_data + bytearray (PUT) made."""
+    ep = await start_engine(wide_kv_model, threads=1, slots=2)
+    blob = await state_blob(ep, 0, {"prompt": "hello world " * 60})
+    assert len(blob) > 4 << 20
+
+    async def body() -> AsyncIterator[bytes]:
+        for off in range(0, len(blob), 1 << 16):
+            yield blob[off : off + (1 << 16)]
+
+    async with http(ep) as h:
+        tracemalloc.start()
+        try:
+            if direction == "get":
+                got = 0
+                async with h.stream("GET", "/slots/0/state") as r:
+                    assert r.headers["content-length"] == str(len(blob))
+                    async for chunk in r.aiter_bytes():
+                        got += len(chunk)
+                assert got == len(blob)
+            else:
+                headers = {**OCTETS, "content-length": str(len(blob))}
+                r = await h.put("/slots/1/state", content=body(), headers=headers)
+                assert r.status_code == 200, r.text
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 1.5 * len(blob), (peak, len(blob))
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_an_upload_waiting_for_room_is_not_buffered(start_engine: Any, wide_kv_model: Path) -> None:
+    """While the upload waits for budget room its body stays in the socket: Quart would
+    otherwise read all of it into its own buffer, outside the budget."""
+    ep = await start_engine(wide_kv_model, threads=1, slots=2, idle_timeout_s=0.5)
+    blob = await state_blob(ep, 0, {"prompt": "hello world " * 60})
+    budget = ep.state.payload_budget
+    await budget.acquire(ep.state.settings.max_inflight_bytes)
+
+    async def body() -> AsyncIterator[bytes]:
+        for off in range(0, len(blob), 1 << 16):
+            yield blob[off : off + (1 << 16)]
+
+    try:
+        async with http(ep) as h:
+            tracemalloc.start()
+            try:
+                headers = {**OCTETS, "content-length": str(len(blob))}
+                r = await h.put("/slots/1/state", content=body(), headers=headers)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            assert r.status_code == 503, r.text
+    finally:
+        budget.release(ep.state.settings.max_inflight_bytes)
+    assert peak < 0.5 * len(blob), (peak, len(blob))
