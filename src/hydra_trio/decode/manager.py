@@ -97,7 +97,7 @@ class DecodeManager:
         engine.slots.get(slot_id)  # NO_SLOT
         request = {**engine.slot_generation_defaults(slot_id), **merged_generation(frame)}
         params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx)
-        prompt_text = engine.render(request)  # a malformed prompt is refused before the reply
+        prompt_text = await engine.render_prompt(request)  # a malformed prompt is refused before the reply
         blob = parse_kv_blob(frame.kv) if len(frame.kv) else None
         slot = engine.slot_claim(slot_id, f"decode:{trace or 'rpc'}")  # SLOT_BUSY
         try:

@@ -21,10 +21,18 @@ from ..config import Settings
 from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvblob import KvBlob, encode_blob_head
-from .backend import DecodeAborted, LlamaBackend, NoKvSpace, Sampler, StepRequest
-from .chat import render_prompt
+from .backend import (
+    DecodeAborted,
+    LlamaBackend,
+    NoKvSpace,
+    Sampler,
+    StepRequest,
+    apply_builtin_chat_template,
+)
+from .devices import OffloadSettings
 from .params import GenerationParams
 from .slots import Slot, SlotTable
+from .templates import ChatTemplate, PromptRenderer, resolve_chat_template
 from .text import TextAssembler, common_prefix_len
 from .worker import CallTiming, GpuWorker
 
@@ -100,6 +108,12 @@ class Engine:
         t0 = time.perf_counter()
         identity = await trio.to_thread.run_sync(lambda: read_identity(model_path, alias=alias))
         worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
+        offload = OffloadSettings(
+            n_gpu_layers=settings.n_gpu_layers,
+            main_gpu=settings.main_gpu,
+            flash_attn=settings.flash_attn,
+            kv_offload=not settings.no_kv_offload,
+        )
         backend = await trio.to_thread.run_sync(
             lambda: LlamaBackend(
                 model_path,
@@ -107,10 +121,22 @@ class Engine:
                 n_ctx=settings.ctx_size,
                 n_threads=settings.threads,
                 n_batch=settings.batch_size,
+                offload=offload,
             ),
             limiter=worker_limiter,
         )
+        try:
+            template = resolve_chat_template(
+                name=settings.chat_template,
+                file=settings.chat_template_file,
+                gguf_template=backend.info.chat_template,
+                builtin_names=backend.builtin_templates,
+            )
+        except BaseException:
+            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            raise
         engine = cls(backend, identity, settings)
+        engine.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         log.info(
             "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, %d threads",
@@ -122,6 +148,9 @@ class Engine:
             backend.n_ctx,
             backend.n_threads,
         )
+        assert backend.offload is not None
+        log.info("offload: %s", backend.offload.summary())
+        log.info("chat template: %s (%s)", template.name, template.source)
         return engine
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -220,10 +249,15 @@ class Engine:
                     n_batch=old.n_batch,
                     type_k=changes.get("cache_type_k", old.type_k),
                     type_v=changes.get("cache_type_v", old.type_v),
+                    offload=old.offload_settings,
                 )
 
             new = await self.worker.run(load)
             self.backend, self.identity, self.model_path = new, identity, path
+            if self.chat_template.source in ("gguf", "fallback"):  # the new GGUF's own template
+                self.set_chat_template(
+                    resolve_chat_template(name=None, file=None, gguf_template=new.info.chat_template, builtin_names=())
+                )
             await self.worker.call(old.close)
             self.t3_reloads += 1
             self.last_t3_reload_ms = (time.perf_counter() - t0) * 1000.0
@@ -239,13 +273,30 @@ class Engine:
 
     # ---- prompts -----------------------------------------------------------------------
 
-    def render(self, request: dict[str, Any]) -> str:
-        """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
+    def set_chat_template(self, template: ChatTemplate) -> None:
         info = self.backend.info
-        return render_prompt(request, info.chat_template, bos_token=info.bos_text, eos_token=info.eos_text)
+        self.chat_template = template
+        self._prompts = PromptRenderer(
+            template,
+            bos_token=info.bos_text,
+            eos_token=info.eos_text,
+            run_on_worker=self.worker.call,
+            apply_builtin=apply_builtin_chat_template,
+        )
+
+    def runtime_fields(self) -> dict[str, Any]:
+        """Where the model runs (ggml devices, layers offloaded, flash attention) and which
+        chat template renders prompts: for /version and INFO."""
+        offload = self.backend.offload
+        assert offload is not None, "set when the context is built"
+        return {**offload.as_dict(), "chat_template": self.chat_template.as_dict()}
+
+    async def render_prompt(self, request: dict[str, Any]) -> str:
+        """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
+        return await self._prompts.render(request)
 
     async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
-        return await self.tokenize_text(self.render(request))
+        return await self.tokenize_text(await self.render_prompt(request))
 
     async def tokenize_text(self, text: str) -> list[int]:
         """Prompt text -> tokens, refusing prompts that cannot fit."""
