@@ -13,9 +13,11 @@ from quart_trio import QuartTrio
 
 from ..tasks import leaves
 from .common import register_error_handlers
+from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 from .state_routes import bp as state_bp
+from .tokens import bp as tokens_bp
 
 if TYPE_CHECKING:
     from ..app import AppState
@@ -33,6 +35,8 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(openai_bp)
     app.register_blueprint(decode_bp)
     app.register_blueprint(state_bp)
+    app.register_blueprint(completions_bp)
+    app.register_blueprint(tokens_bp)
     register_error_handlers(app)
 
     @app.get("/metrics")
