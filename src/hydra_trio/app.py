@@ -11,7 +11,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 import trio
 
@@ -65,10 +64,10 @@ class Endpoints:
 def resolve_model(settings: Settings) -> tuple[str, str | None]:
     """(model path, alias). Without --model: the synthetic demo model from the user cache."""
     if settings.model:
-        path = Path(settings.model)
-        if not path.is_file():
-            raise SystemExit(f"model file not found: {path}")
-        return str(path), settings.alias
+        from .model.registry import resolve_model_arg  # a file, or a named model (registry)
+
+        path, named_alias = resolve_model_arg(settings.model)
+        return str(path), settings.alias or named_alias
     from .model.synthetic import cached_model
 
     path, written = cached_model("small")
