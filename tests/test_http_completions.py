@@ -22,7 +22,9 @@ async def complete(c: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
 
 
 async def stream_complete(c: httpx.AsyncClient, **body: Any) -> tuple[list[dict[str, Any]], bool]:
-    async with c.stream("POST", "/v1/completions", json={"temperature": 0, **body, "stream": True}) as r:
+    async with c.stream(
+        "POST", "/v1/completions", json={"temperature": 0, **body, "stream": True}
+    ) as r:
         assert r.status_code == 200, (await r.aread()).decode()
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line async for line in r.aiter_lines()]
@@ -50,7 +52,12 @@ async def test_completion_matches_chat_on_the_same_prompt(ctx_engine: Any) -> No
             r = await c.post("/apply-template", json={"messages": messages})
             assert r.status_code == 200, r.text
             prompt = r.json()["prompt"]
-            chat = (await c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0})).json()
+            chat = (
+                await c.post(
+                    "/v1/chat/completions",
+                    json={"messages": messages, "max_tokens": 12, "temperature": 0},
+                )
+            ).json()
             text = await complete(c, prompt=prompt, max_tokens=12)
             assert_text_completion(text, model)
             assert text["choices"][0]["text"] == chat["choices"][0]["message"]["content"]
@@ -73,12 +80,17 @@ async def test_stream_token_array_and_stop(ctx_engine: Any) -> None:
         assert "".join(e["choices"][0]["text"] for e in events) == text
         last = events[-1]
         assert last["choices"][0]["finish_reason"] == "length"
-        assert last["usage"] == {**whole["usage"], "prompt_tokens_details": last["usage"]["prompt_tokens_details"]}
+        assert last["usage"] == {
+            **whole["usage"],
+            "prompt_tokens_details": last["usage"]["prompt_tokens_details"],
+        }
         assert_text_completion(last, model)
         assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
 
         # The same prompt as token ids (with BOS, as a string prompt gets it).
-        toks = (await c.post("/tokenize", json={"content": prompt, "add_special": True})).json()["tokens"]
+        toks = (await c.post("/tokenize", json={"content": prompt, "add_special": True})).json()[
+            "tokens"
+        ]
         for form in (toks, [toks]):
             by_ids = await complete(c, prompt=form, max_tokens=10)
             assert by_ids["choices"][0]["text"] == text
@@ -99,7 +111,13 @@ async def test_completions_share_batches_with_chat(ctx_engine: Any) -> None:
     before_batches, before_tokens = engine.batches, engine.batch_tokens
     async with http_client(ctx_engine) as c, gate(ctx_engine) as g, trio.open_nursery() as n:
         n.start_soon(partial(complete, c, prompt="tell me a story", max_tokens=24))
-        n.start_soon(partial(c.post, "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "temperature": 0}))
+        n.start_soon(
+            partial(
+                c.post,
+                "/v1/chat/completions",
+                json={"messages": MESSAGES, "max_tokens": 24, "temperature": 0},
+            )
+        )
         # Both have asked the worker to tokenize: from here on their calls are FIFO, so the
         # second prefill runs while the first request still has ~23 steps to go.
         await g.wait_queued(2)
@@ -123,7 +141,9 @@ async def test_completions_share_batches_with_chat(ctx_engine: Any) -> None:
         ({"prompt": "x", "stream": "yes"}, "stream"),
     ],
 )
-async def test_bad_completion_requests_are_openai_400s(engine: Any, body: dict[str, Any], needle: str) -> None:
+async def test_bad_completion_requests_are_openai_400s(
+    engine: Any, body: dict[str, Any], needle: str
+) -> None:
     async with http_client(engine) as c:
         r = await c.post("/v1/completions", json=body)
         err = assert_openai_error(r, 400)

@@ -36,7 +36,11 @@ def llama_params(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[dic
 
     def spy_init(model: Any, params: Any) -> Any:
         seen["context"].append(
-            {"flash_attn_type": params.flash_attn_type, "offload_kqv": params.offload_kqv, "n_ctx": params.n_ctx}
+            {
+                "flash_attn_type": params.flash_attn_type,
+                "offload_kqv": params.offload_kqv,
+                "n_ctx": params.n_ctx,
+            }
         )
         return init(model, params)
 
@@ -47,15 +51,31 @@ def llama_params(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[dic
 
 def test_flags_and_env_parse() -> None:
     args = cli.build_parser().parse_args(
-        ["serve", "--n-gpu-layers", "-1", "--main-gpu", "1", "--flash-attn", "off", "--no-kv-offload"]
+        [
+            "serve",
+            "--n-gpu-layers",
+            "-1",
+            "--main-gpu",
+            "1",
+            "--flash-attn",
+            "off",
+            "--no-kv-offload",
+        ]
     )
     s = settings_from(args, env={})
     assert (s.n_gpu_layers, s.main_gpu, s.flash_attn, s.no_kv_offload) == (-1, 1, "off", True)
     d = settings_from(cli.build_parser().parse_args(["serve"]), env={})
     assert (d.n_gpu_layers, d.main_gpu, d.flash_attn, d.no_kv_offload) == (None, 0, "auto", False)
-    e = settings_from(None, env={"HYDRA_N_GPU_LAYERS": "12", "HYDRA_FLASH_ATTN": "on", "HYDRA_NO_KV_OFFLOAD": "true"})
+    e = settings_from(
+        None,
+        env={"HYDRA_N_GPU_LAYERS": "12", "HYDRA_FLASH_ATTN": "on", "HYDRA_NO_KV_OFFLOAD": "true"},
+    )
     assert (e.n_gpu_layers, e.flash_attn, e.no_kv_offload) == (12, "on", True)
-    for bad in ({"HYDRA_FLASH_ATTN": "maybe"}, {"HYDRA_N_GPU_LAYERS": "-2"}, {"HYDRA_NO_KV_OFFLOAD": "perhaps"}):
+    for bad in (
+        {"HYDRA_FLASH_ATTN": "maybe"},
+        {"HYDRA_N_GPU_LAYERS": "-2"},
+        {"HYDRA_NO_KV_OFFLOAD": "perhaps"},
+    ):
         with pytest.raises(SystemExit):
             settings_from(None, env=bad)
 
@@ -74,14 +94,26 @@ def test_default_layers_follow_the_build() -> None:
     assert flash_attn_applied([], "on") == "on"
 
 
-def test_params_reach_llama_and_survive_a_rebuild(tiny_model: Path, llama_params: dict[str, list[dict[str, Any]]]) -> None:
+def test_params_reach_llama_and_survive_a_rebuild(
+    tiny_model: Path, llama_params: dict[str, list[dict[str, Any]]]
+) -> None:
     offload = OffloadSettings(n_gpu_layers=2, main_gpu=0, flash_attn="off", kv_offload=False)
-    b = LlamaBackend(str(tiny_model), n_slots=1, n_ctx=256, n_threads=1, n_batch=64, offload=offload)
+    b = LlamaBackend(
+        str(tiny_model), n_slots=1, n_ctx=256, n_threads=1, n_batch=64, offload=offload
+    )
     try:
         assert llama_params["model"] == [{"n_gpu_layers": 2, "main_gpu": 0}]
-        assert llama_params["context"][-1] == {"flash_attn_type": 0, "offload_kqv": False, "n_ctx": 256}
+        assert llama_params["context"][-1] == {
+            "flash_attn_type": 0,
+            "offload_kqv": False,
+            "n_ctx": 256,
+        }
         b.rebuild_context(n_ctx=512)  # CONFIGURE T2
-        assert llama_params["context"][-1] == {"flash_attn_type": 0, "offload_kqv": False, "n_ctx": 512}
+        assert llama_params["context"][-1] == {
+            "flash_attn_type": 0,
+            "offload_kqv": False,
+            "n_ctx": 512,
+        }
         report = b.offload
         assert report is not None
         assert report.n_gpu_layers_param == 2
@@ -114,9 +146,14 @@ def test_ggml_devices_are_read_from_the_shared_libs() -> None:
 
 
 async def test_engine_reports_offload_and_keeps_it_across_a_reload(
-    start_engine: Callable[..., Any], tiny_model: Path, tiny_model_other: Path, llama_params: dict[str, list[dict[str, Any]]]
+    start_engine: Callable[..., Any],
+    tiny_model: Path,
+    tiny_model_other: Path,
+    llama_params: dict[str, list[dict[str, Any]]],
 ) -> None:
-    ep = await start_engine(tiny_model, flash_attn="off", no_kv_offload=True, n_gpu_layers=3, **ENGINE)
+    ep = await start_engine(
+        tiny_model, flash_attn="off", no_kv_offload=True, n_gpu_layers=3, **ENGINE
+    )
     engine = ep.state.engine
     async with http_client(ep) as c:
         version = (await c.get("/version")).json()

@@ -29,7 +29,9 @@ N_PREDICT = 8
 REAL = {"threads": 1, "ctx_size": 1024, "slots": 2, "batch_size": 256}
 
 
-async def test_identity_and_a_factual_completion(start_engine: Callable[..., Any], gemma_model: Path) -> None:
+async def test_identity_and_a_factual_completion(
+    start_engine: Callable[..., Any], gemma_model: Path
+) -> None:
     ep = await start_engine(gemma_model, **REAL)
     async with await rpc(ep) as r:
         info = (await r.info()).meta
@@ -38,23 +40,40 @@ async def test_identity_and_a_factual_completion(start_engine: Callable[..., Any
     assert info["tokenizer"].startswith("llama")
     assert info["model_capabilities"] == 0
     assert info["n_layers"] == 19  # 18 blocks + output
-    assert info["chat_template"] == {"name": "chatml-fallback", "source": "fallback"}  # a base model has none
+    assert info["chat_template"] == {
+        "name": "chatml-fallback",
+        "source": "fallback",
+    }  # a base model has none
     async with http_client(ep) as c:
-        r = await c.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0})
+        r = await c.post(
+            "/v1/completions",
+            json={"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["text"]
         assert "Paris" in text or "France" in text, text
-        toks = (await c.post("/tokenize", json={"content": "The capital of France is", "with_pieces": True})).json()["tokens"]
+        toks = (
+            await c.post(
+                "/tokenize", json={"content": "The capital of France is", "with_pieces": True}
+            )
+        ).json()["tokens"]
         assert [t["piece"] for t in toks] == ["The", " capital", " of", " France", " is"]
         back = (await c.post("/detokenize", json={"tokens": [t["id"] for t in toks]})).json()
         assert back == {"content": "The capital of France is"}
 
 
-async def test_chat_prefill_decode_handoff_and_state_round_trip(start_engine: Callable[..., Any], gemma_model: Path) -> None:
+async def test_chat_prefill_decode_handoff_and_state_round_trip(
+    start_engine: Callable[..., Any], gemma_model: Path
+) -> None:
     a = await start_engine(gemma_model, chat_template="gemma", **REAL)
     b = await start_engine(gemma_model, chat_template="gemma", **REAL)
     async with http_client(a) as ha, http_client(b) as hb, await rpc(a) as ra, await rpc(b) as rb:
-        chat = (await ha.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": N_PREDICT, "temperature": 0})).json()
+        chat = (
+            await ha.post(
+                "/v1/chat/completions",
+                json={"messages": MESSAGES, "max_tokens": N_PREDICT, "temperature": 0},
+            )
+        ).json()
         want_text = chat["choices"][0]["message"]["content"]
         want_usage = (chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"])
         assert want_text.strip(), chat
@@ -65,7 +84,12 @@ async def test_chat_prefill_decode_handoff_and_state_round_trip(start_engine: Ca
 
         # DECODE in the slot (no KV sent) and on B with A's blob: the chat's text and usage.
         in_slot = await get_result(ha, await decode_ok(ra, 0, frame(MESSAGES, n_predict=N_PREDICT)))
-        moved = await get_result(hb, await decode_ok(rb, 0, frame(MESSAGES, pre.payload, n_predict=N_PREDICT, kv_metadata=kv_meta(pre))))
+        moved = await get_result(
+            hb,
+            await decode_ok(
+                rb, 0, frame(MESSAGES, pre.payload, n_predict=N_PREDICT, kv_metadata=kv_meta(pre))
+            ),
+        )
         for res in (in_slot, moved):
             assert text_of(res) == want_text
             assert (res["usage"]["prompt_tokens"], res["usage"]["completion_tokens"]) == want_usage
@@ -85,4 +109,7 @@ async def test_chat_prefill_decode_handoff_and_state_round_trip(start_engine: Ca
         # finds the whole prompt there and gives the chat's text again.
         again = await get_result(hb, await decode_ok(rb, 1, frame(MESSAGES, n_predict=N_PREDICT)))
         assert text_of(again) == want_text
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == chat["usage"]["prompt_tokens"] - 1
+        assert (
+            again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            == chat["usage"]["prompt_tokens"] - 1
+        )

@@ -33,12 +33,16 @@ def fake_model(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
 
     pkg.assemble = assemble  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fake_model_pkg", pkg)
-    model = NamedModel(name="fake-1m", module="fake_model_pkg", pip_name="fake-model-pkg", description="test")
+    model = NamedModel(
+        name="fake-1m", module="fake_model_pkg", pip_name="fake-model-pkg", description="test"
+    )
     monkeypatch.setitem(registry.NAMED_MODELS, model.name, model)
     return calls
 
 
-def test_named_model_is_assembled_once_into_the_cache(fake_model: types.SimpleNamespace, tmp_path: Path) -> None:
+def test_named_model_is_assembled_once_into_the_cache(
+    fake_model: types.SimpleNamespace, tmp_path: Path
+) -> None:
     first = named_model_path("fake-1m", base_dir=tmp_path)
     assert first == tmp_path / f"fake-1m-{'ab' * 8}" / "fake.gguf"
     assert first.read_bytes() == b"GGUF fake"
@@ -47,19 +51,25 @@ def test_named_model_is_assembled_once_into_the_cache(fake_model: types.SimpleNa
     assert [p.name for p in first.parent.iterdir()] == ["fake.gguf"]  # no partial file left
 
 
-def test_resolve_model_arg(fake_model: types.SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_model_arg(
+    fake_model: types.SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"x")
     assert resolve_model_arg(str(gguf)) == (gguf, None)  # a file: alias from its stem later
     path, alias = resolve_model_arg("fake-1m")
     assert alias == "fake-1m" and path.is_relative_to(tmp_path / "cache" / "hydra-trio" / "models")
-    with pytest.raises(SystemExit, match=r"model file not found: .*nope\.gguf .*named models: .*gemma3-270m"):
+    with pytest.raises(
+        SystemExit, match=r"model file not found: .*nope\.gguf .*named models: .*gemma3-270m"
+    ):
         resolve_model_arg(str(tmp_path / "nope.gguf"))
 
 
 def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = NamedModel(name="absent", module="hydra_trio_no_such_pkg", pip_name="no-such-pkg", description="test")
+    model = NamedModel(
+        name="absent", module="hydra_trio_no_such_pkg", pip_name="no-such-pkg", description="test"
+    )
     monkeypatch.setitem(registry.NAMED_MODELS, model.name, model)
     with pytest.raises(ModelPackageMissing, match="pip install no-such-pkg"):
         named_model_path("absent")

@@ -33,9 +33,9 @@ async def tokenize(c: Any, content: str, **extra: Any) -> list[Any]:
 async def test_gguf_template_and_token_routes(engine: Any) -> None:
     async with http_client(engine) as c:
         assert await apply_template(c, MESSAGES) == CHATML_HELLO
-        assert await apply_template(c, MESSAGES, add_generation_prompt=False) == CHATML_HELLO.removesuffix(
-            "<|im_start|>assistant\n"
-        )
+        assert await apply_template(
+            c, MESSAGES, add_generation_prompt=False
+        ) == CHATML_HELLO.removesuffix("<|im_start|>assistant\n")
         version = (await c.get("/version")).json()
         assert version["chat_template"] == {"name": "gguf", "source": "gguf"}
 
@@ -44,7 +44,9 @@ async def test_gguf_template_and_token_routes(engine: Any) -> None:
         bos = engine.state.engine.backend.info.bos
         assert with_bos == [bos, *plain]
         # Special tokens are parsed by default (one id for <|im_start|>), not when asked not to.
-        assert len(await tokenize(c, "<|im_start|>", parse_special=False)) > len(await tokenize(c, "<|im_start|>"))
+        assert len(await tokenize(c, "<|im_start|>", parse_special=False)) > len(
+            await tokenize(c, "<|im_start|>")
+        )
 
         pieces = await tokenize(c, CHATML_HELLO, with_pieces=True)
         assert [p["id"] for p in pieces] == plain
@@ -58,7 +60,9 @@ async def test_gguf_template_and_token_routes(engine: Any) -> None:
         assert (await c.post("/detokenize", json={"tokens": []})).json() == {"content": ""}
 
         # HTTP chat counts exactly the tokens of the rendered prompt (BOS included).
-        chat = (await c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})).json()
+        chat = (
+            await c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        ).json()
         assert chat["usage"]["prompt_tokens"] == len(with_bos)
 
 
@@ -75,37 +79,58 @@ async def test_gguf_template_and_token_routes(engine: Any) -> None:
         ("/apply-template", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
     ],
 )
-async def test_token_route_errors(engine: Any, path: str, body: dict[str, Any], needle: str) -> None:
+async def test_token_route_errors(
+    engine: Any, path: str, body: dict[str, Any], needle: str
+) -> None:
     async with http_client(engine) as c:
         err = assert_openai_error(await c.post(path, json=body), 400)
         assert needle in err["error"]["message"], err
 
 
-async def _same_prompt_everywhere(ep: Any, messages: list[dict[str, Any]], expected_prompt: str) -> None:
+async def _same_prompt_everywhere(
+    ep: Any, messages: list[dict[str, Any]], expected_prompt: str
+) -> None:
     """/apply-template, HTTP chat, PREFILL and DECODE (in the slot, and with the blob in the
     other slot) all use the configured template: same prompt tokens, same greedy text."""
     async with http_client(ep) as c:
         assert await apply_template(c, messages) == expected_prompt
         n_prompt = len(await tokenize(c, expected_prompt, add_special=True))
-        chat = (await c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0})).json()
+        chat = (
+            await c.post(
+                "/v1/chat/completions",
+                json={"messages": messages, "max_tokens": 8, "temperature": 0},
+            )
+        ).json()
         assert chat["usage"]["prompt_tokens"] == n_prompt
         async with await rpc(ep) as r:
             pre = await prefill(r, 0, messages)
             assert pre.meta["n_past"] == n_prompt
             in_slot = await get_result(c, await decode_ok(r, 0, frame(messages, n_predict=8)))
-            moved = await get_result(c, await decode_ok(r, 1, frame(messages, pre.payload, n_predict=8, kv_metadata=kv_meta(pre))))
+            moved = await get_result(
+                c,
+                await decode_ok(
+                    r, 1, frame(messages, pre.payload, n_predict=8, kv_metadata=kv_meta(pre))
+                ),
+            )
         for res in (in_slot, moved):
             assert text_of(res) == chat["choices"][0]["message"]["content"]
             assert res["usage"]["prompt_tokens"] == n_prompt
             assert res["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"]
 
 
-async def test_builtin_template_used_by_chat_prefill_and_decode(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> None:
+async def test_builtin_template_used_by_chat_prefill_and_decode(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path
+) -> None:
     ep = await start_engine(tiny_model_ctx, chat_template="gemma", **ENGINE)
     async with http_client(ep) as c:
-        assert (await c.get("/version")).json()["chat_template"] == {"name": "gemma", "source": "builtin"}
+        assert (await c.get("/version")).json()["chat_template"] == {
+            "name": "gemma",
+            "source": "builtin",
+        }
         # Built-in templates render role/content only: tools need a Jinja template.
-        r = await c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [{"type": "function"}]})
+        r = await c.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "tools": [{"type": "function"}]}
+        )
         assert "tools need a Jinja chat template" in assert_openai_error(r, 400)["error"]["message"]
     await _same_prompt_everywhere(ep, MESSAGES, GEMMA_HELLO)
 
@@ -120,22 +145,48 @@ async def test_template_file_used_by_chat_prefill_and_decode(
     )
     ep = await start_engine(tiny_model_ctx, chat_template_file=str(tpl), **ENGINE)
     async with http_client(ep) as c:
-        assert (await c.get("/version")).json()["chat_template"] == {"name": str(tpl), "source": "file"}
-    await _same_prompt_everywhere(ep, OTHER_MESSAGES, "SYSTEM: be brief\nUSER: tell me a story\nASSISTANT:")
+        assert (await c.get("/version")).json()["chat_template"] == {
+            "name": str(tpl),
+            "source": "file",
+        }
+    await _same_prompt_everywhere(
+        ep, OTHER_MESSAGES, "SYSTEM: be brief\nUSER: tell me a story\nASSISTANT:"
+    )
 
 
 def test_resolve_chat_template_choices_and_errors(tmp_path: Path) -> None:
     builtins = ["chatml", "gemma", "llama3"]
-    assert resolve_chat_template(name=None, file=None, gguf_template=None, builtin_names=builtins).source == "fallback"
-    assert resolve_chat_template(name=None, file=None, gguf_template="{{ x }}", builtin_names=builtins).source == "gguf"
-    got = resolve_chat_template(name="llama3", file=None, gguf_template="{{ x }}", builtin_names=builtins)
+    assert (
+        resolve_chat_template(
+            name=None, file=None, gguf_template=None, builtin_names=builtins
+        ).source
+        == "fallback"
+    )
+    assert (
+        resolve_chat_template(
+            name=None, file=None, gguf_template="{{ x }}", builtin_names=builtins
+        ).source
+        == "gguf"
+    )
+    got = resolve_chat_template(
+        name="llama3", file=None, gguf_template="{{ x }}", builtin_names=builtins
+    )
     assert (got.name, got.source, got.builtin, got.jinja) == ("llama3", "builtin", "llama3", None)
-    inline = resolve_chat_template(name="{{ messages[0]['content'] }}", file=None, gguf_template=None, builtin_names=builtins)
+    inline = resolve_chat_template(
+        name="{{ messages[0]['content'] }}", file=None, gguf_template=None, builtin_names=builtins
+    )
     assert inline.source == "inline" and inline.jinja
-    with pytest.raises(SystemExit, match=r"not a llama\.cpp built-in template; built-ins: chatml, gemma, llama3"):
+    with pytest.raises(
+        SystemExit, match=r"not a llama\.cpp built-in template; built-ins: chatml, gemma, llama3"
+    ):
         resolve_chat_template(name="nope", file=None, gguf_template=None, builtin_names=builtins)
     with pytest.raises(SystemExit, match="cannot read it"):
-        resolve_chat_template(name=None, file=str(tmp_path / "missing.jinja"), gguf_template=None, builtin_names=builtins)
+        resolve_chat_template(
+            name=None,
+            file=str(tmp_path / "missing.jinja"),
+            gguf_template=None,
+            builtin_names=builtins,
+        )
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for %}")
     with pytest.raises(SystemExit, match="not a valid Jinja template"):

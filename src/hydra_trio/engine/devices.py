@@ -110,8 +110,15 @@ class OffloadReport:
         else:
             gpus = ", ".join(f"{d.name} ({d.description})" for d in self.gpu_devices) or "GPU"
             where = f"{self.n_gpu_layers}/{self.n_layers} layers on {gpus}, {on_cpu} on CPU"
-        kv = "GPU" if self.requested.kv_offload and self.n_gpu_layers > 0 else "CPU"
-        return f"{where}; KV cache on {kv}; flash attention {self.flash_attn} (asked {self.requested.flash_attn})"
+        if self.n_gpu_layers == 0:
+            kv = "KV cache on CPU"
+        elif self.requested.kv_offload:
+            kv = "KV cache with its layers (GPU for offloaded ones)"
+        else:
+            kv = "KV cache on CPU (--no-kv-offload)"
+        return (
+            f"{where}; {kv}; flash attention {self.flash_attn} (asked {self.requested.flash_attn})"
+        )
 
 
 def offloaded_layers(

@@ -40,9 +40,9 @@ async def tokenize() -> Response:
     add_special = _flag(body, "add_special", False)
     parse_special = _flag(body, "parse_special", True)
     with_pieces = _flag(body, "with_pieces", False)
-    backend = engine.backend
 
     def run() -> tuple[list[int], list[bytes]]:
+        backend = engine.backend  # read on the worker: a model reload (T3) cannot race it
         tokens = backend.tokenize(content, add_special=add_special, parse_special=parse_special)
         pieces = [backend.special_piece(t) for t in tokens] if with_pieces else []
         return tokens, pieces
@@ -73,8 +73,7 @@ async def detokenize() -> Response:
     bad = [t for t in tokens if not 0 <= t < n_vocab]
     if bad:
         raise bad_param(f"token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
-    backend = engine.backend
-    content = await engine.worker.call(lambda: backend.detokenize(tokens))
+    content = await engine.worker.call(lambda: engine.backend.detokenize(tokens))
     return json_response({"content": content})
 
 

