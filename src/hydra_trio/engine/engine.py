@@ -100,6 +100,10 @@ class Engine:
         self.t3_reloads = 0
         self.last_t3_reload_ms = 0.0
         self.model_path = backend.model_path
+        # The GGUF's own template (else ChatML) until load() applies --chat-template[-file].
+        self.set_chat_template(
+            resolve_chat_template(name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=())
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -254,10 +258,14 @@ class Engine:
 
             new = await self.worker.run(load)
             self.backend, self.identity, self.model_path = new, identity, path
-            if self.chat_template.source in ("gguf", "fallback"):  # the new GGUF's own template
-                self.set_chat_template(
-                    resolve_chat_template(name=None, file=None, gguf_template=new.info.chat_template, builtin_names=())
-                )
+            # An operator's template stays; a GGUF-derived one follows the new GGUF. Either way
+            # the renderer takes the new vocabulary's BOS/EOS text.
+            keep = self.chat_template.source not in ("gguf", "fallback")
+            self.set_chat_template(
+                self.chat_template
+                if keep
+                else resolve_chat_template(name=None, file=None, gguf_template=new.info.chat_template, builtin_names=())
+            )
             await self.worker.call(old.close)
             self.t3_reloads += 1
             self.last_t3_reload_ms = (time.perf_counter() - t0) * 1000.0

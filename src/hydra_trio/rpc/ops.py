@@ -84,6 +84,7 @@ CAPABILITIES = (
     "configure",
     "kv_hash",
     "chat_completions",
+    "completions",
 )
 
 # CONFIGURE tiers (spec §2.4)
