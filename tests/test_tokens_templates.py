@@ -12,6 +12,7 @@ import pytest
 from _helpers import ENGINE, MESSAGES, OTHER_MESSAGES, http_client
 from decode_helpers import decode_ok, frame, get_result, kv_meta, prefill, rpc, text_of
 from hydra_trio.engine.templates import resolve_chat_template
+from hydra_trio.wire.kvblob import parse_kv_blob
 from test_http_openai import assert_openai_error
 
 CHATML_HELLO = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
@@ -191,3 +192,20 @@ def test_resolve_chat_template_choices_and_errors(tmp_path: Path) -> None:
     bad.write_text("{% for %}")
     with pytest.raises(SystemExit, match="not a valid Jinja template"):
         resolve_chat_template(name=None, file=str(bad), gguf_template=None, builtin_names=builtins)
+
+
+async def test_template_bos_is_not_doubled(
+    start_engine: Callable[..., Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    """A template that writes BOS itself (as Gemma's and Llama 3's do) on a tokenizer that adds
+    BOS: the prompt holds exactly one BOS."""
+    tpl = tmp_path / "bos.jinja"
+    tpl.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    ep = await start_engine(tiny_model, chat_template_file=str(tpl), **ENGINE)
+    bos = ep.state.engine.backend.info.bos
+    async with http_client(ep) as c:
+        assert await apply_template(c, MESSAGES) == "hello world\n"
+        async with await rpc(ep) as r:
+            pre = await prefill(r, 0, MESSAGES)
+    tokens = parse_kv_blob(pre.payload[: len(pre.payload) - 4 * ep.state.engine.n_vocab]).tokens
+    assert tokens[0] == bos and bos not in tokens[1:]

@@ -288,6 +288,7 @@ class Engine:
             template,
             bos_token=info.bos_text,
             eos_token=info.eos_text,
+            tokenizer_adds_bos=info.add_bos,
             run_on_worker=self.worker.call,
             apply_builtin=apply_builtin_chat_template,
         )

@@ -89,19 +89,26 @@ class PromptRenderer:
         *,
         bos_token: str,
         eos_token: str,
+        tokenizer_adds_bos: bool,
         run_on_worker: RunOnWorker,
         apply_builtin: ApplyBuiltin,
     ) -> None:
         self.template = template
         self._bos = bos_token
         self._eos = eos_token
+        # Prompts are tokenized with add_special: when the tokenizer adds BOS itself, a
+        # template's own leading BOS text would make two (llama-server strips it the same way).
+        self._strip_bos = tokenizer_adds_bos and bool(bos_token)
         self._run = run_on_worker
         self._apply_builtin = apply_builtin
 
     async def render(self, request: dict[str, Any]) -> str:
         tpl = self.template
-        if tpl.jinja is not None or "messages" not in request:
+        if "messages" not in request:
             return render_prompt(request, tpl.jinja, bos_token=self._bos, eos_token=self._eos)
+        if tpl.jinja is not None:
+            text = render_prompt(request, tpl.jinja, bos_token=self._bos, eos_token=self._eos)
+            return text.removeprefix(self._bos) if self._strip_bos else text
         builtin = tpl.builtin
         assert builtin is not None
         messages = normalise_messages(request["messages"])

@@ -65,6 +65,12 @@ async def completions() -> Response:
         raise bad_param("prompt is required")
     if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise bad_param("n must be 1 (one choice per request)")
+    # Said plainly rather than silently ignored: the result would not be what was asked for.
+    for key in ("echo", "logprobs", "suffix"):
+        if body.get(key) not in (None, False):
+            raise bad_param(f"{key} is not supported")
+    if body.get("best_of") not in (None, 1):
+        raise bad_param("best_of must be 1")
     params = parse_generation(
         body, default_n_predict=state.settings.default_n_predict, n_ctx=engine.n_ctx
     )
