@@ -25,7 +25,8 @@ _DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
 # Lines llama.cpp logs while loading and creating a context (routed to our logger at DEBUG).
 _OFFLOADED_RE = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
-_FA_ENABLED_RE = re.compile(r"Flash Attention enabled")
+# "auto" resolved by probing the devices, or forced on (quantized V cache, tensor split).
+_FA_ENABLED_RE = re.compile(r"Flash Attention enabled|enabling flash_attn since it is required")
 _FA_DISABLED_RE = re.compile(r"Flash Attention not supported, set to disabled")
 
 
