@@ -9,10 +9,11 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 
-from _helpers import MESSAGES, OTHER_MESSAGES, http_client, parse_sse
+from _helpers import MESSAGES, OTHER_MESSAGES, http_client, parse_sse, wait_until
 from decode_helpers import gate
-from test_http_openai import assert_openai_error
+from test_http_openai import _slots_idle, assert_openai_error
 
 
 async def complete(c: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
@@ -152,3 +153,34 @@ async def test_bad_completion_requests_are_openai_400s(
         r = await c.post("/v1/completions", json=body)
         err = assert_openai_error(r, 400)
         assert needle in err["error"]["message"], err
+
+
+async def test_client_disconnect_stops_a_completion_stream(engine: Any) -> None:
+    """A client that leaves a text-completion stream stops its generation, as for chat."""
+    eng = engine.state.engine
+    async with http_client(engine) as c:
+        # Baseline: this prompt really runs to 1000 tokens when nobody hangs up.
+        full = await complete(c, prompt="hello world", max_tokens=1000)
+        assert full["usage"]["completion_tokens"] == 1000
+        before = eng.tokens_generated
+        seen = 0
+        async with c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "hello world", "max_tokens": 1000, "stream": True},
+        ) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen >= 3:
+                        break
+    async with http_client(engine) as c:
+        await wait_until(lambda: _slots_idle(c), 10.0)
+    generated = eng.tokens_generated - before
+    with trio.fail_after(5):
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+    assert eng.tokens_generated - before == generated, (
+        "generation went on after the slot was released"
+    )
+    assert 3 <= generated < 500, f"{generated} tokens generated for a client that left after 3"

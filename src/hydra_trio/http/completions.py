@@ -90,16 +90,19 @@ async def completions() -> Response:
 
     async def body_stream() -> AsyncIterator[bytes]:
         created = now_s()
-        async for kind, value in stream.events():
-            if kind == "delta":
-                yield sse_event(text_chunk(cid, created, model, value))
-            elif kind == "done":
-                yield sse_event(
-                    text_completion_body(cid, created, model, stream.slot_id, value, text="")
-                )
-            else:
-                yield sse_event(error_body(500, str(value), "server_error"))
-        yield SSE_DONE
+        try:
+            async for kind, value in stream.items:
+                if kind == "delta":
+                    yield sse_event(text_chunk(cid, created, model, value))
+                elif kind == "done":
+                    yield sse_event(
+                        text_completion_body(cid, created, model, stream.slot_id, value, text="")
+                    )
+                else:
+                    yield sse_event(error_body(500, str(value), "server_error"))
+            yield SSE_DONE
+        finally:  # also when the client leaves: generation stops before this returns
+            await stream.close()
 
     return Response(
         body_stream(),

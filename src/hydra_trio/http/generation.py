@@ -8,7 +8,7 @@ Chat completions and text completions differ only in how they shape the result; 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,22 +74,18 @@ async def generate_buffered(
 
 @dataclass(slots=True)
 class GenerationStream:
-    """A generation running in the request nursery; ``events()`` yields ("delta", text),
-    then ("done", GenerationResult) or ("error", exception)."""
+    """A generation running in the request nursery; ``items`` receives ("delta", text), then
+    ("done", GenerationResult) or ("error", exception). The reader must ``close()`` it."""
 
     task: OwnedTask
     slot_id: int
-    _recv: trio.MemoryReceiveChannel[tuple[str, Any]]
+    items: trio.MemoryReceiveChannel[tuple[str, Any]]
 
-    async def events(self) -> AsyncIterator[tuple[str, Any]]:
-        try:
-            async with self._recv:
-                async for item in self._recv:
-                    yield item
-        finally:
-            # Client gone or stream over: stop generation and wait until it has stopped.
-            with trio.CancelScope(shield=True):
-                await self.task.cancel_and_wait()
+    async def close(self) -> None:
+        """Stop generation (client gone or stream over) and wait until it has stopped."""
+        with trio.CancelScope(shield=True):
+            await self.items.aclose()
+            await self.task.cancel_and_wait()
 
 
 async def start_stream(

@@ -109,15 +109,18 @@ async def chat_completions() -> Response:
 
     async def body_stream() -> AsyncIterator[bytes]:
         created = now_s()
-        yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
-        async for kind, value in stream.events():
-            if kind == "delta":
-                yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
-            elif kind == "done":
-                yield sse_event(final_chunk(cid, created, model, stream.slot_id, value))
-            else:
-                yield sse_event(error_body(500, str(value), "server_error"))
-        yield SSE_DONE
+        try:
+            yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
+            async for kind, value in stream.items:
+                if kind == "delta":
+                    yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
+                elif kind == "done":
+                    yield sse_event(final_chunk(cid, created, model, stream.slot_id, value))
+                else:
+                    yield sse_event(error_body(500, str(value), "server_error"))
+            yield SSE_DONE
+        finally:  # also when the client leaves: generation stops before this returns
+            await stream.close()
 
     return Response(body_stream(), status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
