@@ -91,7 +91,8 @@ def test_default_layers_follow_the_build() -> None:
     assert offloaded_layers([], 19, False, -1) == 0
     assert flash_attn_applied(["llama_context: Flash Attention enabled"], "auto") == "on"
     assert flash_attn_applied(["Flash Attention not supported, set to disabled"], "auto") == "off"
-    assert flash_attn_applied(["enabling flash_attn since it is required for quantized V cache"], "auto") == "on"
+    forced = "llama_init_from_model: enabling flash_attn since it is required for quantized V cache"
+    assert flash_attn_applied([forced], "auto") == "on"
     assert flash_attn_applied([], "on") == "on"
 
 
