@@ -132,7 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch: given means True
             parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, default=None, help=help_text)
             continue
-        parser.add_argument(flag_name(f.name), dest=f.name, type=kind, default=None, help=help_text)
+        choices = FLASH_ATTN_MODES if f.name == "flash_attn" else None
+        parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=choices, default=None, help=help_text)
 
 
 def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
