@@ -17,7 +17,7 @@ import pytest
 
 from _helpers import http_client
 from decode_helpers import decode_ok, frame, get_result, kv_meta, prefill, rpc, text_of
-from hydra_trio.rpc.client import state_get_call, state_put_call
+from hydra_trio.rpc.client import state_get_call, state_meta_call, state_put_call
 from hydra_trio.wire.kvblob import parse_kv_blob
 
 pytestmark = pytest.mark.realmodel
@@ -113,3 +113,40 @@ async def test_chat_prefill_decode_handoff_and_state_round_trip(
             again["usage"]["prompt_tokens_details"]["cached_tokens"]
             == chat["usage"]["prompt_tokens"] - 1
         )
+
+
+async def test_sliding_window_slots_reuse_only_what_they_still_hold(
+    start_engine: Callable[..., Any], gemma_model: Path
+) -> None:
+    """Gemma 3's sliding-window layers keep only the last 512 positions of a sequence. A slot
+    that ran past the window and is then cut back for a shorter shared prefix cannot continue
+    from the cut: the engine recomputes the prompt (same text as on a fresh slot), and the
+    slot's state size (STATE_META, no llama call) is still exact."""
+    ep = await start_engine(gemma_model, **{**REAL, "ctx_size": 2048, "batch_size": 512})
+    assert ep.state.engine.backend.n_swa == 512
+    long_prompt = "The history of the city of Paris is long and old. " * 60  # ~660 tokens
+    short_prompt = "The history of the city of Paris is long and old. " * 25 + "Bananas are"
+    async with http_client(ep) as c, await rpc(ep) as r:
+
+        async def run(prompt: str) -> dict[str, Any]:
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+            resp = await c.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+        fresh = await run(short_prompt)
+        long = await run(long_prompt)  # reuses the short prompt's prefix (inside the window)
+        assert long["usage"]["prompt_tokens"] > 600
+        assert long["usage"]["prompt_tokens_details"]["cached_tokens"] > 250
+        slot = long["id_slot"]
+        meta = (await r.call(state_meta_call(slot))).meta
+        got = await r.call(state_get_call(slot))
+        assert meta["state_size"] == got.meta["state_size"] == len(parse_kv_blob(got.payload).state)
+
+        again = await run(short_prompt)  # would reuse ~270 positions the window has dropped
+        assert again["id_slot"] == slot
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["choices"][0]["text"] == fresh["choices"][0]["text"]
+        meta = (await r.call(state_meta_call(slot))).meta
+        got = await r.call(state_get_call(slot))
+        assert meta["state_size"] == got.meta["state_size"] == len(parse_kv_blob(got.payload).state)

@@ -246,6 +246,11 @@ class LlamaBackend:
         self.devices = read_ggml_devices()
         self.builtin_templates = builtin_chat_templates()
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        # Sliding-window attention (Gemma 2/3, ...): llama.cpp drops a sequence's SWA-layer
+        # cells older than the window as it advances, so a slot cut back by more than one
+        # position cannot be continued (the window before the cut is gone), and its state
+        # size is not linear in n_past. 0: no SWA layers.
+        self.n_swa = max(0, int(llama_cpp.llama_model_n_swa(self._model)))
         self.info = self._read_model_info()
         # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
         # the GPU worker) so the token loop needs no llama call on the trio thread.
@@ -321,7 +326,11 @@ class LlamaBackend:
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
+        # Lowest position each slot's SWA cells still hold (see n_swa), and, for SWA models,
+        # the slot's exact state size, re-measured on the worker after each change.
+        self._swa_low = [0] * self.n_slots
         self._measure_state_size()
+        self._sizes = [self._state_base] * self.n_slots
 
     def _measure_state_size(self) -> None:
         # A sequence's state is a fixed header plus a fixed size per position: measure both
@@ -337,6 +346,23 @@ class LlamaBackend:
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._state_per_pos = two - one
         self._state_first = one - self._state_per_pos  # header of a non-empty sequence
+
+    def slot_state_size(self, slot: int) -> int:
+        """Exact serialized size of the slot's sequence, without a llama call."""
+        return self._sizes[slot] if self.n_swa else self.state_size_for(len(self.seq_tokens[slot]))
+
+    def _advanced(self, slot: int) -> None:
+        """Bookkeeping after the slot's sequence changed (runs on the worker)."""
+        if self.n_swa:
+            self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
+            self._sizes[slot] = self.state_size(slot)
+
+    def reusable_prefix(self, slot: int, n_keep: int) -> int:
+        """How much of a wanted prefix of ``n_keep`` positions the slot can really continue
+        from: all of it, or 0 when its sliding-window cells before the cut are gone."""
+        if not self.n_swa or n_keep >= len(self.seq_tokens[slot]) - 1:
+            return n_keep  # keeping all, or all but the last position, keeps a full window
+        return n_keep if self._swa_low[slot] <= max(0, n_keep - self.n_swa) else 0
 
     def state_size_for(self, n_past: int) -> int:
         return self._state_base if n_past == 0 else self._state_first + n_past * self._state_per_pos
@@ -445,17 +471,23 @@ class LlamaBackend:
     def clear_slot(self, slot: int) -> None:
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self.seq_tokens[slot] = []
+        self._swa_low[slot] = 0
+        self._advanced(slot)
 
     def truncate_slot(self, slot: int, n_keep: int) -> None:
         """Drop positions >= n_keep from the slot."""
-        if n_keep < len(self.seq_tokens[slot]):
+        if n_keep == 0:
+            self.clear_slot(slot)
+        elif n_keep < len(self.seq_tokens[slot]):
             llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
             del self.seq_tokens[slot][n_keep:]
+            self._advanced(slot)
 
     def _resync(self, seq: int) -> None:
         # After a failed decode, believe the KV cache, not our bookkeeping.
         n = llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
         del self.seq_tokens[seq][max(n, 0):]
+        self._advanced(seq)
 
     def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
         """Decode (seq, token, pos, want_logits) entries as one llama_batch."""
@@ -520,6 +552,7 @@ class LlamaBackend:
         entries = [(slot, t, start + i, need_logits and i == last) for i, t in enumerate(tokens)]
         self._decode_batch(entries, abort)
         self.seq_tokens[slot].extend(tokens)
+        self._advanced(slot)
         logits = self.logits_bytes(-1) if want_logits else None
         token = None
         if sampler is not None:
@@ -553,6 +586,7 @@ class LlamaBackend:
         for j, i in enumerate(live):
             r = requests[i]
             self.seq_tokens[r.slot].append(r.token)
+            self._advanced(r.slot)
             results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
         return results
 
@@ -644,6 +678,9 @@ class LlamaBackend:
             llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
             llama_cpp.llama_memory_seq_cp(self._mem, scratch, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
+            # A state holds the SWA cells of its last window only.
+            self._swa_low[slot] = max(0, n_past - self.n_swa)
+            self._advanced(slot)
             return logits
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)

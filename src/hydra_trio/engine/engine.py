@@ -486,6 +486,7 @@ class Engine:
             else:
                 if n_common == len(prompt_tokens):
                     n_common -= 1  # re-evaluate the last prompt token for its logits
+                n_common = backend.reusable_prefix(slot, n_common)  # sliding-window models
                 res.n_prompt_processed = len(prompt_tokens) - n_common
                 token, _ = await self.prefill(slot, prompt_tokens, n_common, sampler=sampler)
             res.n_common = n_common
@@ -592,7 +593,7 @@ class Engine:
 
     def state_size(self, slot: int) -> int:
         """Exact serialized size without a GPU-worker call (STATE_META must stay cheap)."""
-        return self.backend.state_size_for(self.n_past(slot))
+        return self.backend.slot_state_size(slot)
 
     def slot_claim(self, slot_id: int, owner: str) -> Slot:
         return self.slots.claim(slot_id, owner)
