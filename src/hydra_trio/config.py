@@ -60,7 +60,7 @@ _HELP: dict[str, str] = {
     "threads": "CPU threads for llama.cpp",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
     "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: all when the llama.cpp build can offload, else 0)",
-    "main_gpu": "GPU index for the model's single-device parts (and the KV when not split)",
+    "main_gpu": "llama.cpp's main_gpu: the GPU for scratch work and, when layers are not split across GPUs, the model",
     "flash_attn": "flash attention: on, off or auto",
     "no_kv_offload": "keep the KV cache in host memory even when layers are on a GPU",
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
