@@ -179,3 +179,19 @@ async def test_engine_reports_offload_and_keeps_it_across_a_reload(
 
 async def _reloaded(engine: Any) -> bool:
     return engine.t3_reloads == 1
+
+
+def test_device_list_degrades_to_empty(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A llama_cpp install without ggml libraries where we look, or a ggml without the device
+    API, gives an empty list (the model still loads), not an error."""
+    from hydra_trio.engine import devices
+
+    monkeypatch.setattr(devices, "_lib_dir", lambda: tmp_path)
+    assert devices.read_ggml_devices() == ()
+    monkeypatch.undo()
+
+    def no_api(*_args: Any) -> Any:
+        raise AttributeError("undefined symbol: ggml_backend_dev_count")
+
+    monkeypatch.setattr(devices, "_list_devices", no_api)
+    assert devices.read_ggml_devices() == ()

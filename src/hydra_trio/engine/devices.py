@@ -178,6 +178,14 @@ def read_ggml_devices() -> tuple[GgmlDevice, ...]:
     if ggml is None or base is None:
         log.warning("no ggml library in %s: device list unavailable", lib_dir)
         return ()
+    try:
+        return _list_devices(ggml, base)
+    except AttributeError as exc:  # a ggml build without the device API: report, do not fail
+        log.warning("ggml in %s has no device API (%s): device list unavailable", lib_dir, exc)
+        return ()
+
+
+def _list_devices(ggml: ctypes.CDLL, base: ctypes.CDLL) -> tuple[GgmlDevice, ...]:
     ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
     ggml.ggml_backend_dev_count.argtypes = []
     ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
