@@ -83,11 +83,6 @@ def _captured(fn: Callable[[], T]) -> tuple[T, list[str]]:
         _log_capture = None
 
 
-def supports_gpu_offload() -> bool:
-    _init_llama()
-    return bool(llama_cpp.llama_supports_gpu_offload())
-
-
 def builtin_chat_templates() -> list[str]:
     """Names of the chat templates llama.cpp renders itself (llama_chat_apply_template)."""
     n = llama_cpp.llama_chat_builtin_templates(None, 0)
@@ -552,11 +547,11 @@ class LlamaBackend:
         entries = [(slot, t, start + i, need_logits and i == last) for i, t in enumerate(tokens)]
         self._decode_batch(entries, abort)
         self.seq_tokens[slot].extend(tokens)
-        self._advanced(slot)
         logits = self.logits_bytes(-1) if want_logits else None
         token = None
         if sampler is not None:
             token = llama_cpp.llama_sampler_sample(sampler.handle, self._ctx, -1)
+        self._advanced(slot)  # after the logits are read: nothing may come between
         return token, logits
 
     def logits_bytes(self, idx: int) -> bytes:
@@ -586,8 +581,9 @@ class LlamaBackend:
         for j, i in enumerate(live):
             r = requests[i]
             self.seq_tokens[r.slot].append(r.token)
-            self._advanced(r.slot)
             results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
+        for i in live:
+            self._advanced(requests[i].slot)
         return results
 
     def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
