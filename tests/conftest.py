@@ -80,6 +80,18 @@ def wide_kv_model(model_dir: Path) -> Path:
         return synthetic.write_model(model_dir / "wide-kv.gguf", "wide-kv")
 
 
+@pytest.fixture(scope="session")
+def gemma_model() -> Path:
+    """The real Gemma 3 270M Q4_K_M GGUF, assembled once into the user cache (later runs reuse
+    it). Tests using it are marked ``realmodel`` and skip when its package is absent."""
+    from hydra_trio.model.registry import ModelPackageMissing, named_model_path
+
+    try:
+        return named_model_path("gemma3-270m")
+    except ModelPackageMissing as exc:
+        pytest.skip(f"real model not installed: {exc}")
+
+
 def test_settings(model: Path, **overrides: Any) -> Settings:
     base = Settings(
         model=str(model),

@@ -77,7 +77,9 @@ def _serve_once(*args: str) -> subprocess.CompletedProcess[bytes]:
 def test_startup_errors_are_one_clear_line(tiny_model: Path, tmp_path: Path) -> None:
     missing = _serve_once("--model", str(tmp_path / "nope.gguf"), "--port", "0", "--rpc-port", "0")
     assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines() == [f"hydra-trio: model file not found: {tmp_path / 'nope.gguf'}".encode()]
+    assert missing.stderr.strip().splitlines() == [
+        f"hydra-trio: model file not found: {tmp_path / 'nope.gguf'} (named models: gemma3-270m)".encode()
+    ]
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")

@@ -12,7 +12,6 @@ then the engine, so nothing waits on a step of a closed engine.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import trio
 
@@ -34,10 +33,10 @@ _STOP_WAIT_S = 30.0
 def resolve_model(settings: Settings) -> tuple[str, str | None]:
     """(model path, alias). Without --model: the synthetic demo model from the user cache."""
     if settings.model:
-        path = Path(settings.model)
-        if not path.is_file():
-            raise SystemExit(f"model file not found: {path}")
-        return str(path), settings.alias
+        from .model.registry import resolve_model_arg  # a file, or a named model (registry)
+
+        path, named_alias = resolve_model_arg(settings.model)
+        return str(path), settings.alias or named_alias
     from .model.synthetic import cached_model
 
     path, written = cached_model("small")

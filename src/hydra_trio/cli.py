@@ -199,8 +199,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_identity(args: argparse.Namespace) -> int:
     from .model.identity import read_identity
+    from .model.registry import resolve_model_arg
 
-    ident = read_identity(args.model, alias=args.alias)
+    path, named_alias = resolve_model_arg(args.model)  # a GGUF path or a named model
+    ident = read_identity(str(path), alias=args.alias or named_alias)
     print(json.dumps(ident.info_fields(), indent=2))
     return 0
 
@@ -230,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("identity", help="print the model identity of a GGUF (spec §5)")
-    p.add_argument("model")
+    p.add_argument("model", help="GGUF path or a named model (gemma3-270m)")
     p.add_argument("--alias", default=None)
     p.set_defaults(fn=cmd_identity)
 

@@ -30,6 +30,14 @@ class Settings:
     # arriving prompt. Small on CPUs (each prompt token costs about what a whole step does);
     # a GPU takes hundreds at almost no extra step time.
     step_token_budget: int = 32
+    # GPU offload. n_gpu_layers None: every layer when the llama.cpp build can offload, else 0.
+    n_gpu_layers: int | None = None
+    main_gpu: int = 0
+    flash_attn: str = "auto"  # on | off | auto
+    no_kv_offload: bool = False  # keep the KV cache in host memory even with layers on a GPU
+    # Chat template: a llama.cpp built-in name (or Jinja source), or a Jinja file.
+    chat_template: str | None = None
+    chat_template_file: str | None = None
     default_n_predict: int = 512  # when a request names no max_tokens / n_predict
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
     # RPC transport (spec §1)
@@ -92,6 +100,12 @@ _HELP: dict[str, str] = {
     "threads": "CPU threads for llama.cpp",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
     "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens)",
+    "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: all when the llama.cpp build can offload, else 0)",
+    "main_gpu": "llama.cpp's main_gpu: the GPU for scratch work and, when layers are not split across GPUs, the model",
+    "flash_attn": "flash attention: on, off or auto",
+    "no_kv_offload": "keep the KV cache in host memory even when layers are on a GPU",
+    "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
+    "chat_template_file": "chat template: path of a Jinja file",
     "default_n_predict": "tokens to generate when a request does not say",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
     "max_connections": "RPC connections served at once (as many more wait in the listen backlog)",
@@ -122,6 +136,26 @@ _ENV_OVERRIDES = {
 }
 
 
+# Fields whose default is None still have a type (the rest take the type of their default).
+_FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int}
+FLASH_ATTN_MODES = ("on", "off", "auto")
+
+
+def _field_type(field_name: str, default: Any) -> type:
+    if field_name in _FIELD_TYPES:
+        return _FIELD_TYPES[field_name]
+    return type(default) if default is not None else str
+
+
+def _env_bool(raw: str, name: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise SystemExit(f"{name}: expected a boolean (1/0, true/false), got {raw!r}")
+
+
 def env_name(field_name: str) -> str:
     return _ENV_OVERRIDES.get(field_name, "HYDRA_" + field_name.upper())
 
@@ -140,14 +174,14 @@ def _convert(kind: type, raw: str, name: str) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
     for f in fields(Settings):
-        kind = type(getattr(defaults, f.name)) if getattr(defaults, f.name) is not None else str
-        parser.add_argument(
-            flag_name(f.name),
-            dest=f.name,
-            type=kind,
-            default=None,
-            help=f"{_HELP[f.name]} [env {env_name(f.name)}; default {getattr(defaults, f.name)}]",
-        )
+        default = getattr(defaults, f.name)
+        kind = _field_type(f.name, default)
+        help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {default}]"
+        if kind is bool:  # a switch: given means True
+            parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, default=None, help=help_text)
+            continue
+        choices = FLASH_ATTN_MODES if f.name == "flash_attn" else None
+        parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=choices, default=None, help=help_text)
 
 
 def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -157,12 +191,13 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
     values: dict[str, Any] = {}
     for f in fields(Settings):
         default = getattr(defaults, f.name)
-        kind = type(default) if default is not None else str
+        kind = _field_type(f.name, default)
         given = getattr(args, f.name, None) if args is not None else None
         if given is not None:
             values[f.name] = given
         elif env.get(env_name(f.name)):
-            values[f.name] = _convert(kind, env[env_name(f.name)], env_name(f.name))
+            raw = env[env_name(f.name)]
+            values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
     values.update(overrides)
     settings = Settings(**{**{f.name: getattr(defaults, f.name) for f in fields(Settings)}, **values})
     validate(settings)
@@ -192,6 +227,14 @@ def validate(s: Settings) -> None:
         problems.append("api_key must not be empty")
     if s.rpc_allow is not None and not s.rpc_allow.strip():
         problems.append("rpc_allow must name at least one network")
+    if s.n_gpu_layers is not None and s.n_gpu_layers < -1:
+        problems.append("n_gpu_layers must be -1 (all) or >= 0")
+    if s.main_gpu < 0:
+        problems.append("main_gpu must be >= 0")
+    if s.flash_attn not in FLASH_ATTN_MODES:
+        problems.append(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
+    if s.chat_template and s.chat_template_file:
+        problems.append("give chat_template or chat_template_file, not both")
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
     s.http_api_key()  # an unreadable key file or a bad CIDR stops startup here, with its reason

@@ -157,7 +157,7 @@ class DecodeManager:
         params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx)
         # A malformed prompt is refused before the reply. No prompt at all (an empty prompt
         # segment, spec §4.1): decoding continues from what the slot holds after the restore.
-        prompt_text = engine.render(request) if "messages" in request or "prompt" in request else None
+        prompt_text = await engine.render_prompt(request) if "messages" in request or "prompt" in request else None
         blob = (  # the token list is bounded by the context before it is materialised
             await run_cpu_bound(partial(parse_kv_blob, frame.kv, max_tokens=engine.n_ctx), len(frame.kv))
             if len(frame.kv)

@@ -11,8 +11,9 @@ import ctypes
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import llama_cpp
 import numpy as np
@@ -20,8 +21,16 @@ import outcome
 
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import split_trailing_logits
+from .devices import (
+    OffloadReport,
+    OffloadSettings,
+    flash_attn_applied,
+    offloaded_layers,
+    read_ggml_devices,
+)
 from .params import SamplingParams
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("hydra_trio.llama_cpp")
 
@@ -34,12 +43,18 @@ _LOG_LEVELS = {
     4: logging.ERROR,
 }
 _log_state = {"last": logging.DEBUG}
+# While a model loads or a context is built (on the GPU worker), llama.cpp's log lines are
+# also collected here: they are the only place it says how many layers it offloaded and
+# whether "auto" flash attention ended up on.
+_log_capture: list[str] | None = None
 
 
 @llama_cpp.llama_log_callback
 def _route_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     py_level = _LOG_LEVELS.get(level, _log_state["last"])
     _log_state["last"] = py_level
+    if _log_capture is not None:
+        _log_capture.append(text.decode("utf-8", "replace"))
     if llama_log.isEnabledFor(py_level):
         msg = text.decode("utf-8", "replace").rstrip("\n")
         if msg:
@@ -57,6 +72,44 @@ def _init_llama() -> None:
             llama_cpp.llama_log_set(_route_llama_log, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
             _initialised = True
+
+
+def _captured(fn: Callable[[], T]) -> tuple[T, list[str]]:
+    """Run a llama call and return its result with the log lines it printed."""
+    global _log_capture
+    lines: list[str] = []
+    _log_capture = lines
+    try:
+        return fn(), lines
+    finally:
+        _log_capture = None
+
+
+def builtin_chat_templates() -> list[str]:
+    """Names of the chat templates llama.cpp renders itself (llama_chat_apply_template)."""
+    n = llama_cpp.llama_chat_builtin_templates(None, 0)
+    arr = (ctypes.c_char_p * n)()
+    llama_cpp.llama_chat_builtin_templates(arr, n)
+    return [name.decode("utf-8") for name in arr[:n] if name]
+
+
+def apply_builtin_chat_template(name: str, messages: Sequence[tuple[str, str]], add_assistant: bool) -> str:
+    """Render (role, content) messages with a built-in llama.cpp template."""
+    encoded = [(role.encode("utf-8"), content.encode("utf-8")) for role, content in messages]
+    chat = (llama_cpp.llama_chat_message * len(encoded))()
+    for i, (role, content) in enumerate(encoded):
+        chat[i].role = role
+        chat[i].content = content
+    size = max(256, 2 * sum(len(r) + len(c) for r, c in encoded) + 256)
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(name.encode("utf-8"), chat, len(encoded), add_assistant, buf, size)
+        if n < 0:
+            raise ValueError(f"llama.cpp cannot render chat template {name!r}")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n  # the buffer was short: n is the size it needs
+    raise RuntimeError("llama_chat_apply_template kept growing")
 
 
 class DecodeAborted(Exception):
@@ -167,16 +220,31 @@ class LlamaBackend:
         n_batch: int = 512,
         type_k: int | None = None,
         type_v: int | None = None,
+        offload: OffloadSettings | None = None,
     ) -> None:
         _init_llama()
         self.model_path = model_path
         self.n_slots = n_slots
         self.n_batch = n_batch
+        self.offload_settings = offload or OffloadSettings()
+        self.gpu_offload_supported = bool(llama_cpp.llama_supports_gpu_offload())
         mparams = llama_cpp.llama_model_default_params()
-        self._model = llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
+        mparams.n_gpu_layers = self.offload_settings.resolved_gpu_layers(self.gpu_offload_supported)
+        mparams.main_gpu = self.offload_settings.main_gpu
+        # What llama.cpp was really given (read back from the struct), for tests and reports.
+        self.model_params_applied = {"n_gpu_layers": mparams.n_gpu_layers, "main_gpu": mparams.main_gpu}
+        self._model, load_log = _captured(lambda: llama_cpp.llama_model_load_from_file(model_path.encode(), mparams))
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load model {model_path!r}")
+        self._load_log = load_log
+        self.devices = read_ggml_devices()
+        self.builtin_templates = builtin_chat_templates()
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        # Sliding-window attention (Gemma 2/3, ...): llama.cpp drops a sequence's SWA-layer
+        # cells older than the window as it advances, so a slot cut back by more than one
+        # position cannot be continued (the window before the cut is gone), and its state
+        # size is not linear in n_past. 0: no SWA layers.
+        self.n_swa = max(0, int(llama_cpp.llama_model_n_swa(self._model)))
         self.info = self._read_model_info()
         # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
         # the GPU worker) so the token loop needs no llama call on the trio thread.
@@ -192,6 +260,8 @@ class LlamaBackend:
         self.seq_tokens: list[list[int]] = []
         self.type_k = type_k
         self.type_v = type_v
+        self.offload: OffloadReport | None = None
+        self.context_params_applied: dict[str, object] = {}
         self._build_context(n_ctx, n_threads)
 
     # ---- setup -------------------------------------------------------------------------
@@ -228,16 +298,33 @@ class LlamaBackend:
             cp.type_k = self.type_k
         if self.type_v is not None:
             cp.type_v = self.type_v
-        ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        cp.flash_attn_type = self.offload_settings.flash_attn_type
+        cp.offload_kqv = self.offload_settings.kv_offload
+        ctx, ctx_log = _captured(lambda: llama_cpp.llama_init_from_model(self._model, cp))
         if not ctx:
             raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx})")
+        self.context_params_applied = {"flash_attn_type": cp.flash_attn_type, "offload_kqv": bool(cp.offload_kqv)}
+        n_layers = self.info.n_layer + 1  # llama.cpp counts the output layer as one more
+        self.offload = OffloadReport(
+            requested=self.offload_settings,
+            gpu_offload_supported=self.gpu_offload_supported,
+            n_gpu_layers_param=self.model_params_applied["n_gpu_layers"],
+            n_gpu_layers=offloaded_layers(self._load_log, n_layers, self.gpu_offload_supported, self.model_params_applied["n_gpu_layers"]),
+            n_layers=n_layers,
+            flash_attn=flash_attn_applied(ctx_log, self.offload_settings.flash_attn),
+            devices=self.devices,
+        )
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
         self.n_ctx = llama_cpp.llama_n_ctx(ctx)
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
+        # Lowest position each slot's SWA cells still hold (see n_swa), and, for SWA models,
+        # the slot's exact state size, re-measured on the worker after each change.
+        self._swa_low = [0] * self.n_slots
         self._measure_state_size()
+        self._sizes = [self._state_base] * self.n_slots
 
     def _measure_state_size(self) -> None:
         # A sequence's state is a fixed header plus a fixed size per position: measure both
@@ -253,6 +340,23 @@ class LlamaBackend:
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._state_per_pos = two - one
         self._state_first = one - self._state_per_pos  # header of a non-empty sequence
+
+    def slot_state_size(self, slot: int) -> int:
+        """Exact serialized size of the slot's sequence, without a llama call."""
+        return self._sizes[slot] if self.n_swa else self.state_size_for(len(self.seq_tokens[slot]))
+
+    def _advanced(self, slot: int) -> None:
+        """Bookkeeping after the slot's sequence changed (runs on the worker)."""
+        if self.n_swa:
+            self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
+            self._sizes[slot] = self.state_size(slot)
+
+    def reusable_prefix(self, slot: int, n_keep: int) -> int:
+        """How much of a wanted prefix of ``n_keep`` positions the slot can really continue
+        from: all of it, or 0 when its sliding-window cells before the cut are gone."""
+        if not self.n_swa or n_keep >= len(self.seq_tokens[slot]) - 1:
+            return n_keep  # keeping all, or all but the last position, keeps a full window
+        return n_keep if self._swa_low[slot] <= max(0, n_keep - self.n_swa) else 0
 
     def state_size_for(self, n_past: int) -> int:
         return self._state_base if n_past == 0 else self._state_first + n_past * self._state_per_pos
@@ -315,6 +419,20 @@ class LlamaBackend:
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
+    def special_piece(self, token: int) -> bytes:
+        """A token's text with control tokens spelled out (what llama-server's /tokenize and
+        /detokenize show)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Tokens -> text, special tokens rendered (llama-server's /detokenize)."""
+        return b"".join(self.special_piece(t) for t in tokens).decode("utf-8", "replace")
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token contributes to the text (control tokens: none)."""
         return self.pieces[token]
@@ -347,17 +465,23 @@ class LlamaBackend:
     def clear_slot(self, slot: int) -> None:
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self.seq_tokens[slot] = []
+        self._swa_low[slot] = 0
+        self._advanced(slot)
 
     def truncate_slot(self, slot: int, n_keep: int) -> None:
         """Drop positions >= n_keep from the slot."""
-        if n_keep < len(self.seq_tokens[slot]):
+        if n_keep == 0:
+            self.clear_slot(slot)
+        elif n_keep < len(self.seq_tokens[slot]):
             llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
             del self.seq_tokens[slot][n_keep:]
+            self._advanced(slot)
 
     def _resync(self, seq: int) -> None:
         # After a failed decode, believe the KV cache, not our bookkeeping.
         n = llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
         del self.seq_tokens[seq][max(n, 0):]
+        self._advanced(seq)
 
     def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
         """Decode (seq, token, pos, want_logits) entries as one llama_batch."""
@@ -426,6 +550,7 @@ class LlamaBackend:
         token = None
         if sampler is not None:
             token = llama_cpp.llama_sampler_sample(sampler.handle, self._ctx, -1)
+        self._advanced(slot)  # after the logits are read: nothing may come between
         return token, logits
 
     def logits_bytes(self, idx: int) -> bytes:
@@ -456,6 +581,8 @@ class LlamaBackend:
             r = requests[i]
             self.seq_tokens[r.slot].append(r.token)
             results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
+        for i in live:
+            self._advanced(requests[i].slot)
         return results
 
     def step_mixed(
@@ -582,6 +709,9 @@ class LlamaBackend:
             llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
             llama_cpp.llama_memory_seq_cp(self._mem, scratch, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
+            # A state holds the SWA cells of its last window only.
+            self._swa_low[slot] = max(0, n_past - self.n_swa)
+            self._advanced(slot)
             return logits
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)

@@ -29,7 +29,7 @@ class ChatRequestError(ProtocolError):
 
 
 @lru_cache(maxsize=8)
-def _compile(template: str) -> jinja2.Template:
+def compile_template(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(message: str) -> None:
@@ -82,7 +82,7 @@ def render_prompt(request: dict[str, Any], template: str | None, *, bos_token: s
         if not isinstance(add_gen, bool):
             raise ChatRequestError("add_generation_prompt must be a boolean")
         try:
-            text = _compile(template or FALLBACK_TEMPLATE).render(
+            text = compile_template(template or FALLBACK_TEMPLATE).render(
                 messages=messages,
                 tools=tools or None,
                 add_generation_prompt=add_gen,

@@ -22,12 +22,21 @@ from ..config import Settings
 from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvblob import KvBlob, encode_blob_head
-from .backend import DecodeAborted, LlamaBackend, NoKvSpace, PrefillPart, Sampler, StepRequest
+from .backend import (
+    DecodeAborted,
+    LlamaBackend,
+    NoKvSpace,
+    PrefillPart,
+    Sampler,
+    StepRequest,
+    apply_builtin_chat_template,
+)
 from .batcher import PartOutcome, StepBatcher
-from .chat import render_prompt
+from .devices import OffloadSettings
 from .params import GenerationParams
 from .reconfigure import Reconfigurer, SlotSettings
 from .slots import Slot, SlotTable
+from .templates import ChatTemplate, PromptRenderer, resolve_chat_template
 from .text import TextAssembler, common_prefix_len
 from .worker import CallTiming, GpuWorker
 
@@ -84,6 +93,10 @@ class Engine:
         self.t3_reloads = 0
         self.last_t3_reload_ms = 0.0
         self.model_path = backend.model_path
+        # The GGUF's own template (else ChatML) until load() applies --chat-template[-file].
+        self.set_chat_template(
+            resolve_chat_template(name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=())
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -92,6 +105,12 @@ class Engine:
         t0 = time.perf_counter()
         identity = await trio.to_thread.run_sync(lambda: read_identity(model_path, alias=alias))
         worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
+        offload = OffloadSettings(
+            n_gpu_layers=settings.n_gpu_layers,
+            main_gpu=settings.main_gpu,
+            flash_attn=settings.flash_attn,
+            kv_offload=not settings.no_kv_offload,
+        )
         backend = await trio.to_thread.run_sync(
             lambda: LlamaBackend(
                 model_path,
@@ -99,10 +118,22 @@ class Engine:
                 n_ctx=settings.ctx_size,
                 n_threads=settings.threads,
                 n_batch=settings.batch_size,
+                offload=offload,
             ),
             limiter=worker_limiter,
         )
+        try:
+            template = resolve_chat_template(
+                name=settings.chat_template,
+                file=settings.chat_template_file,
+                gguf_template=backend.info.chat_template,
+                builtin_names=backend.builtin_templates,
+            )
+        except BaseException:
+            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            raise
         engine = cls(backend, identity, settings)
+        engine.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         log.info(
             "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, %d threads",
@@ -114,6 +145,9 @@ class Engine:
             backend.n_ctx,
             backend.n_threads,
         )
+        assert backend.offload is not None
+        log.info("offload: %s", backend.offload.summary())
+        log.info("chat template: %s (%s)", template.name, template.source)
         return engine
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -170,10 +204,19 @@ class Engine:
                     n_batch=old.n_batch,
                     type_k=changes.get("cache_type_k", old.type_k),
                     type_v=changes.get("cache_type_v", old.type_v),
+                    offload=old.offload_settings,
                 )
 
             new = await self.worker.run(load)
             self.backend, self.identity, self.model_path = new, identity, path
+            # An operator's template stays; a GGUF-derived one follows the new GGUF. Either way
+            # the renderer takes the new vocabulary's BOS/EOS text.
+            keep = self.chat_template.source not in ("gguf", "fallback")
+            self.set_chat_template(
+                self.chat_template
+                if keep
+                else resolve_chat_template(name=None, file=None, gguf_template=new.info.chat_template, builtin_names=())
+            )
             await self.worker.call(old.close)
             self.t3_reloads += 1
             self.last_t3_reload_ms = (time.perf_counter() - t0) * 1000.0
@@ -189,13 +232,31 @@ class Engine:
 
     # ---- prompts -----------------------------------------------------------------------
 
-    def render(self, request: dict[str, Any]) -> str:
-        """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
+    def set_chat_template(self, template: ChatTemplate) -> None:
         info = self.backend.info
-        return render_prompt(request, info.chat_template, bos_token=info.bos_text, eos_token=info.eos_text)
+        self.chat_template = template
+        self._prompts = PromptRenderer(
+            template,
+            bos_token=info.bos_text,
+            eos_token=info.eos_text,
+            tokenizer_adds_bos=info.add_bos,
+            run_on_worker=self.worker.call,
+            apply_builtin=apply_builtin_chat_template,
+        )
+
+    def runtime_fields(self) -> dict[str, Any]:
+        """Where the model runs (ggml devices, layers offloaded, flash attention) and which
+        chat template renders prompts: for /version and INFO."""
+        offload = self.backend.offload
+        assert offload is not None, "set when the context is built"
+        return {**offload.as_dict(), "chat_template": self.chat_template.as_dict()}
+
+    async def render_prompt(self, request: dict[str, Any]) -> str:
+        """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
+        return await self._prompts.render(request)
 
     async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
-        return await self.tokenize_text(self.render(request))
+        return await self.tokenize_text(await self.render_prompt(request))
 
     async def tokenize_text(self, text: str) -> list[int]:
         """Prompt text -> tokens, refusing prompts that cannot fit."""
@@ -314,6 +375,7 @@ class Engine:
             else:
                 if n_common == len(prompt_tokens):
                     n_common -= 1  # re-evaluate the last prompt token for its logits
+                n_common = backend.reusable_prefix(slot, n_common)  # sliding-window models
                 res.n_prompt_processed = len(prompt_tokens) - n_common
                 token, _ = await self.prefill(slot, prompt_tokens, n_common, sampler=sampler)
             res.n_common = n_common
@@ -424,7 +486,7 @@ class Engine:
 
     def state_size(self, slot: int) -> int:
         """Exact serialized size without a GPU-worker call (STATE_META must stay cheap)."""
-        return self.backend.state_size_for(self.n_past(slot))
+        return self.backend.slot_state_size(slot)
 
     def slot_claim(self, slot_id: int, owner: str) -> Slot:
         return self.slots.claim(slot_id, owner)

@@ -6,20 +6,15 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import trio
 from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
 from ..engine.params import parse_generation
-from ..tasks import start_owned
-from ..wire.errors import ProtocolError
-from .common import app_state, json_response, read_json_body, request_nursery, require_engine
-from .sse import SSE_DONE, completion_chunk, error_body, now_s, sse_event, timings, usage
-
-if TYPE_CHECKING:
-    from ..state import AppState
+from .common import app_state, json_response, read_json_body, require_engine
+from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
+from .sse import SSE_DONE, completion_chunk, now_s, sse_event, timings, usage
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__)
@@ -48,7 +43,10 @@ async def version() -> Response:
     from .. import __version__
 
     state = app_state()
-    return json_response({"engine": "hydra-trio", "version": __version__, "llama_cpp_python": state.llama_cpp_version})
+    body: dict[str, Any] = {"engine": "hydra-trio", "version": __version__, "llama_cpp_python": state.llama_cpp_version}
+    if state.engine is not None:  # hardware and template are known once the model is loaded
+        body.update(state.engine.runtime_fields())
+    return json_response(body)
 
 
 @bp.get("/v1/models")
@@ -100,91 +98,31 @@ async def chat_completions() -> Response:
     tokens = await engine.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
-    if not params.stream:
-        try:
-            with trio.fail_after(state.settings.slot_wait_s):
-                slot = await engine.claim_for_prompt(tokens, f"http:{cid}")
-        except trio.TooSlowError:
-            return _all_slots_busy(state)
-        try:
-            res = await engine.generate(slot.id, tokens, params, _discard)
-        finally:
-            engine.release(slot)
-        state.metrics.record_generation("chat", res)
-        return json_response(completion_body(cid, model, slot.id, res))
-
-    send, recv = trio.open_memory_channel[tuple[str, Any]](64)
-    stall_s = state.settings.slot_wait_s
-
-    async def produce(task_status: Any) -> None:
-        try:
-            with trio.fail_after(state.settings.slot_wait_s):
-                slot = await engine.claim_for_prompt(tokens, f"http:{cid}")
-        except trio.TooSlowError:
-            raise _SlotsBusy from None
-        task_status.started(slot.id)
-
-        async def put(item: tuple[str, Any]) -> None:
-            # A reader that stops reading without disconnecting must not hold the slot forever.
-            with trio.fail_after(stall_s):
-                await send.send(item)
-
-        async def emit(delta: str) -> None:
-            await put(("delta", delta))
-
-        async with send:
-            try:
-                res = await engine.generate(slot.id, tokens, params, emit)
-                state.metrics.record_generation("chat", res)
-                await put(("done", res))
-            except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-                log.info("streaming completion %s ended early: %r", cid, exc)
-                with trio.move_on_after(0):
-                    await send.send(("error", exc))
-            finally:
-                engine.release(slot)
-
+    owner = f"http:{cid}"
     try:
-        # The producer belongs to this request: it runs in the request's own nursery.
-        task, slot_id = await start_owned(request_nursery(), f"chat:{cid}", produce)
-    except _SlotsBusy:
-        return _all_slots_busy(state)
+        if not params.stream:
+            slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat")
+            return json_response(completion_body(cid, model, slot_id, res))
+        stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat")
+    except SlotsBusy:
+        return all_slots_busy(state)
 
     async def body_stream() -> AsyncIterator[bytes]:
         created = now_s()
         try:
             yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
-            async with recv:
-                async for kind, value in recv:
-                    if kind == "delta":
-                        yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
-                    elif kind == "done":
-                        yield sse_event(final_chunk(cid, created, model, slot_id, value))
-                    else:
-                        yield sse_event(error_body(500, str(value), "server_error"))
+            async for kind, value in stream.items:
+                if kind == "delta":
+                    yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
+                elif kind == "done":
+                    yield sse_event(final_chunk(cid, created, model, stream.slot_id, value))
+                else:
+                    yield sse_event(error_event_body(value))
             yield SSE_DONE
-        finally:
-            # Client gone or stream over: stop generation and wait until it has stopped.
-            with trio.CancelScope(shield=True):
-                await task.cancel_and_wait()
+        finally:  # also when the client leaves: generation stops before this returns
+            await stream.close()
 
     return Response(body_stream(), status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-class _SlotsBusy(Exception):
-    pass
-
-
-def _all_slots_busy(state: AppState) -> Response:
-    return json_response(
-        error_body(503, f"all slots are busy (waited {state.settings.slot_wait_s:g} s)", "unavailable_error"),
-        503,
-        headers={"Retry-After": "1"},
-    )
-
-
-async def _discard(_delta: str) -> None:
-    return None
 
 
 def final_chunk(cid: str, created: int, model: str, slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:

@@ -15,10 +15,12 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from ..tasks import leaves
 from .auth import install_auth
 from .common import register_error_handlers, set_request_nursery
+from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 from .state_routes import bp as state_bp
 from .state_routes import hold_state_uploads
+from .tokens import bp as tokens_bp
 
 if TYPE_CHECKING:
     from ..state import AppState
@@ -53,6 +55,8 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(openai_bp)
     app.register_blueprint(decode_bp)
     app.register_blueprint(state_bp)
+    app.register_blueprint(completions_bp)
+    app.register_blueprint(tokens_bp)
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]

@@ -94,6 +94,7 @@ CAPABILITIES = (
     "configure",
     "kv_hash",
     "chat_completions",
+    "completions",
 )
 
 # CONFIGURE tiers (spec §2.4)
@@ -213,6 +214,7 @@ class OpTable:
             "n_vocab": engine.n_vocab,
             "preset_aliases": [engine.identity.model_alias],
             **engine.identity.info_fields(),
+            **engine.runtime_fields(),  # ours: devices, n_gpu_layers, flash_attn, chat_template
         }
 
     async def configure(self, ctx: OpContext, payload: memoryview) -> Reply:

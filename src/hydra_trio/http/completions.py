@@ -1,0 +1,158 @@
+"""POST /v1/completions: OpenAI text completions (a prompt continued as plain text, no chat
+template), on the same generation path and batches as chat."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from quart import Blueprint, Response
+
+from ..engine.engine import GenerationResult
+from ..engine.params import bad_param, parse_generation
+from ..wire.errors import ErrorCode, ProtocolError, Status
+from .common import app_state, json_response, read_json_body, require_engine
+from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
+from .sse import SSE_DONE, now_s, sse_event, timings, usage
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+
+bp = Blueprint("completions", __name__)
+
+
+async def prompt_tokens(engine: Engine, prompt: Any) -> list[int]:
+    """``prompt`` as a string, a token array, or a one-element array of either (OpenAI's
+    batch form with one prompt) -> tokens. Strings get the model's BOS like any prompt."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return await engine.tokenize_text(prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        n_vocab = engine.n_vocab
+        bad = [t for t in prompt if not 0 <= t < n_vocab]
+        if bad:
+            raise bad_param(
+                f"prompt holds token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}"
+            )
+        if len(prompt) >= engine.n_ctx:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"prompt has {len(prompt)} tokens; the context holds {engine.n_ctx}",
+                status=Status.BAD_REQUEST,
+            )
+        return list(prompt)
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
+        raise bad_param("one prompt per request: batched prompts are not supported")
+    raise bad_param("prompt must be a non-empty string or a non-empty array of token ids")
+
+
+@bp.post("/v1/completions")
+async def completions() -> Response:
+    state = app_state()
+    engine = require_engine()
+    body = await read_json_body(state.settings.max_json_bytes)
+    if "prompt" not in body:
+        raise bad_param("prompt is required")
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
+        raise bad_param("n must be 1 (one choice per request)")
+    # Said plainly rather than silently ignored: the result would not be what was asked for.
+    for key in ("echo", "logprobs", "suffix"):
+        if body.get(key) not in (None, False):
+            raise bad_param(f"{key} is not supported")
+    if body.get("best_of") not in (None, 1):
+        raise bad_param("best_of must be 1")
+    params = parse_generation(
+        body, default_n_predict=state.settings.default_n_predict, n_ctx=engine.n_ctx
+    )
+    tokens = await prompt_tokens(engine, body["prompt"])
+    cid = "cmpl-" + secrets.token_hex(12)
+    model = engine.identity.model_alias
+    owner = f"http:{cid}"
+    try:
+        if not params.stream:
+            slot_id, res = await generate_buffered(
+                state, engine, tokens, params, owner=owner, path="completions"
+            )
+            return json_response(text_completion_body(cid, now_s(), model, slot_id, res))
+        stream = await start_stream(state, engine, tokens, params, owner=owner, path="completions")
+    except SlotsBusy:
+        return all_slots_busy(state)
+
+    async def body_stream() -> AsyncIterator[bytes]:
+        created = now_s()
+        try:
+            async for kind, value in stream.items:
+                if kind == "delta":
+                    yield sse_event(text_chunk(cid, created, model, value))
+                elif kind == "done":
+                    yield sse_event(
+                        text_completion_body(cid, created, model, stream.slot_id, value, text="")
+                    )
+                else:
+                    yield sse_event(error_event_body(value))
+            yield SSE_DONE
+        finally:  # also when the client leaves: generation stops before this returns
+            await stream.close()
+
+    return Response(
+        body_stream(),
+        status=200,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
+def text_chunk(cid: str, created: int, model: str, text: str) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}],
+    }
+
+
+def text_completion_body(
+    cid: str,
+    created: int,
+    model: str,
+    slot_id: int,
+    res: GenerationResult,
+    *,
+    text: str | None = None,
+) -> dict[str, Any]:
+    """The whole completion, or (``text=""``) the last chunk of a stream: finish_reason,
+    usage and timings."""
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "text": res.text if text is None else text,
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": res.finish_reason,
+            }
+        ],
+        "usage": usage(res.prompt_tokens, res.completion_tokens, res.n_common),
+        "timings": timings(
+            res.n_prompt_processed,
+            res.prompt_ms,
+            res.completion_tokens,
+            res.decode_ms,
+            res.n_common,
+        ),
+        "id_slot": slot_id,
+    }

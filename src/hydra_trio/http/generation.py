@@ -1,0 +1,153 @@
+"""One way for HTTP routes to run a generation: claim a slot, call ``Engine.generate`` (the
+entry point every path shares, so requests join the same continuous batches), release.
+
+Chat completions and text completions differ only in how they shape the result; both use
+``generate_buffered`` or ``start_stream`` from here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+from quart import Response
+
+from ..engine.engine import GenerationResult
+from ..engine.params import GenerationParams
+from ..tasks import start_owned
+from ..wire.errors import ProtocolError
+from .common import http_status, json_response, request_nursery
+from .sse import error_body
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from ..state import AppState
+    from ..tasks import OwnedTask
+
+log = logging.getLogger(__name__)
+
+
+class SlotsBusy(Exception):
+    """No slot became free within --slot-wait-s."""
+
+
+def all_slots_busy(state: AppState) -> Response:
+    return json_response(
+        error_body(
+            503,
+            f"all slots are busy (waited {state.settings.slot_wait_s:g} s)",
+            "unavailable_error",
+        ),
+        503,
+        headers={"Retry-After": "1"},
+    )
+
+
+def error_event_body(exc: BaseException) -> dict[str, Any]:
+    """The SSE error event that ends a stream which failed after its 200 was sent."""
+    if isinstance(exc, ProtocolError):
+        status = http_status(exc)
+        kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        return error_body(status, exc.message, kind, error_code=str(exc.code))
+    return error_body(500, f"internal error: {type(exc).__name__}", "server_error", error_code="INTERNAL")
+
+
+async def _discard(_delta: str) -> None:
+    return None
+
+
+async def generate_buffered(
+    state: AppState,
+    engine: Engine,
+    tokens: Sequence[int],
+    params: GenerationParams,
+    *,
+    owner: str,
+    path: str,
+) -> tuple[int, GenerationResult]:
+    """(slot id, result) of a whole generation. Raises SlotsBusy."""
+    try:
+        with trio.fail_after(state.settings.slot_wait_s):
+            slot = await engine.claim_for_prompt(tokens, owner)
+    except trio.TooSlowError:
+        raise SlotsBusy from None
+    try:
+        res = await engine.generate(slot.id, tokens, params, _discard)
+    finally:
+        engine.release(slot)
+    state.metrics.record_generation(path, res)
+    return slot.id, res
+
+
+@dataclass(slots=True)
+class GenerationStream:
+    """A generation running in its HTTP request's own nursery; ``items`` receives ("delta",
+    text), then ("done", GenerationResult) or ("error", exception). The reader must
+    ``close()`` it."""
+
+    task: OwnedTask
+    slot_id: int
+    items: trio.MemoryReceiveChannel[tuple[str, Any]]
+
+    async def close(self) -> None:
+        """Stop generation (client gone or stream over) and wait until it has stopped."""
+        with trio.CancelScope(shield=True):
+            await self.items.aclose()
+            await self.task.cancel_and_wait()
+
+
+async def start_stream(
+    state: AppState,
+    engine: Engine,
+    tokens: Sequence[int],
+    params: GenerationParams,
+    *,
+    owner: str,
+    path: str,
+) -> GenerationStream:
+    """Claim a slot and start generating into a channel. Raises SlotsBusy."""
+    send, recv = trio.open_memory_channel[tuple[str, Any]](64)
+    stall_s = state.settings.slot_wait_s
+
+    async def produce(task_status: Any) -> None:
+        try:
+            with trio.fail_after(state.settings.slot_wait_s):
+                slot = await engine.claim_for_prompt(tokens, owner)
+        except trio.TooSlowError:
+            raise SlotsBusy from None
+        task_status.started(slot.id)
+
+        async def put(item: tuple[str, Any]) -> None:
+            # A reader that stops reading without disconnecting must not hold the slot forever.
+            with trio.fail_after(stall_s):
+                await send.send(item)
+
+        async def emit(delta: str) -> None:
+            await put(("delta", delta))
+
+        async with send:
+            try:
+                res = await engine.generate(slot.id, tokens, params, emit)
+                state.metrics.record_generation(path, res)
+                await put(("done", res))
+            except (trio.TooSlowError, trio.BrokenResourceError) as exc:
+                # The reader stopped reading or left: nobody to tell.
+                log.info("streaming generation %s ended: reader gone or stalled (%r)", owner, exc)
+            except Exception as exc:
+                if not isinstance(exc, ProtocolError):
+                    log.exception("streaming generation %s failed", owner)
+                else:
+                    log.info("streaming generation %s ended early: %s", owner, exc.message)
+                # The reader is told, unless it stalls for the whole stall deadline too.
+                with trio.move_on_after(stall_s):
+                    await send.send(("error", exc))
+            finally:
+                engine.release(slot)
+
+    # The producer belongs to its request: it runs in the request's own nursery, which ends
+    # when the client goes away or the response is sent.
+    task, slot_id = await start_owned(request_nursery(), owner, produce)
+    return GenerationStream(task, slot_id, recv)

@@ -1,0 +1,185 @@
+"""POST /v1/completions on a live engine (context-sensitive tiny model): the same text as chat
+for the same prompt tokens, streaming, token-array prompts, stop strings, and 400s."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from helpers import MESSAGES, OTHER_MESSAGES, gate, http, parse_sse, wait_until
+from test_http_openai import _slots_idle, assert_openai_error
+
+
+async def complete(c: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    r = await c.post("/v1/completions", json={"temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def stream_complete(c: httpx.AsyncClient, **body: Any) -> tuple[list[dict[str, Any]], bool]:
+    async with c.stream(
+        "POST", "/v1/completions", json={"temperature": 0, **body, "stream": True}
+    ) as r:
+        assert r.status_code == 200, (await r.aread()).decode()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line async for line in r.aiter_lines()]
+    return parse_sse(lines)
+
+
+def assert_text_completion(body: dict[str, Any], model: str) -> None:
+    assert body["id"].startswith("cmpl-")
+    assert body["object"] == "text_completion"
+    assert body["model"] == model
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["logprobs"] is None
+    assert isinstance(choice["text"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    u = body["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+async def test_completion_matches_chat_on_the_same_prompt(ctx_engine: Any) -> None:
+    """A chat request and a text completion of its rendered prompt are one generation path:
+    same usage, same greedy text."""
+    model = ctx_engine.state.engine.identity.model_alias
+    async with http(ctx_engine) as c:
+        for messages in (MESSAGES, OTHER_MESSAGES):
+            r = await c.post("/apply-template", json={"messages": messages})
+            assert r.status_code == 200, r.text
+            prompt = r.json()["prompt"]
+            chat = (
+                await c.post(
+                    "/v1/chat/completions",
+                    json={"messages": messages, "max_tokens": 12, "temperature": 0},
+                )
+            ).json()
+            text = await complete(c, prompt=prompt, max_tokens=12)
+            assert_text_completion(text, model)
+            assert text["choices"][0]["text"] == chat["choices"][0]["message"]["content"]
+            assert text["usage"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
+            assert text["usage"]["completion_tokens"] == chat["usage"]["completion_tokens"] > 0
+            assert text["choices"][0]["finish_reason"] == chat["choices"][0]["finish_reason"]
+
+
+async def test_stream_token_array_and_stop(ctx_engine: Any) -> None:
+    model = ctx_engine.state.engine.identity.model_alias
+    prompt = "the slot cache engine"
+    async with http(ctx_engine) as c:
+        whole = await complete(c, prompt=prompt, max_tokens=10)
+        text = whole["choices"][0]["text"]
+        assert text
+
+        events, done = await stream_complete(c, prompt=prompt, max_tokens=10)
+        assert done
+        assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events)
+        assert "".join(e["choices"][0]["text"] for e in events) == text
+        last = events[-1]
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert last["usage"] == {
+            **whole["usage"],
+            "prompt_tokens_details": last["usage"]["prompt_tokens_details"],
+        }
+        assert_text_completion(last, model)
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+
+        # The same prompt as token ids (with BOS, as a string prompt gets it).
+        toks = (await c.post("/tokenize", json={"content": prompt, "add_special": True})).json()[
+            "tokens"
+        ]
+        for form in (toks, [toks]):
+            by_ids = await complete(c, prompt=form, max_tokens=10)
+            assert by_ids["choices"][0]["text"] == text
+            assert by_ids["usage"]["prompt_tokens"] == len(toks)
+
+        # A stop string cuts the text before it and reports "stop".
+        stop = text[len(text) // 2 :].strip()[:4]
+        if stop:
+            cut = await complete(c, prompt=prompt, max_tokens=10, stop=[stop])
+            assert cut["choices"][0]["finish_reason"] == "stop"
+            assert cut["choices"][0]["text"] == text[: text.index(stop)]
+
+
+async def test_completions_share_batches_with_chat(ctx_engine: Any) -> None:
+    """A completion and a chat generating at once are batched into the same llama_decode
+    steps (the engine counts sequences per step)."""
+    engine = ctx_engine.state.engine
+    before_batches, before_tokens = engine.batcher.batches, engine.batcher.tokens
+    async with http(ctx_engine) as c, gate(ctx_engine) as g, trio.open_nursery() as n:
+        n.start_soon(partial(complete, c, prompt="tell me a story", max_tokens=24))
+        n.start_soon(
+            partial(
+                c.post,
+                "/v1/chat/completions",
+                json={"messages": MESSAGES, "max_tokens": 24, "temperature": 0},
+            )
+        )
+        # Both have asked the worker to tokenize: from here on their calls are FIFO, so the
+        # second prefill runs while the first request still has ~23 steps to go.
+        await g.wait_queued(2)
+        g.open()
+    steps = engine.batcher.batches - before_batches
+    assert engine.batcher.tokens - before_tokens > steps, "no step carried both requests"
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({}, "prompt is required"),
+        ({"prompt": []}, "prompt must be"),
+        ({"prompt": {"text": "x"}}, "prompt must be"),
+        ({"prompt": [1, "a"]}, "prompt must be"),
+        ({"prompt": [10**9]}, "outside the vocabulary"),
+        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"prompt": "x", "n": 2}, "n must be 1"),
+        ({"prompt": "x", "echo": True}, "echo is not supported"),
+        ({"prompt": "x", "logprobs": 3}, "logprobs is not supported"),
+        ({"prompt": "x", "suffix": "end"}, "suffix is not supported"),
+        ({"prompt": "x", "best_of": 2}, "best_of must be 1"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "stop": 5}, "stop"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+    ],
+)
+async def test_bad_completion_requests_are_openai_400s(
+    engine: Any, body: dict[str, Any], needle: str
+) -> None:
+    async with http(engine) as c:
+        r = await c.post("/v1/completions", json=body)
+        err = assert_openai_error(r, 400)
+        assert needle in err["error"]["message"], err
+
+
+async def test_client_disconnect_stops_a_completion_stream(engine: Any) -> None:
+    """A client that leaves a text-completion stream stops its generation, as for chat."""
+    eng = engine.state.engine
+    async with http(engine) as c:
+        # Baseline: this prompt really runs to 1000 tokens when nobody hangs up.
+        full = await complete(c, prompt="hello world", max_tokens=1000)
+        assert full["usage"]["completion_tokens"] == 1000
+        before = eng.tokens_generated
+        seen = 0
+        async with c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "hello world", "max_tokens": 1000, "stream": True},
+        ) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen >= 3:
+                        break
+    async with http(engine) as c:
+        await wait_until(lambda: _slots_idle(c), 10.0)
+    generated = eng.tokens_generated - before
+    with trio.fail_after(5):
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+    assert eng.tokens_generated - before == generated, (
+        "generation went on after the slot was released"
+    )
+    assert 3 <= generated < 500, f"{generated} tokens generated for a client that left after 3"
