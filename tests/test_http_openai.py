@@ -20,6 +20,7 @@ from helpers import (
     ENGINE,
     MESSAGES,
     OTHER_MESSAGES,
+    assert_server_healthy,
     chat,
     http,
     stream_chat,
@@ -397,3 +398,29 @@ async def test_all_slots_busy_gets_503(start_engine: Callable[..., Any], tiny_mo
         await wait_until(lambda: _slots_idle(c2), 10.0)
         # The slot is free again: the next request is served.
         assert (await chat(c2, messages=OTHER_MESSAGES, max_tokens=4))["usage"]["completion_tokens"] == 4
+
+
+async def test_a_stream_that_fails_midway_ends_with_an_error_event(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text went out, then generation failed (any exception, not only a ProtocolError): the
+    client gets an error event naming the failure, never a clean-looking end."""
+    eng = engine.state.engine
+    real_generate = eng.generate
+
+    async def generate_then_fail(slot: int, tokens: Any, params: Any, emit: Any, **kw: Any) -> Any:
+        await emit("some text")
+        raise RuntimeError("the GPU fell off the bus")
+
+    monkeypatch.setattr(eng, "generate", generate_then_fail)
+    async with http(engine) as c:
+        body = {"messages": MESSAGES, "max_tokens": 8, "stream": True}
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = [line async for line in r.aiter_lines()]
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert events[1]["choices"][0]["delta"] == {"content": "some text"}
+    assert events[-1]["error"]["code"] == 500 and events[-1]["error_code"] == "INTERNAL", events[-1]
+    assert "RuntimeError" in events[-1]["error"]["message"]
+    monkeypatch.setattr(eng, "generate", real_generate)
+    await assert_server_healthy(engine)
