@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -37,15 +36,3 @@ async def test_cancel_example(tiny_model: Path) -> None:
     assert result["delete"]["cancelled"] is True and result["delete"]["state"] == "cancelled"
     assert result["get_status"] == httpx.codes.GONE
     assert result["slot_busy"] is False
-
-
-async def test_pd_handoff_with_payloads_in_mapped_buffers(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Large RPC payloads are received into anonymous mappings: force that path for every
-    payload and run the whole hand-off (restore + logits reuse read the mapped memory)."""
-    from hydra_trio.rpc import connection
-
-    monkeypatch.setattr(connection, "_MMAP_MIN", 1)
-    args = argparse.Namespace(a=None, b=None, model=str(tiny_model), slot=0, max_tokens=8)
-    result = await pd_handoff.handoff(args, io.StringIO())
-    assert result["hydra_metrics"]["logits_reused"] is True
-    assert result["usage"]["completion_tokens"] == 8

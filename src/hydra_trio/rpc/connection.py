@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import mmap
 import select
 import socket as stdsocket
 from collections.abc import Sequence
 
+import numpy as np
 import trio
 
 Buffer = bytes | bytearray | memoryview
-_MMAP_MIN = 64 << 20  # above glibc malloc's largest mmap threshold: smaller buffers reuse heap pages
 
 
 class PeerClosed(Exception):
@@ -42,7 +41,7 @@ class Connection:
                 raise PeerClosed(f"peer closed after {got}/{n} bytes")
             got += k
 
-    async def read_payload(self, n: int) -> bytearray | mmap.mmap:
+    async def read_payload(self, n: int) -> np.ndarray:
         """Read ``n`` bytes into one new buffer (see payload_buffer)."""
         buf = payload_buffer(n)
         if n:
@@ -106,15 +105,14 @@ class Connection:
         await self.stream.aclose()
 
 
-def payload_buffer(n: int) -> bytearray | mmap.mmap:
-    """One buffer of ``n`` bytes for a payload to be received into.
+def payload_buffer(n: int) -> np.ndarray:
+    """One buffer of ``n`` bytes for a payload to be received into: uninitialised memory.
 
-    Very large buffers are anonymous mappings: the kernel supplies zero pages as recv_into
-    first writes them, skipping bytearray(n)'s zeroing pass (py-spy put that memset at the
-    top of a 130 MB DECODE; ack ~3% lower). Smaller ones stay bytearrays: malloc reuses
-    already-mapped heap pages for them, which a fresh mapping (faulting every page again)
-    measured 2-3x slower at 1-17 MB."""
-    return mmap.mmap(-1, n) if n >= max(_MMAP_MIN, 1) else bytearray(n)
+    ``bytearray(n)`` zero-fills every byte first (py-spy put that memset at 39% of a 130 MB
+    DECODE); ``np.empty`` skips it, and the receive writes every byte before anything reads
+    the buffer (a short read fails and the buffer is dropped). Measured here for allocation
+    plus one write pass: 134 MB in 109 ms against 224 ms (bytearray) and 172 ms (mmap)."""
+    return np.empty(n, dtype=np.uint8)
 
 
 def _peer_name(sock: trio.socket.SocketType) -> str:

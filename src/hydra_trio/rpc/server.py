@@ -9,12 +9,12 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
-import mmap
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
 import trio
 
 from ..config import is_loopback
@@ -219,7 +219,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
 
 
 async def _answer(
-    state: AppState, spec: OpSpec, ctx: OpContext, payload: bytearray | mmap.mmap, release_payload: Callable[[], None]
+    state: AppState, spec: OpSpec, ctx: OpContext, payload: np.ndarray, release_payload: Callable[[], None]
 ) -> bool:
     """Run the op and write its one reply; False when the peer hung up first (close).
 
@@ -235,7 +235,7 @@ async def _answer(
 
 
 async def _answer_or_hang_up(
-    state: AppState, spec: OpSpec, ctx: OpContext, payload: bytearray | mmap.mmap, release_payload: Callable[[], None]
+    state: AppState, spec: OpSpec, ctx: OpContext, payload: np.ndarray, release_payload: Callable[[], None]
 ) -> bool:
     async with trio.open_nursery() as hangup:
         if spec.cancel_on_disconnect:
