@@ -17,6 +17,7 @@ from typing import Any
 
 from . import figures as F
 from .harness import EngineProcess, env_info, fmt_summary, free_port, wait_http
+from .llama_server import LlamaServer, find_or_build
 from .plots import plot_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -55,12 +56,25 @@ def start_llama_cpp_server(model: str, ctx: int, log_dir: Path) -> tuple[subproc
     return proc, url
 
 
+def _peer(results: dict[str, Any], name: str, start: Any) -> Any:
+    """Run a comparison peer's step; a failure is recorded and skipped, never a crash that
+    would lose the other figures."""
+    try:
+        return start()
+    except Exception as exc:
+        print(f"{name}: {type(exc).__name__}: {exc}; skipping that comparison", flush=True)
+        results.setdefault("skipped", {})[name] = f"{type(exc).__name__}: {exc}"
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="under 3 minutes on 2 CPU cores")
     ap.add_argument("--name", default=None, help="results file name (default: quick or full)")
     ap.add_argument("--only", default="", help="comma list: presets,handoff,restore,generation,cancel,concurrency,memory")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "hydra-trio" / "bench"))
+    ap.add_argument("--with-llama-server", action="store_true", help="compare with llama.cpp's llama-server, building it once (~10 min) if needed")
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="an existing llama-server binary to compare with")
     args = ap.parse_args(argv)
     quick = args.quick
     name = args.name or ("quick" if quick else "full")
@@ -72,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     log_dir = RESULTS / f"{name}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    llama_server = find_or_build(args.llama_server, args.with_llama_server)
     presets = ["tiny", "small", "bench"] if want("presets") else ["bench"]
     models = build_models(cache, presets)
     bench = models["bench"]
@@ -106,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         if want("handoff"):
             print("1. hand-off vs recompute ...", flush=True)
             results["handoff"] = F.fig_handoff(a, b, tok, cfg["handoff_sizes"], cfg["handoff_repeats"])
+            if llama_server:
+                print("1. ... against llama-server's slot save/restore", flush=True)
+                _peer(results, "handoff_llama_server", lambda: F.fig_handoff_llama_server(
+                    results["handoff"], b, tok, llama_server, bench, cfg["handoff_repeats"], log_dir))
         if want("restore"):
             print("2. restore path vs its limits ...", flush=True)
             results["restore"] = F.fig_restore(a, b, tok, cfg["restore_mb"], cfg["restore_repeats"], bench)
@@ -121,13 +140,26 @@ def main(argv: list[str] | None = None) -> int:
         a.stop()
         if want("concurrency"):
             print("5. concurrency ...", flush=True)
-            server = start_llama_cpp_server(bench, 4096, log_dir)
+            peers: dict[str, str] = {}
+            servers: list[Any] = []
             try:
-                results["concurrency"] = F.fig_concurrency(b, cfg["concurrency"], cfg["concurrency_tokens"], server[1] if server else None)
+                started = _peer(results, "llama_cpp_server", lambda: start_llama_cpp_server(bench, 4096, log_dir))
+                if started:
+                    servers.append(started[0])
+                    peers["llama_cpp_server"] = started[1]
+                if llama_server:
+                    ls = _peer(results, "llama_server", lambda: LlamaServer(llama_server, bench, ctx=8192, slots=8, log_dir=log_dir, tag="llama-server-p5"))
+                    if ls:
+                        servers.append(ls)
+                        peers["llama_server"] = ls.url
+                results["concurrency"] = F.fig_concurrency(b, cfg["concurrency"], cfg["concurrency_tokens"], peers)
             finally:
-                if server:
-                    server[0].terminate()
-                    server[0].wait()
+                for server in servers:
+                    if isinstance(server, LlamaServer):
+                        server.stop()
+                    else:
+                        server.terminate()
+                        server.wait()
     finally:
         a.stop()
         b.stop()
@@ -172,15 +204,28 @@ def render_table(r: dict[str, Any]) -> str:
             f"| 4. DELETE during {phase.replace('_', ' ')} | {fmt_summary(row['delete_ms'], ' ms')} (max {row['delete_ms_max']:.1f}) "
             f"| tokens evaluated after the reply | max {row['tokens_after_reply_max']:.0f} |"
         )
+    for _n, row in r.get("handoff", {}).items():
+        peer = row.get("llama_server_restore")
+        if peer:
+            lines.append(
+                f"| P1. TTFT, {row['n_past']}-token prompt | hand-off {row['handoff_ttft_ms']['median']:.1f} ms "
+                f"| llama-server slot restore + first token {fmt_summary(peer['ttft_ms'], ' ms')} ({peer['n_prompt']} tokens) "
+                f"| **{row['handoff_over_llama_server']:.2f}×** the time |"
+            )
     for k, row in r.get("concurrency", {}).items():
         ours, chat = row["ours_decode"], row["ours_chat"]
-        other = row.get("llama_cpp_server_chat")
-        against = f"llama_cpp.server {other['aggregate_tokens_per_s']:.0f} tok/s, ITL p50 {other['itl_p50_ms']:.0f} / p99 {other['itl_p99_ms']:.0f} ms" if other else "n/a"
-        ratio = f"**{row['ours_chat_over_llama_cpp_server']:.2f}×**" if other else ""
         lines.append(
             f"| 5. {k} concurrent | DECODE {ours['aggregate_tokens_per_s']:.0f} tok/s; chat {chat['aggregate_tokens_per_s']:.0f} tok/s, "
-            f"ITL p50 {chat['itl_p50_ms']:.0f} / p99 {chat['itl_p99_ms']:.0f} ms | {against} | {ratio} |"
+            f"ITL p50 {chat['itl_p50_ms']:.0f} / p99 {chat['itl_p99_ms']:.0f} ms | | |"
         )
+        for peer, label in (("llama_server", "llama-server (C++)"), ("llama_cpp_server", "llama_cpp.server")):
+            other = row.get(f"{peer}_chat")
+            if other:
+                lines.append(
+                    f"| 5. {k} concurrent vs {label} | chat {chat['aggregate_tokens_per_s']:.0f} tok/s | {label} "
+                    f"{other['aggregate_tokens_per_s']:.0f} tok/s, ITL p50 {other['itl_p50_ms']:.0f} / p99 {other['itl_p99_ms']:.0f} ms "
+                    f"| **{row[f'ours_chat_over_{peer}']:.2f}×** |"
+                )
     if "memory" in r:
         m = r["memory"]
         lines.append(f"| 6. peak RSS growth receiving a {m['blob_bytes'] / 1e6:.0f} MB blob | | blob size | {fmt_summary(m['peak_rss_growth_over_blob'], '×', 2)} |")

@@ -125,6 +125,24 @@ def fig_handoff(a: EngineProcess, b: EngineProcess, tok: Tokenizer, sizes: list[
     return out
 
 
+def fig_handoff_llama_server(
+    handoff: dict[str, Any], b: EngineProcess, tok: Tokenizer, binary: Any, model: str, repeats: int, log_dir: Any
+) -> dict[str, Any]:
+    """P1 against llama-server: for each hand-off size of figure 1, llama-server restoring the
+    same prompt's slot file (``--slot-save-path``) and producing its first token. Adds
+    ``llama_server_restore`` and ``handoff_over_llama_server`` (ratio of medians) to the rows."""
+    from .llama_server import LlamaServer, slot_restore_ttft_ms
+
+    with LlamaServer(binary, model, ctx=8192, slots=1, log_dir=log_dir, tag="llama-server-p1") as server:
+        for n, row in handoff.items():
+            req = chat_request(tok.content_for(int(n), seed=int(n)), 4)
+            prompt = httpx.post(f"{b.url}/apply-template", json={"messages": req["messages"]}, timeout=60).json()["prompt"]
+            peer = slot_restore_ttft_ms(server, prompt, repeats)
+            row["llama_server_restore"] = peer
+            row["handoff_over_llama_server"] = row["handoff_ttft_ms"]["median"] / peer["ttft_ms"]["median"]
+    return {n: row.get("llama_server_restore") for n, row in handoff.items()}
+
+
 # ---- 2. restore path vs its limits -----------------------------------------------------
 
 
@@ -426,7 +444,9 @@ def _concurrency_stats(streams: list[list[float]], t_start: float) -> dict[str, 
     }
 
 
-def fig_concurrency(b: EngineProcess, levels: list[int], n_tokens: int, llama_server_url: str | None) -> dict[str, Any]:
+def fig_concurrency(b: EngineProcess, levels: list[int], n_tokens: int, peers: dict[str, str]) -> dict[str, Any]:
+    """Aggregate tokens/s and ITL at k concurrent streams: ours (DECODE and chat) and each
+    peer's chat endpoint (``peers``: name -> base URL, e.g. llama_server, llama_cpp_server)."""
     out: dict[str, Any] = {}
     for k in levels:
         row: dict[str, Any] = {}
@@ -438,10 +458,10 @@ def fig_concurrency(b: EngineProcess, levels: list[int], n_tokens: int, llama_se
         erase_all(b)
         t0 = time.perf_counter()
         row["ours_chat"] = _concurrency_stats(trio.run(_chat_streams, b.url, k, n_tokens, None), t0)
-        if llama_server_url:
+        for peer, url in peers.items():
             t0 = time.perf_counter()
-            row["llama_cpp_server_chat"] = _concurrency_stats(trio.run(_chat_streams, llama_server_url, k, n_tokens, None), t0)
-            row["ours_chat_over_llama_cpp_server"] = row["ours_chat"]["aggregate_tokens_per_s"] / row["llama_cpp_server_chat"]["aggregate_tokens_per_s"]
+            row[f"{peer}_chat"] = _concurrency_stats(trio.run(_chat_streams, url, k, n_tokens, None), t0)
+            row[f"ours_chat_over_{peer}"] = row["ours_chat"]["aggregate_tokens_per_s"] / row[f"{peer}_chat"]["aggregate_tokens_per_s"]
         out[str(k)] = row
     return out
 

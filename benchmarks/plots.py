@@ -62,8 +62,9 @@ def plot_all(r: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(ks, [v["ours_decode"]["aggregate_tokens_per_s"] for v in rows.values()], "o-", label="hydra-trio DECODE")
         ax.plot(ks, [v["ours_chat"]["aggregate_tokens_per_s"] for v in rows.values()], "s-", label="hydra-trio chat")
-        if all("llama_cpp_server_chat" in v for v in rows.values()):
-            ax.plot(ks, [v["llama_cpp_server_chat"]["aggregate_tokens_per_s"] for v in rows.values()], "^-", label="llama_cpp.server chat")
+        for peer, label in (("llama_server", "llama-server chat"), ("llama_cpp_server", "llama_cpp.server chat")):
+            if all(f"{peer}_chat" in v for v in rows.values()):
+                ax.plot(ks, [v[f"{peer}_chat"]["aggregate_tokens_per_s"] for v in rows.values()], "^-", label=label)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("aggregate tokens/s")
         ax.set_title("5. Concurrency")

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from hydra_trio.rpc.client import SyncRpcClient, build_decode_frame
 
@@ -94,3 +96,31 @@ def test_startup_errors_are_one_clear_line(tiny_model: Path, tmp_path: Path) -> 
         busy = _serve_once("--model", str(tiny_model), "--port", str(port), "--rpc-port", "0")
     assert busy.returncode == 1
     assert f"HTTP 127.0.0.1:{port}".encode() in busy.stderr and b"Traceback" not in busy.stderr
+
+
+async def test_the_engine_outlives_its_users_and_refuses_late_work(run_engine: Any, tiny_model: Path) -> None:
+    """On shutdown the front ends end first, then the running requests, and only then is the
+    model freed: no slot is held when it is. Work that comes later gets a clear error."""
+    from helpers import MESSAGES, decode_ok, entry_of, frame, rpc
+    from hydra_trio.wire.errors import ProtocolError
+
+    held_at_close: list[list[str | None]] = []
+    async with run_engine(tiny_model) as ep:
+        engine = ep.state.engine
+        real_close = engine.backend.close
+
+        def close() -> None:
+            held_at_close.append([s.owner for s in engine.slots.slots if s.busy])
+            real_close()
+
+        engine.backend.close = close
+        async with await rpc(ep) as c:
+            rid = await decode_ok(c, 0, frame(MESSAGES, n_predict=100_000))
+        entry = entry_of(ep, rid)
+        assert entry.running
+    assert held_at_close == [[]]  # freed once, after the request had let its slot go
+    assert entry.state.value == "cancelled"
+    with pytest.raises(ProtocolError, match="engine is stopped"):
+        await engine.worker.call(lambda: None)
+    with pytest.raises(ProtocolError, match="engine is stopped"):
+        engine.batcher.submit(0, 1, None)  # type: ignore[arg-type]
