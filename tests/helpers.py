@@ -102,6 +102,18 @@ async def wait_until(check: Callable[[], bool | Awaitable[bool]], timeout_s: flo
             await trio.sleep(POLL_S)
 
 
+async def wait_slots_until(engine: Any, check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait until ``check()`` holds, looking again each time a slot is released (slots are
+    released when a request ends and when a staged reconfiguration has been applied)."""
+    with trio.fail_after(timeout_s):
+        while not check():
+            await engine.slots.wait_released()
+
+
+async def wait_slots_idle(engine: Any, timeout_s: float = 10.0) -> None:
+    await wait_slots_until(engine, engine.slots.all_idle, timeout_s)
+
+
 # ---- the GPU-worker gate -----------------------------------------------------------------
 
 

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from helpers import MESSAGES, OTHER_MESSAGES, gate, http, parse_sse, wait_until
-from test_http_openai import _slots_idle, assert_openai_error
+from helpers import MESSAGES, OTHER_MESSAGES, gate, http, parse_sse, wait_slots_idle
+from test_http_openai import assert_openai_error
 
 
 async def complete(c: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
@@ -174,8 +174,7 @@ async def test_client_disconnect_stops_a_completion_stream(engine: Any) -> None:
                     seen += 1
                     if seen >= 3:
                         break
-    async with http(engine) as c:
-        await wait_until(lambda: _slots_idle(c), 10.0)
+    await wait_slots_idle(eng)
     generated = eng.tokens_generated - before
     with trio.fail_after(5):
         await trio.testing.wait_all_tasks_blocked(cushion=0.05)

@@ -25,7 +25,7 @@ from helpers import (
     http,
     stream_chat,
     stream_text,
-    wait_until,
+    wait_slots_idle,
 )
 
 ERROR_TYPES = {"invalid_request_error", "server_error", "unavailable_error"}
@@ -326,9 +326,6 @@ async def test_metrics_after_completion(engine: Any) -> None:
 # ---- disconnects and busy slots -------------------------------------------------------------
 
 
-async def _slots_idle(c: httpx.AsyncClient) -> bool:
-    return not any(s["is_processing"] for s in (await c.get("/slots")).json())
-
 
 async def test_client_disconnect_stops_generation(engine: Any) -> None:
     eng = engine.state.engine
@@ -350,8 +347,7 @@ async def test_client_disconnect_stops_generation(engine: Any) -> None:
                         break
         # The response is closed without being read to the end: the connection is dropped.
 
-    async with http(engine) as c:
-        await wait_until(lambda: _slots_idle(c), 10.0)
+    await wait_slots_idle(eng)
     generated = eng.tokens_generated - before
     with trio.fail_after(5):
         await trio.testing.wait_all_tasks_blocked(cushion=0.05)
@@ -395,7 +391,7 @@ async def test_all_slots_busy_gets_503(start_engine: Callable[..., Any], tiny_mo
             )
             assert_openai_error(r, 503)
             scope.cancel()  # hang up on the long stream
-        await wait_until(lambda: _slots_idle(c2), 10.0)
+        await wait_slots_idle(ep.state.engine)
         # The slot is free again: the next request is served.
         assert (await chat(c2, messages=OTHER_MESSAGES, max_tokens=4))["usage"]["completion_tokens"] == 4
 

@@ -12,7 +12,7 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from helpers import ENGINE, http, rpc, wait_until
+from helpers import ENGINE, http, rpc, wait_slots_until
 from hydra_trio import cli
 from hydra_trio.config import settings_from
 from hydra_trio.engine.backend import LlamaBackend
@@ -171,14 +171,11 @@ async def test_engine_reports_offload_and_keeps_it_across_a_reload(
             assert body["chat_template"]["source"] == "gguf"
         # CONFIGURE T3: the reloaded model gets the same offload settings.
         assert (await r.configure(0, {"model_path": str(tiny_model_other)})).ok
-    await wait_until(lambda: _reloaded(engine))
+    await wait_slots_until(engine, lambda: engine.t3_reloads == 1)
     assert llama_params["model"][-1] == {"n_gpu_layers": 3, "main_gpu": 0}
     assert llama_params["context"][-1]["flash_attn_type"] == 0
     assert llama_params["context"][-1]["offload_kqv"] is False
 
-
-async def _reloaded(engine: Any) -> bool:
-    return engine.t3_reloads == 1
 
 
 def test_device_list_degrades_to_empty(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from helpers import (
     chat,
     http,
     rpc,
-    wait_until,
+    wait_slots_until,
 )
 from hydra_trio.rpc.client import Call, prefill_call
 from hydra_trio.wire.errors import Status
@@ -367,7 +367,7 @@ async def test_configure_t2_n_ctx_applied_once_idle(engine: Any) -> None:
         assert r.status == Status.BUSY and "reconfiguring" in r.meta["error"], r.meta
         eng.release(holder)
         released = True
-        await wait_until(lambda: _eq(n_ctx, 1024), 10.0)
+        await wait_slots_until(eng, lambda: eng.n_ctx == 1024)
     finally:
         if not released:
             eng.release(holder)
@@ -380,9 +380,6 @@ async def test_configure_t2_n_ctx_applied_once_idle(engine: Any) -> None:
         assert (await chat(h, max_tokens=4))["usage"]["completion_tokens"] == 4
     await assert_server_healthy(engine)
 
-
-async def _eq(get: Callable[[], Any], value: Any) -> bool:
-    return await get() == value
 
 
 async def test_configure_t2_refusals(engine: Any) -> None:
