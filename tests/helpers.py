@@ -253,6 +253,19 @@ def sse_text(events: list[dict[str, Any]]) -> str:
 SSE_HEADERS = {"Accept": "text/event-stream"}
 
 
+async def stream_then_hang_up(h: httpx.AsyncClient, path: str, body: dict[str, Any], after: int) -> None:
+    """POST a streaming request, read ``after`` data events, then close the response without
+    reading the rest (the connection is dropped: the client has left)."""
+    seen = 0
+    async with h.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen >= after:
+                    return
+
+
 # ---- RPC -----------------------------------------------------------------------------------
 
 

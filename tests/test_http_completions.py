@@ -11,7 +11,15 @@ import pytest
 import trio
 import trio.testing
 
-from helpers import MESSAGES, OTHER_MESSAGES, gate, http, parse_sse, wait_slots_idle
+from helpers import (
+    MESSAGES,
+    OTHER_MESSAGES,
+    gate,
+    http,
+    parse_sse,
+    stream_then_hang_up,
+    wait_slots_idle,
+)
 from test_http_openai import assert_openai_error
 
 
@@ -162,18 +170,7 @@ async def test_client_disconnect_stops_a_completion_stream(engine: Any) -> None:
         full = await complete(c, prompt="hello world", max_tokens=1000)
         assert full["usage"]["completion_tokens"] == 1000
         before = eng.tokens_generated
-        seen = 0
-        async with c.stream(
-            "POST",
-            "/v1/completions",
-            json={"prompt": "hello world", "max_tokens": 1000, "stream": True},
-        ) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen >= 3:
-                        break
+        await stream_then_hang_up(c, "/v1/completions", {"prompt": "hello world", "max_tokens": 1000}, 3)
     await wait_slots_idle(eng)
     generated = eng.tokens_generated - before
     with trio.fail_after(5):

@@ -25,6 +25,7 @@ from helpers import (
     http,
     stream_chat,
     stream_text,
+    stream_then_hang_up,
     wait_slots_idle,
 )
 
@@ -335,17 +336,7 @@ async def test_client_disconnect_stops_generation(engine: Any) -> None:
         assert full["usage"]["completion_tokens"] == 1000
         before = eng.tokens_generated
 
-        seen = 0
-        async with c.stream(
-            "POST", "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1000, "stream": True}
-        ) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen >= 4:
-                        break
-        # The response is closed without being read to the end: the connection is dropped.
+        await stream_then_hang_up(c, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1000}, 4)
 
     await wait_slots_idle(eng)
     generated = eng.tokens_generated - before

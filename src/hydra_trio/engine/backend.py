@@ -411,23 +411,18 @@ class LlamaBackend:
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
         return list(arr[:n])
 
-    def _piece(self, token: int) -> bytes:
+    def _piece(self, token: int, *, special: bool = False) -> bytes:
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def special_piece(self, token: int) -> bytes:
         """A token's text with control tokens spelled out (what llama-server's /tokenize and
         /detokenize show)."""
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
-        return buf.raw[:n]
+        return self._piece(token, special=True)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Tokens -> text, special tokens rendered (llama-server's /detokenize)."""

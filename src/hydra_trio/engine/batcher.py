@@ -82,15 +82,7 @@ class StepBatcher:
 
         If cancelled, a step the batcher has not taken is skipped, and one it has taken is
         waited for, so nothing runs for the request after this returns."""
-        try:
-            if during is not None:
-                await during
-            await _wait(job)
-        except BaseException:
-            job.cancelled = True
-            with trio.CancelScope(shield=True):
-                await job.done.wait()
-            raise
+        await _wait(job, during)
         return job.result
 
     async def prefill(
@@ -102,13 +94,7 @@ class StepBatcher:
         this returns only once nothing more runs for it."""
         job = PrefillJob(slot, tokens, keep, sampler, want_logits)
         self._hand_in(job)
-        try:
-            await _wait(job)
-        except BaseException:
-            job.cancelled = True
-            with trio.CancelScope(shield=True):
-                await job.done.wait()
-            raise
+        await _wait(job)
         return job.result
 
     def _hand_in(self, job: StepJob | PrefillJob) -> None:
@@ -243,7 +229,19 @@ def _finish_if_cancelled(job: StepJob | PrefillJob) -> bool:
     return job.cancelled
 
 
-async def _wait(job: StepJob | PrefillJob) -> None:
-    await job.done.wait()
+async def _wait(job: StepJob | PrefillJob, during: Awaitable[None] | None = None) -> None:
+    """Wait for ``job`` (after awaiting ``during``, work overlapped with it); raise its error.
+
+    If cancelled, marks the job cancelled and still waits for the batch that may be running
+    it, so nothing runs for the caller after this returns."""
+    try:
+        if during is not None:
+            await during
+        await job.done.wait()
+    except BaseException:
+        job.cancelled = True
+        with trio.CancelScope(shield=True):
+            await job.done.wait()
+        raise
     if job.error is not None:
         raise job.error

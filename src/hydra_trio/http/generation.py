@@ -24,6 +24,7 @@ from .sse import error_body
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
+    from ..engine.slots import Slot
     from ..state import AppState
     from ..tasks import OwnedTask
 
@@ -55,6 +56,15 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
     return error_body(500, f"internal error: {type(exc).__name__}", "server_error", error_code="INTERNAL")
 
 
+async def _claim(state: AppState, engine: Engine, tokens: Sequence[int], owner: str) -> Slot:
+    """A free slot (preferring the longest cached prefix) within --slot-wait-s; SlotsBusy."""
+    try:
+        with trio.fail_after(state.settings.slot_wait_s):
+            return await engine.claim_for_prompt(tokens, owner)
+    except trio.TooSlowError:
+        raise SlotsBusy from None
+
+
 async def _discard(_delta: str) -> None:
     return None
 
@@ -69,11 +79,7 @@ async def generate_buffered(
     path: str,
 ) -> tuple[int, GenerationResult]:
     """(slot id, result) of a whole generation. Raises SlotsBusy."""
-    try:
-        with trio.fail_after(state.settings.slot_wait_s):
-            slot = await engine.claim_for_prompt(tokens, owner)
-    except trio.TooSlowError:
-        raise SlotsBusy from None
+    slot = await _claim(state, engine, tokens, owner)
     try:
         res = await engine.generate(slot.id, tokens, params, _discard)
     finally:
@@ -113,11 +119,7 @@ async def start_stream(
     stall_s = state.settings.slot_wait_s
 
     async def produce(task_status: Any) -> None:
-        try:
-            with trio.fail_after(state.settings.slot_wait_s):
-                slot = await engine.claim_for_prompt(tokens, owner)
-        except trio.TooSlowError:
-            raise SlotsBusy from None
+        slot = await _claim(state, engine, tokens, owner)
         task_status.started(slot.id)
 
         async def put(item: tuple[str, Any]) -> None:
