@@ -39,7 +39,8 @@ async def erase_all(h: Any) -> None:
 async def test_a_prompt_arriving_during_generation_rides_in_the_step_batches(
     start_engine: Callable[..., Any], tiny_model_ctx: Path
 ) -> None:
-    ep = await start_engine(tiny_model_ctx, ctx_size=4096)
+    # batch_size = the step budget: a part that finds no step to share with is no larger.
+    ep = await start_engine(tiny_model_ctx, ctx_size=4096, batch_size=32, step_token_budget=32)
     engine = ep.state.engine
     budget = engine.batcher.token_budget
     async with http(ep) as h, await rpc(ep) as c:

@@ -55,12 +55,15 @@ class PrefillJob(_Job):
 
 
 class StepBatcher:
-    def __init__(self, n_slots: int, run_steps: RunSteps, run_mixed: RunMixed, *, token_budget: int) -> None:
+    def __init__(
+        self, n_slots: int, run_steps: RunSteps, run_mixed: RunMixed, *, token_budget: int, alone_budget: int
+    ) -> None:
         # A slot has at most one job outstanding: the channel never holds more than n_slots.
         self._send, self._recv = trio.open_memory_channel[StepJob | PrefillJob](n_slots)
         self._run_steps = run_steps
         self._run_mixed = run_mixed
         self.token_budget = max(1, token_budget)
+        self.alone_budget = max(self.token_budget, alone_budget)  # a prompt part with no steps
         self._prompts: deque[PrefillJob] = deque()  # handed in, not finished
         self.generating = 0  # requests inside their token loop (a batch waits for them)
         self.batches = 0
@@ -179,8 +182,12 @@ class StepBatcher:
 
     async def _run_with_prompt(self, jobs: list[StepJob], prompt: PrefillJob) -> None:
         # The steps go first; the prompt gets the rest of the budget, and at least a quarter
-        # of it so that it progresses however many streams run.
-        room = max(self.token_budget - len(jobs), self.token_budget // 4, 1)
+        # of it so that it progresses however many streams run. With no step to share the
+        # batch with (the streams ended meanwhile), it takes a whole prefill chunk.
+        if jobs:
+            room = max(self.token_budget - len(jobs), self.token_budget // 4, 1)
+        else:
+            room = self.alone_budget
         end = min(len(prompt.tokens), prompt.offset + room)
         last = end == len(prompt.tokens)
         part = PrefillPart(

@@ -81,7 +81,9 @@ class Engine:
         self.model_load_ms = 0.0
         # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
         budget = min(settings.step_token_budget, backend.n_batch)
-        self.batcher = StepBatcher(backend.n_slots, self._run_steps, self._run_mixed, token_budget=budget)
+        self.batcher = StepBatcher(
+            backend.n_slots, self._run_steps, self._run_mixed, token_budget=budget, alone_budget=backend.n_batch
+        )
         self.tokens_generated = 0
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
