@@ -155,14 +155,19 @@ class DecodeManager:
         engine.slots.get(slot_id)  # NO_SLOT
         request = {**engine.slot_settings.generation_defaults(slot_id), **merged_generation(frame)}
         params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx)
-        # A malformed prompt is refused before the reply. No prompt at all (an empty prompt
-        # segment, spec §4.1): decoding continues from what the slot holds after the restore.
-        prompt_text = await engine.render_prompt(request) if "messages" in request or "prompt" in request else None
-        blob = (  # the token list is bounded by the context before it is materialised
-            await run_cpu_bound(partial(parse_kv_blob, frame.kv, max_tokens=engine.n_ctx), len(frame.kv))
-            if len(frame.kv)
-            else None
-        )
+        try:
+            with trio.fail_at(deadline):  # the validation deadline covers these waits too
+                # A malformed prompt is refused before the reply. No prompt at all (an empty
+                # prompt segment, spec §4.1): decoding continues from what the slot holds.
+                has_prompt = "messages" in request or "prompt" in request
+                prompt_text = await engine.render_prompt(request) if has_prompt else None
+                blob = (  # the token list is bounded by the context before it is materialised
+                    await run_cpu_bound(partial(parse_kv_blob, frame.kv, max_tokens=engine.n_ctx), len(frame.kv))
+                    if len(frame.kv)
+                    else None
+                )
+        except trio.TooSlowError:
+            raise ProtocolError(ErrorCode.TIMEOUT, "validation timeout") from None
         slot = engine.slot_claim(slot_id, f"decode:{trace or 'rpc'}")  # SLOT_BUSY
         try:
             entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written
