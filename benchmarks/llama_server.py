@@ -114,7 +114,9 @@ def slot_restore_ttft_ms(server: LlamaServer, prompt: str, repeats: int) -> dict
     erase it; then (timed) restore the file and stream until the first token."""
     times: list[float] = []
     n_prompt = 0
-    with httpx.Client(base_url=server.url, timeout=600) as http:
+    # No keep-alive: llama-server may close a connection after a streamed response.
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(base_url=server.url, timeout=600, limits=no_reuse) as http:
         for i in range(repeats):
             body = {"prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "temperature": 0}
             r = http.post("/completion", json=body)
