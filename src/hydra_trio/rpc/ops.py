@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from .. import __version__
 from ..config import Settings
 from ..engine import transfer
 from ..engine.transfer import blob_hash
-from ..tasks import run_cpu_bound
+from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
-from ..wire.frames import parse_decode_frame
+from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
 from .connection import Connection
 
@@ -35,6 +37,7 @@ class OpContext:
     log: logging.LoggerAdapter  # type: ignore[type-arg]
     payload_len: int
     slot_id: int = 0
+    kv_digest: int | None = None  # XXH3 of the DECODE kv segment, hashed as it arrived
 
 
 class StartedWork(Protocol):
@@ -81,6 +84,8 @@ class OpSpec:
     precheck: Callable[[OpContext], None]
     run: Callable[[OpContext, memoryview], Awaitable[Reply]]
     cancel_on_disconnect: bool = False  # long ops stop when the caller hangs up
+    # Reads the payload (default: Connection.read_payload); may fill in the context.
+    receive: Callable[[OpContext], Awaitable[np.ndarray]] | None = None
 
 
 CAPABILITIES = (
@@ -121,7 +126,12 @@ class OpTable:
         }
         if state.decodes is not None:
             self._ops[Op.DECODE] = OpSpec(
-                "DECODE", self._decode_cap, self._slot_exists, self.decode, cancel_on_disconnect=True
+                "DECODE",
+                self._decode_cap,
+                self._slot_exists,
+                self.decode,
+                cancel_on_disconnect=True,
+                receive=self._receive_decode,
             )
 
     @property
@@ -250,6 +260,27 @@ class OpTable:
             meta["params_unused"] = unused
         return Reply.ok(meta)
 
+    async def _receive_decode(self, ctx: OpContext) -> np.ndarray:
+        """A large DECODE's kv segment is hashed as it arrives (off the trio thread), so its
+        check costs nothing once the last byte is in."""
+        if ctx.payload_len < CPU_OFFLOAD_MIN_BYTES:
+            return await ctx.conn.read_payload(ctx.payload_len)
+        max_header = self.state.settings.max_decode_header_bytes
+        total = ctx.payload_len
+
+        def span_of(head: memoryview) -> int | tuple[int, int] | None:
+            if len(head) < 4:
+                return 4
+            need = v3_head_len(head[:4])
+            if need > 12 + max_header:
+                return None  # a simple frame or an oversized header: the parse decides
+            if len(head) < need:
+                return need
+            return v3_kv_span(head, total, max_header_bytes=max_header)
+
+        payload, ctx.kv_digest = await ctx.conn.read_payload_hashing(total, span_of)
+        return payload
+
     async def decode(self, ctx: OpContext, payload: memoryview) -> Reply:
         settings = self.state.settings
         parse = partial(
@@ -258,8 +289,10 @@ class OpTable:
             max_header_bytes=settings.max_decode_header_bytes,
             max_prompt_bytes=settings.max_json_bytes,
             max_kv_bytes=settings.max_kv_bytes,
+            kv_digest=ctx.kv_digest,
         )
-        frame = await run_cpu_bound(parse, len(payload))  # hashes the whole kv segment
+        # JSON, and the kv hash unless it was computed as the bytes arrived.
+        frame = await run_cpu_bound(parse, len(payload))
         decodes = self.state.decodes
         assert decodes is not None
         # Validation and restore run under this handler's scope (a peer that hangs up

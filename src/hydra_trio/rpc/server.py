@@ -207,7 +207,8 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             rlog.info("payload of %d bytes is over the drain limit: closing", head.payload_len)
             return
         try:
-            payload = await conn.read_payload(head.payload_len)  # the one buffer it lives in
+            # The one buffer it lives in.
+            payload = await (spec.receive(ctx) if spec.receive else conn.read_payload(head.payload_len))
         except BaseException:
             budget.release(head.payload_len)
             raise

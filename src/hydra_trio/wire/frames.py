@@ -120,8 +120,12 @@ def parse_decode_frame(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+    kv_digest: int | None = None,
 ) -> DecodeFrame:
     """Split and verify a DECODE payload. Raises ProtocolError only.
+
+    ``kv_digest``: the XXH3 of the kv segment, when the caller hashed it as it arrived (see
+    ``v3_kv_span``); the segment is then not hashed again.
 
     Order (spec §4.2: frame and caps -> hashes -> JSON), applied layer by layer because the
     segment table lives *inside* the header and cannot be read before the header is verified:
@@ -170,6 +174,7 @@ def parse_decode_frame(
                 header_end,
                 max_prompt_bytes=max_prompt_bytes,
                 max_kv_bytes=max_kv_bytes,
+                kv_digest=kv_digest,
             )
     if total > 4 and view[4] == _OPEN_BRACE:
         return _parse_simple(view, hdr_len, max_kv_bytes=max_kv_bytes)
@@ -180,6 +185,41 @@ def parse_decode_frame(
         f"decode frame: header hash mismatch (declared {format_tag(stored)}, "
         f"got {format_tag(actual)})",
     )
+
+
+def v3_kv_span(head: Buffer, payload_len: int, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> tuple[int, int] | None:
+    """Where the kv segment of a v3 DECODE payload lies, from its first bytes alone: the
+    u32 length, the header hash and the header. ``(start, length)`` within the payload when
+    the header is intact and names a kv hash to check; None otherwise (too few bytes yet, a
+    simple frame, or anything the full parse will refuse or not hash).
+
+    Lets a receiver hash the kv segment as it arrives; ``parse_decode_frame(kv_digest=...)``
+    then checks that digest and every rule as usual."""
+    view = _byte_view(head)
+    if len(view) < 12:
+        return None
+    (hdr_len,) = _U32.unpack_from(view, 0)
+    header_end = 12 + hdr_len
+    if hdr_len > max_header_bytes or len(view) < header_end or payload_len < header_end:
+        return None
+    header_bytes = view[12:header_end]
+    if xxh3_64(header_bytes) != _U64.unpack_from(view, 4)[0]:
+        return None
+    try:
+        header = _loads_object(header_bytes, "decode header")
+        segments = _segment_table(header.get("segments"), payload_len - header_end)
+        k_off, k_len, k_tag = segments.get("kv", (0, 0, None))
+        if not k_len or parse_tag(k_tag) is None:
+            return None
+    except ProtocolError:
+        return None
+    return header_end + k_off, k_len
+
+
+def v3_head_len(first4: Buffer) -> int:
+    """How many leading bytes ``v3_kv_span`` needs: the 12-byte prefix plus the header whose
+    length the first 4 bytes declare."""
+    return 12 + _U32.unpack_from(_byte_view(first4), 0)[0]
 
 
 def _parse_simple(view: memoryview, json_len: int, *, max_kv_bytes: int) -> DecodeFrame:
@@ -237,6 +277,7 @@ def _parse_v3(
     *,
     max_prompt_bytes: int,
     max_kv_bytes: int,
+    kv_digest: int | None = None,
 ) -> DecodeFrame:
     header = _loads_object(header_bytes, "decode header")
     version = header.get("v")
@@ -253,7 +294,7 @@ def _parse_v3(
     prompt = body[p_off : p_off + p_len]
     kv = body[k_off : k_off + k_len]
     check_tag(prompt, p_tag, "decode frame: prompt segment")
-    check_tag(kv, k_tag, "decode frame: kv segment")
+    check_tag(kv, k_tag, "decode frame: kv segment", digest=kv_digest)
     request: dict[str, Any] = {}
     if p_len:
         request = _as_request(_loads(prompt, "prompt segment"), "prompt segment", allow_str=False)
@@ -364,4 +405,6 @@ __all__ = [
     "encode_v3_raw",
     "merged_generation",
     "parse_decode_frame",
+    "v3_head_len",
+    "v3_kv_span",
 ]

@@ -52,15 +52,16 @@ def parse_tag(tag: object, what: str = "hash") -> int | None:
     return int(tag[len(TAG_PREFIX) :], 16)
 
 
-def check_tag(data: Buffer, tag: object, what: str) -> None:
-    """Verify ``data`` against ``tag``; ``""``/None means "not checked".
+def check_tag(data: Buffer, tag: object, what: str, *, digest: int | None = None) -> None:
+    """Verify ``data`` against ``tag``; ``""``/None means "not checked". ``digest``: the XXH3
+    of these very bytes when the caller already computed it (e.g. as they arrived).
 
     Raises ProtocolError: BAD_FRAME for a malformed tag, HASH_MISMATCH when the bytes differ.
     """
     expected = parse_tag(tag, what)
     if expected is None:
         return
-    actual = xxh3_64(data)
+    actual = xxh3_64(data) if digest is None else digest
     if actual != expected:
         raise ProtocolError(
             ErrorCode.HASH_MISMATCH,
