@@ -17,6 +17,7 @@ from pathlib import Path
 import trio
 
 from .config import Settings
+from .decode.exports import ExportStore
 from .decode.manager import DecodeManager
 from .decode.store import ResultStore
 from .engine.engine import Engine
@@ -68,8 +69,13 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                 store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
                 decodes = DecodeManager(engine, store, settings, state.metrics)
                 await services.start(decodes.run)
-                state.engine, state.decodes = engine, decodes
+                exports = ExportStore(
+                    max_bytes=settings.kv_export_max_bytes, ttl_s=settings.kv_export_ttl_s, registry=state.metrics.registry
+                )
+                await services.start(exports.run)
+                state.engine, state.decodes, state.exports = engine, decodes, exports
                 rpc_port = await front.start(serve_rpc, state)
+                state.rpc_port = rpc_port
                 state.startup_phase = "ready"
                 log.info("ready: HTTP port %d, RPC port %d", http_port, rpc_port)
                 task_status.started(Endpoints(http_port, rpc_port, state))

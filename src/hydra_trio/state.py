@@ -16,6 +16,7 @@ from .config import Settings
 from .metrics import Metrics
 
 if TYPE_CHECKING:
+    from .decode.exports import ExportStore
     from .decode.manager import DecodeManager
     from .engine.engine import Engine
 
@@ -35,6 +36,8 @@ class AppState:
     metrics: Metrics = field(default_factory=Metrics)
     engine: Engine | None = None  # set once the model is loaded
     decodes: DecodeManager | None = None  # set once the decode manager runs
+    exports: ExportStore | None = None  # KV exports awaiting KV_PULL (P/D hand-off via a router)
+    rpc_port: int | None = None  # set once the RPC listener runs (advertised in kv_transfer_params)
     startup_phase: str = "starting"
     started_at: float = field(default_factory=time.time)
     llama_cpp_version: str = field(default_factory=_llama_version)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -15,6 +16,7 @@ from ..engine.engine import GenerationResult
 from ..engine.params import parse_generation
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
+from . import kv_transfer
 from .common import app_state, json_response, read_json_body, request_nursery, require_engine
 from .sse import SSE_DONE, completion_chunk, error_body, now_s, sse_event, timings, usage
 
@@ -100,6 +102,11 @@ async def chat_completions() -> Response:
     tokens = await engine.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
+    # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
+    exported = await kv_transfer.export_completion(state, body, tokens, params, partial(completion_body, cid, model))
+    if exported is not None:
+        return exported
+    handoff = await kv_transfer.begin_handoff(state, body)
     if not params.stream:
         try:
             with trio.fail_after(state.settings.slot_wait_s):
@@ -107,11 +114,12 @@ async def chat_completions() -> Response:
         except trio.TooSlowError:
             return _all_slots_busy(state)
         try:
-            res = await engine.generate(slot.id, tokens, params, _discard)
+            logits = await kv_transfer.restore_handoff(handoff, engine, slot.id, tokens)
+            res = await engine.generate(slot.id, tokens, params, _discard, logits=logits)
         finally:
             engine.release(slot)
         state.metrics.record_generation("chat", res)
-        return json_response(completion_body(cid, model, slot.id, res))
+        return json_response(completion_body(cid, model, slot.id, res, **kv_transfer.handoff_fields(handoff)))
 
     send, recv = trio.open_memory_channel[tuple[str, Any]](64)
     stall_s = state.settings.slot_wait_s
@@ -134,7 +142,8 @@ async def chat_completions() -> Response:
 
         async with send:
             try:
-                res = await engine.generate(slot.id, tokens, params, emit)
+                logits = await kv_transfer.restore_handoff(handoff, engine, slot.id, tokens)
+                res = await engine.generate(slot.id, tokens, params, emit, logits=logits)
                 state.metrics.record_generation("chat", res)
                 await put(("done", res))
             except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
@@ -159,7 +168,9 @@ async def chat_completions() -> Response:
                     if kind == "delta":
                         yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
                     elif kind == "done":
-                        yield sse_event(final_chunk(cid, created, model, slot_id, value))
+                        yield sse_event(
+                            final_chunk(cid, created, model, slot_id, value, **kv_transfer.handoff_fields(handoff))
+                        )
                     else:
                         yield sse_event(error_body(500, str(value), "server_error"))
             yield SSE_DONE
