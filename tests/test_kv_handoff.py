@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import (
     ENGINE,
@@ -23,6 +22,7 @@ from helpers import (
     http,
     parse_sse,
     rpc,
+    scrape,
     sse_text,
     wait_until,
 )
@@ -41,20 +41,6 @@ PREFILL_PARAMS = {  # what vllm-router's P/D mode sends to the prefill engine
     "remote_port": None,
 }
 N = 12
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-async def metrics(c: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    r = await c.get("/metrics")
-    assert r.status_code == 200
-    return samples(r.text)
 
 
 def prompt_computed(m: dict[Any, float]) -> float:
@@ -118,9 +104,9 @@ async def test_handoff_restores_the_prompt_and_matches_one_engine(pair: tuple[An
         assert not any(s.busy for s in a.state.engine.slots.slots)
         assert len(a.state.exports) == 1 and a.state.exports.bytes_held == hydra["kv_bytes"]
 
-        before = await metrics(cb)
+        before = await scrape(cb)
         text, final = await decode(cb, params, stream=stream)
-        after = await metrics(cb)
+        after = await scrape(cb)
 
     assert text == reference
     n_prompt = hydra["n_past"]
@@ -138,7 +124,7 @@ async def test_handoff_restores_the_prompt_and_matches_one_engine(pair: tuple[An
     # Released once pulled.
     assert len(a.state.exports) == 0 and a.state.exports.bytes_held == 0
     async with http(a) as ca:
-        m = await metrics(ca)
+        m = await scrape(ca)
     assert m[("hydra_kv_exports_total", (("outcome", "pulled"),))] == 1
     await assert_server_healthy(a)
     await assert_server_healthy(b)
@@ -157,7 +143,7 @@ async def test_lease_expires_and_decode_falls_back(start_engine: Callable[..., A
                 await exports.wait_changed()
         assert exports.bytes_held == 0
         text, body = await decode(cb, params)
-        m = await metrics(ca)
+        m = await scrape(ca)
     assert text == reference
     kv = body["kv_transfer"]
     assert kv["status"] == "fallback" and kv["reason"] == "not_found", kv
@@ -178,7 +164,7 @@ async def test_bounded_exports_evict_the_oldest(start_engine: Callable[..., Any]
         assert len(a.state.exports) == 1 and a.state.exports.bytes_held == size
         _, body1 = await decode(cb, first)
         _, body2 = await decode(cb, second)
-        m = await metrics(ca)
+        m = await scrape(ca)
     assert body1["kv_transfer"]["reason"] == "not_found"
     assert body2["kv_transfer"]["status"] == "restored"
     assert m[("hydra_kv_exports_total", (("outcome", "evicted"),))] >= 1
@@ -188,7 +174,7 @@ async def test_export_larger_than_the_store_is_refused(start_engine: Callable[..
     a = await start_engine(tiny_model_ctx, **ENGINE, kv_export_max_bytes=1000)
     async with http(a) as ca:
         body = await export(ca)
-        m = await metrics(ca)
+        m = await scrape(ca)
     # No kv_transfer_params: a router then lets the decode engine prefill on its own.
     assert "kv_transfer_params" not in body and body["kv_export"]["exported"] is False
     assert body["usage"]["completion_tokens"] == 1
@@ -215,9 +201,9 @@ async def test_failed_pull_prefills_locally_and_says_why(pair: tuple[Any, Any], 
     async with http(a) as ca, http(b) as cb:
         reference = await plain(cb)
         params = _tamper((await export(ca))["kv_transfer_params"], how)
-        before = await metrics(cb)
+        before = await scrape(cb)
         text, body = await decode(cb, params)
-        after = await metrics(cb)
+        after = await scrape(cb)
     assert text == reference  # never a 200 with wrong text
     kv = body["kv_transfer"]
     assert kv["status"] == "fallback" and kv["reason"] == how, kv
@@ -291,7 +277,7 @@ async def test_vllm_gauges_are_measured(start_engine: Callable[..., Any], tiny_m
     post = "/v1/chat/completions"
     body = {"messages": PROMPT, "max_tokens": 4, "temperature": 0}
     async with http(ep) as c, http(ep) as c2:
-        idle = await metrics(c)
+        idle = await scrape(c)
         assert idle[("vllm:num_requests_running", labels)] == 0
         assert idle[("vllm:num_requests_waiting", labels)] == 0
         assert idle[("vllm:kv_cache_usage_perc", labels)] == 0
@@ -305,12 +291,12 @@ async def test_vllm_gauges_are_measured(start_engine: Callable[..., Any], tiny_m
             await g.wait_queued(2)  # the second request's tokenize, behind it
             await g.step(2)  # the chunk, then the tokenize: the second now waits for the slot
             await wait_until(lambda: ep.state.engine.slots.waiting == 1)
-            busy = await metrics(c)
+            busy = await scrape(c)
             assert busy[("vllm:num_requests_running", labels)] == 1
             assert busy[("vllm:num_requests_waiting", labels)] == 1
             assert busy[("vllm:kv_cache_usage_perc", labels)] == ep.state.engine.n_past(0) / ep.state.engine.n_ctx > 0
             g.open()
-        done = await metrics(c)
+        done = await scrape(c)
     assert done[("vllm:num_requests_running", labels)] == 0
     assert done[("vllm:num_requests_waiting", labels)] == 0
     # The finished requests' KV stays as an evictable prefix cache: not "used".
