@@ -307,3 +307,62 @@ async def test_vllm_gauges_are_measured(start_engine: Callable[..., Any], tiny_m
     hits = done[("vllm:prefix_cache_hits_total", labels)]
     assert queries == done[("hydra_prompt_tokens_total", chat)] + done[("hydra_cached_prompt_tokens_total", chat)]
     assert hits == queries / 2 - 1  # the last prompt token is re-evaluated for its logits
+
+
+class SilentPeer:
+    """A TCP peer that reads the KV_PULL and never answers: how a wedged prefill engine
+    looks. Records when the puller hangs up."""
+
+    def __init__(self) -> None:
+        self.connected = trio.Event()
+        self.hung_up = trio.Event()
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connected.set()
+        async with stream:
+            while await stream.receive_some(65536):
+                pass
+        self.hung_up.set()
+
+
+async def _silent_peer(nursery: trio.Nursery) -> tuple[SilentPeer, int]:
+    peer = SilentPeer()
+    listeners = await nursery.start(partial(trio.serve_tcp, peer.handle, 0, host="127.0.0.1"))
+    return peer, listeners[0].socket.getsockname()[1]
+
+
+async def test_pull_deadline_falls_back(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, nursery: trio.Nursery
+) -> None:
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=0.3)
+    peer, port = await _silent_peer(nursery)
+    async with http(a) as ca, http(b) as cb:
+        reference = await plain(cb)
+        params = (await export(ca))["kv_transfer_params"]
+        params["remote_port"] = port
+        text, body = await decode(cb, params)
+    assert text == reference
+    assert body["kv_transfer"]["reason"] == "timeout"
+    with trio.fail_after(5):
+        await peer.hung_up.wait()  # the deadline closed the connection
+    await assert_server_healthy(b)
+
+
+async def test_client_leaving_during_the_pull_cancels_it(pair: tuple[Any, Any], nursery: trio.Nursery) -> None:
+    a, b = pair
+    peer, port = await _silent_peer(nursery)
+    async with http(a) as ca:
+        params = (await export(ca))["kv_transfer_params"]
+    params["remote_port"] = port
+    req = {"messages": PROMPT, "max_tokens": N, "temperature": 0, "stream": True, "kv_transfer_params": params}
+    async with http(b) as cb:
+        async with cb.stream("POST", "/v1/chat/completions", json=req) as r:
+            assert r.status_code == 200
+            with trio.fail_after(10):
+                await peer.connected.wait()  # the pull is under way, in the request's slot
+            assert any(s.busy for s in b.state.engine.slots.slots)
+        # The client has gone: the pull's connection closes and the slot is freed.
+    with trio.fail_after(10):
+        await peer.hung_up.wait()
+    await assert_server_healthy(b)

@@ -4,9 +4,10 @@ Prefill side (``prefill_export``): prefill the prompt in a slot, sample the one 
 router asked for, copy the slot's KV (and the last logits) out into host memory as an
 export under a lease (``exports.py``), and free the slot at once.
 
-Decode side (``Handoff``): pull the export over the binary RPC (``rpc/kvpull.py``), check
-it (caps, identity gate, hash, the prompt it holds), restore it into the request's slot and
-let the normal generation continue from it. Any failure falls back to prefilling locally
+Decode side (``Handoff``): check the identity the export claims, then, in the request's
+slot, pull it over the binary RPC (``rpc/kvpull.py``), check it (caps, hash, identity of
+the serving engine, the prompt it holds), restore it and let the normal generation
+continue from it. Any failure falls back to prefilling locally
 and says why (``report()``, ``hydra_kv_pulls_total{outcome="fallback",reason}``): the
 text is the same either way, only the prompt work differs.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -107,72 +108,45 @@ class Handoff:
 
     params: HandoffParams | None
     exports: ExportStore  # for the metrics
+    trace: str = ""  # the router's X-Request-Id: on the KV_PULL, for the prefill engine's logs
     status: str = "pending"  # restored | fallback
     reason: str = ""
     detail: str = ""
-    blob: KvBlob | None = None
     kv_bytes: int = 0
     pull_ms: float = 0.0
     restore_ms: float = 0.0
     n_restored: int = 0
-    _buffer: bytearray | None = field(default=None, repr=False)
 
     @classmethod
-    async def pull(
-        cls, engine: Engine, exports: ExportStore, settings: Settings, raw: object, *, trace: str = ""
-    ) -> Handoff | None:
-        """Pull and check the export ``raw`` (a request's ``kv_transfer_params``) names.
-
-        None when it names no hydra export. A failed pull is a Handoff in ``fallback``.
-        Runs under the caller's scope (a client that leaves cancels it) with
-        ``--kv-pull-timeout-s`` as its own deadline."""
+    def begin(cls, engine: Engine, exports: ExportStore, raw: object, *, trace: str = "") -> Handoff | None:
+        """The hand-off a request's ``kv_transfer_params`` (``raw``) asks for: None when it
+        names no hydra export; already a fallback when it is malformed or names KV of
+        another model (the identity gate, before any byte moves)."""
         try:
             params = parse_handoff_params(raw)
         except ProtocolError as err:
-            h = cls(None, exports)
+            h = cls(None, exports, trace)
             h._fail("bad_params", err.message)
             return h
         if params is None:
             return None
-        h = cls(params, exports)
+        h = cls(params, exports, trace)
         match = compare_identity(engine.identity, params.identity, header_model=None)
         if not match.accepted:
             h._fail("identity_mismatch", f"export was made by another model: {match.reason}")
-            return h
-        t0 = time.perf_counter()
-        try:
-            with trio.fail_after(settings.kv_pull_timeout_s):
-                pulled = await pull_export(params, max_kv_bytes=settings.max_kv_bytes, trace=trace)
-        except trio.TooSlowError:
-            h._fail("timeout", f"no KV from {params.host}:{params.port} within {settings.kv_pull_timeout_s:g} s")
-            return h
-        except PullFailed as exc:
-            h._fail(exc.reason, exc.detail)
-            return h
-        h.pull_ms = (time.perf_counter() - t0) * 1000.0
-        h.kv_bytes = len(pulled.blob)
-        exports.metrics.pull_bytes.inc(h.kv_bytes)
-        # The identity gate again, on what the engine that served the bytes says of itself.
-        match = compare_identity(engine.identity, pulled.meta, header_model=None)
-        if not match.accepted:
-            h._fail("identity_mismatch", f"prefill engine serves another model: {match.reason}")
-            return h
-        try:
-            h.blob = await run_cpu_bound(partial(parse_kv_blob, pulled.blob), len(pulled.blob))
-        except ProtocolError as err:
-            h._fail("bad_reply", err.message)
-            return h
-        if h.blob.n_past != params.n_past:
-            h._fail("bad_reply", f"blob holds {h.blob.n_past} positions; the export announced {params.n_past}")
-            return h
-        h._buffer = pulled.blob
         return h
 
-    async def restore(self, engine: Engine, slot_id: int, prompt_tokens: list[int]) -> bytes | None:
-        """Restore the pulled KV into the caller's (claimed) slot; the logits that came
-        with it. On any refusal the slot is as it was and the request prefills locally."""
-        blob, self.blob, self._buffer = self.blob, None, None  # let the received bytes go after this
-        if blob is None or self.status != "pending":
+    async def restore(self, engine: Engine, settings: Settings, slot_id: int, prompt_tokens: list[int]) -> bytes | None:
+        """Pull the export and restore it into the caller's (claimed) slot; the logits that
+        came with it. On any failure the slot is as it was and the request prefills locally.
+
+        Runs in the request's slot, as a DECODE's receive does: the pulled bytes live only
+        until the restore (memory bounded by the slots), and a client that leaves cancels
+        the pull. ``--kv-pull-timeout-s`` bounds the pull."""
+        if self.status != "pending" or self.params is None:
+            return None
+        blob = await self._pull(engine, settings)
+        if blob is None:
             return None
         if blob.tokens != prompt_tokens[: len(blob.tokens)] or len(blob.tokens) > len(prompt_tokens):
             self._fail("prompt_mismatch", "the export holds another prompt than this request's")
@@ -192,6 +166,37 @@ class Handoff:
         self.status = "restored"
         self.exports.metrics.pulls.labels("restored", "").inc()
         return logits
+
+    async def _pull(self, engine: Engine, settings: Settings) -> KvBlob | None:
+        params = self.params
+        assert params is not None
+        t0 = time.perf_counter()
+        try:
+            with trio.fail_after(settings.kv_pull_timeout_s):
+                pulled = await pull_export(params, max_kv_bytes=settings.max_kv_bytes, trace=self.trace)
+        except trio.TooSlowError:
+            self._fail("timeout", f"no KV from {params.host}:{params.port} within {settings.kv_pull_timeout_s:g} s")
+            return None
+        except PullFailed as exc:
+            self._fail(exc.reason, exc.detail)
+            return None
+        self.pull_ms = (time.perf_counter() - t0) * 1000.0
+        self.kv_bytes = len(pulled.blob)
+        self.exports.metrics.pull_bytes.inc(self.kv_bytes)
+        # The identity gate again, on what the engine that served the bytes says of itself.
+        match = compare_identity(engine.identity, pulled.meta, header_model=None)
+        if not match.accepted:
+            self._fail("identity_mismatch", f"prefill engine serves another model: {match.reason}")
+            return None
+        try:
+            blob = await run_cpu_bound(partial(parse_kv_blob, pulled.blob), len(pulled.blob))
+        except ProtocolError as err:
+            self._fail("bad_reply", err.message)
+            return None
+        if blob.n_past != params.n_past:
+            self._fail("bad_reply", f"blob holds {blob.n_past} positions; the export announced {params.n_past}")
+            return None
+        return blob
 
     def _fail(self, reason: str, detail: str) -> None:
         self.status, self.reason, self.detail = "fallback", reason, detail

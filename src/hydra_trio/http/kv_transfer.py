@@ -5,9 +5,9 @@ A route (chat completions; text completions use the same three calls) does:
     exported = await export_completion(state, body, tokens, params, render)
     if exported is not None:
         return exported                        # prefill side: do_remote_decode
-    handoff = await begin_handoff(state, body)  # decode side: None unless it names an export
+    handoff = begin_handoff(state, body)      # decode side: None unless it names an export
     ... claim a slot ...
-    logits = await restore_handoff(handoff, engine, slot.id, tokens)
+    logits = await restore_handoff(state, handoff, engine, slot.id, tokens)
     res = await engine.generate(slot.id, tokens, params, emit, logits=logits)
     ... render(slot.id, res, **handoff_fields(handoff)) ...
 
@@ -95,27 +95,28 @@ def _rpc_port(state: AppState) -> int:
     return state.rpc_port
 
 
-async def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
-    """Decode side: pull the export the request's ``kv_transfer_params`` names (before a
-    slot is claimed: the network wait holds no slot). None when it names none."""
+def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
+    """Decode side: the hand-off the request's ``kv_transfer_params`` asks for (None when
+    it names no hydra export). Nothing moves yet: the pull runs in the request's slot."""
     raw = body.get("kv_transfer_params")
     if raw is None:
         return None
-    engine = require_engine()
     exports = state.exports
     assert exports is not None
-    return await Handoff.pull(engine, exports, state.settings, raw, trace=_request_id())
+    return Handoff.begin(require_engine(), exports, raw, trace=_request_id())
 
 
-async def restore_handoff(handoff: Handoff | None, engine: Engine, slot_id: int, tokens: list[int]) -> bytes | None:
-    """Restore a pulled export into the claimed slot; the logits for the first token."""
+async def restore_handoff(
+    state: AppState, handoff: Handoff | None, engine: Engine, slot_id: int, tokens: list[int]
+) -> bytes | None:
+    """Pull the export into the claimed slot; the logits for the first token (None: no
+    hand-off, or it fell back to a local prefill)."""
     if handoff is None:
         return None
-    return await handoff.restore(engine, slot_id, tokens)
+    return await handoff.restore(engine, state.settings, slot_id, tokens)
 
 
 def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
     """Extra response fields: ``kv_transfer`` says whether the KV came from the prefill
     engine or was recomputed here, and why."""
     return {} if handoff is None else {"kv_transfer": handoff.report()}
-

@@ -106,7 +106,7 @@ async def chat_completions() -> Response:
     exported = await kv_transfer.export_completion(state, body, tokens, params, partial(completion_body, cid, model))
     if exported is not None:
         return exported
-    handoff = await kv_transfer.begin_handoff(state, body)
+    handoff = kv_transfer.begin_handoff(state, body)
     if not params.stream:
         try:
             with trio.fail_after(state.settings.slot_wait_s):
@@ -114,7 +114,7 @@ async def chat_completions() -> Response:
         except trio.TooSlowError:
             return _all_slots_busy(state)
         try:
-            logits = await kv_transfer.restore_handoff(handoff, engine, slot.id, tokens)
+            logits = await kv_transfer.restore_handoff(state, handoff, engine, slot.id, tokens)
             res = await engine.generate(slot.id, tokens, params, _discard, logits=logits)
         finally:
             engine.release(slot)
@@ -142,7 +142,7 @@ async def chat_completions() -> Response:
 
         async with send:
             try:
-                logits = await kv_transfer.restore_handoff(handoff, engine, slot.id, tokens)
+                logits = await kv_transfer.restore_handoff(state, handoff, engine, slot.id, tokens)
                 res = await engine.generate(slot.id, tokens, params, emit, logits=logits)
                 state.metrics.record_generation("chat", res)
                 await put(("done", res))
