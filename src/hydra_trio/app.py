@@ -76,6 +76,11 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                 state.engine, state.decodes, state.exports = engine, decodes, exports
                 rpc_port = await front.start(serve_rpc, state)
                 state.rpc_port = rpc_port
+                if settings.advertise_host is None and settings.host in ("0.0.0.0", "::", ""):
+                    log.warning(
+                        "KV exports will name RPC host %r, which other machines cannot reach: "
+                        "set --advertise-host to this engine's address", settings.host
+                    )
                 state.startup_phase = "ready"
                 log.info("ready: HTTP port %d, RPC port %d", http_port, rpc_port)
                 task_status.started(Endpoints(http_port, rpc_port, state))

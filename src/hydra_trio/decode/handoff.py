@@ -26,6 +26,7 @@ from ..config import Settings
 from ..engine.backend import Sampler
 from ..engine.engine import Engine, GenerationResult
 from ..engine.params import GenerationParams
+from ..engine.slots import Slot
 from ..engine.text import TextAssembler, common_prefix_len
 from ..engine.transfer import blob_hash
 from ..model.identity import compare_identity
@@ -53,20 +54,16 @@ class ExportedPrefill:
 
 
 async def prefill_export(
-    engine: Engine,
-    exports: ExportStore,
-    tokens: list[int],
-    params: GenerationParams,
-    owner: str,
+    engine: Engine, exports: ExportStore, slot: Slot, tokens: list[int], params: GenerationParams
 ) -> ExportedPrefill:
-    """Prefill ``tokens`` in a free slot (waiting for one as long as the caller's scope
-    allows), sample one token, copy the KV out as an export and release the slot."""
-    slot = await engine.claim_for_prompt(tokens, owner)
+    """Prefill ``tokens`` in ``slot`` (claimed by the caller; released here, however this
+    ends), sample one token, copy the KV out as an export."""
     t_claim = time.perf_counter()
     res = GenerationResult(prompt_tokens=len(tokens))
     backend = engine.backend
-    sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
+    sampler: Sampler | None = None
     try:
+        sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
         n_common = common_prefix_len(backend.seq_tokens[slot.id], tokens)
         if n_common == len(tokens):
             n_common -= 1  # re-evaluate the last prompt token: its logits travel with the KV
@@ -80,7 +77,8 @@ async def prefill_export(
         head, state, n_past = await engine.state_get(slot.id)
         copy_ms = (time.perf_counter() - t_prefilled) * 1000.0
     finally:
-        backend.retire(sampler)
+        if sampler is not None:
+            backend.retire(sampler)
         engine.release(slot)
     slot_held_ms = (time.perf_counter() - t_claim) * 1000.0
     # The answer a router asked for (max_tokens 1): the token sampled from the last logits.

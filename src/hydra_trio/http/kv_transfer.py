@@ -55,14 +55,15 @@ async def export_completion(
     assert exports is not None, "the export store starts before HTTP serves requests"
     owner = f"http:kv-export:{_request_id() or secrets.token_hex(6)}"
     try:
-        with trio.fail_after(state.settings.slot_wait_s):
-            out = await prefill_export(engine, exports, tokens, params, owner)
+        with trio.fail_after(state.settings.slot_wait_s):  # the wait for a slot, not the prefill
+            slot = await engine.claim_for_prompt(tokens, owner)
     except trio.TooSlowError:
         return json_response(
             error_body(503, f"all slots are busy (waited {state.settings.slot_wait_s:g} s)", "unavailable_error"),
             503,
             headers={"Retry-After": "1"},
         )
+    out = await prefill_export(engine, exports, slot, tokens, params)  # releases the slot
     state.metrics.record_generation("kv_export", out.result)
     export = out.export
     extra: dict[str, Any] = {
