@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 from hydra_trio.wire.hashing import xxh3_tag
@@ -162,3 +164,30 @@ def test_check_pulled_refuses(meta: dict[str, Any], payload: bytes, code: ErrorC
     with pytest.raises(ProtocolError) as info:
         check_pulled(params, meta, payload)
     assert info.value.code == code
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    base=st.sampled_from(["valid", "empty"]),
+    where=st.sampled_from(["top", "hydra"]),
+    key=st.sampled_from(["remote_host", "remote_port", "hydra", "v", "export_id", "n_past", "kv_hash", "kv_bytes", "x"]),
+    value=_JSON,
+)
+def test_any_params_parse_or_refuse_cleanly(base: str, where: str, key: str, value: Any) -> None:
+    """Whatever a client puts in kv_transfer_params: None, a HandoffParams, or a BAD_FRAME."""
+    p: dict[str, Any] = _params() if base == "valid" else {"hydra": {}}
+    target = p if where == "top" or not isinstance(p.get("hydra"), dict) else p["hydra"]
+    target[key] = value
+    try:
+        parsed = parse_handoff_params(p)
+    except ProtocolError as err:
+        assert err.code == ErrorCode.BAD_FRAME
+        return
+    assert parsed is None or (parsed.port > 0 and parsed.n_past > 0 and parsed.kv_hash.startswith("xxh3:"))
