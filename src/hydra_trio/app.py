@@ -3,7 +3,7 @@ entry points (``cli.py``, ``local.py``).
 
 Start order (each with ``nursery.start``, so the next part starts only once the previous one
 is ready): HTTP (answers /health 503 "starting" while the model loads) -> model + engine ->
-decode manager -> RPC listener.
+decode manager -> KV export store (lease expiry) -> RPC listener.
 
 Lifetimes nest: the front ends (HTTP, RPC) end first, then the decode manager's requests,
 then the engine, so nothing waits on a step of a closed engine.
