@@ -366,3 +366,19 @@ async def test_client_leaving_during_the_pull_cancels_it(pair: tuple[Any, Any], 
     with trio.fail_after(10):
         await peer.hung_up.wait()
     await assert_server_healthy(b)
+
+
+async def test_params_that_ask_nothing_are_ignored(pair: tuple[Any, Any]) -> None:
+    a, _ = pair
+    async with http(a) as ca:
+        reference = await plain(ca)
+        nothing = {**PREFILL_PARAMS, "do_remote_decode": False}
+        text, body = await decode(ca, nothing)
+        # A prefill request that asks to stream still gets the JSON reply a router reads.
+        r = await ca.post(
+            "/v1/chat/completions",
+            json={"messages": PROMPT, "max_tokens": 1, "stream": True, "kv_transfer_params": PREFILL_PARAMS},
+        )
+    assert text == reference and "kv_transfer" not in body and "kv_transfer_params" not in body
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["kv_transfer_params"]["hydra"]["export_id"]
