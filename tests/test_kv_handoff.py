@@ -273,7 +273,7 @@ async def test_decode_client_leaving_mid_stream_leaves_both_idle(pair: tuple[Any
 
 async def test_vllm_gauges_are_measured(start_engine: Callable[..., Any], tiny_model: Path) -> None:
     ep = await start_engine(tiny_model, **ENGINE, slots=1, slot_wait_s=30.0)
-    labels = (("model_name", ep.state.engine.identity.model_alias),)
+    labels = (("engine", "0"), ("model_name", ep.state.engine.identity.model_alias))
     post = "/v1/chat/completions"
     body = {"messages": PROMPT, "max_tokens": 4, "temperature": 0}
     async with http(ep) as c, http(ep) as c2:

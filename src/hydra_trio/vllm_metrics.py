@@ -5,8 +5,10 @@ vLLM production stack, KEDA rules): ``vllm:num_requests_running``,
 
 prometheus-client accepts ':' in metric names (it is legal in the exposition format; the
 Prometheus docs reserve it for recording rules, and vLLM uses it anyway), so these are
-ordinary metric families, rendered as vLLM renders them (counters with ``_total``), each
-with vLLM's ``model_name`` label. Every value is read from the engine at scrape time.
+ordinary metric families, rendered as vLLM renders them (counters with ``_total``), with
+vLLM's labels: ``engine="0"`` (one engine per process: vllm-router counts distinct
+``engine`` labels to size data parallelism) and ``model_name``. Every value is read from
+the engine at scrape time.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ class VllmCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
-        labels = ["model_name"]
-        model = [engine.identity.model_alias]
+        labels = ["engine", "model_name"]
+        model = ["0", engine.identity.model_alias]
         slots = engine.slots
         # A request runs from its slot claim to its release (prefill, generation, export copy).
         running = sum(1 for s in slots.slots if s.busy)
