@@ -20,13 +20,16 @@ def _count(registry: CollectorRegistry, outcome: str) -> float:
     return value or 0.0
 
 
+IDENTITY = {"model_alias": "tiny", "model_name": "Tiny"}
+
+
 def _blob(n: int) -> list[bytes | bytearray]:
     return [b"h" * 10, bytearray(n - 10)]
 
 
 async def test_served_once_and_bytes_returned() -> None:
     store, registry = _store()
-    export = store.put(_blob(300), 7, "xxh3:0000000000000001")
+    export = store.put(_blob(300), 7, "xxh3:0000000000000001", IDENTITY)
     assert export is not None and len(export.id) == 22
     assert len(store) == 1 and store.bytes_held == 300
     assert registry.get_sample_value("hydra_kv_export_bytes") == 300
@@ -38,7 +41,7 @@ async def test_served_once_and_bytes_returned() -> None:
 
 async def test_the_oldest_are_evicted_to_stay_under_the_bound() -> None:
     store, registry = _store(max_bytes=1000)
-    ids = [store.put(_blob(400), 1, "xxh3:0000000000000001").id for _ in range(3)]  # type: ignore[union-attr]
+    ids = [store.put(_blob(400), 1, "xxh3:0000000000000001", IDENTITY).id for _ in range(3)]  # type: ignore[union-attr]
     assert store.bytes_held == 800 and len(store) == 2
     assert store.take(ids[0]) is None  # the oldest made room for the third
     assert store.take(ids[1]) is not None and store.take(ids[2]) is not None
@@ -47,8 +50,8 @@ async def test_the_oldest_are_evicted_to_stay_under_the_bound() -> None:
 
 async def test_larger_than_the_bound_alone_is_refused() -> None:
     store, registry = _store(max_bytes=1000)
-    kept = store.put(_blob(600), 1, "xxh3:0000000000000001")
-    assert store.put(_blob(1001), 1, "xxh3:0000000000000001") is None
+    kept = store.put(_blob(600), 1, "xxh3:0000000000000001", IDENTITY)
+    assert store.put(_blob(1001), 1, "xxh3:0000000000000001", IDENTITY) is None
     assert _count(registry, "refused") == 1
     assert kept is not None and store.take(kept.id) is kept  # nothing was evicted for it
 
@@ -57,9 +60,9 @@ async def test_leases_end_on_time_without_any_access(nursery: trio.Nursery, auto
     store, registry = _store(ttl_s=30.0)
     await nursery.start(store.run)
     t0 = trio.current_time()
-    first = store.put(_blob(100), 1, "xxh3:0000000000000001")
+    first = store.put(_blob(100), 1, "xxh3:0000000000000001", IDENTITY)
     await trio.sleep(10)
-    second = store.put(_blob(100), 1, "xxh3:0000000000000001")
+    second = store.put(_blob(100), 1, "xxh3:0000000000000001", IDENTITY)
     assert first is not None and second is not None
     while len(store) == 2:
         await store.wait_changed()
@@ -74,7 +77,7 @@ async def test_leases_end_on_time_without_any_access(nursery: trio.Nursery, auto
 
 async def test_taking_an_expired_export_fails_even_before_the_sweeper_runs(autojump_clock: trio.abc.Clock) -> None:
     store, _ = _store(ttl_s=1.0)
-    export = store.put(_blob(100), 1, "xxh3:0000000000000001")
+    export = store.put(_blob(100), 1, "xxh3:0000000000000001", IDENTITY)
     assert export is not None
     await trio.sleep(1.0)
     assert store.take(export.id) is None
@@ -84,6 +87,6 @@ async def test_stopping_the_store_drops_every_export(autojump_clock: trio.abc.Cl
     store, _ = _store()
     async with trio.open_nursery() as nursery:
         await nursery.start(store.run)
-        store.put(_blob(100), 1, "xxh3:0000000000000001")
+        store.put(_blob(100), 1, "xxh3:0000000000000001", IDENTITY)
         nursery.cancel_scope.cancel()
     assert len(store) == 0 and store.bytes_held == 0

@@ -382,3 +382,22 @@ async def test_params_that_ask_nothing_are_ignored(pair: tuple[Any, Any]) -> Non
     assert text == reference and "kv_transfer" not in body and "kv_transfer_params" not in body
     assert r.headers["content-type"].startswith("application/json")
     assert r.json()["kv_transfer_params"]["hydra"]["export_id"]
+
+
+async def test_export_keeps_the_identity_of_the_model_that_made_it(
+    pair: tuple[Any, Any], tiny_model: Path
+) -> None:
+    """A staged model reload (CONFIGURE T3) between export and pull does not relabel the
+    KV: the pull reports the model that computed it, so a decode engine serving that model
+    still restores it (and one serving the new model would refuse it)."""
+    a, b = pair
+    async with http(a) as ca, http(b) as cb:
+        reference = await plain(cb)
+        params = (await export(ca))["kv_transfer_params"]
+        async with await rpc(a) as c:
+            assert (await c.configure(None, {"model_path": str(tiny_model)})).meta["tier"] == "T3"
+        await wait_until(lambda: a.state.engine.t3_reloads == 1, 30.0)
+        assert a.state.engine.identity.model_name != b.state.engine.identity.model_name
+        text, body = await decode(cb, params)
+    assert body["kv_transfer"]["status"] == "restored", body["kv_transfer"]
+    assert text == reference

@@ -15,6 +15,7 @@ import math
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -30,6 +31,9 @@ class Export:
     parts: list[Part]  # the v2 blob: head, llama state, logits
     n_past: int
     kv_hash: str
+    # The identity of the model that made the KV, fixed when the export is made: a staged
+    # model reload (CONFIGURE T3) must not relabel KV of the previous model.
+    identity: dict[str, Any]
     expires_at: float  # trio.current_time()
 
     @property
@@ -75,7 +79,7 @@ class ExportStore:
     def __len__(self) -> int:
         return len(self._exports)
 
-    def put(self, parts: list[Part], n_past: int, kv_hash: str) -> Export | None:
+    def put(self, parts: list[Part], n_past: int, kv_hash: str, identity: dict[str, Any]) -> Export | None:
         """Keep a blob under a new lease; None when it alone is larger than the store."""
         nbytes = sum(len(p) for p in parts)
         if nbytes > self.max_bytes:
@@ -86,7 +90,7 @@ class ExportStore:
             _, oldest = self._exports.popitem(last=False)
             self._drop(oldest, "evicted")
             log.info("KV export %s evicted (%d bytes) to make room", oldest.id, oldest.nbytes)
-        export = Export(secrets.token_urlsafe(16), parts, n_past, kv_hash, trio.current_time() + self.ttl_s)
+        export = Export(secrets.token_urlsafe(16), parts, n_past, kv_hash, identity, trio.current_time() + self.ttl_s)
         self._exports[export.id] = export
         self.bytes_held += nbytes
         self.metrics.exports.labels("created").inc()

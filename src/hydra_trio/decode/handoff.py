@@ -34,7 +34,7 @@ from ..rpc.kvpull import PullFailed, pull_export
 from ..tasks import run_cpu_bound
 from ..wire.errors import ProtocolError
 from ..wire.kvblob import KvBlob, parse_kv_blob
-from ..wire.kvpull import HandoffParams, parse_handoff_params
+from ..wire.kvpull import IDENTITY_KEYS, HandoffParams, parse_handoff_params
 from .exports import Export, ExportStore
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ async def prefill_export(
         res.stop_type = "word" if assembler.stopped_by is not None else "limit"
     parts: list[bytes | bytearray] = [head, state, logits]
     kv_hash = await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts)))
-    export = exports.put(parts, n_past, kv_hash)
+    identity = engine.identity.info_fields()
+    export = exports.put(parts, n_past, kv_hash, {k: identity[k] for k in IDENTITY_KEYS})
     return ExportedPrefill(res, slot.id, export, res.prompt_ms, copy_ms, slot_held_ms)
 
 

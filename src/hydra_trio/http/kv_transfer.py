@@ -25,7 +25,7 @@ from quart import Response, request
 
 from ..decode.handoff import Handoff, prefill_export
 from ..engine.params import GenerationParams
-from ..wire.kvpull import IDENTITY_KEYS, export_params, wants_remote_decode
+from ..wire.kvpull import export_params, wants_remote_decode
 from .common import EngineStarting, json_response, require_engine
 from .sse import error_body
 
@@ -75,7 +75,6 @@ async def export_completion(
         }
     }
     if export is not None:
-        identity = engine.identity.info_fields()
         extra["kv_export"].update(export_id=export.id, kv_bytes=export.nbytes)
         extra["kv_transfer_params"] = export_params(
             host=state.settings.advertise_host or state.settings.host,
@@ -85,7 +84,7 @@ async def export_completion(
             kv_hash=export.kv_hash,
             kv_bytes=export.nbytes,
             ttl_s=exports.ttl_s,
-            identity={k: identity[k] for k in IDENTITY_KEYS},
+            identity=export.identity,
         )
     return json_response(render(out.slot_id, out.result, **extra))
 

@@ -15,7 +15,7 @@ from ..engine.transfer import blob_hash
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame
-from ..wire.kvpull import IDENTITY_KEYS, KV_PULL_MAX_REQUEST_BYTES, parse_pull_request
+from ..wire.kvpull import KV_PULL_MAX_REQUEST_BYTES, parse_pull_request
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
 from .connection import Connection
 
@@ -283,14 +283,13 @@ class OpTable:
             raise ProtocolError(
                 ErrorCode.EXPORT_NOT_FOUND, f"no KV export {export_id}: unknown, expired or already pulled"
             )
-        identity = self.engine.identity.info_fields()
         meta = {
             "export_id": export.id,
             "n_past": export.n_past,
             "state_size": len(export.parts[1]),
             "kv_bytes": export.nbytes,
             "kv_hash": export.kv_hash,
-            **{k: identity[k] for k in IDENTITY_KEYS},
+            **export.identity,  # of the model that made the KV
         }
         ctx.log.info("KV_PULL %s: %d positions, %d bytes", export.id, export.n_past, export.nbytes)
         return Reply.ok(meta, list(export.parts))
