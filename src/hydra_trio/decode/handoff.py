@@ -7,9 +7,9 @@ export under a lease (``exports.py``), and free the slot at once.
 Decode side (``Handoff``): check the identity the export claims, then, in the request's
 slot, pull it over the binary RPC (``rpc/kvpull.py``), check it (caps, hash, identity of
 the serving engine, the prompt it holds), restore it and let the normal generation
-continue from it. Any failure falls back to prefilling locally
-and says why (``report()``, ``hydra_kv_pulls_total{outcome="fallback",reason}``): the
-text is the same either way, only the prompt work differs.
+continue from it. Any failure falls back to prefilling locally and says why (``report()``,
+``hydra_kv_pulls_total{outcome="fallback",reason}``): the text is the same either way,
+only the prompt work differs.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class Handoff:
     params: HandoffParams | None
     exports: ExportStore  # for the metrics
     trace: str = ""  # the router's X-Request-Id: on the KV_PULL, for the prefill engine's logs
-    status: str = "pending"  # restored | fallback
+    status: str = "pending"  # restored | fallback (pending: the request ended before its slot)
     reason: str = ""
     detail: str = ""
     kv_bytes: int = 0
