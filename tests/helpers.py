@@ -390,6 +390,28 @@ async def read_sse(
                     return
 
 
+# ---- /metrics ---------------------------------------------------------------------------------
+
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metric_samples(text: str) -> MetricSamples:
+    """{(sample name, sorted labels): value} of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def scrape(c: httpx.AsyncClient) -> MetricSamples:
+    r = await c.get("/metrics")
+    assert r.status_code == 200
+    return metric_samples(r.text)
+
+
 # ---- HTTP chat and RPC health (integration tests) -------------------------------------------
 
 

@@ -311,7 +311,7 @@ async def test_metrics_after_completion(engine: Any) -> None:
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     samples = _metric_samples(r.text)
-    assert all(name.startswith("hydra_") or name.startswith("python_") or name.startswith("process_") for name, _ in samples)
+    assert all(name.startswith(("hydra_", "vllm:", "python_", "process_")) for name, _ in samples)
     assert samples[("hydra_completion_tokens_total", (("path", "chat"),))] == 9
     assert samples[("hydra_prompt_tokens_total", (("path", "chat"),))] > 0
     assert samples[("hydra_ttft_ms_count", (("path", "chat"),))] == 1

@@ -15,7 +15,7 @@ from hydra_trio.rpc.client import build_decode_frame, encode_request_header
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.protocol import RESPONSE_HEADER, Op, encode_request, parse_response_header
 
-OPS = [int(op) for op in Op] + [0x00, 0x2F, 0x47, 0xFF]
+OPS = [int(op) for op in Op] + [0x00, 0x2F, 0x48, 0xFF]
 
 
 def _valid_requests(blob: bytes) -> list[bytes]:

@@ -74,7 +74,7 @@ async def test_bad_magic_closes_without_reply(engine: Any, magic: bytes) -> None
     await assert_server_healthy(engine)
 
 
-@pytest.mark.parametrize("op", [0x00, 0x2F, 0x33, 0x47, 0x99, 0xFF])
+@pytest.mark.parametrize("op", [0x00, 0x2F, 0x33, 0x48, 0x99, 0xFF])
 async def test_unknown_op(engine: Any, op: int) -> None:
     async with await rpc(engine) as c:
         resp = await c.call(Call(op, b"0", [b"x" * 300]), check=False)

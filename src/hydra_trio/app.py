@@ -3,7 +3,7 @@ entry points (``cli.py``, ``local.py``).
 
 Start order (each with ``nursery.start``, so the next part starts only once the previous one
 is ready): HTTP (answers /health 503 "starting" while the model loads) -> model + engine ->
-decode manager -> RPC listener.
+decode manager -> KV export store (lease expiry) -> RPC listener.
 
 Lifetimes nest: the front ends (HTTP, RPC) end first, then the decode manager's requests,
 then the engine, so nothing waits on a step of a closed engine.
@@ -16,6 +16,7 @@ import logging
 import trio
 
 from .config import Settings
+from .decode.exports import ExportStore
 from .decode.manager import DecodeManager
 from .decode.store import ResultStore
 from .engine.engine import Engine
@@ -67,8 +68,18 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                 store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
                 decodes = DecodeManager(engine, store, settings, state.metrics)
                 await services.start(decodes.run)
-                state.engine, state.decodes = engine, decodes
+                exports = ExportStore(
+                    max_bytes=settings.kv_export_max_bytes, ttl_s=settings.kv_export_ttl_s, registry=state.metrics.registry
+                )
+                await services.start(exports.run)
+                state.engine, state.decodes, state.exports = engine, decodes, exports
                 rpc_port = await front.start(serve_rpc, state)
+                state.rpc_port = rpc_port
+                if settings.advertise_host is None and settings.host in ("0.0.0.0", "::", ""):
+                    log.warning(
+                        "KV exports will name RPC host %r, which other machines cannot reach: "
+                        "set --advertise-host to this engine's address", settings.host
+                    )
                 state.startup_phase = "ready"
                 log.info("ready: HTTP port %d, RPC port %d", http_port, rpc_port)
                 task_status.started(Endpoints(http_port, rpc_port, state))

@@ -53,6 +53,11 @@ class Settings:
     decode_result_ttl_s: float = 300.0
     decode_result_max: int = 1024
     shutdown_grace_s: float = 10.0
+    # P/D hand-off through a router's kv_transfer_params (docs/protocol-extensions.md)
+    advertise_host: str | None = None  # None: the bind host
+    kv_export_max_bytes: int = 2 * _GiB
+    kv_export_ttl_s: float = 30.0
+    kv_pull_timeout_s: float = 30.0
     log_level: str = "INFO"
     # Security (README "Security"). repr=False: a logged Settings never shows the key.
     api_key: str | None = field(default=None, repr=False)
@@ -121,6 +126,10 @@ _HELP: dict[str, str] = {
     "decode_result_ttl_s": "seconds a finished decode result stays readable",
     "decode_result_max": "decode results kept at most",
     "shutdown_grace_s": "seconds running decodes get to finish on shutdown",
+    "advertise_host": "RPC host a decode engine pulls KV exports from (default: --host)",
+    "kv_export_max_bytes": "bytes all KV exports may hold; past it the oldest are evicted",
+    "kv_export_ttl_s": "seconds a KV export waits to be pulled before it is dropped",
+    "kv_pull_timeout_s": "deadline for pulling a KV export from a prefill engine",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "api_key": "HTTP requests (all but /health) must send 'Authorization: Bearer KEY' "
     "(prefer the file or the variable: a flag shows in ps)",
@@ -219,6 +228,8 @@ def validate(s: Settings) -> None:
     for name in ("port", "rpc_port"):
         if not 0 <= getattr(s, name) <= 65535:
             problems.append(f"{name} must be 0..65535")
+    if s.kv_export_max_bytes < 1 or s.kv_export_ttl_s <= 0 or s.kv_pull_timeout_s <= 0:
+        problems.append("kv_export_max_bytes, kv_export_ttl_s and kv_pull_timeout_s must be positive")
     if s.decode_result_max < 1:
         problems.append("decode_result_max must be >= 1")
     if s.api_key is not None and s.api_key_file is not None:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .vllm_metrics import PrefixCacheCounts, VllmCollector
+
 if TYPE_CHECKING:
     from .engine.engine import Engine, GenerationResult
 
@@ -39,12 +41,14 @@ class Metrics:
         )
         self.restore_bytes = Counter("hydra_restore_bytes", "KV bytes restored into slots", registry=r)
         self.cancel_ms = Histogram("hydra_cancel_ms", "DELETE until the task stopped", buckets=_MS_BUCKETS, registry=r)
+        self.prefix_cache = PrefixCacheCounts()  # vllm:prefix_cache_* (vllm_metrics.py)
 
     def record_generation(self, path: str, res: GenerationResult) -> None:
         """One finished (or stopped) generation's token counts and time to first token."""
         self.completion_tokens.labels(path).inc(res.completion_tokens)
         self.prompt_tokens.labels(path).inc(res.n_prompt_processed)
         self.cached_prompt_tokens.labels(path).inc(res.n_common)
+        self.prefix_cache.observe(res)
         self.ttft_ms.labels(path).observe(res.prompt_ms)  # the engine's own time to first token
 
     def live_gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
@@ -53,6 +57,7 @@ class Metrics:
 
     def watch_engine(self, engine: Engine) -> None:
         """Gauges read from the engine at scrape time."""
+        self.registry.register(VllmCollector(engine, self.prefix_cache))
         g = self.live_gauge
         g("hydra_slots_busy", "slots claimed by a request", lambda: sum(s.busy for s in engine.slots.slots))
         g("hydra_slots_total", "slots", lambda: len(engine.slots))

@@ -17,6 +17,7 @@ from .metrics import Metrics
 from .rpc.connection import ByteBudget
 
 if TYPE_CHECKING:
+    from .decode.exports import ExportStore
     from .decode.manager import DecodeManager
     from .engine.engine import Engine
 
@@ -38,6 +39,8 @@ class AppState:
     decodes: DecodeManager | None = None  # set once the decode manager runs
     # Payload bytes held by RPC requests and HTTP state uploads together (--max-inflight-bytes).
     payload_budget: ByteBudget = field(init=False)
+    exports: ExportStore | None = None  # KV exports awaiting KV_PULL (P/D hand-off via a router)
+    rpc_port: int | None = None  # set once the RPC listener runs (advertised in kv_transfer_params)
     startup_phase: str = "starting"
     started_at: float = field(default_factory=time.time)
     llama_cpp_version: str = field(default_factory=_llama_version)

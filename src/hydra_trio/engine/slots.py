@@ -28,6 +28,7 @@ class SlotTable:
         self.slots = [Slot(i) for i in range(n_slots)]
         self._released = trio.Event()
         self.frozen = False  # true while a staged context rebuild / model reload runs
+        self.waiting = 0  # requests waiting in claim_any for a free slot (vllm:num_requests_waiting)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -54,7 +55,11 @@ class SlotTable:
                 best = max(free, key=lambda s: (score(s.id), -s.last_used))
                 best.owner = owner
                 return best
-            await self._released.wait()
+            self.waiting += 1
+            try:
+                await self._released.wait()
+            finally:
+                self.waiting -= 1
 
     def release(self, slot: Slot) -> None:
         slot.owner = None

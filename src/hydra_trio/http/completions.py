@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
@@ -12,6 +13,7 @@ from quart import Blueprint, Response
 from ..engine.engine import GenerationResult
 from ..engine.params import bad_param, parse_generation
 from ..wire.errors import ErrorCode, ProtocolError, Status
+from . import kv_transfer
 from .common import app_state, json_response, read_json_body, require_engine
 from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
 from .sse import SSE_DONE, now_s, sse_event, timings, usage
@@ -78,13 +80,25 @@ async def completions() -> Response:
     cid = "cmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = f"http:{cid}"
+
+    def render(slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
+        return text_completion_body(cid, now_s(), model, slot_id, res, **extra)
+
+    # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py), as for chat.
+    exported = await kv_transfer.export_completion(state, body, tokens, params, render)
+    if exported is not None:
+        return exported
+    handoff = kv_transfer.begin_handoff(state, body)
+    restore = partial(kv_transfer.restore_handoff, state, handoff, engine, tokens=tokens)
     try:
         if not params.stream:
             slot_id, res = await generate_buffered(
-                state, engine, tokens, params, owner=owner, path="completions"
+                state, engine, tokens, params, owner=owner, path="completions", prepare=restore
             )
-            return json_response(text_completion_body(cid, now_s(), model, slot_id, res))
-        stream = await start_stream(state, engine, tokens, params, owner=owner, path="completions")
+            return json_response(render(slot_id, res, **kv_transfer.handoff_fields(handoff)))
+        stream = await start_stream(
+            state, engine, tokens, params, owner=owner, path="completions", prepare=restore
+        )
     except SlotsBusy:
         return all_slots_busy(state)
 
@@ -96,7 +110,10 @@ async def completions() -> Response:
                     yield sse_event(text_chunk(cid, created, model, value))
                 elif kind == "done":
                     yield sse_event(
-                        text_completion_body(cid, created, model, stream.slot_id, value, text="")
+                        text_completion_body(
+                            cid, created, model, stream.slot_id, value, text="",
+                            **kv_transfer.handoff_fields(handoff),
+                        )
                     )
                 else:
                     yield sse_event(error_event_body(value))
@@ -130,9 +147,10 @@ def text_completion_body(
     res: GenerationResult,
     *,
     text: str | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """The whole completion, or (``text=""``) the last chunk of a stream: finish_reason,
-    usage and timings."""
+    usage and timings (and ``extra`` fields, e.g. the P/D hand-off's)."""
     return {
         "id": cid,
         "object": "text_completion",
@@ -155,4 +173,5 @@ def text_completion_body(
             res.n_common,
         ),
         "id_slot": slot_id,
+        **extra,
     }

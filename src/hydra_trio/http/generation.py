@@ -8,7 +8,7 @@ Chat completions and text completions differ only in how they shape the result; 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from ..tasks import OwnedTask
 
 log = logging.getLogger(__name__)
+
+
+# Runs in the claimed slot before generation (e.g. restoring a handed-off KV); returns the
+# logits the first token is sampled from, or None.
+Prepare = Callable[[int], Awaitable[bytes | None]]
 
 
 class SlotsBusy(Exception):
@@ -77,11 +82,13 @@ async def generate_buffered(
     *,
     owner: str,
     path: str,
+    prepare: Prepare | None = None,
 ) -> tuple[int, GenerationResult]:
     """(slot id, result) of a whole generation. Raises SlotsBusy."""
     slot = await _claim(state, engine, tokens, owner)
     try:
-        res = await engine.generate(slot.id, tokens, params, _discard)
+        logits = await prepare(slot.id) if prepare is not None else None
+        res = await engine.generate(slot.id, tokens, params, _discard, logits=logits)
     finally:
         engine.release(slot)
     state.metrics.record_generation(path, res)
@@ -113,6 +120,7 @@ async def start_stream(
     *,
     owner: str,
     path: str,
+    prepare: Prepare | None = None,
 ) -> GenerationStream:
     """Claim a slot and start generating into a channel. Raises SlotsBusy."""
     send, recv = trio.open_memory_channel[tuple[str, Any]](64)
@@ -132,7 +140,8 @@ async def start_stream(
 
         async with send:
             try:
-                res = await engine.generate(slot.id, tokens, params, emit)
+                logits = await prepare(slot.id) if prepare is not None else None
+                res = await engine.generate(slot.id, tokens, params, emit, logits=logits)
                 state.metrics.record_generation(path, res)
                 await put(("done", res))
             except (trio.TooSlowError, trio.BrokenResourceError) as exc:

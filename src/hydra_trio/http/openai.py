@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
 from ..engine.params import parse_generation
+from . import kv_transfer
 from .common import app_state, json_response, read_json_body, require_engine
 from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
 from .sse import SSE_DONE, completion_chunk, now_s, sse_event, timings, usage
@@ -99,11 +101,17 @@ async def chat_completions() -> Response:
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = f"http:{cid}"
+    # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
+    exported = await kv_transfer.export_completion(state, body, tokens, params, partial(completion_body, cid, model))
+    if exported is not None:
+        return exported
+    handoff = kv_transfer.begin_handoff(state, body)
+    restore = partial(kv_transfer.restore_handoff, state, handoff, engine, tokens=tokens)
     try:
         if not params.stream:
-            slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat")
-            return json_response(completion_body(cid, model, slot_id, res))
-        stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat")
+            slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat", prepare=restore)
+            return json_response(completion_body(cid, model, slot_id, res, **kv_transfer.handoff_fields(handoff)))
+        stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat", prepare=restore)
     except SlotsBusy:
         return all_slots_busy(state)
 
@@ -115,7 +123,9 @@ async def chat_completions() -> Response:
                 if kind == "delta":
                     yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
                 elif kind == "done":
-                    yield sse_event(final_chunk(cid, created, model, stream.slot_id, value))
+                    yield sse_event(
+                        final_chunk(cid, created, model, stream.slot_id, value, **kv_transfer.handoff_fields(handoff))
+                    )
                 else:
                     yield sse_event(error_event_body(value))
             yield SSE_DONE

@@ -17,6 +17,7 @@ from ..engine.transfer import blob_hash
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
+from ..wire.kvpull import KV_PULL_MAX_REQUEST_BYTES, parse_pull_request
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
 from .connection import Connection
 
@@ -133,6 +134,10 @@ class OpTable:
                 cancel_on_disconnect=True,
                 receive=self._receive_decode,
             )
+        if state.exports is not None:
+            self._ops[Op.KV_PULL] = OpSpec(
+                "KV_PULL", lambda _st: KV_PULL_MAX_REQUEST_BYTES, self._empty_key, self.kv_pull
+            )
 
     @property
     def engine(self) -> Engine:
@@ -178,6 +183,10 @@ class OpTable:
         ctx.slot_id = parse_slot_key(ctx.key, empty_means_zero=True)
         self.engine.slots.get(ctx.slot_id)
 
+    def _empty_key(self, ctx: OpContext) -> None:
+        if ctx.key:
+            raise ProtocolError(ErrorCode.BAD_KEY, "KV_PULL takes an empty key (the export id is in the payload)")
+
     def _owner(self, ctx: OpContext, op: str) -> str:
         return f"rpc:{op}:{ctx.trace or ctx.conn.peer}"
 
@@ -212,6 +221,8 @@ class OpTable:
         caps = list(CAPABILITIES)
         if Op.DECODE in self._ops:
             caps.insert(0, "merged_decode")
+        if Op.KV_PULL in self._ops:
+            caps.append("kv_pull")
         return {
             "engine": "hydra-trio",
             "version": __version__,
@@ -309,6 +320,28 @@ class OpTable:
             meta["restore_slot_ms"],
         )
         return Reply.ok(meta, started=started)
+
+    async def kv_pull(self, ctx: OpContext, payload: memoryview) -> Reply:
+        """Hand an export's blob to the decode engine that names it (wire/kvpull.py). The
+        export leaves the store now: pulled once, whether or not the reply gets through."""
+        export_id = parse_pull_request(payload)
+        exports = self.state.exports
+        assert exports is not None
+        export = exports.take(export_id)
+        if export is None:
+            raise ProtocolError(
+                ErrorCode.EXPORT_NOT_FOUND, f"no KV export {export_id}: unknown, expired or already pulled"
+            )
+        meta = {
+            "export_id": export.id,
+            "n_past": export.n_past,
+            "state_size": len(export.parts[1]),
+            "kv_bytes": export.nbytes,
+            "kv_hash": export.kv_hash,
+            **export.identity,  # of the model that made the KV
+        }
+        ctx.log.info("KV_PULL %s: %d positions, %d bytes", export.id, export.n_past, export.nbytes)
+        return Reply.ok(meta, list(export.parts))
 
     async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
         body = await run_cpu_bound(partial(decode_json_object, payload, "PREFILL"), len(payload))

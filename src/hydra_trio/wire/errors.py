@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     RESULT_STORE_FULL = "RESULT_STORE_FULL"
     NOT_IMPLEMENTED = "NOT_IMPLEMENTED"
     INTERNAL = "INTERNAL"
+    EXPORT_NOT_FOUND = "EXPORT_NOT_FOUND"  # ours: KV_PULL of an unknown, expired or pulled export
 
 
 # The status a code is sent with unless the raiser says otherwise.
@@ -49,6 +50,7 @@ DEFAULT_STATUS: dict[ErrorCode, Status] = {
     ErrorCode.RESULT_STORE_FULL: Status.BUSY,
     ErrorCode.NOT_IMPLEMENTED: Status.NOT_IMPLEMENTED,
     ErrorCode.INTERNAL: Status.ERROR,
+    ErrorCode.EXPORT_NOT_FOUND: Status.NOT_FOUND,
 }
 
 

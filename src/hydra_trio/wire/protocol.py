@@ -29,6 +29,7 @@ class Op(IntEnum):
     EXPERT_MODE = 0x44
     QUANT_SWAP = 0x45
     PIPELINE_ATTACH = 0x46
+    KV_PULL = 0x47  # ours: pull a prefill engine's KV export (wire/kvpull.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,216 @@
+"""P/D hand-off of an OpenAI completion through a router's ``kv_transfer_params``.
+
+Prefill side (``prefill_export``): prefill the prompt in a slot, sample the one token the
+router asked for, copy the slot's KV (and the last logits) out into host memory as an
+export under a lease (``exports.py``), and free the slot at once.
+
+Decode side (``Handoff``): check the identity the export claims, then, in the request's
+slot, pull it over the binary RPC (``rpc/kvpull.py``), check it (caps, hash, identity of
+the serving engine, the prompt it holds), restore it and let the normal generation
+continue from it. Any failure falls back to prefilling locally and says why (``report()``,
+``hydra_kv_pulls_total{outcome="fallback",reason}``): the text is the same either way,
+only the prompt work differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import trio
+
+from ..config import Settings
+from ..engine.backend import Sampler
+from ..engine.engine import Engine, GenerationResult
+from ..engine.params import GenerationParams
+from ..engine.slots import Slot
+from ..engine.text import TextAssembler, common_prefix_len
+from ..engine.transfer import blob_hash
+from ..model.identity import compare_identity
+from ..rpc.kvpull import PullFailed, pull_export
+from ..tasks import run_cpu_bound
+from ..wire.errors import ProtocolError
+from ..wire.kvblob import KvBlob, parse_kv_blob
+from ..wire.kvpull import IDENTITY_KEYS, HandoffParams, parse_handoff_params
+from .exports import Export, ExportStore
+
+log = logging.getLogger(__name__)
+
+
+# ---- prefill side ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ExportedPrefill:
+    result: GenerationResult  # the prompt and the one sampled token, as a completion
+    slot_id: int
+    export: Export | None  # None: larger than --kv-export-max-bytes on its own
+    prefill_ms: float
+    copy_ms: float  # llama_state_seq_get_data into host memory
+    slot_held_ms: float  # claim to release: what the export cost normal traffic
+
+
+async def prefill_export(
+    engine: Engine, exports: ExportStore, slot: Slot, tokens: list[int], params: GenerationParams
+) -> ExportedPrefill:
+    """Prefill ``tokens`` in ``slot`` (claimed by the caller; released here, however this
+    ends), sample one token, copy the KV out as an export."""
+    t_claim = time.perf_counter()
+    res = GenerationResult(prompt_tokens=len(tokens))
+    backend = engine.backend
+    sampler: Sampler | None = None
+    try:
+        sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
+        n_common = common_prefix_len(backend.seq_tokens[slot.id], tokens)
+        if n_common == len(tokens):
+            n_common -= 1  # re-evaluate the last prompt token: its logits travel with the KV
+        res.n_common = n_common
+        res.n_prompt_processed = len(tokens) - n_common
+        token, logits = await engine.prefill(slot.id, tokens, n_common, sampler=sampler, want_logits=True)
+        assert token is not None and logits is not None
+        t_prefilled = time.perf_counter()
+        res.first_token_at = t_prefilled
+        res.prompt_ms = (t_prefilled - t_claim) * 1000.0
+        head, state, n_past = await engine.state_get(slot.id)
+        copy_ms = (time.perf_counter() - t_prefilled) * 1000.0
+    finally:
+        if sampler is not None:
+            backend.retire(sampler)
+        engine.release(slot)
+    slot_held_ms = (time.perf_counter() - t_claim) * 1000.0
+    # The answer a router asked for (max_tokens 1): the token sampled from the last logits.
+    engine.tokens_generated += 1
+    if backend.is_eog(token):
+        res.stop_type = "eos"
+    else:
+        res.tokens.append(token)
+        res.completion_tokens = 1
+        assembler = TextAssembler(params.stop)
+        res.text = assembler.push(backend.token_bytes(token)) + assembler.finish()
+        res.stop_type = "word" if assembler.stopped_by is not None else "limit"
+    parts: list[bytes | bytearray] = [head, state, logits]
+    kv_hash = await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts)))
+    identity = engine.identity.info_fields()
+    export = exports.put(parts, n_past, kv_hash, {k: identity[k] for k in IDENTITY_KEYS})
+    return ExportedPrefill(res, slot.id, export, res.prompt_ms, copy_ms, slot_held_ms)
+
+
+# ---- decode side -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Handoff:
+    """One request's attempt to continue from a prefill engine's export."""
+
+    params: HandoffParams | None
+    exports: ExportStore  # for the metrics
+    trace: str = ""  # the router's X-Request-Id: on the KV_PULL, for the prefill engine's logs
+    status: str = "pending"  # restored | fallback (pending: the request ended before its slot)
+    reason: str = ""
+    detail: str = ""
+    kv_bytes: int = 0
+    pull_ms: float = 0.0
+    restore_ms: float = 0.0
+    n_restored: int = 0
+
+    @classmethod
+    def begin(cls, engine: Engine, exports: ExportStore, raw: object, *, trace: str = "") -> Handoff | None:
+        """The hand-off a request's ``kv_transfer_params`` (``raw``) asks for: None when it
+        names no hydra export; already a fallback when it is malformed or names KV of
+        another model (the identity gate, before any byte moves)."""
+        try:
+            params = parse_handoff_params(raw)
+        except ProtocolError as err:
+            h = cls(None, exports, trace)
+            h._fail("bad_params", err.message)
+            return h
+        if params is None:
+            return None
+        h = cls(params, exports, trace)
+        match = compare_identity(engine.identity, params.identity, header_model=None)
+        if not match.accepted:
+            h._fail("identity_mismatch", f"export was made by another model: {match.reason}")
+        return h
+
+    async def restore(self, engine: Engine, settings: Settings, slot_id: int, prompt_tokens: list[int]) -> bytes | None:
+        """Pull the export and restore it into the caller's (claimed) slot; the logits that
+        came with it. On any failure the slot is as it was and the request prefills locally.
+
+        Runs in the request's slot, as a DECODE's receive does: the pulled bytes live only
+        until the restore (memory bounded by the slots), and a client that leaves cancels
+        the pull. ``--kv-pull-timeout-s`` bounds the pull."""
+        if self.status != "pending" or self.params is None:
+            return None
+        blob = await self._pull(engine, settings)
+        if blob is None:
+            return None
+        if blob.tokens != prompt_tokens[: len(blob.tokens)] or len(blob.tokens) > len(prompt_tokens):
+            self._fail("prompt_mismatch", "the export holds another prompt than this request's")
+            return None
+        slot = engine.slots.get(slot_id)
+        slot.transferring = True
+        t0 = time.perf_counter()
+        try:
+            logits = await engine.state_restore(slot_id, blob)
+        except ProtocolError as err:
+            self._fail("restore_failed", err.message)
+            return None
+        finally:
+            slot.transferring = False
+        self.restore_ms = (time.perf_counter() - t0) * 1000.0
+        self.n_restored = blob.n_past
+        self.status = "restored"
+        self.exports.metrics.pulls.labels("restored", "").inc()
+        return logits
+
+    async def _pull(self, engine: Engine, settings: Settings) -> KvBlob | None:
+        params = self.params
+        assert params is not None
+        t0 = time.perf_counter()
+        try:
+            with trio.fail_after(settings.kv_pull_timeout_s):
+                pulled = await pull_export(params, max_kv_bytes=settings.max_kv_bytes, trace=self.trace)
+        except trio.TooSlowError:
+            self._fail("timeout", f"no KV from {params.host}:{params.port} within {settings.kv_pull_timeout_s:g} s")
+            return None
+        except PullFailed as exc:
+            self._fail(exc.reason, exc.detail)
+            return None
+        self.pull_ms = (time.perf_counter() - t0) * 1000.0
+        self.kv_bytes = len(pulled.blob)
+        self.exports.metrics.pull_bytes.inc(self.kv_bytes)
+        # The identity gate again, on what the engine that served the bytes says of itself.
+        match = compare_identity(engine.identity, pulled.meta, header_model=None)
+        if not match.accepted:
+            self._fail("identity_mismatch", f"prefill engine serves another model: {match.reason}")
+            return None
+        try:
+            blob = await run_cpu_bound(partial(parse_kv_blob, pulled.blob), len(pulled.blob))
+        except ProtocolError as err:
+            self._fail("bad_reply", err.message)
+            return None
+        if blob.n_past != params.n_past:
+            self._fail("bad_reply", f"blob holds {blob.n_past} positions; the export announced {params.n_past}")
+            return None
+        return blob
+
+    def _fail(self, reason: str, detail: str) -> None:
+        self.status, self.reason, self.detail = "fallback", reason, detail
+        self.exports.metrics.pulls.labels("fallback", reason).inc()
+        log.info("KV hand-off falls back to a local prefill (%s): %s", reason, detail)
+
+    def report(self) -> dict[str, Any]:
+        """The ``kv_transfer`` field of the response (ours)."""
+        out: dict[str, Any] = {"status": self.status}
+        if self.params is not None:
+            out["export_id"] = self.params.export_id
+            out["source"] = f"{self.params.host}:{self.params.port}"
+        if self.status == "fallback":
+            out["reason"], out["detail"] = self.reason, self.detail
+        else:
+            out["n_restored"] = self.n_restored
+        out.update(kv_bytes=self.kv_bytes, pull_ms=round(self.pull_ms, 3), restore_ms=round(self.restore_ms, 3))
+        return out

@@ -1,0 +1,122 @@
+"""``kv_transfer_params`` on the OpenAI routes: the hooks a completion route calls.
+
+A route (chat completions; text completions use the same three calls) does:
+
+    exported = await export_completion(state, body, tokens, params, render)
+    if exported is not None:
+        return exported                        # prefill side: do_remote_decode
+    handoff = begin_handoff(state, body)      # decode side: None unless it names an export
+    ... claim a slot ...
+    logits = await restore_handoff(state, handoff, engine, slot.id, tokens)
+    res = await engine.generate(slot.id, tokens, params, emit, logits=logits)
+    ... render(slot.id, res, **handoff_fields(handoff)) ...
+
+``render(slot_id, result, **extra)`` builds the route's own non-streaming body.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+from quart import Response, request
+
+from ..decode.handoff import Handoff, prefill_export
+from ..engine.params import GenerationParams
+from ..wire.kvpull import export_params, wants_remote_decode
+from .common import EngineStarting, json_response, require_engine
+from .sse import error_body
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from ..state import AppState
+
+Render = Callable[..., dict[str, Any]]
+
+
+def _request_id() -> str:
+    """The router's X-Request-Id (one id for both stages), for the logs of both engines."""
+    return (request.headers.get("X-Request-Id") or "")[:200]
+
+
+async def export_completion(
+    state: AppState, body: dict[str, Any], tokens: list[int], params: GenerationParams, render: Render
+) -> Response | None:
+    """Prefill side: a request with ``kv_transfer_params.do_remote_decode`` true is prefilled,
+    answered with the one token sampled after the prompt (what a P/D router asks for) and
+    its KV is kept as an export named in the reply's ``kv_transfer_params``. None for any
+    other request. The reply is JSON even if ``stream`` was asked (routers ask stream false)."""
+    if not wants_remote_decode(body.get("kv_transfer_params")):
+        return None
+    engine = require_engine()
+    exports = state.exports
+    assert exports is not None, "the export store starts before HTTP serves requests"
+    owner = f"http:kv-export:{_request_id() or secrets.token_hex(6)}"
+    try:
+        with trio.fail_after(state.settings.slot_wait_s):  # the wait for a slot, not the prefill
+            slot = await engine.claim_for_prompt(tokens, owner)
+    except trio.TooSlowError:
+        return json_response(
+            error_body(503, f"all slots are busy (waited {state.settings.slot_wait_s:g} s)", "unavailable_error"),
+            503,
+            headers={"Retry-After": "1"},
+        )
+    out = await prefill_export(engine, exports, slot, tokens, params)  # releases the slot
+    state.metrics.record_generation("kv_export", out.result)
+    export = out.export
+    extra: dict[str, Any] = {
+        "kv_export": {
+            "exported": export is not None,
+            "prefill_ms": round(out.prefill_ms, 3),
+            "copy_ms": round(out.copy_ms, 3),
+            "slot_held_ms": round(out.slot_held_ms, 3),
+        }
+    }
+    if export is not None:
+        extra["kv_export"].update(export_id=export.id, kv_bytes=export.nbytes)
+        extra["kv_transfer_params"] = export_params(
+            host=state.settings.advertise_host or state.settings.host,
+            port=_rpc_port(state),
+            export_id=export.id,
+            n_past=export.n_past,
+            kv_hash=export.kv_hash,
+            kv_bytes=export.nbytes,
+            ttl_s=exports.ttl_s,
+            identity=export.identity,
+        )
+    return json_response(render(out.slot_id, out.result, **extra))
+
+
+def _rpc_port(state: AppState) -> int:
+    if state.rpc_port is None:  # the engine is up but the RPC listener not yet: still starting
+        raise EngineStarting
+    return state.rpc_port
+
+
+def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
+    """Decode side: the hand-off the request's ``kv_transfer_params`` asks for (None when
+    it names no hydra export). Nothing moves yet: the pull runs in the request's slot."""
+    raw = body.get("kv_transfer_params")
+    if raw is None:
+        return None
+    exports = state.exports
+    assert exports is not None
+    return Handoff.begin(require_engine(), exports, raw, trace=_request_id())
+
+
+async def restore_handoff(
+    state: AppState, handoff: Handoff | None, engine: Engine, slot_id: int, tokens: list[int]
+) -> bytes | None:
+    """Pull the export into the claimed slot; the logits for the first token (None: no
+    hand-off, or it fell back to a local prefill)."""
+    if handoff is None:
+        return None
+    return await handoff.restore(engine, state.settings, slot_id, tokens)
+
+
+def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
+    """Extra response fields: ``kv_transfer`` says whether the KV came from the prefill
+    engine or was recomputed here, and why."""
+    return {} if handoff is None else {"kv_transfer": handoff.report()}

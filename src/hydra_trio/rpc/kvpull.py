@@ -1,0 +1,94 @@
+"""The decode side of KV_PULL: fetch one export from a prefill engine over the binary RPC.
+
+One request on a fresh connection: the reply's sizes are checked against this engine's
+caps before anything is read (a peer cannot make us allocate more than ``max_kv_bytes``),
+the payload is read into one preallocated buffer, and its bytes are checked against the
+hash the export was announced with. The caller's cancel scope bounds everything; leaving
+it closes the connection, which is all the prefill engine needs to let the bytes go.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..tasks import run_cpu_bound
+from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
+from ..wire.protocol import RESPONSE_HEADER, Op, encode_request, parse_response_header
+
+_MAX_META_BYTES = 1 << 20
+
+
+class PullFailed(Exception):
+    """The export could not be pulled; ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(slots=True)
+class Pulled:
+    meta: dict[str, Any]
+    blob: bytearray
+
+
+async def _read_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = await sock.recv_into(view[got:], len(view) - got)
+        if k == 0:
+            raise PullFailed("unreachable", f"prefill engine closed the connection after {got}/{len(view)} bytes")
+        got += k
+
+
+async def pull_export(params: HandoffParams, *, max_kv_bytes: int, trace: str = "") -> Pulled:
+    """The export's blob, verified; PullFailed otherwise. Bounded by the caller's scope."""
+    if params.kv_bytes > max_kv_bytes:
+        raise PullFailed("too_large", f"export of {params.kv_bytes} bytes exceeds --max-kv-bytes {max_kv_bytes}")
+    try:
+        stream = await trio.open_tcp_stream(params.host, params.port)
+    except OSError as exc:
+        raise PullFailed("unreachable", f"cannot connect to {params.host}:{params.port}: {exc}") from None
+    async with stream:
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = stream.socket
+        try:
+            request = encode_request(Op.KV_PULL, b"", encode_pull_request(params.export_id), trace.encode()[:200])
+            await stream.send_all(request)
+            head_buf = bytearray(RESPONSE_HEADER.size)
+            await _read_exact(sock, memoryview(head_buf))
+            head = parse_response_header(head_buf)
+            if head.meta_len > _MAX_META_BYTES:
+                raise PullFailed("bad_reply", f"KV_PULL reply meta of {head.meta_len} bytes")
+            meta_buf = bytearray(head.meta_len)
+            await _read_exact(sock, memoryview(meta_buf))
+            meta = json.loads(meta_buf) if meta_buf else {}
+            if not isinstance(meta, dict):
+                raise PullFailed("bad_reply", "KV_PULL reply meta is not an object")
+            if head.status != Status.OK:
+                code = str(meta.get("error_code", ""))
+                reason = "not_found" if code == ErrorCode.EXPORT_NOT_FOUND else "refused"
+                raise PullFailed(reason, f"KV_PULL refused: {code}: {meta.get('error', '')}")
+            if head.payload_len != params.kv_bytes:
+                raise PullFailed(
+                    "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has {params.kv_bytes}"
+                )
+            blob = bytearray(head.payload_len)  # the one buffer the KV lives in until restored
+            await _read_exact(sock, memoryview(blob))
+        except (OSError, trio.BrokenResourceError) as exc:
+            raise PullFailed("unreachable", f"KV_PULL from {params.host}:{params.port}: {exc}") from None
+        except (ValueError, ProtocolError) as exc:  # bad JSON, malformed header
+            raise PullFailed("bad_reply", f"KV_PULL reply: {exc}") from None
+    try:
+        await run_cpu_bound(lambda: check_pulled(params, meta, blob), len(blob))
+    except ProtocolError as err:
+        reason = "hash_mismatch" if err.code == ErrorCode.HASH_MISMATCH else "bad_reply"
+        raise PullFailed(reason, err.message) from None
+    return Pulled(meta, blob)

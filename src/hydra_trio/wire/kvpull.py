@@ -1,0 +1,191 @@
+"""KV_PULL (op 0x47, ours) and the ``kv_transfer_params`` a router carries between engines.
+
+A prefill engine that keeps a prompt's KV as an *export* answers its HTTP completion with
+``kv_transfer_params`` naming the export (``export_params``). A router (vllm-router's P/D
+mode) copies that object unchanged into the request it sends to a decode engine, which
+recognises it (``parse_handoff_params``) and pulls the KV over the binary RPC:
+
+request:  header op 0x47, empty key, payload JSON ``{"export_id": "<id>"}`` (≤ 4 KiB)
+reply OK: meta ``{"export_id", "n_past", "state_size", "kv_bytes", "kv_hash", identity...}``,
+          payload the v2 KV blob (spec §3) with the last position's logits
+
+Pure: importable without llama_cpp. Every refusal is a ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ErrorCode, ProtocolError
+from .hashing import parse_tag, xxh3_64
+
+Buffer = bytes | bytearray | memoryview
+
+KV_PULL_MAX_REQUEST_BYTES = 4096
+HANDOFF_VERSION = 1
+ENGINE_ID = "hydra-trio"
+# An export id is a capability: 128 random bits, URL-safe base64 (22 chars); accept a range so
+# the format may grow without breaking older decoders.
+_EXPORT_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+# Identity fields a handoff carries (spec §2 plus the tokenizer hash; never the model path).
+IDENTITY_KEYS = ("model_alias", "tokenizer", "tokenizer_hash", "model_name", "model_quant", "model_capabilities")
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffParams:
+    """What a decode engine needs to pull an export (parsed from ``kv_transfer_params``)."""
+
+    host: str
+    port: int
+    export_id: str
+    n_past: int
+    kv_hash: str
+    kv_bytes: int
+    identity: dict[str, Any]
+
+
+def _bad(msg: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_FRAME, f"kv_transfer_params: {msg}")
+
+
+def check_export_id(value: object) -> str:
+    if not isinstance(value, str) or not _EXPORT_ID.fullmatch(value):
+        shown = value[:40] if isinstance(value, str) else type(value).__name__
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"malformed export id {shown!r}")
+    return value
+
+
+# ---- the RPC request ------------------------------------------------------------------------
+
+
+def encode_pull_request(export_id: str) -> bytes:
+    return json.dumps({"export_id": check_export_id(export_id)}, separators=(",", ":")).encode()
+
+
+def parse_pull_request(payload: Buffer) -> str:
+    """The export id a KV_PULL names; BAD_JSON / BAD_FRAME otherwise."""
+    if len(payload) > KV_PULL_MAX_REQUEST_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"KV_PULL payload of {len(payload)} bytes exceeds {KV_PULL_MAX_REQUEST_BYTES}")
+    try:
+        body = json.loads(str(payload, "utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"KV_PULL: invalid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.BAD_JSON, f"KV_PULL: expected a JSON object, got {type(body).__name__}")
+    return check_export_id(body.get("export_id"))
+
+
+# ---- kv_transfer_params --------------------------------------------------------------------
+
+
+def wants_remote_decode(params: object) -> bool:
+    """The prefill request of a P/D router: ``kv_transfer_params.do_remote_decode`` is true."""
+    return isinstance(params, Mapping) and params.get("do_remote_decode") is True
+
+
+def export_params(
+    *,
+    host: str,
+    port: int,
+    export_id: str,
+    n_past: int,
+    kv_hash: str,
+    kv_bytes: int,
+    ttl_s: float,
+    identity: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill reply. The vLLM keys keep their meaning (this
+    side did the prefill; the decode side pulls from ``remote_host:remote_port``); what a
+    hydra decode engine needs is under ``"hydra"``."""
+    return {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": ENGINE_ID,
+        "remote_block_ids": None,
+        "remote_host": host,
+        "remote_port": port,
+        "hydra": {
+            "v": HANDOFF_VERSION,
+            "op": "KV_PULL",
+            "export_id": check_export_id(export_id),
+            "n_past": n_past,
+            "kv_hash": kv_hash,
+            "kv_bytes": kv_bytes,
+            "ttl_s": ttl_s,
+            **{k: identity[k] for k in IDENTITY_KEYS if k in identity},
+        },
+    }
+
+
+def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _bad(f"{key} must be an integer in {lo}..{hi}")
+    return v
+
+
+def parse_handoff_params(params: object) -> HandoffParams | None:
+    """The hydra export a request's ``kv_transfer_params`` names, or None when it names none
+    (absent, another connector's keys, the prefill-side request). A ``"hydra"`` object that
+    is malformed is a BAD_FRAME: the caller reports it and prefills locally."""
+    if not isinstance(params, Mapping) or "hydra" not in params:
+        return None
+    h = params["hydra"]
+    if not isinstance(h, Mapping):
+        raise _bad("hydra must be an object")
+    if h.get("v") != HANDOFF_VERSION:
+        raise _bad(f"unsupported hydra handoff version {h.get('v')!r}")
+    host = params.get("remote_host")
+    if not isinstance(host, str) or not host or len(host) > 255:
+        raise _bad("remote_host must be a host name or address")
+    port = _int(params, "remote_port", 1, 65535)
+    kv_hash = h.get("kv_hash")
+    if parse_tag(kv_hash, "kv_transfer_params.hydra.kv_hash") is None:
+        raise _bad("kv_hash is required")
+    assert isinstance(kv_hash, str)
+    identity = {k: h[k] for k in IDENTITY_KEYS if k in h}
+    return HandoffParams(
+        host=host,
+        port=port,
+        export_id=check_export_id(h.get("export_id")),
+        n_past=_int(h, "n_past", 1, 1 << 24),
+        kv_hash=kv_hash.lower(),
+        kv_bytes=_int(h, "kv_bytes", 1, 1 << 62),
+        identity=identity,
+    )
+
+
+def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer) -> None:
+    """The reply is the export the params named, byte for byte: HASH_MISMATCH or BAD_FRAME."""
+    if meta.get("export_id") != params.export_id:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "KV_PULL reply names another export")
+    if len(payload) != params.kv_bytes or meta.get("kv_bytes") != params.kv_bytes:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"KV_PULL reply holds {len(payload)} bytes; the export has {params.kv_bytes}"
+        )
+    if meta.get("n_past") != params.n_past:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "KV_PULL reply n_past differs from the export's")
+    expected = parse_tag(params.kv_hash, "kv_hash")
+    actual = xxh3_64(payload)
+    if actual != expected or str(meta.get("kv_hash", "")).lower() != params.kv_hash:
+        raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got xxh3:{actual:016x})")
+
+
+__all__ = [
+    "ENGINE_ID",
+    "HANDOFF_VERSION",
+    "IDENTITY_KEYS",
+    "KV_PULL_MAX_REQUEST_BYTES",
+    "HandoffParams",
+    "check_export_id",
+    "check_pulled",
+    "encode_pull_request",
+    "export_params",
+    "parse_handoff_params",
+    "parse_pull_request",
+    "wants_remote_decode",
+]

@@ -1,0 +1,434 @@
+"""P/D hand-off through kv_transfer_params, engine to engine (no router): the prefill side
+exports under a lease, the decode side pulls over KV_PULL, restores and generates; every
+failure falls back to a local prefill with the same text and says why."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from helpers import (
+    ENGINE,
+    assert_error,
+    assert_server_healthy,
+    gate,
+    http,
+    parse_sse,
+    rpc,
+    scrape,
+    sse_text,
+    wait_until,
+)
+from hydra_trio.rpc.client import Call, info_call
+from hydra_trio.wire.errors import Status
+from hydra_trio.wire.kvpull import encode_pull_request
+from hydra_trio.wire.protocol import Op
+
+PROMPT = [{"role": "user", "content": "the slot cache engine moves its keys " * 12}]
+PREFILL_PARAMS = {  # what vllm-router's P/D mode sends to the prefill engine
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+N = 12
+
+
+def prompt_computed(m: dict[Any, float]) -> float:
+    """Prompt tokens this engine evaluated (all paths) and cached ones reused, on chat."""
+    return m.get(("hydra_engine_prompt_tokens_processed", ()), 0.0)
+
+
+async def export(c: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    req = {"messages": PROMPT, "max_tokens": 1, "temperature": 0, "stream": False, **body}
+    req.setdefault("kv_transfer_params", PREFILL_PARAMS)
+    r = await c.post("/v1/chat/completions", json=req, headers={"X-Request-Id": "test-pd-1"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def decode(c: httpx.AsyncClient, params: Any, *, stream: bool = False) -> tuple[str, dict[str, Any]]:
+    """(text, final object: the completion body, or the last SSE chunk)."""
+    req = {"messages": PROMPT, "max_tokens": N, "temperature": 0, "kv_transfer_params": params}
+    if not stream:
+        r = await c.post("/v1/chat/completions", json=req)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["choices"][0]["message"]["content"], body
+    req["stream"] = True
+    async with c.stream("POST", "/v1/chat/completions", json=req) as r:
+        assert r.status_code == 200
+        lines = [line async for line in r.aiter_lines()]
+    events, done = parse_sse(lines)
+    assert done
+    return sse_text(events), events[-1]
+
+
+async def plain(c: httpx.AsyncClient) -> str:
+    r = await c.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": N, "temperature": 0})
+    assert r.status_code == 200
+    return r.json()["choices"][0]["message"]["content"]
+
+
+@pytest.fixture
+async def pair(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> tuple[Any, Any]:
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE)
+    return a, b
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_handoff_restores_the_prompt_and_matches_one_engine(pair: tuple[Any, Any], stream: bool) -> None:
+    a, b = pair
+    async with http(a) as ca, http(b) as cb:
+        reference = await plain(ca)
+        body = await export(ca)
+        # The prefill reply: one token, the export named for the decode engine.
+        assert body["usage"]["completion_tokens"] == 1
+        params = body["kv_transfer_params"]
+        hydra = params["hydra"]
+        assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", a.rpc_port)
+        assert hydra["n_past"] == body["usage"]["prompt_tokens"]
+        assert hydra["model_name"] == a.state.engine.identity.model_name
+        assert body["kv_export"]["exported"] and body["kv_export"]["kv_bytes"] == hydra["kv_bytes"]
+        # The slot is free as soon as the reply is out: the export lives in host memory.
+        assert not any(s.busy for s in a.state.engine.slots.slots)
+        assert len(a.state.exports) == 1 and a.state.exports.bytes_held == hydra["kv_bytes"]
+
+        before = await scrape(cb)
+        text, final = await decode(cb, params, stream=stream)
+        after = await scrape(cb)
+
+    assert text == reference
+    n_prompt = hydra["n_past"]
+    kv = final["kv_transfer"]
+    assert kv["status"] == "restored" and kv["n_restored"] == n_prompt and kv["kv_bytes"] == hydra["kv_bytes"]
+    assert final["usage"]["prompt_tokens"] == n_prompt
+    assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt
+    assert final["timings"]["prompt_n"] == 0  # the first token came from the pulled logits
+    # The decode engine computed no prompt token; its counters say so.
+    assert prompt_computed(after) - prompt_computed(before) == 0
+    chat = (("path", "chat"),)
+    assert after[("hydra_prompt_tokens_total", chat)] - before.get(("hydra_prompt_tokens_total", chat), 0) == 0
+    assert after[("hydra_cached_prompt_tokens_total", chat)] - before.get(("hydra_cached_prompt_tokens_total", chat), 0) == n_prompt
+    assert after[("hydra_kv_pulls_total", (("outcome", "restored"), ("reason", "")))] == 1
+    # Released once pulled.
+    assert len(a.state.exports) == 0 and a.state.exports.bytes_held == 0
+    async with http(a) as ca:
+        m = await scrape(ca)
+    assert m[("hydra_kv_exports_total", (("outcome", "pulled"),))] == 1
+    await assert_server_healthy(a)
+    await assert_server_healthy(b)
+
+
+async def test_lease_expires_and_decode_falls_back(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> None:
+    a = await start_engine(tiny_model_ctx, **ENGINE, kv_export_ttl_s=0.3)
+    b = await start_engine(tiny_model_ctx, **ENGINE)
+    exports = a.state.exports
+    async with http(a) as ca, http(b) as cb:
+        reference = await plain(cb)
+        params = (await export(ca))["kv_transfer_params"]
+        assert len(exports) == 1
+        with trio.fail_after(10):
+            while len(exports):  # the lease ends on time, without any access
+                await exports.wait_changed()
+        assert exports.bytes_held == 0
+        text, body = await decode(cb, params)
+        m = await scrape(ca)
+    assert text == reference
+    kv = body["kv_transfer"]
+    assert kv["status"] == "fallback" and kv["reason"] == "not_found", kv
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] < body["usage"]["prompt_tokens"] or body["timings"]["prompt_n"] > 0
+    assert m[("hydra_kv_exports_total", (("outcome", "expired"),))] == 1
+
+
+async def test_bounded_exports_evict_the_oldest(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> None:
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE)
+    async with http(a) as ca:
+        size = (await export(ca))["kv_transfer_params"]["hydra"]["kv_bytes"]
+    # Room for one export of this prompt, not two.
+    a.state.exports.max_bytes = size + size // 2
+    async with http(a) as ca, http(b) as cb:
+        first = (await export(ca))["kv_transfer_params"]
+        second = (await export(ca))["kv_transfer_params"]
+        assert len(a.state.exports) == 1 and a.state.exports.bytes_held == size
+        _, body1 = await decode(cb, first)
+        _, body2 = await decode(cb, second)
+        m = await scrape(ca)
+    assert body1["kv_transfer"]["reason"] == "not_found"
+    assert body2["kv_transfer"]["status"] == "restored"
+    assert m[("hydra_kv_exports_total", (("outcome", "evicted"),))] >= 1
+
+
+async def test_export_larger_than_the_store_is_refused(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> None:
+    a = await start_engine(tiny_model_ctx, **ENGINE, kv_export_max_bytes=1000)
+    async with http(a) as ca:
+        body = await export(ca)
+        m = await scrape(ca)
+    # No kv_transfer_params: a router then lets the decode engine prefill on its own.
+    assert "kv_transfer_params" not in body and body["kv_export"]["exported"] is False
+    assert body["usage"]["completion_tokens"] == 1
+    assert m[("hydra_kv_exports_total", (("outcome", "refused"),))] == 1
+    assert len(a.state.exports) == 0
+
+
+def _tamper(params: dict[str, Any], how: str) -> dict[str, Any]:
+    p = copy.deepcopy(params)
+    if how == "unreachable":
+        p["remote_port"] = 1  # nothing listens there
+    elif how == "hash_mismatch":
+        p["hydra"]["kv_hash"] = "xxh3:0000000000000000"
+    elif how == "bad_params":
+        p["hydra"]["v"] = 99
+    elif how == "identity_mismatch":
+        p["hydra"]["tokenizer_hash"] = "xxh3:ffffffffffffffff"
+    return p
+
+
+@pytest.mark.parametrize("how", ["unreachable", "hash_mismatch", "bad_params", "identity_mismatch"])
+async def test_failed_pull_prefills_locally_and_says_why(pair: tuple[Any, Any], how: str) -> None:
+    a, b = pair
+    async with http(a) as ca, http(b) as cb:
+        reference = await plain(cb)
+        params = _tamper((await export(ca))["kv_transfer_params"], how)
+        before = await scrape(cb)
+        text, body = await decode(cb, params)
+        after = await scrape(cb)
+    assert text == reference  # never a 200 with wrong text
+    kv = body["kv_transfer"]
+    assert kv["status"] == "fallback" and kv["reason"] == how, kv
+    assert kv["detail"]
+    assert after[("hydra_kv_pulls_total", (("outcome", "fallback"), ("reason", how)))] == 1
+    assert prompt_computed(after) > prompt_computed(before) or body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # A pull that did not happen leaves the export to its lease; one that did took it.
+    assert len(a.state.exports) == (0 if how == "hash_mismatch" else 1)
+    await assert_server_healthy(b)
+
+
+async def test_export_from_another_model_is_never_restored(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, tiny_model: Path
+) -> None:
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model, **ENGINE)  # same tokenizer family, other model
+    async with http(a) as ca, http(b) as cb:
+        reference = await plain(cb)
+        params = (await export(ca))["kv_transfer_params"]
+        text, body = await decode(cb, params)
+    assert text == reference
+    assert body["kv_transfer"]["reason"] == "identity_mismatch"
+    assert len(a.state.exports) == 1  # nothing was pulled
+
+
+async def test_kv_pull_op_refusals(pair: tuple[Any, Any]) -> None:
+    a, _ = pair
+    async with await rpc(a) as c:
+        info = await c.call(info_call())
+        assert "kv_pull" in info.meta["capabilities"]
+        resp = await c.call(Call(Op.KV_PULL, b"", [encode_pull_request("A" * 22)]), check=False)
+        assert_error(resp, Status.NOT_FOUND, "EXPORT_NOT_FOUND")
+        resp = await c.call(Call(Op.KV_PULL, b"0", [encode_pull_request("A" * 22)]), check=False)
+        assert_error(resp, Status.BAD_REQUEST, "BAD_KEY")
+        resp = await c.call(Call(Op.KV_PULL, b"", [b"{" * 5000]), check=False)
+        assert_error(resp, Status.BAD_REQUEST, "TOO_LARGE")
+        resp = await c.call(Call(Op.KV_PULL, b"", [b'{"export_id": 1}']), check=False)
+        assert_error(resp, Status.BAD_REQUEST, "BAD_FRAME")
+        assert (await c.info()).ok  # refused payloads were drained: still in step
+    async with http(a) as ca:
+        params = (await export(ca))["kv_transfer_params"]
+    async with await rpc(a) as c:
+        export_id = params["hydra"]["export_id"]
+        first = await c.call(Call(Op.KV_PULL, b"", [encode_pull_request(export_id)]))
+        assert first.meta["kv_hash"] == params["hydra"]["kv_hash"] and len(first.payload) == params["hydra"]["kv_bytes"]
+        again = await c.call(Call(Op.KV_PULL, b"", [encode_pull_request(export_id)]), check=False)
+        assert_error(again, Status.NOT_FOUND, "EXPORT_NOT_FOUND")  # pulled once
+
+
+async def test_decode_client_leaving_mid_stream_leaves_both_idle(pair: tuple[Any, Any]) -> None:
+    a, b = pair
+    async with http(a) as ca, http(b) as cb:
+        params = (await export(ca))["kv_transfer_params"]
+        req = {"messages": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True, "kv_transfer_params": params}
+        seen = 0
+        async with cb.stream("POST", "/v1/chat/completions", json=req) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen >= 3:
+                        break
+    await assert_server_healthy(b)
+    await assert_server_healthy(a)
+    assert len(a.state.exports) == 0
+
+
+async def test_vllm_gauges_are_measured(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, **ENGINE, slots=1, slot_wait_s=30.0)
+    labels = (("engine", "0"), ("model_name", ep.state.engine.identity.model_alias))
+    post = "/v1/chat/completions"
+    body = {"messages": PROMPT, "max_tokens": 4, "temperature": 0}
+    async with http(ep) as c, http(ep) as c2:
+        idle = await scrape(c)
+        assert idle[("vllm:num_requests_running", labels)] == 0
+        assert idle[("vllm:num_requests_waiting", labels)] == 0
+        assert idle[("vllm:kv_cache_usage_perc", labels)] == 0
+        # Two requests on one slot, advanced one GPU call at a time: the first claims the
+        # slot and waits to prefill, the second waits for the slot.
+        async with gate(ep) as g, trio.open_nursery() as nursery:
+            nursery.start_soon(partial(c.post, post, json=body))
+            await g.step(1)  # the first request's tokenize: it claims the slot
+            await g.wait_queued(1)  # its first prefill chunk
+            nursery.start_soon(partial(c2.post, post, json=body))
+            await g.wait_queued(2)  # the second request's tokenize, behind it
+            await g.step(2)  # the chunk, then the tokenize: the second now waits for the slot
+            await wait_until(lambda: ep.state.engine.slots.waiting == 1)
+            busy = await scrape(c)
+            assert busy[("vllm:num_requests_running", labels)] == 1
+            assert busy[("vllm:num_requests_waiting", labels)] == 1
+            assert busy[("vllm:kv_cache_usage_perc", labels)] == ep.state.engine.n_past(0) / ep.state.engine.n_ctx > 0
+            g.open()
+        done = await scrape(c)
+    assert done[("vllm:num_requests_running", labels)] == 0
+    assert done[("vllm:num_requests_waiting", labels)] == 0
+    # The finished requests' KV stays as an evictable prefix cache: not "used".
+    assert done[("vllm:kv_cache_usage_perc", labels)] == 0
+    # Tokens, as vLLM counts them: two identical prompts, the second found in the slot.
+    chat = (("path", "chat"),)
+    queries = done[("vllm:prefix_cache_queries_total", labels)]
+    hits = done[("vllm:prefix_cache_hits_total", labels)]
+    assert queries == done[("hydra_prompt_tokens_total", chat)] + done[("hydra_cached_prompt_tokens_total", chat)]
+    assert hits == queries / 2 - 1  # the last prompt token is re-evaluated for its logits
+
+
+class SilentPeer:
+    """A TCP peer that reads the KV_PULL and never answers: how a wedged prefill engine
+    looks. Records when the puller hangs up."""
+
+    def __init__(self) -> None:
+        self.connected = trio.Event()
+        self.hung_up = trio.Event()
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connected.set()
+        async with stream:
+            while await stream.receive_some(65536):
+                pass
+        self.hung_up.set()
+
+
+async def _silent_peer(nursery: trio.Nursery) -> tuple[SilentPeer, int]:
+    peer = SilentPeer()
+    listeners = await nursery.start(partial(trio.serve_tcp, peer.handle, 0, host="127.0.0.1"))
+    return peer, listeners[0].socket.getsockname()[1]
+
+
+async def test_pull_deadline_falls_back(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, nursery: trio.Nursery
+) -> None:
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=0.3)
+    peer, port = await _silent_peer(nursery)
+    async with http(a) as ca, http(b) as cb:
+        reference = await plain(cb)
+        params = (await export(ca))["kv_transfer_params"]
+        params["remote_port"] = port
+        text, body = await decode(cb, params)
+    assert text == reference
+    assert body["kv_transfer"]["reason"] == "timeout"
+    with trio.fail_after(5):
+        await peer.hung_up.wait()  # the deadline closed the connection
+    await assert_server_healthy(b)
+
+
+async def test_client_leaving_during_the_pull_cancels_it(pair: tuple[Any, Any], nursery: trio.Nursery) -> None:
+    a, b = pair
+    peer, port = await _silent_peer(nursery)
+    async with http(a) as ca:
+        params = (await export(ca))["kv_transfer_params"]
+    params["remote_port"] = port
+    req = {"messages": PROMPT, "max_tokens": N, "temperature": 0, "stream": True, "kv_transfer_params": params}
+    async with http(b) as cb:
+        async with cb.stream("POST", "/v1/chat/completions", json=req) as r:
+            assert r.status_code == 200
+            with trio.fail_after(10):
+                await peer.connected.wait()  # the pull is under way, in the request's slot
+            assert any(s.busy for s in b.state.engine.slots.slots)
+        # The client has gone: the pull's connection closes and the slot is freed.
+    with trio.fail_after(10):
+        await peer.hung_up.wait()
+    await assert_server_healthy(b)
+
+
+async def test_params_that_ask_nothing_are_ignored(pair: tuple[Any, Any]) -> None:
+    a, _ = pair
+    async with http(a) as ca:
+        reference = await plain(ca)
+        nothing = {**PREFILL_PARAMS, "do_remote_decode": False}
+        text, body = await decode(ca, nothing)
+        # A prefill request that asks to stream still gets the JSON reply a router reads.
+        r = await ca.post(
+            "/v1/chat/completions",
+            json={"messages": PROMPT, "max_tokens": 1, "stream": True, "kv_transfer_params": PREFILL_PARAMS},
+        )
+    assert text == reference and "kv_transfer" not in body and "kv_transfer_params" not in body
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["kv_transfer_params"]["hydra"]["export_id"]
+
+
+async def test_export_keeps_the_identity_of_the_model_that_made_it(
+    pair: tuple[Any, Any], tiny_model: Path
+) -> None:
+    """A staged model reload (CONFIGURE T3) between export and pull does not relabel the
+    KV: the pull reports the model that computed it, so a decode engine serving that model
+    still restores it (and one serving the new model would refuse it)."""
+    a, b = pair
+    async with http(a) as ca, http(b) as cb:
+        reference = await plain(cb)
+        params = (await export(ca))["kv_transfer_params"]
+        async with await rpc(a) as c:
+            assert (await c.configure(None, {"model_path": str(tiny_model)})).meta["tier"] == "T3"
+        await wait_until(lambda: a.state.engine.t3_reloads == 1, 30.0)
+        assert a.state.engine.identity.model_name != b.state.engine.identity.model_name
+        text, body = await decode(cb, params)
+    assert body["kv_transfer"]["status"] == "restored", body["kv_transfer"]
+    assert text == reference
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_text_completions_hand_off_too(pair: tuple[Any, Any], stream: bool) -> None:
+    """/v1/completions takes the same kv_transfer_params path as chat (vllm-router routes
+    both): the decode engine restores the prompt and continues it, same text as one engine."""
+    a, b = pair
+    prompt = "the slot cache engine moves its keys " * 12
+    req = {"prompt": prompt, "max_tokens": N, "temperature": 0}
+    async with http(a) as ca, http(b) as cb:
+        reference = (await ca.post("/v1/completions", json=req)).json()["choices"][0]["text"]
+        r = await ca.post("/v1/completions", json={**req, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        before = await scrape(cb)
+        body = {**req, "kv_transfer_params": params}
+        if not stream:
+            final = (await cb.post("/v1/completions", json=body)).json()
+            text = final["choices"][0]["text"]
+        else:
+            async with cb.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                lines = [line async for line in resp.aiter_lines()]
+            events, done = parse_sse(lines)
+            assert done
+            text = "".join(e["choices"][0]["text"] for e in events)
+            final = events[-1]
+        after = await scrape(cb)
+    assert text == reference
+    assert final["kv_transfer"]["status"] == "restored", final["kv_transfer"]
+    assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == params["hydra"]["n_past"]
+    assert prompt_computed(after) - prompt_computed(before) == 0
