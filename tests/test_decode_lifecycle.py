@@ -434,6 +434,41 @@ async def test_connection_closed_before_reply_cancels_the_request(
         assert r.status_code == 410 and r.json()["state"] == "cancelled"
 
 
+async def test_request_that_finished_before_its_reply_was_refused_is_cancelled(
+    start_engine: Callable[..., Any], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A closed peer's reset is seen only after the reply; a short request may be done by
+    then. Nobody learned its id: it still ends as a cancelled tombstone, not a result."""
+    from hydra_trio.rpc import peer
+
+    ep = await start_engine(tiny_model)
+    real = peer.reset_after_reply
+    finished: list[str] = []
+
+    async def after_the_request_ended(sock: Any) -> bool:
+        entry = store(ep).entries()[0]
+        await entry.ended.wait()
+        finished.append(entry.state.value)
+        return await real(sock)
+
+    monkeypatch.setattr(peer, "reset_after_reply", after_the_request_ended)
+    async with await rpc(ep) as c:
+        pre = await prefill(c, 1, MESSAGES)
+    raw = await _raw_stream(ep)
+    async with gate(ep) as g:
+        payload = frame(MESSAGES, pre.payload, n_predict=2, kv_metadata=kv_meta(pre))
+        await raw.send_all(encode_request(Op.DECODE, b"0", payload))
+        await g.wait_queued(1)
+        rid = store(ep).entries()[0].id
+        await raw.aclose()
+    with trio.fail_after(30):
+        await wait_until(lambda: tombstone_state(ep, rid) is not None)
+    assert finished == ["done"]
+    assert tombstone_state(ep, rid) == "cancelled"
+    async with await rpc(ep) as c:
+        assert (await slot_meta(c, 0))["is_processing"] is False
+
+
 async def _read_after_half_close(stream: trio.SocketStream) -> RpcResponse:
     """The one reply to what was sent before our SHUT_WR; then the server closes."""
     client = RpcClient(stream)

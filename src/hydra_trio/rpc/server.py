@@ -157,13 +157,16 @@ async def _answer_or_hang_up(
     state: AppState, spec: OpSpec, ctx: OpContext, payload: bytearray | mmap.mmap, release_payload: Callable[[], None]
 ) -> bool:
     sock = ctx.conn.sock
+    watch = trio.CancelScope()  # the watcher's own: it watches the op, not the reply
     async with trio.open_nursery() as hangup:
         if spec.cancel_on_disconnect:
-            hangup.start_soon(_cancel_on_reset, sock, hangup.cancel_scope)
+            hangup.start_soon(_cancel_on_reset, sock, hangup.cancel_scope, watch)
         try:
             reply = await _run_op(spec, ctx, memoryview(payload))
         finally:
             release_payload()
+        # From here a failed send, or reset_after_reply, tells whether the reply was taken.
+        watch.cancel()
         state.metrics.rpc_requests.labels(spec.name, reply.status.name).inc()
         try:
             if spec.cancel_on_disconnect and peer.was_reset(sock):
@@ -188,9 +191,12 @@ async def _answer_or_hang_up(
     return False
 
 
-async def _cancel_on_reset(sock: trio.socket.SocketType, scope: trio.CancelScope) -> None:
-    await peer.wait_reset(sock)
-    scope.cancel()
+async def _cancel_on_reset(
+    sock: trio.socket.SocketType, scope: trio.CancelScope, watch: trio.CancelScope
+) -> None:
+    with watch:
+        await peer.wait_reset(sock)
+        scope.cancel()
 
 
 async def _run_op(spec: OpSpec, ctx: OpContext, payload: memoryview) -> Reply:
