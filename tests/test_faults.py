@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,7 +251,12 @@ class Served:
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
         )
-        self.wait_for(lambda: self._healthy(), 60)
+        try:
+            self.wait_for(lambda: self._healthy(), 60)
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def _healthy(self) -> bool:
         assert self.proc.poll() is None, self.text()
@@ -316,10 +322,26 @@ def _start_decode(port: int, n: int) -> int:
         return int(client.decode(2, build_decode_frame(request, b"")).meta["decode_request_id"])
 
 
-def test_sigterm_with_decodes_and_streaming_chats_in_flight(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.fixture
+def serve_process(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., Served]]:
+    """``serve_process(*flags)`` -> Served; killed at teardown if a test left it running."""
+    started: list[Served] = []
+
+    def start(*extra: str) -> Served:
+        started.append(Served(tiny_model, tmp_path / f"serve{len(started)}.log", *extra))
+        return started[-1]
+
+    yield start
+    for served in started:
+        if served.proc.poll() is None:
+            served.proc.kill()
+            served.proc.wait()
+
+
+def test_sigterm_with_decodes_and_streaming_chats_in_flight(serve_process: Callable[..., Served]) -> None:
     """The drain lets the running decode finish; the streaming chats end (complete, or cut
     cleanly when the front end stops); the process exits 0 without a traceback."""
-    served = Served(tiny_model, tmp_path / "serve.log", "--shutdown-grace-s", "60")
+    served = serve_process("--shutdown-grace-s", "60")
     chats = [ChatReader(served.http, 2000) for _ in range(2)]
     for chat in chats:
         chat.start()
@@ -338,10 +360,10 @@ def test_sigterm_with_decodes_and_streaming_chats_in_flight(tiny_model: Path, tm
         httpx.get(f"http://127.0.0.1:{served.http}/health", timeout=1)
 
 
-def test_second_signal_during_the_drain_stops_at_once(tiny_model: Path, tmp_path: Path) -> None:
+def test_second_signal_during_the_drain_stops_at_once(serve_process: Callable[..., Served]) -> None:
     """A drain with a long grace period; the second SIGTERM cancels the running decode and
     the process exits 0 promptly, without a traceback."""
-    served = Served(tiny_model, tmp_path / "serve.log", "--shutdown-grace-s", "600")
+    served = serve_process("--shutdown-grace-s", "600")
     chat = ChatReader(served.http, 4000)
     chat.start()
     assert chat.started_streaming.wait(30)
