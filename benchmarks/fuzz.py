@@ -333,7 +333,7 @@ def hypothesis_requests(seeds: Seeds) -> Any:
     scalars = st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats(allow_nan=False) | st.text(max_size=12)
     values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
     message = st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | st.text(max_size=5), "content": st.text(max_size=40) | values}
+        {"role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | st.text(max_size=5) | values, "content": st.text(max_size=40) | values}
     )
     chat = st.fixed_dictionaries(
         {},
