@@ -291,12 +291,26 @@ async def run_soak(rpc_port: int, http_port: int, *, minutes: float, seed: int, 
     report.figures["rss_mb_start"] = round(rss() / 2**20, 1)
     t0 = time.monotonic()
     soak = Soak(rpc_port, http_port, report, t0 + minutes * 60, seed)
+    rss_timeline: list[float] = report.figures.setdefault("rss_mb_each_minute", [])
+
+    async def sample_rss(done: trio.Event) -> None:
+        # One sample a minute while the load runs: growth that levels off is the bounded
+        # result store filling; growth that does not is a leak.
+        while not done.is_set():
+            with trio.move_on_after(60):
+                await done.wait()
+            rss_timeline.append(round(rss() / 2**20, 1))
+
     with trio.fail_after(minutes * 60 + 2 * OP_TIMEOUT_S + 30):  # the whole run is bounded too
-        async with trio.open_nursery() as nursery:
-            for i in range(DECODERS):
-                nursery.start_soon(soak.decoder, i)
-            for j in range(CHATTERS):
-                nursery.start_soon(soak.chatter, j)
+        async with trio.open_nursery() as outer:
+            load_done = trio.Event()
+            outer.start_soon(sample_rss, load_done)
+            async with trio.open_nursery() as nursery:
+                for i in range(DECODERS):
+                    nursery.start_soon(soak.decoder, i)
+                for j in range(CHATTERS):
+                    nursery.start_soon(soak.chatter, j)
+            load_done.set()
     report.figures["load_s"] = round(time.monotonic() - t0, 1)
     report.figures.update(await _settled(base, baseline, settle_s=30))
     async with httpx.AsyncClient(base_url=base, timeout=30) as h:
@@ -306,6 +320,8 @@ async def run_soak(rpc_port: int, http_port: int, *, minutes: float, seed: int, 
             back += r.status_code not in (404, 410) or (r.status_code == 404 and "state" in r.json())
         report.figures["resurrected_after_delete"] = back
         report.figures["health_status"] = (await h.get("/health")).status_code
+        # Finished results kept (bounded: HYDRA_DECODE_RESULT_MAX, TTL): part of the end RSS.
+        report.figures["result_store_entries_end"] = len((await h.get("/v1/decode")).json())
     report.figures["rss_mb_end"] = round(rss() / 2**20, 1)
     return report
 
