@@ -8,6 +8,9 @@ exactly where the test wants it (restore queued, prefill chunk queued, step queu
 
 from __future__ import annotations
 
+import json
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -41,7 +44,7 @@ from helpers import (
     wait_listed,
     wait_until,
 )
-from hydra_trio.rpc.client import RpcResponse, decode_call
+from hydra_trio.rpc.client import RpcClient, RpcResponse, decode_call
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.protocol import Op, encode_request
 
@@ -360,21 +363,34 @@ async def test_delete_during_token_loop(start_engine: Callable[..., Any], tiny_m
 # ---- the RPC connection closes before the reply -------------------------------------------------
 
 
-async def test_connection_closed_before_reply_cancels_the_request(
+async def _raw_stream(ep: Any) -> trio.SocketStream:
+    """A plain client connection (the test decides how it closes)."""
+    return await trio.open_tcp_stream("127.0.0.1", ep.rpc_port)
+
+
+def _reset_on_close(stream: trio.SocketStream) -> None:
+    """SO_LINGER 0: close() sends a reset (RST) instead of a FIN."""
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+async def test_connection_reset_before_reply_cancels_the_request_at_once(
     start_engine: Callable[..., Any], tiny_model: Path
 ) -> None:
+    """A peer that resets is gone for sure: its queued restore is withdrawn, no GPU call runs
+    for the request and the slot keeps what it held."""
     ep = await start_engine(tiny_model)
     async with http(ep) as h, await rpc(ep) as c:
         pre = await prefill(c, 1, MESSAGES)
         await prefill(c, 0, OTHER_MESSAGES)
         before = await slot_tokens(c, 0)
         async with gate(ep) as g:
-            raw = await rpc(ep)
+            raw = await _raw_stream(ep)
             payload = frame(MESSAGES, pre.payload, n_predict=N, kv_metadata=kv_meta(pre))
-            await raw.send_raw(encode_request(Op.DECODE, b"0", payload))
+            await raw.send_all(encode_request(Op.DECODE, b"0", payload))
             rid = (await wait_listed(h, "restoring"))["decode_request_id"]
             await g.wait_queued(1)
             entry = entry_of(ep, rid)
+            _reset_on_close(raw)
             await raw.aclose()  # nobody will ever learn the id
             with trio.fail_after(10):
                 await entry.ended.wait()
@@ -390,6 +406,120 @@ async def test_connection_closed_before_reply_cancels_the_request(
             c, 0, frame(MESSAGES, pre.payload, n_predict=N, kv_metadata=kv_meta(pre))
         )
         assert text_of(await get_result(h, rid2)) == text_of(await chat_completion(h, MESSAGES, N))
+
+
+async def test_connection_closed_before_reply_cancels_the_request(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """A peer that closed (FIN) before the reply looks like one that half-closed until the
+    reply reaches it: the restore runs and the reply is written; the closed socket answers it
+    with a reset, and the request is cancelled (nobody read its id) and its slot freed."""
+    ep = await start_engine(tiny_model)
+    async with http(ep) as h, await rpc(ep) as c:
+        pre = await prefill(c, 1, MESSAGES)
+        async with gate(ep) as g:
+            raw = await _raw_stream(ep)
+            payload = frame(MESSAGES, pre.payload, n_predict=LONG_N, kv_metadata=kv_meta(pre))
+            await raw.send_all(encode_request(Op.DECODE, b"0", payload))
+            rid = (await wait_listed(h, "restoring"))["decode_request_id"]
+            await g.wait_queued(1)
+            entry = entry_of(ep, rid)
+            await raw.aclose()
+        with trio.fail_after(30):
+            await entry.ended.wait()
+        assert tombstone_state(ep, rid) == "cancelled"
+        assert entry.result is None or entry.result.completion_tokens < LONG_N
+        assert (await slot_meta(c, 0))["is_processing"] is False
+        r = await h.get(f"/v1/decode/{rid}")
+        assert r.status_code == 410 and r.json()["state"] == "cancelled"
+
+
+async def test_request_that_finished_before_its_reply_was_refused_is_cancelled(
+    start_engine: Callable[..., Any], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A closed peer's reset is seen only after the reply; a short request may be done by
+    then. Nobody learned its id: it still ends as a cancelled tombstone, not a result."""
+    from hydra_trio.rpc import peer
+
+    ep = await start_engine(tiny_model)
+    real = peer.reset_after_reply
+    finished: list[str] = []
+
+    async def after_the_request_ended(sock: Any) -> bool:
+        entry = store(ep).entries()[0]
+        await entry.ended.wait()
+        finished.append(entry.state.value)
+        return await real(sock)
+
+    monkeypatch.setattr(peer, "reset_after_reply", after_the_request_ended)
+    async with await rpc(ep) as c:
+        pre = await prefill(c, 1, MESSAGES)
+    raw = await _raw_stream(ep)
+    async with gate(ep) as g:
+        payload = frame(MESSAGES, pre.payload, n_predict=2, kv_metadata=kv_meta(pre))
+        await raw.send_all(encode_request(Op.DECODE, b"0", payload))
+        await g.wait_queued(1)
+        rid = store(ep).entries()[0].id
+        await raw.aclose()
+    with trio.fail_after(30):
+        await wait_until(lambda: tombstone_state(ep, rid) is not None)
+    assert finished == ["done"]
+    assert tombstone_state(ep, rid) == "cancelled"
+    async with await rpc(ep) as c:
+        assert (await slot_meta(c, 0))["is_processing"] is False
+
+
+async def _read_after_half_close(stream: trio.SocketStream) -> RpcResponse:
+    """The one reply to what was sent before our SHUT_WR; then the server closes."""
+    client = RpcClient(stream)
+    with trio.fail_after(30):
+        resp = await client.read_response()
+        assert await stream.receive_some(1) == b""  # it ends the connection after our EOF
+    return resp
+
+
+async def test_half_closed_client_gets_its_prefill_reply(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """spec §4.3: a client that only shut down its write side still reads the reply. The EOF
+    reaches the server while the PREFILL waits for the GPU worker."""
+    ep = await start_engine(tiny_model)
+    async with await rpc(ep) as c:
+        expected = await prefill(c, 1, MESSAGES)
+        async with gate(ep) as g:
+            raw = await _raw_stream(ep)
+            await raw.send_all(encode_request(Op.PREFILL, b"0", json.dumps({"messages": MESSAGES}).encode()))
+            await g.wait_queued(1)
+            await raw.send_eof()
+            await trio.testing.wait_all_tasks_blocked()
+        resp = await _read_after_half_close(raw)
+        await raw.aclose()
+        assert resp.status == Status.OK, resp.meta
+        assert resp.meta["n_past"] == expected.meta["n_past"]
+        assert len(resp.payload) == len(expected.payload)
+
+
+async def test_half_closed_client_gets_its_decode_reply_and_the_decode_completes(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    ep = await start_engine(tiny_model)
+    async with http(ep) as h, await rpc(ep) as c:
+        pre = await prefill(c, 1, MESSAGES)
+        async with gate(ep) as g:
+            raw = await _raw_stream(ep)
+            payload = frame(MESSAGES, pre.payload, n_predict=N, kv_metadata=kv_meta(pre))
+            await raw.send_all(encode_request(Op.DECODE, b"0", payload))
+            await g.wait_queued(1)  # the restore waits for the worker
+            await raw.send_eof()  # the EOF is there before the reply
+            await trio.testing.wait_all_tasks_blocked()
+        resp = await _read_after_half_close(raw)
+        await raw.aclose()
+        assert resp.status == Status.OK, resp.meta
+        rid = resp.meta["decode_request_id"]
+        body = await get_result(h, rid)
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == N
+        assert text_of(body) == text_of(await chat_completion(h, MESSAGES, N))
 
 
 async def test_close_in_the_batch_of_the_ack_cancels_the_request(

@@ -64,8 +64,8 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                 model_path, alias = await trio.to_thread.run_sync(resolve_model, settings)
                 engine = await Engine.load(model_path, settings, alias=alias)
                 await services.start(engine.run)
-                state.metrics.watch_engine(engine)
                 store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
+                state.metrics.watch_engine(engine, lambda: len(store.running()))
                 decodes = DecodeManager(engine, store, settings, state.metrics)
                 await services.start(decodes.run)
                 exports = ExportStore(

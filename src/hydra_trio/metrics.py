@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .vllm_metrics import PrefixCacheCounts, VllmCollector
@@ -55,8 +56,8 @@ class Metrics:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""
         Gauge(name, doc, registry=self.registry).set_function(read)
 
-    def watch_engine(self, engine: Engine) -> None:
-        """Gauges read from the engine at scrape time."""
+    def watch_engine(self, engine: Engine, running_decodes: Callable[[], int]) -> None:
+        """Gauges read from the engine (and the decode requests) at scrape time."""
         self.registry.register(VllmCollector(engine, self.prefix_cache))
         g = self.live_gauge
         g("hydra_slots_busy", "slots claimed by a request", lambda: sum(s.busy for s in engine.slots.slots))
@@ -86,6 +87,25 @@ class Metrics:
             lambda: engine.batcher.prompt_tokens,
         )
         g("hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda: engine.tokens_evaluated)
+        g("hydra_decode_requests_running", "decode requests not yet ended", running_decodes)
+        # A leak check for soaks: every task of this process's trio run, read at scrape time
+        # (from the /metrics handler, inside the run).
+        g("hydra_trio_tasks", "tasks in the trio run (leak check)", trio_task_count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def trio_task_count() -> float:
+    """Tasks in the current trio run; -1 outside one."""
+    try:
+        root = trio.lowlevel.current_root_task()
+    except RuntimeError:
+        return -1.0
+    if root is None:
+        return -1.0
+
+    def walk(task: trio.lowlevel.Task) -> int:
+        return 1 + sum(walk(t) for n in task.child_nurseries for t in n.child_tasks)
+
+    return float(walk(root))

@@ -43,6 +43,7 @@ class StartedDecode:
 
     meta: dict[str, Any]
     entry: DecodeEntry
+    store: ResultStore
     metrics: Metrics
     started_at: float  # perf_counter() when validation began
 
@@ -55,6 +56,8 @@ class StartedDecode:
         becomes a ``cancelled`` tombstone."""
         task: OwnedTask = self.entry.task
         await task.cancel_and_wait()
+        # A short request may have finished while the server learned the peer was gone.
+        self.store.forget_unclaimed(self.entry)
 
 
 class CancelOutcome(StrEnum):
@@ -284,7 +287,7 @@ class DecodeManager:
             "kv_bytes": m["kv_bytes"],
             "id_slot": slot_id,
         }
-        return StartedDecode(meta, entry, self.metrics, t0)
+        return StartedDecode(meta, entry, self.store, self.metrics, t0)
 
     async def _generate(
         self, entry: DecodeEntry, prompt_text: str | None, params: GenerationParams, logits: bytes | None, rlog: Any

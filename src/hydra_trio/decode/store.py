@@ -199,6 +199,12 @@ class ResultStore:
         else:
             self._bury(entry, state)
 
+    def forget_unclaimed(self, entry: DecodeEntry) -> None:
+        """A request whose id never reached its caller leaves as a "cancelled" tombstone,
+        even if it finished before the caller's hang-up was known (nobody can read it)."""
+        if self.holds(entry):
+            self._bury(entry, DecodeState.CANCELLED)
+
     def delete(self, entry: DecodeEntry) -> None:
         """DELETE of a finished entry: it leaves the store as a "deleted" tombstone."""
         if self.holds(entry):

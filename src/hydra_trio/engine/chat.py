@@ -63,7 +63,7 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise ChatRequestError(f"messages[{i}] must be an object")
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # an object or array is unhashable
             raise ChatRequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
         msg = dict(m)
         msg["content"] = _content_text(m.get("content"), i)

@@ -1,9 +1,7 @@
-"""Exact-length reads into preallocated buffers, and disconnect detection, on a trio socket."""
+"""Exact-length reads into preallocated buffers on a trio socket (peer.py watches the peer)."""
 
 from __future__ import annotations
 
-import select
-import socket as stdsocket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -117,27 +115,6 @@ class Connection:
                         off += await self.sock.send(view[off : off + step])
                 except OSError as exc:  # what SocketStream.send_all raises: callers catch it
                     raise trio.BrokenResourceError(f"send failed after {off}/{len(view)} bytes: {exc}") from exc
-
-    async def wait_closed(self) -> None:
-        """Return when the peer has closed the connection (EOF or error).
-
-        Peeks, so it consumes nothing; if the peer sends data instead (a pipelined request,
-        which the protocol does not allow), it stops watching and sleeps forever.
-        """
-        try:
-            data = await self.sock.recv(1, stdsocket.MSG_PEEK)
-        except OSError:
-            return
-        if data == b"":
-            return
-        await trio.sleep_forever()
-
-    def peer_closed(self) -> bool:
-        """Whether the peer's close (EOF or a reset) is already here, without waiting: the
-        disconnect watcher may not have run yet in this scheduler batch."""
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLRDHUP)
-        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
 
     async def aclose(self) -> None:
         await self.stream.aclose()

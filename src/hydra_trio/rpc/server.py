@@ -21,6 +21,7 @@ from ..config import is_loopback
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
+from . import peer
 from .connection import ByteBudget, Connection, PeerClosed
 from .ops import OpContext, OpSpec, OpTable, Reply
 
@@ -224,10 +225,12 @@ async def _answer(
 ) -> bool:
     """Run the op and write its one reply; False when the peer hung up first (close).
 
-    For ops that stop when the caller hangs up (PREFILL, DECODE), a peer that closes cancels
-    everything from the op's start until its reply is written. What the op started (a DECODE
-    request) is committed once the reply is out, and abandoned if it could not be written:
-    nobody learned its id.
+    For ops that stop when the caller hangs up (PREFILL, DECODE), a peer that resets cancels
+    everything from the op's start until its reply is written. A peer that sent EOF may only
+    have half-closed (it still reads, spec §4.3): its op finishes and the reply is written,
+    then ``peer.reset_after_reply`` tells a closed peer (it answers with a reset) from a
+    reading one. What the op started (a DECODE request) is committed once the reply is out
+    and was not answered with a reset, and abandoned otherwise: nobody learned its id.
     """
     try:
         return await _answer_or_hang_up(state, spec, ctx, payload, release_payload)
@@ -238,23 +241,29 @@ async def _answer(
 async def _answer_or_hang_up(
     state: AppState, spec: OpSpec, ctx: OpContext, payload: np.ndarray, release_payload: Callable[[], None]
 ) -> bool:
+    sock = ctx.conn.sock
+    watch = trio.CancelScope()  # the watcher's own: it watches the op, not the reply
     async with trio.open_nursery() as hangup:
         if spec.cancel_on_disconnect:
-            hangup.start_soon(_cancel_on_close, ctx.conn, hangup.cancel_scope)
+            hangup.start_soon(_cancel_on_reset, sock, hangup.cancel_scope, watch)
         try:
             reply = await _run_op(spec, ctx, memoryview(payload))
         finally:
             release_payload()
+        # From here a failed send, or reset_after_reply, tells whether the reply was taken.
+        watch.cancel()
         state.metrics.rpc_requests.labels(spec.name, reply.status.name).inc()
         try:
-            if spec.cancel_on_disconnect and ctx.conn.peer_closed():
-                # The close came before the reply, in the batch that ended the op; the
-                # watcher has not run yet.
-                raise PeerClosed("peer closed before the reply")
+            if spec.cancel_on_disconnect and peer.was_reset(sock):
+                # The reset came in the batch that ended the op; the watcher has not run yet.
+                raise PeerClosed("peer reset the connection before the reply")
             await _send_reply(ctx.conn, reply)
+            if reply.started is not None and peer.saw_eof(sock) and await peer.reset_after_reply(sock):
+                # Its EOF was a close, not a half-close: the reply reached a closed socket.
+                raise PeerClosed("peer had closed before the reply: it answered with a reset")
         except BaseException:
             if reply.started is not None:
-                ctx.log.info("%s: reply not written; cancelling what it started", spec.name)
+                ctx.log.info("%s: reply not written, or not read; cancelling what it started", spec.name)
                 with trio.CancelScope(shield=True):
                     await reply.started.abandon()
             raise
@@ -263,13 +272,16 @@ async def _answer_or_hang_up(
         state.metrics.rpc_bytes_out.inc(reply.payload_len)
         hangup.cancel_scope.cancel()
         return True
-    ctx.log.info("%s: peer closed before the reply; request cancelled", spec.name)
+    ctx.log.info("%s: peer reset the connection before the reply; request cancelled", spec.name)
     return False
 
 
-async def _cancel_on_close(conn: Connection, scope: trio.CancelScope) -> None:
-    await conn.wait_closed()
-    scope.cancel()
+async def _cancel_on_reset(
+    sock: trio.socket.SocketType, scope: trio.CancelScope, watch: trio.CancelScope
+) -> None:
+    with watch:
+        await peer.wait_reset(sock)
+        scope.cancel()
 
 
 async def _run_op(spec: OpSpec, ctx: OpContext, payload: memoryview) -> Reply:
