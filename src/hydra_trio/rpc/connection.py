@@ -14,6 +14,7 @@ from ..tasks import raise_single
 
 Buffer = bytes | bytearray | memoryview
 _NO_HUGEPAGES_MIN = 4 << 20  # numpy madvises huge pages for arrays from this size on
+_MMAP_MIN = 64 << 20  # above glibc malloc's largest mmap threshold: smaller buffers reuse heap pages
 
 
 class PeerClosed(Exception):
@@ -123,17 +124,21 @@ class Connection:
 
 
 def payload_buffer(n: int) -> np.ndarray:
-    """One buffer of ``n`` bytes for a payload to be received into: uninitialised memory.
+    """One buffer of ``n`` bytes for a payload to be received into.
 
-    ``bytearray(n)`` zero-fills every byte first (py-spy put that memset at 39% of a 130 MB
-    DECODE); these skip it, and the receive writes every byte before anything reads the
-    buffer (a short read fails and the buffer is dropped). From 4 MiB on it is an anonymous
-    mapping: ``np.empty`` would ask for transparent huge pages there (numpy's madvise), and
-    with the kernel's "madvise" defrag a page fault then stalls for compaction: DECODE acks
-    of a 151 MB blob varied 80-380 ms with huge pages, 128-148 ms without."""
-    if n >= _NO_HUGEPAGES_MIN:
-        return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
-    return np.empty(n, dtype=np.uint8)
+    Below 4 MiB, uninitialised heap memory (``np.empty``): no zero-fill pass, and the
+    receive writes every byte before anything reads it (a short read drops the buffer).
+    From 4 MiB, ``np.empty`` would ask for transparent huge pages (numpy's madvise), and with
+    the kernel's "madvise" defrag a page fault then stalls for compaction (DECODE acks of a
+    151 MB blob varied 80-380 ms). So from there: a bytearray up to 64 MiB (zeroed, but malloc
+    reuses already-mapped heap pages, which measured 2-3x faster than faulting in a fresh
+    mapping at 1-17 MB), and an anonymous mapping above (the kernel supplies zero pages as
+    the receive first writes them: no zeroing pass, no huge pages)."""
+    if n < _NO_HUGEPAGES_MIN:
+        return np.empty(n, dtype=np.uint8)
+    if n < _MMAP_MIN:
+        return np.frombuffer(bytearray(n), dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
 
 
 def _peer_name(sock: trio.socket.SocketType) -> str:
