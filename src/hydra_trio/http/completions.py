@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
@@ -85,19 +84,17 @@ async def completions() -> Response:
         return text_completion_body(cid, now_s(), model, slot_id, res, **extra)
 
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py), as for chat.
-    exported = await kv_transfer.export_completion(state, body, tokens, params, render)
-    if exported is not None:
-        return exported
-    handoff = kv_transfer.begin_handoff(state, body)
-    restore = partial(kv_transfer.restore_handoff, state, handoff, engine, tokens=tokens)
+    plan = await kv_transfer.route(state, body, engine, tokens, params, render)
+    if isinstance(plan, Response):
+        return plan
     try:
         if not params.stream:
             slot_id, res = await generate_buffered(
-                state, engine, tokens, params, owner=owner, path="completions", prepare=restore
+                state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore
             )
-            return json_response(render(slot_id, res, **kv_transfer.handoff_fields(handoff)))
+            return json_response(render(slot_id, res, **plan.fields()))
         stream = await start_stream(
-            state, engine, tokens, params, owner=owner, path="completions", prepare=restore
+            state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore
         )
     except SlotsBusy:
         return all_slots_busy(state)
@@ -112,7 +109,7 @@ async def completions() -> Response:
                     yield sse_event(
                         text_completion_body(
                             cid, created, model, stream.slot_id, value, text="",
-                            **kv_transfer.handoff_fields(handoff),
+                            **plan.fields(),
                         )
                     )
                 else:

@@ -17,7 +17,9 @@ A route (chat completions; text completions use the same three calls) does:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -120,3 +122,28 @@ def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
     """Extra response fields: ``kv_transfer`` says whether the KV came from the prefill
     engine or was recomputed here, and why."""
     return {} if handoff is None else {"kv_transfer": handoff.report()}
+
+
+@dataclass(slots=True)
+class DecodeSide:
+    """The decode side of a completion route: the hand-off the request asks for (or none),
+    the restore to run in the claimed slot (``prepare`` of http/generation.py), and the
+    response fields that report it."""
+
+    handoff: Handoff | None
+    restore: Callable[[int], Awaitable[bytes | None]]
+
+    def fields(self) -> dict[str, Any]:
+        return handoff_fields(self.handoff)
+
+
+async def route(
+    state: AppState, body: dict[str, Any], engine: Engine, tokens: list[int], params: GenerationParams, render: Render
+) -> Response | DecodeSide:
+    """Every completion route's entry: a prefill-side request is answered here (the
+    Response); any other gets its decode side (a no-op one without kv_transfer_params)."""
+    exported = await export_completion(state, body, tokens, params, render)
+    if exported is not None:
+        return exported
+    handoff = begin_handoff(state, body)
+    return DecodeSide(handoff, partial(restore_handoff, state, handoff, engine, tokens=tokens))

@@ -102,16 +102,14 @@ async def chat_completions() -> Response:
     model = engine.identity.model_alias
     owner = f"http:{cid}"
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
-    exported = await kv_transfer.export_completion(state, body, tokens, params, partial(completion_body, cid, model))
-    if exported is not None:
-        return exported
-    handoff = kv_transfer.begin_handoff(state, body)
-    restore = partial(kv_transfer.restore_handoff, state, handoff, engine, tokens=tokens)
+    plan = await kv_transfer.route(state, body, engine, tokens, params, partial(completion_body, cid, model))
+    if isinstance(plan, Response):
+        return plan
     try:
         if not params.stream:
-            slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat", prepare=restore)
-            return json_response(completion_body(cid, model, slot_id, res, **kv_transfer.handoff_fields(handoff)))
-        stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat", prepare=restore)
+            slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
+            return json_response(completion_body(cid, model, slot_id, res, **plan.fields()))
+        stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
     except SlotsBusy:
         return all_slots_busy(state)
 
@@ -124,7 +122,7 @@ async def chat_completions() -> Response:
                     yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
                 elif kind == "done":
                     yield sse_event(
-                        final_chunk(cid, created, model, stream.slot_id, value, **kv_transfer.handoff_fields(handoff))
+                        final_chunk(cid, created, model, stream.slot_id, value, **plan.fields())
                     )
                 else:
                     yield sse_event(error_event_body(value))
