@@ -10,6 +10,8 @@ request can be advanced one GPU call at a time and observed between calls.
 from __future__ import annotations
 
 import json
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -264,6 +266,12 @@ async def stream_then_hang_up(h: httpx.AsyncClient, path: str, body: dict[str, A
                 seen += 1
                 if seen >= after:
                     return
+
+
+def reset_on_close(stream: trio.SocketStream) -> None:
+    """SO_LINGER 0: close() sends a reset (RST) instead of a FIN: the peer hangs up for
+    good (a FIN alone may be a half-close, which the engine answers; see rpc/peer.py)."""
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 # ---- RPC -----------------------------------------------------------------------------------

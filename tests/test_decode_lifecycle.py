@@ -9,8 +9,6 @@ exactly where the test wants it (restore queued, prefill chunk queued, step queu
 from __future__ import annotations
 
 import json
-import socket
-import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from helpers import (
     http,
     kv_meta,
     prefill,
+    reset_on_close,
     rpc,
     slot_meta,
     slot_tokens,
@@ -368,10 +367,6 @@ async def _raw_stream(ep: Any) -> trio.SocketStream:
     return await trio.open_tcp_stream("127.0.0.1", ep.rpc_port)
 
 
-def _reset_on_close(stream: trio.SocketStream) -> None:
-    """SO_LINGER 0: close() sends a reset (RST) instead of a FIN."""
-    stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-
 
 async def test_connection_reset_before_reply_cancels_the_request_at_once(
     start_engine: Callable[..., Any], tiny_model: Path
@@ -390,7 +385,7 @@ async def test_connection_reset_before_reply_cancels_the_request_at_once(
             rid = (await wait_listed(h, "restoring"))["decode_request_id"]
             await g.wait_queued(1)
             entry = entry_of(ep, rid)
-            _reset_on_close(raw)
+            reset_on_close(raw)
             await raw.aclose()  # nobody will ever learn the id
             with trio.fail_after(10):
                 await entry.ended.wait()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ from helpers import (
     kv_meta,
     prefill,
     read_sse,
+    reset_on_close,
     rpc,
     store,
     tombstone_state,
@@ -87,9 +87,6 @@ async def assert_clean(ep: Any, baseline: int, cancelled: list[int] = ()) -> Non
     await wait_until(lambda: task_count() == baseline, 10)
 
 
-def _reset_on_close(stream: trio.SocketStream) -> None:
-    stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-
 
 # ---- a client disconnects at each stage of a DECODE ------------------------------------------
 
@@ -120,7 +117,7 @@ async def test_disconnect_at_each_stage_of_a_decode(start_engine: Any, tiny_mode
             await g.wait_queued(1)  # the restore waits for the GPU worker
             entry = entry_of(ep, rid)
             if stage == "before_ack_reset":
-                _reset_on_close(raw)
+                reset_on_close(raw)
             await raw.aclose()
         with trio.fail_after(30):
             await entry.ended.wait()

@@ -22,7 +22,9 @@ from helpers import (
     chat,
     expect_closed,
     http,
+    reset_on_close,
     rpc,
+    wait_until,
 )
 from hydra_trio.rpc.client import Call, RpcClient
 from hydra_trio.wire.errors import Status
@@ -407,7 +409,8 @@ async def test_client_disconnect_mid_request(engine: Any) -> None:
 
 
 async def test_client_disconnect_during_prefill(engine: Any) -> None:
-    """A PREFILL whose caller hangs up right after sending is cancelled; nothing is stuck."""
+    """A PREFILL whose caller hangs up (a reset) right after sending is cancelled; nothing is
+    stuck. (A FIN alone may be a half-close: that caller still gets its reply.)"""
     long = {"messages": [{"role": "user", "content": "the " * 1500}]}
     payload = json.dumps(long).encode()
     eng = engine.state.engine
@@ -415,7 +418,13 @@ async def test_client_disconnect_during_prefill(engine: Any) -> None:
     for _ in range(3):
         stream = await trio.open_tcp_stream("127.0.0.1", engine.rpc_port)
         await stream.send_all(header(Op.PREFILL, key=b"0", payload_len=len(payload)) + payload)
+        reset_on_close(stream)
         await stream.aclose()
+
+    def open_connections() -> float:
+        return engine.state.metrics.registry.get_sample_value("hydra_rpc_connections") or 0.0
+
+    await wait_until(lambda: open_connections() == 0)  # all three handled, not just the first
     await assert_server_healthy(engine)
     abandoned = eng.prompt_tokens_processed - before
     async with await rpc(engine) as c:
