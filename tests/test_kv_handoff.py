@@ -24,6 +24,7 @@ from helpers import (
     rpc,
     scrape,
     sse_text,
+    stream_then_hang_up,
     wait_until,
 )
 from hydra_trio.rpc.client import Call, info_call
@@ -257,15 +258,8 @@ async def test_decode_client_leaving_mid_stream_leaves_both_idle(pair: tuple[Any
     a, b = pair
     async with http(a) as ca, http(b) as cb:
         params = (await export(ca))["kv_transfer_params"]
-        req = {"messages": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True, "kv_transfer_params": params}
-        seen = 0
-        async with cb.stream("POST", "/v1/chat/completions", json=req) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen >= 3:
-                        break
+        req = {"messages": PROMPT, "max_tokens": 4000, "temperature": 0, "kv_transfer_params": params}
+        await stream_then_hang_up(cb, "/v1/chat/completions", req, 3)
     await assert_server_healthy(b)
     await assert_server_healthy(a)
     assert len(a.state.exports) == 0

@@ -27,6 +27,7 @@ from helpers import (
     parse_sse,
     scrape,
     sse_text,
+    stream_then_hang_up,
     wait_until,
 )
 
@@ -202,16 +203,9 @@ async def test_router_client_leaving_mid_stream_leaves_both_idle(
     a, b = engines
     router = await router_over(a, b)
     generated_before = b.state.engine.tokens_generated
-    req = {"messages": PROMPT, "max_tokens": 1800, "temperature": 0, "stream": True}
+    req = {"messages": PROMPT, "max_tokens": 1800, "temperature": 0}
     async with router.client() as c:
-        seen = 0
-        async with c.stream("POST", "/v1/chat/completions", json=req) as resp:
-            assert resp.status_code == 200
-            async for line in resp.aiter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen >= 3:
-                        break
+        await stream_then_hang_up(c, "/v1/chat/completions", req, 3)
     # The router drops its upstream request; the decode engine stops and frees the slot.
     await wait_until(lambda: not any(s.busy for s in b.state.engine.slots.slots), 20.0)
     await assert_server_healthy(b)

@@ -61,7 +61,7 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
     return error_body(500, f"internal error: {type(exc).__name__}", "server_error", error_code="INTERNAL")
 
 
-async def _claim(state: AppState, engine: Engine, tokens: Sequence[int], owner: str) -> Slot:
+async def claim_slot(state: AppState, engine: Engine, tokens: Sequence[int], owner: str) -> Slot:
     """A free slot (preferring the longest cached prefix) within --slot-wait-s; SlotsBusy."""
     try:
         with trio.fail_after(state.settings.slot_wait_s):
@@ -85,7 +85,7 @@ async def generate_buffered(
     prepare: Prepare | None = None,
 ) -> tuple[int, GenerationResult]:
     """(slot id, result) of a whole generation. Raises SlotsBusy."""
-    slot = await _claim(state, engine, tokens, owner)
+    slot = await claim_slot(state, engine, tokens, owner)
     try:
         logits = await prepare(slot.id) if prepare is not None else None
         res = await engine.generate(slot.id, tokens, params, _discard, logits=logits)
@@ -127,7 +127,7 @@ async def start_stream(
     stall_s = state.settings.slot_wait_s
 
     async def produce(task_status: Any) -> None:
-        slot = await _claim(state, engine, tokens, owner)
+        slot = await claim_slot(state, engine, tokens, owner)
         task_status.started(slot.id)
 
         async def put(item: tuple[str, Any]) -> None:

@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import trio
 from quart import Response, request
 
 from ..decode.handoff import Handoff, prefill_export
 from ..engine.params import GenerationParams
 from ..wire.kvpull import export_params, wants_remote_decode
 from .common import EngineStarting, json_response, require_engine
-from .sse import error_body
+from .generation import SlotsBusy, all_slots_busy, claim_slot
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -57,14 +56,9 @@ async def export_completion(
     assert exports is not None, "the export store starts before HTTP serves requests"
     owner = f"http:kv-export:{_request_id() or secrets.token_hex(6)}"
     try:
-        with trio.fail_after(state.settings.slot_wait_s):  # the wait for a slot, not the prefill
-            slot = await engine.claim_for_prompt(tokens, owner)
-    except trio.TooSlowError:
-        return json_response(
-            error_body(503, f"all slots are busy (waited {state.settings.slot_wait_s:g} s)", "unavailable_error"),
-            503,
-            headers={"Retry-After": "1"},
-        )
+        slot = await claim_slot(state, engine, tokens, owner)  # bounds the wait, not the prefill
+    except SlotsBusy:
+        return all_slots_busy(state)
     out = await prefill_export(engine, exports, slot, tokens, params)  # releases the slot
     state.metrics.record_generation("kv_export", out.result)
     export = out.export
