@@ -4,6 +4,7 @@ raw samples, summaries and the headline ratio; __main__ prints and plots them.""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import socket
 import time
@@ -397,8 +398,18 @@ def _has_text(line: str) -> bool:
     return bool(choices[0].get("delta", {}).get("content"))
 
 
+_runs = itertools.count()
+
+
+def _story_prompts(k: int) -> list[str]:
+    """k prompts that no server has seen before (servers keep finished prompts' KV and would
+    skip their prefill: llama-server's slots and llama_cpp.server both do), all equally long."""
+    run = next(_runs)
+    return [f"Story number {i} of run {run:04d}: once upon a time" for i in range(k)]
+
+
 async def _ours_decode(b: EngineProcess, k: int, n_tokens: int) -> list[list[float]]:
-    reqs = [chat_request(f"Story number {i}: once upon a time", n_tokens) for i in range(k)]
+    reqs = [chat_request(p, n_tokens) for p in _story_prompts(k)]
     async with await RpcClient.connect("127.0.0.1", b.rpc_port) as rpc:
         for i, req in enumerate(reqs):
             await rpc.prefill(i, req)
@@ -418,10 +429,11 @@ async def _ours_decode(b: EngineProcess, k: int, n_tokens: int) -> list[list[flo
 
 async def _chat_streams(url: str, k: int, n_tokens: int, model_name: str | None) -> list[list[float]]:
     results: list[list[float]] = [[] for _ in range(k)]
+    prompts = _story_prompts(k)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
 
         async def one(i: int) -> None:
-            body = {**chat_request(f"Story number {i}: once upon a time", n_tokens), "stream": True}
+            body = {**chat_request(prompts[i], n_tokens), "stream": True}
             if model_name:
                 body["model"] = model_name
             results[i] = await _stream_times(http, "POST", "/v1/chat/completions", json=body)

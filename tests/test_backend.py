@@ -294,3 +294,43 @@ async def test_gpu_worker_cancel_sets_abort_flag() -> None:
             scope.cancel()
     assert not outer.cancelled_caught
     assert seen == [True]
+
+
+def test_several_prompt_parts_and_a_step_in_one_batch(model: Path, reference: Reference) -> None:
+    """Two prompts split into parts, riding in one llama_decode with another slot's step:
+    each slot ends with the same KV (same greedy continuation) as when evaluated alone."""
+    from hydra_trio.engine.backend import PrefillPart
+
+    b = new_backend(model, n_slots=3)
+    sampler = Sampler(SamplingParams())
+    try:
+        prompt = reference.prompt
+        first, _ = b.eval_chunk(0, prompt, None, sampler=sampler)  # slot 0 generates
+        assert first == reference.continuation[0]
+        half = len(prompt) // 2
+        s1, s2 = Sampler(SamplingParams()), Sampler(SamplingParams())
+        try:
+            results, outcomes = b.step_mixed(
+                [StepRequest(0, first, sampler)],
+                [PrefillPart(1, prompt[:half], keep=0), PrefillPart(2, prompt[:half], keep=0)],
+            )
+            assert results == [reference.continuation[1]]
+            assert [o.unwrap() for o in outcomes] == [(None, None), (None, None)]
+            results, outcomes = b.step_mixed(
+                [StepRequest(0, results[0], sampler)],
+                [PrefillPart(1, prompt[half:], sampler=s1), PrefillPart(2, prompt[half:], sampler=s2, want_logits=True)],
+            )
+            assert results == [reference.continuation[2]]
+            (tok1, logits1), (tok2, logits2) = (o.unwrap() for o in outcomes)
+            assert tok1 == tok2 == reference.continuation[0]
+            assert logits1 is None and logits2 is not None and len(logits2) == len(reference.logits)
+        finally:
+            s1.close()
+            s2.close()
+        for slot in (1, 2):
+            assert b.seq_tokens[slot] == prompt
+            assert_slot_clean(b, slot)
+            assert continue_slot(b, slot) == reference.continuation
+    finally:
+        sampler.close()
+        b.close()

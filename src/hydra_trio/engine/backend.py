@@ -581,40 +581,59 @@ class LlamaBackend:
         return results
 
     def step_mixed(
-        self, requests: Sequence[StepRequest], part: PrefillPart
-    ) -> tuple[list[int | None], outcome.Outcome[tuple[int | None, bytes | None]]]:
-        """One llama_decode holding the generation steps and a part of a prompt.
+        self, requests: Sequence[StepRequest], parts: Sequence[PrefillPart]
+    ) -> tuple[list[int | None], list[outcome.Outcome[tuple[int | None, bytes | None]]]]:
+        """One llama_decode holding the generation steps and parts of prompts (each of its
+        own slot).
 
-        Returns the steps' results (as ``step``) and the part's outcome (as ``eval_chunk``:
+        Returns the steps' results (as ``step``) and each part's outcome (as ``eval_chunk``:
         the sampled token and logits, or the error, e.g. NoKvSpace, that only concerns it).
         """
-        if part.keep is not None:
-            self.truncate_slot(part.slot, part.keep)
-        start = len(self.seq_tokens[part.slot])
+        for part in parts:
+            if part.keep is not None:
+                self.truncate_slot(part.slot, part.keep)
         live = [i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx]
-        if not live or start + len(part.tokens) > self.n_ctx or len(live) + len(part.tokens) > self.n_batch:
-            return self.step(requests), self._eval_part(part)
+        fits = [p for p in parts if len(self.seq_tokens[p.slot]) + len(p.tokens) <= self.n_ctx]
+        n_entries = len(live) + sum(len(p.tokens) for p in fits)
+        if len(fits) < len(parts) or n_entries > self.n_batch or n_entries == len(live):
+            return self._step_then_parts(requests, parts)
         entries = [(requests[i].slot, requests[i].token, len(self.seq_tokens[requests[i].slot]), True) for i in live]
-        need_logits = part.sampler is not None or part.want_logits
-        last = len(part.tokens) - 1
-        entries += [(part.slot, t, start + k, need_logits and k == last) for k, t in enumerate(part.tokens)]
+        ends: list[int] = []  # each part's last entry
+        for part in parts:
+            start = len(self.seq_tokens[part.slot])
+            need_logits = part.sampler is not None or part.want_logits
+            last = len(part.tokens) - 1
+            entries += [(part.slot, t, start + k, need_logits and k == last) for k, t in enumerate(part.tokens)]
+            ends.append(len(entries) - 1)
         try:
             self._decode_batch(entries, None)
         except NoKvSpace:  # the shared pool is tight: each goes alone, those that fit go on
-            return self.step(requests), self._eval_part(part)
+            return self._step_then_parts(requests, parts)
         results: list[int | None] = [None] * len(requests)
         for j, i in enumerate(live):
             r = requests[i]
             self.seq_tokens[r.slot].append(r.token)
             results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
-        self.seq_tokens[part.slot].extend(part.tokens)
-        idx = len(entries) - 1
-        logits = self.logits_bytes(idx) if part.want_logits else None
-        token = llama_cpp.llama_sampler_sample(part.sampler.handle, self._ctx, idx) if part.sampler else None
-        return results, outcome.Value((token, logits))
+        outcomes: list[outcome.Outcome[tuple[int | None, bytes | None]]] = []
+        for part, idx in zip(parts, ends, strict=True):
+            self.seq_tokens[part.slot].extend(part.tokens)
+            logits = self.logits_bytes(idx) if part.want_logits else None
+            token = llama_cpp.llama_sampler_sample(part.sampler.handle, self._ctx, idx) if part.sampler else None
+            outcomes.append(outcome.Value((token, logits)))
+        # After every sample: _advanced may call llama (SWA state size), which must not come
+        # between a decode and the reading of its logits.
+        for slot in {requests[i].slot for i in live} | {p.slot for p in parts}:
+            self._advanced(slot)
+        return results, outcomes
 
-    def _eval_part(self, part: PrefillPart) -> outcome.Outcome[tuple[int | None, bytes | None]]:
-        return outcome.capture(self.eval_chunk, part.slot, part.tokens, None, sampler=part.sampler, want_logits=part.want_logits)
+    def _step_then_parts(
+        self, requests: Sequence[StepRequest], parts: Sequence[PrefillPart]
+    ) -> tuple[list[int | None], list[outcome.Outcome[tuple[int | None, bytes | None]]]]:
+        results = self.step(requests)
+        return results, [
+            outcome.capture(self.eval_chunk, p.slot, p.tokens, None, sampler=p.sampler, want_logits=p.want_logits)
+            for p in parts
+        ]
 
     def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
         """Sample with the request's chain from logits that came with a KV blob."""

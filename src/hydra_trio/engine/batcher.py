@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 RunSteps = Callable[[Sequence[StepRequest]], Awaitable[list[int | None]]]
 PartOutcome = outcome.Outcome[tuple[int | None, bytes | None]]
-RunMixed = Callable[[Sequence[StepRequest], PrefillPart], Awaitable[tuple[list[int | None], PartOutcome]]]
+RunMixed = Callable[[Sequence[StepRequest], Sequence[PrefillPart]], Awaitable[tuple[list[int | None], list[PartOutcome]]]]
 
 
 @dataclass(slots=True, eq=False)
@@ -40,6 +40,8 @@ class StepJob(_Job):
     slot: int
     token: int
     sampler: Sampler
+    n_left: int = 1  # tokens the request may still produce, the one this step samples included
+    asked: bool = True  # handed in by the request (False: a look-ahead it has not taken yet)
     result: int | None = None
 
 
@@ -56,12 +58,33 @@ class PrefillJob(_Job):
 
 class StepBatcher:
     def __init__(
-        self, n_slots: int, run_steps: RunSteps, run_mixed: RunMixed, *, token_budget: int, alone_budget: int
+        self,
+        n_slots: int,
+        run_steps: RunSteps,
+        run_mixed: RunMixed,
+        *,
+        token_budget: int,
+        alone_budget: int,
+        worker_free: Callable[[], Awaitable[None]],
+        is_eog: Callable[[int], bool],
     ) -> None:
         # A slot has at most one job outstanding: the channel never holds more than n_slots.
         self._send, self._recv = trio.open_memory_channel[StepJob | PrefillJob](n_slots)
         self._run_steps = run_steps
         self._run_mixed = run_mixed
+        self._worker_free = worker_free
+        self._is_eog = is_eog
+        # Look-ahead: a step whose sampled token the request will surely feed back (not an
+        # end of generation, within its token limit) is followed at once by that token's
+        # step, in the next batch, before the request task has even run: the worker goes
+        # on without waiting for the trio side. The request picks its step up in ``submit``,
+        # or drops it (``drop_ahead``) if it stops for a reason only it knows (a stop word,
+        # cancellation); a dropped step that already ran leaves one more token in the
+        # slot's KV, consistently recorded.
+        self._ahead: dict[int, StepJob] = {}  # slot -> its next step, started by the batcher
+        self._next_steps: list[StepJob] = []  # look-ahead steps of the next batch
+        self.ahead_used = 0
+        self.ahead_dropped = 0
         self.token_budget = max(1, token_budget)
         self.alone_budget = max(self.token_budget, alone_budget)  # a prompt part with no steps
         self._prompts: deque[PrefillJob] = deque()  # handed in, not finished
@@ -74,11 +97,31 @@ class StepBatcher:
 
     # ---- request side ------------------------------------------------------------------
 
-    def submit(self, slot: int, token: int, sampler: Sampler) -> StepJob:
-        """Hand a step to the batcher without waiting (the caller must await ``result``)."""
-        job = StepJob(slot, token, sampler)
+    def submit(self, slot: int, token: int, sampler: Sampler, n_left: int = 1) -> StepJob:
+        """Hand a step to the batcher without waiting (the caller must await ``result``):
+        evaluate ``token`` in ``slot`` and sample the next one, the first of the ``n_left``
+        tokens the request may still produce. The step may already be under way (look-ahead)."""
+        job = self._ahead.pop(slot, None)
+        if job is not None:
+            if job.token == token and job.sampler is sampler:
+                self.ahead_used += 1
+                job.asked = True
+                return job
+            raise RuntimeError(f"slot {slot}: a look-ahead step for another token is outstanding")
+        job = StepJob(slot, token, sampler, n_left)
         self._hand_in(job)
         return job
+
+    async def drop_ahead(self, slot: int) -> None:
+        """The request of ``slot`` leaves its token loop: drop the step the batcher started
+        for it, waiting for it if it runs, so that nothing runs for the request afterwards."""
+        job = self._ahead.pop(slot, None)
+        if job is None:
+            return
+        self.ahead_dropped += 1
+        job.cancelled = True
+        with trio.CancelScope(shield=True):
+            await job.done.wait()
 
     async def result(self, job: StepJob, during: Awaitable[None] | None = None) -> int | None:
         """Wait for a submitted step, after awaiting ``during`` (work overlapped with it).
@@ -114,16 +157,16 @@ class StepBatcher:
             while True:
                 steps = await self._gather()
                 live = [j for j in steps if not _finish_if_cancelled(j)]
-                part_job = self._next_prompt()
-                if part_job is not None:
-                    await self._run_with_prompt(live, part_job)
+                prompts = self._next_prompts(len(live))
+                if prompts:
+                    await self._run_with_prompts(live, prompts)
                 elif live:
                     await self._run_steps_only(live)
                 steps = []
         finally:
             self._stopped = True
             stopped = ProtocolError(ErrorCode.INTERNAL, "engine is stopped", status=Status.BUSY)
-            left: list[StepJob | PrefillJob] = [*steps, *self._prompts]
+            left: list[StepJob | PrefillJob] = [*steps, *self._next_steps, *self._prompts]
             while True:
                 try:
                     left.append(self._recv.receive_nowait())
@@ -136,21 +179,28 @@ class StepBatcher:
 
     async def _gather(self) -> list[StepJob]:
         """The steps of the next batch (prompts go to ``self._prompts``)."""
-        steps: list[StepJob] = []
-        if not self._prompts:
+        steps, self._next_steps = self._next_steps, []
+        if not self._prompts and not steps:
             self._take(await self._recv.receive(), steps)
         # Let the other generating requests hand in their step so they share the batch: they
         # were woken together by the last batch and need one tick.
         for _ in range(3):
-            while True:
-                try:
-                    self._take(self._recv.receive_nowait(), steps)
-                except trio.WouldBlock:
-                    break
+            self._take_waiting(steps)
             if len(steps) >= self.generating:
                 break
             await trio.lowlevel.checkpoint()
+        # Compose the batch when the worker can run it: what arrives while another call
+        # runs (requests that come together, each prefilled alone otherwise) joins it.
+        await self._worker_free()
+        self._take_waiting(steps)
         return steps
+
+    def _take_waiting(self, steps: list[StepJob]) -> None:
+        while True:
+            try:
+                self._take(self._recv.receive_nowait(), steps)
+            except trio.WouldBlock:
+                return
 
     def _take(self, job: StepJob | PrefillJob, steps: list[StepJob]) -> None:
         if isinstance(job, PrefillJob):
@@ -158,13 +208,31 @@ class StepBatcher:
         else:
             steps.append(job)
 
-    def _next_prompt(self) -> PrefillJob | None:
-        while self._prompts:
-            job = self._prompts[0]
-            if not _finish_if_cancelled(job):
-                return job
-            self._prompts.popleft()
-        return None
+    def _next_prompts(self, n_steps: int) -> list[tuple[PrefillJob, int]]:
+        """The prompts that get a part in the next batch, each with the end of its part.
+
+        The steps go first. The first waiting prompt gets the rest of the token budget, and
+        at least a quarter of it so that it progresses however many streams run; each further
+        waiting prompt advances by up to a budget too, so that prompts which arrive together
+        start together (the batch grows with the queue, up to n_batch). With no step to
+        share the batch with, the prompts fill a whole prefill chunk (n_batch)."""
+        self._prompts = deque(j for j in self._prompts if not _finish_if_cancelled(j))
+        left = self.alone_budget - n_steps
+        chosen: list[tuple[PrefillJob, int]] = []
+        for job in self._prompts:
+            if n_steps == 0:
+                room = left
+            elif not chosen:
+                room = max(self.token_budget - n_steps, self.token_budget // 4, 1)
+            else:
+                room = self.token_budget
+            room = min(room, left)
+            if room <= 0:
+                break
+            end = min(len(job.tokens), job.offset + room)
+            chosen.append((job, end))
+            left -= end - job.offset
+        return chosen
 
     async def _run_steps_only(self, jobs: list[StepJob]) -> None:
         reqs = [StepRequest(j.slot, j.token, j.sampler) for j in jobs]
@@ -180,51 +248,52 @@ class StepBatcher:
         for job in jobs:
             job.done.set()
 
-    async def _run_with_prompt(self, jobs: list[StepJob], prompt: PrefillJob) -> None:
-        # The steps go first; the prompt gets the rest of the budget, and at least a quarter
-        # of it so that it progresses however many streams run. With no step to share the
-        # batch with (the streams ended meanwhile), it takes a whole prefill chunk.
-        if jobs:
-            room = max(self.token_budget - len(jobs), self.token_budget // 4, 1)
-        else:
-            room = self.alone_budget
-        end = min(len(prompt.tokens), prompt.offset + room)
-        last = end == len(prompt.tokens)
-        part = PrefillPart(
-            prompt.slot,
-            prompt.tokens[prompt.offset : end],
-            keep=prompt.keep if prompt.offset == 0 else None,
-            sampler=prompt.sampler if last else None,
-            want_logits=prompt.want_logits and last,
-        )
+    async def _run_with_prompts(self, jobs: list[StepJob], prompts: list[tuple[PrefillJob, int]]) -> None:
+        parts = [
+            PrefillPart(
+                job.slot,
+                job.tokens[job.offset : end],
+                keep=job.keep if job.offset == 0 else None,
+                sampler=job.sampler if end == len(job.tokens) else None,
+                want_logits=job.want_logits and end == len(job.tokens),
+            )
+            for job, end in prompts
+        ]
         reqs = [StepRequest(j.slot, j.token, j.sampler) for j in jobs]
         try:
             with trio.CancelScope(shield=True):  # finish the batch even on shutdown
-                results, part_outcome = await self._run_mixed(reqs, part)
+                results, part_outcomes = await self._run_mixed(reqs, parts)
         except Exception as exc:
-            log.exception("generation step with a prompt part failed")
+            log.exception("generation step with prompt parts failed")
             for job in jobs:
                 job.error = exc
-            prompt.error = exc
+            part_outcomes = [outcome.Error(exc)] * len(prompts)
         else:
             self._count(jobs, results)
+        for job in jobs:
+            job.done.set()
+        for (prompt, end), part_outcome in zip(prompts, part_outcomes, strict=True):
             if isinstance(part_outcome, outcome.Error):
                 prompt.error = part_outcome.error
             else:
                 self.prompt_tokens += end - prompt.offset
                 self.prompt_parts += 1
                 prompt.offset = end
-                if last:
+                if end == len(prompt.tokens):
                     prompt.result = part_outcome.unwrap()
-        for job in jobs:
-            job.done.set()
-        if prompt.error is not None or last:
-            self._prompts.popleft()
-            prompt.done.set()
+            if prompt.error is not None or end == len(prompt.tokens):
+                self._prompts.remove(prompt)
+                prompt.done.set()
 
     def _count(self, jobs: list[StepJob], results: list[int | None]) -> None:
         for job, res in zip(jobs, results, strict=True):
             job.result = res
+            # One step ahead at most: a look-ahead step the request has not taken yet (it is
+            # slow, or blocked handing out text) gets no look-ahead of its own.
+            if job.asked and res is not None and job.n_left > 1 and not job.cancelled and not self._is_eog(res):
+                nxt = StepJob(job.slot, res, job.sampler, job.n_left - 1, asked=False)
+                self._ahead[job.slot] = nxt
+                self._next_steps.append(nxt)
         if jobs:
             self.batches += 1
             self.tokens += len(jobs)

@@ -82,10 +82,17 @@ class Engine:
         # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
         budget = min(settings.step_token_budget, backend.n_batch)
         self.batcher = StepBatcher(
-            backend.n_slots, self._run_steps, self._run_mixed, token_budget=budget, alone_budget=backend.n_batch
+            backend.n_slots,
+            self._run_steps,
+            self._run_mixed,
+            token_budget=budget,
+            alone_budget=backend.n_batch,
+            worker_free=self.worker.wait_while_busy,
+            is_eog=backend.is_eog,
         )
         self.tokens_generated = 0
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
+        self._prefilling_alone = 0  # prompts in a chunk call of their own right now
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
         self.slot_settings = SlotSettings(self.slots)
         self.reconfigurer = Reconfigurer(self.slots, self._apply_staged)
@@ -304,7 +311,9 @@ class Engine:
         try:
             while done < len(rest):
                 keep = n_keep + done  # after the first chunk: what the slot holds already
-                if self.batcher.generating > 0:
+                # With streams to keep pace with, or another prompt being prefilled alone
+                # (requests that arrive together), the prompt goes into the shared batches.
+                if self.batcher.generating > 0 or (self._prefilling_alone and done == 0):
                     return await self.batcher.prefill(
                         slot, rest[done:], keep, sampler=sampler, want_logits=want_logits
                     )
@@ -317,11 +326,14 @@ class Engine:
                         slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
                     )
 
+                self._prefilling_alone += 1
                 try:
                     result = await self.worker.run(call)
                 except DecodeAborted:
                     await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
                     raise
+                finally:
+                    self._prefilling_alone -= 1
                 self._chunk_prompt_tokens += len(chunk)
                 done += len(chunk)
         except NoKvSpace:
@@ -341,8 +353,8 @@ class Engine:
     async def _run_steps(self, reqs: Sequence[StepRequest]) -> list[int | None]:
         return await self.worker.call(lambda: self.backend.step(reqs))
 
-    async def _run_mixed(self, reqs: Sequence[StepRequest], part: PrefillPart) -> tuple[list[int | None], PartOutcome]:
-        return await self.worker.call(lambda: self.backend.step_mixed(reqs, part))
+    async def _run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[PartOutcome]]:
+        return await self.worker.call(lambda: self.backend.step_mixed(reqs, parts))
 
     # ---- generation --------------------------------------------------------------------
 
@@ -407,7 +419,7 @@ class Engine:
                     else:
                         # Pipelined: the next token is computed while this one's text is
                         # handed to readers.
-                        job = self.batcher.submit(slot, token, sampler)
+                        job = self.batcher.submit(slot, token, sampler, params.n_predict - res.completion_tokens)
                         token = await self.batcher.result(job, emit(delta) if delta else None)
                         continue
                     if delta:
@@ -416,6 +428,7 @@ class Engine:
                 res.decode_ms = (time.perf_counter() - t_first) * 1000.0
             finally:
                 self.batcher.generating -= 1
+                await self.batcher.drop_ahead(slot)
             tail = assembler.finish()
             if tail:
                 res.text += tail

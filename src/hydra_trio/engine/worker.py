@@ -38,6 +38,18 @@ class GpuWorker:
         self.calls = 0
         self._closed = False
         self.running = False  # a call is inside llama.cpp now
+        self._in_call = False  # a call's function runs in the worker thread now
+        self._call_ended = trio.Event()  # set (and replaced) whenever a call returns
+
+    async def wait_while_busy(self) -> None:
+        """Return once the call running now, if any, has returned (a caller about to compose
+        work can then include what arrived meanwhile)."""
+        if self._in_call:
+            await self._call_ended.wait()
+
+    def _ended(self) -> None:
+        self._call_ended.set()
+        self._call_ended = trio.Event()
 
     def _refuse_when_closed(self) -> None:
         if self._closed:
@@ -55,13 +67,18 @@ class GpuWorker:
 
         def timed() -> T:
             start = time.perf_counter()
+            self._in_call = True
             try:
                 return fn()
             finally:
+                self._in_call = False
                 self.busy_s += time.perf_counter() - start
                 self.calls += 1
 
-        return await trio.to_thread.run_sync(timed, limiter=self.limiter)
+        try:
+            return await trio.to_thread.run_sync(timed, limiter=self.limiter)
+        finally:
+            self._ended()
 
     async def run(self, fn: Callable[[threading.Event], T], timing: CallTiming | None = None) -> T:
         """Run ``fn(abort)`` on the worker; ``abort`` is set if the caller is cancelled."""
@@ -75,11 +92,11 @@ class GpuWorker:
             start = time.perf_counter()
             if timing is not None:
                 timing.queue_wait_s = start - submitted
-            self.running = True
+            self.running = self._in_call = True
             try:
                 return fn(abort)
             finally:
-                self.running = False
+                self.running = self._in_call = False
                 elapsed = time.perf_counter() - start
                 self.busy_s += elapsed
                 self.calls += 1
@@ -95,6 +112,7 @@ class GpuWorker:
                 try:
                     result = await outcome.acapture(trio.to_thread.run_sync, timed, limiter=self.limiter)
                 finally:
+                    self._ended()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise_single(group)

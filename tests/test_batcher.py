@@ -1,0 +1,114 @@
+"""The step batcher's scheduling policy, with stand-in llama calls: which prompt parts and
+steps share a batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import outcome
+import trio
+import trio.testing
+
+from hydra_trio.engine.backend import PrefillPart, StepRequest
+from hydra_trio.engine.batcher import StepBatcher
+
+
+class Recorder:
+    """run_steps / run_mixed stand-ins: record each batch; step k of a slot samples 100+k."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[list[int], list[tuple[int, int]]]] = []  # (step slots, (slot, n tokens) parts)
+
+    async def run_steps(self, reqs: Sequence[StepRequest]) -> list[int | None]:
+        return (await self.run_mixed(reqs, []))[0]
+
+    async def run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[Any]]:
+        await trio.lowlevel.checkpoint()
+        self.batches.append(([r.slot for r in reqs], [(p.slot, len(p.tokens)) for p in parts]))
+        return [r.token + 1 for r in reqs], [outcome.Value((7, None)) for _ in parts]
+
+
+async def _no_wait() -> None:
+    return None
+
+
+def new_batcher(rec: Recorder, *, budget: int = 8, alone: int = 64) -> StepBatcher:
+    return StepBatcher(
+        4, rec.run_steps, rec.run_mixed, token_budget=budget, alone_budget=alone,
+        worker_free=_no_wait, is_eog=lambda t: t == 0,
+    )
+
+
+async def test_prompts_waiting_together_share_one_batch() -> None:
+    rec = Recorder()
+    batcher = new_batcher(rec)
+    got: dict[int, Any] = {}
+    async with trio.open_nursery() as nursery:
+        for slot in range(3):
+
+            async def one(slot: int = slot) -> None:
+                got[slot] = await batcher.prefill(slot, list(range(10)), 0, sampler=None, want_logits=False)
+
+            nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(batcher.run)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    # No stream runs: the three prompts fill one prefill chunk together.
+    steps, parts = rec.batches[0]
+    assert steps == [] and sorted(parts) == [(0, 10), (1, 10), (2, 10)]
+    assert got == {0: (7, None), 1: (7, None), 2: (7, None)}
+
+
+async def test_with_streams_each_waiting_prompt_advances_by_a_budget() -> None:
+    rec = Recorder()
+    batcher = new_batcher(rec, budget=8)
+    async with trio.open_nursery() as nursery:
+        batcher.generating = 2
+        jobs = [batcher.submit(slot, 1, object(), 1) for slot in (0, 1)]  # type: ignore[arg-type]
+        for slot in (2, 3):
+
+            async def one(slot: int = slot) -> None:
+                await batcher.prefill(slot, list(range(20)), 0, sampler=None, want_logits=False)
+
+            nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(batcher.run)
+        for job in jobs:
+            assert await batcher.result(job) == 2
+        nursery.cancel_scope.cancel()
+    # The first prompt gets the budget less the steps (8 - 2), the next a whole budget.
+    steps, parts = rec.batches[0]
+    assert sorted(steps) == [0, 1]
+    assert sorted(slot for slot, _ in parts) == [2, 3] and [n for _, n in parts] == [6, 8]
+
+
+async def test_a_step_whose_token_goes_on_is_started_before_the_request_asks() -> None:
+    rec = Recorder()
+    batcher = new_batcher(rec)
+    sampler: Any = object()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batcher.run)
+        batcher.generating = 1
+        job = batcher.submit(0, 1, sampler, 3)  # may produce 3 more tokens
+        assert await batcher.result(job) == 2
+        await trio.testing.wait_all_tasks_blocked()
+        # Token 2's step ran without being asked for; none after it until the request
+        # takes it (one step ahead at most, however slow the request).
+        assert [b[0] for b in rec.batches] == [[0], [0]]
+        nxt = batcher.submit(0, 2, sampler, 2)
+        assert nxt.done.is_set() and await batcher.result(nxt) == 3
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(rec.batches) == 2 and batcher.ahead_used == 1
+        last = batcher.submit(0, 3, sampler, 1)  # the last token allowed: nothing after it
+        assert await batcher.result(last) == 4
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(rec.batches) == 3 and batcher.ahead_used == 1
+        # A request that stops (a stop word) drops a step it did not ask for.
+        job = batcher.submit(1, 0 + 10, sampler, 5)
+        batcher.generating = 2
+        assert await batcher.result(job) == 11
+        await batcher.drop_ahead(1)
+        assert batcher.ahead_dropped == 1
+        nursery.cancel_scope.cancel()

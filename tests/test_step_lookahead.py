@@ -1,0 +1,80 @@
+"""Look-ahead steps: when a step samples a token the request will surely feed back (no end
+of generation, within its token limit), the batcher starts that token's step at once,
+before the request task has run. A request that stops for a reason only it knows (a stop
+word, a DELETE) drops that step; the slot's KV and its token list stay in agreement."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from helpers import MESSAGES, chat_completion, http, text_of
+
+N = 40
+
+
+def kv_positions(engine: Any, slot: int) -> int:
+    """Positions the slot holds in llama.cpp's KV cache (not our bookkeeping)."""
+    return int(llama_cpp.llama_memory_seq_pos_max(engine.backend._mem, slot)) + 1
+
+
+async def test_each_step_after_the_first_is_started_by_the_batcher(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    ep = await start_engine(tiny_model, slots=1)
+    engine = ep.state.engine
+    async with http(ep) as h:
+        used = engine.batcher.ahead_used
+        body = await chat_completion(h, MESSAGES, N)
+    n = body["usage"]["completion_tokens"]
+    assert body["choices"][0]["finish_reason"] == "length" and n == N
+    # Token 1 comes from the prefill; step k (k >= 2) evaluates token k-1. The request hands
+    # in the first step itself; every later one was already under way.
+    assert engine.batcher.ahead_used - used == n - 2
+
+
+async def test_no_step_is_evaluated_past_the_token_limit(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    ep = await start_engine(tiny_model, slots=1)
+    engine = ep.state.engine
+    async with http(ep) as h:
+        dropped = engine.batcher.ahead_dropped
+        body = await chat_completion(h, MESSAGES, N)
+    usage = body["usage"]
+    # The last token is never evaluated: the slot holds the prompt and all tokens but it.
+    assert engine.n_past(0) == kv_positions(engine, 0) == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert engine.batcher.ahead_dropped == dropped
+
+
+async def test_a_stop_word_drops_the_step_and_leaves_a_consistent_slot(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    ep = await start_engine(tiny_model, slots=1)
+    engine = ep.state.engine
+    body = {"messages": MESSAGES, "max_tokens": N, "temperature": 0}
+    async with http(ep) as h:
+        full = text_of(await chat_completion(h, MESSAGES, N))
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        assert stop.strip(), full
+        cut = full.index(stop)
+        dropped = engine.batcher.ahead_dropped
+        r = await h.post("/v1/chat/completions", json={**body, "stop": [stop]})
+        assert r.status_code == 200, r.text
+        stopped = r.json()
+        assert text_of(stopped) == full[:cut]
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        assert engine.batcher.ahead_dropped == dropped + 1
+        # The dropped step either never ran or ran to its end: our token list and the KV
+        # agree either way, and hold at most one token beyond what the request used.
+        usage = stopped["usage"]
+        held = engine.n_past(0)
+        assert held == kv_positions(engine, 0)
+        assert usage["prompt_tokens"] + usage["completion_tokens"] - 1 <= held <= usage["prompt_tokens"] + usage["completion_tokens"]
+        # The slot is reused from that state (common prefix) and still gives the same text.
+        again = await chat_completion(h, MESSAGES, N)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+        assert text_of(again) == full
