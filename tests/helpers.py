@@ -130,6 +130,7 @@ class WorkerGate:
     async def close(self) -> None:
         """Take the worker (waits for the call running now, if any)."""
         assert not self.held
+        self.engine.worker.wants_turn.set()  # as any caller: a run of steps ends after one
         await self.limiter.acquire()
         self.held = True
 
@@ -153,7 +154,10 @@ class WorkerGate:
         for _ in range(n):
             await self.wait_queued(1)
             self.limiter.release()  # FIFO: the token goes to the queued call
-            await self.limiter.acquire()  # queued behind it; back once it finished
+            # Queued behind it, asking for the worker as any caller does (a run of generation
+            # steps returns after one step); back once it finished.
+            self.engine.worker.wants_turn.set()
+            await self.limiter.acquire()
 
 
 @asynccontextmanager

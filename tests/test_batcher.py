@@ -3,13 +3,15 @@ steps share a batch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import outcome
 import trio
 import trio.testing
 
+from helpers import wait_until
 from hydra_trio.engine.backend import PrefillPart, StepRequest
 from hydra_trio.engine.batcher import StepBatcher
 
@@ -19,9 +21,15 @@ class Recorder:
 
     def __init__(self) -> None:
         self.batches: list[tuple[list[int], list[tuple[int, int]]]] = []  # (step slots, (slot, n tokens) parts)
+        self.calls_returned = 0  # runs of steps that returned
 
-    async def run_steps(self, reqs: Sequence[StepRequest]) -> list[int | None]:
-        return (await self.run_mixed(reqs, []))[0]
+    def step_sync(self, reqs: Sequence[StepRequest]) -> list[int | None]:
+        self.batches.append(([r.slot for r in reqs], []))
+        return [r.token + 1 for r in reqs]
+
+    async def run_on_worker(self, fn: Callable[[], None]) -> None:
+        await trio.to_thread.run_sync(fn)
+        self.calls_returned += 1
 
     async def run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[Any]]:
         await trio.lowlevel.checkpoint()
@@ -35,8 +43,8 @@ async def _no_wait() -> None:
 
 def new_batcher(rec: Recorder, *, budget: int = 8, alone: int = 64) -> StepBatcher:
     return StepBatcher(
-        4, rec.run_steps, rec.run_mixed, token_budget=budget, alone_budget=alone,
-        worker_free=_no_wait, is_eog=lambda t: t == 0,
+        4, rec.step_sync, rec.run_on_worker, rec.run_mixed, token_budget=budget, alone_budget=alone,
+        worker_free=_no_wait, is_eog=lambda t: t == 0, wants_turn=threading.Event(),
     )
 
 
@@ -93,9 +101,9 @@ async def test_a_step_whose_token_goes_on_is_started_before_the_request_asks() -
         batcher.generating = 1
         job = batcher.submit(0, 1, sampler, 3)  # may produce 3 more tokens
         assert await batcher.result(job) == 2
-        await trio.testing.wait_all_tasks_blocked()
-        # Token 2's step ran without being asked for; none after it until the request
-        # takes it (one step ahead at most, however slow the request).
+        await wait_until(lambda: rec.calls_returned == 1)
+        # Token 2's step ran in the same worker call, without being asked for; none after
+        # it until the request takes it (one step ahead at most, however slow the request).
         assert [b[0] for b in rec.batches] == [[0], [0]]
         nxt = batcher.submit(0, 2, sampler, 2)
         assert nxt.done.is_set() and await batcher.result(nxt) == 3
@@ -103,7 +111,7 @@ async def test_a_step_whose_token_goes_on_is_started_before_the_request_asks() -
         assert len(rec.batches) == 2 and batcher.ahead_used == 1
         last = batcher.submit(0, 3, sampler, 1)  # the last token allowed: nothing after it
         assert await batcher.result(last) == 4
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_until(lambda: rec.calls_returned == 2)
         assert len(rec.batches) == 3 and batcher.ahead_used == 1
         # A request that stops (a stop word) drops a step it did not ask for.
         job = batcher.submit(1, 0 + 10, sampler, 5)

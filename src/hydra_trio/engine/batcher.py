@@ -11,6 +11,7 @@ spread over several batches, so the running streams keep their pace while it is 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,10 @@ from .backend import PrefillPart, Sampler, StepRequest
 
 log = logging.getLogger(__name__)
 
-RunSteps = Callable[[Sequence[StepRequest]], Awaitable[list[int | None]]]
+MAX_STEPS_PER_CALL = 256  # a run of steps returns to trio at least this often
+
+StepSync = Callable[[Sequence[StepRequest]], list[int | None]]  # one llama step, on the worker
+RunOnWorker = Callable[[Callable[[], None]], Awaitable[None]]  # run a function as one worker call
 PartOutcome = outcome.Outcome[tuple[int | None, bytes | None]]
 RunMixed = Callable[[Sequence[StepRequest], Sequence[PrefillPart]], Awaitable[tuple[list[int | None], list[PartOutcome]]]]
 
@@ -60,18 +64,24 @@ class StepBatcher:
     def __init__(
         self,
         n_slots: int,
-        run_steps: RunSteps,
+        step_sync: StepSync,
+        run_on_worker: RunOnWorker,
         run_mixed: RunMixed,
         *,
         token_budget: int,
         alone_budget: int,
         worker_free: Callable[[], Awaitable[None]],
         is_eog: Callable[[int], bool],
+        wants_turn: threading.Event,
     ) -> None:
         # A slot has at most one job outstanding: the channel never holds more than n_slots.
         self._send, self._recv = trio.open_memory_channel[StepJob | PrefillJob](n_slots)
-        self._run_steps = run_steps
+        self._step_sync = step_sync
+        self._run_on_worker = run_on_worker
         self._run_mixed = run_mixed
+        # Set when anything else wants the worker (a call waiting for it, work handed in, a
+        # request stopping): a run of steps on the worker returns after its current step.
+        self._wants_turn = wants_turn
         self._worker_free = worker_free
         self._is_eog = is_eog
         # Look-ahead: a step whose sampled token the request will surely feed back (not an
@@ -85,6 +95,7 @@ class StepBatcher:
         self._next_steps: list[StepJob] = []  # look-ahead steps of the next batch
         self.ahead_used = 0
         self.ahead_dropped = 0
+        self.runs = 0  # worker calls that ran steps only (each one or more steps)
         self.token_budget = max(1, token_budget)
         self.alone_budget = max(self.token_budget, alone_budget)  # a prompt part with no steps
         self._prompts: deque[PrefillJob] = deque()  # handed in, not finished
@@ -120,6 +131,7 @@ class StepBatcher:
             return
         self.ahead_dropped += 1
         job.cancelled = True
+        self._wants_turn.set()
         with trio.CancelScope(shield=True):
             await job.done.wait()
 
@@ -128,7 +140,7 @@ class StepBatcher:
 
         If cancelled, a step the batcher has not taken is skipped, and one it has taken is
         waited for, so nothing runs for the request after this returns."""
-        await _wait(job, during)
+        await _wait(job, during, self._wants_turn)
         return job.result
 
     async def prefill(
@@ -140,13 +152,14 @@ class StepBatcher:
         this returns only once nothing more runs for it."""
         job = PrefillJob(slot, tokens, keep, sampler, want_logits)
         self._hand_in(job)
-        await _wait(job)
+        await _wait(job, None, self._wants_turn)
         return job.result
 
     def _hand_in(self, job: StepJob | PrefillJob) -> None:
         if self._stopped:
             raise ProtocolError(ErrorCode.INTERNAL, "engine is stopped", status=Status.BUSY)
         self._send.send_nowait(job)
+        self._wants_turn.set()
 
     # ---- the batching task -------------------------------------------------------------
 
@@ -235,17 +248,64 @@ class StepBatcher:
         return chosen
 
     async def _run_steps_only(self, jobs: list[StepJob]) -> None:
-        reqs = [StepRequest(j.slot, j.token, j.sampler) for j in jobs]
-        try:
-            with trio.CancelScope(shield=True):  # finish the batch even on shutdown
-                results = await self._run_steps(reqs)
-        except Exception as exc:  # a failed batch fails its requests, not the engine
-            log.exception("generation step failed")
-            for job in jobs:
-                job.error = exc
+        """Run the steps, then, in the same worker call, the look-ahead steps of the tokens
+        they sampled, and so on while every request keeps up and nothing else wants the
+        worker: the worker goes from one step to the next without a trip through trio.
+
+        Each step's results reach trio as soon as it ends (``run_sync_soon``, in order, and
+        before this returns), so the requests hand out their text while the next step runs."""
+        trio_token = trio.lowlevel.current_trio_token()
+        self._wants_turn.clear()  # what wanted the worker before is in this batch, or ahead of it
+
+        def run_steps() -> None:
+            cur = jobs
+            for n in range(1, MAX_STEPS_PER_CALL + 1):
+                try:
+                    results = self._step_sync([StepRequest(j.slot, j.token, j.sampler) for j in cur])
+                except Exception as exc:
+                    trio_token.run_sync_soon(self._deliver_error, cur, exc)
+                    return
+                nxt: list[StepJob] = []
+                if n < MAX_STEPS_PER_CALL and not self._wants_turn.is_set():
+                    # Read on the worker thread: flags trio may be setting now. A stale
+                    # "asked" only ends the run early; a missed "cancelled" is dropped by the
+                    # request (drop_ahead), which waits for the step.
+                    nxt = [
+                        StepJob(j.slot, r, j.sampler, j.n_left - 1, asked=False)
+                        for j, r in zip(cur, results, strict=True)
+                        if self._goes_on(j, r)
+                    ]
+                trio_token.run_sync_soon(self._deliver, cur, results, nxt)
+                if not nxt:
+                    return
+                cur = nxt
+
+        self.runs += 1
+        with trio.CancelScope(shield=True):  # finish the steps even on shutdown
+            await self._run_on_worker(run_steps)
+
+    def _goes_on(self, job: StepJob, res: int | None) -> bool:
+        """Whether the token ``job`` sampled (``res``) surely gets its own step."""
+        return job.asked and not job.cancelled and res is not None and job.n_left > 1 and not self._is_eog(res)
+
+    def _deliver(self, jobs: list[StepJob], results: list[int | None], running: list[StepJob]) -> None:
+        """On trio: a step's results; ``running``: the look-ahead steps already under way."""
+        if running:
+            for job, res in zip(jobs, results, strict=True):
+                job.result = res
+            for nxt in running:
+                self._ahead[nxt.slot] = nxt
+            self.batches += 1
+            self.tokens += len(jobs)
         else:
-            self._count(jobs, results)
+            self._count(jobs, results)  # the last step of the run: look-ahead for the next batch
         for job in jobs:
+            job.done.set()
+
+    def _deliver_error(self, jobs: list[StepJob], exc: Exception) -> None:
+        log.error("generation step failed", exc_info=exc)
+        for job in jobs:  # a failed batch fails its requests, not the engine
+            job.error = exc
             job.done.set()
 
     async def _run_with_prompts(self, jobs: list[StepJob], prompts: list[tuple[PrefillJob, int]]) -> None:
@@ -290,7 +350,7 @@ class StepBatcher:
             job.result = res
             # One step ahead at most: a look-ahead step the request has not taken yet (it is
             # slow, or blocked handing out text) gets no look-ahead of its own.
-            if job.asked and res is not None and job.n_left > 1 and not job.cancelled and not self._is_eog(res):
+            if self._goes_on(job, res):
                 nxt = StepJob(job.slot, res, job.sampler, job.n_left - 1, asked=False)
                 self._ahead[job.slot] = nxt
                 self._next_steps.append(nxt)
@@ -305,17 +365,19 @@ def _finish_if_cancelled(job: StepJob | PrefillJob) -> bool:
     return job.cancelled
 
 
-async def _wait(job: StepJob | PrefillJob, during: Awaitable[None] | None = None) -> None:
+async def _wait(job: StepJob | PrefillJob, during: Awaitable[None] | None, wants_turn: threading.Event) -> None:
     """Wait for ``job`` (after awaiting ``during``, work overlapped with it); raise its error.
 
     If cancelled, marks the job cancelled and still waits for the batch that may be running
-    it, so nothing runs for the caller after this returns."""
+    it (a run of steps ends after its current one), so nothing runs for the caller after
+    this returns."""
     try:
         if during is not None:
             await during
         await job.done.wait()
     except BaseException:
         job.cancelled = True
+        wants_turn.set()
         with trio.CancelScope(shield=True):
             await job.done.wait()
         raise

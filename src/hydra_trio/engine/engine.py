@@ -83,12 +83,14 @@ class Engine:
         budget = min(settings.step_token_budget, backend.n_batch)
         self.batcher = StepBatcher(
             backend.n_slots,
-            self._run_steps,
+            lambda reqs: self.backend.step(reqs),
+            lambda fn: self.worker.call(fn, yields=True),
             self._run_mixed,
             token_budget=budget,
             alone_budget=backend.n_batch,
             worker_free=self.worker.wait_while_busy,
-            is_eog=backend.is_eog,
+            is_eog=lambda token: self.backend.is_eog(token),
+            wants_turn=self.worker.wants_turn,
         )
         self.tokens_generated = 0
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
@@ -349,9 +351,6 @@ class Engine:
     async def step(self, slot: int, token: int, sampler: Sampler) -> int | None:
         """Evaluate ``token`` in ``slot`` and sample the next one; None at the context end."""
         return await self.batcher.result(self.batcher.submit(slot, token, sampler))
-
-    async def _run_steps(self, reqs: Sequence[StepRequest]) -> list[int | None]:
-        return await self.worker.call(lambda: self.backend.step(reqs))
 
     async def _run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[PartOutcome]]:
         return await self.worker.call(lambda: self.backend.step_mixed(reqs, parts))

@@ -40,6 +40,9 @@ class GpuWorker:
         self.running = False  # a call is inside llama.cpp now
         self._in_call = False  # a call's function runs in the worker thread now
         self._call_ended = trio.Event()  # set (and replaced) whenever a call returns
+        # Set by every call that waits for the worker: a long call that ``yields`` (a run of
+        # generation steps) polls it and returns early.
+        self.wants_turn = threading.Event()
 
     async def wait_while_busy(self) -> None:
         """Return once the call running now, if any, has returned (a caller about to compose
@@ -60,10 +63,13 @@ class GpuWorker:
         await self.call(fn)
         self._closed = True
 
-    async def call(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T], *, yields: bool = False) -> T:
         """A short call that needs no abort flag (a generation step, tokenizing, clearing a
-        slot): the plain to_thread hop, without the watcher task ``run`` adds."""
+        slot): the plain to_thread hop, without the watcher task ``run`` adds. A call that
+        ``yields`` returns early when another wants the worker (and does not ask for it)."""
         self._refuse_when_closed()
+        if not yields:
+            self.wants_turn.set()
 
         def timed() -> T:
             start = time.perf_counter()
@@ -83,6 +89,7 @@ class GpuWorker:
     async def run(self, fn: Callable[[threading.Event], T], timing: CallTiming | None = None) -> T:
         """Run ``fn(abort)`` on the worker; ``abort`` is set if the caller is cancelled."""
         self._refuse_when_closed()
+        self.wants_turn.set()
         abort = threading.Event()
         submitted = time.perf_counter()
 
