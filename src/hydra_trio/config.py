@@ -104,7 +104,7 @@ _HELP: dict[str, str] = {
     "ctx_size": "KV cells shared by all slots; also the most one slot can hold",
     "threads": "CPU threads for llama.cpp",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
-    "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens)",
+    "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens; each further waiting prompt adds up to this many)",
     "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: all when the llama.cpp build can offload, else 0)",
     "main_gpu": "llama.cpp's main_gpu: the GPU for scratch work and, when layers are not split across GPUs, the model",
     "flash_attn": "flash attention: on, off or auto",
