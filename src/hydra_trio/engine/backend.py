@@ -559,7 +559,7 @@ class LlamaBackend:
         its context or the shared KV pool.
         """
         results: list[int | None] = [None] * len(requests)
-        live = [i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx]
+        live = self._live_in_slot_order(requests)
         if not live:
             return results
         entries = [(requests[i].slot, requests[i].token, len(self.seq_tokens[requests[i].slot]), True) for i in live]
@@ -580,6 +580,16 @@ class LlamaBackend:
             self._advanced(requests[i].slot)
         return results
 
+    def _live_in_slot_order(self, requests: Sequence[StepRequest]) -> list[int]:
+        """Indexes of the requests whose slot has room, in slot order. The order matters
+        (measured, cause not pinned down): on the bare llama API, 8 streams at positions
+        200-280 of a unified cache stepped ~1.5x slower with the slots in a new order each
+        step than in the same order."""
+        return sorted(
+            (i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx),
+            key=lambda i: requests[i].slot,
+        )
+
     def step_mixed(
         self, requests: Sequence[StepRequest], parts: Sequence[PrefillPart]
     ) -> tuple[list[int | None], list[outcome.Outcome[tuple[int | None, bytes | None]]]]:
@@ -592,7 +602,7 @@ class LlamaBackend:
         for part in parts:
             if part.keep is not None:
                 self.truncate_slot(part.slot, part.keep)
-        live = [i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx]
+        live = self._live_in_slot_order(requests)
         fits = [p for p in parts if len(self.seq_tokens[p.slot]) + len(p.tokens) <= self.n_ctx]
         n_entries = len(live) + sum(len(p.tokens) for p in fits)
         if len(fits) < len(parts) or n_entries > self.n_batch or n_entries == len(live):
