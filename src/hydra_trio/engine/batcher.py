@@ -289,16 +289,9 @@ class StepBatcher:
         return job.asked and not job.cancelled and res is not None and job.n_left > 1 and not self._is_eog(res)
 
     def _deliver(self, jobs: list[StepJob], results: list[int | None], running: list[StepJob]) -> None:
-        """On trio: a step's results; ``running``: the look-ahead steps already under way."""
-        if running:
-            for job, res in zip(jobs, results, strict=True):
-                job.result = res
-            for nxt in running:
-                self._ahead[nxt.slot] = nxt
-            self.batches += 1
-            self.tokens += len(jobs)
-        else:
-            self._count(jobs, results)  # the last step of the run: look-ahead for the next batch
+        """On trio: a step's results; ``running``: the look-ahead steps already under way
+        (none after the last step of a run: look-ahead then goes into the next batch)."""
+        self._count(jobs, results, running or None)
         for job in jobs:
             job.done.set()
 
@@ -345,15 +338,19 @@ class StepBatcher:
                 self._prompts.remove(prompt)
                 prompt.done.set()
 
-    def _count(self, jobs: list[StepJob], results: list[int | None]) -> None:
+    def _count(self, jobs: list[StepJob], results: list[int | None], running: list[StepJob] | None = None) -> None:
+        """Record a batch's results and its look-ahead steps: ``running`` (already under way
+        on the worker), or else those this creates for the next batch."""
         for job, res in zip(jobs, results, strict=True):
             job.result = res
             # One step ahead at most: a look-ahead step the request has not taken yet (it is
             # slow, or blocked handing out text) gets no look-ahead of its own.
-            if self._goes_on(job, res):
+            if running is None and self._goes_on(job, res):
                 nxt = StepJob(job.slot, res, job.sampler, job.n_left - 1, asked=False)
                 self._ahead[job.slot] = nxt
                 self._next_steps.append(nxt)
+        for nxt in running or ():
+            self._ahead[nxt.slot] = nxt
         if jobs:
             self.batches += 1
             self.tokens += len(jobs)
