@@ -65,8 +65,9 @@ class GpuWorker:
 
     async def call(self, fn: Callable[[], T], *, yields: bool = False) -> T:
         """A short call that needs no abort flag (a generation step, tokenizing, clearing a
-        slot): the plain to_thread hop, without the watcher task ``run`` adds. A call that
-        ``yields`` returns early when another wants the worker (and does not ask for it)."""
+        slot): the plain to_thread hop, without the watcher task ``run`` adds. Every call asks
+        for the worker through ``wants_turn``, except one that ``yields``: its function polls
+        that flag and returns early when another call waits."""
         self._refuse_when_closed()
         if not yields:
             self.wants_turn.set()
