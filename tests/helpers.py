@@ -445,8 +445,14 @@ async def stream_chat(client: httpx.AsyncClient, **body: Any) -> tuple[list[dict
     return chunks, done, r
 
 
-def stream_text(chunks: list[dict[str, Any]]) -> str:
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if "choices" in c)
+async def chat_text(client: httpx.AsyncClient, *, stream: bool, **body: Any) -> tuple[str, dict[str, Any]]:
+    """(text, final object: the completion body, or the last SSE chunk) of a chat."""
+    if not stream:
+        done_body = await chat(client, **body)
+        return done_body["choices"][0]["message"]["content"], done_body
+    events, done, _ = await stream_chat(client, **body)
+    assert done
+    return sse_text(events), events[-1]
 
 
 async def slot_metas(ep: Any) -> list[dict[str, Any]]:

@@ -23,8 +23,8 @@ from helpers import (
     assert_server_healthy,
     chat,
     http,
+    sse_text,
     stream_chat,
-    stream_text,
     stream_then_hang_up,
     wait_slots_idle,
 )
@@ -81,7 +81,7 @@ async def _texts(ep: Any) -> list[str]:
             out.append(body["choices"][0]["message"]["content"])
         chunks, done, _ = await stream_chat(c, messages=OTHER_MESSAGES, max_tokens=32)
         assert done
-        out.append(stream_text(chunks))
+        out.append(sse_text(chunks))
         return out
 
 
@@ -159,8 +159,8 @@ async def test_streaming_matches_non_streaming(ctx_engine: Any) -> None:
     assert last["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
     assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + last["usage"]["completion_tokens"]
     assert "timings" in last and isinstance(last["id_slot"], int)
-    assert stream_text(chunks) == plain["choices"][0]["message"]["content"]
-    assert stream_text(chunks)
+    assert sse_text(chunks) == plain["choices"][0]["message"]["content"]
+    assert sse_text(chunks)
 
 
 async def test_stop_strings(engine: Any) -> None:
@@ -175,7 +175,7 @@ async def test_stop_strings(engine: Any) -> None:
         assert body["usage"]["completion_tokens"] < 40
         chunks, done, _ = await stream_chat(c, max_tokens=40, stop=[stop, "\x00never"])
         assert done
-        assert stream_text(chunks) == cut
+        assert sse_text(chunks) == cut
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         # A stop string that never appears changes nothing.
         body = await chat(c, max_tokens=40, stop=["\x00never"])

@@ -18,12 +18,12 @@ from helpers import (
     ENGINE,
     assert_error,
     assert_server_healthy,
+    chat_text,
     gate,
     http,
     parse_sse,
     rpc,
     scrape,
-    sse_text,
     stream_then_hang_up,
     wait_until,
 )
@@ -59,19 +59,7 @@ async def export(c: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
 
 async def decode(c: httpx.AsyncClient, params: Any, *, stream: bool = False) -> tuple[str, dict[str, Any]]:
     """(text, final object: the completion body, or the last SSE chunk)."""
-    req = {"messages": PROMPT, "max_tokens": N, "temperature": 0, "kv_transfer_params": params}
-    if not stream:
-        r = await c.post("/v1/chat/completions", json=req)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        return body["choices"][0]["message"]["content"], body
-    req["stream"] = True
-    async with c.stream("POST", "/v1/chat/completions", json=req) as r:
-        assert r.status_code == 200
-        lines = [line async for line in r.aiter_lines()]
-    events, done = parse_sse(lines)
-    assert done
-    return sse_text(events), events[-1]
+    return await chat_text(c, stream=stream, messages=PROMPT, max_tokens=N, temperature=0, kv_transfer_params=params)
 
 
 async def plain(c: httpx.AsyncClient) -> str:

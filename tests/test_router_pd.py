@@ -22,11 +22,10 @@ import trio
 from helpers import (
     ENGINE,
     assert_server_healthy,
+    chat_text,
     gate,
     http,
-    parse_sse,
     scrape,
-    sse_text,
     stream_then_hang_up,
     wait_until,
 )
@@ -111,19 +110,8 @@ def prompt_work(m: dict[Any, float]) -> float:
 
 
 async def through_router(r: Router, *, stream: bool) -> tuple[str, dict[str, Any]]:
-    req = {"messages": PROMPT, "max_tokens": N, "temperature": 0, "stream": stream}
     async with r.client() as c:
-        if not stream:
-            resp = await c.post("/v1/chat/completions", json=req)
-            assert resp.status_code == 200, resp.text
-            body = resp.json()
-            return body["choices"][0]["message"]["content"], body
-        async with c.stream("POST", "/v1/chat/completions", json=req) as resp:
-            assert resp.status_code == 200
-            lines = [line async for line in resp.aiter_lines()]
-    events, done = parse_sse(lines)
-    assert done
-    return sse_text(events), events[-1]
+        return await chat_text(c, stream=stream, messages=PROMPT, max_tokens=N, temperature=0)
 
 
 async def reference_text(ep: Any) -> str:
