@@ -348,10 +348,6 @@ class Engine:
 
     # ---- generation steps (batched) ----------------------------------------------------
 
-    async def step(self, slot: int, token: int, sampler: Sampler) -> int | None:
-        """Evaluate ``token`` in ``slot`` and sample the next one; None at the context end."""
-        return await self.batcher.result(self.batcher.submit(slot, token, sampler))
-
     async def _run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[PartOutcome]]:
         return await self.worker.call(lambda: self.backend.step_mixed(reqs, parts))
 
