@@ -7,6 +7,7 @@ import ctypes
 import itertools
 import json
 import socket
+import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -398,14 +399,23 @@ def _has_text(line: str) -> bool:
     return bool(choices[0].get("delta", {}).get("content"))
 
 
-_runs = itertools.count()
+_prompt_serial = itertools.count()
 
 
 def _story_prompts(k: int) -> list[str]:
-    """k prompts that no server has seen before (servers keep finished prompts' KV and would
-    skip their prefill: llama-server's slots and llama_cpp.server both do), all equally long."""
-    run = next(_runs)
-    return [f"Story number {i} of run {run:04d}: once upon a time" for i in range(k)]
+    """k prompts that no server has seen before, all equally long.
+
+    Servers keep finished prompts' KV and skip the prefix a new prompt shares with it
+    (llama-server's slots and llama_cpp.server both do), so what makes a prompt new must
+    come first: a tag of three letters, little end first, so prompts fewer than 26 apart
+    differ in their first character (a run number further in left the first half of the
+    prompt shared with the previous run's)."""
+    prompts = []
+    for _ in range(k):
+        n = next(_prompt_serial)
+        tag = "".join(string.ascii_uppercase[n // 26**j % 26] for j in range(3))
+        prompts.append(f"{tag}: a story for you, once upon a time")
+    return prompts
 
 
 async def _ours_decode(b: EngineProcess, k: int, n_tokens: int) -> list[list[float]]:
