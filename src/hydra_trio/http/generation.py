@@ -131,6 +131,13 @@ async def start_stream(
         task_status.started(slot.id)
 
         async def put(item: tuple[str, Any]) -> None:
+            # The common case (room in the channel) needs no deadline: a cancel scope per
+            # token was a tenth of the trio thread's work per streamed token (profiled).
+            try:
+                send.send_nowait(item)
+                return
+            except trio.WouldBlock:
+                pass
             # A reader that stops reading without disconnecting must not hold the slot forever.
             with trio.fail_after(stall_s):
                 await send.send(item)
