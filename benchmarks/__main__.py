@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "cancel_prefill_tokens": 4096,
         "concurrency": [1, 2, 4, 8],
         "concurrency_tokens": 32 if quick else 128,
+        "concurrency_repeats": 1 if quick else 3,
         "memory_mb": 128 if quick else 256,
         "memory_repeats": 2 if quick else 3,
     }
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     if ls:
                         servers.append(ls)
                         peers["llama_server"] = ls.url
-                results["concurrency"] = F.fig_concurrency(b, cfg["concurrency"], cfg["concurrency_tokens"], peers)
+                results["concurrency"] = F.fig_concurrency(b, cfg["concurrency"], cfg["concurrency_tokens"], peers, cfg["concurrency_repeats"])
             finally:
                 for server in servers:
                     if isinstance(server, LlamaServer):
@@ -224,7 +225,7 @@ def render_table(r: dict[str, Any]) -> str:
                 lines.append(
                     f"| 5. {k} concurrent vs {label} | chat {chat['aggregate_tokens_per_s']:.0f} tok/s | {label} "
                     f"{other['aggregate_tokens_per_s']:.0f} tok/s, ITL p50 {other['itl_p50_ms']:.0f} / p99 {other['itl_p99_ms']:.0f} ms "
-                    f"| **{row[f'ours_chat_over_{peer}']:.2f}×** |"
+                    f"| **{fmt_summary(row[f'ours_chat_over_{peer}'], '×', 2)}** |"
                 )
     if "memory" in r:
         m = r["memory"]

@@ -7,6 +7,7 @@ import ctypes
 import itertools
 import json
 import socket
+import statistics
 import string
 import time
 from collections.abc import Callable
@@ -418,8 +419,9 @@ def _story_prompts(k: int) -> list[str]:
     return prompts
 
 
-async def _ours_decode(b: EngineProcess, k: int, n_tokens: int) -> list[list[float]]:
-    reqs = [chat_request(p, n_tokens) for p in _story_prompts(k)]
+async def _ours_decode(b: EngineProcess, prompts: list[str], n_tokens: int) -> list[list[float]]:
+    k = len(prompts)
+    reqs = [chat_request(p, n_tokens) for p in prompts]
     async with await RpcClient.connect("127.0.0.1", b.rpc_port) as rpc:
         for i, req in enumerate(reqs):
             await rpc.prefill(i, req)
@@ -437,9 +439,9 @@ async def _ours_decode(b: EngineProcess, k: int, n_tokens: int) -> list[list[flo
     return results
 
 
-async def _chat_streams(url: str, k: int, n_tokens: int, model_name: str | None) -> list[list[float]]:
+async def _chat_streams(url: str, prompts: list[str], n_tokens: int, model_name: str | None) -> list[list[float]]:
+    k = len(prompts)
     results: list[list[float]] = [[] for _ in range(k)]
-    prompts = _story_prompts(k)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
 
         async def one(i: int) -> None:
@@ -466,24 +468,55 @@ def _concurrency_stats(streams: list[list[float]], t_start: float) -> dict[str, 
     }
 
 
-def fig_concurrency(b: EngineProcess, levels: list[int], n_tokens: int, peers: dict[str, str]) -> dict[str, Any]:
+def _median_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-run stats folded into their medians, with every run's aggregate kept."""
+    out = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    out["aggregate_runs"] = [r["aggregate_tokens_per_s"] for r in runs]
+    return out
+
+
+def fig_concurrency(b: EngineProcess, levels: list[int], n_tokens: int, peers: dict[str, str], repeats: int) -> dict[str, Any]:
     """Aggregate tokens/s and ITL at k concurrent streams: ours (DECODE and chat) and each
-    peer's chat endpoint (``peers``: name -> base URL, e.g. llama_server, llama_cpp_server)."""
+    peer's chat endpoint (``peers``: name -> base URL, e.g. llama_server, llama_cpp_server).
+
+    Each round gives every server the same k prompts, new to all of them, so the same text
+    is generated everywhere and an early end of generation weighs on all alike; the
+    servers' order alternates between rounds. Every server keeps what its slots hold (the
+    chat template's first tokens, common to all prompts, may be reused by each; erasing
+    ours made it prefill 4 tokens per prompt more than llama-server). Ratios are per
+    round, then summarised."""
+
+    def ours_decode(prompts: list[str]) -> list[list[float]]:
+        return trio.run(_ours_decode, b, prompts, n_tokens)
+
+    def ours_chat(prompts: list[str]) -> list[list[float]]:
+        return trio.run(_chat_streams, b.url, prompts, n_tokens, None)
+
+    def peer_chat(url: str) -> Callable[[list[str]], list[list[float]]]:
+        return lambda ps: trio.run(_chat_streams, url, ps, n_tokens, None)
+
+    servers: list[tuple[str, Callable[[list[str]], list[list[float]]]]] = [
+        ("ours_decode", ours_decode),
+        ("ours_chat", ours_chat),
+        *((f"{peer}_chat", peer_chat(url)) for peer, url in peers.items()),
+    ]
     out: dict[str, Any] = {}
     for k in levels:
-        row: dict[str, Any] = {}
-        erase_all(b)
-        t0 = time.perf_counter()
-        row["ours_decode"] = _concurrency_stats(trio.run(_ours_decode, b, k, n_tokens), t0)
-        # The PREFILL time is inside t0..end for ours_decode; measure from the first DECODE
-        # instead by re-running the token phase alone would double the work, so report both.
-        erase_all(b)
-        t0 = time.perf_counter()
-        row["ours_chat"] = _concurrency_stats(trio.run(_chat_streams, b.url, k, n_tokens, None), t0)
-        for peer, url in peers.items():
-            t0 = time.perf_counter()
-            row[f"{peer}_chat"] = _concurrency_stats(trio.run(_chat_streams, url, k, n_tokens, None), t0)
-            row[f"ours_chat_over_{peer}"] = row["ours_chat"]["aggregate_tokens_per_s"] / row[f"{peer}_chat"]["aggregate_tokens_per_s"]
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for r in range(repeats):
+            prompts = _story_prompts(k)
+            for name, run in servers if r % 2 == 0 else servers[::-1]:
+                # The PREFILL time is inside t0..end for ours_decode (its prompts are
+                # prefilled over RPC first), as the prompt's prefill is for every chat.
+                t0 = time.perf_counter()
+                runs.setdefault(name, []).append(_concurrency_stats(run(prompts), t0))
+        row: dict[str, Any] = {name: _median_stats(stats) for name, stats in runs.items()}
+        for peer in peers:
+            ratios = [
+                ours["aggregate_tokens_per_s"] / other["aggregate_tokens_per_s"]
+                for ours, other in zip(runs["ours_chat"], runs[f"{peer}_chat"], strict=True)
+            ]
+            row[f"ours_chat_over_{peer}"] = summary(ratios)
         out[str(k)] = row
     return out
 
