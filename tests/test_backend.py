@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import pytest
 import trio
 
@@ -334,3 +335,33 @@ def test_several_prompt_parts_and_a_step_in_one_batch(model: Path, reference: Re
     finally:
         sampler.close()
         b.close()
+
+
+class _ChainGreedy(Sampler):
+    """Greedy through llama's sampler chain (what the argmax shortcut must equal)."""
+
+    is_argmax = False  # type: ignore[assignment]
+
+
+def test_greedy_argmax_picks_what_llama_greedy_sampler_picks(backend: LlamaBackend) -> None:
+    fast, chain = Sampler(SamplingParams()), _ChainGreedy(SamplingParams())
+    assert fast.is_argmax and not chain.is_argmax
+    assert not Sampler(SamplingParams(repeat_penalty=1.1)).is_argmax  # penalties need the chain
+    try:
+        prompt = backend.tokenize(PROMPT, add_special=True)
+        a, _ = backend.eval_chunk(0, prompt, None, sampler=fast)
+        b, _ = backend.eval_chunk(1, prompt, None, sampler=chain)
+        assert a is not None and a == b
+        seq_a, seq_b = [a], [b]
+        for _ in range(N_GEN):  # both slots in one batch: each reads its own output's logits
+            ra, rb = backend.step([StepRequest(0, seq_a[-1], fast), StepRequest(1, seq_b[-1], chain)])
+            assert ra is not None and rb is not None
+            seq_a.append(ra)
+            seq_b.append(rb)
+        assert seq_a == seq_b
+        logits = np.random.default_rng(0).standard_normal(backend.info.n_vocab).astype("<f4").tobytes()
+        assert backend.sample_from_logits(fast, logits) == backend.sample_from_logits(chain, logits)
+        assert fast._chain is None  # no llama sampler chain was built for the argmax
+    finally:
+        fast.close()
+        chain.close()

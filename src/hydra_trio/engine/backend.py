@@ -152,6 +152,12 @@ class Sampler:
         return chain
 
     @property
+    def is_argmax(self) -> bool:
+        """Greedy with nothing before it: the token is the argmax of the logits (the first
+        of equal maxima, as llama's greedy sampler picks), and no chain is needed."""
+        return self.params.greedy and self.params.repeat_penalty == 1.0
+
+    @property
     def handle(self) -> ctypes.c_void_p:
         if self._closed:
             raise RuntimeError("sampler already closed")
@@ -544,9 +550,23 @@ class LlamaBackend:
         logits = self.logits_bytes(-1) if want_logits else None
         token = None
         if sampler is not None:
-            token = llama_cpp.llama_sampler_sample(sampler.handle, self._ctx, -1)
+            token = self._sample(sampler, -1)
         self._advanced(slot)  # after the logits are read: nothing may come between
         return token, logits
+
+    def _sample(self, sampler: Sampler, idx: int) -> int:
+        """The token ``sampler`` picks from the logits of the last decode's output ``idx``.
+
+        A plain greedy pick reads the argmax straight from the logits: llama_sampler_sample
+        first copies all n_vocab logits into a candidate array, which cost 273 us a token
+        with Gemma 3's 262k vocabulary against 59 us for the argmax (34 against 13 us at 32k),
+        eight times per step at eight streams."""
+        if sampler.is_argmax:
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, idx)
+            if not ptr:
+                raise RuntimeError(f"llama.cpp has no logits for output {idx}")
+            return int(np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).argmax())
+        return int(llama_cpp.llama_sampler_sample(sampler.handle, self._ctx, idx))
 
     def logits_bytes(self, idx: int) -> bytes:
         ptr = llama_cpp.llama_get_logits_ith(self._ctx, idx)
@@ -575,7 +595,7 @@ class LlamaBackend:
         for j, i in enumerate(live):
             r = requests[i]
             self.seq_tokens[r.slot].append(r.token)
-            results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
+            results[i] = self._sample(r.sampler, j)
         for i in live:
             self._advanced(requests[i].slot)
         return results
@@ -623,12 +643,12 @@ class LlamaBackend:
         for j, i in enumerate(live):
             r = requests[i]
             self.seq_tokens[r.slot].append(r.token)
-            results[i] = llama_cpp.llama_sampler_sample(r.sampler.handle, self._ctx, j)
+            results[i] = self._sample(r.sampler, j)
         outcomes: list[outcome.Outcome[tuple[int | None, bytes | None]]] = []
         for part, idx in zip(parts, ends, strict=True):
             self.seq_tokens[part.slot].extend(part.tokens)
             logits = self.logits_bytes(idx) if part.want_logits else None
-            token = llama_cpp.llama_sampler_sample(part.sampler.handle, self._ctx, idx) if part.sampler else None
+            token = self._sample(part.sampler, idx) if part.sampler else None
             outcomes.append(outcome.Value((token, logits)))
         # After every sample: _advanced may call llama (SWA state size), which must not come
         # between a decode and the reading of its logits.
@@ -648,6 +668,8 @@ class LlamaBackend:
     def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
         """Sample with the request's chain from logits that came with a KV blob."""
         n_vocab = self.info.n_vocab
+        if sampler.is_argmax:
+            return int(np.frombuffer(logits, dtype="<f4", count=n_vocab).argmax())
         arr = np.empty(n_vocab, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True))
         arr["id"] = np.arange(n_vocab, dtype=np.int32)
         arr["logit"] = np.frombuffer(logits, dtype="<f4", count=n_vocab)
