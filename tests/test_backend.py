@@ -80,6 +80,9 @@ def assert_slot_clean(backend: LlamaBackend, slot: int) -> None:
 class Reference:
     prompt: list[int]
     continuation: list[int]  # greedy tokens after the prompt, from a fresh prefill
+    # The same, but with the last prompt position evaluated again alone (a batch of one
+    # rounds differently from the whole prompt's batch): what a slot without logits gives.
+    reeval_continuation: list[int]
     state: bytes  # llama state of the prompt alone
     logits: bytes  # last prompt position's logits
 
@@ -109,7 +112,9 @@ def reference(model: Path) -> Iterator[Reference]:
         state, tokens = b.state_get(0)  # before generating: the prompt's KV alone
         assert tokens == prompt
         continuation = greedy_from(b, 0, first)
-        yield Reference(prompt, continuation, bytes(state), logits)
+        b.truncate_slot(0, len(prompt))
+        reeval_continuation = continue_slot(b, 0)
+        yield Reference(prompt, continuation, reeval_continuation, bytes(state), logits)
     finally:
         b.close()
 
@@ -137,8 +142,9 @@ def test_prefill_is_deterministic_across_instances(model: Path, reference: Refer
 def test_blob_round_trip_with_logits(backend: LlamaBackend, reference: Reference) -> None:
     blob = parse_kv_blob(reference.blob)
     assert blob.n_past == len(reference.prompt) and blob.tokens == reference.prompt
-    logits = backend.state_restore(0, blob.state, blob.tokens, blob.n_past)
-    assert logits is not None and bytes(logits) == reference.logits
+    assert backend.state_restore(0, blob.state, blob.tokens, blob.n_past) is True
+    logits = backend.tail_logits[0]
+    assert logits is not None and logits == reference.logits
     assert backend.seq_tokens[0] == reference.prompt
     assert_slot_clean(backend, 0)
     # Same bytes out as in: nothing lost or reordered by the restore.
@@ -151,12 +157,14 @@ def test_blob_round_trip_with_logits(backend: LlamaBackend, reference: Reference
 
 
 def test_blob_round_trip_without_logits(backend: LlamaBackend, reference: Reference) -> None:
-    """A STATE_GET-style blob (no logits): the last token is re-evaluated, same text."""
+    """A STATE_GET-style blob (no logits): the last token is re-evaluated, with the text that
+    evaluation gives on the slot that made the KV."""
     raw = encode_kv_blob(len(reference.prompt), reference.prompt, reference.state)
     blob = parse_kv_blob(raw)
-    assert backend.state_restore(1, blob.state, blob.tokens, blob.n_past) is None
+    assert backend.state_restore(1, blob.state, blob.tokens, blob.n_past) is False
+    assert backend.tail_logits[1] is None
     assert_slot_clean(backend, 1)
-    assert continue_slot(backend, 1) == reference.continuation
+    assert continue_slot(backend, 1) == reference.reeval_continuation
     assert backend.n_past(0) == 0  # the other slot was not touched
 
 
@@ -167,14 +175,14 @@ def test_continuation_depends_on_the_kv(backend: LlamaBackend, reference: Refere
     other = backend.tokenize(PROMPT.replace("hello world", "tell me a story"), add_special=True)
     assert other[-5:] == reference.prompt[-5:]
     backend.eval_chunk(0, other, None)
-    assert continue_slot(backend, 0) != reference.continuation
+    assert continue_slot(backend, 0) != reference.reeval_continuation
     # Same prompt, the last layer's V rows zeroed (llama.cpp cannot notice): a different
     # continuation.
     mangled = bytearray(reference.state)
     tail = len(mangled) // 8
     mangled[-tail:] = bytes(tail)
     backend.state_restore(1, memoryview(mangled), reference.prompt, len(reference.prompt))
-    assert continue_slot(backend, 1) != reference.continuation
+    assert continue_slot(backend, 1) != reference.reeval_continuation
 
 
 def _bad_magic(state: bytes) -> bytes:
@@ -212,7 +220,7 @@ def test_restore_refusal_leaves_slot_clean_and_usable(backend: LlamaBackend, ref
     for slot in (0, 1):
         backend.state_restore(slot, memoryview(reference.state), reference.prompt, len(reference.prompt))
         assert_slot_clean(backend, slot)
-        assert continue_slot(backend, slot) == reference.continuation
+        assert continue_slot(backend, slot) == reference.reeval_continuation
 
 
 def test_restore_refuses_n_past_and_token_count_mismatch(backend: LlamaBackend, reference: Reference) -> None:

@@ -101,12 +101,13 @@ async def test_prefill_then_decode_with_empty_kv_on_the_same_engine(
     assert_same_as_chat(body, chat)
     m = body["hydra_metrics"]
     assert_metrics_shape(m, rid=rid, slot=0, identity=ep.state.engine.identity.fields())
-    # No logits came with the (absent) KV: the last prompt token is evaluated again.
-    assert m["logits_reused"] is False
-    assert m["n_common"] == n_past - 1
-    assert m["n_prompt_processed"] == 1
+    # No KV came, but the slot kept the PREFILL's logits with its KV: the first token is
+    # sampled from them, nothing is evaluated (the same computation as the chat's).
+    assert m["logits_reused"] is True
+    assert m["n_common"] == n_past
+    assert m["n_prompt_processed"] == 0
     assert m["kv_bytes"] == 0
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == n_past - 1
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == n_past
 
 
 async def test_prefill_on_a_decode_on_b_matches_chat(

@@ -81,7 +81,10 @@ async def test_chat_prefill_decode_handoff_and_state_round_trip(
         pre = await prefill(ra, 0, MESSAGES)
         assert pre.meta["n_past"] == chat["usage"]["prompt_tokens"]
 
-        # DECODE in the slot (no KV sent) and on B with A's blob: the chat's text and usage.
+        # DECODE in the slot (no KV sent: the slot keeps the PREFILL's logits) and on B with
+        # A's blob (logits included): both sample their first token from the PREFILL's logits,
+        # which came from the whole prompt in one batch, as the chat's did. Same computation,
+        # so the chat's text and usage exactly.
         in_slot = await get_result(ha, await decode_ok(ra, 0, frame(MESSAGES, n_predict=N_PREDICT)))
         moved = await get_result(
             hb,
@@ -92,26 +95,36 @@ async def test_chat_prefill_decode_handoff_and_state_round_trip(
         for res in (in_slot, moved):
             assert text_of(res) == want_text
             assert (res["usage"]["prompt_tokens"], res["usage"]["completion_tokens"]) == want_usage
-        assert moved["hydra_metrics"]["logits_reused"] is True
+            assert res["hydra_metrics"]["logits_reused"] is True
+            assert res["usage"]["prompt_tokens_details"]["cached_tokens"] == want_usage[0]
 
-        # STATE_GET of A's slot 0 (prompt + generated tokens) -> STATE_PUT into B's slot 1:
-        # the iSWA cache restores whole, and B reads back the same positions and tokens.
+        # STATE_GET of A's slot 0 (prompt + generated tokens) -> STATE_PUT into slot 1 of both
+        # engines: the iSWA cache restores whole, and both read back the same positions, tokens
+        # and bytes (a sequence's state names its sequence id, so slot 1's differ from slot 0's
+        # in those fields only).
         got = await ra.call(state_get_call(0))
-        put = await rb.call(state_put_call(1, got.payload))
-        assert put.meta["restored"] is True and put.meta["n_past"] == got.meta["n_past"]
-        back = await rb.call(state_get_call(1))
-        sent, received = parse_kv_blob(got.payload), parse_kv_blob(back.payload)
-        assert (received.n_past, received.tokens) == (sent.n_past, sent.tokens)
-        assert len(received.state) == len(sent.state)
+        sent = parse_kv_blob(got.payload)
+        backs = []
+        for r in (ra, rb):
+            put = await r.call(state_put_call(1, got.payload))
+            assert put.meta["restored"] is True and put.meta["n_past"] == got.meta["n_past"]
+            backs.append(parse_kv_blob((await r.call(state_get_call(1))).payload))
+        for back in backs:
+            assert (back.n_past, back.tokens, len(back.state)) == (sent.n_past, sent.tokens, len(sent.state))
+        assert bytes(backs[0].state) == bytes(backs[1].state)
 
-        # The restored KV is used, not recomputed: a DECODE of the same prompt in B's slot 1
-        # finds the whole prompt there and gives the chat's text again.
-        again = await get_result(hb, await decode_ok(rb, 1, frame(MESSAGES, n_predict=N_PREDICT)))
-        assert text_of(again) == want_text
-        assert (
-            again["usage"]["prompt_tokens_details"]["cached_tokens"]
-            == chat["usage"]["prompt_tokens"] - 1
-        )
+        # The restored KV is used, not recomputed: a DECODE of the prompt in slot 1 keeps all
+        # but the last prompt position (a STATE_GET blob has no logits, so that one token is
+        # evaluated alone). A batch of one rounds differently from the whole-prompt batch, so
+        # the text to compare with is the same computation on A, not the chat's.
+        again = [
+            await get_result(h, await decode_ok(r, 1, frame(MESSAGES, n_predict=N_PREDICT)))
+            for h, r in ((hb, rb), (ha, ra))
+        ]
+        assert text_of(again[0]) == text_of(again[1])
+        for res in again:
+            assert res["usage"]["prompt_tokens_details"]["cached_tokens"] == want_usage[0] - 1
+            assert res["hydra_metrics"]["logits_reused"] is False
 
 
 async def test_sliding_window_slots_reuse_only_what_they_still_hold(
@@ -149,3 +162,32 @@ async def test_sliding_window_slots_reuse_only_what_they_still_hold(
         meta = (await r.call(state_meta_call(slot))).meta
         got = await r.call(state_get_call(slot))
         assert meta["state_size"] == got.meta["state_size"] == len(parse_kv_blob(got.payload).state)
+
+
+async def test_p_d_export_reuses_only_what_the_window_still_holds(
+    start_engine: Callable[..., Any], gemma_model: Path
+) -> None:
+    """The P/D prefill side follows the same prefix rule as generation: after a prompt longer
+    than Gemma 3's 512-position window, an export of a prompt that shares only an early
+    prefix with it is recomputed, not continued from SWA cells llama.cpp has dropped; a
+    prompt the slot holds in full is exported again from the kept logits."""
+    ep = await start_engine(gemma_model, **{**REAL, "ctx_size": 2048, "batch_size": 512, "slots": 1})
+    export = {"do_remote_decode": True, "do_remote_prefill": False}
+    long_prompt = "The history of the city of Paris is long and old. " * 60  # ~660 tokens
+    short_prompt = "The history of the city of Paris is long and old. " * 25 + "Bananas are"
+    async with http(ep) as c:
+
+        async def run(prompt: str) -> dict[str, Any]:
+            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": export}
+            resp = await c.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return resp.json()
+
+        first = await run(long_prompt)
+        assert first["usage"]["prompt_tokens"] > 600
+        again = await run(long_prompt)  # the slot holds it with its logits: nothing evaluated
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"]
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["kv_transfer_params"]["hydra"]["kv_hash"] == first["kv_transfer_params"]["hydra"]["kv_hash"]
+        short = await run(short_prompt)  # shares ~270 positions the window has dropped
+        assert short["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

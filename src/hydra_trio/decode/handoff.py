@@ -27,7 +27,7 @@ from ..engine.backend import Sampler
 from ..engine.engine import Engine, GenerationResult
 from ..engine.params import GenerationParams
 from ..engine.slots import Slot
-from ..engine.text import TextAssembler, common_prefix_len
+from ..engine.text import TextAssembler
 from ..engine.transfer import blob_hash
 from ..model.identity import compare_identity
 from ..rpc.kvpull import PullFailed, pull_export
@@ -64,12 +64,9 @@ async def prefill_export(
     sampler: Sampler | None = None
     try:
         sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
-        n_common = common_prefix_len(backend.seq_tokens[slot.id], tokens)
-        if n_common == len(tokens):
-            n_common -= 1  # re-evaluate the last prompt token: its logits travel with the KV
-        res.n_common = n_common
-        res.n_prompt_processed = len(tokens) - n_common
-        token, logits = await engine.prefill(slot.id, tokens, n_common, sampler=sampler, want_logits=True)
+        # The logits travel with the KV. A slot that still holds the prompt with its logits
+        # (an earlier export of it) gives the same ones again.
+        token, logits = await engine.first_token(slot.id, tokens, sampler, res, want_logits=True)
         assert token is not None and logits is not None
         t_prefilled = time.perf_counter()
         res.first_token_at = t_prefilled
@@ -135,36 +132,36 @@ class Handoff:
             h._fail("identity_mismatch", f"export was made by another model: {match.reason}")
         return h
 
-    async def restore(self, engine: Engine, settings: Settings, slot_id: int, prompt_tokens: list[int]) -> bytes | None:
-        """Pull the export and restore it into the caller's (claimed) slot; the logits that
-        came with it. On any failure the slot is as it was and the request prefills locally.
+    async def restore(self, engine: Engine, settings: Settings, slot_id: int, prompt_tokens: list[int]) -> None:
+        """Pull the export and restore it into the caller's (claimed) slot (with the logits
+        that came with it). On any failure the slot is as it was and the request prefills
+        locally.
 
         Runs in the request's slot, as a DECODE's receive does: the pulled bytes live only
         until the restore (memory bounded by the slots), and a client that leaves cancels
         the pull. ``--kv-pull-timeout-s`` bounds the pull."""
         if self.status != "pending" or self.params is None:
-            return None
+            return
         blob = await self._pull(engine, settings)
         if blob is None:
-            return None
+            return
         if blob.tokens != prompt_tokens[: len(blob.tokens)] or len(blob.tokens) > len(prompt_tokens):
             self._fail("prompt_mismatch", "the export holds another prompt than this request's")
-            return None
+            return
         slot = engine.slots.get(slot_id)
         slot.transferring = True
         t0 = time.perf_counter()
         try:
-            logits = await engine.state_restore(slot_id, blob)
+            await engine.state_restore(slot_id, blob)
         except ProtocolError as err:
             self._fail("restore_failed", err.message)
-            return None
+            return
         finally:
             slot.transferring = False
         self.restore_ms = (time.perf_counter() - t0) * 1000.0
         self.n_restored = blob.n_past
         self.status = "restored"
         self.exports.metrics.pulls.labels("restored", "").inc()
-        return logits
 
     async def _pull(self, engine: Engine, settings: Settings) -> KvBlob | None:
         params = self.params

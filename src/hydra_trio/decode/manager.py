@@ -186,7 +186,7 @@ class DecodeManager:
                 self._check_identity(entry, frame, blob, t0)
                 try:
                     with trio.fail_at(deadline):
-                        logits = await self._restore(entry, slot.id, blob)
+                        await self._restore(entry, slot.id, blob)
                 except trio.TooSlowError:
                     # The restore was cancelled (queued or aborted before commit): the slot
                     # holds exactly what it held before, and nothing runs for this id.
@@ -201,7 +201,7 @@ class DecodeManager:
                     )
                 started = self._started(entry, slot.id, t0)
                 task_status.started(started)
-                final = await self._generate(entry, prompt_text, params, logits, rlog)
+                final = await self._generate(entry, prompt_text, params, rlog)
             if task.scope.cancelled_caught:
                 final = DecodeState.CANCELLED
                 if started is None:  # DELETE during validation or restore
@@ -246,18 +246,17 @@ class DecodeManager:
                 extra={"valid": False, "match": match.as_meta(), "reason": match.reason},
             )
 
-    async def _restore(self, entry: DecodeEntry, slot_id: int, blob: KvBlob | None) -> bytes | None:
-        """Restore the blob into the slot (all-or-nothing); the logits that came with it."""
+    async def _restore(self, entry: DecodeEntry, slot_id: int, blob: KvBlob | None) -> None:
+        """Restore the blob into the slot (all-or-nothing), with the logits that came with it."""
         engine = self.engine
         entry.state = DecodeState.RESTORING
         entry.notify()
         t_restore = time.perf_counter()
-        logits = None
         if blob is not None:
             slot = engine.slots.get(slot_id)
             slot.transferring = True
             try:
-                logits = await engine.state_restore(slot_id, blob, timing := CallTiming())
+                await engine.state_restore(slot_id, blob, timing := CallTiming())
             finally:
                 slot.transferring = False
             entry.metrics["queue_wait_ms"] = timing.queue_wait_s * 1000.0
@@ -269,7 +268,6 @@ class DecodeManager:
         m["t3_reloaded"] = t3 != self._t3_seen
         m["t3_reload_ms"] = engine.last_t3_reload_ms if t3 != self._t3_seen else 0.0
         self._t3_seen = t3
-        return logits
 
     def _started(self, entry: DecodeEntry, slot_id: int, t0: float) -> StartedDecode:
         m = entry.metrics
@@ -290,7 +288,7 @@ class DecodeManager:
         return StartedDecode(meta, entry, self.store, self.metrics, t0)
 
     async def _generate(
-        self, entry: DecodeEntry, prompt_text: str | None, params: GenerationParams, logits: bytes | None, rlog: Any
+        self, entry: DecodeEntry, prompt_text: str | None, params: GenerationParams, rlog: Any
     ) -> DecodeState:
         engine = self.engine
         if prompt_text is None:  # continue the slot: its tokens are the prompt
@@ -304,7 +302,7 @@ class DecodeManager:
             entry.chunks.append(delta)
             entry.notify()
 
-        await engine.generate(entry.slot_id, tokens, params, emit, logits=logits, result=res)
+        await engine.generate(entry.slot_id, tokens, params, emit, result=res)
         entry.metrics["n_past"] = engine.n_past(entry.slot_id)
         rlog.info(
             "decode %d done: %d prompt (%d cached), %d generated, %s, %.1f tok/s",

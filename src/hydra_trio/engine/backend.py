@@ -326,6 +326,12 @@ class LlamaBackend:
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
+        # The logits of each slot's last position, kept when the evaluation that ended there
+        # asked for them (a prefill for a hand-off) or a restored blob carried them: a
+        # request that continues the slot with exactly its prompt samples its first token
+        # from them instead of re-evaluating the last position in a batch of one (which
+        # rounds differently). Any change of the slot's KV drops them (``_advanced``).
+        self.tail_logits: list[bytes | None] = [None] * self.n_slots
         # Lowest position each slot's SWA cells still hold (see n_swa), and, for SWA models,
         # the slot's exact state size, re-measured on the worker after each change.
         self._swa_low = [0] * self.n_slots
@@ -351,8 +357,10 @@ class LlamaBackend:
         """Exact serialized size of the slot's sequence, without a llama call."""
         return self._sizes[slot] if self.n_swa else self.state_size_for(len(self.seq_tokens[slot]))
 
-    def _advanced(self, slot: int) -> None:
-        """Bookkeeping after the slot's sequence changed (runs on the worker)."""
+    def _advanced(self, slot: int, tail_logits: bytes | None = None) -> None:
+        """Bookkeeping after the slot's sequence changed (runs on the worker); ``tail_logits``:
+        those of its new last position, when the change computed or restored them."""
+        self.tail_logits[slot] = tail_logits
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
             self._sizes[slot] = self.state_size(slot)
@@ -551,7 +559,7 @@ class LlamaBackend:
         token = None
         if sampler is not None:
             token = self._sample(sampler, -1)
-        self._advanced(slot)  # after the logits are read: nothing may come between
+        self._advanced(slot, logits)  # after the logits are read: nothing may come between
         return token, logits
 
     def _sample(self, sampler: Sampler, idx: int) -> int:
@@ -649,15 +657,17 @@ class LlamaBackend:
             self.seq_tokens[r.slot].append(r.token)
             results[i] = self._sample(r.sampler, j)
         outcomes: list[outcome.Outcome[tuple[int | None, bytes | None]]] = []
+        tails: dict[int, bytes | None] = {requests[i].slot: None for i in live}
         for part, idx in zip(parts, ends, strict=True):
             self.seq_tokens[part.slot].extend(part.tokens)
             logits = self.logits_bytes(idx) if part.want_logits else None
             token = self._sample(part.sampler, idx) if part.sampler else None
             outcomes.append(outcome.Value((token, logits)))
+            tails[part.slot] = logits
         # After every sample: _advanced may call llama (SWA state size), which must not come
         # between a decode and the reading of its logits.
-        for slot in {requests[i].slot for i in live} | {p.slot for p in parts}:
-            self._advanced(slot)
+        for slot, logits in tails.items():
+            self._advanced(slot, logits)
         return results, outcomes
 
     def _step_then_parts(
@@ -714,12 +724,14 @@ class LlamaBackend:
         tokens: Sequence[int],
         n_past: int,
         abort: threading.Event | None = None,
-    ) -> memoryview | None:
+    ) -> bool:
         """Restore a sequence state into ``slot``, all-or-nothing.
 
         The state lands in the scratch sequence first; only when llama.cpp accepted it, it
         holds exactly ``n_past`` positions, and what follows it is either nothing or exactly
-        n_vocab f32 logits, does it replace the slot. Returns those logits (or None).
+        n_vocab f32 logits, does it replace the slot. Those logits become the slot's
+        ``tail_logits`` (a copy: a view would keep the whole received payload alive).
+        Returns whether the blob carried logits.
         """
         n_vocab = self.info.n_vocab
         if len(tokens) != n_past:
@@ -761,8 +773,8 @@ class LlamaBackend:
             self.seq_tokens[slot] = list(tokens)
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)
-            self._advanced(slot)
-            return logits
+            self._advanced(slot, bytes(logits) if logits is not None else None)
+            return logits is not None
         finally:
             llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)
 

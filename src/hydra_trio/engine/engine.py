@@ -284,6 +284,25 @@ class Engine:
 
     # ---- prefill -----------------------------------------------------------------------
 
+    def reuse_plan(self, slot: int, tokens: Sequence[int]) -> tuple[int, bytes | None]:
+        """How much of the slot's KV a prompt continues from: the one prefix-reuse policy of
+        every path that continues a slot (generation, the P/D export).
+
+        Returns ``(n_keep, logits)``. With logits, the slot holds exactly the prompt and the
+        logits of its last position: nothing is evaluated, the first token is sampled from
+        them. Otherwise keep ``n_keep`` positions and evaluate the rest: at least the last
+        prompt token (for its logits), and nothing of a sliding window the slot has dropped.
+        """
+        backend = self.backend
+        cached = backend.seq_tokens[slot]
+        n_common = common_prefix_len(cached, tokens)
+        if n_common == len(tokens):
+            logits = backend.tail_logits[slot]
+            if logits is not None and n_common == len(cached):
+                return n_common, logits
+            n_common -= 1  # re-evaluate the last prompt token for its logits
+        return backend.reusable_prefix(slot, n_common), None
+
     async def prefill(
         self,
         slot: int,
@@ -346,6 +365,21 @@ class Engine:
             ) from None
         return result
 
+    async def first_token(
+        self, slot: int, tokens: Sequence[int], sampler: Sampler, res: GenerationResult, *, want_logits: bool = False
+    ) -> tuple[int | None, bytes | None]:
+        """Bring the slot to hold the prompt (``reuse_plan``) and sample the token after it
+        (None: the context is full); with ``want_logits`` also the logits it came from. The
+        plan goes into ``res`` first, so a cancelled prefill still reports its work."""
+        res.n_common, logits = self.reuse_plan(slot, tokens)
+        res.logits_reused = logits is not None
+        if logits is not None:
+            reused = logits
+            token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
+            return token, logits
+        res.n_prompt_processed = len(tokens) - res.n_common
+        return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
+
     # ---- generation steps (batched) ----------------------------------------------------
 
     async def _run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[PartOutcome]]:
@@ -360,14 +394,14 @@ class Engine:
         params: GenerationParams,
         emit: Emit,
         *,
-        logits: bytes | memoryview | None = None,
         result: GenerationResult | None = None,
     ) -> GenerationResult:
         """Prefill what the slot lacks of the prompt, then sample until a stop condition.
 
         ``result`` is filled in as generation goes (callers read it even if cancelled).
-        With ``logits`` (from a restored blob) and a prompt the slot already holds in full,
-        the first token is sampled from them without recomputing anything.
+        When the slot holds exactly the prompt with its last position's logits (a restored
+        hand-off, or a PREFILL on this engine), the first token is sampled from them without
+        recomputing anything.
         """
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
@@ -376,18 +410,7 @@ class Engine:
         assembler = TextAssembler(params.stop)
         t_start = time.perf_counter()
         try:
-            cached = backend.seq_tokens[slot]
-            n_common = common_prefix_len(cached, prompt_tokens)
-            if logits is not None and n_common == len(prompt_tokens) == len(cached):
-                token: int | None = await self.worker.call(lambda: backend.sample_from_logits(sampler, logits))
-                res.logits_reused = True
-            else:
-                if n_common == len(prompt_tokens):
-                    n_common -= 1  # re-evaluate the last prompt token for its logits
-                n_common = backend.reusable_prefix(slot, n_common)  # sliding-window models
-                res.n_prompt_processed = len(prompt_tokens) - n_common
-                token, _ = await self.prefill(slot, prompt_tokens, n_common, sampler=sampler)
-            res.n_common = n_common
+            token, _ = await self.first_token(slot, prompt_tokens, sampler, res)
             t_first = time.perf_counter()
             res.first_token_at = t_first
             res.prompt_ms = (t_first - t_start) * 1000.0
@@ -439,8 +462,9 @@ class Engine:
         state, tokens = await self.worker.call(lambda: self.backend.state_get(slot))
         return encode_blob_head(len(tokens), tokens), state, len(tokens)
 
-    async def state_restore(self, slot: int, blob: KvBlob, timing: CallTiming | None = None) -> bytes | None:
-        """Restore a parsed v2 blob into the slot, all-or-nothing. Returns trailing logits."""
+    async def state_restore(self, slot: int, blob: KvBlob, timing: CallTiming | None = None) -> None:
+        """Restore a parsed v2 blob into the slot, all-or-nothing. Trailing logits become the
+        slot's tail logits (``reuse_plan``)."""
         if blob.checkpoint is not None and not self.backend.info.recurrent:
             raise ProtocolError(
                 ErrorCode.BAD_FRAME,
@@ -452,14 +476,11 @@ class Engine:
             )
         await self.make_room(blob.n_past, exclude=slot)
 
-        def call(abort: threading.Event) -> bytes | None:
-            logits = self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort)
-            # A copy (n_vocab * 4 bytes): a view would keep the whole received payload, KV
-            # and all, alive for as long as the request generates.
-            return bytes(logits) if logits is not None else None
+        def call(abort: threading.Event) -> None:
+            self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort)
 
         try:
-            return await self.worker.run(call, timing)
+            await self.worker.run(call, timing)
         except DecodeAborted:
             await trio.lowlevel.checkpoint()
             raise

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-# Runs in the claimed slot before generation (e.g. restoring a handed-off KV); returns the
-# logits the first token is sampled from, or None.
-Prepare = Callable[[int], Awaitable[bytes | None]]
+# Runs in the claimed slot before generation (e.g. restoring a handed-off KV, whose logits
+# then stay with the slot for the first token).
+Prepare = Callable[[int], Awaitable[None]]
 
 
 class SlotsBusy(Exception):
@@ -87,8 +87,9 @@ async def generate_buffered(
     """(slot id, result) of a whole generation. Raises SlotsBusy."""
     slot = await claim_slot(state, engine, tokens, owner)
     try:
-        logits = await prepare(slot.id) if prepare is not None else None
-        res = await engine.generate(slot.id, tokens, params, _discard, logits=logits)
+        if prepare is not None:
+            await prepare(slot.id)
+        res = await engine.generate(slot.id, tokens, params, _discard)
     finally:
         engine.release(slot)
     state.metrics.record_generation(path, res)
@@ -147,8 +148,9 @@ async def start_stream(
 
         async with send:
             try:
-                logits = await prepare(slot.id) if prepare is not None else None
-                res = await engine.generate(slot.id, tokens, params, emit, logits=logits)
+                if prepare is not None:
+                    await prepare(slot.id)
+                res = await engine.generate(slot.id, tokens, params, emit)
                 state.metrics.record_generation(path, res)
                 await put(("done", res))
             except (trio.TooSlowError, trio.BrokenResourceError) as exc:

@@ -7,8 +7,8 @@ A route (chat completions; text completions use the same three calls) does:
         return exported                        # prefill side: do_remote_decode
     handoff = begin_handoff(state, body)      # decode side: None unless it names an export
     ... claim a slot ...
-    logits = await restore_handoff(state, handoff, engine, slot.id, tokens)
-    res = await engine.generate(slot.id, tokens, params, emit, logits=logits)
+    await restore_handoff(state, handoff, engine, slot.id, tokens)
+    res = await engine.generate(slot.id, tokens, params, emit)
     ... render(slot.id, res, **handoff_fields(handoff)) ...
 
 ``render(slot_id, result, **extra)`` builds the route's own non-streaming body.
@@ -104,12 +104,11 @@ def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
 
 async def restore_handoff(
     state: AppState, handoff: Handoff | None, engine: Engine, slot_id: int, tokens: list[int]
-) -> bytes | None:
-    """Pull the export into the claimed slot; the logits for the first token (None: no
-    hand-off, or it fell back to a local prefill)."""
-    if handoff is None:
-        return None
-    return await handoff.restore(engine, state.settings, slot_id, tokens)
+) -> None:
+    """Pull the export into the claimed slot, with the logits for the first token (nothing
+    without a hand-off; a failed one falls back to a local prefill)."""
+    if handoff is not None:
+        await handoff.restore(engine, state.settings, slot_id, tokens)
 
 
 def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
@@ -125,7 +124,7 @@ class DecodeSide:
     response fields that report it."""
 
     handoff: Handoff | None
-    restore: Callable[[int], Awaitable[bytes | None]]
+    restore: Callable[[int], Awaitable[None]]
 
     def fields(self) -> dict[str, Any]:
         return handoff_fields(self.handoff)
