@@ -99,7 +99,7 @@ def test_settings(model: Path, **overrides: Any) -> Settings:
         port=0,
         rpc_port=0,
         slots=2,
-        ctx_size=2048,
+        ctx_size=4096,  # 2048 a slot (split KV cache, the default)
         threads=1,  # one llama thread: the trio thread keeps a core on 2-core machines
         batch_size=64,
         default_n_predict=16,

@@ -27,8 +27,9 @@ PROMPT = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
 N_GEN = 24
 
 
-def new_backend(model: Path, n_slots: int = 2) -> LlamaBackend:
-    return LlamaBackend(str(model), n_slots=n_slots, n_ctx=512, n_threads=1, n_batch=64)  # see helpers.ENGINE
+def new_backend(model: Path, n_slots: int = 2, *, kv_unified: bool = True) -> LlamaBackend:
+    n_ctx = 512 if kv_unified else 512 * n_slots  # the same 512 positions a slot either way
+    return LlamaBackend(str(model), n_slots=n_slots, n_ctx=n_ctx, n_threads=1, n_batch=64, kv_unified=kv_unified)
 
 
 def greedy_from(backend: LlamaBackend, slot: int, first: int, n: int = N_GEN) -> list[int]:
@@ -65,12 +66,14 @@ def continue_slot(backend: LlamaBackend, slot: int, n: int = N_GEN) -> list[int]
 
 
 def assert_slot_clean(backend: LlamaBackend, slot: int) -> None:
-    """The bookkeeping describes exactly what the KV holds, and the scratch sequence is empty."""
+    """The bookkeeping describes exactly what the KV holds, and the scratch sequence (of a
+    unified cache) is empty."""
     mem = llama_cpp.llama_get_memory(backend._ctx)
     assert llama_cpp.llama_memory_seq_pos_max(mem, slot) + 1 == len(backend.seq_tokens[slot])
     if backend.seq_tokens[slot]:
         assert llama_cpp.llama_memory_seq_pos_min(mem, slot) == 0
-    assert llama_cpp.llama_memory_seq_pos_max(mem, backend.scratch_seq) == -1
+    if backend.kv_unified:
+        assert llama_cpp.llama_memory_seq_pos_max(mem, backend.scratch_seq) == -1
     state, tokens = backend.state_get(slot)
     assert tokens == backend.seq_tokens[slot]
     assert len(state) == backend.state_size_for(len(tokens))
@@ -119,9 +122,11 @@ def reference(model: Path) -> Iterator[Reference]:
         b.close()
 
 
-@pytest.fixture
-def backend(model: Path) -> Iterator[LlamaBackend]:
-    b = new_backend(model)
+@pytest.fixture(params=["unified", "split"])
+def backend(model: Path, request: pytest.FixtureRequest) -> Iterator[LlamaBackend]:
+    """Both KV layouts; the reference blob comes from a one-slot (unified) backend, so the
+    split one also rewrites every blob into its own streams."""
+    b = new_backend(model, kv_unified=request.param == "unified")
     yield b
     b.close()
 

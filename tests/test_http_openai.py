@@ -281,7 +281,7 @@ async def test_health_version_models_slots(engine: Any) -> None:
         assert models["object"] == "list"
         (m,) = models["data"]
         assert m["id"] == "tiny" and m["object"] == "model"
-        assert m["meta"]["n_ctx"] == 2048 and m["meta"]["n_vocab"] == 512
+        assert m["meta"]["n_ctx"] == 4096 and m["meta"]["n_vocab"] == 512
         assert m["meta"]["model_name"] == "Hydra Synthetic Tiny"
 
         r = await c.get("/slots")
@@ -289,7 +289,7 @@ async def test_health_version_models_slots(engine: Any) -> None:
         slots = r.json()
         assert [s["id"] for s in slots] == [0, 1]
         for s in slots:
-            assert s["is_processing"] is False and s["n_past"] == 0 and s["n_ctx"] == 2048
+            assert s["is_processing"] is False and s["n_past"] == 0 and s["n_ctx"] == 2048  # a split cache: 4096 / 2 slots
 
         body = await chat(c, max_tokens=5)
         slots = (await c.get("/slots")).json()

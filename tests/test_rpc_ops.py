@@ -74,7 +74,9 @@ async def test_info(engine: Any, tiny_model: Path) -> None:
             m = resp.meta
             assert m["engine"] == "hydra-trio" and m["version"] == hydra_trio.__version__
             assert m["mode"] == "solo" and m["solo_active"] is True and m["pipeline_capable"] is False
-            assert m["n_slots"] == 2 and m["n_ctx"] == 2048
+            assert m["n_slots"] == 2 and m["n_ctx"] == 4096
+            # The default split KV cache: each slot holds its share, and INFO says so.
+            assert m["kv_unified"] is False and m["n_ctx_slot"] == 2048
             assert "tiny" in m["preset_aliases"]
             assert_identity(m, tiny_model, "tiny")
             assert m["model_name"] == "Hydra Synthetic Tiny" and m["model_quant"] == "F32"
@@ -363,7 +365,7 @@ async def test_configure_t2_n_ctx_applied_once_idle(engine: Any) -> None:
         assert m["params_applied"] == {"seed": 7}
         with trio.fail_after(5):
             await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-        assert await n_ctx() == 2048, "T2 applied while a slot was busy"
+        assert await n_ctx() == 4096, "T2 applied while a slot was busy"
         # New work waits for the staged change instead of keeping the engine busy forever.
         async with await rpc(engine) as c:
             r = await c.call(prefill_call(0, {"messages": MESSAGES}), check=False)
@@ -379,7 +381,7 @@ async def test_configure_t2_n_ctx_applied_once_idle(engine: Any) -> None:
         assert (await c.state_meta(0)).meta["n_past"] == 0
         assert (await c.prefill(0, {"messages": MESSAGES})).ok
     async with http(engine) as h:
-        assert (await h.get("/slots")).json()[0]["n_ctx"] == 1024
+        assert (await h.get("/slots")).json()[0]["n_ctx"] == 512  # 1024 cells, 2 slots
         assert (await chat(h, max_tokens=4))["usage"]["completion_tokens"] == 4
     await assert_server_healthy(engine)
 
@@ -390,7 +392,7 @@ async def test_configure_t2_refusals(engine: Any) -> None:
         for bad in ({"n_ctx": 1}, {"n_ctx": "big"}, {"cache_type_k": "q9"}, {"model_path": ""}):
             r = await c.call(Call(Op.CONFIGURE, b"0", [json.dumps(bad).encode()]), check=False)
             assert not r.ok and r.meta["error_code"] == "BAD_JSON", (bad, r.meta)
-        assert (await c.info()).meta["n_ctx"] == 2048
+        assert (await c.info()).meta["n_ctx"] == 4096
 
 
 # ---- HTTP slot-state routes -----------------------------------------------------------------

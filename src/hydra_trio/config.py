@@ -23,13 +23,20 @@ class Settings:
     port: int = 8080  # HTTP; 0 = ephemeral
     rpc_port: int = 9504  # binary RPC; 0 = ephemeral
     slots: int = 4
-    ctx_size: int = 4096  # KV cells shared by all slots (unified cache); also the per-slot limit
+    ctx_size: int = 4096  # KV cells of all slots together (README "KV cache layout")
+    # Split (default, llama-server's): one KV stream per slot, ctx_size / slots cells each, and
+    # a step's attention reads only its own slot's cells. Unified: one pool any slot may fill,
+    # but every sequence's attention spans all used cells (measured: README Performance).
+    kv_unified: bool = False
     threads: int = max(1, min(8, os.cpu_count() or 1))
     batch_size: int = 512  # prefill chunk: one cancellable GPU-worker call
     # Tokens per generation-step batch while streams run: their next tokens, then a part of an
     # arriving prompt. Small on CPUs (each prompt token costs about what a whole step does);
     # a GPU takes hundreds at almost no extra step time.
     step_token_budget: int = 32
+    # Streaming: up to this many tokens per chunk (vLLM's --stream-interval); the first token
+    # and the end are sent at once. A request's own "stream_interval" wins.
+    stream_interval: int = 1
     # GPU offload. n_gpu_layers None: every layer when the llama.cpp build can offload, else 0.
     n_gpu_layers: int | None = None
     main_gpu: int = 0
@@ -101,9 +108,11 @@ _HELP: dict[str, str] = {
     "port": "HTTP port (0 = ephemeral)",
     "rpc_port": "binary RPC port (0 = ephemeral)",
     "slots": "number of slots (llama sequences)",
-    "ctx_size": "KV cells shared by all slots; also the most one slot can hold",
+    "ctx_size": "KV cells of all slots together (split cache: each slot holds ctx_size/slots; unified: any slot may hold all)",
+    "kv_unified": "one KV cache shared by all slots instead of one stream per slot (a slot may then hold the whole context, but every step's attention spans all slots' cells)",
     "threads": "CPU threads for llama.cpp",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
+    "stream_interval": "streamed tokens per chunk at most (the first token and the end go at once); a request's stream_interval wins",
     "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens; each further waiting prompt adds up to this many)",
     "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: all when the llama.cpp build can offload, else 0)",
     "main_gpu": "llama.cpp's main_gpu: the GPU for scratch work and, when layers are not split across GPUs, the model",
@@ -223,6 +232,14 @@ def validate(s: Settings) -> None:
         problems.append("batch_size must be 1..8192")
     if not 1 <= s.step_token_budget <= 8192:
         problems.append("step_token_budget must be 1..8192")
+    if s.slots > s.batch_size:
+        # llama.cpp aborts the process (GGML_ASSERT n_outputs_max) when the slots' steps
+        # cannot all go into one batch.
+        problems.append(f"slots ({s.slots}) must not exceed batch_size ({s.batch_size}): every generating slot's step goes into one batch (--slots, --batch-size)")
+    if not 1 <= s.stream_interval <= 4096:
+        problems.append("stream_interval must be 1..4096")
+    if not s.kv_unified and s.ctx_size // s.slots < 16:
+        problems.append(f"ctx_size ({s.ctx_size}) gives each of {s.slots} slots fewer than 16 cells with a split KV cache (--ctx-size, --slots, --kv-unified)")
     if s.threads < 1:
         problems.append("threads must be >= 1")
     for name in ("port", "rpc_port"):

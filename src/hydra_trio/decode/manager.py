@@ -157,7 +157,7 @@ class DecodeManager:
         engine = self.engine
         engine.slots.get(slot_id)  # NO_SLOT
         request = {**engine.slot_settings.generation_defaults(slot_id), **merged_generation(frame)}
-        params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx)
+        params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx_slot)
         try:
             with trio.fail_at(deadline):  # the validation deadline covers these waits too
                 # A malformed prompt is refused before the reply. No prompt at all (an empty
@@ -165,7 +165,7 @@ class DecodeManager:
                 has_prompt = "messages" in request or "prompt" in request
                 prompt_text = await engine.render_prompt(request) if has_prompt else None
                 blob = (  # the token list is bounded by the context before it is materialised
-                    await run_cpu_bound(partial(parse_kv_blob, frame.kv, max_tokens=engine.n_ctx), len(frame.kv))
+                    await run_cpu_bound(partial(parse_kv_blob, frame.kv, max_tokens=engine.n_ctx_slot), len(frame.kv))
                     if len(frame.kv)
                     else None
                 )

@@ -29,6 +29,14 @@ from .devices import (
     read_ggml_devices,
 )
 from .params import SamplingParams
+from .seqstate import (
+    StateLayout,
+    StateLayoutError,
+    layout_mismatch,
+    read_layout,
+    rewrite_in_place,
+    with_streams,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -210,10 +218,15 @@ class PrefillPart:
 
 
 class LlamaBackend:
-    """One llama model + context with ``n_slots`` sequences in a unified KV cache.
+    """One llama model + context with ``n_slots`` sequences, one per slot.
 
-    Sequence ``n_slots`` is a scratch sequence: restores land there first and move into the
-    slot only once llama.cpp accepted them, so a refused blob never touches a slot.
+    The KV cache is unified (one pool of cells shared by all slots, any slot may use all of
+    it) or split (``kv_unified`` False: one stream of ``n_ctx / n_slots`` cells per slot, as
+    llama-server lays it out; a sequence's attention then spans only its own cells).
+    Unified: sequence ``n_slots`` is a scratch sequence, restores land there first and move
+    into the slot only once llama.cpp accepted them, so a refused blob never touches a slot.
+    Split: a restore goes straight into the slot's own stream (moving it between streams
+    would copy the whole stream), and a refused one leaves the slot empty.
     """
 
     def __init__(
@@ -227,8 +240,10 @@ class LlamaBackend:
         type_k: int | None = None,
         type_v: int | None = None,
         offload: OffloadSettings | None = None,
+        kv_unified: bool = True,
     ) -> None:
         _init_llama()
+        self.kv_unified = kv_unified or n_slots == 1
         self.model_path = model_path
         self.n_slots = n_slots
         self.n_batch = n_batch
@@ -293,11 +308,14 @@ class LlamaBackend:
 
     def _build_context(self, n_ctx: int, n_threads: int) -> None:
         cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = n_ctx
+        # Split: n_ctx cells for the slots, n_ctx / n_slots each (llama.cpp rounds a stream up
+        # to a multiple of 256 cells).
+        cp.n_ctx = n_ctx if self.kv_unified else -(-n_ctx // self.n_slots) * self.n_slots
         cp.n_batch = self.n_batch
         cp.n_ubatch = self.n_batch  # one ubatch per call: an abort undoes the whole call
-        cp.n_seq_max = self.n_slots + 1  # + the scratch sequence for restores
-        cp.kv_unified = True
+        # Unified: + the scratch sequence for restores.
+        cp.n_seq_max = self.n_slots + 1 if self.kv_unified else self.n_slots
+        cp.kv_unified = self.kv_unified
         cp.n_threads = n_threads
         cp.n_threads_batch = n_threads
         if self.type_k is not None:
@@ -322,7 +340,10 @@ class LlamaBackend:
         )
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
-        self.n_ctx = llama_cpp.llama_n_ctx(ctx)
+        # n_ctx_slot: the most one slot can hold; n_ctx: the cells all slots hold together.
+        self.n_ctx_slot = int(llama_cpp.llama_n_ctx_seq(ctx))
+        self.n_ctx = llama_cpp.llama_n_ctx(ctx) if self.kv_unified else self.n_ctx_slot * self.n_slots
+        self.n_stream = 1 if self.kv_unified else self.n_slots
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
@@ -342,14 +363,24 @@ class LlamaBackend:
         # A sequence's state is a fixed header plus a fixed size per position: measure both
         # once so STATE_META can report the exact size without a llama call.
         # (llama.cpp writes per-cell metadata, then per-layer rows: linear in the cell count.)
-        seq = self.scratch_seq
+        # Sizes are those of the one-stream form blobs travel in (seqstate.py): a split
+        # cache's own form has 4 bytes more per further stream and cache.
+        seq = self.scratch_seq if self.kv_unified else 0  # slot 0 is empty until load ends
         tok = self.info.bos if self.info.bos >= 0 else 0
-        self._state_base = self.state_size(seq)
         self._decode_batch([(seq, tok, 0, False)], None)
+        probe, _ = self._read_state(seq)
+        try:  # what a received state must match (None: a layout seqstate.py does not read)
+            self.state_layout: StateLayout | None = read_layout(probe, None)
+        except StateLayoutError as exc:
+            log.info("KV state layout not checked before restores (%s)", exc)
+            self.state_layout = None
+        self._n_caches = len(self.state_layout.caches) if self.state_layout else 1
+        self._stream_overhead = 4 * (self.n_stream - 1) * self._n_caches
         one = self.state_size(seq)
         self._decode_batch([(seq, tok, 1, False)], None)
         two = self.state_size(seq)
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._state_base = self.state_size(seq)
         self._state_per_pos = two - one
         self._state_first = one - self._state_per_pos  # header of a non-empty sequence
 
@@ -405,6 +436,8 @@ class LlamaBackend:
 
     @property
     def scratch_seq(self) -> int:
+        """The unified cache's restore sequence (a split cache has none)."""
+        assert self.kv_unified, "a split KV cache has no scratch sequence"
         return self.n_slots
 
     def _should_abort(self, _data: ctypes.c_void_p) -> bool:
@@ -470,6 +503,11 @@ class LlamaBackend:
     def cells_in_use(self) -> int:
         """Upper bound of occupied KV cells (shared cells are counted once per sequence)."""
         return sum(len(t) for t in self.seq_tokens)
+
+    def pool_is_tight(self, needed: int) -> bool:
+        """Whether ``needed`` more cells may not fit the shared pool (unified cache only:
+        split streams cannot take each other's cells, so evicting another slot frees none)."""
+        return self.kv_unified and self.cells_in_use() + needed > self.n_ctx
 
     def clear_slot(self, slot: int) -> None:
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
@@ -548,7 +586,7 @@ class LlamaBackend:
         if abort is not None and abort.is_set():
             raise DecodeAborted
         start = len(self.seq_tokens[slot])
-        if start + len(tokens) > self.n_ctx:
+        if start + len(tokens) > self.n_ctx_slot:
             raise NoKvSpace
         last = len(tokens) - 1
         need_logits = sampler is not None or want_logits
@@ -618,7 +656,7 @@ class LlamaBackend:
         200-280 of a unified cache stepped ~1.5x slower with the slots in a new order each
         step than in the same order."""
         return sorted(
-            (i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx),
+            (i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx_slot),
             key=lambda i: requests[i].slot,
         )
 
@@ -635,7 +673,7 @@ class LlamaBackend:
             if part.keep is not None:
                 self.truncate_slot(part.slot, part.keep)
         live = self._live_in_slot_order(requests)
-        fits = [p for p in parts if len(self.seq_tokens[p.slot]) + len(p.tokens) <= self.n_ctx]
+        fits = [p for p in parts if len(self.seq_tokens[p.slot]) + len(p.tokens) <= self.n_ctx_slot]
         n_entries = len(live) + sum(len(p.tokens) for p in fits)
         if len(fits) < len(parts) or n_entries > self.n_batch or n_entries == len(live):
             return self._step_then_parts(requests, parts)
@@ -704,18 +742,65 @@ class LlamaBackend:
     # ---- state -------------------------------------------------------------------------
 
     def state_size(self, slot: int) -> int:
-        return int(llama_cpp.llama_state_seq_get_size(self._ctx, slot))
+        """The size of the slot's state in the one-stream form blobs travel in."""
+        return int(llama_cpp.llama_state_seq_get_size(self._ctx, slot)) - self._stream_overhead
 
-    def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
-        """The slot's llama sequence state and its tokens."""
-        size = self.state_size(slot)
+    def _read_state(self, seq: int) -> tuple[bytearray, list[int]]:
+        """A sequence's state as llama.cpp writes it for this context, and its tokens."""
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
         buf = bytearray(size)
         cbuf = (ctypes.c_uint8 * size).from_buffer(buf)
-        n = llama_cpp.llama_state_seq_get_data(self._ctx, cbuf, size, slot)
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, cbuf, size, seq)
         del cbuf  # release the export so the bytearray can be resized/sliced freely
         if n != size:
             del buf[n:]
-        return buf, list(self.seq_tokens[slot])
+        return buf, list(self.seq_tokens[seq]) if seq < self.n_slots else []
+
+    def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
+        """The slot's llama sequence state, in the one-stream form, and its tokens."""
+        buf, tokens = self._read_state(slot)
+        if self.n_stream > 1:  # compacted in place: the blob is held once
+            with memoryview(buf) as view:
+                one = rewrite_in_place(view, 0, 1, 0, self._n_caches)
+                assert one is not None, "dropping streams needs no room"
+                n = len(one)
+                one.release()
+            del buf[n:]
+        return buf, tokens
+
+    def _local_form(self, state: memoryview, seq: int, blob: memoryview | None) -> memoryview:
+        """A received state (and what follows it) rewritten for this context's streams, the
+        cells in ``seq``'s: in place where the blob's parsed head leaves room, else as a copy.
+        What does not parse goes to llama.cpp as it is, to be refused."""
+        stream = 0 if self.kv_unified else seq
+        try:
+            if blob is not None and not blob.readonly:
+                local = rewrite_in_place(blob, len(blob) - len(state), self.n_stream, stream, self._n_caches)
+                if local is not None:
+                    return local
+            return memoryview(with_streams(state, self.n_stream, stream, self._n_caches))
+        except StateLayoutError:
+            return state
+
+    def _check_layout(self, state: memoryview, n_past: int) -> None:
+        """Refuse, before any slot is touched, a state this context cannot take: one that
+        does not parse, whose K/V types, row sizes or V transposition differ from the
+        resident model's, that holds another position count than the blob declares, or
+        whose trailing bytes are not exactly n_vocab logits."""
+        if self.state_layout is None:
+            return  # llama.cpp alone decides
+        try:
+            got = read_layout(state, self._n_caches)
+        except StateLayoutError as exc:
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"not a KV state llama.cpp can restore: {exc}") from None
+        why = layout_mismatch(got, self.state_layout)
+        if why is not None:
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"KV layout does not match this engine's: {why}")
+        if got.n_past != n_past:
+            raise ProtocolError(
+                ErrorCode.RESTORE_FAILED, f"KV state holds {got.n_past} positions but the blob declares n_past={n_past}"
+            )
+        split_trailing_logits(state[got.end :], self.info.n_vocab)  # raises on another length
 
     def state_restore(
         self,
@@ -724,14 +809,18 @@ class LlamaBackend:
         tokens: Sequence[int],
         n_past: int,
         abort: threading.Event | None = None,
+        *,
+        blob: memoryview | None = None,
     ) -> bool:
-        """Restore a sequence state into ``slot``, all-or-nothing.
+        """Restore a sequence state into ``slot``, all-or-nothing. ``blob``: the whole blob
+        ``state`` ends, whose bytes may be rewritten (seqstate.py) for this context's layout.
 
-        The state lands in the scratch sequence first; only when llama.cpp accepted it, it
-        holds exactly ``n_past`` positions, and what follows it is either nothing or exactly
-        n_vocab f32 logits, does it replace the slot. Those logits become the slot's
-        ``tail_logits`` (a copy: a view would keep the whole received payload alive).
-        Returns whether the blob carried logits.
+        Unified cache: the state lands in the scratch sequence first; only when llama.cpp
+        accepted it, it holds exactly ``n_past`` positions, and what follows it is either
+        nothing or exactly n_vocab f32 logits, does it replace the slot. Split cache: the same
+        checks, in the slot's own stream, and any failure leaves the slot empty. The logits
+        become the slot's ``tail_logits`` (a copy: a view would keep the whole received
+        payload alive). Returns whether the blob carried logits.
         """
         n_vocab = self.info.n_vocab
         if len(tokens) != n_past:
@@ -741,16 +830,25 @@ class LlamaBackend:
                 ErrorCode.RESTORE_FAILED,
                 f"blob holds token ids outside the resident vocabulary (0..{n_vocab - 1})",
             )
-        scratch = self.scratch_seq
-        llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)
-        size = len(state)
-        src = _as_ubyte_array(state)
-        consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, scratch))
-        if consumed == 0 and self.seq_tokens[slot] and self.cells_in_use() + n_past > self.n_ctx:
+        if n_past > self.n_ctx_slot:
+            raise ProtocolError(
+                ErrorCode.RESTORE_FAILED, f"blob holds {n_past} positions; a slot holds at most {self.n_ctx_slot}"
+            )
+        self._check_layout(state, n_past)
+        target = self.scratch_seq if self.kv_unified else slot
+        if not self.kv_unified:
+            self.clear_slot(slot)  # llama.cpp replaces the sequence: our record goes first
+        local = self._local_form(state, target, blob)
+        llama_cpp.llama_memory_seq_rm(self._mem, target, -1, -1)
+        size = len(local)
+        src = _as_ubyte_array(local)
+        consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, target))
+        if consumed == 0 and self.kv_unified and self.seq_tokens[slot] and self.pool_is_tight(n_past):
             # The shared pool had no room for a second copy: make room by dropping the slot's
             # current contents (the spec allows clearing on a failed restore) and try again.
             self.clear_slot(slot)
-            consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, scratch))
+            consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, target))
+        committed = False
         try:
             if consumed == 0:
                 raise ProtocolError(
@@ -758,25 +856,30 @@ class LlamaBackend:
                     "llama.cpp refused the KV state (layout does not match the resident model, "
                     "or the state is corrupt or truncated)",
                 )
-            restored = llama_cpp.llama_memory_seq_pos_max(self._mem, scratch) + 1
+            restored = llama_cpp.llama_memory_seq_pos_max(self._mem, target) + 1
             if restored != n_past:
                 raise ProtocolError(
                     ErrorCode.RESTORE_FAILED,
                     f"KV state holds {restored} positions but the blob declares n_past={n_past}",
                 )
-            logits = split_trailing_logits(state[consumed:], n_vocab)
+            logits = split_trailing_logits(local[consumed:], n_vocab)
             if abort is not None and abort.is_set():
                 raise DecodeAborted
-            # Commit: in a unified KV cache seq_cp only tags cells, no bytes are copied.
-            llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
-            llama_cpp.llama_memory_seq_cp(self._mem, scratch, slot, -1, -1)
+            if self.kv_unified:
+                # Commit: in a unified KV cache seq_cp only tags cells, no bytes are copied.
+                llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+                llama_cpp.llama_memory_seq_cp(self._mem, target, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)
+            committed = True
             self._advanced(slot, bytes(logits) if logits is not None else None)
             return logits is not None
         finally:
-            llama_cpp.llama_memory_seq_rm(self._mem, scratch, -1, -1)
+            if self.kv_unified:
+                llama_cpp.llama_memory_seq_rm(self._mem, target, -1, -1)
+            elif not committed:
+                llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
 
 
 def _as_ubyte_array(view: memoryview) -> ctypes.Array[ctypes.c_uint8]:

@@ -130,6 +130,7 @@ class Engine:
                 n_threads=settings.threads,
                 n_batch=settings.batch_size,
                 offload=offload,
+                kv_unified=settings.kv_unified,
             ),
             limiter=worker_limiter,
         )
@@ -147,13 +148,15 @@ class Engine:
         engine.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         log.info(
-            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, %d threads",
+            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, KV cache %s (a slot holds up to %d), %d threads",
             engine.model_load_ms,
             identity.model_name,
             identity.model_quant,
             identity.tokenizer,
             backend.n_slots,
             backend.n_ctx,
+            engine.kv_layout,
+            backend.n_ctx_slot,
             backend.n_threads,
         )
         assert backend.offload is not None
@@ -191,7 +194,18 @@ class Engine:
 
     @property
     def n_ctx(self) -> int:
+        """KV cells all slots hold together."""
         return self.backend.n_ctx
+
+    @property
+    def n_ctx_slot(self) -> int:
+        """The most positions one slot can hold: all of n_ctx with a unified cache, its own
+        stream's share with a split one."""
+        return self.backend.n_ctx_slot
+
+    @property
+    def kv_layout(self) -> str:
+        return "unified" if self.backend.kv_unified else "split"
 
     @property
     def n_vocab(self) -> int:
@@ -216,6 +230,7 @@ class Engine:
                     type_k=changes.get("cache_type_k", old.type_k),
                     type_v=changes.get("cache_type_v", old.type_v),
                     offload=old.offload_settings,
+                    kv_unified=old.kv_unified,
                 )
 
             new = await self.worker.run(load)
@@ -256,11 +271,16 @@ class Engine:
         )
 
     def runtime_fields(self) -> dict[str, Any]:
-        """Where the model runs (ggml devices, layers offloaded, flash attention) and which
-        chat template renders prompts: for /version and INFO."""
+        """Where the model runs (ggml devices, layers offloaded, flash attention), how its KV
+        cache is laid out and which chat template renders prompts: for /version and INFO."""
         offload = self.backend.offload
         assert offload is not None, "set when the context is built"
-        return {**offload.as_dict(), "chat_template": self.chat_template.as_dict()}
+        return {
+            **offload.as_dict(),
+            "kv_unified": self.backend.kv_unified,
+            "n_ctx_slot": self.n_ctx_slot,
+            "chat_template": self.chat_template.as_dict(),
+        }
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
@@ -274,13 +294,18 @@ class Engine:
         tokens = await self.worker.call(lambda: self.backend.tokenize(text, add_special=True))
         if not tokens:
             raise ProtocolError(ErrorCode.BAD_JSON, "prompt is empty", status=Status.BAD_REQUEST)
-        if len(tokens) >= self.n_ctx:
+        self.check_prompt_fits(len(tokens))
+        return tokens
+
+    def check_prompt_fits(self, n_tokens: int) -> None:
+        """Refuse a prompt no slot can hold (with room for one generated token)."""
+        if n_tokens >= self.n_ctx_slot:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
-                f"prompt has {len(tokens)} tokens; the context holds {self.n_ctx}",
+                f"prompt has {n_tokens} tokens; a slot holds {self.n_ctx_slot} "
+                f"({self.kv_layout} KV cache of {self.n_ctx} cells, {self.backend.n_slots} slots)",
                 status=Status.BAD_REQUEST,
             )
-        return tokens
 
     # ---- prefill -----------------------------------------------------------------------
 
@@ -361,7 +386,11 @@ class Engine:
             raise ProtocolError(
                 ErrorCode.INTERNAL,
                 f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}; "
-                f"{self.n_ctx} cells are shared by all slots and the others are in use",
+                + (
+                    f"{self.n_ctx} cells are shared by all slots and the others are in use"
+                    if self.backend.kv_unified
+                    else f"a slot holds {self.n_ctx_slot} (split KV cache)"
+                ),
             ) from None
         return result
 
@@ -470,14 +499,15 @@ class Engine:
                 ErrorCode.BAD_FRAME,
                 "kv blob carries a recurrent-state checkpoint; the resident model is not recurrent",
             )
-        if blob.n_past >= self.n_ctx:
+        if blob.n_past >= self.n_ctx_slot:
             raise ProtocolError(
-                ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; the context holds {self.n_ctx}"
+                ErrorCode.RESTORE_FAILED,
+                f"blob holds {blob.n_past} positions; a slot holds {self.n_ctx_slot} ({self.kv_layout} KV cache)",
             )
         await self.make_room(blob.n_past, exclude=slot)
 
         def call(abort: threading.Event) -> None:
-            self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort)
+            self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw)
 
         try:
             await self.worker.run(call, timing)
@@ -490,7 +520,7 @@ class Engine:
         fit in the shared cache. A victim is claimed while it is cleared, so no request can
         start on it halfway."""
         backend = self.backend
-        while backend.cells_in_use() + needed > self.n_ctx:
+        while backend.pool_is_tight(needed):
             idle = [
                 s for s in self.slots.slots
                 if not s.busy and s.id != exclude and backend.n_past(s.id) > 0

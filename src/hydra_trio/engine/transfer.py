@@ -51,7 +51,7 @@ async def snapshot(engine: Engine, slot_id: int, owner: str) -> Snapshot:
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:
     """Check a v2 blob's structure, then restore it into the slot, all-or-nothing."""
     parsed = await run_cpu_bound(  # BAD_FRAME before the slot is touched
-        partial(parse_kv_blob, blob, max_tokens=engine.n_ctx), len(blob)
+        partial(parse_kv_blob, blob, max_tokens=engine.n_ctx_slot), len(blob)
     )
     t0 = time.perf_counter()
     slot = engine.slot_claim(slot_id, owner)

@@ -11,7 +11,6 @@ from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
 from ..engine.params import bad_param, parse_generation
-from ..wire.errors import ErrorCode, ProtocolError, Status
 from . import kv_transfer
 from .common import app_state, json_response, read_json_body, require_engine
 from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
@@ -41,12 +40,7 @@ async def prompt_tokens(engine: Engine, prompt: Any) -> list[int]:
             raise bad_param(
                 f"prompt holds token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}"
             )
-        if len(prompt) >= engine.n_ctx:
-            raise ProtocolError(
-                ErrorCode.TOO_LARGE,
-                f"prompt has {len(prompt)} tokens; the context holds {engine.n_ctx}",
-                status=Status.BAD_REQUEST,
-            )
+        engine.check_prompt_fits(len(prompt))
         return list(prompt)
     if (
         isinstance(prompt, list)
@@ -73,7 +67,7 @@ async def completions() -> Response:
     if body.get("best_of") not in (None, 1):
         raise bad_param("best_of must be 1")
     params = parse_generation(
-        body, default_n_predict=state.settings.default_n_predict, n_ctx=engine.n_ctx
+        body, default_n_predict=state.settings.default_n_predict, n_ctx=engine.n_ctx_slot
     )
     tokens = await prompt_tokens(engine, body["prompt"])
     cid = "cmpl-" + secrets.token_hex(12)

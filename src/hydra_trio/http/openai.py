@@ -86,7 +86,7 @@ def slot_view(engine: Any, slot_id: int) -> dict[str, Any]:
         "is_transferring": slot.transferring,
         "owner": slot.owner,
         "n_past": engine.n_past(slot.id),
-        "n_ctx": engine.n_ctx,
+        "n_ctx": engine.n_ctx_slot,  # what this slot can hold (llama-server's meaning)
         "state_size": engine.state_size(slot.id),
     }
 
@@ -96,7 +96,7 @@ async def chat_completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_json_body(state.settings.max_json_bytes)
-    params = parse_generation(body, default_n_predict=state.settings.default_n_predict, n_ctx=engine.n_ctx)
+    params = parse_generation(body, default_n_predict=state.settings.default_n_predict, n_ctx=engine.n_ctx_slot)
     tokens = await engine.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias

@@ -42,6 +42,9 @@ class KvBlob:
     # where its state ends, so the restore splits the two (see split_trailing_logits).
     state: memoryview
     checkpoint: Checkpoint | None = None
+    # The whole blob (``state`` is its end). Once parsed, the bytes before ``state`` hold
+    # nothing anyone reads again: a restore may rewrite the state into them (seqstate.py).
+    raw: memoryview | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -138,7 +141,7 @@ def parse_kv_blob(buf: Buffer, *, max_tokens: int = _MAX_TOKENS) -> KvBlob:
     state = view[pos:]
     if len(state) == 0:
         raise _bad("no KV state bytes")
-    return KvBlob(n_past=n_past, tokens=tokens, state=state, checkpoint=checkpoint)
+    return KvBlob(n_past=n_past, tokens=tokens, state=state, checkpoint=checkpoint, raw=view)
 
 
 def split_trailing_logits(tail: memoryview, n_vocab: int) -> memoryview | None:

@@ -1,0 +1,236 @@
+"""llama.cpp's sequence state between KV layouts: the one-stream form every blob travels in.
+
+``llama_state_seq_get_data`` writes a sequence's KV per cache (one, or two for an iSWA model)
+as ``[n_stream u32]`` then, for each of the context's KV streams, ``[cell_count u32]`` and,
+when not empty, that stream's cells and rows. A unified cache has one stream; a split cache
+(``--kv-unified`` off) has one per slot, and llama.cpp refuses a state whose stream count
+differs from its own. A sequence lives in one stream, so its state holds one non-empty
+stream per cache and nothing is lost by rewriting the stream count: blobs leave the engine
+in the one-stream form (what a unified engine writes, so the wire format does not change
+with the layout) and are rewritten into the local form, the slot's own stream, on restore.
+
+Pure: no llama_cpp import. The layout read here is llama.cpp's (``llama_kv_cache::
+state_write``, checked against the vendored 0.3.36 source); anything that does not parse
+exactly is left as it is, for llama.cpp to accept or refuse.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+STATE_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
+_U32 = struct.Struct("<I")
+_HEAD = struct.Struct("<Ii")  # magic, seq_id
+_ROW = struct.Struct("<iQ")  # ggml type, row size in bytes
+_VTRANS = struct.Struct("<iII")  # ggml type, element size, n_embd_v_gqa
+_CELL_META = 12  # per cell of a single-sequence state: pos i32, n_seq_id u32 (= 1), seq_id i32
+_MAX_STREAMS = 4096
+
+Bytes = bytes | bytearray | memoryview
+
+
+class StateLayoutError(ValueError):
+    """The bytes are not a sequence state in the layout this module knows."""
+
+
+# ggml type ids of the K/V cache types llama-server offers, for messages.
+_GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
+
+# A stream's rows: V transposed or not, then per layer (type, row bytes) of K and of V (for a
+# transposed V: (type, element bytes, n_embd_v_gqa)).
+Rows = tuple[int, tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Cache:
+    n_stream: int
+    index: int  # the stream the sequence's cells are in
+    section: tuple[int, int] | None  # (start, end) of that stream's cell_count + data; None: empty
+    cells: int = 0
+    rows: Rows | None = None
+
+
+def _section_end(view: memoryview, off: int, cells: int) -> tuple[int, Rows]:
+    """The end and the row layout of one stream's cells (``off``: just after its cell_count)."""
+    off += _CELL_META * cells
+    v_trans, n_layer = struct.unpack_from("<II", view, off)
+    off += 8
+    if v_trans > 1 or n_layer > 4096:
+        raise StateLayoutError("not a KV stream section")
+    k_rows, v_rows = [], []
+    for _ in range(n_layer):  # K rows
+        k_type, row = _ROW.unpack_from(view, off)
+        off += _ROW.size + cells * row
+        k_rows.append((k_type, row))
+    for _ in range(n_layer):  # V rows (every layer has V in the models this engine serves)
+        if v_trans:
+            v_type, el, n_embd = _VTRANS.unpack_from(view, off)
+            off += _VTRANS.size + n_embd * cells * el
+            v_rows.append((v_type, el, n_embd))
+        else:
+            v_type, row = _ROW.unpack_from(view, off)
+            off += _ROW.size + cells * row
+            v_rows.append((v_type, row))
+    if off > len(view):
+        raise StateLayoutError("KV stream section runs past the end of the state")
+    return off, (v_trans, tuple(k_rows), tuple(v_rows))
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """What a sequence state holds, read from its bytes without llama.cpp."""
+
+    caches: tuple[_Cache, ...]
+    end: int  # where the caches end (a blob's logits may follow)
+
+    @property
+    def n_past(self) -> int:
+        """Positions held: the first (full-attention) cache holds them all."""
+        return self.caches[0].cells
+
+
+def read_layout(state: Bytes, n_caches: int | None) -> StateLayout:
+    """The caches of a state (``n_caches`` of them, or as many as its bytes hold)."""
+    caches, end = _parse(memoryview(state).cast("B"), n_caches)
+    return StateLayout(tuple(caches), end)
+
+
+def _type_name(t: int) -> str:
+    return _GGML_TYPES.get(t, f"ggml type {t}")
+
+
+def layout_mismatch(got: StateLayout, local: StateLayout) -> str | None:
+    """Why a received state cannot go into this context (its K/V types, row sizes, layer
+    counts or V transposition differ), or None. Compared per cache, where both hold cells."""
+    if len(got.caches) != len(local.caches):
+        return f"{len(got.caches)} KV caches, the resident model has {len(local.caches)}"
+    for i, (a, b) in enumerate(zip(got.caches, local.caches, strict=True)):
+        if a.rows is None or b.rows is None or a.rows == b.rows:
+            continue
+        where = f"cache {i}: " if len(local.caches) > 1 else ""
+        (vt_a, k_a, v_a), (vt_b, k_b, v_b) = a.rows, b.rows
+        if vt_a != vt_b:
+            what = "transposed" if vt_a else "not transposed"
+            return f"{where}V rows {what} (flash attention {'off' if vt_a else 'on'} where the KV was made), here the opposite"
+        if len(k_a) != len(k_b):
+            return f"{where}{len(k_a)} layers, the resident model has {len(k_b)}"
+        for layer, (ka, kb, va, vb) in enumerate(zip(k_a, k_b, v_a, v_b, strict=True)):
+            if ka[0] != kb[0] or va[0] != vb[0]:
+                return (
+                    f"{where}layer {layer}: K/V cache types {_type_name(ka[0])}/{_type_name(va[0])}, "
+                    f"here {_type_name(kb[0])}/{_type_name(vb[0])}"
+                )
+            if ka != kb or va != vb:
+                return f"{where}layer {layer}: K/V row sizes {ka[1:]}/{va[1:]}, here {kb[1:]}/{vb[1:]}"
+    return None
+
+
+def _parse(view: memoryview, n_caches: int | None) -> tuple[list[_Cache], int]:
+    """The caches of a state and where they end: ``n_caches`` of them (what follows, e.g.
+    a blob's logits, is not read), or as many as the bytes hold (None)."""
+    if len(view) < _HEAD.size:
+        raise StateLayoutError("state too short")
+    magic, _seq = _HEAD.unpack_from(view, 0)
+    if magic != STATE_MAGIC:
+        raise StateLayoutError("not a llama.cpp sequence state (magic)")
+    off = _HEAD.size
+    caches: list[_Cache] = []
+    try:
+        while (len(caches) < n_caches) if n_caches is not None else (off < len(view)):
+            (n_stream,) = _U32.unpack_from(view, off)
+            off += 4
+            if not 1 <= n_stream <= _MAX_STREAMS:
+                raise StateLayoutError(f"stream count {n_stream}")
+            section: tuple[int, int] | None = None
+            index = n_cells = 0
+            rows: Rows | None = None
+            for i in range(n_stream):
+                start = off
+                (cells,) = _U32.unpack_from(view, off)
+                off += 4
+                if cells:
+                    if section is not None:
+                        raise StateLayoutError("more than one non-empty stream: not one sequence")
+                    off, rows = _section_end(view, off, cells)
+                    section, index, n_cells = (start, off), i, cells
+            caches.append(_Cache(n_stream, index, section, n_cells, rows) if section else _Cache(n_stream, 0, None))
+    except struct.error as exc:
+        raise StateLayoutError(f"state truncated: {exc}") from None
+    if not caches:
+        raise StateLayoutError("state holds no KV cache")
+    return caches, off
+
+
+# An output piece: (source start, source end) of bytes to copy, or the number of zero bytes.
+_Piece = tuple[int, int] | int
+
+
+def _plan(view: memoryview, n_stream: int, stream: int, n_caches: int) -> list[_Piece] | None:
+    """The pieces of the state rewritten for ``n_stream`` streams, the sequence in
+    ``stream``; None when it already has that form."""
+    if not 0 <= stream < n_stream:
+        raise ValueError(f"stream {stream} outside 0..{n_stream - 1}")
+    caches, end = _parse(view, n_caches)
+    if all(c.n_stream == n_stream and (c.section is None or c.index == stream) for c in caches):
+        return None
+    pieces: list[_Piece] = [(0, _HEAD.size)]
+    for cache in caches:
+        pieces.append(-1)  # the stream count, written by the caller
+        if cache.section is None:
+            pieces.append(4 * n_stream)
+        else:
+            pieces += [4 * stream, cache.section, 4 * (n_stream - 1 - stream)]
+    pieces.append((end, len(view)))  # what follows the caches (a blob's logits)
+    return [p for p in pieces if p != 0]
+
+
+def _size(piece: _Piece) -> int:
+    return 4 if piece == -1 else piece if isinstance(piece, int) else piece[1] - piece[0]
+
+
+def with_streams(state: Bytes, n_stream: int, stream: int, n_caches: int) -> Bytes:
+    """The state rewritten for a context of ``n_stream`` KV streams, the sequence's cells in
+    stream ``stream``; bytes after its ``n_caches`` caches (a blob's logits) follow as they
+    are. Returns ``state`` itself when it already has that form; raises StateLayoutError
+    when it does not parse."""
+    view = memoryview(state).cast("B")
+    plan = _plan(view, n_stream, stream, n_caches)
+    if plan is None:
+        return state
+    count = _U32.pack(n_stream)
+    return b"".join(count if p == -1 else bytes(p) if isinstance(p, int) else view[p[0] : p[1]] for p in plan)
+
+
+def rewrite_in_place(buf: memoryview, start: int, n_stream: int, stream: int, n_caches: int) -> memoryview | None:
+    """``with_streams`` without a copy: the state is ``buf[start:]`` and the ``start`` bytes
+    before it are free to overwrite. Returns the view of ``buf`` now holding the rewritten
+    state (``buf[start:]`` itself when nothing changes), or None when the bytes before it are
+    too few for what the rewrite adds (copy it then)."""
+    state = buf[start:]
+    plan = _plan(state, n_stream, stream, n_caches)
+    if plan is None:
+        return state
+    # Every piece moves left (or stays), so copying them in order never overwrites a byte
+    # still to be read: the output starts far enough left for its furthest-right shift.
+    shift = out = 0
+    for piece in plan:
+        if isinstance(piece, tuple):
+            shift = max(shift, out - piece[0])
+        out += _size(piece)
+    shift = max(shift, out - len(state))
+    if shift > start:
+        return None
+    dst = start - shift
+    first = dst
+    count = _U32.pack(n_stream)
+    for piece in plan:
+        n = _size(piece)
+        if piece == -1:
+            buf[dst : dst + 4] = count
+        elif isinstance(piece, int):
+            buf[dst : dst + n] = bytes(n)
+        else:
+            buf[dst : dst + n] = buf[start + piece[0] : start + piece[1]]
+        dst += n
+    return buf[first:dst]
