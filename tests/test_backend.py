@@ -378,3 +378,29 @@ def test_greedy_argmax_picks_what_llama_greedy_sampler_picks(backend: LlamaBacke
     finally:
         fast.close()
         chain.close()
+
+
+@pytest.mark.parametrize("sampler_class", [Sampler, _ChainGreedy])
+def test_ignore_eos_never_samples_an_end_of_generation_token(backend: LlamaBackend, sampler_class: type[Sampler]) -> None:
+    """Logits whose maximum is an end-of-generation token: picked without ignore_eos, masked
+    with it, through the argmax and the llama chain alike; in llama.cpp's buffer and from a
+    hand-off's logits (which keep the model's own values)."""
+    eos = min(backend.eog_ids)
+    values = np.random.default_rng(1).standard_normal(backend.info.n_vocab).astype("<f4")
+    values[eos] = 100.0
+    logits = values.tobytes()
+    plain, banned = sampler_class(SamplingParams()), sampler_class(SamplingParams(ignore_eos=True))
+    try:
+        assert backend.sample_from_logits(plain, logits) == eos
+        picked = backend.sample_from_logits(banned, logits)
+        assert picked not in backend.eog_ids and values[picked] == max(v for t, v in enumerate(values) if t not in backend.eog_ids)
+        assert logits == values.tobytes()  # the caller's logits are untouched
+        # In llama.cpp's buffer: the prompt's last logits with EOS forced to the top.
+        prompt = backend.tokenize(PROMPT, add_special=True)
+        backend.eval_chunk(0, prompt, None, want_logits=True)
+        backend._logits(-1)[eos] = 1e9
+        assert backend._sample(plain, -1) == eos
+        assert backend._sample(banned, -1) not in backend.eog_ids
+    finally:
+        plain.close()
+        banned.close()

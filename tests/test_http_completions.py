@@ -179,3 +179,26 @@ async def test_client_disconnect_stops_a_completion_stream(engine: Any) -> None:
         "generation went on after the slot was released"
     )
     assert 3 <= generated < 500, f"{generated} tokens generated for a client that left after 3"
+
+
+async def test_stream_interval_sends_the_first_token_alone_then_up_to_n(ctx_engine: Any) -> None:
+    """vLLM's --stream-interval semantics, per request: the first token's chunk at once, then
+    up to N tokens a chunk, the same text as without it."""
+    async with http(ctx_engine) as c:
+        plain = await complete(c, prompt="the slot", max_tokens=13, ignore_eos=True)
+        texts = {}
+        for interval in (1, 4):
+            events, done = await stream_complete(c, prompt="the slot", max_tokens=13, ignore_eos=True, stream_interval=interval)
+            assert done
+            texts[interval] = [e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["text"]]
+        assert "".join(texts[1]) == "".join(texts[4]) == plain["choices"][0]["text"]
+        assert plain["usage"]["completion_tokens"] == 13
+        # Every token's text is its own chunk at 1 (13 at most: a token may end mid-character);
+        # at 4: the first token, then 12 tokens in chunks of 4.
+        assert 4 < len(texts[1]) <= 13
+        assert len(texts[4]) <= 4 and len(texts[4]) < len(texts[1])
+        for bad in (0, "2", 5000):
+            r = await c.post("/v1/completions", json={"prompt": "x", "stream": True, "stream_interval": bad})
+            assert_openai_error(r, 400)
+        r = await c.post("/v1/completions", json={"prompt": "x", "ignore_eos": "yes"})
+        assert_openai_error(r, 400)

@@ -23,7 +23,7 @@ import trio
 
 from ..config import Settings
 from ..engine.engine import Engine, GenerationResult
-from ..engine.params import GenerationParams, parse_generation
+from ..engine.params import GenerationParams
 from ..engine.worker import CallTiming
 from ..metrics import Metrics
 from ..model.identity import IdentityMatch, compare_identity
@@ -157,7 +157,7 @@ class DecodeManager:
         engine = self.engine
         engine.slots.get(slot_id)  # NO_SLOT
         request = {**engine.slot_settings.generation_defaults(slot_id), **merged_generation(frame)}
-        params = parse_generation(request, default_n_predict=self.settings.default_n_predict, n_ctx=engine.n_ctx_slot)
+        params = engine.generation_params(request)
         try:
             with trio.fail_at(deadline):  # the validation deadline covers these waits too
                 # A malformed prompt is refused before the reply. No prompt at all (an empty

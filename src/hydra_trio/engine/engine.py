@@ -33,7 +33,7 @@ from .backend import (
 )
 from .batcher import PartOutcome, StepBatcher
 from .devices import OffloadSettings
-from .params import GenerationParams
+from .params import GenerationParams, parse_generation
 from .reconfigure import Reconfigurer, SlotSettings
 from .slots import Slot, SlotTable
 from .templates import ChatTemplate, PromptRenderer, resolve_chat_template
@@ -282,6 +282,13 @@ class Engine:
             "chat_template": self.chat_template.as_dict(),
         }
 
+    def generation_params(self, request: dict[str, Any]) -> GenerationParams:
+        """A request's generation settings, with this engine's defaults and limits."""
+        s = self.settings
+        return parse_generation(
+            request, default_n_predict=s.default_n_predict, n_ctx=self.n_ctx_slot, default_stream_interval=s.stream_interval
+        )
+
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
         return await self._prompts.render(request)
@@ -444,6 +451,8 @@ class Engine:
             res.first_token_at = t_first
             res.prompt_ms = (t_first - t_start) * 1000.0
             self.batcher.generating += 1
+            pending: list[str] = []  # text not handed to readers yet (stream_interval)
+            unsent = 0  # tokens whose text is in pending
             try:
                 while True:
                     if token is None:
@@ -458,20 +467,26 @@ class Engine:
                     delta = assembler.push(backend.token_bytes(token))
                     if delta:
                         res.text += delta
+                        pending.append(delta)
+                    unsent += 1
                     if assembler.stopped_by is not None:
                         res.stop_type = "word"
                         res.stopping_word = assembler.stopped_by
-                    elif res.completion_tokens >= params.n_predict:
+                        break
+                    if res.completion_tokens >= params.n_predict:
                         res.stop_type = "limit"
-                    else:
-                        # Pipelined: the next token is computed while this one's text is
-                        # handed to readers.
-                        job = self.batcher.submit(slot, token, sampler, params.n_predict - res.completion_tokens)
-                        token = await self.batcher.result(job, emit(delta) if delta else None)
-                        continue
-                    if delta:
-                        await emit(delta)
-                    break
+                        break
+                    # The first token goes out at once, then every stream_interval tokens.
+                    send = None
+                    if pending and (res.completion_tokens == 1 or unsent >= params.stream_interval):
+                        send = pending[0] if len(pending) == 1 else "".join(pending)
+                        pending.clear()
+                        unsent = 0
+                    # Pipelined: the next token is computed while this text goes to readers.
+                    job = self.batcher.submit(slot, token, sampler, params.n_predict - res.completion_tokens)
+                    token = await self.batcher.result(job, emit(send) if send else None)
+                if pending:
+                    await emit("".join(pending))
                 res.decode_ms = (time.perf_counter() - t_first) * 1000.0
             finally:
                 self.batcher.generating -= 1

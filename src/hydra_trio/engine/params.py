@@ -27,6 +27,7 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
+    ignore_eos: bool = False  # end-of-generation tokens are never sampled (benchmarks' convention)
 
     @property
     def greedy(self) -> bool:
@@ -39,6 +40,7 @@ class GenerationParams:
     sampling: SamplingParams
     stop: tuple[str, ...] = field(default=())
     stream: bool = False
+    stream_interval: int = 1  # streamed tokens per chunk at most (the first goes alone)
 
 
 def _number(req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float) -> float:
@@ -65,7 +67,18 @@ def _integer(req: dict[str, Any], names: tuple[str, ...], default: int, lo: int,
     return default
 
 
-def parse_generation(req: dict[str, Any], *, default_n_predict: int, n_ctx: int) -> GenerationParams:
+def _boolean(req: dict[str, Any], name: str, default: bool) -> bool:
+    v = req.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_param(f"{name} must be a boolean")
+    return v
+
+
+def parse_generation(
+    req: dict[str, Any], *, default_n_predict: int, n_ctx: int, default_stream_interval: int = 1
+) -> GenerationParams:
     """Validate and collect generation settings. ``req`` keys win over ``req["sampling"]``."""
     sampling = req.get("sampling")
     if sampling is None:
@@ -86,6 +99,7 @@ def parse_generation(req: dict[str, Any], *, default_n_predict: int, n_ctx: int)
         repeat_penalty=_number(merged, ("repeat_penalty", "penalty_repeat"), 1.0, 0.0, 100.0),
         repeat_last_n=_integer(merged, ("repeat_last_n", "penalty_last_n"), 64, 0, 1 << 20),
         seed=seed & 0xFFFFFFFF,
+        ignore_eos=_boolean(merged, "ignore_eos", False),
     )
     stop_raw = merged.get("stop")
     if stop_raw is None:
@@ -98,7 +112,6 @@ def parse_generation(req: dict[str, Any], *, default_n_predict: int, n_ctx: int)
         raise bad_param("stop must be a string or an array of strings")
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stop):
         raise bad_param(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
-    stream = merged.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_param("stream must be a boolean")
-    return GenerationParams(n_predict=n_predict, sampling=params, stop=stop, stream=stream)
+    stream = _boolean(merged, "stream", False)
+    interval = _integer(merged, ("stream_interval",), default_stream_interval, 1, 4096)
+    return GenerationParams(n_predict=n_predict, sampling=params, stop=stop, stream=stream, stream_interval=interval)

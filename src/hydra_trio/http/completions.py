@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
-from ..engine.params import bad_param, parse_generation
+from ..engine.params import bad_param
 from . import kv_transfer
 from .common import app_state, json_response, read_json_body, require_engine
 from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
@@ -66,9 +66,7 @@ async def completions() -> Response:
             raise bad_param(f"{key} is not supported")
     if body.get("best_of") not in (None, 1):
         raise bad_param("best_of must be 1")
-    params = parse_generation(
-        body, default_n_predict=state.settings.default_n_predict, n_ctx=engine.n_ctx_slot
-    )
+    params = engine.generation_params(body)
     tokens = await prompt_tokens(engine, body["prompt"])
     cid = "cmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias

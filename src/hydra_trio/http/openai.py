@@ -12,7 +12,6 @@ from typing import Any
 from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
-from ..engine.params import parse_generation
 from . import kv_transfer
 from .common import app_state, json_response, read_json_body, require_engine
 from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
@@ -96,7 +95,7 @@ async def chat_completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_json_body(state.settings.max_json_bytes)
-    params = parse_generation(body, default_n_predict=state.settings.default_n_predict, n_ctx=engine.n_ctx_slot)
+    params = engine.generation_params(body)
     tokens = await engine.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
