@@ -83,13 +83,15 @@ class LlamaServer:
     """One llama-server process on loopback: ``slots`` parallel slots sharing ``ctx`` cells,
     2 threads like our engines, slot files under ``slot_dir``."""
 
-    def __init__(self, binary: Path, model: str, *, ctx: int, slots: int, log_dir: Path, tag: str) -> None:
+    def __init__(
+        self, binary: Path, model: str, *, ctx: int, slots: int, log_dir: Path, tag: str, threads: int = 2
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.slot_dir = Path(tempfile.mkdtemp(prefix="llama-server-slots-"))
         self._log = open(log_dir / f"{tag}.log", "wb")
         self.proc = subprocess.Popen(
-            [str(binary), "-m", model, "-c", str(ctx), "-np", str(slots), "-t", "2", "-tb", "2",
+            [str(binary), "-m", model, "-c", str(ctx), "-np", str(slots), "-t", str(threads), "-tb", str(threads),
              "--host", "127.0.0.1", "--port", str(self.port), "--slot-save-path", str(self.slot_dir),
              "--no-warmup"],
             stdout=self._log, stderr=subprocess.STDOUT,

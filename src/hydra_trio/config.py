@@ -28,6 +28,12 @@ class Settings:
     # a step's attention reads only its own slot's cells. Unified: one pool any slot may fill,
     # but every sequence's attention spans all used cells (measured: README Performance).
     kv_unified: bool = False
+    # Slot choice (llama-server's --slot-prompt-similarity): a prompt continues a slot's KV
+    # only when the shared prefix is at least this share of the prompt; otherwise it takes an
+    # empty slot, else the least recently used. 0: always the longest shared prefix.
+    slot_prompt_similarity: float = 0.5
+    # Host memory for slots' KV kept past the slots (llama-server's --cache-ram), MiB; 0: off.
+    cache_ram_mib: int = 8192
     threads: int = max(1, min(8, os.cpu_count() or 1))
     batch_size: int = 512  # prefill chunk: one cancellable GPU-worker call
     # Tokens per generation-step batch while streams run: their next tokens, then a part of an
@@ -109,6 +115,8 @@ _HELP: dict[str, str] = {
     "rpc_port": "binary RPC port (0 = ephemeral)",
     "slots": "number of slots (llama sequences)",
     "ctx_size": "KV cells of all slots together (split cache: each slot holds ctx_size/slots; unified: any slot may hold all)",
+    "slot_prompt_similarity": "a prompt reuses a slot's KV only when the shared prefix is at least this share of the prompt (else an empty, then the least recently used slot); 0 = always the longest prefix",
+    "cache_ram_mib": "host memory (MiB) for slots' KV kept past the slots: a slot's history is copied here before it is dropped, and comes back for a prompt that continues it; 0 = off",
     "kv_unified": "one KV cache shared by all slots instead of one stream per slot (a slot may then hold the whole context, but every step's attention spans all slots' cells)",
     "threads": "CPU threads for llama.cpp",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
@@ -236,6 +244,10 @@ def validate(s: Settings) -> None:
         # llama.cpp aborts the process (GGML_ASSERT n_outputs_max) when the slots' steps
         # cannot all go into one batch.
         problems.append(f"slots ({s.slots}) must not exceed batch_size ({s.batch_size}): every generating slot's step goes into one batch (--slots, --batch-size)")
+    if not 0.0 <= s.slot_prompt_similarity <= 1.0:
+        problems.append("slot_prompt_similarity must be 0..1")
+    if s.cache_ram_mib < 0:
+        problems.append("cache_ram_mib must be >= 0 (0 = off)")
     if not 1 <= s.stream_interval <= 4096:
         problems.append("stream_interval must be 1..4096")
     if not s.kv_unified and s.ctx_size // s.slots < 16:

@@ -7,11 +7,16 @@ from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from .vllm_metrics import PrefixCacheCounts, VllmCollector
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from .engine.engine import Engine, GenerationResult
+    from .engine.promptcache import PromptCache
 
 _MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 
@@ -59,6 +64,8 @@ class Metrics:
     def watch_engine(self, engine: Engine, running_decodes: Callable[[], int]) -> None:
         """Gauges read from the engine (and the decode requests) at scrape time."""
         self.registry.register(VllmCollector(engine, self.prefix_cache))
+        if engine.prompt_cache is not None:
+            self.registry.register(PromptCacheCollector(engine.prompt_cache))
         g = self.live_gauge
         g("hydra_slots_busy", "slots claimed by a request", lambda: sum(s.busy for s in engine.slots.slots))
         g("hydra_slots_total", "slots", lambda: len(engine.slots))
@@ -94,6 +101,25 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PromptCacheCollector(Collector):
+    """The host-memory prompt cache (--cache-ram-mib), read at scrape time."""
+
+    def __init__(self, cache: PromptCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.cache
+        yield GaugeMetricFamily("hydra_prompt_cache_bytes", "host memory held by the prompt cache", value=c.nbytes)
+        yield GaugeMetricFamily("hydra_prompt_cache_entries", "slot histories held by the prompt cache", value=len(c))
+        for name, doc, value in (
+            ("hydra_prompt_cache_saved", "slot histories copied into the prompt cache", c.saved),
+            ("hydra_prompt_cache_restored", "prompt cache entries restored into a slot", c.restored),
+            ("hydra_prompt_cache_restored_tokens", "positions restored from the prompt cache (not recomputed)", c.restored_tokens),
+            ("hydra_prompt_cache_evicted", "prompt cache entries dropped for room or replaced by a longer one", c.evicted),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 def trio_task_count() -> float:

@@ -29,6 +29,7 @@ from .devices import (
     read_ggml_devices,
 )
 from .params import SamplingParams
+from .promptcache import Snapshot
 from .seqstate import (
     StateLayout,
     StateLayoutError,
@@ -764,6 +765,23 @@ class LlamaBackend:
         if n != size:
             del buf[n:]
         return buf, list(self.seq_tokens[seq]) if seq < self.n_slots else []
+
+    def snapshot(self, slot: int) -> Snapshot:
+        """The slot's state as this context writes it (no rewrite: a restore into any slot
+        here only moves its stream), with room before it for that move, then the slot's
+        tail logits: for the prompt cache."""
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, slot))
+        room = 4 * self.n_stream * self._n_caches
+        logits = self.tail_logits[slot]
+        buf = bytearray(room + size + (len(logits) if logits is not None else 0))
+        cbuf = (ctypes.c_uint8 * size).from_buffer(buf, room)
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, cbuf, size, slot)
+        del cbuf
+        if n != size:
+            raise RuntimeError(f"llama.cpp wrote {n} of {size} state bytes")
+        if logits is not None:
+            buf[room + size :] = logits
+        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None)
 
     def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
         """The slot's llama sequence state, in the one-stream form, and its tokens."""

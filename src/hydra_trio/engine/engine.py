@@ -34,6 +34,7 @@ from .backend import (
 from .batcher import PartOutcome, StepBatcher
 from .devices import OffloadSettings
 from .params import GenerationParams, parse_generation
+from .promptcache import PromptCache
 from .reconfigure import Reconfigurer, SlotSettings
 from .slots import Slot, SlotTable
 from .templates import ChatTemplate, PromptRenderer, resolve_chat_template
@@ -41,6 +42,10 @@ from .text import TextAssembler, common_prefix_len
 from .worker import CallTiming, GpuWorker
 
 log = logging.getLogger(__name__)
+
+# A slot's history goes to the prompt cache when it would drop at least this many positions
+# (a KV-event block), and an entry comes back when it holds at least this many more.
+MIN_CACHED_TOKENS = 16
 
 Emit = Callable[[str], Awaitable[None]]
 
@@ -93,6 +98,8 @@ class Engine:
             wants_turn=self.worker.wants_turn,
         )
         self.tokens_generated = 0
+        # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
+        self.prompt_cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         self._prefilling_alone = 0  # prompts in a chunk call of their own right now
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
@@ -215,6 +222,8 @@ class Engine:
 
     async def _apply_staged(self, changes: dict[str, Any]) -> None:
         t0 = time.perf_counter()
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()  # states of the old context or model fit neither
         if "model_path" in changes:
             path = changes["model_path"]
             identity = await trio.to_thread.run_sync(lambda: read_identity(path, alias=self.identity.model_alias if self.settings.alias else None))
@@ -407,8 +416,10 @@ class Engine:
         """Bring the slot to hold the prompt (``reuse_plan``) and sample the token after it
         (None: the context is full); with ``want_logits`` also the logits it came from. The
         plan goes into ``res`` first, so a cancelled prefill still reports its work."""
+        await self._swap_in(slot, tokens)
         res.n_common, logits = self.reuse_plan(slot, tokens)
         res.logits_reused = logits is not None
+        await self._keep_history(slot, res.n_common)
         if logits is not None:
             reused = logits
             token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
@@ -571,7 +582,57 @@ class Engine:
         self.slots.release(slot)
 
     async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str) -> Slot:
-        """A free slot, preferring the one whose KV shares the longest prefix with the prompt;
-        waits for one for as long as the caller's scope allows."""
-        tokens = self.backend.seq_tokens
-        return await self.slots.claim_any(owner, lambda i: common_prefix_len(tokens[i], prompt_tokens))
+        """A free slot for the prompt (``slot_rank``); waits for one for as long as the
+        caller's scope allows."""
+        return await self.slots.claim_any(owner, lambda i: self.slot_rank(i, prompt_tokens))
+
+    def slot_rank(self, slot: int, prompt: Sequence[int]) -> tuple[int, int]:
+        """The slot-choice policy (higher is better; claim_any breaks ties by least recently
+        used): a slot whose KV shares at least ``--slot-prompt-similarity`` of the prompt,
+        the longest shared prefix first; then an empty slot; then any. A 9-token chat
+        template head does not make a prompt take over another session's history."""
+        held = self.backend.seq_tokens[slot]
+        n_common = common_prefix_len(held, prompt)
+        share = self.settings.slot_prompt_similarity
+        reuse = n_common if n_common and n_common >= share * len(prompt) else 0
+        return reuse, int(not held)
+
+    # ---- the prompt cache (slots' KV in host memory) -----------------------------------
+
+    async def _keep_history(self, slot: int, n_keep: int) -> None:
+        """Before the slot drops what it holds past ``n_keep``: copy it into the prompt
+        cache, when that is a block's worth or more."""
+        cache = self.prompt_cache
+        if cache is None or self.backend.n_past(slot) - n_keep < MIN_CACHED_TOKENS:
+            return
+        snap = await self.worker.call(lambda: self.backend.snapshot(slot))
+        if cache.put(snap):
+            log.debug("prompt cache: kept slot %d's %d positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
+
+    async def _swap_in(self, slot: int, prompt: Sequence[int]) -> None:
+        """When the prompt cache holds more of the prompt than the slot does, put that entry
+        into the slot (the slot's own history goes to the cache first)."""
+        cache = self.prompt_cache
+        if cache is None:
+            return
+        hit = cache.best(prompt)
+        held = common_prefix_len(self.backend.seq_tokens[slot], prompt)
+        if hit is None or hit.n_common < held + MIN_CACHED_TOKENS:
+            return
+        await self._keep_history(slot, held)
+        snap = cache.take(hit.key)
+        await self.make_room(len(snap.tokens), exclude=slot)
+        view = memoryview(snap.buf)
+
+        def call(abort: threading.Event) -> None:
+            self.backend.state_restore(slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view)
+
+        try:
+            await self.worker.run(call)
+        except DecodeAborted:
+            await trio.lowlevel.checkpoint()
+            raise
+        except ProtocolError as err:  # our own state: only a full shared pool refuses it
+            log.warning("prompt cache: entry of %d positions not restored into slot %d: %s", len(snap.tokens), slot, err.message)
+            return
+        log.debug("prompt cache: slot %d continues %d cached positions", slot, len(snap.tokens))

@@ -46,9 +46,10 @@ class SlotTable:
         slot.owner = owner
         return slot
 
-    async def claim_any(self, owner: str, score: Callable[[int], int]) -> Slot:
-        """Claim the free slot with the highest score (e.g. longest cached prefix), waiting
-        for one for as long as the caller's scope allows."""
+    async def claim_any(self, owner: str, score: Callable[[int], tuple[int, ...]]) -> Slot:
+        """Claim the free slot with the highest score (the engine's slot-choice policy), the
+        least recently used among equals, waiting for one for as long as the caller's scope
+        allows."""
         while True:
             free = [s for s in self.slots if not s.busy]
             if free and not self.frozen:

@@ -1,0 +1,296 @@
+"""The front-end ceiling: what a server costs per streamed token when the model costs nothing.
+
+    python -m benchmarks.ceiling [--streams 1,16,64,128] [--tokens 220] [--rounds 2]
+                                 [--with-llama-server | --llama-server PATH] [--profile]
+
+The synthetic ``tiny`` model (0.6 MB) on one llama thread makes a step nearly free, so what
+is left is the server's own work per token: waking the request, detokenizing, framing SSE,
+sending. Both servers get the same new prompts in each round (streaming ``/v1/completions``,
+greedy, ``ignore_eos``, so every stream produces exactly ``--tokens`` tokens), from one
+client process that reads every stream through ``selectors`` with raw sockets (a few us a
+chunk, so the client does not decide the result; its CPU is reported). Figures per server and
+stream count: aggregate tok/s, inter-token latency p50/p99 as the client sees it, and the
+server's CPU per streamed token (all threads, from /proc/PID/stat), with the trio thread's
+share for hydra-trio (/proc/PID/task/PID/schedstat). ``--profile`` samples the trio thread with
+py-spy at the largest stream count and writes the top frames to the results folder.
+
+Timing goals live here, never in tests: the ratios printed are measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .harness import EngineProcess, env_info, percentile, words_prompt
+from .llama_server import LlamaServer, find_or_build
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) of a process, or of one of its threads."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """One thread's CPU seconds, in ns resolution (schedstat's first field)."""
+    return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+
+
+@dataclass
+class Stream:
+    sock: socket.socket
+    request: bytes
+    buf: bytearray = field(default_factory=bytearray)
+    header_done: bool = False
+    arrivals: list[float] = field(default_factory=list)  # one per token-bearing event
+    tokens: int = 0  # from the final usage, else the events counted
+    done: bool = False
+    error: str = ""
+
+
+def _request(port: int, prompt: str, n_tokens: int) -> bytes:
+    body = json.dumps(
+        {
+            "prompt": prompt,
+            "max_tokens": n_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+def _consume(s: Stream, now: float) -> None:
+    """Parse what arrived: SSE events (chunked transfer framing is skipped line by line)."""
+    if not s.header_done:
+        end = s.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        status = bytes(s.buf[: s.buf.find(b"\r\n")])
+        if b" 200 " not in status:
+            s.error = status.decode(errors="replace")
+        del s.buf[: end + 4]
+        s.header_done = True
+    while True:
+        end = s.buf.find(b"\n\n")
+        if end < 0:
+            return
+        event = bytes(s.buf[:end])
+        del s.buf[: end + 2]
+        for line in event.split(b"\n"):
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                s.done = True
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            usage = obj.get("usage")
+            if usage:
+                s.tokens = usage.get("completion_tokens", s.tokens)
+            choices = obj.get("choices") or []
+            if choices and choices[0].get("text"):
+                s.arrivals.append(now)
+
+
+def run_round(port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
+    sel = selectors.DefaultSelector()
+    streams = []
+    t0 = time.perf_counter()
+    for p in prompts:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setblocking(False)
+        st = Stream(sock, _request(port, p, n_tokens))
+        sock.sendall(st.request)  # small: fits the socket buffer at once
+        sel.register(sock, selectors.EVENT_READ, st)
+        streams.append(st)
+    open_n = len(streams)
+    deadline = t0 + timeout_s
+    while open_n and time.perf_counter() < deadline:
+        for key, _ in sel.select(timeout=1.0):
+            st = key.data
+            now = time.perf_counter()
+            try:
+                chunk = st.sock.recv(1 << 16)
+            except BlockingIOError:
+                continue
+            if chunk:
+                st.buf += chunk
+                _consume(st, now)
+                if not st.done:
+                    continue
+            # The stream ended ([DONE]) or the server closed it: hang up (a keep-alive
+            # server need not close first).
+            sel.unregister(st.sock)
+            st.sock.close()
+            open_n -= 1
+    wall = time.perf_counter() - t0
+    for st in streams:
+        if st.sock.fileno() >= 0:
+            sel.unregister(st.sock)
+            st.sock.close()
+            st.error = st.error or "timed out"
+    gaps = [b - a for st in streams for a, b in zip(st.arrivals, st.arrivals[1:], strict=False)]
+    tokens = sum(st.tokens or len(st.arrivals) for st in streams)
+    return {
+        "streams": len(streams),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
+        "itl_p50_ms": percentile(gaps, 50) * 1000,
+        "itl_p99_ms": percentile(gaps, 99) * 1000,
+        "errors": [st.error for st in streams if st.error or not st.done],
+        "short_streams": sum(1 for st in streams if (st.tokens or len(st.arrivals)) < n_tokens),
+    }
+
+
+def measure(name: str, port: int, pid: int, trio_tid: int | None, prompts: list[str], n_tokens: int) -> dict[str, Any]:
+    c0, t0 = cpu_s(pid), thread_cpu_s(pid, trio_tid) if trio_tid else 0.0
+    me0 = time.process_time()
+    r = run_round(port, prompts, n_tokens)
+    r["server_cpu_us_per_token"] = (cpu_s(pid) - c0) / max(1, r["tokens"]) * 1e6
+    if trio_tid:
+        r["trio_thread_cpu_us_per_token"] = (thread_cpu_s(pid, trio_tid) - t0) / max(1, r["tokens"]) * 1e6
+    r["client_cpu_us_per_token"] = (time.process_time() - me0) / max(1, r["tokens"]) * 1e6
+    r["server"] = name
+    return r
+
+
+def profile_trio_thread(pid: int, seconds: int, out: Path) -> str | None:
+    """Top frames of the trio thread (py-spy, when installed), written to ``out``."""
+    if shutil.which("py-spy") is None:
+        return None
+    raw = out.with_suffix(".txt")
+    subprocess.run(
+        ["py-spy", "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "250",
+         "--format", "raw", "--output", str(raw), "--nonblocking"],
+        check=False, capture_output=True,
+    )
+    return str(raw) if raw.exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ceiling", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", default="1,16,64,128")
+    ap.add_argument("--tokens", type=int, default=220)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=128, help="slots of both servers (the most streams at once)")
+    ap.add_argument("--slot-ctx", type=int, default=512, help="KV cells per slot")
+    ap.add_argument("--extra", default="", help="more hydra-trio serve flags, e.g. '--kv-unified'")
+    ap.add_argument("--with-llama-server", action="store_true")
+    ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count")
+    ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
+    args = ap.parse_args(argv)
+    counts = [int(x) for x in args.streams.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="hydra-ceiling-"))
+    from hydra_trio.model.synthetic import write_model
+
+    model = work / "tiny.gguf"
+    write_model(model, "tiny", seed=0)
+    ctx = args.slots * args.slot_ctx
+    binary = find_or_build(args.llama_server, args.with_llama_server)
+    ours = EngineProcess(
+        str(model), slots=args.slots, ctx_size=ctx, threads=1, batch_size=max(512, args.slots),
+        extra=[*args.extra.split(), "--step-token-budget", str(max(32, args.slots))],
+    ).start(work, "hydra-trio")
+    peer = LlamaServer(binary, str(model), ctx=ctx, slots=args.slots, log_dir=work, tag="llama-server", threads=1) if binary else None
+    results: dict[str, Any] = {"env": env_info(), "args": vars(args), "rows": []}
+    try:
+        for rnd in range(args.rounds):
+            for n in counts:
+                prompts = [f"{chr(97 + (i + rnd * 7) % 26)}{chr(97 + (i // 26) % 26)} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
+                servers: list[tuple[str, int, int, int | None]] = [("hydra-trio", ours.http_port, ours.pid, ours.pid)]
+                if peer is not None:
+                    servers.append(("llama-server", peer.port, peer.proc.pid, None))
+                if rnd % 2:
+                    servers.reverse()
+                for name, port, pid, tid in servers:
+                    row = measure(name, port, pid, tid, prompts, args.tokens)
+                    row["round"] = rnd
+                    results["rows"].append(row)
+                    print(
+                        f"round {rnd} {name:12s} {n:4d} streams: {row['tok_s']:8.0f} tok/s  ITL p50 {row['itl_p50_ms']:.2f} ms"
+                        f" p99 {row['itl_p99_ms']:.2f} ms  server {row['server_cpu_us_per_token']:.0f} us/token"
+                        + (f" (trio thread {row['trio_thread_cpu_us_per_token']:.0f})" if "trio_thread_cpu_us_per_token" in row else "")
+                        + f"  client {row['client_cpu_us_per_token']:.0f} us/token"
+                        + (f"  ERRORS {row['errors'][:2]}" if row["errors"] else ""),
+                        flush=True,
+                    )
+        if args.profile:
+            n = max(counts)
+            prompts = [f"p{i} " + words_prompt(12, seed=99 + i) for i in range(n)]
+            import threading
+
+            box: dict[str, Any] = {}
+            th = threading.Thread(target=lambda: box.setdefault("r", run_round(ours.http_port, prompts, args.tokens)))
+            th.start()
+            time.sleep(0.5)
+            results["profile"] = profile_trio_thread(ours.pid, 5, Path(args.out).with_name("ceiling-profile"))
+            th.join()
+    finally:
+        ours.stop()
+        if peer is not None:
+            peer.stop()
+    results["table"] = render(results["rows"])
+    print(results["table"])
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"results: {args.out}")
+    return 0
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """Per stream count: the median over rounds of each figure, and ours / llama-server's."""
+    import statistics
+
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault((r["server"], r["streams"]), []).append(r)
+    counts = sorted({r["streams"] for r in rows})
+    out = [
+        "| streams | llama-server tok/s | hydra-trio tok/s | ratio | ITL p50 / p99 ms (ours) | server CPU µs/token, llama-server / ours (trio thread) |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def med(server: str, n: int, key: str) -> float:
+        vals = [r[key] for r in by.get((server, n), []) if key in r]
+        return statistics.median(vals) if vals else float("nan")
+
+    for n in counts:
+        ls, ht = med("llama-server", n, "tok_s"), med("hydra-trio", n, "tok_s")
+        out.append(
+            f"| {n} | {ls:,.0f} | {ht:,.0f} | **{ht / ls:.2f}×** | {med('hydra-trio', n, 'itl_p50_ms'):.2f} / {med('hydra-trio', n, 'itl_p99_ms'):.2f} |"
+            f" {med('llama-server', n, 'server_cpu_us_per_token'):.0f} / {med('hydra-trio', n, 'server_cpu_us_per_token'):.0f}"
+            f" ({med('hydra-trio', n, 'trio_thread_cpu_us_per_token'):.0f}) |"
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
