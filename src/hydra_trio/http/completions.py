@@ -4,7 +4,6 @@ template), on the same generation path and batches as chat."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
@@ -13,8 +12,8 @@ from ..engine.engine import GenerationResult
 from ..engine.params import bad_param
 from . import kv_transfer
 from .common import app_state, json_response, read_json_body, require_engine
-from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
-from .sse import SSE_DONE, now_s, sse_event, timings, usage
+from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
+from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -91,27 +90,17 @@ async def completions() -> Response:
     except SlotsBusy:
         return all_slots_busy(state)
 
-    async def body_stream() -> AsyncIterator[bytes]:
-        created = now_s()
-        try:
-            async for kind, value in stream.items:
-                if kind == "delta":
-                    yield sse_event(text_chunk(cid, created, model, value))
-                elif kind == "done":
-                    yield sse_event(
-                        text_completion_body(
-                            cid, created, model, stream.slot_id, value, text="",
-                            **plan.fields(),
-                        )
-                    )
-                else:
-                    yield sse_event(error_event_body(value))
-            yield SSE_DONE
-        finally:  # also when the client leaves: generation stops before this returns
-            await stream.close()
-
+    created = now_s()
+    body = sse_body(
+        stream,
+        head=b"",
+        delta_event=sse_text_events(text_chunk(cid, created, model, HOLE)),
+        done_event=lambda res: sse_event(
+            text_completion_body(cid, created, model, stream.slot_id, res, text="", **plan.fields())
+        ),
+    )
     return Response(
-        body_stream(),
+        body,
         status=200,
         content_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},

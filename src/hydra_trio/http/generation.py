@@ -8,7 +8,7 @@ Chat completions and text completions differ only in how they shape the result; 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from ..engine.params import GenerationParams
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
 from .common import http_status, json_response, request_nursery
-from .sse import error_body
+from .sse import SSE_DONE, error_body, sse_event
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -106,11 +106,49 @@ class GenerationStream:
     slot_id: int
     items: trio.MemoryReceiveChannel[tuple[str, Any]]
 
+    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+        """The items, each batch everything that was ready when the reader got to it: under
+        backlog several tokens share one write, and a reader that keeps up gets each token
+        as it comes (nothing waits for a batch to fill)."""
+        async for first in self.items:
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self.items.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            yield batch
+
     async def close(self) -> None:
         """Stop generation (client gone or stream over) and wait until it has stopped."""
         with trio.CancelScope(shield=True):
             await self.items.aclose()
             await self.task.cancel_and_wait()
+
+
+async def sse_body(
+    stream: GenerationStream,
+    *,
+    head: bytes,
+    delta_event: Callable[[str], bytes],
+    done_event: Callable[[GenerationResult], bytes],
+) -> AsyncIterator[bytes]:
+    """The SSE body of a streaming completion (chat or text): ``head``, an event per text
+    delta, the final event, ``[DONE]``; what is ready goes out in one write. Leaving (the
+    client went away, or the stream ended) stops the generation before this returns."""
+    try:
+        if head:
+            yield head
+        async for batch in stream.batches():
+            yield b"".join(
+                delta_event(value) if kind == "delta"
+                else done_event(value) if kind == "done"
+                else sse_event(error_event_body(value))
+                for kind, value in batch
+            )
+        yield SSE_DONE
+    finally:
+        await stream.close()
 
 
 async def start_stream(

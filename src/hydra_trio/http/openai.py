@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -14,8 +13,8 @@ from quart import Blueprint, Response
 from ..engine.engine import GenerationResult
 from . import kv_transfer
 from .common import app_state, json_response, read_json_body, require_engine
-from .generation import SlotsBusy, all_slots_busy, error_event_body, generate_buffered, start_stream
-from .sse import SSE_DONE, completion_chunk, now_s, sse_event, timings, usage
+from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
+from .sse import HOLE, completion_chunk, now_s, sse_event, sse_text_events, timings, usage
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__)
@@ -112,24 +111,14 @@ async def chat_completions() -> Response:
     except SlotsBusy:
         return all_slots_busy(state)
 
-    async def body_stream() -> AsyncIterator[bytes]:
-        created = now_s()
-        try:
-            yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
-            async for kind, value in stream.items:
-                if kind == "delta":
-                    yield sse_event(completion_chunk(cid, created, model, delta={"content": value}))
-                elif kind == "done":
-                    yield sse_event(
-                        final_chunk(cid, created, model, stream.slot_id, value, **plan.fields())
-                    )
-                else:
-                    yield sse_event(error_event_body(value))
-            yield SSE_DONE
-        finally:  # also when the client leaves: generation stops before this returns
-            await stream.close()
-
-    return Response(body_stream(), status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    created = now_s()
+    body = sse_body(
+        stream,
+        head=sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""})),
+        delta_event=sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE})),
+        done_event=lambda res: sse_event(final_chunk(cid, created, model, stream.slot_id, res, **plan.fields())),
+    )
+    return Response(body, status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def final_chunk(cid: str, created: int, model: str, slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
