@@ -53,3 +53,18 @@ async def test_client_commands_against_a_live_engine(engine: Any, tmp_path: Path
     assert result["hydra_metrics"]["logits_reused"] is True
     deleted = await run("cancel", str(ack["decode_request_id"]), "--http", http)
     assert deleted["state"] == "deleted"
+
+
+def test_settings_llama_cpp_would_abort_on_are_refused_naming_the_flags() -> None:
+    """--slots above --batch-size made llama.cpp abort the process (GGML_ASSERT n_outputs_max)
+    at context creation; now the settings are refused first, with both flags named."""
+    from hydra_trio.config import settings_from
+
+    with pytest.raises(SystemExit, match=r"slots \(40\) must not exceed batch_size \(16\).*--slots, --batch-size"):
+        settings_from(None, env={}, slots=40, batch_size=16)
+    with pytest.raises(SystemExit, match="fewer than 16 cells with a split KV cache"):
+        settings_from(None, env={}, slots=8, ctx_size=64)
+    assert settings_from(None, env={}, slots=8, ctx_size=64, kv_unified=True).kv_unified
+    for bad in ({"stream_interval": 0}, {"slot_prompt_similarity": 1.5}, {"cache_ram_mib": -1}):
+        with pytest.raises(SystemExit, match="invalid settings"):
+            settings_from(None, env={}, **bad)

@@ -230,26 +230,28 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
     return settings
 
 
+# Settings that must lie in a closed range.
+_RANGES: dict[str, tuple[float, float]] = {
+    "slots": (1, 256),
+    "batch_size": (1, 8192),
+    "step_token_budget": (1, 8192),
+    "slot_prompt_similarity": (0.0, 1.0),
+    "stream_interval": (1, 4096),
+}
+
+
 def validate(s: Settings) -> None:
-    problems = []
-    if not 1 <= s.slots <= 256:
-        problems.append("slots must be 1..256")
+    problems = [
+        f"{name} must be {lo:g}..{hi:g}" for name, (lo, hi) in _RANGES.items() if not lo <= getattr(s, name) <= hi
+    ]
     if s.ctx_size < 64:
         problems.append("ctx_size must be at least 64")
-    if not 1 <= s.batch_size <= 8192:
-        problems.append("batch_size must be 1..8192")
-    if not 1 <= s.step_token_budget <= 8192:
-        problems.append("step_token_budget must be 1..8192")
     if s.slots > s.batch_size:
         # llama.cpp aborts the process (GGML_ASSERT n_outputs_max) when the slots' steps
         # cannot all go into one batch.
         problems.append(f"slots ({s.slots}) must not exceed batch_size ({s.batch_size}): every generating slot's step goes into one batch (--slots, --batch-size)")
-    if not 0.0 <= s.slot_prompt_similarity <= 1.0:
-        problems.append("slot_prompt_similarity must be 0..1")
     if s.cache_ram_mib < 0:
         problems.append("cache_ram_mib must be >= 0 (0 = off)")
-    if not 1 <= s.stream_interval <= 4096:
-        problems.append("stream_interval must be 1..4096")
     if not s.kv_unified and s.ctx_size // s.slots < 16:
         problems.append(f"ctx_size ({s.ctx_size}) gives each of {s.slots} slots fewer than 16 cells with a split KV cache (--ctx-size, --slots, --kv-unified)")
     if s.threads < 1:
