@@ -72,6 +72,9 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     max_bytes=settings.kv_export_max_bytes, ttl_s=settings.kv_export_ttl_s, registry=state.metrics.registry
                 )
                 await services.start(exports.run)
+                log.info(
+                    "KV hand-offs may pull from %s (--kv-pull-allow)", ", ".join(map(str, settings.kv_pull_networks()))
+                )
                 state.engine, state.decodes, state.exports = engine, decodes, exports
                 rpc_port = await front.start(serve_rpc, state)
                 state.rpc_port = rpc_port

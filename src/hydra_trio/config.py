@@ -71,6 +71,9 @@ class Settings:
     kv_export_max_bytes: int = 2 * _GiB
     kv_export_ttl_s: float = 30.0
     kv_pull_timeout_s: float = 30.0
+    # Networks a decode engine may pull KV exports from (a request names the address): the
+    # default keeps an HTTP client from aiming the engine anywhere but this machine.
+    kv_pull_allow: str = "127.0.0.0/8,::1"
     log_level: str = "INFO"
     # Security (README "Security"). repr=False: a logged Settings never shows the key.
     api_key: str | None = field(default=None, repr=False)
@@ -95,15 +98,22 @@ class Settings:
 
     def rpc_networks(self) -> tuple[IPNetwork, ...] | None:
         """The networks RPC peers must come from; None: no allowlist (every peer)."""
-        if self.rpc_allow is None:
-            return None
-        nets = []
-        for item in self.rpc_allow.split(","):
-            try:
-                nets.append(ipaddress.ip_network(item.strip(), strict=False))
-            except ValueError as exc:
-                raise SystemExit(f"rpc_allow: {exc}") from None
-        return tuple(nets)
+        return None if self.rpc_allow is None else parse_networks(self.rpc_allow, "rpc_allow")
+
+    def kv_pull_networks(self) -> tuple[IPNetwork, ...]:
+        """The networks KV exports may be pulled from (``--kv-pull-allow``)."""
+        return parse_networks(self.kv_pull_allow, "kv_pull_allow")
+
+
+def parse_networks(value: str, name: str) -> tuple[IPNetwork, ...]:
+    """``CIDR[,CIDR...]`` (a bare address is its own /32 or /128); SystemExit naming ``name``."""
+    nets = []
+    for item in value.split(","):
+        try:
+            nets.append(ipaddress.ip_network(item.strip(), strict=False))
+        except ValueError as exc:
+            raise SystemExit(f"{name}: {exc}") from None
+    return tuple(nets)
 
 
 # flag name -> (env var, help). The env var is read when the flag is not given.
@@ -147,6 +157,7 @@ _HELP: dict[str, str] = {
     "kv_export_max_bytes": "bytes all KV exports may hold; past it the oldest are evicted",
     "kv_export_ttl_s": "seconds a KV export waits to be pulled before it is dropped",
     "kv_pull_timeout_s": "deadline for pulling a KV export from a prefill engine",
+    "kv_pull_allow": "networks a decode engine may pull KV exports from, CIDR[,CIDR...] (a hand-off naming another address falls back to a local prefill)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "api_key": "HTTP requests (all but /health) must send 'Authorization: Bearer KEY' "
     "(prefer the file or the variable: a flag shows in ps)",
@@ -281,6 +292,7 @@ def validate(s: Settings) -> None:
         raise SystemExit("invalid settings: " + "; ".join(problems))
     s.http_api_key()  # an unreadable key file or a bad CIDR stops startup here, with its reason
     s.rpc_networks()
+    s.kv_pull_networks()
 
 
 def is_loopback(host: str) -> bool:

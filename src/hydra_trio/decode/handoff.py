@@ -30,6 +30,7 @@ from ..engine.slots import Slot
 from ..engine.text import TextAssembler
 from ..engine.transfer import blob_hash
 from ..model.identity import compare_identity
+from ..rpc.connection import ByteBudget
 from ..rpc.kvpull import PullFailed, pull_export
 from ..tasks import run_cpu_bound
 from ..wire.errors import ProtocolError
@@ -132,17 +133,35 @@ class Handoff:
             h._fail("identity_mismatch", f"export was made by another model: {match.reason}")
         return h
 
-    async def restore(self, engine: Engine, settings: Settings, slot_id: int, prompt_tokens: list[int]) -> None:
+    async def restore(
+        self, engine: Engine, settings: Settings, budget: ByteBudget, slot_id: int, prompt_tokens: list[int]
+    ) -> None:
         """Pull the export and restore it into the caller's (claimed) slot (with the logits
         that came with it). On any failure the slot is as it was and the request prefills
         locally.
 
-        Runs in the request's slot, as a DECODE's receive does: the pulled bytes live only
-        until the restore (memory bounded by the slots), and a client that leaves cancels
-        the pull. ``--kv-pull-timeout-s`` bounds the pull."""
+        Runs in the request's slot, as a DECODE's receive does: the pulled bytes come from
+        the payload budget (``--max-inflight-bytes``, shared with RPC payloads and uploads)
+        and live only until the restore, and a client that leaves cancels the pull.
+        ``--kv-pull-timeout-s`` bounds the wait for budget room and the pull together."""
         if self.status != "pending" or self.params is None:
             return
-        blob = await self._pull(engine, settings)
+        n = self.params.kv_bytes
+        deadline = trio.current_time() + settings.kv_pull_timeout_s
+        with trio.move_on_at(deadline) as wait:
+            await budget.acquire(n)
+        if wait.cancelled_caught:
+            self._fail("timeout", f"no payload room for {n} bytes within {settings.kv_pull_timeout_s:g} s")
+            return
+        try:
+            await self._pull_and_restore(engine, settings, deadline, slot_id, prompt_tokens)
+        finally:
+            budget.release(n)
+
+    async def _pull_and_restore(
+        self, engine: Engine, settings: Settings, deadline: float, slot_id: int, prompt_tokens: list[int]
+    ) -> None:
+        blob = await self._pull(engine, settings, deadline)
         if blob is None:
             return
         if blob.tokens != prompt_tokens[: len(blob.tokens)] or len(blob.tokens) > len(prompt_tokens):
@@ -163,13 +182,15 @@ class Handoff:
         self.status = "restored"
         self.exports.metrics.pulls.labels("restored", "").inc()
 
-    async def _pull(self, engine: Engine, settings: Settings) -> KvBlob | None:
+    async def _pull(self, engine: Engine, settings: Settings, deadline: float) -> KvBlob | None:
         params = self.params
         assert params is not None
         t0 = time.perf_counter()
         try:
-            with trio.fail_after(settings.kv_pull_timeout_s):
-                pulled = await pull_export(params, max_kv_bytes=settings.max_kv_bytes, trace=self.trace)
+            with trio.fail_at(deadline):
+                pulled = await pull_export(
+                    params, max_kv_bytes=settings.max_kv_bytes, allow=settings.kv_pull_networks(), trace=self.trace
+                )
         except trio.TooSlowError:
             self._fail("timeout", f"no KV from {params.host}:{params.port} within {settings.kv_pull_timeout_s:g} s")
             return None
@@ -195,6 +216,9 @@ class Handoff:
         return blob
 
     def _fail(self, reason: str, detail: str) -> None:
+        """Fall back to a local prefill. The reply says only ``reason`` (a code): the detail
+        can hold a peer's own words or tell a closed port from an open one, so it goes to
+        the log alone."""
         self.status, self.reason, self.detail = "fallback", reason, detail
         self.exports.metrics.pulls.labels("fallback", reason).inc()
         log.info("KV hand-off falls back to a local prefill (%s): %s", reason, detail)
@@ -206,7 +230,7 @@ class Handoff:
             out["export_id"] = self.params.export_id
             out["source"] = f"{self.params.host}:{self.params.port}"
         if self.status == "fallback":
-            out["reason"], out["detail"] = self.reason, self.detail
+            out["reason"] = self.reason
         else:
             out["n_restored"] = self.n_restored
         out.update(kv_bytes=self.kv_bytes, pull_ms=round(self.pull_ms, 3), restore_ms=round(self.restore_ms, 3))

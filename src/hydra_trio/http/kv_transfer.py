@@ -108,7 +108,7 @@ async def restore_handoff(
     """Pull the export into the claimed slot, with the logits for the first token (nothing
     without a hand-off; a failed one falls back to a local prefill)."""
     if handoff is not None:
-        await handoff.restore(engine, state.settings, slot_id, tokens)
+        await handoff.restore(engine, state.settings, state.payload_budget, slot_id, tokens)
 
 
 def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:

@@ -9,17 +9,22 @@ it closes the connection, which is all the prefill engine needs to let the bytes
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import trio
 
+from ..config import IPNetwork
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
 from ..wire.protocol import RESPONSE_HEADER, Op, encode_request, parse_response_header
+from .connection import payload_buffer
 
 _MAX_META_BYTES = 1 << 20
 
@@ -36,7 +41,7 @@ class PullFailed(Exception):
 @dataclass(slots=True)
 class Pulled:
     meta: dict[str, Any]
-    blob: bytearray
+    blob: np.ndarray  # one payload buffer (rpc/connection.py), not zero-filled
 
 
 async def _read_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
@@ -48,12 +53,32 @@ async def _read_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
         got += k
 
 
-async def pull_export(params: HandoffParams, *, max_kv_bytes: int, trace: str = "") -> Pulled:
-    """The export's blob, verified; PullFailed otherwise. Bounded by the caller's scope."""
+async def allowed_address(host: str, port: int, allow: Sequence[IPNetwork]) -> str:
+    """The address to connect to for ``host``: the first it resolves to inside ``allow``
+    (checked on the resolved address, which is then the one connected to, so a name cannot
+    resolve elsewhere between the check and the connect); PullFailed("not_allowed")."""
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise PullFailed("unreachable", f"cannot resolve {host}: {exc}") from None
+    addresses = [info[4][0] for info in infos]
+    for addr in addresses:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+        if any(ip.version == net.version and ip in net for net in allow):
+            return addr
+    raise PullFailed("not_allowed", f"{host} ({', '.join(sorted(set(addresses)))}) is outside --kv-pull-allow")
+
+
+async def pull_export(
+    params: HandoffParams, *, max_kv_bytes: int, allow: Sequence[IPNetwork], trace: str = ""
+) -> Pulled:
+    """The export's blob, verified; PullFailed otherwise. Bounded by the caller's scope; the
+    caller holds the payload budget for ``params.kv_bytes``."""
     if params.kv_bytes > max_kv_bytes:
         raise PullFailed("too_large", f"export of {params.kv_bytes} bytes exceeds --max-kv-bytes {max_kv_bytes}")
+    address = await allowed_address(params.host, params.port, allow)
     try:
-        stream = await trio.open_tcp_stream(params.host, params.port)
+        stream = await trio.open_tcp_stream(address, params.port)
     except OSError as exc:
         raise PullFailed("unreachable", f"cannot connect to {params.host}:{params.port}: {exc}") from None
     async with stream:
@@ -80,7 +105,7 @@ async def pull_export(params: HandoffParams, *, max_kv_bytes: int, trace: str = 
                 raise PullFailed(
                     "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has {params.kv_bytes}"
                 )
-            blob = bytearray(head.payload_len)  # the one buffer the KV lives in until restored
+            blob = payload_buffer(head.payload_len)  # the one buffer the KV lives in until restored
             await _read_exact(sock, memoryview(blob))
         except (OSError, trio.BrokenResourceError) as exc:
             raise PullFailed("unreachable", f"KV_PULL from {params.host}:{params.port}: {exc}") from None
