@@ -511,3 +511,45 @@ async def test_connection_bound_is_a_limiter(start_engine: Callable[..., Any], t
     assert (await second.info()).ok
     await second.aclose()
     await third.aclose()
+
+
+async def test_configure_t3_reads_only_regular_files_inside_the_model_dir(
+    start_engine: Callable[..., Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    """A T3 model_path names a file the loader thread opens with every slot frozen: one
+    outside --model-dir (also through a symlink or ..), or a FIFO that would block the loader
+    forever, is refused in the CONFIGURE reply and nothing is staged."""
+    import os
+
+    fifo = tiny_model.parent / f"fifo-{os.getpid()}.gguf"
+    os.mkfifo(fifo)
+    link = tiny_model.parent / f"link-{os.getpid()}.gguf"
+    link.symlink_to("/etc/hostname")
+    ep = await start_engine(tiny_model)
+    try:
+        async with await rpc(ep) as c:
+            for path, code, words in (
+                ("/etc/hostname", "BAD_KEY", "inside --model-dir"),
+                (f"../{tmp_path.name}/../../etc/hostname", "BAD_KEY", "inside --model-dir"),
+                (str(link), "BAD_KEY", "inside --model-dir"),
+                (str(fifo), "BAD_JSON", "not a regular file"),
+                ("no-such.gguf", "BAD_JSON", "No such file"),
+            ):
+                r = await c.call(Call(Op.CONFIGURE, b"0", [json.dumps({"model_path": path}).encode()]), check=False)
+                assert not r.ok and r.meta["error_code"] == code and words in r.meta["error"], (path, r.meta)
+            assert ep.state.engine.reconfigurer.staged == {}
+            # A relative name inside the folder is the file there.
+            ok = await c.configure(0, {"model_path": tiny_model.name})
+            assert ok.meta["tier"] == "T3"
+    finally:
+        fifo.unlink()
+        link.unlink()
+
+
+async def test_configure_tiers_can_be_switched_off(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, configure_tiers="T1")
+    async with await rpc(ep) as c:
+        for body in ({"n_ctx": 1024}, {"model_path": str(tiny_model)}):
+            r = await c.call(Call(Op.CONFIGURE, b"0", [json.dumps(body).encode()]), check=False)
+            assert not r.ok and r.meta["error_code"] == "BAD_KEY" and "is off on this engine" in r.meta["error"], r.meta
+        assert (await c.configure(0, {"seed": 3})).meta["params_applied"] == {"seed": 3}

@@ -74,6 +74,10 @@ class Settings:
     # Networks a decode engine may pull KV exports from (a request names the address): the
     # default keeps an HTTP client from aiming the engine anywhere but this machine.
     kv_pull_allow: str = "127.0.0.0/8,::1"
+    # CONFIGURE over RPC: the tiers accepted (T2 rebuilds the context, T3 loads another
+    # model), and the folder T3 may load from (None: the served model's folder).
+    configure_tiers: str = "T1,T2,T3"
+    model_dir: str | None = None
     log_level: str = "INFO"
     # Security (README "Security"). repr=False: a logged Settings never shows the key.
     api_key: str | None = field(default=None, repr=False)
@@ -99,6 +103,9 @@ class Settings:
     def rpc_networks(self) -> tuple[IPNetwork, ...] | None:
         """The networks RPC peers must come from; None: no allowlist (every peer)."""
         return None if self.rpc_allow is None else parse_networks(self.rpc_allow, "rpc_allow")
+
+    def configure_tier_set(self) -> frozenset[str]:
+        return frozenset(t.strip().upper() for t in self.configure_tiers.split(",") if t.strip())
 
     def kv_pull_networks(self) -> tuple[IPNetwork, ...]:
         """The networks KV exports may be pulled from (``--kv-pull-allow``)."""
@@ -158,6 +165,8 @@ _HELP: dict[str, str] = {
     "kv_export_ttl_s": "seconds a KV export waits to be pulled before it is dropped",
     "kv_pull_timeout_s": "deadline for pulling a KV export from a prefill engine",
     "kv_pull_allow": "networks a decode engine may pull KV exports from, CIDR[,CIDR...] (a hand-off naming another address falls back to a local prefill)",
+    "configure_tiers": "CONFIGURE tiers accepted over RPC, a comma list of T1 (per-slot sampling), T2 (context rebuild), T3 (model reload); others are refused",
+    "model_dir": "the folder CONFIGURE T3 may load a model_path from (a regular GGUF file inside it, symlinks resolved); default: the served model's folder",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "api_key": "HTTP requests (all but /health) must send 'Authorization: Bearer KEY' "
     "(prefer the file or the variable: a flag shows in ps)",
@@ -261,6 +270,8 @@ def validate(s: Settings) -> None:
         # llama.cpp aborts the process (GGML_ASSERT n_outputs_max) when the slots' steps
         # cannot all go into one batch.
         problems.append(f"slots ({s.slots}) must not exceed batch_size ({s.batch_size}): every generating slot's step goes into one batch (--slots, --batch-size)")
+    if not set(s.configure_tier_set()) <= {"T1", "T2", "T3"}:
+        problems.append("configure_tiers must be a comma list of T1, T2, T3")
     if s.cache_ram_mib < 0:
         problems.append("cache_ram_mib must be >= 0 (0 = off)")
     if not s.kv_unified and s.ctx_size // s.slots < 16:

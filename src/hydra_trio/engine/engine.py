@@ -10,6 +10,7 @@ batches on the one GPU worker. CONFIGURE's per-slot settings and staged rebuilds
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -111,6 +112,8 @@ class Engine:
         self.t3_reloads = 0
         self.last_t3_reload_ms = 0.0
         self.model_path = backend.model_path
+        # Where CONFIGURE T3 may load from: fixed at start, whatever T3 loads later.
+        self.model_dir = settings.model_dir or os.path.dirname(os.path.realpath(backend.model_path))
         # The GGUF's own template (else ChatML) until load() applies --chat-template[-file].
         self.set_chat_template(
             resolve_chat_template(name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -9,6 +11,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import trio
 
 from .. import __version__
 from ..config import Settings
@@ -258,11 +261,19 @@ class OpTable:
                 # nothing would apply it: reported as accepted-but-unused, not as applied.
                 del t1["n_keep"]
                 unused["n_keep"] = "accepted, not applied: no context shifting (generation stops at the context limit)"
+        tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
+        allowed = self.state.settings.configure_tier_set()
+        for name, used in (("T1", t1), ("T2", _T2_KEYS & staged.keys()), ("T3", _T3_KEYS & staged.keys())):
+            if used and name not in allowed:
+                raise _refused(f"CONFIGURE {name} ({', '.join(sorted(used))}) is off on this engine (--configure-tiers {self.state.settings.configure_tiers})")
+        if staged:
+            staged = _validate_staged(staged)
+            if "model_path" in staged:
+                staged["model_path"] = await trio.to_thread.run_sync(_model_in, engine.model_dir, staged["model_path"])
         if t1:
             applied = engine.slot_settings.apply(ctx.slot_id, t1)
         if staged:
-            engine.reconfigurer.stage(_validate_staged(staged))
-        tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
+            engine.reconfigurer.stage(staged)
         ctx.log.info(
             "CONFIGURE slot %d: applied %s, unused %s, deferred %s", ctx.slot_id, sorted(applied), sorted(unused), sorted(staged)
         )
@@ -372,6 +383,29 @@ class OpTable:
 
 def _bad(msg: str) -> ProtocolError:
     return ProtocolError(ErrorCode.BAD_JSON, msg, status=Status.BAD_REQUEST)
+
+
+def _refused(msg: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_KEY, msg, status=Status.BAD_REQUEST)
+
+
+def _model_in(model_dir: str, path: str) -> str:
+    """``path`` resolved (symlinks too), if it is a regular file inside ``model_dir``: a T3
+    reload reads nothing else (not another folder, not a FIFO or device that would block the
+    loader with the slots frozen). Runs in a thread: it stats the filesystem."""
+    real = os.path.realpath(os.path.join(model_dir, path))
+    root = os.path.realpath(model_dir)
+    if os.path.commonpath([real, root]) != root:
+        raise _refused(f"model_path must be inside --model-dir {root}")
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        raise _bad(f"model_path {path!r}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _bad(f"model_path {path!r} is not a regular file")
+    if not os.access(real, os.R_OK):
+        raise _bad(f"model_path {path!r} is not readable")
+    return real
 
 
 def _validate_t1(t1: dict[str, Any]) -> dict[str, Any]:
