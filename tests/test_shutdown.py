@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from hydra_trio.rpc.client import SyncRpcClient, build_decode_frame
+from hydra_trio.rpc.client import SyncRpcClient, build_decode_frame, prefill_call
+from hydra_trio.wire.errors import Status
 
 
 def _free_port() -> int:
@@ -124,3 +125,36 @@ async def test_the_engine_outlives_its_users_and_refuses_late_work(run_engine: A
         await engine.worker.call(lambda: None)
     with pytest.raises(ProtocolError, match="engine is stopped"):
         engine.batcher.submit(0, 1, None)  # type: ignore[arg-type]
+
+
+def test_sigterm_drains_a_streaming_completion_and_refuses_new_work(tiny_model: Path) -> None:
+    """A rolling restart: after SIGTERM the front ends keep answering, /health says draining
+    (503) so a load balancer stops sending, new completions and PREFILLs are refused with
+    Retry-After / BUSY, and the completion already streaming runs to its end; then exit 0."""
+    proc, http, rpc = _start(tiny_model, "--shutdown-grace-s", "60", "--slots", "2", "--ctx-size", "8192")
+    base = f"http://127.0.0.1:{http}"
+    body = {"prompt": "a long story", "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.Client(base_url=base, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert "text_completion" in first
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while (h := c.get("/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert h.status_code == 503 and h.json()["status"] == "draining", h.text
+        refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+        with SyncRpcClient("127.0.0.1", rpc) as client:
+            busy = client.call(prefill_call(1, {"prompt": "x"}), check=False)
+        assert busy.status == Status.BUSY and busy.meta["error_code"] == "SLOT_BUSY", busy.meta
+        rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]"
+    final = next(line for line in reversed(rest) if '"usage"' in line)
+    assert '"completion_tokens":3000' in final
+    out, _ = proc.communicate(timeout=60)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert text.index("received SIGTERM") < text.index("stopped")
+    assert "stopping what still runs" not in text

@@ -25,10 +25,12 @@ def _setup_logging(level: str) -> None:
 
 
 async def _serve_until_signal(settings: Settings) -> None:
-    """Serve until SIGINT/SIGTERM; then drain running decodes (a second signal stops now)."""
+    """Serve until SIGINT/SIGTERM; then drain (a second signal stops now): the front ends
+    keep answering, new work is refused (HTTP 503 with Retry-After, RPC BUSY, /health
+    "draining"), and what runs (chats, completions, DECODEs, exports not yet pulled) gets
+    --shutdown-grace-s to finish."""
     from .app import serve
-    from .decode.manager import DecodeManager
-    from .state import Endpoints
+    from .state import AppState, Endpoints
 
     log = logging.getLogger("hydra_trio")
     endpoints: Endpoints | None = None
@@ -38,18 +40,24 @@ async def _serve_until_signal(settings: Settings) -> None:
             async def on_signals() -> None:
                 async for signum in signals:
                     name = signal.Signals(signum).name
-                    decodes = endpoints.state.decodes if endpoints is not None else None
-                    if decodes is None:
+                    if endpoints is None:
                         log.info("received %s during startup: stopping", name)
                         break
+                    state = endpoints.state
                     grace = settings.shutdown_grace_s
-                    log.info("received %s: draining running decodes (up to %.0f s; signal again to stop now)", name, grace)
-                    decodes.close_to_new()
+                    state.begin_drain()
+                    log.info(
+                        "received %s: draining (%s; up to %.0f s; signal again to stop now)",
+                        name, state.in_flight() or "nothing in flight", grace,
+                    )
                     async with trio.open_nursery() as drain:
 
-                        async def wait_drained(decodes: DecodeManager = decodes, grace: float = grace) -> None:
+                        async def wait_drained(state: AppState = state, grace: float = grace) -> None:
                             with trio.move_on_after(grace):
-                                await decodes.wait_idle()
+                                await state.wait_drained()
+                            left = state.in_flight()
+                            if left:
+                                log.warning("drain: %.0f s are up, stopping what still runs (%s)", grace, left)
                             drain.cancel_scope.cancel()
 
                         drain.start_soon(wait_drained)

@@ -159,7 +159,7 @@ _HELP: dict[str, str] = {
     "decode_validate_timeout_s": "deadline for DECODE validate + restore",
     "decode_result_ttl_s": "seconds a finished decode result stays readable",
     "decode_result_max": "decode results kept at most",
-    "shutdown_grace_s": "seconds running decodes get to finish on shutdown",
+    "shutdown_grace_s": "seconds what runs (streams, completions, DECODEs, exports not yet pulled) gets to finish after SIGTERM/SIGINT, new work refused meanwhile",
     "advertise_host": "RPC host a decode engine pulls KV exports from (default: --host)",
     "kv_export_max_bytes": "bytes all KV exports may hold; past it the oldest are evicted",
     "kv_export_ttl_s": "seconds a KV export waits to be pulled before it is dropped",

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+import trio
+
 from .config import Settings
 from .metrics import Metrics
 from .rpc.connection import ByteBudget
@@ -42,9 +44,46 @@ class AppState:
     exports: ExportStore | None = None  # KV exports awaiting KV_PULL (P/D hand-off via a router)
     rpc_port: int | None = None  # set once the RPC listener runs (advertised in kv_transfer_params)
     startup_phase: str = "starting"
+    # Set by the first SIGTERM/SIGINT: new work is refused (HTTP 503, RPC BUSY) while what
+    # runs finishes; /health says "draining" so load balancers stop sending.
+    draining: bool = False
+    http_in_flight: int = 0  # HTTP exchanges from request to last body byte (http/server.py)
     started_at: float = field(default_factory=time.time)
     llama_cpp_version: str = field(default_factory=_llama_version)
     log: logging.Logger = log
+
+    def begin_drain(self) -> None:
+        """Refuse new completions, PREFILLs and DECODEs from now on; the rest goes on."""
+        self.draining = True
+        if self.decodes is not None:
+            self.decodes.close_to_new()
+
+    def in_flight(self) -> str | None:
+        """What still runs (a short description), or None: HTTP exchanges (a stream until its
+        last byte), requests holding or waiting for a slot, DECODEs, KV exports a decode
+        engine has not pulled yet."""
+        engine, decodes, exports = self.engine, self.decodes, self.exports
+        parts = []
+        if self.http_in_flight:
+            parts.append(f"{self.http_in_flight} HTTP requests")
+        if engine is not None:
+            busy = sum(s.busy for s in engine.slots.slots)
+            if busy or engine.slots.waiting:
+                parts.append(f"{busy} slots busy, {engine.slots.waiting} waiting")
+        if decodes is not None and decodes.store.running():
+            parts.append(f"{len(decodes.store.running())} decodes")
+        if exports is not None and len(exports):
+            parts.append(f"{len(exports)} KV exports not pulled")
+        return ", ".join(parts) or None
+
+    async def wait_drained(self) -> None:
+        """Return once nothing is in flight (bounded by the caller's scope). Slot releases
+        wake it; exports end by their pull or their lease, on their own task, so those are
+        looked at every 100 ms."""
+        while self.in_flight() is not None:
+            with trio.move_on_after(0.1):
+                if self.engine is not None:
+                    await self.engine.slots.wait_released()
 
     def __post_init__(self) -> None:
         self.payload_budget = budget = ByteBudget(self.settings.max_inflight_bytes)

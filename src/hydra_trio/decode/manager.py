@@ -124,11 +124,6 @@ class DecodeManager:
         """Refuse new DECODEs (BUSY) from now on."""
         self._accepting = False
 
-    async def wait_idle(self) -> None:
-        """Return once no request is running."""
-        while running := self.store.running():
-            await running[0].task.finished.wait()
-
     async def cancel_all(self) -> None:
         for entry in self.store.running():
             await entry.task.cancel_and_wait()
@@ -153,7 +148,7 @@ class DecodeManager:
         t0 = time.perf_counter()
         deadline = trio.current_time() + self.settings.decode_validate_timeout_s
         if not self._accepting or self._nursery is None:
-            raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is shutting down")
+            raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is draining for shutdown")
         engine = self.engine
         engine.slots.get(slot_id)  # NO_SLOT
         request = {**engine.slot_settings.generation_defaults(slot_id), **merged_generation(frame)}

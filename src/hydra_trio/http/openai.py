@@ -26,6 +26,8 @@ async def health() -> Response:
     engine = state.engine
     if engine is None:
         return json_response({"status": "starting", "detail": state.startup_phase}, 503)
+    if state.draining:  # load balancers take the engine out; running requests finish
+        return json_response({"status": "draining", "in_flight": state.in_flight()}, 503, headers={"Retry-After": "1"})
     busy = sum(1 for s in engine.slots.slots if s.busy)
     return json_response(
         {

@@ -14,10 +14,11 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..tasks import leaves
 from .auth import install_auth
-from .common import register_error_handlers, set_request_nursery
+from .common import json_response, register_error_handlers, set_request_nursery
 from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
+from .sse import error_body
 from .state_routes import bp as state_bp
 from .state_routes import hold_state_uploads
 from .tokens import bp as tokens_bp
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from ..state import AppState
 
 log = logging.getLogger(__name__)
+
+# The routes that start new generation work (refused while draining; the rest still answer).
+_NEW_WORK = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 class _RequestNurseryConnection(TrioASGIHTTPConnection):
@@ -60,16 +64,44 @@ def create_app(state: AppState) -> QuartTrio:
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
+    app.asgi_app = _count_in_flight(app.asgi_app, state)  # type: ignore[method-assign,assignment]
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), status=200, content_type="text/plain; version=0.0.4")
+
+    @app.before_request
+    async def refuse_new_work_while_draining() -> Response | None:
+        if state.draining and request.method == "POST" and request.path in _NEW_WORK:
+            return json_response(
+                error_body(503, "engine is draining for shutdown: send new requests elsewhere", "unavailable_error"),
+                503,
+                headers={"Retry-After": "1"},
+            )
+        return None
 
     @app.after_request
     async def count(response: Response) -> Response:
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         state.metrics.http_requests.labels(rule, str(response.status_code)).inc()
         return response
+
+    return app
+
+
+def _count_in_flight(asgi_app: Any, state: AppState) -> Any:
+    """ASGI wrapper: HTTP exchanges in flight, from the request until the last body byte (a
+    streaming response outlives its route and its slot), for the shutdown drain."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await asgi_app(scope, receive, send)
+            return
+        state.http_in_flight += 1
+        try:
+            await asgi_app(scope, receive, send)
+        finally:
+            state.http_in_flight -= 1
 
     return app
 

@@ -355,6 +355,8 @@ class OpTable:
         return Reply.ok(meta, list(export.parts))
 
     async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
+        if self.state.draining:
+            raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is draining for shutdown")
         body = await run_cpu_bound(partial(decode_json_object, payload, "PREFILL"), len(payload))
         engine = self.engine
         t0 = time.perf_counter()
