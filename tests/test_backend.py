@@ -404,3 +404,11 @@ def test_ignore_eos_never_samples_an_end_of_generation_token(backend: LlamaBacke
     finally:
         plain.close()
         banned.close()
+
+
+def test_token_text_tables_equal_llama_cpp(backend: LlamaBackend) -> None:
+    """/tokenize pieces and /detokenize read tables built at load instead of calling llama.cpp
+    per token: the tables hold exactly what llama.cpp says, control tokens spelled out."""
+    for t in range(backend.info.n_vocab):
+        assert backend.special_piece(t) == backend._piece(t, special=True)
+        assert backend.token_bytes(t) == backend._piece(t)

@@ -13,6 +13,7 @@ from helpers import (
     ENGINE,
     MESSAGES,
     OTHER_MESSAGES,
+    assert_server_healthy,
     decode_ok,
     frame,
     get_result,
@@ -220,3 +221,33 @@ async def test_template_bos_is_not_doubled(
             pre = await prefill(r, 0, MESSAGES)
     tokens = parse_kv_blob(pre.payload[: len(pre.payload) - 4 * ep.state.engine.n_vocab]).tokens
     assert tokens[0] == bos and bos not in tokens[1:]
+
+
+async def test_work_per_request_is_bounded_before_it_starts(start_engine: Any, tiny_model: Path) -> None:
+    """What no slot could hold is refused before any per-token work: a /detokenize of more
+    ids than all slots hold (413), text longer than a slot could ever take at 32 bytes a
+    position (/tokenize, a completion: 413 TOO_LARGE, nothing tokenized), and a chunked body
+    over --max-json-bytes, counted as it arrives (413)."""
+    ep = await start_engine(tiny_model, max_json_bytes=1 << 20)
+    engine = ep.state.engine
+    async with http(ep) as c:
+        calls = engine.worker.calls
+        r = await c.post("/detokenize", json={"tokens": [1] * (engine.n_ctx + 1)})
+        assert_openai_error(r, 413)
+        too_long = "x" * (32 * engine.n_ctx_slot + 1)
+        for path, body in (("/tokenize", {"content": too_long}), ("/v1/completions", {"prompt": too_long})):
+            err = assert_openai_error(await c.post(path, json=body), 413)
+            assert "refused untokenized" in err["error"]["message"], err
+        assert engine.worker.calls == calls  # no GPU-worker call for any of them
+        # Detokenizing a slot's worth needs no GPU-worker call either.
+        ids = [t["id"] for t in await tokenize(c, "hello world <|im_start|>", with_pieces=True)]
+        back = (await c.post("/detokenize", json={"tokens": ids})).json()["content"]
+        assert back.lstrip() == "hello world <|im_start|>"  # the control token spelled out
+
+        async def chunked() -> Any:
+            for _ in range(40):
+                yield b" " * 65536  # 2.5 MB of whitespace, no Content-Length
+
+        r = await c.post("/tokenize", content=chunked(), headers={"Content-Type": "application/json"})
+        assert_openai_error(r, 413)
+    await assert_server_healthy(ep)

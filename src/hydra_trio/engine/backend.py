@@ -271,6 +271,11 @@ class LlamaBackend:
         # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
         # the GPU worker) so the token loop needs no llama call on the trio thread.
         self.pieces: list[bytes] = [self._piece(t) for t in range(self.info.n_vocab)]
+        # The few tokens (control tokens) whose spelled-out text differs: with these, showing
+        # tokens (/tokenize pieces, /detokenize) needs no llama call and no GPU worker.
+        self._special_text = {
+            t: special for t in range(self.info.n_vocab) if (special := self._piece(t, special=True)) != self.pieces[t]
+        }
         self.eog_ids = frozenset(t for t in range(self.info.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
         self._eog_index = np.fromiter(sorted(self.eog_ids), dtype=np.intp)  # ignore_eos masks these
         self._ctx = None
@@ -470,12 +475,14 @@ class LlamaBackend:
 
     def special_piece(self, token: int) -> bytes:
         """A token's text with control tokens spelled out (what llama-server's /tokenize and
-        /detokenize show)."""
-        return self._piece(token, special=True)
+        /detokenize show). Pure Python: any thread."""
+        return self._special_text.get(token, self.pieces[token])
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        """Tokens -> text, special tokens rendered (llama-server's /detokenize)."""
-        return b"".join(self.special_piece(t) for t in tokens).decode("utf-8", "replace")
+        """Tokens -> text, special tokens rendered (llama-server's /detokenize). Pure Python."""
+        special = self._special_text
+        pieces = self.pieces
+        return b"".join(special.get(t, pieces[t]) for t in tokens).decode("utf-8", "replace")
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token contributes to the text (control tokens: none)."""

@@ -44,6 +44,11 @@ from .worker import CallTiming, GpuWorker
 
 log = logging.getLogger(__name__)
 
+# The most prompt text per context position: longer text cannot fit a slot with any usual
+# vocabulary, so it is refused before it is tokenized (tokenizing holds the GPU worker, and
+# a multi-megabyte prompt would stall every stream for seconds).
+MAX_PROMPT_BYTES_PER_POSITION = 32
+
 # A slot's history goes to the prompt cache when it would drop at least this many positions
 # (a KV-event block), and an entry comes back when it holds at least this many more.
 MIN_CACHED_TOKENS = 16
@@ -308,9 +313,28 @@ class Engine:
     async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
         return await self.tokenize_text(await self.render_prompt(request))
 
+    def check_text_fits(self, text: str) -> None:
+        """Refuse text too long for a slot before any per-token work (see
+        MAX_PROMPT_BYTES_PER_POSITION)."""
+        limit = MAX_PROMPT_BYTES_PER_POSITION * self.n_ctx_slot
+        if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"text of {len(text.encode('utf-8', 'surrogatepass'))} bytes: a slot holds {self.n_ctx_slot} positions, "
+                f"and text over {MAX_PROMPT_BYTES_PER_POSITION} bytes a position is refused untokenized",
+                status=Status.BAD_REQUEST,
+            )
+
+    async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        """Text -> tokens on the GPU worker, bounded: text no slot could hold is refused first."""
+        self.check_text_fits(text)
+        return await self.worker.call(
+            lambda: self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
+        )
+
     async def tokenize_text(self, text: str) -> list[int]:
         """Prompt text -> tokens, refusing prompts that cannot fit."""
-        tokens = await self.worker.call(lambda: self.backend.tokenize(text, add_special=True))
+        tokens = await self.tokenize(text, add_special=True)
         if not tokens:
             raise ProtocolError(ErrorCode.BAD_JSON, "prompt is empty", status=Status.BAD_REQUEST)
         self.check_prompt_fits(len(tokens))

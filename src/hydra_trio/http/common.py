@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from contextvars import ContextVar
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
+from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from .sse import error_body
 
@@ -74,14 +76,22 @@ def require_engine() -> Engine:
 
 
 async def read_json_body(max_bytes: int) -> dict[str, Any]:
+    """The request's JSON object, at most ``max_bytes`` (--max-json-bytes), declared or not:
+    a chunked body is counted as it arrives and refused (413) once past the limit, not
+    buffered to Quart's own cap first. A large body is parsed off the trio thread."""
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # refuse before reading it
         raise HttpError(413, f"body is {declared} bytes; the limit is {max_bytes}", "invalid_request_error")
-    data = await request.get_data(cache=False, as_text=False)
-    if len(data) > max_bytes:
-        raise HttpError(413, f"body is {len(data)} bytes; the limit is {max_bytes}", "invalid_request_error")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.body:
+        size += len(chunk)
+        if size > max_bytes:
+            raise HttpError(413, f"body is over {max_bytes} bytes, the limit", "invalid_request_error")
+        chunks.append(chunk)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     try:
-        body = json.loads(data)
+        body = await run_cpu_bound(partial(json.loads, data), len(data))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise HttpError(400, f"invalid JSON body: {exc}", "invalid_request_error") from None
     if not isinstance(body, dict):

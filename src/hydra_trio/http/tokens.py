@@ -8,7 +8,7 @@ from typing import Any
 from quart import Blueprint, Response
 
 from ..engine.params import bad_param
-from .common import app_state, json_response, read_json_body, require_engine
+from .common import HttpError, app_state, json_response, read_json_body, require_engine
 
 bp = Blueprint("tokens", __name__)
 
@@ -41,21 +41,10 @@ async def tokenize() -> Response:
     parse_special = _flag(body, "parse_special", True)
     with_pieces = _flag(body, "with_pieces", False)
 
-    def run() -> tuple[list[int], list[bytes]]:
-        backend = engine.backend  # read on the worker: a model reload (T3) cannot race it
-        tokens = backend.tokenize(content, add_special=add_special, parse_special=parse_special)
-        pieces = [backend.special_piece(t) for t in tokens] if with_pieces else []
-        return tokens, pieces
-
-    tokens, pieces = await engine.worker.call(run)
+    tokens = await engine.tokenize(content, add_special=add_special, parse_special=parse_special)
     if with_pieces:
-        return json_response(
-            {
-                "tokens": [
-                    {"id": t, "piece": _piece_json(p)} for t, p in zip(tokens, pieces, strict=True)
-                ]
-            }
-        )
+        piece = engine.backend.special_piece
+        return json_response({"tokens": [{"id": t, "piece": _piece_json(piece(t))} for t in tokens]})
     return json_response({"tokens": tokens})
 
 
@@ -65,16 +54,18 @@ async def detokenize() -> Response:
     engine = require_engine()
     body = await read_json_body(state.settings.max_json_bytes)
     tokens = body.get("tokens", [])
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in tokens
-    ):
+    if not isinstance(tokens, list):
         raise bad_param("tokens must be an array of token ids")
+    if len(tokens) > engine.n_ctx:  # what all slots hold together: checked before each id is
+        raise HttpError(413, f"{len(tokens)} tokens; at most {engine.n_ctx} (the KV cells of all slots)", "invalid_request_error")
     n_vocab = engine.n_vocab
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_param("tokens must be an array of token ids")
     bad = [t for t in tokens if not 0 <= t < n_vocab]
     if bad:
         raise bad_param(f"token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
-    content = await engine.worker.call(lambda: engine.backend.detokenize(tokens))
-    return json_response({"content": content})
+    # Pieces from the table read at load: no llama call, no GPU worker.
+    return json_response({"content": engine.backend.detokenize(tokens)})
 
 
 @bp.post("/apply-template")
