@@ -63,13 +63,23 @@ class GenerationResult:
     n_prompt_processed: int = 0  # prompt tokens evaluated by this request
     logits_reused: bool = False  # first token sampled from logits that came with the KV
     completion_tokens: int = 0
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)  # joined on read: appends stay O(1)
     stop_type: str = "limit"  # eos | word | limit | context
     stopping_word: str = ""
     prompt_ms: float = 0.0  # generation start -> first token sampled (prefill of the delta)
     decode_ms: float = 0.0  # first token -> last token
     first_token_at: float | None = None  # perf_counter() when the first token was sampled
     tokens: list[int] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        if len(self.text_parts) > 1:
+            self.text_parts[:] = ["".join(self.text_parts)]
+        return self.text_parts[0] if self.text_parts else ""
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.text_parts[:] = [value]
 
     @property
     def finish_reason(self) -> str:
@@ -504,7 +514,7 @@ class Engine:
                     self.tokens_generated += 1
                     delta = assembler.push(backend.token_bytes(token))
                     if delta:
-                        res.text += delta
+                        res.text_parts.append(delta)
                         pending.append(delta)
                     unsent += 1
                     if assembler.stopped_by is not None:
@@ -531,7 +541,7 @@ class Engine:
                 await self.batcher.drop_ahead(slot)
             tail = assembler.finish()
             if tail:
-                res.text += tail
+                res.text_parts.append(tail)
                 await emit(tail)
             return res
         finally:

@@ -11,61 +11,71 @@ class TextAssembler:
 
     Text that could still turn into a stop string is held back until it cannot, so a
     streaming client never sees part of a stop string; a multi-byte character split over
-    tokens is sent once complete.
+    tokens is sent once complete. Each stop string is followed by a KMP matcher as the text
+    streams, so a token costs O(its characters x stop strings), whatever the text so far or
+    the stops' lengths.
     """
 
     def __init__(self, stop: Sequence[str] = ()) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = tuple(s for s in stop if s)
-        self._text = ""  # everything decoded so far (final text once stopped)
-        self._sent = 0  # chars of _text already handed out
+        self._fail = [_failure(s) for s in self._stop]
+        self._matched = [0] * len(self._stop)  # per stop: its longest prefix the text ends with
+        self._pending = ""  # decoded, not handed out: the held-back tail
         self.stopped_by: str | None = None
-
-    @property
-    def text(self) -> str:
-        return self._text
 
     def push(self, data: bytes) -> str:
         """Add a token's bytes; return the text that may be sent now ('' if none)."""
         if self.stopped_by is not None:
             return ""
-        self._text += self._decoder.decode(data)
+        new = self._decoder.decode(data)
         if not self._stop:
-            return self._take(len(self._text))
-        # A stop string can only start in the held-back tail or the new text.
-        search_from = max(0, self._sent - max(len(s) for s in self._stop) + 1)
-        first: tuple[int, str] | None = None
-        for s in self._stop:
-            i = self._text.find(s, search_from)
-            if i >= 0 and (first is None or i < first[0]):
-                first = (i, s)
+            return new
+        base = len(self._pending)  # where ``new`` starts in pending + new
+        first: tuple[int, int] | None = None  # (start in pending + new, stop index)
+        for j, (stop, fail) in enumerate(zip(self._stop, self._fail, strict=True)):
+            k = self._matched[j]
+            for i, ch in enumerate(new):
+                while k and stop[k] != ch:
+                    k = fail[k - 1]
+                if stop[k] == ch:
+                    k += 1
+                if k == len(stop):
+                    start = base + i + 1 - k  # may lie in text already handed out (< 0)
+                    if first is None or start < first[0]:
+                        first = (start, j)
+                    break
+            self._matched[j] = k
+        text = self._pending + new
         if first is not None:
-            self.stopped_by = first[1]
-            self._text = self._text[: first[0]]
-            return self._take(len(self._text))
-        return self._take(len(self._text) - self._held_back())
+            self.stopped_by = self._stop[first[1]]
+            self._pending = ""
+            return text[: max(first[0], 0)]
+        held = min(max(self._matched), len(text))
+        self._pending = text[len(text) - held :] if held else ""
+        return text[: len(text) - held]
 
     def finish(self) -> str:
         """End of generation: flush an incomplete character and any held-back text."""
-        if self.stopped_by is None:
-            self._text += self._decoder.decode(b"", final=True)
-        return self._take(len(self._text))
-
-    def _held_back(self) -> int:
-        # Longest suffix of the text that is a proper prefix of some stop string.
-        best = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(self._text)), best, -1):
-                if self._text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
-
-    def _take(self, end: int) -> str:
-        end = max(end, self._sent)
-        out = self._text[self._sent : end]
-        self._sent = end
+        if self.stopped_by is not None:
+            return ""
+        out = self._pending + self._decoder.decode(b"", final=True)
+        self._pending = ""
         return out
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP: for each prefix of ``pattern``, the length of its longest proper prefix that is
+    also its suffix."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
