@@ -120,3 +120,32 @@ async def test_a_step_whose_token_goes_on_is_started_before_the_request_asks() -
         await batcher.drop_ahead(1)
         assert batcher.ahead_dropped == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_slot_waiters_are_served_first_come_first_served() -> None:
+    """When the one slot frees, the request that has waited longest gets it, whatever a
+    later one's prefix score; one that gave up waiting is skipped."""
+    from hydra_trio.engine.slots import SlotTable
+
+    table = SlotTable(1)
+    holder = table.claim(0, "holder")
+    got: list[str] = []
+    scopes: dict[str, trio.CancelScope] = {}
+
+    async def want(name: str, score: int) -> None:
+        with trio.CancelScope() as scopes[name]:
+            slot = await table.claim_any(name, lambda _i: (score,))
+            got.append(name)
+            table.release(slot)
+
+    async with trio.open_nursery() as nursery:
+        for name, score in (("first", 0), ("gives-up", 5), ("second", 9)):
+            nursery.start_soon(want, name, score)
+            await trio.testing.wait_all_tasks_blocked()
+        assert table.waiting == 3
+        scopes["gives-up"].cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert table.waiting == 2
+        table.release(holder)
+    assert got == ["first", "second"]
+    assert table.waiting == 0 and not table.slots[0].busy

@@ -83,3 +83,42 @@ async def test_a_live_engine_answers_busy_when_payload_memory_stays_full(start_e
             await first_done.wait()
         ok = await other.call(configure_call(0, {"n_predict": 4}))
         assert ok.meta["success"] is True
+
+
+async def test_waiters_are_served_in_arrival_order() -> None:
+    """A large payload that waits is not overtaken by small ones that arrive after it (they
+    would fit, and keep fitting, forever); a waiter that leaves lets those behind it in."""
+    budget = ByteBudget(100)
+    await budget.acquire(60)
+    order: list[str] = []
+
+    async def take(name: str, n: int) -> None:
+        await budget.acquire(n)
+        order.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take, "large", 90)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(take, "small", 20)  # fits now, but arrived after the large one
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == [] and budget.used == 60
+        budget.release(60)
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["large"] and budget.used == 90  # the small one does not fit beside it
+        budget.release(90)
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["large", "small"] and budget.used == 20
+    budget.release(20)
+    # A waiter cancelled while queued lets the next one through.
+    await budget.acquire(95)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take, "cancelled", 50)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(take, "behind", 5)
+            await trio.testing.wait_all_tasks_blocked()
+            assert order[-1] == "small"
+            scope.cancel()
+    assert budget.used == 95
+    await budget.acquire(5)
+    assert budget.used == 100

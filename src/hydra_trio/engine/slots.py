@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -23,12 +24,31 @@ class Slot:
         return self.owner is not None
 
 
+Score = Callable[[int], tuple[int, ...]]
+
+
+@dataclass(eq=False)
+class _Waiter:
+    owner: str
+    score: Score
+    granted: trio.Event = field(default_factory=trio.Event)
+    slot: Slot | None = None
+
+
 class SlotTable:
     def __init__(self, n_slots: int) -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
         self._released = trio.Event()
         self.frozen = False  # true while a staged context rebuild / model reload runs
-        self.waiting = 0  # requests waiting in claim_any for a free slot (vllm:num_requests_waiting)
+        # Requests waiting in claim_any, first come first served: a freed slot goes to the
+        # oldest (its own best pick), so a later request cannot overtake one that then
+        # times out with 503.
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a free slot (vllm:num_requests_waiting)."""
+        return len(self._waiters)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -46,21 +66,41 @@ class SlotTable:
         slot.owner = owner
         return slot
 
-    async def claim_any(self, owner: str, score: Callable[[int], tuple[int, ...]]) -> Slot:
+    async def claim_any(self, owner: str, score: Score) -> Slot:
         """Claim the free slot with the highest score (the engine's slot-choice policy), the
-        least recently used among equals, waiting for one for as long as the caller's scope
-        allows."""
-        while True:
-            free = [s for s in self.slots if not s.busy]
-            if free and not self.frozen:
-                best = max(free, key=lambda s: (score(s.id), -s.last_used))
-                best.owner = owner
-                return best
-            self.waiting += 1
-            try:
-                await self._released.wait()
-            finally:
-                self.waiting -= 1
+        least recently used among equals, waiting in line (FIFO) for one for as long as the
+        caller's scope allows."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._waiters and (slot := self._best_free(score)) is not None:
+            slot.owner = owner
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return slot
+        waiter = _Waiter(owner, score)
+        self._waiters.append(waiter)
+        try:
+            await waiter.granted.wait()
+        except BaseException:
+            if waiter.slot is not None:  # granted in the same tick as the cancellation
+                self.release(waiter.slot)
+            else:
+                self._waiters.remove(waiter)
+            raise
+        assert waiter.slot is not None
+        return waiter.slot
+
+    def _best_free(self, score: Score) -> Slot | None:
+        if self.frozen:
+            return None
+        free = [s for s in self.slots if not s.busy]
+        return max(free, key=lambda s: (score(s.id), -s.last_used)) if free else None
+
+    def _grant(self) -> None:
+        """Hand free slots to the waiters, oldest first."""
+        while self._waiters and (slot := self._best_free(self._waiters[0].score)) is not None:
+            waiter = self._waiters.popleft()
+            slot.owner = waiter.owner
+            waiter.slot = slot
+            waiter.granted.set()
 
     def release(self, slot: Slot) -> None:
         slot.owner = None
@@ -72,6 +112,7 @@ class SlotTable:
         await self._released.wait()
 
     def notify(self) -> None:
+        self._grant()
         self._released.set()
         self._released = trio.Event()
 
