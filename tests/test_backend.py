@@ -412,3 +412,28 @@ def test_token_text_tables_equal_llama_cpp(backend: LlamaBackend) -> None:
     for t in range(backend.info.n_vocab):
         assert backend.special_piece(t) == backend._piece(t, special=True)
         assert backend.token_bytes(t) == backend._piece(t)
+
+
+async def test_a_call_that_comes_while_the_worker_closes_is_refused() -> None:
+    """The close (freeing the model) is the last call: one that asks while it runs is
+    refused at once, not queued behind it to run on a freed model."""
+    import threading
+
+    from hydra_trio.engine.worker import GpuWorker
+
+    w = GpuWorker()
+    closing, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def free_model() -> None:
+        closing.set()
+        release.wait(10)
+        ran.append("close")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.close, free_model)
+        await trio.to_thread.run_sync(closing.wait, 10)
+        with pytest.raises(ProtocolError, match="engine is stopped"):
+            await w.call(lambda: ran.append("late"))
+        release.set()
+    assert ran == ["close"]

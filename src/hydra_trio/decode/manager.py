@@ -187,7 +187,10 @@ class DecodeManager:
                     # holds exactly what it held before, and nothing runs for this id.
                     final = DecodeState.TIMED_OUT
                     raise ProtocolError(ErrorCode.TIMEOUT, "validation timeout") from None
-                del blob  # a view of the RPC payload: let that buffer go now
+                # Views of the RPC payload: let that buffer go now (the budget has released
+                # it once the reply is written; a reference here would keep it for the whole
+                # generation).
+                del blob, frame
                 if prompt_text is None and engine.n_past(slot.id) == 0:
                     raise ProtocolError(
                         ErrorCode.BAD_JSON,

@@ -59,9 +59,11 @@ class GpuWorker:
             raise ProtocolError(ErrorCode.INTERNAL, "engine is stopped", status=Status.BUSY)
 
     async def close(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (freeing the model) as the last call: later calls are refused."""
-        await self.call(fn)
+        """Run ``fn`` (freeing the model) as the last call. Closed first: a call that comes
+        while ``fn`` waits or runs is refused, never run on a freed model (calls that came
+        before are ahead of it in the limiter's FIFO)."""
         self._closed = True
+        await self._call(fn, yields=False)
 
     async def call(self, fn: Callable[[], T], *, yields: bool = False) -> T:
         """A short call that needs no abort flag (a generation step, tokenizing, clearing a
@@ -69,6 +71,9 @@ class GpuWorker:
         for the worker through ``wants_turn``, except one that ``yields``: its function polls
         that flag and returns early when another call waits."""
         self._refuse_when_closed()
+        return await self._call(fn, yields=yields)
+
+    async def _call(self, fn: Callable[[], T], *, yields: bool) -> T:
         if not yields:
             self.wants_turn.set()
 
