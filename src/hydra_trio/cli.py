@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import signal
 import sys
 
@@ -71,9 +72,24 @@ async def _serve_until_signal(settings: Settings) -> None:
     log.info("stopped")
 
 
+def raise_file_limit() -> tuple[int, int]:
+    """Raise the soft limit on open descriptors to the hard one (a soft 1,024, a common
+    default, let ~1,000 idle HTTP connections make accept fail with EMFILE and take /health
+    down); returns (soft before, soft now)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft, soft
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     _setup_logging(settings.log_level)
+    before, now = raise_file_limit()
+    logging.getLogger("hydra_trio").info("open-file limit: %d (soft limit was %d)", now, before)
     try:
         trio.run(_serve_until_signal, settings)
     except BaseExceptionGroup as group:

@@ -55,6 +55,7 @@ class Settings:
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
     # RPC transport (spec §1)
     max_connections: int = 64
+    http_idle_timeout_s: float = 30.0  # an HTTP connection with no request in progress this long is closed
     idle_timeout_s: float = 120.0
     drain_limit_bytes: int = 64 * _MiB
     max_kv_bytes: int = 4 * _GiB
@@ -147,6 +148,7 @@ _HELP: dict[str, str] = {
     "chat_template_file": "chat template: path of a Jinja file",
     "default_n_predict": "tokens to generate when a request does not say",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
+    "http_idle_timeout_s": "an HTTP connection with no request in progress (also one that never sent a byte) this long is closed",
     "max_connections": "RPC connections served at once (as many more wait in the listen backlog)",
     "idle_timeout_s": "an RPC peer idle, or sending/reading no byte mid-request, this long is "
     "closed; also the wait for payload room",

@@ -112,7 +112,10 @@ async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = tri
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 2.0
-    config.keep_alive_timeout = 120
+    # An HTTP connection with no request in progress (also one that never sends a byte) is
+    # closed after this, and its descriptor released: idle connections cannot pile up.
+    # (Not Hypercorn's read_timeout: a client reading a long SSE stream sends nothing.)
+    config.keep_alive_timeout = state.settings.http_idle_timeout_s
     app = create_app(state)
 
     class _Status:
