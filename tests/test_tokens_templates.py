@@ -69,8 +69,8 @@ async def test_gguf_template_and_token_routes(engine: Any) -> None:
 
         r = await c.post("/detokenize", json={"tokens": plain})
         assert r.status_code == 200, r.text
-        assert r.json() == {"content": text}
-        assert (await c.post("/detokenize", json={"tokens": []})).json() == {"content": ""}
+        assert r.json() == {"content": text, "prompt": text}  # llama-server's key and vLLM's
+        assert (await c.post("/detokenize", json={"tokens": []})).json() == {"content": "", "prompt": ""}
 
         # HTTP chat counts exactly the tokens of the rendered prompt (BOS included).
         chat = (
@@ -251,3 +251,26 @@ async def test_work_per_request_is_bounded_before_it_starts(start_engine: Any, t
         r = await c.post("/tokenize", content=chunked(), headers={"Content-Type": "application/json"})
         assert_openai_error(r, 413)
     await assert_server_healthy(ep)
+
+
+async def test_vllm_render_and_tokenize_give_the_tokens_a_completion_runs(engine: Any) -> None:
+    """vllm-router's kv_aware policy asks for the token ids of a request (the render routes,
+    else vLLM's /tokenize shape): exactly the prompt the completion then runs."""
+    other = [{"role": "user", "content": "what does the slot hold"}]
+    async with http(engine) as c:
+        chat = (await c.post("/v1/chat/completions", json={"messages": other, "max_tokens": 2})).json()
+        done = (await c.post("/v1/completions", json={"prompt": "the slot cache", "max_tokens": 2})).json()
+        rendered = (await c.post("/v1/chat/completions/render", json={"model": "m", "messages": other})).json()
+        text = (await c.post("/v1/completions/render", json={"model": "m", "prompt": "the slot cache"})).json()
+        assert len(rendered["token_ids"]) == rendered["count"] == chat["usage"]["prompt_tokens"]
+        assert len(text["token_ids"]) == done["usage"]["prompt_tokens"]
+        assert rendered["max_model_len"] == engine.state.engine.n_ctx_slot
+        vllm = (await c.post("/tokenize", json={"model": "m", "messages": other})).json()
+        assert vllm["tokens"] == rendered["token_ids"] and vllm["count"] == len(vllm["tokens"])
+        assert (await c.post("/tokenize", json={"prompt": "the slot cache"})).json()["tokens"] == text["token_ids"]
+        # llama-server's shape is unchanged; /detokenize answers both shapes' key.
+        assert await tokenize(c, "the slot cache", add_special=True) == text["token_ids"]
+        back = (await c.post("/detokenize", json={"model": "m", "tokens": text["token_ids"][1:]})).json()
+        assert back["prompt"] == back["content"] and "slot cache" in back["prompt"]
+        for path, body in (("/v1/chat/completions/render", {"prompt": "x"}), ("/v1/completions/render", {"messages": other})):
+            assert_openai_error(await c.post(path, json=body), 400)

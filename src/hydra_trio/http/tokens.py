@@ -1,5 +1,8 @@
-"""llama-server's tokenizer routes, which coordinators use: POST /tokenize, /detokenize and
-/apply-template. Tokenizing is a llama.cpp call, so it runs on the GPU worker."""
+"""The tokenizer routes coordinators and routers use: llama-server's POST /tokenize,
+/detokenize and /apply-template, vLLM's shapes of /tokenize and /detokenize (told apart by
+their keys: llama-server's ``content``, vLLM's ``prompt`` or ``messages``), and vLLM's render
+routes (the token ids a completion would run; vllm-router's kv_aware policy reads them).
+Tokenizing is a llama.cpp call, so it runs on the GPU worker."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from quart import Blueprint, Response
 
 from ..engine.params import bad_param
 from .common import HttpError, app_state, json_response, read_json_body, require_engine
+from .completions import prompt_tokens
 
 bp = Blueprint("tokens", __name__)
 
@@ -29,11 +33,47 @@ def _piece_json(piece: bytes) -> str | list[int]:
         return list(piece)
 
 
+async def _vllm_tokens(engine: Any, body: dict[str, Any]) -> list[int]:
+    """The tokens of a vLLM-shaped request: ``messages`` through the chat template as the
+    chat route renders them, a ``prompt`` as the text-completion route takes it."""
+    if "messages" in body:
+        return await engine.tokenize_request(body)  # what the chat route does with its body
+    return await prompt_tokens(engine, body.get("prompt"))
+
+
+def _vllm_reply(engine: Any, tokens: list[int]) -> dict[str, Any]:
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.n_ctx_slot}
+
+
+@bp.post("/v1/chat/completions/render")
+async def render_chat() -> Response:
+    """vLLM's render route: the prompt token ids /v1/chat/completions would run."""
+    engine = require_engine()
+    body = await read_json_body(app_state().settings.max_json_bytes)
+    if "messages" not in body:
+        raise bad_param("messages is required")
+    tokens = await _vllm_tokens(engine, body)
+    return json_response({"token_ids": tokens, **_vllm_reply(engine, tokens)})
+
+
+@bp.post("/v1/completions/render")
+async def render_completion() -> Response:
+    """vLLM's render route: the prompt token ids /v1/completions would run."""
+    engine = require_engine()
+    body = await read_json_body(app_state().settings.max_json_bytes)
+    if "prompt" not in body:
+        raise bad_param("prompt is required")
+    tokens = await _vllm_tokens(engine, body)
+    return json_response({"token_ids": tokens, **_vllm_reply(engine, tokens)})
+
+
 @bp.post("/tokenize")
 async def tokenize() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_json_body(state.settings.max_json_bytes)
+    if "content" not in body and ("prompt" in body or "messages" in body):  # vLLM's shape
+        return json_response(_vllm_reply(engine, await _vllm_tokens(engine, body)))
     content = body.get("content")
     if not isinstance(content, str):
         raise bad_param("content must be a string")
@@ -64,8 +104,10 @@ async def detokenize() -> Response:
     bad = [t for t in tokens if not 0 <= t < n_vocab]
     if bad:
         raise bad_param(f"token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
-    # Pieces from the table read at load: no llama call, no GPU worker.
-    return json_response({"content": engine.backend.detokenize(tokens)})
+    # Pieces from the table read at load: no llama call, no GPU worker. llama-server names
+    # the text "content", vLLM "prompt": both, so either client reads its own.
+    text = engine.backend.detokenize(tokens)
+    return json_response({"content": text, "prompt": text})
 
 
 @bp.post("/apply-template")
