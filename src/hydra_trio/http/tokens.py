@@ -45,26 +45,24 @@ def _vllm_reply(engine: Any, tokens: list[int]) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.n_ctx_slot}
 
 
-@bp.post("/v1/chat/completions/render")
-async def render_chat() -> Response:
-    """vLLM's render route: the prompt token ids /v1/chat/completions would run."""
+async def _render(required: str) -> Response:
+    """vLLM's render routes: the prompt token ids the completion route would run."""
     engine = require_engine()
     body = await read_json_body(app_state().settings.max_json_bytes)
-    if "messages" not in body:
-        raise bad_param("messages is required")
+    if required not in body:
+        raise bad_param(f"{required} is required")
     tokens = await _vllm_tokens(engine, body)
     return json_response({"token_ids": tokens, **_vllm_reply(engine, tokens)})
+
+
+@bp.post("/v1/chat/completions/render")
+async def render_chat() -> Response:
+    return await _render("messages")
 
 
 @bp.post("/v1/completions/render")
 async def render_completion() -> Response:
-    """vLLM's render route: the prompt token ids /v1/completions would run."""
-    engine = require_engine()
-    body = await read_json_body(app_state().settings.max_json_bytes)
-    if "prompt" not in body:
-        raise bad_param("prompt is required")
-    tokens = await _vllm_tokens(engine, body)
-    return json_response({"token_ids": tokens, **_vllm_reply(engine, tokens)})
+    return await _render("prompt")
 
 
 @bp.post("/tokenize")
