@@ -49,12 +49,12 @@ class Metrics:
         self.cancel_ms = Histogram("hydra_cancel_ms", "DELETE until the task stopped", buckets=_MS_BUCKETS, registry=r)
         self.prefix_cache = PrefixCacheCounts()  # vllm:prefix_cache_* (vllm_metrics.py)
 
-    def record_generation(self, path: str, res: GenerationResult) -> None:
-        """One finished (or stopped) generation's token counts and time to first token."""
+    def record_generation(self, path: str, res: GenerationResult, *, aborted: bool = False) -> None:
+        """One finished (or stopped) generation's token counts and latencies."""
         self.completion_tokens.labels(path).inc(res.completion_tokens)
         self.prompt_tokens.labels(path).inc(res.n_prompt_processed)
         self.cached_prompt_tokens.labels(path).inc(res.n_common)
-        self.prefix_cache.observe(res)
+        self.prefix_cache.observe(res, aborted=aborted)
         self.ttft_ms.labels(path).observe(res.prompt_ms)  # the engine's own time to first token
 
     def live_gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:

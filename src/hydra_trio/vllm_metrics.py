@@ -1,7 +1,11 @@
-"""vLLM's metric names on /metrics, for routers and autoscalers that read them (llm-d, the
-vLLM production stack, KEDA rules): ``vllm:num_requests_running``,
-``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and the token counters
-``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``.
+"""vLLM's metric names on /metrics, for routers, autoscalers and dashboards that read them
+(llm-d, the vLLM production stack, KEDA rules): ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, the token counters
+``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, ``vllm:prompt_tokens`` /
+``vllm:generation_tokens``, ``vllm:request_success{finished_reason}``, and the latency
+histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and
+``vllm:e2e_request_latency_seconds`` (vLLM's buckets, with finer ones below 10 ms for
+inter-token latency, which a small model reaches).
 
 prometheus-client accepts ':' in metric names (it is legal in the exposition format; the
 Prometheus docs reserve it for recording rules, and vLLM uses it anyway), so these are
@@ -13,27 +17,78 @@ the engine at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from .engine.engine import Engine, GenerationResult
 
 
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Buckets:
+    """A histogram's counts, kept by the engine and rendered at scrape time (one request's
+    inter-token gaps go in at once: no lock or metric call per token)."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, values: Iterable[float]) -> None:
+        bounds, counts = self.bounds, self.counts
+        for v in values:
+            counts[bisect_left(bounds, v)] += 1  # le=b holds v <= b
+            self.sum += v
+
+    def family(self, name: str, doc: str, labels: list[str], label_values: list[str]) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            cumulative.append((bound, total))
+        h = HistogramMetricFamily(name, doc, labels=labels)
+        h.add_metric(label_values, cumulative, self.sum)
+        return h
+
+
 class PrefixCacheCounts:
-    """Prompt tokens looked up in slot KV (queries) and found there (hits), per request,
-    as vLLM counts them: in tokens, not requests."""
+    """What vLLM counts per finished request: prompt tokens looked up in slot KV (queries)
+    and found there (hits), in tokens; prompt and generated tokens; requests by finish
+    reason; and the latency histograms."""
 
     def __init__(self) -> None:
         self.queries = 0
         self.hits = 0
+        self.prompt_tokens = 0  # evaluated (vllm:prompt_tokens counts prefilled tokens)
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()
+        self.ttft = Buckets(TTFT_BUCKETS)
+        self.itl = Buckets(ITL_BUCKETS)
+        self.e2e = Buckets(E2E_BUCKETS)
 
-    def observe(self, res: GenerationResult) -> None:
+    def observe(self, res: GenerationResult, *, aborted: bool = False) -> None:
         self.queries += res.prompt_tokens
         self.hits += res.n_common
+        self.prompt_tokens += res.n_prompt_processed
+        self.generation_tokens += res.completion_tokens
+        self.finished["abort" if aborted else res.finish_reason] += 1
+        if res.first_token_at is not None:
+            self.ttft.observe((res.prompt_ms / 1000.0,))
+            self.e2e.observe(((res.prompt_ms + res.decode_ms) / 1000.0,))
+        self.itl.observe(res.token_gaps_s)
 
 
 class VllmCollector(Collector):
@@ -60,11 +115,25 @@ class VllmCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(model, value)
             families.append(g)
+        p = self.prefix
         for name, doc, value in (
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", self.prefix.queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", self.prefix.hits),
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", p.queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", p.hits),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", p.prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", p.generation_tokens),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(model, value)
             families.append(c)
+        done = CounterMetricFamily(
+            "vllm:request_success", "Count of successfully processed requests.", labels=[*labels, "finished_reason"]
+        )
+        for reason in ("stop", "length", "abort"):
+            done.add_metric([*model, reason], p.finished[reason])
+        families.append(done)
+        families += [
+            p.ttft.family("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, model),
+            p.itl.family("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels, model),
+            p.e2e.family("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds (from the slot claim).", labels, model),
+        ]
         yield from families

@@ -316,7 +316,7 @@ class DecodeManager:
     def _seal(self, entry: DecodeEntry, final: DecodeState, label: str | None) -> None:
         res: GenerationResult | None = entry.result
         if res is not None:
-            self.metrics.record_generation("decode", res)
+            self.metrics.record_generation("decode", res, aborted=final is DecodeState.CANCELLED)
             acked = entry.metrics.get("acked_at")
             if acked is not None and res.first_token_at is not None:
                 entry.metrics["ttft_ms"] = (res.first_token_at - acked) * 1000.0

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,8 @@ class GenerationResult:
     decode_ms: float = 0.0  # first token -> last token
     first_token_at: float | None = None  # perf_counter() when the first token was sampled
     tokens: list[int] = field(default_factory=list)
+    # Seconds between consecutive sampled tokens (vllm:inter_token_latency_seconds).
+    token_gaps_s: array[float] = field(default_factory=lambda: array("d"))
 
     @property
     def text(self) -> str:
@@ -495,7 +498,7 @@ class Engine:
         t_start = time.perf_counter()
         try:
             token, _ = await self.first_token(slot, prompt_tokens, sampler, res)
-            t_first = time.perf_counter()
+            t_first = t_last = time.perf_counter()
             res.first_token_at = t_first
             res.prompt_ms = (t_first - t_start) * 1000.0
             self.batcher.generating += 1
@@ -510,6 +513,10 @@ class Engine:
                         res.stop_type = "eos"
                         break
                     res.tokens.append(token)
+                    now = time.perf_counter()
+                    if res.completion_tokens:
+                        res.token_gaps_s.append(now - t_last)
+                    t_last = now
                     res.completion_tokens += 1
                     self.tokens_generated += 1
                     delta = assembler.push(backend.token_bytes(token))

@@ -75,6 +75,19 @@ def require_engine() -> Engine:
     return engine
 
 
+def client_request_id() -> str:
+    """The client's X-Request-Id (a router's one id for both P/D stages), for the logs of
+    every engine it touched; echoed on the response. Empty when none was sent."""
+    return (request.headers.get("X-Request-Id") or "")[:200]
+
+
+def generation_owner(completion_id: str) -> str:
+    """What a generation is called in slot owners and log lines: its completion id, and the
+    client's request id when it sent one."""
+    rid = client_request_id()
+    return f"http:{completion_id}" + (f" (X-Request-Id {rid})" if rid else "")
+
+
 async def read_json_body(max_bytes: int) -> dict[str, Any]:
     """The request's JSON object, at most ``max_bytes`` (--max-json-bytes), declared or not:
     a chunked body is counted as it arrives and refused (413) once past the limit, not

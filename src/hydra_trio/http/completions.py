@@ -11,7 +11,7 @@ from quart import Blueprint, Response
 from ..engine.engine import GenerationResult
 from ..engine.params import bad_param
 from . import kv_transfer
-from .common import app_state, json_response, read_json_body, require_engine
+from .common import app_state, generation_owner, json_response, read_json_body, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
 from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
@@ -69,7 +69,7 @@ async def completions() -> Response:
     tokens = await prompt_tokens(engine, body["prompt"])
     cid = "cmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
-    owner = f"http:{cid}"
+    owner = generation_owner(cid)
 
     def render(slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
         return text_completion_body(cid, now_s(), model, slot_id, res, **extra)

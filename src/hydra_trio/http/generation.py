@@ -8,7 +8,8 @@ Chat completions and text completions differ only in how they shape the result; 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -86,14 +87,37 @@ async def generate_buffered(
 ) -> tuple[int, GenerationResult]:
     """(slot id, result) of a whole generation. Raises SlotsBusy."""
     slot = await claim_slot(state, engine, tokens, owner)
-    try:
-        if prepare is not None:
-            await prepare(slot.id)
-        res = await engine.generate(slot.id, tokens, params, _discard)
-    finally:
-        engine.release(slot)
+    res = GenerationResult()
+    with _logged(owner, path, slot.id, res):
+        try:
+            if prepare is not None:
+                await prepare(slot.id)
+            await engine.generate(slot.id, tokens, params, _discard, result=res)
+        finally:
+            engine.release(slot)
     state.metrics.record_generation(path, res)
     return slot.id, res
+
+
+@contextmanager
+def _logged(owner: str, path: str, slot_id: int, res: GenerationResult) -> Iterator[None]:
+    """One log line per HTTP generation, however it ends: done, cancelled (the client left),
+    or failed, with its tokens and timings."""
+    outcome = "done"
+    try:
+        yield
+    except trio.Cancelled:
+        outcome = "cancelled"
+        raise
+    except BaseException as exc:
+        outcome = f"failed: {exc.message if isinstance(exc, ProtocolError) else type(exc).__name__}"
+        raise
+    finally:
+        log.info(
+            "%s %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s",
+            path, owner, slot_id, outcome, res.prompt_tokens, res.n_common, res.completion_tokens,
+            res.stop_type if outcome == "done" else "-", res.prompt_ms, res.tokens_per_s,
+        )
 
 
 @dataclass(slots=True)
@@ -184,11 +208,13 @@ async def start_stream(
         async def emit(delta: str) -> None:
             await put(("delta", delta))
 
+        res = GenerationResult()
         async with send:
             try:
-                if prepare is not None:
-                    await prepare(slot.id)
-                res = await engine.generate(slot.id, tokens, params, emit)
+                with _logged(owner, path, slot.id, res):
+                    if prepare is not None:
+                        await prepare(slot.id)
+                    await engine.generate(slot.id, tokens, params, emit, result=res)
                 state.metrics.record_generation(path, res)
                 await put(("done", res))
             except (trio.TooSlowError, trio.BrokenResourceError) as exc:

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from quart import Response, request
+from quart import Response
 
 from ..decode.handoff import Handoff, prefill_export
 from ..engine.params import GenerationParams
 from ..wire.kvpull import export_params, wants_remote_decode
-from .common import EngineStarting, json_response, require_engine
+from .common import EngineStarting, client_request_id, json_response, require_engine
 from .generation import SlotsBusy, all_slots_busy, claim_slot
 
 if TYPE_CHECKING:
@@ -35,11 +35,6 @@ if TYPE_CHECKING:
     from ..state import AppState
 
 Render = Callable[..., dict[str, Any]]
-
-
-def _request_id() -> str:
-    """The router's X-Request-Id (one id for both stages), for the logs of both engines."""
-    return (request.headers.get("X-Request-Id") or "")[:200]
 
 
 async def export_completion(
@@ -54,7 +49,7 @@ async def export_completion(
     engine = require_engine()
     exports = state.exports
     assert exports is not None, "the export store starts before HTTP serves requests"
-    owner = f"http:kv-export:{_request_id() or secrets.token_hex(6)}"
+    owner = f"http:kv-export:{client_request_id() or secrets.token_hex(6)}"
     try:
         slot = await claim_slot(state, engine, tokens, owner)  # bounds the wait, not the prefill
     except SlotsBusy:
@@ -99,7 +94,7 @@ def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
         return None
     exports = state.exports
     assert exports is not None
-    return Handoff.begin(require_engine(), exports, raw, trace=_request_id())
+    return Handoff.begin(require_engine(), exports, raw, trace=client_request_id())
 
 
 async def restore_handoff(

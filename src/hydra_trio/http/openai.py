@@ -12,7 +12,7 @@ from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
 from . import kv_transfer
-from .common import app_state, json_response, read_json_body, require_engine
+from .common import app_state, generation_owner, json_response, read_json_body, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
 from .sse import HOLE, completion_chunk, now_s, sse_event, sse_text_events, timings, usage
 
@@ -100,7 +100,7 @@ async def chat_completions() -> Response:
     tokens = await engine.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
-    owner = f"http:{cid}"
+    owner = generation_owner(cid)
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
     plan = await kv_transfer.route(state, body, engine, tokens, params, partial(completion_body, cid, model))
     if isinstance(plan, Response):

@@ -14,7 +14,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..tasks import leaves
 from .auth import install_auth
-from .common import json_response, register_error_handlers, set_request_nursery
+from .common import client_request_id, json_response, register_error_handlers, set_request_nursery
 from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
@@ -84,6 +84,8 @@ def create_app(state: AppState) -> QuartTrio:
     async def count(response: Response) -> Response:
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         state.metrics.http_requests.labels(rule, str(response.status_code)).inc()
+        if rid := client_request_id():
+            response.headers["X-Request-Id"] = rid
         return response
 
     return app

@@ -1,0 +1,46 @@
+"""Every HTTP generation leaves a log line and vLLM's latency metrics, however it ends."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from helpers import MESSAGES, http, scrape, stream_then_hang_up, wait_slots_idle
+
+
+async def test_a_completion_leaves_a_log_line_metrics_and_its_request_id(
+    engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hydra_trio")
+    model = engine.state.engine.identity.model_alias
+    labels = (("engine", "0"), ("model_name", model))
+    async with http(engine) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+            headers={"X-Request-Id": "router-42"},
+        )
+        assert r.status_code == 200 and r.headers["X-Request-Id"] == "router-42"
+        m = await scrape(c)
+    lines = [rec.getMessage() for rec in caplog.records if "X-Request-Id router-42" in rec.getMessage()]
+    assert any("chat http:chatcmpl-" in line and " done: " in line and "6 generated" in line for line in lines), lines
+    assert m[("vllm:request_success_total", tuple(sorted((*labels, ("finished_reason", "length")))))] == 1
+    assert m[("vllm:generation_tokens_total", labels)] == 6
+    assert m[("vllm:prompt_tokens_total", labels)] > 0
+    assert m[("vllm:time_to_first_token_seconds_count", labels)] == 1
+    assert m[("vllm:e2e_request_latency_seconds_count", labels)] == 1
+    assert m[("vllm:inter_token_latency_seconds_count", labels)] == 5  # gaps between 6 tokens
+    assert m[("vllm:inter_token_latency_seconds_bucket", tuple(sorted((*labels, ("le", "+Inf")))))] == 5
+
+
+async def test_a_client_that_leaves_a_stream_is_logged_as_cancelled(
+    engine: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="hydra_trio")
+    async with http(engine) as c:
+        body = {"messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        await stream_then_hang_up(c, "/v1/chat/completions", body, after=3)
+        await wait_slots_idle(engine.state.engine)
+    assert any(" cancelled: " in rec.getMessage() for rec in caplog.records), [r.getMessage() for r in caplog.records]
