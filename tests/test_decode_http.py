@@ -205,5 +205,9 @@ async def test_bad_and_unknown_ids(start_engine: Callable[..., Any], tiny_model:
             assert r.json()["error"]["code"] == 404
         for bad in ("abc", "1.5"):
             assert (await h.delete(f"/v1/decode/{bad}")).status_code == 400
-        assert (await h.delete(f"/v1/decode/{unknown}")).status_code == 404
+        gone = await h.delete(f"/v1/decode/{unknown}")
+        # The same OpenAI-shaped error object as GET's 404.
+        assert gone.status_code == 404 and gone.json()["error"] == {
+            "code": 404, "message": "no such decode request", "type": "not_found_error"
+        } and gone.json()["decode_request_id"] == unknown
         assert (await h.get(f"/v1/decode/{rid}")).status_code == 200  # untouched by all that

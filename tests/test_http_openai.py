@@ -414,3 +414,23 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(
     assert "RuntimeError" in events[-1]["error"]["message"]
     monkeypatch.setattr(eng, "generate", real_generate)
     await assert_server_healthy(engine)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": "hi"}, "messages is required"),
+        ({"messages": MESSAGES, "n": 2}, "n must be 1"),
+        ({"messages": MESSAGES, "logprobs": True}, "logprobs is not supported"),
+        ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs is not supported"),
+        ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format is not supported"),
+    ],
+)
+async def test_unsupported_chat_parameters_get_a_400_that_names_them(engine: Any, body: dict[str, Any], needle: str) -> None:
+    """Not a quiet different answer (a prompt-only body used to generate 512 tokens, n=2 one
+    choice, logprobs None)."""
+    async with http(engine) as c:
+        err = assert_openai_error(await c.post("/v1/chat/completions", json=body), 400)
+        assert needle in err["error"]["message"], err
+        ok = {"messages": MESSAGES, "max_tokens": 2, "n": 1, "logprobs": False, "response_format": {"type": "text"}}
+        assert (await c.post("/v1/chat/completions", json=ok)).status_code == 200

@@ -126,9 +126,15 @@ async def test_prefill_n_past_equals_prompt_tokens(engine: Any, tiny_model: Path
         assert meta["n_past"] == m["n_past"] and meta["state_size"] == m["state_size"]
         got = await c.state_get(1)
     assert bytes(got.payload) == strip_logits(resp.payload, n_vocab)
-    # The same request over HTTP counts the same prompt tokens.
+    # The same request over HTTP counts the same prompt tokens (a plain prompt is a text
+    # completion there: the chat route wants messages).
     async with http(engine) as h:
-        body = await chat(h, **request_body, max_tokens=2)
+        if "messages" in request_body:
+            body = await chat(h, **request_body, max_tokens=2)
+        else:
+            r = await h.post("/v1/completions", json={**request_body, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
     assert m["n_past"] == body["usage"]["prompt_tokens"]
     # The slot kept the PREFILL's logits with its KV: nothing of the prompt is evaluated again.
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == m["n_past"]

@@ -85,7 +85,7 @@ async def delete_decode(raw_id: str) -> Response:
     request_id = _request_id(raw_id)
     result = await manager.cancel(request_id)
     if result.outcome == CancelOutcome.UNKNOWN:
-        return json_response({"error": "no such decode request", "decode_request_id": request_id}, 404)
+        return json_response(error_body(404, "no such decode request", "not_found_error", decode_request_id=request_id), 404)
     state = result.state.value if result.state is not None else ""
     if result.outcome == CancelOutcome.ENDED:
         return json_response({"state": state, "decode_request_id": request_id}, 410)

@@ -11,6 +11,7 @@ from typing import Any
 from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
+from ..engine.params import bad_param
 from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_json_body, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
@@ -91,11 +92,27 @@ def slot_view(engine: Any, slot_id: int) -> dict[str, Any]:
     }
 
 
+def refuse_unsupported_chat_params(body: dict[str, Any]) -> None:
+    """Said plainly (400 naming the parameter) rather than answered differently from what
+    was asked for, as OpenAI-compatible servers that lack a feature do."""
+    if not isinstance(body.get("messages"), list):
+        raise bad_param("messages is required (an array; a plain prompt goes to /v1/completions)")
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
+        raise bad_param("n must be 1 (one choice per request)")
+    for key in ("logprobs", "top_logprobs"):
+        if body.get(key) not in (None, False, 0):
+            raise bad_param(f"{key} is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_param("response_format is not supported (only {\"type\": \"text\"})")
+
+
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_json_body(state.settings.max_json_bytes)
+    refuse_unsupported_chat_params(body)
     params = engine.generation_params(body)
     tokens = await engine.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
