@@ -68,3 +68,16 @@ def test_settings_llama_cpp_would_abort_on_are_refused_naming_the_flags() -> Non
     for bad in ({"stream_interval": 0}, {"slot_prompt_similarity": 1.5}, {"cache_ram_mib": -1}):
         with pytest.raises(SystemExit, match="invalid settings"):
             settings_from(None, env={}, **bad)
+
+
+def test_version_and_a_dead_engine_are_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from hydra_trio import __version__
+    from hydra_trio.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"hydra-trio {__version__}"
+    for argv in (["info", "--rpc", "127.0.0.1:1"], ["result", "5", "--http", "http://127.0.0.1:1"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "cannot reach the engine at" in err and "Traceback" not in err and len(err.splitlines()) == 1

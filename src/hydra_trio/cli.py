@@ -237,7 +237,10 @@ def cmd_settings(_args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="hydra-trio", description="hydra-trio decode engine")
+    parser.add_argument("--version", action="version", version=f"hydra-trio {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the engine (HTTP + binary RPC)")
@@ -295,6 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.fn is not cmd_serve:
+        # Client commands: an engine that is not there is one clear line, not a traceback.
+        import httpx
+
+        try:
+            return int(args.fn(args) or 0)
+        except (OSError, httpx.TransportError) as exc:
+            target = getattr(args, "rpc", None) or getattr(args, "http", "")
+            where = f"{target[0]}:{target[1]}" if isinstance(target, tuple) else target
+            print(f"hydra-trio {args.command}: cannot reach the engine at {where}: {exc}", file=sys.stderr)
+            return 1
     return int(args.fn(args) or 0)
 
 
