@@ -95,8 +95,17 @@ def test_startup_errors_are_one_clear_line(tiny_model: Path, tmp_path: Path) -> 
         taken.listen()
         port = taken.getsockname()[1]
         busy = _serve_once("--model", str(tiny_model), "--port", str(port), "--rpc-port", "0")
-    assert busy.returncode == 1
-    assert f"HTTP 127.0.0.1:{port}".encode() in busy.stderr and b"Traceback" not in busy.stderr
+        assert busy.returncode == 1
+        assert f"HTTP 127.0.0.1:{port}".encode() in busy.stderr and b"Traceback" not in busy.stderr
+        # A taken RPC port is said before the model loads (its log line never comes).
+        rpc_busy = subprocess.run(
+            [sys.executable, "-m", "hydra_trio.cli", "serve", "--model", str(tiny_model), "--port", "0",
+             "--rpc-port", str(port), "--log-level", "INFO"],
+            capture_output=True, timeout=60,
+        )
+    assert rpc_busy.returncode == 1
+    assert f"RPC 127.0.0.1:{port}".encode() in rpc_busy.stderr and b"Traceback" not in rpc_busy.stderr
+    assert b"model loaded" not in rpc_busy.stderr
 
 
 async def test_the_engine_outlives_its_users_and_refuses_late_work(run_engine: Any, tiny_model: Path) -> None:

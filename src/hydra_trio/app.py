@@ -21,7 +21,7 @@ from .decode.manager import DecodeManager
 from .decode.store import ResultStore
 from .engine.engine import Engine
 from .http.server import serve_http
-from .rpc.server import serve_rpc
+from .rpc.server import open_rpc_listeners, serve_rpc
 from .state import AppState, Endpoints
 
 log = logging.getLogger("hydra_trio")
@@ -60,6 +60,7 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
             async with trio.open_nursery() as front:  # HTTP and RPC: they end first
                 http_port = await front.start(serve_http, state)
                 log.info("HTTP listening on http://%s:%d", settings.host, http_port)
+                rpc_listeners = await open_rpc_listeners(settings)  # a port in use stops us here
                 state.startup_phase = "loading model"
                 model_path, alias = await trio.to_thread.run_sync(resolve_model, settings)
                 engine = await Engine.load(model_path, settings, alias=alias)
@@ -76,7 +77,7 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     "KV hand-offs may pull from %s (--kv-pull-allow)", ", ".join(map(str, settings.kv_pull_networks()))
                 )
                 state.engine, state.decodes, state.exports = engine, decodes, exports
-                rpc_port = await front.start(serve_rpc, state)
+                rpc_port = await front.start(serve_rpc, state, rpc_listeners)
                 state.rpc_port = rpc_port
                 if settings.advertise_host is None and settings.host in ("0.0.0.0", "::", ""):
                     log.warning(

@@ -34,7 +34,9 @@ class Settings:
     slot_prompt_similarity: float = 0.5
     # Host memory for slots' KV kept past the slots (llama-server's --cache-ram), MiB; 0: off.
     cache_ram_mib: int = 8192
-    threads: int = max(1, min(8, os.cpu_count() or 1))
+    # One core is left to the trio thread: ggml's spinning thread barriers collapse (3-6
+    # instead of 35-44 tok/s measured on 2 cores) when a llama thread has to share a core.
+    threads: int = max(1, min(8, (os.cpu_count() or 2) - 1))
     batch_size: int = 512  # prefill chunk: one cancellable GPU-worker call
     # Tokens per generation-step batch while streams run: their next tokens, then a part of an
     # arriving prompt. Small on CPUs (each prompt token costs about what a whole step does);
@@ -136,7 +138,7 @@ _HELP: dict[str, str] = {
     "slot_prompt_similarity": "a prompt reuses a slot's KV only when the shared prefix is at least this share of the prompt (else an empty, then the least recently used slot); 0 = always the longest prefix",
     "cache_ram_mib": "host memory (MiB) for slots' KV kept past the slots: a slot's history is copied here before it is dropped, and comes back for a prompt that continues it; 0 = off",
     "kv_unified": "one KV cache shared by all slots instead of one stream per slot (a slot may then hold the whole context, but every step's attention spans all slots' cells)",
-    "threads": "CPU threads for llama.cpp",
+    "threads": "CPU threads for llama.cpp (default: the cores but one, at most 8: the engine's own thread needs a core)",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
     "stream_interval": "streamed tokens per chunk at most (the first token and the end go at once); a request's stream_interval wins",
     "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens; each further waiting prompt adds up to this many)",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
-from ..config import is_loopback
+from ..config import Settings, is_loopback
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
@@ -34,15 +34,19 @@ log = logging.getLogger(__name__)
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 
-async def serve_rpc(state: AppState, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-    settings = state.settings
+async def open_rpc_listeners(settings: Settings) -> list[trio.SocketListener]:
+    """Bind the RPC port (before the model loads, so a port in use is said at once)."""
     try:
         # The kernel queues at most max_connections more peers until there is a place.
-        listeners = await trio.open_tcp_listeners(
-            settings.rpc_port, host=settings.host, backlog=settings.max_connections
-        )
+        return await trio.open_tcp_listeners(settings.rpc_port, host=settings.host, backlog=settings.max_connections)
     except OSError as exc:
         raise OSError(exc.errno, f"RPC {settings.host}:{settings.rpc_port}: {exc.strerror}") from None
+
+
+async def serve_rpc(
+    state: AppState, listeners: list[trio.SocketListener], *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    settings = state.settings
     port = listeners[0].socket.getsockname()[1]
     # More connections than the bound wait for a place: a limiter, not a crash.
     places = trio.Semaphore(settings.max_connections)
