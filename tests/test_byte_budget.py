@@ -8,7 +8,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from hydra_trio.rpc.connection import ByteBudget
+from hydra_trio.budget import ByteBudget
 
 
 async def test_a_payload_that_does_not_fit_waits_for_a_release() -> None:
@@ -58,31 +58,35 @@ async def test_a_cancelled_wait_for_room_takes_nothing() -> None:
 
 
 async def test_a_live_engine_answers_busy_when_payload_memory_stays_full(start_engine: Any, tiny_model: Path) -> None:
-    """One connection's PREFILL holds the whole payload budget (its op waits for the GPU
+    """One connection's STATE_PUT holds the whole payload budget (its op waits for the GPU
     worker, which the test holds); another request waits its idle timeout, then gets BUSY
-    TIMEOUT, its payload drained: the same connection then works."""
+    TIMEOUT, its payload drained: the same connection then works. (A PREFILL gives its small
+    JSON back once parsed, so that its reply's charge does not wait behind it.)"""
     from helpers import assert_error, rpc
-    from hydra_trio.rpc.client import configure_call, prefill_call
+    from hydra_trio.rpc.client import configure_call, prefill_call, state_put_call
     from hydra_trio.wire.errors import Status
 
     ep = await start_engine(tiny_model, max_inflight_bytes=200, idle_timeout_s=0.3)
     request = {"messages": [{"role": "user", "content": "x" * 80}], "max_tokens": 1}
     first_done = trio.Event()
     async with await rpc(ep) as holder, await rpc(ep) as other:
+        blob = (await holder.call(prefill_call(0, request))).payload  # larger than the budget: runs alone
 
         async def hold_budget() -> None:
-            await holder.call(prefill_call(0, request))
+            await holder.call(state_put_call(1, bytes(blob)))
             first_done.set()
 
         async with trio.open_nursery() as nursery:
             async with ep.state.engine.worker.limiter:
                 nursery.start_soon(hold_budget)
                 await trio.testing.wait_all_tasks_blocked()
+                assert ep.state.payload_budget.used >= len(blob)
                 resp = await other.call(configure_call(0, {"n_predict": 4, "pad": "y" * 150}), check=False)
                 assert_error(resp, Status.BUSY, "TIMEOUT")
             await first_done.wait()
         ok = await other.call(configure_call(0, {"n_predict": 4}))
         assert ok.meta["success"] is True
+    assert ep.state.payload_budget.used == 0  # every charge (payloads, the PREFILL reply) given back
 
 
 async def test_waiters_are_served_in_arrival_order() -> None:

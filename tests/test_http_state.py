@@ -151,3 +151,19 @@ async def test_an_upload_waiting_for_room_is_not_buffered(start_engine: Any, wid
     finally:
         budget.release(ep.state.settings.max_inflight_bytes)
     assert peak < 0.5 * len(blob), (peak, len(blob))
+
+
+async def test_a_snapshot_is_charged_to_the_payload_budget_until_it_is_sent(start_engine: Any, wide_kv_model: Path) -> None:
+    """A slow reader of GET /slots/{id}/state holds the snapshot: its bytes count in the
+    payload budget until the last one is sent (or the reader leaves), so snapshots for slow
+    readers cannot pile up outside --max-inflight-bytes."""
+    ep = await start_engine(wide_kv_model, threads=1, slots=2)
+    blob = await state_blob(ep, 0, {"prompt": "hello world " * 60})
+    budget = ep.state.payload_budget
+    async with http(ep) as h:
+        async with h.stream("GET", "/slots/0/state") as r:
+            first = await r.aiter_bytes().__anext__()
+            assert first and budget.used >= len(blob)  # held while the reader dawdles
+        await wait_until(lambda: budget.used == 0)  # the reader left: released
+        got = (await h.get("/slots/0/state")).content
+        assert len(got) == len(blob) and budget.used == 0

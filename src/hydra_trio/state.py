@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from .budget import ByteBudget
 from .config import Settings
 from .metrics import Metrics
-from .rpc.connection import ByteBudget
 
 if TYPE_CHECKING:
     from .decode.exports import ExportStore

@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 
+from ..budget import ByteBudget
 from ..config import Settings
 from ..engine.backend import Sampler
 from ..engine.engine import Engine, GenerationResult
@@ -30,7 +31,6 @@ from ..engine.slots import Slot
 from ..engine.text import TextAssembler
 from ..engine.transfer import blob_hash
 from ..model.identity import compare_identity
-from ..rpc.connection import ByteBudget
 from ..rpc.kvpull import PullFailed, pull_export
 from ..tasks import run_cpu_bound
 from ..wire.errors import ProtocolError

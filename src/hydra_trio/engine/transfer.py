@@ -7,9 +7,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import trio
 import xxhash
 
+from ..budget import ByteBudget
 from ..tasks import run_cpu_bound
+from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import parse_kv_blob
 from .engine import Engine
 
@@ -21,6 +24,7 @@ class Snapshot:
     state_size: int  # llama state bytes
     kv_hash: str
     ms: float
+    held: int = 0  # payload-budget bytes charged for it: the sender releases them once sent
 
     @property
     def size(self) -> int:
@@ -34,18 +38,42 @@ def blob_hash(parts: list[bytes | bytearray]) -> str:
     return "xxh3:" + h.hexdigest()
 
 
-async def snapshot(engine: Engine, slot_id: int, owner: str) -> Snapshot:
-    """Copy a slot's KV out as a v2 blob. The slot is held only for the copy."""
+async def charge(budget: ByteBudget, n: int, wait_s: float, what: str) -> None:
+    """Take ``n`` bytes of the payload budget for a copy about to be made, waiting up to
+    ``wait_s`` for room (BUSY otherwise): snapshots held for slow readers count too."""
+    with trio.move_on_after(wait_s) as wait:
+        await budget.acquire(n)
+    if wait.cancelled_caught:
+        raise ProtocolError(
+            ErrorCode.SLOT_BUSY, f"no room in --max-inflight-bytes for {what} of {n} bytes within {wait_s:g} s"
+        )
+
+
+async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget, wait_s: float) -> Snapshot:
+    """Copy a slot's KV out as a v2 blob, charged to the payload budget until the caller has
+    sent it (``held``). The slot is held only for the copy."""
     t0 = time.perf_counter()
     slot = engine.slot_claim(slot_id, owner)
-    slot.transferring = True
+    held = 0
     try:
+        slot.transferring = True
+        size = encoded_head_size(engine.n_past(slot_id)) + engine.state_size(slot_id)  # exact, no llama call
+        await charge(budget, size, wait_s, "a KV snapshot")
+        held = size
         head, state, n_past = await engine.state_get(slot_id)
+        parts: list[bytes | bytearray] = [head, state]
+        kv_hash = await run_cpu_bound(partial(blob_hash, parts), len(head) + len(state))
+    except BaseException:
+        budget.release(held)
+        raise
     finally:
         engine.release(slot)
-    parts: list[bytes | bytearray] = [head, state]
-    kv_hash = await run_cpu_bound(partial(blob_hash, parts), len(head) + len(state))
-    return Snapshot(parts, n_past, len(state), kv_hash, (time.perf_counter() - t0) * 1000.0)
+    return Snapshot(parts, n_past, len(state), kv_hash, (time.perf_counter() - t0) * 1000.0, held)
+
+
+def encoded_head_size(n_tokens: int) -> int:
+    """Bytes of a v2 blob's head for ``n_tokens`` tokens, without a checkpoint (spec §3)."""
+    return 9 + 4 * n_tokens + 1
 
 
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -40,9 +40,11 @@ async def state_meta(raw_id: str) -> Response:
 async def state_get(raw_id: str) -> Response:
     engine = require_engine()
     slot_id = _slot_id(raw_id)
-    snap = await transfer.snapshot(engine, slot_id, f"http:state_get:{slot_id}")
+    state = app_state()
+    budget = state.payload_budget
+    snap = await transfer.snapshot(engine, slot_id, f"http:state_get:{slot_id}", budget, state.settings.idle_timeout_s)
     return Response(
-        _chunks(snap.parts),  # streamed from the snapshot's own buffers: no joined copy
+        _Chunks(snap.parts, lambda: budget.release(snap.held)),  # from the snapshot's own buffers
         status=200,
         content_type="application/octet-stream",
         headers={
@@ -54,11 +56,38 @@ async def state_get(raw_id: str) -> Response:
     )
 
 
-async def _chunks(parts: list[bytes | bytearray]) -> AsyncIterator[memoryview]:
-    for part in parts:
-        view = memoryview(part).cast("B")
-        for off in range(0, len(view), _CHUNK):
-            yield view[off : off + _CHUNK]
+class _Chunks:
+    """The blob's bytes as a response body, no joined copy. ``done`` (releasing the
+    snapshot's budget charge) runs once: when they are all sent, when the body is closed
+    (the client left), or, for a body never started, when it is dropped."""
+
+    def __init__(self, parts: list[bytes | bytearray], done: Callable[[], None]) -> None:
+        self._views = iter(
+            memoryview(part).cast("B")[off : off + _CHUNK] for part in parts for off in range(0, len(part), _CHUNK)
+        )
+        self._done: Callable[[], None] | None = done
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> memoryview:
+        await trio.lowlevel.checkpoint()
+        view = next(self._views, None)
+        if view is None:
+            self._finish()
+            raise StopAsyncIteration
+        return view
+
+    async def aclose(self) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done()
+
+    def __del__(self) -> None:
+        self._finish()
 
 
 @bp.put("/slots/<raw_id>/state")

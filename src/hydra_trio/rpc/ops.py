@@ -42,6 +42,9 @@ class OpContext:
     payload_len: int
     slot_id: int = 0
     kv_digest: int | None = None  # XXH3 of the DECODE kv segment, hashed as it arrived
+    # Gives the request payload's budget back early (idempotent): an op that has parsed it
+    # (PREFILL's JSON) and will charge its reply must not wait behind its own request.
+    release_payload: Callable[[], None] = field(default=lambda: None)
 
 
 class StartedWork(Protocol):
@@ -61,6 +64,9 @@ class Reply:
     # Committed once the reply is written; abandoned if it could not be (nobody will learn
     # what it started).
     started: StartedWork | None = None
+    # Payload-budget bytes the payload was charged (a snapshot): released once it is sent,
+    # or could not be.
+    held: int = 0
 
     @property
     def payload_len(self) -> int:
@@ -197,7 +203,10 @@ class OpTable:
 
     async def state_get(self, ctx: OpContext, _payload: memoryview) -> Reply:
         engine = self.engine
-        snap = await transfer.snapshot(engine, ctx.slot_id, self._owner(ctx, "STATE_GET"))
+        settings = self.state.settings
+        snap = await transfer.snapshot(
+            engine, ctx.slot_id, self._owner(ctx, "STATE_GET"), self.state.payload_budget, settings.idle_timeout_s
+        )
         ctx.log.info("STATE_GET slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, snap.n_past, snap.size, snap.ms)
         meta = {
             "n_past": snap.n_past,
@@ -205,7 +214,9 @@ class OpTable:
             "kv_hash": snap.kv_hash,
             **engine.identity.fields(),
         }
-        return Reply.ok(meta, list(snap.parts), send_chunk=engine.slot_settings.of(ctx.slot_id).get("state_chunk_size"))
+        reply = Reply.ok(meta, list(snap.parts), send_chunk=engine.slot_settings.of(ctx.slot_id).get("state_chunk_size"))
+        reply.held = snap.held
+        return reply
 
     async def state_put(self, ctx: OpContext, payload: memoryview) -> Reply:
         meta = await transfer.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
@@ -358,16 +369,35 @@ class OpTable:
         if self.state.draining:
             raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is draining for shutdown")
         body = await run_cpu_bound(partial(decode_json_object, payload, "PREFILL"), len(payload))
+        ctx.release_payload()  # parsed: its bytes are no longer needed
         engine = self.engine
         t0 = time.perf_counter()
         tokens = await engine.tokenize_request(body)
         slot = engine.slot_claim(ctx.slot_id, self._owner(ctx, "PREFILL"))
+        budget, held = self.state.payload_budget, 0
         try:
             _, logits = await engine.prefill(ctx.slot_id, tokens, 0, want_logits=True)
             assert logits is not None
+            # The copy out is charged until the reply is sent (a slow reader holds it).
+            size = transfer.encoded_head_size(len(tokens)) + engine.state_size(ctx.slot_id) + len(logits)
+            await transfer.charge(budget, size, self.state.settings.idle_timeout_s, "a PREFILL reply")
+            held = size
             head, state, n_past = await engine.state_get(ctx.slot_id)
+        except BaseException:
+            budget.release(held)
+            raise
         finally:
             engine.release(slot)
+        try:
+            return await self._prefill_reply(ctx, tokens, head, state, n_past, logits, t0, held)
+        except BaseException:
+            budget.release(held)
+            raise
+
+    async def _prefill_reply(
+        self, ctx: OpContext, tokens: list[int], head: bytes, state: Buffer, n_past: int, logits: bytes, t0: float, held: int
+    ) -> Reply:
+        engine = self.engine
         prefill_ms = (time.perf_counter() - t0) * 1000.0
         parts: list[Buffer] = [head, state, logits]
         self.state.metrics.prompt_tokens.labels("prefill").inc(len(tokens))
@@ -380,7 +410,9 @@ class OpTable:
             "kv_hash": await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts))),  # type: ignore[arg-type]
             **engine.identity.fields(),
         }
-        return Reply.ok(meta, parts)
+        reply = Reply.ok(meta, parts)
+        reply.held = held
+        return reply
 
 
 def _bad(msg: str) -> ProtocolError:

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
+from ..budget import ByteBudget
 from ..config import Settings, is_loopback
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
 from . import peer
-from .connection import ByteBudget, Connection, PeerClosed
+from .connection import Connection, PeerClosed
 from .ops import OpContext, OpSpec, OpTable, Reply
 
 if TYPE_CHECKING:
@@ -246,6 +247,15 @@ async def _answer_or_hang_up(
     state: AppState, spec: OpSpec, ctx: OpContext, payload: np.ndarray, release_payload: Callable[[], None]
 ) -> bool:
     sock = ctx.conn.sock
+    released = False
+
+    def release_once() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            release_payload()
+
+    ctx.release_payload = release_once
     watch = trio.CancelScope()  # the watcher's own: it watches the op, not the reply
     async with trio.open_nursery() as hangup:
         if spec.cancel_on_disconnect:
@@ -253,31 +263,40 @@ async def _answer_or_hang_up(
         try:
             reply = await _run_op(spec, ctx, memoryview(payload))
         finally:
-            release_payload()
+            release_once()
         # From here a failed send, or reset_after_reply, tells whether the reply was taken.
         watch.cancel()
         state.metrics.rpc_requests.labels(spec.name, reply.status.name).inc()
         try:
-            if spec.cancel_on_disconnect and peer.was_reset(sock):
-                # The reset came in the batch that ended the op; the watcher has not run yet.
-                raise PeerClosed("peer reset the connection before the reply")
-            await _send_reply(ctx.conn, reply)
-            if reply.started is not None and peer.saw_eof(sock) and await peer.reset_after_reply(sock):
-                # Its EOF was a close, not a half-close: the reply reached a closed socket.
-                raise PeerClosed("peer had closed before the reply: it answered with a reset")
-        except BaseException:
-            if reply.started is not None:
-                ctx.log.info("%s: reply not written, or not read; cancelling what it started", spec.name)
-                with trio.CancelScope(shield=True):
-                    await reply.started.abandon()
-            raise
-        if reply.started is not None:
-            reply.started.commit()
-        state.metrics.rpc_bytes_out.inc(reply.payload_len)
+            await _deliver(state, spec, ctx, reply)
+        finally:
+            state.payload_budget.release(reply.held)  # a snapshot's charge: sent, or never will be
         hangup.cancel_scope.cancel()
         return True
     ctx.log.info("%s: peer reset the connection before the reply; request cancelled", spec.name)
     return False
+
+
+async def _deliver(state: AppState, spec: OpSpec, ctx: OpContext, reply: Reply) -> None:
+    """Write the reply; commit what it started once the peer took it, abandon it otherwise."""
+    sock = ctx.conn.sock
+    try:
+        if spec.cancel_on_disconnect and peer.was_reset(sock):
+            # The reset came in the batch that ended the op; the watcher has not run yet.
+            raise PeerClosed("peer reset the connection before the reply")
+        await _send_reply(ctx.conn, reply)
+        if reply.started is not None and peer.saw_eof(sock) and await peer.reset_after_reply(sock):
+            # Its EOF was a close, not a half-close: the reply reached a closed socket.
+            raise PeerClosed("peer had closed before the reply: it answered with a reset")
+    except BaseException:
+        if reply.started is not None:
+            ctx.log.info("%s: reply not written, or not read; cancelling what it started", spec.name)
+            with trio.CancelScope(shield=True):
+                await reply.started.abandon()
+        raise
+    if reply.started is not None:
+        reply.started.commit()
+    state.metrics.rpc_bytes_out.inc(reply.payload_len)
 
 
 async def _cancel_on_reset(
