@@ -88,7 +88,10 @@ async def test_a_stop_word_drops_the_step_and_leaves_a_consistent_slot(
         stopped = r.json()
         assert text_of(stopped) == full[:cut]
         assert stopped["choices"][0]["finish_reason"] == "stop"
-        assert engine.batcher.ahead_dropped == dropped + 1
+        # At most the one look-ahead step of the stopping token was dropped. Whether there was
+        # one depends on timing: a request that lags (a busy machine) has not taken its last
+        # look-ahead step when the next token is sampled, and that one gets none of its own.
+        assert engine.batcher.ahead_dropped - dropped in (0, 1)
         # The dropped step either never ran or ran to its end: our token list and the KV
         # agree either way, and hold at most one token beyond what the request used.
         usage = stopped["usage"]
