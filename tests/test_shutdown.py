@@ -167,3 +167,33 @@ def test_sigterm_drains_a_streaming_completion_and_refuses_new_work(tiny_model: 
     assert proc.returncode == 0, text
     assert text.index("received SIGTERM") < text.index("stopped")
     assert "stopping what still runs" not in text
+
+
+async def test_a_stop_while_the_model_loads_ends_serve(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    """A SIGTERM while llama.cpp loads the model cancels serve() while the load (an
+    uncancellable thread) finishes. The engine then still starts its shielded tasks; serve
+    must stop them and return, not wait for them forever (it did: nursery.start from a
+    cancelled caller never hands the started task over)."""
+    import threading
+
+    import trio
+
+    from conftest import test_settings
+    from hydra_trio import app
+    from hydra_trio.engine import engine as engine_module
+
+    loading = threading.Event()
+    real_backend = engine_module.LlamaBackend
+
+    class SlowBackend(real_backend):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            loading.set()
+            time.sleep(0.3)  # the cancellation arrives during the load
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "LlamaBackend", SlowBackend)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(app.serve, test_settings(tiny_model))
+            await trio.to_thread.run_sync(loading.wait, 10)
+            nursery.cancel_scope.cancel()

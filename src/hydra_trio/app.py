@@ -12,6 +12,8 @@ then the engine, so nothing waits on a step of a closed engine.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import trio
 
@@ -50,6 +52,26 @@ def resolve_model(settings: Settings) -> tuple[str, str | None]:
     return str(path), settings.alias or "hydra-synthetic-small"
 
 
+class _Ready:
+    """A task status for ``start_service``: ``started()`` sets an event."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def started(self, _value: object = None) -> None:
+        self.event.set()
+
+
+async def start_service(nursery: trio.Nursery, run: Callable[..., Awaitable[None]]) -> None:
+    """Start a service that shields its own lifetime (it ends by its ``stop()``), and wait
+    until it is ready. Not ``nursery.start``: from a caller cancelled meanwhile (a SIGTERM
+    while the model loads), trio leaves a task that calls ``started()`` where it is, under
+    the caller, and the caller then waits for it forever, since its ``stop()`` comes after."""
+    ready = _Ready()
+    nursery.start_soon(partial(run, task_status=ready))
+    await ready.event.wait()
+
+
 async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the whole engine until cancelled."""
     state = AppState(settings=settings)
@@ -64,11 +86,11 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                 state.startup_phase = "loading model"
                 model_path, alias = await trio.to_thread.run_sync(resolve_model, settings)
                 engine = await Engine.load(model_path, settings, alias=alias)
-                await services.start(engine.run)
+                await start_service(services, engine.run)
                 store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
                 state.metrics.watch_engine(engine, lambda: len(store.running()))
                 decodes = DecodeManager(engine, store, settings, state.metrics)
-                await services.start(decodes.run)
+                await start_service(services, decodes.run)
                 exports = ExportStore(
                     max_bytes=settings.kv_export_max_bytes, ttl_s=settings.kv_export_ttl_s, registry=state.metrics.registry
                 )
