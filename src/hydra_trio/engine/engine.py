@@ -330,10 +330,13 @@ class Engine:
         """Refuse text too long for a slot before any per-token work (see
         MAX_PROMPT_BYTES_PER_POSITION)."""
         limit = MAX_PROMPT_BYTES_PER_POSITION * self.n_ctx_slot
-        if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+        if len(text) <= limit // 4:  # 4 UTF-8 bytes a character at most: no need to encode
+            return
+        n_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if n_bytes > limit:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
-                f"text of {len(text.encode('utf-8', 'surrogatepass'))} bytes: a slot holds {self.n_ctx_slot} positions, "
+                f"text of {n_bytes} bytes: a slot holds {self.n_ctx_slot} positions, "
                 f"and text over {MAX_PROMPT_BYTES_PER_POSITION} bytes a position is refused untokenized",
                 status=Status.BAD_REQUEST,
             )

@@ -13,7 +13,7 @@ import xxhash
 from ..budget import ByteBudget
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError
-from ..wire.kvblob import parse_kv_blob
+from ..wire.kvblob import blob_head_size, parse_kv_blob
 from .engine import Engine
 
 
@@ -57,7 +57,7 @@ async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget,
     held = 0
     try:
         slot.transferring = True
-        size = encoded_head_size(engine.n_past(slot_id)) + engine.state_size(slot_id)  # exact, no llama call
+        size = blob_head_size(engine.n_past(slot_id)) + engine.state_size(slot_id)  # exact, no llama call
         await charge(budget, size, wait_s, "a KV snapshot")
         held = size
         head, state, n_past = await engine.state_get(slot_id)
@@ -70,10 +70,6 @@ async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget,
         engine.release(slot)
     return Snapshot(parts, n_past, len(state), kv_hash, (time.perf_counter() - t0) * 1000.0, held)
 
-
-def encoded_head_size(n_tokens: int) -> int:
-    """Bytes of a v2 blob's head for ``n_tokens`` tokens, without a checkpoint (spec §3)."""
-    return 9 + 4 * n_tokens + 1
 
 
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:

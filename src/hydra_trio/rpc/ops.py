@@ -20,6 +20,7 @@ from ..engine.transfer import blob_hash
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
+from ..wire.kvblob import blob_head_size
 from ..wire.kvpull import KV_PULL_MAX_REQUEST_BYTES, parse_pull_request
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
 from .connection import Connection
@@ -379,7 +380,7 @@ class OpTable:
             _, logits = await engine.prefill(ctx.slot_id, tokens, 0, want_logits=True)
             assert logits is not None
             # The copy out is charged until the reply is sent (a slow reader holds it).
-            size = transfer.encoded_head_size(len(tokens)) + engine.state_size(ctx.slot_id) + len(logits)
+            size = blob_head_size(len(tokens)) + engine.state_size(ctx.slot_id) + len(logits)
             await transfer.charge(budget, size, self.state.settings.idle_timeout_s, "a PREFILL reply")
             held = size
             head, state, n_past = await engine.state_get(ctx.slot_id)

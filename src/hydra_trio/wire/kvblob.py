@@ -62,6 +62,12 @@ def _tokens_to_bytes(tokens: list[int] | array) -> bytes:
     return arr.tobytes()
 
 
+def blob_head_size(n_tokens: int) -> int:
+    """Bytes of ``encode_blob_head`` for ``n_tokens`` tokens without a checkpoint: to charge
+    a blob to a budget before it is made."""
+    return _HEAD.size + 4 * n_tokens + 1  # + the flags byte
+
+
 def encode_blob_head(n_past: int, tokens: list[int] | array, checkpoint: Checkpoint | None = None) -> bytes:
     """Everything before the llama state bytes. Send it, then the state, then optional logits."""
     parts = [_HEAD.pack(KV_BLOB_VERSION, n_past, len(tokens)), _tokens_to_bytes(tokens)]
