@@ -1,6 +1,9 @@
-"""`python -m benchmarks.router [--preset bench] [--tokens 2048] [--repeats 3]`
+"""`python -m benchmarks.router [--workload pd|multi-turn|all] [--preset bench] [--tokens 2048] [--repeats 3]`
 
-TTFT through vllm-router for one long prompt: P/D hand-off (``--vllm-pd-disaggregation``:
+``--workload multi-turn`` (benchmarks/kv_routing.py): a multi-turn chat workload over three
+engines with the router's round_robin, cache_aware and kv_aware (KV events) policies.
+
+``--workload pd``: TTFT through vllm-router for one long prompt: P/D hand-off (``--vllm-pd-disaggregation``:
 prefill engine P exports the KV, decode engine D pulls it over KV_PULL) against plain
 routing (``--worker-urls D``: D recomputes the prompt). Engines and routers are separate
 processes on loopback; every repeat uses a new prompt, so no engine finds it cached.
@@ -93,9 +96,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length (words; ~1 token each)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "hydra-trio" / "bench"))
+    ap.add_argument("--workload", default="all", choices=["pd", "multi-turn", "all"])
+    ap.add_argument("--multi-turn-model", default="small", help="multi-turn: a synthetic preset, a GGUF path or gemma3-270m")
+    ap.add_argument("--sessions", type=int, default=12, help="multi-turn: sessions")
+    ap.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
+    ap.add_argument("--clients", type=int, default=3, help="multi-turn: sessions running at once")
+    ap.add_argument("--n-predict", type=int, default=16, help="multi-turn: tokens per answer")
     args = ap.parse_args(argv)
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
+    if args.workload in ("multi-turn", "all"):
+        from .kv_routing import multi_turn
+
+        m = args.multi_turn_model
+        if m in ("tiny", "small", "bench"):
+            model = build_models(cache, [m])[m]
+        else:
+            from hydra_trio.model.registry import resolve_model_arg
+
+            model = str(resolve_model_arg(m)[0])
+        log_dir = RESULTS / "router-multi-turn-logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        name = Path(model).stem
+        multi_turn(model, log_dir, RESULTS / f"router-multi-turn-{name}.json", sessions=args.sessions, turns=args.turns,
+                   clients=args.clients, n_predict=args.n_predict, start_router=start_router)
+        if args.workload == "multi-turn":
+            return 0
     model = build_models(cache, [args.preset])[args.preset]
     log_dir = RESULTS / f"router-{args.preset}-logs"  # ignored by git, like the other runs' logs
     log_dir.mkdir(parents=True, exist_ok=True)

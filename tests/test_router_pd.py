@@ -6,16 +6,10 @@ engine's answer back."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import trio
 
@@ -29,33 +23,13 @@ from helpers import (
     stream_then_hang_up,
     wait_until,
 )
+from routers import Router, launch_router, needs_router
 
 N = 12
 PROMPT = [{"role": "user", "content": "the slot cache engine moves its keys " * 12}]
 
 
-def _router_binary() -> str | None:
-    beside = Path(sys.executable).parent / "vllm-router"  # the venv's console script
-    return str(beside) if beside.exists() else shutil.which("vllm-router")
-
-
-ROUTER = _router_binary()
-pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Router:
-    def __init__(self, port: int, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
-
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, timeout=90.0)
+pytestmark = needs_router
 
 
 @pytest.fixture
@@ -63,37 +37,14 @@ async def router_over(nursery: trio.Nursery, tmp_path: Path) -> Callable[..., An
     """``await router_over(prefill_ep, decode_ep)`` -> Router, ready; killed at teardown."""
 
     async def start(prefill: Any, decode: Any) -> Router:
-        assert ROUTER is not None
-        port = _free_port()
-        log = tmp_path / f"router-{port}.log"
-        cmd = [
-            ROUTER,
+        args = [
             "--vllm-pd-disaggregation",
             "--prefill", f"http://127.0.0.1:{prefill.http_port}",
             "--decode", f"http://127.0.0.1:{decode.http_port}",
-            "--host", "127.0.0.1",
-            "--port", str(port),
-            "--prometheus-port", str(_free_port()),  # its own exporter; the default may be taken
             "--policy", "round_robin",
             "--disable-retries",
-        ]
-        out = log.open("wb")
-        # Cancelling the test's nursery kills it (trio.run_process's cancellation).
-        nursery.start_soon(partial(trio.run_process, cmd, check=False, stdout=out, stderr=subprocess.STDOUT))
-        router = Router(port, log)
-
-        async def ready() -> bool:
-            try:
-                async with router.client() as c:
-                    return (await c.get("/readiness")).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        try:
-            await wait_until(ready, 60.0)
-        except trio.TooSlowError:
-            raise AssertionError("vllm-router did not become ready:\n" + log.read_text()[-3000:]) from None
-        return router
+        ]  # fmt: skip
+        return await launch_router(nursery, tmp_path, args)
 
     return start
 

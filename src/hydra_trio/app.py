@@ -23,6 +23,7 @@ from .decode.manager import DecodeManager
 from .decode.store import ResultStore
 from .engine.engine import Engine
 from .http.server import serve_http
+from .kvevents import open_kv_events
 from .rpc.server import open_rpc_listeners, serve_rpc
 from .state import AppState, Endpoints
 
@@ -77,43 +78,55 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
     state = AppState(settings=settings)
     engine: Engine | None = None
     decodes: DecodeManager | None = None
-    async with trio.open_nursery() as services:  # engine and decode manager: they end last
-        try:
-            async with trio.open_nursery() as front:  # HTTP and RPC: they end first
-                http_port = await front.start(serve_http, state)
-                log.info("HTTP listening on http://%s:%d", settings.host, http_port)
-                rpc_listeners = await open_rpc_listeners(settings)  # a port in use stops us here
-                state.startup_phase = "loading model"
-                model_path, alias = await trio.to_thread.run_sync(resolve_model, settings)
-                engine = await Engine.load(model_path, settings, alias=alias)
-                await start_service(services, engine.run)
-                store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
-                state.metrics.watch_engine(engine, lambda: len(store.running()))
-                decodes = DecodeManager(engine, store, settings, state.metrics)
-                await start_service(services, decodes.run)
-                exports = ExportStore(
-                    max_bytes=settings.kv_export_max_bytes, ttl_s=settings.kv_export_ttl_s, registry=state.metrics.registry
-                )
-                await services.start(exports.run)
-                log.info(
-                    "KV hand-offs may pull from %s (--kv-pull-allow)", ", ".join(map(str, settings.kv_pull_networks()))
-                )
-                state.engine, state.decodes, state.exports = engine, decodes, exports
-                rpc_port = await front.start(serve_rpc, state, rpc_listeners)
-                state.rpc_port = rpc_port
-                if settings.advertise_host is None and settings.host in ("0.0.0.0", "::", ""):
-                    log.warning(
-                        "KV exports will name RPC host %r, which other machines cannot reach: "
-                        "set --advertise-host to this engine's address", settings.host
+    try:
+        async with trio.open_nursery() as services:  # engine and decode manager: they end last
+            try:
+                async with trio.open_nursery() as front:  # HTTP and RPC: they end first
+                    http_port = await front.start(serve_http, state)
+                    log.info("HTTP listening on http://%s:%d", settings.host, http_port)
+                    rpc_listeners = await open_rpc_listeners(settings)  # a port in use stops us here
+                    state.kv_events = open_kv_events(settings, state.metrics.registry)  # also here
+                    state.startup_phase = "loading model"
+                    model_path, alias = await trio.to_thread.run_sync(resolve_model, settings)
+                    engine = await Engine.load(model_path, settings, alias=alias)
+                    await start_service(services, engine.run)
+                    store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
+                    state.metrics.watch_engine(engine, lambda: len(store.running()))
+                    decodes = DecodeManager(engine, store, settings, state.metrics)
+                    await start_service(services, decodes.run)
+                    exports = ExportStore(
+                        max_bytes=settings.kv_export_max_bytes, ttl_s=settings.kv_export_ttl_s, registry=state.metrics.registry
                     )
-                state.startup_phase = "ready"
-                log.info("ready: HTTP port %d, RPC port %d", http_port, rpc_port)
-                task_status.started(Endpoints(http_port, rpc_port, state))
-                await trio.sleep_forever()
-        finally:
-            # The front ends have ended: stop the services that outlive them, innermost first.
-            if decodes is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(_STOP_WAIT_S):
-                    await decodes.stop()
-            if engine is not None:
-                engine.stop()
+                    await services.start(exports.run)
+                    log.info(
+                        "KV hand-offs may pull from %s (--kv-pull-allow)", ", ".join(map(str, settings.kv_pull_networks()))
+                    )
+                    state.engine, state.decodes, state.exports = engine, decodes, exports
+                    if state.kv_events is not None:
+                        blocks = engine.publish_kv_events(state.kv_events.publish, state.kv_events.block_size)
+                        state.metrics.live_gauge(
+                            "hydra_kv_blocks_held", "distinct KV blocks the slots hold (as KV events told)", lambda: blocks.n_held
+                        )
+                        await front.start(state.kv_events.serve, engine.resync_kv_events)
+                    rpc_port = await front.start(serve_rpc, state, rpc_listeners)
+                    state.rpc_port = rpc_port
+                    if settings.advertise_host is None and settings.host in ("0.0.0.0", "::", ""):
+                        log.warning(
+                            "KV exports will name RPC host %r, which other machines cannot reach: "
+                            "set --advertise-host to this engine's address", settings.host
+                        )
+                    state.startup_phase = "ready"
+                    log.info("ready: HTTP port %d, RPC port %d", http_port, rpc_port)
+                    task_status.started(Endpoints(http_port, rpc_port, state))
+                    await trio.sleep_forever()
+            finally:
+                # The front ends have ended: stop the services that outlive them, innermost first.
+                if decodes is not None:
+                    with trio.CancelScope(shield=True), trio.move_on_after(_STOP_WAIT_S):
+                        await decodes.stop()
+                if engine is not None:
+                    engine.stop()
+    finally:
+        if state.kv_events is not None:  # after the engine's last call (later events are dropped)
+            state.kv_events.close()
+

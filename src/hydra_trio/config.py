@@ -58,6 +58,12 @@ class Settings:
     # RPC transport (spec §1)
     max_connections: int = 64
     http_idle_timeout_s: float = 30.0  # an HTTP connection with no request in progress this long is closed
+    # HTTP connections served at once; 0: derived from the open-file limit (http/connections.py).
+    max_http_connections: int = 0
+    # A request body (state upload, JSON) must average this rate once its grace is over:
+    # a trickling sender cannot hold its payload budget or its buffer indefinitely. 0: no floor.
+    min_upload_bytes_per_s: int = 1 * _MiB
+    upload_grace_s: float = 10.0
     idle_timeout_s: float = 120.0
     drain_limit_bytes: int = 64 * _MiB
     max_kv_bytes: int = 4 * _GiB
@@ -77,6 +83,15 @@ class Settings:
     # Networks a decode engine may pull KV exports from (a request names the address): the
     # default keeps an HTTP client from aiming the engine anywhere but this machine.
     kv_pull_allow: str = "127.0.0.0/8,::1"
+    # KV events for routers that route by cache (vllm-router --policy kv_aware): a ZMQ PUB
+    # endpoint to bind (None: off), an optional ROUTER endpoint serving replays of recent
+    # batches from a ring of this many bytes, the topic, and tokens per block.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_replay_bytes: int = 64 * _MiB
+    kv_events_topic: str = ""
+    kv_events_block_size: int = 16
+    kv_events_hwm: int = 100_000  # messages queued per subscriber; past it PUB drops (never waits)
     # CONFIGURE over RPC: the tiers accepted (T2 rebuilds the context, T3 loads another
     # model), and the folder T3 may load from (None: the served model's folder).
     configure_tiers: str = "T1,T2,T3"
@@ -152,6 +167,9 @@ _HELP: dict[str, str] = {
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
     "http_idle_timeout_s": "an HTTP connection with no request in progress (also one that never sent a byte) this long is closed",
     "max_connections": "RPC connections served at once (as many more wait in the listen backlog)",
+    "max_http_connections": "HTTP connections served at once; past it, up to 64 more at a time get one answer each (/health as usual, else 503) and are closed; 0 = the open-file limit less RPC's --max-connections, that reserve and 256, at most 4096",
+    "min_upload_bytes_per_s": "a request body (state upload, JSON) must arrive at this average rate, counted after --upload-grace-s, else 408 and its payload budget is released; 0 = no floor (--idle-timeout-s of silence still ends it)",
+    "upload_grace_s": "seconds a request body may take before --min-upload-bytes-per-s applies (its deadline: grace + bytes received / rate)",
     "idle_timeout_s": "an RPC peer idle, or sending/reading no byte mid-request, this long is "
     "closed; also the wait for payload room",
     "drain_limit_bytes": "a refused request's payload up to this size is drained, larger closes",
@@ -169,6 +187,12 @@ _HELP: dict[str, str] = {
     "kv_export_ttl_s": "seconds a KV export waits to be pulled before it is dropped",
     "kv_pull_timeout_s": "deadline for pulling a KV export from a prefill engine",
     "kv_pull_allow": "networks a decode engine may pull KV exports from, CIDR[,CIDR...] (a hand-off naming another address falls back to a local prefill)",
+    "kv_events_endpoint": "publish vLLM KV events (what the slots hold) on this ZMQ PUB endpoint, e.g. tcp://0.0.0.0:5557, for vllm-router --policy kv_aware (default: off)",
+    "kv_events_replay_endpoint": "serve replays of recent KV event batches on this ZMQ ROUTER endpoint (vllm-router --kv-event-replay-source)",
+    "kv_events_replay_bytes": "bytes of recent KV event batches kept for replays (the oldest go first)",
+    "kv_events_topic": "topic of every KV event message (vllm-router's default: empty)",
+    "kv_events_block_size": "tokens per KV event block (vllm-router's --kv-event-block-size; 16 in P/D mode)",
+    "kv_events_hwm": "KV event messages queued per subscriber; past it a slow subscriber misses messages (and asks for a replay) instead of the engine waiting",
     "configure_tiers": "CONFIGURE tiers accepted over RPC, a comma list of T1 (per-slot sampling), T2 (context rebuild), T3 (model reload); others are refused",
     "model_dir": "the folder CONFIGURE T3 may load a model_path from (a regular GGUF file inside it, symlinks resolved); default: the served model's folder",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
@@ -261,6 +285,9 @@ _RANGES: dict[str, tuple[float, float]] = {
     "step_token_budget": (1, 8192),
     "slot_prompt_similarity": (0.0, 1.0),
     "stream_interval": (1, 4096),
+    "kv_events_block_size": (1, 4096),
+    "kv_events_hwm": (1, 10_000_000),
+    "kv_events_replay_bytes": (0, 1 << 40),
 }
 
 
@@ -282,6 +309,10 @@ def validate(s: Settings) -> None:
         problems.append(f"ctx_size ({s.ctx_size}) gives each of {s.slots} slots fewer than 16 cells with a split KV cache (--ctx-size, --slots, --kv-unified)")
     if s.threads < 1:
         problems.append("threads must be >= 1")
+    if s.max_http_connections < 0 or s.min_upload_bytes_per_s < 0:
+        problems.append("max_http_connections and min_upload_bytes_per_s must be >= 0 (0 = the default bound / no floor)")
+    if s.upload_grace_s <= 0:
+        problems.append("upload_grace_s must be positive")
     for name in ("port", "rpc_port"):
         if not 0 <= getattr(s, name) <= 65535:
             problems.append(f"{name} must be 0..65535")
@@ -301,6 +332,8 @@ def validate(s: Settings) -> None:
         problems.append("main_gpu must be >= 0")
     if s.flash_attn not in FLASH_ATTN_MODES:
         problems.append(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
+    if s.kv_events_replay_endpoint and not s.kv_events_endpoint:
+        problems.append("kv_events_replay_endpoint needs kv_events_endpoint (the replays are of its batches)")
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
     if problems:

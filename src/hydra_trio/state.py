@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .decode.exports import ExportStore
     from .decode.manager import DecodeManager
     from .engine.engine import Engine
+    from .kvevents import KvEventPublisher
 
 log = logging.getLogger("hydra_trio")
 
@@ -43,6 +44,7 @@ class AppState:
     payload_budget: ByteBudget = field(init=False)
     exports: ExportStore | None = None  # KV exports awaiting KV_PULL (P/D hand-off via a router)
     rpc_port: int | None = None  # set once the RPC listener runs (advertised in kv_transfer_params)
+    kv_events: KvEventPublisher | None = None  # --kv-events-endpoint: bound before the model loads
     startup_phase: str = "starting"
     # Set by the first SIGTERM/SIGINT: new work is refused (HTTP 503, RPC BUSY) while what
     # runs finishes; /health says "draining" so load balancers stop sending.

@@ -28,6 +28,7 @@ from .devices import (
     offloaded_layers,
     read_ggml_devices,
 )
+from .kvblocks import SlotBlocks
 from .params import SamplingParams
 from .promptcache import Snapshot
 from .seqstate import (
@@ -286,6 +287,8 @@ class LlamaBackend:
         self._batch = None
         self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
+        # Told of every change of a slot's KV (kvblocks.py: the KV events); None: nobody.
+        self.watcher: SlotBlocks | None = None
         self.type_k = type_k
         self.type_v = type_v
         self.offload: OffloadReport | None = None
@@ -354,6 +357,8 @@ class LlamaBackend:
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
+        # Per slot: how many leading positions are unchanged since the watcher last saw it.
+        self._kept = [0] * self.n_slots
         # The logits of each slot's last position, kept when the evaluation that ended there
         # asked for them (a prefill for a hand-off) or a restored blob carried them: a
         # request that continues the slot with exactly its prompt samples its first token
@@ -399,6 +404,9 @@ class LlamaBackend:
         """Bookkeeping after the slot's sequence changed (runs on the worker); ``tail_logits``:
         those of its new last position, when the change computed or restored them."""
         self.tail_logits[slot] = tail_logits
+        if self.watcher is not None:
+            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot])
+        self._kept[slot] = len(self.seq_tokens[slot])
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
             self._sizes[slot] = self.state_size(slot)
@@ -522,6 +530,7 @@ class LlamaBackend:
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self.seq_tokens[slot] = []
         self._swa_low[slot] = 0
+        self._kept[slot] = 0
         self._advanced(slot)
 
     def truncate_slot(self, slot: int, n_keep: int) -> None:
@@ -531,12 +540,14 @@ class LlamaBackend:
         elif n_keep < len(self.seq_tokens[slot]):
             llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
             del self.seq_tokens[slot][n_keep:]
+            self._kept[slot] = min(self._kept[slot], n_keep)
             self._advanced(slot)
 
     def _resync(self, seq: int) -> None:
         # After a failed decode, believe the KV cache, not our bookkeeping.
         n = llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
         del self.seq_tokens[seq][max(n, 0):]
+        self._kept[seq] = min(self._kept[seq], max(n, 0))
         self._advanced(seq)
 
     def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
@@ -904,6 +915,7 @@ class LlamaBackend:
                 llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
                 llama_cpp.llama_memory_seq_cp(self._mem, target, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
+            self._kept[slot] = 0  # every position may differ (kvblocks.py keeps equal blocks)
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)
             committed = True

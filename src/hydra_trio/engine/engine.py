@@ -24,6 +24,7 @@ from ..config import Settings
 from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvblob import KvBlob, encode_blob_head
+from ..wire.kvevents import Event
 from .backend import (
     DecodeAborted,
     LlamaBackend,
@@ -35,6 +36,7 @@ from .backend import (
 )
 from .batcher import PartOutcome, StepBatcher
 from .devices import OffloadSettings
+from .kvblocks import SlotBlocks
 from .params import GenerationParams, parse_generation
 from .promptcache import PromptCache
 from .reconfigure import Reconfigurer, SlotSettings
@@ -117,6 +119,8 @@ class Engine:
             wants_turn=self.worker.wants_turn,
         )
         self.tokens_generated = 0
+        # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
+        self.kv_blocks: SlotBlocks | None = None
         # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
         self.prompt_cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
@@ -239,6 +243,25 @@ class Engine:
     def n_vocab(self) -> int:
         return self.backend.info.n_vocab
 
+    def publish_kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> SlotBlocks:
+        """From now on, every change of what the slots hold goes to ``publish`` as KV events,
+        after the GPU-worker call that made it (on the trio thread)."""
+        blocks = self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
+        self.backend.watcher = blocks
+        self.worker.after_call = lambda: publish(blocks.take()) if blocks.pending else None
+        return blocks
+
+    async def resync_kv_events(self) -> None:
+        """Tell everything the slots hold anew (for a new subscriber), between worker calls."""
+        if self.kv_blocks is not None:
+            await self.worker.call(self.kv_blocks.resync)
+
+    def _slots_emptied(self, backend: LlamaBackend) -> None:
+        """On the worker, once a T2/T3 change has emptied every slot (``backend`` serves now)."""
+        if self.kv_blocks is not None:
+            backend.watcher = self.kv_blocks
+            self.kv_blocks.all_cleared()
+
     # ---- CONFIGURE T2/T3 ---------------------------------------------------------------
 
     async def _apply_staged(self, changes: dict[str, Any]) -> None:
@@ -251,7 +274,7 @@ class Engine:
             old = self.backend
 
             def load(_abort: threading.Event) -> LlamaBackend:
-                return LlamaBackend(
+                new = LlamaBackend(
                     path,
                     n_slots=old.n_slots,
                     n_ctx=changes.get("n_ctx", old.n_ctx),
@@ -262,6 +285,8 @@ class Engine:
                     offload=old.offload_settings,
                     kv_unified=old.kv_unified,
                 )
+                self._slots_emptied(new)
+                return new
 
             new = await self.worker.run(load)
             self.backend, self.identity, self.model_path = new, identity, path
@@ -279,11 +304,16 @@ class Engine:
             log.info("T3: model reloaded from %s in %.0f ms (%s)", path, self.last_t3_reload_ms, identity.model_name)
         else:
             b = self.backend
-            await self.worker.run(
-                lambda _abort: b.rebuild_context(
-                    n_ctx=changes.get("n_ctx"), type_k=changes.get("cache_type_k"), type_v=changes.get("cache_type_v")
-                )
-            )
+
+            def rebuild(_abort: threading.Event) -> None:
+                try:
+                    b.rebuild_context(
+                        n_ctx=changes.get("n_ctx"), type_k=changes.get("cache_type_k"), type_v=changes.get("cache_type_v")
+                    )
+                finally:  # also when it failed: the previous setup was rebuilt, empty
+                    self._slots_emptied(b)
+
+            await self.worker.run(rebuild)
             log.info("T2: context rebuilt in %.0f ms: %s", (time.perf_counter() - t0) * 1000.0, changes)
 
     # ---- prompts -----------------------------------------------------------------------
@@ -344,9 +374,14 @@ class Engine:
     async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         """Text -> tokens on the GPU worker, bounded: text no slot could hold is refused first."""
         self.check_text_fits(text)
-        return await self.worker.call(
-            lambda: self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
-        )
+        try:
+            return await self.worker.call(
+                lambda: self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
+            )
+        except UnicodeEncodeError:  # JSON's "\ud800": a str, but no UTF-8 (benchmarks/hostile.py)
+            raise ProtocolError(
+                ErrorCode.BAD_JSON, "text holds a lone surrogate (U+D800..U+DFFF): not valid Unicode", status=Status.BAD_REQUEST
+            ) from None
 
     async def tokenize_text(self, text: str) -> list[int]:
         """Prompt text -> tokens, refusing prompts that cannot fit."""

@@ -43,6 +43,8 @@ class GpuWorker:
         # Set by every call that waits for the worker: a long call that ``yields`` (a run of
         # generation steps) polls it and returns early.
         self.wants_turn = threading.Event()
+        # Run on the trio thread after every call (the KV events of what the call changed).
+        self.after_call: Callable[[], None] | None = None
 
     async def wait_while_busy(self) -> None:
         """Return once the call running now, if any, has returned (a caller about to compose
@@ -53,6 +55,8 @@ class GpuWorker:
     def _ended(self) -> None:
         self._call_ended.set()
         self._call_ended = trio.Event()
+        if self.after_call is not None:
+            self.after_call()
 
     def _refuse_when_closed(self) -> None:
         if self._closed:

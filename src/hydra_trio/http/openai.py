@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
@@ -17,27 +17,38 @@ from .common import app_state, generation_owner, json_response, read_json_body, 
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
 from .sse import HOLE, completion_chunk, now_s, sse_event, sse_text_events, timings, usage
 
+if TYPE_CHECKING:
+    from ..state import AppState
+
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__)
 
 
 @bp.get("/health")
 async def health() -> Response:
-    state = app_state()
+    status, body, headers = health_reply(app_state())
+    return json_response(body, status, headers=headers)
+
+
+def health_reply(state: AppState) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) of /health; also what a connection past
+    --max-http-connections is answered (http/connections.py)."""
     engine = state.engine
     if engine is None:
-        return json_response({"status": "starting", "detail": state.startup_phase}, 503)
+        return 503, {"status": "starting", "detail": state.startup_phase}, {}
     if state.draining:  # load balancers take the engine out; running requests finish
-        return json_response({"status": "draining", "in_flight": state.in_flight()}, 503, headers={"Retry-After": "1"})
+        return 503, {"status": "draining", "in_flight": state.in_flight()}, {"Retry-After": "1"}
     busy = sum(1 for s in engine.slots.slots if s.busy)
-    return json_response(
+    return (
+        200,
         {
             "status": "ok",
             "model": engine.identity.model_alias,
             "model_name": engine.identity.model_name,
             "slots_idle": len(engine.slots) - busy,
             "slots_processing": busy,
-        }
+        },
+        {},
     )
 
 
@@ -49,6 +60,8 @@ async def version() -> Response:
     body: dict[str, Any] = {"engine": "hydra-trio", "version": __version__, "llama_cpp_python": state.llama_cpp_version}
     if state.engine is not None:  # hardware and template are known once the model is loaded
         body.update(state.engine.runtime_fields())
+    if state.kv_events is not None:
+        body["kv_events"] = state.kv_events.describe()
     return json_response(body)
 
 

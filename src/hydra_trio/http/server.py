@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import resource
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -16,8 +17,10 @@ from ..tasks import leaves
 from .auth import install_auth
 from .common import client_request_id, json_response, register_error_handlers, set_request_nursery
 from .completions import bp as completions_bp
+from .connections import attach
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
+from .openai import health_reply
 from .sse import error_body
 from .state_routes import bp as state_bp
 from .state_routes import hold_state_uploads
@@ -118,6 +121,9 @@ async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = tri
     # closed after this, and its descriptor released: idle connections cannot pile up.
     # (Not Hypercorn's read_timeout: a client reading a long SSE stream sends nothing.)
     config.keep_alive_timeout = state.settings.http_idle_timeout_s
+    # At most --max-http-connections; past it, a reserve answers /health (http/connections.py).
+    file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    attach(config, state, lambda: health_reply(state), file_limit)
     app = create_app(state)
 
     class _Status:

@@ -12,7 +12,7 @@ from quart import Blueprint, Response, request
 from ..config import Settings
 from ..engine import transfer
 from ..rpc.connection import payload_buffer
-from .common import HttpError, app_state, json_response, require_engine
+from .common import HttpError, app_state, json_response, receive_body, require_engine
 
 bp = Blueprint("slot_state", __name__)
 
@@ -116,7 +116,7 @@ async def state_put(raw_id: str) -> Response:
         )
     try:
         buf = payload_buffer(length)
-        await _receive_into(memoryview(buf), settings.idle_timeout_s)
+        await _receive_into(memoryview(buf), settings)
         meta = await transfer.restore(engine, slot_id, memoryview(buf), f"http:state_put:{slot_id}")
         del buf
     finally:
@@ -125,26 +125,22 @@ async def state_put(raw_id: str) -> Response:
     return json_response(meta, headers={"X-Hydra-N-Past": str(meta["n_past"])})
 
 
-async def _receive_into(view: memoryview, idle_timeout_s: float) -> None:
-    """Copy the request body into ``view`` as it arrives; a sender silent for idle_timeout_s
-    gets 408 (a large blob may take long, a stalled one may not)."""
+async def _receive_into(view: memoryview, settings: Settings) -> None:
+    """Copy the request body into ``view`` as it arrives (a slow sender gets 408:
+    receive_body)."""
     gate: trio.Event | None = request.scope.get(_GATE)
     if gate is not None:
         gate.set()  # room is taken: let the body in
     got = 0
-    chunks = aiter(request.body)
-    while True:
-        try:
-            with trio.fail_after(idle_timeout_s):
-                chunk = await anext(chunks)
-        except StopAsyncIteration:
-            break
-        except trio.TooSlowError:
-            raise HttpError(408, f"body stalled after {got}/{len(view)} bytes", "invalid_request_error") from None
+
+    def take(chunk: bytes) -> None:
+        nonlocal got
         if got + len(chunk) > len(view):
             raise HttpError(400, f"body is longer than its Content-Length {len(view)}", "invalid_request_error")
         view[got : got + len(chunk)] = chunk
         got += len(chunk)
+
+    await receive_body(settings, take)
     if got != len(view):
         raise HttpError(400, f"body ended after {got} of {len(view)} bytes", "invalid_request_error")
 

@@ -1,0 +1,132 @@
+"""Which full KV blocks the slots hold, as chained block hashes, and the KV events
+(wire/kvevents.py) that tell a router each change.
+
+A slot holding N positions holds its first ``N // block_size`` blocks. A block's hash names
+its tokens and, through its parent's hash, every token before it, so several slots holding
+the same prefix hold the same blocks: a block is stored when the first slot gets it and
+removed when the last one drops it. The router matches requests on its own hashes of the
+tokens; these only chain the blocks and name them for removal.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Sequence
+
+import xxhash
+
+from ..wire.kvevents import Event, all_blocks_cleared, block_removed, block_stored
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """64-bit hash of one block's tokens, seeded with its parent's (a chain's first: 0)."""
+    return xxhash.xxh3_64_intdigest(array("i", tokens).tobytes(), seed=parent or 0)
+
+
+class SlotBlocks:
+    """The slots' block chains and reference counts. ``slot_changed`` runs on the GPU worker
+    after every change of a slot's KV; the events it makes wait in ``pending`` (a deque:
+    appended by the worker, taken by the trio thread after each worker call, so it holds at
+    most one call's events)."""
+
+    def __init__(self, n_slots: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._chains: list[list[int]] = [[] for _ in range(n_slots)]
+        self._refs: dict[int, int] = {}  # block hash -> slots holding it
+        self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
+        self.pending: deque[Event] = deque()
+
+    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int) -> None:
+        """The slot now holds ``tokens``; its first ``kept`` positions are unchanged since the
+        last call (so a generation step costs nothing until a block fills)."""
+        bs = self.block_size
+        chain = self._chains[slot]
+        n_full = len(tokens) // bs
+        keep = min(len(chain), kept // bs, n_full)
+        parent = chain[keep - 1] if keep else None
+        fresh: list[int] = []
+        for i in range(keep, n_full):
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            fresh.append(parent)
+        # A restore or a cut may leave blocks past ``keep`` as they were: those stay.
+        old = chain[keep:]
+        same = 0
+        while same < min(len(old), len(fresh)) and old[same] == fresh[same]:
+            same += 1
+        gone = [h for h in reversed(old[same:]) if self._unref(h)]
+        if gone:
+            self.pending.append(block_removed(gone))
+        start = keep + same
+        added = fresh[same:]
+        del chain[start:]
+        chain.extend(added)
+        # Blocks another slot holds too are already stored; they can only lead the new run
+        # (a block's hash covers its whole prefix, which that slot then holds as well).
+        new_from = 0
+        for i, h in enumerate(added, start):
+            seen = self._refs.get(h, 0)
+            self._refs[h] = seen + 1
+            if seen:
+                new_from += 1
+            else:
+                self._tokens[h] = tuple(tokens[i * bs : (i + 1) * bs])
+        if new_from < len(added):
+            first = start + new_from
+            self.pending.append(
+                block_stored(
+                    added[new_from:],
+                    chain[first - 1] if first else None,
+                    tokens[first * bs : n_full * bs],
+                    bs,
+                )
+            )
+
+    def all_cleared(self) -> None:
+        """Every slot was emptied at once (a context rebuilt or a model reloaded)."""
+        for chain in self._chains:
+            chain.clear()
+        self._refs.clear()
+        self._tokens.clear()
+        self.pending.append(all_blocks_cleared())
+
+    def resync(self) -> None:
+        """Tell everything held, from scratch: AllBlocksCleared, then each chain once. A
+        subscriber that joined late, lost batches or saw this engine restart then holds
+        exactly the slots' blocks, whatever it held before. Runs on the GPU worker, so that
+        no slot change comes between."""
+        self.pending.append(all_blocks_cleared())
+        told: set[int] = set()
+        for chain in self._chains:
+            first = next((i for i, h in enumerate(chain) if h not in told), len(chain))
+            if first == len(chain):
+                continue
+            run = chain[first:]
+            told.update(run)
+            tokens = [t for h in run for t in self._tokens[h]]
+            self.pending.append(block_stored(run, chain[first - 1] if first else None, tokens, self.block_size))
+
+    def _unref(self, h: int) -> bool:
+        """Drop one slot's hold on ``h``; True when no slot holds it any more."""
+        left = self._refs[h] - 1
+        if left:
+            self._refs[h] = left
+            return False
+        del self._refs[h]
+        del self._tokens[h]
+        return True
+
+    @property
+    def n_held(self) -> int:
+        return len(self._refs)
+
+    def held(self) -> dict[int, int]:
+        """Block hash -> slots holding it (for /slots and tests)."""
+        return dict(self._refs)
+
+    def take(self) -> list[Event]:
+        """The events made since the last call, in order (safe while the worker appends)."""
+        out = []
+        while self.pending:
+            out.append(self.pending.popleft())
+        return out

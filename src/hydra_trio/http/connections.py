@@ -1,0 +1,248 @@
+"""Bounded HTTP connections (--max-http-connections), with a reserve that keeps /health
+answering while the bound is reached.
+
+Hypercorn's trio worker builds its listeners from sockets and hands every accepted stream to
+``TCPServer`` itself; that hand-off is the one seam it offers, so ``attach`` puts
+``_GatedTCPServer`` there (behaving as Hypercorn's own for a config without a gate). Every
+connection is still accepted at once, so the backlog never fills with connections that no one
+reads (a probe queued behind them would time out). Up to the bound, a connection is
+Hypercorn's. Past it, it joins a small overflow reserve: the engine reads its request head
+within a short deadline, answers ``GET /health`` as the route would (other requests get 503
+with ``Retry-After``), always with ``Connection: close``, and closes it. When the reserve is
+full the oldest connection in it is closed to make room: a flood of silent connections
+cannot keep a probe, which sends its request at once, from being answered. HTTP thus holds
+at most the bound plus ``OVERFLOW_RESERVE`` descriptors; RPC has its own bound
+(--max-connections) and its own listener, counted apart in the default. The same handler
+closes a connection as soon as its peer has closed, or its reply ended it (Hypercorn kept the
+first until its idle timer, the second for as long as the peer kept it open).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+import hypercorn.trio.run
+import trio
+from hypercorn.config import Config
+from hypercorn.events import Closed
+from hypercorn.trio.tcp_server import TCPServer
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from .sse import error_body
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..state import AppState
+
+log = logging.getLogger(__name__)
+
+# Connections past the bound held at once, each until it has had its one answer.
+OVERFLOW_RESERVE = 64
+# How long a connection past the bound gets to send its request head (a probe sends it at
+# once; a silent connection only holds its place in the reserve until then).
+OVERFLOW_HEAD_S = 2.0
+_MAX_HEAD = 8 * 1024  # a request head larger than this gets no answer
+# The default bound: what the open-file limit leaves after RPC, the reserve and the engine's
+# own descriptors (model files, KV pulls, logs, llama.cpp), at most AUTO_MAX_CONNECTIONS (each
+# Hypercorn connection also costs memory).
+_OWN_FILES = 256
+AUTO_MAX_CONNECTIONS = 4096
+_MIN_CONNECTIONS = 16
+
+_GATE_ATTR = "hydra_connection_gate"
+
+
+def connection_bound(settings: Settings, file_limit: int) -> int:
+    """--max-http-connections, or (0) the default derived from the open-file limit."""
+    if settings.max_http_connections > 0:
+        return settings.max_http_connections
+    spare = file_limit - settings.max_connections - OVERFLOW_RESERVE - _OWN_FILES
+    return max(_MIN_CONNECTIONS, min(AUTO_MAX_CONNECTIONS, spare))
+
+
+HealthReply = Callable[[], tuple[int, dict[str, Any], dict[str, str]]]
+
+
+class ConnectionGate:
+    """Counts HTTP connections; past ``bound`` it answers them itself (see the module doc)."""
+
+    def __init__(self, bound: int, health: HealthReply, registry: CollectorRegistry) -> None:
+        self.bound = bound
+        self.open = 0  # connections Hypercorn serves
+        self._health = health
+        self._accepted = Counter(
+            "hydra_http_connections_accepted", "HTTP connections accepted", registry=registry
+        )
+        self._answered = Counter(
+            "hydra_http_connections_overflow_answered",
+            "HTTP connections past --max-http-connections given their one answer",
+            registry=registry,
+        )
+        Gauge("hydra_http_connections", "HTTP connections served", registry=registry).set_function(
+            lambda: self.open
+        )
+        Gauge(
+            "hydra_http_connections_overflow",
+            "HTTP connections past --max-http-connections awaiting their one answer",
+            registry=registry,
+        ).set_function(lambda: self.overflow)
+        # Connections in the overflow reserve, oldest first (dicts keep insertion order).
+        self._overflow: dict[trio.CancelScope, None] = {}
+
+    @property
+    def overflow(self) -> int:
+        return len(self._overflow)
+
+    async def serve(
+        self, stream: trio.SocketStream, serve_normally: Callable[[], Awaitable[None]]
+    ) -> None:
+        self._accepted.inc()
+        if self.open < self.bound:
+            self.open += 1
+            try:
+                await serve_normally()  # closes the stream before it returns
+            finally:
+                self.open -= 1
+            return
+        with trio.CancelScope() as scope:
+            if len(self._overflow) >= OVERFLOW_RESERVE:
+                oldest = next(iter(self._overflow))
+                del self._overflow[oldest]
+                oldest.cancel()  # its task closes its stream as it leaves the scope
+            self._overflow[scope] = None
+            try:
+                await self._answer(stream)
+            finally:
+                self._overflow.pop(scope, None)
+                await trio.aclose_forcefully(stream)  # released now, whatever the peer does
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        with trio.move_on_after(OVERFLOW_HEAD_S):
+            try:
+                head = await _read_head(stream)
+                if head is None:
+                    return
+                await stream.send_all(self._reply(head))
+                self._answered.inc()
+                # A close with unread bytes would send a reset, which can destroy the reply
+                # before the client reads it: end our side, then read until the client closes
+                # (it does at once: Connection: close), within the same deadline.
+                await stream.send_eof()
+                while await stream.receive_some(_MAX_HEAD):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+
+    def _reply(self, head: bytes) -> bytes:
+        parts = head.split(b"\r\n", 1)[0].split(b" ")
+        method, path = (parts[0], parts[1].split(b"?", 1)[0]) if len(parts) == 3 else (b"", b"")
+        if method == b"GET" and path == b"/health":
+            status, body, headers = self._health()
+        else:
+            message = f"engine busy: {self.open} HTTP connections are open, the limit (--max-http-connections); retry later"
+            status, body, headers = (
+                503,
+                error_body(503, message, "unavailable_error"),
+                {"Retry-After": "1"},
+            )
+        return _response(status, body, headers)
+
+
+async def _read_head(stream: trio.SocketStream) -> bytes | None:
+    """The request head (request line and headers), or None when the peer closed first or
+    sent more than _MAX_HEAD without ending it."""
+    data = bytearray()
+    while b"\r\n\r\n" not in data:
+        if len(data) > _MAX_HEAD:
+            return None
+        chunk = await stream.receive_some(_MAX_HEAD)
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
+
+def _response(status: int, body: dict[str, Any], headers: dict[str, str]) -> bytes:
+    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    lines = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        "content-type: application/json",
+        f"content-length: {len(data)}",
+        "connection: close",
+        *(f"{name}: {value}" for name, value in headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + data
+
+
+class _GatedTCPServer(TCPServer):
+    """Hypercorn's connection handler, behind the config's gate when it has one, and
+    releasing a closed peer's descriptor at once."""
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        # The peer has closed (or the stream has): Hypercorn would leave the keep-alive timer
+        # running, and its task group, hence the socket, waits for it (--http-idle-timeout-s
+        # of a dead connection's descriptor). A request still running ends by its disconnect.
+        await self.idle_task.stop()
+
+    async def _close(self) -> None:
+        # Hypercorn may close from the app's task (a reply that ends the connection, e.g. a
+        # 408 to a stalled body), which Quart cancels as soon as the exchange is over: the
+        # cancel lands between its send_eof and its aclose, and the socket stayed open for as
+        # long as the peer kept it. Both calls return at once, so the shield cannot hang.
+        with trio.CancelScope(shield=True):
+            await super()._close()
+
+    async def protocol_send(self, event: Any) -> None:
+        try:
+            await super().protocol_send(event)
+        except trio.BusyResourceError:
+            # Hypercorn's _close sends its EOF outside the send lock, so a reply racing the
+            # close (its own 400 for a body cut short by the peer's EOF, or the app's reply)
+            # finds the stream in use. The peer is going: treat it as a broken stream, as
+            # Hypercorn does, instead of raising out of the connection (found by
+            # benchmarks/hostile.py: a GET with a Content-Length it never sends, then EOF).
+            await self.protocol.handle(Closed())
+
+    async def run(self) -> None:
+        try:
+            gate: ConnectionGate | None = getattr(self.config, _GATE_ATTR, None)
+            if gate is None:
+                await super().run()
+                return
+            await gate.serve(self.stream, super().run)  # type: ignore[arg-type]
+        except Exception:
+            # trio.serve_listeners lets a handler's exception end the whole server: one
+            # connection's failure must cost that connection only.
+            log.exception("HTTP connection from %s failed; closed", _peer(self.stream))
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except (OSError, ValueError, AttributeError):
+        return "?"
+    return f"{host}:{port}"
+
+
+def attach(config: Config, state: AppState, health: HealthReply, file_limit: int) -> ConnectionGate:
+    """Put a gate on ``config`` (served by Hypercorn's trio worker); logs the bound."""
+    hypercorn.trio.run.TCPServer = _GatedTCPServer  # type: ignore[misc]  # the seam: see the module doc
+    gate = ConnectionGate(
+        connection_bound(state.settings, file_limit), health, state.metrics.registry
+    )
+    setattr(config, _GATE_ATTR, gate)
+    log.info(
+        "HTTP serves up to %d connections at once (--max-http-connections; open-file limit %d); "
+        "past that, %d more at a time get one answer each (/health, else 503)",
+        gate.bound,
+        file_limit,
+        OVERFLOW_RESERVE,
+    )
+    return gate

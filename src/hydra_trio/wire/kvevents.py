@@ -1,0 +1,87 @@
+"""vLLM's KV cache events on the wire, as vllm-router's ``kv_aware`` policy decodes them.
+
+A publisher sends ZMQ multipart messages ``[topic, seq, payload]``: ``seq`` an 8-byte
+big-endian counter that starts at 0 and only rises, ``payload`` the msgpack array
+``[ts, events, dp_rank]``. Each event is a map tagged with ``"type"`` (a positional event,
+vLLM's older encoding, is refused by the router):
+
+- ``BlockStored``: one chain of full blocks, ``block_hashes[i]``'s parent being
+  ``block_hashes[i-1]`` and the first one's ``parent_block_hash`` (nil: the chain starts
+  at position 0); ``token_ids`` holds ``block_size`` tokens per block.
+- ``BlockRemoved``: ``block_hashes`` no longer held.
+- ``AllBlocksCleared``: nothing is held any more.
+
+The replay socket (ZMQ ROUTER) answers ``[empty, start_seq]`` with ``[empty, topic, seq,
+payload]`` for each kept batch from ``start_seq`` on, then ``[empty, b"", END_SEQ, b""]``.
+Pure: importable without llama_cpp or zmq (docs/protocol-extensions.md §7).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+# Where a chain's blocks live, in the router's terms: "GPU" is the device tier (the slots).
+MEDIUM_DEVICE = "GPU"
+# The replay stream's last frame carries seq -1 (signed), with an empty topic and payload.
+END_SEQ = struct.pack(">q", -1)
+# vllm-router refuses a batch of more than this many events (and payloads over 16 MiB).
+MAX_EVENTS_PER_BATCH = 4096
+
+Event = dict[str, Any]
+
+
+def block_stored(hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int) -> Event:
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(token_ids),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": MEDIUM_DEVICE,
+        "lora_name": None,
+    }
+
+
+def block_removed(hashes: Sequence[int]) -> Event:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": MEDIUM_DEVICE}
+
+
+def all_blocks_cleared() -> Event:
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def decode_seq(raw: bytes) -> int:
+    """A frame's seq, signed (END_SEQ reads -1)."""
+    if len(raw) != 8:
+        raise ValueError(f"a seq frame is 8 bytes, got {len(raw)}")
+    return int(struct.unpack(">q", raw)[0])
+
+
+def encode_batch(ts: float, events: Sequence[Event], dp_rank: int | None = None) -> bytes:
+    return msgpack.packb([ts, list(events), dp_rank], use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
+    ts, events, *rank = msgpack.unpackb(payload, raw=False)
+    return float(ts), list(events), rank[0] if rank else None
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    """What a DEALER sends the replay socket (the ROUTER sees its identity frame first)."""
+    return [b"", encode_seq(start_seq)]
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> tuple[bytes, int] | None:
+    """(peer identity, start_seq) of a request the ROUTER received; None when malformed."""
+    if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+        return None
+    return frames[0], int.from_bytes(frames[2], "big")
