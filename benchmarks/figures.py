@@ -80,7 +80,7 @@ def fig_presets(models: dict[str, str], log_dir: Any, n_tokens: int) -> dict[str
         e = EngineProcess(path, slots=1, ctx_size=2048).start(log_dir, f"preset-{preset}")
         try:
             metrics = httpx.get(e.url + "/metrics").text
-            load_ms = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("hydra_model_load_ms "))
+            load_ms = 1000.0 * next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("hydra_model_load_seconds "))
             body = chat_request("hello there, how are you today", n_tokens)
             httpx.post(e.url + "/v1/chat/completions", json=body, timeout=120)  # warm-up
             erase_all(e)
@@ -358,9 +358,9 @@ def fig_cancel(b: EngineProcess, tok: Tokenizer, cancels: int, prefill_tokens: i
                                 break
                 else:
                     # Wait until the prefill is visibly under way (counter moves), then cancel.
-                    start = _engine_counter(b.url, "hydra_engine_prompt_tokens_processed")
+                    start = _engine_counter(b.url, "hydra_engine_prompt_tokens_processed_total")
                     deadline = time.monotonic() + 30
-                    while _engine_counter(b.url, "hydra_engine_prompt_tokens_processed") <= start and time.monotonic() < deadline:
+                    while _engine_counter(b.url, "hydra_engine_prompt_tokens_processed_total") <= start and time.monotonic() < deadline:
                         time.sleep(0.02)
                 t0 = time.perf_counter()
                 r = http.delete(f"/v1/decode/{rid}").json()
@@ -369,7 +369,7 @@ def fig_cancel(b: EngineProcess, tok: Tokenizer, cancels: int, prefill_tokens: i
                 while time.perf_counter() < settle:  # give any stray work time to show
                     time.sleep(0.05)
                 computed.append(r.get("completion_tokens", 0))
-                after.append(_engine_counter(b.url, "hydra_engine_tokens_evaluated") - r["engine_tokens_evaluated"])
+                after.append(_engine_counter(b.url, "hydra_engine_tokens_evaluated_total") - r["engine_tokens_evaluated"])
             out[phase] = {
                 "delete_ms": summary(latency),
                 "delete_ms_max": max(latency),

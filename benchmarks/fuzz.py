@@ -541,13 +541,19 @@ async def run_campaign(
     seed: int = 0,
     time_limit_s: float = 600.0,
     hang_s: float = 30.0,
+    final_health: bool = True,
+    seeds: Seeds | None = None,
 ) -> FuzzReport:
     """Send up to ``frames`` requests (or until ``time_limit_s``) and report; then check the
-    engine's health. Loopback only; stops by itself."""
+    engine's health (``final_health``: off when other load still runs beside the fuzzer, as
+    in benchmarks/hostile.py, which checks it after everything has stopped; it also passes
+    ``seeds`` captured before its load starts, as capturing needs slots 0 and 1 free).
+    Loopback only; stops by itself."""
     report = FuzzReport()
     t0 = time.monotonic()
     deadline = t0 + time_limit_s
-    seeds = await capture_seeds(rpc_port)
+    if seeds is None:
+        seeds = await capture_seeds(rpc_port)
     campaign = Campaign(rpc_port, http_port, seeds, report, hang_s=hang_s, seed=seed)
     try:
         block = 0
@@ -564,7 +570,8 @@ async def run_campaign(
         await campaign.probe()
         await campaign.check_no_resurrection()
         report.decode_ends = await _decode_ends(campaign.http)
-        report.health = await engine_health(rpc_port, campaign.http)
+        if final_health:
+            report.health = await engine_health(rpc_port, campaign.http)
     finally:
         await campaign.aclose()
     report.elapsed_s = time.monotonic() - t0

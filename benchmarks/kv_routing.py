@@ -29,11 +29,11 @@ POLICIES = ("round_robin", "cache_aware", "kv_aware")
 
 
 def engine_prompt_work(url: str) -> float:
-    """hydra_engine_prompt_tokens_processed: every prompt token the engine evaluated."""
+    """hydra_engine_prompt_tokens_processed_total: every prompt token the engine evaluated."""
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("hydra_engine_prompt_tokens_processed "):
+        if line.startswith("hydra_engine_prompt_tokens_processed_total "):
             return float(line.split()[1])
-    raise RuntimeError("hydra_engine_prompt_tokens_processed missing from /metrics")
+    raise RuntimeError("hydra_engine_prompt_tokens_processed_total missing from /metrics")
 
 
 def stream_turn(router: str, messages: list[dict[str, str]], n_predict: int) -> tuple[float, str, dict[str, Any]]:

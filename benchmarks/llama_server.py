@@ -15,6 +15,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,8 @@ class LlamaServer:
     2 threads like our engines, slot files under ``slot_dir``."""
 
     def __init__(
-        self, binary: Path, model: str, *, ctx: int, slots: int, log_dir: Path, tag: str, threads: int = 2
+        self, binary: Path, model: str, *, ctx: int, slots: int, log_dir: Path, tag: str, threads: int = 2,
+        extra: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -93,7 +95,7 @@ class LlamaServer:
         self.proc = subprocess.Popen(
             [str(binary), "-m", model, "-c", str(ctx), "-np", str(slots), "-t", str(threads), "-tb", str(threads),
              "--host", "127.0.0.1", "--port", str(self.port), "--slot-save-path", str(self.slot_dir),
-             "--no-warmup"],
+             "--no-warmup", *extra],
             stdout=self._log, stderr=subprocess.STDOUT,
         )
         wait_http(self.url + "/health", self.proc, timeout=300)

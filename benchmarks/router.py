@@ -64,11 +64,11 @@ def start_router(args: list[str], log_dir: Path, name: str) -> tuple[subprocess.
 
 
 def prompt_work(url: str) -> float:
-    """D's hydra_engine_prompt_tokens_processed: every prompt token it evaluated."""
+    """D's hydra_engine_prompt_tokens_processed_total: every prompt token it evaluated."""
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("hydra_engine_prompt_tokens_processed "):
+        if line.startswith("hydra_engine_prompt_tokens_processed_total "):
             return float(line.split()[1])
-    raise RuntimeError("hydra_engine_prompt_tokens_processed missing from /metrics")
+    raise RuntimeError("hydra_engine_prompt_tokens_processed_total missing from /metrics")
 
 
 def ttft(router: str, text: str, n_predict: int) -> tuple[float, dict[str, Any]]:

@@ -274,7 +274,7 @@ async def _settled(base: str, baseline_tasks: float, settle_s: float) -> dict[st
         "trio_tasks_before": baseline_tasks,
         "trio_tasks_after": _gauge(text, "hydra_trio_tasks"),
         "orphan_tasks": max(0.0, _gauge(text, "hydra_trio_tasks") - baseline_tasks),
-        "tokens_generated": _gauge(text, "hydra_engine_tokens_generated"),
+        "tokens_generated": _gauge(text, "hydra_engine_tokens_generated_total"),
     }
 
 

@@ -32,4 +32,4 @@ for i in 1 2; do
     | python3 -c 'import json,sys; b=json.load(sys.stdin); print(b["kv_transfer"], b["usage"])'
 done
 # The decode engines computed no prompt token; the gauges routers and autoscalers read:
-curl -s localhost:8102/metrics | grep -E '^(hydra_kv_pulls_total|hydra_engine_prompt_tokens_processed|vllm:)'
+curl -s localhost:8102/metrics | grep -E '^(hydra_kv_pulls_total|hydra_engine_prompt_tokens_processed_total|vllm:)'

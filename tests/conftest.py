@@ -81,6 +81,20 @@ def wide_kv_model(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_hd32(model_dir: Path) -> Path:
+    """tiny_model's size with 2 heads of 32: quantized KV cache types (blocks of 32 values)
+    need a head dimension they divide, which tiny_model's 16 is not."""
+    import gguf
+
+    from hydra_trio.model import synthetic
+
+    preset = synthetic.Preset(512, 64, 2, 2, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Tiny HD32")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(synthetic.PRESETS, "tiny-hd32", preset)
+        return synthetic.write_model(model_dir / "tiny-hd32.gguf", "tiny-hd32")
+
+
+@pytest.fixture(scope="session")
 def gemma_model() -> Path:
     """The real Gemma 3 270M Q4_K_M GGUF, assembled once into the user cache (later runs reuse
     it). Tests using it are marked ``realmodel`` and skip when its package is absent."""

@@ -208,6 +208,6 @@ async def test_bad_and_unknown_ids(start_engine: Callable[..., Any], tiny_model:
         gone = await h.delete(f"/v1/decode/{unknown}")
         # The same OpenAI-shaped error object as GET's 404.
         assert gone.status_code == 404 and gone.json()["error"] == {
-            "code": 404, "message": "no such decode request", "type": "not_found_error"
+            "code": 404, "message": "no such decode request", "type": "not_found_error", "param": None
         } and gone.json()["decode_request_id"] == unknown
         assert (await h.get(f"/v1/decode/{rid}")).status_code == 200  # untouched by all that

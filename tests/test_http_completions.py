@@ -145,7 +145,7 @@ async def test_completions_share_batches_with_chat(ctx_engine: Any) -> None:
         ({"prompt": ["a", "b"]}, "one prompt per request"),
         ({"prompt": "x", "n": 2}, "n must be 1"),
         ({"prompt": "x", "echo": True}, "echo is not supported"),
-        ({"prompt": "x", "logprobs": 3}, "logprobs is not supported"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs must be an integer between 0 and 20"),
         ({"prompt": "x", "suffix": "end"}, "suffix is not supported"),
         ({"prompt": "x", "best_of": 2}, "best_of must be 1"),
         ({"prompt": "x", "temperature": "hot"}, "temperature"),

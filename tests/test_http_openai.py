@@ -317,14 +317,14 @@ async def test_metrics_after_completion(engine: Any) -> None:
     assert all(name.startswith(("hydra_", "vllm:", "python_", "process_")) for name, _ in samples)
     assert samples[("hydra_completion_tokens_total", (("path", "chat"),))] == 9
     assert samples[("hydra_prompt_tokens_total", (("path", "chat"),))] > 0
-    assert samples[("hydra_ttft_ms_count", (("path", "chat"),))] == 1
+    assert samples[("hydra_ttft_seconds_count", (("path", "chat"),))] == 1
     assert samples[("hydra_http_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == 1
     assert samples[("hydra_slots_total", ())] == 2
     assert samples[("hydra_slots_busy", ())] == 0
-    assert samples[("hydra_gpu_worker_calls", ())] > 0
-    assert samples[("hydra_step_batches", ())] > 0
+    assert samples[("hydra_gpu_worker_calls_total", ())] > 0
+    assert samples[("hydra_step_batches_total", ())] > 0
     assert samples[("hydra_kv_cells_used", ())] > 0
-    assert samples[("hydra_model_load_ms", ())] > 0
+    assert samples[("hydra_model_load_seconds", ())] > 0
 
 
 # ---- disconnects and busy slots -------------------------------------------------------------
@@ -421,14 +421,14 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(
     [
         ({"prompt": "hi"}, "messages is required"),
         ({"messages": MESSAGES, "n": 2}, "n must be 1"),
-        ({"messages": MESSAGES, "logprobs": True}, "logprobs is not supported"),
-        ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs is not supported"),
+        ({"messages": MESSAGES, "logprobs": "yes"}, "logprobs must be a boolean"),
+        ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
         ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format is not supported"),
     ],
 )
 async def test_unsupported_chat_parameters_get_a_400_that_names_them(engine: Any, body: dict[str, Any], needle: str) -> None:
     """Not a quiet different answer (a prompt-only body used to generate 512 tokens, n=2 one
-    choice, logprobs None)."""
+    choice, logprobs None; test_http_logprobs.py has the whole policy)."""
     async with http(engine) as c:
         err = assert_openai_error(await c.post("/v1/chat/completions", json=body), 400)
         assert needle in err["error"]["message"], err

@@ -46,7 +46,7 @@ N = 12
 
 def prompt_computed(m: dict[Any, float]) -> float:
     """Prompt tokens this engine evaluated (all paths) and cached ones reused, on chat."""
-    return m.get(("hydra_engine_prompt_tokens_processed", ()), 0.0)
+    return m.get(("hydra_engine_prompt_tokens_processed_total", ()), 0.0)
 
 
 async def export(c: httpx.AsyncClient, **body: Any) -> dict[str, Any]:

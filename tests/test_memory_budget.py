@@ -1,7 +1,7 @@
 """Memory only inside the budgets: with the payload of every slot held at once (HTTP state
 uploads and RPC STATE_PUTs, each stalled one byte short of its end), the engine's peak RSS
-stays within model + KV cache + --max-inflight-bytes + RSS_OVERHEAD (README "Command
-line", **Memory**).
+stays within model + KV cache + --max-inflight-bytes + RSS_OVERHEAD (docs/operations.md,
+"Memory").
 
 The engine runs as its own process (`hydra-trio serve`), so /proc/<pid>/status measures
 it alone, not the test's client."""
@@ -24,7 +24,7 @@ from hydra_trio.wire.protocol import Op, encode_request_header
 
 MiB = 1 << 20
 # What the engine holds besides model, KV cache and payloads: the interpreter and its
-# libraries, llama.cpp's compute buffers, per-connection state. Documented in README.
+# libraries, llama.cpp's compute buffers, per-connection state. Documented in docs/operations.md ("Memory").
 RSS_OVERHEAD = 256 * MiB
 SLOTS = 4
 PAYLOAD = 80 * MiB  # per slot: above 64 MiB a payload buffer is a mapping faulted in as it fills

@@ -57,7 +57,7 @@ async def engines(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> Asy
 
 
 def prompt_work(m: dict[Any, float]) -> float:
-    return m.get(("hydra_engine_prompt_tokens_processed", ()), 0.0)
+    return m.get(("hydra_engine_prompt_tokens_processed_total", ()), 0.0)
 
 
 async def through_router(r: Router, *, stream: bool) -> tuple[str, dict[str, Any]]:

@@ -129,6 +129,13 @@ async def test_prefill_n_past_equals_prompt_tokens(engine: Any, tiny_model: Path
     # The same request over HTTP counts the same prompt tokens (a plain prompt is a text
     # completion there: the chat route wants messages).
     async with http(engine) as h:
+        if "tools" in request_body:
+            # The chat route refuses tools (replies are not parsed into tool calls); its
+            # render route counts the prompt it would run, tools rendered as PREFILL does.
+            r = await h.post("/v1/chat/completions/render", json=request_body)
+            assert r.status_code == 200, r.text
+            assert r.json()["count"] == m["n_past"]
+            return
         if "messages" in request_body:
             body = await chat(h, **request_body, max_tokens=2)
         else:

@@ -41,7 +41,9 @@ async def test_http_routes_need_the_api_key_but_health(start_engine: Any, tiny_m
         for i, headers in enumerate(refused):
             r = await anonymous.get("/v1/models", headers=headers)
             assert r.status_code == 401, (headers, r.text)
-            assert r.json() == {"error": {"code": 401, "message": r.json()["error"]["message"], "type": "authentication_error"}}
+            assert r.json() == {
+                "error": {"code": 401, "message": r.json()["error"]["message"], "type": "authentication_error", "param": None}
+            }
             assert r.headers["www-authenticate"] == "Bearer"
             assert sample(ep, "hydra_http_auth_rejected_total") == i + 1
         for method, path in (("GET", "/metrics"), ("GET", "/slots"), ("GET", "/v1/decode/1"),

@@ -141,9 +141,7 @@ async def test_builtin_template_used_by_chat_prefill_and_decode(
             "source": "builtin",
         }
         # Built-in templates render role/content only: tools need a Jinja template.
-        r = await c.post(
-            "/v1/chat/completions", json={"messages": MESSAGES, "tools": [{"type": "function"}]}
-        )
+        r = await c.post("/apply-template", json={"messages": MESSAGES, "tools": [{"type": "function"}]})
         assert "tools need a Jinja chat template" in assert_openai_error(r, 400)["error"]["message"]
     await _same_prompt_everywhere(ep, MESSAGES, GEMMA_HELLO)
 

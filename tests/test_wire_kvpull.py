@@ -49,7 +49,8 @@ def _params(**hydra: Any) -> dict[str, Any]:
 
 
 def test_pull_request_round_trip() -> None:
-    assert parse_pull_request(encode_pull_request(EXPORT_ID)) == EXPORT_ID
+    assert parse_pull_request(encode_pull_request(EXPORT_ID)) == (EXPORT_ID, False)
+    assert parse_pull_request(encode_pull_request(EXPORT_ID, shm=True)) == (EXPORT_ID, True)
 
 
 @pytest.mark.parametrize(

@@ -20,10 +20,12 @@ import trio
 from .config import Settings
 from .decode.exports import ExportStore
 from .decode.manager import DecodeManager
+from .decode.shm import ShmArea
 from .decode.store import ResultStore
 from .engine.engine import Engine
 from .http.server import serve_http
 from .kvevents import open_kv_events
+from .logs import log_stats
 from .rpc.server import open_rpc_listeners, serve_rpc
 from .state import AppState, Endpoints
 
@@ -92,10 +94,15 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     await start_service(services, engine.run)
                     store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
                     state.metrics.watch_engine(engine, lambda: len(store.running()))
+                    if settings.log_stats_interval_s > 0:  # reads the engine: ends with the front ends
+                        front.start_soon(log_stats, engine, settings.log_stats_interval_s)
                     decodes = DecodeManager(engine, store, settings, state.metrics)
                     await start_service(services, decodes.run)
                     exports = ExportStore(
-                        max_bytes=settings.kv_export_max_bytes, ttl_s=settings.kv_export_ttl_s, registry=state.metrics.registry
+                        max_bytes=settings.kv_export_max_bytes,
+                        ttl_s=settings.kv_export_ttl_s,
+                        registry=state.metrics.registry,
+                        shm=ShmArea.open(settings.kv_shm_dir) if settings.kv_shm_dir else None,
                     )
                     await services.start(exports.run)
                     log.info(

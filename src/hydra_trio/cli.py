@@ -15,16 +15,6 @@ import trio
 from .config import Settings, add_arguments, settings_from, settings_table
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # llama.cpp's own log lines are DEBUG unless they are warnings or errors.
-    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
-
-
 async def _serve_until_signal(settings: Settings) -> None:
     """Serve until SIGINT/SIGTERM; then drain (a second signal stops now): the front ends
     keep answering, new work is refused (HTTP 503 with Retry-After, RPC BUSY, /health
@@ -87,7 +77,9 @@ def raise_file_limit() -> tuple[int, int]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    _setup_logging(settings.log_level)
+    from .logs import configure_logging
+
+    configure_logging(settings)  # --log-level, --log-format, --log-requests
     before, now = raise_file_limit()
     logging.getLogger("hydra_trio").info("open-file limit: %d (soft limit was %d)", now, before)
     try:

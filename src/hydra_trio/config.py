@@ -23,10 +23,10 @@ class Settings:
     port: int = 8080  # HTTP; 0 = ephemeral
     rpc_port: int = 9504  # binary RPC; 0 = ephemeral
     slots: int = 4
-    ctx_size: int = 4096  # KV cells of all slots together (README "KV cache layout")
+    ctx_size: int = 4096  # KV cells of all slots together (docs/operations.md "KV cache layout")
     # Split (default, llama-server's): one KV stream per slot, ctx_size / slots cells each, and
     # a step's attention reads only its own slot's cells. Unified: one pool any slot may fill,
-    # but every sequence's attention spans all used cells (measured: README Performance).
+    # but every sequence's attention spans all used cells (measured: docs/operations.md "KV cache layout").
     kv_unified: bool = False
     # Slot choice (llama-server's --slot-prompt-similarity): a prompt continues a slot's KV
     # only when the shared prefix is at least this share of the prompt; otherwise it takes an
@@ -49,6 +49,10 @@ class Settings:
     n_gpu_layers: int | None = None
     main_gpu: int = 0
     flash_attn: str = "auto"  # on | off | auto
+    # KV cache element types (llama-server's -ctk/-ctv): a blob carries rows in these types,
+    # so q8_0 halves what a hand-off moves. A quantized V needs flash attention.
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
     no_kv_offload: bool = False  # keep the KV cache in host memory even with layers on a GPU
     # Chat template: a llama.cpp built-in name (or Jinja source), or a Jinja file.
     chat_template: str | None = None
@@ -83,6 +87,10 @@ class Settings:
     # Networks a decode engine may pull KV exports from (a request names the address): the
     # default keeps an HTTP client from aiming the engine anywhere but this machine.
     kv_pull_allow: str = "127.0.0.0/8,::1"
+    # Same-host hand-offs through shared memory (decode/shm.py): exports live in files of
+    # this folder, which a decode engine on the same host maps instead of pulling over TCP.
+    # Empty: off (every pull goes over TCP).
+    kv_shm_dir: str = "/dev/shm"
     # KV events for routers that route by cache (vllm-router --policy kv_aware): a ZMQ PUB
     # endpoint to bind (None: off), an optional ROUTER endpoint serving replays of recent
     # batches from a ring of this many bytes, the topic, and tokens per block.
@@ -97,7 +105,10 @@ class Settings:
     configure_tiers: str = "T1,T2,T3"
     model_dir: str | None = None
     log_level: str = "INFO"
-    # Security (README "Security"). repr=False: a logged Settings never shows the key.
+    log_format: str = "text"  # text | json (one object per line: logs.py)
+    log_requests: bool = True  # a line per finished request (completion, DECODE, hand-off, ...)
+    log_stats_interval_s: float = 10.0  # the throughput line while busy; 0: never
+    # Security (docs/operations.md "Security"). repr=False: a logged Settings never shows the key.
     api_key: str | None = field(default=None, repr=False)
     api_key_file: str | None = None
     rpc_allow: str | None = None  # comma-separated CIDRs; None: every peer
@@ -160,6 +171,8 @@ _HELP: dict[str, str] = {
     "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: all when the llama.cpp build can offload, else 0)",
     "main_gpu": "llama.cpp's main_gpu: the GPU for scratch work and, when layers are not split across GPUs, the model",
     "flash_attn": "flash attention: on, off or auto",
+    "cache_type_k": "KV cache type of K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0 or q5_1 (llama-server's -ctk)",
+    "cache_type_v": "KV cache type of V, as --cache-type-k; a quantized one needs flash attention (--flash-attn on or auto)",
     "no_kv_offload": "keep the KV cache in host memory even when layers are on a GPU",
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
     "chat_template_file": "chat template: path of a Jinja file",
@@ -187,6 +200,7 @@ _HELP: dict[str, str] = {
     "kv_export_ttl_s": "seconds a KV export waits to be pulled before it is dropped",
     "kv_pull_timeout_s": "deadline for pulling a KV export from a prefill engine",
     "kv_pull_allow": "networks a decode engine may pull KV exports from, CIDR[,CIDR...] (a hand-off naming another address falls back to a local prefill)",
+    "kv_shm_dir": "folder (tmpfs) where KV exports live so that a decode engine on the same host maps them instead of pulling them over TCP; used only when the decode engine can read it; empty = off",
     "kv_events_endpoint": "publish vLLM KV events (what the slots hold) on this ZMQ PUB endpoint, e.g. tcp://0.0.0.0:5557, for vllm-router --policy kv_aware (default: off)",
     "kv_events_replay_endpoint": "serve replays of recent KV event batches on this ZMQ ROUTER endpoint (vllm-router --kv-event-replay-source)",
     "kv_events_replay_bytes": "bytes of recent KV event batches kept for replays (the oldest go first)",
@@ -196,6 +210,9 @@ _HELP: dict[str, str] = {
     "configure_tiers": "CONFIGURE tiers accepted over RPC, a comma list of T1 (per-slot sampling), T2 (context rebuild), T3 (model reload); others are refused",
     "model_dir": "the folder CONFIGURE T3 may load a model_path from (a regular GGUF file inside it, symlinks resolved); default: the served model's folder",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "log lines as text, or json: one object per line with ts, level, logger, msg (request lines add request_id, route, status, tokens, timings)",
+    "log_requests": "an INFO line per finished request (completion, DECODE, hand-off, state transfer); --no-log-requests turns them off",
+    "log_stats_interval_s": "seconds between throughput lines (prompt and generation tok/s, running, waiting, KV usage), written only when the interval saw work; 0 = off",
     "api_key": "HTTP requests (all but /health) must send 'Authorization: Bearer KEY' "
     "(prefer the file or the variable: a flag shows in ps)",
     "api_key_file": "read the API key from the first line of this file",
@@ -213,6 +230,10 @@ _ENV_OVERRIDES = {
 # Fields whose default is None still have a type (the rest take the type of their default).
 _FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int}
 FLASH_ATTN_MODES = ("on", "off", "auto")
+LOG_FORMATS = ("text", "json")
+# KV cache types by llama-server's names -> ggml type ids (ggml.h's enum ggml_type).
+CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
+UNQUANTIZED_CACHE_TYPES = frozenset({"f32", "f16", "bf16"})
 
 
 def _field_type(field_name: str, default: Any) -> type:
@@ -251,10 +272,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         kind = _field_type(f.name, default)
         help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {default}]"
+        if kind is bool and default:  # on by default: --NAME and --no-NAME
+            parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            continue
         if kind is bool:  # a switch: given means True
             parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, default=None, help=help_text)
             continue
-        choices = FLASH_ATTN_MODES if f.name == "flash_attn" else None
+        choices = FLASH_ATTN_MODES if f.name == "flash_attn" else tuple(CACHE_TYPES) if f.name.startswith("cache_type_") else None
+        choices = LOG_FORMATS if f.name == "log_format" else choices
         parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=choices, default=None, help=help_text)
 
 
@@ -332,6 +357,16 @@ def validate(s: Settings) -> None:
         problems.append("main_gpu must be >= 0")
     if s.flash_attn not in FLASH_ATTN_MODES:
         problems.append(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
+    for name in ("cache_type_k", "cache_type_v"):
+        if getattr(s, name) not in CACHE_TYPES:
+            problems.append(f"{name} must be one of {', '.join(CACHE_TYPES)}")
+    if s.cache_type_v not in UNQUANTIZED_CACHE_TYPES and s.flash_attn == "off":
+        # llama.cpp refuses the context: a quantized V cache is read by flash attention only.
+        problems.append(f"cache_type_v {s.cache_type_v} is quantized, which needs flash attention: set --flash-attn on or auto, or an unquantized --cache-type-v (f16, bf16, f32)")
+    if s.log_format not in LOG_FORMATS:
+        problems.append(f"log_format must be one of {', '.join(LOG_FORMATS)}")
+    if s.log_stats_interval_s < 0:
+        problems.append("log_stats_interval_s must be >= 0 (0 = off)")
     if s.kv_events_replay_endpoint and not s.kv_events_endpoint:
         problems.append("kv_events_replay_endpoint needs kv_events_endpoint (the replays are of its batches)")
     if s.chat_template and s.chat_template_file:
@@ -355,7 +390,7 @@ def is_loopback(host: str) -> bool:
 
 
 def settings_table() -> str:
-    """Markdown table of every setting (README's reference)."""
+    """Markdown table of every setting (docs/operations.md "Every flag")."""
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     defaults = Settings()
     for f in fields(Settings):

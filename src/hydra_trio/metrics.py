@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from .engine.engine import Engine, GenerationResult
     from .engine.promptcache import PromptCache
 
-_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+# Base units (seconds), the old millisecond buckets' bounds.
+_S_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 class Metrics:
@@ -40,26 +41,36 @@ class Metrics:
         self.cached_prompt_tokens = Counter(
             "hydra_cached_prompt_tokens", "prompt tokens reused from the slot KV", ["path"], registry=r
         )
-        self.ttft_ms = Histogram("hydra_ttft_ms", "time to first token", ["path"], buckets=_MS_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "hydra_ttft_seconds", "engine time to first token (slot claimed -> first token)", ["path"], buckets=_S_BUCKETS, registry=r
+        )
         self.decode_requests = Counter("hydra_decode_requests", "decode requests by final state", ["state"], registry=r)
-        self.decode_ack_ms = Histogram(
-            "hydra_decode_ack_ms", "DECODE validate+restore+reply", buckets=_MS_BUCKETS, registry=r
+        self.decode_ack = Histogram(
+            "hydra_decode_ack_seconds", "DECODE validate+restore+reply", buckets=_S_BUCKETS, registry=r
         )
         self.restore_bytes = Counter("hydra_restore_bytes", "KV bytes restored into slots", registry=r)
-        self.cancel_ms = Histogram("hydra_cancel_ms", "DELETE until the task stopped", buckets=_MS_BUCKETS, registry=r)
+        self.cancel = Histogram(
+            "hydra_cancel_seconds", "DELETE until the task stopped", buckets=_S_BUCKETS, registry=r
+        )
         self.prefix_cache = PrefixCacheCounts()  # vllm:prefix_cache_* (vllm_metrics.py)
 
-    def record_generation(self, path: str, res: GenerationResult, *, aborted: bool = False) -> None:
-        """One finished (or stopped) generation's token counts and latencies."""
+    def record_generation(self, path: str, res: GenerationResult, *, aborted: bool = False, queue_s: float = 0.0) -> None:
+        """One finished (or stopped) generation's token counts and latencies; ``queue_s``:
+        how long it waited for its slot."""
         self.completion_tokens.labels(path).inc(res.completion_tokens)
         self.prompt_tokens.labels(path).inc(res.n_prompt_processed)
         self.cached_prompt_tokens.labels(path).inc(res.n_common)
-        self.prefix_cache.observe(res, aborted=aborted)
-        self.ttft_ms.labels(path).observe(res.prompt_ms)  # the engine's own time to first token
+        self.prefix_cache.observe(res, aborted=aborted, queue_s=queue_s)
+        self.ttft.labels(path).observe(res.prompt_ms / 1000.0)  # the engine's own: no slot wait
 
     def live_gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""
         Gauge(name, doc, registry=self.registry).set_function(read)
+
+    def live_counters(self, counters: list[tuple[str, str, Callable[[], float]]]) -> None:
+        """Counters read at scrape time from engine figures that only grow (exported as
+        counters, ``NAME_total``, so rate() and resets work on them)."""
+        self.registry.register(LiveCounters(counters))
 
     def watch_engine(self, engine: Engine, running_decodes: Callable[[], int]) -> None:
         """Gauges read from the engine (and the decode requests) at scrape time."""
@@ -71,29 +82,23 @@ class Metrics:
         g("hydra_slots_total", "slots", lambda: len(engine.slots))
         g("hydra_kv_cells_used", "KV positions held by all slots", lambda: engine.backend.cells_in_use())
         g("hydra_kv_cells_total", "KV cells shared by all slots", lambda: engine.n_ctx)
-        g("hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda: engine.worker.busy_s)
-        g("hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda: engine.worker.calls)
-        g("hydra_step_batches", "batched generation steps", lambda: engine.batcher.batches)
         g(
             "hydra_step_batch_mean_size",
             "mean number of sequences per generation step",
             lambda: engine.batcher.tokens / engine.batcher.batches if engine.batcher.batches else 0.0,
         )
-        g("hydra_model_load_ms", "model load time", lambda: engine.model_load_ms)
-        # Live counters read straight from the engine: they show work done after a cancel.
-        g("hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda: engine.tokens_generated)
-        g(
-            "hydra_engine_prompt_tokens_processed",
-            "prompt tokens evaluated by the engine (all paths)",
-            lambda: engine.prompt_tokens_processed,
-        )
-        g("hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda: engine.batcher.tokens)
-        g(
-            "hydra_engine_step_prompt_tokens",
-            "prompt tokens evaluated inside generation-step batches (chunked prefill)",
-            lambda: engine.batcher.prompt_tokens,
-        )
-        g("hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda: engine.tokens_evaluated)
+        g("hydra_model_load_seconds", "model load time", lambda: engine.model_load_ms / 1000.0)
+        # Read straight from the engine as it works: they show work done after a cancel too.
+        self.live_counters([
+            ("hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda: engine.worker.busy_s),
+            ("hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda: engine.worker.calls),
+            ("hydra_step_batches", "batched generation steps", lambda: engine.batcher.batches),
+            ("hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda: engine.tokens_generated),
+            ("hydra_engine_prompt_tokens_processed", "prompt tokens evaluated by the engine (all paths)", lambda: engine.prompt_tokens_processed),
+            ("hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda: engine.batcher.tokens),
+            ("hydra_engine_step_prompt_tokens", "prompt tokens evaluated inside generation-step batches (chunked prefill)", lambda: engine.batcher.prompt_tokens),
+            ("hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda: engine.tokens_evaluated),
+        ])
         g("hydra_decode_requests_running", "decode requests not yet ended", running_decodes)
         # A leak check for soaks: every task of this process's trio run, read at scrape time
         # (from the /metrics handler, inside the run).
@@ -101,6 +106,17 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LiveCounters(Collector):
+    """Counters whose values are read from their owner at scrape time."""
+
+    def __init__(self, counters: list[tuple[str, str, Callable[[], float]]]) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, read in self.counters:
+            yield CounterMetricFamily(name, doc, value=read())
 
 
 class PromptCacheCollector(Collector):

@@ -5,7 +5,10 @@
 ``vllm:generation_tokens``, ``vllm:request_success{finished_reason}``, and the latency
 histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and
 ``vllm:e2e_request_latency_seconds`` (vLLM's buckets, with finer ones below 10 ms for
-inter-token latency, which a small model reaches).
+inter-token latency, which a small model reaches), and the phases of a request:
+``vllm:request_queue_time_seconds`` (waiting for a slot), ``vllm:request_prefill_time_seconds``
+(slot claimed -> first token) and ``vllm:request_decode_time_seconds`` (first -> last token).
+TTFT and e2e count from the request's arrival, so they include the queue time, as vLLM's do.
 
 prometheus-client accepts ':' in metric names (it is legal in the exposition format; the
 Prometheus docs reserve it for recording rules, and vLLM uses it anyway), so these are
@@ -30,6 +33,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .logs import kv_cache_usage, requests_running
+
 if TYPE_CHECKING:
     from .engine.engine import Engine, GenerationResult
 
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+PHASE_BUCKETS = E2E_BUCKETS  # vLLM uses its request-latency buckets for queue, prefill and decode too
 
 
 class Buckets:
@@ -78,16 +84,25 @@ class PrefixCacheCounts:
         self.ttft = Buckets(TTFT_BUCKETS)
         self.itl = Buckets(ITL_BUCKETS)
         self.e2e = Buckets(E2E_BUCKETS)
+        self.queue = Buckets(PHASE_BUCKETS)
+        self.prefill = Buckets(PHASE_BUCKETS)
+        self.decode = Buckets(PHASE_BUCKETS)
 
-    def observe(self, res: GenerationResult, *, aborted: bool = False) -> None:
+    def observe(self, res: GenerationResult, *, aborted: bool = False, queue_s: float = 0.0) -> None:
+        """``queue_s``: how long the request waited for its slot (0 for a DECODE, which names
+        its slot and is refused when that is busy)."""
         self.queries += res.prompt_tokens
         self.hits += res.n_common
         self.prompt_tokens += res.n_prompt_processed
         self.generation_tokens += res.completion_tokens
         self.finished["abort" if aborted else res.finish_reason] += 1
-        if res.first_token_at is not None:
-            self.ttft.observe((res.prompt_ms / 1000.0,))
-            self.e2e.observe(((res.prompt_ms + res.decode_ms) / 1000.0,))
+        self.queue.observe((queue_s,))
+        if res.first_token_at is not None:  # a request stopped before its first token has neither
+            prefill_s, decode_s = res.prompt_ms / 1000.0, res.decode_ms / 1000.0
+            self.ttft.observe((queue_s + prefill_s,))
+            self.e2e.observe((queue_s + prefill_s + decode_s,))
+            self.prefill.observe((prefill_s,))
+            self.decode.observe((decode_s,))
         self.itl.observe(res.token_gaps_s)
 
 
@@ -100,17 +115,11 @@ class VllmCollector(Collector):
         engine = self.engine
         labels = ["engine", "model_name"]
         model = ["0", engine.identity.model_alias]
-        slots = engine.slots
-        # A request runs from its slot claim to its release (prefill, generation, export copy).
-        running = sum(1 for s in slots.slots if s.busy)
-        # KV held by running requests, of all cells; an idle slot's KV is a prefix cache that
-        # make_room() evicts on demand, as vLLM counts its cached-but-free blocks as free.
-        held = sum(engine.n_past(s.id) for s in slots.slots if s.busy)
         families: list[Metric] = []
         for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", slots.waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", min(1.0, held / engine.n_ctx)),
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", requests_running(engine)),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.slots.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage(engine)),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(model, value)
@@ -134,6 +143,9 @@ class VllmCollector(Collector):
         families += [
             p.ttft.family("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, model),
             p.itl.family("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels, model),
-            p.e2e.family("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds (from the slot claim).", labels, model),
+            p.e2e.family("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", labels, model),
+            p.queue.family("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", labels, model),
+            p.prefill.family("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", labels, model),
+            p.decode.family("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", labels, model),
         ]
         yield from families

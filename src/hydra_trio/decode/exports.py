@@ -6,6 +6,11 @@ lives until one of: a decode engine pulls it (KV_PULL takes it out: released onc
 its lease ends (``ttl_s`` after it was made), or room is needed for a newer one (the
 store is bounded by ``max_bytes``; the oldest exports are evicted first). Each way out is
 counted in ``hydra_kv_exports_total{outcome}``.
+
+With a shared-memory area (decode/shm.py, ``--kv-shm-dir``), an export's bytes live in a
+file there, so that a decode engine on the same host can map them instead of receiving
+them: a pull of that form hands the file over (the decode engine unlinks it once mapped;
+if it never does, the name is removed when the lease would have ended).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from .shm import ShmArea, ShmFile
+
 log = logging.getLogger(__name__)
 
-Part = bytes | bytearray
+Part = bytes | bytearray | memoryview
 
 
 @dataclass(slots=True)
@@ -35,6 +42,7 @@ class Export:
     # model reload (CONFIGURE T3) must not relabel KV of the previous model.
     identity: dict[str, Any]
     expires_at: float  # trio.current_time()
+    shm: ShmFile | None = None  # the shared file ``parts`` view, when there is one
 
     @property
     def nbytes(self) -> int:
@@ -68,11 +76,17 @@ class KvTransferMetrics:
 
 
 class ExportStore:
-    def __init__(self, *, max_bytes: int, ttl_s: float, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, *, max_bytes: int, ttl_s: float, registry: CollectorRegistry, shm: ShmArea | None = None
+    ) -> None:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.shm = shm
         self.bytes_held = 0
         self._exports: OrderedDict[str, Export] = OrderedDict()  # oldest first
+        # Files handed to a decode engine (which unlinks them once mapped), with when to
+        # remove them if it never did (it failed between the reply and the mapping).
+        self._handed: list[tuple[float, ShmFile]] = []
         self._changed = trio.Event()
         self.metrics = KvTransferMetrics(registry, self)
 
@@ -90,23 +104,37 @@ class ExportStore:
             _, oldest = self._exports.popitem(last=False)
             self._drop(oldest, "evicted")
             log.info("KV export %s evicted (%d bytes) to make room", oldest.id, oldest.nbytes)
-        export = Export(secrets.token_urlsafe(16), parts, n_past, kv_hash, identity, trio.current_time() + self.ttl_s)
+        shared = self.shm.create(parts) if self.shm is not None else None
+        if shared is not None:  # the bytes now live in the shared file; the copies go
+            parts = list(shared.views([len(p) for p in parts]))
+        export = Export(
+            secrets.token_urlsafe(16), parts, n_past, kv_hash, identity, trio.current_time() + self.ttl_s, shared
+        )
         self._exports[export.id] = export
         self.bytes_held += nbytes
         self.metrics.exports.labels("created").inc()
         self._wake()
         return export
 
-    def take(self, export_id: str) -> Export | None:
-        """Remove and return a live export (a pull); None if unknown, expired or taken."""
+    def take(self, export_id: str, *, hand_over: bool = False) -> Export | None:
+        """Remove and return a live export (a pull); None if unknown, expired or taken.
+        ``hand_over``: the puller maps its shared file (and unlinks it)."""
         self.sweep()
         export = self._exports.pop(export_id, None)
         if export is not None:
-            self._drop(export, "pulled")
+            if hand_over and export.shm is not None:
+                self._handed.append((trio.current_time() + self.ttl_s, export.shm))
+                export_shm, export.shm = export.shm, None  # no longer ours to unlink now
+                self._drop(export, "pulled")
+                export.shm = export_shm
+            else:
+                self._drop(export, "pulled")
         return export
 
     def sweep(self) -> None:
         now = trio.current_time()
+        while self._handed and self._handed[0][0] <= now:
+            self._handed.pop(0)[1].unlink()  # a puller that never mapped it
         while self._exports:
             oldest = next(iter(self._exports.values()))  # leases are equal: oldest ends first
             if oldest.expires_at > now:
@@ -119,8 +147,15 @@ class ExportStore:
         for export in list(self._exports.values()):
             self._drop(export, "expired")
         self._exports.clear()
+        for _, shared in self._handed:
+            shared.unlink()
+        self._handed.clear()
+        if self.shm is not None:
+            self.shm.close()
 
     def _drop(self, export: Export, outcome: str) -> None:
+        if export.shm is not None:
+            export.shm.unlink()  # the pages go with the last mapping (a reply being sent)
         self.bytes_held -= export.nbytes
         self.metrics.exports.labels(outcome).inc()
         self._wake()

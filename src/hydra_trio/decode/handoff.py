@@ -27,6 +27,7 @@ from ..config import Settings
 from ..engine.backend import Sampler
 from ..engine.engine import Engine, GenerationResult
 from ..engine.params import GenerationParams
+from ..engine.seqstate import cache_layout_mismatch
 from ..engine.slots import Slot
 from ..engine.text import TextAssembler
 from ..engine.transfer import blob_hash
@@ -92,7 +93,8 @@ async def prefill_export(
     parts: list[bytes | bytearray] = [head, state, logits]
     kv_hash = await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts)))
     identity = engine.identity.info_fields()
-    export = exports.put(parts, n_past, kv_hash, {k: identity[k] for k in IDENTITY_KEYS})
+    made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": dict(backend.cache_layout)}
+    export = exports.put(parts, n_past, kv_hash, made_by)
     return ExportedPrefill(res, slot.id, export, res.prompt_ms, copy_ms, slot_held_ms)
 
 
@@ -113,6 +115,7 @@ class Handoff:
     pull_ms: float = 0.0
     restore_ms: float = 0.0
     n_restored: int = 0
+    transport: str = ""  # how the bytes came: "shm" (mapped on this host) or "tcp"
 
     @classmethod
     def begin(cls, engine: Engine, exports: ExportStore, raw: object, *, trace: str = "") -> Handoff | None:
@@ -131,6 +134,8 @@ class Handoff:
         match = compare_identity(engine.identity, params.identity, header_model=None)
         if not match.accepted:
             h._fail("identity_mismatch", f"export was made by another model: {match.reason}")
+        elif (why := cache_layout_mismatch(params.kv_cache, engine.backend.cache_layout)) is not None:
+            h._fail("layout_mismatch", f"export's KV cache layout differs: {why}")
         return h
 
     async def restore(
@@ -199,6 +204,7 @@ class Handoff:
             return None
         self.pull_ms = (time.perf_counter() - t0) * 1000.0
         self.kv_bytes = len(pulled.blob)
+        self.transport = pulled.transport
         self.exports.metrics.pull_bytes.inc(self.kv_bytes)
         # The identity gate again, on what the engine that served the bytes says of itself.
         match = compare_identity(engine.identity, pulled.meta, header_model=None)
@@ -233,5 +239,7 @@ class Handoff:
             out["reason"] = self.reason
         else:
             out["n_restored"] = self.n_restored
+        if self.transport:
+            out["transport"] = self.transport
         out.update(kv_bytes=self.kv_bytes, pull_ms=round(self.pull_ms, 3), restore_ms=round(self.restore_ms, 3))
         return out

@@ -25,6 +25,7 @@ from ..config import Settings
 from ..engine.engine import Engine, GenerationResult
 from ..engine.params import GenerationParams
 from ..engine.worker import CallTiming
+from ..logs import generation_fields, request_extra
 from ..metrics import Metrics
 from ..model.identity import IdentityMatch, compare_identity
 from ..tasks import OwnedTask, run_cpu_bound
@@ -49,7 +50,7 @@ class StartedDecode:
 
     def commit(self) -> None:
         """The caller holds the id: the request is theirs to read or DELETE."""
-        self.metrics.decode_ack_ms.observe((time.perf_counter() - self.started_at) * 1000.0)
+        self.metrics.decode_ack.observe(time.perf_counter() - self.started_at)
 
     async def abandon(self) -> None:
         """The reply was not written: cancel the request and wait until it stopped; it
@@ -213,7 +214,7 @@ class DecodeManager:
                 label = "rejected"
             if started is None:
                 raise _with_id(err, entry, final) from None
-            rlog.info("decode %d failed: %s", entry.id, err.message)
+            # Its request line (below) names the cause.
         except Exception as exc:
             entry.error, entry.error_code = f"internal error: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL
             if started is None:
@@ -222,6 +223,8 @@ class DecodeManager:
         finally:
             engine.release(slot)
             self._seal(entry, final, label)
+            if started is not None:
+                self._log_end(entry, final, trace, rlog)
             task.finished.set()
 
     def _check_identity(self, entry: DecodeEntry, frame: DecodeFrame, blob: KvBlob | None, t0: float) -> None:
@@ -302,16 +305,27 @@ class DecodeManager:
 
         await engine.generate(entry.slot_id, tokens, params, emit, result=res)
         entry.metrics["n_past"] = engine.n_past(entry.slot_id)
-        rlog.info(
-            "decode %d done: %d prompt (%d cached), %d generated, %s, %.1f tok/s",
-            entry.id,
-            res.prompt_tokens,
-            res.n_common,
-            res.completion_tokens,
-            res.stop_type,
-            res.tokens_per_s,
-        )
         return DecodeState.DONE
+
+    @staticmethod
+    def _log_end(entry: DecodeEntry, final: DecodeState, trace: str, rlog: Any) -> None:
+        """The DECODE's request line, however it ended (after its reply: a refusal before
+        it is the RPC server's line)."""
+        res: GenerationResult = entry.result or GenerationResult()
+        outcome = final.value  # done | failed | cancelled
+        fields = generation_fields(res, outcome=outcome)
+        if final is DecodeState.DONE:
+            detail = f"{res.stop_type}, {res.tokens_per_s:.1f} tok/s"
+        else:
+            detail = entry.error or "-"
+        rlog.info(
+            "decode %d %s: %d prompt (%d cached), %d generated, %s",
+            entry.id, outcome, res.prompt_tokens, res.n_common, res.completion_tokens, detail,
+            extra=request_extra(
+                request_id=trace or f"decode-{entry.id}", route="decode", slot=entry.slot_id,
+                error=entry.error or None, **fields,
+            ),
+        )
 
     def _seal(self, entry: DecodeEntry, final: DecodeState, label: str | None) -> None:
         res: GenerationResult | None = entry.result
@@ -340,7 +354,7 @@ class DecodeManager:
         if entry.running:
             t0 = time.perf_counter()
             await entry.task.cancel_and_wait()
-            self.metrics.cancel_ms.observe((time.perf_counter() - t0) * 1000.0)
+            self.metrics.cancel.observe(time.perf_counter() - t0)
             if entry.state == DecodeState.CANCELLED:
                 res: GenerationResult | None = entry.result
                 return CancelResult(

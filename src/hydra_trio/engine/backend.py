@@ -19,6 +19,7 @@ import llama_cpp
 import numpy as np
 import outcome
 
+from ..config import CACHE_TYPES
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import split_trailing_logits
 from .devices import (
@@ -29,11 +30,13 @@ from .devices import (
     read_ggml_devices,
 )
 from .kvblocks import SlotBlocks
+from .logprobs import TokenLogprobs, token_logprobs
 from .params import SamplingParams
 from .promptcache import Snapshot
 from .seqstate import (
     StateLayout,
     StateLayoutError,
+    cache_layout,
     layout_mismatch,
     read_layout,
     rewrite_in_place,
@@ -53,6 +56,9 @@ _LOG_LEVELS = {
     4: logging.ERROR,
 }
 _log_state = {"last": logging.DEBUG}
+# Warnings llama.cpp prints on every load of common models (Gemma 3's vocabulary, SWA
+# layers) that ask nothing of the operator: load chatter, so DEBUG like the rest of it.
+_LOAD_NOTES = (b"load: control-looking token", b"llama_kv_cache_iswa: using full-size SWA cache")
 # While a model loads or a context is built (on the GPU worker), llama.cpp's log lines are
 # also collected here: they are the only place it says how many layers it offloaded and
 # whether "auto" flash attention ended up on.
@@ -62,6 +68,8 @@ _log_capture: list[str] | None = None
 @llama_cpp.llama_log_callback
 def _route_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     py_level = _LOG_LEVELS.get(level, _log_state["last"])
+    if py_level == logging.WARNING and text.startswith(_LOAD_NOTES):
+        py_level = logging.DEBUG
     _log_state["last"] = py_level
     if _log_capture is not None:
         _log_capture.append(text.decode("utf-8", "replace"))
@@ -135,19 +143,35 @@ class Sampler:
 
     Made on the trio side but built lazily on first use, which happens inside a GPU-worker
     call; its owner hands it back with LlamaBackend.retire() so the free runs there too.
+
+    With ``logprobs`` (top alternatives wanted, 0..20), every pick also appends the token's
+    log-probabilities to ``picked``, in pick order, in the worker call that sampled it (the
+    logits are gone after the next decode). The sampler rides in every StepRequest and
+    PrefillPart of its request, so steps, look-ahead steps and batches need no other channel;
+    the request reads entry i once its i-th token is back (the step's done event orders it).
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, *, logprobs: int | None = None) -> None:
         self.params = params
+        self.logprobs = logprobs
+        self.picked: list[TokenLogprobs] = []
+        self.n_picked = 0  # tokens picked so far (on the worker): min_tokens counts them
         self._chain: ctypes.c_void_p | None = None
         self._closed = False
 
-    def _build(self) -> ctypes.c_void_p:
+    def _build(self, n_vocab: int) -> ctypes.c_void_p:
         params = self.params
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         add = llama_cpp.llama_sampler_chain_add
-        if params.repeat_penalty != 1.0:
-            add(chain, llama_cpp.llama_sampler_init_penalties(params.repeat_last_n, params.repeat_penalty, 0.0, 0.0))
+        if params.penalized:
+            add(
+                chain,
+                # This llama.cpp's signature still starts with n_vocab (it called with the
+                # newer 4 arguments, any repeat_penalty failed the step with a TypeError).
+                llama_cpp.llama_sampler_init_penalties(
+                    n_vocab, params.repeat_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+                ),
+            )
         if params.greedy:
             add(chain, llama_cpp.llama_sampler_init_greedy())
         else:
@@ -162,17 +186,23 @@ class Sampler:
         return chain
 
     @property
+    def bans_eog(self) -> bool:
+        """Whether the next pick may not end the generation (ignore_eos, or min_tokens not
+        reached yet)."""
+        return self.params.ignore_eos or self.n_picked < self.params.min_tokens
+
+    @property
     def is_argmax(self) -> bool:
         """Greedy with nothing before it: the token is the argmax of the logits (the first
         of equal maxima, as llama's greedy sampler picks), and no chain is needed."""
-        return self.params.greedy and self.params.repeat_penalty == 1.0
+        return self.params.greedy and not self.params.penalized
 
-    @property
-    def handle(self) -> ctypes.c_void_p:
+    def chain(self, n_vocab: int) -> ctypes.c_void_p:
+        """The llama chain, built on first use (on the worker) for a vocabulary of n_vocab."""
         if self._closed:
             raise RuntimeError("sampler already closed")
         if self._chain is None:
-            self._chain = self._build()
+            self._chain = self._build(n_vocab)
         return self._chain
 
     def close(self) -> None:
@@ -336,7 +366,12 @@ class LlamaBackend:
         cp.offload_kqv = self.offload_settings.kv_offload
         ctx, ctx_log = _captured(lambda: llama_cpp.llama_init_from_model(self._model, cp))
         if not ctx:
-            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx})")
+            said = "; ".join(line.strip() for line in ctx_log if line.startswith("llama_init_from_model") or "error" in line.lower())
+            raise RuntimeError(
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, --cache-type-k {_type_label(self.type_k)}, "
+                f"--cache-type-v {_type_label(self.type_v)}, --flash-attn {self.offload_settings.flash_attn})"
+                + (f": {said}" if said else "")
+            )
         self.context_params_applied = {"flash_attn_type": cp.flash_attn_type, "offload_kqv": bool(cp.offload_kqv)}
         n_layers = self.info.n_layer + 1  # llama.cpp counts the output layer as one more
         self.offload = OffloadReport(
@@ -387,6 +422,8 @@ class LlamaBackend:
             log.info("KV state layout not checked before restores (%s)", exc)
             self.state_layout = None
         self._n_caches = len(self.state_layout.caches) if self.state_layout else 1
+        # K/V types and V transposition, read from a state llama.cpp wrote (what blobs carry).
+        self.cache_layout = cache_layout(self.state_layout) if self.state_layout else {}
         self._stream_overhead = 4 * (self.n_stream - 1) * self._n_caches
         one = self.state_size(seq)
         self._decode_batch([(seq, tok, 1, False)], None)
@@ -621,19 +658,32 @@ class LlamaBackend:
         return token, logits
 
     def _sample(self, sampler: Sampler, idx: int) -> int:
-        """The token ``sampler`` picks from the logits of the last decode's output ``idx``.
+        """The token ``sampler`` picks from the logits of the last decode's output ``idx``,
+        recording its log-probabilities when the request asked (only then: a softmax over
+        the vocabulary per token is the cost of asking)."""
+        if sampler.logprobs is None:
+            token = self._pick(sampler, idx)
+        else:
+            raw = self._logits(idx).copy()  # before an eog ban edits the buffer: the model's own
+            token = self._pick(sampler, idx)
+            sampler.picked.append(token_logprobs(raw, token, sampler.logprobs))
+        sampler.n_picked += 1
+        return token
+
+    def _pick(self, sampler: Sampler, idx: int) -> int:
+        """The sampler's pick from output ``idx``'s logits.
 
         A plain greedy pick reads the argmax straight from the logits: llama_sampler_sample
         first copies all n_vocab logits into a candidate array, which cost 273 us a token
         with Gemma 3's 262k vocabulary against 59 us for the argmax (34 against 13 us at 32k),
         eight times per step at eight streams."""
-        if sampler.params.ignore_eos:
+        if sampler.bans_eog:
             # In llama.cpp's own buffer (both paths read it), after any copy of these logits
             # (tail_logits, a hand-off) was taken: those stay as the model computed them.
             self._logits(idx)[self._eog_index] = -np.inf
         if sampler.is_argmax:
             return int(self._logits(idx).argmax())
-        return int(llama_cpp.llama_sampler_sample(sampler.handle, self._ctx, idx))
+        return int(llama_cpp.llama_sampler_sample(sampler.chain(self.info.n_vocab), self._ctx, idx))
 
     def _logits(self, idx: int) -> np.ndarray:
         """The last decode's logits of output ``idx``: a view of llama.cpp's buffer, valid
@@ -742,10 +792,19 @@ class LlamaBackend:
         ]
 
     def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
-        """Sample with the request's chain from logits that came with a KV blob."""
+        """Sample with the request's chain from logits that came with a KV blob (recording
+        log-probabilities as ``_sample`` does)."""
+        token = self._pick_from_logits(sampler, logits)
+        sampler.n_picked += 1
+        if sampler.logprobs is not None:
+            raw = np.frombuffer(logits, dtype="<f4", count=self.info.n_vocab)  # read-only: as computed
+            sampler.picked.append(token_logprobs(raw, token, sampler.logprobs))
+        return token
+
+    def _pick_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
         n_vocab = self.info.n_vocab
         values = np.frombuffer(logits, dtype="<f4", count=n_vocab)
-        if sampler.params.ignore_eos:
+        if sampler.bans_eog:
             values = values.copy()
             values[self._eog_index] = -np.inf
         if sampler.is_argmax:
@@ -760,11 +819,11 @@ class LlamaBackend:
             selected=-1,
             sorted=False,
         )
-        llama_cpp.llama_sampler_apply(sampler.handle, ctypes.byref(cur))
+        llama_cpp.llama_sampler_apply(sampler.chain(self.info.n_vocab), ctypes.byref(cur))
         if not 0 <= cur.selected < cur.size:
             raise RuntimeError("sampler selected no token")
         token = int(cur.data[cur.selected].id)
-        llama_cpp.llama_sampler_accept(sampler.handle, token)
+        llama_cpp.llama_sampler_accept(sampler.chain(self.info.n_vocab), token)
         return token
 
     # ---- state -------------------------------------------------------------------------
@@ -839,8 +898,8 @@ class LlamaBackend:
         except StateLayoutError as exc:
             raise ProtocolError(ErrorCode.RESTORE_FAILED, f"not a KV state llama.cpp can restore: {exc}") from None
         why = layout_mismatch(got, self.state_layout)
-        if why is not None:
-            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"KV layout does not match this engine's: {why}")
+        if why is not None:  # what was made elsewhere does not fit here: a capability, not damage
+            raise ProtocolError(ErrorCode.CAP_MISMATCH, f"KV layout does not match this engine's: {why}")
         if got.n_past != n_past:
             raise ProtocolError(
                 ErrorCode.RESTORE_FAILED, f"KV state holds {got.n_past} positions but the blob declares n_past={n_past}"
@@ -926,6 +985,11 @@ class LlamaBackend:
                 llama_cpp.llama_memory_seq_rm(self._mem, target, -1, -1)
             elif not committed:
                 llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+
+
+def _type_label(ggml_type: int | None) -> str:
+    names = {t: name for name, t in CACHE_TYPES.items()}
+    return "f16" if ggml_type is None else names.get(ggml_type, str(ggml_type))
 
 
 def _as_ubyte_array(view: memoryview) -> ctypes.Array[ctypes.c_uint8]:

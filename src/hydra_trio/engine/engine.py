@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from ..config import Settings
+from ..config import CACHE_TYPES, Settings
 from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvblob import KvBlob, encode_blob_head
@@ -37,6 +37,7 @@ from .backend import (
 from .batcher import PartOutcome, StepBatcher
 from .devices import OffloadSettings
 from .kvblocks import SlotBlocks
+from .logprobs import TokenLogprobs
 from .params import GenerationParams, parse_generation
 from .promptcache import PromptCache
 from .reconfigure import Reconfigurer, SlotSettings
@@ -75,6 +76,8 @@ class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     # Seconds between consecutive sampled tokens (vllm:inter_token_latency_seconds).
     token_gaps_s: array[float] = field(default_factory=lambda: array("d"))
+    # Per generated token (``tokens``), when the request asked for logprobs (engine/logprobs.py).
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -161,6 +164,8 @@ class Engine:
                 n_ctx=settings.ctx_size,
                 n_threads=settings.threads,
                 n_batch=settings.batch_size,
+                type_k=CACHE_TYPES[settings.cache_type_k],
+                type_v=CACHE_TYPES[settings.cache_type_v],
                 offload=offload,
                 kv_unified=settings.kv_unified,
             ),
@@ -180,7 +185,7 @@ class Engine:
         engine.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         log.info(
-            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, KV cache %s (a slot holds up to %d), %d threads",
+            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, KV cache %s (a slot holds up to %d; %s), %d threads",
             engine.model_load_ms,
             identity.model_name,
             identity.model_quant,
@@ -189,6 +194,7 @@ class Engine:
             backend.n_ctx,
             engine.kv_layout,
             backend.n_ctx_slot,
+            ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read",
             backend.n_threads,
         )
         assert backend.offload is not None
@@ -339,6 +345,7 @@ class Engine:
             **offload.as_dict(),
             "kv_unified": self.backend.kv_unified,
             "n_ctx_slot": self.n_ctx_slot,
+            "kv_cache": self.backend.cache_layout,  # type_k, type_v, v_trans
             "chat_template": self.chat_template.as_dict(),
         }
 
@@ -355,6 +362,15 @@ class Engine:
 
     async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
         return await self.tokenize_text(await self.render_prompt(request))
+
+    @property
+    def max_request_json_bytes(self) -> int:
+        """The largest prompt-route JSON body worth parsing: the longest text a slot can take
+        (MAX_PROMPT_BYTES_PER_POSITION a position), three times over for JSON's escapes
+        (\\uXXXX for a 2- or 3-byte character, two for a 4-byte one), plus 1 MiB for the rest
+        of the request (messages' structure, a tool schema, sampling fields). Token-id arrays
+        take at most 8 bytes an id."""
+        return 3 * MAX_PROMPT_BYTES_PER_POSITION * self.n_ctx_slot + (1 << 20)
 
     def check_text_fits(self, text: str) -> None:
         """Refuse text too long for a slot before any per-token work (see
@@ -531,7 +547,7 @@ class Engine:
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
-        sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
+        sampler = Sampler(params.sampling, logprobs=params.logprobs)  # built inside its first GPU-worker call
         assembler = TextAssembler(params.stop)
         t_start = time.perf_counter()
         try:
@@ -551,6 +567,8 @@ class Engine:
                         res.stop_type = "eos"
                         break
                     res.tokens.append(token)
+                    if params.logprobs is not None:  # recorded by the worker call that sampled it
+                        res.logprobs.append(sampler.picked[res.completion_tokens])
                     now = time.perf_counter()
                     if res.completion_tokens:
                         res.token_gaps_s.append(now - t_last)

@@ -14,8 +14,17 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 
 
-def bad_param(message: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.BAD_JSON, message, status=Status.BAD_REQUEST)
+class ParamError(ProtocolError):
+    """A refused request parameter: BAD_JSON / BAD_REQUEST, and ``param`` names it (OpenAI's
+    ``error.param`` over HTTP; RPC replies carry the message as before)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(ErrorCode.BAD_JSON, message, status=Status.BAD_REQUEST)
+        self.param = param
+
+
+def bad_param(message: str, param: str | None = None) -> ProtocolError:
+    return ParamError(message, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +35,20 @@ class SamplingParams:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    frequency_penalty: float = 0.0  # OpenAI's, over the last repeat_last_n tokens (llama.cpp's)
+    presence_penalty: float = 0.0
     seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
     ignore_eos: bool = False  # end-of-generation tokens are never sampled (benchmarks' convention)
+    min_tokens: int = 0  # vLLM's: no end-of-generation token before this many (stop strings still stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any repetition penalty changes the logits before the pick."""
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +58,20 @@ class GenerationParams:
     stop: tuple[str, ...] = field(default=())
     stream: bool = False
     stream_interval: int = 1  # streamed tokens per chunk at most (the first goes alone)
+    # Log-probabilities of the sampled tokens with this many top alternatives (0..20);
+    # None: not asked (set by the OpenAI routes, which each spell it their own way).
+    logprobs: int | None = None
 
 
 def _number(req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float) -> float:
     for name in names:
         if name in req and req[name] is not None:
             v = req[name]
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise bad_param(f"{name} must be a number")
+            # (math.isfinite of an int past float's range raises OverflowError: floats only.)
+            if isinstance(v, bool) or not isinstance(v, int | float) or (isinstance(v, float) and not math.isfinite(v)):
+                raise bad_param(f"{name} must be a number", name)
             if not lo <= v <= hi:
-                raise bad_param(f"{name} must be between {lo} and {hi}, got {v}")
+                raise bad_param(f"{name} must be between {lo} and {hi}, got {v}", name)
             return float(v)
     return default
 
@@ -60,9 +81,9 @@ def _integer(req: dict[str, Any], names: tuple[str, ...], default: int, lo: int,
         if name in req and req[name] is not None:
             v = req[name]
             if isinstance(v, bool) or not isinstance(v, int):
-                raise bad_param(f"{name} must be an integer")
+                raise bad_param(f"{name} must be an integer", name)
             if not lo <= v <= hi:
-                raise bad_param(f"{name} must be between {lo} and {hi}, got {v}")
+                raise bad_param(f"{name} must be between {lo} and {hi}, got {v}", name)
             return v
     return default
 
@@ -72,7 +93,7 @@ def _boolean(req: dict[str, Any], name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad_param(f"{name} must be a boolean")
+        raise bad_param(f"{name} must be a boolean", name)
     return v
 
 
@@ -84,7 +105,7 @@ def parse_generation(
     if sampling is None:
         sampling = {}
     if not isinstance(sampling, dict):
-        raise bad_param("sampling must be an object")
+        raise bad_param("sampling must be an object", "sampling")
     merged = {**sampling, **{k: v for k, v in req.items() if k != "sampling"}}
 
     n_predict = _integer(merged, ("max_completion_tokens", "max_tokens", "n_predict"), default_n_predict, -1, 1 << 30)
@@ -96,11 +117,16 @@ def parse_generation(
         top_k=_integer(merged, ("top_k",), 40, 0, 1 << 20),
         top_p=_number(merged, ("top_p",), 0.95, 0.0, 1.0),
         min_p=_number(merged, ("min_p",), 0.05, 0.0, 1.0),
-        repeat_penalty=_number(merged, ("repeat_penalty", "penalty_repeat"), 1.0, 0.0, 100.0),
+        repeat_penalty=_number(merged, ("repeat_penalty", "penalty_repeat", "repetition_penalty"), 1.0, 0.0, 100.0),
         repeat_last_n=_integer(merged, ("repeat_last_n", "penalty_last_n"), 64, 0, 1 << 20),
+        frequency_penalty=_number(merged, ("frequency_penalty", "penalty_freq"), 0.0, -2.0, 2.0),
+        presence_penalty=_number(merged, ("presence_penalty", "penalty_present"), 0.0, -2.0, 2.0),
         seed=seed & 0xFFFFFFFF,
         ignore_eos=_boolean(merged, "ignore_eos", False),
+        min_tokens=_integer(merged, ("min_tokens",), 0, 0, 1 << 30),
     )
+    if params.min_tokens > n_predict:
+        raise bad_param(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})", "min_tokens")
     stop_raw = merged.get("stop")
     if stop_raw is None:
         stop: tuple[str, ...] = ()
@@ -109,9 +135,9 @@ def parse_generation(
     elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
         stop = tuple(s for s in stop_raw if s)
     else:
-        raise bad_param("stop must be a string or an array of strings")
+        raise bad_param("stop must be a string or an array of strings", "stop")
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stop):
-        raise bad_param(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters")
+        raise bad_param(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop")
     stream = _boolean(merged, "stream", False)
     interval = _integer(merged, ("stream_interval",), default_stream_interval, 1, 4096)
     return GenerationParams(n_predict=n_predict, sampling=params, stop=stop, stream=stream, stream_interval=interval)

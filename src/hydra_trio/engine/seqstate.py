@@ -19,6 +19,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from ..config import CACHE_TYPES
+
 STATE_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
 _U32 = struct.Struct("<I")
 _HEAD = struct.Struct("<Ii")  # magic, seq_id
@@ -35,7 +37,7 @@ class StateLayoutError(ValueError):
 
 
 # ggml type ids of the K/V cache types llama-server offers, for messages.
-_GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
+_GGML_TYPES = {t: name for name, t in CACHE_TYPES.items()}
 
 # A stream's rows: V transposed or not, then per layer (type, row bytes) of K and of V (for a
 # transposed V: (type, element bytes, n_embd_v_gqa)).
@@ -98,6 +100,25 @@ def read_layout(state: Bytes, n_caches: int | None) -> StateLayout:
 
 def _type_name(t: int) -> str:
     return _GGML_TYPES.get(t, f"ggml type {t}")
+
+
+def cache_layout(layout: StateLayout) -> dict[str, object]:
+    """The KV cache layout a state was written in, as INFO, /version and kv_transfer_params
+    report it: the K and V types and whether V rows are transposed (flash attention off)."""
+    rows = next((c.rows for c in layout.caches if c.rows is not None), None)
+    if rows is None or not rows[1]:
+        return {}
+    v_trans, k_rows, v_rows = rows
+    return {"type_k": _type_name(k_rows[0][0]), "type_v": _type_name(v_rows[0][0]), "v_trans": bool(v_trans)}
+
+
+def cache_layout_mismatch(got: dict[str, object], local: dict[str, object]) -> str | None:
+    """Why KV reported as ``got`` (kv_transfer_params, before any byte moves) cannot go into
+    a context of ``local``, or None (also when either says nothing)."""
+    for key, what in (("type_k", "K cache type"), ("type_v", "V cache type"), ("v_trans", "V transposition")):
+        if key in got and key in local and got[key] != local[key]:
+            return f"{what} {got[key]}, here {local[key]}"
+    return None
 
 
 def layout_mismatch(got: StateLayout, local: StateLayout) -> str | None:

@@ -11,6 +11,7 @@ import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
+from ..engine.params import ParamError
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from .sse import error_body
@@ -128,14 +129,28 @@ async def receive_body(settings: Settings, take: Callable[[bytes], None]) -> int
         take(chunk)
 
 
-async def read_json_body(max_bytes: int) -> dict[str, Any]:
-    """The request's JSON object, at most ``max_bytes`` (--max-json-bytes), declared or not:
-    a chunked body is counted as it arrives and refused (413) once past the limit, not
+async def read_request_json() -> dict[str, Any]:
+    """A prompt route's JSON body (completions, chat, tokenizer and template routes): at most
+    --max-json-bytes, and at most what a request for one slot can use (``Engine.
+    max_request_json_bytes``). Bigger is refused before it is parsed: parsing holds the
+    GIL, so a 12 MB array of token ids (0.45 s) would stall every stream, and its Python
+    objects take several times its bytes."""
+    state = app_state()
+    engine = state.engine
+    cap, why = state.settings.max_json_bytes, "--max-json-bytes"
+    if engine is not None and engine.max_request_json_bytes < cap:
+        cap, why = engine.max_request_json_bytes, f"the most a request for a slot of {engine.n_ctx_slot} positions can use"
+    return await read_json_body(cap, why)
+
+
+async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[str, Any]:
+    """The request's JSON object, at most ``max_bytes`` (``why``: what sets it), declared or
+    not: a chunked body is counted as it arrives and refused (413) once past the limit, not
     buffered to Quart's own cap first; a slow one gets 408 (receive_body). A large body is
     parsed off the trio thread."""
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # refuse before reading it
-        raise HttpError(413, f"body is {declared} bytes; the limit is {max_bytes}", "invalid_request_error")
+        raise HttpError(413, f"body is {declared} bytes; the limit is {max_bytes} ({why})", "invalid_request_error")
     chunks: list[bytes] = []
     size = 0
 
@@ -143,7 +158,7 @@ async def read_json_body(max_bytes: int) -> dict[str, Any]:
         nonlocal size
         size += len(chunk)
         if size > max_bytes:
-            raise HttpError(413, f"body is over {max_bytes} bytes, the limit", "invalid_request_error")
+            raise HttpError(413, f"body is over {max_bytes} bytes, the limit ({why})", "invalid_request_error")
         chunks.append(chunk)
 
     await receive_body(app_state().settings, take)
@@ -175,7 +190,8 @@ def register_error_handlers(app: Any) -> None:
     async def _protocol_error(err: ProtocolError) -> Response:
         status = http_status(err)
         kind = "invalid_request_error" if status < 500 else "server_error"
-        return json_response(error_body(status, err.message, kind, error_code=str(err.code), **err.extra), status)
+        param = err.param if isinstance(err, ParamError) else None
+        return json_response(error_body(status, err.message, kind, param=param, error_code=str(err.code), **err.extra), status)
 
     @app.errorhandler(HttpError)
     async def _http_error(err: HttpError) -> Response:

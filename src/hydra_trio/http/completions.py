@@ -4,15 +4,20 @@ template), on the same generation path and batches as chat."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
+from ..engine.logprobs import TokenLogprobs
 from ..engine.params import bad_param
 from . import kv_transfer
-from .common import app_state, generation_owner, json_response, read_json_body, require_engine
+from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
+from .logprobs import CompletionLogprobs
+from .openai_params import check_request
 from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
@@ -28,6 +33,8 @@ async def prompt_tokens(engine: Engine, prompt: Any) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return await engine.tokenize_text(prompt)
+    if isinstance(prompt, list) and len(prompt) >= engine.n_ctx_slot:
+        engine.check_prompt_fits(len(prompt))  # before any per-token check (a 4 M-token array: ~1 s)
     if (
         isinstance(prompt, list)
         and prompt
@@ -54,25 +61,18 @@ async def prompt_tokens(engine: Engine, prompt: Any) -> list[int]:
 async def completions() -> Response:
     state = app_state()
     engine = require_engine()
-    body = await read_json_body(state.settings.max_json_bytes)
-    if "prompt" not in body:
-        raise bad_param("prompt is required")
-    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
-        raise bad_param("n must be 1 (one choice per request)")
-    # Said plainly rather than silently ignored: the result would not be what was asked for.
-    for key in ("echo", "logprobs", "suffix"):
-        if body.get(key) not in (None, False):
-            raise bad_param(f"{key} is not supported")
-    if body.get("best_of") not in (None, 1):
-        raise bad_param("best_of must be 1")
-    params = engine.generation_params(body)
+    body = await read_request_json()
+    n_logprobs = check_request("completions", body)  # 400 for what this engine would not honour
+    params = replace(engine.generation_params(body), logprobs=n_logprobs)
     tokens = await prompt_tokens(engine, body["prompt"])
     cid = "cmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)
+    vocab = engine.backend if n_logprobs is not None else None
 
     def render(slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
-        return text_completion_body(cid, now_s(), model, slot_id, res, **extra)
+        lp = None if vocab is None else CompletionLogprobs(vocab).take(res.logprobs)
+        return text_completion_body(cid, now_s(), model, slot_id, res, logprobs=lp, **extra)
 
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py), as for chat.
     plan = await kv_transfer.route(state, body, engine, tokens, params, render)
@@ -98,6 +98,7 @@ async def completions() -> Response:
         done_event=lambda res: sse_event(
             text_completion_body(cid, created, model, stream.slot_id, res, text="", **plan.fields())
         ),
+        logprobs_event=None if vocab is None else _logprobs_chunks(CompletionLogprobs(vocab), cid, created, model),
     )
     return Response(
         body,
@@ -107,14 +108,21 @@ async def completions() -> Response:
     )
 
 
-def text_chunk(cid: str, created: int, model: str, text: str) -> dict[str, Any]:
+def text_chunk(cid: str, created: int, model: str, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}],
+        "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": None}],
     }
+
+
+def _logprobs_chunks(
+    lp: CompletionLogprobs, cid: str, created: int, model: str
+) -> Callable[[str, Sequence[TokenLogprobs]], bytes]:
+    """A stream's chunks with their tokens' logprobs (text offsets counted on across them)."""
+    return lambda text, entries: sse_event(text_chunk(cid, created, model, text, lp.take(entries)))
 
 
 def text_completion_body(
@@ -125,6 +133,7 @@ def text_completion_body(
     res: GenerationResult,
     *,
     text: str | None = None,
+    logprobs: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """The whole completion, or (``text=""``) the last chunk of a stream: finish_reason,
@@ -138,7 +147,7 @@ def text_completion_body(
             {
                 "text": res.text if text is None else text,
                 "index": 0,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": res.finish_reason,
             }
         ],

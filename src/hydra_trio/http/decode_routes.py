@@ -72,7 +72,8 @@ async def get_decode(raw_id: str) -> Response:
         return _failed(entry)
     if entry.running:
         return json_response(
-            {**error_body(404, "decode_request_id not ready", "not_ready"), "state": entry.state.value},
+            # docs/rpc-protocol.md §6.1 fixes this compat body key for key (coordinators retry on it).
+            {"error": {"code": 404, "message": "decode_request_id not ready", "type": "not_ready"}, "state": entry.state.value},
             404,
             headers={"Retry-After": "1"},
         )

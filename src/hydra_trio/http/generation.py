@@ -17,10 +17,12 @@ import trio
 from quart import Response
 
 from ..engine.engine import GenerationResult
+from ..engine.logprobs import TokenLogprobs
 from ..engine.params import GenerationParams
+from ..logs import generation_fields, request_extra
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
-from .common import http_status, json_response, request_nursery
+from .common import client_request_id, http_status, json_response, request_nursery
 from .sse import SSE_DONE, error_body, sse_event
 
 if TYPE_CHECKING:
@@ -86,45 +88,51 @@ async def generate_buffered(
     prepare: Prepare | None = None,
 ) -> tuple[int, GenerationResult]:
     """(slot id, result) of a whole generation. Raises SlotsBusy."""
+    t_arrived = trio.current_time()
     slot = await claim_slot(state, engine, tokens, owner)
+    queue_s = trio.current_time() - t_arrived
     res = GenerationResult()
-    with _logged(owner, path, slot.id, res):
+    with _logged(owner, path, slot.id, res, queue_s):
         try:
             if prepare is not None:
                 await prepare(slot.id)
             await engine.generate(slot.id, tokens, params, _discard, result=res)
         finally:
             engine.release(slot)
-    state.metrics.record_generation(path, res)
+    state.metrics.record_generation(path, res, queue_s=queue_s)
     return slot.id, res
 
 
 @contextmanager
-def _logged(owner: str, path: str, slot_id: int, res: GenerationResult) -> Iterator[None]:
-    """One log line per HTTP generation, however it ends: done, cancelled (the client left),
-    or failed, with its tokens and timings."""
-    outcome = "done"
+def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s: float) -> Iterator[None]:
+    """One request line per HTTP generation, however it ends: done, cancelled (the client
+    left), or failed, with its tokens and timings (logs.py: its JSON fields)."""
+    outcome, error = "done", None
+    # The client's X-Request-Id, else the completion id (the owner names it then, alone).
+    request_id = client_request_id() or owner.removeprefix("http:")
     try:
         yield
     except trio.Cancelled:
         outcome = "cancelled"
         raise
     except BaseException as exc:
-        outcome = f"failed: {exc.message if isinstance(exc, ProtocolError) else type(exc).__name__}"
+        outcome, error = "failed", exc.message if isinstance(exc, ProtocolError) else type(exc).__name__
         raise
     finally:
+        fields = generation_fields(res, outcome=outcome, queue_s=queue_s)
         log.info(
             "%s %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s",
-            path, owner, slot_id, outcome, res.prompt_tokens, res.n_common, res.completion_tokens,
-            res.stop_type if outcome == "done" else "-", res.prompt_ms, res.tokens_per_s,
+            path, owner, slot_id, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
+            res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
+            extra=request_extra(request_id=request_id, route=path, slot=slot_id, error=error, **fields),
         )
 
 
 @dataclass(slots=True)
 class GenerationStream:
     """A generation running in its HTTP request's own nursery; ``items`` receives ("delta",
-    text), then ("done", GenerationResult) or ("error", exception). The reader must
-    ``close()`` it."""
+    text) (each after ("logprobs", its tokens' TokenLogprobs) when the request asked), then
+    ("done", GenerationResult) or ("error", exception). The reader must ``close()`` it."""
 
     task: OwnedTask
     slot_id: int
@@ -156,20 +164,32 @@ async def sse_body(
     head: bytes,
     delta_event: Callable[[str], bytes],
     done_event: Callable[[GenerationResult], bytes],
+    logprobs_event: Callable[[str, Sequence[TokenLogprobs]], bytes] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body of a streaming completion (chat or text): ``head``, an event per text
     delta, the final event, ``[DONE]``; what is ready goes out in one write. Leaving (the
-    client went away, or the stream ended) stops the generation before this returns."""
+    client went away, or the stream ended) stops the generation before this returns.
+
+    A request that asked for logprobs gets ("logprobs", entries) before each delta: that
+    delta's event is then ``logprobs_event(text, entries)``."""
+    held: Sequence[TokenLogprobs] | None = None
     try:
         if head:
             yield head
         async for batch in stream.batches():
-            yield b"".join(
-                delta_event(value) if kind == "delta"
-                else done_event(value) if kind == "done"
-                else sse_event(error_event_body(value))
-                for kind, value in batch
-            )
+            out: list[bytes] = []
+            for kind, value in batch:
+                if kind == "logprobs":
+                    held = value
+                elif kind == "delta":
+                    out.append(delta_event(value) if held is None or logprobs_event is None else logprobs_event(value, held))
+                    held = None
+                elif kind == "done":
+                    out.append(done_event(value))
+                else:
+                    out.append(sse_event(error_event_body(value)))
+            if out:
+                yield b"".join(out)
         yield SSE_DONE
     finally:
         await stream.close()
@@ -190,7 +210,9 @@ async def start_stream(
     stall_s = state.settings.slot_wait_s
 
     async def produce(task_status: Any) -> None:
+        t_arrived = trio.current_time()
         slot = await claim_slot(state, engine, tokens, owner)
+        queue_s = trio.current_time() - t_arrived
         task_status.started(slot.id)
 
         async def put(item: tuple[str, Any]) -> None:
@@ -205,17 +227,25 @@ async def start_stream(
             with trio.fail_after(stall_s):
                 await send.send(item)
 
+        sent_lp = 0  # entries of res.logprobs handed out: each goes with its chunk's text
+
         async def emit(delta: str) -> None:
+            nonlocal sent_lp
+            if params.logprobs is not None:  # the tokens whose text this delta is
+                await put(("logprobs", res.logprobs[sent_lp:]))
+                sent_lp = len(res.logprobs)
             await put(("delta", delta))
 
         res = GenerationResult()
         async with send:
             try:
-                with _logged(owner, path, slot.id, res):
+                with _logged(owner, path, slot.id, res, queue_s):
                     if prepare is not None:
                         await prepare(slot.id)
                     await engine.generate(slot.id, tokens, params, emit, result=res)
-                state.metrics.record_generation(path, res)
+                    if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
+                        await emit("")
+                state.metrics.record_generation(path, res, queue_s=queue_s)
                 await put(("done", res))
             except (trio.TooSlowError, trio.BrokenResourceError) as exc:
                 # The reader stopped reading or left: nobody to tell.

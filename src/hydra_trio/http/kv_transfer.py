@@ -16,16 +16,19 @@ A route (chat completions; text completions use the same three calls) does:
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import trio
 from quart import Response
 
 from ..decode.handoff import Handoff, prefill_export
 from ..engine.params import GenerationParams
+from ..logs import generation_fields, request_extra
 from ..wire.kvpull import export_params, wants_remote_decode
 from .common import EngineStarting, client_request_id, json_response, require_engine
 from .generation import SlotsBusy, all_slots_busy, claim_slot
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from ..state import AppState
 
 Render = Callable[..., dict[str, Any]]
+log = logging.getLogger(__name__)
 
 
 async def export_completion(
@@ -49,14 +53,27 @@ async def export_completion(
     engine = require_engine()
     exports = state.exports
     assert exports is not None, "the export store starts before HTTP serves requests"
-    owner = f"http:kv-export:{client_request_id() or secrets.token_hex(6)}"
+    request_id = client_request_id() or secrets.token_hex(6)
+    owner = f"http:kv-export:{request_id}"
+    t_arrived = trio.current_time()
     try:
         slot = await claim_slot(state, engine, tokens, owner)  # bounds the wait, not the prefill
     except SlotsBusy:
         return all_slots_busy(state)
+    queue_s = trio.current_time() - t_arrived
     out = await prefill_export(engine, exports, slot, tokens, params)  # releases the slot
-    state.metrics.record_generation("kv_export", out.result)
+    state.metrics.record_generation("kv_export", out.result, queue_s=queue_s)
     export = out.export
+    log.info(
+        "kv_export %s slot %d: %d prompt (%d cached) in %.1f ms, %s",
+        owner, out.slot_id, out.result.prompt_tokens, out.result.n_common, out.prefill_ms,
+        f"export {export.id} ({export.nbytes} bytes)" if export is not None else "not exported (over --kv-export-max-bytes)",
+        extra=request_extra(
+            request_id=request_id, route="kv_export", slot=out.slot_id,
+            **generation_fields(out.result, outcome="done" if export is not None else "failed", queue_s=queue_s),
+            error=None if export is not None else "export refused: over --kv-export-max-bytes",
+        ),
+    )
     extra: dict[str, Any] = {
         "kv_export": {
             "exported": export is not None,
@@ -76,6 +93,7 @@ async def export_completion(
             kv_bytes=export.nbytes,
             ttl_s=exports.ttl_s,
             identity=export.identity,
+            shm=exports.shm.advertised() if export.shm is not None and exports.shm is not None else None,
         )
     return json_response(render(out.slot_id, out.result, **extra))
 

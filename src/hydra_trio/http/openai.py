@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
-from ..engine.params import bad_param
+from ..engine.logprobs import TokenLogprobs
 from . import kv_transfer
-from .common import app_state, generation_owner, json_response, read_json_body, require_engine
+from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
+from .logprobs import Vocab, chat_logprobs
+from .openai_params import check_request
 from .sse import HOLE, completion_chunk, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
@@ -105,40 +109,26 @@ def slot_view(engine: Any, slot_id: int) -> dict[str, Any]:
     }
 
 
-def refuse_unsupported_chat_params(body: dict[str, Any]) -> None:
-    """Said plainly (400 naming the parameter) rather than answered differently from what
-    was asked for, as OpenAI-compatible servers that lack a feature do."""
-    if not isinstance(body.get("messages"), list):
-        raise bad_param("messages is required (an array; a plain prompt goes to /v1/completions)")
-    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
-        raise bad_param("n must be 1 (one choice per request)")
-    for key in ("logprobs", "top_logprobs"):
-        if body.get(key) not in (None, False, 0):
-            raise bad_param(f"{key} is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_param("response_format is not supported (only {\"type\": \"text\"})")
-
-
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     state = app_state()
     engine = require_engine()
-    body = await read_json_body(state.settings.max_json_bytes)
-    refuse_unsupported_chat_params(body)
-    params = engine.generation_params(body)
+    body = await read_request_json()
+    n_logprobs = check_request("chat", body)  # 400 for what this engine would not honour
+    params = replace(engine.generation_params(body), logprobs=n_logprobs)
     tokens = await engine.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)
+    vocab = engine.backend if n_logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
-    plan = await kv_transfer.route(state, body, engine, tokens, params, partial(completion_body, cid, model))
+    plan = await kv_transfer.route(state, body, engine, tokens, params, partial(completion_body, cid, model, vocab=vocab))
     if isinstance(plan, Response):
         return plan
     try:
         if not params.stream:
             slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
-            return json_response(completion_body(cid, model, slot_id, res, **plan.fields()))
+            return json_response(completion_body(cid, model, slot_id, res, vocab=vocab, **plan.fields()))
         stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
     except SlotsBusy:
         return all_slots_busy(state)
@@ -149,8 +139,16 @@ async def chat_completions() -> Response:
         head=sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""})),
         delta_event=sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE})),
         done_event=lambda res: sse_event(final_chunk(cid, created, model, stream.slot_id, res, **plan.fields())),
+        logprobs_event=None if vocab is None else partial(_logprobs_chunk, vocab, cid, created, model),
     )
     return Response(body, status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _logprobs_chunk(vocab: Vocab, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]) -> bytes:
+    """A stream's chunk with its tokens' logprobs (requests that asked for them)."""
+    chunk = completion_chunk(cid, created, model, delta={"content": text})
+    chunk["choices"][0]["logprobs"] = chat_logprobs(vocab, entries)
+    return sse_event(chunk)
 
 
 def final_chunk(cid: str, created: int, model: str, slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
@@ -168,19 +166,23 @@ def final_chunk(cid: str, created: int, model: str, slot_id: int, res: Generatio
     )
 
 
-def completion_body(cid: str, model: str, slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
+def completion_body(
+    cid: str, model: str, slot_id: int, res: GenerationResult, *, vocab: Vocab | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A whole chat completion; with ``vocab`` (logprobs asked) its choice carries them."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": res.text},
+        "finish_reason": res.finish_reason,
+    }
+    if vocab is not None:
+        choice["logprobs"] = chat_logprobs(vocab, res.logprobs)
     return {
         "id": cid,
         "object": "chat.completion",
         "created": now_s(),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": res.text},
-                "finish_reason": res.finish_reason,
-            }
-        ],
+        "choices": [choice],
         "usage": usage(res.prompt_tokens, res.completion_tokens, res.n_common),
         "timings": timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
         "id_slot": slot_id,

@@ -33,8 +33,11 @@ def wants_sse(accept: str | None) -> bool:
     return "text/event-stream" in (accept or "").lower()
 
 
-def error_body(status: int, message: str, kind: str, **extra: Any) -> dict[str, Any]:
-    return {"error": {"code": status, "message": message, "type": kind}, **extra}
+def error_body(status: int, message: str, kind: str, *, param: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The one error shape of every HTTP route: OpenAI's ``{"error": {message, type, param,
+    code}}``, with ``code`` the HTTP status (as llama-server sends it) and ``param`` the
+    refused request parameter, when one is to blame. ``extra`` goes beside ``error``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}, **extra}
 
 
 def completion_chunk(cid: str, created: int, model: str, *, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:

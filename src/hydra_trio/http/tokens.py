@@ -11,7 +11,7 @@ from typing import Any
 from quart import Blueprint, Response
 
 from ..engine.params import bad_param
-from .common import HttpError, app_state, json_response, read_json_body, require_engine
+from .common import HttpError, json_response, read_request_json, require_engine
 from .completions import prompt_tokens
 
 bp = Blueprint("tokens", __name__)
@@ -48,7 +48,7 @@ def _vllm_reply(engine: Any, tokens: list[int]) -> dict[str, Any]:
 async def _render(required: str) -> Response:
     """vLLM's render routes: the prompt token ids the completion route would run."""
     engine = require_engine()
-    body = await read_json_body(app_state().settings.max_json_bytes)
+    body = await read_request_json()
     if required not in body:
         raise bad_param(f"{required} is required")
     tokens = await _vllm_tokens(engine, body)
@@ -67,9 +67,8 @@ async def render_completion() -> Response:
 
 @bp.post("/tokenize")
 async def tokenize() -> Response:
-    state = app_state()
     engine = require_engine()
-    body = await read_json_body(state.settings.max_json_bytes)
+    body = await read_request_json()
     if "content" not in body and ("prompt" in body or "messages" in body):  # vLLM's shape
         return json_response(_vllm_reply(engine, await _vllm_tokens(engine, body)))
     content = body.get("content")
@@ -88,9 +87,8 @@ async def tokenize() -> Response:
 
 @bp.post("/detokenize")
 async def detokenize() -> Response:
-    state = app_state()
     engine = require_engine()
-    body = await read_json_body(state.settings.max_json_bytes)
+    body = await read_request_json()
     tokens = body.get("tokens", [])
     if not isinstance(tokens, list):
         raise bad_param("tokens must be an array of token ids")
@@ -110,9 +108,8 @@ async def detokenize() -> Response:
 
 @bp.post("/apply-template")
 async def apply_template() -> Response:
-    state = app_state()
     engine = require_engine()
-    body = await read_json_body(state.settings.max_json_bytes)
+    body = await read_request_json()
     if "messages" not in body:
         raise bad_param("messages is required")
     return json_response({"prompt": await engine.render_prompt(body)})

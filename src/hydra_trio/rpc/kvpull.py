@@ -20,6 +20,7 @@ import numpy as np
 import trio
 
 from ..config import IPNetwork
+from ..decode.shm import map_export, shares_folder
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
@@ -41,7 +42,10 @@ class PullFailed(Exception):
 @dataclass(slots=True)
 class Pulled:
     meta: dict[str, Any]
-    blob: np.ndarray  # one payload buffer (rpc/connection.py), not zero-filled
+    # One payload buffer (rpc/connection.py), not zero-filled; or a private mapping of the
+    # export's shared-memory file (transport "shm")
+    blob: np.ndarray
+    transport: str = "tcp"
 
 
 async def _read_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
@@ -77,6 +81,8 @@ async def pull_export(
     if params.kv_bytes > max_kv_bytes:
         raise PullFailed("too_large", f"export of {params.kv_bytes} bytes exceeds --max-kv-bytes {max_kv_bytes}")
     address = await allowed_address(params.host, params.port, allow)
+    # Shared memory only when this process reads the prefill engine's probe: never assumed.
+    shm = shares_folder(params.shm)
     try:
         stream = await trio.open_tcp_stream(address, params.port)
     except OSError as exc:
@@ -85,7 +91,8 @@ async def pull_export(
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock = stream.socket
         try:
-            request = encode_request(Op.KV_PULL, b"", encode_pull_request(params.export_id), trace.encode()[:200])
+            pull = encode_pull_request(params.export_id, shm=shm)
+            request = encode_request(Op.KV_PULL, b"", pull, trace.encode()[:200])
             await stream.send_all(request)
             head_buf = bytearray(RESPONSE_HEADER.size)
             await _read_exact(sock, memoryview(head_buf))
@@ -101,12 +108,17 @@ async def pull_export(
                 code = str(meta.get("error_code", ""))
                 reason = "not_found" if code == ErrorCode.EXPORT_NOT_FOUND else "refused"
                 raise PullFailed(reason, f"KV_PULL refused: {code}: {meta.get('error', '')}")
-            if head.payload_len != params.kv_bytes:
-                raise PullFailed(
-                    "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has {params.kv_bytes}"
-                )
-            blob = payload_buffer(head.payload_len)  # the one buffer the KV lives in until restored
-            await _read_exact(sock, memoryview(blob))
+            if shm and meta.get("transport") == "shm" and head.payload_len == 0:
+                blob = await trio.to_thread.run_sync(_mapped, meta.get("shm_path"), params)
+                transport = "shm"
+            else:
+                if head.payload_len != params.kv_bytes:
+                    raise PullFailed(
+                        "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has {params.kv_bytes}"
+                    )
+                blob = payload_buffer(head.payload_len)  # the one buffer the KV lives in until restored
+                await _read_exact(sock, memoryview(blob))
+                transport = "tcp"
         except (OSError, trio.BrokenResourceError) as exc:
             raise PullFailed("unreachable", f"KV_PULL from {params.host}:{params.port}: {exc}") from None
         except (ValueError, ProtocolError) as exc:  # bad JSON, malformed header
@@ -116,4 +128,16 @@ async def pull_export(
     except ProtocolError as err:
         reason = "hash_mismatch" if err.code == ErrorCode.HASH_MISMATCH else "bad_reply"
         raise PullFailed(reason, err.message) from None
-    return Pulled(meta, blob)
+    return Pulled(meta, blob, transport)
+
+
+def _mapped(path: object, params: HandoffParams) -> np.ndarray:
+    """The export's shared file, mapped (and unlinked: decode/shm.py); PullFailed otherwise.
+    The hash is checked on these bytes afterwards, as on received ones."""
+    if not isinstance(path, str):
+        raise PullFailed("bad_reply", "KV_PULL reply names no shared-memory file")
+    try:
+        mapping = map_export(path, params.kv_bytes, params.shm["probe"])
+    except OSError as exc:
+        raise PullFailed("bad_reply", f"cannot map the export's shared-memory file: {exc}") from None
+    return np.frombuffer(mapping, dtype=np.uint8)

@@ -14,9 +14,10 @@ import numpy as np
 import trio
 
 from .. import __version__
-from ..config import Settings
+from ..config import CACHE_TYPES, Settings
 from ..engine import transfer
 from ..engine.transfer import blob_hash
+from ..logs import request_extra
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
@@ -208,7 +209,10 @@ class OpTable:
         snap = await transfer.snapshot(
             engine, ctx.slot_id, self._owner(ctx, "STATE_GET"), self.state.payload_budget, settings.idle_timeout_s
         )
-        ctx.log.info("STATE_GET slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, snap.n_past, snap.size, snap.ms)
+        ctx.log.info(
+            "STATE_GET slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, snap.n_past, snap.size, snap.ms,
+            extra=_request_line(ctx, "STATE_GET", "done", e2e_ms=round(snap.ms, 3)),
+        )
         meta = {
             "n_past": snap.n_past,
             "state_size": snap.state_size,
@@ -222,7 +226,10 @@ class OpTable:
     async def state_put(self, ctx: OpContext, payload: memoryview) -> Reply:
         meta = await transfer.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
         self.state.metrics.restore_bytes.inc(len(payload))
-        ctx.log.info("STATE_PUT slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, meta["n_past"], len(payload), meta["restore_ms"])
+        ctx.log.info(
+            "STATE_PUT slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, meta["n_past"], len(payload), meta["restore_ms"],
+            extra=_request_line(ctx, "STATE_PUT", "done", e2e_ms=round(meta["restore_ms"], 3)),
+        )
         return Reply.ok(meta)
 
     async def state_meta(self, ctx: OpContext, _payload: memoryview) -> Reply:
@@ -341,16 +348,18 @@ class OpTable:
             meta["decode_request_id"],
             meta["kv_bytes"],
             meta["restore_slot_ms"],
+            # Its end is the decode manager's line, under the same id.
+            extra=_request_line(ctx, "DECODE", "accepted", request_id=ctx.trace or f"decode-{meta['decode_request_id']}"),
         )
         return Reply.ok(meta, started=started)
 
     async def kv_pull(self, ctx: OpContext, payload: memoryview) -> Reply:
         """Hand an export's blob to the decode engine that names it (wire/kvpull.py). The
         export leaves the store now: pulled once, whether or not the reply gets through."""
-        export_id = parse_pull_request(payload)
+        export_id, wants_shm = parse_pull_request(payload)
         exports = self.state.exports
         assert exports is not None
-        export = exports.take(export_id)
+        export = exports.take(export_id, hand_over=wants_shm)
         if export is None:
             raise ProtocolError(
                 ErrorCode.EXPORT_NOT_FOUND, f"no KV export {export_id}: unknown, expired or already pulled"
@@ -363,7 +372,19 @@ class OpTable:
             "kv_hash": export.kv_hash,
             **export.identity,  # of the model that made the KV
         }
-        ctx.log.info("KV_PULL %s: %d positions, %d bytes", export.id, export.n_past, export.nbytes)
+        if wants_shm and export.shm is not None:
+            # Same host: the puller maps the file (and unlinks it); no byte crosses the socket.
+            meta.update(transport="shm", shm_path=str(export.shm.path))
+            ctx.log.info(
+                "KV_PULL %s: %d positions, %d bytes handed over in shared memory", export.id, export.n_past, export.nbytes,
+                extra=_request_line(ctx, "KV_PULL", "done", slot=None),
+            )
+            return Reply.ok(meta)
+        meta["transport"] = "tcp"
+        ctx.log.info(
+            "KV_PULL %s: %d positions, %d bytes", export.id, export.n_past, export.nbytes,
+            extra=_request_line(ctx, "KV_PULL", "done", slot=None),
+        )
         return Reply.ok(meta, list(export.parts))
 
     async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
@@ -402,7 +423,10 @@ class OpTable:
         prefill_ms = (time.perf_counter() - t0) * 1000.0
         parts: list[Buffer] = [head, state, logits]
         self.state.metrics.prompt_tokens.labels("prefill").inc(len(tokens))
-        ctx.log.info("PREFILL slot %d: %d tokens in %.1f ms", ctx.slot_id, n_past, prefill_ms)
+        ctx.log.info(
+            "PREFILL slot %d: %d tokens in %.1f ms", ctx.slot_id, n_past, prefill_ms,
+            extra=_request_line(ctx, "PREFILL", "done", prompt_tokens=n_past, e2e_ms=round(prefill_ms, 3)),
+        )
         meta = {
             "n_past": n_past,
             "state_size": len(state),
@@ -478,7 +502,7 @@ def _validate_t1(t1: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
 
 
 def _validate_staged(staged: dict[str, Any]) -> dict[str, Any]:
@@ -491,12 +515,20 @@ def _validate_staged(staged: dict[str, Any]) -> dict[str, Any]:
     for key in ("cache_type_k", "cache_type_v"):
         if key in staged:
             v = staged[key]
-            if not isinstance(v, str) or v.lower() not in _CACHE_TYPES:
-                raise _bad(f"{key} must be one of {sorted(_CACHE_TYPES)}")
-            out[key] = _CACHE_TYPES[v.lower()]
+            if not isinstance(v, str) or v.lower() not in CACHE_TYPES:
+                raise _bad(f"{key} must be one of {sorted(CACHE_TYPES)}")
+            out[key] = CACHE_TYPES[v.lower()]
     if "model_path" in staged:
         v = staged["model_path"]
         if not isinstance(v, str) or not v:
             raise _bad("model_path must be a non-empty string")
         out["model_path"] = v
     return out
+
+
+def _request_line(ctx: OpContext, route: str, status: str, **fields: Any) -> dict[str, Any]:
+    """``extra=`` for an RPC op's request line: its trace is the request id (a router's
+    X-Request-Id when it sent one)."""
+    fields.setdefault("slot", ctx.slot_id)
+    fields.setdefault("request_id", ctx.trace or None)
+    return request_extra(route=route, status=status, **fields)

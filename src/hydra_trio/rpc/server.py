@@ -19,6 +19,7 @@ import trio
 
 from ..budget import ByteBudget
 from ..config import Settings, is_loopback
+from ..logs import request_extra
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
@@ -312,7 +313,12 @@ async def _run_op(spec: OpSpec, ctx: OpContext, payload: memoryview) -> Reply:
     try:
         return await spec.run(ctx, payload)
     except ProtocolError as err:
-        ctx.log.info("%s failed: %s %s", spec.name, err.code, err.message)
+        ctx.log.info(
+            "%s failed: %s %s", spec.name, err.code, err.message,
+            extra=request_extra(
+                request_id=ctx.trace or None, route=spec.name, status="failed", slot=ctx.slot_id, error=f"{err.code}: {err.message}"
+            ),
+        )
         return Reply.error(err)
     except Exception as exc:
         ctx.log.exception("%s: internal error", spec.name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ErrorCode, ProtocolError
@@ -46,6 +46,10 @@ class HandoffParams:
     kv_hash: str
     kv_bytes: int
     identity: dict[str, Any]
+    # The KV cache layout the export was made in (type_k, type_v, v_trans); {}: not said
+    # (an older prefill engine), and the restore's own layout check decides.
+    kv_cache: dict[str, Any] = field(default_factory=dict)
+    shm: dict[str, str] = field(default_factory=dict)  # the prefill engine's probe (decode/shm.py)
 
 
 def _bad(msg: str) -> ProtocolError:
@@ -62,12 +66,17 @@ def check_export_id(value: object) -> str:
 # ---- the RPC request ------------------------------------------------------------------------
 
 
-def encode_pull_request(export_id: str) -> bytes:
-    return json.dumps({"export_id": check_export_id(export_id)}, separators=(",", ":")).encode()
+def encode_pull_request(export_id: str, *, shm: bool = False) -> bytes:
+    """``shm``: the puller can map the export's shared-memory file (same host, decode/shm.py)."""
+    body: dict[str, Any] = {"export_id": check_export_id(export_id)}
+    if shm:
+        body["shm"] = True
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
-def parse_pull_request(payload: Buffer) -> str:
-    """The export id a KV_PULL names; BAD_JSON / BAD_FRAME otherwise."""
+def parse_pull_request(payload: Buffer) -> tuple[str, bool]:
+    """(the export id a KV_PULL names, whether the puller takes the shared-memory form);
+    BAD_JSON / BAD_FRAME otherwise."""
     if len(payload) > KV_PULL_MAX_REQUEST_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"KV_PULL payload of {len(payload)} bytes exceeds {KV_PULL_MAX_REQUEST_BYTES}")
     try:
@@ -76,7 +85,7 @@ def parse_pull_request(payload: Buffer) -> str:
         raise ProtocolError(ErrorCode.BAD_JSON, f"KV_PULL: invalid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_JSON, f"KV_PULL: expected a JSON object, got {type(body).__name__}")
-    return check_export_id(body.get("export_id"))
+    return check_export_id(body.get("export_id")), body.get("shm") is True
 
 
 # ---- kv_transfer_params --------------------------------------------------------------------
@@ -97,6 +106,7 @@ def export_params(
     kv_bytes: int,
     ttl_s: float,
     identity: Mapping[str, Any],
+    shm: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The ``kv_transfer_params`` of a prefill reply. The vLLM keys keep their meaning (this
     side did the prefill; the decode side pulls from ``remote_host:remote_port``); what a
@@ -116,7 +126,9 @@ def export_params(
             "kv_hash": kv_hash,
             "kv_bytes": kv_bytes,
             "ttl_s": ttl_s,
-            **{k: identity[k] for k in IDENTITY_KEYS if k in identity},
+            **{k: identity[k] for k in (*IDENTITY_KEYS, "kv_cache") if k in identity},
+            # Where a decode engine on the same host can tell it shares memory with this one.
+            **({"shm": dict(shm)} if shm else {}),
         },
     }
 
@@ -148,6 +160,11 @@ def parse_handoff_params(params: object) -> HandoffParams | None:
         raise _bad("kv_hash is required")
     assert isinstance(kv_hash, str)
     identity = {k: h[k] for k in IDENTITY_KEYS if k in h}
+    kv_cache = h.get("kv_cache", {})
+    if not isinstance(kv_cache, Mapping) or not all(
+        isinstance(kv_cache.get(k, ""), str) for k in ("type_k", "type_v")
+    ) or not isinstance(kv_cache.get("v_trans", False), bool):
+        raise _bad("kv_cache must be an object of type_k, type_v (strings) and v_trans (bool)")
     return HandoffParams(
         host=host,
         port=port,
@@ -156,6 +173,10 @@ def parse_handoff_params(params: object) -> HandoffParams | None:
         kv_hash=kv_hash.lower(),
         kv_bytes=_int(h, "kv_bytes", 1, 1 << 62),
         identity=identity,
+        kv_cache={k: kv_cache[k] for k in ("type_k", "type_v", "v_trans") if k in kv_cache},
+        shm={k: v for k, v in shm.items() if k in ("probe", "token") and isinstance(v, str)}
+        if isinstance(shm := h.get("shm"), Mapping)
+        else {},
     )
 
 

@@ -1,0 +1,75 @@
+"""OpenAI's logprobs shapes from the engine's TokenLogprobs (engine/logprobs.py): chat's
+``{"content": [{token, logprob, bytes, top_logprobs}]}`` and text completions' legacy
+``{tokens, token_logprobs, top_logprobs, text_offset}``. The values are the model's raw
+distribution at each position (before temperature and the other sampler transforms)."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from ..engine.logprobs import TokenLogprobs
+
+# JSON has no -Infinity: a token the model rules out (a -inf logit) reads as OpenAI's floor.
+_FLOOR = -9999.0
+
+
+class Vocab(Protocol):
+    def special_piece(self, token: int) -> bytes: ...  # a token's spelling, control tokens too
+    def token_bytes(self, token: int) -> bytes: ...  # what it adds to the text
+
+
+def _lp(value: float) -> float:
+    return value if value > _FLOOR else _FLOOR
+
+
+def _text(piece: bytes) -> str:
+    return piece.decode("utf-8", "replace")
+
+
+def _chat_token(vocab: Vocab, token: int, logprob: float) -> dict[str, Any]:
+    piece = vocab.special_piece(token)
+    return {"token": _text(piece), "logprob": _lp(logprob), "bytes": list(piece)}
+
+
+def chat_logprobs(vocab: Vocab, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+    """``choices[i].logprobs`` of a chat completion, or of one chunk of its stream."""
+    return {
+        "content": [
+            {
+                **_chat_token(vocab, e.token, e.logprob),
+                "top_logprobs": [_chat_token(vocab, t, lp) for t, lp in e.top],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+class CompletionLogprobs:
+    """Text completions' ``logprobs`` for successive runs of tokens (a stream's chunks, or the
+    whole completion at once): ``text_offset`` is each token's character offset in the
+    completion text, counted on across calls. Each dict of ``top_logprobs`` holds the N most
+    likely tokens and the sampled one (up to N + 1, as OpenAI's legacy API)."""
+
+    def __init__(self, vocab: Vocab) -> None:
+        self._vocab = vocab
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as the text's
+        self._offset = 0
+
+    def take(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        vocab = self._vocab
+        tokens: list[str] = []
+        token_logprobs: list[float] = []
+        top_logprobs: list[dict[str, float]] = []
+        text_offset: list[int] = []
+        for e in entries:
+            tokens.append(_text(vocab.special_piece(e.token)))
+            token_logprobs.append(_lp(e.logprob))
+            top = {_text(vocab.special_piece(t)): _lp(lp) for t, lp in e.top}
+            top.setdefault(tokens[-1], _lp(e.logprob))
+            top_logprobs.append(top)
+            text_offset.append(self._offset)
+            self._offset += len(self._decoder.decode(vocab.token_bytes(e.token)))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}

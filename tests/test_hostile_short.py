@@ -1,0 +1,103 @@
+"""The hostile-client campaign (benchmarks/hostile.py) in its CI form: a few seconds of the
+HTTP and RPC fuzzers, slow-drip senders, stalled readers, idle connections and the issue's
+shapes (12 MB bodies, huge prompts, KV pulls aimed at disallowed addresses) against a real
+``hydra-trio serve`` process, beside well-formed streams. Correctness only: no crash, no hang,
+no 5xx but the documented 503/507, every error a JSON ``error`` object, no KV pull to a
+disallowed address, no unhandled error in the engine's log, and the engine healthy after.
+Timings (the stream gap goal, RSS) are the benchmark's: `python -m benchmarks.hostile`.
+Below it, what the full campaign found, pinned one request at a time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pytest
+import trio
+from benchmarks.hostile import SHORT, campaign
+
+from helpers import http
+
+
+def test_hostile_campaign_short(tmp_path: Path) -> None:
+    report = campaign(SHORT, log_dir=tmp_path)  # fixed seeds (SHORT.seed = 0)
+    findings = report["findings"]
+    summary = {k: report[k] for k in ("findings", "finding_examples", "after", "engine_exit_code")}
+    assert report["crashes"] == 0 and report["engine_alive_at_end"], summary
+    assert report["engine_exit_code"] == 0, summary
+    assert report["hangs"] == 0, summary
+    assert findings == {}, summary
+    assert report["after"]["ok"], summary
+    # It reached what it is for: every shape answered, fuzz and RPC frames went out.
+    counts = report["by_kind_and_status"]
+    for shape in (
+        "detokenize_12mb",
+        "chat_12mb_prompt",
+        "completions_4m_token_array",
+        "tokenize_12mb",
+    ):
+        assert any(k.startswith(shape + " 4") for k in counts), (shape, counts)
+    assert any(k.startswith("kv_pull_nonloopback reason=not_allowed") for k in counts), counts
+    assert sum(n for k, n in counts.items() if k.startswith("fuzz ")) > 5, counts
+    assert report["rpc_frames"] > 5, counts
+    assert report["streams"]["tokens_timed"] > 0, report["streams"]
+
+
+# ---- what the campaign found, pinned ---------------------------------------------------------
+
+DEEP = b"[" * 200_000 + b"]" * 200_000
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", b'{"content":' + DEEP + b"}"),  # RecursionError
+        ("/v1/chat/completions", b'{"messages":' + DEEP + b"}"),
+        ("/v1/completions", b'{"prompt":"hi","max_tokens":' + b"9" * 5000 + b"}"),  # ValueError
+        ("/detokenize", b'{"tokens":[' + b"1" * 5000 + b"]}"),
+        ("/tokenize", b'{"content":"a\\ud800b"}'),  # UnicodeEncodeError
+        ("/v1/completions", b'{"prompt":"\\udfff","max_tokens":2}'),
+        (
+            "/v1/chat/completions",
+            b'{"messages":[{"role":"user","content":"\\ud800"}],"max_tokens":2}',
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt":"hi","max_tokens":2,"temperature":' + b"9" * 400 + b"}",
+        ),  # OverflowError
+    ],
+)
+async def test_hostile_bodies_are_client_errors(
+    start_engine: Any, tiny_model: Path, path: str, body: bytes
+) -> None:
+    """Each was a 500 (an unhandled exception): JSON nested past the parser's depth, an
+    integer past Python's 4,300-digit limit, a lone surrogate, an integer past float's range."""
+    ep = await start_engine(tiny_model, log_level="WARNING")
+    async with http(ep) as h:
+        r = await h.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert isinstance(r.json()["error"]["message"], str)
+
+
+async def test_a_body_cut_short_by_eof_does_not_end_the_server(
+    start_engine: Any, tiny_model: Path
+) -> None:
+    """A request declaring more body than it sends, then EOF, on a route that answers without
+    reading it: Hypercorn's own 400 met the reply's send (trio.BusyResourceError), and the
+    exception ended the HTTP server after two such requests (exit 1)."""
+    ep = await start_engine(tiny_model, log_level="WARNING")
+    head = b"HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000000\r\n\r\n" + b"x" * 29
+    for i in range(40):
+        path = ["/metrics", "/slots", "/version", "/health"][i % 4].encode()
+        stream = await trio.open_tcp_stream("127.0.0.1", ep.http_port)
+        async with stream:
+            await stream.send_all(b"GET " + path + b" " + head)
+            await stream.send_eof()
+            with trio.fail_after(10):
+                while await stream.receive_some(1 << 16):
+                    pass
+    async with http(ep) as h:
+        assert (await h.get("/health")).status_code == 200
