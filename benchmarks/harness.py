@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -164,3 +165,25 @@ def env_info() -> dict[str, Any]:
         "llama_cpp_python": version("llama-cpp-python"),
         "hydra_trio": version("hydra-trio"),
     }
+
+
+def stream_chat(url: str, messages: list[dict[str, str]], n_predict: int) -> tuple[float, str, dict[str, Any]]:
+    """One streamed, greedy chat completion: (seconds to the first content token, the answer,
+    the last chunk, which carries ``usage`` and any ``kv_transfer``)."""
+    req = {"messages": messages, "max_tokens": n_predict, "temperature": 0, "stream": True,
+           "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, parts, final = None, [], {}
+    with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/chat/completions", json=req) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            final = {**final, **{k: v for k, v in chunk.items() if v is not None}}
+            for choice in chunk.get("choices") or []:
+                if text := choice["delta"].get("content"):
+                    first = first if first is not None else time.perf_counter() - t0
+                    parts.append(text)
+    assert first is not None, "no content token"
+    return first, "".join(parts), final

@@ -15,14 +15,13 @@ oracle's prompt tokens, and its TTFT p50 is <= 0.5x ``round_robin``'s.
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from .harness import EngineProcess, free_port, percentile, words_prompt
+from .harness import EngineProcess, free_port, percentile, stream_chat, words_prompt
 from .sessions import common_prefix_len, rendered, tokens_of
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
@@ -34,27 +33,6 @@ def engine_prompt_work(url: str) -> float:
         if line.startswith("hydra_engine_prompt_tokens_processed_total "):
             return float(line.split()[1])
     raise RuntimeError("hydra_engine_prompt_tokens_processed_total missing from /metrics")
-
-
-def stream_turn(router: str, messages: list[dict[str, str]], n_predict: int) -> tuple[float, str, dict[str, Any]]:
-    """(seconds to the first content token, the answer, usage) of one streamed chat turn."""
-    req = {"messages": messages, "max_tokens": n_predict, "temperature": 0, "stream": True,
-           "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first, parts, usage = None, [], {}
-    with httpx.Client(timeout=600) as c, c.stream("POST", router + "/v1/chat/completions", json=req) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                if text := choice["delta"].get("content"):
-                    first = first if first is not None else time.perf_counter() - t0
-                    parts.append(text)
-    assert first is not None, "no content token"
-    return first, "".join(parts), usage
 
 
 def run_policy(
@@ -84,7 +62,8 @@ def run_policy(
                 last_full: list[int] = []  # the previous prompt and answer, as tokens
                 rows = []
                 for turn in range(turns):
-                    seconds, answer, usage = stream_turn(router, conv, n_predict)
+                    seconds, answer, final = stream_chat(router, conv, n_predict)
+                    usage = final["usage"]
                     prompt_text = rendered(tokenizer, conv)
                     prompt_tokens = tokens_of(tokenizer, prompt_text)
                     rows.append({"session": i, "turn": turn, "ttft_ms": seconds * 1000.0,

@@ -21,7 +21,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from .harness import (
     env_info,
     fmt_summary,
     free_port,
+    stream_chat,
     summary,
     wait_http,
     words_prompt,
@@ -73,21 +73,8 @@ def prompt_work(url: str) -> float:
 
 def ttft(router: str, text: str, n_predict: int) -> tuple[float, dict[str, Any]]:
     """(seconds from sending to the first content token, the final chunk)."""
-    req = {"messages": [{"role": "user", "content": text}], "max_tokens": n_predict, "temperature": 0, "stream": True}
-    t0 = time.perf_counter()
-    first = None
-    final: dict[str, Any] = {}
-    with httpx.Client(timeout=600) as c, c.stream("POST", router + "/v1/chat/completions", json=req) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                first = time.perf_counter() - t0
-            final = chunk
-    assert first is not None, "no content token"
-    return first, final
+    seconds, _, final = stream_chat(router, [{"role": "user", "content": text}], n_predict)
+    return seconds, final
 
 
 def main(argv: list[str] | None = None) -> int:
