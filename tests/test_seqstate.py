@@ -189,3 +189,14 @@ def test_a_state_with_another_k_type_is_refused_before_the_slot_is_touched(tiny_
     finally:
         f32.close()
         f16.close()
+
+
+def test_a_row_size_past_any_buffer_is_a_layout_error_not_a_crash() -> None:
+    """Found by benchmarks/hostile.py: a STATE_PUT whose blob claims a row of 2^63 bytes
+    made the offset overflow C's ssize_t (an internal error instead of RESTORE_FAILED)."""
+    state = (
+        struct.pack("<IiII", STATE_MAGIC, 0, 1, 1) + bytes(12)  # one stream, one cell
+        + struct.pack("<II", 0, 1) + struct.pack("<iQ", 1, 2**63 - 1) + bytes(64)  # one layer, its K row
+    )
+    with pytest.raises(StateLayoutError):
+        read_layout(state, 1)

@@ -178,6 +178,8 @@ def _parse(view: memoryview, n_caches: int | None) -> tuple[list[_Cache], int]:
             caches.append(_Cache(n_stream, index, section, n_cells, rows) if section else _Cache(n_stream, 0, None))
     except struct.error as exc:
         raise StateLayoutError(f"state truncated: {exc}") from None
+    except OverflowError:  # a row size or count from the bytes puts an offset past any buffer
+        raise StateLayoutError("a row size or cell count runs past the end of the state") from None
     if not caches:
         raise StateLayoutError("state holds no KV cache")
     return caches, off
