@@ -1460,9 +1460,32 @@ async def after(engine: EngineProcess, settle_s: float) -> dict[str, Any]:
             "/v1/completions", json={"prompt": "hello world", "max_tokens": 8, "temperature": 0}
         )
         out["completion_ok"] = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        out["server_itl"] = _server_itl((await h.get("/metrics")).text)
         out.update(await fuzz.engine_health(engine.rpc_port, h, settle_s=settle_s))
     out["ok"] = bool(out["ok"] and out["completion_ok"] and out["health_status"] == 200)
     return out
+
+
+def _server_itl(metrics_text: str) -> dict[str, int]:
+    """The engine's own inter-token gaps (vllm:inter_token_latency_seconds, every request
+    that generated): how many exceeded 0.2 s and 0.3 s, its bucket bounds around the goal.
+    Beside the client's gaps, this tells the engine's delays from the client's own (a
+    stream reader not scheduled on a busy machine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    le: dict[float, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "vllm:inter_token_latency_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    le[bound] = le.get(bound, 0.0) + sample.value
+    total = le.get(float("inf"), 0.0)
+    return {
+        "gaps": int(total),
+        "over_0.2_s": int(total - le.get(0.2, total)),
+        "over_0.3_s": int(total - le.get(0.3, total)),
+    }
 
 
 def campaign(cfg: Config, *, log_dir: Path, engine_args: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -1657,6 +1680,7 @@ def render(report: dict[str, Any]) -> str:
         f"in flight at the sampled peak: {[k for k in r['rss_mb'].get('in_flight_at_peak', []) if not k.startswith('fuzz ')]}",
         f"  /health ms: from the driver {r['health_ms']}; from a light client {r['health_ms_light_client']}",
         f"  streams: {s['stream_runs']} runs, {s['tokens_timed']:,} tokens; gap ms {s['gap_ms']}",
+        f"  the engine's own inter-token gaps (all generating requests): {report['after'].get('server_itl')}",
     ]
     for g in s["worst_gaps"][:3]:
         shapes = [k for k in g["in_flight"] if not k.startswith("fuzz ")]

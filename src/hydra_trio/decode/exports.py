@@ -122,11 +122,9 @@ class ExportStore:
         self.sweep()
         export = self._exports.pop(export_id, None)
         if export is not None:
-            if hand_over and export.shm is not None:
+            if hand_over and export.shm is not None:  # the file is the puller's to unlink now
                 self._handed.append((trio.current_time() + self.ttl_s, export.shm))
-                export_shm, export.shm = export.shm, None  # no longer ours to unlink now
-                self._drop(export, "pulled")
-                export.shm = export_shm
+                self._drop(export, "pulled", unlink=False)
             else:
                 self._drop(export, "pulled")
         return export
@@ -153,8 +151,8 @@ class ExportStore:
         if self.shm is not None:
             self.shm.close()
 
-    def _drop(self, export: Export, outcome: str) -> None:
-        if export.shm is not None:
+    def _drop(self, export: Export, outcome: str, *, unlink: bool = True) -> None:
+        if unlink and export.shm is not None:
             export.shm.unlink()  # the pages go with the last mapping (a reply being sent)
         self.bytes_held -= export.nbytes
         self.metrics.exports.labels(outcome).inc()

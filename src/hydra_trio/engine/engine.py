@@ -367,7 +367,7 @@ class Engine:
     def max_request_json_bytes(self) -> int:
         """The largest prompt-route JSON body worth parsing: the longest text a slot can take
         (MAX_PROMPT_BYTES_PER_POSITION a position), three times over for JSON's escapes
-        (\\uXXXX for a 2- or 3-byte character, two for a 4-byte one), plus 1 MiB for the rest
+        (a six-byte \\u escape for a 2- or 3-byte character, two for a 4-byte one), plus 1 MiB for the rest
         of the request (messages' structure, a tool schema, sampling fields). Token-id arrays
         take at most 8 bytes an id."""
         return 3 * MAX_PROMPT_BYTES_PER_POSITION * self.n_ctx_slot + (1 << 20)
