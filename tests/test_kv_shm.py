@@ -91,3 +91,20 @@ async def test_expired_exports_and_a_crashed_engine_s_files_are_removed(
         while len(exports):
             await exports.wait_changed()
     await wait_until(lambda: _ours(tmp_path) == [other_user.name])
+
+
+def test_a_probe_path_from_a_request_is_never_a_fifo_or_a_link(tmp_path: Path) -> None:
+    """kv_transfer_params name the probe: a FIFO there must not block the engine (it would,
+    opened plainly, until someone wrote to it), and a link must not be followed."""
+    from hydra_trio.decode.shm import ShmArea, shares_folder
+
+    fifo = tmp_path / f"hydra-kv-{os.getuid()}-1-0badcafe-probe"
+    os.mkfifo(fifo)
+    assert shares_folder({"probe": str(fifo), "token": "x"}) is False  # returns at once
+    area = ShmArea.open(str(tmp_path))
+    assert area is not None
+    assert shares_folder(area.advertised()) is True
+    link = tmp_path / f"hydra-kv-{os.getuid()}-2-0badcafe-probe"
+    link.symlink_to(area.probe)
+    assert shares_folder({"probe": str(link), "token": area.token}) is False
+    area.close()

@@ -24,6 +24,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,17 +151,27 @@ def _alive(pid: int) -> bool:
 
 def shares_folder(advertised: object) -> bool:
     """Whether this process sees the prefill engine's shared-memory folder: its probe file
-    is here, with the announced contents."""
+    is here, with the announced contents. The path comes from a request, so it is opened
+    without following a link and without blocking (a FIFO would otherwise hang the caller),
+    and only a regular file of this user's counts."""
     if not isinstance(advertised, dict):
         return False
     probe, token = advertised.get("probe"), advertised.get("token")
     if not isinstance(probe, str) or not isinstance(token, str) or not _PROBE.match(Path(probe).name):
         return False
     try:
-        with open(probe) as f:
-            return secrets.compare_digest(f.read(64), token)
+        fd = os.open(probe, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        return secrets.compare_digest(os.read(fd, 64), token.encode())
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def map_export(path: str, size: int, probe: str) -> mmap.mmap:
@@ -171,10 +182,10 @@ def map_export(path: str, size: int, probe: str) -> mmap.mmap:
     p = Path(path)
     if not _NAME.match(p.name) or p.parent != Path(probe).parent:
         raise OSError(f"not a hand-off file: {path}")
-    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.getuid() or st.st_size != size or (st.st_mode & 0o077):
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != size or (st.st_mode & 0o077):
             raise OSError(f"{path}: owner, size or mode is not an export's")
         mapping = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
