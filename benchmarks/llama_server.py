@@ -53,23 +53,29 @@ def find_or_build(path: str | None, build: bool) -> Path | None:
         return None
 
 
+def sdist_tree(ver: str) -> Path:
+    """The extracted sdist of llama-cpp-python ``ver`` under CACHE (downloaded once)."""
+    src = CACHE / f"llama_cpp_python-{ver}"
+    if (src / "PKG-INFO").is_file():
+        return src
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"downloading the llama-cpp-python {ver} sdist ...", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={ver}", "-d", tmp],
+            check=True,
+        )
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(CACHE, filter="data")
+    return src
+
+
 def _build(ver: str) -> Path:
     if shutil.which("cmake") is None:
         raise OSError("cmake not found")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    src = CACHE / f"llama_cpp_python-{ver}"
-    if not src.is_dir():
-        with tempfile.TemporaryDirectory() as tmp:
-            print(f"downloading the llama-cpp-python {ver} sdist ...", flush=True)
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                 f"llama-cpp-python=={ver}", "-d", tmp],
-                check=True,
-            )
-            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-            with tarfile.open(sdist) as tar:
-                tar.extractall(CACHE, filter="data")
-    root = src / "vendor" / "llama.cpp"
+    root = sdist_tree(ver) / "vendor" / "llama.cpp"
     print("building llama-server (about 10 minutes on 2 cores, once) ...", flush=True)
     subprocess.run(
         ["cmake", "-B", "build", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",

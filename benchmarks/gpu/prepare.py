@@ -36,7 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).resolve().parent / "prepared"
-CACHE = Path.home() / ".cache" / "hydra-trio" / "llama-server-build"
+sys.path.insert(0, str(REPO))  # run as a script: benchmarks/ is importable from the repo root
+from benchmarks.llama_server import sdist_tree  # noqa: E402  (the one home of the sdist cache)
 
 MiB = 1024 * 1024
 CARRY_LIMIT = 64 * MiB
@@ -103,26 +104,6 @@ def mib(n: int) -> str:
 
 def llama_cpp_version() -> str:
     return version("llama-cpp-python")
-
-
-def sdist_tree(ver: str) -> Path:
-    """The extracted sdist of llama-cpp-python VER (the cache benchmarks/llama_server.py fills,
-    else downloaded now)."""
-    tree = CACHE / f"llama_cpp_python-{ver}"
-    if (tree / "PKG-INFO").is_file():
-        return tree
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        log(f"downloading the llama-cpp-python {ver} sdist ...")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={ver}", "-d", tmp],
-            check=True,
-        )
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            tar.extractall(CACHE, filter="data")
-    return tree
 
 
 def kept(rel: str, is_dir: bool) -> bool:
