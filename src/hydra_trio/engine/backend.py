@@ -393,6 +393,8 @@ class LlamaBackend:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
         # Per slot: how many leading positions are unchanged since the watcher last saw it.
+        # A cut needs no update (the watcher keeps at most the blocks the slot still fills);
+        # a restore, which may replace every position, sets it to 0.
         self._kept = [0] * self.n_slots
         # The logits of each slot's last position, kept when the evaluation that ended there
         # asked for them (a prefill for a hand-off) or a restored blob carried them: a
@@ -567,7 +569,6 @@ class LlamaBackend:
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self.seq_tokens[slot] = []
         self._swa_low[slot] = 0
-        self._kept[slot] = 0
         self._advanced(slot)
 
     def truncate_slot(self, slot: int, n_keep: int) -> None:
@@ -577,14 +578,12 @@ class LlamaBackend:
         elif n_keep < len(self.seq_tokens[slot]):
             llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
             del self.seq_tokens[slot][n_keep:]
-            self._kept[slot] = min(self._kept[slot], n_keep)
             self._advanced(slot)
 
     def _resync(self, seq: int) -> None:
         # After a failed decode, believe the KV cache, not our bookkeeping.
         n = llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
         del self.seq_tokens[seq][max(n, 0):]
-        self._kept[seq] = min(self._kept[seq], max(n, 0))
         self._advanced(seq)
 
     def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
