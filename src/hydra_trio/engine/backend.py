@@ -656,21 +656,23 @@ class LlamaBackend:
         self._advanced(slot, logits)  # after the logits are read: nothing may come between
         return token, logits
 
-    def _sample(self, sampler: Sampler, idx: int) -> int:
-        """The token ``sampler`` picks from the logits of the last decode's output ``idx``,
-        recording its log-probabilities when the request asked (only then: a softmax over
-        the vocabulary per token is the cost of asking)."""
+    def _sample(self, sampler: Sampler, idx: int, row: np.ndarray | None = None) -> int:
+        """The token ``sampler`` picks from the logits of the last decode's output ``idx``
+        (``row``: those logits, when the caller has them), recording its log-probabilities
+        when the request asked (only then: a softmax over the vocabulary per token is the
+        cost of asking)."""
+        logits = self._logits(idx) if row is None else row
         if sampler.logprobs is None:
-            token = self._pick(sampler, idx)
+            token = self._pick(sampler, idx, logits)
         else:
-            raw = self._logits(idx).copy()  # before an eog ban edits the buffer: the model's own
-            token = self._pick(sampler, idx)
+            raw = logits.copy()  # before an eog ban edits the buffer: the model's own
+            token = self._pick(sampler, idx, logits)
             sampler.picked.append(token_logprobs(raw, token, sampler.logprobs))
         sampler.n_picked += 1
         return token
 
-    def _pick(self, sampler: Sampler, idx: int) -> int:
-        """The sampler's pick from output ``idx``'s logits.
+    def _pick(self, sampler: Sampler, idx: int, logits: np.ndarray) -> int:
+        """The sampler's pick from output ``idx``'s ``logits`` (a view of llama.cpp's buffer).
 
         A plain greedy pick reads the argmax straight from the logits: llama_sampler_sample
         first copies all n_vocab logits into a candidate array, which cost 273 us a token
@@ -679,9 +681,9 @@ class LlamaBackend:
         if sampler.bans_eog:
             # In llama.cpp's own buffer (both paths read it), after any copy of these logits
             # (tail_logits, a hand-off) was taken: those stay as the model computed them.
-            self._logits(idx)[self._eog_index] = -np.inf
+            logits[self._eog_index] = -np.inf
         if sampler.is_argmax:
-            return int(self._logits(idx).argmax())
+            return int(logits.argmax())
         return int(llama_cpp.llama_sampler_sample(sampler.chain(self.info.n_vocab), self._ctx, idx))
 
     def _logits(self, idx: int) -> np.ndarray:
@@ -691,6 +693,16 @@ class LlamaBackend:
         if not ptr:
             raise RuntimeError(f"llama.cpp has no logits for output {idx}")
         return np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,))
+
+    def _first_logits(self, n: int) -> np.ndarray:
+        """The logits of the last decode's first ``n`` entries, which all asked for them, as
+        one (n, n_vocab) view of llama.cpp's buffer (valid until the next decode): a step
+        reads its streams' rows from it, instead of a view per stream (that view was half of
+        the worker's Python per streamed token at 64 streams)."""
+        ptr = llama_cpp.llama_get_logits(self._ctx)
+        if not ptr:
+            raise RuntimeError("llama.cpp has no logits")
+        return np.ctypeslib.as_array(ptr, shape=(n, self.info.n_vocab))
 
     def logits_bytes(self, idx: int) -> bytes:
         return self._logits(idx).tobytes()
@@ -715,10 +727,11 @@ class LlamaBackend:
             for i in live:
                 results[i] = self.step([requests[i]])[0]
             return results
+        rows = self._first_logits(len(live))
         for j, i in enumerate(live):
             r = requests[i]
             self.seq_tokens[r.slot].append(r.token)
-            results[i] = self._sample(r.sampler, j)
+            results[i] = self._sample(r.sampler, j, rows[j])
         for i in live:
             self._advanced(requests[i].slot)
         return results
@@ -763,10 +776,11 @@ class LlamaBackend:
         except NoKvSpace:  # the shared pool is tight: each goes alone, those that fit go on
             return self._step_then_parts(requests, parts)
         results: list[int | None] = [None] * len(requests)
+        rows = self._first_logits(len(live))  # the steps come first in the batch
         for j, i in enumerate(live):
             r = requests[i]
             self.seq_tokens[r.slot].append(r.token)
-            results[i] = self._sample(r.sampler, j)
+            results[i] = self._sample(r.sampler, j, rows[j])
         outcomes: list[outcome.Outcome[tuple[int | None, bytes | None]]] = []
         tails: dict[int, bytes | None] = {requests[i].slot: None for i in live}
         for part, idx in zip(parts, ends, strict=True):
