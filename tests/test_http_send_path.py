@@ -1,0 +1,84 @@
+"""The HTTP send path: a chunk goes out in one write when the socket has room, and what does
+not fit goes the waiting way (Hypercorn's), in order, with nothing lost or sent twice; a
+peer that is gone is reported as closed either way."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.events import Closed, RawData
+
+from hydra_trio.http import connections
+from hydra_trio.http.connections import _GatedTCPServer
+
+
+class _Protocol:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    async def handle(self, event: Any) -> None:
+        self.events.append(event)
+
+
+def _server_on_socketpair(sndbuf: int) -> tuple[_GatedTCPServer, trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    ours, peer = trio.SocketStream(a), trio.SocketStream(b)
+    server = _GatedTCPServer(None, Config(), None, None, ours)  # type: ignore[arg-type]
+    server.protocol = _Protocol()  # type: ignore[assignment]
+    return server, ours, peer
+
+
+async def test_chunks_larger_than_the_socket_buffer_arrive_whole_and_in_order(monkeypatch: Any) -> None:
+    server, ours, peer = _server_on_socketpair(4096)
+    partial = 0
+    real = connections._send_now
+
+    def counting(stream: Any, data: bytes) -> int:
+        nonlocal partial
+        n = real(stream, data)
+        partial += n < len(data)
+        return n
+
+    monkeypatch.setattr(connections, "_send_now", counting)
+    chunks = [bytes([i]) * (1000 + 37 * i) for i in range(200)]  # ~1 MB, the buffer is 4 KiB
+    got = bytearray()
+
+    async def read_slowly() -> None:
+        while len(got) < sum(map(len, chunks)):
+            got.extend(await peer.receive_some(3000))
+            await trio.sleep(0)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_slowly)
+            for chunk in chunks:
+                await server.protocol_send(RawData(data=chunk))
+    assert bytes(got) == b"".join(chunks)
+    assert partial > 0, "the socket never filled: the waiting path was not exercised"
+    assert server.protocol.events == []  # type: ignore[attr-defined]
+    await ours.aclose()
+    await peer.aclose()
+
+
+async def test_a_small_chunk_goes_out_without_waiting() -> None:
+    server, ours, peer = _server_on_socketpair(1 << 16)
+    with trio.CancelScope() as scope:
+        scope.cancel()  # a send that waited at all (a checkpoint) would raise Cancelled here
+        await server.protocol_send(RawData(data=b"data: {}\n\n"))
+    with trio.fail_after(5):
+        assert await peer.receive_some(100) == b"data: {}\n\n"
+    await ours.aclose()
+    await peer.aclose()
+
+
+async def test_a_gone_peer_is_reported_closed() -> None:
+    server, ours, peer = _server_on_socketpair(1 << 16)
+    await peer.aclose()
+    with trio.fail_after(5):
+        await server.protocol_send(RawData(data=b"x" * 100))
+    assert any(isinstance(e, Closed) for e in server.protocol.events)  # type: ignore[attr-defined]
+    await ours.aclose()
