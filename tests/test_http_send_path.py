@@ -50,7 +50,7 @@ async def test_chunks_larger_than_the_socket_buffer_arrive_whole_and_in_order(mo
     async def read_slowly() -> None:
         while len(got) < sum(map(len, chunks)):
             got.extend(await peer.receive_some(3000))
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:

@@ -13,7 +13,7 @@ from ..decode.store import DecodeEntry, DecodeState, Tombstone
 from ..engine.engine import Engine, GenerationResult
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
 from .openai import completion_body, final_chunk
-from .sse import SSE_DONE, completion_chunk, error_body, sse_event, wants_sse
+from .sse import HOLE, SSE_DONE, completion_chunk, error_body, sse_event, sse_text_events, wants_sse
 
 bp = Blueprint("decode", __name__)
 
@@ -190,14 +190,19 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
     cid = _completion_id(entry)
     model = manager.engine.identity.model_alias
     created = entry.created_unix
+    # The chat stream's event per delta (a template, not the chunk serialised per token),
+    # and every chunk that is ready in one write, as the chat stream does.
+    delta_event = sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE}))
     wakeups = entry.subscribe()
     sent = 0
     try:
         yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
         while True:
-            while sent < len(entry.chunks):
-                yield sse_event(completion_chunk(cid, created, model, delta={"content": entry.chunks[sent]}))
-                sent += 1
+            ready = len(entry.chunks)
+            if sent < ready:
+                yield b"".join(delta_event(text) for text in entry.chunks[sent:ready])
+                sent = ready
+                continue  # more may have come while that was sent: look again before the end
             if not entry.running:
                 break
             try:
