@@ -209,6 +209,23 @@ def profile_trio_thread(pid: int, seconds: int, out: Path) -> str | None:
     return str(raw) if raw.exists() else None
 
 
+def profile_summary(raw: str, top: int = 20) -> list[str]:
+    """The trio thread's frames by share of its samples (inclusive), from py-spy's raw
+    output (stacks of other threads, which start in Thread._bootstrap, are left out)."""
+    incl: dict[str, int] = {}
+    total = 0
+    for line in Path(raw).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit() or stack.startswith("Thread._bootstrap"):
+            continue
+        total += int(count)
+        for frame in set(stack.split(";")):
+            incl[frame] = incl.get(frame, 0) + int(count)
+    ranked = sorted(incl.items(), key=lambda kv: -kv[1])
+    skip = ("<frozen runpy>", "hydra_trio/cli.py", "<module>")
+    return [f"{100 * n / total:5.1f}% {f}" for f, n in ranked if not any(x in f for x in skip)][:top] if total else []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ceiling", description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="1,16,64,128")
@@ -219,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra", default="", help="more hydra-trio serve flags, e.g. '--kv-unified'")
     ap.add_argument("--with-llama-server", action="store_true")
     ap.add_argument("--llama-server", default=None)
-    ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count")
+    ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count (see --profile-streams)")
+    ap.add_argument("--profile-streams", type=int, default=0, help="streams of the profiled run (default: the largest of --streams)")
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.streams.split(",")]
@@ -258,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
         if args.profile:
-            n = max(counts)
+            n = args.profile_streams or max(counts)
             prompts = [f"p{i} " + words_prompt(12, seed=99 + i) for i in range(n)]
             import threading
 
@@ -266,8 +284,12 @@ def main(argv: list[str] | None = None) -> int:
             th = threading.Thread(target=lambda: box.setdefault("r", run_round(ours.http_port, prompts, args.tokens)))
             th.start()
             time.sleep(0.5)
-            results["profile"] = profile_trio_thread(ours.pid, 5, Path(args.out).with_name("ceiling-profile"))
+            out = Path(args.out)
+            results["profile"] = profile_trio_thread(ours.pid, 5, out.with_name(f"{out.stem}-profile-{n}"))
             th.join()
+            if results["profile"]:
+                results["profile_top"] = profile_summary(results["profile"])
+                print(f"trio thread at {n} streams, share of samples (inclusive):", *results["profile_top"], sep="\n  ")
     finally:
         ours.stop()
         if peer is not None:
