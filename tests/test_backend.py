@@ -380,6 +380,35 @@ def test_greedy_argmax_picks_what_llama_greedy_sampler_picks(backend: LlamaBacke
         chain.close()
 
 
+@pytest.mark.parametrize("kv_unified", [True, False], ids=["unified", "split"])
+def test_each_stream_of_a_step_reads_its_own_logits(model: Path, kv_unified: bool) -> None:
+    """A step reads every stream's logits as rows of one view of llama.cpp's buffer: each
+    request gets the argmax of its own output (llama_get_logits_ith, the per-output accessor,
+    read after the same decode), whatever order the requests come in, and a llama sampler
+    chain in the same batch picks what the argmax of its row picks."""
+    b = new_backend(model, n_slots=4, kv_unified=kv_unified)
+    samplers = [Sampler(SamplingParams()), Sampler(SamplingParams()), _ChainGreedy(SamplingParams()), Sampler(SamplingParams())]
+    try:
+        tokens = {}
+        for slot in range(4):
+            prompt = b.tokenize(f"<|im_start|>user\nprompt number {slot * 7919} of four<|im_end|>\n", add_special=True)
+            tokens[slot], _ = b.eval_chunk(slot, prompt, None, sampler=samplers[slot])
+        order = [2, 0, 3, 1]  # not slot order: outputs come in slot order (_live_in_slot_order)
+        seen: set[tuple[int, ...]] = set()
+        for _ in range(N_GEN):
+            results = b.step([StepRequest(slot, tokens[slot], samplers[slot]) for slot in order])
+            for i, slot in enumerate(order):
+                own = int(b._logits(sorted(order).index(slot)).argmax())
+                assert results[i] == own, f"slot {slot} got {results[i]}, its own output's argmax is {own}"
+                tokens[slot] = own
+            seen.add(tuple(results))  # type: ignore[arg-type]
+        assert any(len(set(r)) > 1 for r in seen), "every stream sampled the same token: a swap would go unseen"
+    finally:
+        for s in samplers:
+            s.close()
+        b.close()
+
+
 @pytest.mark.parametrize("sampler_class", [Sampler, _ChainGreedy])
 def test_ignore_eos_never_samples_an_end_of_generation_token(backend: LlamaBackend, sampler_class: type[Sampler]) -> None:
     """Logits whose maximum is an end-of-generation token: picked without ignore_eos, masked
