@@ -82,3 +82,25 @@ async def test_a_gone_peer_is_reported_closed() -> None:
         await server.protocol_send(RawData(data=b"x" * 100))
     assert any(isinstance(e, Closed) for e in server.protocol.events)  # type: ignore[attr-defined]
     await ours.aclose()
+
+
+async def test_a_chunk_begun_is_finished_even_when_its_sender_is_cancelled() -> None:
+    """A cancellation that lands after part of a chunk went out must not cut the chunk (the
+    stream would be corrupt for whatever follows on the connection)."""
+    server, ours, peer = _server_on_socketpair(4096)
+    chunk = b"".join(b"%06d" % i for i in range(100_000))  # 600 kB, the buffer is 4 KiB
+    got = bytearray()
+
+    async def read_all() -> None:
+        while len(got) < len(chunk):
+            got.extend(await peer.receive_some(1 << 16))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all)
+            with trio.CancelScope() as scope:
+                scope.cancel()  # already cancelled when the rest has to wait for room
+                await server.protocol_send(RawData(data=chunk))
+    assert bytes(got) == chunk
+    await ours.aclose()
+    await peer.aclose()

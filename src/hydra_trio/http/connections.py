@@ -209,7 +209,14 @@ class _GatedTCPServer(TCPServer):
             if sent == len(event.data):
                 return
             if sent:
-                event = RawData(data=event.data[sent:])
+                # The rest of a chunk that began must follow it whatever is cancelled meanwhile
+                # (Hypercorn's own send is shielded too): a cut chunk would corrupt the stream.
+                with trio.CancelScope(shield=True):
+                    await self._send_event(RawData(data=event.data[sent:]))
+                return
+        await self._send_event(event)
+
+    async def _send_event(self, event: Any) -> None:
         try:
             await super().protocol_send(event)
         except trio.BusyResourceError:
