@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,56 @@ def profile_summary(raw: str, top: int = 20) -> list[str]:
     return [f"{100 * n / total:5.1f}% {f}" for f, n in ranked if not any(x in f for x in skip)][:top] if total else []
 
 
+def engine_alone(model: Path, slots: int, slot_ctx: int, counts: list[int], rounds: int, n_tokens: int) -> list[dict[str, Any]]:
+    """The engine without HTTP, in this process: the batcher, the GPU worker and one request
+    task per stream calling ``Engine.generate``, each token's text discarded. What one trio
+    process streams when the front end costs nothing: the bound of this design."""
+    import trio
+
+    from hydra_trio.engine.engine import GenerationResult
+    from hydra_trio.engine.params import GenerationParams, SamplingParams
+    from hydra_trio.local import local_engines, local_settings
+
+    rows: list[dict[str, Any]] = []
+
+    async def run() -> None:
+        settings = local_settings(
+            str(model), slots=slots, ctx_size=slots * slot_ctx, threads=1,
+            batch_size=max(512, slots), step_token_budget=max(32, slots),
+        )
+        params = GenerationParams(n_tokens, SamplingParams(temperature=0.0, ignore_eos=True), stream=True)
+
+        async def discard(_text: str) -> None:
+            return None
+
+        async with local_engines(settings) as (ep,):
+            eng = ep.state.engine
+            for rnd in range(rounds):
+                for n in counts:
+                    prompts = [await eng.tokenize_text(f"alone{rnd} {i} " + words_prompt(12, seed=5000 + 1000 * rnd + i)) for i in range(n)]
+                    made = 0
+
+                    async def one(tokens: list[int]) -> None:
+                        nonlocal made
+                        slot = await eng.claim_for_prompt(tokens, "ceiling")
+                        try:
+                            res = await eng.generate(slot.id, tokens, params, discard, result=GenerationResult())
+                            made += res.completion_tokens  # after the await: "made +=" would read it before
+                        finally:
+                            eng.release(slot)
+
+                    t0 = time.perf_counter()
+                    async with trio.open_nursery() as nursery:
+                        for tokens in prompts:
+                            nursery.start_soon(one, tokens)
+                    row = {"server": "engine alone", "streams": n, "round": rnd, "tokens": made, "tok_s": made / (time.perf_counter() - t0)}
+                    rows.append(row)
+                    print(f"round {rnd} engine alone {n:4d} streams: {row['tok_s']:8.0f} tok/s", flush=True)
+
+    trio.run(run)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ceiling", description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="1,16,64,128")
@@ -238,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count (see --profile-streams)")
     ap.add_argument("--profile-streams", type=int, default=0, help="streams of the profiled run (default: the largest of --streams)")
+    ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process (after the servers)")
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.streams.split(",")]
@@ -294,24 +346,28 @@ def main(argv: list[str] | None = None) -> int:
         ours.stop()
         if peer is not None:
             peer.stop()
-    results["table"] = render(results["rows"])
+    if args.engine_alone:
+        results["engine_alone"] = engine_alone(model, args.slots, args.slot_ctx, counts, args.rounds, args.tokens)
+    results["table"] = render(results["rows"], results.get("engine_alone", []))
     print(results["table"])
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"results: {args.out}")
     return 0
 
 
-def render(rows: list[dict[str, Any]]) -> str:
-    """Per stream count: the median over rounds of each figure, and ours / llama-server's."""
+def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> str:
+    """Per stream count: the median over rounds of each figure, and ours / llama-server's
+    (with --engine-alone, a last column: the engine without HTTP / llama-server)."""
     import statistics
 
     by: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in rows:
+    for r in [*rows, *alone]:
         by.setdefault((r["server"], r["streams"]), []).append(r)
     counts = sorted({r["streams"] for r in rows})
+    extra = (" engine alone tok/s (/ llama-server) |", "---|") if alone else ("", "")
     out = [
-        "| streams | llama-server tok/s | hydra-trio tok/s | ratio | ITL p50 / p99 ms (ours) | server CPU µs/token, llama-server / ours (trio thread) |",
-        "|---|---|---|---|---|---|",
+        "| streams | llama-server tok/s | hydra-trio tok/s | ratio | ITL p50 / p99 ms (ours) | server CPU µs/token, llama-server / ours (trio thread) |" + extra[0],
+        "|---|---|---|---|---|---|" + extra[1],
     ]
 
     def med(server: str, n: int, key: str) -> float:
@@ -324,6 +380,7 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"| {n} | {ls:,.0f} | {ht:,.0f} | **{ht / ls:.2f}×** | {med('hydra-trio', n, 'itl_p50_ms'):.2f} / {med('hydra-trio', n, 'itl_p99_ms'):.2f} |"
             f" {med('llama-server', n, 'server_cpu_us_per_token'):.0f} / {med('hydra-trio', n, 'server_cpu_us_per_token'):.0f}"
             f" ({med('hydra-trio', n, 'trio_thread_cpu_us_per_token'):.0f}) |"
+            + (f" {med('engine alone', n, 'tok_s'):,.0f} ({med('engine alone', n, 'tok_s') / ls:.2f}×) |" if alone else "")
         )
     return "\n".join(out)
 
