@@ -412,8 +412,8 @@ class Engine:
         if n_tokens >= self.n_ctx_slot:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
-                f"prompt has {n_tokens} tokens; a slot holds {self.n_ctx_slot} "
-                f"({self.kv_layout} KV cache of {self.n_ctx} cells, {self.backend.n_slots} slots)",
+                f"prompt has {n_tokens} tokens; a slot holds {self.n_ctx_slot} with room for one generated"
+                f" token ({self.kv_layout} KV cache of {self.n_ctx} cells, {self.backend.n_slots} slots)",
                 status=Status.BAD_REQUEST,
             )
 
@@ -628,7 +628,8 @@ class Engine:
         if blob.n_past >= self.n_ctx_slot:
             raise ProtocolError(
                 ErrorCode.RESTORE_FAILED,
-                f"blob holds {blob.n_past} positions; a slot holds {self.n_ctx_slot} ({self.kv_layout} KV cache)",
+                f"blob holds {blob.n_past} positions; a slot holds {self.n_ctx_slot} with room for one"
+                f" generated token ({self.kv_layout} KV cache of {self.n_ctx} cells, {self.backend.n_slots} slots)",
             )
         await self.make_room(blob.n_past, exclude=slot)
 
