@@ -234,6 +234,13 @@ LOG_FORMATS = ("text", "json")
 # KV cache types by llama-server's names -> ggml type ids (ggml.h's enum ggml_type).
 CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
 UNQUANTIZED_CACHE_TYPES = frozenset({"f32", "f16", "bf16"})
+# Settings that take one of a few words: argparse offers them, validate() holds any source to them.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "flash_attn": FLASH_ATTN_MODES,
+    "cache_type_k": tuple(CACHE_TYPES),
+    "cache_type_v": tuple(CACHE_TYPES),
+    "log_format": LOG_FORMATS,
+}
 
 
 def _field_type(field_name: str, default: Any) -> type:
@@ -278,9 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch: given means True
             parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, default=None, help=help_text)
             continue
-        choices = FLASH_ATTN_MODES if f.name == "flash_attn" else tuple(CACHE_TYPES) if f.name.startswith("cache_type_") else None
-        choices = LOG_FORMATS if f.name == "log_format" else choices
-        parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=choices, default=None, help=help_text)
+        parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=_CHOICES.get(f.name), default=None, help=help_text)
 
 
 def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
@@ -355,16 +360,12 @@ def validate(s: Settings) -> None:
         problems.append("n_gpu_layers must be -1 (all) or >= 0")
     if s.main_gpu < 0:
         problems.append("main_gpu must be >= 0")
-    if s.flash_attn not in FLASH_ATTN_MODES:
-        problems.append(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
-    for name in ("cache_type_k", "cache_type_v"):
-        if getattr(s, name) not in CACHE_TYPES:
-            problems.append(f"{name} must be one of {', '.join(CACHE_TYPES)}")
+    for name, choices in _CHOICES.items():
+        if getattr(s, name) not in choices:
+            problems.append(f"{name} must be one of {', '.join(choices)}")
     if s.cache_type_v not in UNQUANTIZED_CACHE_TYPES and s.flash_attn == "off":
         # llama.cpp refuses the context: a quantized V cache is read by flash attention only.
         problems.append(f"cache_type_v {s.cache_type_v} is quantized, which needs flash attention: set --flash-attn on or auto, or an unquantized --cache-type-v (f16, bf16, f32)")
-    if s.log_format not in LOG_FORMATS:
-        problems.append(f"log_format must be one of {', '.join(LOG_FORMATS)}")
     if s.log_stats_interval_s < 0:
         problems.append("log_stats_interval_s must be >= 0 (0 = off)")
     if s.kv_events_replay_endpoint and not s.kv_events_endpoint:

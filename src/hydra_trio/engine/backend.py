@@ -19,7 +19,6 @@ import llama_cpp
 import numpy as np
 import outcome
 
-from ..config import CACHE_TYPES
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import split_trailing_logits
 from .devices import (
@@ -40,6 +39,7 @@ from .seqstate import (
     layout_mismatch,
     read_layout,
     rewrite_in_place,
+    type_name,
     with_streams,
 )
 
@@ -1001,8 +1001,7 @@ class LlamaBackend:
 
 
 def _type_label(ggml_type: int | None) -> str:
-    names = {t: name for name, t in CACHE_TYPES.items()}
-    return "f16" if ggml_type is None else names.get(ggml_type, str(ggml_type))
+    return "f16" if ggml_type is None else type_name(ggml_type)  # None: llama.cpp's default
 
 
 def _as_ubyte_array(view: memoryview) -> ctypes.Array[ctypes.c_uint8]:

@@ -407,13 +407,19 @@ class Engine:
         self.check_prompt_fits(len(tokens))
         return tokens
 
+    def _slot_room(self) -> str:
+        """What a prompt or blob refused for its length is told of the slots."""
+        return (
+            f"a slot holds {self.n_ctx_slot} with room for one generated token "
+            f"({self.kv_layout} KV cache of {self.n_ctx} cells, {self.backend.n_slots} slots)"
+        )
+
     def check_prompt_fits(self, n_tokens: int) -> None:
         """Refuse a prompt no slot can hold (with room for one generated token)."""
         if n_tokens >= self.n_ctx_slot:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
-                f"prompt has {n_tokens} tokens; a slot holds {self.n_ctx_slot} with room for one generated"
-                f" token ({self.kv_layout} KV cache of {self.n_ctx} cells, {self.backend.n_slots} slots)",
+                f"prompt has {n_tokens} tokens; {self._slot_room()}",
                 status=Status.BAD_REQUEST,
             )
 
@@ -628,8 +634,7 @@ class Engine:
         if blob.n_past >= self.n_ctx_slot:
             raise ProtocolError(
                 ErrorCode.RESTORE_FAILED,
-                f"blob holds {blob.n_past} positions; a slot holds {self.n_ctx_slot} with room for one"
-                f" generated token ({self.kv_layout} KV cache of {self.n_ctx} cells, {self.backend.n_slots} slots)",
+                f"blob holds {blob.n_past} positions; {self._slot_room()}",
             )
         await self.make_room(blob.n_past, exclude=slot)
 

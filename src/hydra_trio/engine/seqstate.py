@@ -98,7 +98,8 @@ def read_layout(state: Bytes, n_caches: int | None) -> StateLayout:
     return StateLayout(tuple(caches), end)
 
 
-def _type_name(t: int) -> str:
+def type_name(t: int) -> str:
+    """llama-server's cache-type name of a ggml type id (CACHE_TYPES), for messages."""
     return _GGML_TYPES.get(t, f"ggml type {t}")
 
 
@@ -109,7 +110,7 @@ def cache_layout(layout: StateLayout) -> dict[str, object]:
     if rows is None or not rows[1]:
         return {}
     v_trans, k_rows, v_rows = rows
-    return {"type_k": _type_name(k_rows[0][0]), "type_v": _type_name(v_rows[0][0]), "v_trans": bool(v_trans)}
+    return {"type_k": type_name(k_rows[0][0]), "type_v": type_name(v_rows[0][0]), "v_trans": bool(v_trans)}
 
 
 def cache_layout_mismatch(got: dict[str, object], local: dict[str, object]) -> str | None:
@@ -139,8 +140,8 @@ def layout_mismatch(got: StateLayout, local: StateLayout) -> str | None:
         for layer, (ka, kb, va, vb) in enumerate(zip(k_a, k_b, v_a, v_b, strict=True)):
             if ka[0] != kb[0] or va[0] != vb[0]:
                 return (
-                    f"{where}layer {layer}: K/V cache types {_type_name(ka[0])}/{_type_name(va[0])}, "
-                    f"here {_type_name(kb[0])}/{_type_name(vb[0])}"
+                    f"{where}layer {layer}: K/V cache types {type_name(ka[0])}/{type_name(va[0])}, "
+                    f"here {type_name(kb[0])}/{type_name(vb[0])}"
                 )
             if ka != kb or va != vb:
                 return f"{where}layer {layer}: K/V row sizes {ka[1:]}/{va[1:]}, here {kb[1:]}/{vb[1:]}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
@@ -17,7 +16,7 @@ from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
 from .logprobs import CompletionLogprobs
-from .openai_params import check_request
+from .openai_params import request_params
 from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
@@ -62,13 +61,12 @@ async def completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_request_json()
-    n_logprobs = check_request("completions", body)  # 400 for what this engine would not honour
-    params = replace(engine.generation_params(body), logprobs=n_logprobs)
+    params = request_params("completions", engine, body)  # 400 for what this engine would not honour
     tokens = await prompt_tokens(engine, body["prompt"])
     cid = "cmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)
-    vocab = engine.backend if n_logprobs is not None else None
+    vocab = engine.backend if params.logprobs is not None else None
 
     def render(slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
         lp = None if vocab is None else CompletionLogprobs(vocab).take(res.logprobs)

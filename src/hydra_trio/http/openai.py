@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
 from .logprobs import Vocab, chat_logprobs
-from .openai_params import check_request
+from .openai_params import request_params
 from .sse import HOLE, completion_chunk, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
@@ -114,13 +113,12 @@ async def chat_completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_request_json()
-    n_logprobs = check_request("chat", body)  # 400 for what this engine would not honour
-    params = replace(engine.generation_params(body), logprobs=n_logprobs)
+    params = request_params("chat", engine, body)  # 400 for what this engine would not honour
     tokens = await engine.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)
-    vocab = engine.backend if n_logprobs is not None else None
+    vocab = engine.backend if params.logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
     plan = await kv_transfer.route(state, body, engine, tokens, params, partial(completion_body, cid, model, vocab=vocab))
     if isinstance(plan, Response):

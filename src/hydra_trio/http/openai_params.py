@@ -15,10 +15,14 @@ what it asked for without being told.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..engine.logprobs import MAX_TOP_LOGPROBS
-from ..engine.params import bad_param
+from ..engine.params import GenerationParams, bad_param
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
 
 Route = Literal["chat", "completions"]
 
@@ -85,6 +89,13 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "use_beam_search": (_neutral(False), "use_beam_search is not supported"),
     "prompt_logprobs": (_is_none, "prompt_logprobs is not supported"),
 }
+
+
+def request_params(route: Route, engine: Engine, body: dict[str, Any]) -> GenerationParams:
+    """A completion route's generation parameters: what it cannot honour refused first
+    (``check_request``), then the engine's parse, with the logprobs asked for."""
+    n_logprobs = check_request(route, body)
+    return replace(engine.generation_params(body), logprobs=n_logprobs)
 
 
 def check_request(route: Route, body: dict[str, Any]) -> int | None:

@@ -48,6 +48,13 @@ class OpContext:
     # (PREFILL's JSON) and will charge its reply must not wait behind its own request.
     release_payload: Callable[[], None] = field(default=lambda: None)
 
+    def request_line(self, route: str, status: str, **fields: Any) -> dict[str, Any]:
+        """``extra=`` for an RPC op's request line: its trace is the request id (a router's
+        X-Request-Id when it sent one)."""
+        fields.setdefault("slot", self.slot_id)
+        fields.setdefault("request_id", self.trace or None)
+        return request_extra(route=route, status=status, **fields)
+
 
 class StartedWork(Protocol):
     """Work an op started that must not outlive an unsent reply (a DECODE request)."""
@@ -211,7 +218,7 @@ class OpTable:
         )
         ctx.log.info(
             "STATE_GET slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, snap.n_past, snap.size, snap.ms,
-            extra=_request_line(ctx, "STATE_GET", "done", e2e_ms=round(snap.ms, 3)),
+            extra=ctx.request_line("STATE_GET", "done", e2e_ms=round(snap.ms, 3)),
         )
         meta = {
             "n_past": snap.n_past,
@@ -228,7 +235,7 @@ class OpTable:
         self.state.metrics.restore_bytes.inc(len(payload))
         ctx.log.info(
             "STATE_PUT slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, meta["n_past"], len(payload), meta["restore_ms"],
-            extra=_request_line(ctx, "STATE_PUT", "done", e2e_ms=round(meta["restore_ms"], 3)),
+            extra=ctx.request_line("STATE_PUT", "done", e2e_ms=round(meta["restore_ms"], 3)),
         )
         return Reply.ok(meta)
 
@@ -349,7 +356,7 @@ class OpTable:
             meta["kv_bytes"],
             meta["restore_slot_ms"],
             # Its end is the decode manager's line, under the same id.
-            extra=_request_line(ctx, "DECODE", "accepted", request_id=ctx.trace or f"decode-{meta['decode_request_id']}"),
+            extra=ctx.request_line("DECODE", "accepted", request_id=ctx.trace or f"decode-{meta['decode_request_id']}"),
         )
         return Reply.ok(meta, started=started)
 
@@ -372,20 +379,18 @@ class OpTable:
             "kv_hash": export.kv_hash,
             **export.identity,  # of the model that made the KV
         }
-        if wants_shm and export.shm is not None:
-            # Same host: the puller maps the file (and unlinks it); no byte crosses the socket.
-            meta.update(transport="shm", shm_path=str(export.shm.path))
-            ctx.log.info(
-                "KV_PULL %s: %d positions, %d bytes handed over in shared memory", export.id, export.n_past, export.nbytes,
-                extra=_request_line(ctx, "KV_PULL", "done", slot=None),
-            )
-            return Reply.ok(meta)
-        meta["transport"] = "tcp"
+        # Same host: the puller maps the file (and unlinks it); no byte crosses the socket.
+        shm = export.shm if wants_shm else None
+        shared = shm is not None
+        meta["transport"] = "shm" if shared else "tcp"
+        if shm is not None:
+            meta["shm_path"] = str(shm.path)
         ctx.log.info(
-            "KV_PULL %s: %d positions, %d bytes", export.id, export.n_past, export.nbytes,
-            extra=_request_line(ctx, "KV_PULL", "done", slot=None),
+            "KV_PULL %s: %d positions, %d bytes%s", export.id, export.n_past, export.nbytes,
+            " handed over in shared memory" if shared else "",
+            extra=ctx.request_line("KV_PULL", "done", slot=None),
         )
-        return Reply.ok(meta, list(export.parts))
+        return Reply.ok(meta) if shared else Reply.ok(meta, list(export.parts))
 
     async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
         if self.state.draining:
@@ -425,7 +430,7 @@ class OpTable:
         self.state.metrics.prompt_tokens.labels("prefill").inc(len(tokens))
         ctx.log.info(
             "PREFILL slot %d: %d tokens in %.1f ms", ctx.slot_id, n_past, prefill_ms,
-            extra=_request_line(ctx, "PREFILL", "done", prompt_tokens=n_past, e2e_ms=round(prefill_ms, 3)),
+            extra=ctx.request_line("PREFILL", "done", prompt_tokens=n_past, e2e_ms=round(prefill_ms, 3)),
         )
         meta = {
             "n_past": n_past,
@@ -502,9 +507,6 @@ def _validate_t1(t1: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-
-
-
 def _validate_staged(staged: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "n_ctx" in staged:
@@ -525,10 +527,3 @@ def _validate_staged(staged: dict[str, Any]) -> dict[str, Any]:
         out["model_path"] = v
     return out
 
-
-def _request_line(ctx: OpContext, route: str, status: str, **fields: Any) -> dict[str, Any]:
-    """``extra=`` for an RPC op's request line: its trace is the request id (a router's
-    X-Request-Id when it sent one)."""
-    fields.setdefault("slot", ctx.slot_id)
-    fields.setdefault("request_id", ctx.trace or None)
-    return request_extra(route=route, status=status, **fields)

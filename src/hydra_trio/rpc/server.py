@@ -19,7 +19,6 @@ import trio
 
 from ..budget import ByteBudget
 from ..config import Settings, is_loopback
-from ..logs import request_extra
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
@@ -315,9 +314,7 @@ async def _run_op(spec: OpSpec, ctx: OpContext, payload: memoryview) -> Reply:
     except ProtocolError as err:
         ctx.log.info(
             "%s failed: %s %s", spec.name, err.code, err.message,
-            extra=request_extra(
-                request_id=ctx.trace or None, route=spec.name, status="failed", slot=ctx.slot_id, error=f"{err.code}: {err.message}"
-            ),
+            extra=ctx.request_line(spec.name, "failed", error=f"{err.code}: {err.message}"),
         )
         return Reply.error(err)
     except Exception as exc:
