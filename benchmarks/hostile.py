@@ -651,15 +651,21 @@ class Campaign:
     def running(self) -> bool:
         return time.monotonic() < self.deadline and not self.crashed.is_set()
 
+    async def _connect(self, what: str) -> trio.SocketStream | None:
+        """A new connection to the engine, or None (a finding) when it cannot be made."""
+        try:
+            return await trio.open_tcp_stream("127.0.0.1", self.port)
+        except OSError as exc:
+            self.ledger.find("connect_failed", f"{what}: {exc}")
+            return None
+
     async def exchange(self, kind: str, case: Case, *, sender: Any = None) -> Reply | None:
         """Send a raw request on a new connection, read its one reply (bounded by hang_s once
         sent), check it; the span goes into the ledger."""
         t0 = time.monotonic()
         outcome = "?"
-        try:
-            stream = await trio.open_tcp_stream("127.0.0.1", self.port)
-        except OSError as exc:
-            self.ledger.find("connect_failed", f"{kind}: {exc}")
+        stream = await self._connect(kind)
+        if stream is None:
             self.ledger.record(kind, "connect_failed", t0)
             return None
         reply = None
@@ -806,10 +812,8 @@ class Campaign:
 
     async def _slowloris(self, kind: str, send: Any) -> None:
         t0 = time.monotonic()
-        try:
-            stream = await trio.open_tcp_stream("127.0.0.1", self.port)
-        except OSError as exc:
-            self.ledger.find("connect_failed", f"{kind}: {exc}")
+        stream = await self._connect(kind)
+        if stream is None:
             await trio.sleep(0.5)
             return
         async with stream:
@@ -873,10 +877,8 @@ class Campaign:
             nonlocal opened
             while self.running():
                 t0 = time.monotonic()
-                try:
-                    stream = await trio.open_tcp_stream("127.0.0.1", self.port)
-                except OSError as exc:
-                    self.ledger.find("connect_failed", f"idle connection: {exc}")
+                stream = await self._connect("idle connection")
+                if stream is None:
                     await trio.sleep(1)
                     continue
                 opened += 1
