@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .harness import EngineProcess, env_info, percentile, words_prompt
+from .harness import EngineProcess, env_info, metric_value, percentile, words_prompt
 from .llama_server import LlamaServer, find_or_build
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -174,25 +174,20 @@ def run_round(port: int, prompts: list[str], n_tokens: int, timeout_s: float = 6
 def worker_busy_s(port: int) -> float:
     """hydra-trio's GPU-worker wall time so far (its /metrics counter): the worker's time per
     token against its step time says whether the worker or the trio thread sets the pace."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
-        data = b"".join(iter(lambda: sock.recv(1 << 16), b""))
-    for line in data.decode(errors="replace").splitlines():
-        if line.startswith("hydra_gpu_worker_busy_seconds_total "):
-            return float(line.split()[1])
-    return float("nan")
+    return metric_value(f"http://127.0.0.1:{port}", "hydra_gpu_worker_busy_seconds_total")
 
 
 def measure(name: str, port: int, pid: int, trio_tid: int | None, prompts: list[str], n_tokens: int) -> dict[str, Any]:
-    c0, t0 = cpu_s(pid), thread_cpu_s(pid, trio_tid) if trio_tid else 0.0
+    # The /metrics scrapes stay outside the CPU windows: they are neither server nor client work.
     w0 = worker_busy_s(port) if trio_tid else 0.0
+    c0, t0 = cpu_s(pid), thread_cpu_s(pid, trio_tid) if trio_tid else 0.0
     me0 = time.process_time()
     r = run_round(port, prompts, n_tokens)
+    r["client_cpu_us_per_token"] = (time.process_time() - me0) / max(1, r["tokens"]) * 1e6
     r["server_cpu_us_per_token"] = (cpu_s(pid) - c0) / max(1, r["tokens"]) * 1e6
     if trio_tid:
         r["trio_thread_cpu_us_per_token"] = (thread_cpu_s(pid, trio_tid) - t0) / max(1, r["tokens"]) * 1e6
         r["worker_busy_us_per_token"] = (worker_busy_s(port) - w0) / max(1, r["tokens"]) * 1e6
-    r["client_cpu_us_per_token"] = (time.process_time() - me0) / max(1, r["tokens"]) * 1e6
     r["server"] = name
     return r
 

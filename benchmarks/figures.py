@@ -20,7 +20,7 @@ import trio
 from hydra_trio.rpc.client import RpcClient, SyncRpcClient, build_decode_frame, identity_kv_metadata
 from hydra_trio.wire.kvblob import parse_kv_blob
 
-from .harness import EngineProcess, percentile, summary, words_prompt
+from .harness import EngineProcess, metric_value, percentile, summary, words_prompt
 
 
 @dataclass
@@ -79,8 +79,7 @@ def fig_presets(models: dict[str, str], log_dir: Any, n_tokens: int) -> dict[str
     for preset, path in models.items():
         e = EngineProcess(path, slots=1, ctx_size=2048).start(log_dir, f"preset-{preset}")
         try:
-            metrics = httpx.get(e.url + "/metrics").text
-            load_ms = 1000.0 * next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("hydra_model_load_seconds "))
+            load_ms = 1000.0 * metric_value(e.url, "hydra_model_load_seconds")
             body = chat_request("hello there, how are you today", n_tokens)
             httpx.post(e.url + "/v1/chat/completions", json=body, timeout=120)  # warm-up
             erase_all(e)
@@ -325,13 +324,6 @@ def fig_generation(b: EngineProcess, tok: Tokenizer, n_tokens: int, repeats: int
 # ---- 4. cancellation -------------------------------------------------------------------
 
 
-def _engine_counter(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
-
 def fig_cancel(b: EngineProcess, tok: Tokenizer, cancels: int, prefill_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with SyncRpcClient("127.0.0.1", b.rpc_port, timeout=600) as rpc, httpx.Client(base_url=b.url, timeout=600) as http:
@@ -359,9 +351,9 @@ def fig_cancel(b: EngineProcess, tok: Tokenizer, cancels: int, prefill_tokens: i
                                 break
                 else:
                     # Wait until the prefill is visibly under way (counter moves), then cancel.
-                    start = _engine_counter(b.url, "hydra_engine_prompt_tokens_processed_total")
+                    start = metric_value(b.url, "hydra_engine_prompt_tokens_processed_total")
                     deadline = time.monotonic() + 30
-                    while _engine_counter(b.url, "hydra_engine_prompt_tokens_processed_total") <= start and time.monotonic() < deadline:
+                    while metric_value(b.url, "hydra_engine_prompt_tokens_processed_total") <= start and time.monotonic() < deadline:
                         time.sleep(0.02)
                 t0 = time.perf_counter()
                 r = http.delete(f"/v1/decode/{rid}").json()
@@ -370,7 +362,7 @@ def fig_cancel(b: EngineProcess, tok: Tokenizer, cancels: int, prefill_tokens: i
                 while time.perf_counter() < settle:  # give any stray work time to show
                     time.sleep(0.05)
                 computed.append(r.get("completion_tokens", 0))
-                after.append(_engine_counter(b.url, "hydra_engine_tokens_evaluated_total") - r["engine_tokens_evaluated"])
+                after.append(metric_value(b.url, "hydra_engine_tokens_evaluated_total") - r["engine_tokens_evaluated"])
             out[phase] = {
                 "delete_ms": summary(latency),
                 "delete_ms_max": max(latency),

@@ -119,6 +119,22 @@ def engines(*procs: EngineProcess, log_dir: Path, names: Sequence[str]) -> Itera
             p.stop()
 
 
+def sample_value(metrics_text: str, name: str) -> float | None:
+    """One unlabelled sample of a /metrics text (``name`` as exposed, e.g. ``..._total``)."""
+    for line in metrics_text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def metric_value(url: str, name: str) -> float:
+    """One unlabelled sample of an engine's /metrics; RuntimeError when it is not there."""
+    value = sample_value(httpx.get(url + "/metrics", timeout=10).text, name)
+    if value is None:
+        raise RuntimeError(f"{name} missing from {url}/metrics")
+    return value
+
+
 def summary(values: Sequence[float]) -> dict[str, Any]:
     """Median and spread (min, max, and the interquartile range when there are enough)."""
     vals = sorted(float(v) for v in values)

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from .harness import EngineProcess, free_port, percentile, stream_chat, words_prompt
+from .harness import EngineProcess, free_port, metric_value, percentile, stream_chat, words_prompt
 from .sessions import common_prefix_len, rendered, tokens_of
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
@@ -29,10 +29,7 @@ POLICIES = ("round_robin", "cache_aware", "kv_aware")
 
 def engine_prompt_work(url: str) -> float:
     """hydra_engine_prompt_tokens_processed_total: every prompt token the engine evaluated."""
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("hydra_engine_prompt_tokens_processed_total "):
-            return float(line.split()[1])
-    raise RuntimeError("hydra_engine_prompt_tokens_processed_total missing from /metrics")
+    return metric_value(url, "hydra_engine_prompt_tokens_processed_total")
 
 
 def run_policy(

@@ -32,6 +32,7 @@ from .harness import (
     env_info,
     fmt_summary,
     free_port,
+    metric_value,
     stream_chat,
     summary,
     wait_http,
@@ -61,14 +62,6 @@ def start_router(args: list[str], log_dir: Path, name: str) -> tuple[subprocess.
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/readiness", proc, timeout=120)
     return proc, url
-
-
-def prompt_work(url: str) -> float:
-    """D's hydra_engine_prompt_tokens_processed_total: every prompt token it evaluated."""
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("hydra_engine_prompt_tokens_processed_total "):
-            return float(line.split()[1])
-    raise RuntimeError("hydra_engine_prompt_tokens_processed_total missing from /metrics")
 
 
 def ttft(router: str, text: str, n_predict: int) -> tuple[float, dict[str, Any]]:
@@ -129,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         ttft(pd, words_prompt(64, seed=998), 4)
         for i in range(args.repeats):
             for name, router in (("pd", pd), ("plain", plain)):
-                before = prompt_work(d.url)
+                before = metric_value(d.url, "hydra_engine_prompt_tokens_processed_total")
                 seconds, final = ttft(router, words_prompt(n_words, seed=2 * i + (name == "plain")), 8)
                 rows[f"{name}_ttft_ms"].append(seconds * 1000.0)
-                rows[f"{name}_decode_prompt_tokens"].append(prompt_work(d.url) - before)
+                rows[f"{name}_decode_prompt_tokens"].append(metric_value(d.url, "hydra_engine_prompt_tokens_processed_total") - before)
                 prompt_tokens = final["usage"]["prompt_tokens"]
                 if name == "pd":
                     kv = final["kv_transfer"]

@@ -36,6 +36,8 @@ from hydra_trio.rpc.client import RpcClient, RpcConnectionClosed, build_decode_f
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.protocol import Op, encode_request
 
+from .harness import sample_value
+
 DECODERS = 16
 CONNS_PER_DECODER = 4  # 16 x 4 = 64 RPC connections
 CHATTERS = 4
@@ -241,10 +243,8 @@ class Soak:
 
 
 def _gauge(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return float("nan")
+    value = sample_value(text, name)
+    return float("nan") if value is None else value
 
 
 async def _metrics(base: str) -> str:
