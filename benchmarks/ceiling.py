@@ -12,7 +12,10 @@ chunk, so the client does not decide the result; its CPU is reported). Figures p
 stream count: aggregate tok/s, inter-token latency p50/p99 as the client sees it, and the
 server's CPU per streamed token (all threads, from /proc/PID/stat), with the trio thread's
 share for hydra-trio (/proc/PID/task/PID/schedstat). ``--profile`` samples the trio thread with
-py-spy at the largest stream count and writes the top frames to the results folder.
+py-spy at the largest stream count and writes the top frames to the results folder
+(``--profile-gil``: only its Python). The time hydra-trio spent inside llama_decode
+(``hydra_llama_decode_seconds_total``) gives the bound of any front end on this compute:
+the rate if the model's compute were the only cost, against llama-server's measured rate.
 
 Timing goals live here, never in tests: the ratios printed are measured side by side in one run.
 """
@@ -177,9 +180,15 @@ def worker_busy_s(port: int) -> float:
     return metric_value(f"http://127.0.0.1:{port}", "hydra_gpu_worker_busy_seconds_total")
 
 
+def decode_s(port: int) -> float:
+    """hydra-trio's time inside llama_decode so far: tokens over it are the rate of a server
+    whose every other cost were nil, the bound of any front end on this compute."""
+    return metric_value(f"http://127.0.0.1:{port}", "hydra_llama_decode_seconds_total")
+
+
 def measure(name: str, port: int, pid: int, trio_tid: int | None, prompts: list[str], n_tokens: int) -> dict[str, Any]:
     # The /metrics scrapes stay outside the CPU windows: they are neither server nor client work.
-    w0 = worker_busy_s(port) if trio_tid else 0.0
+    w0, d0 = (worker_busy_s(port), decode_s(port)) if trio_tid else (0.0, 0.0)
     c0, t0 = cpu_s(pid), thread_cpu_s(pid, trio_tid) if trio_tid else 0.0
     me0 = time.process_time()
     r = run_round(port, prompts, n_tokens)
@@ -188,18 +197,21 @@ def measure(name: str, port: int, pid: int, trio_tid: int | None, prompts: list[
     if trio_tid:
         r["trio_thread_cpu_us_per_token"] = (thread_cpu_s(pid, trio_tid) - t0) / max(1, r["tokens"]) * 1e6
         r["worker_busy_us_per_token"] = (worker_busy_s(port) - w0) / max(1, r["tokens"]) * 1e6
+        r["decode_us_per_token"] = (decode_s(port) - d0) / max(1, r["tokens"]) * 1e6
     r["server"] = name
     return r
 
 
-def profile_trio_thread(pid: int, seconds: int, out: Path) -> str | None:
-    """Top frames of the trio thread (py-spy, when installed), written to ``out``."""
+def profile_trio_thread(pid: int, seconds: int, out: Path, *, gil: bool = False) -> str | None:
+    """Top frames of the trio thread (py-spy, when installed), written to ``out``. ``gil``:
+    only samples that hold the GIL, so its Python, without the system calls it waits in and
+    the waits for the GIL after them (which plain samples charge to the calling line)."""
     if shutil.which("py-spy") is None:
         return None
     raw = out.with_suffix(".txt")
     subprocess.run(
         ["py-spy", "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "250",
-         "--format", "raw", "--output", str(raw), "--nonblocking"],
+         "--format", "raw", "--output", str(raw), "--nonblocking", *(["--gil"] if gil else [])],
         check=False, capture_output=True,
     )
     return str(raw) if raw.exists() else None
@@ -284,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count (see --profile-streams)")
     ap.add_argument("--profile-streams", type=int, default=0, help="streams of the profiled run (default: the largest of --streams)")
+    ap.add_argument("--profile-gil", action="store_true", help="profile only the trio thread's Python (py-spy --gil: samples holding the GIL)")
     ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process (after the servers)")
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
     args = ap.parse_args(argv)
@@ -317,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"round {rnd} {name:12s} {n:4d} streams: {row['tok_s']:8.0f} tok/s  ITL p50 {row['itl_p50_ms']:.2f} ms"
                         f" p99 {row['itl_p99_ms']:.2f} ms  server {row['server_cpu_us_per_token']:.0f} us/token"
-                        + (f" (trio thread {row['trio_thread_cpu_us_per_token']:.0f}, worker busy {row['worker_busy_us_per_token']:.0f})" if "trio_thread_cpu_us_per_token" in row else "")
+                        + (f" (trio thread {row['trio_thread_cpu_us_per_token']:.0f}, worker busy {row['worker_busy_us_per_token']:.0f}, llama_decode {row['decode_us_per_token']:.0f})" if "trio_thread_cpu_us_per_token" in row else "")
                         + f"  client {row['client_cpu_us_per_token']:.0f} us/token"
                         + (f"  ERRORS {row['errors'][:2]}" if row["errors"] else ""),
                         flush=True,
@@ -332,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             th.start()
             time.sleep(0.5)
             out = Path(args.out)
-            results["profile"] = profile_trio_thread(ours.pid, 5, out.with_name(f"{out.stem}-profile-{n}"))
+            results["profile"] = profile_trio_thread(ours.pid, 5, out.with_name(f"{out.stem}-profile-{n}"), gil=args.profile_gil)
             th.join()
             if results["profile"]:
                 results["profile_top"] = profile_summary(results["profile"])
@@ -361,8 +374,9 @@ def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> 
     counts = sorted({r["streams"] for r in rows})
     extra = (" engine alone tok/s (/ llama-server) |", "---|") if alone else ("", "")
     out = [
-        "| streams | llama-server tok/s | hydra-trio tok/s | ratio | ITL p50 / p99 ms (ours) | server CPU µs/token, llama-server / ours (trio thread) |" + extra[0],
-        "|---|---|---|---|---|---|" + extra[1],
+        "| streams | llama-server tok/s | hydra-trio tok/s | ratio | ITL p50 / p99 ms (ours) | server CPU µs/token, llama-server / ours (trio thread)"
+        " | llama_decode µs/token (bound: its rate / llama-server) |" + extra[0],
+        "|---|---|---|---|---|---|---|" + extra[1],
     ]
 
     def med(server: str, n: int, key: str) -> float:
@@ -375,6 +389,7 @@ def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> 
             f"| {n} | {ls:,.0f} | {ht:,.0f} | **{ht / ls:.2f}×** | {med('hydra-trio', n, 'itl_p50_ms'):.2f} / {med('hydra-trio', n, 'itl_p99_ms'):.2f} |"
             f" {med('llama-server', n, 'server_cpu_us_per_token'):.0f} / {med('hydra-trio', n, 'server_cpu_us_per_token'):.0f}"
             f" ({med('hydra-trio', n, 'trio_thread_cpu_us_per_token'):.0f}) |"
+            f" {(dec := med('hydra-trio', n, 'decode_us_per_token')):.0f} ({1e6 / dec / ls:.2f}×) |"
             + (f" {med('engine alone', n, 'tok_s'):,.0f} ({med('engine alone', n, 'tok_s') / ls:.2f}×) |" if alone else "")
         )
     return "\n".join(out)

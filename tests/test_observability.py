@@ -156,11 +156,13 @@ async def test_metrics_values_after_known_requests(engine: Any) -> None:
     assert m[("hydra_completion_tokens_total", (("path", "chat"),))] == 12
     assert m[("hydra_ttft_seconds_count", (("path", "chat"),))] == 2
     assert m[("hydra_engine_tokens_generated_total", ())] >= 12
+    # The model's compute is part of the worker's busy time, and was spent (12 tokens, 2 prompts).
+    assert 0 < m[("hydra_llama_decode_seconds_total", ())] <= m[("hydra_gpu_worker_busy_seconds_total", ())]
     assert m[("hydra_http_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == 2
     # Base units and counter types: no millisecond metric is left, and what only grows is a counter.
     assert not [name for name, _ in m if "_ms" in name]
     types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
-    for name in ("hydra_step_batches", "hydra_gpu_worker_calls", "hydra_gpu_worker_busy_seconds", "hydra_engine_tokens_evaluated"):
+    for name in ("hydra_step_batches", "hydra_gpu_worker_calls", "hydra_gpu_worker_busy_seconds", "hydra_llama_decode_seconds", "hydra_engine_tokens_evaluated"):
         assert types[name] == "counter", name
 
 

@@ -92,6 +92,7 @@ class Metrics:
         self.live_counters([
             ("hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda: engine.worker.busy_s),
             ("hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda: engine.worker.calls),
+            ("hydra_llama_decode_seconds", "time inside llama_decode, the model's compute (the rest of the worker's busy time is the engine's)", lambda: engine.backend.decode_s),
             ("hydra_step_batches", "batched generation steps", lambda: engine.batcher.batches),
             ("hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda: engine.tokens_generated),
             ("hydra_engine_prompt_tokens_processed", "prompt tokens evaluated by the engine (all paths)", lambda: engine.prompt_tokens_processed),

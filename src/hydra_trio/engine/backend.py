@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -315,6 +316,10 @@ class LlamaBackend:
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
         self._no_abort_cb = llama_cpp.ggml_abort_callback(0)  # NULL: no per-node callback
         self._batch = None
+        # Seconds inside llama_decode (the model's compute, prompts and steps), written by
+        # the GPU worker, read at scrape time: the worker's busy time less this is the
+        # engine's own work there, and tokens over it the rate a free front end would reach.
+        self.decode_s = 0.0
         self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
         # Told of every change of a slot's KV (kvblocks.py: the KV events); None: nobody.
@@ -603,9 +608,11 @@ class LlamaBackend:
         if abort is not None:
             self._abort_flag = abort
             llama_cpp.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+        start = time.perf_counter()
         try:
             rc = llama_cpp.llama_decode(self._ctx, batch)
         finally:
+            self.decode_s += time.perf_counter() - start
             if abort is not None:
                 llama_cpp.llama_set_abort_callback(self._ctx, self._no_abort_cb, None)
                 self._abort_flag = None
