@@ -8,8 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from helpers import http, scrape
 from hydra_trio.engine.promptcache import PromptCache, Snapshot
+from hydra_trio.engine.text import common_prefix_len
 
 N = 8
 
@@ -93,3 +97,37 @@ def test_prompt_cache_bounds_bytes_and_keeps_the_longest_history() -> None:
     assert snap.tokens == [7, 8] and len(cache) == 1 and cache.restored_tokens == 2
     cache.clear()
     assert len(cache) == 0 and cache.nbytes == 0
+    # An entry between a prefix and its extension in token order ([1] < [1, 0, 5] < [1, 2])
+    # does not hide the prefix from the put that extends it.
+    cache = PromptCache(max_bytes=1000)
+    for tokens in ([1, 0, 5], [1], [1, 2]):
+        assert cache.put(_snap(tokens))
+    assert sorted(s.tokens for s in cache._entries.values()) == [[1, 0, 5], [1, 2]]
+
+
+# Few distinct tokens and short sequences: prefixes, extensions and near misses are common.
+_seqs = st.lists(st.integers(0, 2), min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "best", "take"]), _seqs), max_size=40))
+def test_prompt_cache_lookups_match_a_scan_of_every_entry(ops: list[tuple[str, list[int]]]) -> None:
+    """The cache's order by tokens gives what scanning every entry gives: the longest shared
+    prefix, and on a put, the entries the new one extends dropped, the rest kept."""
+    cache = PromptCache(max_bytes=1 << 30)
+    model: dict[int, list[int]] = {}  # what a scan of every entry would see
+    for op, tokens in ops:
+        if op == "put":
+            assert cache.put(_snap(tokens))
+            model = {k: t for k, t in model.items() if t != tokens[: len(t)]}
+            model[max(cache._entries)] = list(tokens)
+            assert {k: s.tokens for k, s in cache._entries.items()} == model
+        else:
+            hit = cache.best(tokens)
+            want = max((common_prefix_len(t, tokens) for t in model.values()), default=0)
+            assert (hit.n_common if hit else 0) == want
+            if hit:
+                assert common_prefix_len(model[hit.key], tokens) == want
+                if op == "take":
+                    assert cache.take(hit.key).tokens == model.pop(hit.key)
+    assert len(cache) == len(model)

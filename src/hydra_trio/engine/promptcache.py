@@ -7,11 +7,18 @@ snapshots as the backend reads them (``LlamaBackend.snapshot``: the state in thi
 own form with room before it, and the tail logits when the slot had them), so a swap back
 is one restore and no copy. Bounded by bytes, least recently used out first.
 
+Entries are also kept sorted by their tokens, so that a lookup costs a binary search and
+two comparisons however many entries there are: the entry sharing the longest prefix with
+a prompt is next to the prompt's place in that order. A scan of every entry per request
+was the trio thread's main cost once the cache held a few thousand histories (the default
+8 GiB holds hundreds of thousands of a small model's).
+
 Pure: no llama_cpp import; the engine does the GPU-worker calls.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,7 +51,8 @@ class CacheHit:
 @dataclass(slots=True)
 class PromptCache:
     max_bytes: int
-    _entries: OrderedDict[int, Snapshot] = field(default_factory=OrderedDict)
+    _entries: OrderedDict[int, Snapshot] = field(default_factory=OrderedDict)  # least recently put first
+    _sorted: list[int] = field(default_factory=list)  # the keys, ordered by their entries' tokens
     _keys: count[int] = field(default_factory=count)
     nbytes: int = 0
     saved: int = 0  # entries put here
@@ -55,35 +63,66 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _tokens_of(self, key: int) -> list[int]:
+        return self._entries[key].tokens
+
     def put(self, snap: Snapshot) -> bool:
         """Keep a snapshot, evicting the least recently used for room; False when it alone
         is larger than the cache. An entry it extends (a prefix of its tokens) is dropped:
         the new one serves every prompt the old one did."""
         if snap.nbytes > self.max_bytes or not snap.tokens:
             return False
-        for key, old in list(self._entries.items()):
-            if len(old.tokens) <= len(snap.tokens) and snap.tokens[: len(old.tokens)] == old.tokens:
-                self._drop(key)
+        for key in self._prefixes_of(snap.tokens):
+            self._drop(key)
         while self._entries and self.nbytes + snap.nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        self._entries[next(self._keys)] = snap
+        key = next(self._keys)
+        self._entries[key] = snap
+        insort(self._sorted, key, key=self._tokens_of)
         self.nbytes += snap.nbytes
         self.saved += 1
         return True
 
+    def _prefixes_of(self, tokens: list[int]) -> list[int]:
+        """The entries whose tokens are a prefix of ``tokens`` (or equal them).
+
+        In token order, everything between a prefix p of ``tokens`` and ``tokens`` starts
+        with p. So the greatest entry not above ``tokens[:hi]`` is either a prefix (found),
+        or shares ``n`` tokens with it, and any prefix before it is at most ``n`` long: each
+        step finds one or shortens the search."""
+        found: list[int] = []
+        hi = len(tokens)
+        i = bisect_right(self._sorted, tokens, key=self._tokens_of)
+        while hi and i:
+            i -= 1
+            key = self._sorted[i]
+            held = self._entries[key].tokens
+            n = common_prefix_len(held, tokens[:hi])
+            if n == len(held):
+                found.append(key)
+                hi = n
+                continue
+            if n < hi:
+                hi = n
+                i = bisect_right(self._sorted, tokens[:hi], key=self._tokens_of, hi=i + 1)
+        return found
+
     def best(self, prompt: Sequence[int]) -> CacheHit | None:
-        """The entry sharing the longest prefix with ``prompt`` (None when none shares any)."""
+        """The entry sharing the longest prefix with ``prompt`` (None when none shares any):
+        one of the two entries around the prompt's place in token order."""
+        prompt = list(prompt)
+        i = bisect_left(self._sorted, prompt, key=self._tokens_of)
         best: CacheHit | None = None
-        for key, snap in self._entries.items():
-            n = common_prefix_len(snap.tokens, prompt)
+        for key in self._sorted[max(0, i - 1) : i + 1]:
+            n = common_prefix_len(self._entries[key].tokens, prompt)
             if n and (best is None or n > best.n_common):
                 best = CacheHit(key, n)
         return best
 
     def take(self, key: int) -> Snapshot:
         """Remove an entry to restore it (the slot holds it from then on)."""
-        snap = self._entries.pop(key)
-        self.nbytes -= snap.nbytes
+        snap = self._entries[key]
+        self._unlink(key)
         self.restored += 1
         self.restored_tokens += len(snap.tokens)
         return snap
@@ -91,8 +130,16 @@ class PromptCache:
     def clear(self) -> None:
         """Drop everything (the context or the model changed: the states no longer fit)."""
         self._entries.clear()
+        self._sorted.clear()
         self.nbytes = 0
 
-    def _drop(self, key: int) -> None:
+    def _unlink(self, key: int) -> None:
+        """Take ``key`` out of both orders (tokens are unique: put drops an equal entry)."""
+        i = bisect_left(self._sorted, self._entries[key].tokens, key=self._tokens_of)
+        assert self._sorted[i] == key
+        del self._sorted[i]
         self.nbytes -= self._entries.pop(key).nbytes
+
+    def _drop(self, key: int) -> None:
+        self._unlink(key)
         self.evicted += 1
