@@ -12,7 +12,7 @@ from hypercorn.config import Config
 from hypercorn.events import Closed, RawData
 
 from hydra_trio.http import connections
-from hydra_trio.http.connections import _GatedTCPServer
+from hydra_trio.http.connections import ChunkWriter, _GatedTCPServer
 
 
 class _Protocol:
@@ -102,5 +102,46 @@ async def test_a_chunk_begun_is_finished_even_when_its_sender_is_cancelled() -> 
                 scope.cancel()  # already cancelled when the rest has to wait for room
                 await server.protocol_send(RawData(data=chunk))
     assert bytes(got) == chunk
+    await ours.aclose()
+    await peer.aclose()
+
+
+# ---- ChunkWriter: a streamed body's chunks written by its producer ------------------------------
+
+
+async def test_a_chunk_writer_frames_as_h11_and_hands_back_what_did_not_fit() -> None:
+    server, ours, peer = _server_on_socketpair(4096)
+    writer = ChunkWriter(server)
+    assert writer.send_now(b"abc") == b""
+    with trio.fail_after(5):
+        assert await peer.receive_some(100) == b"3\r\nabc\r\n"
+    big = bytes(range(256)) * 400  # 100 KiB through a 4 KiB buffer
+    rest = writer.send_now(big)
+    assert rest, "the socket took the whole chunk: nothing was left to hand back"
+    got = bytearray()
+
+    async def read_all() -> None:
+        frame_len = len(b"%x\r\n" % len(big)) + len(big) + 2
+        while len(got) < frame_len:
+            got.extend(await peer.receive_some(1 << 16))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all)
+            assert rest is not None
+            await writer.send_rest(rest)
+    assert bytes(got) == b"%x\r\n" % len(big) + big + b"\r\n"
+    await ours.aclose()
+    await peer.aclose()
+
+
+async def test_a_chunk_writer_writes_nothing_while_hypercorn_sends_or_the_socket_is_full() -> None:
+    server, ours, peer = _server_on_socketpair(4096)
+    writer = ChunkWriter(server)
+    async with server.send_lock:
+        assert writer.send_now(b"abc") is None
+    while writer.send_now(b"x" * 1000) is not None:  # fill the buffer (none read)
+        pass
+    assert writer.send_now(b"abc") is None
     await ours.aclose()
     await peer.aclose()

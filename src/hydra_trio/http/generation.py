@@ -23,6 +23,7 @@ from ..logs import generation_fields, request_extra
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
 from .common import client_request_id, http_status, json_response, request_nursery
+from .connections import ChunkWriter, chunk_writer
 from .sse import SSE_DONE, error_body, sse_event
 
 if TYPE_CHECKING:
@@ -128,15 +129,30 @@ def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s:
         )
 
 
+@dataclass(slots=True, eq=False)
+class DirectWrites:
+    """How the producer writes a text delta's event to the socket itself (``ChunkWriter``),
+    set by the body's reader once the response head is out; empty until then, and for a
+    request that asked for logprobs or a connection without a ChunkWriter."""
+
+    writer: ChunkWriter | None = None
+    delta_event: Callable[[str], bytes] | None = None
+
+
 @dataclass(slots=True)
 class GenerationStream:
     """A generation running in its HTTP request's own nursery; ``items`` receives ("delta",
     text) (each after ("logprobs", its tokens' TokenLogprobs) when the request asked), then
-    ("done", GenerationResult) or ("error", exception). The reader must ``close()`` it."""
+    ("done", GenerationResult) or ("error", exception). The reader must ``close()`` it.
+
+    While the reader waits with nothing queued, everything it was given has been sent, so
+    the producer writes a delta's event itself (``direct``) instead of waking it; a write
+    the socket took only in part leaves ("rest", bytes) to the reader, first in line."""
 
     task: OwnedTask
     slot_id: int
     items: trio.MemoryReceiveChannel[tuple[str, Any]]
+    direct: DirectWrites
 
     async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
         """The items, each batch everything that was ready when the reader got to it: under
@@ -176,10 +192,21 @@ async def sse_body(
     try:
         if head:
             yield head
+        # The head is out (Quart sent the response head before asking for the body).
+        writer = chunk_writer()
+        if writer is not None and logprobs_event is None:
+            stream.direct.delta_event = delta_event
+            stream.direct.writer = writer
         async for batch in stream.batches():
             out: list[bytes] = []
             for kind, value in batch:
-                if kind == "logprobs":
+                if kind == "rest":  # of a chunk the producer began: nothing may come between
+                    if out:
+                        yield b"".join(out)
+                        out = []
+                    assert writer is not None
+                    await writer.send_rest(value)
+                elif kind == "logprobs":
                     held = value
                 elif kind == "delta":
                     out.append(delta_event(value) if held is None or logprobs_event is None else logprobs_event(value, held))
@@ -208,6 +235,7 @@ async def start_stream(
     """Claim a slot and start generating into a channel. Raises SlotsBusy."""
     send, recv = trio.open_memory_channel[tuple[str, Any]](64)
     stall_s = state.settings.slot_wait_s
+    direct = DirectWrites()
 
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
@@ -234,6 +262,12 @@ async def start_stream(
             if params.logprobs is not None:  # the tokens whose text this delta is
                 await put(("logprobs", res.logprobs[sent_lp:]))
                 sent_lp = len(res.logprobs)
+            elif direct.writer is not None and direct.delta_event is not None and _reader_idle(send):
+                rest = direct.writer.send_now(direct.delta_event(delta))
+                if rest is not None:
+                    if rest:
+                        await put(("rest", rest))
+                    return
             await put(("delta", delta))
 
         res = GenerationResult()
@@ -264,4 +298,10 @@ async def start_stream(
     # The producer belongs to its request: it runs in the request's own nursery, which ends
     # when the client goes away or the response is sent.
     task, slot_id = await start_owned(request_nursery(), owner, produce)
-    return GenerationStream(task, slot_id, recv)
+    return GenerationStream(task, slot_id, recv, direct)
+
+
+def _reader_idle(send: trio.MemorySendChannel[Any]) -> bool:
+    """The channel's reader waits and nothing is queued for it: all it had is sent."""
+    stats = send.statistics()
+    return stats.tasks_waiting_receive > 0 and stats.current_buffer_used == 0
