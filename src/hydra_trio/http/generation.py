@@ -133,10 +133,15 @@ def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s:
 class DirectWrites:
     """How the producer writes a text delta's event to the socket itself (``ChunkWriter``),
     set by the body's reader once the response head is out; empty until then, and for a
-    request that asked for logprobs or a connection without a ChunkWriter."""
+    request that asked for logprobs or a connection without a ChunkWriter.
+
+    ``producer_writes`` says whose turn it is to write: the reader hands it to the producer
+    when it has sent all it was given and nothing is queued, the producer takes it back with
+    its first item in the channel. So the two never write out of order."""
 
     writer: ChunkWriter | None = None
     delta_event: Callable[[str], bytes] | None = None
+    producer_writes: bool = False
 
 
 @dataclass(slots=True)
@@ -158,7 +163,18 @@ class GenerationStream:
         """The items, each batch everything that was ready when the reader got to it: under
         backlog several tokens share one write, and a reader that keeps up gets each token
         as it comes (nothing waits for a batch to fill)."""
-        async for first in self.items:
+        while True:
+            try:
+                first = self.items.receive_nowait()
+            except trio.WouldBlock:
+                # All sent, nothing queued: the producer writes until it queues something.
+                self.direct.producer_writes = self.direct.writer is not None
+                try:
+                    first = await self.items.receive()
+                except trio.EndOfChannel:
+                    return
+            except trio.EndOfChannel:
+                return
             batch = [first]
             while True:
                 try:
@@ -244,6 +260,7 @@ async def start_stream(
         task_status.started(slot.id)
 
         async def put(item: tuple[str, Any]) -> None:
+            direct.producer_writes = False  # the reader writes what is queued, in order
             # The common case (room in the channel) needs no deadline: a cancel scope per
             # token was a tenth of the trio thread's work per streamed token (profiled).
             try:
@@ -262,7 +279,7 @@ async def start_stream(
             if params.logprobs is not None:  # the tokens whose text this delta is
                 await put(("logprobs", res.logprobs[sent_lp:]))
                 sent_lp = len(res.logprobs)
-            elif direct.writer is not None and direct.delta_event is not None and _reader_idle(send):
+            elif direct.producer_writes and direct.writer is not None and direct.delta_event is not None:
                 rest = direct.writer.send_now(direct.delta_event(delta))
                 if rest is not None:
                     if rest:
@@ -290,6 +307,7 @@ async def start_stream(
                 else:
                     log.info("streaming generation %s ended early: %s", owner, exc.message)
                 # The reader is told, unless it stalls for the whole stall deadline too.
+                direct.producer_writes = False
                 with trio.move_on_after(stall_s):
                     await send.send(("error", exc))
             finally:
@@ -299,9 +317,3 @@ async def start_stream(
     # when the client goes away or the response is sent.
     task, slot_id = await start_owned(request_nursery(), owner, produce)
     return GenerationStream(task, slot_id, recv, direct)
-
-
-def _reader_idle(send: trio.MemorySendChannel[Any]) -> bool:
-    """The channel's reader waits and nothing is queued for it: all it had is sent."""
-    stats = send.statistics()
-    return stats.tasks_waiting_receive > 0 and stats.current_buffer_used == 0
