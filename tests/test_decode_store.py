@@ -195,7 +195,7 @@ def test_delete_of_running_or_foreign_entry_is_a_no_op_for_the_store() -> None:
 def test_subscribers_are_woken_and_closed_when_an_entry_ends() -> None:
     s, _ = make()
     e = s.create(0)
-    recv = e.subscribe()
+    recv = e.subscribe().wakeups
     e.notify()
     e.notify()  # capacity 1: coalesced, never blocks
     recv.receive_nowait()
@@ -203,6 +203,24 @@ def test_subscribers_are_woken_and_closed_when_an_entry_ends() -> None:
     recv.receive_nowait()  # the final wake-up
     with pytest.raises(trio.EndOfChannel):
         recv.receive_nowait()
+
+
+def test_a_reader_s_sink_takes_a_change_instead_of_a_wake_up_unless_it_declines() -> None:
+    s, _ = make()
+    e = s.create(0)
+    sub, other = e.subscribe(), e.subscribe()
+    taken: list[bool] = []
+    sub.sink = lambda: taken.append(True) or True
+    e.notify()
+    assert taken == [True]
+    with pytest.raises(trio.WouldBlock):
+        sub.wakeups.receive_nowait()  # it took it: not woken
+    other.wakeups.receive_nowait()  # a reader without a sink is woken as before
+    sub.sink = lambda: False
+    e.notify()
+    sub.wakeups.receive_nowait()  # declined: woken
+    e.unsubscribe(sub)
+    assert e.reader_count == 1
 
 
 def test_ids_are_unique_positive_int32_over_many_allocations() -> None:

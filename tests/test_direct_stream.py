@@ -1,7 +1,8 @@
 """A streamed completion's text written by its producer straight to the socket (http/
-connections.py ``ChunkWriter``, http/generation.py): the bytes are HTTP/1.1 chunks as h11
-frames them, whole and in order however little the socket takes at a time; HTTP/1.0 keeps
-Hypercorn's path."""
+connections.py ``ChunkWriter``, http/generation.py), and a DECODE result stream's by its
+generating task (http/decode_routes.py): the bytes are HTTP/1.1 chunks as h11 frames them,
+whole and in order however little the socket takes at a time; HTTP/1.0 keeps Hypercorn's
+path."""
 
 from __future__ import annotations
 
@@ -10,7 +11,22 @@ from typing import Any
 
 import h11
 import trio
+import trio.testing
 
+from helpers import (
+    MESSAGES,
+    Collected,
+    decode_ok,
+    frame,
+    gate,
+    get_result,
+    http,
+    parse_sse,
+    read_sse,
+    rpc,
+    sse_text,
+    text_of,
+)
 from hydra_trio.http import connections, generation
 from hydra_trio.http.connections import ChunkWriter
 
@@ -135,3 +151,58 @@ async def test_a_stream_arrives_whole_when_every_write_takes_only_a_few_bytes(en
     # Which tokens go straight out depends on the order trio runs the producer and the reader
     # in (it varies it on purpose), but each of the 48 tokens is a chance.
     assert rests > 0
+
+
+# ---- the DECODE result stream: the generating task writes while the reader waits -------------
+
+
+async def _decode_stream(ep: Any, monkeypatch: Any, *, max_write: int | None) -> tuple[int, int]:
+    """A DECODE read over SSE by one reader, generation stepped one token at a time (the
+    worker held between steps, so the reader waits up to date at each token): the chunks
+    ChunkWriter began for it, and the rests the reader then sent. Checks the stream whole."""
+    began = rests = 0
+    real_now, real_rest, real_send = ChunkWriter.send_now, ChunkWriter.send_rest, connections._send_now
+
+    def send_now(self: ChunkWriter, data: bytes) -> bytes | None:
+        nonlocal began
+        left = real_now(self, data)
+        began += left is not None
+        return left
+
+    async def send_rest(self: ChunkWriter, rest: bytes) -> None:
+        nonlocal rests
+        rests += 1
+        await real_rest(self, rest)
+
+    monkeypatch.setattr(ChunkWriter, "send_now", send_now)
+    monkeypatch.setattr(ChunkWriter, "send_rest", send_rest)
+    if max_write is not None:
+        monkeypatch.setattr(connections, "_send_now", lambda stream, data: real_send(stream, data[:max_write]))
+    out = Collected()
+    async with http(ep) as h, await rpc(ep) as c:
+        async with trio.open_nursery() as readers:
+            async with gate(ep) as g:
+                rid = await decode_ok(c, 0, frame(MESSAGES, n_predict=12))
+                readers.start_soon(read_sse, h, rid, out)
+                await trio.testing.wait_all_tasks_blocked()
+                await g.step(2)  # tokenize, prefill (its first token)
+                for _ in range(8):
+                    await trio.testing.wait_all_tasks_blocked()
+                    await g.step(1)
+        final = await get_result(h, rid)
+    events, done = parse_sse(out.lines or [])
+    assert out.status == 200 and done
+    assert sse_text(events) == text_of(final)
+    return began, rests
+
+
+async def test_a_decode_stream_is_written_by_the_generating_task(start_engine: Any, tiny_model: Any, monkeypatch: Any) -> None:
+    began, rests = await _decode_stream(await start_engine(tiny_model), monkeypatch, max_write=None)
+    assert began >= 8 and rests == 0
+
+
+async def test_a_decode_stream_arrives_whole_when_every_write_takes_only_a_few_bytes(
+    start_engine: Any, tiny_model: Any, monkeypatch: Any
+) -> None:
+    began, rests = await _decode_stream(await start_engine(tiny_model), monkeypatch, max_write=7)
+    assert began >= 8 and rests == began

@@ -93,7 +93,7 @@ class DecodeEntry:
     metrics: dict[str, Any] = field(default_factory=dict)
     task: Any = None  # tasks.OwnedTask
     ended: trio.Event = field(default_factory=trio.Event)  # set once it left RUNNING
-    _subscribers: list[trio.MemorySendChannel[None]] = field(default_factory=list)
+    _subscribers: list[Subscription] = field(default_factory=list)
 
     @property
     def running(self) -> bool:
@@ -104,22 +104,26 @@ class DecodeEntry:
         """Readers subscribed to this entry's wake-ups (SSE streams, ``?wait`` readers)."""
         return len(self._subscribers)
 
-    def subscribe(self) -> trio.MemoryReceiveChannel[None]:
-        """A wake-up channel (bounded, capacity 1): a message means "look again"; the
+    def subscribe(self) -> Subscription:
+        """A reader's wake-ups (bounded, capacity 1): a message means "look again"; the
         reader reads new chunks from ``chunks`` by index, so a slow reader costs no memory."""
         send, recv = trio.open_memory_channel[None](1)
-        self._subscribers.append(send)
-        return recv
+        sub = Subscription(recv, send)
+        self._subscribers.append(sub)
+        return sub
 
-    def unsubscribe(self, recv: trio.MemoryReceiveChannel[None]) -> None:
-        self._subscribers = [s for s in self._subscribers if not _same_channel(s, recv)]
-        recv.close()
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._subscribers = [s for s in self._subscribers if s is not sub]
+        sub.wakeups.close()
 
     def notify(self) -> None:
         live = []
         for s in self._subscribers:
+            if s.sink is not None and s.sink():
+                live.append(s)  # it took what is new itself: no wake-up
+                continue
             try:
-                s.send_nowait(None)
+                s.send.send_nowait(None)
             except trio.WouldBlock:
                 pass  # a wake-up is already pending
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -129,12 +133,20 @@ class DecodeEntry:
 
     def close_subscribers(self) -> None:
         for s in self._subscribers:
-            s.close()
+            s.send.close()
         self._subscribers = []
 
 
-def _same_channel(send: trio.MemorySendChannel[None], recv: trio.MemoryReceiveChannel[None]) -> bool:
-    return send._state is recv._state  # type: ignore[attr-defined]
+@dataclass(slots=True, eq=False)
+class Subscription:
+    """One reader of an entry. ``wakeups`` says "look again". While it waits, a reader may
+    leave a ``sink``: ``notify`` (in the task that changed the entry, at once) calls it instead
+    of waking the reader, and wakes the reader only when the sink returns False (it could not
+    take what is new, or the reader must see it itself)."""
+
+    wakeups: trio.MemoryReceiveChannel[None]
+    send: trio.MemorySendChannel[None]
+    sink: Callable[[], bool] | None = None
 
 
 class ResultStore:

@@ -12,6 +12,7 @@ from ..decode.manager import CancelOutcome, DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
 from ..engine.engine import Engine, GenerationResult
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
+from .connections import ChunkWriter, chunk_writer
 from .openai import completion_body, final_chunk
 from .sse import HOLE, SSE_DONE, completion_chunk, error_body, sse_event, sse_text_events, wants_sse
 
@@ -117,16 +118,16 @@ def _wait_param() -> float:
 
 
 async def _wait_finished(entry: DecodeEntry, wait_s: float) -> None:
-    wakeups = entry.subscribe()
+    sub = entry.subscribe()
     try:
         with trio.move_on_after(wait_s):
             while entry.running:
                 try:
-                    await wakeups.receive()
+                    await sub.wakeups.receive()
                 except trio.EndOfChannel:
                     break
     finally:
-        entry.unsubscribe(wakeups)
+        entry.unsubscribe(sub)
 
 
 def _failed(entry: DecodeEntry) -> Response:
@@ -186,18 +187,45 @@ def hydra_metrics(engine: Engine, entry: DecodeEntry) -> dict[str, Any]:
 async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterator[bytes]:
     """Every chunk so far, then live ones; a final chunk with usage and metrics, [DONE].
 
-    A reader leaving does not affect the request (DELETE stops it)."""
+    A reader leaving does not affect the request (DELETE stops it). While this reader waits
+    with every chunk sent, the generating task writes the next chunk's event to its socket
+    itself (``sink``, through the connection's ``ChunkWriter``, as a chat stream's producer
+    does): no wake-up, no trip through Quart and Hypercorn. It wakes the reader when it
+    cannot (the socket full or gone, or a chunk only partly taken: the reader sends the
+    rest first)."""
     cid = _completion_id(entry)
     model = manager.engine.identity.model_alias
     created = entry.created_unix
     # The chat stream's event per delta (a template, not the chunk serialised per token),
     # and every chunk that is ready in one write, as the chat stream does.
     delta_event = sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE}))
-    wakeups = entry.subscribe()
+    sub = entry.subscribe()
     sent = 0
+    writer: ChunkWriter | None = None
+    rest = b""  # of a chunk the sink began: it goes out before anything else
+
+    def sink() -> bool:
+        nonlocal sent, rest
+        if writer is None or not entry.running:
+            return False
+        while sent < len(entry.chunks):
+            left = writer.send_now(delta_event(entry.chunks[sent]))
+            if left is None:
+                return False
+            sent += 1
+            if left:
+                rest = left
+                return False
+        return True
+
     try:
         yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
+        writer = chunk_writer()  # the response head is out
         while True:
+            if rest:
+                assert writer is not None
+                left, rest = rest, b""
+                await writer.send_rest(left)
             ready = len(entry.chunks)
             if sent < ready:
                 yield b"".join(delta_event(text) for text in entry.chunks[sent:ready])
@@ -205,10 +233,13 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
                 continue  # more may have come while that was sent: look again before the end
             if not entry.running:
                 break
+            sub.sink = sink if writer is not None else None
             try:
-                await wakeups.receive()
+                await sub.wakeups.receive()
             except trio.EndOfChannel:
                 pass
+            finally:
+                sub.sink = None
         if entry.state == DecodeState.DONE:
             yield sse_event(final_chunk(cid, created, model, entry.slot_id, entry.result, hydra_metrics=hydra_metrics(manager.engine, entry)))
             yield SSE_DONE
@@ -218,4 +249,4 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
                 {**error_body(410 if entry.state != DecodeState.FAILED else 400, entry.error or entry.state.value, "decode_ended"), "state": entry.state.value, "error_code": code}
             )
     finally:
-        entry.unsubscribe(wakeups)
+        entry.unsubscribe(sub)
