@@ -32,8 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -119,18 +120,47 @@ def _consume(s: Stream, now: float) -> None:
             if usage:
                 s.tokens = usage.get("completion_tokens", s.tokens)
             choices = obj.get("choices") or []
-            if choices and choices[0].get("text"):
+            if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
                 s.arrivals.append(now)
 
 
 def run_round(port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
+    """One streaming completion per prompt, all at once, each read to its end."""
+    return _read_streams(port, [_request(port, p, n_tokens) for p in prompts], n_tokens, time.perf_counter(), timeout_s)
+
+
+def run_decode_round(port: int, rpc_port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
+    """The same streams as DECODE requests, each on its own slot with its prompt and no KV
+    (the engine prefills it), read over SSE (``GET /v1/decode/{id}``): the DECODE result
+    stream's cost per token against the completion stream's. Timed from the first DECODE;
+    generation starts at each ack, so a reader that connects late first gets a replay."""
+    import trio
+
+    from hydra_trio.rpc.client import RpcClient, build_decode_frame
+
+    async def submit() -> list[int]:
+        async with await RpcClient.connect("127.0.0.1", rpc_port) as rpc:
+            rids = []
+            for slot, p in enumerate(prompts):
+                body = {"prompt": p, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True}
+                rids.append(int((await rpc.decode(slot, build_decode_frame(body))).meta["decode_request_id"]))
+            return rids
+
+    t0 = time.perf_counter()
+    rids = trio.run(submit)
+    head = "GET /v1/decode/{} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n"
+    return _read_streams(port, [head.format(rid, port).encode() for rid in rids], n_tokens, t0, timeout_s)
+
+
+def _read_streams(port: int, requests: list[bytes], n_tokens: int, t0: float, timeout_s: float) -> dict[str, Any]:
+    """Send each request on its own connection and read every SSE stream to its end, through
+    ``selectors`` with raw sockets: aggregate tok/s from ``t0``, the gaps between chunks."""
     sel = selectors.DefaultSelector()
     streams = []
-    t0 = time.perf_counter()
-    for p in prompts:
+    for req in requests:
         sock = socket.create_connection(("127.0.0.1", port))
         sock.setblocking(False)
-        st = Stream(sock, _request(port, p, n_tokens))
+        st = Stream(sock, req)
         sock.sendall(st.request)  # small: fits the socket buffer at once
         sel.register(sock, selectors.EVENT_READ, st)
         streams.append(st)
@@ -180,18 +210,25 @@ def worker_busy_s(port: int) -> float:
     return metric_value(f"http://127.0.0.1:{port}", "hydra_gpu_worker_busy_seconds_total")
 
 
+def wait_slots_free(port: int) -> None:
+    """Until no slot is claimed (a DECODE names its slot: the last round's must be free)."""
+    while metric_value(f"http://127.0.0.1:{port}", "hydra_slots_busy") > 0:
+        time.sleep(0.05)
+
+
 def decode_s(port: int) -> float:
     """hydra-trio's time inside llama_decode so far: tokens over it are the rate of a server
     whose every other cost were nil, the bound of any front end on this compute."""
     return metric_value(f"http://127.0.0.1:{port}", "hydra_llama_decode_seconds_total")
 
 
-def measure(name: str, port: int, pid: int, trio_tid: int | None, prompts: list[str], n_tokens: int) -> dict[str, Any]:
+def measure(name: str, port: int, pid: int, trio_tid: int | None, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()`` (one round of streams) with the server's and the client's CPU around it."""
     # The /metrics scrapes stay outside the CPU windows: they are neither server nor client work.
     w0, d0 = (worker_busy_s(port), decode_s(port)) if trio_tid else (0.0, 0.0)
     c0, t0 = cpu_s(pid), thread_cpu_s(pid, trio_tid) if trio_tid else 0.0
     me0 = time.process_time()
-    r = run_round(port, prompts, n_tokens)
+    r = run()
     r["client_cpu_us_per_token"] = (time.process_time() - me0) / max(1, r["tokens"]) * 1e6
     r["server_cpu_us_per_token"] = (cpu_s(pid) - c0) / max(1, r["tokens"]) * 1e6
     if trio_tid:
@@ -296,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count (see --profile-streams)")
     ap.add_argument("--profile-streams", type=int, default=0, help="streams of the profiled run (default: the largest of --streams)")
+    ap.add_argument("--decode", action="store_true", help="also stream each round as DECODE requests read over GET /v1/decode/{id} (SSE), on hydra-trio")
     ap.add_argument("--profile-gil", action="store_true", help="profile only the trio thread's Python (py-spy --gil: samples holding the GIL)")
     ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process (after the servers)")
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
@@ -323,8 +361,12 @@ def main(argv: list[str] | None = None) -> int:
                     servers.append(("llama-server", peer.port, peer.proc.pid, None))
                 if rnd % 2:
                     servers.reverse()
-                for name, port, pid, tid in servers:
-                    row = measure(name, port, pid, tid, prompts, args.tokens)
+                runs = [(name, port, pid, tid, partial(run_round, port, prompts, args.tokens)) for name, port, pid, tid in servers]
+                if args.decode:
+                    wait_slots_free(ours.http_port)
+                    runs.append(("hydra-trio DECODE", ours.http_port, ours.pid, ours.pid, partial(run_decode_round, ours.http_port, ours.rpc_port, prompts, args.tokens)))
+                for name, port, pid, tid, run in runs:
+                    row = measure(name, port, pid, tid, run)
                     row["round"] = rnd
                     results["rows"].append(row)
                     print(
@@ -365,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> str:
     """Per stream count: the median over rounds of each figure, and ours / llama-server's
-    (with --engine-alone, a last column: the engine without HTTP / llama-server)."""
+    (with --engine-alone, a last column: the engine without HTTP / llama-server; with
+    --decode, a second table: DECODE result streams against completion streams)."""
     import statistics
 
     by: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -392,6 +435,19 @@ def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> 
             f" {(dec := med('hydra-trio', n, 'decode_us_per_token')):.0f} ({1e6 / dec / ls:.2f}×) |"
             + (f" {med('engine alone', n, 'tok_s'):,.0f} ({med('engine alone', n, 'tok_s') / ls:.2f}×) |" if alone else "")
         )
+    if any(r["server"] == "hydra-trio DECODE" for r in rows):
+        out += [
+            "",
+            "| streams | completion streams tok/s | DECODE streams tok/s | DECODE / completion | server CPU µs/token, completion / DECODE (trio thread) |",
+            "|---|---|---|---|---|",
+        ]
+        for n in counts:
+            ht, dc = med("hydra-trio", n, "tok_s"), med("hydra-trio DECODE", n, "tok_s")
+            out.append(
+                f"| {n} | {ht:,.0f} | {dc:,.0f} | **{dc / ht:.2f}×** | {med('hydra-trio', n, 'server_cpu_us_per_token'):.0f}"
+                f" ({med('hydra-trio', n, 'trio_thread_cpu_us_per_token'):.0f}) / {med('hydra-trio DECODE', n, 'server_cpu_us_per_token'):.0f}"
+                f" ({med('hydra-trio DECODE', n, 'trio_thread_cpu_us_per_token'):.0f}) |"
+            )
     return "\n".join(out)
 
 
