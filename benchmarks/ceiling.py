@@ -426,12 +426,15 @@ def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> 
         vals = [r[key] for r in by.get((server, n), []) if key in r]
         return statistics.median(vals) if vals else float("nan")
 
+    def cpu(server: str, n: int) -> str:
+        """The server's CPU per token, with the trio thread's share."""
+        return f"{med(server, n, 'server_cpu_us_per_token'):.0f} ({med(server, n, 'trio_thread_cpu_us_per_token'):.0f})"
+
     for n in counts:
         ls, ht = med("llama-server", n, "tok_s"), med("hydra-trio", n, "tok_s")
         out.append(
             f"| {n} | {ls:,.0f} | {ht:,.0f} | **{ht / ls:.2f}×** | {med('hydra-trio', n, 'itl_p50_ms'):.2f} / {med('hydra-trio', n, 'itl_p99_ms'):.2f} |"
-            f" {med('llama-server', n, 'server_cpu_us_per_token'):.0f} / {med('hydra-trio', n, 'server_cpu_us_per_token'):.0f}"
-            f" ({med('hydra-trio', n, 'trio_thread_cpu_us_per_token'):.0f}) |"
+            f" {med('llama-server', n, 'server_cpu_us_per_token'):.0f} / {cpu('hydra-trio', n)} |"
             f" {(dec := med('hydra-trio', n, 'decode_us_per_token')):.0f} ({1e6 / dec / ls:.2f}×) |"
             + (f" {med('engine alone', n, 'tok_s'):,.0f} ({med('engine alone', n, 'tok_s') / ls:.2f}×) |" if alone else "")
         )
@@ -443,11 +446,7 @@ def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> 
         ]
         for n in counts:
             ht, dc = med("hydra-trio", n, "tok_s"), med("hydra-trio DECODE", n, "tok_s")
-            out.append(
-                f"| {n} | {ht:,.0f} | {dc:,.0f} | **{dc / ht:.2f}×** | {med('hydra-trio', n, 'server_cpu_us_per_token'):.0f}"
-                f" ({med('hydra-trio', n, 'trio_thread_cpu_us_per_token'):.0f}) / {med('hydra-trio DECODE', n, 'server_cpu_us_per_token'):.0f}"
-                f" ({med('hydra-trio DECODE', n, 'trio_thread_cpu_us_per_token'):.0f}) |"
-            )
+            out.append(f"| {n} | {ht:,.0f} | {dc:,.0f} | **{dc / ht:.2f}×** | {cpu('hydra-trio', n)} / {cpu('hydra-trio DECODE', n)} |")
     return "\n".join(out)
 
 
