@@ -206,22 +206,35 @@ class _GatedTCPServer(TCPServer):
             await super()._close()
 
     async def protocol_send(self, event: Any) -> None:
-        if isinstance(event, RawData) and not self.send_lock.locked():
+        if isinstance(event, RawData):
             # The common case of a streamed token: the socket has room, so one write sends
             # it. Hypercorn's path (lock, shielded scope, SocketStream.send_all, two
             # scheduler checkpoints) was half of the trio thread's work per streamed token
             # at 64 streams (benchmarks.ceiling --profile). What does not go out at once
             # takes that path, which waits for room and reports a broken peer.
-            sent = _send_now(self.stream, event.data)
-            if sent == len(event.data):
-                return
-            if sent:
-                # The rest of a chunk that began must follow it whatever is cancelled meanwhile
-                # (Hypercorn's own send is shielded too): a cut chunk would corrupt the stream.
-                with trio.CancelScope(shield=True):
-                    await self._send_event(RawData(data=event.data[sent:]))
+            rest = self.write_now(event.data)
+            if rest is not None:
+                if rest:
+                    await self.send_rest(rest)
                 return
         await self._send_event(event)
+
+    def write_now(self, data: bytes) -> bytes | None:
+        """Write what the socket takes of ``data`` at once. None: nothing was written (it is
+        empty, Hypercorn is sending, or the socket is full or failed); the caller sends it
+        the usual way, which waits or finds out why. Else the rest, which must follow before
+        anything else (``send_rest``); b"" when all went out."""
+        if self.send_lock.locked():
+            return None
+        sent = _send_now(self.stream, data)
+        return data[sent:] if sent else None
+
+    async def send_rest(self, rest: bytes) -> None:
+        """The rest of bytes ``write_now`` began, through Hypercorn's send (it waits for
+        room, reports a gone peer), shielded as its own sends are: whatever is cancelled
+        meanwhile, a cut chunk would corrupt the stream."""
+        with trio.CancelScope(shield=True):
+            await self._send_event(RawData(data=rest))
 
     async def _send_event(self, event: Any) -> None:
         try:
@@ -269,22 +282,14 @@ class ChunkWriter:
         self._conn = conn
 
     def send_now(self, data: bytes) -> bytes | None:
-        """Write ``data`` as one chunk, as much as the socket takes at once. None: nothing
-        was written (the socket is full or failed, or Hypercorn is sending); the caller sends
-        ``data`` the usual way, which waits or finds out why. Else the rest of the chunk,
-        which must follow before anything else (``send_rest``); b"" when all went out."""
-        if not data or self._conn.send_lock.locked():
-            return None
-        frame = b"%x\r\n%s\r\n" % (len(data), data)
-        sent = _send_now(self._conn.stream, frame)
-        return frame[sent:] if sent else None
+        """Write ``data`` as one chunk, as much as the socket takes at once (the connection's
+        ``write_now``: None when nothing was written, else the rest of the chunk for
+        ``send_rest``). Empty data writes nothing: its chunk would end the body."""
+        return self._conn.write_now(b"%x\r\n%s\r\n" % (len(data), data)) if data else None
 
     async def send_rest(self, rest: bytes) -> None:
-        """The rest of a chunk ``send_now`` began, through Hypercorn's send (it waits for
-        room, reports a gone peer), shielded as its own sends are: a cut chunk would corrupt
-        the stream."""
-        with trio.CancelScope(shield=True):
-            await self._conn._send_event(RawData(data=rest))
+        """The rest of a chunk ``send_now`` began (the connection's ``send_rest``)."""
+        await self._conn.send_rest(rest)
 
 
 def chunk_writer() -> ChunkWriter | None:
