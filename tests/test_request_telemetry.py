@@ -6,8 +6,11 @@ import logging
 from typing import Any
 
 import pytest
+import trio
 
 from helpers import MESSAGES, http, scrape, stream_then_hang_up, wait_slots_idle
+from hydra_trio.http.generation import DirectWrites, GenerationStream
+from hydra_trio.tasks import start_owned
 
 
 async def test_a_completion_leaves_a_log_line_metrics_and_its_request_id(
@@ -44,3 +47,27 @@ async def test_a_client_that_leaves_a_stream_is_logged_as_cancelled(
         await stream_then_hang_up(c, "/v1/chat/completions", body, after=3)
         await wait_slots_idle(engine.state.engine)
     assert any(" cancelled: " in rec.getMessage() for rec in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+async def test_closing_a_stream_cancels_its_producer_before_closing_its_channel() -> None:
+    """The client-gone race behind a 'failed: BrokenResourceError' line: a producer that runs
+    while the reader closes the stream must be cancelled, never find the channel closed."""
+    send, recv = trio.open_memory_channel[tuple[str, Any]](64)
+    ended_by: list[type[BaseException]] = []
+
+    async def produce(task_status: trio.TaskStatus[int]) -> None:
+        task_status.started(0)
+        try:
+            while True:  # a token per checkpoint, as fast as the reader allows
+                await trio.lowlevel.checkpoint()
+                send.send_nowait(("delta", "x"))
+        except BaseException as exc:
+            ended_by.append(type(exc))
+            raise
+
+    async with trio.open_nursery() as nursery:
+        task, _ = await start_owned(nursery, "producer", produce)
+        stream = GenerationStream(task, 0, recv, DirectWrites())
+        await recv.receive()
+        await stream.close()
+    assert ended_by == [trio.Cancelled]

@@ -186,8 +186,10 @@ class GenerationStream:
     async def close(self) -> None:
         """Stop generation (client gone or stream over) and wait until it has stopped."""
         with trio.CancelScope(shield=True):
-            await self.items.aclose()
+            # Cancel before closing the channel: a producer that ran in between would find
+            # it closed and end as a failure, where the client had left (a cancellation).
             await self.task.cancel_and_wait()
+            await self.items.aclose()
 
 
 async def sse_body(
