@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "restore_mb": [1, 16, 128] if quick else [1, 16, 128, 256],
         "restore_repeats": 3 if quick else 5,
         "gen_tokens": 64 if quick else 256,
-        "gen_repeats": 2 if quick else 5,
+        "gen_repeats": 2 if quick else 9,
         "cancels": 20,
         "cancel_prefill_tokens": 4096,
         "concurrency": [1, 2, 4, 8],

@@ -287,13 +287,25 @@ def plain_llama_loop(model: str, prompt_tokens: list[int], n: int) -> float:
 
 
 def fig_generation(b: EngineProcess, tok: Tokenizer, n_tokens: int, repeats: int, model: str) -> dict[str, Any]:
+    """One DECODE stream over SSE against the plain loop on the same prompt. Each repeat
+    runs one of each back to back and their ratio is taken within the repeat: this VM's
+    speed drifts by several percent over a minute, which a ratio of separate series would
+    charge to one side."""
     content = "Tell me a long story about a slot."
     req = chat_request(content, n_tokens)
-    ours = []
+    from llama_cpp import Llama
+
+    from hydra_trio.engine.chat import render_prompt
+
+    llm = Llama(model, vocab_only=True, verbose=False)
+    text = render_prompt(req, llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
+    prompt_tokens = llm.tokenize(text.encode(), add_bos=True, special=True)
+    del llm
+    ours, plain = [], []
     with SyncRpcClient("127.0.0.1", b.rpc_port, timeout=600) as rpc, httpx.Client(base_url=b.url, timeout=600) as http:
         for _ in range(repeats):
             erase_all(b)
-            pre = rpc.prefill(0, req)
+            rpc.prefill(0, req)
             rid = rpc.decode(0, build_decode_frame(req, b"")).meta["decode_request_id"]
             times = []
             with http.stream("GET", f"/v1/decode/{rid}", headers={"Accept": "text/event-stream"}) as resp:
@@ -304,16 +316,7 @@ def fig_generation(b: EngineProcess, tok: Tokenizer, n_tokens: int, repeats: int
             n = final["usage"]["completion_tokens"]
             # Client-side rate over the streamed tokens (chunks can merge bytes; use the count).
             ours.append((n - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0)
-            del pre
-    from llama_cpp import Llama
-
-    llm = Llama(model, vocab_only=True, verbose=False)
-    from hydra_trio.engine.chat import render_prompt
-
-    text = render_prompt(req, llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
-    prompt_tokens = llm.tokenize(text.encode(), add_bos=True, special=True)
-    del llm
-    plain = [plain_llama_loop(model, prompt_tokens, n_tokens) for _ in range(repeats)]
+            plain.append(plain_llama_loop(model, prompt_tokens, n_tokens))
     return {
         "decode_sse_tokens_per_s": summary(ours),
         "plain_loop_tokens_per_s": summary(plain),
