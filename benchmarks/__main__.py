@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "cancel_prefill_tokens": 4096,
         "concurrency": [1, 2, 4, 8],
         "concurrency_tokens": 32 if quick else 128,
-        "concurrency_repeats": 1 if quick else 3,
+        "concurrency_repeats": 1 if quick else 5,
         "memory_mb": 128 if quick else 256,
         "memory_repeats": 2 if quick else 3,
     }
