@@ -2,6 +2,7 @@
 
     python -m benchmarks.ceiling [--streams 1,16,64,128] [--tokens 220] [--rounds 2]
                                  [--with-llama-server | --llama-server PATH] [--profile]
+                                 [--burst N [--burst-streams 64]]
 
 The synthetic ``tiny`` model (0.6 MB) on one llama thread makes a step nearly free, so what
 is left is the server's own work per token: waking the request, detokenizing, framing SSE,
@@ -16,6 +17,9 @@ py-spy at the largest stream count and writes the top frames to the results fold
 (``--profile-gil``: only its Python). The time hydra-trio spent inside llama_decode
 (``hydra_llama_decode_seconds_total``) gives the bound of any front end on this compute:
 the rate if the model's compute were the only cost, against llama-server's measured rate.
+``--burst N`` adds N rounds of ``--burst-streams`` requests sent at once, 2 tokens each: the
+cost of a request rather than of a token (the burst's wall time, the median first token, the
+server's CPU per request).
 
 Timing goals live here, never in tests: the ratios printed are measured side by side in one run.
 """
@@ -197,6 +201,7 @@ def _read_streams(port: int, requests: list[bytes], n_tokens: int, t0: float, ti
         "tokens": tokens,
         "wall_s": wall,
         "tok_s": tokens / wall,
+        "ttft_p50_ms": percentile([st.arrivals[0] - t0 for st in streams if st.arrivals], 50) * 1000,
         "itl_p50_ms": percentile(gaps, 50) * 1000,
         "itl_p99_ms": percentile(gaps, 99) * 1000,
         "errors": [st.error for st in streams if st.error or not st.done],
@@ -334,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count (see --profile-streams)")
     ap.add_argument("--profile-streams", type=int, default=0, help="streams of the profiled run (default: the largest of --streams)")
     ap.add_argument("--decode", action="store_true", help="also stream each round as DECODE requests read over GET /v1/decode/{id} (SSE), on hydra-trio")
+    ap.add_argument("--burst", type=int, default=0, metavar="N",
+                    help="also N rounds of a request burst: --burst-streams streams of 2 tokens at once (the cost of a request, not of a token)")
+    ap.add_argument("--burst-streams", type=int, default=64)
     ap.add_argument("--profile-gil", action="store_true", help="profile only the trio thread's Python (py-spy --gil: samples holding the GIL)")
     ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process (after the servers)")
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
@@ -351,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         extra=[*args.extra.split(), "--step-token-budget", str(max(32, args.slots))],
     ).start(work, "hydra-trio")
     peer = LlamaServer(binary, str(model), ctx=ctx, slots=args.slots, log_dir=work, tag="llama-server", threads=1) if binary else None
-    results: dict[str, Any] = {"env": env_info(), "args": vars(args), "rows": []}
+    results: dict[str, Any] = {"env": env_info(), "args": vars(args), "rows": [], "burst": []}
     try:
         for rnd in range(args.rounds):
             for n in counts:
@@ -377,6 +385,17 @@ def main(argv: list[str] | None = None) -> int:
                         + (f"  ERRORS {row['errors'][:2]}" if row["errors"] else ""),
                         flush=True,
                     )
+        for rnd in range(args.burst):
+            prompts = [f"{chr(97 + rnd % 26)}{i} " + words_prompt(12, seed=7000 + 100 * rnd + i) for i in range(args.burst_streams)]
+            burst_servers = [("hydra-trio", ours.http_port, ours.pid, ours.pid)]
+            if peer is not None:
+                burst_servers.append(("llama-server", peer.port, peer.proc.pid, None))
+            for name, port, pid, tid in burst_servers if rnd % 2 == 0 else burst_servers[::-1]:
+                row = measure(name, port, pid, tid, partial(run_round, port, prompts, BURST_TOKENS))
+                row.update(burst=True, round=rnd)
+                results["burst"].append(row)
+                print(f"burst {rnd} {name:12s} {row['streams']} requests: {row['wall_s'] * 1000:.0f} ms, first token p50 {row['ttft_p50_ms']:.0f} ms,"
+                      f" server {per_request(row, 'server_cpu_us_per_token'):.2f} ms CPU/request", flush=True)
         if args.profile:
             n = args.profile_streams or max(counts)
             prompts = [f"p{i} " + words_prompt(12, seed=99 + i) for i in range(n)]
@@ -399,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_alone:
         results["engine_alone"] = engine_alone(model, args.slots, args.slot_ctx, counts, args.rounds, args.tokens)
     results["table"] = render(results["rows"], results.get("engine_alone", []))
+    if results["burst"]:
+        results["table"] += "\n\n" + render_burst(results["burst"])
     print(results["table"])
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"results: {args.out}")
@@ -447,6 +468,40 @@ def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> 
         for n in counts:
             ht, dc = med("hydra-trio", n, "tok_s"), med("hydra-trio DECODE", n, "tok_s")
             out.append(f"| {n} | {ht:,.0f} | {dc:,.0f} | **{dc / ht:.2f}×** | {cpu('hydra-trio', n)} / {cpu('hydra-trio DECODE', n)} |")
+    return "\n".join(out)
+
+
+BURST_TOKENS = 2  # a burst measures requests: each stream gets its first token and one more
+
+
+def per_request(row: dict[str, Any], key: str) -> float:
+    """A per-token CPU figure of a burst row as ms per request."""
+    return row[key] * row["tokens"] / max(1, row["streams"]) / 1000
+
+
+def render_burst(rows: list[dict[str, Any]]) -> str:
+    """A burst of requests at once, per server (medians over the rounds): how long until
+    the last stream ends and until the median first token, and the CPU each request costs
+    the server (with the trio thread's share for hydra-trio)."""
+    import statistics
+
+    out = [
+        "| server | requests at once | burst wall ms | first token p50 ms | server CPU ms/request (trio thread) |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("llama-server", "hydra-trio"):
+        mine = [r for r in rows if r["server"] == name]
+        if not mine:
+            continue
+
+        def med(key: str, rs: list[dict[str, Any]] = mine) -> float:
+            return statistics.median(r[key] for r in rs)
+
+        trio = f" ({statistics.median(per_request(r, 'trio_thread_cpu_us_per_token') for r in mine):.2f})" if "trio_thread_cpu_us_per_token" in mine[0] else ""
+        out.append(
+            f"| {name} | {mine[0]['streams']} | {med('wall_s') * 1000:.0f} | {med('ttft_p50_ms'):.0f} |"
+            f" {statistics.median(per_request(r, 'server_cpu_us_per_token') for r in mine):.2f}{trio} |"
+        )
     return "\n".join(out)
 
 
