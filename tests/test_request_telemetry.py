@@ -49,25 +49,38 @@ async def test_a_client_that_leaves_a_stream_is_logged_as_cancelled(
     assert any(" cancelled: " in rec.getMessage() for rec in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+class _WakesProducerAsItCloses:
+    """A stream's channel whose closing wakes the producer (as a step's token would): the
+    moment of the race, made to happen every time."""
+
+    def __init__(self, recv: trio.MemoryReceiveChannel[tuple[str, Any]], token_ready: trio.Event) -> None:
+        self.recv = recv
+        self.token_ready = token_ready
+
+    async def aclose(self) -> None:
+        self.recv.close()
+        self.token_ready.set()
+        await trio.lowlevel.checkpoint()
+
+
 async def test_closing_a_stream_cancels_its_producer_before_closing_its_channel() -> None:
-    """The client-gone race behind a 'failed: BrokenResourceError' line: a producer that runs
+    """The client-gone race behind a 'failed: BrokenResourceError' line: a producer woken
     while the reader closes the stream must be cancelled, never find the channel closed."""
-    send, recv = trio.open_memory_channel[tuple[str, Any]](64)
+    send, recv = trio.open_memory_channel[tuple[str, Any]](1)
+    token_ready = trio.Event()
     ended_by: list[type[BaseException]] = []
 
     async def produce(task_status: trio.TaskStatus[int]) -> None:
         task_status.started(0)
         try:
-            while True:  # a token per checkpoint, as fast as the reader allows
-                await trio.lowlevel.checkpoint()
-                send.send_nowait(("delta", "x"))
+            await token_ready.wait()
+            send.send_nowait(("delta", "x"))
         except BaseException as exc:
             ended_by.append(type(exc))
             raise
 
     async with trio.open_nursery() as nursery:
         task, _ = await start_owned(nursery, "producer", produce)
-        stream = GenerationStream(task, 0, recv, DirectWrites())
-        await recv.receive()
+        stream = GenerationStream(task, 0, _WakesProducerAsItCloses(recv, token_ready), DirectWrites())  # type: ignore[arg-type]
         await stream.close()
     assert ended_by == [trio.Cancelled]
