@@ -381,16 +381,15 @@ class OpTable:
         }
         # Same host: the puller maps the file (and unlinks it); no byte crosses the socket.
         shm = export.shm if wants_shm else None
-        shared = shm is not None
-        meta["transport"] = "shm" if shared else "tcp"
+        meta["transport"] = "tcp" if shm is None else "shm"
         if shm is not None:
             meta["shm_path"] = str(shm.path)
         ctx.log.info(
             "KV_PULL %s: %d positions, %d bytes%s", export.id, export.n_past, export.nbytes,
-            " handed over in shared memory" if shared else "",
+            "" if shm is None else " handed over in shared memory",
             extra=ctx.request_line("KV_PULL", "done", slot=None),
         )
-        return Reply.ok(meta) if shared else Reply.ok(meta, list(export.parts))
+        return Reply.ok(meta, list(export.parts)) if shm is None else Reply.ok(meta)
 
     async def prefill(self, ctx: OpContext, payload: memoryview) -> Reply:
         if self.state.draining:
