@@ -223,6 +223,21 @@ def test_a_reader_s_sink_takes_a_change_instead_of_a_wake_up_unless_it_declines(
     assert e.reader_count == 1
 
 
+def test_a_sink_that_declines_is_not_called_again_until_its_reader_sets_one() -> None:
+    """A sink that declined (a chunk only partly written) handed the reader its turn: a
+    change before the reader runs must wake it again, never reach the sink, which would
+    write the next chunk before the rest of the last (a corrupt stream)."""
+    s, _ = make()
+    e = s.create(0)
+    sub = e.subscribe()
+    calls: list[bool] = []
+    sub.sink = lambda: calls.append(True) and False
+    e.notify()
+    e.notify()  # the reader has not run yet
+    assert calls == [True] and sub.sink is None
+    sub.wakeups.receive_nowait()  # woken (the two wake-ups coalesced)
+
+
 def test_ids_are_unique_positive_int32_over_many_allocations() -> None:
     s, _ = make(max_entries=4)
     seen: set[int] = set()

@@ -119,9 +119,13 @@ class DecodeEntry:
     def notify(self) -> None:
         live = []
         for s in self._subscribers:
-            if s.sink is not None and s.sink():
-                live.append(s)  # it took what is new itself: no wake-up
-                continue
+            if s.sink is not None:
+                if s.sink():
+                    live.append(s)  # it took what is new itself: no wake-up
+                    continue
+                # It declined, so the reader writes next (the rest of a chunk the sink
+                # began comes first): until it sets a sink again, changes wake it.
+                s.sink = None
             try:
                 s.send.send_nowait(None)
             except trio.WouldBlock:
@@ -142,7 +146,8 @@ class Subscription:
     """One reader of an entry. ``wakeups`` says "look again". While it waits, a reader may
     leave a ``sink``: ``notify`` (in the task that changed the entry, at once) calls it instead
     of waking the reader, and wakes the reader only when the sink returns False (it could not
-    take what is new, or the reader must see it itself)."""
+    take what is new, or the reader must see it itself); a sink that declined is removed, so
+    nothing reaches it before the reader has run."""
 
     wakeups: trio.MemoryReceiveChannel[None]
     send: trio.MemorySendChannel[None]
