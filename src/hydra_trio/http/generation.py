@@ -23,7 +23,7 @@ from ..logs import generation_fields, request_extra
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
 from .common import client_request_id, http_status, json_response, request_nursery
-from .connections import ChunkWriter, chunk_writer
+from .connections import chunk_writer
 from .sse import SSE_DONE, error_body, sse_event
 
 if TYPE_CHECKING:
@@ -131,16 +131,16 @@ def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s:
 
 @dataclass(slots=True, eq=False)
 class DirectWrites:
-    """How the producer writes a text delta's event to the socket itself (``ChunkWriter``),
-    set by the body's reader once the response head is out; empty until then, and for a
+    """How the producer writes a text delta's event to the socket itself: ``write(delta)``
+    (its event through a ``ChunkWriter``: None when nothing was written, else the rest),
+    set by the body's reader once the response head is out; None until then, and for a
     request that asked for logprobs or a connection without a ChunkWriter.
 
     ``producer_writes`` says whose turn it is to write: the reader hands it to the producer
     when it has sent all it was given and nothing is queued, the producer takes it back with
     its first item in the channel. So the two never write out of order."""
 
-    writer: ChunkWriter | None = None
-    delta_event: Callable[[str], bytes] | None = None
+    write: Callable[[str], bytes | None] | None = None
     producer_writes: bool = False
 
 
@@ -168,7 +168,7 @@ class GenerationStream:
                 first = self.items.receive_nowait()
             except trio.WouldBlock:
                 # All sent, nothing queued: the producer writes until it queues something.
-                self.direct.producer_writes = self.direct.writer is not None
+                self.direct.producer_writes = self.direct.write is not None
                 try:
                     first = await self.items.receive()
                 except trio.EndOfChannel:
@@ -213,8 +213,8 @@ async def sse_body(
         # The head is out (Quart sent the response head before asking for the body).
         writer = chunk_writer()
         if writer is not None and logprobs_event is None:
-            stream.direct.delta_event = delta_event
-            stream.direct.writer = writer
+            send_now = writer.send_now
+            stream.direct.write = lambda delta: send_now(delta_event(delta))
         async for batch in stream.batches():
             out: list[bytes] = []
             for kind, value in batch:
@@ -281,8 +281,8 @@ async def start_stream(
             if params.logprobs is not None:  # the tokens whose text this delta is
                 await put(("logprobs", res.logprobs[sent_lp:]))
                 sent_lp = len(res.logprobs)
-            elif direct.producer_writes and direct.writer is not None and direct.delta_event is not None:
-                rest = direct.writer.send_now(direct.delta_event(delta))
+            elif direct.producer_writes and direct.write is not None:
+                rest = direct.write(delta)
                 if rest is not None:
                     if rest:
                         await put(("rest", rest))
