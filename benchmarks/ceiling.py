@@ -360,15 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     ).start(work, "hydra-trio")
     peer = LlamaServer(binary, str(model), ctx=ctx, slots=args.slots, log_dir=work, tag="llama-server", threads=1) if binary else None
     results: dict[str, Any] = {"env": env_info(), "args": vars(args), "rows": [], "burst": []}
+    # (name, HTTP port, pid, trio thread id), in the order of even rounds; odd ones reverse it.
+    both: list[tuple[str, int, int, int | None]] = [("hydra-trio", ours.http_port, ours.pid, ours.pid)]
+    if peer is not None:
+        both.append(("llama-server", peer.port, peer.proc.pid, None))
     try:
         for rnd in range(args.rounds):
             for n in counts:
                 prompts = [f"{chr(97 + (i + rnd * 7) % 26)}{chr(97 + (i // 26) % 26)} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
-                servers: list[tuple[str, int, int, int | None]] = [("hydra-trio", ours.http_port, ours.pid, ours.pid)]
-                if peer is not None:
-                    servers.append(("llama-server", peer.port, peer.proc.pid, None))
-                if rnd % 2:
-                    servers.reverse()
+                servers = both if rnd % 2 == 0 else both[::-1]
                 runs = [(name, port, pid, tid, partial(run_round, port, prompts, args.tokens)) for name, port, pid, tid in servers]
                 if args.decode:
                     wait_slots_free(ours.http_port)
@@ -387,10 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
         for rnd in range(args.burst):
             prompts = [f"{chr(97 + rnd % 26)}{i} " + words_prompt(12, seed=7000 + 100 * rnd + i) for i in range(args.burst_streams)]
-            burst_servers = [("hydra-trio", ours.http_port, ours.pid, ours.pid)]
-            if peer is not None:
-                burst_servers.append(("llama-server", peer.port, peer.proc.pid, None))
-            for name, port, pid, tid in burst_servers if rnd % 2 == 0 else burst_servers[::-1]:
+            for name, port, pid, tid in both if rnd % 2 == 0 else both[::-1]:
                 row = measure(name, port, pid, tid, partial(run_round, port, prompts, BURST_TOKENS))
                 row.update(burst=True, round=rnd)
                 results["burst"].append(row)
