@@ -4,6 +4,7 @@ result | cancel`."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import resource
@@ -301,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             where = f"{target[0]}:{target[1]}" if isinstance(target, tuple) else target
             print(f"hydra-trio {args.command}: cannot reach the engine at {where}: {exc}", file=sys.stderr)
             return 1
+    # A native fault (a llama.cpp kernel) kills the process without a Python exception: this
+    # writes which call it was to stderr, after the engine's last log line.
+    faulthandler.enable()
     return int(args.fn(args) or 0)
 
 

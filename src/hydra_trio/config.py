@@ -54,6 +54,11 @@ class Settings:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     no_kv_offload: bool = False  # keep the KV cache in host memory even with layers on a GPU
+    # Weights repacked into CPU-specific layouts (llama-server's --repack/--no-repack). None:
+    # decided from the CPU (engine/devices.py repack_choice: off where AMX kernels would crash).
+    repack: bool | None = None
+    # One prompt and one step at load, so a kernel that faults does so before /health is ok.
+    warmup: bool = True
     # Chat template: a llama.cpp built-in name (or Jinja source), or a Jinja file.
     chat_template: str | None = None
     chat_template_file: str | None = None
@@ -174,6 +179,8 @@ _HELP: dict[str, str] = {
     "cache_type_k": "KV cache type of K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0 or q5_1 (llama-server's -ctk)",
     "cache_type_v": "KV cache type of V, as --cache-type-k; a quantized one needs flash attention (--flash-attn on or auto)",
     "no_kv_offload": "keep the KV cache in host memory even when layers are on a GPU",
+    "repack": "repack weights into CPU-specific layouts for faster prompts (llama-server's --repack/--no-repack); default: on, except on CPUs with AMX, where llama.cpp's AMX kernels crash on repacked weights (ggml-org/llama.cpp#20824)",
+    "warmup": "run one prompt and one step at load, so a kernel that faults on this machine stops the start instead of a user's first request (--no-warmup skips it)",
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
     "chat_template_file": "chat template: path of a Jinja file",
     "default_n_predict": "tokens to generate when a request does not say",
@@ -228,7 +235,7 @@ _ENV_OVERRIDES = {
 
 
 # Fields whose default is None still have a type (the rest take the type of their default).
-_FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int}
+_FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool}
 FLASH_ATTN_MODES = ("on", "off", "auto")
 LOG_FORMATS = ("text", "json")
 # KV cache types by llama-server's names -> ggml type ids (ggml.h's enum ggml_type).
@@ -279,7 +286,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         kind = _field_type(f.name, default)
         help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {default}]"
-        if kind is bool and default:  # on by default: --NAME and --no-NAME
+        if kind is bool and default is not False:  # on, or decided, by default: --NAME and --no-NAME
             parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             continue
         if kind is bool:  # a switch: given means True

@@ -25,9 +25,12 @@ from ..wire.kvblob import split_trailing_logits
 from .devices import (
     OffloadReport,
     OffloadSettings,
+    cpu_flags,
     flash_attn_applied,
     offloaded_layers,
     read_ggml_devices,
+    repack_choice,
+    repacked_mib,
 )
 from .kvblocks import SlotBlocks
 from .logprobs import TokenLogprobs, token_logprobs
@@ -285,8 +288,14 @@ class LlamaBackend:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = self.offload_settings.resolved_gpu_layers(self.gpu_offload_supported)
         mparams.main_gpu = self.offload_settings.main_gpu
+        self.repack = repack_choice(self.offload_settings.repack, cpu_flags())
+        mparams.use_extra_bufts = self.repack.enabled
         # What llama.cpp was really given (read back from the struct), for tests and reports.
-        self.model_params_applied = {"n_gpu_layers": mparams.n_gpu_layers, "main_gpu": mparams.main_gpu}
+        self.model_params_applied = {
+            "n_gpu_layers": mparams.n_gpu_layers,
+            "main_gpu": mparams.main_gpu,
+            "use_extra_bufts": bool(mparams.use_extra_bufts),
+        }
         self._model, load_log = _captured(lambda: llama_cpp.llama_model_load_from_file(model_path.encode(), mparams))
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load model {model_path!r}")
@@ -386,6 +395,8 @@ class LlamaBackend:
             n_gpu_layers=offloaded_layers(self._load_log, n_layers, self.gpu_offload_supported, self.model_params_applied["n_gpu_layers"]),
             n_layers=n_layers,
             flash_attn=flash_attn_applied(ctx_log, self.offload_settings.flash_attn),
+            repack=self.repack,
+            repacked_mib=repacked_mib(self._load_log),
             devices=self.devices,
         )
         self._ctx = ctx
@@ -590,6 +601,22 @@ class LlamaBackend:
         n = llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
         del self.seq_tokens[seq][max(n, 0):]
         self._advanced(seq)
+
+    def warmup(self) -> None:
+        """llama-server's warm-up: decode a prompt of two tokens, then one more as a step,
+        and forget them. The kernels prompts and steps use (matrix-matrix and
+        matrix-vector) each run once, so a kernel that faults on this CPU faults at start,
+        before the engine says it is healthy, never on a user's first request."""
+        if self._ctx is None:
+            raise RuntimeError("warmup needs a context")
+        bos, eos = self.info.bos, self.info.eos
+        prompt = [t if 0 <= t < self.info.n_vocab else 0 for t in (bos, eos)]
+        try:
+            self._decode_batch([(0, prompt[0], 0, False), (0, prompt[1], 1, True)], None)
+            self._decode_batch([(0, prompt[1], 2, True)], None)
+        finally:
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
+            self.decode_s = 0.0  # the model's compute counts users' tokens only
 
     def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
         """Decode (seq, token, pos, want_logits) entries as one llama_batch."""

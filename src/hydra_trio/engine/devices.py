@@ -18,6 +18,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# CPU flags of Intel AMX as Linux names them in /proc/cpuinfo. llama.cpp's AMX kernels on
+# repacked weights crash (SIGSEGV in ggml_backend_amx_mul_mat: ggml-org/llama.cpp#20824, open),
+# so weights are not repacked on such CPUs unless the operator asks (--repack).
+AMX_CPU_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
+
 # llama_flash_attn_type
 FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
 # ggml_backend_dev_type
@@ -28,17 +33,20 @@ _OFFLOADED_RE = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 # "auto" resolved by probing the devices, or forced on (quantized V cache, tensor split).
 _FA_ENABLED_RE = re.compile(r"Flash Attention enabled|enabling flash_attn since it is required")
 _FA_DISABLED_RE = re.compile(r"Flash Attention not supported, set to disabled")
+# Weights llama.cpp repacked (its CPU "extra buffer types": CPU_REPACK, AMX, KleidiAI).
+_REPACK_BUFFER_RE = re.compile(r"(?:CPU_REPACK|AMX|KLEIDIAI)\S* model buffer size =\s*([\d.]+) MiB")
 
 
 @dataclass(frozen=True, slots=True)
 class OffloadSettings:
     """What the operator asked for (flags --n-gpu-layers, --main-gpu, --flash-attn,
-    --no-kv-offload)."""
+    --no-kv-offload, --repack)."""
 
     n_gpu_layers: int | None = None  # None: all when the build can offload, else 0; -1: all
     main_gpu: int = 0
     flash_attn: str = "auto"  # on | off | auto
     kv_offload: bool = True
+    repack: bool | None = None  # None: decided from the CPU (repack_choice)
 
     def resolved_gpu_layers(self, supports_offload: bool) -> int:
         """The value given to llama_model_params.n_gpu_layers (-1 = every layer)."""
@@ -49,6 +57,44 @@ class OffloadSettings:
     @property
     def flash_attn_type(self) -> int:
         return FLASH_ATTN_TYPES[self.flash_attn]
+
+
+@dataclass(frozen=True, slots=True)
+class RepackChoice:
+    """Whether llama.cpp may repack weights into CPU-specific layouts
+    (``llama_model_params.use_extra_bufts``, llama-server's --repack/--no-repack), and why."""
+
+    enabled: bool
+    reason: str
+
+
+def cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (empty where there is no
+    /proc/cpuinfo, e.g. macOS: no CPU there has AMX)."""
+    try:
+        with open(cpuinfo_path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def repack_choice(asked: bool | None, flags: frozenset[str]) -> RepackChoice:
+    """The one rule for repacking: the operator's word when given, else on except where the
+    CPU has AMX (llama.cpp's AMX kernels crash on repacked weights; without AMX, repacking
+    speeds up prompts of Q4_0/Q4_K/IQ4_NL weights: docs/operations.md "Repacked weights")."""
+    amx = [f for f in AMX_CPU_FLAGS if f in flags]
+    if asked is not None:
+        said = "--repack" if asked else "--no-repack"
+        if asked and amx:
+            return RepackChoice(True, f"{said} given, although this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash on repacked weights (ggml-org/llama.cpp#20824)")
+        return RepackChoice(asked, f"{said} given")
+    if amx:
+        return RepackChoice(False, f"off by default: this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash on repacked weights (ggml-org/llama.cpp#20824); --repack forces it")
+    return RepackChoice(True, "on by default (no AMX on this CPU)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +127,8 @@ class OffloadReport:
     n_gpu_layers: int  # layers llama.cpp placed on a GPU (its "offloaded N/M" count)
     n_layers: int  # n_layer + 1 (the output layer counts as one, as in llama.cpp)
     flash_attn: str  # on | off: what the context uses (auto resolved by llama.cpp)
+    repack: RepackChoice
+    repacked_mib: float = 0.0  # weights llama.cpp laid out anew (most types and shapes it cannot)
     devices: tuple[GgmlDevice, ...] = field(default=())
 
     @property
@@ -98,6 +146,10 @@ class OffloadReport:
             "kv_offload": req.kv_offload,
             "flash_attn_requested": req.flash_attn,
             "flash_attn": self.flash_attn,
+            "repack_requested": req.repack,
+            "repack": self.repack.enabled,
+            "repack_reason": self.repack.reason,
+            "repacked_mib": self.repacked_mib,
             "devices": [d.as_dict() for d in self.devices],
         }
 
@@ -117,8 +169,10 @@ class OffloadReport:
             kv = "KV cache with its layers (GPU for offloaded ones)"
         else:
             kv = "KV cache on CPU (--no-kv-offload)"
+        repack = f"{self.repacked_mib:.1f} MiB of weights repacked" if self.repack.enabled else "weights not repacked"
         return (
-            f"{where}; {kv}; flash attention {self.flash_attn} (asked {self.requested.flash_attn})"
+            f"{where}; {kv}; flash attention {self.flash_attn} (asked {self.requested.flash_attn}); "
+            f"{repack} ({self.repack.reason})"
         )
 
 
@@ -134,6 +188,11 @@ def offloaded_layers(
     if not supports_offload:
         return 0
     return n_layers if param < 0 else min(param, n_layers)
+
+
+def repacked_mib(load_log: list[str]) -> float:
+    """MiB of weights in repacked buffers, from llama.cpp's load lines (0: none repacked)."""
+    return sum(float(m.group(1)) for line in load_log if (m := _REPACK_BUFFER_RE.search(line)))
 
 
 def flash_attn_applied(log_lines: list[str], requested: str) -> str:

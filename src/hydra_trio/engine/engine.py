@@ -108,6 +108,7 @@ class Engine:
         self.worker = GpuWorker()
         self.slots = SlotTable(backend.n_slots)
         self.model_load_ms = 0.0
+        self.warmup_ms: float | None = None  # None: no warm-up ran (--no-warmup)
         # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
         budget = min(settings.step_token_budget, backend.n_batch)
         self.batcher = StepBatcher(
@@ -156,6 +157,7 @@ class Engine:
             main_gpu=settings.main_gpu,
             flash_attn=settings.flash_attn,
             kv_offload=not settings.no_kv_offload,
+            repack=settings.repack,
         )
         backend = await trio.to_thread.run_sync(
             lambda: LlamaBackend(
@@ -172,6 +174,15 @@ class Engine:
             limiter=worker_limiter,
         )
         try:
+            if settings.warmup:
+                # Said before the call: if a kernel faults, this is the last line in the log.
+                log.info("warming up: one prompt and one step on slot 0 (--no-warmup skips it; weights %s)",
+                         "repacked" if backend.repack.enabled else "not repacked")
+                t_warm = time.perf_counter()
+                await trio.to_thread.run_sync(backend.warmup, limiter=worker_limiter)
+                engine_warmup_ms: float | None = (time.perf_counter() - t_warm) * 1000.0
+            else:
+                engine_warmup_ms = None
             template = resolve_chat_template(
                 name=settings.chat_template,
                 file=settings.chat_template_file,
@@ -184,6 +195,7 @@ class Engine:
         engine = cls(backend, identity, settings)
         engine.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
+        engine.warmup_ms = engine_warmup_ms
         log.info(
             "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, KV cache %s (a slot holds up to %d; %s), %d threads",
             engine.model_load_ms,
@@ -291,6 +303,8 @@ class Engine:
                     offload=old.offload_settings,
                     kv_unified=old.kv_unified,
                 )
+                if self.settings.warmup:  # a kernel that faults on the new model faults here
+                    new.warmup()
                 self._slots_emptied(new)
                 return new
 
