@@ -190,7 +190,7 @@ class InProcessRestore:
     """llama_state_seq_set_data in this process, on the same model: the floor for restore."""
 
     def __init__(self, model: str, n_ctx: int) -> None:
-        from hydra_trio.engine.backend import LlamaBackend
+        from hydra_trio.engine.llama.context import LlamaBackend
 
         self.backend = LlamaBackend(model, n_slots=1, n_ctx=n_ctx, n_threads=2)
 
@@ -263,7 +263,8 @@ def plain_llama_loop(model: str, prompt_tokens: list[int], n: int) -> float:
     """Tokens/s of a plain greedy loop through llama-cpp-python's low-level API."""
     import llama_cpp
 
-    from hydra_trio.engine.backend import LlamaBackend, Sampler
+    from hydra_trio.engine.llama.context import LlamaBackend
+    from hydra_trio.engine.llama.sampling import Sampler
     from hydra_trio.engine.params import SamplingParams
 
     b = LlamaBackend(model, n_slots=1, n_ctx=4096, n_threads=2)

@@ -48,8 +48,8 @@ def _bench_models(cache: Path) -> dict[str, Path]:
 
 
 def _time_one(path: Path, *, repack: bool, threads: int, n_prompt: int, n_gen: int) -> dict[str, float]:
-    from hydra_trio.engine.backend import LlamaBackend
-    from hydra_trio.engine.devices import OffloadSettings
+    from hydra_trio.engine.llama.context import LlamaBackend
+    from hydra_trio.engine.llama.devices import OffloadSettings
 
     backend = LlamaBackend(
         str(path), n_slots=1, n_ctx=1024, n_threads=threads, n_batch=512,
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "repack.json")
     args = ap.parse_args(argv)
 
-    from hydra_trio.engine.devices import AMX_CPU_FLAGS, cpu_flags
+    from hydra_trio.engine.llama.devices import AMX_CPU_FLAGS, cpu_flags
     from hydra_trio.model.registry import ModelPackageMissing, named_model_path
 
     amx = [f for f in AMX_CPU_FLAGS if f in cpu_flags()]

@@ -12,8 +12,8 @@ import trio
 import trio.testing
 
 from helpers import wait_until
-from hydra_trio.engine.backend import PrefillPart, StepRequest
 from hydra_trio.engine.batcher import StepBatcher
+from hydra_trio.engine.llama.context import PrefillPart, StepRequest
 
 
 class Recorder:

@@ -39,7 +39,7 @@ from helpers import (
     store,
     text_of,
 )
-from hydra_trio.engine.devices import _OFFLOADED_RE, read_ggml_devices
+from hydra_trio.engine.llama.devices import _OFFLOADED_RE, read_ggml_devices
 from hydra_trio.rpc.client import state_get_call, state_put_call
 from hydra_trio.wire.errors import Status
 

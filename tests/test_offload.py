@@ -15,8 +15,8 @@ import pytest
 from helpers import ENGINE, http, rpc, wait_slots_until
 from hydra_trio import cli
 from hydra_trio.config import settings_from
-from hydra_trio.engine.backend import LlamaBackend
-from hydra_trio.engine.devices import (
+from hydra_trio.engine.llama.context import LlamaBackend
+from hydra_trio.engine.llama.devices import (
     OffloadSettings,
     flash_attn_applied,
     offloaded_layers,
@@ -181,7 +181,7 @@ async def test_engine_reports_offload_and_keeps_it_across_a_reload(
 def test_device_list_degrades_to_empty(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A llama_cpp install without ggml libraries where we look, or a ggml without the device
     API, gives an empty list (the model still loads), not an error."""
-    from hydra_trio.engine import devices
+    from hydra_trio.engine.llama import devices
 
     monkeypatch.setattr(devices, "_lib_dir", lambda: tmp_path)
     assert devices.read_ggml_devices() == ()

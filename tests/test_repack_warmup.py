@@ -14,8 +14,8 @@ import trio
 from helpers import http, rpc
 from hydra_trio.cli import build_parser
 from hydra_trio.config import settings_from
-from hydra_trio.engine.backend import LlamaBackend
-from hydra_trio.engine.devices import RepackChoice, cpu_flags, repack_choice
+from hydra_trio.engine.llama.context import LlamaBackend
+from hydra_trio.engine.llama.devices import RepackChoice, cpu_flags, repack_choice
 
 # /proc/cpuinfo lines of the two kinds of machine the suite runs on.
 SAPPHIRE_RAPIDS_FLAGS = "fpu vme avx2 avx512f avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8 arch_lbr"
@@ -121,7 +121,7 @@ async def test_a_warmup_that_fails_stops_the_start_before_health_is_ok(
 
 
 def test_repacked_bytes_read_from_the_load_log() -> None:
-    from hydra_trio.engine.devices import repacked_mib
+    from hydra_trio.engine.llama.devices import repacked_mib
 
     lines = [
         "load_tensors:   CPU_Mapped model buffer size =   235.16 MiB",
@@ -134,7 +134,7 @@ def test_repacked_bytes_read_from_the_load_log() -> None:
 @pytest.mark.realmodel
 @pytest.mark.slow
 def test_gemma_q4_k_weights_are_repacked_only_when_asked(gemma_model: Path) -> None:
-    from hydra_trio.engine.devices import OffloadSettings
+    from hydra_trio.engine.llama.devices import OffloadSettings
 
     if not repack_choice(None, cpu_flags()).enabled:
         pytest.skip("this CPU has AMX: repacked weights would crash llama.cpp here")

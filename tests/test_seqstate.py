@@ -1,4 +1,4 @@
-"""KV states between layouts (engine/seqstate.py): the one-stream form blobs travel in, a
+"""KV states between layouts (engine/llama/seqstate.py): the one-stream form blobs travel in, a
 split cache's per-slot streams, and the layout check a restore makes before it touches a
 slot. Synthetic states check the byte surgery; real backends check llama.cpp agrees."""
 
@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hydra_trio.engine.backend import LlamaBackend, Sampler, SamplingParams, StepRequest
-from hydra_trio.engine.seqstate import (
+from hydra_trio.engine.llama.context import LlamaBackend, StepRequest
+from hydra_trio.engine.llama.sampling import Sampler
+from hydra_trio.engine.llama.seqstate import (
     STATE_MAGIC,
     StateLayoutError,
     layout_mismatch,
@@ -21,6 +22,7 @@ from hydra_trio.engine.seqstate import (
     rewrite_in_place,
     with_streams,
 )
+from hydra_trio.engine.params import SamplingParams
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 
 PROMPT = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"

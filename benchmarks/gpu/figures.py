@@ -93,7 +93,7 @@ def gpu_info() -> dict[str, Any]:
     """What llama.cpp sees: offload support and the ggml devices (GPU name and memory)."""
     import llama_cpp
 
-    from hydra_trio.engine.devices import read_ggml_devices
+    from hydra_trio.engine.llama.devices import read_ggml_devices
 
     return {
         "gpu_offload_supported": bool(llama_cpp.llama_supports_gpu_offload()),

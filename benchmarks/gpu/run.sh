@@ -160,7 +160,7 @@ stage install-engine 60 python -m pip install --no-deps --no-index --no-build-is
 check_offload() {
   python - <<'EOF'
 import llama_cpp
-from hydra_trio.engine.devices import read_ggml_devices
+from hydra_trio.engine.llama.devices import read_ggml_devices
 print("llama_supports_gpu_offload:", llama_cpp.llama_supports_gpu_offload())
 for d in read_ggml_devices():
     print(f"device {d.index}: {d.type} {d.name} ({d.description}) {d.memory_total / 2**30:.1f} GiB")

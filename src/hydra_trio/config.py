@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import gguf
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _MiB = 1024 * 1024
@@ -55,7 +57,7 @@ class Settings:
     cache_type_v: str = "f16"
     no_kv_offload: bool = False  # keep the KV cache in host memory even with layers on a GPU
     # Weights repacked into CPU-specific layouts (llama-server's --repack/--no-repack). None:
-    # decided from the CPU (engine/devices.py repack_choice: off where AMX kernels would crash).
+    # decided from the CPU (engine/llama/devices.py repack_choice: off where AMX kernels would crash).
     repack: bool | None = None
     # One prompt and one step at load, so a kernel that faults does so before /health is ok.
     warmup: bool = True
@@ -238,8 +240,11 @@ _ENV_OVERRIDES = {
 _FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool}
 FLASH_ATTN_MODES = ("on", "off", "auto")
 LOG_FORMATS = ("text", "json")
-# KV cache types by llama-server's names -> ggml type ids (ggml.h's enum ggml_type).
-CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
+# KV cache types by llama-server's names (-ctk/-ctv) -> ggml type ids, as gguf numbers them.
+CACHE_TYPES = {
+    name: int(gguf.GGMLQuantizationType[name.upper()])
+    for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+}
 UNQUANTIZED_CACHE_TYPES = frozenset({"f32", "f16", "bf16"})
 # Settings that take one of a few words: argparse offers them, validate() holds any source to them.
 _CHOICES: dict[str, tuple[str, ...]] = {

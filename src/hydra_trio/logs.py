@@ -94,7 +94,7 @@ class _DropRequestLines(logging.Filter):
 def configure_logging(settings: Settings, stream: IO[str] | None = None) -> logging.Handler:
     """Route every log record to ``stream`` (stderr) as the settings say; returns the
     handler (tests remove it again). llama.cpp's own lines arrive at DEBUG unless they are
-    warnings or errors (engine/backend.py); Hypercorn's access chatter is off."""
+    warnings or errors (engine/llama/log.py); Hypercorn's access chatter is off."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if settings.log_format == "json" else logging.Formatter(_TEXT_FORMAT))
     if not settings.log_requests:

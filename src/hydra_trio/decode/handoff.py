@@ -24,10 +24,10 @@ import trio
 
 from ..budget import ByteBudget
 from ..config import Settings
-from ..engine.backend import Sampler
 from ..engine.engine import Engine, GenerationResult
+from ..engine.llama.sampling import Sampler
+from ..engine.llama.seqstate import cache_layout_mismatch
 from ..engine.params import GenerationParams
-from ..engine.seqstate import cache_layout_mismatch
 from ..engine.slots import Slot
 from ..engine.text import TextAssembler
 from ..engine.transfer import blob_hash

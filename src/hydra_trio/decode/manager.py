@@ -29,6 +29,7 @@ from ..logs import generation_fields, request_extra
 from ..metrics import Metrics
 from ..model.identity import IdentityMatch, compare_identity
 from ..tasks import OwnedTask, run_cpu_bound
+from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import DecodeFrame, merged_generation
 from ..wire.kvblob import KvBlob, parse_kv_blob
@@ -152,7 +153,7 @@ class DecodeManager:
             raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is draining for shutdown")
         engine = self.engine
         engine.slots.get(slot_id)  # NO_SLOT
-        request = {**engine.slot_settings.generation_defaults(slot_id), **merged_generation(frame)}
+        request = sampling_keys.merge(engine.slot_settings.generation_defaults(slot_id), merged_generation(frame))
         params = engine.generation_params(request)
         try:
             with trio.fail_at(deadline):  # the validation deadline covers these waits too

@@ -20,7 +20,8 @@ import outcome
 import trio
 
 from ..wire.errors import ErrorCode, ProtocolError, Status
-from .backend import PrefillPart, Sampler, StepRequest
+from .llama.context import PrefillPart, StepRequest
+from .llama.sampling import Sampler
 
 log = logging.getLogger(__name__)
 

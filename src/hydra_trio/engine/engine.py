@@ -25,18 +25,13 @@ from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvblob import KvBlob, encode_blob_head
 from ..wire.kvevents import Event
-from .backend import (
-    DecodeAborted,
-    LlamaBackend,
-    NoKvSpace,
-    PrefillPart,
-    Sampler,
-    StepRequest,
-    apply_builtin_chat_template,
-)
 from .batcher import PartOutcome, StepBatcher
-from .devices import OffloadSettings
 from .kvblocks import SlotBlocks
+from .llama.chat import apply_builtin_chat_template
+from .llama.context import LlamaBackend, PrefillPart, StepRequest
+from .llama.devices import OffloadSettings
+from .llama.sampling import Sampler
+from .llama.state import DecodeAborted, NoKvSpace
 from .logprobs import TokenLogprobs
 from .params import GenerationParams, parse_generation
 from .promptcache import PromptCache

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, Status
 
 MAX_STOP_STRINGS = 16
@@ -100,27 +101,25 @@ def _boolean(req: dict[str, Any], name: str, default: bool) -> bool:
 def parse_generation(
     req: dict[str, Any], *, default_n_predict: int, n_ctx: int, default_stream_interval: int = 1
 ) -> GenerationParams:
-    """Validate and collect generation settings. ``req`` keys win over ``req["sampling"]``."""
-    sampling = req.get("sampling")
-    if sampling is None:
-        sampling = {}
-    if not isinstance(sampling, dict):
+    """Validate and collect generation settings: one layer, flattened by the one precedence
+    rule (wire/sampling.py: ``req["sampling"]`` keys beat ``req``'s own, aliases renamed)."""
+    if req.get("sampling") is not None and not isinstance(req["sampling"], dict):
         raise bad_param("sampling must be an object", "sampling")
-    merged = {**sampling, **{k: v for k, v in req.items() if k != "sampling"}}
+    merged = sampling_keys.flatten({k: v for k, v in req.items() if not (k == "sampling" and v is None)})
 
     n_predict = _integer(merged, ("max_completion_tokens", "max_tokens", "n_predict"), default_n_predict, -1, 1 << 30)
     if n_predict < 0 or n_predict > n_ctx:  # -1 = until the context ends
         n_predict = n_ctx
     seed = _integer(merged, ("seed",), 0xFFFFFFFF, -(1 << 63), (1 << 64) - 1)
     params = SamplingParams(
-        temperature=_number(merged, ("temperature", "temp"), 0.0, 0.0, 100.0),
+        temperature=_number(merged, ("temperature",), 0.0, 0.0, 100.0),
         top_k=_integer(merged, ("top_k",), 40, 0, 1 << 20),
         top_p=_number(merged, ("top_p",), 0.95, 0.0, 1.0),
         min_p=_number(merged, ("min_p",), 0.05, 0.0, 1.0),
-        repeat_penalty=_number(merged, ("repeat_penalty", "penalty_repeat", "repetition_penalty"), 1.0, 0.0, 100.0),
-        repeat_last_n=_integer(merged, ("repeat_last_n", "penalty_last_n"), 64, 0, 1 << 20),
-        frequency_penalty=_number(merged, ("frequency_penalty", "penalty_freq"), 0.0, -2.0, 2.0),
-        presence_penalty=_number(merged, ("presence_penalty", "penalty_present"), 0.0, -2.0, 2.0),
+        repeat_penalty=_number(merged, ("repeat_penalty",), 1.0, 0.0, 100.0),
+        repeat_last_n=_integer(merged, ("repeat_last_n",), 64, 0, 1 << 20),
+        frequency_penalty=_number(merged, ("frequency_penalty",), 0.0, -2.0, 2.0),
+        presence_penalty=_number(merged, ("presence_penalty",), 0.0, -2.0, 2.0),
         seed=seed & 0xFFFFFFFF,
         ignore_eos=_boolean(merged, "ignore_eos", False),
         min_tokens=_integer(merged, ("min_tokens",), 0, 0, 1 << 30),

@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 
+from ..wire import sampling as sampling_keys
 from .slots import SlotTable
 
 log = logging.getLogger(__name__)
@@ -28,23 +29,22 @@ class SlotSettings:
         self._slots.get(slot_id)  # NO_SLOT
         cfg = self._config[slot_id]
         for key, value in t1.items():
-            if key == "sampling":
-                cfg.setdefault("sampling", {}).update(value)
+            if key == "sampling":  # canonical names: a later temp replaces an earlier temperature
+                cfg.setdefault("sampling", {}).update(sampling_keys.canonical(value))
             else:
                 cfg[key] = value
         return dict(t1)
 
     def generation_defaults(self, slot_id: int) -> dict[str, Any]:
-        """The slot's T1 settings as request keys (a request's own keys win over them)."""
+        """The slot's T1 settings as one layer of request keys, flattened by the one rule
+        (wire/sampling.py: its sampling keys beat its top-level ones; the request's layers,
+        merged after it, beat both)."""
         cfg = self._config[slot_id]
-        out: dict[str, Any] = dict(cfg.get("sampling", {}))
-        if "n_predict" in cfg:
-            out["n_predict"] = cfg["n_predict"]
-        if "seed" in cfg:
-            out["seed"] = cfg["seed"]
+        layer: dict[str, Any] = {k: cfg[k] for k in ("n_predict", "seed") if k in cfg}
         if "antiprompt" in cfg:
-            out["stop"] = cfg["antiprompt"]
-        return out
+            layer["stop"] = cfg["antiprompt"]
+        layer["sampling"] = cfg.get("sampling", {})
+        return sampling_keys.flatten(layer)
 
 
 class Reconfigurer:

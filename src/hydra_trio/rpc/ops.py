@@ -19,6 +19,7 @@ from ..engine import transfer
 from ..engine.transfer import blob_hash
 from ..logs import request_extra
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
+from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
 from ..wire.kvblob import blob_head_size
@@ -123,7 +124,6 @@ CAPABILITIES = (
 
 # CONFIGURE tiers (spec §2.4)
 _T1_KEYS = {"n_predict", "seed", "n_keep", "antiprompt", "sampling", "state_chunk_size"}
-_T1_SAMPLING = {"temperature", "temp", "top_p", "top_k", "min_p", "repeat_penalty", "penalty_repeat", "seed"}
 _T2_KEYS = {"n_ctx", "cache_type_k", "cache_type_v"}
 _T3_KEYS = {"model_path"}
 CHUNK_MIN, CHUNK_MAX = 64 * 1024, 64 * 1024 * 1024
@@ -492,8 +492,8 @@ def _validate_t1(t1: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(s, dict):
             raise _bad("sampling must be an object")
         sampling = {}
-        for k, v in s.items():
-            if k in _T1_SAMPLING:
+        for k, v in s.items():  # echoed as spelled; stored canonical (SlotSettings.apply)
+            if sampling_keys.ALIASES.get(k, k) in sampling_keys.T1_SAMPLING_KEYS:
                 if isinstance(v, bool) or not isinstance(v, int | float):
                     raise _bad(f"sampling.{k} must be a number")
                 sampling[k] = v

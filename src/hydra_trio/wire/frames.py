@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from . import sampling
 from .errors import ErrorCode, ProtocolError
 from .hashing import check_tag, format_tag, parse_tag, xxh3_64, xxh3_tag
 
@@ -302,42 +303,16 @@ def _parse_v3(
     return DecodeFrame("v3", header, request, kv, None if kv_tag is None else format_tag(kv_tag))
 
 
-# Spellings the spec accepts for one sampling key (§2.4); merged output uses the first name.
-_ALIASES = {"temp": "temperature", "penalty_repeat": "repeat_penalty"}
-
-
-def _canonical(layer: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in layer.items():
-        name = _ALIASES.get(key, key)
-        if name != key and name in layer:
-            continue  # the canonical spelling, given explicitly, beats its alias
-        out[name] = value
-    return out
-
-
-def _flatten(layer: dict[str, Any]) -> dict[str, Any]:
-    sampling = layer.get("sampling")
-    if not isinstance(sampling, dict):
-        return _canonical(layer)  # a non-object "sampling" is left for the consumer to refuse
-    top = _canonical({k: v for k, v in layer.items() if k != "sampling"})
-    return top | _canonical(sampling)
-
-
 def merged_generation(frame: DecodeFrame) -> dict[str, Any]:
     """The effective generation parameters of a DECODE: one flat dict.
 
     Layers, later wins: ``header["generation"]`` (ignored unless an object), then the request
-    (prompt segment / simple-frame prompt: "keys in the prompt segment win", spec §4.1).
-    Within a layer, an object under ``"sampling"`` is flattened into it (its keys beat the
-    layer's own top-level keys of the same name) and the ``"sampling"`` key is dropped, so
-    ``generation.sampling.temperature`` and a top-level request ``temperature`` are one key.
-    Aliases are renamed (``temp`` -> ``temperature``, ``penalty_repeat`` -> ``repeat_penalty``)
-    so that precedence holds across spellings. Inputs are not mutated.
+    (prompt segment / simple-frame prompt: "keys in the prompt segment win", spec §4.1), by
+    the one rule of wire/sampling.py (a layer's ``"sampling"`` object beats its top-level
+    keys; aliases renamed). Inputs are not mutated.
     """
     generation = frame.header.get("generation")
-    base = _flatten(generation) if isinstance(generation, dict) else {}
-    return base | _flatten(frame.request)
+    return sampling.merge(generation if isinstance(generation, dict) else {}, frame.request)
 
 
 def _dumps(obj: Any) -> bytes:

@@ -1,4 +1,5 @@
-"""llama.cpp through llama-cpp-python's low-level API. The only module importing llama_cpp.
+"""A llama model and its context with one sequence per slot: loading, decoding, steps and
+sampling in batches, tokens. Its slots' KV state in and out is state.py's half of the class.
 
 Every method here is synchronous and must run on the GPU worker (engine/worker.py). The
 backend owns the per-slot token lists so they always describe exactly what the KV holds,
@@ -12,16 +13,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import llama_cpp
 import numpy as np
 import outcome
 
-from ..wire.errors import ErrorCode, ProtocolError
-from ..wire.kvblob import split_trailing_logits
+from ..kvblocks import SlotBlocks
+from .chat import builtin_chat_templates
 from .devices import (
     OffloadReport,
     OffloadSettings,
@@ -32,189 +32,12 @@ from .devices import (
     repack_choice,
     repacked_mib,
 )
-from .kvblocks import SlotBlocks
-from .logprobs import TokenLogprobs, token_logprobs
-from .params import SamplingParams
-from .promptcache import Snapshot
-from .seqstate import (
-    StateLayout,
-    StateLayoutError,
-    cache_layout,
-    layout_mismatch,
-    read_layout,
-    rewrite_in_place,
-    type_name,
-    with_streams,
-)
+from .log import captured, init_llama
+from .sampling import Sampler
+from .seqstate import StateLayout, StateLayoutError, cache_layout, read_layout, type_name
+from .state import DecodeAborted, NoKvSpace, SlotStates
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
-llama_log = logging.getLogger("hydra_trio.llama_cpp")
-
-# ggml_log_level: 0 NONE, 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT (continues the last line).
-_LOG_LEVELS = {
-    0: logging.DEBUG,
-    1: logging.DEBUG,
-    2: logging.DEBUG,  # llama.cpp's INFO is very chatty
-    3: logging.WARNING,
-    4: logging.ERROR,
-}
-_log_state = {"last": logging.DEBUG}
-# Warnings llama.cpp prints on every load of common models (Gemma 3's vocabulary, SWA
-# layers) that ask nothing of the operator: load chatter, so DEBUG like the rest of it.
-_LOAD_NOTES = (b"load: control-looking token", b"llama_kv_cache_iswa: using full-size SWA cache")
-# While a model loads or a context is built (on the GPU worker), llama.cpp's log lines are
-# also collected here: they are the only place it says how many layers it offloaded and
-# whether "auto" flash attention ended up on.
-_log_capture: list[str] | None = None
-
-
-@llama_cpp.llama_log_callback
-def _route_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    py_level = _LOG_LEVELS.get(level, _log_state["last"])
-    if py_level == logging.WARNING and text.startswith(_LOAD_NOTES):
-        py_level = logging.DEBUG
-    _log_state["last"] = py_level
-    if _log_capture is not None:
-        _log_capture.append(text.decode("utf-8", "replace"))
-    if llama_log.isEnabledFor(py_level):
-        msg = text.decode("utf-8", "replace").rstrip("\n")
-        if msg:
-            llama_log.log(py_level, "%s", msg)
-
-
-_init_lock = threading.Lock()
-_initialised = False
-
-
-def _init_llama() -> None:
-    global _initialised
-    with _init_lock:
-        if not _initialised:
-            llama_cpp.llama_log_set(_route_llama_log, ctypes.c_void_p(0))
-            llama_cpp.llama_backend_init()
-            _initialised = True
-
-
-def _captured(fn: Callable[[], T]) -> tuple[T, list[str]]:
-    """Run a llama call and return its result with the log lines it printed."""
-    global _log_capture
-    lines: list[str] = []
-    _log_capture = lines
-    try:
-        return fn(), lines
-    finally:
-        _log_capture = None
-
-
-def builtin_chat_templates() -> list[str]:
-    """Names of the chat templates llama.cpp renders itself (llama_chat_apply_template)."""
-    n = llama_cpp.llama_chat_builtin_templates(None, 0)
-    arr = (ctypes.c_char_p * n)()
-    llama_cpp.llama_chat_builtin_templates(arr, n)
-    return [name.decode("utf-8") for name in arr[:n] if name]
-
-
-def apply_builtin_chat_template(name: str, messages: Sequence[tuple[str, str]], add_assistant: bool) -> str:
-    """Render (role, content) messages with a built-in llama.cpp template."""
-    encoded = [(role.encode("utf-8"), content.encode("utf-8")) for role, content in messages]
-    chat = (llama_cpp.llama_chat_message * len(encoded))()
-    for i, (role, content) in enumerate(encoded):
-        chat[i].role = role
-        chat[i].content = content
-    size = max(256, 2 * sum(len(r) + len(c) for r, c in encoded) + 256)
-    for _ in range(2):
-        buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_chat_apply_template(name.encode("utf-8"), chat, len(encoded), add_assistant, buf, size)
-        if n < 0:
-            raise ValueError(f"llama.cpp cannot render chat template {name!r}")
-        if n <= size:
-            return buf.raw[:n].decode("utf-8", "replace")
-        size = n  # the buffer was short: n is the size it needs
-    raise RuntimeError("llama_chat_apply_template kept growing")
-
-
-class DecodeAborted(Exception):
-    """llama_decode was stopped by the abort flag; the batch's cells were removed."""
-
-
-class NoKvSpace(Exception):
-    """llama_decode found no free KV cell: the shared context is full."""
-
-
-class Sampler:
-    """A llama sampler chain; one per request.
-
-    Made on the trio side but built lazily on first use, which happens inside a GPU-worker
-    call; its owner hands it back with LlamaBackend.retire() so the free runs there too.
-
-    With ``logprobs`` (top alternatives wanted, 0..20), every pick also appends the token's
-    log-probabilities to ``picked``, in pick order, in the worker call that sampled it (the
-    logits are gone after the next decode). The sampler rides in every StepRequest and
-    PrefillPart of its request, so steps, look-ahead steps and batches need no other channel;
-    the request reads entry i once its i-th token is back (the step's done event orders it).
-    """
-
-    def __init__(self, params: SamplingParams, *, logprobs: int | None = None) -> None:
-        self.params = params
-        self.logprobs = logprobs
-        self.picked: list[TokenLogprobs] = []
-        self.n_picked = 0  # tokens picked so far (on the worker): min_tokens counts them
-        self._chain: ctypes.c_void_p | None = None
-        self._closed = False
-
-    def _build(self, n_vocab: int) -> ctypes.c_void_p:
-        params = self.params
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        add = llama_cpp.llama_sampler_chain_add
-        if params.penalized:
-            add(
-                chain,
-                # This llama.cpp's signature still starts with n_vocab (it called with the
-                # newer 4 arguments, any repeat_penalty failed the step with a TypeError).
-                llama_cpp.llama_sampler_init_penalties(
-                    n_vocab, params.repeat_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
-                ),
-            )
-        if params.greedy:
-            add(chain, llama_cpp.llama_sampler_init_greedy())
-        else:
-            if params.top_k > 0:
-                add(chain, llama_cpp.llama_sampler_init_top_k(params.top_k))
-            if params.top_p < 1.0:
-                add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-            if params.min_p > 0.0:
-                add(chain, llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
-            add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
-            add(chain, llama_cpp.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
-        return chain
-
-    @property
-    def bans_eog(self) -> bool:
-        """Whether the next pick may not end the generation (ignore_eos, or min_tokens not
-        reached yet)."""
-        return self.params.ignore_eos or self.n_picked < self.params.min_tokens
-
-    @property
-    def is_argmax(self) -> bool:
-        """Greedy with nothing before it: the token is the argmax of the logits (the first
-        of equal maxima, as llama's greedy sampler picks), and no chain is needed."""
-        return self.params.greedy and not self.params.penalized
-
-    def chain(self, n_vocab: int) -> ctypes.c_void_p:
-        """The llama chain, built on first use (on the worker) for a vocabulary of n_vocab."""
-        if self._closed:
-            raise RuntimeError("sampler already closed")
-        if self._chain is None:
-            self._chain = self._build(n_vocab)
-        return self._chain
-
-    def close(self) -> None:
-        """Free the chain (on the thread that runs llama calls)."""
-        self._closed = True
-        if self._chain is not None:
-            llama_cpp.llama_sampler_free(self._chain)
-            self._chain = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +76,7 @@ class PrefillPart:
     want_logits: bool = False  # the last part: also return that position's logits
 
 
-class LlamaBackend:
+class LlamaBackend(SlotStates):
     """One llama model + context with ``n_slots`` sequences, one per slot.
 
     The KV cache is unified (one pool of cells shared by all slots, any slot may use all of
@@ -278,7 +101,7 @@ class LlamaBackend:
         offload: OffloadSettings | None = None,
         kv_unified: bool = True,
     ) -> None:
-        _init_llama()
+        init_llama()
         self.kv_unified = kv_unified or n_slots == 1
         self.model_path = model_path
         self.n_slots = n_slots
@@ -296,7 +119,7 @@ class LlamaBackend:
             "main_gpu": mparams.main_gpu,
             "use_extra_bufts": bool(mparams.use_extra_bufts),
         }
-        self._model, load_log = _captured(lambda: llama_cpp.llama_model_load_from_file(model_path.encode(), mparams))
+        self._model, load_log = captured(lambda: llama_cpp.llama_model_load_from_file(model_path.encode(), mparams))
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load model {model_path!r}")
         self._load_log = load_log
@@ -378,12 +201,12 @@ class LlamaBackend:
             cp.type_v = self.type_v
         cp.flash_attn_type = self.offload_settings.flash_attn_type
         cp.offload_kqv = self.offload_settings.kv_offload
-        ctx, ctx_log = _captured(lambda: llama_cpp.llama_init_from_model(self._model, cp))
+        ctx, ctx_log = captured(lambda: llama_cpp.llama_init_from_model(self._model, cp))
         if not ctx:
             said = "; ".join(line.strip() for line in ctx_log if line.startswith("llama_init_from_model") or "error" in line.lower())
             raise RuntimeError(
-                f"llama.cpp could not create a context (n_ctx={n_ctx}, --cache-type-k {_type_label(self.type_k)}, "
-                f"--cache-type-v {_type_label(self.type_v)}, --flash-attn {self.offload_settings.flash_attn})"
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, --cache-type-k {type_label(self.type_k)}, "
+                f"--cache-type-v {type_label(self.type_v)}, --flash-attn {self.offload_settings.flash_attn})"
                 + (f": {said}" if said else "")
             )
         self.context_params_applied = {"flash_attn_type": cp.flash_attn_type, "offload_kqv": bool(cp.offload_kqv)}
@@ -691,34 +514,11 @@ class LlamaBackend:
         return token, logits
 
     def _sample(self, sampler: Sampler, idx: int, row: np.ndarray | None = None) -> int:
-        """The token ``sampler`` picks from the logits of the last decode's output ``idx``
-        (``row``: those logits, when the caller has them), recording its log-probabilities
-        when the request asked (only then: a softmax over the vocabulary per token is the
-        cost of asking)."""
-        logits = self._logits(idx) if row is None else row
-        if sampler.logprobs is None:
-            token = self._pick(sampler, idx, logits)
-        else:
-            raw = logits.copy()  # before an eog ban edits the buffer: the model's own
-            token = self._pick(sampler, idx, logits)
-            sampler.picked.append(token_logprobs(raw, token, sampler.logprobs))
-        sampler.n_picked += 1
-        return token
-
-    def _pick(self, sampler: Sampler, idx: int, logits: np.ndarray) -> int:
-        """The sampler's pick from output ``idx``'s ``logits`` (a view of llama.cpp's buffer).
-
-        A plain greedy pick reads the argmax straight from the logits: llama_sampler_sample
-        first copies all n_vocab logits into a candidate array, which cost 273 us a token
-        with Gemma 3's 262k vocabulary against 59 us for the argmax (34 against 13 us at 32k),
-        eight times per step at eight streams."""
-        if sampler.bans_eog:
-            # In llama.cpp's own buffer (both paths read it), after any copy of these logits
-            # (tail_logits, a hand-off) was taken: those stay as the model computed them.
-            logits[self._eog_index] = -np.inf
-        if sampler.is_argmax:
-            return int(logits.argmax())
-        return int(llama_cpp.llama_sampler_sample(sampler.chain(self.info.n_vocab), self._ctx, idx))
+        """The token ``sampler`` picks from the last decode's output ``idx`` (``row``: those
+        logits, when the caller has them): a view of llama.cpp's buffer, which an
+        end-of-generation ban edits in place (after any copy of these logits, tail_logits or
+        a hand-off's, was taken: those stay as the model computed them)."""
+        return sampler.sample(self._logits(idx) if row is None else row, self._eog_index)
 
     def _logits(self, idx: int) -> np.ndarray:
         """The last decode's logits of output ``idx``: a view of llama.cpp's buffer, valid
@@ -839,208 +639,9 @@ class LlamaBackend:
         ]
 
     def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
-        """Sample with the request's chain from logits that came with a KV blob (recording
-        log-probabilities as ``_sample`` does)."""
-        token = self._pick_from_logits(sampler, logits)
-        sampler.n_picked += 1
-        if sampler.logprobs is not None:
-            raw = np.frombuffer(logits, dtype="<f4", count=self.info.n_vocab)  # read-only: as computed
-            sampler.picked.append(token_logprobs(raw, token, sampler.logprobs))
-        return token
-
-    def _pick_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
-        n_vocab = self.info.n_vocab
-        values = np.frombuffer(logits, dtype="<f4", count=n_vocab)
-        if sampler.bans_eog:
-            values = values.copy()
-            values[self._eog_index] = -np.inf
-        if sampler.is_argmax:
-            return int(values.argmax())
-        arr = np.empty(n_vocab, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True))
-        arr["id"] = np.arange(n_vocab, dtype=np.int32)
-        arr["logit"] = values
-        arr["p"] = 0.0
-        cur = llama_cpp.llama_token_data_array(
-            data=arr.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
-            size=n_vocab,
-            selected=-1,
-            sorted=False,
-        )
-        llama_cpp.llama_sampler_apply(sampler.chain(self.info.n_vocab), ctypes.byref(cur))
-        if not 0 <= cur.selected < cur.size:
-            raise RuntimeError("sampler selected no token")
-        token = int(cur.data[cur.selected].id)
-        llama_cpp.llama_sampler_accept(sampler.chain(self.info.n_vocab), token)
-        return token
-
-    # ---- state -------------------------------------------------------------------------
-
-    def state_size(self, slot: int) -> int:
-        """The size of the slot's state in the one-stream form blobs travel in."""
-        return int(llama_cpp.llama_state_seq_get_size(self._ctx, slot)) - self._stream_overhead
-
-    def _read_state(self, seq: int) -> tuple[bytearray, list[int]]:
-        """A sequence's state as llama.cpp writes it for this context, and its tokens."""
-        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
-        buf = bytearray(size)
-        cbuf = (ctypes.c_uint8 * size).from_buffer(buf)
-        n = llama_cpp.llama_state_seq_get_data(self._ctx, cbuf, size, seq)
-        del cbuf  # release the export so the bytearray can be resized/sliced freely
-        if n != size:
-            del buf[n:]
-        return buf, list(self.seq_tokens[seq]) if seq < self.n_slots else []
-
-    def snapshot(self, slot: int) -> Snapshot:
-        """The slot's state as this context writes it (no rewrite: a restore into any slot
-        here only moves its stream), with room before it for that move, then the slot's
-        tail logits: for the prompt cache."""
-        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, slot))
-        room = 4 * self.n_stream * self._n_caches
-        logits = self.tail_logits[slot]
-        buf = bytearray(room + size + (len(logits) if logits is not None else 0))
-        cbuf = (ctypes.c_uint8 * size).from_buffer(buf, room)
-        n = llama_cpp.llama_state_seq_get_data(self._ctx, cbuf, size, slot)
-        del cbuf
-        if n != size:
-            raise RuntimeError(f"llama.cpp wrote {n} of {size} state bytes")
-        if logits is not None:
-            buf[room + size :] = logits
-        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None)
-
-    def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
-        """The slot's llama sequence state, in the one-stream form, and its tokens."""
-        buf, tokens = self._read_state(slot)
-        if self.n_stream > 1:  # compacted in place: the blob is held once
-            with memoryview(buf) as view:
-                one = rewrite_in_place(view, 0, 1, 0, self._n_caches)
-                assert one is not None, "dropping streams needs no room"
-                n = len(one)
-                one.release()
-            del buf[n:]
-        return buf, tokens
-
-    def _local_form(self, state: memoryview, seq: int, blob: memoryview | None) -> memoryview:
-        """A received state (and what follows it) rewritten for this context's streams, the
-        cells in ``seq``'s: in place where the blob's parsed head leaves room, else as a copy.
-        What does not parse goes to llama.cpp as it is, to be refused."""
-        stream = 0 if self.kv_unified else seq
-        try:
-            if blob is not None and not blob.readonly:
-                local = rewrite_in_place(blob, len(blob) - len(state), self.n_stream, stream, self._n_caches)
-                if local is not None:
-                    return local
-            return memoryview(with_streams(state, self.n_stream, stream, self._n_caches))
-        except StateLayoutError:
-            return state
-
-    def _check_layout(self, state: memoryview, n_past: int) -> None:
-        """Refuse, before any slot is touched, a state this context cannot take: one that
-        does not parse, whose K/V types, row sizes or V transposition differ from the
-        resident model's, that holds another position count than the blob declares, or
-        whose trailing bytes are not exactly n_vocab logits."""
-        if self.state_layout is None:
-            return  # llama.cpp alone decides
-        try:
-            got = read_layout(state, self._n_caches)
-        except StateLayoutError as exc:
-            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"not a KV state llama.cpp can restore: {exc}") from None
-        why = layout_mismatch(got, self.state_layout)
-        if why is not None:  # what was made elsewhere does not fit here: a capability, not damage
-            raise ProtocolError(ErrorCode.CAP_MISMATCH, f"KV layout does not match this engine's: {why}")
-        if got.n_past != n_past:
-            raise ProtocolError(
-                ErrorCode.RESTORE_FAILED, f"KV state holds {got.n_past} positions but the blob declares n_past={n_past}"
-            )
-        split_trailing_logits(state[got.end :], self.info.n_vocab)  # raises on another length
-
-    def state_restore(
-        self,
-        slot: int,
-        state: memoryview,
-        tokens: Sequence[int],
-        n_past: int,
-        abort: threading.Event | None = None,
-        *,
-        blob: memoryview | None = None,
-    ) -> bool:
-        """Restore a sequence state into ``slot``, all-or-nothing. ``blob``: the whole blob
-        ``state`` ends, whose bytes may be rewritten (seqstate.py) for this context's layout.
-
-        Unified cache: the state lands in the scratch sequence first; only when llama.cpp
-        accepted it, it holds exactly ``n_past`` positions, and what follows it is either
-        nothing or exactly n_vocab f32 logits, does it replace the slot. Split cache: the same
-        checks, in the slot's own stream, and any failure leaves the slot empty. The logits
-        become the slot's ``tail_logits`` (a copy: a view would keep the whole received
-        payload alive). Returns whether the blob carried logits.
-        """
-        n_vocab = self.info.n_vocab
-        if len(tokens) != n_past:
-            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob lists {len(tokens)} tokens for n_past={n_past}")
-        if tokens and (min(tokens) < 0 or max(tokens) >= n_vocab):
-            raise ProtocolError(
-                ErrorCode.RESTORE_FAILED,
-                f"blob holds token ids outside the resident vocabulary (0..{n_vocab - 1})",
-            )
-        if n_past > self.n_ctx_slot:
-            raise ProtocolError(
-                ErrorCode.RESTORE_FAILED, f"blob holds {n_past} positions; a slot holds at most {self.n_ctx_slot}"
-            )
-        self._check_layout(state, n_past)
-        target = self.scratch_seq if self.kv_unified else slot
-        if not self.kv_unified:
-            self.clear_slot(slot)  # llama.cpp replaces the sequence: our record goes first
-        local = self._local_form(state, target, blob)
-        llama_cpp.llama_memory_seq_rm(self._mem, target, -1, -1)
-        size = len(local)
-        src = _as_ubyte_array(local)
-        consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, target))
-        if consumed == 0 and self.kv_unified and self.seq_tokens[slot] and self.pool_is_tight(n_past):
-            # The shared pool had no room for a second copy: make room by dropping the slot's
-            # current contents (the spec allows clearing on a failed restore) and try again.
-            self.clear_slot(slot)
-            consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, target))
-        committed = False
-        try:
-            if consumed == 0:
-                raise ProtocolError(
-                    ErrorCode.RESTORE_FAILED,
-                    "llama.cpp refused the KV state (layout does not match the resident model, "
-                    "or the state is corrupt or truncated)",
-                )
-            restored = llama_cpp.llama_memory_seq_pos_max(self._mem, target) + 1
-            if restored != n_past:
-                raise ProtocolError(
-                    ErrorCode.RESTORE_FAILED,
-                    f"KV state holds {restored} positions but the blob declares n_past={n_past}",
-                )
-            logits = split_trailing_logits(local[consumed:], n_vocab)
-            if abort is not None and abort.is_set():
-                raise DecodeAborted
-            if self.kv_unified:
-                # Commit: in a unified KV cache seq_cp only tags cells, no bytes are copied.
-                llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
-                llama_cpp.llama_memory_seq_cp(self._mem, target, slot, -1, -1)
-            self.seq_tokens[slot] = list(tokens)
-            self._kept[slot] = 0  # every position may differ (kvblocks.py keeps equal blocks)
-            # A state holds the SWA cells of its last window only.
-            self._swa_low[slot] = max(0, n_past - self.n_swa)
-            committed = True
-            self._advanced(slot, bytes(logits) if logits is not None else None)
-            return logits is not None
-        finally:
-            if self.kv_unified:
-                llama_cpp.llama_memory_seq_rm(self._mem, target, -1, -1)
-            elif not committed:
-                llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        """Sample with the request's chain from logits that came with a KV blob."""
+        return sampler.sample(np.frombuffer(logits, dtype="<f4", count=self.info.n_vocab), self._eog_index)
 
 
-def _type_label(ggml_type: int | None) -> str:
+def type_label(ggml_type: int | None) -> str:
     return "f16" if ggml_type is None else type_name(ggml_type)  # None: llama.cpp's default
-
-
-def _as_ubyte_array(view: memoryview) -> ctypes.Array[ctypes.c_uint8]:
-    """A ctypes view of a buffer without copying (read-only buffers are copied once)."""
-    size = len(view)
-    if view.readonly:
-        return (ctypes.c_uint8 * size).from_buffer_copy(view)
-    return (ctypes.c_uint8 * size).from_buffer(view)

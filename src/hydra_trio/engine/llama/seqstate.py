@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ..config import CACHE_TYPES
+from ...config import CACHE_TYPES
 
 STATE_MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
 _U32 = struct.Struct("<I")

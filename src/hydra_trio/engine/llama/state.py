@@ -1,0 +1,227 @@
+"""A slot's KV state out of and into llama.cpp: sizes, snapshots for the prompt cache, the
+one-stream form blobs travel in, and the all-or-nothing restore.
+
+Half of LlamaBackend (context.py), kept apart because it is its own subject: how llama.cpp
+lays a sequence's state out (seqstate.py reads it without llama.cpp) and what a restore may
+and may not touch. It uses the context's attributes, set by LlamaBackend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import llama_cpp
+
+from ...wire.errors import ErrorCode, ProtocolError
+from ...wire.kvblob import split_trailing_logits
+from ..promptcache import Snapshot
+from .seqstate import (
+    StateLayout,
+    StateLayoutError,
+    layout_mismatch,
+    read_layout,
+    rewrite_in_place,
+    with_streams,
+)
+
+if TYPE_CHECKING:
+    from .context import ModelInfo
+
+
+class DecodeAborted(Exception):
+    """llama_decode was stopped by the abort flag; the batch's cells were removed."""
+
+
+class NoKvSpace(Exception):
+    """llama_decode found no free KV cell: the shared context is full."""
+
+
+class SlotStates:
+    """The state half of LlamaBackend. What it reads of the context is declared here; the
+    slot methods it calls (clear_slot, pool_is_tight, _advanced, scratch_seq) are the
+    context's."""
+
+    _ctx: ctypes.c_void_p | None
+    _mem: ctypes.c_void_p
+    info: ModelInfo
+    kv_unified: bool
+    n_slots: int
+    n_stream: int
+    n_ctx_slot: int
+    n_swa: int
+    seq_tokens: list[list[int]]
+    tail_logits: list[bytes | None]
+    state_layout: StateLayout | None
+    _n_caches: int
+    _stream_overhead: int
+    _kept: list[int]
+    _swa_low: list[int]
+
+    def state_size(self, slot: int) -> int:
+        """The size of the slot's state in the one-stream form blobs travel in."""
+        return int(llama_cpp.llama_state_seq_get_size(self._ctx, slot)) - self._stream_overhead
+
+    def _read_state(self, seq: int) -> tuple[bytearray, list[int]]:
+        """A sequence's state as llama.cpp writes it for this context, and its tokens."""
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
+        buf = bytearray(size)
+        cbuf = (ctypes.c_uint8 * size).from_buffer(buf)
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, cbuf, size, seq)
+        del cbuf  # release the export so the bytearray can be resized/sliced freely
+        if n != size:
+            del buf[n:]
+        return buf, list(self.seq_tokens[seq]) if seq < self.n_slots else []
+
+    def snapshot(self, slot: int) -> Snapshot:
+        """The slot's state as this context writes it (no rewrite: a restore into any slot
+        here only moves its stream), with room before it for that move, then the slot's
+        tail logits: for the prompt cache."""
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, slot))
+        room = 4 * self.n_stream * self._n_caches
+        logits = self.tail_logits[slot]
+        buf = bytearray(room + size + (len(logits) if logits is not None else 0))
+        cbuf = (ctypes.c_uint8 * size).from_buffer(buf, room)
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, cbuf, size, slot)
+        del cbuf
+        if n != size:
+            raise RuntimeError(f"llama.cpp wrote {n} of {size} state bytes")
+        if logits is not None:
+            buf[room + size :] = logits
+        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None)
+
+    def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
+        """The slot's llama sequence state, in the one-stream form, and its tokens."""
+        buf, tokens = self._read_state(slot)
+        if self.n_stream > 1:  # compacted in place: the blob is held once
+            with memoryview(buf) as view:
+                one = rewrite_in_place(view, 0, 1, 0, self._n_caches)
+                assert one is not None, "dropping streams needs no room"
+                n = len(one)
+                one.release()
+            del buf[n:]
+        return buf, tokens
+
+    def _local_form(self, state: memoryview, seq: int, blob: memoryview | None) -> memoryview:
+        """A received state (and what follows it) rewritten for this context's streams, the
+        cells in ``seq``'s: in place where the blob's parsed head leaves room, else as a copy.
+        What does not parse goes to llama.cpp as it is, to be refused."""
+        stream = 0 if self.kv_unified else seq
+        try:
+            if blob is not None and not blob.readonly:
+                local = rewrite_in_place(blob, len(blob) - len(state), self.n_stream, stream, self._n_caches)
+                if local is not None:
+                    return local
+            return memoryview(with_streams(state, self.n_stream, stream, self._n_caches))
+        except StateLayoutError:
+            return state
+
+    def _check_layout(self, state: memoryview, n_past: int) -> None:
+        """Refuse, before any slot is touched, a state this context cannot take: one that
+        does not parse, whose K/V types, row sizes or V transposition differ from the
+        resident model's, that holds another position count than the blob declares, or
+        whose trailing bytes are not exactly n_vocab logits."""
+        if self.state_layout is None:
+            return  # llama.cpp alone decides
+        try:
+            got = read_layout(state, self._n_caches)
+        except StateLayoutError as exc:
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"not a KV state llama.cpp can restore: {exc}") from None
+        why = layout_mismatch(got, self.state_layout)
+        if why is not None:  # what was made elsewhere does not fit here: a capability, not damage
+            raise ProtocolError(ErrorCode.CAP_MISMATCH, f"KV layout does not match this engine's: {why}")
+        if got.n_past != n_past:
+            raise ProtocolError(
+                ErrorCode.RESTORE_FAILED, f"KV state holds {got.n_past} positions but the blob declares n_past={n_past}"
+            )
+        split_trailing_logits(state[got.end :], self.info.n_vocab)  # raises on another length
+
+    def state_restore(
+        self,
+        slot: int,
+        state: memoryview,
+        tokens: Sequence[int],
+        n_past: int,
+        abort: threading.Event | None = None,
+        *,
+        blob: memoryview | None = None,
+    ) -> bool:
+        """Restore a sequence state into ``slot``, all-or-nothing. ``blob``: the whole blob
+        ``state`` ends, whose bytes may be rewritten (seqstate.py) for this context's layout.
+
+        Unified cache: the state lands in the scratch sequence first; only when llama.cpp
+        accepted it, it holds exactly ``n_past`` positions, and what follows it is either
+        nothing or exactly n_vocab f32 logits, does it replace the slot. Split cache: the same
+        checks, in the slot's own stream, and any failure leaves the slot empty. The logits
+        become the slot's ``tail_logits`` (a copy: a view would keep the whole received
+        payload alive). Returns whether the blob carried logits.
+        """
+        n_vocab = self.info.n_vocab
+        if len(tokens) != n_past:
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob lists {len(tokens)} tokens for n_past={n_past}")
+        if tokens and (min(tokens) < 0 or max(tokens) >= n_vocab):
+            raise ProtocolError(
+                ErrorCode.RESTORE_FAILED,
+                f"blob holds token ids outside the resident vocabulary (0..{n_vocab - 1})",
+            )
+        if n_past > self.n_ctx_slot:
+            raise ProtocolError(
+                ErrorCode.RESTORE_FAILED, f"blob holds {n_past} positions; a slot holds at most {self.n_ctx_slot}"
+            )
+        self._check_layout(state, n_past)
+        target = self.scratch_seq if self.kv_unified else slot
+        if not self.kv_unified:
+            self.clear_slot(slot)  # llama.cpp replaces the sequence: our record goes first
+        local = self._local_form(state, target, blob)
+        llama_cpp.llama_memory_seq_rm(self._mem, target, -1, -1)
+        size = len(local)
+        src = _as_ubyte_array(local)
+        consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, target))
+        if consumed == 0 and self.kv_unified and self.seq_tokens[slot] and self.pool_is_tight(n_past):
+            # The shared pool had no room for a second copy: make room by dropping the slot's
+            # current contents (the spec allows clearing on a failed restore) and try again.
+            self.clear_slot(slot)
+            consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, target))
+        committed = False
+        try:
+            if consumed == 0:
+                raise ProtocolError(
+                    ErrorCode.RESTORE_FAILED,
+                    "llama.cpp refused the KV state (layout does not match the resident model, "
+                    "or the state is corrupt or truncated)",
+                )
+            restored = llama_cpp.llama_memory_seq_pos_max(self._mem, target) + 1
+            if restored != n_past:
+                raise ProtocolError(
+                    ErrorCode.RESTORE_FAILED,
+                    f"KV state holds {restored} positions but the blob declares n_past={n_past}",
+                )
+            logits = split_trailing_logits(local[consumed:], n_vocab)
+            if abort is not None and abort.is_set():
+                raise DecodeAborted
+            if self.kv_unified:
+                # Commit: in a unified KV cache seq_cp only tags cells, no bytes are copied.
+                llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+                llama_cpp.llama_memory_seq_cp(self._mem, target, slot, -1, -1)
+            self.seq_tokens[slot] = list(tokens)
+            self._kept[slot] = 0  # every position may differ (kvblocks.py keeps equal blocks)
+            # A state holds the SWA cells of its last window only.
+            self._swa_low[slot] = max(0, n_past - self.n_swa)
+            committed = True
+            self._advanced(slot, bytes(logits) if logits is not None else None)
+            return logits is not None
+        finally:
+            if self.kv_unified:
+                llama_cpp.llama_memory_seq_rm(self._mem, target, -1, -1)
+            elif not committed:
+                llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
+
+
+def _as_ubyte_array(view: memoryview) -> ctypes.Array[ctypes.c_uint8]:
+    """A ctypes view of a buffer without copying (read-only buffers are copied once)."""
+    size = len(view)
+    if view.readonly:
+        return (ctypes.c_uint8 * size).from_buffer_copy(view)
+    return (ctypes.c_uint8 * size).from_buffer(view)
