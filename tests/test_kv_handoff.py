@@ -71,7 +71,7 @@ async def plain(c: httpx.AsyncClient) -> str:
 @pytest.fixture
 async def pair(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> tuple[Any, Any]:
     a = await start_engine(tiny_model_ctx, **ENGINE)
-    b = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=5.0)  # a failed pull answers then
     return a, b
 
 
@@ -173,7 +173,7 @@ async def test_export_larger_than_the_store_is_refused(start_engine: Callable[..
 
 def _tamper(params: dict[str, Any], how: str) -> dict[str, Any]:
     p = copy.deepcopy(params)
-    if how == "unreachable":
+    if how == "pull_failed":
         p["remote_port"] = 1  # nothing listens there
     elif how == "hash_mismatch":
         p["hydra"]["kv_hash"] = "xxh3:0000000000000000"
@@ -184,7 +184,7 @@ def _tamper(params: dict[str, Any], how: str) -> dict[str, Any]:
     return p
 
 
-@pytest.mark.parametrize("how", ["unreachable", "hash_mismatch", "bad_params", "identity_mismatch"])
+@pytest.mark.parametrize("how", ["pull_failed", "hash_mismatch", "bad_params", "identity_mismatch"])
 async def test_failed_pull_prefills_locally_and_says_why(pair: tuple[Any, Any], how: str) -> None:
     a, b = pair
     async with http(a) as ca, http(b) as cb:
@@ -328,10 +328,46 @@ async def test_pull_deadline_falls_back(
         params["remote_port"] = port
         text, body = await decode(cb, params)
     assert text == reference
-    assert body["kv_transfer"]["reason"] == "timeout"
+    assert body["kv_transfer"]["reason"] == "pull_failed"
     with trio.fail_after(5):
         await peer.hung_up.wait()  # the deadline closed the connection
     await assert_server_healthy(b)
+
+
+async def _talking_peer(nursery: trio.Nursery) -> int:
+    """Something else listening (an HTTP server, say): it answers at once, not KV_PULL."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n" * 4)
+
+    listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+    return listeners[0].socket.getsockname()[1]
+
+
+async def test_a_closed_a_silent_and_a_talking_port_look_the_same(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, nursery: trio.Nursery
+) -> None:
+    """No port scanning through the engine (issue 28, 1.8): whatever is at the address a
+    client names, the reply says ``pull_failed`` and comes no sooner than the pull's
+    deadline (a silent port's time). The cause is the engine's log's alone."""
+    timeout_s = 0.5
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=timeout_s)
+    _, silent = await _silent_peer(nursery)
+    talking = await _talking_peer(nursery)
+    async with http(a) as ca, http(b) as cb:
+        params = (await export(ca))["kv_transfer_params"]
+        for port in (1, silent, talking):  # closed (refused at once), silent, talking
+            t0 = trio.current_time()
+            _, body = await decode(cb, {**params, "remote_port": port})
+            elapsed = trio.current_time() - t0
+            kv = body["kv_transfer"]
+            assert kv["status"] == "fallback" and kv["reason"] == "pull_failed", (port, kv)
+            assert elapsed >= timeout_s, (port, elapsed)  # a lower bound: never early
+        after = await scrape(cb)
+    assert after[("hydra_kv_pulls_total", (("outcome", "fallback"), ("reason", "pull_failed")))] == 3
+    assert not any(k[0] == "hydra_kv_pulls_total" and ("reason", "unreachable") in k[1] for k in after)
 
 
 async def test_client_leaving_during_the_pull_cancels_it(pair: tuple[Any, Any], nursery: trio.Nursery) -> None:
