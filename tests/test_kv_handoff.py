@@ -485,3 +485,81 @@ async def test_a_pull_outside_kv_pull_allow_opens_no_connection(
     assert accepted == []
     assert after[("hydra_kv_pulls_total", (("outcome", "fallback"), ("reason", "not_allowed")))] == 2
     assert len(a.state.exports) == 1  # never pulled: left to its lease
+
+
+async def test_a_huge_claim_is_refused_at_once_while_budget_is_held(pair: tuple[Any, Any]) -> None:
+    """Issue 28, 1.3: a ``kv_bytes`` claim over --max-kv-bytes (2^62, any client can write
+    it) is refused before the payload budget is asked, also while something else holds
+    budget: it never heads the FIFO queue, and a state upload beside it proceeds."""
+    a, b = pair
+    budget = b.state.payload_budget
+    await budget.acquire(1000)  # load: another request's payload
+    try:
+        async with http(a) as ca, http(b) as cb:
+            params = (await export(ca))["kv_transfer_params"]
+            params["hydra"]["kv_bytes"] = 1 << 62
+            await plain(cb)
+            blob = (await cb.get("/slots/0/state")).content
+            results: dict[str, Any] = {}
+
+            async def handoff() -> None:
+                results["decode"] = await decode(cb, params)
+
+            async def upload() -> None:
+                # Behind a queued claim it would wait (for the claim's whole deadline).
+                await wait_until(lambda: "decode" in results or bool(budget._waiters))
+                headers = {"content-type": "application/octet-stream", "content-length": str(len(blob))}
+                results["put"] = await cb.put("/slots/0/state", content=blob, headers=headers)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(handoff)
+                nursery.start_soon(upload)
+        kv = results["decode"][1]["kv_transfer"]
+        assert kv["status"] == "fallback" and kv["reason"] == "too_large", kv
+        assert results["put"].status_code == 200, results["put"].text
+        assert budget.used == 1000 and not budget._waiters
+    finally:
+        budget.release(1000)
+    assert len(a.state.exports) == 1  # no connection was opened for it
+
+
+BAD_FIELDS: list[tuple[str, Any]] = [
+    ("remote_host", "a..b"),
+    ("remote_host", "a" * 64),
+    ("remote_host", "."),
+    ("remote_host", "a\nb"),
+    ("remote_host", "\u00e9\u00e9.example"),
+    ("remote_host", "x" * 300),
+    ("remote_host", ["127.0.0.1"]),
+    ("remote_port", -1),
+    ("remote_port", 1 << 70),
+    ("remote_port", "8080"),
+    ("remote_port", True),
+    ("hydra.shm", {"probe": "/dev/shm/hydra-kv-0-1-0badcafe-probe\u0000", "token": "x"}),
+    ("hydra.shm", {"probe": 5, "token": "x"}),
+    ("hydra.shm", "yes"),
+    ("hydra.kv_bytes", -5),
+    ("hydra.kv_bytes", 1.5),
+    ("hydra.n_past", None),
+    ("hydra.export_id", "../../etc/passwd"),
+    ("hydra.kv_hash", 7),
+    ("hydra.kv_cache", []),
+    ("hydra", []),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_FIELDS, ids=[f"{f}={v!r}"[:40] for f, v in BAD_FIELDS])
+async def test_malformed_kv_transfer_params_fall_back_as_bad_params(
+    pair: tuple[Any, Any], field: str, value: Any
+) -> None:
+    """Issue 28, 1.7: each was (or could be) a 500 (UnicodeError from the resolver, a NUL in
+    a path): a malformed field is ``bad_params``, before anything is resolved or opened."""
+    a, b = pair
+    async with http(a) as ca, http(b) as cb:
+        params = (await export(ca))["kv_transfer_params"]
+        params["hydra"].setdefault("shm", {"probe": "/dev/shm/x", "token": "x"})
+        where, _, key = field.rpartition(".")
+        (params["hydra"] if where else params)[key] = value
+        _, body = await decode(cb, params)
+    kv = body["kv_transfer"]
+    assert kv["status"] == "fallback" and kv["reason"] == "bad_params", kv
