@@ -71,6 +71,23 @@ BIG = 12_000_000  # the issue's 12 MB shapes
 MAX_REPLY = 64 << 20  # read at most this much of any reply
 MESSAGES = [{"role": "user", "content": "hello world"}]
 STOPPED = "stopped: the campaign ended"
+# kv_transfer_params fuzzed field by field (issue 28, 1.7): each field of a real export's
+# params gets each value in turn. Any of them must give a 200 that falls back (or, for the
+# rare one that still names the export, restores), never a 5xx.
+KV_PARAM_FIELDS = (
+    "remote_host", "remote_port", "hydra", "hydra.v", "hydra.export_id", "hydra.n_past",
+    "hydra.kv_hash", "hydra.kv_bytes", "hydra.kv_cache", "hydra.kv_cache.type_k", "hydra.shm",
+    "hydra.shm.probe", "hydra.shm.token", "hydra.tokenizer", "hydra.model_name",
+)  # fmt: skip
+KV_PARAM_VALUES: tuple[Any, ...] = (
+    None, True, -1, 0, 2**62, 2**70, 1.5, "", ".", "a..b", "a" * 64, "é" * 300, "x\n2099-01-01 INFO forged",
+    "/dev/shm/hydra-kv-0-1-0badcafe-probe\x00", "\udcff", [], {}, {"probe": 1}, ["127.0.0.1"],
+)  # fmt: skip
+KV_PARAM_REASONS = {
+    "bad_params", "not_allowed", "pull_failed", "not_found", "refused", "too_large", "timeout",
+    "identity_mismatch", "layout_mismatch", "hash_mismatch", "prompt_mismatch", "restore_failed",
+}  # fmt: skip
+KV_PARAM_BATCH = 12  # mutations per round of the shape, sent together
 
 
 # ---- what happened -----------------------------------------------------------------------
@@ -920,7 +937,9 @@ class Campaign:
 
     async def _shape(self, kind: str, case: Case, label: str = "") -> None:
         label = label + kind
-        if kind.startswith("kv_pull"):
+        if kind == "kv_params_fuzz":
+            await self.kv_params_fuzz(label)
+        elif kind.startswith("kv_pull"):
             await self.kv_pull(kind, label)
         elif kind == "chunked_over_limit":
             # protocol: the 413 may be lost to the reset of our unread upload; a close is fine
@@ -1054,6 +1073,7 @@ class Campaign:
             ),
             ("chunked_over_limit", Case("", b"")),
             ("kv_pull_hostname", Case("", b"")),
+            ("kv_params_fuzz", Case("", b"")),
         ]
 
     async def _chunked_sender(self, stream: trio.SocketStream) -> None:
@@ -1113,12 +1133,53 @@ class Campaign:
             transfer = json.loads(reply.body).get("kv_transfer", {})
             reason = transfer.get("reason", transfer.get("status"))
             self.ledger.counts[f"{label} reason={reason}"] += 1
-            # A name that does not resolve cannot be checked, nor reached: "unreachable" is
+            # A name that does not resolve cannot be checked, nor reached: "pull_failed" is
             # right for it (the lookup itself is the one query it causes; no connection).
             if reason != "not_allowed" and not (
-                kind == "kv_pull_hostname" and reason == "unreachable"
+                kind == "kv_pull_hostname" and reason == "pull_failed"
             ):
                 self.ledger.find("kv_pull_not_refused", f"{kind} ({host}): kv_transfer {transfer}")
+
+    async def kv_params_fuzz(self, label: str) -> None:
+        """The next KV_PARAM_BATCH (field, value) pairs of KV_PARAM_FIELDS x KV_PARAM_VALUES
+        on a real export's kv_transfer_params, together: each a 200 with a known reason."""
+        base = self.ledger.notes.get("_export_params")
+        if not base:
+            self.ledger.counts[f"{label} skipped(no export)"] += 1
+            return
+        pairs = [(f, v) for f in KV_PARAM_FIELDS for v in KV_PARAM_VALUES]
+        start = self.ledger.notes.get("_kv_params_next", 0)
+        self.ledger.notes["_kv_params_next"] = start + KV_PARAM_BATCH
+
+        async def one(field_name: str, value: Any) -> None:
+            params = json.loads(json.dumps(base))
+            *where, key = field_name.split(".")
+            target = params
+            for k in where:
+                if not isinstance(target.get(k), dict):
+                    target[k] = {}
+                target = target[k]
+            target[key] = value
+            body = json.dumps(
+                {"prompt": "hello world", "max_tokens": 2, "temperature": 0, "kv_transfer_params": params}
+            ).encode()
+            headers = [("Content-Type", "application/json")]
+            case = Case(label, http_request("POST", "/v1/completions", body, headers, port=self.port))
+            reply = await self.exchange(label, case)
+            if reply is None or reply.status >= 500:
+                return  # (exchange records a 5xx as a finding)
+            transfer = json.loads(reply.body).get("kv_transfer", {}) if reply.status == 200 else {}
+            reason = transfer.get("reason", transfer.get("status"))
+            self.ledger.counts[f"{label} reason={reason}"] += 1
+            # (A 4xx is the body's own fault, a lone surrogate say: a client error, checked above.)
+            if transfer.get("status") == "fallback" and reason not in KV_PARAM_REASONS:
+                self.ledger.find(
+                    "kv_params_unexpected", f"{field_name}={value!r:.60}: HTTP {reply.status} {reply.body[:160]!r}"
+                )
+
+        async with trio.open_nursery() as nursery:
+            for i in range(start, start + KV_PARAM_BATCH):
+                nursery.start_soon(one, *pairs[i % len(pairs)])
 
     async def traps(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """A listener on every interface: the KV pulls aim at its port, so a connection the
@@ -1516,6 +1577,8 @@ def campaign(cfg: Config, *, log_dir: Path, engine_args: tuple[str, ...] = ()) -
             "5",
             "--shutdown-grace-s",
             "3",  # the exports the KV-pull shapes leave unpulled would hold the stop 10 s
+            "--kv-pull-timeout-s",
+            "1",  # a failed pull answers at its deadline: the fuzzed params' pulls, quickly
             *engine_args,
         ),
     )

@@ -41,6 +41,7 @@ def test_hostile_campaign_short(tmp_path: Path) -> None:
     ):
         assert any(k.startswith(shape + " 4") for k in counts), (shape, counts)
     assert any(k.startswith("kv_pull_nonloopback reason=not_allowed") for k in counts), counts
+    assert any(k.startswith("kv_params_fuzz reason=bad_params") for k in counts), counts  # field by field
     assert sum(n for k, n in counts.items() if k.startswith("fuzz ")) > 5, counts
     assert report["rpc_frames"] > 5, counts
     assert report["streams"]["tokens_timed"] > 0, report["streams"]

@@ -167,3 +167,21 @@ async def test_a_snapshot_is_charged_to_the_payload_budget_until_it_is_sent(star
         await wait_until(lambda: budget.used == 0)  # the reader left: released
         got = (await h.get("/slots/0/state")).content
         assert len(got) == len(blob) and budget.used == 0
+
+
+async def test_a_refused_upload_s_drain_has_one_deadline(autojump_clock: trio.abc.Clock) -> None:
+    """Issue 28, 1.10: a sender dripping a byte just inside the idle timeout kept the drain
+    of a refused state PUT (and its connection) for ever; now the whole drain ends at the
+    idle timeout."""
+    from hydra_trio.http.state_routes import _drain
+
+    idle_s = 10.0
+
+    async def drip() -> dict[str, Any]:
+        await trio.sleep(idle_s * 0.9)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    t0 = trio.current_time()
+    with trio.fail_after(idle_s * 100):
+        await _drain(drip, 1 << 30, idle_s)
+    assert trio.current_time() - t0 == pytest.approx(idle_s)

@@ -71,7 +71,7 @@ async def plain(c: httpx.AsyncClient) -> str:
 @pytest.fixture
 async def pair(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> tuple[Any, Any]:
     a = await start_engine(tiny_model_ctx, **ENGINE)
-    b = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=5.0)  # a failed pull answers then
     return a, b
 
 
@@ -173,7 +173,7 @@ async def test_export_larger_than_the_store_is_refused(start_engine: Callable[..
 
 def _tamper(params: dict[str, Any], how: str) -> dict[str, Any]:
     p = copy.deepcopy(params)
-    if how == "unreachable":
+    if how == "pull_failed":
         p["remote_port"] = 1  # nothing listens there
     elif how == "hash_mismatch":
         p["hydra"]["kv_hash"] = "xxh3:0000000000000000"
@@ -184,7 +184,7 @@ def _tamper(params: dict[str, Any], how: str) -> dict[str, Any]:
     return p
 
 
-@pytest.mark.parametrize("how", ["unreachable", "hash_mismatch", "bad_params", "identity_mismatch"])
+@pytest.mark.parametrize("how", ["pull_failed", "hash_mismatch", "bad_params", "identity_mismatch"])
 async def test_failed_pull_prefills_locally_and_says_why(pair: tuple[Any, Any], how: str) -> None:
     a, b = pair
     async with http(a) as ca, http(b) as cb:
@@ -328,10 +328,46 @@ async def test_pull_deadline_falls_back(
         params["remote_port"] = port
         text, body = await decode(cb, params)
     assert text == reference
-    assert body["kv_transfer"]["reason"] == "timeout"
+    assert body["kv_transfer"]["reason"] == "pull_failed"
     with trio.fail_after(5):
         await peer.hung_up.wait()  # the deadline closed the connection
     await assert_server_healthy(b)
+
+
+async def _talking_peer(nursery: trio.Nursery) -> int:
+    """Something else listening (an HTTP server, say): it answers at once, not KV_PULL."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n" * 4)
+
+    listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+    return listeners[0].socket.getsockname()[1]
+
+
+async def test_a_closed_a_silent_and_a_talking_port_look_the_same(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, nursery: trio.Nursery
+) -> None:
+    """No port scanning through the engine (issue 28, 1.8): whatever is at the address a
+    client names, the reply says ``pull_failed`` and comes no sooner than the pull's
+    deadline (a silent port's time). The cause is the engine's log's alone."""
+    timeout_s = 0.5
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=timeout_s)
+    _, silent = await _silent_peer(nursery)
+    talking = await _talking_peer(nursery)
+    async with http(a) as ca, http(b) as cb:
+        params = (await export(ca))["kv_transfer_params"]
+        for port in (1, silent, talking):  # closed (refused at once), silent, talking
+            t0 = trio.current_time()
+            _, body = await decode(cb, {**params, "remote_port": port})
+            elapsed = trio.current_time() - t0
+            kv = body["kv_transfer"]
+            assert kv["status"] == "fallback" and kv["reason"] == "pull_failed", (port, kv)
+            assert elapsed >= timeout_s, (port, elapsed)  # a lower bound: never early
+        after = await scrape(cb)
+    assert after[("hydra_kv_pulls_total", (("outcome", "fallback"), ("reason", "pull_failed")))] == 3
+    assert not any(k[0] == "hydra_kv_pulls_total" and ("reason", "unreachable") in k[1] for k in after)
 
 
 async def test_client_leaving_during_the_pull_cancels_it(pair: tuple[Any, Any], nursery: trio.Nursery) -> None:
@@ -449,3 +485,81 @@ async def test_a_pull_outside_kv_pull_allow_opens_no_connection(
     assert accepted == []
     assert after[("hydra_kv_pulls_total", (("outcome", "fallback"), ("reason", "not_allowed")))] == 2
     assert len(a.state.exports) == 1  # never pulled: left to its lease
+
+
+async def test_a_huge_claim_is_refused_at_once_while_budget_is_held(pair: tuple[Any, Any]) -> None:
+    """Issue 28, 1.3: a ``kv_bytes`` claim over --max-kv-bytes (2^62, any client can write
+    it) is refused before the payload budget is asked, also while something else holds
+    budget: it never heads the FIFO queue, and a state upload beside it proceeds."""
+    a, b = pair
+    budget = b.state.payload_budget
+    await budget.acquire(1000)  # load: another request's payload
+    try:
+        async with http(a) as ca, http(b) as cb:
+            params = (await export(ca))["kv_transfer_params"]
+            params["hydra"]["kv_bytes"] = 1 << 62
+            await plain(cb)
+            blob = (await cb.get("/slots/0/state")).content
+            results: dict[str, Any] = {}
+
+            async def handoff() -> None:
+                results["decode"] = await decode(cb, params)
+
+            async def upload() -> None:
+                # Behind a queued claim it would wait (for the claim's whole deadline).
+                await wait_until(lambda: "decode" in results or bool(budget._waiters))
+                headers = {"content-type": "application/octet-stream", "content-length": str(len(blob))}
+                results["put"] = await cb.put("/slots/0/state", content=blob, headers=headers)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(handoff)
+                nursery.start_soon(upload)
+        kv = results["decode"][1]["kv_transfer"]
+        assert kv["status"] == "fallback" and kv["reason"] == "too_large", kv
+        assert results["put"].status_code == 200, results["put"].text
+        assert budget.used == 1000 and not budget._waiters
+    finally:
+        budget.release(1000)
+    assert len(a.state.exports) == 1  # no connection was opened for it
+
+
+BAD_FIELDS: list[tuple[str, Any]] = [
+    ("remote_host", "a..b"),
+    ("remote_host", "a" * 64),
+    ("remote_host", "."),
+    ("remote_host", "a\nb"),
+    ("remote_host", "\u00e9\u00e9.example"),
+    ("remote_host", "x" * 300),
+    ("remote_host", ["127.0.0.1"]),
+    ("remote_port", -1),
+    ("remote_port", 1 << 70),
+    ("remote_port", "8080"),
+    ("remote_port", True),
+    ("hydra.shm", {"probe": "/dev/shm/hydra-kv-0-1-0badcafe-probe\u0000", "token": "x"}),
+    ("hydra.shm", {"probe": 5, "token": "x"}),
+    ("hydra.shm", "yes"),
+    ("hydra.kv_bytes", -5),
+    ("hydra.kv_bytes", 1.5),
+    ("hydra.n_past", None),
+    ("hydra.export_id", "../../etc/passwd"),
+    ("hydra.kv_hash", 7),
+    ("hydra.kv_cache", []),
+    ("hydra", []),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_FIELDS, ids=[f"{f}={v!r}"[:40] for f, v in BAD_FIELDS])
+async def test_malformed_kv_transfer_params_fall_back_as_bad_params(
+    pair: tuple[Any, Any], field: str, value: Any
+) -> None:
+    """Issue 28, 1.7: each was (or could be) a 500 (UnicodeError from the resolver, a NUL in
+    a path): a malformed field is ``bad_params``, before anything is resolved or opened."""
+    a, b = pair
+    async with http(a) as ca, http(b) as cb:
+        params = (await export(ca))["kv_transfer_params"]
+        params["hydra"].setdefault("shm", {"probe": "/dev/shm/x", "token": "x"})
+        where, _, key = field.rpartition(".")
+        (params["hydra"] if where else params)[key] = value
+        _, body = await decode(cb, params)
+    kv = body["kv_transfer"]
+    assert kv["status"] == "fallback" and kv["reason"] == "bad_params", kv

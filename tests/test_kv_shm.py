@@ -108,3 +108,114 @@ def test_a_probe_path_from_a_request_is_never_a_fifo_or_a_link(tmp_path: Path) -
     link.symlink_to(area.probe)
     assert shares_folder({"probe": str(link), "token": area.token}) is False
     area.close()
+
+
+async def test_25_bad_hand_offs_never_hold_more_than_the_bound(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, tmp_path: Path
+) -> None:
+    """Issue 28, goal 2: the kv_transfer_params sent back with ``hydra.kv_bytes + 1`` (any
+    HTTP client can) make the pull fail after the file was handed over. The folder never
+    holds more than --kv-export-max-bytes, and nothing is left after the TTL."""
+    probe_p = await start_engine(tiny_model_ctx, kv_shm_dir="")
+    size = (await _export(probe_p))["hydra"]["kv_bytes"]
+    bound = 2 * size + size // 2  # room for two exports
+    p = await start_engine(tiny_model_ctx, kv_shm_dir=str(tmp_path), kv_export_max_bytes=bound, kv_export_ttl_s=3.0)
+    d = await start_engine(tiny_model_ctx, kv_pull_timeout_s=0.2)
+    for _ in range(25):
+        params = await _export(p)
+        params["hydra"]["kv_bytes"] += 1
+        kv = (await _decode(d, params))["kv_transfer"]
+        assert kv["status"] == "fallback", kv
+        assert sum((tmp_path / name).stat().st_size for name in _ours(tmp_path)) <= bound
+    await wait_until(lambda: _ours(tmp_path) == [] and p.state.exports.handed_bytes == 0)
+
+
+def _plant(folder: Path, tag: str, *, probe: bool = True) -> list[Path]:
+    files = [folder / f"{tag}-{'A' * 22}"] + ([folder / f"{tag}-probe"] if probe else [])
+    for f in files:
+        f.write_bytes(b"x")
+    return files
+
+
+def test_planted_and_foreign_files_never_stop_a_start(tmp_path: Path, monkeypatch: Any) -> None:
+    """Issue 28, 1.2: the clean-up at start skips (and logs) what it cannot handle instead of
+    aborting the start: a pid past every integer type, another user's file under this
+    user's name, a link, a file it may not examine."""
+    from hydra_trio.decode import shm
+
+    uid = os.getuid()
+    huge = tmp_path / f"hydra-kv-{uid}-99999999999999999999-deadbeef-probe"  # OverflowError in os.kill
+    huge.write_bytes(b"x")
+    target = tmp_path / "not-ours"
+    target.write_bytes(b"keep")
+    link = tmp_path / f"hydra-kv-{uid}-1-0badcafe-{'L' * 22}"
+    link.symlink_to(target)
+    foreign = _plant(tmp_path, f"hydra-kv-{uid}-2-0badcafe")
+    if uid == 0:
+        for f in foreign:
+            os.chown(f, 65534, 65534)
+    else:  # seen as another user sees them: as if this process were uid + 1
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+        for f in foreign:
+            f.rename(f.with_name(f.name.replace(f"-{uid}-", f"-{uid + 1}-")))
+        foreign = [f.with_name(f.name.replace(f"-{uid}-", f"-{uid + 1}-")) for f in foreign]
+    denied = _plant(tmp_path, f"hydra-kv-{os.getuid()}-3-0badcafe")
+    real_lstat = os.lstat
+
+    def lstat(path: Any, *a: Any, **k: Any) -> os.stat_result:
+        if Path(path) in denied:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_lstat(path, *a, **k)
+
+    monkeypatch.setattr(shm.os, "lstat", lstat)
+    area = shm.ShmArea.open(str(tmp_path))
+    assert area is not None  # started
+    assert link.is_symlink() and target.read_bytes() == b"keep"
+    assert all(f.exists() for f in foreign) and all(f.exists() for f in denied)
+    area.close()
+
+
+_HOLDER = """
+import os, sys
+from hydra_trio.decode.shm import ShmArea
+area = ShmArea.open(sys.argv[1])
+export = area.probe.with_name(area.probe.name.replace("-probe", "-" + "E" * 22))
+export.write_bytes(b"x")
+print(area.probe.name, export.name, flush=True)
+sys.stdin.read()
+os._exit(0)  # the lock goes with the process, the files stay: a crash
+"""
+
+
+def test_liveness_is_the_owner_s_lock_not_its_pid(tmp_path: Path) -> None:
+    """Files of an engine that holds its probe's lock are kept (in another process, which
+    may be in another PID namespace), those of one that no longer does are removed, even
+    when their pid is a running process's (a pid seen from another namespace)."""
+    import subprocess
+    import sys
+
+    from hydra_trio.decode.shm import ShmArea
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        live = [tmp_path / name for name in holder.stdout.readline().split()]
+        assert len(live) == 2
+        unlocked = _plant(tmp_path, f"hydra-kv-{os.getuid()}-{os.getppid()}-0badcafe")  # a live pid, no lock
+        orphan = _plant(tmp_path, f"hydra-kv-{os.getuid()}-{os.getpid()}-1badcafe", probe=False)  # no probe
+        area = ShmArea.open(str(tmp_path))
+        assert area is not None
+        assert all(f.exists() for f in live)  # its engine runs
+        assert not any(f.exists() for f in unlocked + orphan)
+        area.close()
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    area = ShmArea.open(str(tmp_path))  # the holder has gone (its files stayed)
+    assert area is not None
+    assert not any(f.exists() for f in live)
+    area.close()

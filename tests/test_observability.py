@@ -226,3 +226,33 @@ async def test_dashboard_queries_name_metrics_the_engine_exposes(engine: Any) ->
     for must in ("vllm:prompt_tokens_total", "vllm:inter_token_latency_seconds_bucket", "hydra_kv_pulls_total", "hydra_kv_exports_total"):
         assert must in wanted, must
     assert wanted <= exposed, sorted(wanted - exposed)
+
+
+FORGED = "x\n2099-01-01 00:00:00,000 INFO hydra_trio: forged\r\x1b[2J\u2028\x85\u202e"
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_client_text_never_reaches_a_log_line_raw(log_format: str) -> None:
+    """Issue 28, 1.8: a remote_host, an RPC trace, a peer's error words go into log lines;
+    whatever they hold, each record stays one line (a traceback's lines indented), and no
+    control character, line separator or bidi override is written raw."""
+    log = logging.getLogger("hydra_trio.test_escape")
+    with captured_logs(log_format=log_format, log_level="INFO") as buf:
+        log.info("KV hand-off falls back (%s): %s", "pull_failed", f"cannot resolve {FORGED}")
+        log.info(f"a message built from client text: {FORGED}")
+        try:
+            raise ValueError(FORGED)
+        except ValueError:
+            log.exception("request %s failed", FORGED)
+    out = buf.getvalue()
+    lines = out.split("\n")[:-1]
+    for bad in ("\r", "\x1b", "\u2028", "\x85", "\u202e"):
+        assert bad not in out, repr(bad)
+    if log_format == "json":
+        records = [json.loads(line) for line in lines]
+        assert len(records) == 3
+        assert FORGED in records[0]["msg"] and FORGED in records[2]["exc"]  # escaped, not lost
+    else:
+        starts = [line for line in lines if not line.startswith("    ")]
+        assert len(starts) == 3 and not any(line.startswith("2099") for line in lines), lines
+        assert "\\n2099-01-01" in starts[0] and "\\x1b[2J" in starts[0] and "\\u2028" in starts[1]

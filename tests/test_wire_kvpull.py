@@ -192,3 +192,52 @@ def test_any_params_parse_or_refuse_cleanly(base: str, where: str, key: str, val
         assert err.code == ErrorCode.BAD_FRAME
         return
     assert parsed is None or (parsed.port > 0 and parsed.n_past > 0 and parsed.kv_hash.startswith("xxh3:"))
+
+
+_HOSTISH = st.text(alphabet=st.sampled_from(list("ab.-_:%0129\x00\n é")), max_size=80) | st.sampled_from(
+    ["a..b", "a" * 64, ".", "a.", "-a", "::1", "fe80::1%eth0", "127.0.0.1", "1.2.3.4.5", "x" * 254]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    field=st.sampled_from(
+        ["remote_host", "remote_port", "hydra.shm", "hydra.shm.probe", "hydra.shm.token", "hydra.kv_cache",
+         "hydra.kv_bytes", "hydra.n_past", "hydra.export_id", "hydra.kv_hash", "hydra.v", "hydra.tokenizer"]
+    ),
+    value=_JSON | _HOSTISH,
+)
+def test_what_parses_can_be_resolved_and_opened(field: str, value: Any) -> None:
+    """Issue 28, 1.7, field by field: whatever one field holds, parsing gives a HandoffParams
+    or a BAD_FRAME, and what it accepts the resolver can encode (no UnicodeError for a
+    label past 63 characters or an empty one) and the probe path can be opened (no NUL:
+    ValueError). Those were 500s."""
+    p = _params(shm={"probe": "/dev/shm/hydra-kv-0-1-0badcafe-probe", "token": "t"})
+    *where, key = field.split(".")
+    target: Any = p
+    for k in where:
+        target = target[k]
+    target[key] = value
+    try:
+        parsed = parse_handoff_params(p)
+    except ProtocolError as err:
+        assert err.code == ErrorCode.BAD_FRAME
+        return
+    assert parsed is not None
+    parsed.host.encode("idna")  # what socket.getaddrinfo does with a str host
+    assert "\x00" not in parsed.host
+    assert all(isinstance(v, str) and "\x00" not in v for v in parsed.shm.values())
+    assert 1 <= parsed.port <= 65535
+
+
+@pytest.mark.parametrize("host", ["a..b", "a" * 64, ".", "..", "a\nb", "a b", "é.example", "", "x" * 254])
+def test_malformed_hosts_are_bad_frames(host: str) -> None:
+    with pytest.raises(ProtocolError) as err:
+        parse_handoff_params({**_params(), "remote_host": host})
+    assert err.value.code == ErrorCode.BAD_FRAME
+
+
+@pytest.mark.parametrize("host", ["prefill-0", "prefill-0.pd.svc.cluster.local.", "10.0.0.7", "::1", "fe80::1%eth0", "a" * 63])
+def test_well_formed_hosts_parse(host: str) -> None:
+    parsed = parse_handoff_params({**_params(), "remote_host": host})
+    assert parsed is not None and parsed.host == host

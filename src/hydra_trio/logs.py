@@ -5,12 +5,20 @@ A request line is an ordinary log record that also carries ``request`` (a dict o
 ``REQUEST_FIELDS``): text output shows its message, JSON output adds the fields, and
 ``--no-log-requests`` drops it at the handler, wherever it was logged from. A throughput line
 carries ``stats`` (``STATS_FIELDS``) the same way.
+
+Log lines carry client-supplied text (a ``remote_host``, an RPC trace, a peer's error
+words, a request id). It is escaped in one place, ``escape``, applied by the formatters to
+every record whatever its origin: in text output a message is one line, and the lines of a
+traceback are indented, so no client text can start a line that passes for a record (or
+steer a terminal). JSON output escapes through ``json.dumps``, plus the line separators it
+leaves alone.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from datetime import UTC, datetime
 from typing import IO, TYPE_CHECKING, Any
@@ -41,6 +49,53 @@ STATS_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "running", "wa
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 stats_log = logging.getLogger("hydra_trio.stats")
+
+# What must never reach a log line raw: C0 and C1 controls (line feeds, carriage returns,
+# ESC of terminal sequences, NUL) and DEL; every other character str.splitlines() breaks
+# lines at (U+2028, U+2029); the bidirectional overrides that reorder what a reader sees.
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_JSON_UNSAFE = re.compile(r"[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")  # json.dumps did C0
+
+
+def _escaped(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}.get(c) or (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
+
+
+def escape(text: str) -> str:
+    """``text`` with every character that could break or disguise a log line written as an
+    escape (``\\n``, ``\\x1b``, ``\\u2028``): the one function every log line's text goes through."""
+    return _UNSAFE.sub(_escaped, text)
+
+
+class TextFormatter(logging.Formatter):
+    """The text output: the message escaped into one line, a traceback's lines indented
+    (and escaped each), so whatever a client put in either cannot pass for another record.
+    The traceback is formatted here, never taken from ``record.exc_text``: another handler
+    may have cached it there unescaped."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.getMessage())
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        out = self.formatMessage(record)
+        if record.exc_info:
+            out += "\n" + self.formatException(record.exc_info)
+        elif record.exc_text:
+            out += "\n" + _indented(record.exc_text)
+        if record.stack_info:
+            out += "\n" + self.formatStack(record.stack_info)
+        return out
+
+    def formatException(self, ei: Any) -> str:
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    return "\n".join("    " + escape(line) for line in text.split("\n"))
 
 
 def request_extra(**fields: Any) -> dict[str, Any]:
@@ -83,7 +138,8 @@ class JsonFormatter(logging.Formatter):
                 out.update(extra)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False, default=str)
+        # These occur only inside JSON strings, where \\uXXXX stands for the same character.
+        return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(out, ensure_ascii=False, default=str))
 
 
 class _DropRequestLines(logging.Filter):
@@ -96,7 +152,7 @@ def configure_logging(settings: Settings, stream: IO[str] | None = None) -> logg
     handler (tests remove it again). llama.cpp's own lines arrive at DEBUG unless they are
     warnings or errors (engine/llama/log.py); Hypercorn's access chatter is off."""
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if settings.log_format == "json" else logging.Formatter(_TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter(_TEXT_FORMAT))
     if not settings.log_requests:
         handler.addFilter(_DropRequestLines())
     root = logging.getLogger()

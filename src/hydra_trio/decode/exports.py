@@ -9,17 +9,24 @@ counted in ``hydra_kv_exports_total{outcome}``.
 
 With a shared-memory area (decode/shm.py, ``--kv-shm-dir``), an export's bytes live in a
 file there, so that a decode engine on the same host can map them instead of receiving
-them: a pull of that form hands the file over (the decode engine unlinks it once mapped;
-if it never does, the name is removed when the lease would have ended).
+them: a pull of that form hands the file over (the decode engine unlinks it once mapped,
+or once its pull failed). A handed-over file still counts against ``max_bytes`` until it
+is seen unlinked: a puller that never unlinks (a failure between the reply and the
+mapping, a hostile client) cannot make the folder hold more than the bound. Such a file is
+removed when the lease would have ended (the run loop wakes for it), or sooner when room
+is needed (before any export waiting to be pulled is evicted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import secrets
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -49,6 +56,27 @@ class Export:
         return sum(len(p) for p in self.parts)
 
 
+@dataclass(frozen=True, slots=True)
+class Handed:
+    """A shared file handed to a puller, which should have unlinked it by ``deadline``."""
+
+    deadline: float  # trio.current_time()
+    path: Path
+    nbytes: int
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def gone(self) -> bool:
+        """Whether the puller unlinked it (the names hold 128 random bits: never reused)."""
+        try:
+            os.lstat(self.path)
+        except FileNotFoundError:
+            return True
+        return False
+
+
 class KvTransferMetrics:
     """Counters of both sides of a hand-off (one set per engine registry)."""
 
@@ -73,6 +101,11 @@ class KvTransferMetrics:
         Gauge("hydra_kv_export_bytes", "bytes held by KV exports", registry=registry).set_function(
             lambda: store.bytes_held
         )
+        Gauge(
+            "hydra_kv_export_handed_bytes",
+            "bytes of shared-memory files handed to a puller and not yet seen unlinked",
+            registry=registry,
+        ).set_function(lambda: store.handed_bytes)
 
 
 class ExportStore:
@@ -82,29 +115,41 @@ class ExportStore:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.shm = shm
-        self.bytes_held = 0
+        self.bytes_held = 0  # exports waiting to be pulled
+        self.handed_bytes = 0  # handed-over files not yet seen unlinked
+        self._reserved = 0  # puts copying into a new shared file right now
         self._exports: OrderedDict[str, Export] = OrderedDict()  # oldest first
-        # Files handed to a decode engine (which unlinks them once mapped), with when to
-        # remove them if it never did (it failed between the reply and the mapping).
-        self._handed: list[tuple[float, ShmFile]] = []
+        # Files handed to a decode engine (which unlinks them once mapped), oldest first, with
+        # when to remove them if it never did (it failed between the reply and the mapping).
+        # Only the name is kept: this process's mapping goes with the export and its reply.
+        self._handed: deque[Handed] = deque()
         self._changed = trio.Event()
         self.metrics = KvTransferMetrics(registry, self)
 
     def __len__(self) -> int:
         return len(self._exports)
 
-    def put(self, parts: list[Part], n_past: int, kv_hash: str, identity: dict[str, Any]) -> Export | None:
-        """Keep a blob under a new lease; None when it alone is larger than the store."""
+    async def put(
+        self, parts: list[Part], n_past: int, kv_hash: str, identity: dict[str, Any]
+    ) -> Export | None:
+        """Keep a blob under a new lease; None when it alone is larger than the store (or
+        when puts in progress hold the rest of it)."""
         nbytes = sum(len(p) for p in parts)
         if nbytes > self.max_bytes:
             self.metrics.exports.labels("refused").inc()
             log.warning("KV export of %d bytes refused: --kv-export-max-bytes is %d", nbytes, self.max_bytes)
             return None
-        while self.bytes_held + nbytes > self.max_bytes:
-            _, oldest = self._exports.popitem(last=False)
-            self._drop(oldest, "evicted")
-            log.info("KV export %s evicted (%d bytes) to make room", oldest.id, oldest.nbytes)
-        shared = self.shm.create(parts) if self.shm is not None else None
+        if not self._make_room(nbytes):
+            self.metrics.exports.labels("refused").inc()
+            log.warning("KV export of %d bytes refused: exports being copied hold the rest of --kv-export-max-bytes", nbytes)
+            return None
+        # The room is taken before the copy (off this thread) starts: concurrent puts
+        # cannot together pass the bound.
+        self._reserved += nbytes
+        try:
+            shared = await self.shm.create(parts) if self.shm is not None else None
+        finally:
+            self._reserved -= nbytes
         if shared is not None:  # the bytes now live in the shared file; the copies go
             parts = list(shared.views([len(p) for p in parts]))
         export = Export(
@@ -116,6 +161,44 @@ class ExportStore:
         self._wake()
         return export
 
+    def occupied(self) -> int:
+        """What counts against ``max_bytes``: exports, handed-over files, puts in progress."""
+        return self.bytes_held + self.handed_bytes + self._reserved
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Free room for ``nbytes`` (at most ``max_bytes``): handed-over files the puller
+        never unlinked go first (served already: a pull that worked unlinks at once), then
+        the oldest exports. False when puts in progress hold the rest."""
+        if self.occupied() + nbytes <= self.max_bytes:
+            return True
+        self._forget_unlinked()
+        while self.occupied() + nbytes > self.max_bytes:
+            if self._handed:
+                handed = self._handed.popleft()
+                self._unlink_handed(handed)
+                log.info("KV export file %s, handed over and never unlinked, removed to make room", handed.path.name)
+            elif self._exports:
+                _, oldest = self._exports.popitem(last=False)
+                self._drop(oldest, "evicted")
+                log.info("KV export %s evicted (%d bytes) to make room", oldest.id, oldest.nbytes)
+            else:
+                return False
+        return True
+
+    def _forget_unlinked(self) -> None:
+        kept: deque[Handed] = deque()
+        for handed in self._handed:
+            if handed.gone():
+                self.handed_bytes -= handed.nbytes
+            else:
+                kept.append(handed)
+        self._handed = kept
+
+    def _unlink_handed(self, handed: Handed) -> None:
+        handed.unlink()
+        self.handed_bytes -= handed.nbytes
+        self._wake()
+
     def take(self, export_id: str, *, hand_over: bool = False) -> Export | None:
         """Remove and return a live export (a pull); None if unknown, expired or taken.
         ``hand_over``: the puller maps its shared file (and unlinks it)."""
@@ -123,7 +206,8 @@ class ExportStore:
         export = self._exports.pop(export_id, None)
         if export is not None:
             if hand_over and export.shm is not None:  # the file is the puller's to unlink now
-                self._handed.append((trio.current_time() + self.ttl_s, export.shm))
+                self._handed.append(Handed(trio.current_time() + self.ttl_s, export.shm.path, export.nbytes))
+                self.handed_bytes += export.nbytes
                 self._drop(export, "pulled", unlink=False)
             else:
                 self._drop(export, "pulled")
@@ -131,8 +215,8 @@ class ExportStore:
 
     def sweep(self) -> None:
         now = trio.current_time()
-        while self._handed and self._handed[0][0] <= now:
-            self._handed.pop(0)[1].unlink()  # a puller that never mapped it
+        while self._handed and self._handed[0].deadline <= now:  # a puller that never unlinked it
+            self._unlink_handed(self._handed.popleft())
         while self._exports:
             oldest = next(iter(self._exports.values()))  # leases are equal: oldest ends first
             if oldest.expires_at > now:
@@ -145,9 +229,8 @@ class ExportStore:
         for export in list(self._exports.values()):
             self._drop(export, "expired")
         self._exports.clear()
-        for _, shared in self._handed:
-            shared.unlink()
-        self._handed.clear()
+        while self._handed:
+            self._unlink_handed(self._handed.popleft())
         if self.shm is not None:
             self.shm.close()
 
@@ -163,7 +246,7 @@ class ExportStore:
         self._changed = trio.Event()
 
     async def wait_changed(self) -> None:
-        """Return at the next put, take, expiry or eviction."""
+        """Return at the next put, take, expiry, eviction or removal of a handed-over file."""
         await self._changed.wait()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -173,7 +256,10 @@ class ExportStore:
         try:
             while True:
                 self.sweep()
-                deadline = next(iter(self._exports.values())).expires_at if self._exports else math.inf
+                deadline = min(
+                    next(iter(self._exports.values())).expires_at if self._exports else math.inf,
+                    self._handed[0].deadline if self._handed else math.inf,  # wake for those too
+                )
                 with trio.move_on_at(deadline):
                     await self._changed.wait()
         finally:

@@ -32,7 +32,7 @@ from ..engine.slots import Slot
 from ..engine.text import TextAssembler
 from ..engine.transfer import blob_hash
 from ..model.identity import compare_identity
-from ..rpc.kvpull import PullFailed, pull_export
+from ..rpc.kvpull import PULL_FAILED, PullFailed, network_failure, pull_export
 from ..tasks import run_cpu_bound
 from ..wire.errors import ProtocolError
 from ..wire.kvblob import KvBlob, parse_kv_blob
@@ -94,7 +94,7 @@ async def prefill_export(
     kv_hash = await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts)))
     identity = engine.identity.info_fields()
     made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": dict(backend.cache_layout)}
-    export = exports.put(parts, n_past, kv_hash, made_by)
+    export = await exports.put(parts, n_past, kv_hash, made_by)
     return ExportedPrefill(res, slot.id, export, res.prompt_ms, copy_ms, slot_held_ms)
 
 
@@ -148,10 +148,20 @@ class Handoff:
         Runs in the request's slot, as a DECODE's receive does: the pulled bytes come from
         the payload budget (``--max-inflight-bytes``, shared with RPC payloads and uploads)
         and live only until the restore, and a client that leaves cancels the pull.
-        ``--kv-pull-timeout-s`` bounds the wait for budget room and the pull together."""
+        ``--kv-pull-timeout-s`` bounds the wait for budget room and the pull together.
+
+        The claim (``kv_bytes``, the client's number) is checked against --max-kv-bytes
+        before any room is asked for: the budget's queue is first come, first served, and a
+        claim it could never grant would hold everyone behind it until its deadline.
+
+        A network failure (``pull_failed``) answers at the deadline, as a silent peer does:
+        a closed port, a silent one and one that answers something else look the same."""
         if self.status != "pending" or self.params is None:
             return
         n = self.params.kv_bytes
+        if n > settings.max_kv_bytes:
+            self._fail("too_large", f"export of {n} bytes exceeds --max-kv-bytes {settings.max_kv_bytes}")
+            return
         deadline = trio.current_time() + settings.kv_pull_timeout_s
         with trio.move_on_at(deadline) as wait:
             await budget.acquire(n)
@@ -162,6 +172,8 @@ class Handoff:
             await self._pull_and_restore(engine, settings, deadline, slot_id, prompt_tokens)
         finally:
             budget.release(n)
+        if self.reason == PULL_FAILED:  # the budget is back; the slot waits, as for a silent peer
+            await trio.sleep_until(deadline)
 
     async def _pull_and_restore(
         self, engine: Engine, settings: Settings, deadline: float, slot_id: int, prompt_tokens: list[int]
@@ -193,11 +205,12 @@ class Handoff:
         t0 = time.perf_counter()
         try:
             with trio.fail_at(deadline):
-                pulled = await pull_export(
-                    params, max_kv_bytes=settings.max_kv_bytes, allow=settings.kv_pull_networks(), trace=self.trace
-                )
+                pulled = await pull_export(params, allow=settings.kv_pull_networks(), trace=self.trace)
         except trio.TooSlowError:
-            self._fail("timeout", f"no KV from {params.host}:{params.port} within {settings.kv_pull_timeout_s:g} s")
+            exc = network_failure(
+                "timeout", f"no KV from {params.host}:{params.port} within {settings.kv_pull_timeout_s:g} s"
+            )
+            self._fail(exc.reason, exc.detail)
             return None
         except PullFailed as exc:
             self._fail(exc.reason, exc.detail)
@@ -212,19 +225,25 @@ class Handoff:
             self._fail("identity_mismatch", f"prefill engine serves another model: {match.reason}")
             return None
         try:
-            blob = await run_cpu_bound(partial(parse_kv_blob, pulled.blob), len(pulled.blob))
+            # No more tokens than a slot holds: the token list is built from the blob's count.
+            parse = partial(parse_kv_blob, pulled.blob, max_tokens=engine.n_ctx_slot)
+            blob = await run_cpu_bound(parse, len(pulled.blob))
         except ProtocolError as err:
-            self._fail("bad_reply", err.message)
+            self._fail_network("bad_reply", err.message)
             return None
         if blob.n_past != params.n_past:
-            self._fail("bad_reply", f"blob holds {blob.n_past} positions; the export announced {params.n_past}")
+            self._fail_network("bad_reply", f"blob holds {blob.n_past} positions; the export announced {params.n_past}")
             return None
         return blob
 
+    def _fail_network(self, cause: str, detail: str) -> None:
+        exc = network_failure(cause, detail)
+        self._fail(exc.reason, exc.detail)
+
     def _fail(self, reason: str, detail: str) -> None:
-        """Fall back to a local prefill. The reply says only ``reason`` (a code): the detail
-        can hold a peer's own words or tell a closed port from an open one, so it goes to
-        the log alone."""
+        """Fall back to a local prefill. The reply (and the metric) says only ``reason`` (a
+        code): the detail can hold a peer's own words or tell a closed port from an open
+        one, so it goes to the log alone (escaped there: logs.py)."""
         self.status, self.reason, self.detail = "fallback", reason, detail
         self.exports.metrics.pulls.labels("fallback", reason).inc()
         log.info("KV hand-off falls back to a local prefill (%s): %s", reason, detail)

@@ -180,15 +180,16 @@ def hold_state_uploads(asgi_app: ASGIApp, settings: Settings) -> ASGIApp:
 
 
 async def _drain(receive: ASGIReceive, limit: int, idle_timeout_s: float) -> None:
+    """Drop a refused upload's body, up to ``limit`` bytes, so the refusal can be read. One
+    deadline for the whole drain (``idle_timeout_s``), not only per message: a sender
+    dripping a byte just inside the idle timeout would otherwise hold it for ever."""
     left = limit
-    while left > 0:
-        with trio.move_on_after(idle_timeout_s):
+    with trio.move_on_after(idle_timeout_s):
+        while left > 0:
             message = await receive()
             if message["type"] != "http.request" or not message.get("more_body", False):
                 return
             left -= len(message.get("body", b""))
-            continue
-        return  # the sender stalled
 
 
 @bp.post("/slots/<raw_id>")

@@ -20,7 +20,7 @@ import numpy as np
 import trio
 
 from ..config import IPNetwork
-from ..decode.shm import map_export, shares_folder
+from ..decode.shm import discard_export, map_export, shares_folder
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
@@ -28,6 +28,11 @@ from ..wire.protocol import RESPONSE_HEADER, Op, encode_request, parse_response_
 from .connection import payload_buffer
 
 _MAX_META_BYTES = 1 << 20
+# The one reason a client sees for every failure of the network exchange: nothing listens,
+# nothing answers in time, or what answers is not a KV_PULL reply of that export. Telling
+# those apart would let any HTTP client map which ports are closed, silent or open behind
+# the engine; the cause stays in the detail, for the engine's own log.
+PULL_FAILED = "pull_failed"
 
 
 class PullFailed(Exception):
@@ -37,6 +42,12 @@ class PullFailed(Exception):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+
+
+def network_failure(cause: str, detail: str) -> PullFailed:
+    """The one home of the collapse: ``cause`` (unreachable, timeout, bad_reply) goes into
+    the detail only, never into the reason."""
+    return PullFailed(PULL_FAILED, f"{cause}: {detail}")
 
 
 @dataclass(slots=True)
@@ -53,7 +64,7 @@ async def _read_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
     while got < len(view):
         k = await sock.recv_into(view[got:], len(view) - got)
         if k == 0:
-            raise PullFailed("unreachable", f"prefill engine closed the connection after {got}/{len(view)} bytes")
+            raise network_failure("unreachable", f"prefill engine closed the connection after {got}/{len(view)} bytes")
         got += k
 
 
@@ -64,7 +75,9 @@ async def allowed_address(host: str, port: int, allow: Sequence[IPNetwork]) -> s
     try:
         infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
-        raise PullFailed("unreachable", f"cannot resolve {host}: {exc}") from None
+        raise network_failure("unreachable", f"cannot resolve {host}: {exc}") from None
+    except (UnicodeError, ValueError) as exc:  # a name the resolver cannot even encode
+        raise PullFailed("bad_params", f"remote_host {host!r}: {exc}") from None
     addresses = [info[4][0] for info in infos]
     for addr in addresses:
         ip = ipaddress.ip_address(addr.split("%")[0])
@@ -73,23 +86,21 @@ async def allowed_address(host: str, port: int, allow: Sequence[IPNetwork]) -> s
     raise PullFailed("not_allowed", f"{host} ({', '.join(sorted(set(addresses)))}) is outside --kv-pull-allow")
 
 
-async def pull_export(
-    params: HandoffParams, *, max_kv_bytes: int, allow: Sequence[IPNetwork], trace: str = ""
-) -> Pulled:
+async def pull_export(params: HandoffParams, *, allow: Sequence[IPNetwork], trace: str = "") -> Pulled:
     """The export's blob, verified; PullFailed otherwise. Bounded by the caller's scope; the
-    caller holds the payload budget for ``params.kv_bytes``."""
-    if params.kv_bytes > max_kv_bytes:
-        raise PullFailed("too_large", f"export of {params.kv_bytes} bytes exceeds --max-kv-bytes {max_kv_bytes}")
+    caller has checked ``params.kv_bytes`` against --max-kv-bytes and holds the payload
+    budget for it."""
     address = await allowed_address(params.host, params.port, allow)
     # Shared memory only when this process reads the prefill engine's probe: never assumed.
     shm = shares_folder(params.shm)
     try:
         stream = await trio.open_tcp_stream(address, params.port)
     except OSError as exc:
-        raise PullFailed("unreachable", f"cannot connect to {params.host}:{params.port}: {exc}") from None
+        raise network_failure("unreachable", f"cannot connect to {params.host}:{params.port}: {exc}") from None
     async with stream:
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock = stream.socket
+        handed: object = None  # a shared file the reply handed over, until it is mapped
         try:
             pull = encode_pull_request(params.export_id, shm=shm)
             request = encode_request(Op.KV_PULL, b"", pull, trace.encode()[:200])
@@ -98,36 +109,47 @@ async def pull_export(
             await _read_exact(sock, memoryview(head_buf))
             head = parse_response_header(head_buf)
             if head.meta_len > _MAX_META_BYTES:
-                raise PullFailed("bad_reply", f"KV_PULL reply meta of {head.meta_len} bytes")
+                raise network_failure("bad_reply", f"KV_PULL reply meta of {head.meta_len} bytes")
             meta_buf = bytearray(head.meta_len)
             await _read_exact(sock, memoryview(meta_buf))
             meta = json.loads(meta_buf) if meta_buf else {}
             if not isinstance(meta, dict):
-                raise PullFailed("bad_reply", "KV_PULL reply meta is not an object")
+                raise network_failure("bad_reply", "KV_PULL reply meta is not an object")
             if head.status != Status.OK:
                 code = str(meta.get("error_code", ""))
                 reason = "not_found" if code == ErrorCode.EXPORT_NOT_FOUND else "refused"
                 raise PullFailed(reason, f"KV_PULL refused: {code}: {meta.get('error', '')}")
-            if shm and meta.get("transport") == "shm" and head.payload_len == 0:
-                blob = await trio.to_thread.run_sync(_mapped, meta.get("shm_path"), params)
+            if shm and meta.get("transport") == "shm":
+                handed = meta.get("shm_path")  # ours to unlink now, whatever happens next
+            if handed is not None and head.payload_len == 0:
+                if meta.get("kv_bytes") != params.kv_bytes:  # before anything is mapped
+                    raise network_failure(
+                        "bad_reply", f"KV_PULL reply holds {meta.get('kv_bytes')!r} bytes; the export has {params.kv_bytes}"
+                    )
+                blob = await trio.to_thread.run_sync(_mapped, handed, params)
+                handed = None  # mapped, and unlinked by the mapping
                 transport = "shm"
             else:
                 if head.payload_len != params.kv_bytes:
-                    raise PullFailed(
+                    raise network_failure(
                         "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has {params.kv_bytes}"
                     )
                 blob = payload_buffer(head.payload_len)  # the one buffer the KV lives in until restored
                 await _read_exact(sock, memoryview(blob))
                 transport = "tcp"
         except (OSError, trio.BrokenResourceError) as exc:
-            raise PullFailed("unreachable", f"KV_PULL from {params.host}:{params.port}: {exc}") from None
+            raise network_failure("unreachable", f"KV_PULL from {params.host}:{params.port}: {exc}") from None
         except (ValueError, ProtocolError) as exc:  # bad JSON, malformed header
-            raise PullFailed("bad_reply", f"KV_PULL reply: {exc}") from None
+            raise network_failure("bad_reply", f"KV_PULL reply: {exc}") from None
+        finally:
+            if handed is not None:  # a failure (or a cancellation) after the reply
+                discard_export(handed, params.shm.get("probe", ""))
     try:
         await run_cpu_bound(lambda: check_pulled(params, meta, blob), len(blob))
     except ProtocolError as err:
-        reason = "hash_mismatch" if err.code == ErrorCode.HASH_MISMATCH else "bad_reply"
-        raise PullFailed(reason, err.message) from None
+        if err.code == ErrorCode.HASH_MISMATCH:
+            raise PullFailed("hash_mismatch", err.message) from None
+        raise network_failure("bad_reply", err.message) from None
     return Pulled(meta, blob, transport)
 
 
@@ -135,9 +157,9 @@ def _mapped(path: object, params: HandoffParams) -> np.ndarray:
     """The export's shared file, mapped (and unlinked: decode/shm.py); PullFailed otherwise.
     The hash is checked on these bytes afterwards, as on received ones."""
     if not isinstance(path, str):
-        raise PullFailed("bad_reply", "KV_PULL reply names no shared-memory file")
+        raise network_failure("bad_reply", "KV_PULL reply names no shared-memory file")
     try:
         mapping = map_export(path, params.kv_bytes, params.shm["probe"])
     except OSError as exc:
-        raise PullFailed("bad_reply", f"cannot map the export's shared-memory file: {exc}") from None
+        raise network_failure("bad_reply", f"cannot map the export's shared-memory file: {exc}") from None
     return np.frombuffer(mapping, dtype=np.uint8)

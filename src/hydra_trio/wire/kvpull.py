@@ -14,6 +14,7 @@ Pure: importable without llama_cpp. Every refusal is a ``ProtocolError``.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 from collections.abc import Mapping
@@ -31,6 +32,10 @@ ENGINE_ID = "hydra-trio"
 # An export id is a capability: 128 random bits, URL-safe base64 (22 chars); accept a range so
 # the format may grow without breaking older decoders.
 _EXPORT_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+# A host name (RFC 1123 labels of 1..63 letters, digits, hyphens; underscores as DNS allows
+# them in practice), at most 253 characters, one trailing dot at most; or an IP literal.
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+_MAX_PATH = 4096  # PATH_MAX: longer is no file name
 # Identity fields a handoff carries (spec §2 plus the tokenizer hash; never the model path).
 IDENTITY_KEYS = ("model_alias", "tokenizer", "tokenizer_hash", "model_name", "model_quant", "model_capabilities")
 
@@ -133,6 +138,37 @@ def export_params(
     }
 
 
+def check_host(value: object) -> str:
+    """``remote_host`` as the resolver may be given it: an IP literal or a well-formed
+    host name; BAD_FRAME otherwise (``"a..b"``, a 64-character label, ``"."``, a NUL: the
+    resolver's own errors for those are not a network's answer)."""
+    if not isinstance(value, str) or not value or len(value) > 253 or not value.isascii():
+        raise _bad("remote_host must be a host name or address")
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    name = value[:-1] if value.endswith(".") else value
+    if not name or not all(_LABEL.fullmatch(label) for label in name.split(".")):
+        raise _bad("remote_host must be a host name or address")
+    return value
+
+
+def _shm(value: object) -> dict[str, str]:
+    """The prefill engine's probe (decode/shm.py): {} when not announced."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _bad("shm must be an object of probe and token (strings)")
+    out = {k: value[k] for k in ("probe", "token") if k in value}
+    if set(out) != {"probe", "token"} or not all(
+        isinstance(v, str) and 0 < len(v) <= _MAX_PATH and "\0" not in v for v in out.values()
+    ):
+        raise _bad("shm must be an object of probe and token (strings)")
+    return out
+
+
 def _int(obj: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -151,9 +187,7 @@ def parse_handoff_params(params: object) -> HandoffParams | None:
         raise _bad("hydra must be an object")
     if h.get("v") != HANDOFF_VERSION:
         raise _bad(f"unsupported hydra handoff version {h.get('v')!r}")
-    host = params.get("remote_host")
-    if not isinstance(host, str) or not host or len(host) > 255:
-        raise _bad("remote_host must be a host name or address")
+    host = check_host(params.get("remote_host"))
     port = _int(params, "remote_port", 1, 65535)
     kv_hash = h.get("kv_hash")
     if parse_tag(kv_hash, "kv_transfer_params.hydra.kv_hash") is None:
@@ -174,9 +208,7 @@ def parse_handoff_params(params: object) -> HandoffParams | None:
         kv_bytes=_int(h, "kv_bytes", 1, 1 << 62),
         identity=identity,
         kv_cache={k: kv_cache[k] for k in ("type_k", "type_v", "v_trans") if k in kv_cache},
-        shm={k: v for k, v in shm.items() if k in ("probe", "token") and isinstance(v, str)}
-        if isinstance(shm := h.get("shm"), Mapping)
-        else {},
+        shm=_shm(h.get("shm")),
     )
 
 
@@ -203,6 +235,7 @@ __all__ = [
     "KV_PULL_MAX_REQUEST_BYTES",
     "HandoffParams",
     "check_export_id",
+    "check_host",
     "check_pulled",
     "encode_pull_request",
     "export_params",
