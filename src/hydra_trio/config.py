@@ -111,23 +111,21 @@ class Settings:
     # Security (docs/operations.md "Security"). repr=False: a logged Settings never shows the key.
     api_key: str | None = field(default=None, repr=False)
     api_key_file: str | None = None
+    # The admin role (docs/operations.md "Roles"): slot state, erase, the decode listing and
+    # /slots need this key; the plain --api-key serves completions and tokenizer routes.
+    admin_api_key: str | None = field(default=None, repr=False)
+    admin_api_key_file: str | None = None
     rpc_allow: str | None = None  # comma-separated CIDRs; None: every peer
 
     def http_api_key(self) -> str | None:
         """The key every HTTP request but /health must present: --api-key, else the first
         line of --api-key-file; None when neither is set (HTTP open to whoever reaches it)."""
-        if self.api_key is not None:
-            return self.api_key
-        if self.api_key_file is None:
-            return None
-        try:
-            lines = Path(self.api_key_file).read_text().splitlines()
-        except OSError as exc:
-            raise SystemExit(f"api_key_file: cannot read {self.api_key_file}: {exc.strerror}") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise SystemExit(f"api_key_file: {self.api_key_file} holds no key on its first line")
-        return key
+        return _key(self.api_key, self.api_key_file, "api_key_file")
+
+    def http_admin_api_key(self) -> str | None:
+        """The admin role's key (--admin-api-key, else the first line of
+        --admin-api-key-file); None when neither is set (http/auth.py says what that means)."""
+        return _key(self.admin_api_key, self.admin_api_key_file, "admin_api_key_file")
 
     def rpc_networks(self) -> tuple[IPNetwork, ...] | None:
         """The networks RPC peers must come from; None: no allowlist (every peer)."""
@@ -139,6 +137,22 @@ class Settings:
     def kv_pull_networks(self) -> tuple[IPNetwork, ...]:
         """The networks KV exports may be pulled from (``--kv-pull-allow``)."""
         return parse_networks(self.kv_pull_allow, "kv_pull_allow")
+
+
+def _key(value: str | None, path: str | None, name: str) -> str | None:
+    """A key given as a value, or as the first line of the file at ``path``."""
+    if value is not None:
+        return value
+    if path is None:
+        return None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise SystemExit(f"{name}: cannot read {path}: {exc.strerror}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise SystemExit(f"{name}: {path} holds no key on its first line")
+    return key
 
 
 def parse_networks(value: str, name: str) -> tuple[IPNetwork, ...]:
@@ -216,6 +230,10 @@ _HELP: dict[str, str] = {
     "api_key": "HTTP requests (all but /health) must send 'Authorization: Bearer KEY' "
     "(prefer the file or the variable: a flag shows in ps)",
     "api_key_file": "read the API key from the first line of this file",
+    "admin_api_key": "the admin role's key: slot state GET/PUT, erase, /slots and the decode listing need it, "
+    "and it serves every other route too; the plain --api-key then gets 403 there. Without it, "
+    "--api-key alone is admin (as before roles). With it alone, the plain routes need no key",
+    "admin_api_key_file": "read the admin API key from the first line of this file",
     "rpc_allow": "RPC peers allowed, CIDR[,CIDR...] (e.g. 10.0.0.0/8,127.0.0.1); others are "
     "closed at accept (default: all)",
 }
@@ -354,6 +372,10 @@ def validate(s: Settings) -> None:
         problems.append("give api_key or api_key_file, not both")
     if s.api_key is not None and not s.api_key.strip():
         problems.append("api_key must not be empty")
+    if s.admin_api_key is not None and s.admin_api_key_file is not None:
+        problems.append("give admin_api_key or admin_api_key_file, not both")
+    if s.admin_api_key is not None and not s.admin_api_key.strip():
+        problems.append("admin_api_key must not be empty")
     if s.rpc_allow is not None and not s.rpc_allow.strip():
         problems.append("rpc_allow must name at least one network")
     if s.n_gpu_layers is not None and s.n_gpu_layers < -1:
@@ -374,7 +396,10 @@ def validate(s: Settings) -> None:
         problems.append("give chat_template or chat_template_file, not both")
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
-    s.http_api_key()  # an unreadable key file or a bad CIDR stops startup here, with its reason
+    # An unreadable key file or a bad CIDR stops startup here, with its reason.
+    plain, admin = s.http_api_key(), s.http_admin_api_key()
+    if plain is not None and plain == admin:
+        raise SystemExit("invalid settings: api_key and admin_api_key must differ (one key cannot hold two roles)")
     s.rpc_networks()
     s.kv_pull_networks()
 
