@@ -43,6 +43,7 @@ from .seqstate import (
     type_name,
     with_streams,
 )
+from .text import common_prefix_len
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -322,6 +323,9 @@ class LlamaBackend:
         self.decode_s = 0.0
         self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
+        # Per slot: the cache_salt its history was computed under (None: unsalted). With the
+        # tokens it is the history's identity: see ``shared_prefix``.
+        self.seq_salt: list[str | None] = []
         # Told of every change of a slot's KV (kvblocks.py: the KV events); None: nobody.
         self.watcher: SlotBlocks | None = None
         self.type_k = type_k
@@ -397,6 +401,7 @@ class LlamaBackend:
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
+        self.seq_salt = [None] * self.n_slots
         # Per slot: how many leading positions are unchanged since the watcher last saw it.
         # A cut needs no update (the watcher keeps at most the blocks the slot still fills);
         # a restore, which may replace every position, sets it to 0.
@@ -449,7 +454,7 @@ class LlamaBackend:
         those of its new last position, when the change computed or restored them."""
         self.tail_logits[slot] = tail_logits
         if self.watcher is not None:
-            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot])
+            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot])
         self._kept[slot] = len(self.seq_tokens[slot])
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
@@ -560,6 +565,15 @@ class LlamaBackend:
 
     def n_past(self, slot: int) -> int:
         return len(self.seq_tokens[slot])
+
+    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None) -> int:
+        """How many leading ``tokens`` the slot's KV holds for a request under ``salt``: the
+        one tenant rule of slot reuse (slot choice, prefix reuse, the prompt cache's swap).
+        KV computed under one cache_salt is never continued under another, so a request
+        learns nothing (cached_tokens, timing) of what other salts' requests sent."""
+        if self.seq_salt[slot] != salt:
+            return 0
+        return common_prefix_len(self.seq_tokens[slot], tokens)
 
     def cells_in_use(self) -> int:
         """Upper bound of occupied KV cells (shared cells are counted once per sequence)."""
@@ -878,7 +892,7 @@ class LlamaBackend:
             raise RuntimeError(f"llama.cpp wrote {n} of {size} state bytes")
         if logits is not None:
             buf[room + size :] = logits
-        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None)
+        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot])
 
     def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
         """The slot's llama sequence state, in the one-stream form, and its tokens."""
@@ -935,8 +949,10 @@ class LlamaBackend:
         abort: threading.Event | None = None,
         *,
         blob: memoryview | None = None,
+        salt: str | None = None,
     ) -> bool:
-        """Restore a sequence state into ``slot``, all-or-nothing. ``blob``: the whole blob
+        """Restore a sequence state into ``slot``, all-or-nothing; its history is then
+        ``salt``'s (the request's that brought it: ``shared_prefix``). ``blob``: the whole blob
         ``state`` ends, whose bytes may be rewritten (seqstate.py) for this context's layout.
 
         Unified cache: the state lands in the scratch sequence first; only when llama.cpp
@@ -994,6 +1010,7 @@ class LlamaBackend:
                 llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
                 llama_cpp.llama_memory_seq_cp(self._mem, target, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
+            self.seq_salt[slot] = salt
             self._kept[slot] = 0  # every position may differ (kvblocks.py keeps equal blocks)
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)
