@@ -68,6 +68,10 @@ class Settings:
     # a trickling sender cannot hold its payload budget or its buffer indefinitely. 0: no floor.
     min_upload_bytes_per_s: int = 1 * _MiB
     upload_grace_s: float = 10.0
+    # The same floor for a large response body (a slot's state): a client that stops reading
+    # cannot keep its snapshot, charged to the payload budget, for ever. 0: no floor.
+    min_download_bytes_per_s: int = 1 * _MiB
+    download_grace_s: float = 10.0
     idle_timeout_s: float = 120.0
     drain_limit_bytes: int = 64 * _MiB
     max_kv_bytes: int = 4 * _GiB
@@ -197,6 +201,8 @@ _HELP: dict[str, str] = {
     "max_http_connections": "HTTP connections served at once; past it, up to 64 more at a time get one answer each (/health as usual, else 503) and are closed; 0 = the open-file limit less RPC's --max-connections, that reserve and 256, at most 4096",
     "min_upload_bytes_per_s": "a request body (state upload, JSON) must arrive at this average rate, counted after --upload-grace-s, else 408 and its payload budget is released; 0 = no floor (--idle-timeout-s of silence still ends it)",
     "upload_grace_s": "seconds a request body may take before --min-upload-bytes-per-s applies (its deadline: grace + bytes received / rate)",
+    "min_download_bytes_per_s": "a slot state response (GET /slots/{id}/state) must be read at this average rate: past --download-grace-s + bytes / rate its connection is closed and its snapshot's payload budget released; 0 = no floor",
+    "download_grace_s": "seconds a slot state response may take before --min-download-bytes-per-s applies",
     "idle_timeout_s": "an RPC peer idle, or sending/reading no byte mid-request, this long is "
     "closed; also the wait for payload room",
     "drain_limit_bytes": "a refused request's payload up to this size is drained, larger closes",
@@ -359,8 +365,10 @@ def validate(s: Settings) -> None:
         problems.append("threads must be >= 1")
     if s.max_http_connections < 0 or s.min_upload_bytes_per_s < 0:
         problems.append("max_http_connections and min_upload_bytes_per_s must be >= 0 (0 = the default bound / no floor)")
-    if s.upload_grace_s <= 0:
-        problems.append("upload_grace_s must be positive")
+    if s.upload_grace_s <= 0 or s.download_grace_s <= 0:
+        problems.append("upload_grace_s and download_grace_s must be positive")
+    if s.min_download_bytes_per_s < 0:
+        problems.append("min_download_bytes_per_s must be >= 0 (0 = no floor)")
     for name in ("port", "rpc_port"):
         if not 0 <= getattr(s, name) <= 65535:
             problems.append(f"{name} must be 0..65535")

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 # vocabulary, so it is refused before it is tokenized (tokenizing holds the GPU worker, and
 # a multi-megabyte prompt would stall every stream for seconds).
 MAX_PROMPT_BYTES_PER_POSITION = 32
+# A token id in a JSON array: up to 7 digits, its comma, and the indentation of a
+# pretty-printed body (json.dumps(indent=4) inside an object: 8 spaces and a newline).
+MAX_TOKEN_ID_JSON_BYTES = 24
 
 # A slot's history goes to the prompt cache when it would drop at least this many positions
 # (a KV-event block), and an entry comes back when it holds at least this many more.
@@ -371,6 +374,15 @@ class Engine:
         of the request (messages' structure, a tool schema, sampling fields). Token-id arrays
         take at most 8 bytes an id."""
         return 3 * MAX_PROMPT_BYTES_PER_POSITION * self.n_ctx_slot + (1 << 20)
+
+    @property
+    def max_token_ids_json_bytes(self) -> int:
+        """The largest /detokenize body worth parsing: an array of at most n_ctx ids (what all
+        slots hold together; more is refused anyway), MAX_TOKEN_ID_JSON_BYTES an id, plus
+        64 KiB for the rest. Parsing holds the GIL even on another thread, so a body this
+        route refuses must never cost more to parse than the largest one it serves (a
+        12 MB array of 4 M ids: 0.2-0.4 s of every stream's time)."""
+        return MAX_TOKEN_ID_JSON_BYTES * self.n_ctx + (64 << 10)
 
     def check_text_fits(self, text: str) -> None:
         """Refuse text too long for a slot before any per-token work (see
