@@ -1019,8 +1019,21 @@ class Campaign:
 
         tokens = b"[" + b"12," * (BIG // 3 - 1) + b"12]"
         over = 64 * 2**20 + 1  # --max-json-bytes (default) + 1, declared: refused before reading
+        # Under the prompt routes' cap (2048 positions a slot here: ~1.2 MB) but over what
+        # the 32768 cells' ids take (~0.8 MB): before issue 28 it was parsed, then refused.
+        ids_over_cells = b"[" + b"12," * 370_000 + b"12]"
         return [
             ("detokenize_12mb", post("/detokenize", b'{"tokens":' + tokens + b"}")),
+            ("detokenize_over_cells", post("/detokenize", b'{"tokens":' + ids_over_cells + b"}")),
+            # A body on a route that takes none: refused before Quart buffers it (issue 28).
+            (
+                "get_with_body",
+                Case(
+                    "get_with_body",
+                    http_request("GET", "/v1/models", b"x" * 1_000_000, [("Content-Type", "text/plain")], port=port),
+                    protocol=True,
+                ),
+            ),
             (
                 "chat_12mb_prompt",
                 post(

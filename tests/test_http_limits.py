@@ -192,3 +192,86 @@ async def test_a_body_trickling_below_the_floor_gets_408_though_it_never_stalls(
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         )
         assert r.status_code == 200, r.text
+
+
+# ---- response deadline and per-route body caps (issue 28, 1.4) -------------------------------
+
+
+async def test_a_state_reader_that_stops_reading_loses_its_snapshot(
+    start_engine: Any, wide_kv_model: Path
+) -> None:
+    """GET /slots/{id}/state to a client that never reads: past --download-grace-s + size /
+    --min-download-bytes-per-s the connection is closed and the snapshot's budget released
+    (Hypercorn's shielded send alone would hold it for as long as the client stays)."""
+    import socket
+
+    from test_http_state import state_blob
+
+    ep = await start_engine(
+        wide_kv_model, threads=1, slots=2, download_grace_s=0.5, min_download_bytes_per_s=1 << 30
+    )
+    blob = await state_blob(ep, 0, {"prompt": "hello world " * 60})
+    assert len(blob) > 6 << 20  # more than the loopback socket buffers take
+    budget = ep.state.payload_budget
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    await sock.connect(("127.0.0.1", ep.http_port))
+    stream = trio.SocketStream(sock)
+    async with stream:
+        await stream.send_all(b"GET /slots/0/state HTTP/1.1\r\nhost: x\r\n\r\n")
+        await wait_until(lambda: budget.used >= len(blob))  # the snapshot is held
+        await wait_until(lambda: budget.used == 0)  # the deadline passed: released unread
+        got = 0
+        with trio.fail_after(10):
+            try:
+                while chunk := await stream.receive_some(1 << 20):
+                    got += len(chunk)
+            except trio.BrokenResourceError:
+                pass  # a reset: closed with bytes unread, as it should be
+        assert got < len(blob)  # the connection ended before the blob
+    async with http(ep) as h:  # a reader that reads gets it whole
+        assert len((await h.get("/slots/0/state")).content) == len(blob)
+        assert budget.used == 0
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "GET /v1/models HTTP/1.1\r\nhost: x\r\ncontent-length: 4000000000\r\n\r\n",
+        "GET /slots/0/state HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\n\r\n",
+        "DELETE /v1/decode/1 HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n",
+        "GET /health HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n",
+        "POST /slots/0?action=erase HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n",
+        "POST /tokenize HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1001\r\n\r\n",
+        "PUT /slots/0/state HTTP/1.1\r\nhost: x\r\ncontent-length: 2001\r\n\r\n",
+    ],
+    ids=["get_4gb", "state_get", "delete", "chunked_get", "erase", "json_over", "state_put_over"],
+)
+async def test_a_body_past_its_routes_cap_is_refused_unread(start_engine: Any, tiny_model: Path, head: str) -> None:
+    """A route that takes no body (GETs, DELETE, erase) refuses any at once, a JSON route one
+    past --max-json-bytes, a state upload one past --max-kv-bytes: 413 before a byte of the
+    body is read (Quart would buffer it all, up to its one cap, ~4 GiB by default)."""
+    ep = await start_engine(tiny_model, max_json_bytes=1000, max_kv_bytes=2000, **ENGINE)
+    status, body, _ = await raw_exchange(ep, head, b"")
+    assert status == 413, body
+    assert body["error"]["code"] == 413
+    async with http(ep) as h:  # the engine is unaffected; bodies within the caps are served
+        assert (await h.get("/v1/models")).status_code == 200
+        assert (await h.post("/tokenize", json={"content": "hi"})).status_code == 200
+
+
+async def test_detokenize_refuses_more_ids_than_the_cells_unparsed(start_engine: Any, tiny_model: Path) -> None:
+    """A /detokenize body longer than every KV cell's id takes is refused before it is read
+    or parsed (its parse would hold the GIL: every stream's time), though the prompt routes'
+    cap would let it in; one of n_ctx ids is served."""
+    ep = await start_engine(tiny_model, **ENGINE)
+    engine = ep.state.engine
+    assert engine.max_token_ids_json_bytes < engine.max_request_json_bytes
+    n = engine.max_token_ids_json_bytes + 1
+    status, body, _ = await raw_exchange(
+        ep, f"POST /detokenize HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {n}\r\n\r\n", b""
+    )
+    assert status == 413 and "token ids" in body["error"]["message"], body
+    async with http(ep) as h:
+        r = await h.post("/detokenize", content=json.dumps({"tokens": [12] * engine.n_ctx}, indent=4))
+        assert r.status_code == 200, r.text

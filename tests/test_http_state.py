@@ -173,7 +173,7 @@ async def test_a_refused_upload_s_drain_has_one_deadline(autojump_clock: trio.ab
     """Issue 28, 1.10: a sender dripping a byte just inside the idle timeout kept the drain
     of a refused state PUT (and its connection) for ever; now the whole drain ends at the
     idle timeout."""
-    from hydra_trio.http.state_routes import _drain
+    from hydra_trio.http.state_routes import drain_body
 
     idle_s = 10.0
 
@@ -183,5 +183,5 @@ async def test_a_refused_upload_s_drain_has_one_deadline(autojump_clock: trio.ab
 
     t0 = trio.current_time()
     with trio.fail_after(idle_s * 100):
-        await _drain(drip, 1 << 30, idle_s)
+        await drain_body(drip, 1 << 30, idle_s)
     assert trio.current_time() - t0 == pytest.approx(idle_s)

@@ -563,3 +563,25 @@ async def test_malformed_kv_transfer_params_fall_back_as_bad_params(
         _, body = await decode(cb, params)
     kv = body["kv_transfer"]
     assert kv["status"] == "fallback" and kv["reason"] == "bad_params", kv
+
+
+async def test_the_cache_salt_travels_with_the_handoff(pair: tuple[Any, Any]) -> None:
+    """The prefill engine computes under the request's cache_salt; the decode engine keeps
+    the pulled KV as that salt's: the next request under the same salt continues it, one
+    under another salt (or none) reuses nothing of it, on either engine."""
+    a, b = pair
+    salted = {"cache_salt": "tenant-a"}
+    async with http(a) as ca, http(b) as cb:
+        body = await export(ca, **salted)
+        params = body["kv_transfer_params"]
+        n = params["hydra"]["n_past"]
+        _, final = await chat_text(
+            cb, stream=False, messages=PROMPT, max_tokens=N, temperature=0, kv_transfer_params=params, **salted
+        )
+        assert final["kv_transfer"]["status"] == "restored"
+        for c in (ca, cb):  # each engine's slot holds the prompt under "tenant-a"
+            for salt, reused in (("tenant-b", False), (None, False), ("tenant-a", True)):
+                extra = {} if salt is None else {"cache_salt": salt}
+                _, again = await chat_text(c, stream=False, messages=PROMPT, max_tokens=2, temperature=0, **extra)
+                cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert (cached >= n - 1) if reused else cached == 0, (c.base_url, salt, cached)

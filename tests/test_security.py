@@ -119,6 +119,112 @@ async def test_clients_send_the_key(
         assert (await c.result(1, wait_s=0)).status_code == 404
 
 
+# ---- roles: --admin-api-key -------------------------------------------------------------------
+
+ADMIN = "adm1n-key"
+# (method, path) of each admin route; a plain key gets 403 on each, the admin key an answer.
+ADMIN_ROUTES = [
+    ("GET", "/slots"),
+    ("GET", "/slots/0/state"),
+    ("GET", "/slots/0/state/meta"),
+    ("PUT", "/slots/0/state"),
+    ("POST", "/slots/0?action=erase"),
+    ("GET", "/v1/decode"),
+]
+
+
+async def test_a_plain_key_is_refused_the_admin_routes(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, api_key=KEY, admin_api_key=ADMIN, **ENGINE)
+    async with http(ep, api_key=KEY) as plain, http(ep, api_key=ADMIN) as admin, http(ep, api_key="") as anonymous:
+        for method, path in ADMIN_ROUTES:
+            r = await anonymous.request(method, path)
+            assert r.status_code == 401, (method, path, r.text)
+            r = await anonymous.request(method, path, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401, (method, path, r.text)
+            r = await plain.request(method, path, content=b"x" * 100 if method == "PUT" else None)
+            assert r.status_code == 403, (method, path, r.text)
+            assert r.json()["error"]["type"] == "permission_error"
+        assert sample(ep, "hydra_http_auth_forbidden_total") == len(ADMIN_ROUTES)
+        # The admin key: a real answer on every admin route.
+        assert (await admin.get("/slots")).status_code == 200
+        assert (await admin.get("/v1/decode")).status_code == 200
+        assert (await admin.get("/slots/0/state/meta")).status_code == 200
+        got = await admin.get("/slots/0/state")
+        assert got.status_code == 200, got.text
+        put = await admin.put("/slots/1/state", content=got.content)
+        assert put.status_code == 200, put.text
+        assert (await admin.post("/slots/1?action=erase")).status_code == 200
+        # The plain routes: both keys; nobody without one.
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for client in (plain, admin):
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            assert (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 200
+            assert (await client.post("/tokenize", json={"content": "hi"})).status_code == 200
+            assert (await client.post("/detokenize", json={"tokens": [1, 2]})).status_code == 200
+            assert (await client.get("/v1/decode/1")).status_code == 404  # a result by its id: past the check
+            assert (await client.delete("/v1/decode/1")).status_code == 404
+            assert (await client.get("/v1/models")).status_code == 200
+            assert (await client.get("/metrics")).status_code == 200
+        assert (await anonymous.post("/v1/chat/completions", json=body)).status_code == 401
+        assert (await anonymous.get("/health")).status_code == 200
+
+
+async def test_the_api_key_alone_keeps_every_route(start_engine: Any, tiny_model: Path) -> None:
+    """Deployments from before roles (--api-key only) keep what they had: that key is admin."""
+    ep = await start_engine(tiny_model, api_key=KEY, **ENGINE)
+    async with http(ep, api_key=KEY) as keyed:
+        assert (await keyed.get("/v1/decode")).status_code == 200
+        assert (await keyed.get("/slots/0/state")).status_code == 200
+        assert (await keyed.get("/slots")).status_code == 200
+
+
+async def test_the_admin_key_alone_guards_the_admin_routes_only(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, admin_api_key=ADMIN, **ENGINE)
+    async with http(ep, api_key="") as anonymous, http(ep, api_key=ADMIN) as admin:
+        r = await anonymous.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        for method, path in ADMIN_ROUTES:
+            r = await anonymous.request(method, path)
+            assert r.status_code == 401, (method, path, r.text)
+        assert (await admin.get("/v1/decode")).status_code == 200
+        assert (await admin.get("/slots")).status_code == 200
+
+
+def test_admin_key_settings(tmp_path: Path) -> None:
+    s = settings_from(env={"HYDRA_ADMIN_API_KEY": ADMIN})
+    assert s.http_admin_api_key() == ADMIN and ADMIN not in repr(s)
+    key_file = tmp_path / "admin"
+    key_file.write_text(ADMIN + "\n")
+    assert settings_from(env={"HYDRA_ADMIN_API_KEY_FILE": str(key_file)}).http_admin_api_key() == ADMIN
+    with pytest.raises(SystemExit, match="not both"):
+        settings_from(admin_api_key=ADMIN, admin_api_key_file=str(key_file))
+    with pytest.raises(SystemExit, match="must differ"):
+        settings_from(api_key=ADMIN, admin_api_key=ADMIN)
+    with pytest.raises(SystemExit, match="admin_api_key must not be empty"):
+        settings_from(admin_api_key=" ")
+
+
+def test_the_access_decision() -> None:
+    from hydra_trio.http.auth import KeyRing, Role, access, route_role
+
+    both = KeyRing(KEY, ADMIN)
+    assert access(Role.ADMIN, both, f"Bearer {ADMIN}") is None
+    assert access(Role.PLAIN, both, f"Bearer {ADMIN}") is None
+    assert access(Role.PLAIN, both, f"Bearer {KEY}") is None
+    assert access(Role.ADMIN, both, f"Bearer {KEY}") == (403, access(Role.ADMIN, both, f"Bearer {KEY}")[1])  # type: ignore[index]
+    assert access(Role.ADMIN, both, "")[0] == 401  # type: ignore[index]
+    assert access(Role.PLAIN, both, "Bearer nope")[0] == 401  # type: ignore[index]
+    assert access(Role.NONE, both, "") is None
+    assert access(Role.ADMIN, KeyRing(KEY, None), f"Bearer {KEY}") is None
+    assert access(Role.PLAIN, KeyRing(None, ADMIN), "") is None
+    assert access(Role.ADMIN, KeyRing(None, ADMIN), "")[0] == 401  # type: ignore[index]
+    assert route_role("/v1/decode", "GET") is Role.ADMIN
+    assert route_role("/v1/decode/<raw_id>", "DELETE") is Role.PLAIN
+    assert route_role("/slots/<raw_id>/state", "PUT") is Role.ADMIN
+    assert route_role("/health", "GET") is Role.NONE
+    assert route_role(None, "GET") is Role.PLAIN
+
+
 # ---- RPC allowlist --------------------------------------------------------------------------
 
 

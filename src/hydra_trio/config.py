@@ -75,6 +75,10 @@ class Settings:
     # a trickling sender cannot hold its payload budget or its buffer indefinitely. 0: no floor.
     min_upload_bytes_per_s: int = 1 * _MiB
     upload_grace_s: float = 10.0
+    # The same floor for a large response body (a slot's state): a client that stops reading
+    # cannot keep its snapshot, charged to the payload budget, for ever. 0: no floor.
+    min_download_bytes_per_s: int = 1 * _MiB
+    download_grace_s: float = 10.0
     idle_timeout_s: float = 120.0
     drain_limit_bytes: int = 64 * _MiB
     max_kv_bytes: int = 4 * _GiB
@@ -118,23 +122,21 @@ class Settings:
     # Security (docs/operations.md "Security"). repr=False: a logged Settings never shows the key.
     api_key: str | None = field(default=None, repr=False)
     api_key_file: str | None = None
+    # The admin role (docs/operations.md "Roles"): slot state, erase, the decode listing and
+    # /slots need this key; the plain --api-key serves completions and tokenizer routes.
+    admin_api_key: str | None = field(default=None, repr=False)
+    admin_api_key_file: str | None = None
     rpc_allow: str | None = None  # comma-separated CIDRs; None: every peer
 
     def http_api_key(self) -> str | None:
         """The key every HTTP request but /health must present: --api-key, else the first
         line of --api-key-file; None when neither is set (HTTP open to whoever reaches it)."""
-        if self.api_key is not None:
-            return self.api_key
-        if self.api_key_file is None:
-            return None
-        try:
-            lines = Path(self.api_key_file).read_text().splitlines()
-        except OSError as exc:
-            raise SystemExit(f"api_key_file: cannot read {self.api_key_file}: {exc.strerror}") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise SystemExit(f"api_key_file: {self.api_key_file} holds no key on its first line")
-        return key
+        return _key(self.api_key, self.api_key_file, "api_key_file")
+
+    def http_admin_api_key(self) -> str | None:
+        """The admin role's key (--admin-api-key, else the first line of
+        --admin-api-key-file); None when neither is set (http/auth.py says what that means)."""
+        return _key(self.admin_api_key, self.admin_api_key_file, "admin_api_key_file")
 
     def rpc_networks(self) -> tuple[IPNetwork, ...] | None:
         """The networks RPC peers must come from; None: no allowlist (every peer)."""
@@ -146,6 +148,22 @@ class Settings:
     def kv_pull_networks(self) -> tuple[IPNetwork, ...]:
         """The networks KV exports may be pulled from (``--kv-pull-allow``)."""
         return parse_networks(self.kv_pull_allow, "kv_pull_allow")
+
+
+def _key(value: str | None, path: str | None, name: str) -> str | None:
+    """A key given as a value, or as the first line of the file at ``path``."""
+    if value is not None:
+        return value
+    if path is None:
+        return None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise SystemExit(f"{name}: cannot read {path}: {exc.strerror}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise SystemExit(f"{name}: {path} holds no key on its first line")
+    return key
 
 
 def parse_networks(value: str, name: str) -> tuple[IPNetwork, ...]:
@@ -192,6 +210,8 @@ _HELP: dict[str, str] = {
     "max_http_connections": "HTTP connections served at once; past it, up to 64 more at a time get one answer each (/health as usual, else 503) and are closed; 0 = the open-file limit less RPC's --max-connections, that reserve and 256, at most 4096",
     "min_upload_bytes_per_s": "a request body (state upload, JSON) must arrive at this average rate, counted after --upload-grace-s, else 408 and its payload budget is released; 0 = no floor (--idle-timeout-s of silence still ends it)",
     "upload_grace_s": "seconds a request body may take before --min-upload-bytes-per-s applies (its deadline: grace + bytes received / rate)",
+    "min_download_bytes_per_s": "a slot state response (GET /slots/{id}/state) must be read at this average rate: past --download-grace-s + bytes / rate its connection is closed and its snapshot's payload budget released; 0 = no floor",
+    "download_grace_s": "seconds a slot state response may take before --min-download-bytes-per-s applies",
     "idle_timeout_s": "an RPC peer idle, or sending/reading no byte mid-request, this long is "
     "closed; also the wait for payload room",
     "drain_limit_bytes": "a refused request's payload up to this size is drained, larger closes",
@@ -225,6 +245,10 @@ _HELP: dict[str, str] = {
     "api_key": "HTTP requests (all but /health) must send 'Authorization: Bearer KEY' "
     "(prefer the file or the variable: a flag shows in ps)",
     "api_key_file": "read the API key from the first line of this file",
+    "admin_api_key": "the admin role's key: slot state GET/PUT, erase, /slots and the decode listing need it, "
+    "and it serves every other route too; the plain --api-key then gets 403 there. Without it, "
+    "--api-key alone is admin (as before roles). With it alone, the plain routes need no key",
+    "admin_api_key_file": "read the admin API key from the first line of this file",
     "rpc_allow": "RPC peers allowed, CIDR[,CIDR...] (e.g. 10.0.0.0/8,127.0.0.1); others are "
     "closed at accept (default: all)",
 }
@@ -353,8 +377,10 @@ def validate(s: Settings) -> None:
         problems.append("threads must be >= 1")
     if s.max_http_connections < 0 or s.min_upload_bytes_per_s < 0:
         problems.append("max_http_connections and min_upload_bytes_per_s must be >= 0 (0 = the default bound / no floor)")
-    if s.upload_grace_s <= 0:
-        problems.append("upload_grace_s must be positive")
+    if s.upload_grace_s <= 0 or s.download_grace_s <= 0:
+        problems.append("upload_grace_s and download_grace_s must be positive")
+    if s.min_download_bytes_per_s < 0:
+        problems.append("min_download_bytes_per_s must be >= 0 (0 = no floor)")
     for name in ("port", "rpc_port"):
         if not 0 <= getattr(s, name) <= 65535:
             problems.append(f"{name} must be 0..65535")
@@ -366,6 +392,10 @@ def validate(s: Settings) -> None:
         problems.append("give api_key or api_key_file, not both")
     if s.api_key is not None and not s.api_key.strip():
         problems.append("api_key must not be empty")
+    if s.admin_api_key is not None and s.admin_api_key_file is not None:
+        problems.append("give admin_api_key or admin_api_key_file, not both")
+    if s.admin_api_key is not None and not s.admin_api_key.strip():
+        problems.append("admin_api_key must not be empty")
     if s.rpc_allow is not None and not s.rpc_allow.strip():
         problems.append("rpc_allow must name at least one network")
     if s.n_gpu_layers is not None and s.n_gpu_layers < -1:
@@ -386,7 +416,10 @@ def validate(s: Settings) -> None:
         problems.append("give chat_template or chat_template_file, not both")
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
-    s.http_api_key()  # an unreadable key file or a bad CIDR stops startup here, with its reason
+    # An unreadable key file or a bad CIDR stops startup here, with its reason.
+    plain, admin = s.http_api_key(), s.http_admin_api_key()
+    if plain is not None and plain == admin:
+        raise SystemExit("invalid settings: api_key and admin_api_key must differ (one key cannot hold two roles)")
     s.rpc_networks()
     s.kv_pull_networks()
 

@@ -36,6 +36,9 @@ class Metrics:
         self.http_auth_rejected = Counter(
             "hydra_http_auth_rejected", "HTTP requests refused 401: missing or wrong API key", registry=r
         )
+        self.http_auth_forbidden = Counter(
+            "hydra_http_auth_forbidden", "HTTP requests refused 403: a plain API key on an admin route", registry=r
+        )
         self.completion_tokens = Counter("hydra_completion_tokens", "tokens generated", ["path"], registry=r)
         self.prompt_tokens = Counter("hydra_prompt_tokens", "prompt tokens evaluated", ["path"], registry=r)
         self.cached_prompt_tokens = Counter(

@@ -68,7 +68,7 @@ async def prefill_export(
         sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
         # The logits travel with the KV. A slot that still holds the prompt with its logits
         # (an earlier export of it) gives the same ones again.
-        token, logits = await engine.first_token(slot.id, tokens, sampler, res, want_logits=True)
+        token, logits = await engine.first_token(slot.id, tokens, sampler, res, want_logits=True, salt=params.cache_salt)
         assert token is not None and logits is not None
         t_prefilled = time.perf_counter()
         res.first_token_at = t_prefilled
@@ -139,11 +139,17 @@ class Handoff:
         return h
 
     async def restore(
-        self, engine: Engine, settings: Settings, budget: ByteBudget, slot_id: int, prompt_tokens: list[int]
+        self,
+        engine: Engine,
+        settings: Settings,
+        budget: ByteBudget,
+        slot_id: int,
+        prompt_tokens: list[int],
+        salt: str | None = None,
     ) -> None:
         """Pull the export and restore it into the caller's (claimed) slot (with the logits
-        that came with it). On any failure the slot is as it was and the request prefills
-        locally.
+        that came with it), as the history of the request's cache ``salt``. On any failure
+        the slot is as it was and the request prefills locally.
 
         Runs in the request's slot, as a DECODE's receive does: the pulled bytes come from
         the payload budget (``--max-inflight-bytes``, shared with RPC payloads and uploads)
@@ -169,14 +175,20 @@ class Handoff:
             self._fail("timeout", f"no payload room for {n} bytes within {settings.kv_pull_timeout_s:g} s")
             return
         try:
-            await self._pull_and_restore(engine, settings, deadline, slot_id, prompt_tokens)
+            await self._pull_and_restore(engine, settings, deadline, slot_id, prompt_tokens, salt)
         finally:
             budget.release(n)
         if self.reason == PULL_FAILED:  # the budget is back; the slot waits, as for a silent peer
             await trio.sleep_until(deadline)
 
     async def _pull_and_restore(
-        self, engine: Engine, settings: Settings, deadline: float, slot_id: int, prompt_tokens: list[int]
+        self,
+        engine: Engine,
+        settings: Settings,
+        deadline: float,
+        slot_id: int,
+        prompt_tokens: list[int],
+        salt: str | None,
     ) -> None:
         blob = await self._pull(engine, settings, deadline)
         if blob is None:
@@ -188,7 +200,7 @@ class Handoff:
         slot.transferring = True
         t0 = time.perf_counter()
         try:
-            await engine.state_restore(slot_id, blob)
+            await engine.state_restore(slot_id, blob, salt=salt)
         except ProtocolError as err:
             self._fail("restore_failed", err.message)
             return

@@ -38,7 +38,7 @@ from .promptcache import PromptCache
 from .reconfigure import Reconfigurer, SlotSettings
 from .slots import Slot, SlotTable
 from .templates import ChatTemplate, PromptRenderer, resolve_chat_template
-from .text import TextAssembler, common_prefix_len
+from .text import TextAssembler
 from .worker import CallTiming, GpuWorker
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 # vocabulary, so it is refused before it is tokenized (tokenizing holds the GPU worker, and
 # a multi-megabyte prompt would stall every stream for seconds).
 MAX_PROMPT_BYTES_PER_POSITION = 32
+# A token id in a JSON array: up to 7 digits, its comma, and the indentation of a
+# pretty-printed body (json.dumps(indent=4) inside an object: 8 spaces and a newline).
+MAX_TOKEN_ID_JSON_BYTES = 24
 
 # A slot's history goes to the prompt cache when it would drop at least this many positions
 # (a KV-event block), and an entry comes back when it holds at least this many more.
@@ -381,6 +384,15 @@ class Engine:
         take at most 8 bytes an id."""
         return 3 * MAX_PROMPT_BYTES_PER_POSITION * self.n_ctx_slot + (1 << 20)
 
+    @property
+    def max_token_ids_json_bytes(self) -> int:
+        """The largest /detokenize body worth parsing: an array of at most n_ctx ids (what all
+        slots hold together; more is refused anyway), MAX_TOKEN_ID_JSON_BYTES an id, plus
+        64 KiB for the rest. Parsing holds the GIL even on another thread, so a body this
+        route refuses must never cost more to parse than the largest one it serves (a
+        12 MB array of 4 M ids: 0.2-0.4 s of every stream's time)."""
+        return MAX_TOKEN_ID_JSON_BYTES * self.n_ctx + (64 << 10)
+
     def check_text_fits(self, text: str) -> None:
         """Refuse text too long for a slot before any per-token work (see
         MAX_PROMPT_BYTES_PER_POSITION)."""
@@ -434,7 +446,7 @@ class Engine:
 
     # ---- prefill -----------------------------------------------------------------------
 
-    def reuse_plan(self, slot: int, tokens: Sequence[int]) -> tuple[int, bytes | None]:
+    def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None) -> tuple[int, bytes | None]:
         """How much of the slot's KV a prompt continues from: the one prefix-reuse policy of
         every path that continues a slot (generation, the P/D export).
 
@@ -445,7 +457,7 @@ class Engine:
         """
         backend = self.backend
         cached = backend.seq_tokens[slot]
-        n_common = common_prefix_len(cached, tokens)
+        n_common = backend.shared_prefix(slot, tokens, salt)
         if n_common == len(tokens):
             logits = backend.tail_logits[slot]
             if logits is not None and n_common == len(cached):
@@ -520,15 +532,24 @@ class Engine:
         return result
 
     async def first_token(
-        self, slot: int, tokens: Sequence[int], sampler: Sampler, res: GenerationResult, *, want_logits: bool = False
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        sampler: Sampler,
+        res: GenerationResult,
+        *,
+        want_logits: bool = False,
+        salt: str | None = None,
     ) -> tuple[int | None, bytes | None]:
-        """Bring the slot to hold the prompt (``reuse_plan``) and sample the token after it
-        (None: the context is full); with ``want_logits`` also the logits it came from. The
-        plan goes into ``res`` first, so a cancelled prefill still reports its work."""
-        await self._swap_in(slot, tokens)
-        res.n_common, logits = self.reuse_plan(slot, tokens)
+        """Bring the slot to hold the prompt (``reuse_plan``) under the request's cache
+        ``salt`` and sample the token after it (None: the context is full); with
+        ``want_logits`` also the logits it came from. The plan goes into ``res`` first, so a
+        cancelled prefill still reports its work."""
+        await self._swap_in(slot, tokens, salt)
+        res.n_common, logits = self.reuse_plan(slot, tokens, salt)
         res.logits_reused = logits is not None
         await self._keep_history(slot, res.n_common)
+        await self._adopt_salt(slot, salt)
         if logits is not None:
             reused = logits
             token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
@@ -566,7 +587,7 @@ class Engine:
         assembler = TextAssembler(params.stop)
         t_start = time.perf_counter()
         try:
-            token, _ = await self.first_token(slot, prompt_tokens, sampler, res)
+            token, _ = await self.first_token(slot, prompt_tokens, sampler, res, salt=params.cache_salt)
             t_first = t_last = time.perf_counter()
             res.first_token_at = t_first
             res.prompt_ms = (t_first - t_start) * 1000.0
@@ -632,8 +653,11 @@ class Engine:
         state, tokens = await self.worker.call(lambda: self.backend.state_get(slot))
         return encode_blob_head(len(tokens), tokens), state, len(tokens)
 
-    async def state_restore(self, slot: int, blob: KvBlob, timing: CallTiming | None = None) -> None:
-        """Restore a parsed v2 blob into the slot, all-or-nothing. Trailing logits become the
+    async def state_restore(
+        self, slot: int, blob: KvBlob, timing: CallTiming | None = None, *, salt: str | None = None
+    ) -> None:
+        """Restore a parsed v2 blob into the slot, all-or-nothing, as ``salt``'s history (the
+        cache_salt of the request it serves; None: unsalted). Trailing logits become the
         slot's tail logits (``reuse_plan``)."""
         if blob.checkpoint is not None and not self.backend.info.recurrent:
             raise ProtocolError(
@@ -648,7 +672,7 @@ class Engine:
         await self.make_room(blob.n_past, exclude=slot)
 
         def call(abort: threading.Event) -> None:
-            self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw)
+            self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw, salt=salt)
 
         try:
             await self.worker.run(call, timing)
@@ -696,18 +720,18 @@ class Engine:
     def release(self, slot: Slot) -> None:
         self.slots.release(slot)
 
-    async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str) -> Slot:
-        """A free slot for the prompt (``slot_rank``); waits for one for as long as the
-        caller's scope allows."""
-        return await self.slots.claim_any(owner, lambda i: self.slot_rank(i, prompt_tokens))
+    async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str, salt: str | None = None) -> Slot:
+        """A free slot for the prompt under ``salt`` (``slot_rank``); waits for one for as
+        long as the caller's scope allows."""
+        return await self.slots.claim_any(owner, lambda i: self.slot_rank(i, prompt_tokens, salt))
 
-    def slot_rank(self, slot: int, prompt: Sequence[int]) -> tuple[int, int]:
+    def slot_rank(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> tuple[int, int]:
         """The slot-choice policy (higher is better; claim_any breaks ties by least recently
         used): a slot whose KV shares at least ``--slot-prompt-similarity`` of the prompt,
         the longest shared prefix first; then an empty slot; then any. A 9-token chat
         template head does not make a prompt take over another session's history."""
         held = self.backend.seq_tokens[slot]
-        n_common = common_prefix_len(held, prompt)
+        n_common = self.backend.shared_prefix(slot, prompt, salt)
         share = self.settings.slot_prompt_similarity
         reuse = n_common if n_common and n_common >= share * len(prompt) else 0
         return reuse, int(not held)
@@ -724,14 +748,27 @@ class Engine:
         if cache.put(snap):
             log.debug("prompt cache: kept slot %d's %d positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
 
-    async def _swap_in(self, slot: int, prompt: Sequence[int]) -> None:
-        """When the prompt cache holds more of the prompt than the slot does, put that entry
-        into the slot (the slot's own history goes to the cache first)."""
+    async def _adopt_salt(self, slot: int, salt: str | None) -> None:
+        """Make the slot's history ``salt``'s. A request under another salt than the slot's
+        continues none of it (``shared_prefix`` gave 0, and the prompt cache has it now), so
+        the slot is emptied before it is relabelled: no position computed under one salt
+        ever carries another (a prefill cancelled before its first chunk would leave them)."""
+        backend = self.backend
+        if backend.seq_salt[slot] == salt:
+            return
+        if backend.seq_tokens[slot]:
+            await self.worker.call(lambda: backend.clear_slot(slot))
+        backend.seq_salt[slot] = salt
+
+    async def _swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> None:
+        """When the prompt cache holds more of the prompt (under the request's ``salt``) than
+        the slot does, put that entry into the slot (the slot's own history goes to the
+        cache first)."""
         cache = self.prompt_cache
         if cache is None:
             return
-        hit = cache.best(prompt)
-        held = common_prefix_len(self.backend.seq_tokens[slot], prompt)
+        hit = cache.best(prompt, salt)
+        held = self.backend.shared_prefix(slot, prompt, salt)
         if hit is None or hit.n_common < held + MIN_CACHED_TOKENS:
             return
         await self._keep_history(slot, held)
@@ -740,7 +777,9 @@ class Engine:
         view = memoryview(snap.buf)
 
         def call(abort: threading.Event) -> None:
-            self.backend.state_restore(slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view)
+            self.backend.state_restore(
+                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt
+            )
 
         try:
             await self.worker.run(call)

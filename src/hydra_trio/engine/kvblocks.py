@@ -24,6 +24,16 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(array("i", tokens).tobytes(), seed=parent or 0)
 
 
+def chain_root(salt: str | None) -> int | None:
+    """What a chain's first block is seeded with: nothing (0) unsalted, else the cache_salt's
+    own hash, as vLLM mixes the salt into the first block's hash only (its extra keys for
+    the block at position 0): the same tokens under two salts are two chains from there on,
+    told apart by every later block too."""
+    if salt is None:
+        return None
+    return xxhash.xxh3_64_intdigest(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")) or 1
+
+
 class SlotBlocks:
     """The slots' block chains and reference counts. ``slot_changed`` runs on the GPU worker
     after every change of a slot's KV; the events it makes wait in ``pending`` (a deque:
@@ -37,14 +47,15 @@ class SlotBlocks:
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
         self.pending: deque[Event] = deque()
 
-    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int) -> None:
-        """The slot now holds ``tokens``; its first ``kept`` positions are unchanged since the
-        last call (so a generation step costs nothing until a block fills)."""
+    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None) -> None:
+        """The slot now holds ``tokens``, computed under ``salt``; its first ``kept``
+        positions are unchanged since the last call (so a generation step costs nothing
+        until a block fills). A slot's salt changes only with its history emptied first."""
         bs = self.block_size
         chain = self._chains[slot]
         n_full = len(tokens) // bs
         keep = min(len(chain), kept // bs, n_full)
-        parent = chain[keep - 1] if keep else None
+        parent = chain[keep - 1] if keep else chain_root(salt)
         fresh: list[int] = []
         for i in range(keep, n_full):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
@@ -76,7 +87,7 @@ class SlotBlocks:
             self.pending.append(
                 block_stored(
                     added[new_from:],
-                    chain[first - 1] if first else None,
+                    chain[first - 1] if first else None,  # a chain's first block: no parent, salted or not
                     tokens[first * bs : n_full * bs],
                     bs,
                 )

@@ -62,6 +62,9 @@ class GenerationParams:
     # Log-probabilities of the sampled tokens with this many top alternatives (0..20);
     # None: not asked (set by the OpenAI routes, which each spell it their own way).
     logprobs: int | None = None
+    # vLLM's cache_salt: KV computed under it is reused only by requests with the same one
+    # (LlamaBackend.shared_prefix). None: unsalted. Set by the OpenAI routes.
+    cache_salt: str | None = None
 
 
 def _number(req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float) -> float:

@@ -7,6 +7,10 @@ snapshots as the backend reads them (``LlamaBackend.snapshot``: the state in thi
 own form with room before it, and the tail logits when the slot had them), so a swap back
 is one restore and no copy. Bounded by bytes, least recently used out first.
 
+An entry is a history under one cache_salt, and only a prompt under the same salt continues
+it (``LlamaBackend.shared_prefix`` is the rule for slots; here the salt leads the order, so
+that each salt's entries form their own run and a lookup never crosses into another's).
+
 Entries are also kept sorted by their tokens, so that a lookup costs a binary search and
 two comparisons however many entries there are: the entry sharing the longest prefix with
 a prompt is next to the prompt's place in that order. A scan of every entry per request
@@ -36,6 +40,12 @@ class Snapshot:
     buf: bytearray
     offset: int
     has_logits: bool
+    salt: str | None = None  # the cache_salt the history was computed under
+
+    @property
+    def order(self) -> tuple[str, list[int]]:
+        """Where the entry sorts: by salt (validated non-empty: "" is "unsalted"), then tokens."""
+        return (self.salt or "", self.tokens)
 
     @property
     def nbytes(self) -> int:
@@ -63,8 +73,8 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _tokens_of(self, key: int) -> list[int]:
-        return self._entries[key].tokens
+    def _order_of(self, key: int) -> tuple[str, list[int]]:
+        return self._entries[key].order
 
     def put(self, snap: Snapshot) -> bool:
         """Keep a snapshot, evicting the least recently used for room; False when it alone
@@ -72,19 +82,19 @@ class PromptCache:
         the new one serves every prompt the old one did."""
         if snap.nbytes > self.max_bytes or not snap.tokens:
             return False
-        for key in self._prefixes_of(snap.tokens):
+        for key in self._prefixes_of(snap.tokens, snap.salt):
             self._drop(key)
         while self._entries and self.nbytes + snap.nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
         key = next(self._keys)
         self._entries[key] = snap
-        insort(self._sorted, key, key=self._tokens_of)
+        insort(self._sorted, key, key=self._order_of)
         self.nbytes += snap.nbytes
         self.saved += 1
         return True
 
-    def _prefixes_of(self, tokens: list[int]) -> list[int]:
-        """The entries whose tokens are a prefix of ``tokens`` (or equal them).
+    def _prefixes_of(self, tokens: list[int], salt: str | None) -> list[int]:
+        """The entries of ``salt`` whose tokens are a prefix of ``tokens`` (or equal them).
 
         In token order, everything between a prefix p of ``tokens`` and ``tokens`` starts
         with p. So the greatest entry not above ``tokens[:hi]`` is either a prefix (found),
@@ -92,11 +102,15 @@ class PromptCache:
         step finds one or shortens the search."""
         found: list[int] = []
         hi = len(tokens)
-        i = bisect_right(self._sorted, tokens, key=self._tokens_of)
+        run = salt or ""
+        i = bisect_right(self._sorted, (run, tokens), key=self._order_of)
         while hi and i:
             i -= 1
             key = self._sorted[i]
-            held = self._entries[key].tokens
+            entry = self._entries[key]
+            if (entry.salt or "") != run:
+                break  # below this salt's run: only other salts' entries further down
+            held = entry.tokens
             n = common_prefix_len(held, tokens[:hi])
             if n == len(held):
                 found.append(key)
@@ -104,17 +118,21 @@ class PromptCache:
                 continue
             if n < hi:
                 hi = n
-                i = bisect_right(self._sorted, tokens[:hi], key=self._tokens_of, hi=i + 1)
+                i = bisect_right(self._sorted, (run, tokens[:hi]), key=self._order_of, hi=i + 1)
         return found
 
-    def best(self, prompt: Sequence[int]) -> CacheHit | None:
-        """The entry sharing the longest prefix with ``prompt`` (None when none shares any):
-        one of the two entries around the prompt's place in token order."""
+    def best(self, prompt: Sequence[int], salt: str | None = None) -> CacheHit | None:
+        """The entry of ``salt`` sharing the longest prefix with ``prompt`` (None when none
+        shares any): one of the two entries around the prompt's place in that salt's run."""
         prompt = list(prompt)
-        i = bisect_left(self._sorted, prompt, key=self._tokens_of)
+        run = salt or ""
+        i = bisect_left(self._sorted, (run, prompt), key=self._order_of)
         best: CacheHit | None = None
         for key in self._sorted[max(0, i - 1) : i + 1]:
-            n = common_prefix_len(self._entries[key].tokens, prompt)
+            entry = self._entries[key]
+            if (entry.salt or "") != run:
+                continue  # another salt's run begins or ends here
+            n = common_prefix_len(entry.tokens, prompt)
             if n and (best is None or n > best.n_common):
                 best = CacheHit(key, n)
         return best
@@ -134,8 +152,8 @@ class PromptCache:
         self.nbytes = 0
 
     def _unlink(self, key: int) -> None:
-        """Take ``key`` out of both orders (tokens are unique: put drops an equal entry)."""
-        i = bisect_left(self._sorted, self._entries[key].tokens, key=self._tokens_of)
+        """Take ``key`` out of both orders ((salt, tokens) are unique: put drops an equal entry)."""
+        i = bisect_left(self._sorted, self._entries[key].order, key=self._order_of)
         assert self._sorted[i] == key
         del self._sorted[i]
         self.nbytes -= self._entries.pop(key).nbytes

@@ -1,11 +1,23 @@
-"""API-key check for every HTTP route but /health (OpenAI / llama-server convention:
-``Authorization: Bearer KEY``), and the startup warning for an exposed, keyless bind."""
+"""Who may call which HTTP route: the API keys (OpenAI / llama-server convention:
+``Authorization: Bearer KEY``), their roles, and the startup warning for an exposed bind.
+
+Two roles (docs/operations.md "Roles"). The admin key (--admin-api-key) serves every route;
+the plain key (--api-key) serves every route but the admin ones: slot state GET/PUT and its
+meta, erase, /slots (other clients' request ids) and the decode listing. ``access`` is the
+one decision; the rest only feeds it.
+
+Which keys are set decides what a request without a valid key gets (``KeyRing.anonymous``):
+neither key: everything (HTTP open, as before keys); --api-key alone: nothing, and that key
+is admin (deployments from before roles keep working unchanged); --admin-api-key alone: the
+plain routes (no plain key was asked for), admin routes need the admin key; both: nothing.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import logging
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from quart import Response, request
@@ -21,35 +33,117 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+
+class Role(IntEnum):
+    NONE = 0  # what /health needs: load balancers probe it without credentials
+    PLAIN = 1  # completions, chat, tokenizer routes, a decode result by its id, /metrics
+    ADMIN = 2  # slot state, erase, /slots, the decode listing
+
+
+# By URL rule (what routing matched, so no spelling of a path reaches a route under another
+# rule's role), and method where one rule serves both roles. Unlisted: PLAIN.
+_RULE_ROLES: dict[tuple[str, str | None], Role] = {
+    ("/health", None): Role.NONE,
+    ("/slots", None): Role.ADMIN,
+    ("/slots/<raw_id>", None): Role.ADMIN,  # POST ?action=erase
+    ("/slots/<raw_id>/state", None): Role.ADMIN,  # GET: another user's prompt; PUT: KV others would reuse
+    ("/slots/<raw_id>/state/meta", None): Role.ADMIN,
+    ("/v1/decode", "GET"): Role.ADMIN,  # every decode id: the ids are the results' capabilities
+}
+
+
+def route_role(rule: str | None, method: str) -> Role:
+    """The role a request to ``rule`` (None: no route matched, a 404/405 to come) needs."""
+    if rule is None:
+        return Role.PLAIN  # unmatched paths still need a key: their 404s tell nothing to strangers
+    found = _RULE_ROLES.get((rule, method))
+    if found is None:
+        found = _RULE_ROLES.get((rule, None), Role.PLAIN)
+    return found
+
+
+def _digest(key: str) -> bytes:
+    # Compared as digests: compare_digest is constant-time for equal lengths, and digests
+    # make the length of the key irrelevant too.
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyRing:
+    """The configured keys, each with the role it grants, and the role of a request that
+    presents none of them."""
+
+    def __init__(self, plain: str | None, admin: str | None) -> None:
+        keys: list[tuple[bytes, Role]] = []
+        if admin is not None:
+            keys.append((_digest(admin), Role.ADMIN))
+        if plain is not None:
+            # Alone, the one key keeps the whole engine it always opened.
+            keys.append((_digest(plain), Role.PLAIN if admin is not None else Role.ADMIN))
+        self._keys = keys
+        if plain is None and admin is None:
+            self.anonymous = Role.ADMIN
+        elif plain is None:
+            self.anonymous = Role.PLAIN
+        else:
+            self.anonymous = Role.NONE
+
+    def role_of(self, token: str) -> Role | None:
+        """The role ``token`` grants; None when it is no configured key."""
+        given = _digest(token)
+        found = None
+        for digest, role in self._keys:  # every key compared: the time tells nothing of which
+            if hmac.compare_digest(given, digest):
+                found = role
+        return found
+
+
+def access(needed: Role, ring: KeyRing, authorization: str) -> tuple[int, str] | None:
+    """The auth decision of every HTTP request: None to serve it, else (401 or 403, message).
+    401: no valid key where one is needed; 403: a valid key whose role is not enough (the
+    client is known, the route is not theirs)."""
+    token = bearer_token(authorization)
+    granted = ring.role_of(token) if token is not None else None
+    if max(ring.anonymous, granted or Role.NONE) >= needed:
+        return None
+    if granted is None:
+        if token is None:
+            return 401, "missing API key: send 'Authorization: Bearer KEY'"
+        return 401, "invalid API key"
+    return 403, "this route needs the admin API key (--admin-api-key): slot state, erase, /slots and the decode listing"
 
 
 def install_auth(app: QuartTrio, state: AppState) -> None:
-    key = state.settings.http_api_key()
-    if key is None:
-        if not is_loopback(state.settings.host):
+    settings = state.settings
+    plain, admin = settings.http_api_key(), settings.http_admin_api_key()
+    if not is_loopback(settings.host):
+        if plain is None and admin is None:
             log.warning(
                 "HTTP binds %s without an API key: anyone who reaches the port can use every "
                 "route (set --api-key-file or HYDRA_API_KEY)",
-                state.settings.host,
+                settings.host,
             )
+        elif plain is None:
+            log.warning(
+                "HTTP binds %s with only an admin key: completions, chat and the tokenizer routes "
+                "need no key (set --api-key-file or HYDRA_API_KEY to require one)",
+                settings.host,
+            )
+    if plain is None and admin is None:
         return
-    # Compared as digests: compare_digest is constant-time for equal lengths, and digests
-    # make the length of the key irrelevant too.
-    expected = hashlib.sha256(key.encode()).digest()
+    ring = KeyRing(plain, admin)
 
     @app.before_request
     async def require_api_key() -> Response | None:
-        if request.path in OPEN_PATHS:
+        rule = request.url_rule.rule if request.url_rule is not None else None
+        refused = access(route_role(rule, request.method), ring, request.headers.get("Authorization", ""))
+        if refused is None:
             return None
-        given = bearer_token(request.headers.get("Authorization", ""))
-        if given is not None and hmac.compare_digest(hashlib.sha256(given.encode()).digest(), expected):
-            return None
-        state.metrics.http_auth_rejected.inc()
-        message = "invalid API key" if given is not None else "missing API key: send 'Authorization: Bearer KEY'"
-        return json_response(
-            error_body(401, message, "authentication_error"), 401, {"WWW-Authenticate": "Bearer"}
-        )
+        status, message = refused
+        if status == 401:
+            state.metrics.http_auth_rejected.inc()
+            return json_response(error_body(401, message, "authentication_error"), 401, {"WWW-Authenticate": "Bearer"})
+        state.metrics.http_auth_forbidden.inc()
+        return json_response(error_body(403, message, "permission_error"), 403)
 
 
 def bearer_token(header: str) -> str | None:

@@ -129,17 +129,22 @@ async def receive_body(settings: Settings, take: Callable[[bytes], None]) -> int
         take(chunk)
 
 
-async def read_request_json() -> dict[str, Any]:
+async def read_request_json(*, token_ids: bool = False) -> dict[str, Any]:
     """A prompt route's JSON body (completions, chat, tokenizer and template routes): at most
     --max-json-bytes, and at most what a request for one slot can use (``Engine.
-    max_request_json_bytes``). Bigger is refused before it is parsed: parsing holds the
-    GIL, so a 12 MB array of token ids (0.45 s) would stall every stream, and its Python
-    objects take several times its bytes."""
+    max_request_json_bytes``); with ``token_ids`` (/detokenize: an array of ids), at most
+    what an array of every KV cell's id takes (``Engine.max_token_ids_json_bytes``). Bigger
+    is refused before it is parsed: parsing holds the GIL, so a 12 MB array of token ids
+    (0.2-0.45 s) would stall every stream, and its Python objects take several times its
+    bytes."""
     state = app_state()
     engine = state.engine
     cap, why = state.settings.max_json_bytes, "--max-json-bytes"
-    if engine is not None and engine.max_request_json_bytes < cap:
-        cap, why = engine.max_request_json_bytes, f"the most a request for a slot of {engine.n_ctx_slot} positions can use"
+    if engine is not None:
+        if token_ids and engine.max_token_ids_json_bytes < cap:
+            cap, why = engine.max_token_ids_json_bytes, f"the most an array of {engine.n_ctx} token ids (every KV cell) takes"
+        elif not token_ids and engine.max_request_json_bytes < cap:
+            cap, why = engine.max_request_json_bytes, f"the most a request for a slot of {engine.n_ctx_slot} positions can use"
     return await read_json_body(cap, why)
 
 

@@ -292,6 +292,26 @@ class ChunkWriter:
         await self._conn.send_rest(rest)
 
 
+def close_connection_after(nursery: trio.Nursery, seconds: float, what: str) -> None:
+    """Close the current request's connection if ``nursery`` (the request's: it ends when
+    the response is sent or the client leaves) still runs after ``seconds``.
+
+    A response deadline cannot be a cancel: Hypercorn shields its socket writes, so a send
+    waiting on a client that stopped reading outlives any cancel scope. Closing the stream
+    ends it (the send fails, Hypercorn sees the connection closed), and the response body
+    is closed, releasing what it held."""
+    conn = _CONNECTION.get()
+    if conn is None:
+        return
+
+    async def watchdog() -> None:
+        await trio.sleep(seconds)
+        log.info("%s to %s not read within %.1f s: connection closed", what, _peer(conn.stream), seconds)
+        await trio.aclose_forcefully(conn.stream)
+
+    nursery.start_soon(watchdog)
+
+
 def chunk_writer() -> ChunkWriter | None:
     """The current request's ``ChunkWriter`` once its response head is sent, when the body
     is HTTP/1.1 chunked on plain TCP (h11 chunks a body of unknown length to an HTTP/1.1

@@ -65,11 +65,14 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
     return error_body(500, f"internal error: {type(exc).__name__}", "server_error", error_code="INTERNAL")
 
 
-async def claim_slot(state: AppState, engine: Engine, tokens: Sequence[int], owner: str) -> Slot:
-    """A free slot (preferring the longest cached prefix) within --slot-wait-s; SlotsBusy."""
+async def claim_slot(
+    state: AppState, engine: Engine, tokens: Sequence[int], owner: str, salt: str | None = None
+) -> Slot:
+    """A free slot (preferring the longest prefix cached under the request's cache ``salt``)
+    within --slot-wait-s; SlotsBusy."""
     try:
         with trio.fail_after(state.settings.slot_wait_s):
-            return await engine.claim_for_prompt(tokens, owner)
+            return await engine.claim_for_prompt(tokens, owner, salt)
     except trio.TooSlowError:
         raise SlotsBusy from None
 
@@ -90,7 +93,7 @@ async def generate_buffered(
 ) -> tuple[int, GenerationResult]:
     """(slot id, result) of a whole generation. Raises SlotsBusy."""
     t_arrived = trio.current_time()
-    slot = await claim_slot(state, engine, tokens, owner)
+    slot = await claim_slot(state, engine, tokens, owner, params.cache_salt)
     queue_s = trio.current_time() - t_arrived
     res = GenerationResult()
     with _logged(owner, path, slot.id, res, queue_s):
@@ -257,7 +260,7 @@ async def start_stream(
 
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
-        slot = await claim_slot(state, engine, tokens, owner)
+        slot = await claim_slot(state, engine, tokens, owner, params.cache_salt)
         queue_s = trio.current_time() - t_arrived
         task_status.started(slot.id)
 

@@ -57,7 +57,7 @@ async def export_completion(
     owner = f"http:kv-export:{request_id}"
     t_arrived = trio.current_time()
     try:
-        slot = await claim_slot(state, engine, tokens, owner)  # bounds the wait, not the prefill
+        slot = await claim_slot(state, engine, tokens, owner, params.cache_salt)  # bounds the wait, not the prefill
     except SlotsBusy:
         return all_slots_busy(state)
     queue_s = trio.current_time() - t_arrived
@@ -116,12 +116,13 @@ def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
 
 
 async def restore_handoff(
-    state: AppState, handoff: Handoff | None, engine: Engine, slot_id: int, tokens: list[int]
+    state: AppState, handoff: Handoff | None, engine: Engine, slot_id: int, tokens: list[int], salt: str | None = None
 ) -> None:
-    """Pull the export into the claimed slot, with the logits for the first token (nothing
-    without a hand-off; a failed one falls back to a local prefill)."""
+    """Pull the export into the claimed slot, with the logits for the first token, as the
+    history of the request's cache ``salt`` (nothing without a hand-off; a failed one falls
+    back to a local prefill)."""
     if handoff is not None:
-        await handoff.restore(engine, state.settings, state.payload_budget, slot_id, tokens)
+        await handoff.restore(engine, state.settings, state.payload_budget, slot_id, tokens, salt)
 
 
 def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
@@ -152,4 +153,4 @@ async def route(
     if exported is not None:
         return exported
     handoff = begin_handoff(state, body)
-    return DecodeSide(handoff, partial(restore_handoff, state, handoff, engine, tokens=tokens))
+    return DecodeSide(handoff, partial(restore_handoff, state, handoff, engine, tokens=tokens, salt=params.cache_salt))

@@ -95,7 +95,23 @@ def request_params(route: Route, engine: Engine, body: dict[str, Any]) -> Genera
     """A completion route's generation parameters: what it cannot honour refused first
     (``check_request``), then the engine's parse, with the logprobs asked for."""
     n_logprobs = check_request(route, body)
-    return replace(engine.generation_params(body), logprobs=n_logprobs)
+    return replace(engine.generation_params(body), logprobs=n_logprobs, cache_salt=cache_salt(body))
+
+
+MAX_CACHE_SALT_CHARS = 256  # a tenant's name or a hash of it; a key of every cache lookup
+
+
+def cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's ``cache_salt`` (chat and completions): a non-empty string of at most
+    MAX_CACHE_SALT_CHARS; None when absent or null."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise bad_param("cache_salt must be a non-empty string", "cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise bad_param(f"cache_salt is {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}", "cache_salt")
+    return salt
 
 
 def check_request(route: Route, body: dict[str, Any]) -> int | None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import resource
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,7 @@ from .openai import bp as openai_bp
 from .openai import health_reply
 from .sse import error_body
 from .state_routes import bp as state_bp
-from .state_routes import hold_state_uploads
+from .state_routes import drain_body, hold_state_uploads
 from .tokens import bp as tokens_bp
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ def create_app(state: AppState) -> QuartTrio:
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
+    app.asgi_app = _limit_request_bodies(app.asgi_app, state)  # type: ignore[method-assign,assignment]
     app.asgi_app = _count_in_flight(app.asgi_app, state)  # type: ignore[method-assign,assignment]
 
     @app.get("/metrics")
@@ -90,6 +93,71 @@ def create_app(state: AppState) -> QuartTrio:
         if rid := client_request_id():
             response.headers["X-Request-Id"] = rid
         return response
+
+    return app
+
+
+_STATE = re.compile(r"/slots/[^/]+/state")
+_NO_BODY_POST = re.compile(r"/slots/[^/]*")  # POST /slots/{id}?action=erase takes none
+
+
+def body_cap(method: str, path: str, state: AppState) -> int:
+    """The largest request body a route takes, decided before the app sees the request: a
+    slot state upload up to --max-kv-bytes, other POSTs (JSON) up to --max-json-bytes (the
+    prompt routes refine it: common.read_request_json), everything else none. Quart buffers
+    whatever body comes with any request, read by the route or not, up to its one
+    MAX_CONTENT_LENGTH (the largest of these): a GET with a body would sit in memory for as
+    long as its response runs (a stream: minutes)."""
+    settings = state.settings
+    if method == "PUT" and _STATE.fullmatch(path):
+        return settings.max_kv_bytes
+    if method == "POST" and not _NO_BODY_POST.fullmatch(path):
+        return settings.max_json_bytes
+    return 0
+
+
+def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:
+    """ASGI wrapper: a body larger than its route's ``body_cap`` (declared; or any chunked
+    body for a route that takes none) is refused 413 before the app or Quart's buffer sees
+    a byte of it, and the connection closed. Chunked bodies for routes that take one are
+    counted by the route as they arrive (common.read_json_body)."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await asgi_app(scope, receive, send)
+            return
+        cap = body_cap(scope["method"], scope["path"], state)
+        declared, chunked = None, False
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit():
+                declared = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+        if (declared or 0) <= cap and not (chunked and cap == 0):
+            await asgi_app(scope, receive, send)
+            return
+        size = f"{declared} bytes" if declared is not None else "a chunked body"
+        what = "takes no body" if cap == 0 else f"takes at most {cap} bytes"
+        body = json.dumps(
+            error_body(413, f"{scope['method']} {scope['path'][:100]} {what}; got {size}", "invalid_request_error")
+        ).encode()
+        async with trio.open_nursery() as nursery:
+            # Unread, the body would keep Hypercorn's queue to the app full and our reply's
+            # last send waiting behind it: drop what comes (bounded) while the reply goes out.
+            nursery.start_soon(drain_body, receive, state.settings.drain_limit_bytes, state.settings.idle_timeout_s)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 413,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        state.metrics.http_requests.labels("body_cap", "413").inc()
 
     return app
 

@@ -12,7 +12,15 @@ from quart import Blueprint, Response, request
 from ..config import Settings
 from ..engine import transfer
 from ..rpc.connection import payload_buffer
-from .common import HttpError, app_state, json_response, receive_body, require_engine
+from .common import (
+    HttpError,
+    app_state,
+    json_response,
+    receive_body,
+    request_nursery,
+    require_engine,
+)
+from .connections import close_connection_after
 
 bp = Blueprint("slot_state", __name__)
 
@@ -42,7 +50,11 @@ async def state_get(raw_id: str) -> Response:
     slot_id = _slot_id(raw_id)
     state = app_state()
     budget = state.payload_budget
-    snap = await transfer.snapshot(engine, slot_id, f"http:state_get:{slot_id}", budget, state.settings.idle_timeout_s)
+    settings = state.settings
+    snap = await transfer.snapshot(engine, slot_id, f"http:state_get:{slot_id}", budget, settings.idle_timeout_s)
+    if settings.min_download_bytes_per_s:  # the read-rate floor: grace + size / rate at most
+        deadline_s = settings.download_grace_s + snap.size / settings.min_download_bytes_per_s
+        close_connection_after(request_nursery(), deadline_s, f"slot {slot_id} state ({snap.size} bytes)")
     return Response(
         _Chunks(snap.parts, lambda: budget.release(snap.held)),  # from the snapshot's own buffers
         status=200,
@@ -171,7 +183,7 @@ def hold_state_uploads(asgi_app: ASGIApp, settings: Settings) -> ASGIApp:
                     # a disconnect for the app, behind the body parts it already read: with
                     # that queue full, this last send would never return. Drop the body as
                     # it comes (up to the drain limit, like RPC) while the reply goes out.
-                    nursery.start_soon(_drain, receive, settings.drain_limit_bytes, settings.idle_timeout_s)
+                    nursery.start_soon(drain_body, receive, settings.drain_limit_bytes, settings.idle_timeout_s)
                 await send(message)
 
             await asgi_app({**scope, _GATE: gate}, gated_receive, send_reply)
@@ -179,8 +191,8 @@ def hold_state_uploads(asgi_app: ASGIApp, settings: Settings) -> ASGIApp:
     return app
 
 
-async def _drain(receive: ASGIReceive, limit: int, idle_timeout_s: float) -> None:
-    """Drop a refused upload's body, up to ``limit`` bytes, so the refusal can be read. One
+async def drain_body(receive: ASGIReceive, limit: int, idle_timeout_s: float) -> None:
+    """Drop a refused request's body, up to ``limit`` bytes, so the refusal can be read. One
     deadline for the whole drain (``idle_timeout_s``), not only per message: a sender
     dripping a byte just inside the idle timeout would otherwise hold it for ever."""
     left = limit

@@ -88,7 +88,7 @@ async def tokenize() -> Response:
 @bp.post("/detokenize")
 async def detokenize() -> Response:
     engine = require_engine()
-    body = await read_request_json()
+    body = await read_request_json(token_ids=True)  # refused unparsed past what n_ctx ids take
     tokens = body.get("tokens", [])
     if not isinstance(tokens, list):
         raise bad_param("tokens must be an array of token ids")

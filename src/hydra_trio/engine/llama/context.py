@@ -21,6 +21,7 @@ import numpy as np
 import outcome
 
 from ..kvblocks import SlotBlocks
+from ..text import common_prefix_len
 from .chat import builtin_chat_templates
 from .devices import (
     OffloadReport,
@@ -154,6 +155,9 @@ class LlamaBackend(SlotStates):
         self.decode_s = 0.0
         self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
+        # Per slot: the cache_salt its history was computed under (None: unsalted). With the
+        # tokens it is the history's identity: see ``shared_prefix``.
+        self.seq_salt: list[str | None] = []
         # Told of every change of a slot's KV (kvblocks.py: the KV events); None: nobody.
         self.watcher: SlotBlocks | None = None
         self.type_k = type_k
@@ -231,6 +235,7 @@ class LlamaBackend(SlotStates):
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
+        self.seq_salt = [None] * self.n_slots
         # Per slot: how many leading positions are unchanged since the watcher last saw it.
         # A cut needs no update (the watcher keeps at most the blocks the slot still fills);
         # a restore, which may replace every position, sets it to 0.
@@ -283,7 +288,7 @@ class LlamaBackend(SlotStates):
         those of its new last position, when the change computed or restored them."""
         self.tail_logits[slot] = tail_logits
         if self.watcher is not None:
-            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot])
+            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot])
         self._kept[slot] = len(self.seq_tokens[slot])
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
@@ -394,6 +399,15 @@ class LlamaBackend(SlotStates):
 
     def n_past(self, slot: int) -> int:
         return len(self.seq_tokens[slot])
+
+    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None) -> int:
+        """How many leading ``tokens`` the slot's KV holds for a request under ``salt``: the
+        one tenant rule of slot reuse (slot choice, prefix reuse, the prompt cache's swap).
+        KV computed under one cache_salt is never continued under another, so a request
+        learns nothing (cached_tokens, timing) of what other salts' requests sent."""
+        if self.seq_salt[slot] != salt:
+            return 0
+        return common_prefix_len(self.seq_tokens[slot], tokens)
 
     def cells_in_use(self) -> int:
         """Upper bound of occupied KV cells (shared cells are counted once per sequence)."""

@@ -53,6 +53,7 @@ class SlotStates:
     n_ctx_slot: int
     n_swa: int
     seq_tokens: list[list[int]]
+    seq_salt: list[str | None]
     tail_logits: list[bytes | None]
     state_layout: StateLayout | None
     _n_caches: int
@@ -90,7 +91,7 @@ class SlotStates:
             raise RuntimeError(f"llama.cpp wrote {n} of {size} state bytes")
         if logits is not None:
             buf[room + size :] = logits
-        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None)
+        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot])
 
     def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
         """The slot's llama sequence state, in the one-stream form, and its tokens."""
@@ -147,8 +148,10 @@ class SlotStates:
         abort: threading.Event | None = None,
         *,
         blob: memoryview | None = None,
+        salt: str | None = None,
     ) -> bool:
-        """Restore a sequence state into ``slot``, all-or-nothing. ``blob``: the whole blob
+        """Restore a sequence state into ``slot``, all-or-nothing; its history is then
+        ``salt``'s (the request's that brought it: ``shared_prefix``). ``blob``: the whole blob
         ``state`` ends, whose bytes may be rewritten (seqstate.py) for this context's layout.
 
         Unified cache: the state lands in the scratch sequence first; only when llama.cpp
@@ -206,6 +209,7 @@ class SlotStates:
                 llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
                 llama_cpp.llama_memory_seq_cp(self._mem, target, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
+            self.seq_salt[slot] = salt
             self._kept[slot] = 0  # every position may differ (kvblocks.py keeps equal blocks)
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)
