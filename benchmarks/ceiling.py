@@ -307,7 +307,7 @@ def engine_alone(model: Path, slots: int, slot_ctx: int, counts: list[int], roun
 
                     async def one(tokens: list[int]) -> None:
                         nonlocal made
-                        slot = await eng.claim_for_prompt(tokens, "ceiling")
+                        slot = await eng.scheduler.claim_for_prompt(tokens, "ceiling")
                         try:
                             res = await eng.generate(slot.id, tokens, params, discard, result=GenerationResult())
                             made += res.completion_tokens  # after the await: "made +=" would read it before

@@ -121,16 +121,22 @@ async def test_logprobs_of_a_reply_cut_by_a_stop_string(ctx_engine: Any) -> None
     assert streamed == whole["choices"][0]["logprobs"]["tokens"]
 
 
-async def test_logprobs_in_shared_batches_match_alone(ctx_engine: Any) -> None:
+async def test_logprobs_in_shared_batches_match_alone(start_engine: Any, tiny_model_ctx: Any) -> None:
     """Concurrent requests (one batch per step, look-ahead steps) keep each token's entry with
-    its token: the same as each request alone, beside one that did not ask."""
+    its token: the same as each request alone, beside one that did not ask. Every prompt is
+    evaluated whole (slots erased, no host cache): one continued from a slot's cache rounds
+    differently."""
+    ep = await start_engine(tiny_model_ctx, threads=1, cache_ram_mib=0, slots=3)
     asks = [
         {"messages": MESSAGES, "max_tokens": 16, "logprobs": True, "top_logprobs": 2},
         {"messages": OTHER_MESSAGES, "max_tokens": 16, "logprobs": True, "top_logprobs": 1},
         {"messages": OTHER_MESSAGES, "max_tokens": 16},
     ]
-    async with http(ctx_engine) as c:
-        alone = [await _post(c, "/v1/chat/completions", **a) for a in asks]
+    async with http(ep) as c:
+        alone = []
+        for a in asks:
+            alone.append(await _post(c, "/v1/chat/completions", **a))
+            await _erase_slots(c, 3)
         together: list[dict[str, Any]] = [{}] * len(asks)
 
         async def one(i: int) -> None:
@@ -174,7 +180,7 @@ async def test_completion_logprobs_match_a_direct_computation(ctx_engine: Any) -
 
     # The same numbers straight from the model's logits after the prompt.
     await wait_slots_idle(engine)
-    tokens = await engine.tokenize_text(prompt)
+    tokens = await engine.inputs.tokenize_text(prompt)
     slot = engine.slot_claim(1, "test:logprobs")
     try:
         _, raw = await engine.prefill(slot.id, tokens, 0, want_logits=True)

@@ -408,6 +408,18 @@ async def test_configure_t2_refusals(engine: Any) -> None:
         assert (await c.info()).meta["n_ctx"] == 4096
 
 
+async def test_configure_t2_holds_the_cache_type_rule_of_start_up(start_engine: Any, tiny_model_hd32: Any) -> None:
+    """A quantized V cache needs flash attention: refused at start-up (config.validate) and,
+    by the same rule (config.cache_type_problem), by a T2 on an engine running without it,
+    before anything is staged; with flash attention it is staged."""
+    off = await start_engine(tiny_model_hd32, flash_attn="off")
+    async with await rpc(off) as c:
+        r = await c.call(Call(Op.CONFIGURE, b"0", [json.dumps({"cache_type_v": "q8_0"}).encode()]), check=False)
+        assert not r.ok and r.meta["error_code"] == "BAD_JSON", r.meta
+        assert "needs flash attention" in r.meta["error"]
+        assert off.state.engine.reconfigurer.staged == {}
+
+
 # ---- HTTP slot-state routes -----------------------------------------------------------------
 
 

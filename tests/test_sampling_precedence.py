@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hydra_trio.engine.configure import SlotSettings
 from hydra_trio.engine.params import ParamError, parse_generation
-from hydra_trio.engine.reconfigure import SlotSettings
 from hydra_trio.engine.slots import SlotTable
 from hydra_trio.wire import sampling
 from hydra_trio.wire.frames import encode_decode_frame_v3, merged_generation, parse_decode_frame

@@ -357,6 +357,15 @@ _RANGES: dict[str, tuple[float, float]] = {
 }
 
 
+def cache_type_problem(cache_type_v: str, flash_attn: str) -> str | None:
+    """The one cache-type rule, for start-up and CONFIGURE T2 alike: llama.cpp refuses a
+    context whose V cache is quantized without flash attention (only flash attention reads
+    one). ``flash_attn``: on | off | auto (auto may turn it on)."""
+    if cache_type_v in UNQUANTIZED_CACHE_TYPES or flash_attn != "off":
+        return None
+    return f"cache_type_v {cache_type_v} is quantized, which needs flash attention: set --flash-attn on or auto, or an unquantized --cache-type-v (f16, bf16, f32)"
+
+
 def validate(s: Settings) -> None:
     problems = [
         f"{name} must be {lo:g}..{hi:g}" for name, (lo, hi) in _RANGES.items() if not lo <= getattr(s, name) <= hi
@@ -405,9 +414,8 @@ def validate(s: Settings) -> None:
     for name, choices in _CHOICES.items():
         if getattr(s, name) not in choices:
             problems.append(f"{name} must be one of {', '.join(choices)}")
-    if s.cache_type_v not in UNQUANTIZED_CACHE_TYPES and s.flash_attn == "off":
-        # llama.cpp refuses the context: a quantized V cache is read by flash attention only.
-        problems.append(f"cache_type_v {s.cache_type_v} is quantized, which needs flash attention: set --flash-attn on or auto, or an unquantized --cache-type-v (f16, bf16, f32)")
+    if (problem := cache_type_problem(s.cache_type_v, s.flash_attn)) is not None:
+        problems.append(problem)
     if s.log_stats_interval_s < 0:
         problems.append("log_stats_interval_s must be >= 0 (0 = off)")
     if s.kv_events_replay_endpoint and not s.kv_events_endpoint:

@@ -15,7 +15,8 @@ from .vllm_metrics import PrefixCacheCounts, VllmCollector
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from .engine.engine import Engine, GenerationResult
+    from .engine.engine import Engine
+    from .engine.output import GenerationResult
     from .engine.promptcache import PromptCache
 
 # Base units (seconds), the old millisecond buckets' bounds.

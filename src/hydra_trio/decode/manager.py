@@ -154,13 +154,13 @@ class DecodeManager:
         engine = self.engine
         engine.slots.get(slot_id)  # NO_SLOT
         request = sampling_keys.merge(engine.slot_settings.generation_defaults(slot_id), merged_generation(frame))
-        params = engine.generation_params(request)
+        params = engine.inputs.generation_params(request)
         try:
             with trio.fail_at(deadline):  # the validation deadline covers these waits too
                 # A malformed prompt is refused before the reply. No prompt at all (an empty
                 # prompt segment, spec §4.1): decoding continues from what the slot holds.
                 has_prompt = "messages" in request or "prompt" in request
-                prompt_text = await engine.render_prompt(request) if has_prompt else None
+                prompt_text = await engine.inputs.render_prompt(request) if has_prompt else None
                 blob = (  # the token list is bounded by the context before it is materialised
                     await run_cpu_bound(partial(parse_kv_blob, frame.kv, max_tokens=engine.n_ctx_slot), len(frame.kv))
                     if len(frame.kv)
@@ -296,7 +296,7 @@ class DecodeManager:
         if prompt_text is None:  # continue the slot: its tokens are the prompt
             tokens = engine.slot_tokens(entry.slot_id)
         else:
-            tokens = await engine.tokenize_text(prompt_text)
+            tokens = await engine.inputs.tokenize_text(prompt_text)
         res = GenerationResult()
         entry.result = res
 

@@ -141,10 +141,10 @@ async def read_request_json(*, token_ids: bool = False) -> dict[str, Any]:
     engine = state.engine
     cap, why = state.settings.max_json_bytes, "--max-json-bytes"
     if engine is not None:
-        if token_ids and engine.max_token_ids_json_bytes < cap:
-            cap, why = engine.max_token_ids_json_bytes, f"the most an array of {engine.n_ctx} token ids (every KV cell) takes"
-        elif not token_ids and engine.max_request_json_bytes < cap:
-            cap, why = engine.max_request_json_bytes, f"the most a request for a slot of {engine.n_ctx_slot} positions can use"
+        if token_ids and engine.inputs.max_token_ids_json_bytes < cap:
+            cap, why = engine.inputs.max_token_ids_json_bytes, f"the most an array of {engine.n_ctx} token ids (every KV cell) takes"
+        elif not token_ids and engine.inputs.max_request_json_bytes < cap:
+            cap, why = engine.inputs.max_request_json_bytes, f"the most a request for a slot of {engine.n_ctx_slot} positions can use"
     return await read_json_body(cap, why)
 
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
-from ..engine.engine import GenerationResult
 from ..engine.logprobs import TokenLogprobs
+from ..engine.output import GenerationResult
 from ..engine.params import bad_param
 from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
@@ -31,9 +31,9 @@ async def prompt_tokens(engine: Engine, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return await engine.tokenize_text(prompt)
+        return await engine.inputs.tokenize_text(prompt)
     if isinstance(prompt, list) and len(prompt) >= engine.n_ctx_slot:
-        engine.check_prompt_fits(len(prompt))  # before any per-token check (a 4 M-token array: ~1 s)
+        engine.inputs.check_prompt_fits(len(prompt))  # before any per-token check (a 4 M-token array: ~1 s)
     if (
         isinstance(prompt, list)
         and prompt
@@ -45,7 +45,7 @@ async def prompt_tokens(engine: Engine, prompt: Any) -> list[int]:
             raise bad_param(
                 f"prompt holds token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}"
             )
-        engine.check_prompt_fits(len(prompt))
+        engine.inputs.check_prompt_fits(len(prompt))
         return list(prompt)
     if (
         isinstance(prompt, list)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Response
 
-from ..engine.engine import GenerationResult
 from ..engine.logprobs import TokenLogprobs
+from ..engine.output import GenerationResult
 from ..engine.params import GenerationParams
 from ..logs import generation_fields, request_extra
 from ..tasks import start_owned
@@ -72,7 +72,7 @@ async def claim_slot(
     within --slot-wait-s; SlotsBusy."""
     try:
         with trio.fail_after(state.settings.slot_wait_s):
-            return await engine.claim_for_prompt(tokens, owner, salt)
+            return await engine.scheduler.claim_for_prompt(tokens, owner, salt)
     except trio.TooSlowError:
         raise SlotsBusy from None
 

@@ -114,7 +114,7 @@ async def chat_completions() -> Response:
     engine = require_engine()
     body = await read_request_json()
     params = request_params("chat", engine, body)  # 400 for what this engine would not honour
-    tokens = await engine.tokenize_request(body)
+    tokens = await engine.inputs.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)

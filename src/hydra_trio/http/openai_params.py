@@ -95,7 +95,7 @@ def request_params(route: Route, engine: Engine, body: dict[str, Any]) -> Genera
     """A completion route's generation parameters: what it cannot honour refused first
     (``check_request``), then the engine's parse, with the logprobs asked for."""
     n_logprobs = check_request(route, body)
-    return replace(engine.generation_params(body), logprobs=n_logprobs, cache_salt=cache_salt(body))
+    return replace(engine.inputs.generation_params(body), logprobs=n_logprobs, cache_salt=cache_salt(body))
 
 
 MAX_CACHE_SALT_CHARS = 256  # a tenant's name or a hash of it; a key of every cache lookup

@@ -37,7 +37,7 @@ async def _vllm_tokens(engine: Any, body: dict[str, Any]) -> list[int]:
     """The tokens of a vLLM-shaped request: ``messages`` through the chat template as the
     chat route renders them, a ``prompt`` as the text-completion route takes it."""
     if "messages" in body:
-        return await engine.tokenize_request(body)  # what the chat route does with its body
+        return await engine.inputs.tokenize_request(body)  # what the chat route does with its body
     return await prompt_tokens(engine, body.get("prompt"))
 
 
@@ -78,7 +78,7 @@ async def tokenize() -> Response:
     parse_special = _flag(body, "parse_special", True)
     with_pieces = _flag(body, "with_pieces", False)
 
-    tokens = await engine.tokenize(content, add_special=add_special, parse_special=parse_special)
+    tokens = await engine.inputs.tokenize(content, add_special=add_special, parse_special=parse_special)
     if with_pieces:
         piece = engine.backend.special_piece
         return json_response({"tokens": [{"id": t, "piece": _piece_json(piece(t))} for t in tokens]})
@@ -112,4 +112,4 @@ async def apply_template() -> Response:
     body = await read_request_json()
     if "messages" not in body:
         raise bad_param("messages is required")
-    return json_response({"prompt": await engine.render_prompt(body)})
+    return json_response({"prompt": await engine.inputs.render_prompt(body)})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -11,15 +9,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import trio
 
 from .. import __version__
-from ..config import CACHE_TYPES, Settings
+from ..config import Settings
 from ..engine import transfer
+from ..engine.configure import configure
 from ..engine.transfer import blob_hash
 from ..logs import request_extra
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
-from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
 from ..wire.kvblob import blob_head_size
@@ -121,13 +118,6 @@ CAPABILITIES = (
     "chat_completions",
     "completions",
 )
-
-# CONFIGURE tiers (spec §2.4)
-_T1_KEYS = {"n_predict", "seed", "n_keep", "antiprompt", "sampling", "state_chunk_size"}
-_T2_KEYS = {"n_ctx", "cache_type_k", "cache_type_v"}
-_T3_KEYS = {"model_path"}
-CHUNK_MIN, CHUNK_MAX = 64 * 1024, 64 * 1024 * 1024
-
 
 class OpTable:
     def __init__(self, state: AppState) -> None:
@@ -269,44 +259,12 @@ class OpTable:
 
     async def configure(self, ctx: OpContext, payload: memoryview) -> Reply:
         body = await run_cpu_bound(partial(decode_json_object, payload, "CONFIGURE"), len(payload))
-        engine = self.engine
-        applied: dict[str, Any] = {}
-        t1: dict[str, Any] = {}
-        staged: dict[str, Any] = {}
-        for key, value in body.items():
-            if key in _T1_KEYS:
-                t1[key] = value
-            elif key in _T2_KEYS or key in _T3_KEYS:
-                staged[key] = value
-        unused: dict[str, str] = {}
-        if t1:
-            t1 = _validate_t1(t1)
-            if "n_keep" in t1:
-                # n_keep picks the prefix kept when a full context is shifted; this engine
-                # never shifts (a slot that fills up stops with stop_type "context"), so
-                # nothing would apply it: reported as accepted-but-unused, not as applied.
-                del t1["n_keep"]
-                unused["n_keep"] = "accepted, not applied: no context shifting (generation stops at the context limit)"
-        tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
-        allowed = self.state.settings.configure_tier_set()
-        for name, used in (("T1", t1), ("T2", _T2_KEYS & staged.keys()), ("T3", _T3_KEYS & staged.keys())):
-            if used and name not in allowed:
-                raise _refused(f"CONFIGURE {name} ({', '.join(sorted(used))}) is off on this engine (--configure-tiers {self.state.settings.configure_tiers})")
-        if staged:
-            staged = _validate_staged(staged)
-            if "model_path" in staged:
-                staged["model_path"] = await trio.to_thread.run_sync(_model_in, engine.model_dir, staged["model_path"])
-        if t1:
-            applied = engine.slot_settings.apply(ctx.slot_id, t1)
-        if staged:
-            engine.reconfigurer.stage(staged)
+        outcome = await configure(self.engine, ctx.slot_id, body, self.state.settings)
         ctx.log.info(
-            "CONFIGURE slot %d: applied %s, unused %s, deferred %s", ctx.slot_id, sorted(applied), sorted(unused), sorted(staged)
+            "CONFIGURE slot %d: applied %s, unused %s, deferred %s",
+            ctx.slot_id, sorted(outcome.applied), sorted(outcome.unused), outcome.deferred,
         )
-        meta = {"success": True, "tier": tier, "params_applied": applied, "deferred_keys": sorted(staged)}
-        if unused:
-            meta["params_unused"] = unused
-        return Reply.ok(meta)
+        return Reply.ok(outcome.meta())
 
     async def _receive_decode(self, ctx: OpContext) -> np.ndarray:
         """A large DECODE's kv segment is hashed as it arrives (off the trio thread), so its
@@ -398,7 +356,7 @@ class OpTable:
         ctx.release_payload()  # parsed: its bytes are no longer needed
         engine = self.engine
         t0 = time.perf_counter()
-        tokens = await engine.tokenize_request(body)
+        tokens = await engine.inputs.tokenize_request(body)
         slot = engine.slot_claim(ctx.slot_id, self._owner(ctx, "PREFILL"))
         budget, held = self.state.payload_budget, 0
         try:
@@ -443,86 +401,4 @@ class OpTable:
         reply.held = held
         return reply
 
-
-def _bad(msg: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.BAD_JSON, msg, status=Status.BAD_REQUEST)
-
-
-def _refused(msg: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.BAD_KEY, msg, status=Status.BAD_REQUEST)
-
-
-def _model_in(model_dir: str, path: str) -> str:
-    """``path`` resolved (symlinks too), if it is a regular file inside ``model_dir``: a T3
-    reload reads nothing else (not another folder, not a FIFO or device that would block the
-    loader with the slots frozen). Runs in a thread: it stats the filesystem."""
-    real = os.path.realpath(os.path.join(model_dir, path))
-    root = os.path.realpath(model_dir)
-    if os.path.commonpath([real, root]) != root:
-        raise _refused(f"model_path must be inside --model-dir {root}")
-    try:
-        st = os.stat(real)
-    except OSError as exc:
-        raise _bad(f"model_path {path!r}: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise _bad(f"model_path {path!r} is not a regular file")
-    if not os.access(real, os.R_OK):
-        raise _bad(f"model_path {path!r} is not readable")
-    return real
-
-
-def _validate_t1(t1: dict[str, Any]) -> dict[str, Any]:
-    """Normalise T1 keys; unknown sampling keys are ignored, wrong types refused."""
-    out: dict[str, Any] = {}
-    for key in ("n_predict", "seed", "n_keep"):
-        if key in t1:
-            v = t1[key]
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise _bad(f"{key} must be an integer")
-            out[key] = v
-    if "antiprompt" in t1:
-        v = t1["antiprompt"]
-        if isinstance(v, str):
-            v = [v]
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise _bad("antiprompt must be a string or an array of strings")
-        out["antiprompt"] = v
-    if "sampling" in t1:
-        s = t1["sampling"]
-        if not isinstance(s, dict):
-            raise _bad("sampling must be an object")
-        sampling = {}
-        for k, v in s.items():  # echoed as spelled; stored canonical (SlotSettings.apply)
-            if sampling_keys.ALIASES.get(k, k) in sampling_keys.T1_SAMPLING_KEYS:
-                if isinstance(v, bool) or not isinstance(v, int | float):
-                    raise _bad(f"sampling.{k} must be a number")
-                sampling[k] = v
-        out["sampling"] = sampling
-    if "state_chunk_size" in t1:
-        v = t1["state_chunk_size"]
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise _bad("state_chunk_size must be an integer")
-        out["state_chunk_size"] = min(max(v, CHUNK_MIN), CHUNK_MAX)
-    return out
-
-
-def _validate_staged(staged: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if "n_ctx" in staged:
-        v = staged["n_ctx"]
-        if isinstance(v, bool) or not isinstance(v, int) or not 64 <= v <= 1 << 20:
-            raise _bad("n_ctx must be an integer in 64..1048576")
-        out["n_ctx"] = v
-    for key in ("cache_type_k", "cache_type_v"):
-        if key in staged:
-            v = staged[key]
-            if not isinstance(v, str) or v.lower() not in CACHE_TYPES:
-                raise _bad(f"{key} must be one of {sorted(CACHE_TYPES)}")
-            out[key] = CACHE_TYPES[v.lower()]
-    if "model_path" in staged:
-        v = staged["model_path"]
-        if not isinstance(v, str) or not v:
-            raise _bad("model_path must be a non-empty string")
-        out["model_path"] = v
-    return out
 

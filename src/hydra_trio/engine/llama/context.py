@@ -659,3 +659,8 @@ class LlamaBackend(SlotStates):
 
 def type_label(ggml_type: int | None) -> str:
     return "f16" if ggml_type is None else type_name(ggml_type)  # None: llama.cpp's default
+
+
+def kv_layout(backend: LlamaBackend) -> str:
+    """The KV cache layout's name: one pool any slot may fill, or a stream per slot."""
+    return "unified" if backend.kv_unified else "split"

@@ -1,0 +1,242 @@
+"""CONFIGURE (spec §2.4), all of it: which tier each key is, how each is validated, T1's
+per-slot settings, and T2/T3 changes (context rebuild, model reload) staged until every slot
+is idle, then applied by the engine (``Engine.apply_staged``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from ..config import CACHE_TYPES, Settings, cache_type_problem
+from ..wire import sampling as sampling_keys
+from ..wire.errors import ErrorCode, ProtocolError, Status
+from .slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+# CONFIGURE tiers (spec §2.4)
+_T1_KEYS = {"n_predict", "seed", "n_keep", "antiprompt", "sampling", "state_chunk_size"}
+_T2_KEYS = {"n_ctx", "cache_type_k", "cache_type_v"}
+_T3_KEYS = {"model_path"}
+CHUNK_MIN, CHUNK_MAX = 64 * 1024, 64 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class ConfigureOutcome:
+    """What one CONFIGURE did: the reply's fields."""
+
+    tier: str
+    applied: dict[str, Any] = field(default_factory=dict)
+    unused: dict[str, str] = field(default_factory=dict)
+    deferred: list[str] = field(default_factory=list)
+
+    def meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"success": True, "tier": self.tier, "params_applied": self.applied, "deferred_keys": self.deferred}
+        if self.unused:
+            meta["params_unused"] = self.unused
+        return meta
+
+
+class Configurable(Protocol):
+    """What CONFIGURE changes (the engine)."""
+
+    slot_settings: SlotSettings
+    reconfigurer: Reconfigurer
+    model_dir: str
+
+    @property
+    def flash_attn_applied(self) -> str: ...
+
+
+async def configure(engine: Configurable, slot_id: int, body: dict[str, Any], settings: Settings) -> ConfigureOutcome:
+    """Sort a CONFIGURE's keys into tiers, refuse what this engine's --configure-tiers or
+    the keys' rules do not allow, apply T1 to the slot and stage T2/T3."""
+    t1 = {k: v for k, v in body.items() if k in _T1_KEYS}
+    staged = {k: v for k, v in body.items() if k in _T2_KEYS or k in _T3_KEYS}
+    unused: dict[str, str] = {}
+    if t1:
+        t1 = _validate_t1(t1)
+        if "n_keep" in t1:
+            # n_keep picks the prefix kept when a full context is shifted; this engine
+            # never shifts (a slot that fills up stops with stop_type "context"), so
+            # nothing would apply it: reported as accepted-but-unused, not as applied.
+            del t1["n_keep"]
+            unused["n_keep"] = "accepted, not applied: no context shifting (generation stops at the context limit)"
+    tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
+    allowed = settings.configure_tier_set()
+    for name, used in (("T1", t1), ("T2", _T2_KEYS & staged.keys()), ("T3", _T3_KEYS & staged.keys())):
+        if used and name not in allowed:
+            raise _refused(f"CONFIGURE {name} ({', '.join(sorted(used))}) is off on this engine (--configure-tiers {settings.configure_tiers})")
+    if staged:
+        staged = _validate_staged(staged, flash_attn=engine.flash_attn_applied)
+        if "model_path" in staged:
+            staged["model_path"] = await trio.to_thread.run_sync(_model_in, engine.model_dir, staged["model_path"])
+    applied = engine.slot_settings.apply(slot_id, t1) if t1 else {}
+    if staged:
+        engine.reconfigurer.stage(staged)
+    return ConfigureOutcome(tier, applied, unused, sorted(staged))
+
+
+def _bad(msg: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_JSON, msg, status=Status.BAD_REQUEST)
+
+
+def _refused(msg: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.BAD_KEY, msg, status=Status.BAD_REQUEST)
+
+
+def _model_in(model_dir: str, path: str) -> str:
+    """``path`` resolved (symlinks too), if it is a regular file inside ``model_dir``: a T3
+    reload reads nothing else (not another folder, not a FIFO or device that would block the
+    loader with the slots frozen). Runs in a thread: it stats the filesystem."""
+    real = os.path.realpath(os.path.join(model_dir, path))
+    root = os.path.realpath(model_dir)
+    if os.path.commonpath([real, root]) != root:
+        raise _refused(f"model_path must be inside --model-dir {root}")
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        raise _bad(f"model_path {path!r}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _bad(f"model_path {path!r} is not a regular file")
+    if not os.access(real, os.R_OK):
+        raise _bad(f"model_path {path!r} is not readable")
+    return real
+
+
+def _validate_t1(t1: dict[str, Any]) -> dict[str, Any]:
+    """Normalise T1 keys; unknown sampling keys are ignored, wrong types refused."""
+    out: dict[str, Any] = {}
+    for key in ("n_predict", "seed", "n_keep"):
+        if key in t1:
+            v = t1[key]
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise _bad(f"{key} must be an integer")
+            out[key] = v
+    if "antiprompt" in t1:
+        v = t1["antiprompt"]
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise _bad("antiprompt must be a string or an array of strings")
+        out["antiprompt"] = v
+    if "sampling" in t1:
+        s = t1["sampling"]
+        if not isinstance(s, dict):
+            raise _bad("sampling must be an object")
+        sampling = {}
+        for k, v in s.items():  # echoed as spelled; stored canonical (SlotSettings.apply)
+            if sampling_keys.ALIASES.get(k, k) in sampling_keys.T1_SAMPLING_KEYS:
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise _bad(f"sampling.{k} must be a number")
+                sampling[k] = v
+        out["sampling"] = sampling
+    if "state_chunk_size" in t1:
+        v = t1["state_chunk_size"]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _bad("state_chunk_size must be an integer")
+        out["state_chunk_size"] = min(max(v, CHUNK_MIN), CHUNK_MAX)
+    return out
+
+
+def _validate_staged(staged: dict[str, Any], *, flash_attn: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "n_ctx" in staged:
+        v = staged["n_ctx"]
+        if isinstance(v, bool) or not isinstance(v, int) or not 64 <= v <= 1 << 20:
+            raise _bad("n_ctx must be an integer in 64..1048576")
+        out["n_ctx"] = v
+    for key in ("cache_type_k", "cache_type_v"):
+        if key in staged:
+            v = staged[key]
+            if not isinstance(v, str) or v.lower() not in CACHE_TYPES:
+                raise _bad(f"{key} must be one of {sorted(CACHE_TYPES)}")
+            out[key] = CACHE_TYPES[v.lower()]
+            if key == "cache_type_v" and (problem := cache_type_problem(v.lower(), flash_attn)) is not None:
+                raise _bad(problem)
+    if "model_path" in staged:
+        v = staged["model_path"]
+        if not isinstance(v, str) or not v:
+            raise _bad("model_path must be a non-empty string")
+        out["model_path"] = v
+    return out
+
+
+class SlotSettings:
+    """T1: applied at once to a slot's defaults for later requests on it."""
+
+    def __init__(self, slots: SlotTable) -> None:
+        self._slots = slots
+        self._config: list[dict[str, Any]] = [{} for _ in range(len(slots))]
+
+    def of(self, slot_id: int) -> dict[str, Any]:
+        return self._config[slot_id]
+
+    def apply(self, slot_id: int, t1: dict[str, Any]) -> dict[str, Any]:
+        self._slots.get(slot_id)  # NO_SLOT
+        cfg = self._config[slot_id]
+        for key, value in t1.items():
+            if key == "sampling":  # canonical names: a later temp replaces an earlier temperature
+                cfg.setdefault("sampling", {}).update(sampling_keys.canonical(value))
+            else:
+                cfg[key] = value
+        return dict(t1)
+
+    def generation_defaults(self, slot_id: int) -> dict[str, Any]:
+        """The slot's T1 settings as one layer of request keys, flattened by the one rule
+        (wire/sampling.py: its sampling keys beat its top-level ones; the request's layers,
+        merged after it, beat both)."""
+        cfg = self._config[slot_id]
+        layer: dict[str, Any] = {k: cfg[k] for k in ("n_predict", "seed") if k in cfg}
+        if "antiprompt" in cfg:
+            layer["stop"] = cfg["antiprompt"]
+        layer["sampling"] = cfg.get("sampling", {})
+        return sampling_keys.flatten(layer)
+
+
+class Reconfigurer:
+    """T2/T3: staged by CONFIGURE, applied by ``run`` once every slot is idle. No slot can
+    be claimed from the moment a change is staged until it has been applied."""
+
+    def __init__(self, slots: SlotTable, apply: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        self._slots = slots
+        self._apply = apply
+        self._staged: dict[str, Any] = {}
+        self._changed = trio.Event()
+
+    def stage(self, changes: dict[str, Any]) -> None:
+        self._staged.update(changes)
+        self._changed.set()
+
+    @property
+    def staged(self) -> dict[str, Any]:
+        return dict(self._staged)
+
+    async def run(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed = trio.Event()
+            if not self._staged:
+                continue
+            # Drain: no new claims from now on, so the running requests' end is in sight even
+            # under steady traffic (new ones wait, or get BUSY "engine is reconfiguring").
+            self._slots.frozen = True
+            try:
+                busy = sum(s.busy for s in self._slots.slots)
+                if busy:
+                    log.info("staged %s: waiting for %d running request(s) to end", sorted(self._staged), busy)
+                while not self._slots.all_idle():
+                    await self._slots.wait_released()
+                changes, self._staged = self._staged, {}
+                await self._apply(changes)
+            except Exception:
+                log.exception("staged reconfiguration failed; the engine keeps its old setup")
+            finally:
+                self._slots.frozen = False
+                self._slots.notify()

@@ -1,0 +1,140 @@
+"""Input processing: a request's prompt from its body (chat template or plain text), its
+tokens, and the limits a prompt must fit before any slot is claimed (vLLM's input processor).
+
+Each check here is the one place its limit is decided: what text is refused untokenized, what
+prompt no slot can hold, how large a prompt-route or token-id JSON body is worth parsing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Settings
+from ..wire.errors import ErrorCode, ProtocolError, Status
+from .llama.chat import apply_builtin_chat_template
+from .llama.context import LlamaBackend, kv_layout
+from .params import GenerationParams, parse_generation
+from .templates import ChatTemplate, PromptRenderer
+from .worker import GpuWorker
+
+# The most prompt text per context position: longer text cannot fit a slot with any usual
+# vocabulary, so it is refused before it is tokenized (tokenizing holds the GPU worker, and
+# a multi-megabyte prompt would stall every stream for seconds).
+MAX_PROMPT_BYTES_PER_POSITION = 32
+# A token id in a JSON array: up to 7 digits, its comma, and the indentation of a
+# pretty-printed body (json.dumps(indent=4) inside an object: 8 spaces and a newline).
+MAX_TOKEN_ID_JSON_BYTES = 24
+
+
+class Inputs:
+    """Turns request bodies into prompts and tokens, within the served model's limits.
+    ``backend`` gives the model serving now (a T3 reload replaces it)."""
+
+    def __init__(self, backend: Callable[[], LlamaBackend], worker: GpuWorker, settings: Settings) -> None:
+        self._backend = backend
+        self._worker = worker
+        self._settings = settings
+
+    @property
+    def n_ctx(self) -> int:
+        return self._backend().n_ctx
+
+    @property
+    def n_ctx_slot(self) -> int:
+        return self._backend().n_ctx_slot
+
+    def set_chat_template(self, template: ChatTemplate) -> None:
+        info = self._backend().info
+        self.chat_template = template
+        self._prompts = PromptRenderer(
+            template,
+            bos_token=info.bos_text,
+            eos_token=info.eos_text,
+            tokenizer_adds_bos=info.add_bos,
+            run_on_worker=self._worker.call,
+            apply_builtin=apply_builtin_chat_template,
+        )
+
+    def generation_params(self, request: dict[str, Any]) -> GenerationParams:
+        """A request's generation settings, with this engine's defaults and limits."""
+        s = self._settings
+        return parse_generation(
+            request, default_n_predict=s.default_n_predict, n_ctx=self.n_ctx_slot, default_stream_interval=s.stream_interval
+        )
+
+    async def render_prompt(self, request: dict[str, Any]) -> str:
+        """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
+        return await self._prompts.render(request)
+
+    async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
+        return await self.tokenize_text(await self.render_prompt(request))
+
+    @property
+    def max_request_json_bytes(self) -> int:
+        """The largest prompt-route JSON body worth parsing: the longest text a slot can take
+        (MAX_PROMPT_BYTES_PER_POSITION a position), three times over for JSON's escapes
+        (a six-byte \\u escape for a 2- or 3-byte character, two for a 4-byte one), plus 1 MiB for the rest
+        of the request (messages' structure, a tool schema, sampling fields). Token-id arrays
+        take at most 8 bytes an id."""
+        return 3 * MAX_PROMPT_BYTES_PER_POSITION * self.n_ctx_slot + (1 << 20)
+
+    @property
+    def max_token_ids_json_bytes(self) -> int:
+        """The largest /detokenize body worth parsing: an array of at most n_ctx ids (what all
+        slots hold together; more is refused anyway), MAX_TOKEN_ID_JSON_BYTES an id, plus
+        64 KiB for the rest. Parsing holds the GIL even on another thread, so a body this
+        route refuses must never cost more to parse than the largest one it serves (a
+        12 MB array of 4 M ids: 0.2-0.4 s of every stream's time)."""
+        return MAX_TOKEN_ID_JSON_BYTES * self.n_ctx + (64 << 10)
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuse text too long for a slot before any per-token work (see
+        MAX_PROMPT_BYTES_PER_POSITION)."""
+        limit = MAX_PROMPT_BYTES_PER_POSITION * self.n_ctx_slot
+        if len(text) <= limit // 4:  # 4 UTF-8 bytes a character at most: no need to encode
+            return
+        n_bytes = len(text.encode("utf-8", "surrogatepass"))
+        if n_bytes > limit:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"text of {n_bytes} bytes: a slot holds {self.n_ctx_slot} positions, "
+                f"and text over {MAX_PROMPT_BYTES_PER_POSITION} bytes a position is refused untokenized",
+                status=Status.BAD_REQUEST,
+            )
+
+    async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        """Text -> tokens on the GPU worker, bounded: text no slot could hold is refused first."""
+        self.check_text_fits(text)
+        try:
+            return await self._worker.call(
+                lambda: self._backend().tokenize(text, add_special=add_special, parse_special=parse_special)
+            )
+        except UnicodeEncodeError:  # JSON's "\ud800": a str, but no UTF-8 (benchmarks/hostile.py)
+            raise ProtocolError(
+                ErrorCode.BAD_JSON, "text holds a lone surrogate (U+D800..U+DFFF): not valid Unicode", status=Status.BAD_REQUEST
+            ) from None
+
+    async def tokenize_text(self, text: str) -> list[int]:
+        """Prompt text -> tokens, refusing prompts that cannot fit."""
+        tokens = await self.tokenize(text, add_special=True)
+        if not tokens:
+            raise ProtocolError(ErrorCode.BAD_JSON, "prompt is empty", status=Status.BAD_REQUEST)
+        self.check_prompt_fits(len(tokens))
+        return tokens
+
+    def slot_room(self) -> str:
+        """What a prompt or blob refused for its length is told of the slots."""
+        return (
+            f"a slot holds {self.n_ctx_slot} with room for one generated token "
+            f"({kv_layout(self._backend())} KV cache of {self.n_ctx} cells, {self._backend().n_slots} slots)"
+        )
+
+    def check_prompt_fits(self, n_tokens: int) -> None:
+        """Refuse a prompt no slot can hold (with room for one generated token)."""
+        if n_tokens >= self.n_ctx_slot:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"prompt has {n_tokens} tokens; {self.slot_room()}",
+                status=Status.BAD_REQUEST,
+            )
