@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hydra_trio.model import gguf_meta
 from hydra_trio.model import identity as ident
 from hydra_trio.model.identity import (
     CAP_CODE,
@@ -444,7 +445,7 @@ def test_metadata_matches_gguf_reader(tmp_path: Path) -> None:
     )
     reader = gguf.GGUFReader(p)
     with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        meta = ident._GGUFMeta(mm)
+        meta = gguf_meta.GgufMeta(mm)
         expected_keys = [k for k in reader.fields if not k.startswith("GGUF.")]
         assert list(meta.scalars) == expected_keys
         for key in expected_keys:
@@ -456,7 +457,7 @@ def test_metadata_matches_gguf_reader(tmp_path: Path) -> None:
                 else:
                     got = (
                         meta.int_array(ours).tolist()
-                        if ours.elem_type in ident._INT_TYPES
+                        if ours.elem_type in gguf_meta._INT_TYPES
                         else None
                     )
                     if got is not None:
