@@ -13,7 +13,7 @@ import trio.testing
 
 from helpers import wait_until
 from hydra_trio.engine.batcher import StepBatcher
-from hydra_trio.engine.llama.context import PrefillPart, StepRequest
+from hydra_trio.engine.llama.types import PrefillPart, StepRequest
 
 
 class Recorder:

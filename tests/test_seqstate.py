@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hydra_trio.engine.llama.context import LlamaBackend, StepRequest
+from hydra_trio.engine.llama.context import LlamaBackend
 from hydra_trio.engine.llama.sampling import Sampler
 from hydra_trio.engine.llama.seqstate import (
     STATE_MAGIC,
@@ -22,6 +22,7 @@ from hydra_trio.engine.llama.seqstate import (
     rewrite_in_place,
     with_streams,
 )
+from hydra_trio.engine.llama.types import StepRequest
 from hydra_trio.engine.params import SamplingParams
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 

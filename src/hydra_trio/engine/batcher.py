@@ -20,8 +20,8 @@ import outcome
 import trio
 
 from ..wire.errors import ErrorCode, ProtocolError, Status
-from .llama.context import PrefillPart, StepRequest
 from .llama.sampling import Sampler
+from .llama.types import PrefillPart, StepRequest
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,11 @@ from .batcher import PartOutcome, StepBatcher
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
 from .kvblocks import SlotBlocks
-from .llama.context import LlamaBackend, PrefillPart, StepRequest, kv_layout
+from .llama.context import LlamaBackend, kv_layout
 from .llama.devices import OffloadSettings
 from .llama.sampling import Sampler
 from .llama.state import DecodeAborted, NoKvSpace
+from .llama.types import PrefillPart, StepRequest
 from .output import GenerationResult, OutputProcessor
 from .params import GenerationParams
 from .promptcache import PromptCache

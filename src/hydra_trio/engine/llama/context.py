@@ -14,7 +14,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import llama_cpp
 import numpy as np
@@ -35,46 +34,11 @@ from .devices import (
 )
 from .log import captured, init_llama
 from .sampling import Sampler
-from .seqstate import StateLayout, StateLayoutError, cache_layout, read_layout, type_name
+from .seqstate import type_name
 from .state import DecodeAborted, NoKvSpace, SlotStates
+from .types import ModelInfo, PrefillPart, StepRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    n_vocab: int
-    n_ctx_train: int
-    n_embd: int
-    n_layer: int
-    bos: int
-    eos: int
-    add_bos: bool
-    chat_template: str | None
-    recurrent: bool
-    bos_text: str  # what chat templates see as bos_token / eos_token
-    eos_text: str
-
-
-@dataclass(frozen=True, slots=True)
-class StepRequest:
-    """One sequence's share of a batched generation step."""
-
-    slot: int
-    token: int
-    sampler: Sampler
-
-
-@dataclass(slots=True)
-class PrefillPart:
-    """Prompt tokens of one slot that ride along in a generation-step batch (chunked
-    prefill): appended at the slot's end, after dropping its positions >= ``keep``."""
-
-    slot: int
-    tokens: Sequence[int]
-    keep: int | None = None  # the first part of a prompt: truncate the slot first
-    sampler: Sampler | None = None  # the last part: sample the next token from its last position
-    want_logits: bool = False  # the last part: also return that position's logits
 
 
 class LlamaBackend(SlotStates):
@@ -252,37 +216,6 @@ class LlamaBackend(SlotStates):
         self._measure_state_size()
         self._sizes = [self._state_base] * self.n_slots
 
-    def _measure_state_size(self) -> None:
-        # A sequence's state is a fixed header plus a fixed size per position: measure both
-        # once so STATE_META can report the exact size without a llama call.
-        # (llama.cpp writes per-cell metadata, then per-layer rows: linear in the cell count.)
-        # Sizes are those of the one-stream form blobs travel in (seqstate.py): a split
-        # cache's own form has 4 bytes more per further stream and cache.
-        seq = self.scratch_seq if self.kv_unified else 0  # slot 0 is empty until load ends
-        tok = self.info.bos if self.info.bos >= 0 else 0
-        self._decode_batch([(seq, tok, 0, False)], None)
-        probe, _ = self._read_state(seq)
-        try:  # what a received state must match (None: a layout seqstate.py does not read)
-            self.state_layout: StateLayout | None = read_layout(probe, None)
-        except StateLayoutError as exc:
-            log.info("KV state layout not checked before restores (%s)", exc)
-            self.state_layout = None
-        self._n_caches = len(self.state_layout.caches) if self.state_layout else 1
-        # K/V types and V transposition, read from a state llama.cpp wrote (what blobs carry).
-        self.cache_layout = cache_layout(self.state_layout) if self.state_layout else {}
-        self._stream_overhead = 4 * (self.n_stream - 1) * self._n_caches
-        one = self.state_size(seq)
-        self._decode_batch([(seq, tok, 1, False)], None)
-        two = self.state_size(seq)
-        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        self._state_base = self.state_size(seq)
-        self._state_per_pos = two - one
-        self._state_first = one - self._state_per_pos  # header of a non-empty sequence
-
-    def slot_state_size(self, slot: int) -> int:
-        """Exact serialized size of the slot's sequence, without a llama call."""
-        return self._sizes[slot] if self.n_swa else self.state_size_for(len(self.seq_tokens[slot]))
-
     def _advanced(self, slot: int, tail_logits: bytes | None = None) -> None:
         """Bookkeeping after the slot's sequence changed (runs on the worker); ``tail_logits``:
         those of its new last position, when the change computed or restored them."""
@@ -300,9 +233,6 @@ class LlamaBackend(SlotStates):
         if not self.n_swa or n_keep >= len(self.seq_tokens[slot]) - 1:
             return n_keep  # keeping all, or all but the last position, keeps a full window
         return n_keep if self._swa_low[slot] <= max(0, n_keep - self.n_swa) else 0
-
-    def state_size_for(self, n_past: int) -> int:
-        return self._state_base if n_past == 0 else self._state_first + n_past * self._state_per_pos
 
     def rebuild_context(self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None) -> None:
         """Recreate the context (CONFIGURE T2). All slot contents are dropped."""

@@ -9,9 +9,9 @@ and may not touch. It uses the context's attributes, set by LlamaBackend.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import llama_cpp
 
@@ -21,14 +21,15 @@ from ..promptcache import Snapshot
 from .seqstate import (
     StateLayout,
     StateLayoutError,
+    cache_layout,
     layout_mismatch,
     read_layout,
     rewrite_in_place,
     with_streams,
 )
+from .types import ModelInfo
 
-if TYPE_CHECKING:
-    from .context import ModelInfo
+log = logging.getLogger(__name__)
 
 
 class DecodeAborted(Exception):
@@ -60,6 +61,40 @@ class SlotStates:
     _stream_overhead: int
     _kept: list[int]
     _swa_low: list[int]
+
+    def _measure_state_size(self) -> None:
+        # A sequence's state is a fixed header plus a fixed size per position: measure both
+        # once so STATE_META can report the exact size without a llama call.
+        # (llama.cpp writes per-cell metadata, then per-layer rows: linear in the cell count.)
+        # Sizes are those of the one-stream form blobs travel in (seqstate.py): a split
+        # cache's own form has 4 bytes more per further stream and cache.
+        seq = self.scratch_seq if self.kv_unified else 0  # slot 0 is empty until load ends
+        tok = self.info.bos if self.info.bos >= 0 else 0
+        self._decode_batch([(seq, tok, 0, False)], None)
+        probe, _ = self._read_state(seq)
+        try:  # what a received state must match (None: a layout seqstate.py does not read)
+            self.state_layout: StateLayout | None = read_layout(probe, None)
+        except StateLayoutError as exc:
+            log.info("KV state layout not checked before restores (%s)", exc)
+            self.state_layout = None
+        self._n_caches = len(self.state_layout.caches) if self.state_layout else 1
+        # K/V types and V transposition, read from a state llama.cpp wrote (what blobs carry).
+        self.cache_layout = cache_layout(self.state_layout) if self.state_layout else {}
+        self._stream_overhead = 4 * (self.n_stream - 1) * self._n_caches
+        one = self.state_size(seq)
+        self._decode_batch([(seq, tok, 1, False)], None)
+        two = self.state_size(seq)
+        llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._state_base = self.state_size(seq)
+        self._state_per_pos = two - one
+        self._state_first = one - self._state_per_pos  # header of a non-empty sequence
+
+    def slot_state_size(self, slot: int) -> int:
+        """Exact serialized size of the slot's sequence, without a llama call."""
+        return self._sizes[slot] if self.n_swa else self.state_size_for(len(self.seq_tokens[slot]))
+
+    def state_size_for(self, n_past: int) -> int:
+        return self._state_base if n_past == 0 else self._state_first + n_past * self._state_per_pos
 
     def state_size(self, slot: int) -> int:
         """The size of the slot's state in the one-stream form blobs travel in."""
