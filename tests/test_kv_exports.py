@@ -1,4 +1,4 @@
-"""The export store (decode/exports.py) on trio's virtual clock: leases end on time, the
+"""The export store (handoff/exports.py) on trio's virtual clock: leases end on time, the
 store stays under its byte bound by evicting the oldest, an export is served once."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
 
-from hydra_trio.decode.exports import ExportStore
-from hydra_trio.decode.shm import ShmArea
+from hydra_trio.handoff.exports import ExportStore
+from hydra_trio.handoff.shm import ShmArea
 
 
 def _store(max_bytes: int = 1000, ttl_s: float = 30.0) -> tuple[ExportStore, CollectorRegistry]:

@@ -1,4 +1,4 @@
-"""Same-host hand-offs through shared memory (--kv-shm-dir, decode/shm.py): the decode engine
+"""Same-host hand-offs through shared memory (--kv-shm-dir, handoff/shm.py): the decode engine
 maps the prefill engine's export file instead of receiving its bytes over TCP, only when it
 can read the prefill engine's probe; nothing is left in the folder afterwards."""
 
@@ -96,7 +96,7 @@ async def test_expired_exports_and_a_crashed_engine_s_files_are_removed(
 def test_a_probe_path_from_a_request_is_never_a_fifo_or_a_link(tmp_path: Path) -> None:
     """kv_transfer_params name the probe: a FIFO there must not block the engine (it would,
     opened plainly, until someone wrote to it), and a link must not be followed."""
-    from hydra_trio.decode.shm import ShmArea, shares_folder
+    from hydra_trio.handoff.shm import ShmArea, shares_folder
 
     fifo = tmp_path / f"hydra-kv-{os.getuid()}-1-0badcafe-probe"
     os.mkfifo(fifo)
@@ -141,7 +141,7 @@ def test_planted_and_foreign_files_never_stop_a_start(tmp_path: Path, monkeypatc
     """Issue 28, 1.2: the clean-up at start skips (and logs) what it cannot handle instead of
     aborting the start: a pid past every integer type, another user's file under this
     user's name, a link, a file it may not examine."""
-    from hydra_trio.decode import shm
+    from hydra_trio.handoff import shm
 
     uid = os.getuid()
     huge = tmp_path / f"hydra-kv-{uid}-99999999999999999999-deadbeef-probe"  # OverflowError in os.kill
@@ -177,7 +177,7 @@ def test_planted_and_foreign_files_never_stop_a_start(tmp_path: Path, monkeypatc
 
 _HOLDER = """
 import os, sys
-from hydra_trio.decode.shm import ShmArea
+from hydra_trio.handoff.shm import ShmArea
 area = ShmArea.open(sys.argv[1])
 export = area.probe.with_name(area.probe.name.replace("-probe", "-" + "E" * 22))
 export.write_bytes(b"x")
@@ -194,7 +194,7 @@ def test_liveness_is_the_owner_s_lock_not_its_pid(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from hydra_trio.decode.shm import ShmArea
+    from hydra_trio.handoff.shm import ShmArea
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     holder = subprocess.Popen(

@@ -19,11 +19,11 @@ from functools import partial
 import trio
 
 from .config import Settings
-from .decode.exports import ExportStore
 from .decode.manager import DecodeManager
-from .decode.shm import ShmArea
 from .decode.store import ResultStore
 from .engine.engine import Engine
+from .handoff.exports import ExportStore
+from .handoff.shm import ShmArea
 from .http.server import serve_http
 from .kvevents import open_kv_events
 from .logs import log_stats

@@ -98,7 +98,7 @@ class Settings:
     # Networks a decode engine may pull KV exports from (a request names the address): the
     # default keeps an HTTP client from aiming the engine anywhere but this machine.
     kv_pull_allow: str = "127.0.0.0/8,::1"
-    # Same-host hand-offs through shared memory (decode/shm.py): exports live in files of
+    # Same-host hand-offs through shared memory (handoff/shm.py): exports live in files of
     # this folder, which a decode engine on the same host maps instead of pulling over TCP.
     # Empty: off (every pull goes over TCP).
     kv_shm_dir: str = "/dev/shm"

@@ -19,9 +19,9 @@ from .config import Settings
 from .metrics import Metrics
 
 if TYPE_CHECKING:
-    from .decode.exports import ExportStore
     from .decode.manager import DecodeManager
     from .engine.engine import Engine
+    from .handoff.exports import ExportStore
     from .kvevents import KvEventPublisher
 
 log = logging.getLogger("hydra_trio")

@@ -255,12 +255,7 @@ class DecodeManager:
         entry.notify()
         t_restore = time.perf_counter()
         if blob is not None:
-            slot = engine.slots.get(slot_id)
-            slot.transferring = True
-            try:
-                await engine.state_restore(slot_id, blob, timing := CallTiming())
-            finally:
-                slot.transferring = False
+            await engine.state_restore(slot_id, blob, timing := CallTiming())
             entry.metrics["queue_wait_ms"] = timing.queue_wait_s * 1000.0
             self.metrics.restore_bytes.inc(entry.metrics["kv_bytes"])
         m = entry.metrics

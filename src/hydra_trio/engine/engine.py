@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -21,12 +22,13 @@ import trio
 from ..config import CACHE_TYPES, Settings
 from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError
-from ..wire.kvblob import KvBlob, encode_blob_head
+from ..wire.kvblob import KvBlob, blob_head_size, encode_blob_head
 from ..wire.kvevents import Event
 from .batcher import PartOutcome, StepBatcher
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
 from .kvblocks import SlotBlocks
+from .kvcopy import Buffer, KvCopy
 from .llama.context import LlamaBackend, kv_layout
 from .llama.devices import OffloadSettings
 from .llama.sampling import Sampler
@@ -397,6 +399,29 @@ class Engine:
         res.n_prompt_processed = len(tokens) - res.n_common
         return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
 
+    async def sample_first(
+        self, slot: int, tokens: Sequence[int], params: GenerationParams
+    ) -> tuple[GenerationResult, bytes]:
+        """Bring the slot to hold the prompt and sample the one token a P/D prefill answers
+        with, by generation's own rules (OutputProcessor: stop decision, text, counts);
+        returns it as a completion, with the logits it came from (they travel with the KV)."""
+        res = GenerationResult(prompt_tokens=len(tokens))
+        sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
+        one = replace(params, n_predict=1, logprobs=None)
+        out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.token_bytes)
+        t_start = time.perf_counter()
+        try:
+            token, logits = await self.first_token(slot, tokens, sampler, res, want_logits=True, salt=params.cache_salt)
+        finally:
+            self.backend.retire(sampler)
+        assert token is not None and logits is not None, "a prompt that fits leaves room for one token"
+        out.started(t_start)
+        out.take(token)  # ends it: one token at most
+        if res.completion_tokens:
+            self.tokens_generated += 1
+        out.finish()
+        return res, logits
+
     # ---- generation steps (batched) ----------------------------------------------------
 
     async def _run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[PartOutcome]]:
@@ -455,10 +480,26 @@ class Engine:
 
     # ---- state transfer ----------------------------------------------------------------
 
-    async def state_get(self, slot: int) -> tuple[bytes, bytearray, int]:
-        """(blob head, llama state, n_past) of the slot; the blob is head + state (+ logits)."""
-        state, tokens = await self.worker.call(lambda: self.backend.state_get(slot))
-        return encode_blob_head(len(tokens), tokens), state, len(tokens)
+    async def copy_out(
+        self, slot_id: int, *, logits: bytes | None = None, reserve: Callable[[int], Awaitable[None]] | None = None
+    ) -> KvCopy:
+        """The slot's KV as a v2 blob (head, state, and ``logits`` when given): the one copy
+        out of STATE_GET, PREFILL and the P/D export. The caller holds the slot; it shows as
+        transferring while its bytes move. ``reserve`` is awaited with the blob's exact size
+        before anything is copied (the payload budget's charge)."""
+        slot = self.slots.get(slot_id)
+        slot.transferring = True
+        try:
+            if reserve is not None:
+                n_past = self.backend.n_past(slot_id)
+                await reserve(blob_head_size(n_past) + self.backend.slot_state_size(slot_id) + len(logits or b""))
+            state, tokens = await self.worker.call(lambda: self.backend.state_get(slot_id))
+        finally:
+            slot.transferring = False
+        parts: list[Buffer] = [encode_blob_head(len(tokens), tokens), state]
+        if logits is not None:
+            parts.append(logits)
+        return KvCopy(parts, len(tokens), len(state))
 
     async def state_restore(
         self, slot: int, blob: KvBlob, timing: CallTiming | None = None, *, salt: str | None = None
@@ -481,11 +522,15 @@ class Engine:
         def call(abort: threading.Event) -> None:
             self.backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw, salt=salt)
 
+        held = self.slots.get(slot)
+        held.transferring = True
         try:
             await self.worker.run(call, timing)
         except DecodeAborted:
             await trio.lowlevel.checkpoint()
             raise
+        finally:
+            held.transferring = False
 
     async def clear_slot(self, slot: int) -> None:
         await self.worker.call(lambda: self.backend.clear_slot(slot))

@@ -8,18 +8,18 @@ from functools import partial
 from typing import Any
 
 import trio
-import xxhash
 
 from ..budget import ByteBudget
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError
-from ..wire.kvblob import blob_head_size, parse_kv_blob
+from ..wire.kvblob import parse_kv_blob
 from .engine import Engine
+from .kvcopy import Buffer
 
 
 @dataclass(slots=True)
 class Snapshot:
-    parts: list[bytes | bytearray]  # the v2 blob: head, llama state (, logits)
+    parts: list[Buffer]  # the v2 blob: head, llama state (, logits)
     n_past: int
     state_size: int  # llama state bytes
     kv_hash: str
@@ -29,13 +29,6 @@ class Snapshot:
     @property
     def size(self) -> int:
         return sum(len(p) for p in self.parts)
-
-
-def blob_hash(parts: list[bytes | bytearray]) -> str:
-    h = xxhash.xxh3_64()
-    for p in parts:
-        h.update(p)
-    return "xxh3:" + h.hexdigest()
 
 
 async def charge(budget: ByteBudget, n: int, wait_s: float, what: str) -> None:
@@ -55,21 +48,22 @@ async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget,
     t0 = time.perf_counter()
     slot = engine.slot_claim(slot_id, owner)
     held = 0
-    try:
-        slot.transferring = True
-        size = blob_head_size(engine.n_past(slot_id)) + engine.state_size(slot_id)  # exact, no llama call
+
+    async def reserve(size: int) -> None:
+        nonlocal held
         await charge(budget, size, wait_s, "a KV snapshot")
         held = size
-        head, state, n_past = await engine.state_get(slot_id)
-        parts: list[bytes | bytearray] = [head, state]
-        kv_hash = await run_cpu_bound(partial(blob_hash, parts), len(head) + len(state))
+
+    try:
+        try:
+            copy = await engine.copy_out(slot_id, reserve=reserve)
+        finally:
+            engine.release(slot)
+        kv_hash = await copy.kv_hash()
     except BaseException:
         budget.release(held)
         raise
-    finally:
-        engine.release(slot)
-    return Snapshot(parts, n_past, len(state), kv_hash, (time.perf_counter() - t0) * 1000.0, held)
-
+    return Snapshot(copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, held)
 
 
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:
@@ -79,7 +73,6 @@ async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) ->
     )
     t0 = time.perf_counter()
     slot = engine.slot_claim(slot_id, owner)
-    slot.transferring = True
     try:
         await engine.state_restore(slot_id, parsed)
     finally:

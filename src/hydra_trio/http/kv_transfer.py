@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Response
 
-from ..decode.handoff import Handoff, prefill_export
 from ..engine.params import GenerationParams
+from ..handoff.prefill import prefill_export
+from ..handoff.restore import Handoff
 from ..logs import generation_fields, request_extra
 from ..wire.kvpull import export_params, wants_remote_decode
 from .common import EngineStarting, client_request_id, json_response, require_engine

@@ -14,12 +14,11 @@ from .. import __version__
 from ..config import Settings
 from ..engine import transfer
 from ..engine.configure import configure
-from ..engine.transfer import blob_hash
+from ..engine.kvcopy import KvCopy
 from ..logs import request_extra
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
-from ..wire.kvblob import blob_head_size
 from ..wire.kvpull import KV_PULL_MAX_REQUEST_BYTES, parse_pull_request
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
 from .connection import Connection
@@ -359,31 +358,29 @@ class OpTable:
         tokens = await engine.inputs.tokenize_request(body)
         slot = engine.slot_claim(ctx.slot_id, self._owner(ctx, "PREFILL"))
         budget, held = self.state.payload_budget, 0
-        try:
-            _, logits = await engine.prefill(ctx.slot_id, tokens, 0, want_logits=True)
-            assert logits is not None
-            # The copy out is charged until the reply is sent (a slow reader holds it).
-            size = blob_head_size(len(tokens)) + engine.state_size(ctx.slot_id) + len(logits)
+
+        async def reserve(size: int) -> None:  # the copy is charged until the reply is sent
+            nonlocal held
             await transfer.charge(budget, size, self.state.settings.idle_timeout_s, "a PREFILL reply")
             held = size
-            head, state, n_past = await engine.state_get(ctx.slot_id)
-        except BaseException:
-            budget.release(held)
-            raise
-        finally:
-            engine.release(slot)
+
         try:
-            return await self._prefill_reply(ctx, tokens, head, state, n_past, logits, t0, held)
+            try:
+                _, logits = await engine.prefill(ctx.slot_id, tokens, 0, want_logits=True)
+                assert logits is not None
+                copy = await engine.copy_out(ctx.slot_id, logits=logits, reserve=reserve)
+            finally:
+                engine.release(slot)
+            return await self._prefill_reply(ctx, tokens, copy, t0, held)
         except BaseException:
             budget.release(held)
             raise
 
-    async def _prefill_reply(
-        self, ctx: OpContext, tokens: list[int], head: bytes, state: Buffer, n_past: int, logits: bytes, t0: float, held: int
-    ) -> Reply:
+    async def _prefill_reply(self, ctx: OpContext, tokens: list[int], copy: KvCopy, t0: float, held: int) -> Reply:
         engine = self.engine
         prefill_ms = (time.perf_counter() - t0) * 1000.0
-        parts: list[Buffer] = [head, state, logits]
+        parts = copy.parts
+        n_past = copy.n_past
         self.state.metrics.prompt_tokens.labels("prefill").inc(len(tokens))
         ctx.log.info(
             "PREFILL slot %d: %d tokens in %.1f ms", ctx.slot_id, n_past, prefill_ms,
@@ -391,10 +388,10 @@ class OpTable:
         )
         meta = {
             "n_past": n_past,
-            "state_size": len(state),
-            "logits_size": len(logits),
+            "state_size": copy.state_size,
+            "logits_size": len(parts[2]),
             "prefill_ms": round(prefill_ms, 3),
-            "kv_hash": await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts))),  # type: ignore[arg-type]
+            "kv_hash": await copy.kv_hash(),
             **engine.identity.fields(),
         }
         reply = Reply.ok(meta, parts)

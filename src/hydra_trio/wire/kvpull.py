@@ -54,7 +54,7 @@ class HandoffParams:
     # The KV cache layout the export was made in (type_k, type_v, v_trans); {}: not said
     # (an older prefill engine), and the restore's own layout check decides.
     kv_cache: dict[str, Any] = field(default_factory=dict)
-    shm: dict[str, str] = field(default_factory=dict)  # the prefill engine's probe (decode/shm.py)
+    shm: dict[str, str] = field(default_factory=dict)  # the prefill engine's probe (handoff/shm.py)
 
 
 def _bad(msg: str) -> ProtocolError:
@@ -72,7 +72,7 @@ def check_export_id(value: object) -> str:
 
 
 def encode_pull_request(export_id: str, *, shm: bool = False) -> bytes:
-    """``shm``: the puller can map the export's shared-memory file (same host, decode/shm.py)."""
+    """``shm``: the puller can map the export's shared-memory file (same host, handoff/shm.py)."""
     body: dict[str, Any] = {"export_id": check_export_id(export_id)}
     if shm:
         body["shm"] = True
@@ -156,7 +156,7 @@ def check_host(value: object) -> str:
 
 
 def _shm(value: object) -> dict[str, str]:
-    """The prefill engine's probe (decode/shm.py): {} when not announced."""
+    """The prefill engine's probe (handoff/shm.py): {} when not announced."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):

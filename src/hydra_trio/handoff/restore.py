@@ -1,11 +1,7 @@
-"""P/D hand-off of an OpenAI completion through a router's ``kv_transfer_params``.
+"""The decode side of a P/D hand-off through a router's ``kv_transfer_params``.
 
-Prefill side (``prefill_export``): prefill the prompt in a slot, sample the one token the
-router asked for, copy the slot's KV (and the last logits) out into host memory as an
-export under a lease (``exports.py``), and free the slot at once.
-
-Decode side (``Handoff``): check the identity the export claims, then, in the request's
-slot, pull it over the binary RPC (``rpc/kvpull.py``), check it (caps, hash, identity of
+``Handoff``: check the identity the export claims, then, in the request's
+slot, pull it over the binary RPC (``pull.py``), check it (caps, hash, identity of
 the serving engine, the prompt it holds), restore it and let the normal generation
 continue from it. Any failure falls back to prefilling locally and says why (``report()``,
 ``hydra_kv_pulls_total{outcome="fallback",reason}``): the text is the same either way,
@@ -24,81 +20,17 @@ import trio
 
 from ..budget import ByteBudget
 from ..config import Settings
-from ..engine.engine import Engine, GenerationResult
-from ..engine.llama.sampling import Sampler
+from ..engine.engine import Engine
 from ..engine.llama.seqstate import cache_layout_mismatch
-from ..engine.params import GenerationParams
-from ..engine.slots import Slot
-from ..engine.text import TextAssembler
-from ..engine.transfer import blob_hash
 from ..model.identity import compare_identity
-from ..rpc.kvpull import PULL_FAILED, PullFailed, network_failure, pull_export
 from ..tasks import run_cpu_bound
 from ..wire.errors import ProtocolError
 from ..wire.kvblob import KvBlob, parse_kv_blob
-from ..wire.kvpull import IDENTITY_KEYS, HandoffParams, parse_handoff_params
-from .exports import Export, ExportStore
+from ..wire.kvpull import HandoffParams, parse_handoff_params
+from .exports import ExportStore
+from .pull import PULL_FAILED, PullFailed, network_failure, pull_export
 
 log = logging.getLogger(__name__)
-
-
-# ---- prefill side ------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class ExportedPrefill:
-    result: GenerationResult  # the prompt and the one sampled token, as a completion
-    slot_id: int
-    export: Export | None  # None: larger than --kv-export-max-bytes on its own
-    prefill_ms: float
-    copy_ms: float  # llama_state_seq_get_data into host memory
-    slot_held_ms: float  # claim to release: what the export cost normal traffic
-
-
-async def prefill_export(
-    engine: Engine, exports: ExportStore, slot: Slot, tokens: list[int], params: GenerationParams
-) -> ExportedPrefill:
-    """Prefill ``tokens`` in ``slot`` (claimed by the caller; released here, however this
-    ends), sample one token, copy the KV out as an export."""
-    t_claim = time.perf_counter()
-    res = GenerationResult(prompt_tokens=len(tokens))
-    backend = engine.backend
-    sampler: Sampler | None = None
-    try:
-        sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
-        # The logits travel with the KV. A slot that still holds the prompt with its logits
-        # (an earlier export of it) gives the same ones again.
-        token, logits = await engine.first_token(slot.id, tokens, sampler, res, want_logits=True, salt=params.cache_salt)
-        assert token is not None and logits is not None
-        t_prefilled = time.perf_counter()
-        res.first_token_at = t_prefilled
-        res.prompt_ms = (t_prefilled - t_claim) * 1000.0
-        head, state, n_past = await engine.state_get(slot.id)
-        copy_ms = (time.perf_counter() - t_prefilled) * 1000.0
-    finally:
-        if sampler is not None:
-            backend.retire(sampler)
-        engine.release(slot)
-    slot_held_ms = (time.perf_counter() - t_claim) * 1000.0
-    # The answer a router asked for (max_tokens 1): the token sampled from the last logits.
-    engine.tokens_generated += 1
-    if backend.is_eog(token):
-        res.stop_type = "eos"
-    else:
-        res.tokens.append(token)
-        res.completion_tokens = 1
-        assembler = TextAssembler(params.stop)
-        res.text = assembler.push(backend.token_bytes(token)) + assembler.finish()
-        res.stop_type = "word" if assembler.stopped_by is not None else "limit"
-    parts: list[bytes | bytearray] = [head, state, logits]
-    kv_hash = await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts)))
-    identity = engine.identity.info_fields()
-    made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": dict(backend.cache_layout)}
-    export = await exports.put(parts, n_past, kv_hash, made_by)
-    return ExportedPrefill(res, slot.id, export, res.prompt_ms, copy_ms, slot_held_ms)
-
-
-# ---- decode side -------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -196,16 +128,12 @@ class Handoff:
         if blob.tokens != prompt_tokens[: len(blob.tokens)] or len(blob.tokens) > len(prompt_tokens):
             self._fail("prompt_mismatch", "the export holds another prompt than this request's")
             return
-        slot = engine.slots.get(slot_id)
-        slot.transferring = True
         t0 = time.perf_counter()
         try:
             await engine.state_restore(slot_id, blob, salt=salt)
         except ProtocolError as err:
             self._fail("restore_failed", err.message)
             return
-        finally:
-            slot.transferring = False
         self.restore_ms = (time.perf_counter() - t0) * 1000.0
         self.n_restored = blob.n_past
         self.status = "restored"

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import trio
 
+from ..buffers import payload_buffer
 from ..config import IPNetwork
-from ..decode.shm import discard_export, map_export, shares_folder
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
 from ..wire.protocol import RESPONSE_HEADER, Op, encode_request, parse_response_header
-from .connection import payload_buffer
+from .shm import discard_export, map_export, shares_folder
 
 _MAX_META_BYTES = 1 << 20
 # The one reason a client sees for every failure of the network exchange: nothing listens,
@@ -154,7 +154,7 @@ async def pull_export(params: HandoffParams, *, allow: Sequence[IPNetwork], trac
 
 
 def _mapped(path: object, params: HandoffParams) -> np.ndarray:
-    """The export's shared file, mapped (and unlinked: decode/shm.py); PullFailed otherwise.
+    """The export's shared file, mapped (and unlinked: handoff/shm.py); PullFailed otherwise.
     The hash is checked on these bytes afterwards, as on received ones."""
     if not isinstance(path, str):
         raise network_failure("bad_reply", "KV_PULL reply names no shared-memory file")

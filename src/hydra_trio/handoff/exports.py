@@ -7,7 +7,7 @@ its lease ends (``ttl_s`` after it was made), or room is needed for a newer one 
 store is bounded by ``max_bytes``; the oldest exports are evicted first). Each way out is
 counted in ``hydra_kv_exports_total{outcome}``.
 
-With a shared-memory area (decode/shm.py, ``--kv-shm-dir``), an export's bytes live in a
+With a shared-memory area (handoff/shm.py, ``--kv-shm-dir``), an export's bytes live in a
 file there, so that a decode engine on the same host can map them instead of receiving
 them: a pull of that form hands the file over (the decode engine unlinks it once mapped,
 or once its pull failed). A handed-over file still counts against ``max_bytes`` until it
