@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import trio
 
-from hydra_trio.decode.store import DecodeEntry, DecodeState, IdAllocator, ResultStore, Tombstone
+from hydra_trio.decode.store import (
+    DecodeEntry,
+    DecodeState,
+    IdAllocator,
+    ResultStore,
+    Subscription,
+    Tombstone,
+)
 from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
 
 INT32_MAX = (1 << 31) - 1
@@ -205,18 +213,35 @@ def test_subscribers_are_woken_and_closed_when_an_entry_ends() -> None:
         recv.receive_nowait()
 
 
+class _TakesAll:
+    """A ChunkSink whose socket takes every chunk whole."""
+
+    def send_now(self, data: bytes) -> bytes | None:
+        return b""
+
+    async def send_rest(self, rest: bytes) -> None:
+        return None
+
+
+def _leave_sink(sub: Subscription, sink: Any) -> None:
+    """What a waiting SSE reader does: a sink, and its write turn handed over."""
+    sub.sink = sink
+    sub.turn.attach(_TakesAll(), str.encode)
+    sub.turn.hand_over()
+
+
 def test_a_reader_s_sink_takes_a_change_instead_of_a_wake_up_unless_it_declines() -> None:
     s, _ = make()
     e = s.create(0)
     sub, other = e.subscribe(), e.subscribe()
     taken: list[bool] = []
-    sub.sink = lambda: taken.append(True) or True
+    _leave_sink(sub, lambda: taken.append(True) or True)
     e.notify()
     assert taken == [True]
     with pytest.raises(trio.WouldBlock):
         sub.wakeups.receive_nowait()  # it took it: not woken
     other.wakeups.receive_nowait()  # a reader without a sink is woken as before
-    sub.sink = lambda: False
+    _leave_sink(sub, lambda: False)
     e.notify()
     sub.wakeups.receive_nowait()  # declined: woken
     e.unsubscribe(sub)
@@ -231,10 +256,10 @@ def test_a_sink_that_declines_is_not_called_again_until_its_reader_sets_one() ->
     e = s.create(0)
     sub = e.subscribe()
     calls: list[bool] = []
-    sub.sink = lambda: calls.append(True) and False
+    _leave_sink(sub, lambda: calls.append(True) and False)
     e.notify()
     e.notify()  # the reader has not run yet
-    assert calls == [True] and sub.sink is None
+    assert calls == [True] and not sub.turn.direct
     sub.wakeups.receive_nowait()  # woken (the two wake-ups coalesced)
 
 

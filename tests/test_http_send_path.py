@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import h11
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData
@@ -145,3 +146,13 @@ async def test_a_chunk_writer_writes_nothing_while_hypercorn_sends_or_the_socket
     assert writer.send_now(b"abc") is None
     await ours.aclose()
     await peer.aclose()
+
+
+def test_a_chunk_is_framed_byte_for_byte_as_h11_frames_it() -> None:
+    h11_conn = h11.Connection(h11.SERVER)
+    h11_conn.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    h11_conn.next_event()
+    h11_conn.send(h11.Response(status_code=200, headers=[]))  # no length: a chunked body
+    for size in (1, 9, 15, 16, 255, 256, 4095, 65536, 1 << 20):
+        data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        assert connections.chunk(data) == h11_conn.send(h11.Data(data=data)), size

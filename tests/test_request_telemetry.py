@@ -9,8 +9,9 @@ import pytest
 import trio
 
 from helpers import MESSAGES, http, scrape, stream_then_hang_up, wait_slots_idle
-from hydra_trio.http.generation import DirectWrites, GenerationStream
+from hydra_trio.http.generation import Delta, GenerationStream
 from hydra_trio.tasks import start_owned
+from hydra_trio.writeturn import WriterTurn
 
 
 async def test_a_completion_leaves_a_log_line_metrics_and_its_request_id(
@@ -66,7 +67,7 @@ class _WakesProducerAsItCloses:
 async def test_closing_a_stream_cancels_its_producer_before_closing_its_channel() -> None:
     """The client-gone race behind a 'failed: BrokenResourceError' line: a producer woken
     while the reader closes the stream must be cancelled, never find the channel closed."""
-    send, recv = trio.open_memory_channel[tuple[str, Any]](1)
+    send, recv = trio.open_memory_channel[Delta](1)
     token_ready = trio.Event()
     ended_by: list[type[BaseException]] = []
 
@@ -74,13 +75,13 @@ async def test_closing_a_stream_cancels_its_producer_before_closing_its_channel(
         task_status.started(0)
         try:
             await token_ready.wait()
-            send.send_nowait(("delta", "x"))
+            send.send_nowait(Delta("x"))
         except BaseException as exc:
             ended_by.append(type(exc))
             raise
 
     async with trio.open_nursery() as nursery:
         task, _ = await start_owned(nursery, "producer", produce)
-        stream = GenerationStream(task, 0, _WakesProducerAsItCloses(recv, token_ready), DirectWrites())  # type: ignore[arg-type]
+        stream = GenerationStream(task, 0, _WakesProducerAsItCloses(recv, token_ready), WriterTurn())  # type: ignore[arg-type]
         await stream.close()
     assert ended_by == [trio.Cancelled]

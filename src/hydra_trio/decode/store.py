@@ -17,6 +17,7 @@ from typing import Any
 import trio
 
 from ..wire.errors import ErrorCode, ProtocolError
+from ..writeturn import WriterTurn
 
 
 class DecodeState(StrEnum):
@@ -119,13 +120,13 @@ class DecodeEntry:
     def notify(self) -> None:
         live = []
         for s in self._subscribers:
-            if s.sink is not None:
+            if s.turn.direct and s.sink is not None:
                 if s.sink():
                     live.append(s)  # it took what is new itself: no wake-up
                     continue
                 # It declined, so the reader writes next (the rest of a chunk the sink
-                # began comes first): until it sets a sink again, changes wake it.
-                s.sink = None
+                # began comes first): until it hands the turn over again, changes wake it.
+                s.turn.take_back()
             try:
                 s.send.send_nowait(None)
             except trio.WouldBlock:
@@ -143,14 +144,16 @@ class DecodeEntry:
 
 @dataclass(slots=True, eq=False)
 class Subscription:
-    """One reader of an entry. ``wakeups`` says "look again". While it waits, a reader may
-    leave a ``sink``: ``notify`` (in the task that changed the entry, at once) calls it instead
-    of waking the reader, and wakes the reader only when the sink returns False (it could not
-    take what is new, or the reader must see it itself); a sink that declined is removed, so
-    nothing reaches it before the reader has run."""
+    """One reader of an entry. ``wakeups`` says "look again". A reader that writes its own
+    socket may set a ``sink`` (what to write of the entry, through its ``turn``); while it
+    waits it hands its ``turn`` over, and ``notify`` (in the task that changed the entry, at
+    once) calls the sink instead of waking the reader. It wakes the reader only when the sink
+    returns False (it could not take what is new, or the reader must see it itself), and
+    takes the turn back then, so nothing reaches the sink before the reader has run."""
 
     wakeups: trio.MemoryReceiveChannel[None]
     send: trio.MemorySendChannel[None]
+    turn: WriterTurn = field(default_factory=WriterTurn)
     sink: Callable[[], bool] | None = None
 
 

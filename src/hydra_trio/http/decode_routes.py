@@ -11,8 +11,9 @@ from quart import Blueprint, Response, request
 from ..decode.manager import CancelOutcome, DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
 from ..engine.engine import Engine, GenerationResult
+from ..writeturn import Wrote
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
-from .connections import ChunkWriter, chunk_writer
+from .connections import chunk_writer
 from .openai import completion_body, final_chunk
 from .sse import HOLE, SSE_DONE, completion_chunk, error_body, sse_event, sse_text_events, wants_sse
 
@@ -200,32 +201,32 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
     # and every chunk that is ready in one write, as the chat stream does.
     delta_event = sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE}))
     sub = entry.subscribe()
+    turn = sub.turn
     sent = 0
-    writer: ChunkWriter | None = None
-    rest = b""  # of a chunk the sink began: it goes out before anything else
 
     def sink() -> bool:
-        nonlocal sent, rest
-        if writer is None or not entry.running:
+        # In the turn the reader handed over: every chunk it has not sent, while each goes
+        # out whole (a partly written one leaves its rest in the turn, for the reader).
+        nonlocal sent
+        if not entry.running:
             return False
         while sent < len(entry.chunks):
-            left = writer.send_now(delta_event(entry.chunks[sent]))
-            if left is None:
+            wrote = turn.write(entry.chunks[sent])
+            if wrote is Wrote.NOTHING:
                 return False
             sent += 1
-            if left:
-                rest = left
+            if wrote is Wrote.PART:
                 return False
         return True
 
     try:
         yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
         writer = chunk_writer()  # the response head is out
+        if writer is not None:
+            turn.attach(writer, delta_event)
+            sub.sink = sink
         while True:
-            if rest:
-                assert writer is not None
-                left, rest = rest, b""
-                await writer.send_rest(left)
+            await turn.send_rest()  # of a chunk the sink began: before anything else
             ready = len(entry.chunks)
             if sent < ready:
                 yield b"".join(delta_event(text) for text in entry.chunks[sent:ready])
@@ -233,13 +234,13 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
                 continue  # more may have come while that was sent: look again before the end
             if not entry.running:
                 break
-            sub.sink = sink if writer is not None else None
+            turn.hand_over()
             try:
                 await sub.wakeups.receive()
             except trio.EndOfChannel:
                 pass
             finally:
-                sub.sink = None
+                turn.take_back()
         if entry.state == DecodeState.DONE:
             yield sse_event(final_chunk(cid, created, model, entry.slot_id, entry.result, hydra_metrics=hydra_metrics(manager.engine, entry)))
             yield SSE_DONE

@@ -22,6 +22,7 @@ from ..engine.params import GenerationParams
 from ..logs import generation_fields, request_extra
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
+from ..writeturn import WriterTurn, Wrote
 from .common import client_request_id, http_status, json_response, request_nursery
 from .connections import chunk_writer
 from .sse import SSE_DONE, error_body, sse_event
@@ -132,37 +133,56 @@ def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s:
         )
 
 
-@dataclass(slots=True, eq=False)
-class DirectWrites:
-    """How the producer writes a text delta's event to the socket itself: ``write(delta)``
-    (its event through a ``ChunkWriter``: None when nothing was written, else the rest),
-    set by the body's reader once the response head is out; None until then, and for a
-    request that asked for logprobs or a connection without a ChunkWriter.
+@dataclass(slots=True, frozen=True)
+class Delta:
+    """A text delta for the reader to send (its event)."""
 
-    ``producer_writes`` says whose turn it is to write: the reader hands it to the producer
-    when it has sent all it was given and nothing is queued, the producer takes it back with
-    its first item in the channel. So the two never write out of order."""
+    text: str
 
-    write: Callable[[str], bytes | None] | None = None
-    producer_writes: bool = False
+
+@dataclass(slots=True, frozen=True)
+class Logprobs:
+    """The tokens' logprobs of the ``Delta`` that follows (a request that asked)."""
+
+    entries: Sequence[TokenLogprobs]
+
+
+@dataclass(slots=True, frozen=True)
+class Rest:
+    """Here, in order, goes the rest of a chunk the producer began (``WriterTurn.rest``)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Done:
+    result: GenerationResult
+
+
+@dataclass(slots=True, frozen=True)
+class Failed:
+    error: BaseException
+
+
+StreamItem = Delta | Logprobs | Rest | Done | Failed
+_REST = Rest()
 
 
 @dataclass(slots=True)
 class GenerationStream:
-    """A generation running in its HTTP request's own nursery; ``items`` receives ("delta",
-    text) (each after ("logprobs", its tokens' TokenLogprobs) when the request asked), then
-    ("done", GenerationResult) or ("error", exception). The reader must ``close()`` it.
+    """A generation running in its HTTP request's own nursery; ``items`` receives ``Delta``
+    items (each after a ``Logprobs`` when the request asked), then ``Done`` or ``Failed``.
+    The reader must ``close()`` it.
 
     While the reader waits with nothing queued, everything it was given has been sent, so
-    the producer writes a delta's event itself (``direct``) instead of waking it; a write
-    the socket took only in part leaves ("rest", bytes) to the reader, first in line."""
+    the producer writes a delta's event itself in its ``turn`` (``WriterTurn``) instead of
+    waking it; a write the socket took only in part queues ``Rest``, where the reader sends
+    the rest of that chunk, first in line."""
 
     task: OwnedTask
     slot_id: int
-    items: trio.MemoryReceiveChannel[tuple[str, Any]]
-    direct: DirectWrites
+    items: trio.MemoryReceiveChannel[StreamItem]
+    turn: WriterTurn
 
-    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+    async def batches(self) -> AsyncIterator[list[StreamItem]]:
         """The items, each batch everything that was ready when the reader got to it: under
         backlog several tokens share one write, and a reader that keeps up gets each token
         as it comes (nothing waits for a batch to fill)."""
@@ -171,7 +191,7 @@ class GenerationStream:
                 first = self.items.receive_nowait()
             except trio.WouldBlock:
                 # All sent, nothing queued: the producer writes until it queues something.
-                self.direct.producer_writes = self.direct.write is not None
+                self.turn.hand_over()
                 try:
                     first = await self.items.receive()
                 except trio.EndOfChannel:
@@ -207,8 +227,8 @@ async def sse_body(
     delta, the final event, ``[DONE]``; what is ready goes out in one write. Leaving (the
     client went away, or the stream ended) stops the generation before this returns.
 
-    A request that asked for logprobs gets ("logprobs", entries) before each delta: that
-    delta's event is then ``logprobs_event(text, entries)``."""
+    A request that asked for logprobs gets ``Logprobs`` before each delta: that delta's
+    event is then ``logprobs_event(text, entries)``."""
     held: Sequence[TokenLogprobs] | None = None
     try:
         if head:
@@ -216,26 +236,25 @@ async def sse_body(
         # The head is out (Quart sent the response head before asking for the body).
         writer = chunk_writer()
         if writer is not None and logprobs_event is None:
-            send_now = writer.send_now
-            stream.direct.write = lambda delta: send_now(delta_event(delta))
+            stream.turn.attach(writer, delta_event)
         async for batch in stream.batches():
             out: list[bytes] = []
-            for kind, value in batch:
-                if kind == "rest":  # of a chunk the producer began: nothing may come between
+            for item in batch:
+                if isinstance(item, Delta):
+                    text = item.text
+                    out.append(delta_event(text) if held is None or logprobs_event is None else logprobs_event(text, held))
+                    held = None
+                elif isinstance(item, Rest):  # of a chunk the producer began: nothing may come between
                     if out:
                         yield b"".join(out)
                         out = []
-                    assert writer is not None
-                    await writer.send_rest(value)
-                elif kind == "logprobs":
-                    held = value
-                elif kind == "delta":
-                    out.append(delta_event(value) if held is None or logprobs_event is None else logprobs_event(value, held))
-                    held = None
-                elif kind == "done":
-                    out.append(done_event(value))
+                    await stream.turn.send_rest()
+                elif isinstance(item, Logprobs):
+                    held = item.entries
+                elif isinstance(item, Done):
+                    out.append(done_event(item.result))
                 else:
-                    out.append(sse_event(error_event_body(value)))
+                    out.append(sse_event(error_event_body(item.error)))
             if out:
                 yield b"".join(out)
         yield SSE_DONE
@@ -254,9 +273,9 @@ async def start_stream(
     prepare: Prepare | None = None,
 ) -> GenerationStream:
     """Claim a slot and start generating into a channel. Raises SlotsBusy."""
-    send, recv = trio.open_memory_channel[tuple[str, Any]](64)
+    send, recv = trio.open_memory_channel[StreamItem](64)
     stall_s = state.settings.slot_wait_s
-    direct = DirectWrites()
+    turn = WriterTurn()
 
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
@@ -264,8 +283,8 @@ async def start_stream(
         queue_s = trio.current_time() - t_arrived
         task_status.started(slot.id)
 
-        async def put(item: tuple[str, Any]) -> None:
-            direct.producer_writes = False  # the reader writes what is queued, in order
+        async def put(item: StreamItem) -> None:
+            turn.take_back()  # the reader writes what is queued, in order
             # The common case (room in the channel) needs no deadline: a cancel scope per
             # token was a tenth of the trio thread's work per streamed token (profiled).
             try:
@@ -282,15 +301,16 @@ async def start_stream(
         async def emit(delta: str) -> None:
             nonlocal sent_lp
             if params.logprobs is not None:  # the tokens whose text this delta is
-                await put(("logprobs", res.logprobs[sent_lp:]))
+                await put(Logprobs(res.logprobs[sent_lp:]))
                 sent_lp = len(res.logprobs)
-            elif direct.producer_writes and direct.write is not None:
-                rest = direct.write(delta)
-                if rest is not None:
-                    if rest:
-                        await put(("rest", rest))
+            elif turn.direct:
+                wrote = turn.write(delta)
+                if wrote is Wrote.ALL:
                     return
-            await put(("delta", delta))
+                if wrote is Wrote.PART:
+                    await put(_REST)
+                    return
+            await put(Delta(delta))
 
         res = GenerationResult()
         async with send:
@@ -302,7 +322,7 @@ async def start_stream(
                     if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
                         await emit("")
                 state.metrics.record_generation(path, res, queue_s=queue_s)
-                await put(("done", res))
+                await put(Done(res))
             except (trio.TooSlowError, trio.BrokenResourceError) as exc:
                 # The reader stopped reading or left: nobody to tell.
                 log.info("streaming generation %s ended: reader gone or stalled (%r)", owner, exc)
@@ -312,13 +332,13 @@ async def start_stream(
                 else:
                     log.info("streaming generation %s ended early: %s", owner, exc.message)
                 # The reader is told, unless it stalls for the whole stall deadline too.
-                direct.producer_writes = False
+                turn.take_back()
                 with trio.move_on_after(stall_s):
-                    await send.send(("error", exc))
+                    await send.send(Failed(exc))
             finally:
                 engine.release(slot)
 
     # The producer belongs to its request: it runs in the request's own nursery, which ends
     # when the client goes away or the response is sent.
     task, slot_id = await start_owned(request_nursery(), owner, produce)
-    return GenerationStream(task, slot_id, recv, direct)
+    return GenerationStream(task, slot_id, recv, turn)

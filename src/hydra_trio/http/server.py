@@ -16,10 +16,10 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..tasks import leaves
+from . import connections
 from .auth import install_auth
 from .common import client_request_id, json_response, register_error_handlers, set_request_nursery
 from .completions import bp as completions_bp
-from .connections import attach
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 from .openai import health_reply
@@ -191,7 +191,8 @@ async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = tri
     config.keep_alive_timeout = state.settings.http_idle_timeout_s
     # At most --max-http-connections; past it, a reserve answers /health (http/connections.py).
     file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    attach(config, state, lambda: health_reply(state), file_limit)
+    connections.install()  # the one patch of Hypercorn (checked: a clear error if it changed)
+    connections.attach(config, state, lambda: health_reply(state), file_limit)
     app = create_app(state)
 
     class _Status:
