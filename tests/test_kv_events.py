@@ -604,3 +604,20 @@ def test_curve_settings_that_cannot_work_stop_startup_with_their_name(tmp_path: 
     monkeypatch.setattr(zmq, "has", lambda capability: capability != "curve")
     with pytest.raises(SystemExit, match=r"kv_events_curve_secret_key_file: this libzmq .* without CURVE"):
         _publisher(kv_events_curve_secret_key_file=str(secret_file))
+
+
+def test_the_help_and_the_docs_suggest_loopback_or_a_private_network_not_every_interface() -> None:
+    import argparse
+
+    from hydra_trio.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (action,) = [a for a in parser._actions if "--kv-events-endpoint" in a.option_strings]
+    assert action.help is not None
+    assert "0.0.0.0" not in action.help and "tcp://127.0.0.1:5557" in action.help and "token ids" in action.help
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    for page in ("scaling-out.md", "operations.md"):
+        text = (docs / page).read_text(encoding="utf-8")
+        assert "e.g. `tcp://0.0.0.0" not in text and "tcp://0.0.0.0:557" not in text, page
+        assert "loopback" in text and "private network" in text and "--kv-events-curve-secret-key-file" in text, page
