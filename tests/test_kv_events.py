@@ -4,6 +4,7 @@ order as a router applies them, must give exactly the blocks the slots hold."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,8 @@ import trio
 import trio.testing
 import zmq
 
-from helpers import http, rpc, wait_slots_idle, wait_slots_until
-from hydra_trio.config import Settings
+from helpers import http, rpc, wait_slots_idle, wait_slots_until, wait_until
+from hydra_trio.config import Settings, validate
 from hydra_trio.engine.kvblocks import SlotBlocks, block_hash
 from hydra_trio.kvevents import KvEventPublisher, open_kv_events
 from hydra_trio.metrics import Metrics
@@ -159,8 +160,10 @@ def test_batches_and_replay_requests_round_trip() -> None:
 
 def _publisher(**kw: Any) -> KvEventPublisher:
     settings = Settings(kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0", **kw)
-    pub = open_kv_events(settings, Metrics().registry)
+    registry = Metrics().registry
+    pub = open_kv_events(settings, registry)
     assert pub is not None
+    pub.test_registry = registry  # type: ignore[attr-defined]  # for _count
     return pub
 
 
@@ -341,3 +344,280 @@ async def test_a_late_subscriber_learns_everything_held_from_a_resync(
         assert len(index) == held_before
     finally:
         sub.close()
+
+
+# ---- hardening: message size, replays, subscriptions, CURVE ----------------------------------
+
+
+def _count(pub: KvEventPublisher, name: str, **labels: str) -> float:
+    return pub.test_registry.get_sample_value(name, labels) or 0.0  # type: ignore[attr-defined]
+
+
+def _monitor_events(mon: zmq.Socket[bytes], want: int, timeout_ms: int = 10_000) -> list[int]:
+    """Events of a socket monitor until ``want`` is seen (or the deadline)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    seen: list[int] = []
+    while want not in seen:
+        if not mon.poll(timeout_ms):
+            break
+        seen.append(recv_monitor_message(mon)["event"])
+    return seen
+
+
+def _socket(kind: int, endpoint: str, **opts: Any) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 5000)  # a send never blocks the test's trio thread for ever
+    for name, value in opts.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(endpoint)
+    return sock
+
+
+async def _resync_recorder(pub: KvEventPublisher) -> tuple[list[float], Callable[[], Any]]:
+    calls: list[float] = []
+
+    async def resync() -> None:
+        calls.append(trio.current_time())
+        pub.publish([{"type": "AllBlocksCleared"}])
+
+    return calls, resync
+
+
+async def test_a_peer_that_sends_an_oversized_message_is_dropped_before_it_is_read() -> None:
+    pub = _publisher()
+    replay_mon = pub._replay.get_monitor_socket()  # type: ignore[union-attr]
+    pub_mon = pub._pub.get_monitor_socket()
+    big = _socket(zmq.DEALER, pub.replay_endpoint)  # type: ignore[arg-type]
+    fat_sub = _socket(zmq.SUB, pub.endpoint)
+    try:
+        _, resync = await _resync_recorder(pub)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pub.serve, resync)
+            big.send_multipart([b"", b"x" * 1_000_000])  # a "replay request" of 1 MB
+            seen = await trio.to_thread.run_sync(_monitor_events, replay_mon, zmq.EVENT_DISCONNECTED)
+            assert zmq.EVENT_DISCONNECTED in seen, seen
+            fat_sub.subscribe(b"y" * 100_000)  # a subscription of 100 kB
+            seen = await trio.to_thread.run_sync(_monitor_events, pub_mon, zmq.EVENT_DISCONNECTED)
+            assert zmq.EVENT_DISCONNECTED in seen, seen
+            # Ordinary peers are unaffected, and the big messages never reached the engine.
+            assert await trio.to_thread.run_sync(replay_sync, pub.replay_endpoint, 0) == []
+            nursery.cancel_scope.cancel()
+        assert _count(pub, "hydra_kv_event_replays_refused_total", reason="malformed") == 0
+        assert _count(pub, "hydra_kv_event_subscriptions_total") == 0
+    finally:
+        for sock in (big, fat_sub, replay_mon, pub_mon):
+            sock.close(linger=0)
+        pub.close()
+
+
+async def test_a_replay_is_sent_from_its_cursor_a_bounded_share_per_turn() -> None:
+    """A replay of thousands of batches never holds the trio thread: between two runs of
+    another task, at most two turns' shares (256 batches each, and the end) are sent (trio runs
+    the tasks of a batch in random order: one turn before the other task, one after)."""
+    pub = _publisher()
+    for i in range(3000):
+        pub.publish([{"type": "BlockRemoved", "block_hashes": [i], "medium": "GPU"}])
+    sock = pub._replay
+    assert sock is not None
+    sent = 0
+    real_send = sock.send_multipart
+
+    def counting_send(frames: Any, flags: int = 0) -> Any:
+        nonlocal sent
+        sent += 1
+        return real_send(frames, flags)
+
+    sock.send_multipart = counting_send  # type: ignore[method-assign]
+    most = 0
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pub.serve, trio.lowlevel.checkpoint)
+
+            async def watch() -> None:
+                nonlocal most
+                last = sent
+                while True:
+                    await trio.lowlevel.checkpoint()
+                    most, last = max(most, sent - last), sent
+
+            nursery.start_soon(watch)
+            got = await trio.to_thread.run_sync(replay_sync, pub.replay_endpoint, 1000)
+            nursery.cancel_scope.cancel()
+        assert [s for s, _ in got] == list(range(1000, 3000))  # from the cursor on, all of it
+        assert sent == 2001 and 0 < most <= 2 * 257, most  # the old code: all 2001 at once
+    finally:
+        pub.close()
+
+
+async def test_replay_requests_are_rate_limited_per_peer() -> None:
+    pub = _publisher(kv_events_replay_rate=0.01)  # a burst of 1, then one per 100 s
+    pub.publish([{"type": "AllBlocksCleared"}])
+    flood = _socket(zmq.DEALER, pub.replay_endpoint)  # type: ignore[arg-type]
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pub.serve, trio.lowlevel.checkpoint)
+            for _ in range(50):
+                flood.send_multipart(replay_request(0))
+            await wait_until(lambda: _count(pub, "hydra_kv_event_replays_refused_total", reason="rate") == 49)
+            assert _count(pub, "hydra_kv_event_replays_total") == 1
+            # Another peer is answered; the flooder got one replay (a batch and the end).
+            assert [s for s, _ in await trio.to_thread.run_sync(replay_sync, pub.replay_endpoint, 0)] == [0]
+            frames = [flood.recv_multipart(zmq.NOBLOCK) for _ in range(2)]
+            assert [decode_seq(f[2]) for f in frames] == [0, -1] and not flood.poll(50)
+            nursery.cancel_scope.cancel()
+    finally:
+        flood.close(linger=0)
+        pub.close()
+
+
+async def test_while_the_ring_reaches_seq_0_a_new_subscriber_replays_and_nobody_is_cleared() -> None:
+    pub = _publisher()
+    for i in range(5):
+        pub.publish([{"type": "BlockStored", "block_hashes": [i], "parent_block_hash": None, "token_ids": [i], "block_size": 1, "lora_id": None, "medium": "GPU", "lora_name": None}])
+    calls, resync = await _resync_recorder(pub)
+    first = _socket(zmq.SUB, pub.endpoint)
+    second = _socket(zmq.SUB, pub.endpoint)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pub.serve, resync)
+            first.subscribe(b"")
+            assert await trio.to_thread.run_sync(first.poll, 10_000), "no answer to a subscription"
+            _, seq, payload = first.recv_multipart()
+            assert decode_seq(seq) == 5 and decode_batch(payload)[1] == []  # "seq 5 is next; replay the rest"
+            second.subscribe(b"")
+            assert await trio.to_thread.run_sync(first.poll, 10_000)
+            _, seq, payload = first.recv_multipart()
+            assert decode_seq(seq) == 6 and decode_batch(payload)[1] == []  # what the first one sees
+            _, seq, _ = second.recv_multipart()
+            assert decode_seq(seq) == 6
+            replayed = await trio.to_thread.run_sync(replay_sync, pub.replay_endpoint, 0)
+            nursery.cancel_scope.cancel()
+        assert calls == []  # no resync, so no AllBlocksCleared for anybody
+        index: Index = {}
+        apply(index, events_of(replayed))
+        assert sorted(index) == list(range(5))
+    finally:
+        first.close()
+        second.close()
+        pub.close()
+
+
+async def test_once_the_ring_lost_seq_0_subscriptions_bring_resyncs_at_most_one_per_interval() -> None:
+    pub = _publisher(kv_events_replay_bytes=1, kv_events_resync_interval_s=1.0)
+    pub.publish([{"type": "AllBlocksCleared"}])  # dropped from the ring at once
+    calls, resync = await _resync_recorder(pub)
+    subs: list[zmq.Socket[bytes]] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pub.serve, resync)
+            for n in range(1, 6):  # five subscriptions, each heard before the next
+                subs.append(_socket(zmq.SUB, pub.endpoint))
+                subs[-1].subscribe(b"")
+                await wait_until(lambda n=n: _count(pub, "hydra_kv_event_subscriptions_total") == n)
+            assert len(calls) == 1  # the first at once; the other four wait ...
+            await wait_until(lambda: len(calls) == 2, 10.0)  # ... and share the next one
+            assert calls[1] - calls[0] >= 1.0
+            await trio.sleep(1.2)
+            assert len(calls) == 2  # nothing more was asked
+            nursery.cancel_scope.cancel()
+        assert _count(pub, "hydra_kv_event_resyncs_total") == 2
+    finally:
+        for sub in subs:
+            sub.close()
+        pub.close()
+
+
+def _curve_files(tmp_path: Path) -> tuple[Path, Path, bytes, tuple[bytes, bytes], tuple[bytes, bytes]]:
+    server_public, server_secret = zmq.curve_keypair()
+    allowed, stranger = zmq.curve_keypair(), zmq.curve_keypair()
+    secret_file = tmp_path / "server.key"
+    secret_file.write_bytes(server_secret + b"\n")
+    allowed_file = tmp_path / "clients"
+    allowed_file.write_bytes(b"# the router\n" + allowed[0] + b"\n")
+    return secret_file, allowed_file, server_public, allowed, stranger
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
+async def test_with_curve_only_an_allowed_client_gets_events_and_replays(tmp_path: Path) -> None:
+    secret_file, allowed_file, server_public, (a_pub, a_sec), (s_pub, s_sec) = _curve_files(tmp_path)
+    pub = _publisher(kv_events_curve_secret_key_file=str(secret_file), kv_events_curve_allowed_keys_file=str(allowed_file))
+    assert pub.describe()["curve_public_key"] == server_public.decode()
+
+    def curve(public: bytes, secret: bytes) -> dict[str, Any]:
+        return {"CURVE_SERVERKEY": server_public, "CURVE_PUBLICKEY": public, "CURVE_SECRETKEY": secret}
+
+    plain = _socket(zmq.SUB, pub.endpoint)
+    stranger = _socket(zmq.SUB, pub.endpoint, **curve(s_pub, s_sec))
+    friend = _socket(zmq.SUB, pub.endpoint, **curve(a_pub, a_sec))
+    stranger_replay = _socket(zmq.DEALER, pub.replay_endpoint, **curve(s_pub, s_sec))  # type: ignore[arg-type]
+    friend_replay = _socket(zmq.DEALER, pub.replay_endpoint, **curve(a_pub, a_sec))  # type: ignore[arg-type]
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pub.serve, trio.lowlevel.checkpoint)
+            for sub in (plain, stranger, friend):
+                sub.subscribe(b"")
+            assert await trio.to_thread.run_sync(friend.poll, 10_000), "the allowed client got nothing"
+            friend.recv_multipart()  # the answer to its subscription
+            await wait_until(lambda: _count(pub, "hydra_kv_event_curve_refused_total") >= 1)
+            pub.publish([{"type": "AllBlocksCleared"}])
+            assert await trio.to_thread.run_sync(friend.poll, 10_000)
+            _, _, payload = friend.recv_multipart()
+            assert decode_batch(payload)[1] == [{"type": "AllBlocksCleared"}]
+            assert not plain.poll(300) and not stranger.poll(0)  # neither ever got a byte
+            assert _count(pub, "hydra_kv_event_subscriptions_total") == 1
+
+            with contextlib.suppress(zmq.Again):  # refused, it may have no connection to queue on
+                stranger_replay.send_multipart(replay_request(0), zmq.NOBLOCK)
+            friend_replay.send_multipart(replay_request(0))
+            assert await trio.to_thread.run_sync(friend_replay.poll, 10_000)
+            frames = [friend_replay.recv_multipart()]
+            while decode_seq(frames[-1][2]) != -1:
+                assert await trio.to_thread.run_sync(friend_replay.poll, 10_000)
+                frames.append(friend_replay.recv_multipart())
+            assert [decode_seq(f[2]) for f in frames] == [0, 1, -1]
+            assert not stranger_replay.poll(300)
+            nursery.cancel_scope.cancel()
+    finally:
+        for sock in (plain, stranger, friend, stranger_replay, friend_replay):
+            sock.close(linger=0)
+        pub.close()
+
+
+def test_curve_settings_that_cannot_work_stop_startup_with_their_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_file, allowed_file, *_ = _curve_files(tmp_path)
+    bad = tmp_path / "bad.key"
+    bad.write_text("not a key\n")
+    for kw, match in (
+        ({"kv_events_curve_secret_key_file": str(bad)}, r"kv_events_curve_secret_key_file: .* line 1 is not a Z85"),
+        ({"kv_events_curve_secret_key_file": str(tmp_path / "missing")}, "kv_events_curve_secret_key_file: cannot read"),
+        (
+            {"kv_events_curve_secret_key_file": str(secret_file), "kv_events_curve_allowed_keys_file": str(bad)},
+            r"kv_events_curve_allowed_keys_file: .* line 1 is not a Z85",
+        ),
+    ):
+        with pytest.raises(SystemExit, match=match):
+            _publisher(**kw)
+    with pytest.raises(SystemExit, match="kv_events_curve_allowed_keys_file needs kv_events_curve_secret_key_file"):
+        validate(Settings(kv_events_endpoint="tcp://127.0.0.1:0", kv_events_curve_allowed_keys_file=str(allowed_file)))
+    monkeypatch.setattr(zmq, "has", lambda capability: capability != "curve")
+    with pytest.raises(SystemExit, match=r"kv_events_curve_secret_key_file: this libzmq .* without CURVE"):
+        _publisher(kv_events_curve_secret_key_file=str(secret_file))
+
+
+def test_the_help_and_the_docs_suggest_loopback_or_a_private_network_not_every_interface() -> None:
+    import argparse
+
+    from hydra_trio.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (action,) = [a for a in parser._actions if "--kv-events-endpoint" in a.option_strings]
+    assert action.help is not None
+    assert "0.0.0.0" not in action.help and "tcp://127.0.0.1:5557" in action.help and "token ids" in action.help
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    for page in ("scaling-out.md", "operations.md"):
+        text = (docs / page).read_text(encoding="utf-8")
+        assert "e.g. `tcp://0.0.0.0" not in text and "tcp://0.0.0.0:557" not in text, page
+        assert "loopback" in text and "private network" in text and "--kv-events-curve-secret-key-file" in text, page

@@ -111,6 +111,15 @@ class Settings:
     kv_events_topic: str = ""
     kv_events_block_size: int = 16
     kv_events_hwm: int = 100_000  # messages queued per subscriber; past it PUB drops (never waits)
+    # Replay requests answered per second per peer (a burst of as many); the rest are dropped.
+    kv_events_replay_rate: float = 10.0
+    # A resync (AllBlocksCleared, then every chain, to every subscriber) at most this often;
+    # the subscriptions heard meanwhile share the next one.
+    kv_events_resync_interval_s: float = 10.0
+    # CURVE (libzmq's encryption and authentication): the sockets' secret key, and the client
+    # public keys allowed (None: any client that knows the server's public key).
+    kv_events_curve_secret_key_file: str | None = None
+    kv_events_curve_allowed_keys_file: str | None = None
     # CONFIGURE over RPC: the tiers accepted (T2 rebuilds the context, T3 loads another
     # model), and the folder T3 may load from (None: the served model's folder).
     configure_tiers: str = "T1,T2,T3"
@@ -230,12 +239,16 @@ _HELP: dict[str, str] = {
     "kv_pull_timeout_s": "deadline for pulling a KV export from a prefill engine",
     "kv_pull_allow": "networks a decode engine may pull KV exports from, CIDR[,CIDR...] (a hand-off naming another address falls back to a local prefill)",
     "kv_shm_dir": "folder (tmpfs) where KV exports live so that a decode engine on the same host maps them instead of pulling them over TCP; used only when the decode engine can read it; empty = off",
-    "kv_events_endpoint": "publish vLLM KV events (what the slots hold) on this ZMQ PUB endpoint, e.g. tcp://0.0.0.0:5557, for vllm-router --policy kv_aware (default: off)",
+    "kv_events_endpoint": "publish vLLM KV events (what the slots hold) on this ZMQ PUB endpoint, for vllm-router --policy kv_aware, e.g. tcp://127.0.0.1:5557; bind loopback or a private network only (BlockStored carries every user's token ids), or set --kv-events-curve-secret-key-file (default: off)",
     "kv_events_replay_endpoint": "serve replays of recent KV event batches on this ZMQ ROUTER endpoint (vllm-router --kv-event-replay-source)",
     "kv_events_replay_bytes": "bytes of recent KV event batches kept for replays (the oldest go first)",
     "kv_events_topic": "topic of every KV event message (vllm-router's default: empty)",
     "kv_events_block_size": "tokens per KV event block (vllm-router's --kv-event-block-size; 16 in P/D mode)",
     "kv_events_hwm": "KV event messages queued per subscriber; past it a slow subscriber misses messages (and asks for a replay) instead of the engine waiting",
+    "kv_events_replay_rate": "KV event replay requests answered per second from each peer (a burst of as many); past it a request gets no answer",
+    "kv_events_resync_interval_s": "seconds between two resyncs at most (AllBlocksCleared, then everything held, to every subscriber: sent for a new subscription when the replay ring no longer reaches back to seq 0, or there is no replay socket); the subscriptions heard meanwhile share the next",
+    "kv_events_curve_secret_key_file": "CURVE-encrypt both KV event sockets with the secret key in this file (Z85, 40 characters, as zmq.curve_keypair() makes; or a zmq.auth certificate); subscribers need its public key (logged at start); needs libzmq with CURVE",
+    "kv_events_curve_allowed_keys_file": "with CURVE: only clients whose public key (Z85, one a line; lines starting with # are comments) is in this file may subscribe or ask for replays (default: any client that knows the server's public key)",
     "configure_tiers": "CONFIGURE tiers accepted over RPC, a comma list of T1 (per-slot sampling), T2 (context rebuild), T3 (model reload); others are refused",
     "model_dir": "the folder CONFIGURE T3 may load a model_path from (a regular GGUF file inside it, symlinks resolved); default: the served model's folder",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
@@ -354,6 +367,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "kv_events_block_size": (1, 4096),
     "kv_events_hwm": (1, 10_000_000),
     "kv_events_replay_bytes": (0, 1 << 40),
+    "kv_events_replay_rate": (0.01, 1e6),
+    "kv_events_resync_interval_s": (0.0, 86400.0),
 }
 
 
@@ -420,6 +435,8 @@ def validate(s: Settings) -> None:
         problems.append("log_stats_interval_s must be >= 0 (0 = off)")
     if s.kv_events_replay_endpoint and not s.kv_events_endpoint:
         problems.append("kv_events_replay_endpoint needs kv_events_endpoint (the replays are of its batches)")
+    if s.kv_events_curve_allowed_keys_file and not s.kv_events_curve_secret_key_file:
+        problems.append("kv_events_curve_allowed_keys_file needs kv_events_curve_secret_key_file (CURVE on)")
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
     if problems:
