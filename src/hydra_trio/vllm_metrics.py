@@ -33,8 +33,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .logs import kv_cache_usage, requests_running
-
 if TYPE_CHECKING:
     from .engine.engine import Engine, GenerationResult
 
@@ -113,13 +111,14 @@ class VllmCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
+        stats = engine.stats()
         labels = ["engine", "model_name"]
         model = ["0", engine.identity.model_alias]
         families: list[Metric] = []
         for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", requests_running(engine)),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.slots.waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage(engine)),
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.slots_busy),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.requests_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(model, value)

@@ -50,6 +50,11 @@ class SlotTable:
         """Requests waiting for a free slot (vllm:num_requests_waiting)."""
         return len(self._waiters)
 
+    @property
+    def n_busy(self) -> int:
+        """Slots claimed right now: the one count every reader gets (``Engine.stats``)."""
+        return sum(s.busy for s in self.slots)
+
     def __len__(self) -> int:
         return len(self.slots)
 
@@ -117,4 +122,4 @@ class SlotTable:
         self._released = trio.Event()
 
     def all_idle(self) -> bool:
-        return not any(s.busy for s in self.slots)
+        return self.n_busy == 0
