@@ -30,11 +30,11 @@ from ..engine.llama.seqstate import cache_layout_mismatch
 from ..engine.params import GenerationParams
 from ..engine.slots import Slot
 from ..engine.text import TextAssembler
-from ..engine.transfer import blob_hash
 from ..model.identity import compare_identity
 from ..rpc.kvpull import PULL_FAILED, PullFailed, network_failure, pull_export
 from ..tasks import run_cpu_bound
 from ..wire.errors import ProtocolError
+from ..wire.hashing import xxh3_tag_of
 from ..wire.kvblob import KvBlob, parse_kv_blob
 from ..wire.kvpull import IDENTITY_KEYS, HandoffParams, parse_handoff_params
 from .exports import Export, ExportStore
@@ -91,7 +91,7 @@ async def prefill_export(
         res.text = assembler.push(backend.token_bytes(token)) + assembler.finish()
         res.stop_type = "word" if assembler.stopped_by is not None else "limit"
     parts: list[bytes | bytearray] = [head, state, logits]
-    kv_hash = await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts)))
+    kv_hash = await run_cpu_bound(partial(xxh3_tag_of, parts), sum(map(len, parts)))
     identity = engine.identity.info_fields()
     made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": dict(backend.cache_layout)}
     export = await exports.put(parts, n_past, kv_hash, made_by)

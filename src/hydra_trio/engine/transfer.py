@@ -8,11 +8,11 @@ from functools import partial
 from typing import Any
 
 import trio
-import xxhash
 
 from ..budget import ByteBudget
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError
+from ..wire.hashing import xxh3_tag_of
 from ..wire.kvblob import blob_head_size, parse_kv_blob
 from .engine import Engine
 
@@ -29,13 +29,6 @@ class Snapshot:
     @property
     def size(self) -> int:
         return sum(len(p) for p in self.parts)
-
-
-def blob_hash(parts: list[bytes | bytearray]) -> str:
-    h = xxhash.xxh3_64()
-    for p in parts:
-        h.update(p)
-    return "xxh3:" + h.hexdigest()
 
 
 async def charge(budget: ByteBudget, n: int, wait_s: float, what: str) -> None:
@@ -62,7 +55,7 @@ async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget,
         held = size
         head, state, n_past = await engine.state_get(slot_id)
         parts: list[bytes | bytearray] = [head, state]
-        kv_hash = await run_cpu_bound(partial(blob_hash, parts), len(head) + len(state))
+        kv_hash = await run_cpu_bound(partial(xxh3_tag_of, parts), len(head) + len(state))
     except BaseException:
         budget.release(held)
         raise

@@ -24,6 +24,8 @@ import gguf
 import numpy as np
 import xxhash
 
+from ..wire.hashing import format_tag
+
 __all__ = [
     "CAPABILITY_NAMES",
     "CAP_CODE",
@@ -611,7 +613,7 @@ def _tokenizer_hash(meta: _GGUFMeta) -> str:
     else:
         h.update(b"\x01" + types.count.to_bytes(8, "little"))
         h.update(meta.int_array(types).astype("<i4").tobytes())
-    return f"xxh3:{h.intdigest():016x}"
+    return format_tag(h.intdigest())
 
 
 def _file_type_name(value: int) -> str:

@@ -16,12 +16,12 @@ import trio
 from .. import __version__
 from ..config import CACHE_TYPES, Settings
 from ..engine import transfer
-from ..engine.transfer import blob_hash
 from ..logs import request_extra
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
+from ..wire.hashing import xxh3_tag_of
 from ..wire.kvblob import blob_head_size
 from ..wire.kvpull import KV_PULL_MAX_REQUEST_BYTES, parse_pull_request
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
@@ -436,7 +436,7 @@ class OpTable:
             "state_size": len(state),
             "logits_size": len(logits),
             "prefill_ms": round(prefill_ms, 3),
-            "kv_hash": await run_cpu_bound(partial(blob_hash, parts), sum(map(len, parts))),  # type: ignore[arg-type]
+            "kv_hash": await run_cpu_bound(partial(xxh3_tag_of, parts), sum(map(len, parts))),  # type: ignore[arg-type]
             **engine.identity.fields(),
         }
         reply = Reply.ok(meta, parts)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ErrorCode, ProtocolError
-from .hashing import parse_tag, xxh3_64
+from .hashing import format_tag, parse_tag, xxh3_64
 
 Buffer = bytes | bytearray | memoryview
 
@@ -225,7 +225,7 @@ def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer
     expected = parse_tag(params.kv_hash, "kv_hash")
     actual = xxh3_64(payload)
     if actual != expected or str(meta.get("kv_hash", "")).lower() != params.kv_hash:
-        raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got xxh3:{actual:016x})")
+        raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got {format_tag(actual)})")
 
 
 __all__ = [
