@@ -23,6 +23,7 @@ from typing import Any
 
 from .errors import ErrorCode, ProtocolError
 from .hashing import format_tag, parse_tag, xxh3_64
+from .jsontext import parse_json_object
 
 Buffer = bytes | bytearray | memoryview
 
@@ -84,12 +85,7 @@ def parse_pull_request(payload: Buffer) -> tuple[str, bool]:
     BAD_JSON / BAD_FRAME otherwise."""
     if len(payload) > KV_PULL_MAX_REQUEST_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"KV_PULL payload of {len(payload)} bytes exceeds {KV_PULL_MAX_REQUEST_BYTES}")
-    try:
-        body = json.loads(str(payload, "utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise ProtocolError(ErrorCode.BAD_JSON, f"KV_PULL: invalid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(ErrorCode.BAD_JSON, f"KV_PULL: expected a JSON object, got {type(body).__name__}")
+    body = parse_json_object(payload, "KV_PULL")
     return check_export_id(body.get("export_id")), body.get("shm") is True
 
 
