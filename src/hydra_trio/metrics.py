@@ -87,26 +87,26 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-# (name, doc, read): gauges, then counters that only grow (exported as ``NAME_total``, so
-# rate() and resets work on them); the counters show work done after a cancel too.
-_ENGINE_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
-    ("hydra_slots_busy", "slots claimed by a request", lambda s: s.slots_busy),
-    ("hydra_slots_total", "slots", lambda s: s.slots),
-    ("hydra_kv_cells_used", "KV positions held by all slots", lambda s: s.kv_cells_used),
-    ("hydra_kv_cells_total", "KV cells shared by all slots", lambda s: s.kv_cells_total),
-    ("hydra_step_batch_mean_size", "mean number of sequences per generation step", lambda s: s.step_batch_mean_size),
-    ("hydra_model_load_seconds", "model load time", lambda s: s.model_load_s),
-)
-_ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
-    ("hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda s: s.worker_busy_s),
-    ("hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda s: s.worker_calls),
-    ("hydra_llama_decode_seconds", "time inside llama_decode, the model's compute (the rest of the worker's busy time is the engine's)", lambda s: s.llama_decode_s),
-    ("hydra_step_batches", "batched generation steps", lambda s: s.step_batches),
-    ("hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda s: s.tokens_generated),
-    ("hydra_engine_prompt_tokens_processed", "prompt tokens evaluated by the engine (all paths)", lambda s: s.prompt_tokens_processed),
-    ("hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda s: s.step_tokens),
-    ("hydra_engine_step_prompt_tokens", "prompt tokens evaluated inside generation-step batches (chunked prefill)", lambda s: s.step_prompt_tokens),
-    ("hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda s: s.tokens_evaluated),
+# (family, name, doc, read): gauges, and counters of figures that only grow (exported as
+# ``NAME_total``, so rate() and resets work on them; they show work done after a cancel too).
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+_ENGINE_FIGURES: tuple[tuple[_Family, str, str, Callable[[EngineStats], float]], ...] = (
+    (_G, "hydra_slots_busy", "slots claimed by a request", lambda s: s.slots_busy),
+    (_G, "hydra_slots_total", "slots", lambda s: s.slots),
+    (_G, "hydra_kv_cells_used", "KV positions held by all slots", lambda s: s.kv_cells_used),
+    (_G, "hydra_kv_cells_total", "KV cells shared by all slots", lambda s: s.kv_cells_total),
+    (_G, "hydra_step_batch_mean_size", "mean number of sequences per generation step", lambda s: s.step_batch_mean_size),
+    (_G, "hydra_model_load_seconds", "model load time", lambda s: s.model_load_s),
+    (_C, "hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda s: s.worker_busy_s),
+    (_C, "hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda s: s.worker_calls),
+    (_C, "hydra_llama_decode_seconds", "time inside llama_decode, the model's compute (the rest of the worker's busy time is the engine's)", lambda s: s.llama_decode_s),
+    (_C, "hydra_step_batches", "batched generation steps", lambda s: s.step_batches),
+    (_C, "hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda s: s.tokens_generated),
+    (_C, "hydra_engine_prompt_tokens_processed", "prompt tokens evaluated by the engine (all paths)", lambda s: s.prompt_tokens_processed),
+    (_C, "hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda s: s.step_tokens),
+    (_C, "hydra_engine_step_prompt_tokens", "prompt tokens evaluated inside generation-step batches (chunked prefill)", lambda s: s.step_prompt_tokens),
+    (_C, "hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda s: s.tokens_evaluated),
 )
 
 
@@ -119,10 +119,8 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
-        for name, doc, read in _ENGINE_GAUGES:
-            yield GaugeMetricFamily(name, doc, value=read(stats))
-        for name, doc, read in _ENGINE_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=read(stats))
+        for family, name, doc, read in _ENGINE_FIGURES:
+            yield family(name, doc, value=read(stats))
 
 
 class PromptCacheCollector(Collector):
