@@ -149,3 +149,27 @@ async def test_slot_waiters_are_served_first_come_first_served() -> None:
         table.release(holder)
     assert got == ["first", "second"]
     assert table.waiting == 0 and not table.slots[0].busy
+
+
+async def test_a_slot_freed_in_the_tick_of_a_cancel_goes_to_the_next_in_line() -> None:
+    """The oldest waiter is cancelled and the slot freed before it runs again: it is not
+    granted the slot (so it cannot leak it), the next waiter is."""
+    from hydra_trio.engine.slots import SlotTable
+
+    table = SlotTable(1)
+    holder = table.claim(0, "holder")
+    got: list[str] = []
+    scopes: dict[str, trio.CancelScope] = {}
+
+    async def want(name: str) -> None:
+        with trio.CancelScope() as scopes[name]:
+            await table.claim_any(name, lambda _i: (0,))
+            got.append(name)
+
+    async with trio.open_nursery() as nursery:
+        for name in ("cancelled", "next"):
+            nursery.start_soon(want, name)
+            await trio.testing.wait_all_tasks_blocked()
+        scopes["cancelled"].cancel()
+        table.release(holder)  # the same tick
+    assert got == ["next"] and table.slots[0].owner == "next" and table.waiting == 0

@@ -126,3 +126,29 @@ async def test_waiters_are_served_in_arrival_order() -> None:
     assert budget.used == 95
     await budget.acquire(5)
     assert budget.used == 100
+
+
+
+async def test_a_release_in_the_tick_of_a_cancel_goes_to_the_next_in_line() -> None:
+    """The oldest waiter is cancelled and, before it runs again, room is released: the
+    cancelled one takes nothing, the one behind it gets the room (grants.FifoGrants)."""
+    budget = ByteBudget(100)
+    await budget.acquire(100)
+    got: list[str] = []
+    scopes: dict[str, trio.CancelScope] = {}
+
+    async def take(name: str, n: int) -> None:
+        with trio.CancelScope() as scopes[name]:
+            await budget.acquire(n)
+            got.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take, "head", 50)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(take, "behind", 60)
+        await trio.testing.wait_all_tasks_blocked()
+        assert budget.waiting == 2
+        scopes["head"].cancel()  # out of the lot at once; out of the line once it runs
+        budget.release(100)  # in the same tick
+        await trio.testing.wait_all_tasks_blocked()
+    assert got == ["behind"] and budget.used == 60 and budget.waiting == 0

@@ -507,7 +507,7 @@ async def test_a_huge_claim_is_refused_at_once_while_budget_is_held(pair: tuple[
 
             async def upload() -> None:
                 # Behind a queued claim it would wait (for the claim's whole deadline).
-                await wait_until(lambda: "decode" in results or bool(budget._waiters))
+                await wait_until(lambda: "decode" in results or bool(budget.waiting))
                 headers = {"content-type": "application/octet-stream", "content-length": str(len(blob))}
                 results["put"] = await cb.put("/slots/0/state", content=blob, headers=headers)
 
@@ -517,7 +517,7 @@ async def test_a_huge_claim_is_refused_at_once_while_budget_is_held(pair: tuple[
         kv = results["decode"][1]["kv_transfer"]
         assert kv["status"] == "fallback" and kv["reason"] == "too_large", kv
         assert results["put"].status_code == 200, results["put"].text
-        assert budget.used == 1000 and not budget._waiters
+        assert budget.used == 1000 and not budget.waiting
     finally:
         budget.release(1000)
     assert len(a.state.exports) == 1  # no connection was opened for it

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Awaitable, Callable
-from functools import partial
 
 import trio
 
@@ -29,6 +27,7 @@ from .kvevents import open_kv_events
 from .logs import log_stats
 from .rpc.server import open_rpc_listeners, serve_rpc
 from .state import AppState, Endpoints
+from .tasks import start_service
 
 log = logging.getLogger("hydra_trio")
 
@@ -54,26 +53,6 @@ def resolve_model(settings: Settings) -> tuple[str, str | None]:
         "written now" if written else "from the cache",
     )
     return str(path), settings.alias or "hydra-synthetic-small"
-
-
-class _Ready:
-    """A task status for ``start_service``: ``started()`` sets an event."""
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-
-    def started(self, _value: object = None) -> None:
-        self.event.set()
-
-
-async def start_service(nursery: trio.Nursery, run: Callable[..., Awaitable[None]]) -> None:
-    """Start a service that shields its own lifetime (it ends by its ``stop()``), and wait
-    until it is ready. Not ``nursery.start``: from a caller cancelled meanwhile (a SIGTERM
-    while the model loads), trio leaves a task that calls ``started()`` where it is, under
-    the caller, and the caller then waits for it forever, since its ``stop()`` comes after."""
-    ready = _Ready()
-    nursery.start_soon(partial(run, task_status=ready))
-    await ready.event.wait()
 
 
 async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
-
-import trio
+from .grants import FifoGrants
 
 
 class ByteBudget:
@@ -16,39 +14,26 @@ class ByteBudget:
     def __init__(self, total: int) -> None:
         self.total = total
         self.used = 0
-        self._waiters: deque[tuple[int, trio.Event]] = deque()
+        self._line: FifoGrants[int, int] = FifoGrants(self._take)
 
-    def _fits(self, n: int) -> bool:
-        # Zero bytes never wait; a payload larger than the whole budget runs alone.
-        return n == 0 or self.used + n <= self.total or self.used == 0
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room."""
+        return len(self._line)
+
+    def _take(self, n: int) -> int | None:
+        # Zero bytes always fit; a payload larger than the whole budget runs alone.
+        if n == 0 or self.used + n <= self.total or self.used == 0:
+            self.used += n
+            return n
+        return None
 
     async def acquire(self, n: int) -> None:
         """Take ``n`` bytes once they fit and every earlier waiter has been served. No
         deadline of its own: the caller's cancel scope bounds the wait, and a cancelled wait
         takes nothing."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if not self._waiters and self._fits(n):
-            self.used += n
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
-        entry = (n, trio.Event())
-        self._waiters.append(entry)
-        try:
-            await entry[1].wait()
-        except BaseException:
-            if entry[1].is_set():  # granted in the same tick as the cancellation
-                self.release(n)
-            else:
-                self._waiters.remove(entry)
-                self._grant()  # those behind it may fit now
-            raise
+        await self._line.acquire(n)
 
     def release(self, n: int) -> None:
         self.used -= n
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            n, granted = self._waiters.popleft()
-            self.used += n
-            granted.set()
+        self._line.serve()

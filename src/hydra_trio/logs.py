@@ -165,28 +165,18 @@ def configure_logging(settings: Settings, stream: IO[str] | None = None) -> logg
 # ---- the periodic throughput line (vLLM's "Avg prompt throughput: ...") ---------------------
 
 
-def requests_running(engine: Engine) -> int:
-    """Requests holding a slot: from its claim to its release (prefill, generation, export)."""
-    return sum(1 for s in engine.slots.slots if s.busy)
-
-
-def kv_cache_usage(engine: Engine) -> float:
-    """KV held by running requests, of all cells (0..1). An idle slot's KV is a prefix cache
-    that make_room() evicts on demand, as vLLM counts its cached-but-free blocks as free."""
-    held = sum(engine.n_past(s.id) for s in engine.slots.slots if s.busy)
-    return min(1.0, held / engine.n_ctx)
-
-
 async def log_stats(engine: Engine, interval_s: float) -> None:
     """Every ``interval_s``, one throughput line, when the interval saw tokens or requests;
     runs until cancelled (it belongs to the engine's front-end nursery, app.py)."""
     last_t = trio.current_time()
-    last_prompt, last_gen = engine.prompt_tokens_processed, engine.tokens_generated
+    first = engine.stats()
+    last_prompt, last_gen = first.prompt_tokens_processed, first.tokens_generated
     while True:
         await trio.sleep(interval_s)
         now = trio.current_time()
-        prompt, gen = engine.prompt_tokens_processed, engine.tokens_generated
-        running, waiting = requests_running(engine), engine.slots.waiting
+        snap = engine.stats()
+        prompt, gen = snap.prompt_tokens_processed, snap.tokens_generated
+        running, waiting = snap.slots_busy, snap.requests_waiting
         elapsed = max(now - last_t, 1e-9)
         if prompt != last_prompt or gen != last_gen or running or waiting:
             stats = {
@@ -194,7 +184,7 @@ async def log_stats(engine: Engine, interval_s: float) -> None:
                 "generation_tokens_per_s": round((gen - last_gen) / elapsed, 1),
                 "running": running,
                 "waiting": waiting,
-                "kv_cache_usage": round(kv_cache_usage(engine), 4),
+                "kv_cache_usage": round(snap.kv_cache_usage, 4),
             }
             stats_log.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .engine.engine import Engine
     from .engine.output import GenerationResult
     from .engine.promptcache import PromptCache
+    from .engine.stats import EngineStats
 
 # Base units (seconds), the old millisecond buckets' bounds.
 _S_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -71,39 +72,13 @@ class Metrics:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""
         Gauge(name, doc, registry=self.registry).set_function(read)
 
-    def live_counters(self, counters: list[tuple[str, str, Callable[[], float]]]) -> None:
-        """Counters read at scrape time from engine figures that only grow (exported as
-        counters, ``NAME_total``, so rate() and resets work on them)."""
-        self.registry.register(LiveCounters(counters))
-
     def watch_engine(self, engine: Engine, running_decodes: Callable[[], int]) -> None:
         """Gauges read from the engine (and the decode requests) at scrape time."""
         self.registry.register(VllmCollector(engine, self.prefix_cache))
         if engine.prompt_cache is not None:
             self.registry.register(PromptCacheCollector(engine.prompt_cache))
+        self.registry.register(EngineCollector(engine))
         g = self.live_gauge
-        g("hydra_slots_busy", "slots claimed by a request", lambda: sum(s.busy for s in engine.slots.slots))
-        g("hydra_slots_total", "slots", lambda: len(engine.slots))
-        g("hydra_kv_cells_used", "KV positions held by all slots", lambda: engine.backend.cells_in_use())
-        g("hydra_kv_cells_total", "KV cells shared by all slots", lambda: engine.n_ctx)
-        g(
-            "hydra_step_batch_mean_size",
-            "mean number of sequences per generation step",
-            lambda: engine.batcher.tokens / engine.batcher.batches if engine.batcher.batches else 0.0,
-        )
-        g("hydra_model_load_seconds", "model load time", lambda: engine.model_load_ms / 1000.0)
-        # Read straight from the engine as it works: they show work done after a cancel too.
-        self.live_counters([
-            ("hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda: engine.worker.busy_s),
-            ("hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda: engine.worker.calls),
-            ("hydra_llama_decode_seconds", "time inside llama_decode, the model's compute (the rest of the worker's busy time is the engine's)", lambda: engine.backend.decode_s),
-            ("hydra_step_batches", "batched generation steps", lambda: engine.batcher.batches),
-            ("hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda: engine.tokens_generated),
-            ("hydra_engine_prompt_tokens_processed", "prompt tokens evaluated by the engine (all paths)", lambda: engine.prompt_tokens_processed),
-            ("hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda: engine.batcher.tokens),
-            ("hydra_engine_step_prompt_tokens", "prompt tokens evaluated inside generation-step batches (chunked prefill)", lambda: engine.batcher.prompt_tokens),
-            ("hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda: engine.tokens_evaluated),
-        ])
         g("hydra_decode_requests_running", "decode requests not yet ended", running_decodes)
         # A leak check for soaks: every task of this process's trio run, read at scrape time
         # (from the /metrics handler, inside the run).
@@ -113,15 +88,40 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class LiveCounters(Collector):
-    """Counters whose values are read from their owner at scrape time."""
+# (family, name, doc, read): gauges, and counters of figures that only grow (exported as
+# ``NAME_total``, so rate() and resets work on them; they show work done after a cancel too).
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
+_G, _C = GaugeMetricFamily, CounterMetricFamily
+_ENGINE_FIGURES: tuple[tuple[_Family, str, str, Callable[[EngineStats], float]], ...] = (
+    (_G, "hydra_slots_busy", "slots claimed by a request", lambda s: s.slots_busy),
+    (_G, "hydra_slots_total", "slots", lambda s: s.slots),
+    (_G, "hydra_kv_cells_used", "KV positions held by all slots", lambda s: s.kv_cells_used),
+    (_G, "hydra_kv_cells_total", "KV cells shared by all slots", lambda s: s.kv_cells_total),
+    (_G, "hydra_step_batch_mean_size", "mean number of sequences per generation step", lambda s: s.step_batch_mean_size),
+    (_G, "hydra_model_load_seconds", "model load time", lambda s: s.model_load_s),
+    (_C, "hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda s: s.worker_busy_s),
+    (_C, "hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda s: s.worker_calls),
+    (_C, "hydra_llama_decode_seconds", "time inside llama_decode, the model's compute (the rest of the worker's busy time is the engine's)", lambda s: s.llama_decode_s),
+    (_C, "hydra_step_batches", "batched generation steps", lambda s: s.step_batches),
+    (_C, "hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda s: s.tokens_generated),
+    (_C, "hydra_engine_prompt_tokens_processed", "prompt tokens evaluated by the engine (all paths)", lambda s: s.prompt_tokens_processed),
+    (_C, "hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda s: s.step_tokens),
+    (_C, "hydra_engine_step_prompt_tokens", "prompt tokens evaluated inside generation-step batches (chunked prefill)", lambda s: s.step_prompt_tokens),
+    (_C, "hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda s: s.tokens_evaluated),
+)
 
-    def __init__(self, counters: list[tuple[str, str, Callable[[], float]]]) -> None:
-        self.counters = counters
+
+class EngineCollector(Collector):
+    """The engine's figures from one ``Engine.stats()`` snapshot per scrape (no
+    bookkeeping here to drift)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        for name, doc, read in self.counters:
-            yield CounterMetricFamily(name, doc, value=read())
+        stats = self.engine.stats()
+        for family, name, doc, read in _ENGINE_FIGURES:
+            yield family(name, doc, value=read(stats))
 
 
 class PromptCacheCollector(Collector):

@@ -69,9 +69,9 @@ class AppState:
         if self.http_in_flight:
             parts.append(f"{self.http_in_flight} HTTP requests")
         if engine is not None:
-            busy = sum(s.busy for s in engine.slots.slots)
-            if busy or engine.slots.waiting:
-                parts.append(f"{busy} slots busy, {engine.slots.waiting} waiting")
+            stats = engine.stats()
+            if stats.slots_busy or stats.requests_waiting:
+                parts.append(f"{stats.slots_busy} slots busy, {stats.requests_waiting} waiting")
         if decodes is not None and decodes.store.running():
             parts.append(f"{len(decodes.store.running())} decodes")
         if exports is not None and len(exports):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, NoReturn, TypeVar
 
 import trio
@@ -25,6 +26,31 @@ class OwnedTask:
         await self.finished.wait()
 
 
+class Started:
+    """The one stand-in for a ``trio.TaskStatus``: records that ``started()`` was called
+    (``event``) and passes the value on to ``forward`` (the real task status, when there is
+    one)."""
+
+    def __init__(self, forward: Callable[[Any], None] | None = None) -> None:
+        self.event = trio.Event()
+        self._forward = forward
+
+    def started(self, value: Any = None) -> None:
+        self.event.set()
+        if self._forward is not None:
+            self._forward(value)
+
+
+async def start_service(nursery: trio.Nursery, run: Callable[..., Awaitable[None]]) -> None:
+    """Start a service that shields its own lifetime (it ends by its ``stop()``), and wait
+    until it is ready. Not ``nursery.start``: from a caller cancelled meanwhile (a SIGTERM
+    while the model loads), trio leaves a task that calls ``started()`` where it is, under
+    the caller, and the caller then waits for it forever, since its ``stop()`` comes after."""
+    ready = Started()
+    nursery.start_soon(partial(run, task_status=ready))
+    await ready.event.wait()
+
+
 async def start_owned(
     nursery: trio.Nursery,
     name: str,
@@ -39,19 +65,12 @@ async def start_owned(
     handle = OwnedTask(name)
 
     async def runner(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
-        started = False
-
-        class _Status:
-            def started(self, value: Any = None) -> None:
-                nonlocal started
-                started = True
-                task_status.started(value)
-
+        status = Started(task_status.started)
         try:
             with handle.scope:
-                await fn(_Status(), *args)
+                await fn(status, *args)
         except Exception:
-            if not started:
+            if not status.event.is_set():
                 raise
             log.exception("background task %s failed", name)
         finally:

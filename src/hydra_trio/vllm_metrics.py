@@ -33,8 +33,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .logs import kv_cache_usage, requests_running
-
 if TYPE_CHECKING:
     from .engine.engine import Engine, GenerationResult
 
@@ -113,27 +111,24 @@ class VllmCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
+        stats = engine.stats()
         labels = ["engine", "model_name"]
         model = ["0", engine.identity.model_alias]
         families: list[Metric] = []
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", requests_running(engine)),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.slots.waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage(engine)),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(model, value)
-            families.append(g)
         p = self.prefix
-        for name, doc, value in (
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", p.queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", p.hits),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", p.prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", p.generation_tokens),
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for family, name, doc, value in (
+            (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.", stats.slots_busy),
+            (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.requests_waiting),
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", p.queries),
+            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", p.hits),
+            (counter, "vllm:prompt_tokens", "Number of prefill tokens processed.", p.prompt_tokens),
+            (counter, "vllm:generation_tokens", "Number of generation tokens processed.", p.generation_tokens),
         ):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(model, value)
-            families.append(c)
+            f = family(name, doc, labels=labels)
+            f.add_metric(model, value)
+            families.append(f)
         done = CounterMetricFamily(
             "vllm:request_success", "Count of successfully processed requests.", labels=[*labels, "finished_reason"]
         )

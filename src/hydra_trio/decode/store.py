@@ -95,6 +95,7 @@ class DecodeEntry:
     task: Any = None  # tasks.OwnedTask
     ended: trio.Event = field(default_factory=trio.Event)  # set once it left RUNNING
     _subscribers: list[Subscription] = field(default_factory=list)
+    _waiting: int = 0  # readers in wait_ended
 
     @property
     def running(self) -> bool:
@@ -102,8 +103,17 @@ class DecodeEntry:
 
     @property
     def reader_count(self) -> int:
-        """Readers subscribed to this entry's wake-ups (SSE streams, ``?wait`` readers)."""
-        return len(self._subscribers)
+        """Readers of this entry: subscribed to its wake-ups (SSE streams) or waiting for its
+        end (``?wait`` readers)."""
+        return len(self._subscribers) + self._waiting
+
+    async def wait_ended(self) -> None:
+        """Until the entry leaves RUNNING (``ended``), for as long as the caller's scope allows."""
+        self._waiting += 1
+        try:
+            await self.ended.wait()
+        finally:
+            self._waiting -= 1
 
     def subscribe(self) -> Subscription:
         """A reader's wake-ups (bounded, capacity 1): a message means "look again"; the

@@ -228,7 +228,7 @@ class Reconfigurer:
             # under steady traffic (new ones wait, or get BUSY "engine is reconfiguring").
             self._slots.frozen = True
             try:
-                busy = sum(s.busy for s in self._slots.slots)
+                busy = self._slots.n_busy
                 if busy:
                     log.info("staged %s: waiting for %d running request(s) to end", sorted(self._staged), busy)
                 while not self._slots.all_idle():

@@ -39,6 +39,7 @@ from .params import GenerationParams
 from .promptcache import PromptCache
 from .scheduler import SlotScheduler
 from .slots import Slot, SlotTable
+from .stats import EngineStats, SlotInfo
 from .templates import resolve_chat_template
 from .worker import CallTiming, GpuWorker
 
@@ -209,6 +210,35 @@ class Engine:
     @property
     def n_vocab(self) -> int:
         return self.backend.info.n_vocab
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics, logs and /health: no reader counts slots itself."""
+        slots, batcher, worker = self.slots, self.batcher, self.worker
+        return EngineStats(
+            slots=len(slots),
+            slots_busy=slots.n_busy,
+            requests_waiting=slots.waiting,
+            kv_cells_total=self.n_ctx,
+            kv_cells_used=self.backend.cells_in_use(),
+            kv_cells_running=sum(self.backend.n_past(s.id) for s in slots.slots if s.busy),
+            tokens_generated=self.tokens_generated,
+            prompt_tokens_processed=self.prompt_tokens_processed,
+            tokens_evaluated=self.tokens_evaluated,
+            step_batches=batcher.batches,
+            step_tokens=batcher.tokens,
+            step_prompt_tokens=batcher.prompt_tokens,
+            worker_busy_s=worker.busy_s,
+            worker_calls=worker.calls,
+            llama_decode_s=self.backend.decode_s,
+            model_load_s=self.model_load_ms / 1000.0,
+        )
+
+    def slot_info(self, slot_id: int) -> SlotInfo:
+        """The one description of a slot (/slots, STATE_META); NO_SLOT for an unknown id."""
+        slot = self.slots.get(slot_id)
+        return SlotInfo(
+            slot.id, slot.owner, slot.transferring, self.n_past(slot_id), self.n_ctx_slot, self.state_size(slot_id)
+        )
 
     def publish_kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> SlotBlocks:
         """From now on, every change of what the slots hold goes to ``publish`` as KV events,

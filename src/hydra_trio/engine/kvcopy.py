@@ -6,19 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-import xxhash
-
 from ..tasks import run_cpu_bound
+from ..wire.hashing import xxh3_tag_of
 
 Buffer = bytes | bytearray | memoryview
-
-
-def blob_hash(parts: list[Buffer]) -> str:
-    """The ``"xxh3:<hex>"`` tag of a blob sent as ``parts`` (hashed without joining them)."""
-    h = xxhash.xxh3_64()
-    for p in parts:
-        h.update(p)
-    return "xxh3:" + h.hexdigest()
 
 
 @dataclass(slots=True)
@@ -33,4 +24,4 @@ class KvCopy:
 
     async def kv_hash(self) -> str:
         """The blob's tag, hashed off the trio thread when it is large."""
-        return await run_cpu_bound(partial(blob_hash, self.parts), self.size)
+        return await run_cpu_bound(partial(xxh3_tag_of, self.parts), self.size)

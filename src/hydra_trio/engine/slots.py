@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
+from ..grants import FifoGrants
 from ..wire.errors import ErrorCode, ProtocolError
 
 
@@ -27,14 +27,6 @@ class Slot:
 Score = Callable[[int], tuple[int, ...]]
 
 
-@dataclass(eq=False)
-class _Waiter:
-    owner: str
-    score: Score
-    granted: trio.Event = field(default_factory=trio.Event)
-    slot: Slot | None = None
-
-
 class SlotTable:
     def __init__(self, n_slots: int) -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
@@ -43,12 +35,17 @@ class SlotTable:
         # Requests waiting in claim_any, first come first served: a freed slot goes to the
         # oldest (its own best pick), so a later request cannot overtake one that then
         # times out with 503.
-        self._waiters: deque[_Waiter] = deque()
+        self._line: FifoGrants[tuple[str, Score], Slot] = FifoGrants(self._take)
 
     @property
     def waiting(self) -> int:
         """Requests waiting for a free slot (vllm:num_requests_waiting)."""
-        return len(self._waiters)
+        return len(self._line)
+
+    @property
+    def n_busy(self) -> int:
+        """Slots claimed right now: the one count every reader gets (``Engine.stats``)."""
+        return sum(s.busy for s in self.slots)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -70,37 +67,18 @@ class SlotTable:
         """Claim the free slot with the highest score (the engine's slot-choice policy), the
         least recently used among equals, waiting in line (FIFO) for one for as long as the
         caller's scope allows."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if not self._waiters and (slot := self._best_free(score)) is not None:
-            slot.owner = owner
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return slot
-        waiter = _Waiter(owner, score)
-        self._waiters.append(waiter)
-        try:
-            await waiter.granted.wait()
-        except BaseException:
-            if waiter.slot is not None:  # granted in the same tick as the cancellation
-                self.release(waiter.slot)
-            else:
-                self._waiters.remove(waiter)
-            raise
-        assert waiter.slot is not None
-        return waiter.slot
+        return await self._line.acquire((owner, score))
 
-    def _best_free(self, score: Score) -> Slot | None:
+    def _take(self, request: tuple[str, Score]) -> Slot | None:
+        owner, score = request
         if self.frozen:
             return None
         free = [s for s in self.slots if not s.busy]
-        return max(free, key=lambda s: (score(s.id), -s.last_used)) if free else None
-
-    def _grant(self) -> None:
-        """Hand free slots to the waiters, oldest first."""
-        while self._waiters and (slot := self._best_free(self._waiters[0].score)) is not None:
-            waiter = self._waiters.popleft()
-            slot.owner = waiter.owner
-            waiter.slot = slot
-            waiter.granted.set()
+        if not free:
+            return None
+        slot = max(free, key=lambda s: (score(s.id), -s.last_used))
+        slot.owner = owner
+        return slot
 
     def release(self, slot: Slot) -> None:
         slot.owner = None
@@ -112,9 +90,9 @@ class SlotTable:
         await self._released.wait()
 
     def notify(self) -> None:
-        self._grant()
+        self._line.serve()
         self._released.set()
         self._released = trio.Event()
 
     def all_idle(self) -> bool:
-        return not any(s.busy for s in self.slots)
+        return self.n_busy == 0

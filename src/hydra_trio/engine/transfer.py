@@ -89,15 +89,8 @@ async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) ->
 
 
 def slot_meta(engine: Engine, slot_id: int) -> dict[str, Any]:
-    slot = engine.slots.get(slot_id)
-    return {
-        "slot_id": slot_id,
-        "n_past": engine.n_past(slot_id),
-        "state_size": engine.state_size(slot_id),
-        "is_processing": slot.busy,
-        "is_transferring": slot.transferring,
-        **engine.identity.fields(),
-    }
+    """STATE_META's reply: the slot's description (``Engine.slot_info``) and the model's."""
+    return {"slot_id": slot_id, **engine.slot_info(slot_id).fields(), **engine.identity.fields()}
 
 
 async def erase(engine: Engine, slot_id: int, owner: str) -> dict[str, Any]:

@@ -10,7 +10,6 @@ it closes the connection, which is all the prefill engine needs to let the bytes
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,10 +20,11 @@ import trio
 
 from ..buffers import payload_buffer
 from ..config import IPNetwork
+from ..rpc.reading import PeerClosed, read_reply_head, recv_exactly
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
-from ..wire.protocol import RESPONSE_HEADER, Op, encode_request, parse_response_header
+from ..wire.protocol import Op, encode_request
 from .shm import discard_export, map_export, shares_folder
 
 _MAX_META_BYTES = 1 << 20
@@ -57,15 +57,6 @@ class Pulled:
     # export's shared-memory file (transport "shm")
     blob: np.ndarray
     transport: str = "tcp"
-
-
-async def _read_exact(sock: trio.socket.SocketType, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        k = await sock.recv_into(view[got:], len(view) - got)
-        if k == 0:
-            raise network_failure("unreachable", f"prefill engine closed the connection after {got}/{len(view)} bytes")
-        got += k
 
 
 async def allowed_address(host: str, port: int, allow: Sequence[IPNetwork]) -> str:
@@ -105,16 +96,7 @@ async def pull_export(params: HandoffParams, *, allow: Sequence[IPNetwork], trac
             pull = encode_pull_request(params.export_id, shm=shm)
             request = encode_request(Op.KV_PULL, b"", pull, trace.encode()[:200])
             await stream.send_all(request)
-            head_buf = bytearray(RESPONSE_HEADER.size)
-            await _read_exact(sock, memoryview(head_buf))
-            head = parse_response_header(head_buf)
-            if head.meta_len > _MAX_META_BYTES:
-                raise network_failure("bad_reply", f"KV_PULL reply meta of {head.meta_len} bytes")
-            meta_buf = bytearray(head.meta_len)
-            await _read_exact(sock, memoryview(meta_buf))
-            meta = json.loads(meta_buf) if meta_buf else {}
-            if not isinstance(meta, dict):
-                raise network_failure("bad_reply", "KV_PULL reply meta is not an object")
+            head, meta = await read_reply_head(sock.recv_into, max_meta_bytes=_MAX_META_BYTES)
             if head.status != Status.OK:
                 code = str(meta.get("error_code", ""))
                 reason = "not_found" if code == ErrorCode.EXPORT_NOT_FOUND else "refused"
@@ -135,8 +117,14 @@ async def pull_export(params: HandoffParams, *, allow: Sequence[IPNetwork], trac
                         "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has {params.kv_bytes}"
                     )
                 blob = payload_buffer(head.payload_len)  # the one buffer the KV lives in until restored
-                await _read_exact(sock, memoryview(blob))
+                await recv_exactly(sock.recv_into, memoryview(blob))
                 transport = "tcp"
+        except PeerClosed as exc:
+            if exc.cause is None:
+                raise network_failure(
+                    "unreachable", f"prefill engine closed the connection after {exc.got}/{exc.n} bytes"
+                ) from None
+            raise network_failure("unreachable", f"KV_PULL from {params.host}:{params.port}: {exc.cause}") from None
         except (OSError, trio.BrokenResourceError) as exc:
             raise network_failure("unreachable", f"KV_PULL from {params.host}:{params.port}: {exc}") from None
         except (ValueError, ProtocolError) as exc:  # bad JSON, malformed header

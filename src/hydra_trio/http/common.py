@@ -14,6 +14,7 @@ from werkzeug.exceptions import HTTPException
 from ..engine.params import ParamError
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.jsontext import parse_json_object
 from .sse import error_body
 
 if TYPE_CHECKING:
@@ -168,16 +169,10 @@ async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[
 
     await receive_body(app_state().settings, take)
     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    try:
-        body = await run_cpu_bound(partial(json.loads, data), len(data))
-    except (ValueError, RecursionError) as exc:
-        # ValueError: besides JSONDecodeError and UnicodeDecodeError, an integer past
-        # Python's 4,300-digit conversion limit; RecursionError: arrays or objects nested
-        # past the parser's depth. Both are the client's (found by benchmarks/hostile.py).
-        raise HttpError(400, f"invalid JSON body: {exc}", "invalid_request_error") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "JSON body must be an object", "invalid_request_error")
-    return body
+    try:  # the RPC paths' rule (wire/jsontext.py); every refusal is the client's 400
+        return await run_cpu_bound(partial(parse_json_object, data, "JSON body"), len(data))
+    except ProtocolError as err:
+        raise HttpError(400, err.message, "invalid_request_error") from None
 
 
 class HttpError(Exception):

@@ -119,16 +119,8 @@ def _wait_param() -> float:
 
 
 async def _wait_finished(entry: DecodeEntry, wait_s: float) -> None:
-    sub = entry.subscribe()
-    try:
-        with trio.move_on_after(wait_s):
-            while entry.running:
-                try:
-                    await sub.wakeups.receive()
-                except trio.EndOfChannel:
-                    break
-    finally:
-        entry.unsubscribe(sub)
+    with trio.move_on_after(wait_s):  # the ?wait bound; then the reply says where it stands
+        await entry.wait_ended()
 
 
 def _failed(entry: DecodeEntry) -> Response:

@@ -13,6 +13,7 @@ from quart import Blueprint, Response
 
 from ..engine.engine import GenerationResult
 from ..engine.logprobs import TokenLogprobs
+from ..engine.stats import SlotInfo
 from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
@@ -41,15 +42,15 @@ def health_reply(state: AppState) -> tuple[int, dict[str, Any], dict[str, str]]:
         return 503, {"status": "starting", "detail": state.startup_phase}, {}
     if state.draining:  # load balancers take the engine out; running requests finish
         return 503, {"status": "draining", "in_flight": state.in_flight()}, {"Retry-After": "1"}
-    busy = sum(1 for s in engine.slots.slots if s.busy)
+    stats = engine.stats()
     return (
         200,
         {
             "status": "ok",
             "model": engine.identity.model_alias,
             "model_name": engine.identity.model_name,
-            "slots_idle": len(engine.slots) - busy,
-            "slots_processing": busy,
+            "slots_idle": stats.slots_idle,
+            "slots_processing": stats.slots_busy,
         },
         {},
     )
@@ -91,20 +92,17 @@ async def models() -> Response:
 @bp.get("/slots")
 async def slots() -> Response:
     engine = require_engine()
-    return json_response([slot_view(engine, s.id) for s in engine.slots.slots])
+    return json_response([slot_view(engine.slot_info(i)) for i in range(engine.stats().slots)])
 
 
-def slot_view(engine: Any, slot_id: int) -> dict[str, Any]:
-    slot = engine.slots.get(slot_id)
+def slot_view(info: SlotInfo) -> dict[str, Any]:
+    """A slot in llama-server's /slots names (the description is ``Engine.slot_info``)."""
     return {
-        "id": slot.id,
-        "id_slot": slot.id,
-        "is_processing": slot.busy,
-        "is_transferring": slot.transferring,
-        "owner": slot.owner,
-        "n_past": engine.n_past(slot.id),
-        "n_ctx": engine.n_ctx_slot,  # what this slot can hold (llama-server's meaning)
-        "state_size": engine.state_size(slot.id),
+        "id": info.id,
+        "id_slot": info.id,
+        **info.fields(),
+        "owner": info.owner,
+        "n_ctx": info.n_ctx,  # what this slot can hold (llama-server's meaning)
     }
 
 

@@ -15,7 +15,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
-from ..tasks import leaves
+from ..tasks import Started, leaves
 from . import connections
 from .auth import install_auth
 from .common import client_request_id, json_response, register_error_handlers, set_request_nursery
@@ -195,13 +195,10 @@ async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = tri
     connections.attach(config, state, lambda: health_reply(state), file_limit)
     app = create_app(state)
 
-    class _Status:
-        def started(self, binds: list[str]) -> None:
-            port = int(binds[0].rsplit(":", 1)[1])
-            task_status.started(port)
-
+    # Hypercorn reports its binds ("host:port"); our caller wants the port.
+    status = Started(lambda binds: task_status.started(int(binds[0].rsplit(":", 1)[1])))
     try:
-        await serve(app, config, task_status=_Status(), mode="asgi")  # type: ignore[arg-type]
+        await serve(app, config, task_status=status, mode="asgi")  # type: ignore[arg-type]
     except BaseException as exc:
         found = leaves(exc)
         if len(found) == 1 and isinstance(found[0], OSError):  # e.g. the port is taken

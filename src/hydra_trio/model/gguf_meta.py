@@ -22,6 +22,8 @@ import gguf
 import numpy as np
 import xxhash
 
+from ..wire.hashing import format_tag
+
 _VT = gguf.GGUFValueType
 _SCALAR_FORMATS: dict[int, str] = {
     _VT.UINT8: "B",
@@ -210,7 +212,7 @@ def tokenizer_digest(meta: GgufMeta) -> str:
     else:
         h.update(b"\x01" + types.count.to_bytes(8, "little"))
         h.update(meta.int_array(types).astype("<i4").tobytes())
-    return f"xxh3:{h.intdigest():016x}"
+    return format_tag(h.intdigest())
 
 
 def _file_type_name(value: int) -> str:

@@ -16,7 +16,8 @@ import trio
 
 from ..wire.errors import Status
 from ..wire.frames import encode_decode_frame_v3
-from ..wire.protocol import RESPONSE_HEADER, Op, encode_request_header, parse_response_header
+from ..wire.protocol import Op, encode_request_header
+from .reading import PeerClosed, RecvInto, read_reply_head, recv_bytes, run_blocking
 
 Buffer = bytes | bytearray | memoryview
 
@@ -135,6 +136,19 @@ def _request_bytes(call: Call, trace: bytes) -> list[Buffer]:
     return [head, call.key, trace, *call.payload]
 
 
+async def _read_response(recv_into: RecvInto) -> RpcResponse:
+    """A call's reply, both clients': header and meta (reading.read_reply_head), then the
+    payload. A socket error propagates as itself; a close is RpcConnectionClosed."""
+    try:
+        head, meta = await read_reply_head(recv_into)
+        payload = await recv_bytes(recv_into, head.payload_len)
+    except PeerClosed as exc:
+        if exc.cause is not None:
+            raise exc.cause from None
+        raise RpcConnectionClosed(f"server closed the connection after {exc.got}/{exc.n} bytes") from None
+    return RpcResponse(head.status, meta, payload)
+
+
 def _finish(resp: RpcResponse, check: bool) -> RpcResponse:
     if check and not resp.ok:
         raise RpcError(resp.status, resp.meta)
@@ -218,23 +232,8 @@ class RpcClient(_Methods):
     async def read_response(self) -> RpcResponse:
         return await self._read_response()
 
-    async def _read_exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        sock = self._stream.socket
-        while got < n:
-            k = await sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise RpcConnectionClosed(f"server closed the connection after {got}/{n} bytes")
-            got += k
-        return buf
-
     async def _read_response(self) -> RpcResponse:
-        head = parse_response_header(await self._read_exact(RESPONSE_HEADER.size))
-        meta = json.loads(await self._read_exact(head.meta_len)) if head.meta_len else {}
-        payload = await self._read_exact(head.payload_len)
-        return RpcResponse(head.status, meta, payload)
+        return await _read_response(self._stream.socket.recv_into)
 
 
 class SyncRpcClient(_Methods):
@@ -263,22 +262,12 @@ class SyncRpcClient(_Methods):
             for part in _request_bytes(call, t):
                 if len(part):
                     self._sock.sendall(part)
-            head = parse_response_header(self._read_exact(RESPONSE_HEADER.size))
-            meta = json.loads(self._read_exact(head.meta_len)) if head.meta_len else {}
-            resp = RpcResponse(head.status, meta, self._read_exact(head.payload_len))
+            resp = run_blocking(_read_response(self._recv_into))
         except BaseException as exc:  # a socket timeout, Ctrl-C, a bad reply: same hazard as above
             self._broken = _interrupted(exc)
             self._sock.close()
             raise
         return _finish(resp, check)
 
-    def _read_exact(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self._sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise RpcConnectionClosed(f"server closed the connection after {got}/{n} bytes")
-            got += k
-        return buf
+    async def _recv_into(self, view: memoryview, n: int) -> int:
+        return self._sock.recv_into(view, n)  # blocks, never suspends: for run_blocking

@@ -1,4 +1,5 @@
-"""Exact-length reads into preallocated buffers on a trio socket (peer.py watches the peer)."""
+"""Exact-length reads into preallocated buffers on a trio socket (reading.py reads, peer.py
+watches the peer)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ import xxhash
 
 from ..buffers import payload_buffer
 from ..tasks import raise_single
+from .reading import recv_exactly
 
 Buffer = bytes | bytearray | memoryview
-
-
-class PeerClosed(Exception):
-    """The peer closed the connection (or it broke) in the middle of a read."""
 
 
 class Connection:
@@ -30,22 +28,9 @@ class Connection:
         self.idle_timeout_s = idle_timeout_s
 
     async def read_into(self, view: memoryview, on_progress: Callable[[int], None] | None = None) -> None:
-        """Fill ``view``. A peer silent for idle_timeout_s mid-read raises trio.TooSlowError
-        (a large payload may take long; a stalled one may not). ``on_progress(got)`` is called
-        after every receive with the bytes of ``view`` filled so far."""
-        got = 0
-        n = len(view)
-        while got < n:
-            try:
-                with trio.fail_after(self.idle_timeout_s):
-                    k = await self.sock.recv_into(view[got:], n - got)
-            except OSError as exc:
-                raise PeerClosed(f"connection error after {got}/{n} bytes: {exc}") from None
-            if k == 0:
-                raise PeerClosed(f"peer closed after {got}/{n} bytes")
-            got += k
-            if on_progress is not None:
-                on_progress(got)
+        """Fill ``view`` (reading.recv_exactly): PeerClosed when the peer leaves mid-read,
+        trio.TooSlowError when it is silent for idle_timeout_s."""
+        await recv_exactly(self.sock.recv_into, view, idle_timeout_s=self.idle_timeout_s, on_progress=on_progress)
 
     async def read_payload_hashing(self, n: int, span_of: SpanOf) -> tuple[np.ndarray, int | None]:
         """Read ``n`` bytes like ``read_payload``, and hash one span of them as it arrives.

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from . import sampling
 from .errors import ErrorCode, ProtocolError
 from .hashing import check_tag, format_tag, parse_tag, xxh3_64, xxh3_tag
+from .jsontext import parse_json, parse_json_object
 
 Buffer = bytes | bytearray | memoryview
 
@@ -69,30 +70,6 @@ def _byte_view(data: Buffer) -> memoryview:
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")  # TypeError for a non-contiguous buffer: a caller bug, not bytes
     return view
-
-
-def _reject_constant(name: str) -> Any:
-    # json accepts NaN/Infinity by default; they are not JSON and could not be re-encoded.
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _loads(data: memoryview, what: str) -> Any:
-    """Strict JSON (UTF-8, no NaN/Infinity). Every failure is BAD_JSON."""
-    try:
-        return json.loads(str(data, "utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        # ValueError covers bad UTF-8, bad syntax and the int-digits limit; RecursionError is
-        # deeply nested input. Neither may escape as anything but a refusal.
-        raise ProtocolError(ErrorCode.BAD_JSON, f"{what}: invalid JSON: {exc}") from None
-
-
-def _loads_object(data: memoryview, what: str) -> dict[str, Any]:
-    value = _loads(data, what)
-    if not isinstance(value, dict):
-        raise ProtocolError(
-            ErrorCode.BAD_JSON, f"{what}: expected a JSON object, got {type(value).__name__}"
-        )
-    return value
 
 
 def _as_request(value: Any, what: str, *, allow_str: bool) -> dict[str, Any]:
@@ -207,7 +184,7 @@ def v3_kv_span(head: Buffer, payload_len: int, *, max_header_bytes: int = DEFAUL
     if xxh3_64(header_bytes) != _U64.unpack_from(view, 4)[0]:
         return None
     try:
-        header = _loads_object(header_bytes, "decode header")
+        header = parse_json_object(header_bytes, "decode header")
         segments = _segment_table(header.get("segments"), payload_len - header_end)
         k_off, k_len, k_tag = segments.get("kv", (0, 0, None))
         if not k_len or parse_tag(k_tag) is None:
@@ -230,7 +207,7 @@ def _parse_simple(view: memoryview, json_len: int, *, max_kv_bytes: int) -> Deco
     kv = view[json_end:]
     if len(kv) > max_kv_bytes:
         raise _too_large(f"kv blob is {len(kv)} bytes, cap is {max_kv_bytes}")
-    header = _loads_object(view[4:json_end], "decode header")
+    header = parse_json_object(view[4:json_end], "decode header")
     request = _as_request(header.get("prompt"), "decode header prompt", allow_str=True)
     return DecodeFrame("simple", header, request, kv, None)
 
@@ -280,7 +257,7 @@ def _parse_v3(
     max_kv_bytes: int,
     kv_digest: int | None = None,
 ) -> DecodeFrame:
-    header = _loads_object(header_bytes, "decode header")
+    header = parse_json_object(header_bytes, "decode header")
     version = header.get("v")
     if type(version) is not int or version != 3:
         raise _bad(f'header "v" must be 3, got {_show(version)}')
@@ -298,7 +275,7 @@ def _parse_v3(
     check_tag(kv, k_tag, "decode frame: kv segment", digest=kv_digest)
     request: dict[str, Any] = {}
     if p_len:
-        request = _as_request(_loads(prompt, "prompt segment"), "prompt segment", allow_str=False)
+        request = _as_request(parse_json(prompt, "prompt segment"), "prompt segment", allow_str=False)
     kv_tag = parse_tag(k_tag)
     return DecodeFrame("v3", header, request, kv, None if kv_tag is None else format_tag(kv_tag))
 

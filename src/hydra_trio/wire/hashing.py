@@ -6,6 +6,8 @@ place: a multi-GB KV view is never copied to be hashed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import xxhash
 
 from .errors import ErrorCode, ProtocolError
@@ -31,6 +33,15 @@ def xxh3_tag(data: Buffer) -> str:
     return format_tag(xxh3_64(data))
 
 
+def xxh3_tag_of(parts: Iterable[Buffer]) -> str:
+    """The tag of the parts' concatenation, hashed part by part (a blob kept as head and
+    state is never joined to be hashed)."""
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return format_tag(h.intdigest())
+
+
 def parse_tag(tag: object, what: str = "hash") -> int | None:
     """The integer a tag names; None for ``""``/None (= not checked).
 
@@ -47,7 +58,7 @@ def parse_tag(tag: object, what: str = "hash") -> int | None:
     ):
         shown = tag[:40] if isinstance(tag, str) else type(tag).__name__
         raise ProtocolError(
-            ErrorCode.BAD_FRAME, f"{what}: malformed hash {shown!r} (expected 'xxh3:<16 hex>')"
+            ErrorCode.BAD_FRAME, f"{what}: malformed hash {shown!r} (expected '{TAG_PREFIX}<16 hex>')"
         )
     return int(tag[len(TAG_PREFIX) :], 16)
 
@@ -69,4 +80,4 @@ def check_tag(data: Buffer, tag: object, what: str, *, digest: int | None = None
         )
 
 
-__all__ = ["TAG_PREFIX", "check_tag", "format_tag", "parse_tag", "xxh3_64", "xxh3_tag"]
+__all__ = ["TAG_PREFIX", "check_tag", "format_tag", "parse_tag", "xxh3_64", "xxh3_tag", "xxh3_tag_of"]

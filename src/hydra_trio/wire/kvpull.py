@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ErrorCode, ProtocolError
-from .hashing import parse_tag, xxh3_64
+from .hashing import format_tag, parse_tag, xxh3_64
+from .jsontext import parse_json_object
 
 Buffer = bytes | bytearray | memoryview
 
@@ -84,12 +85,7 @@ def parse_pull_request(payload: Buffer) -> tuple[str, bool]:
     BAD_JSON / BAD_FRAME otherwise."""
     if len(payload) > KV_PULL_MAX_REQUEST_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"KV_PULL payload of {len(payload)} bytes exceeds {KV_PULL_MAX_REQUEST_BYTES}")
-    try:
-        body = json.loads(str(payload, "utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise ProtocolError(ErrorCode.BAD_JSON, f"KV_PULL: invalid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError(ErrorCode.BAD_JSON, f"KV_PULL: expected a JSON object, got {type(body).__name__}")
+    body = parse_json_object(payload, "KV_PULL")
     return check_export_id(body.get("export_id")), body.get("shm") is True
 
 
@@ -225,7 +221,7 @@ def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer
     expected = parse_tag(params.kv_hash, "kv_hash")
     actual = xxh3_64(payload)
     if actual != expected or str(meta.get("kv_hash", "")).lower() != params.kv_hash:
-        raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got xxh3:{actual:016x})")
+        raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got {format_tag(actual)})")
 
 
 __all__ = [

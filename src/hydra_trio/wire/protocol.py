@@ -9,6 +9,7 @@ from enum import IntEnum
 from typing import Any
 
 from .errors import BadMagic, ErrorCode, ProtocolError, Status
+from .jsontext import parse_json_object
 
 MAGIC = 0x4859
 REQUEST_HEADER = struct.Struct("<HBBHQH")  # magic, op, flags, key_len, payload_len, trace_len
@@ -113,15 +114,8 @@ def parse_slot_key(key: bytes, *, empty_means_zero: bool = False) -> int:
 
 
 def decode_json_object(payload: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
-    """Parse a JSON object payload; anything else is BAD_JSON."""
-    try:
-        # str() of the buffer is the one copy json needs (bytes() then decode would be two).
-        value = json.loads(str(payload, "utf-8") if len(payload) else "{}")
-    except (ValueError, RecursionError) as exc:  # also bad UTF-8, the int-digits limit, deep nesting
-        raise ProtocolError(ErrorCode.BAD_JSON, f"{what}: invalid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ProtocolError(ErrorCode.BAD_JSON, f"{what}: expected a JSON object, got {type(value).__name__}")
-    return value
+    """An op's JSON object payload (``parse_json_object``'s rule); an empty payload is ``{}``."""
+    return parse_json_object(payload, what) if len(payload) else {}
 
 
 __all__ = [

@@ -1,0 +1,89 @@
+"""The one exact-length read and the one reply reader of the RPC, for every side: the
+engine's connections (connection.py), the clients (client.py, its blocking twin too) and the
+KV_PULL puller (kvpull.py).
+
+Both are written once as coroutines over a ``recv_into(view, nbytes) -> int`` callable: a
+trio socket's, or a blocking socket's wrapped in a coroutine that never suspends, which
+``run_blocking`` runs to its end without an event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import trio
+
+from ..wire.errors import ErrorCode, ProtocolError
+from ..wire.jsontext import parse_json_object
+from ..wire.protocol import RESPONSE_HEADER, ResponseHeader, parse_response_header
+
+T = TypeVar("T")
+RecvInto = Callable[[memoryview, int], Awaitable[int]]
+
+
+class PeerClosed(Exception):
+    """The peer closed the connection (or it broke) in the middle of a read. ``cause``: the
+    socket's error, when it broke (None: an orderly close)."""
+
+    def __init__(self, message: str, *, got: int = 0, n: int = 0, cause: OSError | None = None) -> None:
+        super().__init__(message)
+        self.got, self.n = got, n  # bytes of the read received, and wanted
+        self.cause = cause
+
+
+async def recv_exactly(
+    recv_into: RecvInto,
+    view: memoryview,
+    *,
+    idle_timeout_s: float | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> None:
+    """Fill ``view``, or raise PeerClosed. With ``idle_timeout_s``, a peer silent that long
+    mid-read raises trio.TooSlowError (a large payload may take long; a stalled one may not).
+    ``on_progress(got)`` is called after every receive with the bytes of ``view`` filled so far."""
+    got = 0
+    n = len(view)
+    while got < n:
+        try:
+            if idle_timeout_s is None:
+                k = await recv_into(view[got:], n - got)
+            else:
+                with trio.fail_after(idle_timeout_s):
+                    k = await recv_into(view[got:], n - got)
+        except OSError as exc:
+            raise PeerClosed(f"connection error after {got}/{n} bytes: {exc}", got=got, n=n, cause=exc) from None
+        if k == 0:
+            raise PeerClosed(f"peer closed after {got}/{n} bytes", got=got, n=n)
+        got += k
+        if on_progress is not None:
+            on_progress(got)
+
+
+async def recv_bytes(recv_into: RecvInto, n: int) -> bytearray:
+    buf = bytearray(n)
+    if n:
+        await recv_exactly(recv_into, memoryview(buf))
+    return buf
+
+
+async def read_reply_head(recv_into: RecvInto, *, max_meta_bytes: int | None = None) -> tuple[ResponseHeader, dict[str, Any]]:
+    """A reply's header and its meta (strict JSON, an object; ``{}`` when empty); the caller
+    reads its ``payload_len`` bytes of payload as it sees fit. BAD_FRAME for a malformed
+    header, TOO_LARGE for a meta over ``max_meta_bytes``, BAD_JSON for a bad meta."""
+    head = parse_response_header(await recv_bytes(recv_into, RESPONSE_HEADER.size))
+    if max_meta_bytes is not None and head.meta_len > max_meta_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"reply meta of {head.meta_len} bytes (at most {max_meta_bytes})")
+    meta = parse_json_object(await recv_bytes(recv_into, head.meta_len), "reply meta") if head.meta_len else {}
+    return head, meta
+
+
+def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine whose awaits never suspend (blocking calls inside ``async def``) to its
+    end, without an event loop: how the blocking client reuses the readers above."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("run_blocking: the coroutine suspended; it needs an event loop")

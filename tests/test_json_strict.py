@@ -1,0 +1,94 @@
+"""One JSON rule (wire/jsontext.py) on every path that parses JSON: HTTP bodies, RPC op
+payloads (CONFIGURE, PREFILL), DECODE frames and KV_PULL requests all refuse what is not
+strict JSON (NaN, Infinity, a number past a float's range, a byte-order mark, non-UTF-8),
+and the HTTP refusal is a well-formed OpenAI-style 400."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import assert_error, assert_server_healthy, http, rpc
+from hydra_trio.rpc.client import Call
+from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
+from hydra_trio.wire.frames import encode_v3_raw, parse_decode_frame
+from hydra_trio.wire.jsontext import parse_json, parse_json_object
+from hydra_trio.wire.kvpull import parse_pull_request
+from hydra_trio.wire.protocol import Op, decode_json_object
+
+# Each is what some JSON library would write, and none is JSON.
+NOT_JSON = [
+    b'{"temperature":NaN}',
+    b'{"temperature":Infinity}',
+    b'{"temperature":-Infinity}',
+    b'{"temperature":1e999}',
+    b'{"temperature":-1E400}',
+    b'\xef\xbb\xbf{"temperature":1}',  # a UTF-8 byte-order mark
+    '{"temperature":1}'.encode("utf-16"),
+    b'{"x":"\xff"}',
+]
+
+
+def _refused(parse: Any, data: bytes) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        parse(data)
+    assert info.value.code is ErrorCode.BAD_JSON, info.value
+    return info.value
+
+
+@pytest.mark.parametrize("data", NOT_JSON)
+def test_one_rule_on_every_wire_path(data: bytes) -> None:
+    _refused(lambda d: parse_json_object(d, "body"), data)
+    _refused(lambda d: decode_json_object(d, "CONFIGURE"), data)  # RPC op payloads
+    _refused(parse_decode_frame, encode_v3_raw(data, b""))  # a DECODE header
+    _refused(parse_pull_request, data)  # KV_PULL
+    # A DECODE prompt segment (any JSON value, not just an object).
+    table = {"v": 3, "segments": [{"id": "prompt", "offset": 0, "len": len(data), "hash": ""}]}
+    _refused(parse_decode_frame, encode_v3_raw(json.dumps(table).encode(), data))
+
+
+@pytest.mark.parametrize(
+    ("data", "value"),
+    [
+        (b'{"t":1.7976931348623157e308}', {"t": 1.7976931348623157e308}),
+        (b'{"t":-0.0,"u":1e-400}', {"t": -0.0, "u": 0.0}),  # underflow is a finite 0
+        (b'{"t":"NaN","i":' + b"9" * 400 + b"}", {"t": "NaN", "i": int("9" * 400)}),
+        ('{"é":"\\ud800"}'.encode(), {"é": "\ud800"}),  # an escaped lone surrogate is JSON
+    ],
+)
+def test_finite_json_is_kept(data: bytes, value: Any) -> None:
+    assert parse_json_object(data, "body") == value
+    assert parse_json(memoryview(data), "body") == value
+
+
+def test_not_an_object() -> None:
+    for data in (b"[]", b"1", b'"x"', b"null"):
+        assert "expected a JSON object" in _refused(lambda d: parse_json_object(d, "body"), data).message
+    assert decode_json_object(b"", "CONFIGURE") == {}  # an empty op payload is {}
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+async def test_http_refuses_with_a_json_400(start_engine: Any, tiny_model: Path, route: str) -> None:
+    ep = await start_engine(tiny_model, log_level="WARNING")
+    async with http(ep) as h:
+        for data in NOT_JSON:
+            r = await h.post(route, content=data, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (data, r.text)
+            error = r.json()["error"]  # the reply itself is strict JSON
+            assert error["type"] == "invalid_request_error" and "JSON body" in error["message"], error
+        ok = await h.post("/tokenize", json={"content": "hi", "with_pieces": False})
+        assert ok.status_code == 200
+    await assert_server_healthy(ep)
+
+
+async def test_rpc_refuses_as_bad_json(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, log_level="WARNING")
+    async with await rpc(ep) as c:
+        for op in (Op.CONFIGURE, Op.PREFILL):
+            resp = await c.call(Call(op, b"0", [b'{"messages":[{"role":"user","content":"hi"}],"temperature":NaN}']), check=False)
+            assert_error(resp, Status.ERROR, "BAD_JSON")
+        assert (await c.info()).ok
+    await assert_server_healthy(ep)

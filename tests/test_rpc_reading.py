@@ -1,0 +1,54 @@
+"""rpc/reading.py: the one exact-length read and reply reader, driven as the blocking client
+drives them (run_blocking, no event loop)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydra_trio.rpc.reading import PeerClosed, RecvInto, read_reply_head, recv_bytes, run_blocking
+from hydra_trio.wire.errors import ErrorCode, ProtocolError
+from hydra_trio.wire.protocol import encode_response, encode_response_header
+
+
+def _feed(data: bytes, step: int = 3) -> RecvInto:
+    """A recv_into that hands out ``data`` a few bytes at a time, then EOF."""
+    pos = 0
+
+    async def recv_into(view: memoryview, n: int) -> int:
+        nonlocal pos
+        k = min(n, step, len(data) - pos)
+        view[:k] = data[pos : pos + k]
+        pos += k
+        return k
+
+    return recv_into
+
+
+def test_a_reply_read_in_pieces() -> None:
+    recv = _feed(encode_response(0, {"n_past": 3}, 7) + b"payload")
+    head, meta = run_blocking(read_reply_head(recv))
+    assert meta == {"n_past": 3} and head.payload_len == 7
+    assert run_blocking(recv_bytes(recv, head.payload_len)) == b"payload"
+
+
+def test_a_close_mid_read_says_how_far_it_got() -> None:
+    with pytest.raises(PeerClosed) as info:
+        run_blocking(recv_bytes(_feed(b"abcde"), 8))
+    assert (info.value.got, info.value.n, info.value.cause) == (5, 8, None)
+
+
+def _raw_reply(meta: bytes) -> bytes:
+    return encode_response_header(0, len(meta), 0) + meta
+
+
+@pytest.mark.parametrize(("meta", "code"), [(b"[1,2,3]", ErrorCode.BAD_JSON), (b'{"x":NaN}', ErrorCode.BAD_JSON)])
+def test_reply_meta_is_a_strict_json_object(meta: bytes, code: ErrorCode) -> None:
+    with pytest.raises(ProtocolError) as info:
+        run_blocking(read_reply_head(_feed(_raw_reply(meta))))
+    assert info.value.code is code
+
+
+def test_reply_meta_is_capped() -> None:
+    with pytest.raises(ProtocolError) as info:
+        run_blocking(read_reply_head(_feed(_raw_reply(b'{"x":1}')), max_meta_bytes=2))
+    assert info.value.code is ErrorCode.TOO_LARGE
