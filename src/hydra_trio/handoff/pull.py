@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from ..buffers import payload_buffer
 from ..config import IPNetwork
-from ..rpc.reading import PeerClosed, read_reply_head, recv_exactly
+from ..receive import PeerClosed, payload_buffer, read_reply_head, recv_exactly
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request

@@ -9,9 +9,9 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from ..buffers import payload_buffer
 from ..config import Settings
 from ..engine import transfer
+from ..receive import payload_buffer
 from .common import (
     HttpError,
     app_state,

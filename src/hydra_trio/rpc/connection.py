@@ -1,4 +1,4 @@
-"""Exact-length reads into preallocated buffers on a trio socket (reading.py reads, peer.py
+"""Exact-length reads into preallocated buffers on a trio socket (receive.py reads, peer.py
 watches the peer)."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import numpy as np
 import trio
 import xxhash
 
-from ..buffers import payload_buffer
+from ..receive import payload_buffer, recv_exactly
 from ..tasks import raise_single
-from .reading import recv_exactly
 
 Buffer = bytes | bytearray | memoryview
 

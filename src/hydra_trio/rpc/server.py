@@ -19,13 +19,13 @@ import trio
 
 from ..budget import ByteBudget
 from ..config import Settings, is_loopback
+from ..receive import PeerClosed
 from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
 from . import peer
 from .connection import Connection
 from .ops import OpContext, OpSpec, OpTable, Reply
-from .reading import PeerClosed
 
 if TYPE_CHECKING:
     from ..state import AppState

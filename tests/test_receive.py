@@ -1,11 +1,11 @@
-"""rpc/reading.py: the one exact-length read and reply reader, driven as the blocking client
+"""receive.py: the one exact-length read and reply reader, driven as the blocking client
 drives them (run_blocking, no event loop)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hydra_trio.rpc.reading import PeerClosed, RecvInto, read_reply_head, recv_bytes, run_blocking
+from hydra_trio.receive import PeerClosed, RecvInto, read_reply_head, recv_bytes, run_blocking
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 from hydra_trio.wire.protocol import encode_response, encode_response_header
 
