@@ -1,0 +1,93 @@
+"""docs/architecture.md's map held against the tree: every module listed (and nothing that
+is not there), llama_cpp imported only by engine/llama/, wire/ pure, and the import graph of
+the layers (folders and top-level modules) without a circle, so no import runs back up."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "src" / "hydra_trio"
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def modules() -> dict[str, Path]:
+    """Module path relative to the package (``engine/llama/context.py``) -> file."""
+    return {p.relative_to(PKG).as_posix(): p for p in sorted(PKG.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, as dotted names (relative imports resolved), also those
+    under ``if TYPE_CHECKING:`` (a circle of type hints is a circle too)."""
+    package = list(path.relative_to(PKG.parent).parts[:-1])  # the module's own package
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            out.add(name)
+            out.update(f"{name}.{alias.name}" for alias in node.names)  # from . import x
+    return out
+
+
+def unit(module: str) -> str | None:
+    """The layer a hydra_trio module belongs to: its top folder, or the top-level module."""
+    parts = module.split(".")
+    if parts[0] != "hydra_trio" or len(parts) < 2:
+        return None
+    return parts[1] + ("/" if (PKG / parts[1]).is_dir() else ".py")
+
+
+def test_the_module_map_lists_every_module_and_only_those() -> None:
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", DOC.read_text(encoding="utf-8"), flags=re.M))
+    tree = {m for m in modules() if not m.endswith("__init__.py")}
+    assert tree - listed == set(), f"modules missing from docs/architecture.md's map: {sorted(tree - listed)}"
+    assert listed - tree == set(), f"docs/architecture.md lists modules that are not there: {sorted(listed - tree)}"
+
+
+def test_only_engine_llama_imports_llama_cpp() -> None:
+    importers = {m for m, p in modules().items() if any(i == "llama_cpp" or i.startswith("llama_cpp.") for i in imports_of(p))}
+    assert importers and all(m.startswith("engine/llama/") for m in importers), sorted(importers)
+
+
+def test_wire_is_pure() -> None:
+    for m, p in modules().items():
+        if m.startswith("wire/"):
+            ours = {i for i in imports_of(p) if i.startswith("hydra_trio.")}
+            assert all(i.startswith("hydra_trio.wire") for i in ours), (m, ours)
+
+
+def test_the_layers_import_each_other_without_a_circle() -> None:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for m, p in modules().items():
+        src = unit("hydra_trio." + m.removesuffix(".py").replace("/", "."))
+        for i in imports_of(p):
+            dst = unit(i)
+            if src and dst and dst != src and (PKG / dst.rstrip("/")).exists():
+                edges[src].add(dst)
+    # Depth-first search for a back edge: any circle among the layers fails.
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("layers in a circle: " + " -> ".join([*path[path.index(nxt):], nxt]))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
