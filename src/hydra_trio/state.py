@@ -85,7 +85,7 @@ class AppState:
         while self.in_flight() is not None:
             with trio.move_on_after(0.1):
                 if self.engine is not None:
-                    await self.engine.slots.wait_released()
+                    await self.engine.wait_slot_released()
 
     def __post_init__(self) -> None:
         self.payload_budget = budget = ByteBudget(self.settings.max_inflight_bytes)

@@ -152,7 +152,7 @@ class DecodeManager:
         if not self._accepting or self._nursery is None:
             raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is draining for shutdown")
         engine = self.engine
-        engine.slots.get(slot_id)  # NO_SLOT
+        engine.check_slot(slot_id)
         request = sampling_keys.merge(engine.slot_settings.generation_defaults(slot_id), merged_generation(frame))
         params = engine.inputs.generation_params(request)
         try:

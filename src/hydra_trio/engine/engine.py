@@ -208,6 +208,29 @@ class Engine:
         return kv_layout(self.backend)
 
     @property
+    def n_slots(self) -> int:
+        return len(self.slots)
+
+    def check_slot(self, slot_id: int) -> None:
+        """Refuse a slot id this engine does not have (NO_SLOT)."""
+        self.slots.get(slot_id)
+
+    async def wait_slot_released(self) -> None:
+        """Until any slot is released (the drain watches the slots empty)."""
+        await self.slots.wait_released()
+
+    @property
+    def vocab(self) -> LlamaBackend:
+        """The served model's vocabulary: token pieces and text (``special_piece``,
+        ``token_bytes``, ``detokenize``), read without a llama call."""
+        return self.backend
+
+    @property
+    def kv_cache_layout(self) -> dict[str, Any]:
+        """K/V cache types and V transposition, as blobs made here carry them."""
+        return dict(self.backend.cache_layout)
+
+    @property
     def n_vocab(self) -> int:
         return self.backend.info.n_vocab
 

@@ -42,6 +42,6 @@ async def prefill_export(
         engine.release(slot)
     slot_held_ms = (time.perf_counter() - t_claim) * 1000.0
     identity = engine.identity.info_fields()
-    made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": dict(engine.backend.cache_layout)}
+    made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": engine.kv_cache_layout}
     export = await exports.put(copy.parts, copy.n_past, await copy.kv_hash(), made_by)
     return ExportedPrefill(res, slot.id, export, res.prompt_ms, copy_ms, slot_held_ms)

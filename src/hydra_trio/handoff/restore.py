@@ -66,7 +66,7 @@ class Handoff:
         match = compare_identity(engine.identity, params.identity, header_model=None)
         if not match.accepted:
             h._fail("identity_mismatch", f"export was made by another model: {match.reason}")
-        elif (why := cache_layout_mismatch(params.kv_cache, engine.backend.cache_layout)) is not None:
+        elif (why := cache_layout_mismatch(params.kv_cache, engine.kv_cache_layout)) is not None:
             h._fail("layout_mismatch", f"export's KV cache layout differs: {why}")
         return h
 

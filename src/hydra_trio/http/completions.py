@@ -66,7 +66,7 @@ async def completions() -> Response:
     cid = "cmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)
-    vocab = engine.backend if params.logprobs is not None else None
+    vocab = engine.vocab if params.logprobs is not None else None
 
     def render(slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
         lp = None if vocab is None else CompletionLogprobs(vocab).take(res.logprobs)

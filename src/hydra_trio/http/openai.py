@@ -116,7 +116,7 @@ async def chat_completions() -> Response:
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)
-    vocab = engine.backend if params.logprobs is not None else None
+    vocab = engine.vocab if params.logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
     plan = await kv_transfer.route(state, body, engine, tokens, params, partial(completion_body, cid, model, vocab=vocab))
     if isinstance(plan, Response):

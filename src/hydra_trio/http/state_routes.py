@@ -108,7 +108,7 @@ async def state_put(raw_id: str) -> Response:
     RPC payloads use; the upload is held back (hold_state_uploads) until it has that room."""
     engine = require_engine()
     slot_id = _slot_id(raw_id)
-    engine.slots.get(slot_id)
+    engine.check_slot(slot_id)
     state = app_state()
     settings = state.settings
     length = request.content_length

@@ -80,7 +80,7 @@ async def tokenize() -> Response:
 
     tokens = await engine.inputs.tokenize(content, add_special=add_special, parse_special=parse_special)
     if with_pieces:
-        piece = engine.backend.special_piece
+        piece = engine.vocab.special_piece
         return json_response({"tokens": [{"id": t, "piece": _piece_json(piece(t))} for t in tokens]})
     return json_response({"tokens": tokens})
 
@@ -102,7 +102,7 @@ async def detokenize() -> Response:
         raise bad_param(f"token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
     # Pieces from the table read at load: no llama call, no GPU worker. llama-server names
     # the text "content", vLLM "prompt": both, so either client reads its own.
-    text = engine.backend.detokenize(tokens)
+    text = engine.vocab.detokenize(tokens)
     return json_response({"content": text, "prompt": text})
 
 

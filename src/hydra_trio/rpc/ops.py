@@ -178,17 +178,17 @@ class OpTable:
 
     def _slot_exists(self, ctx: OpContext) -> None:
         ctx.slot_id = parse_slot_key(ctx.key)
-        self.engine.slots.get(ctx.slot_id)
+        self.engine.check_slot(ctx.slot_id)
 
     def _slot_free(self, ctx: OpContext) -> None:
         self._slot_exists(ctx)
-        slot = self.engine.slots.get(ctx.slot_id)
+        slot = self.engine.slot_info(ctx.slot_id)
         if slot.busy:
             raise ProtocolError(ErrorCode.SLOT_BUSY, f"slot {ctx.slot_id} is busy ({slot.owner})")
 
     def _slot_or_empty(self, ctx: OpContext) -> None:
         ctx.slot_id = parse_slot_key(ctx.key, empty_means_zero=True)
-        self.engine.slots.get(ctx.slot_id)
+        self.engine.check_slot(ctx.slot_id)
 
     def _empty_key(self, ctx: OpContext) -> None:
         if ctx.key:
@@ -248,7 +248,7 @@ class OpTable:
             "mode": "solo",
             "solo_active": True,
             "pipeline_capable": False,
-            "n_slots": len(engine.slots),
+            "n_slots": engine.n_slots,
             "n_ctx": engine.n_ctx,
             "n_vocab": engine.n_vocab,
             "preset_aliases": [engine.identity.model_alias],
