@@ -175,7 +175,7 @@ class DecodeManager:
             engine.release(slot)
             raise
         entry.task = task = OwnedTask(f"decode:{entry.id}")
-        entry.metrics["kv_bytes"] = len(frame.kv)
+        entry.metrics.kv_bytes = len(frame.kv)
         final, label = DecodeState.FAILED, None
         started: StartedDecode | None = None
         try:
@@ -239,8 +239,8 @@ class DecodeManager:
         match: IdentityMatch = compare_identity(
             resident, kv_meta, header_model=header_model if isinstance(header_model, str) else None
         )
-        entry.metrics["match"] = match.as_meta()
-        entry.metrics["validate_ms"] = (time.perf_counter() - t0) * 1000.0
+        entry.metrics.match = match.as_meta()
+        entry.metrics.validate_ms = (time.perf_counter() - t0) * 1000.0
         if not match.accepted:
             raise ProtocolError(
                 ErrorCode.CAP_MISMATCH,
@@ -256,30 +256,30 @@ class DecodeManager:
         t_restore = time.perf_counter()
         if blob is not None:
             await engine.state_restore(slot_id, blob, timing := CallTiming())
-            entry.metrics["queue_wait_ms"] = timing.queue_wait_s * 1000.0
-            self.metrics.restore_bytes.inc(entry.metrics["kv_bytes"])
+            entry.metrics.queue_wait_ms = timing.queue_wait_s * 1000.0
+            self.metrics.restore_bytes.inc(entry.metrics.kv_bytes)
         m = entry.metrics
-        m["restore_slot_ms"] = (time.perf_counter() - t_restore) * 1000.0
-        m["n_past_after_restore"] = engine.n_past(slot_id)
+        m.restore_slot_ms = (time.perf_counter() - t_restore) * 1000.0
+        m.n_past_after_restore = engine.n_past(slot_id)
         t3 = engine.t3_reloads
-        m["t3_reloaded"] = t3 != self._t3_seen
-        m["t3_reload_ms"] = engine.last_t3_reload_ms if t3 != self._t3_seen else 0.0
+        m.t3_reloaded = t3 != self._t3_seen
+        m.t3_reload_ms = engine.last_t3_reload_ms if t3 != self._t3_seen else 0.0
         self._t3_seen = t3
 
     def _started(self, entry: DecodeEntry, slot_id: int, t0: float) -> StartedDecode:
         m = entry.metrics
-        m["decode_init_ms"] = (time.perf_counter() - t0) * 1000.0 - m["restore_slot_ms"] - m["validate_ms"]
-        m["acked_at"] = time.perf_counter()
+        m.decode_init_ms = (time.perf_counter() - t0) * 1000.0 - m.restore_slot_ms - m.validate_ms
+        m.acked_at = time.perf_counter()
         entry.state = DecodeState.GENERATING
         entry.notify()
         meta = {
             "valid": True,
-            "match": m["match"],
+            "match": m.match,
             "decode_request_id": entry.id,
-            "n_past_after_restore": m["n_past_after_restore"],
-            "restore_slot_ms": round(m["restore_slot_ms"], 3),
-            "decode_init_ms": round(m["decode_init_ms"], 3),
-            "kv_bytes": m["kv_bytes"],
+            "n_past_after_restore": m.n_past_after_restore,
+            "restore_slot_ms": round(m.restore_slot_ms, 3),
+            "decode_init_ms": round(m.decode_init_ms, 3),
+            "kv_bytes": m.kv_bytes,
             "id_slot": slot_id,
         }
         return StartedDecode(meta, entry, self.store, self.metrics, t0)
@@ -300,7 +300,7 @@ class DecodeManager:
             entry.notify()
 
         await engine.generate(entry.slot_id, tokens, params, emit, result=res)
-        entry.metrics["n_past"] = engine.n_past(entry.slot_id)
+        entry.metrics.n_past = engine.n_past(entry.slot_id)
         return DecodeState.DONE
 
     @staticmethod
@@ -327,9 +327,9 @@ class DecodeManager:
         res: GenerationResult | None = entry.result
         if res is not None:
             self.metrics.record_generation("decode", res, aborted=final is DecodeState.CANCELLED)
-            acked = entry.metrics.get("acked_at")
+            acked = entry.metrics.acked_at
             if acked is not None and res.first_token_at is not None:
-                entry.metrics["ttft_ms"] = (res.first_token_at - acked) * 1000.0
+                entry.metrics.ttft_ms = (res.first_token_at - acked) * 1000.0
         self.store.finish(entry, final)
         self.metrics.decode_requests.labels(label or final.value).inc()
 

@@ -20,6 +20,25 @@ from ..wire.errors import ErrorCode, ProtocolError
 from ..writeturn import WriterTurn
 
 
+@dataclass(slots=True)
+class DecodeTimings:
+    """What one DECODE measured and found on its way (its ``hydra_metrics``, the reply's
+    meta, the request log line): filled in by decode/manager.py as it goes."""
+
+    kv_bytes: int = 0  # the kv segment's size
+    match: dict[str, Any] = field(default_factory=dict)  # the identity gate's answer
+    validate_ms: float = 0.0
+    queue_wait_ms: float = 0.0  # for the GPU worker, before the restore
+    restore_slot_ms: float = 0.0
+    n_past_after_restore: int = 0
+    t3_reloaded: bool = False  # a model reload happened since the previous DECODE
+    t3_reload_ms: float = 0.0
+    decode_init_ms: float = 0.0  # the rest of the time to the reply
+    acked_at: float | None = None  # perf_counter() when the reply was written
+    ttft_ms: float = 0.0  # reply -> first token
+    n_past: int | None = None  # what the slot held once the prompt was in
+
+
 class DecodeState(StrEnum):
     VALIDATING = "validating"
     RESTORING = "restoring"
@@ -91,7 +110,7 @@ class DecodeEntry:
     error: str = ""
     error_code: str = ""
     result: Any = None  # engine GenerationResult once generating
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: DecodeTimings = field(default_factory=lambda: DecodeTimings())
     task: Any = None  # tasks.OwnedTask
     ended: trio.Event = field(default_factory=trio.Event)  # set once it left RUNNING
     _subscribers: list[Subscription] = field(default_factory=list)
