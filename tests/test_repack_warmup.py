@@ -146,3 +146,21 @@ def test_gemma_q4_k_weights_are_repacked_only_when_asked(gemma_model: Path) -> N
             assert (backend.offload.repacked_mib > 0) is repack, backend.offload.summary()
         finally:
             backend.close()
+
+
+async def test_on_an_amx_cpu_the_engine_loads_without_repacking(
+    start_engine: Callable[..., Any], tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default an AMX machine gets (its /proc/cpuinfo flags, read where the backend
+    decides): no repacked weights reach llama.cpp, and /version says why."""
+    from hydra_trio.engine.llama import context
+
+    monkeypatch.setattr(context, "cpu_flags", lambda: frozenset(SAPPHIRE_RAPIDS_FLAGS.split()))
+    ep = await start_engine(tiny_model)
+    backend = ep.state.engine.backend
+    assert backend.model_params_applied["use_extra_bufts"] is False
+    async with http(ep) as h:
+        version = (await h.get("/version")).json()
+        r = await h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "temperature": 0})
+    assert version["repack"] is False and "AMX" in version["repack_reason"] and version["repacked_mib"] == 0.0
+    assert r.status_code == 200, r.text
