@@ -2,7 +2,7 @@
 
     python -m benchmarks.ceiling [--streams 1,16,64,128] [--tokens 220] [--rounds 2]
                                  [--with-llama-server | --llama-server PATH] [--profile]
-                                 [--burst N [--burst-streams 64]]
+                                 [--burst N [--burst-streams 64]] [--churn]
 
 The synthetic ``tiny`` model (0.6 MB) on one llama thread makes a step nearly free, so what
 is left is the server's own work per token: waking the request, detokenizing, framing SSE,
@@ -19,7 +19,10 @@ py-spy at the largest stream count and writes the top frames to the results fold
 the rate if the model's compute were the only cost, against llama-server's measured rate.
 ``--burst N`` adds N rounds of ``--burst-streams`` requests sent at once, 2 tokens each: the
 cost of a request rather than of a token (the burst's wall time, the median first token, the
-server's CPU per request).
+server's CPU per request). ``--churn`` runs, unmeasured before each round, ``--slots``
+streams of seeded random lengths, so the slots' last uses are in a scrambled order, as a day
+of requests of every length leaves them (the slot choice then decides whether a round's
+streams land on a run of slots or all over them: a split KV cache steps a gap apart).
 
 Timing goals live here, never in tests: the ratios printed are measured side by side in one run.
 """
@@ -209,6 +212,16 @@ def _read_streams(port: int, requests: list[bytes], n_tokens: int, t0: float, ti
     }
 
 
+def churn(port: int, n_streams: int, n_tokens: int, seed: int) -> None:
+    """Unmeasured: ``n_streams`` streams of lengths 1..``n_tokens`` (seeded), which end, and
+    free their slots, in a scrambled order."""
+    import random
+
+    rng = random.Random(seed)
+    reqs = [_request(port, f"churn{seed} {i} " + words_prompt(12, seed=50_000 + seed * 1000 + i), rng.randint(1, n_tokens)) for i in range(n_streams)]
+    _read_streams(port, reqs, n_tokens, time.perf_counter(), 600)
+
+
 def worker_busy_s(port: int) -> float:
     """hydra-trio's GPU-worker wall time so far (its /metrics counter): the worker's time per
     token against its step time says whether the worker or the trio thread sets the pace."""
@@ -343,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also N rounds of a request burst: --burst-streams streams of 2 tokens at once (the cost of a request, not of a token)")
     ap.add_argument("--burst-streams", type=int, default=64)
     ap.add_argument("--profile-gil", action="store_true", help="profile only the trio thread's Python (py-spy --gil: samples holding the GIL)")
+    ap.add_argument("--churn", action="store_true", help="before each round, --slots unmeasured streams of random lengths: the slots' last uses scrambled")
     ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process (after the servers)")
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
     args = ap.parse_args(argv)
@@ -366,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         both.append(("llama-server", peer.port, peer.proc.pid, None))
     try:
         for rnd in range(args.rounds):
+            if args.churn:
+                for _name, port, _pid, _tid in both:
+                    churn(port, args.slots, args.tokens, seed=rnd)
             for n in counts:
                 prompts = [f"{chr(97 + (i + rnd * 7) % 26)}{chr(97 + (i // 26) % 26)} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
                 servers = both if rnd % 2 == 0 else both[::-1]

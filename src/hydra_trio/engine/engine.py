@@ -54,7 +54,7 @@ class Engine:
         self.identity = identity
         self.settings = settings
         self.worker = GpuWorker()
-        self.slots = SlotTable(backend.n_slots)
+        self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified)
         self.inputs = Inputs(lambda: self.backend, self.worker, settings)
         self.model_load_ms = 0.0
         self.warmup_ms: float | None = None  # None: no warm-up ran (--no-warmup)

@@ -1,0 +1,87 @@
+"""Slot choice keeps the busy slots contiguous in a split KV cache.
+
+llama.cpp puts only consecutive sequence ids into one ubatch of a split cache, and each
+ubatch is a forward pass of its own: a step over busy slots 0, 2, 4, ... costs one pass per
+slot. With more slots configured than streams run, the least-recently-used choice scatters
+the streams over all of them, so a step's cost followed the configured slots. These count
+the runs of consecutive busy slots (the ubatches of a step), never time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hydra_trio.engine.slots import SlotTable
+
+
+def busy_runs(table: SlotTable) -> int:
+    """Runs of consecutive busy slots: the ubatches of a step over all of them (split KV)."""
+    slots = table.slots
+    return sum(s.busy and (s.id == 0 or not slots[s.id - 1].busy) for s in slots)
+
+
+def scattered(compact: bool, n_slots: int = 128) -> SlotTable:
+    """Every slot used once, their last uses in an order that spreads the oldest ones over
+    the whole table (as streams that ended at different times leave them)."""
+    table = SlotTable(n_slots, compact=compact)
+    held = [table.claim(i, "first wave") for i in range(n_slots)]
+    for rank, i in enumerate(sorted(range(n_slots), key=lambda i: (i * 37) % n_slots)):
+        table.release(held[i])
+        table.slots[i].last_used = float(rank)  # deterministic order, not the clock's
+    return table
+
+
+async def test_streams_fill_a_run_of_slots_not_the_least_recently_used_spread() -> None:
+    for compact, most_runs in ((True, 1), (False, 128)):
+        table = scattered(compact)
+        for k in range(64):
+            await table.claim_any(f"stream {k}", lambda _i: (0,))
+        assert sum(s.busy for s in table.slots) == 64
+        runs = busy_runs(table)
+        if compact:
+            assert runs == 1
+        else:  # the plain least-recently-used choice: the contrast this guards against
+            assert 10 < runs <= most_runs
+
+
+async def test_a_freed_slot_between_busy_ones_is_taken_first() -> None:
+    table = SlotTable(16, compact=True)
+    held = [table.claim(i, "stream") for i in range(8)]
+    for i in (2, 5):
+        table.release(held[i])
+    table.slots[2].last_used = table.slots[5].last_used = 1e9  # the most recently used
+    assert busy_runs(table) == 3
+    for k in range(2):
+        slot = await table.claim_any(f"new {k}", lambda _i: (0,))
+        assert slot.id in (2, 5)
+    assert busy_runs(table) == 1
+
+
+async def test_the_policy_score_still_comes_first() -> None:
+    """A slot whose KV the prompt continues (a higher score) wins over a gap to fill."""
+    table = SlotTable(8, compact=True)
+    held = [table.claim(i, "stream") for i in range(4)]
+    table.release(held[1])
+    slot = await table.claim_any("reuser", lambda i: (1 if i == 6 else 0,))
+    assert slot.id == 6
+
+
+async def test_a_split_cache_engine_packs_its_streams_a_unified_one_keeps_lru(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    for unified in (False, True):
+        ep = await start_engine(tiny_model, slots=8, ctx_size=8 * 256, kv_unified=unified)
+        eng = ep.state.engine
+        assert eng.slots.compact is not unified
+        first = [await eng.scheduler.claim_for_prompt([1, 2, 3 + i], f"a{i}") for i in range(8)]
+        for i in (1, 3, 5, 7, 0, 2, 4, 6):  # the oldest: every other slot
+            eng.release(first[i])
+        again = [await eng.scheduler.claim_for_prompt([1, 2, 20 + i], f"b{i}") for i in range(4)]
+        ids = sorted(s.id for s in again)
+        if unified:
+            assert ids == [1, 3, 5, 7]  # least recently used
+        else:
+            assert ids == [ids[0] + k for k in range(4)]  # one run: one ubatch a step
+        for s in again:
+            eng.release(s)
