@@ -459,7 +459,7 @@ class Engine:
         with, by generation's own rules (OutputProcessor: stop decision, text, counts);
         returns it as a completion, with the logits it came from (they travel with the KV)."""
         res = GenerationResult(prompt_tokens=len(tokens))
-        sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
+        sampler = Sampler(params.sampling, grammars=self.backend.grammars)  # built inside its first GPU-worker call
         one = replace(params, n_predict=1, logprobs=None)
         out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.token_bytes)
         t_start = time.perf_counter()
@@ -501,7 +501,7 @@ class Engine:
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
-        sampler = Sampler(params.sampling, logprobs=params.logprobs)  # built inside its first GPU-worker call
+        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
         out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.token_bytes)
         t_start = time.perf_counter()
         try:

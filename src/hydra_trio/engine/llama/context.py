@@ -32,6 +32,7 @@ from .devices import (
     repack_choice,
     repacked_mib,
 )
+from .grammar import GrammarCache
 from .log import captured, init_llama
 from .sampling import Sampler
 from .seqstate import type_name
@@ -91,6 +92,7 @@ class LlamaBackend(SlotStates):
         self.devices = read_ggml_devices()
         self.builtin_templates = builtin_chat_templates()
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.grammars = GrammarCache(self._vocab)  # compiled for this vocabulary (worker only)
         # Sliding-window attention (Gemma 2/3, ...): llama.cpp drops a sequence's SWA-layer
         # cells older than the window as it advances, so a slot cut back by more than one
         # position cannot be continued (the window before the cut is gone), and its state

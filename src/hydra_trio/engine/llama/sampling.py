@@ -15,6 +15,7 @@ import numpy as np
 
 from ..logprobs import TokenLogprobs, token_logprobs
 from ..params import SamplingParams
+from .grammar import GrammarCache
 
 # llama_token_data as numpy lays it out (id, logit, p), for llama_sampler_apply.
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)
@@ -33,12 +34,19 @@ class Sampler:
     the request reads entry i once its i-th token is back (the step's done event orders it).
     """
 
-    def __init__(self, params: SamplingParams, *, logprobs: int | None = None) -> None:
+    def __init__(self, params: SamplingParams, *, logprobs: int | None = None, grammars: GrammarCache | None = None) -> None:
         self.params = params
         self.logprobs = logprobs
         self.picked: list[TokenLogprobs] = []
         self.n_picked = 0  # tokens picked so far (on the worker): min_tokens counts them
         self._chain: ctypes.c_void_p | None = None
+        # With params.grammar: the request's own grammar state (cloned from the compiled
+        # grammar on first use), advanced by every token this sampler picks.
+        if params.grammar is not None and grammars is None:
+            raise ValueError("a grammar needs the model's GrammarCache")
+        self._grammars = grammars
+        self._grammar: ctypes.c_void_p | None = None
+        self._one = np.zeros(1, dtype=_TOKEN_DATA)  # the one-candidate grammar check's array
         self._closed = False
 
     def _build(self, n_vocab: int) -> ctypes.c_void_p:
@@ -96,10 +104,13 @@ class Sampler:
         A writable ``logits`` (a view of llama.cpp's buffer) may be edited in place by a ban;
         a read-only one (a blob's) is copied first. Log-probabilities are always those of the
         model's own logits, before any ban."""
-        raw = logits.copy() if self.logprobs is not None and self.bans_eog and logits.flags.writeable else logits
-        token = self._pick(logits, eog_ids)
+        if self.params.grammar is not None:
+            token, shown = self._pick_constrained(logits, eog_ids)
+        else:
+            shown = logits.copy() if self.logprobs is not None and self.bans_eog and logits.flags.writeable else logits
+            token = self._pick(logits, eog_ids)
         if self.logprobs is not None:
-            self.picked.append(token_logprobs(raw, token, self.logprobs))
+            self.picked.append(token_logprobs(shown, token, self.logprobs))
         self.n_picked += 1
         return token
 
@@ -114,18 +125,12 @@ class Sampler:
             logits[eog_ids] = -np.inf
         if self.is_argmax:
             return int(logits.argmax())
-        n_vocab = len(logits)
-        candidates = np.empty(n_vocab, dtype=_TOKEN_DATA)
-        candidates["id"] = np.arange(n_vocab, dtype=np.int32)
-        candidates["logit"] = logits
-        candidates["p"] = 0.0
-        cur = llama_cpp.llama_token_data_array(
-            data=candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
-            size=n_vocab,
-            selected=-1,
-            sorted=False,
-        )
-        chain = self.chain(n_vocab)
+        candidates, cur = _candidates(logits)
+        return self._run_chain(candidates, cur)
+
+    def _run_chain(self, candidates: np.ndarray, cur: llama_cpp.llama_token_data_array) -> int:
+        """The chain's pick from ``candidates`` (accepted by the chain: penalties' history)."""
+        chain = self.chain(len(candidates))
         llama_cpp.llama_sampler_apply(chain, ctypes.byref(cur))
         if not 0 <= cur.selected < cur.size:
             raise RuntimeError("sampler selected no token")
@@ -133,9 +138,103 @@ class Sampler:
         llama_cpp.llama_sampler_accept(chain, token)
         return token
 
+    # ---- constrained (a grammar) -------------------------------------------------------
+
+    def _grammar_state(self) -> ctypes.c_void_p:
+        if self._closed:
+            raise RuntimeError("sampler already closed")
+        if self._grammar is None:
+            assert self._grammars is not None and self.params.grammar is not None
+            self._grammar = self._grammars.new_state(self.params.grammar)
+        return self._grammar
+
+    def _allows(self, token: int) -> bool:
+        """Whether the grammar's state allows ``token`` next (one candidate through it)."""
+        one = self._one
+        one["id"], one["logit"] = token, 0.0
+        cur = llama_cpp.llama_token_data_array(
+            data=one.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=1, selected=-1, sorted=False
+        )
+        llama_cpp.llama_sampler_apply(self._grammar_state(), ctypes.byref(cur))
+        return bool(np.isfinite(one["logit"][0]))
+
+    def _pick_constrained(self, logits: np.ndarray, eog_ids: np.ndarray) -> tuple[int, np.ndarray]:
+        """The pick under the grammar, and the logits its log-probabilities are read from
+        (the constrained distribution: tokens the grammar refuses at -inf).
+
+        As llama-server: the unconstrained pick first, checked against the grammar with one
+        candidate; only when the grammar refuses it is the whole vocabulary run through the
+        grammar (greedy: the argmax of the allowed tokens; else the chain over them). The
+        result is the same as masking first (greedy: the first allowed argmax; sampling: a
+        refused draw redrawn from the allowed tokens is a draw from them), and a model
+        that follows the grammar pays one check a token. Log-probabilities need the mask,
+        so with them the whole vocabulary always goes through the grammar.
+
+        The grammar's end wins over an end-of-generation ban (ignore_eos, min_tokens): once
+        it allows nothing but the end, the reply is complete and ends. A token the grammar
+        refuses is never accepted into it (llama.cpp aborts the process on that)."""
+        grammar = self._grammar_state()
+        if self.logprobs is None:
+            banned = logits
+            if self.bans_eog and len(eog_ids):
+                banned = logits.copy()
+                banned[eog_ids] = -np.inf
+            if self.is_argmax:
+                token = int(banned.argmax())
+                if np.isfinite(banned[token]) and self._allows(token):
+                    llama_cpp.llama_sampler_accept(grammar, token)
+                    return token, logits
+            else:
+                candidates, cur = _candidates(banned)
+                chain = self.chain(len(candidates))
+                llama_cpp.llama_sampler_apply(chain, ctypes.byref(cur))
+                if 0 <= cur.selected < cur.size:
+                    token = int(cur.data[cur.selected].id)
+                    if np.isfinite(banned[token]) and self._allows(token):
+                        llama_cpp.llama_sampler_accept(chain, token)
+                        llama_cpp.llama_sampler_accept(grammar, token)
+                        return token, logits
+        candidates, cur = _candidates(logits)
+        llama_cpp.llama_sampler_apply(grammar, ctypes.byref(cur))
+        masked = candidates["logit"].copy()  # the constrained distribution (before a ban)
+        allowed = np.isfinite(masked)
+        if not allowed.any():
+            # Nothing can follow (a grammar no token of this vocabulary can continue): end
+            # the reply rather than accept a refused token.
+            if not len(eog_ids):
+                raise RuntimeError("the grammar allows no token and the vocabulary has no end-of-generation token")
+            return int(eog_ids[0]), logits
+        if self.bans_eog and len(eog_ids) and allowed.sum() > np.isin(np.flatnonzero(allowed), eog_ids).sum():
+            candidates["logit"][eog_ids] = -np.inf  # something but the end is allowed: ban holds
+        if self.is_argmax:
+            token = int(candidates["logit"].argmax())
+        else:
+            token = self._run_chain(candidates, cur)
+        llama_cpp.llama_sampler_accept(grammar, token)
+        return token, masked
+
     def close(self) -> None:
-        """Free the chain (on the thread that runs llama calls)."""
+        """Free the chain and the grammar state (on the thread that runs llama calls)."""
         self._closed = True
         if self._chain is not None:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            llama_cpp.llama_sampler_free(self._grammar)
+            self._grammar = None
+
+
+def _candidates(logits: np.ndarray) -> tuple[np.ndarray, llama_cpp.llama_token_data_array]:
+    """The whole vocabulary as llama candidates (ids, logits), and the array over them."""
+    n_vocab = len(logits)
+    candidates = np.empty(n_vocab, dtype=_TOKEN_DATA)
+    candidates["id"] = np.arange(n_vocab, dtype=np.int32)
+    candidates["logit"] = logits
+    candidates["p"] = 0.0
+    cur = llama_cpp.llama_token_data_array(
+        data=candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+        size=n_vocab,
+        selected=-1,
+        sorted=False,
+    )
+    return candidates, cur

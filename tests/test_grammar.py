@@ -1,0 +1,231 @@
+"""Constrained decoding (issue 30): response_format (json_object, json_schema), llama-server's
+json_schema and GBNF grammar fields, on chat, completions and DECODE, with a live engine on
+the synthetic tiny model. Its weights are random, so only what the grammar forces is
+asserted: every constrained reply parses and validates against its schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from helpers import assert_server_healthy, chat, http, sse_text, stream_chat
+
+YES_NO = 'root ::= "yes" | "no"'
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
+
+
+def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+
+
+async def test_gbnf_grammar_constrains_chat_and_completions(engine: Any) -> None:
+    async with http(engine) as h:
+        for seed_text in ("hello world", "tell me a story", "the cache server"):
+            body = await chat(h, messages=[{"role": "user", "content": seed_text}], grammar=YES_NO, max_tokens=16)
+            choice = body["choices"][0]
+            assert choice["message"]["content"] in ("yes", "no")
+            assert choice["finish_reason"] == "stop"
+            r = await h.post("/v1/completions", json={"prompt": seed_text, "grammar": YES_NO, "max_tokens": 16})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] in ("yes", "no")
+
+
+async def test_json_schema_reply_validates_chat_and_completions(engine: Any) -> None:
+    async with http(engine) as h:
+        bodies = [
+            await chat(h, response_format=json_schema_format(PERSON), max_tokens=200),
+            await chat(h, json_schema=PERSON, max_tokens=200),
+        ]
+        r = await h.post(
+            "/v1/completions", json={"prompt": "a person:", "response_format": json_schema_format(PERSON), "max_tokens": 200}
+        )
+        assert r.status_code == 200, r.text
+        texts = [b["choices"][0]["message"]["content"] for b in bodies] + [r.json()["choices"][0]["text"]]
+        for body in [*bodies, r.json()]:
+            assert body["choices"][0]["finish_reason"] == "stop"
+        for text in texts:
+            jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_json_object_mode_gives_json(engine: Any) -> None:
+    async with http(engine) as h:
+        stopped = 0
+        for content in ("hello world", "tell me a story", "the engine", "a cache", "slot"):
+            body = await chat(
+                h, messages=[{"role": "user", "content": content}], response_format={"type": "json_object"}, max_tokens=300
+            )
+            choice = body["choices"][0]
+            if choice["finish_reason"] == "stop":
+                stopped += 1
+                assert isinstance(json.loads(choice["message"]["content"]), dict)
+            else:  # cut by max_tokens: still the start of an object
+                assert choice["message"]["content"].startswith("{")
+        assert stopped > 0
+
+
+@pytest.mark.parametrize("stream_interval", [1, 3])
+async def test_stream_reassembles_to_the_reply(engine: Any, stream_interval: int) -> None:
+    async with http(engine) as h:
+        body = {"response_format": json_schema_format(PERSON), "max_tokens": 200, "stream_interval": stream_interval}
+        whole = (await chat(h, **body))["choices"][0]["message"]["content"]
+        chunks, done, _ = await stream_chat(h, **body)
+        assert done
+        assert sse_text(chunks) == whole
+        jsonschema.validate(json.loads(whole), PERSON)
+
+
+async def test_logprobs_are_the_constrained_distribution(engine: Any) -> None:
+    async with http(engine) as h:
+        body = await chat(h, grammar=YES_NO, max_tokens=8, logprobs=True, top_logprobs=5)
+        content = body["choices"][0]["logprobs"]["content"]
+        assert "".join(e["token"] for e in content) in ("yes", "no")
+        # The first position allows only what starts "yes" or "no": every alternative does.
+        first = content[0]
+        assert first["top_logprobs"], first
+        assert all(("yes".startswith(a["token"]) or "no".startswith(a["token"])) for a in first["top_logprobs"])
+        assert sum(2.718281828 ** a["logprob"] for a in first["top_logprobs"]) <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("grammar", "root ::= foo", "Undefined rule identifier 'foo'"),
+        ("grammar", 'rot ::= "a"', "root"),
+        ("grammar", 'root ::= "a', "unexpected end of input"),
+        ("grammar", "(" * 300 + ")" * 300, "nests"),
+        ("grammar", 5, "must be a string"),
+        ("json_schema", {"type": "frob"}, "Unrecognized schema"),
+        ("json_schema", {"$ref": "#/nope"}, "cannot convert"),
+        ("response_format", {"type": "xml"}, "not supported"),
+        ("response_format", {"type": "json_schema"}, "json_schema must be an object"),
+    ],
+)
+async def test_bad_constraint_is_400_naming_it(engine: Any, field: str, value: Any, says: str) -> None:
+    async with http(engine) as h:
+        r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        assert err["param"].startswith(field), err
+        assert says in err["message"], err
+        await assert_server_healthy(engine)
+        assert engine.state.engine.stats().slots_busy == 0
+        # And the engine still serves a constrained request.
+        assert (await chat(h, grammar=YES_NO, max_tokens=8))["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+async def test_two_constraints_are_refused(engine: Any) -> None:
+    async with http(engine) as h:
+        r = await h.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "grammar": YES_NO, "json_schema": PERSON},
+        )
+        assert r.status_code == 400, r.text
+        assert "send one" in r.json()["error"]["message"]
+
+
+async def test_same_schema_compiles_once(engine: Any) -> None:
+    grammars = engine.state.engine.backend.grammars
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    async with http(engine) as h:
+        before = grammars.compiles
+        for _ in range(3):
+            body = await chat(h, json_schema=schema, max_tokens=64)
+            jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+        assert grammars.compiles == before + 1
+
+
+async def test_text_and_empty_constraints_ask_nothing(engine: Any) -> None:
+    async with http(engine) as h:
+        plain = (await chat(h, max_tokens=8))["choices"][0]["message"]["content"]
+        for extra in ({"response_format": {"type": "text"}}, {"grammar": ""}, {"json_schema": {}}):
+            assert (await chat(h, max_tokens=8, **extra))["choices"][0]["message"]["content"] == plain
+
+
+# ---- the property: every constrained reply validates against its schema --------------------
+
+_SCALARS = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.builds(lambda n: {"type": "string", "minLength": n, "maxLength": n + 3}, st.integers(0, 3)),
+    st.just({"type": "integer"}),
+    st.builds(lambda lo, w: {"type": "integer", "minimum": lo, "maximum": lo + w}, st.integers(-50, 50), st.integers(0, 100)),
+    st.just({"type": "number"}),
+    st.just({"type": "boolean"}),
+    st.builds(
+        lambda vals: {"enum": vals},
+        st.lists(st.one_of(st.text("abcxyz", min_size=1, max_size=4), st.integers(-9, 99)), min_size=1, max_size=4, unique=True),
+    ),
+)
+_VALUES = st.one_of(
+    _SCALARS,
+    st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, _SCALARS, st.integers(0, 3)),
+)
+
+
+@st.composite
+def object_schemas(draw: st.DrawFn) -> dict[str, Any]:
+    names = draw(st.lists(st.text("abcdefgh_", min_size=1, max_size=6), min_size=1, max_size=4, unique=True))
+    props = {name: draw(_VALUES) for name in names}
+    required = [n for n in names if draw(st.booleans())]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+async def test_property_every_constrained_reply_validates(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, slots=4)
+    failures: list[tuple[dict[str, Any], str, str]] = []
+    seen = 0
+
+    async with http(ep) as h:
+
+        @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @seed(30)
+        @given(schema=object_schemas(), content=st.sampled_from(["hello world", "a story", "the model", "x"]))
+        def collect(schema: dict[str, Any], content: str) -> None:
+            cases.append((schema, content))
+
+        cases: list[tuple[dict[str, Any], str]] = []
+        collect()
+        for schema, content in cases:
+            for route in ("chat", "completions"):
+                if route == "chat":
+                    r = await h.post(
+                        "/v1/chat/completions",
+                        json={
+                            "messages": [{"role": "user", "content": content}],
+                            "response_format": json_schema_format(schema),
+                            "max_tokens": 400,
+                        },
+                    )
+                    body = r.json()
+                    text = body["choices"][0]["message"]["content"]
+                else:
+                    r = await h.post("/v1/completions", json={"prompt": content, "json_schema": schema, "max_tokens": 400})
+                    body = r.json()
+                    text = body["choices"][0]["text"]
+                assert r.status_code == 200, r.text
+                seen += 1
+                if body["choices"][0]["finish_reason"] != "stop":
+                    failures.append((schema, text, "finish_reason " + body["choices"][0]["finish_reason"]))
+                    continue
+                try:
+                    jsonschema.validate(json.loads(text), schema)
+                except (ValueError, jsonschema.ValidationError) as exc:
+                    failures.append((schema, text, str(exc)[:200]))
+    assert seen >= 200
+    assert not failures, failures[:3]
