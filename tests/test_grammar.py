@@ -14,9 +14,26 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from helpers import assert_server_healthy, chat, http, sse_text, stream_chat
+from helpers import (
+    ENGINE,
+    MESSAGES,
+    assert_server_healthy,
+    chat,
+    chat_text,
+    decode,
+    decode_ok,
+    frame,
+    get_result,
+    http,
+    rpc,
+    sse_text,
+    stream_chat,
+)
+from hydra_trio.rpc.client import build_decode_frame
+from hydra_trio.wire.errors import Status
 
 YES_NO = 'root ::= "yes" | "no"'
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}  # a P/D router's, to the prefill engine
 
 PERSON = {
     "type": "object",
@@ -229,3 +246,56 @@ async def test_property_every_constrained_reply_validates(start_engine: Any, tin
                     failures.append((schema, text, str(exc)[:200]))
     assert seen >= 200
     assert not failures, failures[:3]
+
+
+# ---- DECODE (0x43) and the P/D hand-off ------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["prompt", "generation"])
+async def test_decode_carries_the_constraint(engine: Any, where: str) -> None:
+    """The constraint in the DECODE's generation parameters: the prompt segment's keys or
+    the header's ``generation`` object (docs/protocol-extensions.md)."""
+    constraint = {"response_format": json_schema_format(PERSON)}
+    async with await rpc(engine) as c, http(engine) as h:
+        if where == "prompt":
+            payload = frame(MESSAGES, n_predict=200, **constraint)
+        else:
+            payload = build_decode_frame({"messages": MESSAGES, "n_predict": 200, "temperature": 0}, generation=constraint)
+        rid = await decode_ok(c, 0, payload)
+        body = await get_result(h, rid)
+        assert body["choices"][0]["finish_reason"] == "stop"
+        text = body["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(text), PERSON)
+        # The same text as chat with the same schema (one rule, one grammar).
+        assert text == (await chat(h, response_format=json_schema_format(PERSON), max_tokens=200))["choices"][0]["message"]["content"]
+
+
+async def test_decode_with_a_bad_grammar_is_refused_before_the_slot(engine: Any) -> None:
+    async with await rpc(engine) as c:
+        resp = await decode(c, 0, frame(MESSAGES, grammar="root ::= foo"))
+        assert resp.status == Status.BAD_REQUEST, resp.meta
+        assert "Undefined rule identifier 'foo'" in json.dumps(resp.meta)
+        assert engine.state.engine.stats().slots_busy == 0
+        rid = await decode_ok(c, 0, frame(MESSAGES, grammar=YES_NO))
+    async with http(engine) as h:
+        assert (await get_result(h, rid))["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+async def test_pd_handoff_with_a_schema_matches_one_engine(start_engine: Any, tiny_model_ctx: Path) -> None:
+    """The prefill engine's one token obeys the grammar; the decode engine builds the same
+    grammar from the request and samples the first token again from the carried logits, so
+    the text is the one engine's."""
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE)
+    body = {"messages": MESSAGES, "temperature": 0, "response_format": json_schema_format(PERSON)}
+    async with http(a) as ca, http(b) as cb:
+        reference = (await chat(ca, **body, max_tokens=200))["choices"][0]["message"]["content"]
+        pre = await chat(ca, **body, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
+        assert reference.startswith(pre["choices"][0]["message"]["content"])
+        for stream in (False, True):
+            if stream:
+                pre = await chat(ca, **body, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
+            text, final = await chat_text(cb, stream=stream, **body, max_tokens=200, kv_transfer_params=pre["kv_transfer_params"])
+            assert final["kv_transfer"]["status"] == "restored", final["kv_transfer"]
+            assert text == reference
+    jsonschema.validate(json.loads(reference), PERSON)
