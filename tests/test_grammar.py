@@ -125,8 +125,9 @@ async def test_logprobs_are_the_constrained_distribution(engine: Any) -> None:
         ("grammar", "root ::= foo", "Undefined rule identifier 'foo'"),
         ("grammar", 'rot ::= "a"', "root"),
         ("grammar", 'root ::= "a', "unexpected end of input"),
-        ("grammar", "(" * 300 + ")" * 300, "nests"),
+        ("grammar", "root ::= " + "(" * 1001 + '"a"' + ")" * 1001, "nests"),
         ("grammar", 5, "must be a string"),
+        ("grammar", 'root ::= ("a"{0,1000}){0,1000}', "exceeds sane defaults"),
         ("json_schema", {"type": "frob"}, "Unrecognized schema"),
         ("json_schema", {"$ref": "#/nope"}, "cannot convert"),
         ("response_format", {"type": "xml"}, "not supported"),
@@ -299,3 +300,16 @@ async def test_pd_handoff_with_a_schema_matches_one_engine(start_engine: Any, ti
             assert final["kv_transfer"]["status"] == "restored", final["kv_transfer"]
             assert text == reference
     jsonschema.validate(json.loads(reference), PERSON)
+
+
+async def test_a_schema_too_large_to_compile_names_its_field(engine: Any) -> None:
+    """A grammar nested 100k deep overflowed llama.cpp's recursive parser (the process died):
+    refused before it."""
+    too_long = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 100000}}}
+    async with http(engine) as h:
+        r = await h.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": json_schema_format(too_long)})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format.json_schema.schema"
+        assert "too large" in err["message"], err
+    await assert_server_healthy(engine)

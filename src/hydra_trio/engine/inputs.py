@@ -74,7 +74,7 @@ class Inputs:
         gbnf = params.sampling.grammar
         grammars = self._backend().grammars
         if gbnf is not None and not grammars.known(gbnf):
-            await self._worker.call(lambda: grammars.compile(gbnf))
+            await self._worker.call(lambda: grammars.compile(gbnf, params.sampling.grammar_param))
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""

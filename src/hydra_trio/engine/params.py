@@ -45,6 +45,7 @@ class SamplingParams:
     # GBNF every sampled token must follow (response_format, json_schema, grammar), as text:
     # a pure value that pickles and compares; compiled on the GPU worker (llama/grammar.py).
     grammar: str | None = None
+    grammar_param: str = field(default="grammar", compare=False)  # the key it came from: errors name it
 
     @property
     def greedy(self) -> bool:
@@ -198,6 +199,7 @@ def parse_generation(
         ignore_eos=_boolean(merged, "ignore_eos", False),
         min_tokens=_integer(merged, ("min_tokens",), 0, 0, 1 << 30),
         grammar=None if constraint is None or to_gbnf is None else to_gbnf(constraint),
+        grammar_param="grammar" if constraint is None else constraint.param,
     )
     if params.min_tokens > n_predict:
         raise bad_param(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})", "min_tokens")

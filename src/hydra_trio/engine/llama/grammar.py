@@ -27,7 +27,9 @@ from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 from ..params import Constraint, ParamError, bad_param
 
 MAX_GBNF_CHARS = 256 * 1024  # llama.cpp parses grammars recursively: bound what it is given
-MAX_GBNF_NESTING = 256  # parentheses deep (the parser recurses once per level)
+# Parentheses deep: llama.cpp's parser recurses once per level and a grammar nested ~100k
+# deep overflows the worker's stack (the process dies); 10k parsed fine when measured.
+MAX_GBNF_NESTING = 1000
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per model
 _JSON_OBJECT_GBNF = JSON_GBNF.strip() + "\n"
 
@@ -116,11 +118,19 @@ def _schema_gbnf(text: str, param: str) -> str:
     # The converter signals a schema it cannot express with assertions and KeyErrors, and a
     # deeply nested one with RecursionError: each is the schema's problem, said back.
     try:
-        return json_schema_to_gbnf(text)
+        gbnf = json_schema_to_gbnf(text)
     except RecursionError:
         raise bad_param(f"{param}: schema nested too deeply", param) from None
     except Exception as exc:  # any converter failure is the schema's problem
         raise bad_param(f"{param}: cannot convert the schema to a grammar: {exc or type(exc).__name__}", param) from None
+    # The converter nests a bounded repetition one level per item (maxLength, maxItems).
+    if len(gbnf) > MAX_GBNF_CHARS or _nesting(gbnf) > MAX_GBNF_NESTING:
+        raise bad_param(
+            f"{param}: the schema's grammar is too large (over {MAX_GBNF_CHARS} characters or nested over "
+            f"{MAX_GBNF_NESTING} deep: a maxLength or maxItems above {MAX_GBNF_NESTING}?)",
+            param,
+        )
+    return gbnf
 
 
 def check_gbnf(text: Any, param: str) -> str:
