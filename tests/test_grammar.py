@@ -233,7 +233,12 @@ async def test_property_every_constrained_reply_validates(start_engine: Any, tin
                     body = r.json()
                     text = body["choices"][0]["message"]["content"]
                 else:
-                    r = await h.post("/v1/completions", json={"prompt": content, "json_schema": schema, "max_tokens": 400})
+                    # Sampled, not greedy: byte tokens and odd characters get drawn too.
+                    r = await h.post(
+                        "/v1/completions",
+                        json={"prompt": content, "json_schema": schema, "max_tokens": 400, "temperature": 1.0,
+                              "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": seen},
+                    )
                     body = r.json()
                     text = body["choices"][0]["text"]
                 assert r.status_code == 200, r.text
@@ -313,3 +318,54 @@ async def test_a_schema_too_large_to_compile_names_its_field(engine: Any) -> Non
         assert err["param"] == "response_format.json_schema.schema"
         assert "too large" in err["message"], err
     await assert_server_healthy(engine)
+
+
+async def test_sampled_and_penalized_replies_follow_the_grammar(engine: Any) -> None:
+    """Not only greedy: the chain's draw (top-k/p, temperature, penalties) under the grammar."""
+    async with http(engine) as h:
+        for s in range(6):
+            body = await chat(
+                h, response_format=json_schema_format(PERSON), max_tokens=200, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=s
+            )
+            assert body["choices"][0]["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
+            body = await chat(h, grammar=YES_NO, max_tokens=8, repeat_penalty=1.3, seed=s)
+            assert body["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+async def test_grammar_end_wins_over_ignore_eos(engine: Any) -> None:
+    async with http(engine) as h:
+        body = await chat(h, grammar=YES_NO, max_tokens=16, ignore_eos=True)
+        assert body["choices"][0]["message"]["content"] in ("yes", "no")
+        assert body["choices"][0]["finish_reason"] == "stop"
+        body = await chat(h, grammar=YES_NO, max_tokens=16, min_tokens=5)
+        assert body["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+async def test_batched_slots_keep_their_own_grammars(start_engine: Any, tiny_model: Path) -> None:
+    """Concurrent requests in one batch: each slot's grammar constrains only its request, and
+    an unconstrained greedy reply is byte-identical to the same request alone."""
+    import trio
+
+    ep = await start_engine(tiny_model, slots=4)
+    schemas = [
+        PERSON,
+        {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}, "required": ["xs"]},
+        {"type": "object", "properties": {"k": {"enum": ["red", "green", 7]}}, "required": ["k"]},
+    ]
+    async with http(ep) as h:
+        alone = (await chat(h, max_tokens=24))["choices"][0]["message"]["content"]
+        results: dict[int, dict[str, Any]] = {}
+
+        async def one(i: int) -> None:
+            extra = {} if i == 3 else {"response_format": json_schema_format(schemas[i])}
+            results[i] = await chat(h, max_tokens=24 if i == 3 else 200, **extra)
+
+        for _ in range(2):
+            async with trio.open_nursery() as n:
+                for i in range(4):
+                    n.start_soon(one, i)
+            assert results[3]["choices"][0]["message"]["content"] == alone
+            for i, schema in enumerate(schemas):
+                assert results[i]["choices"][0]["finish_reason"] == "stop"
+                jsonschema.validate(json.loads(results[i]["choices"][0]["message"]["content"]), schema)

@@ -92,7 +92,6 @@ class LlamaBackend(SlotStates):
         self.devices = read_ggml_devices()
         self.builtin_templates = builtin_chat_templates()
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self.grammars = GrammarCache(self._vocab)  # compiled for this vocabulary (worker only)
         # Sliding-window attention (Gemma 2/3, ...): llama.cpp drops a sequence's SWA-layer
         # cells older than the window as it advances, so a slot cut back by more than one
         # position cannot be continued (the window before the cut is gone), and its state
@@ -102,6 +101,7 @@ class LlamaBackend(SlotStates):
         # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
         # the GPU worker) so the token loop needs no llama call on the trio thread.
         self.pieces: list[bytes] = [self._piece(t) for t in range(self.info.n_vocab)]
+        self.grammars = GrammarCache(self._vocab, self.pieces)  # compiled for this vocabulary (worker only)
         # The few tokens (control tokens) whose spelled-out text differs: with these, showing
         # tokens (/tokenize pieces, /detokenize) needs no llama call and no GPU worker.
         self._special_text = {

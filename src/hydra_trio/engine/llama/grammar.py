@@ -66,6 +66,8 @@ _UNENFORCED = frozenset({
     "else", "dependentRequired", "dependentSchemas", "dependencies", "contains", "minContains",
     "maxContains", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
 })
+_CONVERTER_CHAR, _JSON_CHAR = r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |'
+_CONVERTER_DOT, _JSON_DOT = r"dot ::= [^\x0A\x0D]", r"dot ::= [^\x00-\x1F\x7F]"
 MAX_INT_RANGE = 256  # a closed integer range up to this many values becomes an enum
 
 
@@ -123,6 +125,9 @@ def _schema_gbnf(text: str, param: str) -> str:
         raise bad_param(f"{param}: schema nested too deeply", param) from None
     except Exception as exc:  # any converter failure is the schema's problem
         raise bad_param(f"{param}: cannot convert the schema to a grammar: {exc or type(exc).__name__}", param) from None
+    # This converter's string characters admit raw control characters, which JSON forbids in
+    # a string (llama.cpp's own converter and json.gbnf exclude them): excluded here too.
+    gbnf = gbnf.replace(_CONVERTER_CHAR, _JSON_CHAR).replace(_CONVERTER_DOT, _JSON_DOT)
     # The converter nests a bounded repetition one level per item (maxLength, maxItems).
     if len(gbnf) > MAX_GBNF_CHARS or _nesting(gbnf) > MAX_GBNF_NESTING:
         raise bad_param(
@@ -179,8 +184,9 @@ class GrammarCache:
     keyed by the GBNF text). ``compile`` and ``new_state`` run on the GPU worker only;
     ``known`` may be asked from any thread (one dict lookup)."""
 
-    def __init__(self, vocab: Any, capacity: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(self, vocab: Any, pieces: list[bytes], capacity: int = GRAMMAR_CACHE_SIZE) -> None:
         self._vocab = vocab
+        self.pieces = pieces  # each token's bytes: constrained text is also kept valid UTF-8
         self._capacity = capacity
         self._templates: OrderedDict[str, _Template] = OrderedDict()
         self.compiles = 0  # llama.cpp parses done (a test counts them)
