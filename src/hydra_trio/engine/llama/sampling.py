@@ -245,8 +245,8 @@ class Sampler:
         """Whether ``token``'s bytes continue the generated text as valid UTF-8."""
         assert self._grammars is not None
         piece = self._grammars.pieces[token]
-        if not piece or (token in eog_ids and not self._utf8_tail):
-            return True
+        if not self._utf8_tail and (piece.isascii() or token in eog_ids):
+            return True  # the usual case, without a decoder
         decoder = codecs.getincrementaldecoder("utf-8")("strict")
         try:
             decoder.decode(self._utf8_tail + piece)
@@ -259,7 +259,7 @@ class Sampler:
         llama_cpp.llama_sampler_accept(grammar, token)
         assert self._grammars is not None
         piece = self._grammars.pieces[token]
-        if piece:
+        if piece and (self._utf8_tail or not piece.isascii()):
             decoder = codecs.getincrementaldecoder("utf-8")("strict")
             decoder.decode(self._utf8_tail + piece)
             self._utf8_tail = decoder.getstate()[0]
