@@ -229,7 +229,7 @@ TEXT = "/v1/completions"
         (CHAT, {"messages": MESSAGES, "store": True}, "store"),
         (CHAT, {"messages": MESSAGES, "n": 2}, "n"),
         (CHAT, {"messages": MESSAGES, "stream_options": True}, "stream_options"),
-        (CHAT, {"messages": MESSAGES, "grammar": "root ::= \"a\""}, "grammar"),
+        (CHAT, {"messages": MESSAGES, "grammar": "root ::= a"}, "grammar"),  # honoured; this one cannot compile
         (CHAT, {"messages": MESSAGES, "echo": True}, "echo"),
         (CHAT, {"prompt": "hi"}, "messages"),
         (CHAT, {"messages": MESSAGES, "prompt": "hi"}, "prompt"),

@@ -423,7 +423,7 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(
         ({"messages": MESSAGES, "n": 2}, "n must be 1"),
         ({"messages": MESSAGES, "logprobs": "yes"}, "logprobs must be a boolean"),
         ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
-        ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format is not supported"),
+        ({"messages": MESSAGES, "response_format": {"type": "regex"}}, "response_format type 'regex' is not supported"),
     ],
 )
 async def test_unsupported_chat_parameters_get_a_400_that_names_them(engine: Any, body: dict[str, Any], needle: str) -> None:

@@ -159,6 +159,7 @@ class DecodeManager:
             with trio.fail_at(deadline):  # the validation deadline covers these waits too
                 # A malformed prompt is refused before the reply. No prompt at all (an empty
                 # prompt segment, spec §4.1): decoding continues from what the slot holds.
+                await engine.inputs.compile_grammar(params)  # a grammar that cannot compile: 400
                 has_prompt = "messages" in request or "prompt" in request
                 prompt_text = await engine.inputs.render_prompt(request) if has_prompt else None
                 blob = (  # the token list is bounded by the context before it is materialised

@@ -148,16 +148,9 @@ class Engine:
         engine.warmup_ms = engine_warmup_ms
         log.info(
             "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, KV cache %s (a slot holds up to %d; %s), %d threads",
-            engine.model_load_ms,
-            identity.model_name,
-            identity.model_quant,
-            identity.tokenizer,
-            backend.n_slots,
-            backend.n_ctx,
-            engine.kv_layout,
-            backend.n_ctx_slot,
-            ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read",
-            backend.n_threads,
+            engine.model_load_ms, identity.model_name, identity.model_quant, identity.tokenizer,
+            backend.n_slots, backend.n_ctx, engine.kv_layout, backend.n_ctx_slot,
+            ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read", backend.n_threads,
         )
         assert backend.offload is not None
         log.info("offload: %s", backend.offload.summary())
@@ -266,10 +259,9 @@ class Engine:
     def publish_kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> SlotBlocks:
         """From now on, every change of what the slots hold goes to ``publish`` as KV events,
         after the GPU-worker call that made it (on the trio thread)."""
-        blocks = self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
-        self.backend.watcher = blocks
-        self.worker.after_call = lambda: publish(blocks.take()) if blocks.pending else None
-        return blocks
+        self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
+        self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
+        return self.kv_blocks
 
     async def resync_kv_events(self) -> None:
         """Tell everything the slots hold anew (for a new subscriber), between worker calls."""
@@ -279,8 +271,7 @@ class Engine:
     def _slots_emptied(self, backend: LlamaBackend) -> None:
         """On the worker, once a T2/T3 change has emptied every slot (``backend`` serves now)."""
         if self.kv_blocks is not None:
-            backend.watcher = self.kv_blocks
-            self.kv_blocks.all_cleared()
+            self.kv_blocks.rewatch(backend)
 
     # ---- CONFIGURE T2/T3 ---------------------------------------------------------------
 
@@ -459,7 +450,7 @@ class Engine:
         with, by generation's own rules (OutputProcessor: stop decision, text, counts);
         returns it as a completion, with the logits it came from (they travel with the KV)."""
         res = GenerationResult(prompt_tokens=len(tokens))
-        sampler = Sampler(params.sampling)  # built inside its first GPU-worker call
+        sampler = Sampler(params.sampling, grammars=self.backend.grammars)  # built inside its first GPU-worker call
         one = replace(params, n_predict=1, logprobs=None)
         out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.token_bytes)
         t_start = time.perf_counter()
@@ -501,7 +492,7 @@ class Engine:
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
-        sampler = Sampler(params.sampling, logprobs=params.logprobs)  # built inside its first GPU-worker call
+        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
         out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.token_bytes)
         t_start = time.perf_counter()
         try:

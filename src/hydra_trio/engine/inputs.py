@@ -14,6 +14,7 @@ from ..config import Settings
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from .llama.chat import apply_builtin_chat_template
 from .llama.context import LlamaBackend, kv_layout
+from .llama.grammar import constraint_gbnf
 from .params import GenerationParams, parse_generation
 from .templates import ChatTemplate, PromptRenderer
 from .worker import GpuWorker
@@ -60,8 +61,20 @@ class Inputs:
         """A request's generation settings, with this engine's defaults and limits."""
         s = self._settings
         return parse_generation(
-            request, default_n_predict=s.default_n_predict, n_ctx=self.n_ctx_slot, default_stream_interval=s.stream_interval
+            request,
+            default_n_predict=s.default_n_predict,
+            n_ctx=self.n_ctx_slot,
+            default_stream_interval=s.stream_interval,
+            to_gbnf=constraint_gbnf,
         )
+
+    async def compile_grammar(self, params: GenerationParams) -> None:
+        """Compile the request's grammar before any slot is claimed (a GrammarError, a 400
+        naming the problem, when llama.cpp cannot parse it); a cached one costs nothing."""
+        gbnf = params.sampling.grammar
+        grammars = self._backend().grammars
+        if gbnf is not None and not grammars.known(gbnf):
+            await self._worker.call(lambda: grammars.compile(gbnf, params.sampling.grammar_param))
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""

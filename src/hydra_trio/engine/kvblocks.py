@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -32,6 +33,12 @@ def chain_root(salt: str | None) -> int | None:
     if salt is None:
         return None
     return xxhash.xxh3_64_intdigest(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")) or 1
+
+
+class Watched(Protocol):
+    """A backend whose slot changes are told to its ``watcher`` (engine/llama/context.py)."""
+
+    watcher: SlotBlocks | None
 
 
 class SlotBlocks:
@@ -92,6 +99,17 @@ class SlotBlocks:
                     bs,
                 )
             )
+
+    def watch(self, backend: Watched, publish: Callable[[list[Event]], None]) -> Callable[[], None]:
+        """Be told of every change of ``backend``'s slots; returns what the GPU worker calls
+        after each call (``GpuWorker.after_call``): the pending events go to ``publish``."""
+        backend.watcher = self
+        return lambda: publish(self.take()) if self.pending else None
+
+    def rewatch(self, backend: Watched) -> None:
+        """``backend`` serves now (a T2/T3 change emptied every slot): watch it, and say so."""
+        backend.watcher = self
+        self.all_cleared()
 
     def all_cleared(self) -> None:
         """Every slot was emptied at once (a context rebuilt or a model reloaded)."""

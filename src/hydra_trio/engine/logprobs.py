@@ -2,7 +2,8 @@
 
 Pure numpy, importable without llama_cpp. The distribution is the model's own: the
 log-softmax of the raw logits at the sampled position, before any sampler transform
-(temperature, top-k/p, min-p, penalties, ignore_eos), as vLLM returns by default. It is
+(temperature, top-k/p, min-p, penalties, ignore_eos), as vLLM returns by default; under a
+grammar, the constrained distribution (the refused tokens masked), as llama-server reports. It is
 computed on the GPU worker in the call that samples (the logits buffer is overwritten by the
 next decode), and only for requests that asked: the normal path never computes a softmax.
 """
@@ -43,5 +44,6 @@ def token_logprobs(logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
         cand = np.flatnonzero(lp >= cut)  # n or more: every token tied at the cut included
         # Ties broken by id, so the top-1 is the token greedy sampling picks (first argmax).
         order = cand[np.lexsort((cand, -lp[cand]))][:n]
-        top = tuple((int(t), float(lp[t])) for t in order)
+        # Under a grammar the tokens it refuses are at -inf: never alternatives.
+        top = tuple((int(t), float(lp[t])) for t in order if lp[t] > -np.inf)
     return TokenLogprobs(int(token), float(lp[token]), top)

@@ -5,8 +5,9 @@ Pure validation: importable without llama_cpp (the backend imports SamplingParam
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, Status
@@ -41,6 +42,10 @@ class SamplingParams:
     seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
     ignore_eos: bool = False  # end-of-generation tokens are never sampled (benchmarks' convention)
     min_tokens: int = 0  # vLLM's: no end-of-generation token before this many (stop strings still stop)
+    # GBNF every sampled token must follow (response_format, json_schema, grammar), as text:
+    # a pure value that pickles and compares; compiled on the GPU worker (llama/grammar.py).
+    grammar: str | None = None
+    grammar_param: str = field(default="grammar", compare=False)  # the key it came from: errors name it
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +70,63 @@ class GenerationParams:
     # vLLM's cache_salt: KV computed under it is reused only by requests with the same one
     # (LlamaBackend.shared_prefix). None: unsalted. Set by the OpenAI routes.
     cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must follow, as it asked: any JSON object, a JSON schema, or
+    GBNF text. The engine turns it into the GBNF SamplingParams carries (llama/grammar.py)."""
+
+    kind: Literal["json_object", "json_schema", "gbnf"]
+    value: Any  # the schema (json_schema), the text (gbnf), None (json_object)
+    param: str  # the key it came from: errors name it
+
+
+def parse_constraint(req: dict[str, Any]) -> Constraint | None:
+    """The request's output constraint: OpenAI's ``response_format`` (``json_object``, or
+    ``json_schema`` with its ``schema``), llama-server's ``json_schema`` (a schema) and
+    ``grammar`` (GBNF). One at most; ``{"type": "text"}``, ``{}`` and ``""`` ask nothing."""
+    found: list[Constraint] = []
+    rf = req.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise bad_param("response_format must be an object with a type", "response_format")
+        kind = rf["type"]
+        if kind == "json_object":
+            # llama-server's extension: a "schema" beside json_object constrains to it.
+            schema = rf.get("schema")
+            found.append(
+                Constraint("json_object", None, "response_format")
+                if schema is None
+                else Constraint("json_schema", schema, "response_format.schema")
+            )
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise bad_param("response_format.json_schema must be an object (name, schema, strict)", "response_format")
+            if spec.get("name") is not None and not isinstance(spec["name"], str):
+                raise bad_param("response_format.json_schema.name must be a string", "response_format")
+            if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+                raise bad_param("response_format.json_schema.strict must be a boolean", "response_format")
+            schema = spec.get("schema")  # absent: any JSON object (OpenAI's schema is optional)
+            found.append(
+                Constraint("json_object", None, "response_format")
+                if schema is None
+                else Constraint("json_schema", schema, "response_format.json_schema.schema")
+            )
+        elif kind != "text":
+            raise bad_param(
+                f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
+            )
+    if req.get("json_schema") not in (None, {}):
+        found.append(Constraint("json_schema", req["json_schema"], "json_schema"))
+    if req.get("grammar") not in (None, ""):
+        found.append(Constraint("gbnf", req["grammar"], "grammar"))
+    if len(found) > 1:
+        raise bad_param(
+            f"{found[0].param} and {found[1].param} both constrain the output: send one", found[1].param.split(".")[0]
+        )
+    return found[0] if found else None
 
 
 def _number(req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float) -> float:
@@ -102,10 +164,17 @@ def _boolean(req: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def parse_generation(
-    req: dict[str, Any], *, default_n_predict: int, n_ctx: int, default_stream_interval: int = 1
+    req: dict[str, Any],
+    *,
+    default_n_predict: int,
+    n_ctx: int,
+    default_stream_interval: int = 1,
+    to_gbnf: Callable[[Constraint], str] | None = None,
 ) -> GenerationParams:
     """Validate and collect generation settings: one layer, flattened by the one precedence
-    rule (wire/sampling.py: ``req["sampling"]`` keys beat ``req``'s own, aliases renamed)."""
+    rule (wire/sampling.py: ``req["sampling"]`` keys beat ``req``'s own, aliases renamed).
+    ``to_gbnf``: the engine's conversion of an output constraint to GBNF (llama/grammar.py;
+    without it a constraint is refused)."""
     if req.get("sampling") is not None and not isinstance(req["sampling"], dict):
         raise bad_param("sampling must be an object", "sampling")
     merged = sampling_keys.flatten({k: v for k, v in req.items() if not (k == "sampling" and v is None)})
@@ -114,6 +183,9 @@ def parse_generation(
     if n_predict < 0 or n_predict > n_ctx:  # -1 = until the context ends
         n_predict = n_ctx
     seed = _integer(merged, ("seed",), 0xFFFFFFFF, -(1 << 63), (1 << 64) - 1)
+    constraint = parse_constraint(merged)
+    if constraint is not None and to_gbnf is None:
+        raise bad_param(f"{constraint.param} is not supported here", constraint.param)
     params = SamplingParams(
         temperature=_number(merged, ("temperature",), 0.0, 0.0, 100.0),
         top_k=_integer(merged, ("top_k",), 40, 0, 1 << 20),
@@ -126,6 +198,8 @@ def parse_generation(
         seed=seed & 0xFFFFFFFF,
         ignore_eos=_boolean(merged, "ignore_eos", False),
         min_tokens=_integer(merged, ("min_tokens",), 0, 0, 1 << 30),
+        grammar=None if constraint is None or to_gbnf is None else to_gbnf(constraint),
+        grammar_param="grammar" if constraint is None else constraint.param,
     )
     if params.min_tokens > n_predict:
         raise bad_param(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})", "min_tokens")

@@ -61,7 +61,7 @@ async def completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_request_json()
-    params = request_params("completions", engine, body)  # 400 for what this engine would not honour
+    params = await request_params("completions", engine, body)  # 400 for what this engine would not honour
     tokens = await prompt_tokens(engine, body["prompt"])
     cid = "cmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias

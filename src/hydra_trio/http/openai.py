@@ -111,7 +111,7 @@ async def chat_completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_request_json()
-    params = request_params("chat", engine, body)  # 400 for what this engine would not honour
+    params = await request_params("chat", engine, body)  # 400 for what this engine would not honour
     tokens = await engine.inputs.tokenize_request(body)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias

@@ -2,8 +2,9 @@
 place that decides (``check_request``), so a request is never answered differently from
 what it asked for without being told.
 
-- Honoured: handed to generation (engine/params.py parses the sampling and length keys;
-  ``logprobs`` is parsed here, as each route spells it its own way).
+- Honoured: handed to generation (engine/params.py parses the sampling and length keys and
+  the output constraint: ``response_format``, llama-server's ``json_schema`` and
+  ``grammar``; ``logprobs`` is parsed here, as each route spells it its own way).
 - Ignored: the parameters in ``IGNORED``, which change nothing this engine could do
   differently (docs/http-api.md lists them). Keys OpenAI does not define are ignored too, as
   llama-server and vLLM do, unless a known server's extension in ``_REFUSED`` asks for
@@ -38,7 +39,7 @@ IGNORED: dict[Route, tuple[str, ...]] = {
     ),
 }
 
-_CHAT_ONLY = ("messages", "tools", "tool_choice", "functions", "function_call", "top_logprobs", "response_format")
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "functions", "function_call", "top_logprobs")
 _COMPLETIONS_ONLY = ("prompt", "suffix", "echo", "best_of")
 
 
@@ -67,10 +68,7 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "tool_choice": (_neutral("none", "auto"), "tool_choice is not supported (no tools)"),
     "functions": (_neutral([]), "functions is not supported: function calls are not parsed from the reply"),
     "function_call": (_neutral("none", "auto"), "function_call is not supported (no functions)"),
-    "response_format": (_neutral({"type": "text"}), "response_format is not supported (only {\"type\": \"text\"})"),
     # llama-server
-    "grammar": (_neutral(""), "grammar is not supported"),
-    "json_schema": (_neutral({}), "json_schema is not supported"),
     "n_probs": (_neutral(0), "n_probs is not supported: ask logprobs (and top_logprobs on chat)"),
     "mirostat": (_neutral(0), "mirostat is not supported"),
     "typical_p": (_neutral(1, 1.0), "typical_p is not supported"),
@@ -91,11 +89,15 @@ _REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
-def request_params(route: Route, engine: Engine, body: dict[str, Any]) -> GenerationParams:
+async def request_params(route: Route, engine: Engine, body: dict[str, Any]) -> GenerationParams:
     """A completion route's generation parameters: what it cannot honour refused first
-    (``check_request``), then the engine's parse, with the logprobs asked for."""
+    (``check_request``), then the engine's parse, with the logprobs asked for, and its
+    output constraint (response_format, json_schema, grammar) compiled: all before a slot
+    is claimed."""
     n_logprobs = check_request(route, body)
-    return replace(engine.inputs.generation_params(body), logprobs=n_logprobs, cache_salt=cache_salt(body))
+    params = replace(engine.inputs.generation_params(body), logprobs=n_logprobs, cache_salt=cache_salt(body))
+    await engine.inputs.compile_grammar(params)
+    return params
 
 
 MAX_CACHE_SALT_CHARS = 256  # a tenant's name or a hash of it; a key of every cache lookup

@@ -32,6 +32,7 @@ from .devices import (
     repack_choice,
     repacked_mib,
 )
+from .grammar import GrammarCache
 from .log import captured, init_llama
 from .sampling import Sampler
 from .seqstate import type_name
@@ -100,6 +101,7 @@ class LlamaBackend(SlotStates):
         # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
         # the GPU worker) so the token loop needs no llama call on the trio thread.
         self.pieces: list[bytes] = [self._piece(t) for t in range(self.info.n_vocab)]
+        self.grammars = GrammarCache(self._vocab, self.pieces)  # compiled for this vocabulary (worker only)
         # The few tokens (control tokens) whose spelled-out text differs: with these, showing
         # tokens (/tokenize pieces, /detokenize) needs no llama call and no GPU worker.
         self._special_text = {
