@@ -138,7 +138,8 @@ class JsonFormatter(logging.Formatter):
                 out.update(extra)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        # These occur only inside JSON strings, where \\uXXXX stands for the same character.
+        # These occur only inside JSON strings, where a \\u escape of their code point stands
+        # for the same character.
         return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(out, ensure_ascii=False, default=str))
 
 
