@@ -130,18 +130,18 @@ class Sampler:
             logits[eog_ids] = -np.inf
         if self.is_argmax:
             return int(logits.argmax())
-        candidates, cur = _candidates(logits)
-        return self._run_chain(candidates, cur)
-
-    def _run_chain(self, candidates: np.ndarray, cur: llama_cpp.llama_token_data_array) -> int:
-        """The chain's pick from ``candidates`` (accepted by the chain: penalties' history)."""
-        chain = self.chain(len(candidates))
-        llama_cpp.llama_sampler_apply(chain, ctypes.byref(cur))
-        if not 0 <= cur.selected < cur.size:
+        token = self._chain_pick(logits)
+        if token is None:
             raise RuntimeError("sampler selected no token")
-        token = int(cur.data[cur.selected].id)
-        llama_cpp.llama_sampler_accept(chain, token)
+        llama_cpp.llama_sampler_accept(self.chain(len(logits)), token)  # penalties' history
         return token
+
+    def _chain_pick(self, logits: np.ndarray) -> int | None:
+        """The chain's pick from ``logits``, not yet accepted into it (None: it selected
+        nothing)."""
+        candidates, cur = _candidates(logits)
+        llama_cpp.llama_sampler_apply(self.chain(len(candidates)), ctypes.byref(cur))
+        return int(cur.data[cur.selected].id) if 0 <= cur.selected < cur.size else None
 
     # ---- constrained (a grammar) -------------------------------------------------------
 
@@ -190,15 +190,11 @@ class Sampler:
                     self._accept(grammar, token)
                     return token, logits
             else:
-                candidates, cur = _candidates(banned)
-                chain = self.chain(len(candidates))
-                llama_cpp.llama_sampler_apply(chain, ctypes.byref(cur))
-                if 0 <= cur.selected < cur.size:
-                    token = int(cur.data[cur.selected].id)
-                    if np.isfinite(banned[token]) and self._allows(token) and self._utf8_ok(token, eog_ids):
-                        llama_cpp.llama_sampler_accept(chain, token)
-                        self._accept(grammar, token)
-                        return token, logits
+                token = self._chain_pick(banned)
+                if token is not None and np.isfinite(banned[token]) and self._allows(token) and self._utf8_ok(token, eog_ids):
+                    llama_cpp.llama_sampler_accept(self.chain(len(banned)), token)
+                    self._accept(grammar, token)
+                    return token, logits
         candidates, cur = _candidates(logits)
         llama_cpp.llama_sampler_apply(grammar, ctypes.byref(cur))
         masked = candidates["logit"].copy()  # the constrained distribution (before a ban)
@@ -223,15 +219,10 @@ class Sampler:
         the text valid UTF-8: a refused pick is masked and the pick redone (rare: only byte
         tokens can break it). None: nothing allowed is left."""
         for _ in range(int(np.isfinite(pick).sum())):
-            if self.is_argmax:
-                token = int(pick.argmax())
-            else:
-                candidates, cur = _candidates(pick)
-                chain = self.chain(len(candidates))
-                llama_cpp.llama_sampler_apply(chain, ctypes.byref(cur))
-                if not 0 <= cur.selected < cur.size:
-                    raise RuntimeError("sampler selected no token")
-                token = int(cur.data[cur.selected].id)
+            picked = int(pick.argmax()) if self.is_argmax else self._chain_pick(pick)
+            if picked is None:
+                raise RuntimeError("sampler selected no token")
+            token = picked
             if not np.isfinite(pick[token]):
                 return None
             if self._utf8_ok(token, eog_ids):
