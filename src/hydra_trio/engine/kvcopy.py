@@ -7,9 +7,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..tasks import run_cpu_bound
-from ..wire.hashing import xxh3_tag_of
-
-Buffer = bytes | bytearray | memoryview
+from ..wire.hashing import Buffer, xxh3_tag_of
 
 
 @dataclass(slots=True)
