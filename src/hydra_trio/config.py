@@ -64,6 +64,12 @@ class Settings:
     # Chat template: a llama.cpp built-in name (or Jinja source), or a Jinja file.
     chat_template: str | None = None
     chat_template_file: str | None = None
+    # Tool calls (vLLM's --tool-call-parser): the syntax replies are parsed for; auto: read
+    # from the chat template (engine/toolcalls.py detect_format).
+    tool_call_parser: str = "auto"
+    # Reasoning (llama-server's --reasoning-format): auto splits <think>...</think> into
+    # reasoning_content when the template has thinking tags; deepseek always; none keeps it inline.
+    reasoning_format: str = "auto"
     default_n_predict: int = 512  # when a request names no max_tokens / n_predict
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
     # RPC transport (spec §1)
@@ -212,6 +218,8 @@ _HELP: dict[str, str] = {
     "warmup": "run one prompt and one step at load, so a kernel that faults on this machine stops the start instead of a user's first request (--no-warmup skips it)",
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
     "chat_template_file": "chat template: path of a Jinja file",
+    "tool_call_parser": "tool-call syntax parsed from replies: auto (from the chat template), hermes, llama3, mistral, generic",
+    "reasoning_format": "reasoning in replies: auto (split <think> into reasoning_content when the template has thinking tags), deepseek (always split), none (keep inline)",
     "default_n_predict": "tokens to generate when a request does not say",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
     "http_idle_timeout_s": "an HTTP connection with no request in progress (also one that never sent a byte) this long is closed",
@@ -277,6 +285,8 @@ _ENV_OVERRIDES = {
 _FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool}
 FLASH_ATTN_MODES = ("on", "off", "auto")
 LOG_FORMATS = ("text", "json")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3", "mistral", "generic")  # engine/toolcalls.py FORMATS
+REASONING_FORMATS = ("auto", "deepseek", "none")
 # KV cache types by llama-server's names (-ctk/-ctv) -> ggml type ids, as gguf numbers them.
 CACHE_TYPES = {
     name: int(gguf.GGMLQuantizationType[name.upper()])
@@ -289,6 +299,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "cache_type_k": tuple(CACHE_TYPES),
     "cache_type_v": tuple(CACHE_TYPES),
     "log_format": LOG_FORMATS,
+    "tool_call_parser": TOOL_CALL_PARSERS,
+    "reasoning_format": REASONING_FORMATS,
 }
 
 

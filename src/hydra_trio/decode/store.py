@@ -110,6 +110,8 @@ class DecodeEntry:
     error: str = ""
     error_code: str = ""
     result: Any = None  # engine GenerationResult once generating
+    # A fresh parser of the reply's tool calls and reasoning per reading (None: text only).
+    replies: Callable[[], Any] | None = None
     metrics: DecodeTimings = field(default_factory=lambda: DecodeTimings())
     task: Any = None  # tasks.OwnedTask
     ended: trio.Event = field(default_factory=trio.Event)  # set once it left RUNNING

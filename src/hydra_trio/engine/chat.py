@@ -10,6 +10,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..wire.errors import ErrorCode, ProtocolError, Status
+from .toolcalls import generic_calls_json, tools_system_prompt
+from .tools import ToolRequest, parse_tools
 
 # Used when a GGUF carries no template: ChatML, the most common convention.
 FALLBACK_TEMPLATE = (
@@ -67,7 +69,96 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
             raise ChatRequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}")
         msg = dict(m)
         msg["content"] = _content_text(m.get("content"), i)
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ChatRequestError(f"messages[{i}].tool_calls: only assistant messages carry tool calls")
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise ChatRequestError(f"messages[{i}].tool_call_id must be a string")
         out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls, as OpenAI sends them back (id, type,
+    function.name, function.arguments as JSON text), with the arguments also parsed: a
+    template prints them one way or the other (``template_wants_object_arguments``)."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise ChatRequestError(f"{where} must be an array")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatRequestError(f"{where}[{j}] must be an object with function.name")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ChatRequestError(f"{where}[{j}].function.arguments is not JSON text") from None
+        elif isinstance(args, dict):
+            parsed, args = args, json.dumps(args, ensure_ascii=False)
+        else:
+            raise ChatRequestError(f"{where}[{j}].function.arguments must be a string of JSON")
+        out.append({
+            "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{index}_{j}",
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": args},
+            "_arguments_object": parsed,
+        })
+    return out
+
+
+def template_renders_tools(template: str) -> bool:
+    """Whether a Jinja template prints the request's tools itself (else they are described
+    in a system message: ``tools_system_prompt``)."""
+    return "tools" in template
+
+
+def template_renders_tool_calls(template: str) -> bool:
+    return "tool_calls" in template
+
+
+def template_wants_object_arguments(template: str) -> bool:
+    """Templates that print ``arguments | tojson`` or walk ``arguments.items()`` (Qwen,
+    Hermes, Llama 3) need the arguments as an object; others print the string as sent."""
+    compact = template.replace(" ", "")
+    return "arguments|tojson" in compact or "arguments.items()" in compact
+
+
+def tool_messages(messages: list[dict[str, Any]], template: str | None, tools: ToolRequest | None) -> list[dict[str, Any]]:
+    """The messages a template renders when tools are in play: a template that does not
+    print the tools gets them described in a system message first (llama.cpp's generic
+    format); one that does not print earlier tool calls gets them as the generic JSON reply
+    in the assistant's content; arguments as the template wants them."""
+    source = template or ""
+    wants_object = template_wants_object_arguments(source)
+    renders_calls = template is not None and template_renders_tool_calls(source)
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls is not None:
+            m = dict(m)
+            if renders_calls:
+                m["tool_calls"] = [
+                    {**{k: v for k, v in c.items() if k != "_arguments_object"},
+                     "function": {"name": c["function"]["name"],
+                                  "arguments": c["_arguments_object"] if wants_object else c["function"]["arguments"]}}
+                    for c in calls
+                ]
+            else:
+                del m["tool_calls"]
+                m["content"] = (m["content"] + "\n" if m["content"] else "") + generic_calls_json(
+                    [(c["function"]["name"], c["_arguments_object"]) for c in calls]
+                )
+        out.append(m)
+    if tools is not None and (template is None or not template_renders_tools(source)):
+        prompt = tools_system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
     return out
 
 
@@ -81,10 +172,12 @@ def render_prompt(request: dict[str, Any], template: str | None, *, bos_token: s
         add_gen = request.get("add_generation_prompt", True)
         if not isinstance(add_gen, bool):
             raise ChatRequestError("add_generation_prompt must be a boolean")
+        tool_request = parse_tools(request)
+        messages = tool_messages(messages, template or FALLBACK_TEMPLATE, tool_request)
         try:
             text = compile_template(template or FALLBACK_TEMPLATE).render(
                 messages=messages,
-                tools=tools or None,
+                tools=[t.as_openai() for t in tool_request.tools] if tool_request is not None else None,
                 add_generation_prompt=add_gen,
                 bos_token=bos_token,
                 eos_token=eos_token,

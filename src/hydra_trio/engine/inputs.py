@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..config import Settings
+from ..config import REASONING_FORMATS, Settings
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from .llama.chat import apply_builtin_chat_template
 from .llama.context import LlamaBackend, kv_layout
 from .llama.grammar import constraint_gbnf
-from .params import GenerationParams, parse_generation
+from .params import GenerationParams, bad_param, parse_generation
+from .toolcalls import ReplyParser
+from .tools import parse_tools
 from .templates import ChatTemplate, PromptRenderer
 from .worker import GpuWorker
 
@@ -66,6 +68,30 @@ class Inputs:
             n_ctx=self.n_ctx_slot,
             default_stream_interval=s.stream_interval,
             to_gbnf=constraint_gbnf,
+        )
+
+    def reply_parsers(self, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
+        """How a chat reply is read: a factory of fresh parsers of its tool calls (tools asked
+        with a tool_choice other than none, in this template's format) and its reasoning
+        (``reasoning_format``: the request's, else --reasoning-format); None when the text is
+        the content as it stands."""
+        tools = parse_tools(request) if "messages" in request else None
+        calls = tools is not None and tools.choice != "none"
+        mode = request.get("reasoning_format")
+        if mode is None:
+            mode = self._settings.reasoning_format
+        elif mode not in REASONING_FORMATS:
+            raise bad_param(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
+        # A prompt that ends inside an open <think> (DeepSeek-R1, Qwen3's templates) starts
+        # the reply in its reasoning; auto splits only for templates with thinking tags.
+        opened = prompt.rstrip().endswith("<think>")
+        jinja = self.chat_template.jinja or ""
+        reasoning = mode == "deepseek" or (mode == "auto" and ("<think>" in jinja or opened))
+        if not calls and not reasoning or "messages" not in request:
+            return None
+        fmt = self.tool_format
+        return lambda: ReplyParser(
+            fmt if calls else None, tools=tools if calls else None, reasoning=reasoning, starts_in_reasoning=reasoning and opened
         )
 
     async def compile_grammar(self, params: GenerationParams) -> None:

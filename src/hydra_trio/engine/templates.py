@@ -21,7 +21,9 @@ from .chat import (
     compile_template,
     normalise_messages,
     render_prompt,
+    tool_messages,
 )
+from .tools import parse_tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +113,9 @@ class PromptRenderer:
             return text.removeprefix(self._bos) if self._strip_bos else text
         builtin = tpl.builtin
         assert builtin is not None
-        messages = normalise_messages(request["messages"])
-        if request.get("tools"):
-            raise ChatRequestError(
-                f"tools need a Jinja chat template; the built-in {builtin!r} template cannot render them"
-            )
+        # A built-in renders role and content only: tools are described in a system message
+        # and earlier calls written as the generic format's JSON (chat.tool_messages).
+        messages = tool_messages(normalise_messages(request["messages"]), None, parse_tools(request))
         add_gen = request.get("add_generation_prompt", True)
         if not isinstance(add_gen, bool):
             raise ChatRequestError("add_generation_prompt must be a boolean")

@@ -15,6 +15,7 @@ from ..writeturn import Wrote
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
 from .connections import chunk_writer
 from .openai import completion_body, final_chunk
+from .replies import ReplyEvents
 from .sse import HOLE, SSE_DONE, completion_chunk, error_body, sse_event, sse_text_events, wants_sse
 
 bp = Blueprint("decode", __name__)
@@ -140,6 +141,7 @@ def _result_body(manager: DecodeManager, entry: DecodeEntry) -> dict[str, Any]:
         manager.engine.identity.model_alias,
         entry.slot_id,
         entry.result,
+        replies=entry.replies,
         hydra_metrics=hydra_metrics(manager.engine, entry),
     )
 
@@ -192,6 +194,11 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
     # The chat stream's event per delta (a template, not the chunk serialised per token),
     # and every chunk that is ready in one write, as the chat stream does.
     delta_event = sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE}))
+    # A reply parsed for tool calls or reasoning: each reader parses it (its events depend on
+    # what came before), and the generating task never writes them itself.
+    events = None if entry.replies is None else ReplyEvents(entry.replies(), lambda delta: completion_chunk(cid, created, model, delta=delta))
+    if events is not None:
+        delta_event = events.delta
     sub = entry.subscribe()
     turn = sub.turn
     sent = 0
@@ -214,15 +221,17 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
     try:
         yield sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
         writer = chunk_writer()  # the response head is out
-        if writer is not None:
+        if writer is not None and events is None:
             turn.attach(writer, delta_event)
             sub.sink = sink
         while True:
             await turn.send_rest()  # of a chunk the sink began: before anything else
             ready = len(entry.chunks)
             if sent < ready:
-                yield b"".join(delta_event(text) for text in entry.chunks[sent:ready])
+                out = b"".join(delta_event(text) for text in entry.chunks[sent:ready])
                 sent = ready
+                if out:  # a parsed reply may hold its text back
+                    yield out
                 continue  # more may have come while that was sent: look again before the end
             if not entry.running:
                 break
@@ -234,7 +243,11 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
             finally:
                 turn.take_back()
         if entry.state == DecodeState.DONE:
-            yield sse_event(final_chunk(cid, created, model, entry.slot_id, entry.result, hydra_metrics=hydra_metrics(manager.engine, entry)))
+            rest = b"" if events is None else events.rest()
+            parser = None if events is None else events.parser
+            yield rest + sse_event(
+                final_chunk(cid, created, model, entry.slot_id, entry.result, parser=parser, hydra_metrics=hydra_metrics(manager.engine, entry))
+            )
             yield SSE_DONE
         else:
             code = "DECODE_FAILED" if entry.state == DecodeState.FAILED else entry.state.value.upper()

@@ -222,27 +222,32 @@ async def sse_body(
     delta_event: Callable[[str], bytes],
     done_event: Callable[[GenerationResult], bytes],
     logprobs_event: Callable[[str, Sequence[TokenLogprobs]], bytes] | None = None,
+    direct: bool = True,
 ) -> AsyncIterator[bytes]:
     """The SSE body of a streaming completion (chat or text): ``head``, an event per text
     delta, the final event, ``[DONE]``; what is ready goes out in one write. Leaving (the
     client went away, or the stream ended) stops the generation before this returns.
 
     A request that asked for logprobs gets ``Logprobs`` before each delta: that delta's
-    event is then ``logprobs_event(text, entries)``."""
+    event is then ``logprobs_event(text, entries)``. ``direct=False``: the producer never
+    writes deltas itself (a parsed reply's event may be empty, or depend on what came before).
+    An empty event writes nothing."""
     held: Sequence[TokenLogprobs] | None = None
     try:
         if head:
             yield head
         # The head is out (Quart sent the response head before asking for the body).
         writer = chunk_writer()
-        if writer is not None and logprobs_event is None:
+        if writer is not None and logprobs_event is None and direct:
             stream.turn.attach(writer, delta_event)
         async for batch in stream.batches():
             out: list[bytes] = []
             for item in batch:
                 if isinstance(item, Delta):
                     text = item.text
-                    out.append(delta_event(text) if held is None or logprobs_event is None else logprobs_event(text, held))
+                    event = delta_event(text) if held is None or logprobs_event is None else logprobs_event(text, held)
+                    if event:
+                        out.append(event)
                     held = None
                 elif isinstance(item, Rest):  # of a chunk the producer began: nothing may come between
                     if out:

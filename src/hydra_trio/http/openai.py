@@ -14,11 +14,13 @@ from quart import Blueprint, Response
 from ..engine.engine import GenerationResult
 from ..engine.logprobs import TokenLogprobs
 from ..engine.stats import SlotInfo
+from ..engine.toolcalls import ReplyParser
 from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
 from .logprobs import Vocab, chat_logprobs
 from .openai_params import request_params
+from .replies import ReplyEvents, ReplyParserFactory, chat_message, delta_fields, finish_reason
 from .sse import HOLE, completion_chunk, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
@@ -112,31 +114,49 @@ async def chat_completions() -> Response:
     engine = require_engine()
     body = await read_request_json()
     params = await request_params("chat", engine, body)  # 400 for what this engine would not honour
-    tokens = await engine.inputs.tokenize_request(body)
+    prompt = await engine.inputs.render_prompt(body)
+    tokens = await engine.inputs.tokenize_text(prompt)
+    # Tool calls and reasoning parsed from the reply (None: the text is the content).
+    replies = engine.inputs.reply_parsers(body, prompt)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
-    plan = await kv_transfer.route(state, body, engine, tokens, params, partial(completion_body, cid, model, vocab=vocab))
+    plan = await kv_transfer.route(
+        state, body, engine, tokens, params, partial(completion_body, cid, model, vocab=vocab, replies=replies)
+    )
     if isinstance(plan, Response):
         return plan
     try:
         if not params.stream:
             slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
-            return json_response(completion_body(cid, model, slot_id, res, vocab=vocab, **plan.fields()))
+            return json_response(completion_body(cid, model, slot_id, res, vocab=vocab, replies=replies, **plan.fields()))
         stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
     except SlotsBusy:
         return all_slots_busy(state)
 
     created = now_s()
-    body = sse_body(
-        stream,
-        head=sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""})),
-        delta_event=sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE})),
-        done_event=lambda res: sse_event(final_chunk(cid, created, model, stream.slot_id, res, **plan.fields())),
-        logprobs_event=None if vocab is None else partial(_logprobs_chunk, vocab, cid, created, model),
-    )
+    head = sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
+    if replies is None:
+        body = sse_body(
+            stream,
+            head=head,
+            delta_event=sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE})),
+            done_event=lambda res: sse_event(final_chunk(cid, created, model, stream.slot_id, res, **plan.fields())),
+            logprobs_event=None if vocab is None else partial(_logprobs_chunk, vocab, cid, created, model),
+        )
+    else:
+        events = ReplyEvents(replies(), lambda delta: completion_chunk(cid, created, model, delta=delta))
+        body = sse_body(
+            stream,
+            head=head,
+            delta_event=events.delta,
+            done_event=lambda res: events.rest()
+            + sse_event(final_chunk(cid, created, model, stream.slot_id, res, parser=events.parser, **plan.fields())),
+            logprobs_event=None if vocab is None else partial(_parsed_logprobs_chunk, vocab, events, cid, created, model),
+            direct=False,
+        )
     return Response(body, status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -147,14 +167,26 @@ def _logprobs_chunk(vocab: Vocab, cid: str, created: int, model: str, text: str,
     return sse_event(chunk)
 
 
-def final_chunk(cid: str, created: int, model: str, slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
+def _parsed_logprobs_chunk(
+    vocab: Vocab, events: ReplyEvents, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]
+) -> bytes:
+    """A parsed stream's chunk with its tokens' logprobs: every token's entry goes out when
+    it comes, with whatever its text parsed into (an empty content while a call is held)."""
+    chunk = completion_chunk(cid, created, model, delta=delta_fields(events.parser.feed(text)) or {"content": ""})
+    chunk["choices"][0]["logprobs"] = chat_logprobs(vocab, entries)
+    return sse_event(chunk)
+
+
+def final_chunk(
+    cid: str, created: int, model: str, slot_id: int, res: GenerationResult, *, parser: ReplyParser | None = None, **extra: Any
+) -> dict[str, Any]:
     """The last chunk of a stream: finish_reason, usage and timings (then [DONE])."""
     return completion_chunk(
         cid,
         created,
         model,
         delta={},
-        finish_reason=res.finish_reason,
+        finish_reason=finish_reason(res, parser),
         usage=usage(res.prompt_tokens, res.completion_tokens, res.n_common),
         timings=timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
         id_slot=slot_id,
@@ -163,14 +195,19 @@ def final_chunk(cid: str, created: int, model: str, slot_id: int, res: Generatio
 
 
 def completion_body(
-    cid: str, model: str, slot_id: int, res: GenerationResult, *, vocab: Vocab | None = None, **extra: Any
+    cid: str,
+    model: str,
+    slot_id: int,
+    res: GenerationResult,
+    *,
+    vocab: Vocab | None = None,
+    replies: ReplyParserFactory | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """A whole chat completion; with ``vocab`` (logprobs asked) its choice carries them."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": res.text},
-        "finish_reason": res.finish_reason,
-    }
+    """A whole chat completion; with ``vocab`` (logprobs asked) its choice carries them, with
+    ``replies`` its text is parsed into content, reasoning and tool calls."""
+    parser = replies() if replies is not None else None
+    choice: dict[str, Any] = {"index": 0, "message": chat_message(res, parser), "finish_reason": finish_reason(res, parser)}
     if vocab is not None:
         choice["logprobs"] = chat_logprobs(vocab, res.logprobs)
     return {

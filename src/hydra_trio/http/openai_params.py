@@ -4,7 +4,8 @@ what it asked for without being told.
 
 - Honoured: handed to generation (engine/params.py parses the sampling and length keys and
   the output constraint: ``response_format``, llama-server's ``json_schema`` and
-  ``grammar``; ``logprobs`` is parsed here, as each route spells it its own way).
+  ``grammar``, and ``tools``/``tool_choice``/``parallel_tool_calls`` (engine/tools.py);
+  ``logprobs`` is parsed here, as each route spells it its own way).
 - Ignored: the parameters in ``IGNORED``, which change nothing this engine could do
   differently (docs/http-api.md lists them). Keys OpenAI does not define are ignored too, as
   llama-server and vLLM do, unless a known server's extension in ``_REFUSED`` asks for
@@ -31,7 +32,7 @@ Route = Literal["chat", "completions"]
 IGNORED: dict[Route, tuple[str, ...]] = {
     "chat": (
         "model", "user", "safety_identifier", "prompt_cache_key", "metadata", "service_tier",
-        "store", "parallel_tool_calls", "stream_options",
+        "store", "stream_options",
     ),
     "completions": (
         "model", "user", "safety_identifier", "prompt_cache_key", "metadata", "service_tier",
@@ -64,10 +65,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "reasoning_effort": (_is_none, "reasoning_effort is not supported"),
     "verbosity": (_is_none, "verbosity is not supported"),
     "store": (_neutral(False), "store is not supported: completions are not stored"),
-    "tools": (_neutral([]), "tools is not supported: tool calls are not parsed from the reply"),
-    "tool_choice": (_neutral("none", "auto"), "tool_choice is not supported (no tools)"),
-    "functions": (_neutral([]), "functions is not supported: function calls are not parsed from the reply"),
-    "function_call": (_neutral("none", "auto"), "function_call is not supported (no functions)"),
     # llama-server
     "n_probs": (_neutral(0), "n_probs is not supported: ask logprobs (and top_logprobs on chat)"),
     "mirostat": (_neutral(0), "mirostat is not supported"),
