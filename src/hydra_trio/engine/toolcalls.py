@@ -173,8 +173,11 @@ class _JsonEnd:
         self._depth = 0
         self._in_string = False
         self._escaped = False
+        self._end: int | None = None
 
     def end(self, text: str) -> int | None:
+        if self._end is not None:
+            return self._end
         for k in range(self._pos, len(text)):
             c = text[k]
             if self._in_string:
@@ -191,8 +194,8 @@ class _JsonEnd:
             elif c in "}]":
                 self._depth -= 1
                 if self._depth == 0:
-                    self._pos = k + 1
-                    return k + 1
+                    self._end = k + 1
+                    return self._end
         self._pos = len(text)
         return None
 
