@@ -172,6 +172,10 @@ _UNENFORCED = frozenset({
 })
 _CONVERTER_CHAR, _JSON_CHAR = r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |'
 _CONVERTER_DOT, _JSON_DOT = r"dot ::= [^\x0A\x0D]", r"dot ::= [^\x00-\x1F\x7F]"
+# The converter's exponent takes 16 digits: 1e548 is JSON text, but no float (Python reads it
+# as inf, strict JSON refuses it, and a tool call's arguments could not be written back).
+# Two digits keep every number the grammar allows finite (16-digit mantissa, e99 at most).
+_CONVERTER_EXP, _FINITE_EXP = "([eE] [-+]? integral-part)?", "([eE] [-+]? [0-9] [0-9]?)?"
 MAX_INT_RANGE = 256  # a closed integer range up to this many values becomes an enum
 
 
@@ -231,7 +235,7 @@ def _schema_gbnf(text: str, param: str) -> str:
         raise bad_param(f"{param}: cannot convert the schema to a grammar: {exc or type(exc).__name__}", param) from None
     # This converter's string characters admit raw control characters, which JSON forbids in
     # a string (llama.cpp's own converter and json.gbnf exclude them): excluded here too.
-    gbnf = gbnf.replace(_CONVERTER_CHAR, _JSON_CHAR).replace(_CONVERTER_DOT, _JSON_DOT)
+    gbnf = gbnf.replace(_CONVERTER_CHAR, _JSON_CHAR).replace(_CONVERTER_DOT, _JSON_DOT).replace(_CONVERTER_EXP, _FINITE_EXP)
     # The converter nests a bounded repetition one level per item (maxLength, maxItems).
     if len(gbnf) > MAX_GBNF_CHARS or _nesting(gbnf) > MAX_GBNF_NESTING:
         raise bad_param(
