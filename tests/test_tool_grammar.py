@@ -6,6 +6,7 @@ lazy grammar that waits for its trigger, however many tokens the trigger takes."
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from hydra_trio.engine.llama.grammar import tools_gbnf
+from hydra_trio.engine.llama.grammar import tools_gbnf, trigger_pattern
 from hydra_trio.engine.llama.sampling import Sampler
 from hydra_trio.engine.params import ParamError, SamplingParams
-from hydra_trio.engine.toolcalls import FORMATS, HERMES, ToolFormat, parse_reply
+from hydra_trio.engine.toolcalls import FORMATS, GENERIC, HERMES, ToolFormat, parse_reply
 from hydra_trio.engine.tools import ToolRequest, parse_tools
 from test_grammar import object_schemas
 
@@ -129,8 +130,11 @@ async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
     assert reply.content == free[0][0] and reply.tool_calls == []
 
 
-@pytest.mark.parametrize("fmt_name", list(FORMATS))
-async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(engine: Any, fmt_name: str) -> None:
+TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i in range(len(fmt.triggers))]
+
+
+@pytest.mark.parametrize(("fmt_name", "which"), TRIGGERS, ids=[f"{n}-{i}" for n, i in TRIGGERS])
+async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(engine: Any, fmt_name: str, which: int) -> None:
     """Drive a Sampler token by token (logits that favour one token each time): free text
     first, then the trigger, a piece at a time; from then on the grammar holds, so a token
     it refuses is replaced by one it allows."""
@@ -140,7 +144,7 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
     req = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
     assert req is not None
     gbnf, triggers = tools_gbnf(req, fmt)
-    trigger = fmt.triggers[0]
+    trigger = fmt.triggers[which]
     lead = "" if trigger.at_start else "Hello there "
 
     def run() -> tuple[str, str]:
@@ -174,6 +178,22 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
     after = text[text.index(trig) + len(trig):]
     expected = trigger.then + "tool_0"
     assert (after.startswith(expected) or expected.startswith(after)), (fmt_name, text)
+
+
+def test_trigger_patterns_match_only_at_the_end_and_at_the_start_when_asked() -> None:
+    """What llama.cpp searches after each token (its std::regex ECMAScript; these patterns
+    use only what Python's re reads the same): the trigger, then a beginning of what the
+    grammar writes after it, at the end of the text so far, from the capture group on."""
+    hermes = trigger_pattern(HERMES.triggers[0])
+    for text, fed in [("Hi <tool_call>", "<tool_call>"), ("<tool_call>\n{", "<tool_call>\n{"), ("a<tool_call>\n{\"name\": \"", None)]:
+        m = re.search(hermes, text)
+        assert m is not None and m.group(1) == (fed or text[1:])
+    assert re.search(hermes, "<tool_call> {") is None  # not what the grammar writes: stays free
+    assert re.search(hermes, "<tool_call>\n{x") is None
+    generic = trigger_pattern(GENERIC.triggers[0])
+    assert generic.startswith("^") and generic.endswith("$")
+    assert re.fullmatch(generic, ' \n{"tool_calls"').group(1) == '{"tool_calls"'  # type: ignore[union-attr]
+    assert re.fullmatch(generic, 'x {"tool_calls"') is None
 
 
 async def test_a_schema_the_converter_refuses_names_its_tool(engine: Any) -> None:
