@@ -45,7 +45,7 @@ class SamplingParams:
     seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
     ignore_eos: bool = False  # end-of-generation tokens are never sampled (benchmarks' convention)
     min_tokens: int = 0  # vLLM's: no end-of-generation token before this many (stop strings still stop)
-    # GBNF every sampled token must follow (response_format, json_schema, grammar), as text:
+    # GBNF every sampled token must follow (response_format, json_schema, grammar, tools), as text:
     # a pure value that pickles and compares; compiled on the GPU worker (llama/grammar.py).
     grammar: str | None = None
     # A lazy grammar's trigger patterns (tool_choice "auto": free text until the model starts
@@ -105,9 +105,8 @@ def _constraint(req: dict[str, Any], tools: ToolRequest | None) -> Constraint | 
     if tools is None or tools.choice == "none":
         return constraint
     if constraint is not None:
-        raise bad_param(
-            f'{constraint.param} with tools is not supported (unless tool_choice is "none")', constraint.param.split(".")[0]
-        )
+        key = constraint.param.split(".")[0]
+        raise bad_param(f'{key} with tools is not supported (unless tool_choice is "none")', key)
     return Constraint("tools", tools, "tools")
 
 

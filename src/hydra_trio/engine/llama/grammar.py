@@ -2,10 +2,11 @@
 GPU worker (llama.cpp's grammar sampler), and the bounded cache of compiled grammars.
 
 The request side is pure: ``to_gbnf`` turns a JSON schema (llama-cpp-python's converter,
-pure Python), json_object mode (llama.cpp's JSON grammar) or GBNF text into the one GBNF
-string the parameters carry. ``GrammarCache.compile`` parses it with llama.cpp once (on the
-worker) and keeps the parsed grammar as a template; each request's sampler clones it, so
-the same schema twice is converted once and parsed once.
+pure Python), json_object mode (llama.cpp's JSON grammar), GBNF text or a request's tools
+(their calls in the template's tool format, with lazy triggers for tool_choice "auto") into
+the one GBNF string (and triggers) the parameters carry. ``GrammarCache.compile`` parses it
+with llama.cpp once (on the worker) and keeps the parsed grammar as a template; each
+request's sampler clones it, so the same schema twice is converted once and parsed once.
 """
 
 from __future__ import annotations
