@@ -19,6 +19,7 @@ from .params import GenerationParams, bad_param, parse_generation
 from .toolcalls import ReplyParser
 from .tools import parse_tools
 from .templates import ChatTemplate, PromptRenderer
+from .toolcalls import ToolFormat, detect_format
 from .worker import GpuWorker
 
 # The most prompt text per context position: longer text cannot fit a slot with any usual
@@ -38,6 +39,9 @@ class Inputs:
         self._backend = backend
         self._worker = worker
         self._settings = settings
+        # How the chat template writes tool calls: the tool grammar's syntax and the reply
+        # parser's (set with the template).
+        self.tool_format: ToolFormat = detect_format(None)
 
     @property
     def n_ctx(self) -> int:
@@ -50,6 +54,7 @@ class Inputs:
     def set_chat_template(self, template: ChatTemplate) -> None:
         info = self._backend().info
         self.chat_template = template
+        self.tool_format = detect_format(template.jinja)
         self._prompts = PromptRenderer(
             template,
             bos_token=info.bos_text,
@@ -67,7 +72,7 @@ class Inputs:
             default_n_predict=s.default_n_predict,
             n_ctx=self.n_ctx_slot,
             default_stream_interval=s.stream_interval,
-            to_gbnf=constraint_gbnf,
+            to_gbnf=lambda constraint: constraint_gbnf(constraint, self.tool_format),
         )
 
     def reply_parsers(self, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
@@ -97,10 +102,10 @@ class Inputs:
     async def compile_grammar(self, params: GenerationParams) -> None:
         """Compile the request's grammar before any slot is claimed (a GrammarError, a 400
         naming the problem, when llama.cpp cannot parse it); a cached one costs nothing."""
-        gbnf = params.sampling.grammar
+        gbnf, triggers = params.sampling.grammar, params.sampling.grammar_triggers
         grammars = self._backend().grammars
-        if gbnf is not None and not grammars.known(gbnf):
-            await self._worker.call(lambda: grammars.compile(gbnf, params.sampling.grammar_param))
+        if gbnf is not None and not grammars.known(gbnf, triggers):
+            await self._worker.call(lambda: grammars.compile(gbnf, params.sampling.grammar_param, triggers))
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""

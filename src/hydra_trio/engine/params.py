@@ -7,10 +7,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, Status
+
+if TYPE_CHECKING:
+    from .tools import ToolRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -42,9 +45,12 @@ class SamplingParams:
     seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
     ignore_eos: bool = False  # end-of-generation tokens are never sampled (benchmarks' convention)
     min_tokens: int = 0  # vLLM's: no end-of-generation token before this many (stop strings still stop)
-    # GBNF every sampled token must follow (response_format, json_schema, grammar), as text:
+    # GBNF every sampled token must follow (response_format, json_schema, grammar, tools), as text:
     # a pure value that pickles and compares; compiled on the GPU worker (llama/grammar.py).
     grammar: str | None = None
+    # A lazy grammar's trigger patterns (tool_choice "auto": free text until the model starts
+    # a call; llama/grammar.py's trigger_pattern); (): the grammar holds from the first token.
+    grammar_triggers: tuple[str, ...] = ()
     grammar_param: str = field(default="grammar", compare=False)  # the key it came from: errors name it
 
     @property
@@ -70,22 +76,47 @@ class GenerationParams:
     # vLLM's cache_salt: KV computed under it is reused only by requests with the same one
     # (LlamaBackend.shared_prefix). None: unsalted. Set by the OpenAI routes.
     cache_salt: str | None = None
+    # The request's declared tools (tools.py), tool_choice "none" included: what the reply
+    # parser and the prompt renderer read. None: it declares none.
+    tools: ToolRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """What a request's output must follow, as it asked: any JSON object, a JSON schema, or
-    GBNF text. The engine turns it into the GBNF SamplingParams carries (llama/grammar.py)."""
+    """What a request's output must follow, as it asked: any JSON object, a JSON schema,
+    GBNF text, or calls of its tools. The engine turns it into the GBNF (and lazy triggers)
+    SamplingParams carries (llama/grammar.py)."""
 
-    kind: Literal["json_object", "json_schema", "gbnf"]
-    value: Any  # the schema (json_schema), the text (gbnf), None (json_object)
+    kind: Literal["json_object", "json_schema", "gbnf", "tools"]
+    value: Any  # the schema (json_schema), the text (gbnf), None (json_object), the ToolRequest (tools)
     param: str  # the key it came from: errors name it
 
 
 def parse_constraint(req: dict[str, Any]) -> Constraint | None:
     """The request's output constraint: OpenAI's ``response_format`` (``json_object``, or
     ``json_schema`` with its ``schema``), llama-server's ``json_schema`` (a schema) and
-    ``grammar`` (GBNF). One at most; ``{"type": "text"}``, ``{}`` and ``""`` ask nothing."""
+    ``grammar`` (GBNF), or its tools (unless ``tool_choice`` is "none"). One at most;
+    ``{"type": "text"}``, ``{}`` and ``""`` ask nothing."""
+    return _constraint(req, _parse_tools(req))
+
+
+def _constraint(req: dict[str, Any], tools: ToolRequest | None) -> Constraint | None:
+    constraint = _output_constraint(req)
+    if tools is None or tools.choice == "none":
+        return constraint
+    if constraint is not None:
+        key = constraint.param.split(".")[0]
+        raise bad_param(f'{key} with tools is not supported (unless tool_choice is "none")', key)
+    return Constraint("tools", tools, "tools")
+
+
+def _parse_tools(req: dict[str, Any]) -> ToolRequest | None:
+    from .tools import parse_tools  # here, not at the top: tools.py builds on this module
+
+    return parse_tools(req)
+
+
+def _output_constraint(req: dict[str, Any]) -> Constraint | None:
     found: list[Constraint] = []
     rf = req.get("response_format")
     if rf is not None:
@@ -169,12 +200,12 @@ def parse_generation(
     default_n_predict: int,
     n_ctx: int,
     default_stream_interval: int = 1,
-    to_gbnf: Callable[[Constraint], str] | None = None,
+    to_gbnf: Callable[[Constraint], tuple[str, tuple[str, ...]]] | None = None,
 ) -> GenerationParams:
     """Validate and collect generation settings: one layer, flattened by the one precedence
     rule (wire/sampling.py: ``req["sampling"]`` keys beat ``req``'s own, aliases renamed).
-    ``to_gbnf``: the engine's conversion of an output constraint to GBNF (llama/grammar.py;
-    without it a constraint is refused)."""
+    ``to_gbnf``: the engine's conversion of an output constraint to GBNF and its lazy
+    triggers (llama/grammar.py; without it a constraint is refused)."""
     if req.get("sampling") is not None and not isinstance(req["sampling"], dict):
         raise bad_param("sampling must be an object", "sampling")
     merged = sampling_keys.flatten({k: v for k, v in req.items() if not (k == "sampling" and v is None)})
@@ -183,9 +214,11 @@ def parse_generation(
     if n_predict < 0 or n_predict > n_ctx:  # -1 = until the context ends
         n_predict = n_ctx
     seed = _integer(merged, ("seed",), 0xFFFFFFFF, -(1 << 63), (1 << 64) - 1)
-    constraint = parse_constraint(merged)
+    tools = _parse_tools(merged)
+    constraint = _constraint(merged, tools)
     if constraint is not None and to_gbnf is None:
         raise bad_param(f"{constraint.param} is not supported here", constraint.param)
+    grammar, triggers = (None, ()) if constraint is None or to_gbnf is None else to_gbnf(constraint)
     params = SamplingParams(
         temperature=_number(merged, ("temperature",), 0.0, 0.0, 100.0),
         top_k=_integer(merged, ("top_k",), 40, 0, 1 << 20),
@@ -198,7 +231,8 @@ def parse_generation(
         seed=seed & 0xFFFFFFFF,
         ignore_eos=_boolean(merged, "ignore_eos", False),
         min_tokens=_integer(merged, ("min_tokens",), 0, 0, 1 << 30),
-        grammar=None if constraint is None or to_gbnf is None else to_gbnf(constraint),
+        grammar=grammar,
+        grammar_triggers=triggers,
         grammar_param="grammar" if constraint is None else constraint.param,
     )
     if params.min_tokens > n_predict:
@@ -216,4 +250,11 @@ def parse_generation(
         raise bad_param(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop")
     stream = _boolean(merged, "stream", False)
     interval = _integer(merged, ("stream_interval",), default_stream_interval, 1, 4096)
-    return GenerationParams(n_predict=n_predict, sampling=params, stop=stop, stream=stream, stream_interval=interval)
+    return GenerationParams(
+        n_predict=n_predict,
+        sampling=params,
+        stop=stop,
+        stream=stream,
+        stream_interval=interval,
+        tools=tools,
+    )

@@ -2,14 +2,16 @@
 GPU worker (llama.cpp's grammar sampler), and the bounded cache of compiled grammars.
 
 The request side is pure: ``to_gbnf`` turns a JSON schema (llama-cpp-python's converter,
-pure Python), json_object mode (llama.cpp's JSON grammar) or GBNF text into the one GBNF
-string the parameters carry. ``GrammarCache.compile`` parses it with llama.cpp once (on the
-worker) and keeps the parsed grammar as a template; each request's sampler clones it, so
-the same schema twice is converted once and parsed once.
+pure Python), json_object mode (llama.cpp's JSON grammar), GBNF text or a request's tools
+(their calls in the template's tool format, with lazy triggers for tool_choice "auto") into
+the one GBNF string (and triggers) the parameters carry. ``GrammarCache.compile`` parses it
+with llama.cpp once (on the worker) and keeps the parsed grammar as a template; each
+request's sampler clones it, so the same schema twice is converted once and parsed once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -25,23 +27,126 @@ import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from ..params import Constraint, ParamError, bad_param
+from ..toolcalls import CALL_PREFIX, GENERIC, ToolFormat, Trigger
+from ..tools import ToolRequest
 
 MAX_GBNF_CHARS = 256 * 1024  # llama.cpp parses grammars recursively: bound what it is given
 # Parentheses deep: llama.cpp's parser recurses once per level and a grammar nested ~100k
 # deep overflows the worker's stack (the process dies); 10k parsed fine when measured.
 MAX_GBNF_NESTING = 1000
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per model
+MAX_PARALLEL_CALLS = 8  # calls one reply's tool grammar allows with parallel_tool_calls
 _JSON_OBJECT_GBNF = JSON_GBNF.strip() + "\n"
 
 
-def constraint_gbnf(constraint: Constraint) -> str:
-    """The GBNF a request's output constraint stands for (parse_generation's ``to_gbnf``).
-    Pure Python, on the request's own thread; a 400 naming the problem."""
+Triggers = tuple[str, ...]  # a lazy grammar's trigger patterns; (): a grammar from the first token
+
+
+def constraint_gbnf(constraint: Constraint, tool_format: ToolFormat = GENERIC) -> tuple[str, Triggers]:
+    """The GBNF a request's output constraint stands for, and its lazy triggers
+    (parse_generation's ``to_gbnf``); ``tool_format``: how the chat template writes tool
+    calls. Pure Python, on the request's own thread; a 400 naming the problem."""
     if constraint.kind == "json_object":
-        return _JSON_OBJECT_GBNF  # any JSON object: llama.cpp's grammars/json.gbnf
+        return _JSON_OBJECT_GBNF, ()  # any JSON object: llama.cpp's grammars/json.gbnf
     if constraint.kind == "json_schema":
-        return schema_gbnf(constraint.value, constraint.param)
-    return check_gbnf(constraint.value, constraint.param)
+        return schema_gbnf(constraint.value, constraint.param), ()
+    if constraint.kind == "tools":
+        return tools_gbnf(constraint.value, tool_format)
+    return check_gbnf(constraint.value, constraint.param), ()
+
+
+def tools_gbnf(request: ToolRequest, fmt: ToolFormat) -> tuple[str, Triggers]:
+    """The grammar of a reply's tool calls in ``fmt``, and its lazy triggers.
+
+    One call is ``{"name": "N", "<args>": ARGS}`` for any callable tool (only the named one
+    for a named function), ARGS its parameters schema's grammar. Each schema is converted on
+    its own (its ``$ref``s point into its own document; an error names its tool) and its
+    rules renamed apart. ``required`` and a named function: the reply is the calls (no
+    triggers). ``auto``: lazy, free text until the model writes a trigger (see
+    ``trigger_pattern``). parallel: 1..MAX_PARALLEL_CALLS calls, else exactly one."""
+    rules: list[str] = []
+    calls: list[str] = []
+    for i, tool in enumerate(request.tools):
+        if tool not in request.callable:
+            continue
+        schema = schema_gbnf(tool.parameters, f"tools[{i}].function.parameters")
+        rules.append(_renamed(schema, f"t{i}-"))
+        head = f'{CALL_PREFIX}{tool.name}", "{fmt.args_key}": '
+        calls.append(f"{_literal(head)} t{i}-root {_literal('}')}")
+    block = " ".join(x for x in (_literal(fmt.call_open), "call", _literal(fmt.call_close)) if x)
+    between = _literal(fmt.between)
+    more = f" ({between + ' ' if between else ''}call-block){{0,{MAX_PARALLEL_CALLS - 1}}}" if request.parallel else ""
+    before = _literal(fmt.before)
+    if before and fmt.before_optional:
+        before = f"({before})?"
+    root = " ".join(x for x in (before, f"call-block{more}", _literal(fmt.after)) if x)
+    gbnf = "\n".join([f"root ::= {root}", f"call-block ::= {block}", f"call ::= {' | '.join(calls)}", *rules])
+    if len(gbnf) > MAX_GBNF_CHARS:
+        raise bad_param(f"tools: the tools' grammar is over {MAX_GBNF_CHARS} characters", "tools")
+    triggers = tuple(trigger_pattern(t) for t in fmt.triggers) if request.choice == "auto" else ()
+    return gbnf, triggers
+
+
+def trigger_pattern(trigger: Trigger) -> str:
+    """A lazy grammar's trigger as llama.cpp's pattern (an ECMAScript std::regex).
+
+    llama.cpp (llama-grammar.cpp, ``llama_grammar_accept_impl``) appends each accepted
+    token's text to a buffer of everything generated while the grammar waits, searches each
+    pattern in that whole buffer after every token (``regex_match`` of the whole buffer for a
+    ``^...$`` pattern), and on a match feeds the grammar the buffer from the first non-empty
+    capture group on, the start of the token it falls in included. So a trigger written over
+    several tokens triggers once its last piece is accepted. Text fed that the grammar
+    refuses makes llama.cpp throw, which aborts the process; so the pattern matches only at
+    the buffer's end and only the trigger followed by a beginning of the fixed text the
+    grammar writes after it: exactly what is fed is then a beginning of the grammar. (A
+    token that carries the trigger and other text leaves the grammar waiting: that reply
+    is unconstrained, and its calls are parsed as written.)"""
+    tail = ""
+    for c in reversed(trigger.then):
+        tail = f"(?:{_regex_literal(c)}{tail})?"
+    body = _regex_literal(trigger.text) + tail
+    return f"^\\s*({body})$" if trigger.at_start else f"({body})$"
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex matching it, the same in ECMAScript and Python."""
+    return "".join("\\n" if c == "\n" else "\\" + c if c in "\\^$.*+?()[]{}|/" else c for c in text)
+
+
+def _literal(text: str) -> str:
+    """``text`` as a GBNF string literal ("" for none): JSON's escapes are GBNF's."""
+    return json.dumps(text) if text else ""
+
+
+def _renamed(gbnf: str, prefix: str) -> str:
+    """``gbnf`` with every rule name prefixed: names are runs of GBNF's word characters
+    outside string literals, character classes, repetition counts and comments."""
+    out: list[str] = []
+    i, n = 0, len(gbnf)
+    while i < n:
+        c = gbnf[i]
+        if c in "\"[{":
+            close = {'"': '"', "[": "]", "{": "}"}[c]
+            j = i + 1
+            while j < n and gbnf[j] != close:
+                j += 2 if gbnf[j] == "\\" else 1
+            out.append(gbnf[i:j + 1])
+            i = j + 1
+        elif c == "#":
+            j = gbnf.find("\n", i)
+            j = n if j < 0 else j
+            out.append(gbnf[i:j])
+            i = j
+        elif c.isascii() and (c.isalnum() or c == "-"):
+            j = i
+            while j < n and gbnf[j].isascii() and (gbnf[j].isalnum() or gbnf[j] == "-"):
+                j += 1
+            out.append(prefix + gbnf[i:j])
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 def schema_gbnf(schema: Any, param: str) -> str:
@@ -68,6 +173,10 @@ _UNENFORCED = frozenset({
 })
 _CONVERTER_CHAR, _JSON_CHAR = r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |'
 _CONVERTER_DOT, _JSON_DOT = r"dot ::= [^\x0A\x0D]", r"dot ::= [^\x00-\x1F\x7F]"
+# The converter's exponent takes 16 digits: 1e548 is JSON text, but no float (Python reads it
+# as inf, strict JSON refuses it, and a tool call's arguments could not be written back).
+# Two digits keep every number the grammar allows finite (16-digit mantissa, e99 at most).
+_CONVERTER_EXP, _FINITE_EXP = "([eE] [-+]? integral-part)?", "([eE] [-+]? [0-9] [0-9]?)?"
 MAX_INT_RANGE = 256  # a closed integer range up to this many values becomes an enum
 
 
@@ -127,7 +236,7 @@ def _schema_gbnf(text: str, param: str) -> str:
         raise bad_param(f"{param}: cannot convert the schema to a grammar: {exc or type(exc).__name__}", param) from None
     # This converter's string characters admit raw control characters, which JSON forbids in
     # a string (llama.cpp's own converter and json.gbnf exclude them): excluded here too.
-    gbnf = gbnf.replace(_CONVERTER_CHAR, _JSON_CHAR).replace(_CONVERTER_DOT, _JSON_DOT)
+    gbnf = gbnf.replace(_CONVERTER_CHAR, _JSON_CHAR).replace(_CONVERTER_DOT, _JSON_DOT).replace(_CONVERTER_EXP, _FINITE_EXP)
     # The converter nests a bounded repetition one level per item (maxLength, maxItems).
     if len(gbnf) > MAX_GBNF_CHARS or _nesting(gbnf) > MAX_GBNF_NESTING:
         raise bad_param(
@@ -181,45 +290,57 @@ class GrammarError(ParamError):
 
 class GrammarCache:
     """Compiled grammars of one model's vocabulary, most recently used kept (a bounded LRU
-    keyed by the GBNF text). ``compile`` and ``new_state`` run on the GPU worker only;
-    ``known`` may be asked from any thread (one dict lookup)."""
+    keyed by the GBNF text and the lazy triggers). ``compile`` and ``new_state`` run on the
+    GPU worker only; ``known`` may be asked from any thread (one dict lookup)."""
 
     def __init__(self, vocab: Any, pieces: list[bytes], capacity: int = GRAMMAR_CACHE_SIZE) -> None:
         self._vocab = vocab
         self.pieces = pieces  # each token's bytes: constrained text is also kept valid UTF-8
         self._capacity = capacity
-        self._templates: OrderedDict[str, _Template] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, Triggers], _Template] = OrderedDict()
         self.compiles = 0  # llama.cpp parses done (a test counts them)
 
-    def known(self, gbnf: str) -> bool:
-        return gbnf in self._templates
+    def known(self, gbnf: str, triggers: Triggers = ()) -> bool:
+        return (gbnf, triggers) in self._templates
 
-    def compile(self, gbnf: str, param: str = "grammar") -> None:
+    def compile(self, gbnf: str, param: str = "grammar", triggers: Triggers = ()) -> None:
         """Parse ``gbnf`` with llama.cpp and keep it; a GrammarError naming what llama.cpp
-        said when it cannot parse it. Worker only."""
-        self._template(gbnf, param)
+        said when it cannot parse it. ``triggers``: a lazy grammar's patterns
+        (``trigger_pattern``). Worker only."""
+        self._template(gbnf, triggers, param)
 
-    def new_state(self, gbnf: str) -> llama_cpp.llama_sampler_p:
+    def new_state(self, gbnf: str, triggers: Triggers = ()) -> llama_cpp.llama_sampler_p:
         """A fresh grammar sampler for one request (the caller frees it). Worker only."""
-        state = llama_cpp.llama_sampler_clone(self._template(gbnf, "grammar").ptr)
+        state = llama_cpp.llama_sampler_clone(self._template(gbnf, triggers, "grammar").ptr)
         if not state:
             raise RuntimeError("llama.cpp could not clone a grammar sampler")
         return state
 
-    def _template(self, gbnf: str, param: str) -> _Template:
-        template = self._templates.get(gbnf)
+    def _template(self, gbnf: str, triggers: Triggers, param: str) -> _Template:
+        key = (gbnf, triggers)
+        template = self._templates.get(key)
         if template is not None:
-            self._templates.move_to_end(gbnf)
+            self._templates.move_to_end(key)
             return template
-        ptr, said = _with_stderr(lambda: llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root"), gbnf)
+        ptr, said = _with_stderr(lambda: self._init(gbnf, triggers), gbnf)
         self.compiles += 1
         if not ptr:
             raise GrammarError(f"{param}: llama.cpp cannot parse the grammar: {_problem(said)}", param)
         template = _Template(ptr)
-        self._templates[gbnf] = template
+        self._templates[key] = template
         while len(self._templates) > self._capacity:
             self._templates.popitem(last=False)  # freed once no sampler still clones from it
         return template
+
+    def _init(self, gbnf: str, triggers: Triggers) -> llama_cpp.llama_sampler_p:
+        if not triggers:
+            return llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
+        # Lazy: the grammar passes every token until a pattern matches (llama.cpp compiles
+        # each as a std::regex; ours come from trigger_pattern only, never from a request).
+        patterns = (ctypes.c_char_p * len(triggers))(*(t.encode() for t in triggers))
+        return llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+            self._vocab, gbnf.encode(), b"root", patterns, len(triggers), None, 0
+        )
 
 
 class _Template:

@@ -150,7 +150,7 @@ class Sampler:
             raise RuntimeError("sampler already closed")
         if self._grammar is None:
             assert self._grammars is not None and self.params.grammar is not None
-            self._grammar = self._grammars.new_state(self.params.grammar)
+            self._grammar = self._grammars.new_state(self.params.grammar, self.params.grammar_triggers)
         return self._grammar
 
     def _allows(self, token: int) -> bool:

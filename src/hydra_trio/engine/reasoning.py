@@ -1,0 +1,85 @@
+"""A reply's reasoning: the text between ``<think>`` and ``</think>`` split from its content,
+incrementally (streamed pieces give exactly what the whole reply gives). Pure."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def partial_suffix(text: str, *marks: str) -> int:
+    """The length of the longest end of ``text`` that is a proper beginning of one of
+    ``marks``: what must be held back because the next piece may complete the mark."""
+    best = 0
+    for mark in marks:
+        for n in range(min(len(mark) - 1, len(text)), best, -1):
+            if text.endswith(mark[:n]):
+                best = n
+                break
+    return best
+
+
+class ThinkSplitter:
+    """Splits a reply into (reasoning, content). A reply that opens (after whitespace) with
+    ``<think>``, or one whose prompt ended inside an open think block, has its text up to
+    ``</think>`` as reasoning, without the tags and one newline on each side; the content
+    after it starts at its first non-whitespace character."""
+
+    def __init__(self, *, starts_in_reasoning: bool = False) -> None:
+        self._state: Literal["start", "think", "after", "content"] = "think" if starts_in_reasoning else "start"
+        self._buf = ""
+        self._first = True  # no reasoning emitted yet: its one leading newline is dropped
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) releasable after ``text``."""
+        self._buf += text
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._buf:
+            buf = self._buf
+            if self._state == "start":
+                lead = buf.lstrip()
+                if lead.startswith(OPEN):
+                    self._state, self._buf = "think", lead[len(OPEN):]
+                elif OPEN.startswith(lead):
+                    break  # whitespace, or the start of the tag: wait for more
+                else:
+                    self._state = "content"
+            elif self._state == "think":
+                end = buf.find(CLOSE)
+                if end >= 0:
+                    said = buf[:end]
+                    reasoning.append(self._reasoning(said[:-1] if said.endswith("\n") else said))
+                    self._state, self._buf = "after", buf[end + len(CLOSE):]
+                else:
+                    keep = partial_suffix(buf, "\n" + CLOSE, CLOSE)
+                    reasoning.append(self._reasoning(buf[: len(buf) - keep]))
+                    self._buf = buf[len(buf) - keep:]
+                    break
+            elif self._state == "after":
+                lead = buf.lstrip()
+                self._buf = lead
+                if not lead:
+                    break
+                self._state = "content"
+            else:
+                content.append(buf)
+                self._buf = ""
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is held at the reply's end: an unclosed think block's text is reasoning; a
+        reply that was only whitespace or the start of the tag is content."""
+        buf, self._buf = self._buf, ""
+        if self._state == "think":
+            return self._reasoning(buf), ""
+        if self._state == "after":
+            return "", ""
+        return "", buf
+
+    def _reasoning(self, text: str) -> str:
+        if text and self._first:
+            self._first = False
+            return text[1:] if text.startswith("\n") else text
+        return text

@@ -1,0 +1,417 @@
+"""Tool calls in a model's reply: the formats models write them in, and the one incremental
+parser that turns streamed text into content, reasoning and whole calls. Pure.
+
+A ToolFormat is the one home of a format's syntax: ReplyParser reads its markers, and
+llama/grammar.py's ``tools_gbnf`` writes its GBNF and lazy triggers from the same fields,
+so what the grammar makes a model write is what the parser takes as a call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..wire.errors import ProtocolError
+from ..wire.jsontext import parse_json
+from .reasoning import ThinkSplitter, partial_suffix
+from .tools import ToolRequest
+
+# How the grammar writes a call's JSON, up to the tool's name: ``{"name": "N", "<args>": {...}}``
+# (the spacing of the models' own examples). A lazy trigger may land inside this text.
+CALL_PREFIX = '{"name": "'
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A literal whose appearance in the reply starts the tool grammar (``auto``)."""
+
+    text: str
+    at_start: bool  # only as the reply's first non-whitespace text
+    then: str  # the fixed text the grammar writes right after it
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str  # hermes | llama3 | mistral | generic
+    args_key: str  # the call object's key for the arguments
+    # What the parser looks for:
+    opener: str = ""  # a literal that starts calls anywhere in the text ("": none)
+    closer: str = ""  # a literal after each call's JSON
+    at_start: bool = False  # a JSON object opening the reply is a call (or the calls' object)
+    listed: bool = False  # after the opener, the calls are one JSON array
+    list_key: str = ""  # the calls are this key's array of one JSON object (generic)
+    separator: str = ""  # between one call's JSON and the next (llama3's ";")
+    # What the grammar writes: before all calls, around each, between two, after all.
+    before: str = ""
+    before_optional: bool = False
+    call_open: str = ""
+    call_close: str = ""
+    between: str = ""
+    after: str = ""
+    triggers: tuple[Trigger, ...] = ()
+
+
+HERMES = ToolFormat(
+    "hermes",
+    "arguments",
+    opener="<tool_call>",
+    closer="</tool_call>",
+    call_open="<tool_call>\n",
+    call_close="\n</tool_call>",
+    between="\n",
+    triggers=(Trigger("<tool_call>", False, "\n" + CALL_PREFIX),),
+)
+LLAMA3 = ToolFormat(
+    "llama3",
+    "parameters",
+    opener="<|python_tag|>",
+    at_start=True,
+    separator=";",
+    before="<|python_tag|>",
+    before_optional=True,
+    between="; ",
+    triggers=(Trigger("<|python_tag|>", False, CALL_PREFIX), Trigger('{"name"', True, CALL_PREFIX[len('{"name"'):])),
+)
+MISTRAL = ToolFormat(
+    "mistral",
+    "arguments",
+    opener="[TOOL_CALLS]",
+    listed=True,
+    before="[TOOL_CALLS][",
+    between=", ",
+    after="]",
+    triggers=(Trigger("[TOOL_CALLS]", False, "[" + CALL_PREFIX),),
+)
+GENERIC = ToolFormat(
+    "generic",
+    "arguments",
+    at_start=True,
+    list_key="tool_calls",
+    before='{"tool_calls": [',
+    between=", ",
+    after="]}",
+    triggers=(Trigger('{"tool_calls"', True, ": [" + CALL_PREFIX),),
+)
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GENERIC)}
+
+
+def detect_format(template_source: str | None) -> ToolFormat:
+    """The tool format a Jinja chat template writes calls in (generic: it has no syntax)."""
+    src = template_source or ""
+    if "<tool_call>" in src:
+        return HERMES
+    if "[TOOL_CALLS]" in src:
+        return MISTRAL
+    if "<|python_tag|>" in src or ("ipython" in src and "parameters" in src):
+        return LLAMA3
+    return GENERIC
+
+
+def template_renders_tools(source: str | None) -> bool:
+    """Whether a chat template reads ``tools`` (else the renderer describes them itself,
+    with ``tools_system_prompt``)."""
+    return source is not None and re.search(r"\btools\b", source) is not None
+
+
+def tools_system_prompt(req: ToolRequest) -> str:
+    """A system message describing the tools and the generic reply form, for templates with
+    no tool syntax (as llama.cpp's generic handler does)."""
+    tools = [
+        {"name": t.name, **({"description": t.description} if t.description else {}), "parameters": t.parameters}
+        for t in req.callable
+    ]
+    form = '{"tool_calls": [{"name": "<tool name>", "arguments": {<the arguments, a JSON object>}}]}'
+    if req.choice == "function":
+        must = f"You must call {req.function}."
+    elif req.choice == "required":
+        must = "You must call at least one tool."
+    else:
+        must = "If no tool is needed, reply in plain text instead."
+    many = "The list may hold several calls." if req.parallel else "Call one tool at a time: the list holds one call."
+    return (
+        "You can call the following tools; each one's parameters are a JSON schema:\n"
+        + json.dumps(tools, indent=2, ensure_ascii=False)
+        + f"\n\nTo call tools, reply with this JSON object and nothing else:\n{form}\n{many} {must}"
+    )
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    index: int  # the call's place among the reply's calls, from 0
+    id: str
+    name: str
+    arguments: str  # the arguments object as compact JSON text (dump_arguments)
+
+
+def dump_arguments(value: dict[str, Any]) -> str:
+    """The one spelling of a call's arguments."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass
+class ReplyDelta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class _JsonEnd:
+    """Where a JSON object or array that starts at ``start`` ends, found incrementally (the
+    text only grows while a call streams in, so each character is scanned once)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self._pos = start
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._end: int | None = None
+
+    def end(self, text: str) -> int | None:
+        if self._end is not None:
+            return self._end
+        for k in range(self._pos, len(text)):
+            c = text[k]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._end = k + 1
+                    return self._end
+        self._pos = len(text)
+        return None
+
+
+class _CallScanner:
+    """Content text -> (content, calls) for one format."""
+
+    def __init__(self, fmt: ToolFormat, names: frozenset[str] | None, new_id: Callable[[], str]) -> None:
+        self._fmt = fmt
+        self._names = names
+        self._new_id = new_id
+        self._buf = ""  # text not decided yet: a possible marker's start, or an open call
+        self._ws = ""  # whitespace held: dropped when a call comes next to it
+        self._after_call = False  # the last thing decided was a call
+        self._seen_text = False  # content other than whitespace was released
+        self._json: _JsonEnd | None = None  # the open region's JSON scan
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        out: list[str] = []
+        new: list[ToolCall] = []
+        while self._buf:
+            start, marker = self._find_start(final)
+            self._text(self._buf[:start], out)
+            self._buf = self._buf[start:]
+            if marker is None:
+                if final:
+                    self._text(self._buf, out)
+                    self._buf = ""
+                break
+            outcome = self._region(marker)
+            if outcome is None:  # the region is still open
+                if final:
+                    self._text(self._buf, out)
+                    self._buf, self._json = "", None
+                break
+            end, calls = outcome
+            self._json = None
+            if calls:
+                self._ws, self._after_call = "", True
+                new.extend(calls)
+                self.calls.extend(calls)
+            else:
+                self._text(self._buf[:end], out)
+            self._buf = self._buf[end:]
+        if final and not self._after_call:
+            out.append(self._ws)
+            self._ws = ""
+        return "".join(out), new
+
+    def _find_start(self, final: bool) -> tuple[int, int | None]:
+        """(i, marker length) when a region starts at ``self._buf[i]``; (i, None) when no
+        region starts in the text and ``self._buf[:i]`` is plain text (the rest is held)."""
+        fmt, buf = self._fmt, self._buf
+        if self._json is not None:
+            return 0, 0  # an open region: always at the buffer's start, its marker passed
+        j = len(buf) - len(buf.lstrip())
+        if j < len(buf):
+            c = buf[j]
+            if fmt.at_start and c == "{" and not self._seen_text and not self.calls:
+                return j, 0
+            if fmt.separator and self._after_call and buf.startswith(fmt.separator, j):
+                return j, len(fmt.separator)
+        if fmt.opener:
+            k = buf.find(fmt.opener)
+            if k >= 0:
+                return k, len(fmt.opener)
+            if not final:
+                return len(buf) - partial_suffix(buf, fmt.opener), None
+        return len(buf), None
+
+    def _region(self, marker: int) -> tuple[int, list[ToolCall]] | None:
+        """A region at the buffer's start whose marker is ``marker`` characters: None while
+        it is open; else (its end, its calls), no calls when it is not a valid call (its
+        text up to the end is then content)."""
+        fmt, buf = self._fmt, self._buf
+        if self._json is None:
+            j = marker
+            while j < len(buf) and buf[j].isspace():
+                j += 1
+            if j == len(buf):
+                return None
+            if buf[j] != ("[" if fmt.listed else "{"):
+                return max(marker, 1), []  # the marker alone: content
+            self._json = _JsonEnd(j)
+        end = self._json.end(buf)
+        if end is None:
+            return None
+        value_text = buf[self._json.start:end]
+        if fmt.closer:
+            k = end
+            while k < len(buf) and buf[k].isspace():
+                k += 1
+            rest = buf[k:k + len(fmt.closer)]
+            if len(rest) < len(fmt.closer) and fmt.closer.startswith(rest):
+                return None
+            if rest != fmt.closer:
+                return end, []
+            end = k + len(fmt.closer)
+        return end, self._calls_of(value_text)
+
+    def _calls_of(self, text: str) -> list[ToolCall]:
+        """The calls a region's JSON holds; none unless every one is a valid call."""
+        try:
+            value = parse_json(text.encode("utf-8", "surrogatepass"), "tool call")
+        except (ProtocolError, UnicodeError):
+            return []
+        fmt = self._fmt
+        if fmt.list_key:
+            value = value.get(fmt.list_key) if isinstance(value, dict) and len(value) == 1 else None
+        items = value if fmt.listed or fmt.list_key else [value]
+        if not isinstance(items, list) or not items:
+            return []
+        found: list[tuple[str, dict[str, Any]]] = []
+        for item in items:
+            if not isinstance(item, dict):
+                return []
+            name = item.get("name")
+            args = item.get(fmt.args_key, item.get("arguments" if fmt.args_key != "arguments" else "parameters"))
+            if not isinstance(name, str) or not isinstance(args, dict):
+                return []
+            if self._names is not None and name not in self._names:
+                return []
+            found.append((name, args))
+        base = len(self.calls)
+        return [ToolCall(base + i, self._new_id(), name, dump_arguments(args)) for i, (name, args) in enumerate(found)]
+
+    def _text(self, text: str, out: list[str]) -> None:
+        """Release ``text`` as content, holding its trailing whitespace: whitespace next to a
+        call is dropped, any other is released with the text after it (or at the end)."""
+        if not text:
+            return
+        core = text.strip()
+        if not core:
+            self._ws += text
+            return
+        lead = len(text) - len(text.lstrip())
+        if not self._after_call:
+            out.append(self._ws + text[:lead])
+        out.append(core)
+        self._ws = text[lead + len(core):]
+        self._after_call = False
+        self._seen_text = True
+
+
+class ReplyParser:
+    """One reply's text, fed piece by piece as it streams, split into content, reasoning and
+    tool calls. Only text that may still be part of a marker, an open call or a think tag is
+    held back; ``finish`` releases it (an unfinished call is content, as llama-server does).
+    The deltas of any split of a reply join to exactly what ``parse_reply`` gives for it.
+
+    ``tools``: the declared tools (a call naming another is content); None: any name."""
+
+    def __init__(
+        self,
+        fmt: ToolFormat | None,
+        *,
+        parse_tools: bool,
+        reasoning: bool,
+        starts_in_reasoning: bool = False,
+        tools: ToolRequest | None = None,
+        new_id: Callable[[], str] = new_call_id,
+    ) -> None:
+        self._think = ThinkSplitter(starts_in_reasoning=starts_in_reasoning) if reasoning else None
+        names = None if tools is None else frozenset(t.name for t in tools.callable)
+        self._scanner = _CallScanner(fmt or GENERIC, names, new_id) if parse_tools else None
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+
+    def feed(self, text: str) -> ReplyDelta:
+        return self._step(text, final=False)
+
+    def finish(self) -> ReplyDelta:
+        return self._step("", final=True)
+
+    def _step(self, text: str, *, final: bool) -> ReplyDelta:
+        reasoning = ""
+        if self._think is not None:
+            reasoning, text = self._think.feed(text)
+            if final:
+                more_reasoning, more = self._think.finish()
+                reasoning, text = reasoning + more_reasoning, text + more
+        calls: list[ToolCall] = []
+        if self._scanner is not None:
+            text, calls = self._scanner.feed(text, final=final)
+        self._content.append(text)
+        self._reasoning.append(reasoning)
+        return ReplyDelta(content=text, reasoning=reasoning, tool_calls=calls)
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return list(self._scanner.calls) if self._scanner is not None else []
+
+
+def parse_reply(
+    text: str,
+    fmt: ToolFormat | None,
+    *,
+    parse_tools: bool,
+    reasoning: bool,
+    starts_in_reasoning: bool = False,
+    tools: ToolRequest | None = None,
+    new_id: Callable[[], str] = new_call_id,
+) -> ReplyDelta:
+    """A whole (non-streamed) reply: one feed and the finish."""
+    parser = ReplyParser(
+        fmt, parse_tools=parse_tools, reasoning=reasoning, starts_in_reasoning=starts_in_reasoning, tools=tools, new_id=new_id
+    )
+    first, last = parser.feed(text), parser.finish()
+    return ReplyDelta(first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls)

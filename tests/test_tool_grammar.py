@@ -1,0 +1,211 @@
+"""Tool-call grammars at the engine level (no HTTP): on the random-weight tiny model, a reply
+under tool_choice "required" or a named function, greedy and sampled, is always calls of a
+declared tool whose arguments validate against its parameters, in every format; "auto" is a
+lazy grammar that waits for its trigger, however many tokens the trigger takes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from hydra_trio.engine.llama.grammar import tools_gbnf, trigger_pattern
+from hydra_trio.engine.llama.sampling import Sampler
+from hydra_trio.engine.params import ParamError, SamplingParams
+from hydra_trio.engine.toolcalls import FORMATS, GENERIC, HERMES, ToolFormat, parse_reply
+from hydra_trio.engine.tools import ToolRequest, parse_tools
+from test_grammar import object_schemas
+
+SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+MAX_TOKENS = 1500
+
+
+async def _discard(_text: str) -> None:
+    return None
+
+
+async def generate(engine: Any, body: dict[str, Any], prompt: str = "call a tool") -> tuple[str, str]:
+    """(text, stop_type) of one generation through the engine's own path."""
+    params = engine.inputs.generation_params(body)
+    await engine.inputs.compile_grammar(params)
+    tokens = await engine.inputs.tokenize_text(prompt)
+    slot = await engine.scheduler.claim_for_prompt(tokens, "test", None)
+    try:
+        res = await engine.generate(slot.id, tokens, params, _discard)
+    finally:
+        engine.release(slot)
+    return res.text, res.stop_type
+
+
+def tools_body(schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": f"tool_{i}", "parameters": s}} for i, s in enumerate(schemas)]
+
+
+def check_calls(text: str, fmt: ToolFormat, req: ToolRequest, *, exactly_one: bool) -> None:
+    reply = parse_reply(text, fmt, parse_tools=True, reasoning=False, tools=req)
+    assert reply.tool_calls, (fmt.name, text)
+    assert reply.content == "", (fmt.name, text)
+    if exactly_one:
+        assert len(reply.tool_calls) == 1, text
+    for call in reply.tool_calls:
+        tool = req.tool(call.name)
+        assert tool is not None and tool in req.callable, call
+        jsonschema.validate(json.loads(call.arguments), tool.parameters)
+
+
+async def test_required_and_named_calls_validate_in_every_format(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model, slots=1)
+    engine = ep.state.engine
+    cases: list[tuple[list[dict[str, Any]], Any, bool]] = []
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @seed(31)
+    @given(
+        schemas=st.lists(object_schemas(), min_size=1, max_size=3),
+        named=st.booleans(),
+        parallel=st.booleans(),
+    )
+    def collect(schemas: list[dict[str, Any]], named: bool, parallel: bool) -> None:
+        choice = {"type": "function", "function": {"name": f"tool_{len(schemas) - 1}"}} if named else "required"
+        cases.append((schemas, choice, parallel))
+
+    collect()
+    seen = 0
+    for fmt in FORMATS.values():
+        engine.inputs.tool_format = fmt
+        for n, (schemas, choice, parallel) in enumerate(cases):
+            body = {"tools": tools_body(schemas), "tool_choice": choice, "parallel_tool_calls": parallel, "max_tokens": MAX_TOKENS}
+            req = parse_tools(body)
+            assert req is not None
+            for sampling in ({"temperature": 0}, {**SAMPLED, "seed": n}):
+                text, stop = await generate(engine, {**body, **sampling})
+                assert stop == "eos", (fmt.name, text)
+                check_calls(text, fmt, req, exactly_one=not parallel)
+                if choice != "required":
+                    assert {c.name for c in parse_reply(text, fmt, parse_tools=True, reasoning=False).tool_calls} == {req.function}
+                seen += 1
+    assert seen == 2 * len(FORMATS) * len(cases)
+
+
+async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
+    eng = engine.state.engine
+    body = {"tools": tools_body([{"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}]),
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200}
+    starts = {"hermes": '<tool_call>\n{"name": "tool_0", "arguments": ', "llama3": '{"name": "tool_0", "parameters": ',
+              "mistral": '[TOOL_CALLS][{"name": "tool_0", "arguments": ', "generic": '{"tool_calls": [{"name": "tool_0", "arguments": '}
+    for name, fmt in FORMATS.items():
+        eng.inputs.tool_format = fmt
+        text, _ = await generate(eng, body)
+        # llama3's <|python_tag|> is optional: the reply may or may not carry it.
+        assert text.removeprefix("<|python_tag|>").startswith(starts[name]), (name, text)
+
+
+async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
+    eng = engine.state.engine
+    grammars = eng.backend.grammars
+    eng.inputs.tool_format = HERMES
+    body = {"tools": tools_body([{"type": "object", "properties": {"n": {"type": "integer"}}}]), "max_tokens": 24}
+    params = eng.inputs.generation_params(body)
+    assert params.sampling.grammar is not None and params.sampling.grammar_triggers
+    before = grammars.compiles
+    free = []
+    for _ in range(2):
+        await eng.inputs.compile_grammar(eng.inputs.generation_params(body))
+        free.append(await generate(eng, body))
+    assert grammars.compiles == before + 1
+    assert grammars.known(params.sampling.grammar, params.sampling.grammar_triggers)
+    assert not grammars.known(params.sampling.grammar)  # the same GBNF, not lazy: another grammar
+    # Untriggered, the lazy grammar constrains nothing (but valid UTF-8, which the Sampler
+    # keeps under any grammar): this model writes no trigger, so the reply is free text.
+    assert free[0] == free[1] and free[0][1] == "limit"
+    assert "\ufffd" not in free[0][0] and "<tool_call>" not in free[0][0]
+    reply = parse_reply(free[0][0], HERMES, parse_tools=True, reasoning=False, tools=parse_tools(body))
+    assert reply.content == free[0][0] and reply.tool_calls == []
+
+
+TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i in range(len(fmt.triggers))]
+
+
+@pytest.mark.parametrize(("fmt_name", "which"), TRIGGERS, ids=[f"{n}-{i}" for n, i in TRIGGERS])
+async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(engine: Any, fmt_name: str, which: int) -> None:
+    """Drive a Sampler token by token (logits that favour one token each time): free text
+    first, then the trigger, a piece at a time; from then on the grammar holds, so a token
+    it refuses is replaced by one it allows."""
+    eng = engine.state.engine
+    backend = eng.backend
+    fmt = FORMATS[fmt_name]
+    req = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
+    assert req is not None
+    gbnf, triggers = tools_gbnf(req, fmt)
+    trigger = fmt.triggers[which]
+    lead = "" if trigger.at_start else "Hello there "
+
+    def run() -> tuple[str, str]:
+        backend.grammars.compile(gbnf, "tools", triggers)
+        sampler = Sampler(SamplingParams(grammar=gbnf, grammar_triggers=triggers), grammars=backend.grammars)
+        eog = np.fromiter(sorted(backend.eog_ids), dtype=np.intp)
+        n_vocab = backend.info.n_vocab
+        out = bytearray()
+        try:
+            want = backend.tokenize(lead + trigger.text, add_special=False, parse_special=False)
+            assert len(want) > 2  # the trigger takes several tokens in this vocabulary
+            for token in want:
+                logits = np.zeros(n_vocab, dtype=np.float32)
+                logits[token] = 10.0
+                assert sampler.sample(logits, eog) == token  # before and at the trigger: anything goes
+                out += backend.token_bytes(token)
+            # Now constrained: the token the logits favour ("Z") is refused for what the
+            # grammar allows, and greedy picks follow the grammar to the call's start.
+            forced = backend.tokenize("Z", add_special=False, parse_special=False)[-1]
+            for _ in range(len(trigger.then) + 3):
+                logits = np.zeros(n_vocab, dtype=np.float32)
+                logits[forced] = 10.0
+                token = sampler.sample(logits, eog)
+                assert token != forced
+                out += backend.token_bytes(token)
+        finally:
+            backend.retire(sampler)
+        return out.decode(), trigger.text
+
+    text, trig = await eng.worker.call(run)
+    after = text[text.index(trig) + len(trig):]
+    expected = trigger.then + "tool_0"
+    assert (after.startswith(expected) or expected.startswith(after)), (fmt_name, text)
+
+
+def test_trigger_patterns_match_only_at_the_end_and_at_the_start_when_asked() -> None:
+    """What llama.cpp searches after each token (its std::regex ECMAScript; these patterns
+    use only what Python's re reads the same): the trigger, then a beginning of what the
+    grammar writes after it, at the end of the text so far, from the capture group on."""
+    hermes = trigger_pattern(HERMES.triggers[0])
+    for text, fed in [("Hi <tool_call>", "<tool_call>"), ("<tool_call>\n{", "<tool_call>\n{"), ("a<tool_call>\n{\"name\": \"", None)]:
+        m = re.search(hermes, text)
+        assert m is not None and m.group(1) == (fed or text[1:])
+    assert re.search(hermes, "<tool_call> {") is None  # not what the grammar writes: stays free
+    assert re.search(hermes, "<tool_call>\n{x") is None
+    generic = trigger_pattern(GENERIC.triggers[0])
+    assert generic.startswith("^") and generic.endswith("$")
+    assert re.fullmatch(generic, ' \n{"tool_calls"').group(1) == '{"tool_calls"'  # type: ignore[union-attr]
+    assert re.fullmatch(generic, 'x {"tool_calls"') is None
+
+
+async def test_a_schema_the_converter_refuses_names_its_tool(engine: Any) -> None:
+    eng = engine.state.engine
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}
+    body = {"tools": tools_body([{"type": "object"}, bad]), "tool_choice": "required"}
+    with pytest.raises(ParamError) as info:
+        eng.inputs.generation_params(body)
+    assert info.value.param == "tools[1].function.parameters" and "multipleOf" in info.value.message
+    # The named function's grammar converts only that tool's schema.
+    named = {**body, "tool_choice": {"type": "function", "function": {"name": "tool_0"}}}
+    assert eng.inputs.generation_params(named).sampling.grammar is not None
+    # tool_choice "none": no grammar at all, the tools still parsed.
+    none = eng.inputs.generation_params({**body, "tool_choice": "none"})
+    assert none.sampling.grammar is None and none.tools is not None
