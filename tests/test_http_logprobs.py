@@ -218,9 +218,8 @@ TEXT = "/v1/completions"
         (CHAT, {"messages": MESSAGES, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
         (CHAT, {"messages": MESSAGES, "logprobs": 3}, "logprobs"),
-        (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (CHAT, {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
-        (CHAT, {"messages": MESSAGES, "functions": [{"name": "f"}]}, "functions"),
+        (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
         (CHAT, {"messages": MESSAGES, "logit_bias": {"5": 10}}, "logit_bias"),
         (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
         (CHAT, {"messages": MESSAGES, "audio": {"voice": "x"}}, "audio"),

@@ -8,6 +8,7 @@ The synthetic model's weights are random, so the requests force what they check 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Literal
 
 import openai
@@ -15,8 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from helpers import MESSAGES
-
-from test_tools_http import PARAMS_OF, TOOLS
+from test_tools_http import PARAMS_OF, ROOMY, TOOLS
 
 
 class Forecast(BaseModel):
@@ -37,8 +37,8 @@ def client(ep: Any) -> openai.AsyncOpenAI:
 
 
 @pytest.fixture
-def sdk(engine: Any) -> openai.AsyncOpenAI:
-    return client(engine)
+async def sdk(start_engine: Any, tiny_model: Path) -> openai.AsyncOpenAI:
+    return client(await start_engine(tiny_model, **ROOMY))
 
 
 async def test_parse_with_a_pydantic_model(sdk: openai.AsyncOpenAI) -> None:
@@ -53,7 +53,7 @@ async def test_parse_with_a_pydantic_model(sdk: openai.AsyncOpenAI) -> None:
 
 async def test_tools_with_required_choice(sdk: openai.AsyncOpenAI) -> None:
     completion = await sdk.chat.completions.create(
-        model="any", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0  # type: ignore[arg-type]
+        model="any", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=1500, temperature=0  # type: ignore[arg-type]
     )
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -66,7 +66,7 @@ async def test_tools_with_required_choice(sdk: openai.AsyncOpenAI) -> None:
 async def test_streamed_tool_calls_through_the_sdk_accumulator(sdk: openai.AsyncOpenAI) -> None:
     async with sdk.chat.completions.stream(
         model="any", messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},  # type: ignore[arg-type]
-        max_tokens=120, temperature=0,
+        parallel_tool_calls=False, max_tokens=1500, temperature=0,
     ) as stream:
         async for _ in stream:
             pass
@@ -80,7 +80,7 @@ async def test_streamed_tool_calls_through_the_sdk_accumulator(sdk: openai.Async
 async def test_pydantic_function_tool_is_parsed_back(sdk: openai.AsyncOpenAI) -> None:
     completion = await sdk.chat.completions.parse(
         model="any", messages=MESSAGES, tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
-        max_tokens=120, temperature=0,
+        max_tokens=1500, temperature=0,
     )
     calls = completion.choices[0].message.tool_calls
     assert calls

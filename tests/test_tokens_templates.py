@@ -140,9 +140,15 @@ async def test_builtin_template_used_by_chat_prefill_and_decode(
             "name": "gemma",
             "source": "builtin",
         }
-        # Built-in templates render role/content only: tools need a Jinja template.
+        # Built-in templates render role/content only: tools are described in a system
+        # message (the generic format), which Gemma's turns fold into the first user turn.
         r = await c.post("/apply-template", json={"messages": MESSAGES, "tools": [{"type": "function"}]})
-        assert "tools need a Jinja chat template" in assert_openai_error(r, 400)["error"]["message"]
+        assert assert_openai_error(r, 400)["error"]["param"] == "tools[0].function"
+        tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+        r = await c.post("/apply-template", json={"messages": MESSAGES, "tools": [tool]})
+        assert r.status_code == 200, r.text
+        prompt = r.json()["prompt"]
+        assert prompt.startswith("<start_of_turn>user\nYou can call the following tools") and '"name": "lookup"' in prompt
     await _same_prompt_everywhere(ep, MESSAGES, GEMMA_HELLO)
 
 

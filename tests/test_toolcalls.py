@@ -25,7 +25,6 @@ from hydra_trio.engine.toolcalls import (
     ToolFormat,
     detect_format,
     parse_reply,
-    template_renders_tools,
     tools_system_prompt,
 )
 from hydra_trio.engine.tools import MAX_TOOLS, parse_tools
@@ -255,9 +254,6 @@ def test_detect_format_from_template_source() -> None:
     assert detect_format("{{ 'ipython' }} ... parameters") is LLAMA3
     assert detect_format("{{ messages }}") is GENERIC
     assert detect_format(None) is GENERIC
-    assert template_renders_tools("{%- if tools %}x{% endif %}")
-    assert not template_renders_tools("{{ messages }} toolsy")
-    assert not template_renders_tools(None)
 
 
 def test_the_generic_system_prompt_describes_tools_and_the_reply_form() -> None:

@@ -176,7 +176,7 @@ class DecodeManager:
             engine.release(slot)
             raise
         entry.task = task = OwnedTask(f"decode:{entry.id}")
-        entry.replies = engine.inputs.reply_parsers(request, prompt_text or "")
+        entry.replies = engine.inputs.reply_parsers(params, request, prompt_text or "")
         entry.metrics.kv_bytes = len(frame.kv)
         final, label = DecodeState.FAILED, None
         started: StartedDecode | None = None

@@ -10,7 +10,11 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..wire.errors import ErrorCode, ProtocolError, Status
-from .toolcalls import generic_calls_json, tools_system_prompt
+from .toolcalls import (
+    dump_arguments,
+    generic_calls_json,
+    tools_system_prompt,
+)
 from .tools import ToolRequest, parse_tools
 
 # Used when a GGUF carries no template: ChatML, the most common convention.
@@ -98,7 +102,7 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
             except ValueError:
                 raise ChatRequestError(f"{where}[{j}].function.arguments is not JSON text") from None
         elif isinstance(args, dict):
-            parsed, args = args, json.dumps(args, ensure_ascii=False)
+            parsed, args = args, dump_arguments(args)
         else:
             raise ChatRequestError(f"{where}[{j}].function.arguments must be a string of JSON")
         out.append({
@@ -108,12 +112,6 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
             "_arguments_object": parsed,
         })
     return out
-
-
-def template_renders_tools(template: str) -> bool:
-    """Whether a Jinja template prints the request's tools itself (else they are described
-    in a system message: ``tools_system_prompt``)."""
-    return "tools" in template
 
 
 def template_renders_tool_calls(template: str) -> bool:
@@ -127,10 +125,12 @@ def template_wants_object_arguments(template: str) -> bool:
     return "arguments|tojson" in compact or "arguments.items()" in compact
 
 
-def tool_messages(messages: list[dict[str, Any]], template: str | None, tools: ToolRequest | None) -> list[dict[str, Any]]:
-    """The messages a template renders when tools are in play: a template that does not
-    print the tools gets them described in a system message first (llama.cpp's generic
-    format); one that does not print earlier tool calls gets them as the generic JSON reply
+def tool_messages(
+    messages: list[dict[str, Any]], template: str | None, tools: ToolRequest | None, *, describe: bool
+) -> list[dict[str, Any]]:
+    """The messages a template renders when tools are in play: with ``describe`` the tools
+    and the generic reply form are described in a system message first (llama.cpp's generic
+    format); a template that does not print earlier tool calls gets them as the generic JSON reply
     in the assistant's content; arguments as the template wants them."""
     source = template or ""
     wants_object = template_wants_object_arguments(source)
@@ -153,7 +153,10 @@ def tool_messages(messages: list[dict[str, Any]], template: str | None, tools: T
                     [(c["function"]["name"], c["_arguments_object"]) for c in calls]
                 )
         out.append(m)
-    if tools is not None and (template is None or not template_renders_tools(source)):
+    # ``describe``: the generic format is in use, whose reply form no template teaches (ChatML
+    # and the built-ins have no tool-call syntax, even where they list the tools): the system
+    # message does, as llama.cpp's generic handler.
+    if tools is not None and tools.choice != "none" and describe:
         prompt = tools_system_prompt(tools)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
@@ -162,8 +165,11 @@ def tool_messages(messages: list[dict[str, Any]], template: str | None, tools: T
     return out
 
 
-def render_prompt(request: dict[str, Any], template: str | None, *, bos_token: str, eos_token: str) -> str:
-    """Prompt text for a request with ``messages`` or a plain ``prompt`` (used verbatim)."""
+def render_prompt(
+    request: dict[str, Any], template: str | None, *, bos_token: str, eos_token: str, describe_tools: bool = False
+) -> str:
+    """Prompt text for a request with ``messages`` or a plain ``prompt`` (used verbatim).
+    ``describe_tools``: tools are described in a system message (``tool_messages``)."""
     if "messages" in request:
         messages = normalise_messages(request["messages"])
         tools = request.get("tools")
@@ -173,7 +179,7 @@ def render_prompt(request: dict[str, Any], template: str | None, *, bos_token: s
         if not isinstance(add_gen, bool):
             raise ChatRequestError("add_generation_prompt must be a boolean")
         tool_request = parse_tools(request)
-        messages = tool_messages(messages, template or FALLBACK_TEMPLATE, tool_request)
+        messages = tool_messages(messages, template or FALLBACK_TEMPLATE, tool_request, describe=describe_tools)
         try:
             text = compile_template(template or FALLBACK_TEMPLATE).render(
                 messages=messages,

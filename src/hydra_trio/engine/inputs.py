@@ -16,10 +16,8 @@ from .llama.chat import apply_builtin_chat_template
 from .llama.context import LlamaBackend, kv_layout
 from .llama.grammar import constraint_gbnf
 from .params import GenerationParams, bad_param, parse_generation
-from .toolcalls import ReplyParser
-from .tools import parse_tools
 from .templates import ChatTemplate, PromptRenderer
-from .toolcalls import ToolFormat, detect_format
+from .toolcalls import FORMATS, GENERIC, ReplyParser, ToolFormat, detect_format
 from .worker import GpuWorker
 
 # The most prompt text per context position: longer text cannot fit a slot with any usual
@@ -54,7 +52,9 @@ class Inputs:
     def set_chat_template(self, template: ChatTemplate) -> None:
         info = self._backend().info
         self.chat_template = template
-        self.tool_format = detect_format(template.jinja)
+        # --tool-call-parser, else what the template writes (a built-in: the generic form).
+        parser = self._settings.tool_call_parser
+        self.tool_format = detect_format(template.jinja) if parser == "auto" else FORMATS[parser]
         self._prompts = PromptRenderer(
             template,
             bos_token=info.bos_text,
@@ -62,6 +62,7 @@ class Inputs:
             tokenizer_adds_bos=info.add_bos,
             run_on_worker=self._worker.call,
             apply_builtin=apply_builtin_chat_template,
+            describe_tools=self.tool_format is GENERIC,
         )
 
     def generation_params(self, request: dict[str, Any]) -> GenerationParams:
@@ -75,28 +76,28 @@ class Inputs:
             to_gbnf=lambda constraint: constraint_gbnf(constraint, self.tool_format),
         )
 
-    def reply_parsers(self, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
+    def reply_parsers(self, params: GenerationParams, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
         """How a chat reply is read: a factory of fresh parsers of its tool calls (tools asked
         with a tool_choice other than none, in this template's format) and its reasoning
         (``reasoning_format``: the request's, else --reasoning-format); None when the text is
-        the content as it stands."""
-        tools = parse_tools(request) if "messages" in request else None
-        calls = tools is not None and tools.choice != "none"
+        the content as it stands (text completions, and chat asking neither)."""
+        if "messages" not in request:
+            return None
+        tools = params.tools if params.tools is not None and params.tools.choice != "none" else None
         mode = request.get("reasoning_format")
         if mode is None:
             mode = self._settings.reasoning_format
         elif mode not in REASONING_FORMATS:
             raise bad_param(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
-        # A prompt that ends inside an open <think> (DeepSeek-R1, Qwen3's templates) starts
-        # the reply in its reasoning; auto splits only for templates with thinking tags.
+        # A prompt that ends inside an open <think> (DeepSeek-R1's and Qwen3's templates)
+        # starts the reply in its reasoning; auto splits only for templates with thinking tags.
         opened = prompt.rstrip().endswith("<think>")
-        jinja = self.chat_template.jinja or ""
-        reasoning = mode == "deepseek" or (mode == "auto" and ("<think>" in jinja or opened))
-        if not calls and not reasoning or "messages" not in request:
+        reasoning = mode == "deepseek" or (mode == "auto" and ("<think>" in (self.chat_template.jinja or "") or opened))
+        if tools is None and not reasoning:
             return None
         fmt = self.tool_format
         return lambda: ReplyParser(
-            fmt if calls else None, tools=tools if calls else None, reasoning=reasoning, starts_in_reasoning=reasoning and opened
+            fmt, parse_tools=tools is not None, reasoning=reasoning, starts_in_reasoning=reasoning and opened, tools=tools
         )
 
     async def compile_grammar(self, params: GenerationParams) -> None:

@@ -94,8 +94,11 @@ class PromptRenderer:
         tokenizer_adds_bos: bool,
         run_on_worker: RunOnWorker,
         apply_builtin: ApplyBuiltin,
+        describe_tools: bool = False,
     ) -> None:
         self.template = template
+        # The generic tool format is in use: requests' tools are described in a system message.
+        self._describe_tools = describe_tools
         self._bos = bos_token
         self._eos = eos_token
         # Prompts are tokenized with add_special: when the tokenizer adds BOS itself, a
@@ -107,15 +110,19 @@ class PromptRenderer:
     async def render(self, request: dict[str, Any]) -> str:
         tpl = self.template
         if "messages" not in request:
-            return render_prompt(request, tpl.jinja, bos_token=self._bos, eos_token=self._eos)
+            return render_prompt(request, tpl.jinja, bos_token=self._bos, eos_token=self._eos)  # a plain prompt
         if tpl.jinja is not None:
-            text = render_prompt(request, tpl.jinja, bos_token=self._bos, eos_token=self._eos)
+            text = render_prompt(
+                request, tpl.jinja, bos_token=self._bos, eos_token=self._eos, describe_tools=self._describe_tools
+            )
             return text.removeprefix(self._bos) if self._strip_bos else text
         builtin = tpl.builtin
         assert builtin is not None
         # A built-in renders role and content only: tools are described in a system message
         # and earlier calls written as the generic format's JSON (chat.tool_messages).
-        messages = tool_messages(normalise_messages(request["messages"]), None, parse_tools(request))
+        messages = tool_messages(
+            normalise_messages(request["messages"]), None, parse_tools(request), describe=self._describe_tools
+        )
         add_gen = request.get("add_generation_prompt", True)
         if not isinstance(add_gen, bool):
             raise ChatRequestError("add_generation_prompt must be a boolean")

@@ -9,7 +9,6 @@ so what the grammar makes a model write is what the parser takes as a call.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,12 +110,6 @@ def detect_format(template_source: str | None) -> ToolFormat:
     return GENERIC
 
 
-def template_renders_tools(source: str | None) -> bool:
-    """Whether a chat template reads ``tools`` (else the renderer describes them itself,
-    with ``tools_system_prompt``)."""
-    return source is not None and re.search(r"\btools\b", source) is not None
-
-
 def tools_system_prompt(req: ToolRequest) -> str:
     """A system message describing the tools and the generic reply form, for templates with
     no tool syntax (as llama.cpp's generic handler does)."""
@@ -134,7 +127,7 @@ def tools_system_prompt(req: ToolRequest) -> str:
     many = "The list may hold several calls." if req.parallel else "Call one tool at a time: the list holds one call."
     return (
         "You can call the following tools; each one's parameters are a JSON schema:\n"
-        + json.dumps(tools, indent=2, ensure_ascii=False)
+        + json.dumps(tools, ensure_ascii=False)
         + f"\n\nTo call tools, reply with this JSON object and nothing else:\n{form}\n{many} {must}"
     )
 
@@ -150,6 +143,12 @@ class ToolCall:
 def dump_arguments(value: dict[str, Any]) -> str:
     """The one spelling of a call's arguments."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def generic_calls_json(calls: list[tuple[str, dict[str, Any]]]) -> str:
+    """Earlier calls ``(name, arguments)`` as the generic format's reply, for a template with
+    no tool syntax to show the model what it called (the spacing its grammar writes)."""
+    return json.dumps({GENERIC.list_key: [{"name": n, GENERIC.args_key: a} for n, a in calls]}, ensure_ascii=False)
 
 
 def new_call_id() -> str:

@@ -30,6 +30,13 @@ class Tool:
     parameters: dict[str, Any]  # a JSON schema for the arguments object
     strict: bool = False
 
+    def as_openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's request spells it: what a Jinja template's ``tools`` holds."""
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
 
 @dataclass(frozen=True)
 class ToolRequest:

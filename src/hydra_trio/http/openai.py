@@ -117,7 +117,7 @@ async def chat_completions() -> Response:
     prompt = await engine.inputs.render_prompt(body)
     tokens = await engine.inputs.tokenize_text(prompt)
     # Tool calls and reasoning parsed from the reply (None: the text is the content).
-    replies = engine.inputs.reply_parsers(body, prompt)
+    replies = engine.inputs.reply_parsers(params, body, prompt)
     cid = "chatcmpl-" + secrets.token_hex(12)
     model = engine.identity.model_alias
     owner = generation_owner(cid)
