@@ -1,26 +1,34 @@
-"""`python -m benchmarks.grammar [--preset small] [--tokens 64]`: constrained decoding's cost.
+"""`python -m benchmarks.grammar [--model gemma3-270m|synthetic] [--rounds 3] [--tokens 64]
+[--with-llama-server | --llama-server PATH]`: constrained decoding's cost.
 
-One engine in this process (the synthetic model, random weights), chat over loopback HTTP:
-tok/s of greedy replies at 1 and 8 streams without a constraint and with a JSON schema
-(response_format), each reply cut at the same length (``ignore_eos``, a string field that
-need not close), so both count the same tokens; and a schema's compile, first and
-cached. Random weights are the worst case for the grammar: the model's own pick is often
-one the grammar refuses, so the whole vocabulary goes through the grammar that token.
+Each engine in its own process (hydra-trio serve, and llama.cpp's llama-server as the peer,
+same model, slots, threads and context), text completions over loopback HTTP: aggregate tok/s
+of greedy replies at 1 and 8 streams, without a constraint and with the same JSON schema in
+llama-server's ``json_schema`` field (both engines take it), every reply cut at the same
+length where the schema allows (``ignore_eos``; a string field that need not close). Each
+round runs the cases back to back and the ratios are taken within the round; every round is
+printed. Then the compile of a schema and of a tools grammar, first and cached (hydra-trio
+only: llama-server has no such figure).
+
+The real model (Gemma 3 270M, 262k vocabulary) is the figure that matters: random synthetic
+weights are the worst case (the model's own pick is often refused, so the whole vocabulary
+goes through the grammar that token).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 
-from hydra_trio.config import Settings
+from .harness import EngineProcess
 
 SCHEMA = {
     "type": "object",
@@ -37,25 +45,30 @@ COMPILE_SCHEMA = {  # a larger schema for the compile figure
     "required": [f"field_{i}" for i in range(0, 32, 2)],
     "additionalProperties": False,
 }
-
-
-def response_format(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+TOOLS = [  # eight tools of four parameters each, for the tools grammar's compile figure
+    {"type": "function", "function": {"name": f"tool_{i}", "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"}, "d": {"type": "number"}},
+        "required": ["a", "b"],
+    }}}
+    for i in range(8)
+]
+STREAMS = (1, 8)
 
 
 async def run_streams(base: str, n_streams: int, tokens: int, extra: dict[str, Any]) -> float:
-    """Aggregate completion tok/s of ``n_streams`` concurrent greedy chats."""
+    """Aggregate completion tok/s of ``n_streams`` concurrent greedy text completions."""
     counts: list[int] = []
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         body = {
-            "messages": [{"role": "user", "content": f"write a title {i}"}],
+            "prompt": f"A short title for story number {i}, as JSON:",
             "max_tokens": tokens,
             "temperature": 0,
             "ignore_eos": True,
             **extra,
         }
-        r = await client.post("/v1/chat/completions", json=body)
+        r = await client.post("/v1/completions", json=body)
         if r.status_code != 200:
             raise RuntimeError(r.text)
         counts.append(r.json()["usage"]["completion_tokens"])
@@ -71,39 +84,111 @@ async def run_streams(base: str, n_streams: int, tokens: int, extra: dict[str, A
     return sum(counts) / wall
 
 
-async def main(preset: str, tokens: int, threads: int) -> None:
-    from hydra_trio.app import serve
-    from hydra_trio.model.synthetic import write_model
+def compile_figures(model: str, threads: int) -> dict[str, list[float]]:
+    """ms of a 32-property schema's and an 8-tool grammar's compile, first then cached, in
+    an engine of this process (the compile is what the figure times, not the HTTP path)."""
+    from dataclasses import replace
 
-    model = Path(tempfile.gettempdir()) / f"hydra-bench-{preset}.gguf"
-    if not model.exists():
-        write_model(model, preset, seed=0)
-    settings = replace(
-        Settings(model=str(model)), host="127.0.0.1", port=0, rpc_port=0, slots=8, ctx_size=8 * 512, threads=threads
-    )
-    async with trio.open_nursery() as nursery:
-        ep = await nursery.start(serve, settings)
-        base = f"http://127.0.0.1:{ep.http_port}"
-        print(f"model {preset} ({ep.state.engine.n_vocab} vocab), {tokens} tokens a reply, {threads} threads")
-        print(f"{'streams':>8} {'unconstrained tok/s':>20} {'json_schema tok/s':>18} {'ratio':>6}")
-        for n in (1, 8):
-            plain = await run_streams(base, n, tokens, {})
-            constrained = await run_streams(base, n, tokens, {"response_format": response_format(SCHEMA)})
-            print(f"{n:>8} {plain:>20.1f} {constrained:>18.1f} {constrained / plain:>6.2f}")
-        inputs = ep.state.engine.inputs
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            await inputs.compile_grammar(inputs.generation_params({"response_format": response_format(COMPILE_SCHEMA)}))
-            times.append((time.perf_counter() - t0) * 1000.0)
-        print(f"compile of a 32-property schema: first {times[0]:.2f} ms, cached {times[1]:.3f} ms")
-        nursery.cancel_scope.cancel()
+    from hydra_trio.app import serve
+    from hydra_trio.config import Settings
+
+    out: dict[str, list[float]] = {}
+
+    async def main() -> None:
+        settings = replace(Settings(model=model), host="127.0.0.1", port=0, rpc_port=0, slots=1, ctx_size=2048, threads=threads)
+        async with trio.open_nursery() as nursery:
+            ep = await nursery.start(serve, settings)
+            inputs = ep.state.engine.inputs
+            cases = {
+                "schema (32 properties)": {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": COMPILE_SCHEMA}}},
+                "tools (8, required)": {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "required"},
+                "tools (8, auto: lazy)": {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "auto"},
+            }
+            for name, body in cases.items():
+                times = []
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    await inputs.compile_grammar(inputs.generation_params(body))
+                    times.append((time.perf_counter() - t0) * 1000.0)
+                out[name] = times
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return out
+
+
+def resolve_model(name: str) -> str:
+    if name == "synthetic":
+        from hydra_trio.model.synthetic import write_model
+
+        path = Path(tempfile.gettempdir()) / "hydra-bench-small.gguf"
+        if not path.exists():
+            write_model(path, "small", seed=0)
+        return str(path)
+    if name.endswith(".gguf"):
+        return name
+    from hydra_trio.model.registry import named_model_path
+
+    return str(named_model_path(name))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma3-270m", help="gemma3-270m (default), synthetic, or a GGUF path")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="llama threads of each engine (1: the fastest on 2 cores)")
+    ap.add_argument("--with-llama-server", action="store_true", help="build llama-server once if needed and compare")
+    ap.add_argument("--llama-server", default=None, metavar="PATH")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write every round's figures here")
+    args = ap.parse_args()
+
+    from .llama_server import LlamaServer, find_or_build
+
+    model = resolve_model(args.model)
+    binary = find_or_build(args.llama_server, args.with_llama_server)
+    slots, ctx = 8, 8 * 512
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-grammar-"))
+    schema = {"json_schema": SCHEMA}
+    rounds: list[dict[str, Any]] = []
+    print(f"model {args.model}, {args.tokens} tokens a reply, {args.threads} thread(s) each, {slots} slots; logs in {log_dir}")
+    ours = EngineProcess(model, slots=slots, ctx_size=ctx, threads=args.threads).start(log_dir, "hydra")
+    peer = LlamaServer(binary, model, ctx=ctx, slots=slots, log_dir=log_dir, tag="llama-server", threads=args.threads) if binary else None
+    try:
+        for r in range(args.rounds):
+            row: dict[str, Any] = {"round": r + 1}
+            for n in STREAMS:
+                row[f"ours_plain_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, {})
+                row[f"ours_schema_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, schema)
+                if peer is not None:
+                    row[f"peer_plain_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, {})
+                    row[f"peer_schema_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, schema)
+            rounds.append(row)
+            for n in STREAMS:
+                line = (f"round {r + 1}, {n} stream(s): ours {row[f'ours_plain_{n}']:.1f} plain, {row[f'ours_schema_{n}']:.1f} schema "
+                        f"(constrained/plain {row[f'ours_schema_{n}'] / row[f'ours_plain_{n}']:.2f})")
+                if peer is not None:
+                    line += (f"; llama-server {row[f'peer_plain_{n}']:.1f} plain, {row[f'peer_schema_{n}']:.1f} schema; "
+                             f"ours/llama-server with the schema {row[f'ours_schema_{n}'] / row[f'peer_schema_{n}']:.2f}")
+                print(line, flush=True)
+    finally:
+        ours.stop()
+        if peer is not None:
+            peer.stop()
+    print("medians of the per-round ratios:")
+    for n in STREAMS:
+        own = statistics.median(x[f"ours_schema_{n}"] / x[f"ours_plain_{n}"] for x in rounds)
+        line = f"  {n} stream(s): constrained/plain {own:.2f}"
+        if peer is not None:
+            vs = statistics.median(x[f"ours_schema_{n}"] / x[f"peer_schema_{n}"] for x in rounds)
+            line += f", ours/llama-server constrained {vs:.2f}"
+        print(line)
+    compiles = compile_figures(model, args.threads)
+    for name, (first, cached) in compiles.items():
+        print(f"compile of a {name} grammar: first {first:.2f} ms, cached {cached:.3f} ms")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "tokens": args.tokens, "rounds": rounds, "compile_ms": compiles}, indent=2))
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    trio.run(main, args.preset, args.tokens, args.threads)
+    main()
