@@ -65,6 +65,16 @@ class Settings:
     chat_template: str | None = None
     chat_template_file: str | None = None
     default_n_predict: int = 512  # when a request names no max_tokens / n_predict
+    # n-gram speculative decoding (engine/speculative.py), llama-server's flag names: drafts
+    # from the request's own prompt and output, verified in the step batch.
+    spec_type: str = "none"
+    spec_draft_n_max: int = 16
+    spec_draft_n_min: int = 0
+    spec_ngram_size_n: int = 3  # the longest lookup n-gram (then shorter ones, down to the min)
+    spec_ngram_min_n: int = 1
+    # Drafting stops in steps with more generating slots than this: the batch then fills the
+    # hardware already, and drafts only add positions (measured: docs/performance.md).
+    spec_max_batch: int = 4
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
     # RPC transport (spec §1)
     max_connections: int = 64
@@ -213,6 +223,12 @@ _HELP: dict[str, str] = {
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
     "chat_template_file": "chat template: path of a Jinja file",
     "default_n_predict": "tokens to generate when a request does not say",
+    "spec_type": "speculative decoding: none, or ngram-simple (alias ngram): drafts from the request's own prompt and output (the tokens that followed the latest earlier occurrence of its last n tokens), verified in the step batch; a request's \"speculative\": {\"type\": ...} wins; recurrent and hybrid models refuse it",
+    "spec_draft_n_max": "draft tokens per step at most (a request's speculative.n_max wins)",
+    "spec_draft_n_min": "a shorter draft is not verified (a request's speculative.n_min wins)",
+    "spec_ngram_size_n": "the longest n-gram looked up for a draft; shorter ones are tried down to --spec-ngram-min-n",
+    "spec_ngram_min_n": "the shortest n-gram looked up for a draft",
+    "spec_max_batch": "no drafting in a step with more generating slots than this (drafts then only add positions to an already full batch)",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
     "http_idle_timeout_s": "an HTTP connection with no request in progress (also one that never sent a byte) this long is closed",
     "max_connections": "RPC connections served at once (as many more wait in the listen backlog)",
@@ -276,6 +292,7 @@ _ENV_OVERRIDES = {
 # Fields whose default is None still have a type (the rest take the type of their default).
 _FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool}
 FLASH_ATTN_MODES = ("on", "off", "auto")
+SPEC_TYPES = ("none", "ngram-simple", "ngram")  # "ngram": an alias of ngram-simple
 LOG_FORMATS = ("text", "json")
 # KV cache types by llama-server's names (-ctk/-ctv) -> ggml type ids, as gguf numbers them.
 CACHE_TYPES = {
@@ -289,6 +306,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "cache_type_k": tuple(CACHE_TYPES),
     "cache_type_v": tuple(CACHE_TYPES),
     "log_format": LOG_FORMATS,
+    "spec_type": SPEC_TYPES,
 }
 
 
@@ -369,6 +387,11 @@ _RANGES: dict[str, tuple[float, float]] = {
     "kv_events_replay_bytes": (0, 1 << 40),
     "kv_events_replay_rate": (0.01, 1e6),
     "kv_events_resync_interval_s": (0.0, 86400.0),
+    "spec_draft_n_max": (1, 256),
+    "spec_draft_n_min": (0, 256),
+    "spec_ngram_size_n": (1, 64),
+    "spec_ngram_min_n": (1, 64),
+    "spec_max_batch": (0, 256),
 }
 
 
@@ -437,6 +460,10 @@ def validate(s: Settings) -> None:
         problems.append("kv_events_replay_endpoint needs kv_events_endpoint (the replays are of its batches)")
     if s.kv_events_curve_allowed_keys_file and not s.kv_events_curve_secret_key_file:
         problems.append("kv_events_curve_allowed_keys_file needs kv_events_curve_secret_key_file (CURVE on)")
+    if s.spec_draft_n_min > s.spec_draft_n_max:
+        problems.append(f"spec_draft_n_min ({s.spec_draft_n_min}) must not exceed spec_draft_n_max ({s.spec_draft_n_max})")
+    if s.spec_ngram_min_n > s.spec_ngram_size_n:
+        problems.append(f"spec_ngram_min_n ({s.spec_ngram_min_n}) must not exceed spec_ngram_size_n ({s.spec_ngram_size_n})")
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
     if problems:
