@@ -72,8 +72,11 @@ class Settings:
     spec_draft_n_min: int = 0
     spec_ngram_size_n: int = 3  # the longest lookup n-gram (then shorter ones, down to the min)
     spec_ngram_min_n: int = 1
-    # Drafting stops in steps with more generating slots than this: the batch then fills the
-    # hardware already, and drafts only add positions (measured: docs/performance.md).
+    # Drafting stops in steps with more generating slots than this: a large batch keeps the
+    # hardware busy already, a draft's every position costs a token's compute (the output
+    # layer included), and with a split KV cache llama.cpp evaluates sequences of unequal
+    # lengths in several passes. 4: at up to 4 streams drafts gained 1.2-2.3x; at 8, 1.03-1.39x
+    # when accepted, 0.54x when not (measured: docs/performance.md, "Speculative decoding").
     spec_max_batch: int = 4
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
     # RPC transport (spec §1)

@@ -617,7 +617,9 @@ class LlamaBackend(SlotStates):
         n_entries = len(live) + n_part_tokens
         if len(fits) < len(parts) or n_entries > self.n_batch or n_entries == len(live):
             return self._step_then_parts(requests, parts)
-        entries, proposed = self._step_entries(requests, live, self.n_batch - n_entries)
+        # No drafts beside prompt parts: a prompt being prefilled is a stream about to join,
+        # and drafts would delay it (measured: docs/performance.md, speculative decoding).
+        entries, proposed = self._step_entries(requests, live, 0)
         n_step_entries = len(entries)
         ends: list[int] = []  # each part's last entry
         for part in parts:
