@@ -11,6 +11,8 @@ from typing import Any
 
 import gguf
 
+from .wire.sampling import SPEC_TYPES
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _MiB = 1024 * 1024
@@ -295,7 +297,6 @@ _ENV_OVERRIDES = {
 # Fields whose default is None still have a type (the rest take the type of their default).
 _FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool}
 FLASH_ATTN_MODES = ("on", "off", "auto")
-SPEC_TYPES = ("none", "ngram-simple", "ngram")  # "ngram": an alias of ngram-simple
 LOG_FORMATS = ("text", "json")
 # KV cache types by llama-server's names (-ctk/-ctv) -> ggml type ids, as gguf numbers them.
 CACHE_TYPES = {

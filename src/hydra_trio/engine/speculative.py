@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..config import SPEC_TYPES
+from ..wire.sampling import SPEC_TYPES
 
 __all__ = ["SPEC_TYPES", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation", "spec_config", "verify"]
 
