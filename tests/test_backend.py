@@ -37,8 +37,9 @@ def greedy_from(backend: LlamaBackend, slot: int, first: int, n: int = N_GEN) ->
         out = [first]
         tok = first
         for _ in range(n - 1):
-            nxt = backend.step([StepRequest(slot, tok, sampler)])[0]
-            assert nxt is not None
+            res = backend.step([StepRequest(slot, tok, sampler)])[0]
+            assert res is not None
+            (nxt,) = res
             out.append(nxt)
             tok = nxt
         return out
@@ -326,13 +327,13 @@ def test_several_prompt_parts_and_a_step_in_one_batch(model: Path, reference: Re
                 [StepRequest(0, first, sampler)],
                 [PrefillPart(1, prompt[:half], keep=0), PrefillPart(2, prompt[:half], keep=0)],
             )
-            assert results == [reference.continuation[1]]
+            assert results == [(reference.continuation[1],)]
             assert [o.unwrap() for o in outcomes] == [(None, None), (None, None)]
             results, outcomes = b.step_mixed(
-                [StepRequest(0, results[0], sampler)],
+                [StepRequest(0, reference.continuation[1], sampler)],
                 [PrefillPart(1, prompt[half:], sampler=s1), PrefillPart(2, prompt[half:], sampler=s2, want_logits=True)],
             )
-            assert results == [reference.continuation[2]]
+            assert results == [(reference.continuation[2],)]
             (tok1, logits1), (tok2, logits2) = (o.unwrap() for o in outcomes)
             assert tok1 == tok2 == reference.continuation[0]
             assert logits1 is None and logits2 is not None and len(logits2) == len(reference.logits)
@@ -367,8 +368,8 @@ def test_greedy_argmax_picks_what_llama_greedy_sampler_picks(backend: LlamaBacke
         for _ in range(N_GEN):  # both slots in one batch: each reads its own output's logits
             ra, rb = backend.step([StepRequest(0, seq_a[-1], fast), StepRequest(1, seq_b[-1], chain)])
             assert ra is not None and rb is not None
-            seq_a.append(ra)
-            seq_b.append(rb)
+            seq_a += ra
+            seq_b += rb
         assert seq_a == seq_b
         logits = np.random.default_rng(0).standard_normal(backend.info.n_vocab).astype("<f4").tobytes()
         assert backend.sample_from_logits(fast, logits) == backend.sample_from_logits(chain, logits)
@@ -397,7 +398,7 @@ def test_each_stream_of_a_step_reads_its_own_logits(model: Path, kv_unified: boo
             results = b.step([StepRequest(slot, tokens[slot], samplers[slot]) for slot in order])
             for i, slot in enumerate(order):
                 own = int(b._logits(sorted(order).index(slot)).argmax())
-                assert results[i] == own, f"slot {slot} got {results[i]}, its own output's argmax is {own}"
+                assert results[i] == (own,), f"slot {slot} got {results[i]}, its own output's argmax is {own}"
                 tokens[slot] = own
             seen.add(tuple(results))  # type: ignore[arg-type]
         assert any(len(set(r)) > 1 for r in seen), "every stream sampled the same token: a swap would go unseen"

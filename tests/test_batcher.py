@@ -13,7 +13,7 @@ import trio.testing
 
 from helpers import wait_until
 from hydra_trio.engine.batcher import StepBatcher
-from hydra_trio.engine.llama.types import PrefillPart, StepRequest
+from hydra_trio.engine.llama.types import PrefillPart, StepRequest, StepResult
 
 
 class Recorder:
@@ -23,18 +23,18 @@ class Recorder:
         self.batches: list[tuple[list[int], list[tuple[int, int]]]] = []  # (step slots, (slot, n tokens) parts)
         self.calls_returned = 0  # runs of steps that returned
 
-    def step_sync(self, reqs: Sequence[StepRequest]) -> list[int | None]:
+    def step_sync(self, reqs: Sequence[StepRequest]) -> list[StepResult]:
         self.batches.append(([r.slot for r in reqs], []))
-        return [r.token + 1 for r in reqs]
+        return [(r.token + 1,) for r in reqs]
 
     async def run_on_worker(self, fn: Callable[[], None]) -> None:
         await trio.to_thread.run_sync(fn)
         self.calls_returned += 1
 
-    async def run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[Any]]:
+    async def run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[StepResult], list[Any]]:
         await trio.lowlevel.checkpoint()
         self.batches.append(([r.slot for r in reqs], [(p.slot, len(p.tokens)) for p in parts]))
-        return [r.token + 1 for r in reqs], [outcome.Value((7, None)) for _ in parts]
+        return [(r.token + 1,) for r in reqs], [outcome.Value((7, None)) for _ in parts]
 
 
 async def _no_wait() -> None:
@@ -84,7 +84,7 @@ async def test_with_streams_each_waiting_prompt_advances_by_a_budget() -> None:
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(batcher.run)
         for job in jobs:
-            assert await batcher.result(job) == 2
+            assert await batcher.result(job) == (2,)
         nursery.cancel_scope.cancel()
     # The first prompt gets the budget less the steps (8 - 2), the next a whole budget.
     steps, parts = rec.batches[0]
@@ -100,23 +100,23 @@ async def test_a_step_whose_token_goes_on_is_started_before_the_request_asks() -
         nursery.start_soon(batcher.run)
         batcher.generating = 1
         job = batcher.submit(0, 1, sampler, 3)  # may produce 3 more tokens
-        assert await batcher.result(job) == 2
+        assert await batcher.result(job) == (2,)
         await wait_until(lambda: rec.calls_returned == 1)
         # Token 2's step ran in the same worker call, without being asked for; none after
         # it until the request takes it (one step ahead at most, however slow the request).
         assert [b[0] for b in rec.batches] == [[0], [0]]
         nxt = batcher.submit(0, 2, sampler, 2)
-        assert nxt.done.is_set() and await batcher.result(nxt) == 3
+        assert nxt.done.is_set() and await batcher.result(nxt) == (3,)
         await trio.testing.wait_all_tasks_blocked()
         assert len(rec.batches) == 2 and batcher.ahead_used == 1
         last = batcher.submit(0, 3, sampler, 1)  # the last token allowed: nothing after it
-        assert await batcher.result(last) == 4
+        assert await batcher.result(last) == (4,)
         await wait_until(lambda: rec.calls_returned == 2)
         assert len(rec.batches) == 3 and batcher.ahead_used == 1
         # A request that stops (a stop word) drops a step it did not ask for.
         job = batcher.submit(1, 0 + 10, sampler, 5)
         batcher.generating = 2
-        assert await batcher.result(job) == 11
+        assert await batcher.result(job) == (11,)
         await batcher.drop_ahead(1)
         assert batcher.ahead_dropped == 1
         nursery.cancel_scope.cancel()

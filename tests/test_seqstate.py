@@ -124,9 +124,9 @@ def _greedy(b: LlamaBackend, slot: int, first: int, n: int = 16) -> list[int]:
     try:
         out = [first]
         for _ in range(n - 1):
-            nxt = b.step([StepRequest(slot, out[-1], sampler)])[0]
-            assert nxt is not None
-            out.append(nxt)
+            res = b.step([StepRequest(slot, out[-1], sampler)])[0]
+            assert res is not None
+            out += res
         return out
     finally:
         sampler.close()

@@ -11,6 +11,8 @@ from typing import Any
 
 import gguf
 
+from .wire.sampling import SPEC_TYPES
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _MiB = 1024 * 1024
@@ -71,6 +73,19 @@ class Settings:
     # reasoning_content when the template has thinking tags; deepseek always; none keeps it inline.
     reasoning_format: str = "auto"
     default_n_predict: int = 512  # when a request names no max_tokens / n_predict
+    # n-gram speculative decoding (engine/speculative.py), llama-server's flag names: drafts
+    # from the request's own prompt and output, verified in the step batch.
+    spec_type: str = "none"
+    spec_draft_n_max: int = 16
+    spec_draft_n_min: int = 0
+    spec_ngram_size_n: int = 3  # the longest lookup n-gram (then shorter ones, down to the min)
+    spec_ngram_min_n: int = 1
+    # Drafting stops in steps with more generating slots than this: a large batch keeps the
+    # hardware busy already, a draft's every position costs a token's compute (the output
+    # layer included), and with a split KV cache llama.cpp evaluates sequences of unequal
+    # lengths in several passes. 4: at up to 4 streams drafts gained 1.2-2.3x; at 8, 1.03-1.39x
+    # when accepted, 0.54x when not (measured: docs/performance.md, "Speculative decoding").
+    spec_max_batch: int = 4
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
     # RPC transport (spec §1)
     max_connections: int = 64
@@ -221,6 +236,12 @@ _HELP: dict[str, str] = {
     "tool_call_parser": "tool-call syntax parsed from replies: auto (from the chat template), hermes, llama3, mistral, generic",
     "reasoning_format": "reasoning in replies: auto (split <think> into reasoning_content when the template has thinking tags), deepseek (always split), none (keep inline)",
     "default_n_predict": "tokens to generate when a request does not say",
+    "spec_type": "speculative decoding: none, or ngram-simple (alias ngram): drafts from the request's own prompt and output (the tokens that followed the latest earlier occurrence of its last n tokens), verified in the step batch; a request's \"speculative\": {\"type\": ...} wins; recurrent and hybrid models refuse it",
+    "spec_draft_n_max": "draft tokens per step at most (a request's speculative.n_max wins)",
+    "spec_draft_n_min": "a shorter draft is not verified (a request's speculative.n_min wins)",
+    "spec_ngram_size_n": "the longest n-gram looked up for a draft; shorter ones are tried down to --spec-ngram-min-n",
+    "spec_ngram_min_n": "the shortest n-gram looked up for a draft",
+    "spec_max_batch": "no drafting in a step with more generating slots than this (drafts then only add positions to an already full batch)",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
     "http_idle_timeout_s": "an HTTP connection with no request in progress (also one that never sent a byte) this long is closed",
     "max_connections": "RPC connections served at once (as many more wait in the listen backlog)",
@@ -301,6 +322,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "log_format": LOG_FORMATS,
     "tool_call_parser": TOOL_CALL_PARSERS,
     "reasoning_format": REASONING_FORMATS,
+    "spec_type": SPEC_TYPES,
 }
 
 
@@ -381,6 +403,11 @@ _RANGES: dict[str, tuple[float, float]] = {
     "kv_events_replay_bytes": (0, 1 << 40),
     "kv_events_replay_rate": (0.01, 1e6),
     "kv_events_resync_interval_s": (0.0, 86400.0),
+    "spec_draft_n_max": (1, 256),
+    "spec_draft_n_min": (0, 256),
+    "spec_ngram_size_n": (1, 64),
+    "spec_ngram_min_n": (1, 64),
+    "spec_max_batch": (0, 256),
 }
 
 
@@ -449,6 +476,10 @@ def validate(s: Settings) -> None:
         problems.append("kv_events_replay_endpoint needs kv_events_endpoint (the replays are of its batches)")
     if s.kv_events_curve_allowed_keys_file and not s.kv_events_curve_secret_key_file:
         problems.append("kv_events_curve_allowed_keys_file needs kv_events_curve_secret_key_file (CURVE on)")
+    if s.spec_draft_n_min > s.spec_draft_n_max:
+        problems.append(f"spec_draft_n_min ({s.spec_draft_n_min}) must not exceed spec_draft_n_max ({s.spec_draft_n_max})")
+    if s.spec_ngram_min_n > s.spec_ngram_size_n:
+        problems.append(f"spec_ngram_min_n ({s.spec_ngram_min_n}) must not exceed spec_ngram_size_n ({s.spec_ngram_size_n})")
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
     if problems:

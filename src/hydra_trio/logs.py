@@ -43,6 +43,8 @@ REQUEST_FIELDS = (
     "ttft_ms",
     "e2e_ms",
     "tokens_per_s",
+    "spec_drafted",  # speculation's draft tokens verified (null: it did not run)
+    "spec_accepted",  # and accepted
     "error",  # the failure's cause, when it failed
 )
 STATS_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "running", "waiting", "kv_cache_usage")
@@ -118,7 +120,16 @@ def generation_fields(res: GenerationResult, *, outcome: str, queue_s: float = 0
         "ttft_ms": round(queue_s * 1000.0 + res.prompt_ms, 3) if started else None,
         "e2e_ms": round(queue_s * 1000.0 + res.prompt_ms + res.decode_ms, 3) if started else None,
         "tokens_per_s": round(res.tokens_per_s, 2),
+        "spec_drafted": res.spec_drafted,
+        "spec_accepted": res.spec_accepted,
     }
+
+
+def spec_note(res: GenerationResult) -> str:
+    """The request line's words for speculation ("" when it did not run)."""
+    if res.spec_drafted is None:
+        return ""
+    return f", {res.spec_accepted} of {res.spec_drafted} drafted tokens accepted"
 
 
 class JsonFormatter(logging.Formatter):

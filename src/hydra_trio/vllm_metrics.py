@@ -125,6 +125,9 @@ class VllmCollector(Collector):
             (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", p.hits),
             (counter, "vllm:prompt_tokens", "Number of prefill tokens processed.", p.prompt_tokens),
             (counter, "vllm:generation_tokens", "Number of generation tokens processed.", p.generation_tokens),
+            (counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_drafts),
+            (counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_draft_tokens),
+            (counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.spec_accepted_tokens),
         ):
             f = family(name, doc, labels=labels)
             f.add_metric(model, value)

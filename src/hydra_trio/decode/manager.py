@@ -25,7 +25,7 @@ from ..config import Settings
 from ..engine.engine import Engine, GenerationResult
 from ..engine.params import GenerationParams
 from ..engine.worker import CallTiming
-from ..logs import generation_fields, request_extra
+from ..logs import generation_fields, request_extra, spec_note
 from ..metrics import Metrics
 from ..model.identity import IdentityMatch, compare_identity
 from ..tasks import OwnedTask, run_cpu_bound
@@ -313,7 +313,7 @@ class DecodeManager:
         outcome = final.value  # done | failed | cancelled
         fields = generation_fields(res, outcome=outcome)
         if final is DecodeState.DONE:
-            detail = f"{res.stop_type}, {res.tokens_per_s:.1f} tok/s"
+            detail = f"{res.stop_type}, {res.tokens_per_s:.1f} tok/s{spec_note(res)}"
         else:
             detail = entry.error or "-"
         rlog.info(

@@ -21,16 +21,17 @@ import trio
 
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from .llama.sampling import Sampler
-from .llama.types import PrefillPart, StepRequest
+from .llama.types import PrefillPart, StepRequest, StepResult
+from .speculative import Speculation
 
 log = logging.getLogger(__name__)
 
 MAX_STEPS_PER_CALL = 256  # a run of steps returns to trio at least this often
 
-StepSync = Callable[[Sequence[StepRequest]], list[int | None]]  # one llama step, on the worker
+StepSync = Callable[[Sequence[StepRequest]], list[StepResult]]  # one llama step, on the worker
 RunOnWorker = Callable[[Callable[[], None]], Awaitable[None]]  # run a function as one worker call
 PartOutcome = outcome.Outcome[tuple[int | None, bytes | None]]
-RunMixed = Callable[[Sequence[StepRequest], Sequence[PrefillPart]], Awaitable[tuple[list[int | None], list[PartOutcome]]]]
+RunMixed = Callable[[Sequence[StepRequest], Sequence[PrefillPart]], Awaitable[tuple[list[StepResult], list[PartOutcome]]]]
 
 
 @dataclass(slots=True, eq=False)
@@ -47,7 +48,11 @@ class StepJob(_Job):
     sampler: Sampler
     n_left: int = 1  # tokens the request may still produce, the one this step samples included
     asked: bool = True  # handed in by the request (False: a look-ahead it has not taken yet)
-    result: int | None = None
+    spec: Speculation | None = None  # the request's drafting (None: no speculation)
+    result: StepResult = None
+
+    def request(self) -> StepRequest:
+        return StepRequest(self.slot, self.token, self.sampler, self.n_left, self.spec)
 
 
 @dataclass(slots=True, eq=False)
@@ -109,10 +114,13 @@ class StepBatcher:
 
     # ---- request side ------------------------------------------------------------------
 
-    def submit(self, slot: int, token: int, sampler: Sampler, n_left: int = 1) -> StepJob:
+    def submit(
+        self, slot: int, token: int, sampler: Sampler, n_left: int = 1, spec: Speculation | None = None
+    ) -> StepJob:
         """Hand a step to the batcher without waiting (the caller must await ``result``):
         evaluate ``token`` in ``slot`` and sample the next one, the first of the ``n_left``
-        tokens the request may still produce. The step may already be under way (look-ahead)."""
+        tokens the request may still produce (with ``spec``, a draft's accepted tokens
+        follow it). The step may already be under way (look-ahead)."""
         job = self._ahead.pop(slot, None)
         if job is not None:
             if job.token == token and job.sampler is sampler:
@@ -120,7 +128,7 @@ class StepBatcher:
                 job.asked = True
                 return job
             raise RuntimeError(f"slot {slot}: a look-ahead step for another token is outstanding")
-        job = StepJob(slot, token, sampler, n_left)
+        job = StepJob(slot, token, sampler, n_left, spec=spec)
         self._hand_in(job)
         return job
 
@@ -136,7 +144,7 @@ class StepBatcher:
         with trio.CancelScope(shield=True):
             await job.done.wait()
 
-    async def result(self, job: StepJob, during: Awaitable[None] | None = None) -> int | None:
+    async def result(self, job: StepJob, during: Awaitable[None] | None = None) -> StepResult:
         """Wait for a submitted step, after awaiting ``during`` (work overlapped with it).
 
         If cancelled, a step the batcher has not taken is skipped, and one it has taken is
@@ -262,7 +270,7 @@ class StepBatcher:
             cur = jobs
             for n in range(1, MAX_STEPS_PER_CALL + 1):
                 try:
-                    results = self._step_sync([StepRequest(j.slot, j.token, j.sampler) for j in cur])
+                    results = self._step_sync([j.request() for j in cur])
                 except Exception as exc:
                     trio_token.run_sync_soon(self._deliver_error, cur, exc)
                     return
@@ -271,11 +279,7 @@ class StepBatcher:
                     # Read on the worker thread: flags trio may be setting now. A stale
                     # "asked" only ends the run early; a missed "cancelled" is dropped by the
                     # request (drop_ahead), which waits for the step.
-                    nxt = [
-                        StepJob(j.slot, r, j.sampler, j.n_left - 1, asked=False)
-                        for j, r in zip(cur, results, strict=True)
-                        if self._goes_on(j, r)
-                    ]
+                    nxt = [_next_step(j, r) for j, r in zip(cur, results, strict=True) if self._goes_on(j, r)]
                 trio_token.run_sync_soon(self._deliver, cur, results, nxt)
                 if not nxt:
                     return
@@ -285,11 +289,14 @@ class StepBatcher:
         with trio.CancelScope(shield=True):  # finish the steps even on shutdown
             await self._run_on_worker(run_steps)
 
-    def _goes_on(self, job: StepJob, res: int | None) -> bool:
-        """Whether the token ``job`` sampled (``res``) surely gets its own step."""
-        return job.asked and not job.cancelled and res is not None and job.n_left > 1 and not self._is_eog(res)
+    def _goes_on(self, job: StepJob, res: StepResult) -> bool:
+        """Whether the last token ``job`` sampled (``res``) surely gets its own step (the
+        ones before it are accepted drafts: none ends the generation)."""
+        return (
+            job.asked and not job.cancelled and res is not None and job.n_left > len(res) and not self._is_eog(res[-1])
+        )
 
-    def _deliver(self, jobs: list[StepJob], results: list[int | None], running: list[StepJob]) -> None:
+    def _deliver(self, jobs: list[StepJob], results: list[StepResult], running: list[StepJob]) -> None:
         """On trio: a step's results; ``running``: the look-ahead steps already under way
         (none after the last step of a run: look-ahead then goes into the next batch)."""
         self._count(jobs, results, running or None)
@@ -313,7 +320,7 @@ class StepBatcher:
             )
             for job, end in prompts
         ]
-        reqs = [StepRequest(j.slot, j.token, j.sampler) for j in jobs]
+        reqs = [j.request() for j in jobs]
         try:
             with trio.CancelScope(shield=True):  # finish the batch even on shutdown
                 results, part_outcomes = await self._run_mixed(reqs, parts)
@@ -339,7 +346,7 @@ class StepBatcher:
                 self._prompts.remove(prompt)
                 prompt.done.set()
 
-    def _count(self, jobs: list[StepJob], results: list[int | None], running: list[StepJob] | None = None) -> None:
+    def _count(self, jobs: list[StepJob], results: list[StepResult], running: list[StepJob] | None = None) -> None:
         """Record a batch's results and its look-ahead steps: ``running`` (already under way
         on the worker), or else those this creates for the next batch."""
         for job, res in zip(jobs, results, strict=True):
@@ -347,14 +354,21 @@ class StepBatcher:
             # One step ahead at most: a look-ahead step the request has not taken yet (it is
             # slow, or blocked handing out text) gets no look-ahead of its own.
             if running is None and self._goes_on(job, res):
-                nxt = StepJob(job.slot, res, job.sampler, job.n_left - 1, asked=False)
+                nxt = _next_step(job, res)
                 self._ahead[job.slot] = nxt
                 self._next_steps.append(nxt)
         for nxt in running or ():
             self._ahead[nxt.slot] = nxt
         if jobs:
             self.batches += 1
-            self.tokens += len(jobs)
+            # Each step's token and the drafts it accepted: what stays in the KV.
+            self.tokens += sum(len(res) if res else 1 for res in results)
+
+
+def _next_step(job: StepJob, res: StepResult) -> StepJob:
+    """The look-ahead step of the last token ``job`` sampled."""
+    assert res is not None
+    return StepJob(job.slot, res[-1], job.sampler, job.n_left - len(res), asked=False, spec=job.spec)
 
 
 def _finish_if_cancelled(job: StepJob | PrefillJob) -> bool:

@@ -39,6 +39,7 @@ from .params import GenerationParams
 from .promptcache import PromptCache
 from .scheduler import SlotScheduler
 from .slots import Slot, SlotTable
+from .speculative import SpecCounts, Speculation, spec_config
 from .stats import EngineStats, SlotInfo
 from .templates import resolve_chat_template
 from .worker import CallTiming, GpuWorker
@@ -46,6 +47,11 @@ from .worker import CallTiming, GpuWorker
 log = logging.getLogger(__name__)
 
 Emit = Callable[[str], Awaitable[None]]
+
+
+async def _emit_all(emit: Emit, sends: Sequence[str]) -> None:
+    for send in sends:
+        await emit(send)
 
 
 class Engine:
@@ -72,6 +78,7 @@ class Engine:
             wants_turn=self.worker.wants_turn,
         )
         self.tokens_generated = 0
+        self.spec_counts = SpecCounts()  # vllm:spec_decode_* (every request's drafts)
         # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
         # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
@@ -142,6 +149,13 @@ class Engine:
         except BaseException:
             await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
             raise
+        if settings.spec_type != "none" and not backend.info.can_roll_back:
+            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            kind = "recurrent" if backend.info.recurrent else "hybrid"
+            raise SystemExit(
+                f"--spec-type {settings.spec_type}: {identity.model_name} is a {kind} model, whose KV cannot drop "
+                "rejected draft positions; serve it with --spec-type none"
+            )
         engine = cls(backend, identity, settings)
         engine.inputs.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
@@ -247,6 +261,9 @@ class Engine:
             worker_calls=worker.calls,
             llama_decode_s=self.backend.decode_s,
             model_load_s=self.model_load_ms / 1000.0,
+            spec_drafts=self.spec_counts.drafts,
+            spec_draft_tokens=self.spec_counts.draft_tokens,
+            spec_accepted_tokens=self.spec_counts.accepted,
         )
 
     def slot_info(self, slot_id: int) -> SlotInfo:
@@ -494,18 +511,36 @@ class Engine:
         backend = self.backend
         sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
         out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.token_bytes)
+        spec = self.speculation(params)
         t_start = time.perf_counter()
         try:
             token, _ = await self.first_token(slot, prompt_tokens, sampler, res, salt=params.cache_salt)
             out.started(t_start)
             self.batcher.generating += 1
             try:
-                while not out.take(token):
-                    self.tokens_generated += 1
-                    send = out.ready()
+                run: tuple[int | None, ...] = (token,)  # what the last step sampled, in order
+                while True:
+                    # Each token as if it came alone: the stop decision and stream_interval's
+                    # chunks are those of one token per step; only the chunks' sending waits
+                    # for the next step to be handed in.
+                    sends: list[str] = []
+                    ended = False
+                    for tok in run:
+                        if out.take(tok):
+                            ended = True
+                            break
+                        self.tokens_generated += 1
+                        if (send := out.ready()) is not None:
+                            sends.append(send)
+                    if ended:
+                        break
+                    last = run[-1]
+                    assert last is not None
                     # Pipelined: the next token is computed while this text goes to readers.
-                    job = self.batcher.submit(slot, token, sampler, out.remaining)
-                    token = await self.batcher.result(job, emit(send) if send else None)
+                    job = self.batcher.submit(slot, last, sampler, out.remaining, spec)
+                    run = await self.batcher.result(job, _emit_all(emit, sends) if sends else None) or (None,)
+                for send in sends:
+                    await emit(send)
                 if res.stop_type not in ("eos", "context"):
                     self.tokens_generated += 1  # the last token, which ended it
                 if (send := out.unsent()) is not None:
@@ -515,12 +550,29 @@ class Engine:
             finally:
                 self.batcher.generating -= 1
                 await self.batcher.drop_ahead(slot)
+                if spec is not None:
+                    res.spec_drafted, res.spec_accepted = spec.counts.draft_tokens, spec.counts.accepted
             tail = out.finish()
             if tail:
                 await emit(tail)
             return res
         finally:
             backend.retire(sampler)
+
+    def speculation(self, params: GenerationParams) -> Speculation | None:
+        """The request's drafting (engine/speculative.py ``spec_config``), or None."""
+        s = self.settings
+        config = spec_config(
+            server_type=s.spec_type,
+            n_max=s.spec_draft_n_max,
+            n_min=s.spec_draft_n_min,
+            ngram_max=s.spec_ngram_size_n,
+            ngram_min=s.spec_ngram_min_n,
+            max_batch=s.spec_max_batch,
+            request=params.speculative,
+            can_roll_back=self.backend.info.can_roll_back,
+        )
+        return None if config is None else Speculation(config, self.spec_counts)
 
     # ---- state transfer ----------------------------------------------------------------
 

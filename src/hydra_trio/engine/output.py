@@ -34,6 +34,9 @@ class GenerationResult:
     token_gaps_s: array[float] = field(default_factory=lambda: array("d"))
     # Per generated token (``tokens``), when the request asked for logprobs (engine/logprobs.py).
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Speculation (engine/speculative.py): draft tokens verified and accepted; None: it did not run.
+    spec_drafted: int | None = None
+    spec_accepted: int | None = None
 
     @property
     def text(self) -> str:

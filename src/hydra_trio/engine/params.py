@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, Status
+from .speculative import SPEC_TYPES, SpecRequest
 
 if TYPE_CHECKING:
     from .tools import ToolRequest
@@ -79,6 +80,8 @@ class GenerationParams:
     # The request's declared tools (tools.py), tool_choice "none" included: what the reply
     # parser and the prompt renderer read. None: it declares none.
     tools: ToolRequest | None = None
+    # The request's own speculative-decoding keys (engine/speculative.py); None: the server's.
+    speculative: SpecRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +161,32 @@ def _output_constraint(req: dict[str, Any]) -> Constraint | None:
             f"{found[0].param} and {found[1].param} both constrain the output: send one", found[1].param.split(".")[0]
         )
     return found[0] if found else None
+
+
+MAX_DRAFT = 256
+
+
+def parse_speculative(req: dict[str, Any]) -> SpecRequest | None:
+    """A request's speculative decoding keys: ``"speculative": {"type", "n_max", "n_min"}``
+    (``draft_n_max``/``draft_n_min`` too) or llama-server's flat ``speculative.n_max``,
+    ``speculative.n_min``, ``speculative.type``; the object's keys beat the flat ones."""
+    obj = req.get("speculative")
+    if obj is not None and not isinstance(obj, dict):
+        raise bad_param("speculative must be an object (type, n_max, n_min)", "speculative")
+    flat = {k.removeprefix("speculative."): v for k, v in req.items() if k.startswith("speculative.")}
+    keys = flat | {{"draft_n_max": "n_max", "draft_n_min": "n_min"}.get(k, k): v for k, v in (obj or {}).items()}
+    if not keys:
+        return None
+    unknown = keys.keys() - {"type", "n_max", "n_min"}
+    if unknown:
+        raise bad_param(f"speculative: unknown keys {sorted(unknown)} (type, n_max, n_min)", "speculative")
+    kind = keys.get("type")
+    if kind is not None and kind not in SPEC_TYPES:
+        raise bad_param(f"speculative.type must be one of {', '.join(SPEC_TYPES)}, got {kind!r}", "speculative")
+    named = {f"speculative.{k}": v for k, v in keys.items()}
+    n_max = _integer(named, ("speculative.n_max",), -1, 0, MAX_DRAFT)
+    n_min = _integer(named, ("speculative.n_min",), -1, 0, MAX_DRAFT)
+    return SpecRequest(type=kind, n_max=None if n_max < 0 else n_max, n_min=None if n_min < 0 else n_min)
 
 
 def _number(req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float) -> float:
@@ -257,4 +286,5 @@ def parse_generation(
         stream=stream,
         stream_interval=interval,
         tools=tools,
+        speculative=parse_speculative(merged),
     )

@@ -133,6 +133,11 @@ class SlotScheduler:
         if hit is None or hit.n_common < held + MIN_CACHED_TOKENS:
             return
         await self.keep_history(slot, held)
+        # Looked up again: while the slot's history was copied, another request with the
+        # same prompt may have taken the entry (a KeyError, a 500, before).
+        hit = cache.best(prompt, salt)
+        if hit is None or hit.n_common < held + MIN_CACHED_TOKENS:
+            return
         snap = cache.take(hit.key)
         await self.make_room(len(snap.tokens), exclude=slot)
         view = memoryview(snap.buf)

@@ -27,6 +27,9 @@ class EngineStats:
     worker_calls: int
     llama_decode_s: float
     model_load_s: float
+    spec_drafts: int = 0  # speculation: drafts verified
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # draft tokens accepted
 
     @property
     def slots_idle(self) -> int:

@@ -19,7 +19,7 @@ from quart import Response
 from ..engine.logprobs import TokenLogprobs
 from ..engine.output import GenerationResult
 from ..engine.params import GenerationParams
-from ..logs import generation_fields, request_extra
+from ..logs import generation_fields, request_extra, spec_note
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
 from ..writeturn import WriterTurn, Wrote
@@ -126,9 +126,10 @@ def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s:
     finally:
         fields = generation_fields(res, outcome=outcome, queue_s=queue_s)
         log.info(
-            "%s %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s",
+            "%s %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s",
             path, owner, slot_id, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
             res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
+            spec_note(res),
             extra=request_extra(request_id=request_id, route=path, slot=slot_id, error=error, **fields),
         )
 

@@ -24,6 +24,10 @@ ALIASES: dict[str, str] = {
     "penalty_present": "presence_penalty",
 }
 
+# Speculative decoding's kinds, by llama-server's names (--spec-type and a request's
+# "speculative": {"type"}): "ngram" is an alias of ngram-simple.
+SPEC_TYPES = ("none", "ngram-simple", "ngram")
+
 # The sampling keys CONFIGURE T1 may set per slot (spec §2.4), by canonical name.
 T1_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed"})
 

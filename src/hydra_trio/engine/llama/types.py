@@ -6,7 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..speculative import Speculation
 from .sampling import Sampler
+
+# What one step sampled for a sequence, in order: its pick, then (speculation) a pick per
+# accepted draft position; the last is the token the next step evaluates. None: no room.
+StepResult = tuple[int, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,8 +25,14 @@ class ModelInfo:
     add_bos: bool
     chat_template: str | None
     recurrent: bool
+    hybrid: bool  # recurrent and attention layers (its recurrent state cannot drop positions either)
     bos_text: str  # what chat templates see as bos_token / eos_token
     eos_text: str
+
+    @property
+    def can_roll_back(self) -> bool:
+        """Whether positions can be removed from a sequence's end (speculation needs it)."""
+        return not (self.recurrent or self.hybrid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +42,8 @@ class StepRequest:
     slot: int
     token: int
     sampler: Sampler
+    n_left: int = 1  # tokens the request may still produce (a draft is capped at n_left - 1)
+    spec: Speculation | None = None  # drafts from the request's own tokens (None: no speculation)
 
 
 @dataclass(slots=True)
