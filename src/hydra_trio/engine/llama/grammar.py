@@ -118,6 +118,7 @@ def _literal(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
+@lru_cache(maxsize=4 * GRAMMAR_CACHE_SIZE)  # a request of the same tools renames the same rules
 def _renamed(gbnf: str, prefix: str) -> str:
     """``gbnf`` with every rule name prefixed: names are runs of GBNF's word characters
     outside string literals, character classes, repetition counts and comments."""
