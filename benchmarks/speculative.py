@@ -1,5 +1,6 @@
 """`python -m benchmarks.speculative [--model gemma|tiny] [--rounds N] [--threads N] [--streams 1,8]
-[--workloads copy,edit,free,sampled] [--spec-max-batch N] [--draft-n-max N] [--check-logits]`
+[--workloads copy,edit,free,sampled] [--spec-max-batch N] [--draft-n-max N] [--check-logits]
+[--llama-server PATH | --with-llama-server]`
 
 What n-gram speculative decoding (``--spec-type ngram-simple``) buys, side by side in one
 run: one engine (a subprocess, as in production) started with speculation on, each request
@@ -157,6 +158,53 @@ async def _bench(url: str, rounds: int, streams_list: list[int], n: int, workloa
     return rows
 
 
+PEER_MODES = ("none", "ngram-simple", "ngram-mod")  # llama-server's --spec-type, each its own server
+
+
+async def _peer_run(url: str, prompt: str, workload: str, streams: int, n: int) -> float:
+    """``streams`` concurrent copies of the workload's rendered prompt on llama-server's
+    /v1/completions (the text our chat template makes of it): aggregate tok/s."""
+    tokens = [0] * streams
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+
+        async def go(i: int) -> None:
+            body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "seed": 1000 + i, **SAMPLING.get(workload, {})}
+            r = await c.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"llama-server {r.status_code}: {r.text}")
+            tokens[i] = r.json()["usage"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(streams):
+                nursery.start_soon(go, i)
+        wall = time.perf_counter() - t0
+    return sum(tokens) / wall
+
+
+def peer_rows(
+    binary: Path, model: str, prompts: dict[str, str], rounds: int, streams_list: list[int], n: int, threads: int, log_dir: Path
+) -> list[dict[str, Any]]:
+    """llama-server on the same requests, plain and with each of its n-gram modes (each mode
+    a server of its own: the flag is per server), every round printed."""
+    from benchmarks.llama_server import LlamaServer
+
+    rows: list[dict[str, Any]] = []
+    slots = max(streams_list)
+    for mode in PEER_MODES:
+        extra = [] if mode == "none" else ["--spec-type", mode]
+        with LlamaServer(binary, model, ctx=2048 * slots, slots=slots, log_dir=log_dir, tag=f"llama-server-{mode}",
+                         threads=threads, extra=extra) as server:
+            for rnd in range(1, rounds + 1):
+                for workload, prompt in prompts.items():
+                    for streams in streams_list:
+                        trio.run(_peer_run, server.url, prompt, workload, streams, 1)  # prompt cached, as ours
+                        rate = trio.run(_peer_run, server.url, prompt, workload, streams, n)
+                        rows.append({"mode": mode, "round": rnd, "workload": workload, "streams": streams, "tok_s": rate})
+                        print(f"llama-server --spec-type {mode:>12} round {rnd} {workload:>8} x{streams}: {rate:.1f} tok/s", flush=True)
+    return rows
+
+
 def check_logits(model: str, threads: int) -> None:
     """Whether one position's logits are the same evaluated alone and as the first of k+1
     positions of its sequence (the rest after it: causally invisible to it)."""
@@ -202,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hydra-trio" / "bench-models")
     ap.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
     ap.add_argument("--check-logits", action="store_true", help="only compare a position's logits alone and in a batch")
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run llama-server (none, ngram-simple, ngram-mod) on the same requests")
+    ap.add_argument("--with-llama-server", action="store_true", help="as --llama-server, building it once if needed")
     args = ap.parse_args(argv)
     if args.check_logits:
         print(f"{args.model}: one position alone vs first of k+1 positions")
@@ -223,12 +273,18 @@ def main(argv: list[str] | None = None) -> int:
         engine.start(Path(logs), "engine")
         try:
             rows = trio.run(_bench, engine.url, args.rounds, streams_list, args.tokens, workloads)
+            prompts = {w: httpx.post(engine.url + "/apply-template", json={"messages": WORKLOADS[w]}, timeout=30).json()["prompt"]
+                       for w in workloads}
         except BaseException:
             assert engine.log_path is not None
             print(engine.log_path.read_text()[-4000:])  # the engine's side of a failure
             raise
         finally:
             engine.stop()
+        from benchmarks.llama_server import find_or_build
+
+        binary = find_or_build(args.llama_server, args.with_llama_server)
+        peers = peer_rows(binary, model, prompts, args.rounds, streams_list, args.tokens, args.threads, Path(logs)) if binary else []
     print("\nmedian over rounds:")
     for workload in workloads:
         for streams in streams_list:
@@ -237,8 +293,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{statistics.median(r['spec_tok_s'] for r in mine):.1f} tok/s "
                   f"({statistics.median(r['ratio'] for r in mine):.2f}x), acceptance "
                   f"{statistics.median(r['acceptance'] for r in mine):.0%}")
+            theirs = {m: [p["tok_s"] for p in peers if p["mode"] == m and p["workload"] == workload and p["streams"] == streams]
+                      for m in PEER_MODES}
+            if all(theirs.values()):
+                spec = statistics.median(r["spec_tok_s"] for r in mine)
+                best = max(statistics.median(v) for m, v in theirs.items() if m != "none")
+                print("        llama-server " + ", ".join(f"{m} {statistics.median(v):.1f}" for m, v in theirs.items())
+                      + f" tok/s; ours with speculation / its best n-gram mode {spec / best:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "llama_server": peers}, indent=1))
     print(f"wrote {args.out}")
     return 0
 
