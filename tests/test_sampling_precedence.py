@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydra_trio.engine.configure import SlotSettings
-from hydra_trio.engine.params import ParamError, parse_generation
+from hydra_trio.engine.params import parse_generation
 from hydra_trio.engine.slots import SlotTable
 from hydra_trio.wire import sampling
+from hydra_trio.wire.errors import ParamError
 from hydra_trio.wire.frames import encode_decode_frame_v3, merged_generation, parse_decode_frame
 
 

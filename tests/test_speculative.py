@@ -23,7 +23,7 @@ import trio
 
 from helpers import assert_server_healthy, http, parse_sse, scrape, stream_then_hang_up
 from hydra_trio.config import settings_from
-from hydra_trio.engine.params import ParamError, parse_generation, parse_speculative
+from hydra_trio.engine.params import parse_generation, parse_speculative
 from hydra_trio.engine.speculative import (
     BACKOFF_STEPS,
     NgramIndex,
@@ -34,6 +34,7 @@ from hydra_trio.engine.speculative import (
     spec_config,
     verify,
 )
+from hydra_trio.wire.errors import ParamError
 
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog. " * 4,

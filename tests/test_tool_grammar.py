@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 
 from hydra_trio.engine.llama.grammar import tools_gbnf, trigger_pattern
 from hydra_trio.engine.llama.sampling import Sampler
-from hydra_trio.engine.params import ParamError, SamplingParams
+from hydra_trio.engine.params import SamplingParams
 from hydra_trio.engine.toolcalls import FORMATS, GENERIC, HERMES, ToolFormat, parse_reply
 from hydra_trio.engine.tools import ToolRequest, parse_tools
+from hydra_trio.wire.errors import ParamError
 from test_grammar import object_schemas
 
 SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}

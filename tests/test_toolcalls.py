@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.engine.params import ParamError, parse_constraint, parse_generation
+from hydra_trio.engine.params import parse_constraint, parse_generation
 from hydra_trio.engine.toolcalls import (
     FORMATS,
     GENERIC,
@@ -28,6 +28,7 @@ from hydra_trio.engine.toolcalls import (
     tools_system_prompt,
 )
 from hydra_trio.engine.tools import MAX_TOOLS, parse_tools
+from hydra_trio.wire.errors import ParamError
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import REASONING_FORMATS, Settings
-from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.errors import ErrorCode, ProtocolError, Status, bad_param
 from .llama.chat import apply_builtin_chat_template
 from .llama.context import LlamaBackend, kv_layout
 from .llama.grammar import constraint_gbnf
-from .params import GenerationParams, bad_param, parse_generation
+from .params import GenerationParams, parse_generation
 from .templates import ChatTemplate, PromptRenderer
 from .toolcalls import FORMATS, GENERIC, ReplyParser, ToolFormat, detect_format
 from .worker import GpuWorker

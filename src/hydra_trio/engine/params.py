@@ -7,30 +7,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from ..wire import sampling as sampling_keys
-from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.errors import bad_param
 from .speculative import SPEC_TYPES, SpecRequest
-
-if TYPE_CHECKING:
-    from .tools import ToolRequest
+from .tools import ToolRequest, parse_tools
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-
-
-class ParamError(ProtocolError):
-    """A refused request parameter: BAD_JSON / BAD_REQUEST, and ``param`` names it (OpenAI's
-    ``error.param`` over HTTP; RPC replies carry the message as before)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(ErrorCode.BAD_JSON, message, status=Status.BAD_REQUEST)
-        self.param = param
-
-
-def bad_param(message: str, param: str | None = None) -> ProtocolError:
-    return ParamError(message, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +85,7 @@ def parse_constraint(req: dict[str, Any]) -> Constraint | None:
     ``json_schema`` with its ``schema``), llama-server's ``json_schema`` (a schema) and
     ``grammar`` (GBNF), or its tools (unless ``tool_choice`` is "none"). One at most;
     ``{"type": "text"}``, ``{}`` and ``""`` ask nothing."""
-    return _constraint(req, _parse_tools(req))
+    return _constraint(req, parse_tools(req))
 
 
 def _constraint(req: dict[str, Any], tools: ToolRequest | None) -> Constraint | None:
@@ -111,12 +96,6 @@ def _constraint(req: dict[str, Any], tools: ToolRequest | None) -> Constraint | 
         key = constraint.param.split(".")[0]
         raise bad_param(f'{key} with tools is not supported (unless tool_choice is "none")', key)
     return Constraint("tools", tools, "tools")
-
-
-def _parse_tools(req: dict[str, Any]) -> ToolRequest | None:
-    from .tools import parse_tools  # here, not at the top: tools.py builds on this module
-
-    return parse_tools(req)
 
 
 def _output_constraint(req: dict[str, Any]) -> Constraint | None:
@@ -243,7 +222,7 @@ def parse_generation(
     if n_predict < 0 or n_predict > n_ctx:  # -1 = until the context ends
         n_predict = n_ctx
     seed = _integer(merged, ("seed",), 0xFFFFFFFF, -(1 << 63), (1 << 64) - 1)
-    tools = _parse_tools(merged)
+    tools = parse_tools(merged)
     constraint = _constraint(merged, tools)
     if constraint is not None and to_gbnf is None:
         raise bad_param(f"{constraint.param} is not supported here", constraint.param)

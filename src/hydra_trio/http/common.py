@@ -11,9 +11,8 @@ import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from ..engine.params import ParamError
 from ..tasks import run_cpu_bound
-from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.errors import ErrorCode, ParamError, ProtocolError, Status
 from ..wire.jsontext import parse_json_object
 from .sse import error_body
 

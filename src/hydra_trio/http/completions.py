@@ -11,7 +11,7 @@ from quart import Blueprint, Response
 
 from ..engine.logprobs import TokenLogprobs
 from ..engine.output import GenerationResult
-from ..engine.params import bad_param
+from ..wire.errors import bad_param
 from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream

@@ -21,7 +21,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..engine.logprobs import MAX_TOP_LOGPROBS
-from ..engine.params import GenerationParams, bad_param
+from ..engine.params import GenerationParams
+from ..wire.errors import bad_param
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine

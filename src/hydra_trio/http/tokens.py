@@ -10,7 +10,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from ..engine.params import bad_param
+from ..wire.errors import bad_param
 from .common import HttpError, json_response, read_request_json, require_engine
 from .completions import prompt_tokens
 

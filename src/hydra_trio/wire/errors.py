@@ -81,5 +81,18 @@ class ProtocolError(Exception):
         return f"ProtocolError({self.status.name}, {self.code}, {self.message!r})"
 
 
+class ParamError(ProtocolError):
+    """A refused request parameter: BAD_JSON / BAD_REQUEST, and ``param`` names it (OpenAI's
+    ``error.param`` over HTTP; RPC replies carry the message as before)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(ErrorCode.BAD_JSON, message, status=Status.BAD_REQUEST)
+        self.param = param
+
+
+def bad_param(message: str, param: str | None = None) -> ProtocolError:
+    return ParamError(message, param)
+
+
 class BadMagic(Exception):
     """The first two bytes are not the magic: the connection is closed without a reply."""

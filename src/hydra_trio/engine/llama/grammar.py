@@ -26,7 +26,8 @@ from typing import Any
 import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from ..params import Constraint, ParamError, bad_param
+from ...wire.errors import ParamError, bad_param
+from ..params import Constraint
 from ..toolcalls import CALL_PREFIX, GENERIC, ToolFormat, Trigger
 from ..tools import ToolRequest
 
