@@ -1,0 +1,202 @@
+"""The batched generation steps of LlamaBackend (context.py): every generating slot's next
+token in one llama_decode, with the drafts of requests that speculate as extra positions,
+verified and rolled back (engine/speculative.py), and steps that share a decode with parts
+of prompts (chunked prefill).
+
+Kept apart from the context because it is its own subject: what one step's batch holds and
+how its rows are read back. It uses the context's attributes, declared here, and the
+context's decode and sampling methods (``_decode_batch``, ``_first_logits``, ``_sample``,
+``_advanced``, ``truncate_slot``, ``eval_chunk``, ``logits_bytes``, ``is_eog``). Worker only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import llama_cpp
+import outcome
+
+from ..speculative import verify
+from .state import NoKvSpace
+from .types import PrefillPart, StepRequest, StepResult
+
+
+class BatchSteps:
+    """The steps half of LlamaBackend."""
+
+    _mem: ctypes.c_void_p
+    n_batch: int
+    n_ctx_slot: int
+    n_swa: int
+    seq_tokens: list[list[int]]
+    _swa_low: list[int]
+
+    def step(self, requests: Sequence[StepRequest], *, drafts: bool = True) -> list[StepResult]:
+        """One generation step for several slots in one llama_decode (continuous batching),
+        with the drafts of the requests that speculate as extra positions (``verify_steps``).
+
+        Returns what each request sampled (``StepResult``), or None for a slot that hit the
+        end of its context or the shared KV pool.
+        """
+        results: list[StepResult] = [None] * len(requests)
+        live = self._live_in_slot_order(requests)
+        if not live:
+            return results
+        entries, proposed = self._step_entries(requests, live, self.n_batch - len(live) if drafts else 0)
+        try:
+            self._decode_batch(entries, None)
+        except NoKvSpace:
+            if any(proposed):  # the drafts may be what does not fit: try without them
+                return self.step(requests, drafts=False)
+            if len(live) == 1:
+                return results
+            # Shared pool is tight: let each sequence try alone so those that fit go on.
+            for i in live:
+                results[i] = self.step([requests[i]], drafts=False)[0]
+            return results
+        self._roll_back(self._verify_steps(requests, live, proposed, len(entries), results))
+        for i in live:
+            self._advanced(requests[i].slot)
+        return results
+
+    def _step_entries(
+        self, requests: Sequence[StepRequest], live: Sequence[int], room: int
+    ) -> tuple[list[tuple[int, int, int, bool]], list[list[int]]]:
+        """The batch entries of the live steps (each slot's token, then its draft, all with
+        logits, slots in order) and each live step's draft; ``room``: draft positions the
+        batch has left. The one place a draft's size is capped: by the request's tokens
+        left, the slot's room and the batch's."""
+        entries: list[tuple[int, int, int, bool]] = []
+        proposed: list[list[int]] = []
+        n_generating = len(live)
+        for i in live:
+            r = requests[i]
+            history = self.seq_tokens[r.slot]
+            pos = len(history)
+            draft: list[int] = []
+            if r.spec is not None and room > 0:
+                cap = min(r.n_left - 1, self.n_ctx_slot - pos - 1, room)
+                if cap > 0:
+                    draft = r.spec.propose(history, r.token, cap, n_generating)
+                    room -= len(draft)
+            entries.append((r.slot, r.token, pos, True))
+            entries += [(r.slot, t, pos + 1 + k, True) for k, t in enumerate(draft)]
+            proposed.append(draft)
+        return entries, proposed
+
+    def _verify_steps(
+        self,
+        requests: Sequence[StepRequest],
+        live: Sequence[int],
+        proposed: Sequence[list[int]],
+        n_rows: int,
+        results: list[StepResult],
+    ) -> list[tuple[int, int, int]]:
+        """After the decode of ``_step_entries``: each live step's picks (``verify``: the
+        draft's matching prefix and one more) and the accepted tokens into the slot's
+        history; returns the rejected positions, for ``_roll_back`` once every row of the
+        decode is read (nothing may come between a decode and the reading of its logits)."""
+        rows = self._first_logits(n_rows)  # the steps come first in the batch
+        row = 0
+        cuts: list[tuple[int, int, int]] = []  # (slot, first rejected position, positions evaluated)
+        for i, draft in zip(live, proposed, strict=True):
+            r = requests[i]
+            history = self.seq_tokens[r.slot]
+            pos = len(history)
+            sampler = r.sampler
+            if draft:
+                base = row
+                picks = verify(draft, lambda k, s=sampler, base=base: self._sample(s, base + k, rows[base + k]), self.is_eog)
+                n_ok = len(picks) - 1
+                history.append(r.token)
+                history.extend(draft[:n_ok])
+                assert r.spec is not None
+                r.spec.record(len(draft), n_ok)
+                if n_ok < len(draft):
+                    cuts.append((r.slot, pos + 1 + n_ok, pos + 1 + len(draft)))
+                results[i] = tuple(picks)
+            else:
+                history.append(r.token)
+                results[i] = (self._sample(sampler, row, rows[row]),)
+            row += 1 + len(draft)
+        return cuts
+
+    def _roll_back(self, cuts: Sequence[tuple[int, int, int]]) -> None:
+        """Remove rejected draft positions from the KV: (slot, first rejected position,
+        positions evaluated). The slot's history never held them."""
+        for slot, first, evaluated in cuts:
+            llama_cpp.llama_memory_seq_rm(self._mem, slot, first, -1)
+            if self.n_swa:
+                # The SWA layers advanced to the last position evaluated: count their window
+                # from there (the prefix reuse rule), not from the shorter kept history.
+                self._swa_low[slot] = max(self._swa_low[slot], evaluated - self.n_swa)
+
+    def _live_in_slot_order(self, requests: Sequence[StepRequest]) -> list[int]:
+        """Indexes of the requests whose slot has room, in slot order. The order matters
+        (measured, cause not pinned down): on the bare llama API, 8 streams at positions
+        200-280 of a unified cache stepped ~1.5x slower with the slots in a new order each
+        step than in the same order."""
+        return sorted(
+            (i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx_slot),
+            key=lambda i: requests[i].slot,
+        )
+
+    def step_mixed(
+        self, requests: Sequence[StepRequest], parts: Sequence[PrefillPart]
+    ) -> tuple[list[StepResult], list[outcome.Outcome[tuple[int | None, bytes | None]]]]:
+        """One llama_decode holding the generation steps and parts of prompts (each of its
+        own slot).
+
+        Returns the steps' results (as ``step``) and each part's outcome (as ``eval_chunk``:
+        the sampled token and logits, or the error, e.g. NoKvSpace, that only concerns it).
+        """
+        for part in parts:
+            if part.keep is not None:
+                self.truncate_slot(part.slot, part.keep)
+        live = self._live_in_slot_order(requests)
+        fits = [p for p in parts if len(self.seq_tokens[p.slot]) + len(p.tokens) <= self.n_ctx_slot]
+        n_part_tokens = sum(len(p.tokens) for p in fits)
+        n_entries = len(live) + n_part_tokens
+        if len(fits) < len(parts) or n_entries > self.n_batch or n_entries == len(live):
+            return self._step_then_parts(requests, parts)
+        # No drafts beside prompt parts: a prompt being prefilled is a stream about to join,
+        # and drafts would delay it (measured: docs/performance.md, speculative decoding).
+        entries, proposed = self._step_entries(requests, live, 0)
+        n_step_entries = len(entries)
+        ends: list[int] = []  # each part's last entry
+        for part in parts:
+            start = len(self.seq_tokens[part.slot])
+            need_logits = part.sampler is not None or part.want_logits
+            last = len(part.tokens) - 1
+            entries += [(part.slot, t, start + k, need_logits and k == last) for k, t in enumerate(part.tokens)]
+            ends.append(len(entries) - 1)
+        try:
+            self._decode_batch(entries, None)
+        except NoKvSpace:  # the shared pool is tight: each goes alone, those that fit go on
+            return self._step_then_parts(requests, parts)
+        results: list[StepResult] = [None] * len(requests)
+        cuts = self._verify_steps(requests, live, proposed, n_step_entries, results)
+        outcomes: list[outcome.Outcome[tuple[int | None, bytes | None]]] = []
+        tails: dict[int, bytes | None] = {requests[i].slot: None for i in live}
+        for part, idx in zip(parts, ends, strict=True):
+            self.seq_tokens[part.slot].extend(part.tokens)
+            logits = self.logits_bytes(idx) if part.want_logits else None
+            token = self._sample(part.sampler, idx) if part.sampler else None
+            outcomes.append(outcome.Value((token, logits)))
+            tails[part.slot] = logits
+        # After every sample: _advanced may call llama (SWA state size), and the roll-back
+        # does, which must not come between a decode and the reading of its logits.
+        self._roll_back(cuts)
+        for slot, logits in tails.items():
+            self._advanced(slot, logits)
+        return results, outcomes
+
+    def _step_then_parts(
+        self, requests: Sequence[StepRequest], parts: Sequence[PrefillPart]
+    ) -> tuple[list[StepResult], list[outcome.Outcome[tuple[int | None, bytes | None]]]]:
+        results = self.step(requests)
+        return results, [
+            outcome.capture(self.eval_chunk, p.slot, p.tokens, None, sampler=p.sampler, want_logits=p.want_logits)
+            for p in parts
+        ]
