@@ -10,6 +10,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.jsontext import parse_json
 from .toolcalls import (
     dump_arguments,
     generic_calls_json,
@@ -98,8 +99,8 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
-                parsed = json.loads(args) if args.strip() else {}
-            except ValueError:
+                parsed = parse_json(args.encode("utf-8", "surrogatepass"), "arguments") if args.strip() else {}
+            except ProtocolError:
                 raise ChatRequestError(f"{where}[{j}].function.arguments is not JSON text") from None
         elif isinstance(args, dict):
             parsed, args = args, dump_arguments(args)
@@ -172,9 +173,6 @@ def render_prompt(
     ``describe_tools``: tools are described in a system message (``tool_messages``)."""
     if "messages" in request:
         messages = normalise_messages(request["messages"])
-        tools = request.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise ChatRequestError("tools must be an array")
         add_gen = request.get("add_generation_prompt", True)
         if not isinstance(add_gen, bool):
             raise ChatRequestError("add_generation_prompt must be a boolean")
