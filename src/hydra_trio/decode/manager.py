@@ -257,7 +257,7 @@ class DecodeManager:
         entry.notify()
         t_restore = time.perf_counter()
         if blob is not None:
-            await engine.state_restore(slot_id, blob, timing := CallTiming())
+            await engine.kv.restore(slot_id, blob, timing := CallTiming())
             entry.metrics.queue_wait_ms = timing.queue_wait_s * 1000.0
             self.metrics.restore_bytes.inc(entry.metrics.kv_bytes)
         m = entry.metrics

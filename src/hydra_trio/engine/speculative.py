@@ -16,9 +16,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..config import Settings
 from ..wire.sampling import SPEC_TYPES
 
-__all__ = ["SPEC_TYPES", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation", "spec_config", "verify"]
+__all__ = [
+    "SPEC_TYPES",
+    "SpecConfig",
+    "SpecCounts",
+    "SpecRequest",
+    "Speculation",
+    "request_speculation",
+    "spec_config",
+    "verify",
+]
 
 # Every verified position costs about a token's compute (its logits: the output layer over
 # the whole vocabulary), so a request drafts what its drafts earn: the next draft is at most
@@ -76,7 +86,13 @@ def spec_config(
     n_min = req.n_min if req.n_min is not None else n_min
     if n_max < 1:
         return None
-    return SpecConfig(n_max=n_max, n_min=min(n_min, n_max), ngram_max=ngram_max, ngram_min=ngram_min, max_batch=max_batch)
+    return SpecConfig(
+        n_max=n_max,
+        n_min=min(n_min, n_max),
+        ngram_max=ngram_max,
+        ngram_min=ngram_min,
+        max_batch=max_batch,
+    )
 
 
 class NgramIndex:
@@ -86,11 +102,15 @@ class NgramIndex:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min = n_min
         self.n_max = n_max
-        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
+        self._last: dict[
+            tuple[int, ...], int
+        ] = {}  # n-gram -> end (exclusive) of its latest occurrence
         self._next_end = 0  # n-grams ending before this (exclusive end) are indexed
 
     def update(self, history: Sequence[int]) -> None:
-        if len(history) + 1 < self._next_end:  # the history was cut: start over (not during a request)
+        if (
+            len(history) + 1 < self._next_end
+        ):  # the history was cut: start over (not during a request)
             self._last.clear()
             self._next_end = 0
         last = self._last
@@ -146,7 +166,9 @@ class Speculation:
         self._backoff = BACKOFF_STEPS
         self._cap = config.n_max  # the next draft's length at most
 
-    def propose(self, history: Sequence[int], token: int, room: int, n_generating: int) -> list[int]:
+    def propose(
+        self, history: Sequence[int], token: int, room: int, n_generating: int
+    ) -> list[int]:
         """The draft for the step that evaluates ``token`` after ``history`` (the slot's
         tokens): at most ``room`` tokens (what the request, the slot and the batch still
         take), none when the step has more than ``max_batch`` generating slots or this
@@ -179,7 +201,9 @@ class Speculation:
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
 
 
-def verify(draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:
+def verify(
+    draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]
+) -> list[int]:
     """The accept rule: the request's sampler picks at position 0 (the step's own token's
     logits), then at position j+1 only while its pick at j equalled draft j; the picks are
     the step's tokens (the accepted drafts, then the first pick that differs or follows the
@@ -194,3 +218,21 @@ def verify(draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[i
         if j == len(draft) or token != draft[j] or is_eog(token):
             break
     return picks
+
+
+def request_speculation(
+    settings: Settings, request: SpecRequest | None, can_roll_back: bool, totals: SpecCounts
+) -> Speculation | None:
+    """A request's drafting under the server's ``--spec-*`` settings (``spec_config``), or
+    None; its verified drafts also count into ``totals`` (the engine's)."""
+    config = spec_config(
+        server_type=settings.spec_type,
+        n_max=settings.spec_draft_n_max,
+        n_min=settings.spec_draft_n_min,
+        ngram_max=settings.spec_ngram_size_n,
+        ngram_min=settings.spec_ngram_min_n,
+        max_batch=settings.spec_max_batch,
+        request=request,
+        can_roll_back=can_roll_back,
+    )
+    return None if config is None else Speculation(config, totals)

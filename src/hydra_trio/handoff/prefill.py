@@ -36,7 +36,7 @@ async def prefill_export(
         # (an earlier export of it) gives the same ones again.
         res, logits = await engine.sample_first(slot.id, tokens, params)
         t_prefilled = time.perf_counter()
-        copy = await engine.copy_out(slot.id, logits=logits)
+        copy = await engine.kv.copy_out(slot.id, logits=logits)
         copy_ms = (time.perf_counter() - t_prefilled) * 1000.0
     finally:
         engine.release(slot)

@@ -130,7 +130,7 @@ class Handoff:
             return
         t0 = time.perf_counter()
         try:
-            await engine.state_restore(slot_id, blob, salt=salt)
+            await engine.kv.restore(slot_id, blob, salt=salt)
         except ProtocolError as err:
             self._fail("restore_failed", err.message)
             return

@@ -368,7 +368,7 @@ class OpTable:
             try:
                 _, logits = await engine.prefill(ctx.slot_id, tokens, 0, want_logits=True)
                 assert logits is not None
-                copy = await engine.copy_out(ctx.slot_id, logits=logits, reserve=reserve)
+                copy = await engine.kv.copy_out(ctx.slot_id, logits=logits, reserve=reserve)
             finally:
                 engine.release(slot)
             return await self._prefill_reply(ctx, tokens, copy, t0, held)
