@@ -104,11 +104,12 @@ class SlotScheduler:
         used): a slot whose KV shares at least ``--slot-prompt-similarity`` of the prompt,
         the longest shared prefix first; then an empty slot; then any. A 9-token chat
         template head does not make a prompt take over another session's history."""
-        held = self._backend().seq_tokens[slot]
-        n_common = self._backend().shared_prefix(slot, prompt, salt)
+        backend = self._backend()
+        if not backend.seq_tokens[slot]:
+            return 0, 1  # an empty slot shares nothing (scored for every free slot: kept cheap)
+        n_common = backend.shared_prefix(slot, prompt, salt)
         share = self._settings.slot_prompt_similarity
-        reuse = n_common if n_common and n_common >= share * len(prompt) else 0
-        return reuse, int(not held)
+        return (n_common if n_common and n_common >= share * len(prompt) else 0), 0
 
     async def keep_history(self, slot: int, n_keep: int) -> None:
         """Before the slot drops what it holds past ``n_keep``: copy it into the prompt
