@@ -31,10 +31,7 @@ MAX_STEPS_PER_CALL = 256  # a run of steps returns to trio at least this often
 StepSync = Callable[[Sequence[StepRequest]], list[StepResult]]  # one llama step, on the worker
 RunOnWorker = Callable[[Callable[[], None]], Awaitable[None]]  # run a function as one worker call
 PartOutcome = outcome.Outcome[tuple[int | None, bytes | None]]
-RunMixed = Callable[
-    [Sequence[StepRequest], Sequence[PrefillPart]],
-    Awaitable[tuple[list[StepResult], list[PartOutcome]]],
-]
+RunMixed = Callable[[Sequence[StepRequest], Sequence[PrefillPart]], Awaitable[tuple[list[StepResult], list[PartOutcome]]]]
 
 
 @dataclass(slots=True, eq=False)
@@ -118,12 +115,7 @@ class StepBatcher:
     # ---- request side ------------------------------------------------------------------
 
     def submit(
-        self,
-        slot: int,
-        token: int,
-        sampler: Sampler,
-        n_left: int = 1,
-        spec: Speculation | None = None,
+        self, slot: int, token: int, sampler: Sampler, n_left: int = 1, spec: Speculation | None = None
     ) -> StepJob:
         """Hand a step to the batcher without waiting (the caller must await ``result``):
         evaluate ``token`` in ``slot`` and sample the next one, the first of the ``n_left``
@@ -161,13 +153,7 @@ class StepBatcher:
         return job.result
 
     async def prefill(
-        self,
-        slot: int,
-        tokens: Sequence[int],
-        keep: int,
-        *,
-        sampler: Sampler | None,
-        want_logits: bool,
+        self, slot: int, tokens: Sequence[int], keep: int, *, sampler: Sampler | None, want_logits: bool
     ) -> tuple[int | None, bytes | None]:
         """Evaluate a prompt inside the step batches, a budget's worth per batch.
 
@@ -293,11 +279,7 @@ class StepBatcher:
                     # Read on the worker thread: flags trio may be setting now. A stale
                     # "asked" only ends the run early; a missed "cancelled" is dropped by the
                     # request (drop_ahead), which waits for the step.
-                    nxt = [
-                        _next_step(j, r)
-                        for j, r in zip(cur, results, strict=True)
-                        if self._goes_on(j, r)
-                    ]
+                    nxt = [_next_step(j, r) for j, r in zip(cur, results, strict=True) if self._goes_on(j, r)]
                 trio_token.run_sync_soon(self._deliver, cur, results, nxt)
                 if not nxt:
                     return
@@ -311,16 +293,10 @@ class StepBatcher:
         """Whether the last token ``job`` sampled (``res``) surely gets its own step (the
         ones before it are accepted drafts: none ends the generation)."""
         return (
-            job.asked
-            and not job.cancelled
-            and res is not None
-            and job.n_left > len(res)
-            and not self._is_eog(res[-1])
+            job.asked and not job.cancelled and res is not None and job.n_left > len(res) and not self._is_eog(res[-1])
         )
 
-    def _deliver(
-        self, jobs: list[StepJob], results: list[StepResult], running: list[StepJob]
-    ) -> None:
+    def _deliver(self, jobs: list[StepJob], results: list[StepResult], running: list[StepJob]) -> None:
         """On trio: a step's results; ``running``: the look-ahead steps already under way
         (none after the last step of a run: look-ahead then goes into the next batch)."""
         self._count(jobs, results, running or None)
@@ -333,9 +309,7 @@ class StepBatcher:
             job.error = exc
             job.done.set()
 
-    async def _run_with_prompts(
-        self, jobs: list[StepJob], prompts: list[tuple[PrefillJob, int]]
-    ) -> None:
+    async def _run_with_prompts(self, jobs: list[StepJob], prompts: list[tuple[PrefillJob, int]]) -> None:
         parts = [
             PrefillPart(
                 job.slot,
@@ -372,9 +346,7 @@ class StepBatcher:
                 self._prompts.remove(prompt)
                 prompt.done.set()
 
-    def _count(
-        self, jobs: list[StepJob], results: list[StepResult], running: list[StepJob] | None = None
-    ) -> None:
+    def _count(self, jobs: list[StepJob], results: list[StepResult], running: list[StepJob] | None = None) -> None:
         """Record a batch's results and its look-ahead steps: ``running`` (already under way
         on the worker), or else those this creates for the next batch."""
         for job, res in zip(jobs, results, strict=True):
@@ -396,9 +368,7 @@ class StepBatcher:
 def _next_step(job: StepJob, res: StepResult) -> StepJob:
     """The look-ahead step of the last token ``job`` sampled."""
     assert res is not None
-    return StepJob(
-        job.slot, res[-1], job.sampler, job.n_left - len(res), asked=False, spec=job.spec
-    )
+    return StepJob(job.slot, res[-1], job.sampler, job.n_left - len(res), asked=False, spec=job.spec)
 
 
 def _finish_if_cancelled(job: StepJob | PrefillJob) -> bool:
@@ -407,9 +377,7 @@ def _finish_if_cancelled(job: StepJob | PrefillJob) -> bool:
     return job.cancelled
 
 
-async def _wait(
-    job: StepJob | PrefillJob, during: Awaitable[None] | None, wants_turn: threading.Event
-) -> None:
+async def _wait(job: StepJob | PrefillJob, during: Awaitable[None] | None, wants_turn: threading.Event) -> None:
     """Wait for ``job`` (after awaiting ``during``, work overlapped with it); raise its error.
 
     If cancelled, marks the job cancelled and still waits for the batch that may be running

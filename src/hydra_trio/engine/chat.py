@@ -55,11 +55,7 @@ def _content_text(content: Any, index: int) -> str:
     if isinstance(content, list):  # OpenAI content parts: keep the text ones
         parts = []
         for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ChatRequestError(f"messages[{index}].content: only text parts are supported")
             parts.append(part["text"])
         return "".join(parts)
@@ -80,15 +76,9 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
         msg["content"] = _content_text(m.get("content"), i)
         if m.get("tool_calls") is not None:
             if role != "assistant":
-                raise ChatRequestError(
-                    f"messages[{i}].tool_calls: only assistant messages carry tool calls"
-                )
+                raise ChatRequestError(f"messages[{i}].tool_calls: only assistant messages carry tool calls")
             msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
-        if (
-            role == "tool"
-            and m.get("tool_call_id") is not None
-            and not isinstance(m["tool_call_id"], str)
-        ):
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
             raise ChatRequestError(f"messages[{i}].tool_call_id must be a string")
         out.append(msg)
     return out
@@ -109,27 +99,19 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
-                parsed = (
-                    parse_json(args.encode("utf-8", "surrogatepass"), "arguments")
-                    if args.strip()
-                    else {}
-                )
+                parsed = parse_json(args.encode("utf-8", "surrogatepass"), "arguments") if args.strip() else {}
             except ProtocolError:
-                raise ChatRequestError(
-                    f"{where}[{j}].function.arguments is not JSON text"
-                ) from None
+                raise ChatRequestError(f"{where}[{j}].function.arguments is not JSON text") from None
         elif isinstance(args, dict):
             parsed, args = args, dump_arguments(args)
         else:
             raise ChatRequestError(f"{where}[{j}].function.arguments must be a string of JSON")
-        out.append(
-            {
-                "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{index}_{j}",
-                "type": "function",
-                "function": {"name": fn["name"], "arguments": args},
-                "_arguments_object": parsed,
-            }
-        )
+        out.append({
+            "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{index}_{j}",
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": args},
+            "_arguments_object": parsed,
+        })
     return out
 
 
@@ -145,11 +127,7 @@ def template_wants_object_arguments(template: str) -> bool:
 
 
 def tool_messages(
-    messages: list[dict[str, Any]],
-    template: str | None,
-    tools: ToolRequest | None,
-    *,
-    describe: bool,
+    messages: list[dict[str, Any]], template: str | None, tools: ToolRequest | None, *, describe: bool
 ) -> list[dict[str, Any]]:
     """The messages a template renders when tools are in play: with ``describe`` the tools
     and the generic reply form are described in a system message first (llama.cpp's generic
@@ -165,15 +143,9 @@ def tool_messages(
             m = dict(m)
             if renders_calls:
                 m["tool_calls"] = [
-                    {
-                        **{k: v for k, v in c.items() if k != "_arguments_object"},
-                        "function": {
-                            "name": c["function"]["name"],
-                            "arguments": c["_arguments_object"]
-                            if wants_object
-                            else c["function"]["arguments"],
-                        },
-                    }
+                    {**{k: v for k, v in c.items() if k != "_arguments_object"},
+                     "function": {"name": c["function"]["name"],
+                                  "arguments": c["_arguments_object"] if wants_object else c["function"]["arguments"]}}
                     for c in calls
                 ]
             else:
@@ -195,12 +167,7 @@ def tool_messages(
 
 
 def render_prompt(
-    request: dict[str, Any],
-    template: str | None,
-    *,
-    bos_token: str,
-    eos_token: str,
-    describe_tools: bool = False,
+    request: dict[str, Any], template: str | None, *, bos_token: str, eos_token: str, describe_tools: bool = False
 ) -> str:
     """Prompt text for a request with ``messages`` or a plain ``prompt`` (used verbatim).
     ``describe_tools``: tools are described in a system message (``tool_messages``)."""
@@ -210,15 +177,11 @@ def render_prompt(
         if not isinstance(add_gen, bool):
             raise ChatRequestError("add_generation_prompt must be a boolean")
         tool_request = parse_tools(request)
-        messages = tool_messages(
-            messages, template or FALLBACK_TEMPLATE, tool_request, describe=describe_tools
-        )
+        messages = tool_messages(messages, template or FALLBACK_TEMPLATE, tool_request, describe=describe_tools)
         try:
             text = compile_template(template or FALLBACK_TEMPLATE).render(
                 messages=messages,
-                tools=[t.as_openai() for t in tool_request.tools]
-                if tool_request is not None
-                else None,
+                tools=[t.as_openai() for t in tool_request.tools] if tool_request is not None else None,
                 add_generation_prompt=add_gen,
                 bos_token=bos_token,
                 eos_token=eos_token,

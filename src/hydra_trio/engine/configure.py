@@ -37,12 +37,7 @@ class ConfigureOutcome:
     deferred: list[str] = field(default_factory=list)
 
     def meta(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "success": True,
-            "tier": self.tier,
-            "params_applied": self.applied,
-            "deferred_keys": self.deferred,
-        }
+        meta: dict[str, Any] = {"success": True, "tier": self.tier, "params_applied": self.applied, "deferred_keys": self.deferred}
         if self.unused:
             meta["params_unused"] = self.unused
         return meta
@@ -59,9 +54,7 @@ class Configurable(Protocol):
     def flash_attn_applied(self) -> str: ...
 
 
-async def configure(
-    engine: Configurable, slot_id: int, body: dict[str, Any], settings: Settings
-) -> ConfigureOutcome:
+async def configure(engine: Configurable, slot_id: int, body: dict[str, Any], settings: Settings) -> ConfigureOutcome:
     """Sort a CONFIGURE's keys into tiers, refuse what this engine's --configure-tiers or
     the keys' rules do not allow, apply T1 to the slot and stage T2/T3."""
     t1 = {k: v for k, v in body.items() if k in _T1_KEYS}
@@ -74,26 +67,16 @@ async def configure(
             # never shifts (a slot that fills up stops with stop_type "context"), so
             # nothing would apply it: reported as accepted-but-unused, not as applied.
             del t1["n_keep"]
-            unused["n_keep"] = (
-                "accepted, not applied: no context shifting (generation stops at the context limit)"
-            )
+            unused["n_keep"] = "accepted, not applied: no context shifting (generation stops at the context limit)"
     tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
     allowed = settings.configure_tier_set()
-    for name, used in (
-        ("T1", t1),
-        ("T2", _T2_KEYS & staged.keys()),
-        ("T3", _T3_KEYS & staged.keys()),
-    ):
+    for name, used in (("T1", t1), ("T2", _T2_KEYS & staged.keys()), ("T3", _T3_KEYS & staged.keys())):
         if used and name not in allowed:
-            raise _refused(
-                f"CONFIGURE {name} ({', '.join(sorted(used))}) is off on this engine (--configure-tiers {settings.configure_tiers})"
-            )
+            raise _refused(f"CONFIGURE {name} ({', '.join(sorted(used))}) is off on this engine (--configure-tiers {settings.configure_tiers})")
     if staged:
         staged = _validate_staged(staged, flash_attn=engine.flash_attn_applied)
         if "model_path" in staged:
-            staged["model_path"] = await trio.to_thread.run_sync(
-                _model_in, engine.model_dir, staged["model_path"]
-            )
+            staged["model_path"] = await trio.to_thread.run_sync(_model_in, engine.model_dir, staged["model_path"])
     applied = engine.slot_settings.apply(slot_id, t1) if t1 else {}
     if staged:
         engine.reconfigurer.stage(staged)
@@ -175,10 +158,7 @@ def _validate_staged(staged: dict[str, Any], *, flash_attn: str) -> dict[str, An
             if not isinstance(v, str) or v.lower() not in CACHE_TYPES:
                 raise _bad(f"{key} must be one of {sorted(CACHE_TYPES)}")
             out[key] = CACHE_TYPES[v.lower()]
-            if (
-                key == "cache_type_v"
-                and (problem := cache_type_problem(v.lower(), flash_attn)) is not None
-            ):
+            if key == "cache_type_v" and (problem := cache_type_problem(v.lower(), flash_attn)) is not None:
                 raise _bad(problem)
     if "model_path" in staged:
         v = staged["model_path"]
@@ -224,9 +204,7 @@ class Reconfigurer:
     """T2/T3: staged by CONFIGURE, applied by ``run`` once every slot is idle. No slot can
     be claimed from the moment a change is staged until it has been applied."""
 
-    def __init__(
-        self, slots: SlotTable, apply: Callable[[dict[str, Any]], Awaitable[None]]
-    ) -> None:
+    def __init__(self, slots: SlotTable, apply: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         self._slots = slots
         self._apply = apply
         self._staged: dict[str, Any] = {}
@@ -252,11 +230,7 @@ class Reconfigurer:
             try:
                 busy = self._slots.n_busy
                 if busy:
-                    log.info(
-                        "staged %s: waiting for %d running request(s) to end",
-                        sorted(self._staged),
-                        busy,
-                    )
+                    log.info("staged %s: waiting for %d running request(s) to end", sorted(self._staged), busy)
                 while not self._slots.all_idle():
                     await self._slots.wait_released()
                 changes, self._staged = self._staged, {}

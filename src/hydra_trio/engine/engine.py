@@ -81,15 +81,9 @@ class Engine:
         # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
         # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
-        self.prompt_cache = (
-            PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
-        )
-        self.scheduler = SlotScheduler(
-            lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache
-        )
-        self.kv = SlotKv(
-            lambda: self.backend, self.worker, self.slots, self.scheduler, self.inputs
-        )  # copy out, restore
+        self.prompt_cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
+        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache)
+        self.kv = SlotKv(lambda: self.backend, self.worker, self.slots, self.scheduler, self.inputs)  # copy out, restore
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         self._prefilling_alone = 0  # prompts in a chunk call of their own right now
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
@@ -105,9 +99,7 @@ class Engine:
         self.model_dir = settings.model_dir or os.path.dirname(os.path.realpath(backend.model_path))
         # The GGUF's own template (else ChatML) until load() applies --chat-template[-file].
         self.inputs.set_chat_template(
-            resolve_chat_template(
-                name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=()
-            )
+            resolve_chat_template(name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=())
         )
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -141,10 +133,8 @@ class Engine:
         try:
             if settings.warmup:
                 # Said before the call: if a kernel faults, this is the last line in the log.
-                log.info(
-                    "warming up: one prompt and one step on slot 0 (--no-warmup skips it; weights %s)",
-                    "repacked" if backend.repack.enabled else "not repacked",
-                )
+                log.info("warming up: one prompt and one step on slot 0 (--no-warmup skips it; weights %s)",
+                         "repacked" if backend.repack.enabled else "not repacked")
                 t_warm = time.perf_counter()
                 await trio.to_thread.run_sync(backend.warmup, limiter=worker_limiter)
                 engine_warmup_ms: float | None = (time.perf_counter() - t_warm) * 1000.0
@@ -172,16 +162,9 @@ class Engine:
         engine.warmup_ms = engine_warmup_ms
         log.info(
             "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, KV cache %s (a slot holds up to %d; %s), %d threads",
-            engine.model_load_ms,
-            identity.model_name,
-            identity.model_quant,
-            identity.tokenizer,
-            backend.n_slots,
-            backend.n_ctx,
-            engine.kv_layout,
-            backend.n_ctx_slot,
-            ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read",
-            backend.n_threads,
+            engine.model_load_ms, identity.model_name, identity.model_quant, identity.tokenizer,
+            backend.n_slots, backend.n_ctx, engine.kv_layout, backend.n_ctx_slot,
+            ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read", backend.n_threads,
         )
         assert backend.offload is not None
         log.info("offload: %s", backend.offload.summary())
@@ -287,17 +270,10 @@ class Engine:
         """The one description of a slot (/slots, STATE_META); NO_SLOT for an unknown id."""
         slot = self.slots.get(slot_id)
         return SlotInfo(
-            slot.id,
-            slot.owner,
-            slot.transferring,
-            self.n_past(slot_id),
-            self.n_ctx_slot,
-            self.state_size(slot_id),
+            slot.id, slot.owner, slot.transferring, self.n_past(slot_id), self.n_ctx_slot, self.state_size(slot_id)
         )
 
-    def publish_kv_events(
-        self, publish: Callable[[list[Event]], None], block_size: int
-    ) -> SlotBlocks:
+    def publish_kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> SlotBlocks:
         """From now on, every change of what the slots hold goes to ``publish`` as KV events,
         after the GPU-worker call that made it (on the trio thread)."""
         self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
@@ -329,11 +305,7 @@ class Engine:
             self.prompt_cache.clear()  # states of the old context or model fit neither
         if "model_path" in changes:
             path = changes["model_path"]
-            identity = await trio.to_thread.run_sync(
-                lambda: read_identity(
-                    path, alias=self.identity.model_alias if self.settings.alias else None
-                )
-            )
+            identity = await trio.to_thread.run_sync(lambda: read_identity(path, alias=self.identity.model_alias if self.settings.alias else None))
             old = self.backend
 
             def load(_abort: threading.Event) -> LlamaBackend:
@@ -361,36 +333,25 @@ class Engine:
             self.inputs.set_chat_template(
                 self.inputs.chat_template
                 if keep
-                else resolve_chat_template(
-                    name=None, file=None, gguf_template=new.info.chat_template, builtin_names=()
-                )
+                else resolve_chat_template(name=None, file=None, gguf_template=new.info.chat_template, builtin_names=())
             )
             await self.worker.call(old.close)
             self.t3_reloads += 1
             self.last_t3_reload_ms = (time.perf_counter() - t0) * 1000.0
-            log.info(
-                "T3: model reloaded from %s in %.0f ms (%s)",
-                path,
-                self.last_t3_reload_ms,
-                identity.model_name,
-            )
+            log.info("T3: model reloaded from %s in %.0f ms (%s)", path, self.last_t3_reload_ms, identity.model_name)
         else:
             b = self.backend
 
             def rebuild(_abort: threading.Event) -> None:
                 try:
                     b.rebuild_context(
-                        n_ctx=changes.get("n_ctx"),
-                        type_k=changes.get("cache_type_k"),
-                        type_v=changes.get("cache_type_v"),
+                        n_ctx=changes.get("n_ctx"), type_k=changes.get("cache_type_k"), type_v=changes.get("cache_type_v")
                     )
                 finally:  # also when it failed: the previous setup was rebuilt, empty
                     self._slots_emptied(b)
 
             await self.worker.run(rebuild)
-            log.info(
-                "T2: context rebuilt in %.0f ms: %s", (time.perf_counter() - t0) * 1000.0, changes
-            )
+            log.info("T2: context rebuilt in %.0f ms: %s", (time.perf_counter() - t0) * 1000.0, changes)
 
     def runtime_fields(self) -> dict[str, Any]:
         """Where the model runs (ggml devices, layers offloaded, flash attention), how its KV
@@ -445,19 +406,10 @@ class Engine:
                 chunk = rest[done : done + backend.n_batch]
                 last = done + len(chunk) == len(rest)
 
-                def call(
-                    abort: threading.Event,
-                    chunk: list[int] = chunk,
-                    keep: int = keep,
-                    last: bool = last,
-                ) -> tuple[int | None, bytes | None]:
+                def call(abort: threading.Event, chunk: list[int] = chunk, keep: int = keep, last: bool = last) -> tuple[int | None, bytes | None]:
                     backend.truncate_slot(slot, keep)
                     return backend.eval_chunk(
-                        slot,
-                        chunk,
-                        abort,
-                        sampler=sampler if last else None,
-                        want_logits=want_logits and last,
+                        slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
                     )
 
                 self._prefilling_alone += 1
@@ -506,9 +458,7 @@ class Engine:
             token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
             return token, logits
         res.n_prompt_processed = len(tokens) - res.n_common
-        return await self.prefill(
-            slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits
-        )
+        return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
 
     async def sample_first(
         self, slot: int, tokens: Sequence[int], params: GenerationParams
@@ -517,23 +467,15 @@ class Engine:
         with, by generation's own rules (OutputProcessor: stop decision, text, counts);
         returns it as a completion, with the logits it came from (they travel with the KV)."""
         res = GenerationResult(prompt_tokens=len(tokens))
-        sampler = Sampler(
-            params.sampling, grammars=self.backend.grammars
-        )  # built inside its first GPU-worker call
+        sampler = Sampler(params.sampling, grammars=self.backend.grammars)  # built inside its first GPU-worker call
         one = replace(params, n_predict=1, logprobs=None)
-        out = OutputProcessor(
-            one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.token_bytes
-        )
+        out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.token_bytes)
         t_start = time.perf_counter()
         try:
-            token, logits = await self.first_token(
-                slot, tokens, sampler, res, want_logits=True, salt=params.cache_salt
-            )
+            token, logits = await self.first_token(slot, tokens, sampler, res, want_logits=True, salt=params.cache_salt)
         finally:
             self.backend.retire(sampler)
-        assert token is not None and logits is not None, (
-            "a prompt that fits leaves room for one token"
-        )
+        assert token is not None and logits is not None, "a prompt that fits leaves room for one token"
         out.started(t_start)
         out.take(token)  # ends it: one token at most
         if res.completion_tokens:
@@ -543,9 +485,7 @@ class Engine:
 
     # ---- generation steps (batched) ----------------------------------------------------
 
-    async def _run_mixed(
-        self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]
-    ) -> tuple[list[int | None], list[PartOutcome]]:
+    async def _run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[PartOutcome]]:
         return await self.worker.call(lambda: self.backend.step_mixed(reqs, parts))
 
     # ---- generation --------------------------------------------------------------------
@@ -569,20 +509,12 @@ class Engine:
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
-        sampler = Sampler(
-            params.sampling, logprobs=params.logprobs, grammars=backend.grammars
-        )  # built on the worker
-        out = OutputProcessor(
-            params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.token_bytes
-        )
-        spec = request_speculation(
-            self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts
-        )
+        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
+        out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.token_bytes)
+        spec = request_speculation(self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts)
         t_start = time.perf_counter()
         try:
-            token, _ = await self.first_token(
-                slot, prompt_tokens, sampler, res, salt=params.cache_salt
-            )
+            token, _ = await self.first_token(slot, prompt_tokens, sampler, res, salt=params.cache_salt)
             out.started(t_start)
             self.batcher.generating += 1
             try:
@@ -606,9 +538,7 @@ class Engine:
                     assert last is not None
                     # Pipelined: the next token is computed while this text goes to readers.
                     job = self.batcher.submit(slot, last, sampler, out.remaining, spec)
-                    run = await self.batcher.result(
-                        job, _emit_all(emit, sends) if sends else None
-                    ) or (None,)
+                    run = await self.batcher.result(job, _emit_all(emit, sends) if sends else None) or (None,)
                 for send in sends:
                     await emit(send)
                 if res.stop_type not in ("eos", "context"):
@@ -621,10 +551,7 @@ class Engine:
                 self.batcher.generating -= 1
                 await self.batcher.drop_ahead(slot)
                 if spec is not None:
-                    res.spec_drafted, res.spec_accepted = (
-                        spec.counts.draft_tokens,
-                        spec.counts.accepted,
-                    )
+                    res.spec_drafted, res.spec_accepted = spec.counts.draft_tokens, spec.counts.accepted
             tail = out.finish()
             if tail:
                 await emit(tail)
@@ -651,3 +578,4 @@ class Engine:
 
     def release(self, slot: Slot) -> None:
         self.slots.release(slot)
+

@@ -33,9 +33,7 @@ class Inputs:
     """Turns request bodies into prompts and tokens, within the served model's limits.
     ``backend`` gives the model serving now (a T3 reload replaces it)."""
 
-    def __init__(
-        self, backend: Callable[[], LlamaBackend], worker: GpuWorker, settings: Settings
-    ) -> None:
+    def __init__(self, backend: Callable[[], LlamaBackend], worker: GpuWorker, settings: Settings) -> None:
         self._backend = backend
         self._worker = worker
         self._settings = settings
@@ -78,9 +76,7 @@ class Inputs:
             to_gbnf=lambda constraint: constraint_gbnf(constraint, self.tool_format),
         )
 
-    def reply_parsers(
-        self, params: GenerationParams, request: dict[str, Any], prompt: str
-    ) -> Callable[[], ReplyParser] | None:
+    def reply_parsers(self, params: GenerationParams, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
         """How a chat reply is read: a factory of fresh parsers of its tool calls (tools asked
         with a tool_choice other than none, in this template's format) and its reasoning
         (``reasoning_format``: the request's, else --reasoning-format); None when the text is
@@ -92,25 +88,16 @@ class Inputs:
         if mode is None:
             mode = self._settings.reasoning_format
         elif mode not in REASONING_FORMATS:
-            raise bad_param(
-                f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}",
-                "reasoning_format",
-            )
+            raise bad_param(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
         # A prompt that ends inside an open <think> (DeepSeek-R1's and Qwen3's templates)
         # starts the reply in its reasoning; auto splits only for templates with thinking tags.
         opened = prompt.rstrip().endswith("<think>")
-        reasoning = mode == "deepseek" or (
-            mode == "auto" and ("<think>" in (self.chat_template.jinja or "") or opened)
-        )
+        reasoning = mode == "deepseek" or (mode == "auto" and ("<think>" in (self.chat_template.jinja or "") or opened))
         if tools is None and not reasoning:
             return None
         fmt = self.tool_format
         return lambda: ReplyParser(
-            fmt,
-            parse_tools=tools is not None,
-            reasoning=reasoning,
-            starts_in_reasoning=reasoning and opened,
-            tools=tools,
+            fmt, parse_tools=tools is not None, reasoning=reasoning, starts_in_reasoning=reasoning and opened, tools=tools
         )
 
     async def compile_grammar(self, params: GenerationParams) -> None:
@@ -119,9 +106,7 @@ class Inputs:
         gbnf, triggers = params.sampling.grammar, params.sampling.grammar_triggers
         grammars = self._backend().grammars
         if gbnf is not None and not grammars.known(gbnf, triggers):
-            await self._worker.call(
-                lambda: grammars.compile(gbnf, params.sampling.grammar_param, triggers)
-            )
+            await self._worker.call(lambda: grammars.compile(gbnf, params.sampling.grammar_param, triggers))
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
@@ -163,22 +148,16 @@ class Inputs:
                 status=Status.BAD_REQUEST,
             )
 
-    async def tokenize(
-        self, text: str, *, add_special: bool, parse_special: bool = True
-    ) -> list[int]:
+    async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         """Text -> tokens on the GPU worker, bounded: text no slot could hold is refused first."""
         self.check_text_fits(text)
         try:
             return await self._worker.call(
-                lambda: self._backend().tokenize(
-                    text, add_special=add_special, parse_special=parse_special
-                )
+                lambda: self._backend().tokenize(text, add_special=add_special, parse_special=parse_special)
             )
         except UnicodeEncodeError:  # JSON's "\ud800": a str, but no UTF-8 (benchmarks/hostile.py)
             raise ProtocolError(
-                ErrorCode.BAD_JSON,
-                "text holds a lone surrogate (U+D800..U+DFFF): not valid Unicode",
-                status=Status.BAD_REQUEST,
+                ErrorCode.BAD_JSON, "text holds a lone surrogate (U+D800..U+DFFF): not valid Unicode", status=Status.BAD_REQUEST
             ) from None
 
     async def tokenize_text(self, text: str) -> list[int]:

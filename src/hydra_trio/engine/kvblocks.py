@@ -54,9 +54,7 @@ class SlotBlocks:
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
         self.pending: deque[Event] = deque()
 
-    def slot_changed(
-        self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None
-    ) -> None:
+    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None) -> None:
         """The slot now holds ``tokens``, computed under ``salt``; its first ``kept``
         positions are unchanged since the last call (so a generation step costs nothing
         until a block fills). A slot's salt changes only with its history emptied first."""
@@ -96,9 +94,7 @@ class SlotBlocks:
             self.pending.append(
                 block_stored(
                     added[new_from:],
-                    chain[first - 1]
-                    if first
-                    else None,  # a chain's first block: no parent, salted or not
+                    chain[first - 1] if first else None,  # a chain's first block: no parent, salted or not
                     tokens[first * bs : n_full * bs],
                     bs,
                 )
@@ -137,9 +133,7 @@ class SlotBlocks:
             run = chain[first:]
             told.update(run)
             tokens = [t for h in run for t in self._tokens[h]]
-            self.pending.append(
-                block_stored(run, chain[first - 1] if first else None, tokens, self.block_size)
-            )
+            self.pending.append(block_stored(run, chain[first - 1] if first else None, tokens, self.block_size))
 
     def _unref(self, h: int) -> bool:
         """Drop one slot's hold on ``h``; True when no slot holds it any more."""

@@ -123,9 +123,7 @@ class OutputProcessor:
     def ready(self) -> str | None:
         """Text due to readers now: the first token's at once, then every stream_interval."""
         pending = self._pending
-        if pending and (
-            self._res.completion_tokens == 1 or self._unsent >= self._params.stream_interval
-        ):
+        if pending and (self._res.completion_tokens == 1 or self._unsent >= self._params.stream_interval):
             send = pending[0] if len(pending) == 1 else "".join(pending)
             pending.clear()
             self._unsent = 0

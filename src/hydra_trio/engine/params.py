@@ -30,18 +30,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
     ignore_eos: bool = False  # end-of-generation tokens are never sampled (benchmarks' convention)
-    min_tokens: int = (
-        0  # vLLM's: no end-of-generation token before this many (stop strings still stop)
-    )
+    min_tokens: int = 0  # vLLM's: no end-of-generation token before this many (stop strings still stop)
     # GBNF every sampled token must follow (response_format, json_schema, grammar, tools), as text:
     # a pure value that pickles and compares; compiled on the GPU worker (llama/grammar.py).
     grammar: str | None = None
     # A lazy grammar's trigger patterns (tool_choice "auto": free text until the model starts
     # a call; llama/grammar.py's trigger_pattern); (): the grammar holds from the first token.
     grammar_triggers: tuple[str, ...] = ()
-    grammar_param: str = field(
-        default="grammar", compare=False
-    )  # the key it came from: errors name it
+    grammar_param: str = field(default="grammar", compare=False)  # the key it came from: errors name it
 
     @property
     def greedy(self) -> bool:
@@ -50,11 +46,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether any repetition penalty changes the logits before the pick."""
-        return (
-            self.repeat_penalty != 1.0
-            or self.frequency_penalty != 0.0
-            or self.presence_penalty != 0.0
-        )
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,18 +116,11 @@ def _output_constraint(req: dict[str, Any]) -> Constraint | None:
         elif kind == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict):
-                raise bad_param(
-                    "response_format.json_schema must be an object (name, schema, strict)",
-                    "response_format",
-                )
+                raise bad_param("response_format.json_schema must be an object (name, schema, strict)", "response_format")
             if spec.get("name") is not None and not isinstance(spec["name"], str):
-                raise bad_param(
-                    "response_format.json_schema.name must be a string", "response_format"
-                )
+                raise bad_param("response_format.json_schema.name must be a string", "response_format")
             if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-                raise bad_param(
-                    "response_format.json_schema.strict must be a boolean", "response_format"
-                )
+                raise bad_param("response_format.json_schema.strict must be a boolean", "response_format")
             schema = spec.get("schema")  # absent: any JSON object (OpenAI's schema is optional)
             found.append(
                 Constraint("json_object", None, "response_format")
@@ -144,8 +129,7 @@ def _output_constraint(req: dict[str, Any]) -> Constraint | None:
             )
         elif kind != "text":
             raise bad_param(
-                f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
-                "response_format",
+                f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
             )
     if req.get("json_schema") not in (None, {}):
         found.append(Constraint("json_schema", req["json_schema"], "json_schema"))
@@ -153,8 +137,7 @@ def _output_constraint(req: dict[str, Any]) -> Constraint | None:
         found.append(Constraint("gbnf", req["grammar"], "grammar"))
     if len(found) > 1:
         raise bad_param(
-            f"{found[0].param} and {found[1].param} both constrain the output: send one",
-            found[1].param.split(".")[0],
+            f"{found[0].param} and {found[1].param} both constrain the output: send one", found[1].param.split(".")[0]
         )
     return found[0] if found else None
 
@@ -169,45 +152,28 @@ def parse_speculative(req: dict[str, Any]) -> SpecRequest | None:
     obj = req.get("speculative")
     if obj is not None and not isinstance(obj, dict):
         raise bad_param("speculative must be an object (type, n_max, n_min)", "speculative")
-    flat = {
-        k.removeprefix("speculative."): v for k, v in req.items() if k.startswith("speculative.")
-    }
-    keys = flat | {
-        {"draft_n_max": "n_max", "draft_n_min": "n_min"}.get(k, k): v
-        for k, v in (obj or {}).items()
-    }
+    flat = {k.removeprefix("speculative."): v for k, v in req.items() if k.startswith("speculative.")}
+    keys = flat | {{"draft_n_max": "n_max", "draft_n_min": "n_min"}.get(k, k): v for k, v in (obj or {}).items()}
     if not keys:
         return None
     unknown = keys.keys() - {"type", "n_max", "n_min"}
     if unknown:
-        raise bad_param(
-            f"speculative: unknown keys {sorted(unknown)} (type, n_max, n_min)", "speculative"
-        )
+        raise bad_param(f"speculative: unknown keys {sorted(unknown)} (type, n_max, n_min)", "speculative")
     kind = keys.get("type")
     if kind is not None and kind not in SPEC_TYPES:
-        raise bad_param(
-            f"speculative.type must be one of {', '.join(SPEC_TYPES)}, got {kind!r}", "speculative"
-        )
+        raise bad_param(f"speculative.type must be one of {', '.join(SPEC_TYPES)}, got {kind!r}", "speculative")
     named = {f"speculative.{k}": v for k, v in keys.items()}
     n_max = _integer(named, ("speculative.n_max",), -1, 0, MAX_DRAFT)
     n_min = _integer(named, ("speculative.n_min",), -1, 0, MAX_DRAFT)
-    return SpecRequest(
-        type=kind, n_max=None if n_max < 0 else n_max, n_min=None if n_min < 0 else n_min
-    )
+    return SpecRequest(type=kind, n_max=None if n_max < 0 else n_max, n_min=None if n_min < 0 else n_min)
 
 
-def _number(
-    req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float
-) -> float:
+def _number(req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float) -> float:
     for name in names:
         if name in req and req[name] is not None:
             v = req[name]
             # (math.isfinite of an int past float's range raises OverflowError: floats only.)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int | float)
-                or (isinstance(v, float) and not math.isfinite(v))
-            ):
+            if isinstance(v, bool) or not isinstance(v, int | float) or (isinstance(v, float) and not math.isfinite(v)):
                 raise bad_param(f"{name} must be a number", name)
             if not lo <= v <= hi:
                 raise bad_param(f"{name} must be between {lo} and {hi}, got {v}", name)
@@ -250,13 +216,9 @@ def parse_generation(
     triggers (llama/grammar.py; without it a constraint is refused)."""
     if req.get("sampling") is not None and not isinstance(req["sampling"], dict):
         raise bad_param("sampling must be an object", "sampling")
-    merged = sampling_keys.flatten(
-        {k: v for k, v in req.items() if not (k == "sampling" and v is None)}
-    )
+    merged = sampling_keys.flatten({k: v for k, v in req.items() if not (k == "sampling" and v is None)})
 
-    n_predict = _integer(
-        merged, ("max_completion_tokens", "max_tokens", "n_predict"), default_n_predict, -1, 1 << 30
-    )
+    n_predict = _integer(merged, ("max_completion_tokens", "max_tokens", "n_predict"), default_n_predict, -1, 1 << 30)
     if n_predict < 0 or n_predict > n_ctx:  # -1 = until the context ends
         n_predict = n_ctx
     seed = _integer(merged, ("seed",), 0xFFFFFFFF, -(1 << 63), (1 << 64) - 1)
@@ -282,10 +244,7 @@ def parse_generation(
         grammar_param="grammar" if constraint is None else constraint.param,
     )
     if params.min_tokens > n_predict:
-        raise bad_param(
-            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})",
-            "min_tokens",
-        )
+        raise bad_param(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})", "min_tokens")
     stop_raw = merged.get("stop")
     if stop_raw is None:
         stop: tuple[str, ...] = ()
@@ -296,9 +255,7 @@ def parse_generation(
     else:
         raise bad_param("stop must be a string or an array of strings", "stop")
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stop):
-        raise bad_param(
-            f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop"
-        )
+        raise bad_param(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop")
     stream = _boolean(merged, "stream", False)
     interval = _integer(merged, ("stream_interval",), default_stream_interval, 1, 4096)
     return GenerationParams(

@@ -61,9 +61,7 @@ class CacheHit:
 @dataclass(slots=True)
 class PromptCache:
     max_bytes: int
-    _entries: OrderedDict[int, Snapshot] = field(
-        default_factory=OrderedDict
-    )  # least recently put first
+    _entries: OrderedDict[int, Snapshot] = field(default_factory=OrderedDict)  # least recently put first
     _sorted: list[int] = field(default_factory=list)  # the keys, ordered by their entries' tokens
     _keys: count[int] = field(default_factory=count)
     nbytes: int = 0

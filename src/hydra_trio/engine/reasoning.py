@@ -27,9 +27,7 @@ class ThinkSplitter:
     after it starts at its first non-whitespace character."""
 
     def __init__(self, *, starts_in_reasoning: bool = False) -> None:
-        self._state: Literal["start", "think", "after", "content"] = (
-            "think" if starts_in_reasoning else "start"
-        )
+        self._state: Literal["start", "think", "after", "content"] = "think" if starts_in_reasoning else "start"
         self._buf = ""
         self._first = True  # no reasoning emitted yet: its one leading newline is dropped
 
@@ -43,7 +41,7 @@ class ThinkSplitter:
             if self._state == "start":
                 lead = buf.lstrip()
                 if lead.startswith(OPEN):
-                    self._state, self._buf = "think", lead[len(OPEN) :]
+                    self._state, self._buf = "think", lead[len(OPEN):]
                 elif OPEN.startswith(lead):
                     break  # whitespace, or the start of the tag: wait for more
                 else:
@@ -53,11 +51,11 @@ class ThinkSplitter:
                 if end >= 0:
                     said = buf[:end]
                     reasoning.append(self._reasoning(said[:-1] if said.endswith("\n") else said))
-                    self._state, self._buf = "after", buf[end + len(CLOSE) :]
+                    self._state, self._buf = "after", buf[end + len(CLOSE):]
                 else:
                     keep = partial_suffix(buf, "\n" + CLOSE, CLOSE)
                     reasoning.append(self._reasoning(buf[: len(buf) - keep]))
-                    self._buf = buf[len(buf) - keep :]
+                    self._buf = buf[len(buf) - keep:]
                     break
             elif self._state == "after":
                 lead = buf.lstrip()

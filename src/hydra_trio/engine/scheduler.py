@@ -44,9 +44,7 @@ class SlotScheduler:
         self._settings = settings
         self._cache = cache
 
-    def reuse_plan(
-        self, slot: int, tokens: Sequence[int], salt: str | None = None
-    ) -> tuple[int, bytes | None]:
+    def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None) -> tuple[int, bytes | None]:
         """How much of the slot's KV a prompt continues from: the one prefix-reuse policy of
         every path that continues a slot (generation, the P/D export).
 
@@ -72,8 +70,7 @@ class SlotScheduler:
         backend = self._backend()
         while backend.pool_is_tight(needed):
             idle = [
-                s
-                for s in self._slots.slots
+                s for s in self._slots.slots
                 if not s.busy and s.id != exclude and backend.n_past(s.id) > 0
             ]
             if not idle:
@@ -81,25 +78,17 @@ class SlotScheduler:
             victim = min(idle, key=lambda s: s.last_used)
             self._slots.claim(victim.id, "evict")
             try:
-                log.info(
-                    "KV cache full: evicting idle slot %d (%d positions)",
-                    victim.id,
-                    backend.n_past(victim.id),
-                )
+                log.info("KV cache full: evicting idle slot %d (%d positions)", victim.id, backend.n_past(victim.id))
                 await self._worker.call(lambda v=victim.id: backend.clear_slot(v))
             finally:
                 self._slots.release(victim)
 
-    async def claim_for_prompt(
-        self, prompt_tokens: Sequence[int], owner: str, salt: str | None = None
-    ) -> Slot:
+    async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str, salt: str | None = None) -> Slot:
         """A free slot for the prompt under ``salt`` (``slot_rank``); waits for one for as
         long as the caller's scope allows."""
         return await self._slots.claim_any(owner, lambda i: self.slot_rank(i, prompt_tokens, salt))
 
-    def slot_rank(
-        self, slot: int, prompt: Sequence[int], salt: str | None = None
-    ) -> tuple[int, int]:
+    def slot_rank(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> tuple[int, int]:
         """The slot-choice policy (higher is better; claim_any breaks ties by least recently
         used): a slot whose KV shares at least ``--slot-prompt-similarity`` of the prompt,
         the longest shared prefix first; then an empty slot; then any. A 9-token chat
@@ -119,13 +108,7 @@ class SlotScheduler:
             return
         snap = await self._worker.call(lambda: self._backend().snapshot(slot))
         if cache.put(snap):
-            log.debug(
-                "prompt cache: kept slot %d's %d positions (%d entries, %d bytes)",
-                slot,
-                len(snap.tokens),
-                len(cache),
-                cache.nbytes,
-            )
+            log.debug("prompt cache: kept slot %d's %d positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
 
     async def adopt_salt(self, slot: int, salt: str | None) -> None:
         """Make the slot's history ``salt``'s. A request under another salt than the slot's
@@ -162,13 +145,7 @@ class SlotScheduler:
 
         def call(abort: threading.Event) -> None:
             self._backend().state_restore(
-                slot,
-                view[snap.offset :],
-                snap.tokens,
-                len(snap.tokens),
-                abort,
-                blob=view,
-                salt=snap.salt,
+                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt
             )
 
         try:
@@ -177,11 +154,6 @@ class SlotScheduler:
             await trio.lowlevel.checkpoint()
             raise
         except ProtocolError as err:  # our own state: only a full shared pool refuses it
-            log.warning(
-                "prompt cache: entry of %d positions not restored into slot %d: %s",
-                len(snap.tokens),
-                slot,
-                err.message,
-            )
+            log.warning("prompt cache: entry of %d positions not restored into slot %d: %s", len(snap.tokens), slot, err.message)
             return
         log.debug("prompt cache: slot %d continues %d cached positions", slot, len(snap.tokens))

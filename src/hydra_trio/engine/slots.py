@@ -57,19 +57,13 @@ class SlotTable:
 
     def get(self, slot_id: int) -> Slot:
         if not 0 <= slot_id < len(self.slots):
-            raise ProtocolError(
-                ErrorCode.NO_SLOT, f"no slot {slot_id} (slots 0..{len(self.slots) - 1})"
-            )
+            raise ProtocolError(ErrorCode.NO_SLOT, f"no slot {slot_id} (slots 0..{len(self.slots) - 1})")
         return self.slots[slot_id]
 
     def claim(self, slot_id: int, owner: str) -> Slot:
         slot = self.get(slot_id)
         if slot.busy or self.frozen:
-            why = (
-                "engine is reconfiguring"
-                if self.frozen
-                else f"slot {slot_id} is busy ({slot.owner})"
-            )
+            why = "engine is reconfiguring" if self.frozen else f"slot {slot_id} is busy ({slot.owner})"
             raise ProtocolError(ErrorCode.SLOT_BUSY, why)
         slot.owner = owner
         return slot
@@ -98,9 +92,7 @@ class SlotTable:
         """0, 1 or 2: taking the slot adds a run of consecutive busy slots, extends one, or
         joins two (so a step over the busy slots needs one llama.cpp ubatch fewer)."""
         slots = self.slots
-        return (slot_id > 0 and slots[slot_id - 1].busy) + (
-            slot_id + 1 < len(slots) and slots[slot_id + 1].busy
-        )
+        return (slot_id > 0 and slots[slot_id - 1].busy) + (slot_id + 1 < len(slots) and slots[slot_id + 1].busy)
 
     def release(self, slot: Slot) -> None:
         slot.owner = None

@@ -19,16 +19,7 @@ from dataclasses import dataclass
 from ..config import Settings
 from ..wire.sampling import SPEC_TYPES
 
-__all__ = [
-    "SPEC_TYPES",
-    "SpecConfig",
-    "SpecCounts",
-    "SpecRequest",
-    "Speculation",
-    "request_speculation",
-    "spec_config",
-    "verify",
-]
+__all__ = ["SPEC_TYPES", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation", "request_speculation", "spec_config", "verify"]
 
 # Every verified position costs about a token's compute (its logits: the output layer over
 # the whole vocabulary), so a request drafts what its drafts earn: the next draft is at most
@@ -86,13 +77,7 @@ def spec_config(
     n_min = req.n_min if req.n_min is not None else n_min
     if n_max < 1:
         return None
-    return SpecConfig(
-        n_max=n_max,
-        n_min=min(n_min, n_max),
-        ngram_max=ngram_max,
-        ngram_min=ngram_min,
-        max_batch=max_batch,
-    )
+    return SpecConfig(n_max=n_max, n_min=min(n_min, n_max), ngram_max=ngram_max, ngram_min=ngram_min, max_batch=max_batch)
 
 
 class NgramIndex:
@@ -102,15 +87,11 @@ class NgramIndex:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min = n_min
         self.n_max = n_max
-        self._last: dict[
-            tuple[int, ...], int
-        ] = {}  # n-gram -> end (exclusive) of its latest occurrence
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
         self._next_end = 0  # n-grams ending before this (exclusive end) are indexed
 
     def update(self, history: Sequence[int]) -> None:
-        if (
-            len(history) + 1 < self._next_end
-        ):  # the history was cut: start over (not during a request)
+        if len(history) + 1 < self._next_end:  # the history was cut: start over (not during a request)
             self._last.clear()
             self._next_end = 0
         last = self._last
@@ -166,9 +147,7 @@ class Speculation:
         self._backoff = BACKOFF_STEPS
         self._cap = config.n_max  # the next draft's length at most
 
-    def propose(
-        self, history: Sequence[int], token: int, room: int, n_generating: int
-    ) -> list[int]:
+    def propose(self, history: Sequence[int], token: int, room: int, n_generating: int) -> list[int]:
         """The draft for the step that evaluates ``token`` after ``history`` (the slot's
         tokens): at most ``room`` tokens (what the request, the slot and the batch still
         take), none when the step has more than ``max_batch`` generating slots or this
@@ -201,9 +180,7 @@ class Speculation:
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
 
 
-def verify(
-    draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]
-) -> list[int]:
+def verify(draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:
     """The accept rule: the request's sampler picks at position 0 (the step's own token's
     logits), then at position j+1 only while its pick at j equalled draft j; the picks are
     the step's tokens (the accepted drafts, then the first pick that differs or follows the

@@ -110,16 +110,10 @@ class PromptRenderer:
     async def render(self, request: dict[str, Any]) -> str:
         tpl = self.template
         if "messages" not in request:
-            return render_prompt(
-                request, tpl.jinja, bos_token=self._bos, eos_token=self._eos
-            )  # a plain prompt
+            return render_prompt(request, tpl.jinja, bos_token=self._bos, eos_token=self._eos)  # a plain prompt
         if tpl.jinja is not None:
             text = render_prompt(
-                request,
-                tpl.jinja,
-                bos_token=self._bos,
-                eos_token=self._eos,
-                describe_tools=self._describe_tools,
+                request, tpl.jinja, bos_token=self._bos, eos_token=self._eos, describe_tools=self._describe_tools
             )
             return text.removeprefix(self._bos) if self._strip_bos else text
         builtin = tpl.builtin
@@ -127,10 +121,7 @@ class PromptRenderer:
         # A built-in renders role and content only: tools are described in a system message
         # and earlier calls written as the generic format's JSON (chat.tool_messages).
         messages = tool_messages(
-            normalise_messages(request["messages"]),
-            None,
-            parse_tools(request),
-            describe=self._describe_tools,
+            normalise_messages(request["messages"]), None, parse_tools(request), describe=self._describe_tools
         )
         add_gen = request.get("add_generation_prompt", True)
         if not isinstance(add_gen, bool):

@@ -73,10 +73,7 @@ LLAMA3 = ToolFormat(
     before="<|python_tag|>",
     before_optional=True,
     between="; ",
-    triggers=(
-        Trigger("<|python_tag|>", False, CALL_PREFIX),
-        Trigger('{"name"', True, CALL_PREFIX[len('{"name"') :]),
-    ),
+    triggers=(Trigger("<|python_tag|>", False, CALL_PREFIX), Trigger('{"name"', True, CALL_PREFIX[len('{"name"'):])),
 )
 MISTRAL = ToolFormat(
     "mistral",
@@ -117,27 +114,17 @@ def tools_system_prompt(req: ToolRequest) -> str:
     """A system message describing the tools and the generic reply form, for templates with
     no tool syntax (as llama.cpp's generic handler does)."""
     tools = [
-        {
-            "name": t.name,
-            **({"description": t.description} if t.description else {}),
-            "parameters": t.parameters,
-        }
+        {"name": t.name, **({"description": t.description} if t.description else {}), "parameters": t.parameters}
         for t in req.callable
     ]
-    form = (
-        '{"tool_calls": [{"name": "<tool name>", "arguments": {<the arguments, a JSON object>}}]}'
-    )
+    form = '{"tool_calls": [{"name": "<tool name>", "arguments": {<the arguments, a JSON object>}}]}'
     if req.choice == "function":
         must = f"You must call {req.function}."
     elif req.choice == "required":
         must = "You must call at least one tool."
     else:
         must = "If no tool is needed, reply in plain text instead."
-    many = (
-        "The list may hold several calls."
-        if req.parallel
-        else "Call one tool at a time: the list holds one call."
-    )
+    many = "The list may hold several calls." if req.parallel else "Call one tool at a time: the list holds one call."
     return (
         "You can call the following tools; each one's parameters are a JSON schema:\n"
         + json.dumps(tools, ensure_ascii=False)
@@ -161,9 +148,7 @@ def dump_arguments(value: dict[str, Any]) -> str:
 def generic_calls_json(calls: list[tuple[str, dict[str, Any]]]) -> str:
     """Earlier calls ``(name, arguments)`` as the generic format's reply, for a template with
     no tool syntax to show the model what it called (the spacing its grammar writes)."""
-    return json.dumps(
-        {GENERIC.list_key: [{"name": n, GENERIC.args_key: a} for n, a in calls]}, ensure_ascii=False
-    )
+    return json.dumps({GENERIC.list_key: [{"name": n, GENERIC.args_key: a} for n, a in calls]}, ensure_ascii=False)
 
 
 def new_call_id() -> str:
@@ -217,9 +202,7 @@ class _JsonEnd:
 class _CallScanner:
     """Content text -> (content, calls) for one format."""
 
-    def __init__(
-        self, fmt: ToolFormat, names: frozenset[str] | None, new_id: Callable[[], str]
-    ) -> None:
+    def __init__(self, fmt: ToolFormat, names: frozenset[str] | None, new_id: Callable[[], str]) -> None:
         self._fmt = fmt
         self._names = names
         self._new_id = new_id
@@ -301,12 +284,12 @@ class _CallScanner:
         end = self._json.end(buf)
         if end is None:
             return None
-        value_text = buf[self._json.start : end]
+        value_text = buf[self._json.start:end]
         if fmt.closer:
             k = end
             while k < len(buf) and buf[k].isspace():
                 k += 1
-            rest = buf[k : k + len(fmt.closer)]
+            rest = buf[k:k + len(fmt.closer)]
             if len(rest) < len(fmt.closer) and fmt.closer.startswith(rest):
                 return None
             if rest != fmt.closer:
@@ -331,19 +314,14 @@ class _CallScanner:
             if not isinstance(item, dict):
                 return []
             name = item.get("name")
-            args = item.get(
-                fmt.args_key, item.get("arguments" if fmt.args_key != "arguments" else "parameters")
-            )
+            args = item.get(fmt.args_key, item.get("arguments" if fmt.args_key != "arguments" else "parameters"))
             if not isinstance(name, str) or not isinstance(args, dict):
                 return []
             if self._names is not None and name not in self._names:
                 return []
             found.append((name, args))
         base = len(self.calls)
-        return [
-            ToolCall(base + i, self._new_id(), name, dump_arguments(args))
-            for i, (name, args) in enumerate(found)
-        ]
+        return [ToolCall(base + i, self._new_id(), name, dump_arguments(args)) for i, (name, args) in enumerate(found)]
 
     def _text(self, text: str, out: list[str]) -> None:
         """Release ``text`` as content, holding its trailing whitespace: whitespace next to a
@@ -358,7 +336,7 @@ class _CallScanner:
         if not self._after_call:
             out.append(self._ws + text[:lead])
         out.append(core)
-        self._ws = text[lead + len(core) :]
+        self._ws = text[lead + len(core):]
         self._after_call = False
         self._seen_text = True
 
@@ -432,16 +410,7 @@ def parse_reply(
 ) -> ReplyDelta:
     """A whole (non-streamed) reply: one feed and the finish."""
     parser = ReplyParser(
-        fmt,
-        parse_tools=parse_tools,
-        reasoning=reasoning,
-        starts_in_reasoning=starts_in_reasoning,
-        tools=tools,
-        new_id=new_id,
+        fmt, parse_tools=parse_tools, reasoning=reasoning, starts_in_reasoning=starts_in_reasoning, tools=tools, new_id=new_id
     )
     first, last = parser.feed(text), parser.finish()
-    return ReplyDelta(
-        first.content + last.content,
-        first.reasoning + last.reasoning,
-        first.tool_calls + last.tool_calls,
-    )
+    return ReplyDelta(first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls)

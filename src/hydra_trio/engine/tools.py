@@ -67,16 +67,12 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
         tools = _functions(functions_raw)
         choice_key, choice_raw = "function_call", body.get("function_call")
         if body.get("tool_choice") is not None:
-            raise bad_param(
-                "tool_choice goes with tools; with functions send function_call", "tool_choice"
-            )
+            raise bad_param("tool_choice goes with tools; with functions send function_call", "tool_choice")
     else:
         tools = _tools(tools_raw)
         choice_key, choice_raw = "tool_choice", body.get("tool_choice")
         if body.get("function_call") is not None:
-            raise bad_param(
-                "function_call goes with functions; with tools send tool_choice", "function_call"
-            )
+            raise bad_param("function_call goes with functions; with tools send tool_choice", "function_call")
     choice, function = _choice(choice_raw, choice_key, legacy)
     parallel_raw = body.get("parallel_tool_calls")
     if parallel_raw is not None and not isinstance(parallel_raw, bool):
@@ -84,15 +80,10 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     if not tools:
         if choice in ("required", "function"):
             what = f"{choice_key} names {function!r}" if function else f"{choice_key} {choice!r}"
-            raise bad_param(
-                f"{what}, but the request declares no {'functions' if legacy else 'tools'}",
-                choice_key,
-            )
+            raise bad_param(f"{what}, but the request declares no {'functions' if legacy else 'tools'}", choice_key)
         return None
     if function is not None and all(t.name != function for t in tools):
-        raise bad_param(
-            f"{choice_key} names {function!r}, which is not among the declared tools", choice_key
-        )
+        raise bad_param(f"{choice_key} names {function!r}, which is not among the declared tools", choice_key)
     # The legacy API's reply holds one function_call at most.
     parallel = False if legacy else (True if parallel_raw is None else parallel_raw)
     return ToolRequest(tools=tools, choice=choice, function=function, parallel=parallel)
@@ -109,15 +100,10 @@ def _tools(raw: Any) -> tuple[Tool, ...]:
         if not isinstance(entry, dict):
             raise bad_param(f"{where} must be an object", where)
         if entry.get("type") != "function":
-            raise bad_param(
-                f'{where}.type must be "function", got {entry.get("type")!r}', f"{where}.type"
-            )
+            raise bad_param(f"{where}.type must be \"function\", got {entry.get('type')!r}", f"{where}.type")
         fn = entry.get("function")
         if not isinstance(fn, dict):
-            raise bad_param(
-                f"{where}.function must be an object (name, description, parameters)",
-                f"{where}.function",
-            )
+            raise bad_param(f"{where}.function must be an object (name, description, parameters)", f"{where}.function")
         out.append(_tool(fn, f"{where}.function"))
     return _checked(out, "tools")
 
@@ -136,9 +122,7 @@ def _functions(raw: Any) -> tuple[Tool, ...]:
 def _tool(fn: dict[str, Any], where: str) -> Tool:
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise bad_param(
-            f"{where}.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name!r}", f"{where}.name"
-        )
+        raise bad_param(f"{where}.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name!r}", f"{where}.name")
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
         raise bad_param(f"{where}.description must be a string", f"{where}.description")
@@ -146,15 +130,10 @@ def _tool(fn: dict[str, Any], where: str) -> Tool:
     if parameters is None:
         parameters = _empty_object()
     elif not isinstance(parameters, dict):
-        raise bad_param(
-            f"{where}.parameters must be a JSON schema (an object)", f"{where}.parameters"
-        )
+        raise bad_param(f"{where}.parameters must be a JSON schema (an object)", f"{where}.parameters")
     size = len(json.dumps(parameters, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     if size > MAX_SCHEMA_BYTES:
-        raise bad_param(
-            f"{where}.parameters is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES}",
-            f"{where}.parameters",
-        )
+        raise bad_param(f"{where}.parameters is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES}", f"{where}.parameters")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_param(f"{where}.strict must be a boolean", f"{where}.strict")
@@ -167,10 +146,7 @@ def _checked(tools: list[Tool], key: str) -> tuple[Tool, ...]:
     seen: set[str] = set()
     for i, t in enumerate(tools):
         if t.name in seen:
-            raise bad_param(
-                f"{key} declares {t.name!r} twice",
-                f"{key}[{i}]" + (".function.name" if key == "tools" else ".name"),
-            )
+            raise bad_param(f"{key} declares {t.name!r} twice", f"{key}[{i}]" + (".function.name" if key == "tools" else ".name"))
         seen.add(t.name)
     return tuple(tools)
 
@@ -181,9 +157,7 @@ def _choice(raw: Any, key: str, legacy: bool) -> tuple[Choice, str | None]:
     if isinstance(raw, str):
         allowed = ("none", "auto") if legacy else ("none", "auto", "required")
         if raw not in allowed:
-            raise bad_param(
-                f"{key} must be one of {', '.join(allowed)} or name a function, got {raw!r}", key
-            )
+            raise bad_param(f"{key} must be one of {', '.join(allowed)} or name a function, got {raw!r}", key)
         return raw, None  # type: ignore[return-value]  # one of the literals, checked above
     if not isinstance(raw, dict):
         raise bad_param(f"{key} must be a string or an object naming a function", key)
@@ -191,9 +165,7 @@ def _choice(raw: Any, key: str, legacy: bool) -> tuple[Choice, str | None]:
         name = raw.get("name")
     else:
         if raw.get("type") != "function" or not isinstance(raw.get("function"), dict):
-            raise bad_param(
-                f'{key} must be {{"type": "function", "function": {{"name": ...}}}}', key
-            )
+            raise bad_param(f'{key} must be {{"type": "function", "function": {{"name": ...}}}}', key)
         name = raw["function"].get("name")
     if not isinstance(name, str) or not name:
         raise bad_param(f"{key} must name a function", key)

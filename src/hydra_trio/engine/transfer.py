@@ -38,14 +38,11 @@ async def charge(budget: ByteBudget, n: int, wait_s: float, what: str) -> None:
         await budget.acquire(n)
     if wait.cancelled_caught:
         raise ProtocolError(
-            ErrorCode.SLOT_BUSY,
-            f"no room in --max-inflight-bytes for {what} of {n} bytes within {wait_s:g} s",
+            ErrorCode.SLOT_BUSY, f"no room in --max-inflight-bytes for {what} of {n} bytes within {wait_s:g} s"
         )
 
 
-async def snapshot(
-    engine: Engine, slot_id: int, owner: str, budget: ByteBudget, wait_s: float
-) -> Snapshot:
+async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget, wait_s: float) -> Snapshot:
     """Copy a slot's KV out as a v2 blob, charged to the payload budget until the caller has
     sent it (``held``). The slot is held only for the copy."""
     t0 = time.perf_counter()
@@ -59,16 +56,14 @@ async def snapshot(
 
     try:
         try:
-            copy = await engine.kv.copy_out(slot_id, reserve=reserve)
+            copy = await engine.copy_out(slot_id, reserve=reserve)
         finally:
             engine.release(slot)
         kv_hash = await copy.kv_hash()
     except BaseException:
         budget.release(held)
         raise
-    return Snapshot(
-        copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, held
-    )
+    return Snapshot(copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, held)
 
 
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:
@@ -79,7 +74,7 @@ async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) ->
     t0 = time.perf_counter()
     slot = engine.slot_claim(slot_id, owner)
     try:
-        await engine.kv.restore(slot_id, parsed)
+        await engine.state_restore(slot_id, parsed)
     finally:
         engine.release(slot)
     return {
@@ -106,3 +101,4 @@ async def erase(engine: Engine, slot_id: int, owner: str) -> dict[str, Any]:
     finally:
         engine.release(slot)
     return {"id_slot": slot_id, "n_erased": n_before}
+

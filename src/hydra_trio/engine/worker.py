@@ -127,9 +127,7 @@ class GpuWorker:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_raise_flag_on_cancel, abort)
                 try:
-                    result = await outcome.acapture(
-                        trio.to_thread.run_sync, timed, limiter=self.limiter
-                    )
+                    result = await outcome.acapture(trio.to_thread.run_sync, timed, limiter=self.limiter)
                 finally:
                     self._ended()
                     nursery.cancel_scope.cancel()

@@ -16,9 +16,7 @@ def builtin_chat_templates() -> list[str]:
     return [name.decode("utf-8") for name in arr[:n] if name]
 
 
-def apply_builtin_chat_template(
-    name: str, messages: Sequence[tuple[str, str]], add_assistant: bool
-) -> str:
+def apply_builtin_chat_template(name: str, messages: Sequence[tuple[str, str]], add_assistant: bool) -> str:
     """Render (role, content) messages with a built-in llama.cpp template."""
     encoded = [(role.encode("utf-8"), content.encode("utf-8")) for role, content in messages]
     chat = (llama_cpp.llama_chat_message * len(encoded))()
@@ -28,9 +26,7 @@ def apply_builtin_chat_template(
     size = max(256, 2 * sum(len(r) + len(c) for r, c in encoded) + 256)
     for _ in range(2):
         buf = ctypes.create_string_buffer(size)
-        n = llama_cpp.llama_chat_apply_template(
-            name.encode("utf-8"), chat, len(encoded), add_assistant, buf, size
-        )
+        n = llama_cpp.llama_chat_apply_template(name.encode("utf-8"), chat, len(encoded), add_assistant, buf, size)
         if n < 0:
             raise ValueError(f"llama.cpp cannot render chat template {name!r}")
         if n <= size:

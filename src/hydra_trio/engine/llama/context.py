@@ -86,9 +86,7 @@ class LlamaBackend(SlotStates, BatchSteps):
             "main_gpu": mparams.main_gpu,
             "use_extra_bufts": bool(mparams.use_extra_bufts),
         }
-        self._model, load_log = captured(
-            lambda: llama_cpp.llama_model_load_from_file(model_path.encode(), mparams)
-        )
+        self._model, load_log = captured(lambda: llama_cpp.llama_model_load_from_file(model_path.encode(), mparams))
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load model {model_path!r}")
         self._load_log = load_log
@@ -104,19 +102,13 @@ class LlamaBackend(SlotStates, BatchSteps):
         # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
         # the GPU worker) so the token loop needs no llama call on the trio thread.
         self.pieces: list[bytes] = [self._piece(t) for t in range(self.info.n_vocab)]
-        self.grammars = GrammarCache(
-            self._vocab, self.pieces
-        )  # compiled for this vocabulary (worker only)
+        self.grammars = GrammarCache(self._vocab, self.pieces)  # compiled for this vocabulary (worker only)
         # The few tokens (control tokens) whose spelled-out text differs: with these, showing
         # tokens (/tokenize pieces, /detokenize) needs no llama call and no GPU worker.
         self._special_text = {
-            t: special
-            for t in range(self.info.n_vocab)
-            if (special := self._piece(t, special=True)) != self.pieces[t]
+            t: special for t in range(self.info.n_vocab) if (special := self._piece(t, special=True)) != self.pieces[t]
         }
-        self.eog_ids = frozenset(
-            t for t in range(self.info.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)
-        )
+        self.eog_ids = frozenset(t for t in range(self.info.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
         self._eog_index = np.fromiter(sorted(self.eog_ids), dtype=np.intp)  # ignore_eos masks these
         self._ctx = None
         self._abort_flag: threading.Event | None = None
@@ -183,31 +175,19 @@ class LlamaBackend(SlotStates, BatchSteps):
         cp.offload_kqv = self.offload_settings.kv_offload
         ctx, ctx_log = captured(lambda: llama_cpp.llama_init_from_model(self._model, cp))
         if not ctx:
-            said = "; ".join(
-                line.strip()
-                for line in ctx_log
-                if line.startswith("llama_init_from_model") or "error" in line.lower()
-            )
+            said = "; ".join(line.strip() for line in ctx_log if line.startswith("llama_init_from_model") or "error" in line.lower())
             raise RuntimeError(
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, --cache-type-k {type_label(self.type_k)}, "
                 f"--cache-type-v {type_label(self.type_v)}, --flash-attn {self.offload_settings.flash_attn})"
                 + (f": {said}" if said else "")
             )
-        self.context_params_applied = {
-            "flash_attn_type": cp.flash_attn_type,
-            "offload_kqv": bool(cp.offload_kqv),
-        }
+        self.context_params_applied = {"flash_attn_type": cp.flash_attn_type, "offload_kqv": bool(cp.offload_kqv)}
         n_layers = self.info.n_layer + 1  # llama.cpp counts the output layer as one more
         self.offload = OffloadReport(
             requested=self.offload_settings,
             gpu_offload_supported=self.gpu_offload_supported,
             n_gpu_layers_param=self.model_params_applied["n_gpu_layers"],
-            n_gpu_layers=offloaded_layers(
-                self._load_log,
-                n_layers,
-                self.gpu_offload_supported,
-                self.model_params_applied["n_gpu_layers"],
-            ),
+            n_gpu_layers=offloaded_layers(self._load_log, n_layers, self.gpu_offload_supported, self.model_params_applied["n_gpu_layers"]),
             n_layers=n_layers,
             flash_attn=flash_attn_applied(ctx_log, self.offload_settings.flash_attn),
             repack=self.repack,
@@ -218,9 +198,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._mem = llama_cpp.llama_get_memory(ctx)
         # n_ctx_slot: the most one slot can hold; n_ctx: the cells all slots hold together.
         self.n_ctx_slot = int(llama_cpp.llama_n_ctx_seq(ctx))
-        self.n_ctx = (
-            llama_cpp.llama_n_ctx(ctx) if self.kv_unified else self.n_ctx_slot * self.n_slots
-        )
+        self.n_ctx = llama_cpp.llama_n_ctx(ctx) if self.kv_unified else self.n_ctx_slot * self.n_slots
         self.n_stream = 1 if self.kv_unified else self.n_slots
         self.n_threads = n_threads
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
@@ -247,9 +225,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         those of its new last position, when the change computed or restored them."""
         self.tail_logits[slot] = tail_logits
         if self.watcher is not None:
-            self.watcher.slot_changed(
-                slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot]
-            )
+            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot])
         self._kept[slot] = len(self.seq_tokens[slot])
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
@@ -262,9 +238,7 @@ class LlamaBackend(SlotStates, BatchSteps):
             return n_keep  # keeping all, or all but the last position, keeps a full window
         return n_keep if self._swa_low[slot] <= max(0, n_keep - self.n_swa) else 0
 
-    def rebuild_context(
-        self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None
-    ) -> None:
+    def rebuild_context(self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None) -> None:
         """Recreate the context (CONFIGURE T2). All slot contents are dropped."""
         old = (self.n_ctx, self.type_k, self.type_v)
         self.type_k = type_k if type_k is not None else self.type_k
@@ -309,15 +283,11 @@ class LlamaBackend(SlotStates, BatchSteps):
         data = text.encode("utf-8")
         n_max = len(data) + 8
         arr = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(
-            self._vocab, data, len(data), arr, n_max, add_special, parse_special
-        )
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
         if n < 0:
             n_max = -n
             arr = (llama_cpp.llama_token * n_max)()
-            n = llama_cpp.llama_tokenize(
-                self._vocab, data, len(data), arr, n_max, add_special, parse_special
-            )
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
         return list(arr[:n])
 
     def _piece(self, token: int, *, special: bool = False) -> bytes:
@@ -400,7 +370,7 @@ class LlamaBackend(SlotStates, BatchSteps):
     def _resync(self, seq: int) -> None:
         # After a failed decode, believe the KV cache, not our bookkeeping.
         n = llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
-        del self.seq_tokens[seq][max(n, 0) :]
+        del self.seq_tokens[seq][max(n, 0):]
         self._advanced(seq)
 
     def warmup(self) -> None:
@@ -419,9 +389,7 @@ class LlamaBackend(SlotStates, BatchSteps):
             llama_cpp.llama_memory_seq_rm(self._mem, 0, -1, -1)
             self.decode_s = 0.0  # the model's compute counts users' tokens only
 
-    def _decode_batch(
-        self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None
-    ) -> None:
+    def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
         """Decode (seq, token, pos, want_logits) entries as one llama_batch."""
         self._free_retired()
         batch = self._batch
@@ -523,9 +491,7 @@ class LlamaBackend(SlotStates, BatchSteps):
 
     def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
         """Sample with the request's chain from logits that came with a KV blob."""
-        return sampler.sample(
-            np.frombuffer(logits, dtype="<f4", count=self.info.n_vocab), self._eog_index
-        )
+        return sampler.sample(np.frombuffer(logits, dtype="<f4", count=self.info.n_vocab), self._eog_index)
 
 
 def type_label(ggml_type: int | None) -> str:

@@ -90,16 +90,10 @@ def repack_choice(asked: bool | None, flags: frozenset[str]) -> RepackChoice:
     if asked is not None:
         said = "--repack" if asked else "--no-repack"
         if asked and amx:
-            return RepackChoice(
-                True,
-                f"{said} given, although this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash on repacked weights (ggml-org/llama.cpp#20824)",
-            )
+            return RepackChoice(True, f"{said} given, although this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash on repacked weights (ggml-org/llama.cpp#20824)")
         return RepackChoice(asked, f"{said} given")
     if amx:
-        return RepackChoice(
-            False,
-            f"off by default: this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash on repacked weights (ggml-org/llama.cpp#20824); --repack forces it",
-        )
+        return RepackChoice(False, f"off by default: this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash on repacked weights (ggml-org/llama.cpp#20824); --repack forces it")
     return RepackChoice(True, "on by default (no AMX on this CPU)")
 
 
@@ -175,11 +169,7 @@ class OffloadReport:
             kv = "KV cache with its layers (GPU for offloaded ones)"
         else:
             kv = "KV cache on CPU (--no-kv-offload)"
-        repack = (
-            f"{self.repacked_mib:.1f} MiB of weights repacked"
-            if self.repack.enabled
-            else "weights not repacked"
-        )
+        repack = f"{self.repacked_mib:.1f} MiB of weights repacked" if self.repack.enabled else "weights not repacked"
         return (
             f"{where}; {kv}; flash attention {self.flash_attn} (asked {self.requested.flash_attn}); "
             f"{repack} ({self.repack.reason})"

@@ -43,9 +43,7 @@ _JSON_OBJECT_GBNF = JSON_GBNF.strip() + "\n"
 Triggers = tuple[str, ...]  # a lazy grammar's trigger patterns; (): a grammar from the first token
 
 
-def constraint_gbnf(
-    constraint: Constraint, tool_format: ToolFormat = GENERIC
-) -> tuple[str, Triggers]:
+def constraint_gbnf(constraint: Constraint, tool_format: ToolFormat = GENERIC) -> tuple[str, Triggers]:
     """The GBNF a request's output constraint stands for, and its lazy triggers
     (parse_generation's ``to_gbnf``); ``tool_format``: how the chat template writes tool
     calls. Pure Python, on the request's own thread; a 400 naming the problem."""
@@ -78,18 +76,12 @@ def tools_gbnf(request: ToolRequest, fmt: ToolFormat) -> tuple[str, Triggers]:
         calls.append(f"{_literal(head)} t{i}-root {_literal('}')}")
     block = " ".join(x for x in (_literal(fmt.call_open), "call", _literal(fmt.call_close)) if x)
     between = _literal(fmt.between)
-    more = (
-        f" ({between + ' ' if between else ''}call-block){{0,{MAX_PARALLEL_CALLS - 1}}}"
-        if request.parallel
-        else ""
-    )
+    more = f" ({between + ' ' if between else ''}call-block){{0,{MAX_PARALLEL_CALLS - 1}}}" if request.parallel else ""
     before = _literal(fmt.before)
     if before and fmt.before_optional:
         before = f"({before})?"
     root = " ".join(x for x in (before, f"call-block{more}", _literal(fmt.after)) if x)
-    gbnf = "\n".join(
-        [f"root ::= {root}", f"call-block ::= {block}", f"call ::= {' | '.join(calls)}", *rules]
-    )
+    gbnf = "\n".join([f"root ::= {root}", f"call-block ::= {block}", f"call ::= {' | '.join(calls)}", *rules])
     if len(gbnf) > MAX_GBNF_CHARS:
         raise bad_param(f"tools: the tools' grammar is over {MAX_GBNF_CHARS} characters", "tools")
     triggers = tuple(trigger_pattern(t) for t in fmt.triggers) if request.choice == "auto" else ()
@@ -135,12 +127,12 @@ def _renamed(gbnf: str, prefix: str) -> str:
     i, n = 0, len(gbnf)
     while i < n:
         c = gbnf[i]
-        if c in '"[{':
+        if c in "\"[{":
             close = {'"': '"', "[": "]", "{": "}"}[c]
             j = i + 1
             while j < n and gbnf[j] != close:
                 j += 2 if gbnf[j] == "\\" else 1
-            out.append(gbnf[i : j + 1])
+            out.append(gbnf[i:j + 1])
             i = j + 1
         elif c == "#":
             j = gbnf.find("\n", i)
@@ -175,33 +167,12 @@ def schema_gbnf(schema: Any, param: str) -> str:
 # Keywords that assert something the converter (llama-cpp-python's) does not build into the
 # grammar: refused, since a reply would then not be valid for the schema. Annotations
 # (title, description, default, format, ...) constrain nothing and pass.
-_UNENFORCED = frozenset(
-    {
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-        "multipleOf",
-        "uniqueItems",
-        "minProperties",
-        "maxProperties",
-        "patternProperties",
-        "propertyNames",
-        "not",
-        "if",
-        "then",
-        "else",
-        "dependentRequired",
-        "dependentSchemas",
-        "dependencies",
-        "contains",
-        "minContains",
-        "maxContains",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "additionalItems",
-    }
-)
+_UNENFORCED = frozenset({
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+    "minProperties", "maxProperties", "patternProperties", "propertyNames", "not", "if", "then",
+    "else", "dependentRequired", "dependentSchemas", "dependencies", "contains", "minContains",
+    "maxContains", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
+})
 _CONVERTER_CHAR, _JSON_CHAR = r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |'
 _CONVERTER_DOT, _JSON_DOT = r"dot ::= [^\x0A\x0D]", r"dot ::= [^\x00-\x1F\x7F]"
 # The converter's exponent takes 16 digits: 1e548 is JSON text, but no float (Python reads it
@@ -217,12 +188,7 @@ def _honourable(schema: Any, param: str) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if out.get("type") == "integer" and _UNENFORCED.intersection(out) <= {
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-    }:
+    if out.get("type") == "integer" and _UNENFORCED.intersection(out) <= {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:
         lo, hi = _int_bounds(out)
         if lo is not None and hi is not None and 0 < hi - lo + 1 <= MAX_INT_RANGE:
             for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "type"):
@@ -230,15 +196,8 @@ def _honourable(schema: Any, param: str) -> Any:
             out["enum"] = list(range(lo, hi + 1))
     bad = sorted(_UNENFORCED.intersection(out))
     if bad:
-        hint = (
-            f" (integers: a closed range of at most {MAX_INT_RANGE} values is)"
-            if set(bad) & {"minimum", "maximum"}
-            else ""
-        )
-        raise bad_param(
-            f"{param}: the schema keyword {bad[0]!r} is not supported in constrained output{hint}",
-            param,
-        )
+        hint = f" (integers: a closed range of at most {MAX_INT_RANGE} values is)" if set(bad) & {"minimum", "maximum"} else ""
+        raise bad_param(f"{param}: the schema keyword {bad[0]!r} is not supported in constrained output{hint}", param)
     for key in ("properties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
             out[key] = {k: _honourable(v, param) for k, v in out[key].items()}
@@ -253,7 +212,6 @@ def _honourable(schema: Any, param: str) -> Any:
 
 def _int_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     """An integer schema's inclusive bounds (None: unbounded or not an integer bound)."""
-
     def num(key: str) -> float | None:
         v = schema.get(key)
         return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
@@ -277,16 +235,10 @@ def _schema_gbnf(text: str, param: str) -> str:
     except RecursionError:
         raise bad_param(f"{param}: schema nested too deeply", param) from None
     except Exception as exc:  # any converter failure is the schema's problem
-        raise bad_param(
-            f"{param}: cannot convert the schema to a grammar: {exc or type(exc).__name__}", param
-        ) from None
+        raise bad_param(f"{param}: cannot convert the schema to a grammar: {exc or type(exc).__name__}", param) from None
     # This converter's string characters admit raw control characters, which JSON forbids in
     # a string (llama.cpp's own converter and json.gbnf exclude them): excluded here too.
-    gbnf = (
-        gbnf.replace(_CONVERTER_CHAR, _JSON_CHAR)
-        .replace(_CONVERTER_DOT, _JSON_DOT)
-        .replace(_CONVERTER_EXP, _FINITE_EXP)
-    )
+    gbnf = gbnf.replace(_CONVERTER_CHAR, _JSON_CHAR).replace(_CONVERTER_DOT, _JSON_DOT).replace(_CONVERTER_EXP, _FINITE_EXP)
     # The converter nests a bounded repetition one level per item (maxLength, maxItems).
     if len(gbnf) > MAX_GBNF_CHARS or _nesting(gbnf) > MAX_GBNF_NESTING:
         raise bad_param(
@@ -317,7 +269,7 @@ def _nesting(text: str) -> int:
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        if c in '"[':
+        if c in "\"[":
             close = '"' if c == '"' else "]"
             i += 1
             while i < n and text[i] != close:
@@ -375,9 +327,7 @@ class GrammarCache:
         ptr, said = _with_stderr(lambda: self._init(gbnf, triggers), gbnf)
         self.compiles += 1
         if not ptr:
-            raise GrammarError(
-                f"{param}: llama.cpp cannot parse the grammar: {_problem(said)}", param
-            )
+            raise GrammarError(f"{param}: llama.cpp cannot parse the grammar: {_problem(said)}", param)
         template = _Template(ptr)
         self._templates[key] = template
         while len(self._templates) > self._capacity:

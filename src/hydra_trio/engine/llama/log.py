@@ -68,3 +68,4 @@ def captured(fn: Callable[[], T]) -> tuple[T, list[str]]:
         return fn(), lines
     finally:
         _log_capture = None
+

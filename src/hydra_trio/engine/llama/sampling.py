@@ -35,13 +35,7 @@ class Sampler:
     the request reads entry i once its i-th token is back (the step's done event orders it).
     """
 
-    def __init__(
-        self,
-        params: SamplingParams,
-        *,
-        logprobs: int | None = None,
-        grammars: GrammarCache | None = None,
-    ) -> None:
+    def __init__(self, params: SamplingParams, *, logprobs: int | None = None, grammars: GrammarCache | None = None) -> None:
         self.params = params
         self.logprobs = logprobs
         self.picked: list[TokenLogprobs] = []
@@ -70,11 +64,7 @@ class Sampler:
                 # This llama.cpp's signature still starts with n_vocab (it called with the
                 # newer 4 arguments, any repeat_penalty failed the step with a TypeError).
                 llama_cpp.llama_sampler_init_penalties(
-                    n_vocab,
-                    params.repeat_last_n,
-                    params.repeat_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
+                    n_vocab, params.repeat_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
                 ),
             )
         if params.greedy:
@@ -122,11 +112,7 @@ class Sampler:
         if self.params.grammar is not None:
             token, shown = self._pick_constrained(logits, eog_ids)
         else:
-            shown = (
-                logits.copy()
-                if self.logprobs is not None and self.bans_eog and logits.flags.writeable
-                else logits
-            )
+            shown = logits.copy() if self.logprobs is not None and self.bans_eog and logits.flags.writeable else logits
             token = self._pick(logits, eog_ids)
         if self.logprobs is not None:
             self.picked.append(token_logprobs(shown, token, self.logprobs))
@@ -164,9 +150,7 @@ class Sampler:
             raise RuntimeError("sampler already closed")
         if self._grammar is None:
             assert self._grammars is not None and self.params.grammar is not None
-            self._grammar = self._grammars.new_state(
-                self.params.grammar, self.params.grammar_triggers
-            )
+            self._grammar = self._grammars.new_state(self.params.grammar, self.params.grammar_triggers)
         return self._grammar
 
     def _allows(self, token: int) -> bool:
@@ -174,10 +158,7 @@ class Sampler:
         one = self._one
         one["id"], one["logit"] = token, 0.0
         cur = llama_cpp.llama_token_data_array(
-            data=one.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
-            size=1,
-            selected=-1,
-            sorted=False,
+            data=one.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=1, selected=-1, sorted=False
         )
         llama_cpp.llama_sampler_apply(self._grammar_state(), ctypes.byref(cur))
         return bool(np.isfinite(one["logit"][0]))
@@ -205,21 +186,12 @@ class Sampler:
                 banned[eog_ids] = -np.inf
             if self.is_argmax:
                 token = int(banned.argmax())
-                if (
-                    np.isfinite(banned[token])
-                    and self._allows(token)
-                    and self._utf8_ok(token, eog_ids)
-                ):
+                if np.isfinite(banned[token]) and self._allows(token) and self._utf8_ok(token, eog_ids):
                     self._accept(grammar, token)
                     return token, logits
             else:
                 token = self._chain_pick(banned)
-                if (
-                    token is not None
-                    and np.isfinite(banned[token])
-                    and self._allows(token)
-                    and self._utf8_ok(token, eog_ids)
-                ):
+                if token is not None and np.isfinite(banned[token]) and self._allows(token) and self._utf8_ok(token, eog_ids):
                     llama_cpp.llama_sampler_accept(self.chain(len(banned)), token)
                     self._accept(grammar, token)
                     return token, logits
@@ -231,16 +203,10 @@ class Sampler:
             # Nothing can follow (a grammar no token of this vocabulary can continue): end
             # the reply rather than accept a refused token.
             if not len(eog_ids):
-                raise RuntimeError(
-                    "the grammar allows no token and the vocabulary has no end-of-generation token"
-                )
+                raise RuntimeError("the grammar allows no token and the vocabulary has no end-of-generation token")
             return int(eog_ids[0]), logits
         pick = masked.copy()
-        if (
-            self.bans_eog
-            and len(eog_ids)
-            and allowed.sum() > np.isin(np.flatnonzero(allowed), eog_ids).sum()
-        ):
+        if self.bans_eog and len(eog_ids) and allowed.sum() > np.isin(np.flatnonzero(allowed), eog_ids).sum():
             pick[eog_ids] = -np.inf  # something but the end is allowed: the ban holds
         token = self._pick_valid_utf8(pick, eog_ids)
         if token is None:

@@ -110,21 +110,13 @@ def cache_layout(layout: StateLayout) -> dict[str, object]:
     if rows is None or not rows[1]:
         return {}
     v_trans, k_rows, v_rows = rows
-    return {
-        "type_k": type_name(k_rows[0][0]),
-        "type_v": type_name(v_rows[0][0]),
-        "v_trans": bool(v_trans),
-    }
+    return {"type_k": type_name(k_rows[0][0]), "type_v": type_name(v_rows[0][0]), "v_trans": bool(v_trans)}
 
 
 def cache_layout_mismatch(got: dict[str, object], local: dict[str, object]) -> str | None:
     """Why KV reported as ``got`` (kv_transfer_params, before any byte moves) cannot go into
     a context of ``local``, or None (also when either says nothing)."""
-    for key, what in (
-        ("type_k", "K cache type"),
-        ("type_v", "V cache type"),
-        ("v_trans", "V transposition"),
-    ):
+    for key, what in (("type_k", "K cache type"), ("type_v", "V cache type"), ("v_trans", "V transposition")):
         if key in got and key in local and got[key] != local[key]:
             return f"{what} {got[key]}, here {local[key]}"
     return None
@@ -152,9 +144,7 @@ def layout_mismatch(got: StateLayout, local: StateLayout) -> str | None:
                     f"here {type_name(kb[0])}/{type_name(vb[0])}"
                 )
             if ka != kb or va != vb:
-                return (
-                    f"{where}layer {layer}: K/V row sizes {ka[1:]}/{va[1:]}, here {kb[1:]}/{vb[1:]}"
-                )
+                return f"{where}layer {layer}: K/V row sizes {ka[1:]}/{va[1:]}, here {kb[1:]}/{vb[1:]}"
     return None
 
 
@@ -186,11 +176,7 @@ def _parse(view: memoryview, n_caches: int | None) -> tuple[list[_Cache], int]:
                         raise StateLayoutError("more than one non-empty stream: not one sequence")
                     off, rows = _section_end(view, off, cells)
                     section, index, n_cells = (start, off), i, cells
-            caches.append(
-                _Cache(n_stream, index, section, n_cells, rows)
-                if section
-                else _Cache(n_stream, 0, None)
-            )
+            caches.append(_Cache(n_stream, index, section, n_cells, rows) if section else _Cache(n_stream, 0, None))
     except struct.error as exc:
         raise StateLayoutError(f"state truncated: {exc}") from None
     except OverflowError:  # a row size or count from the bytes puts an offset past any buffer
@@ -237,14 +223,10 @@ def with_streams(state: Bytes, n_stream: int, stream: int, n_caches: int) -> Byt
     if plan is None:
         return state
     count = _U32.pack(n_stream)
-    return b"".join(
-        count if p == -1 else bytes(p) if isinstance(p, int) else view[p[0] : p[1]] for p in plan
-    )
+    return b"".join(count if p == -1 else bytes(p) if isinstance(p, int) else view[p[0] : p[1]] for p in plan)
 
 
-def rewrite_in_place(
-    buf: memoryview, start: int, n_stream: int, stream: int, n_caches: int
-) -> memoryview | None:
+def rewrite_in_place(buf: memoryview, start: int, n_stream: int, stream: int, n_caches: int) -> memoryview | None:
     """``with_streams`` without a copy: the state is ``buf[start:]`` and the ``start`` bytes
     before it are free to overwrite. Returns the view of ``buf`` now holding the rewritten
     state (``buf[start:]`` itself when nothing changes), or None when the bytes before it are

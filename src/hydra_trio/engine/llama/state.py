@@ -126,9 +126,7 @@ class SlotStates:
             raise RuntimeError(f"llama.cpp wrote {n} of {size} state bytes")
         if logits is not None:
             buf[room + size :] = logits
-        return Snapshot(
-            list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot]
-        )
+        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot])
 
     def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
         """The slot's llama sequence state, in the one-stream form, and its tokens."""
@@ -149,9 +147,7 @@ class SlotStates:
         stream = 0 if self.kv_unified else seq
         try:
             if blob is not None and not blob.readonly:
-                local = rewrite_in_place(
-                    blob, len(blob) - len(state), self.n_stream, stream, self._n_caches
-                )
+                local = rewrite_in_place(blob, len(blob) - len(state), self.n_stream, stream, self._n_caches)
                 if local is not None:
                     return local
             return memoryview(with_streams(state, self.n_stream, stream, self._n_caches))
@@ -168,18 +164,13 @@ class SlotStates:
         try:
             got = read_layout(state, self._n_caches)
         except StateLayoutError as exc:
-            raise ProtocolError(
-                ErrorCode.RESTORE_FAILED, f"not a KV state llama.cpp can restore: {exc}"
-            ) from None
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"not a KV state llama.cpp can restore: {exc}") from None
         why = layout_mismatch(got, self.state_layout)
         if why is not None:  # what was made elsewhere does not fit here: a capability, not damage
-            raise ProtocolError(
-                ErrorCode.CAP_MISMATCH, f"KV layout does not match this engine's: {why}"
-            )
+            raise ProtocolError(ErrorCode.CAP_MISMATCH, f"KV layout does not match this engine's: {why}")
         if got.n_past != n_past:
             raise ProtocolError(
-                ErrorCode.RESTORE_FAILED,
-                f"KV state holds {got.n_past} positions but the blob declares n_past={n_past}",
+                ErrorCode.RESTORE_FAILED, f"KV state holds {got.n_past} positions but the blob declares n_past={n_past}"
             )
         split_trailing_logits(state[got.end :], self.info.n_vocab)  # raises on another length
 
@@ -207,9 +198,7 @@ class SlotStates:
         """
         n_vocab = self.info.n_vocab
         if len(tokens) != n_past:
-            raise ProtocolError(
-                ErrorCode.RESTORE_FAILED, f"blob lists {len(tokens)} tokens for n_past={n_past}"
-            )
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob lists {len(tokens)} tokens for n_past={n_past}")
         if tokens and (min(tokens) < 0 or max(tokens) >= n_vocab):
             raise ProtocolError(
                 ErrorCode.RESTORE_FAILED,
@@ -217,8 +206,7 @@ class SlotStates:
             )
         if n_past > self.n_ctx_slot:
             raise ProtocolError(
-                ErrorCode.RESTORE_FAILED,
-                f"blob holds {n_past} positions; a slot holds at most {self.n_ctx_slot}",
+                ErrorCode.RESTORE_FAILED, f"blob holds {n_past} positions; a slot holds at most {self.n_ctx_slot}"
             )
         self._check_layout(state, n_past)
         target = self.scratch_seq if self.kv_unified else slot
@@ -229,12 +217,7 @@ class SlotStates:
         size = len(local)
         src = _as_ubyte_array(local)
         consumed = int(llama_cpp.llama_state_seq_set_data(self._ctx, src, size, target))
-        if (
-            consumed == 0
-            and self.kv_unified
-            and self.seq_tokens[slot]
-            and self.pool_is_tight(n_past)
-        ):
+        if consumed == 0 and self.kv_unified and self.seq_tokens[slot] and self.pool_is_tight(n_past):
             # The shared pool had no room for a second copy: make room by dropping the slot's
             # current contents (the spec allows clearing on a failed restore) and try again.
             self.clear_slot(slot)

@@ -43,9 +43,7 @@ class BatchSteps:
         live = self._live_in_slot_order(requests)
         if not live:
             return results
-        entries, proposed = self._step_entries(
-            requests, live, self.n_batch - len(live) if drafts else 0
-        )
+        entries, proposed = self._step_entries(requests, live, self.n_batch - len(live) if drafts else 0)
         try:
             self._decode_batch(entries, None)
         except NoKvSpace:
@@ -101,9 +99,7 @@ class BatchSteps:
         decode is read (nothing may come between a decode and the reading of its logits)."""
         rows = self._first_logits(n_rows)  # the steps come first in the batch
         row = 0
-        cuts: list[
-            tuple[int, int, int]
-        ] = []  # (slot, first rejected position, positions evaluated)
+        cuts: list[tuple[int, int, int]] = []  # (slot, first rejected position, positions evaluated)
         for i, draft in zip(live, proposed, strict=True):
             r = requests[i]
             history = self.seq_tokens[r.slot]
@@ -111,11 +107,7 @@ class BatchSteps:
             sampler = r.sampler
             if draft:
                 base = row
-                picks = verify(
-                    draft,
-                    lambda k, s=sampler, base=base: self._sample(s, base + k, rows[base + k]),
-                    self.is_eog,
-                )
+                picks = verify(draft, lambda k, s=sampler, base=base: self._sample(s, base + k, rows[base + k]), self.is_eog)
                 n_ok = len(picks) - 1
                 history.append(r.token)
                 history.extend(draft[:n_ok])
@@ -177,10 +169,7 @@ class BatchSteps:
             start = len(self.seq_tokens[part.slot])
             need_logits = part.sampler is not None or part.want_logits
             last = len(part.tokens) - 1
-            entries += [
-                (part.slot, t, start + k, need_logits and k == last)
-                for k, t in enumerate(part.tokens)
-            ]
+            entries += [(part.slot, t, start + k, need_logits and k == last) for k, t in enumerate(part.tokens)]
             ends.append(len(entries) - 1)
         try:
             self._decode_batch(entries, None)
@@ -208,13 +197,6 @@ class BatchSteps:
     ) -> tuple[list[StepResult], list[outcome.Outcome[tuple[int | None, bytes | None]]]]:
         results = self.step(requests)
         return results, [
-            outcome.capture(
-                self.eval_chunk,
-                p.slot,
-                p.tokens,
-                None,
-                sampler=p.sampler,
-                want_logits=p.want_logits,
-            )
+            outcome.capture(self.eval_chunk, p.slot, p.tokens, None, sampler=p.sampler, want_logits=p.want_logits)
             for p in parts
         ]

@@ -25,9 +25,7 @@ class ModelInfo:
     add_bos: bool
     chat_template: str | None
     recurrent: bool
-    hybrid: (
-        bool  # recurrent and attention layers (its recurrent state cannot drop positions either)
-    )
+    hybrid: bool  # recurrent and attention layers (its recurrent state cannot drop positions either)
     bos_text: str  # what chat templates see as bos_token / eos_token
     eos_text: str
 
