@@ -56,7 +56,7 @@ async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget,
 
     try:
         try:
-            copy = await engine.copy_out(slot_id, reserve=reserve)
+            copy = await engine.kv.copy_out(slot_id, reserve=reserve)
         finally:
             engine.release(slot)
         kv_hash = await copy.kv_hash()
@@ -74,7 +74,7 @@ async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) ->
     t0 = time.perf_counter()
     slot = engine.slot_claim(slot_id, owner)
     try:
-        await engine.state_restore(slot_id, parsed)
+        await engine.kv.restore(slot_id, parsed)
     finally:
         engine.release(slot)
     return {
