@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..config import Settings
 from ..wire.sampling import SPEC_TYPES
+
+if TYPE_CHECKING:  # params.py imports this module, and it must not pull in config (gguf)
+    from ..config import Settings
 
 __all__ = ["SPEC_TYPES", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation", "request_speculation", "spec_config", "verify"]
 
