@@ -99,6 +99,19 @@ def _spec_counts(url: str) -> tuple[float, float, float]:
     return out[0], out[1], out[2]
 
 
+def _step_cost(url: str) -> dict[int, float]:
+    """What the engine measured a generation step's decode to cost, by rows (the draft rule's
+    input): ``hydra_step_decode_seconds{rows="N"}``."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    prefix = 'hydra_step_decode_seconds{rows="'
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            label, value = line[len(prefix):].split('"} ')
+            rows[int(label)] = float(value)
+    return dict(sorted(rows.items()))
+
+
 async def _one(c: httpx.AsyncClient, workload: str, seed: int, n: int, spec: dict[str, Any] | None) -> tuple[str, int]:
     body: dict[str, Any] = {"messages": WORKLOADS[workload], "max_tokens": n, "temperature": 0, "seed": seed,
                             **SAMPLING.get(workload, {})}
@@ -273,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.start(Path(logs), "engine")
         try:
             rows = trio.run(_bench, engine.url, args.rounds, streams_list, args.tokens, workloads)
+            step_cost = _step_cost(engine.url)
             prompts = {w: httpx.post(engine.url + "/apply-template", json={"messages": WORKLOADS[w]}, timeout=30).json()["prompt"]
                        for w in workloads}
         except BaseException:
@@ -285,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
 
         binary = find_or_build(args.llama_server, args.with_llama_server)
         peers = peer_rows(binary, model, prompts, args.rounds, streams_list, args.tokens, args.threads, Path(logs)) if binary else []
-    print("\nmedian over rounds:")
+    print("\nthe engine's measured step decode, ms by rows: " + ", ".join(f"{r}: {t * 1e3:.0f}" for r, t in step_cost.items()))
+    print("median over rounds:")
     for workload in workloads:
         for streams in streams_list:
             mine = [r for r in rows if r["workload"] == workload and r["streams"] == streams]
@@ -301,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("        llama-server " + ", ".join(f"{m} {statistics.median(v):.1f}" for m, v in theirs.items())
                       + f" tok/s; ours with speculation / its best n-gram mode {spec / best:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "llama_server": peers}, indent=1))
+    args.out.write_text(json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "llama_server": peers,
+                                    "step_cost_s": step_cost}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

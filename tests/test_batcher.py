@@ -23,7 +23,8 @@ class Recorder:
         self.batches: list[tuple[list[int], list[tuple[int, int]]]] = []  # (step slots, (slot, n tokens) parts)
         self.calls_returned = 0  # runs of steps that returned
 
-    def step_sync(self, reqs: Sequence[StepRequest]) -> list[StepResult]:
+    def step_sync(self, reqs: Sequence[StepRequest], before_decode: Callable[[], None]) -> list[StepResult]:
+        before_decode()
         self.batches.append(([r.slot for r in reqs], []))
         return [(r.token + 1,) for r in reqs]
 

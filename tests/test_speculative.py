@@ -31,6 +31,7 @@ from hydra_trio.engine.speculative import (
     SpecCounts,
     SpecRequest,
     Speculation,
+    StepCost,
     spec_config,
     verify,
 )
@@ -114,6 +115,46 @@ def test_backoff_after_drafts_that_miss_and_the_batch_rule() -> None:
     assert (totals.drafts, totals.draft_tokens, totals.accepted) == (4, 8, 1)
     assert Speculation(SpecConfig(n_max=4, n_min=3)).propose([1, 2, 1], 2, 4, 1) == []  # [1, 2] is short of n_min
     assert Speculation(SpecConfig(n_max=4)).propose(history, 3, 0, 1) == []  # no room
+
+
+def test_the_step_cost_is_measured_per_size_and_a_draft_grows_to_a_size_that_can_pay() -> None:
+    cost = StepCost()
+    assert cost.shortest_paying(1, 16, 1, 1) == 1  # unmeasured: as asked
+    # Gemma 3 270M on one thread of a 2-core VM (docs/performance.md; 5, 7, 10, 11, 13-15 not
+    # run): the kernels take rows in blocks, so 4 rows cost less than 3.
+    for rows, ms in {1: 39, 2: 94, 3: 158, 4: 127, 6: 131, 8: 182, 9: 244, 12: 221, 16: 304}.items():
+        cost.add(rows, ms / 1000)
+    assert cost.estimate(5) == cost.estimate(4) and cost.estimate(40) == cost.estimate(16)  # unseen: as the size below
+    assert cost.estimate(0) is None
+    # One stream: 1 and 2 draft tokens cannot pay even if accepted (2 tokens in 94 ms, 3 in 158,
+    # against 1 in 39); 3 can (4 in 127).
+    assert cost.shortest_paying(1, 16, 1, 1) == 3
+    assert cost.shortest_paying(7, 16, 1, 1) == 7
+    assert cost.shortest_paying(1, 2, 1, 1) == 0
+    # Four streams in 127 ms: 5 rows, unseen, are taken to cost as 4 (the first run tells);
+    # measured at 207 ms, one more row cannot pay, two (131 ms for at most 6 tokens) can.
+    assert cost.shortest_paying(1, 16, 4, 4) == 1
+    cost.add(5, 0.207)
+    assert cost.shortest_paying(1, 16, 4, 4) == 2
+    cost.add(4, 0.500)  # measured again, slower: its mean moves (by WEIGHT)
+    assert cost.estimate(4) == pytest.approx(0.127 + StepCost.WEIGHT * (0.500 - 0.127))
+
+
+def test_a_request_drafts_only_what_can_pay_at_the_measured_cost() -> None:
+    history = list(range(20)) * 2
+    asked: list[tuple[int, int]] = []
+
+    def grow_to(k: int) -> Callable[[int, int], int]:
+        return lambda n, cap: asked.append((n, cap)) or (max(n, k) if k else 0)
+
+    spec = Speculation(SpecConfig(n_max=16))
+    assert len(spec.propose(history[:-1], history[-1], 16, 1, grow_to(3))) == 16  # no draft yet: up to n_max
+    spec.record(16, 0)  # a miss: 2m + 1 = 1 next, which grows to what can pay
+    assert len(spec.propose(history[:-1], history[-1], 16, 1, grow_to(3))) == 3 and asked[-2] == (1, 16)
+    assert spec.propose(history[:-1], history[-1], 16, 1, grow_to(0)) == []  # nothing can pay: no draft
+    # A lookup shorter than asked, too short to pay, is not made.
+    short = Speculation(SpecConfig(n_max=16))
+    assert short.propose([7, 8, 9, 7], 8, 16, 1, lambda n, cap: n if cap >= 4 else 0) == []
 
 
 def test_the_request_keys_beat_the_servers_and_a_model_that_cannot_roll_back_never_drafts() -> None:
@@ -229,6 +270,9 @@ async def test_greedy_text_is_the_same_and_drafts_were_accepted(start_engine: Ca
     accepted = grew("vllm:spec_decode_num_accepted_tokens_total")
     assert drafts >= len(PROMPTS) and drafted >= drafts and 0 < accepted <= drafted
     print("drafts", drafts, "drafted", drafted, "accepted", accepted)
+    # Steps of several sizes ran (with and without drafts), each measured.
+    by_rows = {int(dict(labels)["rows"]): v for (name, labels), v in after.items() if name == "hydra_step_decode_seconds"}
+    assert 1 in by_rows and len(by_rows) > 1 and all(0 < v < 60 for v in by_rows.values())
 
 
 async def test_steps_are_saved_and_the_request_line_says_so(

@@ -122,6 +122,14 @@ class EngineCollector(Collector):
         stats = self.engine.stats()
         for family, name, doc, read in _ENGINE_FIGURES:
             yield family(name, doc, value=read(stats))
+        by_rows = GaugeMetricFamily(
+            "hydra_step_decode_seconds",
+            "a generation step's llama_decode, mean of the recent ones with this many rows (streams' tokens and draft positions)",
+            labels=["rows"],
+        )
+        for rows, seconds in stats.step_decode_s:
+            by_rows.add_metric([str(rows)], seconds)
+        yield by_rows
 
 
 class PromptCacheCollector(Collector):

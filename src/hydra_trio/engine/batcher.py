@@ -20,6 +20,7 @@ import outcome
 import trio
 
 from ..wire.errors import ErrorCode, ProtocolError, Status
+from .handover import Handover
 from .llama.sampling import Sampler
 from .llama.types import PrefillPart, StepRequest, StepResult
 from .speculative import Speculation
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 
 MAX_STEPS_PER_CALL = 256  # a run of steps returns to trio at least this often
 
-StepSync = Callable[[Sequence[StepRequest]], list[StepResult]]  # one llama step, on the worker
+# One llama step, on the worker; the callable is run once, just before its llama_decode.
+StepSync = Callable[[Sequence[StepRequest], Callable[[], None]], list[StepResult]]
 RunOnWorker = Callable[[Callable[[], None]], Awaitable[None]]  # run a function as one worker call
 PartOutcome = outcome.Outcome[tuple[int | None, bytes | None]]
 RunMixed = Callable[[Sequence[StepRequest], Sequence[PrefillPart]], Awaitable[tuple[list[StepResult], list[PartOutcome]]]]
@@ -111,6 +113,7 @@ class StepBatcher:
         self.prompt_tokens = 0  # prompt tokens evaluated inside step batches
         self.prompt_parts = 0  # prompt parts evaluated inside step batches
         self._stopped = False
+        self._handover: Handover | None = None  # step results from the worker (while ``run`` runs)
 
     # ---- request side ------------------------------------------------------------------
 
@@ -174,6 +177,15 @@ class StepBatcher:
 
     async def run(self) -> None:
         """Batch until cancelled; work handed in after that fails at once."""
+        self._handover = handover = Handover()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(handover.run)
+                await self._batch_until_cancelled()
+        finally:
+            handover.close()  # every worker call has returned: nothing sends any more
+
+    async def _batch_until_cancelled(self) -> None:
         steps: list[StepJob] = []
         try:
             while True:
@@ -261,33 +273,45 @@ class StepBatcher:
         they sampled, and so on while every request keeps up and nothing else wants the
         worker: the worker goes from one step to the next without a trip through trio.
 
-        Each step's results reach trio as soon as it ends (``run_sync_soon``, in order, and
-        before this returns), so the requests hand out their text while the next step runs."""
-        trio_token = trio.lowlevel.current_trio_token()
+        Each step's results reach trio as the next step's decode starts (``Handover``, in
+        order, and before this returns), so the requests hand out their text meanwhile."""
+        handover = self._handover
+        assert handover is not None  # inside ``run``
         self._wants_turn.clear()  # what wanted the worker before is in this batch, or ahead of it
+        # A step's results go to trio just before the next step's llama_decode, which runs
+        # without the GIL: trio hands out the text while the model computes (handover.py).
+        pending: list[tuple[list[StepJob], list[StepResult], list[StepJob]]] = []
+
+        def hand_over() -> None:
+            if pending:
+                handover.send(self._deliver, *pending.pop())
 
         def run_steps() -> None:
             cur = jobs
             for n in range(1, MAX_STEPS_PER_CALL + 1):
                 try:
-                    results = self._step_sync([j.request() for j in cur])
+                    results = self._step_sync([j.request() for j in cur], hand_over)
                 except Exception as exc:
-                    trio_token.run_sync_soon(self._deliver_error, cur, exc)
+                    hand_over()
+                    handover.send(self._deliver_error, cur, exc)
                     return
+                hand_over()  # a step that did not decode (no slot had room)
                 nxt: list[StepJob] = []
                 if n < MAX_STEPS_PER_CALL and not self._wants_turn.is_set():
                     # Read on the worker thread: flags trio may be setting now. A stale
                     # "asked" only ends the run early; a missed "cancelled" is dropped by the
                     # request (drop_ahead), which waits for the step.
                     nxt = [_next_step(j, r) for j, r in zip(cur, results, strict=True) if self._goes_on(j, r)]
-                trio_token.run_sync_soon(self._deliver, cur, results, nxt)
                 if not nxt:
+                    handover.send(self._deliver, cur, results, nxt)
                     return
+                pending.append((cur, results, nxt))
                 cur = nxt
 
         self.runs += 1
         with trio.CancelScope(shield=True):  # finish the steps even on shutdown
             await self._run_on_worker(run_steps)
+        handover.drain()  # what the run's last steps sent
 
     def _goes_on(self, job: StepJob, res: StepResult) -> bool:
         """Whether the last token ``job`` sampled (``res``) surely gets its own step (the

@@ -67,7 +67,7 @@ class Engine:
         budget = min(settings.step_token_budget, backend.n_batch)
         self.batcher = StepBatcher(
             backend.n_slots,
-            lambda reqs: self.backend.step(reqs),
+            lambda reqs, before_decode: self.backend.step(reqs, before_decode=before_decode),
             lambda fn: self.worker.call(fn, yields=True),
             self._run_mixed,
             token_budget=budget,
@@ -264,6 +264,7 @@ class Engine:
             spec_drafts=self.spec_counts.drafts,
             spec_draft_tokens=self.spec_counts.draft_tokens,
             spec_accepted_tokens=self.spec_counts.accepted,
+            step_decode_s=tuple(sorted(self.backend.step_cost.measured().items())),
         )
 
     def slot_info(self, slot_id: int) -> SlotInfo:

@@ -22,7 +22,10 @@ from ..wire.sampling import SPEC_TYPES
 if TYPE_CHECKING:  # params.py imports this module, and it must not pull in config (gguf)
     from ..config import Settings
 
-__all__ = ["SPEC_TYPES", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation", "request_speculation", "spec_config", "verify"]
+__all__ = [
+    "SPEC_TYPES", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation", "StepCost",
+    "request_speculation", "spec_config", "verify",
+]
 
 # Every verified position costs about a token's compute (its logits: the output layer over
 # the whole vocabulary), so a request drafts what its drafts earn: the next draft is at most
@@ -121,6 +124,64 @@ class NgramIndex:
         return []
 
 
+class StepCost:
+    """What a step's decode costs, measured per size: the mean llama_decode time of the
+    engine's recent generation steps of each number of rows (rows: the positions with
+    logits, the streams' tokens and their drafts). Not a line: on a CPU with repacked
+    weights the matrix kernels take rows in blocks, so a step's cost follows the row count
+    in steps (Gemma 3 270M, one thread, docs/performance.md: 2 rows cost 2.4x one row, and
+    4 rows less than 3). So a draft's length is chosen against these figures
+    (``shortest_paying``), and every size is measured where it runs: a size not seen lately is
+    taken to cost what the largest seen below it costs (the optimistic guess, which its
+    first run then corrects).
+
+    Worker only (updated and read there); read at scrape time for /metrics (plain floats)."""
+
+    WEIGHT = 0.2  # the latest decode's weight in its size's mean
+    STALE_STEPS = 4096  # a size not measured for this many steps is measured anew
+
+    def __init__(self) -> None:
+        self._mean: dict[int, float] = {}  # rows -> mean seconds (bounded by n_batch)
+        self._seen: dict[int, int] = {}  # rows -> the step it was last measured at
+        self.steps = 0
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.steps += 1
+        mean = self._mean.get(rows)
+        self._mean[rows] = seconds if mean is None else mean + self.WEIGHT * (seconds - mean)
+        self._seen[rows] = self.steps
+        if self.steps % self.STALE_STEPS == 0:
+            for r in [r for r, at in self._seen.items() if self.steps - at > self.STALE_STEPS]:
+                del self._mean[r], self._seen[r]
+
+    def measured(self) -> dict[int, float]:
+        """rows -> mean seconds, of the sizes measured lately (a copy)."""
+        return dict(self._mean)
+
+    def estimate(self, rows: int) -> float | None:
+        """A step of ``rows`` rows: its mean, else what the largest size below costs; None
+        when nothing at or below it was measured."""
+        mean = self._mean.get(rows)
+        if mean is not None:
+            return mean
+        below = [r for r in self._mean if r < rows]
+        return self._mean[max(below)] if below else None
+
+    def shortest_paying(self, n: int, cap: int, rows: int, tokens: float) -> int:
+        """The shortest draft length from ``n`` up to ``cap`` that, accepted whole, makes more
+        tokens per second of a step that already holds ``rows`` rows yielding ``tokens``
+        tokens than no draft; 0 when none does. ``n`` when the step's cost is unmeasured."""
+        base = self.estimate(rows)
+        if base is None:
+            return n
+        for k in range(n, cap + 1):
+            cost = self.estimate(rows + k)
+            assert cost is not None  # rows + k > rows, which has an estimate
+            if cost <= 0 or (tokens + k) / cost > tokens / base:
+                return k
+        return 0
+
+
 @dataclass(slots=True)
 class SpecCounts:
     """Speculation's counters (vLLM's ``vllm:spec_decode_*``): an engine's totals, or one
@@ -149,23 +210,40 @@ class Speculation:
         self._pause = 0  # steps left without drafting
         self._backoff = BACKOFF_STEPS
         self._cap = config.n_max  # the next draft's length at most
+        self._probe = False  # the draft after a pause is a one-token probe
 
-    def propose(self, history: Sequence[int], token: int, room: int, n_generating: int) -> list[int]:
+    def propose(
+        self,
+        history: Sequence[int],
+        token: int,
+        room: int,
+        n_generating: int,
+        paying: Callable[[int, int], int] | None = None,
+    ) -> list[int]:
         """The draft for the step that evaluates ``token`` after ``history`` (the slot's
         tokens): at most ``room`` tokens (what the request, the slot and the batch still
         take), none when the step has more than ``max_batch`` generating slots or this
-        request backs off."""
+        request backs off, at most 2m + 1 after a draft that had m accepted (one after a
+        pause). ``paying(n, cap)``: the shortest length from n up to cap that can pay at the
+        step's measured cost (StepCost.shortest_paying), 0 if none can: a draft too short to
+        pay for its rows grows to one that can, or is not made."""
         cfg = self.config
         if n_generating > cfg.max_batch:
             return []
         if self._pause > 0:
             self._pause -= 1
             return []
-        n = min(self._cap, room)
-        if n < max(1, cfg.n_min):
+        least = max(1, cfg.n_min)
+        probe, self._probe = self._probe, False
+        n = min(self._cap, room, 1 if probe else room)
+        if paying is not None and n >= least:
+            n = paying(n, min(cfg.n_max, room))
+        if n < least:
             return []
         draft = self._index.draft(history, token, n)
-        return draft if len(draft) >= max(1, cfg.n_min) else []
+        if paying is not None and draft and paying(len(draft), len(draft)) == 0:
+            return []  # the lookup found less, too little to pay
+        return draft if len(draft) >= least else []
 
     def record(self, n_drafted: int, n_accepted: int) -> None:
         """A verified draft: its counts, the next draft's length, and the back-off when
@@ -179,8 +257,13 @@ class Speculation:
         if self._rate >= MIN_ACCEPTANCE:
             self._backoff = BACKOFF_STEPS
             return
+        self._back_off()
+
+    def _back_off(self) -> None:
+        """No drafts for a while (doubling while drafts still miss), then a one-token probe."""
         self._pause = self._backoff
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
+        self._probe = True
 
 
 def verify(draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:

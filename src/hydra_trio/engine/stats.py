@@ -30,6 +30,8 @@ class EngineStats:
     spec_drafts: int = 0  # speculation: drafts verified
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # draft tokens accepted
+    # A generation step's measured llama_decode seconds by its rows (speculative.StepCost).
+    step_decode_s: tuple[tuple[int, float], ...] = ()
 
     @property
     def slots_idle(self) -> int:

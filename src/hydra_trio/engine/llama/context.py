@@ -20,6 +20,7 @@ import llama_cpp
 import numpy as np
 
 from ..kvblocks import SlotBlocks
+from ..speculative import StepCost
 from ..text import common_prefix_len
 from .chat import builtin_chat_templates
 from .devices import (
@@ -120,6 +121,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # the GPU worker, read at scrape time: the worker's busy time less this is the
         # engine's own work there, and tokens over it the rate a free front end would reach.
         self.decode_s = 0.0
+        self.step_cost = StepCost()
         self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
         # Per slot: the cache_salt its history was computed under (None: unsalted). With the

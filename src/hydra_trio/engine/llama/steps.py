@@ -12,12 +12,12 @@ context's decode and sampling methods (``_decode_batch``, ``_first_logits``, ``_
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llama_cpp
 import outcome
 
-from ..speculative import verify
+from ..speculative import StepCost, verify
 from .state import NoKvSpace
 from .types import PrefillPart, StepRequest, StepResult
 
@@ -31,10 +31,16 @@ class BatchSteps:
     n_swa: int
     seq_tokens: list[list[int]]
     _swa_low: list[int]
+    decode_s: float
+    step_cost: StepCost  # what a step's decode costs per row, measured (the draft rule's cost)
 
-    def step(self, requests: Sequence[StepRequest], *, drafts: bool = True) -> list[StepResult]:
+    def step(
+        self, requests: Sequence[StepRequest], *, drafts: bool = True, before_decode: Callable[[], None] | None = None
+    ) -> list[StepResult]:
         """One generation step for several slots in one llama_decode (continuous batching),
         with the drafts of the requests that speculate as extra positions (``verify_steps``).
+        ``before_decode`` runs just before the llama_decode (the batcher hands the last
+        step's results to trio there); it must bear being run again (a retry).
 
         Returns what each request sampled (``StepResult``), or None for a slot that hit the
         end of its context or the shared KV pool.
@@ -44,6 +50,9 @@ class BatchSteps:
         if not live:
             return results
         entries, proposed = self._step_entries(requests, live, self.n_batch - len(live) if drafts else 0)
+        if before_decode is not None:
+            before_decode()
+        decode_s = self.decode_s
         try:
             self._decode_batch(entries, None)
         except NoKvSpace:
@@ -55,6 +64,7 @@ class BatchSteps:
             for i in live:
                 results[i] = self.step([requests[i]], drafts=False)[0]
             return results
+        self.step_cost.add(len(entries), self.decode_s - decode_s)
         self._roll_back(self._verify_steps(requests, live, proposed, len(entries), results))
         for i in live:
             self._advanced(requests[i].slot)
@@ -70,6 +80,8 @@ class BatchSteps:
         entries: list[tuple[int, int, int, bool]] = []
         proposed: list[list[int]] = []
         n_generating = len(live)
+        cost = self.step_cost
+        rows = n_generating  # the step's rows so far
         for i in live:
             r = requests[i]
             history = self.seq_tokens[r.slot]
@@ -78,8 +90,11 @@ class BatchSteps:
             if r.spec is not None and room > 0:
                 cap = min(r.n_left - 1, self.n_ctx_slot - pos - 1, room)
                 if cap > 0:
-                    draft = r.spec.propose(history, r.token, cap, n_generating)
+                    draft = r.spec.propose(
+                        history, r.token, cap, n_generating, lambda n, c, rows=rows: cost.shortest_paying(n, c, rows, rows)
+                    )
                     room -= len(draft)
+                    rows += len(draft)
             entries.append((r.slot, r.token, pos, True))
             entries += [(r.slot, t, pos + 1 + k, True) for k, t in enumerate(draft)]
             proposed.append(draft)
