@@ -40,7 +40,9 @@ class Handover:
 
     def __init__(self) -> None:
         self._calls: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
-        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._read_fd, self._write_fd = os.pipe()  # not inherited by child processes
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)  # a full pipe fails the write: trio is awake then
         self._write = _write_keeping_gil()
 
     def send(self, fn: Callable[..., None], *args: Any) -> None:
