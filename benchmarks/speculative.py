@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import EngineProcess, env_info, sample_value
 
@@ -103,12 +104,9 @@ def _step_cost(url: str) -> dict[int, float]:
     """What the engine measured a generation step's decode to cost, by rows (the draft rule's
     input): ``hydra_step_decode_seconds{rows="N"}``."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    prefix = 'hydra_step_decode_seconds{rows="'
-    rows = {}
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            label, value = line[len(prefix):].split('"} ')
-            rows[int(label)] = float(value)
+    rows = {int(sample.labels["rows"]): sample.value
+            for family in text_string_to_metric_families(text) if family.name == "hydra_step_decode_seconds"
+            for sample in family.samples}
     return dict(sorted(rows.items()))
 
 

@@ -119,7 +119,7 @@ def test_backoff_after_drafts_that_miss_and_the_batch_rule() -> None:
 
 def test_the_step_cost_is_measured_per_size_and_a_draft_grows_to_a_size_that_can_pay() -> None:
     cost = StepCost()
-    assert cost.shortest_paying(1, 16, 1, 1) == 1  # unmeasured: as asked
+    assert cost.shortest_paying(1, 16, 1) == 1  # unmeasured: as asked
     # Gemma 3 270M on one thread of a 2-core VM (docs/performance.md; 5, 7, 10, 11, 13-15 not
     # run): the kernels take rows in blocks, so 4 rows cost less than 3.
     for rows, ms in {1: 39, 2: 94, 3: 158, 4: 127, 6: 131, 8: 182, 9: 244, 12: 221, 16: 304}.items():
@@ -128,14 +128,14 @@ def test_the_step_cost_is_measured_per_size_and_a_draft_grows_to_a_size_that_can
     assert cost.estimate(0) is None
     # One stream: 1 and 2 draft tokens cannot pay even if accepted (2 tokens in 94 ms, 3 in 158,
     # against 1 in 39); 3 can (4 in 127).
-    assert cost.shortest_paying(1, 16, 1, 1) == 3
-    assert cost.shortest_paying(7, 16, 1, 1) == 7
-    assert cost.shortest_paying(1, 2, 1, 1) == 0
+    assert cost.shortest_paying(1, 16, 1) == 3
+    assert cost.shortest_paying(7, 16, 1) == 7
+    assert cost.shortest_paying(1, 2, 1) == 0
     # Four streams in 127 ms: 5 rows, unseen, are taken to cost as 4 (the first run tells);
     # measured at 207 ms, one more row cannot pay, two (131 ms for at most 6 tokens) can.
-    assert cost.shortest_paying(1, 16, 4, 4) == 1
+    assert cost.shortest_paying(1, 16, 4) == 1
     cost.add(5, 0.207)
-    assert cost.shortest_paying(1, 16, 4, 4) == 2
+    assert cost.shortest_paying(1, 16, 4) == 2
     cost.add(4, 0.500)  # measured again, slower: its mean moves (by WEIGHT)
     assert cost.estimate(4) == pytest.approx(0.127 + StepCost.WEIGHT * (0.500 - 0.127))
 

@@ -167,17 +167,18 @@ class StepCost:
         below = [r for r in self._mean if r < rows]
         return self._mean[max(below)] if below else None
 
-    def shortest_paying(self, n: int, cap: int, rows: int, tokens: float) -> int:
+    def shortest_paying(self, n: int, cap: int, rows: int) -> int:
         """The shortest draft length from ``n`` up to ``cap`` that, accepted whole, makes more
-        tokens per second of a step that already holds ``rows`` rows yielding ``tokens``
-        tokens than no draft; 0 when none does. ``n`` when the step's cost is unmeasured."""
+        tokens per second of a step that already holds ``rows`` rows (each counted a token:
+        drafts before this one as if accepted whole) than no draft; 0 when none does. ``n``
+        when the step's cost is unmeasured."""
         base = self.estimate(rows)
         if base is None:
             return n
         for k in range(n, cap + 1):
             cost = self.estimate(rows + k)
             assert cost is not None  # rows + k > rows, which has an estimate
-            if cost <= 0 or (tokens + k) / cost > tokens / base:
+            if cost <= 0 or (rows + k) / cost > rows / base:
                 return k
         return 0
 
@@ -235,7 +236,7 @@ class Speculation:
             return []
         least = max(1, cfg.n_min)
         probe, self._probe = self._probe, False
-        n = min(self._cap, room, 1 if probe else room)
+        n = min(1 if probe else self._cap, room)
         if paying is not None and n >= least:
             n = paying(n, min(cfg.n_max, room))
         if n < least:
@@ -257,10 +258,6 @@ class Speculation:
         if self._rate >= MIN_ACCEPTANCE:
             self._backoff = BACKOFF_STEPS
             return
-        self._back_off()
-
-    def _back_off(self) -> None:
-        """No drafts for a while (doubling while drafts still miss), then a one-token probe."""
         self._pause = self._backoff
         self._backoff = min(self._backoff * 2, BACKOFF_MAX)
         self._probe = True

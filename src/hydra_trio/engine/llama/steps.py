@@ -91,7 +91,7 @@ class BatchSteps:
                 cap = min(r.n_left - 1, self.n_ctx_slot - pos - 1, room)
                 if cap > 0:
                     draft = r.spec.propose(
-                        history, r.token, cap, n_generating, lambda n, c, rows=rows: cost.shortest_paying(n, c, rows, rows)
+                        history, r.token, cap, n_generating, lambda n, c, rows=rows: cost.shortest_paying(n, c, rows)
                     )
                     room -= len(draft)
                     rows += len(draft)
