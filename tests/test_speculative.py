@@ -25,16 +25,20 @@ from helpers import assert_server_healthy, http, parse_sse, scrape, stream_then_
 from hydra_trio.config import settings_from
 from hydra_trio.engine.params import parse_generation, parse_speculative
 from hydra_trio.engine.speculative import (
-    BACKOFF_STEPS,
+    MEMORY_KIND,
+    PRIOR_SURVIVAL,
     NgramIndex,
+    NgramMemories,
+    NgramMemory,
     SpecConfig,
     SpecCounts,
     SpecRequest,
     Speculation,
-    StepCost,
+    plan_drafts,
     spec_config,
     verify,
 )
+from hydra_trio.engine.stepcost import BatchCost, StepCost, batch_counts, ubatch_rows
 from hydra_trio.wire.errors import ParamError
 
 PROMPTS = [
@@ -50,29 +54,29 @@ ON = {"type": "ngram-simple"}
 # ---- the drafter, the accept rule, the config rule (no model) -----------------------------
 
 
-def test_ngram_lookup_proposes_what_followed_the_latest_earlier_occurrence() -> None:
-    ix = NgramIndex(1, 3)
+def test_ngram_lookup_takes_the_occurrence_whose_context_matches_furthest_back() -> None:
+    ix = NgramIndex(1, 12)
     history = [1, 2, 3, 4, 5, 1, 2]
-    assert ix.draft(history, 3, 4) == [4, 5, 1, 2]  # "1 2 3" occurred at 0..2: what followed it
-    assert ix.draft(history, 3, 2) == [4, 5]  # capped
+    assert ix.draft(history, 3, 4) == ([4, 5, 1, 2], 3)  # "1 2 3" at 0..2: what followed it
+    assert ix.draft(history, 3, 2) == ([4, 5], 3)  # capped
     history += [3, 4, 9, 1, 2]
-    # "1 2 3" now occurred twice: the latest (7..9 is "3 4 9"; 5..7 is "1 2 3") wins.
-    assert ix.draft(history, 3, 3) == [4, 9, 1]
-    assert NgramIndex(1, 3).draft([7, 8], 9, 3) == []  # 9 never occurred
-    # The longest n that occurred wins over a shorter, more recent one.
-    assert NgramIndex(1, 2).draft([5, 6, 7, 0, 6, 8], 6, 2) == [8, 6]  # "8 6" never occurred; "6" did, at 4
-    assert NgramIndex(1, 2).draft([5, 6, 7, 0, 6, 8, 5], 6, 2) == [7, 0]  # "5 6" at 0..1 beats "6" at 4
-    # The continuation runs into the current token when the match ends the history.
-    assert NgramIndex(1, 1).draft([4, 4], 4, 5) == [4]
+    # "1 2 3" occurred twice, both with 3 tokens of matching context: the latest wins.
+    assert ix.draft(history, 3, 3) == ([4, 9, 1], 3)
+    # "0 0 7 2 3" matches 5 tokens back at 7..11, only "2 3" (2) at the later 19..20.
+    h = [0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 2, 3, 8, 8, 0, 0, 0, 0, 0, 2, 3, 6, 6, 0, 0, 7, 2]
+    assert NgramIndex(1, 12).draft(h, 3, 2) == ([8, 8], 5) and NgramIndex(1, 2).draft(h, 3, 2) == ([6, 6], 2)  # compared over 2 at most
+    assert NgramIndex(1, 12).draft([5, 6], 7, 4) == ([], 0)  # never occurred
+    # A match that runs into the present repeats itself: a cycle is drafted on.
+    assert NgramIndex(2, 12).draft([9, 5, 6, 9], 5, 5) == ([6, 9, 5, 6, 9], 2)
 
 
 def test_ngram_index_is_incremental_and_starts_over_on_a_cut() -> None:
-    ix = NgramIndex(2, 2)
-    h = [1, 2, 3]
-    assert ix.draft(h, 1, 4) == []
-    h += [1]  # the step accepted 1; "1 2" is now known to be followed by 3
-    assert ix.draft(h, 2, 4) == [3, 1, 2]
-    assert ix.draft([9, 9], 1, 4) == []  # a shorter history: rebuilt, nothing of the old one
+    ix = NgramIndex(1, 3)
+    history = [5, 6, 7]
+    assert ix.draft(history, 5, 2) == ([6, 7], 1)
+    history += [5, 6]
+    assert ix.draft(history, 7, 2) == ([5, 6], 3)  # the new tokens were indexed
+    assert ix.draft([8, 9], 8, 2) == ([9, 8], 1)  # a shorter history: the index starts over
 
 
 def test_the_accept_rule_keeps_the_matching_prefix_and_one_pick_more() -> None:
@@ -96,69 +100,132 @@ def test_the_accept_rule_keeps_the_matching_prefix_and_one_pick_more() -> None:
     assert verify([5, 0, 7], picks([5, 0, 7, 8]), lambda t: t == 0) == [5, 0]  # nothing after an end
 
 
-def test_backoff_after_drafts_that_miss_and_the_batch_rule() -> None:
+def test_a_candidates_chance_is_learned_per_match_length_from_runs_cut_by_their_first_miss() -> None:
     totals = SpecCounts()
-    spec = Speculation(SpecConfig(n_max=4, max_batch=2), totals)
+    spec = Speculation(SpecConfig(n_max=4), totals)
     history = [1, 2, 3, 1, 2, 3, 1, 2]
-    assert spec.propose(history, 3, 4, n_generating=3) == []  # more streams than max_batch
-    assert spec.propose(history, 3, 4, n_generating=2) == [1, 2, 3]  # after "1 2 3" at 3..5, up to now
-    spec.record(3, 0)  # acceptance 0.7 (moving average from 1.0): still drafting
-    assert spec.propose(history, 3, 4, n_generating=1) == [1]  # after a miss: one token
-    spec.record(1, 1)
-    assert spec.propose(history, 3, 4, n_generating=1) == [1, 2, 3]  # 2m + 1 after m accepted
-    spec.record(3, 0)  # acceptance below MIN_ACCEPTANCE: a pause of BACKOFF_STEPS steps
-    for _ in range(BACKOFF_STEPS):
-        assert spec.propose(history, 3, 4, n_generating=1) == []
-    assert spec.propose(history, 3, 4, n_generating=1) == [1]  # then a one-token probe
-    spec.record(1, 0)  # still low: twice as long a pause
-    assert [spec.propose(history, 3, 4, n_generating=1) for _ in range(2 * BACKOFF_STEPS + 1)][-1] == [1]
-    assert (totals.drafts, totals.draft_tokens, totals.accepted) == (4, 8, 1)
-    assert Speculation(SpecConfig(n_max=4, n_min=3)).propose([1, 2, 1], 2, 4, 1) == []  # [1, 2] is short of n_min
-    assert Speculation(SpecConfig(n_max=4)).propose(history, 3, 0, 1) == []  # no room
+    draft, p = spec.candidate(history, 3, 8)
+    assert draft == [1, 2, 3, 1] and p == pytest.approx(PRIOR_SURVIVAL[2])  # n_max; 5 tokens matched: the 4-7 prior
+    assert spec.candidate(history, 3, 2)[0] == [1, 2]  # the room caps it
+    spec.record(4, 1)  # 2 positions tried, 1 failed
+    _, p1 = spec.candidate(history, 3, 8)
+    assert p1 < PRIOR_SURVIVAL[2]
+    spec.record(4, 4)  # 4 tried, none failed: the chance rises again
+    _, p2 = spec.candidate(history, 3, 8)
+    assert p1 < p2
+    # A one-token match is its own kind: its prior, untouched by the drafts above.
+    draft, p = spec.candidate([9, 4, 6], 4, 8)
+    assert draft == [6, 4, 6, 4] and p == pytest.approx(PRIOR_SURVIVAL[0])
+    assert (totals.drafts, totals.draft_tokens, totals.accepted) == (2, 8, 5)
+    assert Speculation(SpecConfig(n_max=4, n_min=3)).candidate(history, 3, 2) == ([], 0.0)  # room short of n_min
+    assert Speculation(SpecConfig(n_max=4)).candidate([5, 6], 7, 4) == ([], 0.0)  # nothing matched
 
 
-def test_the_step_cost_is_measured_per_size_and_a_draft_grows_to_a_size_that_can_pay() -> None:
+def test_a_request_drafts_what_an_earlier_request_of_its_salt_generated() -> None:
+    memories = NgramMemories(3)
+    earlier = Speculation(SpecConfig(n_max=4, ngram_max=3), memory=memories.for_salt(None))
+    reply = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    for k in range(4, len(reply)):  # the earlier request generates, step by step
+        earlier.candidate(reply[:k], reply[k], 4)
+    # A new request with the same start: its own tokens match nothing yet, the memory does.
+    again = Speculation(SpecConfig(n_max=4, ngram_max=3), memory=memories.for_salt(None))
+    draft, p = again.candidate([1, 2], 3, 4)
+    assert draft == [4, 5, 6, 7] and p == pytest.approx(PRIOR_SURVIVAL[MEMORY_KIND])
+    other = Speculation(SpecConfig(n_max=4, ngram_max=3), memory=memories.for_salt("tenant-b"))
+    assert other.candidate([1, 2], 3, 4) == ([], 0.0)  # another salt: nothing of the first's
+    # Its own full-length match wins over the memory.
+    own = Speculation(SpecConfig(n_max=2, ngram_max=3), memory=memories.for_salt(None))
+    assert own.candidate([7, 1, 2, 3, 9, 9, 7, 1, 2], 3, 2)[0] == [9, 9]
+
+
+def test_the_memory_is_bounded() -> None:
+    memory = NgramMemory(2)
+    memory.MAX_ENTRIES = 10
+    memory.add(list(range(8)), 0)
+    assert len(memory) == 6 and memory.draft([3, 4], 3) == [5, 6, 7]
+    memory.add(list(range(100, 108)), 0)  # would pass the bound: it starts over
+    assert len(memory) == 6 and memory.draft([3, 4], 3) == []
+    memories = NgramMemories(2)
+    first = memories.for_salt("a")
+    for salt in range(NgramMemories.MAX_SALTS):
+        memories.for_salt(str(salt))
+    assert memories.for_salt("a") is not first  # the least recently used salt was forgotten
+
+
+def test_a_batch_splits_into_passes_as_llama_cpp_splits_it() -> None:
+    # A split KV cache: equal tokens from a run of consecutive sequences per pass (measured on
+    # Gemma 3 270M: [9, 1 x 7] cost 212 ms against 109 for [1 x 8], docs/performance.md).
+    assert ubatch_rows([1] * 8, 512, split=True) == [8]
+    assert ubatch_rows([9] + [1] * 7, 512, split=True) == [8, 8]
+    assert ubatch_rows([9, 9, 9, 9, 1, 1, 1, 1], 512, split=True) == [8, 32]
+    assert ubatch_rows([9, 1, 9, 1, 9, 1, 9, 1], 512, split=True) == [8, 8, 8, 8, 8]
+    assert ubatch_rows([3, 0, 3], 512, split=True) == [3, 3]  # a gap between slots splits
+    assert ubatch_rows([5] * 8, 16, split=True) == [16, 16, 8]  # at most n_ubatch rows a pass
+    assert ubatch_rows([9, 1, 9], 512, split=False) == [19]  # a unified cache: one pass
+    assert batch_counts([2, 3, 5], [1, 4, 2]) == [1, 4, 0, 2]
+
+
+# Gemma 3 270M Q4_K_M, one thread, an Intel Xeon 2-core VM: ms of a pass by rows
+# (docs/performance.md): rows in blocks of 4 and 8 are cheap.
+GEMMA_MS = {1: 44, 2: 64, 3: 73, 4: 85, 5: 130, 6: 135, 7: 146, 8: 134, 9: 173, 10: 168, 11: 195, 12: 172, 13: 227,
+            14: 239, 15: 248, 16: 227, 17: 261, 18: 266, 19: 254, 20: 269, 21: 301, 22: 326, 23: 335, 24: 276, 25: 314,
+            26: 318, 27: 329, 28: 331, 29: 405, 30: 379, 31: 421, 32: 402, 33: 401, 40: 472, 48: 583, 64: 738,
+            96: 994, 128: 1437, 192: 2274, 256: 2832}
+
+
+def gemma_cost() -> StepCost:
     cost = StepCost()
-    assert cost.shortest_paying(1, 16, 1) == 1  # unmeasured: as asked
-    # Gemma 3 270M on one thread of a 2-core VM (docs/performance.md; 5, 7, 10, 11, 13-15 not
-    # run): the kernels take rows in blocks, so 4 rows cost less than 3.
-    for rows, ms in {1: 39, 2: 94, 3: 158, 4: 127, 6: 131, 8: 182, 9: 244, 12: 221, 16: 304}.items():
+    for rows, ms in GEMMA_MS.items():
+        cost.add(rows, ms / 1000 * 1.5)  # a size's first decode also sizes llama.cpp's buffers: held back
         cost.add(rows, ms / 1000)
-    assert cost.estimate(5) == cost.estimate(4) and cost.estimate(40) == cost.estimate(16)  # unseen: as the size below
-    assert cost.estimate(0) is None
-    # One stream: 1 and 2 draft tokens cannot pay even if accepted (2 tokens in 94 ms, 3 in 158,
-    # against 1 in 39); 3 can (4 in 127).
-    assert cost.shortest_paying(1, 16, 1) == 3
-    assert cost.shortest_paying(7, 16, 1) == 7
-    assert cost.shortest_paying(1, 2, 1) == 0
-    # Four streams in 127 ms: 5 rows, unseen, are taken to cost as 4 (the first run tells);
-    # measured at 207 ms, one more row cannot pay, two (131 ms for at most 6 tokens) can.
-    assert cost.shortest_paying(1, 16, 4) == 1
-    cost.add(5, 0.207)
-    assert cost.shortest_paying(1, 16, 4) == 2
+    return cost
+
+
+def test_the_step_cost_is_measured_per_size() -> None:
+    cost = gemma_cost()
+    assert cost.estimate(36) == pytest.approx(0.401 + (0.472 - 0.401) * 3 / 7)  # unseen: between its neighbours
+    assert cost.estimate(500) == cost.estimate(256)  # up to twice the largest: as the largest (the plan goes to see)
+    assert cost.estimate(1024) == pytest.approx(2 * 2.832)  # and in proportion past that
+    assert cost.estimate(0) is None and StepCost().estimate(4) is None
     cost.add(4, 0.500)  # measured again, slower: its mean moves (by WEIGHT)
-    assert cost.estimate(4) == pytest.approx(0.127 + StepCost.WEIGHT * (0.500 - 0.127))
+    assert cost.estimate(4) == pytest.approx(0.085 + StepCost.WEIGHT * (0.500 - 0.085))
+    assert cost.estimate(5) == pytest.approx(0.130)
+    cost.add(36, 0.1)
+    assert 36 not in cost.measured() and cost.estimate(36) == pytest.approx(0.401 + (0.472 - 0.401) * 3 / 7)
+    cost.add(36, 0.2)  # its second decode: the lower of the two starts its mean
+    assert cost.estimate(37) == pytest.approx(0.1 + (0.472 - 0.1) / 4)  # the new neighbour
 
 
-def test_a_request_drafts_only_what_can_pay_at_the_measured_cost() -> None:
-    history = list(range(20)) * 2
-    asked: list[tuple[int, int]] = []
-
-    def grow_to(k: int) -> Callable[[int, int], int]:
-        return lambda n, cap: asked.append((n, cap)) or (max(n, k) if k else 0)
-
-    spec = Speculation(SpecConfig(n_max=16))
-    assert len(spec.propose(history[:-1], history[-1], 16, 1, grow_to(3))) == 16  # no draft yet: up to n_max
-    spec.record(16, 0)  # a miss: 2m + 1 = 1 next, which grows to what can pay
-    assert len(spec.propose(history[:-1], history[-1], 16, 1, grow_to(3))) == 3 and asked[-2] == (1, 16)
-    assert spec.propose(history[:-1], history[-1], 16, 1, grow_to(0)) == []  # nothing can pay: no draft
-    # A lookup shorter than asked, too short to pay, is not made.
-    short = Speculation(SpecConfig(n_max=16))
-    assert short.propose([7, 8, 9, 7], 8, 16, 1, lambda n, cap: n if cap >= 4 else 0) == []
+def test_the_plan_drafts_what_makes_the_most_tokens_per_second() -> None:
+    one = BatchCost(gemma_cost(), 512, split=True)
+    # One stream, a draft of 31 that is surely right: the size with the most tokens per
+    # second if accepted (24 rows: 24 tokens in 276 ms), not the longest.
+    assert plan_drafts([0], [(31, 1.0, 0)], one, 511) == [23]
+    # Likely right: short (2 draft tokens, 3 rows: 2.19 tokens expected in 73 ms).
+    assert plan_drafts([0], [(31, 0.7, 0)], one, 511) == [2]
+    assert plan_drafts([0], [(31, 0.4, 0)], one, 511) == [0]  # unlikely: no position pays
+    assert plan_drafts([0], [(31, 1.0, 0)], one, 7) == [7]  # the batch's room
+    assert plan_drafts([0], [(2, 1.0, 3)], one, 511) == [0]  # shorter than its n_min
+    # Eight streams: the same length for each (one pass), less than alone.
+    alone = plan_drafts([0], [(31, 0.95, 0)], one, 511)
+    eight = plan_drafts(list(range(8)), [(31, 0.95, 0)] * 8, one, 504)
+    assert len(set(eight)) == 1 and 0 < eight[0] < alone[0]
+    # Streams in slots 0 and 2 with a gap: each draft is a pass of its own.
+    assert plan_drafts([0, 2], [(31, 1.0, 0), (0, 0.0, 0)], one, 510) == [23, 0]
+    # The step without drafts not measured yet: measured first; then the sizes up to twice
+    # the largest measured are taken to cost as much (so the plan grows them by doublings).
+    fresh = StepCost()
+    assert plan_drafts([0], [(31, 0.95, 0)], BatchCost(fresh, 512, split=True), 511) == [0]
+    fresh.add(1, 0.044)
+    fresh.add(1, 0.044)
+    assert plan_drafts([0], [(31, 0.95, 0)], BatchCost(fresh, 512, split=True), 511) == [1]
+    fresh.add(2, 0.064)
+    fresh.add(2, 0.064)
+    assert plan_drafts([0], [(31, 0.95, 0)], BatchCost(fresh, 512, split=True), 511) == [3]
 
 
 def test_the_request_keys_beat_the_servers_and_a_model_that_cannot_roll_back_never_drafts() -> None:
-    base: dict[str, Any] = {"n_max": 16, "n_min": 0, "ngram_max": 3, "ngram_min": 1, "max_batch": 4}
+    base: dict[str, Any] = {"n_max": 16, "n_min": 0, "ngram_max": 12, "ngram_min": 1, "max_batch": 4}
     assert spec_config(server_type="none", request=None, can_roll_back=True, **base) is None
     on = spec_config(server_type="none", request=SpecRequest("ngram-simple", 5, 2), can_roll_back=True, **base)
     assert on is not None and (on.n_max, on.n_min) == (5, 2)
@@ -186,7 +253,7 @@ def test_bad_flag_values_stop_the_start_with_their_reason() -> None:
         ({"spec_draft_n_max": 0}, "spec_draft_n_max must be 1..256"),
         ({"spec_draft_n_min": 9, "spec_draft_n_max": 4}, r"spec_draft_n_min \(9\) must not exceed"),
         ({"spec_ngram_size_n": 0}, "spec_ngram_size_n must be 1..64"),
-        ({"spec_ngram_min_n": 4}, r"spec_ngram_min_n \(4\) must not exceed spec_ngram_size_n \(3\)"),
+        ({"spec_ngram_min_n": 13}, r"spec_ngram_min_n \(13\) must not exceed spec_ngram_size_n \(12\)"),
     ):
         with pytest.raises(SystemExit, match=said):
             settings_from(None, env={}, **bad)
@@ -224,6 +291,27 @@ async def test_a_model_whose_kv_cannot_roll_back_refuses_spec_type(
 # ---- live: the same text, the limits, the counters ----------------------------------------
 
 
+class PinnedCost(StepCost):
+    """The draft plan's costs fixed at GEMMA_MS, so that drafts of likely runs pay whatever
+    this machine's load (on the tiny model a decode is a fraction of a millisecond, and its
+    measured cost is mostly noise); the engine's own measurements still go where /metrics
+    reads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._table = gemma_cost()
+
+    def estimate(self, rows: int) -> float | None:
+        return self._table.estimate(rows)
+
+
+async def pinned(start_engine: Callable[..., Any], model: Path, **settings: Any) -> Any:
+    """An engine whose draft plan prices steps with ``PinnedCost``."""
+    ep = await start_engine(model, **settings)
+    ep.state.engine.backend.step_cost = PinnedCost()
+    return ep
+
+
 async def _complete(h: httpx.AsyncClient, ep: Any, prompt: str, spec: dict[str, Any], slot_empty: bool = True, **body: Any) -> dict[str, Any]:
     """A greedy completion in slot 0, started from an empty slot (the same shape each time)."""
     if slot_empty:
@@ -244,7 +332,7 @@ def kv_positions(engine: Any, slot: int) -> int:
 
 
 async def test_greedy_text_is_the_same_and_drafts_were_accepted(start_engine: Callable[..., Any], tiny_model: Path) -> None:
-    ep = await start_engine(tiny_model, slots=1, spec_type="ngram-simple")
+    ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
     engine = ep.state.engine
     async with http(ep) as h:
         before = await scrape(h)
@@ -278,7 +366,7 @@ async def test_greedy_text_is_the_same_and_drafts_were_accepted(start_engine: Ca
 async def test_steps_are_saved_and_the_request_line_says_so(
     start_engine: Callable[..., Any], tiny_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ep = await start_engine(tiny_model, slots=1)  # off by default; the request turns it on
+    ep = await pinned(start_engine, tiny_model, slots=1)  # off by default; the request turns it on
     batcher = ep.state.engine.batcher
     async with http(ep) as h:
         batches = batcher.batches
@@ -299,7 +387,7 @@ async def test_steps_are_saved_and_the_request_line_says_so(
 
 
 async def test_max_tokens_and_stop_strings_are_exact(start_engine: Callable[..., Any], tiny_model: Path) -> None:
-    ep = await start_engine(tiny_model, slots=1, spec_type="ngram-simple")
+    ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
     async with http(ep) as h:
         full = _text(await _complete(h, ep, PROMPTS[0], OFF, max_tokens=120))
         for n in (1, 2, 3, 7, 16, 17, 33, 64):
@@ -326,7 +414,7 @@ async def test_max_tokens_and_stop_strings_are_exact(start_engine: Callable[...,
 async def test_streaming_chunks_logprobs_and_seeded_sampling_are_as_without(
     start_engine: Callable[..., Any], tiny_model: Path
 ) -> None:
-    ep = await start_engine(tiny_model, slots=1, spec_type="ngram-simple")
+    ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
     async with http(ep) as h:
 
         async def chunks(spec: dict[str, Any], interval: int) -> list[str]:
@@ -355,7 +443,7 @@ async def test_streaming_chunks_logprobs_and_seeded_sampling_are_as_without(
 
 
 async def test_grammar_constrained_output_is_the_same(start_engine: Callable[..., Any], tiny_model: Path) -> None:
-    ep = await start_engine(tiny_model, slots=1, spec_type="ngram-simple")
+    ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
     grammar = 'root ::= ("ab" | "c" | " ")+'
     async with http(ep) as h:
         a = await _complete(h, ep, "abab c ab ab c " * 4, OFF, max_tokens=40, grammar=grammar)
@@ -366,7 +454,7 @@ async def test_grammar_constrained_output_is_the_same(start_engine: Callable[...
 async def test_concurrent_streams_with_speculation_match_each_alone_without(
     start_engine: Callable[..., Any], tiny_model: Path
 ) -> None:
-    ep = await start_engine(tiny_model, slots=4, ctx_size=4096, spec_type="ngram-simple", spec_max_batch=4)
+    ep = await pinned(start_engine, tiny_model, slots=4, ctx_size=4096, spec_type="ngram-simple", spec_max_batch=4)
     engine = ep.state.engine
     async with http(ep) as h:
         alone: list[str] = []
@@ -392,7 +480,7 @@ async def test_concurrent_streams_with_speculation_match_each_alone_without(
 
 
 async def test_no_drafts_in_a_batch_larger_than_spec_max_batch(start_engine: Callable[..., Any], tiny_model: Path) -> None:
-    ep = await start_engine(tiny_model, slots=4, spec_type="ngram-simple", spec_max_batch=1)
+    ep = await pinned(start_engine, tiny_model, slots=4, spec_type="ngram-simple", spec_max_batch=1)
     engine = ep.state.engine
     gate = trio.Event()
     async with http(ep) as h:
@@ -411,7 +499,7 @@ async def test_no_drafts_in_a_batch_larger_than_spec_max_batch(start_engine: Cal
 
 
 async def test_a_cancelled_stream_leaves_the_engine_healthy(start_engine: Callable[..., Any], tiny_model: Path) -> None:
-    ep = await start_engine(tiny_model, slots=1, spec_type="ngram-simple")
+    ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
     engine = ep.state.engine
     async with http(ep) as h:
         reference = await _complete(h, ep, PROMPTS[0], ON, max_tokens=200)
@@ -430,7 +518,7 @@ async def test_a_decode_speculates_and_gives_the_chat_text(start_engine: Callabl
     way, and its text is the chat completion's without speculation."""
     from helpers import MESSAGES, decode_ok, frame, get_result, rpc, text_of
 
-    ep = await start_engine(tiny_model, slots=1, spec_type="ngram-simple")
+    ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
     engine = ep.state.engine
     async with http(ep) as h:
         await engine.clear_slot(0)
@@ -443,3 +531,13 @@ async def test_a_decode_speculates_and_gives_the_chat_text(start_engine: Callabl
         body = await get_result(h, rid)
     assert text_of(body) == text_of(plain) and body["usage"]["completion_tokens"] == 80
     assert engine.spec_counts.accepted > accepted
+
+
+async def test_a_requests_tokens_go_to_its_salts_memory(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
+    memories = ep.state.engine.ngram_memories
+    async with http(ep) as h:
+        await _complete(h, ep, PROMPTS[1], ON, max_tokens=32, cache_salt="tenant-a")
+        await _complete(h, ep, PROMPTS[1], OFF, max_tokens=32, cache_salt="tenant-b")  # no speculation: nothing kept
+    assert len(memories.for_salt("tenant-a")) > 32
+    assert len(memories.for_salt("tenant-b")) == 0 and len(memories.for_salt(None)) == 0

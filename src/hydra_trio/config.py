@@ -76,16 +76,18 @@ class Settings:
     # n-gram speculative decoding (engine/speculative.py), llama-server's flag names: drafts
     # from the request's own prompt and output, verified in the step batch.
     spec_type: str = "none"
+    # A step's every draft position has a row of logits in llama.cpp's output buffer, which
+    # keeps the largest size it was ever asked for (Gemma 3's 262,144-token vocabulary: 1 MiB
+    # a row, so 8 streams drafting 16 hold 136 MiB).
     spec_draft_n_max: int = 16
     spec_draft_n_min: int = 0
-    spec_ngram_size_n: int = 3  # the longest lookup n-gram (then shorter ones, down to the min)
+    spec_ngram_size_n: int = 12  # a match's context is compared over this many tokens at most
     spec_ngram_min_n: int = 1
-    # Drafting stops in steps with more generating slots than this: a large batch keeps the
-    # hardware busy already, a draft's every position costs a token's compute (the output
-    # layer included), and with a split KV cache llama.cpp evaluates sequences of unequal
-    # lengths in several passes. 4: at up to 4 streams drafts gained 1.2-2.3x; at 8, 1.03-1.39x
-    # when accepted, 0.54x when not (measured: docs/performance.md, "Speculative decoding").
-    spec_max_batch: int = 4
+    # Drafting stops in steps with more generating slots than this. Below it, how much each
+    # stream drafts is priced per step at the measured cost of the batch's forward passes
+    # (engine/speculative.py: plan_drafts), which drafts less as the batch grows; the cap
+    # bounds that planning's work on the worker (docs/performance.md, "Speculative decoding").
+    spec_max_batch: int = 8
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
     # RPC transport (spec §1)
     max_connections: int = 64
@@ -236,12 +238,12 @@ _HELP: dict[str, str] = {
     "tool_call_parser": "tool-call syntax parsed from replies: auto (from the chat template), hermes, llama3, mistral, generic",
     "reasoning_format": "reasoning in replies: auto (split <think> into reasoning_content when the template has thinking tags), deepseek (always split), none (keep inline)",
     "default_n_predict": "tokens to generate when a request does not say",
-    "spec_type": "speculative decoding: none, or ngram-simple (alias ngram): drafts from the request's own prompt and output (the tokens that followed the latest earlier occurrence of its last n tokens), verified in the step batch; a request's \"speculative\": {\"type\": ...} wins; recurrent and hybrid models refuse it",
+    "spec_type": "speculative decoding: none, or ngram-simple (alias ngram): drafts from the request's own prompt and output (the tokens that followed the earlier occurrence of its last tokens whose context matches furthest back) and from what earlier requests of its cache_salt generated, verified in the step batch, each step drafting what makes the most tokens per second at the measured cost; a request's \"speculative\": {\"type\": ...} wins; recurrent and hybrid models refuse it",
     "spec_draft_n_max": "draft tokens per step at most (a request's speculative.n_max wins)",
     "spec_draft_n_min": "a shorter draft is not verified (a request's speculative.n_min wins)",
-    "spec_ngram_size_n": "the longest n-gram looked up for a draft; shorter ones are tried down to --spec-ngram-min-n",
-    "spec_ngram_min_n": "the shortest n-gram looked up for a draft",
-    "spec_max_batch": "no drafting in a step with more generating slots than this (drafts then only add positions to an already full batch)",
+    "spec_ngram_size_n": "how many tokens of context a draft's match is compared over at most (a longer match is trusted more); matches as short as --spec-ngram-min-n draft too",
+    "spec_ngram_min_n": "the shortest match (tokens of context) that drafts",
+    "spec_max_batch": "no drafting in a step with more generating slots than this (below it, each step drafts what pays at the measured cost of its forward passes)",
     "slot_wait_s": "seconds a chat completion waits for a free slot before 503",
     "http_idle_timeout_s": "an HTTP connection with no request in progress (also one that never sent a byte) this long is closed",
     "max_connections": "RPC connections served at once (as many more wait in the listen backlog)",

@@ -38,7 +38,7 @@ from .params import GenerationParams
 from .promptcache import PromptCache
 from .scheduler import SlotScheduler
 from .slots import Slot, SlotTable
-from .speculative import SpecCounts, request_speculation
+from .speculative import NgramMemories, SpecCounts, request_speculation
 from .stats import EngineStats, SlotInfo
 from .templates import resolve_chat_template
 from .worker import GpuWorker
@@ -78,6 +78,7 @@ class Engine:
         )
         self.tokens_generated = 0
         self.spec_counts = SpecCounts()  # vllm:spec_decode_* (every request's drafts)
+        self.ngram_memories = NgramMemories(settings.spec_ngram_size_n)  # drafts from earlier requests, per salt
         # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
         # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
@@ -512,7 +513,10 @@ class Engine:
         backend = self.backend
         sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
         out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.token_bytes)
-        spec = request_speculation(self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts)
+        spec = request_speculation(
+            self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts,
+            self.ngram_memories.for_salt(params.cache_salt),
+        )
         t_start = time.perf_counter()
         try:
             token, _ = await self.first_token(slot, prompt_tokens, sampler, res, salt=params.cache_salt)

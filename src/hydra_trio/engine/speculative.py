@@ -2,43 +2,62 @@
 drafts from the request's own prompt and output, verified in the step batch.
 
 A request's next tokens often repeat text it has seen (code edits, quoting, summaries): the
-tokens that followed the most recent earlier occurrence of its last n tokens are a cheap
-guess. The guess rides in the same llama_decode as every other slot's step, as extra
-positions of its sequence with logits for each; the sampler picks at each position in turn
-(``verify``), the longest matching prefix is kept plus the pick after it, and the rejected
-positions are removed from the KV (engine/llama/context.py).
+tokens that followed an earlier occurrence of its last tokens are a cheap guess, in its own
+tokens or, failing a long match there, in what earlier requests of its cache salt generated
+(``NgramMemory``). The guess
+rides in the same llama_decode as every other slot's step, as extra positions of its
+sequence with logits for each; the sampler picks at each position in turn (``verify``), the
+longest matching prefix is kept plus the pick after it, and the rejected positions are
+removed from the KV (engine/llama/steps.py).
+
+How long a draft is, is one decision for the whole step (``plan_drafts``): each request
+offers the continuation of its best match (``Speculation.candidate``) with the chance that
+each further position is accepted, and the step takes the draft positions that make the
+most tokens per second at the cost measured on this machine (engine/stepcost.py: the
+forward passes the batch becomes, and what a pass of so many rows costs). So drafts grow
+where they are accepted and rows are cheap, and stop where the batch is already large.
 
 Pure Python, no llama call: ``Speculation`` lives on the GPU worker with its request.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..wire.sampling import SPEC_TYPES
+from .stepcost import BatchCost, batch_counts
 
 if TYPE_CHECKING:  # params.py imports this module, and it must not pull in config (gguf)
     from ..config import Settings
 
 __all__ = [
-    "SPEC_TYPES", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation", "StepCost",
-    "request_speculation", "spec_config", "verify",
+    "SPEC_TYPES", "NgramIndex", "NgramMemories", "NgramMemory", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation",
+    "plan_drafts", "request_speculation", "spec_config", "verify",
 ]
 
-# Every verified position costs about a token's compute (its logits: the output layer over
-# the whole vocabulary), so a request drafts what its drafts earn: the next draft is at most
-# 2m + 1 tokens after one that had m accepted (a full draft grows it, a miss shrinks it to
-# one), and while its acceptance rate (accepted / drafted, a moving average over its
-# drafts) is below MIN_ACCEPTANCE it drafts no more for BACKOFF_STEPS steps (doubled each
-# time it is still low, at most BACKOFF_MAX), then tries again. Measured on a CPU (Gemma 3
-# 270M, docs/performance.md): 75-87 % acceptance gained 1.5-1.8x, 41 % lost (0.8x alone,
-# 0.45x at 8 streams).
-MIN_ACCEPTANCE = 0.6
-RATE_WEIGHT = 0.3  # the latest draft's weight in the moving average
-BACKOFF_STEPS = 4
-BACKOFF_MAX = 64
+# The chance that a draft position is accepted, given the one before it was, is learned per
+# request and per length of the match the draft came from (a continuation after 8 matching
+# tokens of context is likelier right than one after a single token): counts of positions
+# tried and the first failures, older drafts weighing less (EVIDENCE_DECAY per later draft
+# of the same kind), starting from PRIOR_SURVIVAL counted as PRIOR_WEIGHT positions. A
+# failed position ends a draft, so a draft of k with m accepted tried m + 1 positions (m if
+# all were accepted) and failed once (or never): the estimate of a geometric run length from
+# censored runs, not accepted / drafted, which a long draft accepted halfway would rate at
+# 0.5. Chosen in a replay of greedy and sampled Gemma 3 270M replies against the step cost
+# measured by rows (docs/performance.md).
+MATCH_BUCKETS = (2, 4, 8)  # a match of 1, 2-3, 4-7, 8 or more tokens of context
+# ... and, last, a continuation from the salt's memory of earlier requests (NgramMemory).
+PRIOR_SURVIVAL = (0.4, 0.6, 0.8, 0.95, 0.9)
+MEMORY_KIND = len(MATCH_BUCKETS) + 1
+PRIOR_WEIGHT = 2.0
+EVIDENCE_DECAY = 0.85
+# A draft position this unlikely to be accepted is not worth pricing: at the cheapest a
+# verified position costs about a quarter of a one-token step on a CPU (docs/performance.md).
+LEAST_WORTH = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +66,9 @@ class SpecConfig:
 
     n_max: int = 16  # drafted tokens per step at most
     n_min: int = 0  # a shorter draft is not proposed
-    ngram_max: int = 3  # lookup n-gram sizes, tried from ngram_max down to ngram_min
-    ngram_min: int = 1
-    max_batch: int = 4  # no drafting in a step with more generating slots than this
+    ngram_max: int = 12  # a match's context is compared over this many tokens at most
+    ngram_min: int = 1  # a match covers at least this many tokens
+    max_batch: int = 8  # no drafting in a step with more generating slots than this
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,100 +106,129 @@ def spec_config(
 
 
 class NgramIndex:
-    """The most recent end of every n-gram (n in [n_min, n_max]) of a growing token list,
-    indexed incrementally: a step adds its few new tokens, not the whole history."""
+    """Where each n-gram (n = ``n_min``) of a growing token list ended lately, indexed
+    incrementally (a step adds its few new tokens, not the whole history); a lookup takes,
+    of the latest occurrences of the last n tokens, the one whose context matches furthest
+    back (up to ``n_max`` tokens; the latest of equals)."""
+
+    KEEP = 16  # occurrences remembered per n-gram
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min = n_min
-        self.n_max = n_max
-        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
+        self.n_max = max(n_min, n_max)
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> ends (exclusive) of its latest occurrences
         self._next_end = 0  # n-grams ending before this (exclusive end) are indexed
 
     def update(self, history: Sequence[int]) -> None:
         if len(history) + 1 < self._next_end:  # the history was cut: start over (not during a request)
-            self._last.clear()
+            self._ends.clear()
             self._next_end = 0
-        last = self._last
-        for end in range(max(self._next_end, self.n_min), len(history) + 1):
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                last[tuple(history[end - n : end])] = end
+        n = self.n_min
+        ends = self._ends
+        for end in range(max(self._next_end, n), len(history) + 1):
+            seen = ends.setdefault(tuple(history[end - n : end]), [])
+            seen.append(end)
+            if len(seen) > self.KEEP:
+                del seen[0]
         self._next_end = len(history) + 1
 
-    def draft(self, history: Sequence[int], token: int, n_draft: int) -> list[int]:
-        """Up to ``n_draft`` tokens that followed the most recent earlier occurrence of the
-        last n tokens of ``history + [token]`` (the longest n that occurred), or none."""
+    def draft(self, history: Sequence[int], token: int, n_draft: int) -> tuple[list[int], int]:
+        """Up to ``n_draft`` tokens that followed the best earlier occurrence of the last
+        tokens of ``history + [token]``, and how many tokens of context matched there (0:
+        none occurred)."""
         self.update(history)
-        length = len(history) + 1
-        for n in range(min(self.n_max, length), self.n_min - 1, -1):
-            key = (*history[len(history) - (n - 1) :], token) if n > 1 else (token,)
-            end = self._last.get(key)
-            if end is None:
-                continue
-            # The continuation: history from ``end`` on, then ``token`` (the current one).
-            out = list(history[end : end + n_draft])
-            if len(out) < n_draft and end + len(out) == len(history):
-                out.append(token)
-            return out
-        return []
+        n = self.n_min
+        if len(history) + 1 < n:
+            return [], 0
+        key = (*history[len(history) - (n - 1) :], token) if n > 1 else (token,)
+        best, best_len = -1, 0
+        last = len(history)  # ``token`` is position ``last`` of the sequence
+        for end in reversed(self._ends.get(key, ())):
+            length = n  # the key itself; then further back, token by token
+            while length < self.n_max and end - 1 - length >= 0 and history[end - 1 - length] == history[last - length]:
+                length += 1
+            if length > best_len:
+                best, best_len = end, length
+                if length == self.n_max:
+                    break
+        if best < 0:
+            return [], 0
+        # The continuation: history from ``best`` on, then ``token`` (the current one), then,
+        # as the match runs into the present, what it drafted so far (a cycle goes round).
+        out = list(history[best : best + n_draft])
+        if len(out) < n_draft:
+            out.append(token)
+            period = len(out)
+            while len(out) < n_draft:
+                out.append(out[len(out) - period])
+        return out, best_len
 
 
-class StepCost:
-    """What a step's decode costs, measured per size: the mean llama_decode time of the
-    engine's recent generation steps of each number of rows (rows: the positions with
-    logits, the streams' tokens and their drafts). Not a line: on a CPU with repacked
-    weights the matrix kernels take rows in blocks, so a step's cost follows the row count
-    in steps (Gemma 3 270M, one thread, docs/performance.md: 2 rows cost 2.4x one row, and
-    4 rows less than 3). So a draft's length is chosen against these figures
-    (``shortest_paying``), and every size is measured where it runs: a size not seen lately is
-    taken to cost what the largest seen below it costs (the optimistic guess, which its
-    first run then corrects).
+class NgramMemory:
+    """What followed each run of ``n`` tokens in the requests of one cache salt, kept across
+    requests (llama-server's ngram-mod keeps one such table for all requests): a request
+    whose own tokens match little may continue what an earlier one generated (a retried or
+    repeated call, an agent's next pass over the same file). Keyed by the run's hash; a
+    collision only makes a draft that verification rejects. Bounded: at ``MAX_ENTRIES`` it
+    starts over. Written and read on the GPU worker only."""
 
-    Worker only (updated and read there); read at scrape time for /metrics (plain floats)."""
+    MAX_ENTRIES = 1 << 16  # about 6 MiB of dict entries
 
-    WEIGHT = 0.2  # the latest decode's weight in its size's mean
-    STALE_STEPS = 4096  # a size not measured for this many steps is measured anew
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._next: dict[int, int] = {}  # hash of n tokens -> the token that followed them
 
-    def __init__(self) -> None:
-        self._mean: dict[int, float] = {}  # rows -> mean seconds (bounded by n_batch)
-        self._seen: dict[int, int] = {}  # rows -> the step it was last measured at
-        self.steps = 0
+    def __len__(self) -> int:
+        return len(self._next)
 
-    def add(self, rows: int, seconds: float) -> None:
-        self.steps += 1
-        mean = self._mean.get(rows)
-        self._mean[rows] = seconds if mean is None else mean + self.WEIGHT * (seconds - mean)
-        self._seen[rows] = self.steps
-        if self.steps % self.STALE_STEPS == 0:
-            for r in [r for r, at in self._seen.items() if self.steps - at > self.STALE_STEPS]:
-                del self._mean[r], self._seen[r]
+    def add(self, tokens: Sequence[int], start: int) -> None:
+        """Remember the runs of ``tokens`` that end at ``start`` or later, each with the token
+        after it."""
+        n = self.n
+        table = self._next
+        first = max(start, n)
+        if len(table) + len(tokens) - first > self.MAX_ENTRIES:
+            table.clear()
+        for end in range(first, len(tokens)):
+            table[hash(tuple(tokens[end - n : end]))] = tokens[end]
 
-    def measured(self) -> dict[int, float]:
-        """rows -> mean seconds, of the sizes measured lately (a copy)."""
-        return dict(self._mean)
+    def draft(self, tail: Sequence[int], n_draft: int) -> list[int]:
+        """Up to ``n_draft`` tokens that followed ``tail`` (its last n tokens), one lookup
+        per token, each on the run it ends."""
+        n = self.n
+        if len(tail) < n:
+            return []
+        window = list(tail[-n:])
+        out: list[int] = []
+        table = self._next
+        while len(out) < n_draft:
+            token = table.get(hash(tuple(window[len(window) - n :])))
+            if token is None:
+                break
+            out.append(token)
+            window.append(token)
+        return out
 
-    def estimate(self, rows: int) -> float | None:
-        """A step of ``rows`` rows: its mean, else what the largest size below costs; None
-        when nothing at or below it was measured."""
-        mean = self._mean.get(rows)
-        if mean is not None:
-            return mean
-        below = [r for r in self._mean if r < rows]
-        return self._mean[max(below)] if below else None
 
-    def shortest_paying(self, n: int, cap: int, rows: int) -> int:
-        """The shortest draft length from ``n`` up to ``cap`` that, accepted whole, makes more
-        tokens per second of a step that already holds ``rows`` rows (each counted a token:
-        drafts before this one as if accepted whole) than no draft; 0 when none does. ``n``
-        when the step's cost is unmeasured."""
-        base = self.estimate(rows)
-        if base is None:
-            return n
-        for k in range(n, cap + 1):
-            cost = self.estimate(rows + k)
-            assert cost is not None  # rows + k > rows, which has an estimate
-            if cost <= 0 or (rows + k) / cost > rows / base:
-                return k
-        return 0
+class NgramMemories:
+    """An ``NgramMemory`` per cache salt (tenants' drafts never come from each other's
+    replies), at most ``MAX_SALTS``, the least recently used forgotten first. ``for_salt``
+    runs on the trio thread; a memory it hands out is used on the worker only."""
+
+    MAX_SALTS = 16
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._by_salt: OrderedDict[str | None, NgramMemory] = OrderedDict()
+
+    def for_salt(self, salt: str | None) -> NgramMemory:
+        memory = self._by_salt.get(salt)
+        if memory is None:
+            memory = self._by_salt[salt] = NgramMemory(self.n)
+            if len(self._by_salt) > self.MAX_SALTS:
+                self._by_salt.popitem(last=False)
+        self._by_salt.move_to_end(salt)
+        return memory
 
 
 @dataclass(slots=True)
@@ -202,65 +250,103 @@ class Speculation:
     """One request's drafting state and counts (on the GPU worker); ``totals``: the
     engine's counters, which every verified draft also counts into."""
 
-    def __init__(self, config: SpecConfig, totals: SpecCounts | None = None) -> None:
+    def __init__(self, config: SpecConfig, totals: SpecCounts | None = None, memory: NgramMemory | None = None) -> None:
         self.config = config
         self.counts = SpecCounts()
         self._totals = totals
         self._index = NgramIndex(config.ngram_min, config.ngram_max)
-        self._rate = 1.0  # acceptance rate, moving average (optimistic at first)
-        self._pause = 0  # steps left without drafting
-        self._backoff = BACKOFF_STEPS
-        self._cap = config.n_max  # the next draft's length at most
-        self._probe = False  # the draft after a pause is a one-token probe
+        self._memory = memory
+        self._remembered = 0  # the request's tokens before this are in the memory
+        n = len(PRIOR_SURVIVAL)
+        self._failed = [0.0] * n  # per match bucket: first failures seen (decayed)
+        self._tried = [0.0] * n  # per match bucket: positions tried (decayed)
+        self._bucket = 0  # the bucket of the candidate last offered
 
-    def propose(
-        self,
-        history: Sequence[int],
-        token: int,
-        room: int,
-        n_generating: int,
-        paying: Callable[[int, int], int] | None = None,
-    ) -> list[int]:
-        """The draft for the step that evaluates ``token`` after ``history`` (the slot's
-        tokens): at most ``room`` tokens (what the request, the slot and the batch still
-        take), none when the step has more than ``max_batch`` generating slots or this
-        request backs off, at most 2m + 1 after a draft that had m accepted (one after a
-        pause). ``paying(n, cap)``: the shortest length from n up to cap that can pay at the
-        step's measured cost (StepCost.shortest_paying), 0 if none can: a draft too short to
-        pay for its rows grows to one that can, or is not made."""
-        cfg = self.config
-        if n_generating > cfg.max_batch:
-            return []
-        if self._pause > 0:
-            self._pause -= 1
-            return []
-        least = max(1, cfg.n_min)
-        probe, self._probe = self._probe, False
-        n = min(1 if probe else self._cap, room)
-        if paying is not None and n >= least:
-            n = paying(n, min(cfg.n_max, room))
-        if n < least:
-            return []
-        draft = self._index.draft(history, token, n)
-        if paying is not None and draft and paying(len(draft), len(draft)) == 0:
-            return []  # the lookup found less, too little to pay
-        return draft if len(draft) >= least else []
+    def candidate(self, history: Sequence[int], token: int, room: int) -> tuple[list[int], float]:
+        """What this request could draft in the step that evaluates ``token`` after
+        ``history`` (the slot's tokens): up to ``room`` tokens (what the request, the slot
+        and the batch still take) and at most n_max, from its best n-gram match; and the
+        chance that each of its positions is accepted given the one before was. ([], 0.0):
+        nothing to draft."""
+        n = min(self.config.n_max, room)
+        if n < max(1, self.config.n_min):
+            return [], 0.0
+        draft, matched = self._index.draft(history, token, n)
+        bucket = sum(matched >= b for b in MATCH_BUCKETS)
+        memory = self._memory
+        if memory is not None:
+            if len(history) < self._remembered:  # the history was cut (not during a request)
+                self._remembered = 0
+            memory.add(history, self._remembered)
+            self._remembered = len(history)
+            if matched < memory.n:  # the memory's runs are n tokens of context: a longer match
+                recalled = memory.draft([*history[len(history) - memory.n + 1 :], token], n)
+                if recalled:
+                    draft, bucket = recalled, MEMORY_KIND
+        if not draft:
+            return [], 0.0
+        self._bucket = bucket
+        return draft, 1.0 - (self._failed[bucket] + (1.0 - PRIOR_SURVIVAL[bucket]) * PRIOR_WEIGHT) / (
+            self._tried[bucket] + PRIOR_WEIGHT
+        )
 
     def record(self, n_drafted: int, n_accepted: int) -> None:
-        """A verified draft: its counts, the next draft's length, and the back-off when
-        drafts keep missing (the one draft policy, with ``propose``)."""
+        """A verified draft (of the candidate last offered): its counts, and what it says of
+        the chance that a position of such a match is accepted."""
         self.counts.add(n_drafted, n_accepted)
-        self._cap = min(self.config.n_max, max(2 * n_accepted + 1, self.config.n_min))
         if self._totals is not None:
             self._totals.add(n_drafted, n_accepted)
-        if n_drafted:
-            self._rate += RATE_WEIGHT * (n_accepted / n_drafted - self._rate)
-        if self._rate >= MIN_ACCEPTANCE:
-            self._backoff = BACKOFF_STEPS
-            return
-        self._pause = self._backoff
-        self._backoff = min(self._backoff * 2, BACKOFF_MAX)
-        self._probe = True
+        failed = 1.0 if n_accepted < n_drafted else 0.0
+        b = self._bucket
+        self._failed[b] = self._failed[b] * EVIDENCE_DECAY + failed
+        self._tried[b] = self._tried[b] * EVIDENCE_DECAY + n_accepted + failed
+
+
+def plan_drafts(
+    slots: Sequence[int],
+    candidates: Sequence[tuple[int, float, int]],
+    cost: BatchCost,
+    room: int,
+) -> list[int]:
+    """The draft length of each step in a batch: the choice that makes the most expected
+    tokens per second of the step's decode. ``slots``: the steps' slots, ascending;
+    ``candidates``: each step's (candidate draft length, chance each position is accepted
+    given the one before, least length it may draft); ``room``: draft positions the batch
+    has left. The one draft-length policy.
+
+    A position's worth is the chance that it and every one before it are accepted; positions
+    are added in order of worth (across the steps), and the batch of the best ratio of
+    expected tokens (each step's own token, plus the worth of its draft positions) to its
+    estimated seconds (``cost``: its forward passes, each priced by rows as measured) is
+    taken. The step without drafts not measured yet: no drafts (it is measured first)."""
+    n = len(slots)
+    lengths = [0] * n
+    if not n or room <= 0 or not any(k for k, _, _ in candidates):
+        return lengths
+    base = slots[0]
+    counts = batch_counts(slots, [1] * n)  # tokens per sequence id, gaps included (they split passes)
+    seconds = cost.seconds(counts)
+    if seconds is None or seconds <= 0:
+        return lengths
+    best_rate, best = n / seconds, list(lengths)
+    heap = [(-p, i, 1) for i, (k, p, _) in enumerate(candidates) if k > 0 and p >= LEAST_WORTH]
+    heapq.heapify(heap)
+    expected = float(n)
+    used = 0
+    while heap and used < room:
+        neg_worth, i, j = heapq.heappop(heap)
+        expected -= neg_worth
+        lengths[i] = j
+        counts[slots[i] - base] += 1
+        used += 1
+        seconds = cost.seconds(counts)
+        if seconds is not None and seconds > 0 and expected / seconds > best_rate:
+            best_rate, best = expected / seconds, list(lengths)
+        k, p, _ = candidates[i]
+        worth = -neg_worth * p
+        if j < k and worth >= LEAST_WORTH:
+            heapq.heappush(heap, (-worth, i, j + 1))
+    return [k if k >= least else 0 for k, (_, _, least) in zip(best, candidates, strict=True)]
 
 
 def verify(draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:
@@ -281,10 +367,11 @@ def verify(draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[i
 
 
 def request_speculation(
-    settings: Settings, request: SpecRequest | None, can_roll_back: bool, totals: SpecCounts
+    settings: Settings, request: SpecRequest | None, can_roll_back: bool, totals: SpecCounts, memory: NgramMemory
 ) -> Speculation | None:
     """A request's drafting under the server's ``--spec-*`` settings (``spec_config``), or
-    None; its verified drafts also count into ``totals`` (the engine's)."""
+    None; its verified drafts also count into ``totals`` (the engine's), and its tokens go
+    into ``memory`` (its salt's) and are drafted from there too."""
     config = spec_config(
         server_type=settings.spec_type,
         n_max=settings.spec_draft_n_max,
@@ -295,4 +382,4 @@ def request_speculation(
         request=request,
         can_roll_back=can_roll_back,
     )
-    return None if config is None else Speculation(config, totals)
+    return None if config is None else Speculation(config, totals, memory)

@@ -20,7 +20,7 @@ import llama_cpp
 import numpy as np
 
 from ..kvblocks import SlotBlocks
-from ..speculative import StepCost
+from ..stepcost import StepCost
 from ..text import common_prefix_len
 from .chat import builtin_chat_templates
 from .devices import (

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 import outcome
 
-from ..speculative import StepCost, verify
+from ..speculative import plan_drafts, verify
+from ..stepcost import BatchCost, StepCost, batch_counts
 from .state import NoKvSpace
 from .types import PrefillPart, StepRequest, StepResult
 
@@ -27,12 +28,13 @@ class BatchSteps:
 
     _mem: ctypes.c_void_p
     n_batch: int
+    kv_unified: bool
     n_ctx_slot: int
     n_swa: int
     seq_tokens: list[list[int]]
     _swa_low: list[int]
     decode_s: float
-    step_cost: StepCost  # what a step's decode costs per row, measured (the draft rule's cost)
+    step_cost: StepCost  # what a forward pass costs by rows, measured (the draft plan's cost)
 
     def step(
         self, requests: Sequence[StepRequest], *, drafts: bool = True, before_decode: Callable[[], None] | None = None
@@ -64,7 +66,7 @@ class BatchSteps:
             for i in live:
                 results[i] = self.step([requests[i]], drafts=False)[0]
             return results
-        self.step_cost.add(len(entries), self.decode_s - decode_s)
+        self._measure(requests, live, proposed, self.decode_s - decode_s)
         self._roll_back(self._verify_steps(requests, live, proposed, len(entries), results))
         for i in live:
             self._advanced(requests[i].slot)
@@ -75,30 +77,49 @@ class BatchSteps:
     ) -> tuple[list[tuple[int, int, int, bool]], list[list[int]]]:
         """The batch entries of the live steps (each slot's token, then its draft, all with
         logits, slots in order) and each live step's draft; ``room``: draft positions the
-        batch has left. The one place a draft's size is capped: by the request's tokens
-        left, the slot's room and the batch's."""
-        entries: list[tuple[int, int, int, bool]] = []
-        proposed: list[list[int]] = []
+        batch has left. Each request that speculates offers a candidate, capped by its tokens
+        left, its slot's room and the batch's; ``plan_drafts`` decides how much of each the
+        step verifies."""
+        offers: list[list[int]] = []
+        candidates: list[tuple[int, float, int]] = []
         n_generating = len(live)
-        cost = self.step_cost
-        rows = n_generating  # the step's rows so far
         for i in live:
             r = requests[i]
-            history = self.seq_tokens[r.slot]
-            pos = len(history)
             draft: list[int] = []
-            if r.spec is not None and room > 0:
+            survival = 0.0
+            if r.spec is not None and room > 0 and n_generating <= r.spec.config.max_batch:
+                pos = len(self.seq_tokens[r.slot])
                 cap = min(r.n_left - 1, self.n_ctx_slot - pos - 1, room)
                 if cap > 0:
-                    draft = r.spec.propose(
-                        history, r.token, cap, n_generating, lambda n, c, rows=rows: cost.shortest_paying(n, c, rows)
-                    )
-                    room -= len(draft)
-                    rows += len(draft)
+                    draft, survival = r.spec.candidate(self.seq_tokens[r.slot], r.token, cap)
+            offers.append(draft)
+            candidates.append((len(draft), survival, r.spec.config.n_min if r.spec is not None else 0))
+        lengths = [0] * n_generating
+        if any(offers):
+            lengths = plan_drafts([requests[i].slot for i in live], candidates, self._batch_cost(), room)
+        entries: list[tuple[int, int, int, bool]] = []
+        proposed: list[list[int]] = []
+        for i, offer, k in zip(live, offers, lengths, strict=True):
+            r = requests[i]
+            pos = len(self.seq_tokens[r.slot])
+            draft = offer[:k]
             entries.append((r.slot, r.token, pos, True))
-            entries += [(r.slot, t, pos + 1 + k, True) for k, t in enumerate(draft)]
+            entries += [(r.slot, t, pos + 1 + j, True) for j, t in enumerate(draft)]
             proposed.append(draft)
         return entries, proposed
+
+    def _batch_cost(self) -> BatchCost:
+        return BatchCost(self.step_cost, self.n_batch, split=not self.kv_unified)
+
+    def _measure(
+        self, requests: Sequence[StepRequest], live: Sequence[int], proposed: Sequence[list[int]], seconds: float
+    ) -> None:
+        """Count a step's decode time into the cost of a pass of its rows, if it was one
+        forward pass (the cost the draft plan prices each pass with)."""
+        counts = batch_counts([requests[i].slot for i in live], [1 + len(d) for d in proposed])
+        passes = self._batch_cost().passes(counts)
+        if len(passes) == 1:
+            self.step_cost.add(passes[0], seconds)
 
     def _verify_steps(
         self,
