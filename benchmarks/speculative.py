@@ -5,11 +5,14 @@
 What n-gram speculative decoding (``--spec-type ngram-simple``) buys, side by side in one
 run: one engine (a subprocess, as in production) started with speculation on, each request
 sent once with its own ``"speculative": {"type": "none"}`` and once without it, back to
-back in every round, so both see the same machine. Workloads:
+back in every round, so both see the same machine. Workloads (plain completion prompts: the
+real model is a base model, see WORKLOADS):
 
-- copy: a passage in the prompt, the answer asked to repeat it (drafts should be accepted),
-- edit: a piece of code, the answer asked to rewrite it with one name changed,
-- free: a story with no text to copy (a small model often repeats itself, though),
+- copy: a passage, then "Exact copy:" (the reply repeats it word for word),
+- edit: a rename shown once on a small function, then asked of a larger piece of code (the
+  reply rewrites the code, with changes of its own here and there),
+- free: the start of a story with no text to copy (a small model comes back to its own
+  phrases, though),
 - sampled: the same story sampled at temperature 1 (drafts mostly miss: what speculation
   costs; each stream its own seed, the same in both runs),
 
@@ -64,11 +67,18 @@ def cheapest(items):
             best = item
     return best
 '''
-WORKLOADS: dict[str, list[dict[str, str]]] = {
-    "copy": [{"role": "user", "content": f"Here is a passage:\n\n{PASSAGE}\n\nRepeat the passage above exactly, word for word."}],
-    "edit": [{"role": "user", "content": f"Rename the parameter `items` to `products` everywhere in this code and print the whole code again:\n\n{CODE}"}],
-    "free": [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
-    "sampled": [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
+# Gemma 3 270M is a base model: a chat template only makes it echo the template's markers
+# (the chat prompts of earlier runs gave "<|im_end|>" over and over, not the passage), so
+# each workload is a plain completion prompt written to get that behaviour from a base model
+# (its greedy replies: the passage word for word; the code again with changes of its own; a
+# story that comes back to its own phrases).
+RENAME_SHOT = "def area(w, h):\n    return w * h\n"
+WORKLOADS: dict[str, str] = {
+    "copy": f"Below is a passage, followed by an exact copy of it.\n\nPassage:\n{PASSAGE}\n\nExact copy:\n",
+    "edit": (f"# Before:\n{RENAME_SHOT}\n# After renaming `w` to `width`:\n{RENAME_SHOT.replace('w,', 'width,').replace('w *', 'width *')}\n"
+             f"# Before:\n{CODE}\n# After renaming `items` to `products`:\n"),
+    "free": "Chapter 1\n\nThe robot had never held a brush before. On the first morning in the studio,",
+    "sampled": "Chapter 1\n\nThe robot had never held a brush before. On the first morning in the studio,",
 }
 # A workload's own sampling (the others are greedy): drafts mostly miss, the cost side.
 SAMPLING: dict[str, dict[str, Any]] = {"sampled": {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "min_p": 0.0}}
@@ -111,15 +121,15 @@ def _step_cost(url: str) -> dict[int, float]:
 
 
 async def _one(c: httpx.AsyncClient, workload: str, seed: int, n: int, spec: dict[str, Any] | None) -> tuple[str, int]:
-    body: dict[str, Any] = {"messages": WORKLOADS[workload], "max_tokens": n, "temperature": 0, "seed": seed,
+    body: dict[str, Any] = {"prompt": WORKLOADS[workload], "max_tokens": n, "temperature": 0, "seed": seed,
                             **SAMPLING.get(workload, {})}
     if spec is not None:
         body["speculative"] = spec
-    r = await c.post("/v1/chat/completions", json=body)
+    r = await c.post("/v1/completions", json=body)
     if r.status_code != 200:
         raise RuntimeError(f"{r.status_code}: {r.text}")
     data = r.json()
-    return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
+    return data["choices"][0]["text"], data["usage"]["completion_tokens"]
 
 
 async def _run(url: str, workload: str, streams: int, n: int, spec: dict[str, Any] | None) -> dict[str, Any]:
@@ -173,8 +183,8 @@ PEER_MODES = ("none", "ngram-simple", "ngram-mod")  # llama-server's --spec-type
 
 
 async def _peer_run(url: str, prompt: str, workload: str, streams: int, n: int) -> float:
-    """``streams`` concurrent copies of the workload's rendered prompt on llama-server's
-    /v1/completions (the text our chat template makes of it): aggregate tok/s."""
+    """``streams`` concurrent copies of the workload's prompt on llama-server's
+    /v1/completions (the very prompt ours gets): aggregate tok/s."""
     tokens = [0] * streams
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
 
@@ -285,8 +295,6 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows = trio.run(_bench, engine.url, args.rounds, streams_list, args.tokens, workloads)
             step_cost = _step_cost(engine.url)
-            prompts = {w: httpx.post(engine.url + "/apply-template", json={"messages": WORKLOADS[w]}, timeout=30).json()["prompt"]
-                       for w in workloads}
         except BaseException:
             assert engine.log_path is not None
             print(engine.log_path.read_text()[-4000:])  # the engine's side of a failure
@@ -296,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.llama_server import find_or_build
 
         binary = find_or_build(args.llama_server, args.with_llama_server)
+        prompts = {w: WORKLOADS[w] for w in workloads}
         peers = peer_rows(binary, model, prompts, args.rounds, streams_list, args.tokens, args.threads, Path(logs)) if binary else []
     print("\nthe engine's measured step decode, ms by rows: " + ", ".join(f"{r}: {t * 1e3:.0f}" for r, t in step_cost.items()))
     print("median over rounds:")
