@@ -4,13 +4,12 @@ drafts from the request's own prompt and output, verified in the step batch.
 A request's next tokens often repeat text it has seen (code edits, quoting, summaries): the
 tokens that followed an earlier occurrence of its last tokens are a cheap guess, in its own
 tokens or, failing a long match there, in what earlier requests of its cache salt generated
-(``NgramMemory``). The guess
-rides in the same llama_decode as every other slot's step, as extra positions of its
-sequence with logits for each; the sampler picks at each position in turn (``verify``), the
-longest matching prefix is kept plus the pick after it, and the rejected positions are
-removed from the KV (engine/llama/steps.py).
+(``NgramMemory``). The guess rides in the same llama_decode as every other slot's step, as
+extra positions of its sequence with logits for each; the sampler picks at each position in
+turn (``verify``), the longest matching prefix is kept plus the pick after it, and the
+rejected positions are removed from the KV (engine/llama/steps.py).
 
-How long a draft is, is one decision for the whole step (``plan_drafts``): each request
+How long a draft is, is one decision for the whole step (``step_drafts``, ``plan_drafts``): each request
 offers the continuation of its best match (``Speculation.candidate``) with the chance that
 each further position is accepted, and the step takes the draft positions that make the
 most tokens per second at the cost measured on this machine (engine/stepcost.py: the
@@ -36,7 +35,7 @@ if TYPE_CHECKING:  # params.py imports this module, and it must not pull in conf
 
 __all__ = [
     "SPEC_TYPES", "NgramIndex", "NgramMemories", "NgramMemory", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation",
-    "plan_drafts", "request_speculation", "spec_config", "verify",
+    "plan_drafts", "request_speculation", "spec_config", "step_drafts", "verify",
 ]
 
 # The chance that a draft position is accepted, given the one before it was, is learned per
@@ -347,6 +346,34 @@ def plan_drafts(
         if j < k and worth >= LEAST_WORTH:
             heapq.heappush(heap, (-worth, i, j + 1))
     return [k if k >= least else 0 for k, (_, _, least) in zip(best, candidates, strict=True)]
+
+
+def step_drafts(
+    slots: Sequence[int],
+    streams: Sequence[tuple[Speculation | None, Sequence[int], int, int]],
+    cost: BatchCost,
+    room: int,
+) -> list[list[int]]:
+    """The draft each stream of a step verifies. ``slots``: the streams' slots, ascending;
+    ``streams``: each one's speculation (None: it does not speculate), its tokens so far, the
+    token the step evaluates, and the most it may draft (its tokens left, its slot's room);
+    ``room``: draft positions the batch has left. A stream offers its candidate unless the
+    step has more streams than its ``max_batch``; ``plan_drafts`` decides how much of each the
+    step takes."""
+    offers: list[list[int]] = []
+    candidates: list[tuple[int, float, int]] = []
+    for spec, history, token, most in streams:
+        draft: list[int] = []
+        chance = 0.0
+        cap = min(most, room)
+        if spec is not None and cap > 0 and len(streams) <= spec.config.max_batch:
+            draft, chance = spec.candidate(history, token, cap)
+        offers.append(draft)
+        candidates.append((len(draft), chance, spec.config.n_min if spec is not None else 0))
+    if not any(offers):
+        return offers
+    lengths = plan_drafts(slots, candidates, cost, room)
+    return [offer[:k] for offer, k in zip(offers, lengths, strict=True)]
 
 
 def verify(draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 import outcome
 
-from ..speculative import plan_drafts, verify
+from ..speculative import step_drafts, verify
 from ..stepcost import BatchCost, StepCost, batch_counts
 from .state import NoKvSpace
 from .types import PrefillPart, StepRequest, StepResult
@@ -77,36 +77,25 @@ class BatchSteps:
     ) -> tuple[list[tuple[int, int, int, bool]], list[list[int]]]:
         """The batch entries of the live steps (each slot's token, then its draft, all with
         logits, slots in order) and each live step's draft; ``room``: draft positions the
-        batch has left. Each request that speculates offers a candidate, capped by its tokens
-        left, its slot's room and the batch's; ``plan_drafts`` decides how much of each the
-        step verifies."""
-        offers: list[list[int]] = []
-        candidates: list[tuple[int, float, int]] = []
-        n_generating = len(live)
-        for i in live:
-            r = requests[i]
-            draft: list[int] = []
-            survival = 0.0
-            if r.spec is not None and room > 0 and n_generating <= r.spec.config.max_batch:
-                pos = len(self.seq_tokens[r.slot])
-                cap = min(r.n_left - 1, self.n_ctx_slot - pos - 1, room)
-                if cap > 0:
-                    draft, survival = r.spec.candidate(self.seq_tokens[r.slot], r.token, cap)
-            offers.append(draft)
-            candidates.append((len(draft), survival, r.spec.config.n_min if r.spec is not None else 0))
-        lengths = [0] * n_generating
-        if any(offers):
-            lengths = plan_drafts([requests[i].slot for i in live], candidates, self._batch_cost(), room)
+        batch has left. The drafts are ``step_drafts``': each capped by its request's tokens
+        left and its slot's room."""
+        seq_tokens = self.seq_tokens
+        drafts = step_drafts(
+            [requests[i].slot for i in live],
+            [
+                (r.spec, seq_tokens[r.slot], r.token, min(r.n_left - 1, self.n_ctx_slot - len(seq_tokens[r.slot]) - 1))
+                for r in (requests[i] for i in live)
+            ],
+            self._batch_cost(),
+            room,
+        )
         entries: list[tuple[int, int, int, bool]] = []
-        proposed: list[list[int]] = []
-        for i, offer, k in zip(live, offers, lengths, strict=True):
+        for i, draft in zip(live, drafts, strict=True):
             r = requests[i]
-            pos = len(self.seq_tokens[r.slot])
-            draft = offer[:k]
+            pos = len(seq_tokens[r.slot])
             entries.append((r.slot, r.token, pos, True))
             entries += [(r.slot, t, pos + 1 + j, True) for j, t in enumerate(draft)]
-            proposed.append(draft)
-        return entries, proposed
+        return entries, drafts
 
     def _batch_cost(self) -> BatchCost:
         return BatchCost(self.step_cost, self.n_batch, split=not self.kv_unified)
