@@ -19,7 +19,8 @@ py-spy at the largest stream count and writes the top frames to the results fold
 the rate if the model's compute were the only cost, against llama-server's measured rate.
 ``--burst N`` adds N rounds of ``--burst-streams`` requests sent at once, 2 tokens each: the
 cost of a request rather than of a token (the burst's wall time, the median first token, the
-server's CPU per request). ``--churn`` runs, unmeasured before each round, ``--slots``
+server's CPU per request), each followed by as many ``GET /health`` at once: what a request
+costs the server's HTTP stack before any work of the route. ``--churn`` runs, unmeasured before each round, ``--slots``
 streams of seeded random lengths, so the slots' last uses are in a scrambled order, as a day
 of requests of every length leaves them (the slot choice then decides whether a round's
 streams land on a run of slots or all over them: a split KV cache steps a gap apart).
@@ -134,6 +135,21 @@ def _consume(s: Stream, now: float) -> None:
 def run_round(port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
     """One streaming completion per prompt, all at once, each read to its end."""
     return _read_streams(port, [_request(port, p, n_tokens) for p in prompts], n_tokens, time.perf_counter(), timeout_s)
+
+
+def run_health_burst(port: int, n: int, timeout_s: float = 60) -> dict[str, Any]:
+    """``n`` connections at once, each one ``GET /health`` read to its close: what a request
+    costs a server before any work of its own (accept, parse, route, answer, close). As a
+    round's dict with one "token" per request, so ``measure`` gives CPU per request."""
+    t0 = time.perf_counter()
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=timeout_s) for _ in range(n)]
+    for sock in socks:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+    for sock in socks:
+        while sock.recv(65536):
+            pass
+        sock.close()
+    return {"streams": n, "tokens": n, "wall_s": time.perf_counter() - t0}
 
 
 def run_decode_round(port: int, rpc_port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
@@ -315,11 +331,12 @@ def engine_alone(model: Path, slots: int, slot_ctx: int, counts: list[int], roun
             eng = ep.state.engine
             for rnd in range(rounds):
                 for n in counts:
-                    prompts = [await eng.tokenize_text(f"alone{rnd} {i} " + words_prompt(12, seed=5000 + 1000 * rnd + i)) for i in range(n)]
+                    prompts = [f"alone{rnd} {i} " + words_prompt(12, seed=5000 + 1000 * rnd + i) for i in range(n)]
                     made = 0
 
-                    async def one(tokens: list[int]) -> None:
+                    async def one(prompt: str) -> None:
                         nonlocal made
+                        tokens = await eng.inputs.tokenize_text(prompt)  # a request's own work, as over HTTP
                         slot = await eng.scheduler.claim_for_prompt(tokens, "ceiling")
                         try:
                             res = await eng.generate(slot.id, tokens, params, discard, result=GenerationResult())
@@ -327,11 +344,12 @@ def engine_alone(model: Path, slots: int, slot_ctx: int, counts: list[int], roun
                         finally:
                             eng.release(slot)
 
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     async with trio.open_nursery() as nursery:
-                        for tokens in prompts:
-                            nursery.start_soon(one, tokens)
-                    row = {"server": "engine alone", "streams": n, "round": rnd, "tokens": made, "tok_s": made / (time.perf_counter() - t0)}
+                        for prompt in prompts:
+                            nursery.start_soon(one, prompt)
+                    row = {"server": "engine alone", "streams": n, "round": rnd, "tokens": made, "tok_s": made / (time.perf_counter() - t0),
+                           "cpu_ms_per_request": (time.process_time() - c0) / n * 1000}
                     rows.append(row)
                     print(f"round {rnd} engine alone {n:4d} streams: {row['tok_s']:8.0f} tok/s", flush=True)
 
@@ -357,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst-streams", type=int, default=64)
     ap.add_argument("--profile-gil", action="store_true", help="profile only the trio thread's Python (py-spy --gil: samples holding the GIL)")
     ap.add_argument("--churn", action="store_true", help="before each round, --slots unmeasured streams of random lengths: the slots' last uses scrambled")
-    ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process (after the servers)")
+    ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process (after the servers; with --burst, its bursts too)")
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.streams.split(",")]
@@ -408,8 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(name, port, pid, tid, partial(run_round, port, prompts, BURST_TOKENS))
                 row.update(burst=True, round=rnd)
                 results["burst"].append(row)
+                health = measure(name, port, pid, tid, partial(run_health_burst, port, args.burst_streams))
+                row["health_cpu_ms_per_request"] = health["server_cpu_us_per_token"] / 1000
                 print(f"burst {rnd} {name:12s} {row['streams']} requests: {row['wall_s'] * 1000:.0f} ms, first token p50 {row['ttft_p50_ms']:.0f} ms,"
-                      f" server {per_request(row, 'server_cpu_us_per_token'):.2f} ms CPU/request", flush=True)
+                      f" server {per_request(row, 'server_cpu_us_per_token'):.2f} ms CPU/request"
+                      f" (GET /health: {row['health_cpu_ms_per_request']:.2f})", flush=True)
         if args.profile:
             n = args.profile_streams or max(counts)
             prompts = [f"p{i} " + words_prompt(12, seed=99 + i) for i in range(n)]
@@ -431,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
             peer.stop()
     if args.engine_alone:
         results["engine_alone"] = engine_alone(model, args.slots, args.slot_ctx, counts, args.rounds, args.tokens)
+        if args.burst:
+            # The same bursts without HTTP: the request's cost in the engine (tokenize, slot
+            # choice, prompt cache, prefill, two steps), the rest of a burst's being the server's.
+            alone = engine_alone(model, args.slots, args.slot_ctx, [args.burst_streams], args.burst, BURST_TOKENS)
+            results["engine_alone_burst"] = alone
+            print(f"engine alone, bursts of {args.burst_streams}: CPU ms/request",
+                  ", ".join(f"{r['cpu_ms_per_request']:.2f}" for r in alone), flush=True)
     results["table"] = render(results["rows"], results.get("engine_alone", []))
     if results["burst"]:
         results["table"] += "\n\n" + render_burst(results["burst"])
@@ -496,12 +524,13 @@ def per_request(row: dict[str, Any], key: str) -> float:
 def render_burst(rows: list[dict[str, Any]]) -> str:
     """A burst of requests at once, per server (medians over the rounds): how long until
     the last stream ends and until the median first token, and the CPU each request costs
-    the server (with the trio thread's share for hydra-trio)."""
+    the server (with the trio thread's share for hydra-trio), and what a burst of as many
+    ``GET /health`` costs it a request (the HTTP floor under any route)."""
     import statistics
 
     out = [
-        "| server | requests at once | burst wall ms | first token p50 ms | server CPU ms/request (trio thread) |",
-        "|---|---|---|---|---|",
+        "| server | requests at once | burst wall ms | first token p50 ms | server CPU ms/request (trio thread) | GET /health CPU ms/request |",
+        "|---|---|---|---|---|---|",
     ]
     for name in ("llama-server", "hydra-trio"):
         mine = [r for r in rows if r["server"] == name]
@@ -515,6 +544,7 @@ def render_burst(rows: list[dict[str, Any]]) -> str:
         out.append(
             f"| {name} | {mine[0]['streams']} | {med('wall_s') * 1000:.0f} | {med('ttft_p50_ms'):.0f} |"
             f" {statistics.median(per_request(r, 'server_cpu_us_per_token') for r in mine):.2f}{trio} |"
+            f" {statistics.median(r.get('health_cpu_ms_per_request', float('nan')) for r in mine):.2f} |"
         )
     return "\n".join(out)
 

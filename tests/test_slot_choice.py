@@ -8,11 +8,18 @@ the runs of consecutive busy slots (the ubatches of a step), never time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hydra_trio.config import Settings
+from hydra_trio.engine.scheduler import SlotScheduler
 from hydra_trio.engine.slots import SlotTable
+from hydra_trio.engine.text import common_prefix_len
 
 
 def busy_runs(table: SlotTable) -> int:
@@ -85,3 +92,34 @@ async def test_a_split_cache_engine_packs_its_streams_a_unified_one_keeps_lru(
             assert ids == [ids[0] + k for k in range(4)]  # one run: one ubatch a step
         for s in again:
             eng.release(s)
+
+
+class _Held:
+    """The two things the slot choice reads of a backend: each slot's tokens and the
+    shared-prefix rule (salts aside: one salt here)."""
+
+    def __init__(self, seq_tokens: list[list[int]]) -> None:
+        self.seq_tokens = seq_tokens
+
+    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None) -> int:
+        return common_prefix_len(self.seq_tokens[slot], tokens)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    held=st.lists(st.lists(st.integers(1, 3), max_size=9), min_size=1, max_size=8),
+    prompt=st.lists(st.integers(1, 3), max_size=9),
+    share=st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75, 1.0]),
+)
+def test_the_slot_score_settles_slots_by_their_head_as_the_plain_rule_would(
+    held: list[list[int]], prompt: list[int], share: float
+) -> None:
+    """The score compares a slot's first tokens before its whole shared prefix (it runs for
+    every free slot of every claim); it gives what the rule says: the shared prefix when it
+    is at least ``share`` of the prompt (and not empty), 0 otherwise, and an empty slot next."""
+    backend = _Held(held)
+    scheduler = SlotScheduler(lambda: backend, None, SlotTable(len(held)), replace(Settings(), slot_prompt_similarity=share), None)  # type: ignore[arg-type]
+    score = scheduler.slot_rank(prompt)
+    for slot, tokens in enumerate(held):
+        n = common_prefix_len(tokens, prompt)
+        assert score(slot) == ((n if n and n >= share * len(prompt) else 0), 0 if tokens else 1)

@@ -6,6 +6,7 @@ before every prefill, export and restore."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 # A slot's history goes to the prompt cache when it would drop at least this many positions
 # (a KV-event block), and an entry comes back when it holds at least this many more.
 MIN_CACHED_TOKENS = 16
+# The slot choice compares this many leading tokens before the whole shared prefix.
+HEAD_TOKENS = 4
 
 
 class SlotScheduler:
@@ -86,19 +89,34 @@ class SlotScheduler:
     async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str, salt: str | None = None) -> Slot:
         """A free slot for the prompt under ``salt`` (``slot_rank``); waits for one for as
         long as the caller's scope allows."""
-        return await self._slots.claim_any(owner, lambda i: self.slot_rank(i, prompt_tokens, salt))
+        return await self._slots.claim_any(owner, self.slot_rank(prompt_tokens, salt))
 
-    def slot_rank(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> tuple[int, int]:
-        """The slot-choice policy (higher is better; claim_any breaks ties by least recently
-        used): a slot whose KV shares at least ``--slot-prompt-similarity`` of the prompt,
-        the longest shared prefix first; then an empty slot; then any. A 9-token chat
-        template head does not make a prompt take over another session's history."""
+    def slot_rank(self, prompt: Sequence[int], salt: str | None = None) -> Callable[[int], tuple[int, int]]:
+        """The slot-choice policy, as a score of each slot for this prompt (higher is better;
+        claim_any breaks ties by least recently used): a slot whose KV shares at least
+        ``--slot-prompt-similarity`` of the prompt, the longest shared prefix first; then an
+        empty slot; then any. A 9-token chat template head does not make a prompt take over
+        another session's history.
+
+        Scored for every free slot of every claim, so most slots are settled by their first
+        few tokens: a slot that differs from the prompt within them shares less than the
+        least prefix that counts."""
         backend = self._backend()
-        if not backend.seq_tokens[slot]:
-            return 0, 1  # an empty slot shares nothing (scored for every free slot: kept cheap)
-        n_common = backend.shared_prefix(slot, prompt, salt)
-        share = self._settings.slot_prompt_similarity
-        return (n_common if n_common and n_common >= share * len(prompt) else 0), 0
+        seq_tokens = backend.seq_tokens
+        least = max(1, math.ceil(self._settings.slot_prompt_similarity * len(prompt)))  # the least shared prefix that counts
+        head = list(prompt[: min(least, HEAD_TOKENS)])
+        n_head = len(head)
+
+        def score(slot: int) -> tuple[int, int]:
+            held = seq_tokens[slot]
+            if not held:
+                return 0, 1  # an empty slot shares nothing
+            if held[:n_head] != head:
+                return 0, 0
+            n_common = backend.shared_prefix(slot, prompt, salt)
+            return (n_common if n_common >= least else 0), 0
+
+        return score
 
     async def keep_history(self, slot: int, n_keep: int) -> None:
         """Before the slot drops what it holds past ``n_keep``: copy it into the prompt

@@ -78,21 +78,21 @@ class SlotTable:
         owner, score = request
         if self.frozen:
             return None
-        free = [s for s in self.slots if not s.busy]
+        slots = self.slots
+        busy = [s.owner is not None for s in slots]  # read once: the choice runs per claim
+        free = [s for s, b in zip(slots, busy, strict=True) if not b]
         if not free:
             return None
         if self.compact:
-            slot = max(free, key=lambda s: (score(s.id), self._busy_neighbours(s.id), -s.last_used))
+            # 0, 1 or 2 busy neighbours: taking the slot adds a run of consecutive busy
+            # slots, extends one, or joins two (a step over the busy slots then needs one
+            # llama.cpp ubatch fewer). ``beside[i + 1]``: whether slot i is busy.
+            beside = [False, *busy, False]
+            slot = max(free, key=lambda s: (score(s.id), beside[s.id] + beside[s.id + 2], -s.last_used))
         else:
             slot = max(free, key=lambda s: (score(s.id), -s.last_used))
         slot.owner = owner
         return slot
-
-    def _busy_neighbours(self, slot_id: int) -> int:
-        """0, 1 or 2: taking the slot adds a run of consecutive busy slots, extends one, or
-        joins two (so a step over the busy slots needs one llama.cpp ubatch fewer)."""
-        slots = self.slots
-        return (slot_id > 0 and slots[slot_id - 1].busy) + (slot_id + 1 < len(slots) and slots[slot_id + 1].busy)
 
     def release(self, slot: Slot) -> None:
         slot.owner = None
