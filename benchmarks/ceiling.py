@@ -146,10 +146,28 @@ def run_health_burst(port: int, n: int, timeout_s: float = 60) -> dict[str, Any]
     for sock in socks:
         sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
     for sock in socks:
-        while sock.recv(65536):
-            pass
+        read_reply(sock)
         sock.close()
     return {"streams": n, "tokens": n, "wall_s": time.perf_counter() - t0}
+
+
+def read_reply(sock: socket.socket) -> bytes:
+    """One HTTP/1.1 reply with a Content-Length body, read to its end (a server may keep
+    the connection open after it, as Hypercorn does despite ``Connection: close``)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), None)
+    while length is None or len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def run_decode_round(port: int, rpc_port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
