@@ -101,14 +101,13 @@ class SlotScheduler:
         Scored for every free slot of every claim, so most slots are settled by their first
         few tokens: a slot that differs from the prompt within them shares less than the
         least prefix that counts."""
-        backend = self._backend()
-        seq_tokens = backend.seq_tokens
         least = max(1, math.ceil(self._settings.slot_prompt_similarity * len(prompt)))  # the least shared prefix that counts
         head = list(prompt[: min(least, HEAD_TOKENS)])
         n_head = len(head)
 
         def score(slot: int) -> tuple[int, int]:
-            held = seq_tokens[slot]
+            backend = self._backend()  # the model serving when the slot is taken (a claim may wait out a reload)
+            held = backend.seq_tokens[slot]
             if not held:
                 return 0, 1  # an empty slot shares nothing
             if held[:n_head] != head:
