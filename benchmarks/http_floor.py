@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .ceiling import cpu_s, run_health_burst
-from .harness import EngineProcess, free_port
+from .harness import EngineProcess, free_port, wait_http
 
 BARE_APP = """
 import sys, trio
@@ -56,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
         write_model(work / "tiny.gguf", "tiny", seed=0)
         ours = EngineProcess(str(work / "tiny.gguf"), slots=4, ctx_size=4 * 256, threads=1).start(work, "hydra-trio")
-        wait_listening(port, bare)
+        wait_http(f"http://127.0.0.1:{port}/health", bare, timeout=60)
         servers = {"bare quart-trio": (port, bare.pid), "hydra-trio": (ours.http_port, ours.pid)}
         spent = dict.fromkeys(servers, 0.0)
         for rnd in range(3 + args.bursts):  # 3 unmeasured, then the bursts, in turns
@@ -78,17 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
-
-def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the bare app did not start") from None
-            time.sleep(0.1)
 
 if __name__ == "__main__":
     sys.exit(main())

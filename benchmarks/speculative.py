@@ -73,12 +73,13 @@ def cheapest(items):
 # (its greedy replies: the passage word for word; the code again with changes of its own; a
 # story that comes back to its own phrases).
 RENAME_SHOT = "def area(w, h):\n    return w * h\n"
+STORY = "Chapter 1\n\nThe robot had never held a brush before. On the first morning in the studio,"
 WORKLOADS: dict[str, str] = {
     "copy": f"Below is a passage, followed by an exact copy of it.\n\nPassage:\n{PASSAGE}\n\nExact copy:\n",
     "edit": (f"# Before:\n{RENAME_SHOT}\n# After renaming `w` to `width`:\n{RENAME_SHOT.replace('w,', 'width,').replace('w *', 'width *')}\n"
              f"# Before:\n{CODE}\n# After renaming `items` to `products`:\n"),
-    "free": "Chapter 1\n\nThe robot had never held a brush before. On the first morning in the studio,",
-    "sampled": "Chapter 1\n\nThe robot had never held a brush before. On the first morning in the studio,",
+    "free": STORY,
+    "sampled": STORY,
 }
 # A workload's own sampling (the others are greedy): drafts mostly miss, the cost side.
 SAMPLING: dict[str, dict[str, Any]] = {"sampled": {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "min_p": 0.0}}

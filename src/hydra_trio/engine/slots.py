@@ -79,7 +79,7 @@ class SlotTable:
         if self.frozen:
             return None
         slots = self.slots
-        busy = [s.owner is not None for s in slots]  # read once: the choice runs per claim
+        busy = [s.busy for s in slots]  # read once: the tie-break below reads each twice
         free = [s for s, b in zip(slots, busy, strict=True) if not b]
         if not free:
             return None
