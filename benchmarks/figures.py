@@ -35,9 +35,9 @@ class Tokenizer:
         self.llm = llama_cpp.Llama(self.model, vocab_only=True, verbose=False)
 
     def count_chat(self, content: str) -> int:
-        from hydra_trio.engine.chat import render_prompt
+        from hydra_trio.engine.chat import render_jinja
 
-        text = render_prompt({"messages": [{"role": "user", "content": content}]}, self.llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
+        text = render_jinja({"messages": [{"role": "user", "content": content}]}, self.llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
         return len(self.llm.tokenize(text.encode(), add_bos=True, special=True))
 
     def content_for(self, n_tokens: int, seed: int = 0) -> str:
@@ -296,10 +296,10 @@ def fig_generation(b: EngineProcess, tok: Tokenizer, n_tokens: int, repeats: int
     req = chat_request(content, n_tokens)
     from llama_cpp import Llama
 
-    from hydra_trio.engine.chat import render_prompt
+    from hydra_trio.engine.chat import render_jinja
 
     llm = Llama(model, vocab_only=True, verbose=False)
-    text = render_prompt(req, llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
+    text = render_jinja(req, llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
     prompt_tokens = llm.tokenize(text.encode(), add_bos=True, special=True)
     del llm
     ours, plain = [], []

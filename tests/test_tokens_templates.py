@@ -23,7 +23,7 @@ from helpers import (
     rpc,
     text_of,
 )
-from hydra_trio.engine.templates import resolve_chat_template
+from hydra_trio.engine.chat import resolve_chat_template
 from hydra_trio.wire.kvblob import parse_kv_blob
 from test_http_openai import assert_openai_error
 

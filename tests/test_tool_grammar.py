@@ -5,6 +5,7 @@ lazy grammar that waits for its trigger, however many tokens the trigger takes."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -16,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from hydra_trio.engine.llama.grammar import tools_gbnf, trigger_pattern
+from hydra_trio.engine.chat import ToolRequest, parse_reply, parse_tools
+from hydra_trio.engine.chat.formats import FORMATS, GENERIC, HERMES, ToolFormat
+from hydra_trio.engine.chat.grammar import tools_gbnf, trigger_pattern
 from hydra_trio.engine.llama.sampling import Sampler
 from hydra_trio.engine.params import SamplingParams
-from hydra_trio.engine.toolcalls import FORMATS, GENERIC, HERMES, ToolFormat, parse_reply
-from hydra_trio.engine.tools import ToolRequest, parse_tools
 from hydra_trio.wire.errors import ParamError
 from test_grammar import object_schemas
 
@@ -61,6 +62,12 @@ def check_calls(text: str, fmt: ToolFormat, req: ToolRequest, *, exactly_one: bo
         jsonschema.validate(json.loads(call.arguments), tool.parameters)
 
 
+def use_format(engine: Any, fmt: ToolFormat) -> None:
+    """Serve ``fmt`` as if the template wrote calls so (a white-box switch of the chat caps)."""
+    chat = engine.inputs.chat
+    chat.caps = dataclasses.replace(chat.caps, tool_format=fmt)
+
+
 async def test_required_and_named_calls_validate_in_every_format(start_engine: Any, tiny_model: Path) -> None:
     ep = await start_engine(tiny_model, slots=1)
     engine = ep.state.engine
@@ -80,7 +87,7 @@ async def test_required_and_named_calls_validate_in_every_format(start_engine: A
     collect()
     seen = 0
     for fmt in FORMATS.values():
-        engine.inputs.tool_format = fmt
+        use_format(engine, fmt)
         for n, (schemas, choice, parallel) in enumerate(cases):
             body = {"tools": tools_body(schemas), "tool_choice": choice, "parallel_tool_calls": parallel, "max_tokens": MAX_TOKENS}
             req = parse_tools(body)
@@ -102,7 +109,7 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
     starts = {"hermes": '<tool_call>\n{"name": "tool_0", "arguments": ', "llama3": '{"name": "tool_0", "parameters": ',
               "mistral": '[TOOL_CALLS][{"name": "tool_0", "arguments": ', "generic": '{"tool_calls": [{"name": "tool_0", "arguments": '}
     for name, fmt in FORMATS.items():
-        eng.inputs.tool_format = fmt
+        use_format(eng, fmt)
         text, _ = await generate(eng, body)
         # llama3's <|python_tag|> is optional: the reply may or may not carry it.
         assert text.removeprefix("<|python_tag|>").startswith(starts[name]), (name, text)
@@ -111,7 +118,7 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
 async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
     eng = engine.state.engine
     grammars = eng.backend.grammars
-    eng.inputs.tool_format = HERMES
+    use_format(eng, HERMES)
     body = {"tools": tools_body([{"type": "object", "properties": {"n": {"type": "integer"}}}]), "max_tokens": 24}
     params = eng.inputs.generation_params(body)
     assert params.sampling.grammar is not None and params.sampling.grammar_triggers

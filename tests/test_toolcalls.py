@@ -13,21 +13,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.engine.params import parse_constraint, parse_generation
-from hydra_trio.engine.toolcalls import (
+from hydra_trio.engine.chat import ReplyParser, ToolCall, parse_constraint, parse_reply
+from hydra_trio.engine.chat.caps import detect_format
+from hydra_trio.engine.chat.formats import (
     FORMATS,
     GENERIC,
     HERMES,
     LLAMA3,
     MISTRAL,
-    ReplyParser,
-    ToolCall,
     ToolFormat,
-    detect_format,
-    parse_reply,
     tools_system_prompt,
 )
-from hydra_trio.engine.tools import MAX_TOOLS, parse_tools
+from hydra_trio.engine.chat.tools import MAX_TOOLS, parse_tools
+from hydra_trio.engine.params import parse_generation
 from hydra_trio.wire.errors import ParamError
 
 TOOLS = [
@@ -254,7 +252,7 @@ def test_detect_format_from_template_source() -> None:
     assert detect_format("<|python_tag|>") is LLAMA3
     assert detect_format("{{ 'ipython' }} ... parameters") is LLAMA3
     assert detect_format("{{ messages }}") is GENERIC
-    assert detect_format(None) is GENERIC
+    assert detect_format("") is GENERIC
 
 
 def test_the_generic_system_prompt_describes_tools_and_the_reply_form() -> None:

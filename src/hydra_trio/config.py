@@ -67,7 +67,7 @@ class Settings:
     chat_template: str | None = None
     chat_template_file: str | None = None
     # Tool calls (vLLM's --tool-call-parser): the syntax replies are parsed for; auto: read
-    # from the chat template (engine/toolcalls.py detect_format).
+    # from the chat template (engine/chat/caps.py).
     tool_call_parser: str = "auto"
     # Reasoning (llama-server's --reasoning-format): auto splits <think>...</think> into
     # reasoning_content when the template has thinking tags; deepseek always; none keeps it inline.

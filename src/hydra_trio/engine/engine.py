@@ -24,6 +24,7 @@ from ..model.identity import ModelIdentity, read_identity
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvevents import Event
 from .batcher import PartOutcome, StepBatcher
+from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
 from .kvblocks import SlotBlocks
@@ -40,7 +41,6 @@ from .scheduler import SlotScheduler
 from .slots import Slot, SlotTable
 from .speculative import NgramMemories, SpecCounts, request_speculation
 from .stats import EngineStats, SlotInfo
-from .templates import resolve_chat_template
 from .worker import GpuWorker
 
 log = logging.getLogger(__name__)

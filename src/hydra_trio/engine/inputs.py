@@ -10,14 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..config import REASONING_FORMATS, Settings
-from ..wire.errors import ErrorCode, ProtocolError, Status, bad_param
+from ..config import Settings
+from ..wire.errors import ErrorCode, ProtocolError, Status
+from .chat import Chat, ChatTemplate, ReplyParser
 from .llama.chat import apply_builtin_chat_template
 from .llama.context import LlamaBackend, kv_layout
-from .llama.grammar import constraint_gbnf
 from .params import GenerationParams, parse_generation
-from .templates import ChatTemplate, PromptRenderer
-from .toolcalls import FORMATS, GENERIC, ReplyParser, ToolFormat, detect_format
 from .worker import GpuWorker
 
 # The most prompt text per context position: longer text cannot fit a slot with any usual
@@ -37,9 +35,7 @@ class Inputs:
         self._backend = backend
         self._worker = worker
         self._settings = settings
-        # How the chat template writes tool calls: the tool grammar's syntax and the reply
-        # parser's (set with the template).
-        self.tool_format: ToolFormat = detect_format(None)
+        self.chat: Chat | None = None  # set with the template (set_chat_template)
 
     @property
     def n_ctx(self) -> int:
@@ -51,19 +47,21 @@ class Inputs:
 
     def set_chat_template(self, template: ChatTemplate) -> None:
         info = self._backend().info
-        self.chat_template = template
-        # --tool-call-parser, else what the template writes (a built-in: the generic form).
-        parser = self._settings.tool_call_parser
-        self.tool_format = detect_format(template.jinja) if parser == "auto" else FORMATS[parser]
-        self._prompts = PromptRenderer(
+        self.chat = Chat(
             template,
+            tool_call_parser=self._settings.tool_call_parser,
+            reasoning_format=self._settings.reasoning_format,
             bos_token=info.bos_text,
             eos_token=info.eos_text,
             tokenizer_adds_bos=info.add_bos,
             run_on_worker=self._worker.call,
             apply_builtin=apply_builtin_chat_template,
-            describe_tools=self.tool_format is GENERIC,
         )
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        assert self.chat is not None, "set at construction"
+        return self.chat.template
 
     def generation_params(self, request: dict[str, Any]) -> GenerationParams:
         """A request's generation settings, with this engine's defaults and limits."""
@@ -73,32 +71,16 @@ class Inputs:
             default_n_predict=s.default_n_predict,
             n_ctx=self.n_ctx_slot,
             default_stream_interval=s.stream_interval,
-            to_gbnf=lambda constraint: constraint_gbnf(constraint, self.tool_format),
+            to_gbnf=self._chat().to_gbnf,
         )
 
     def reply_parsers(self, params: GenerationParams, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
-        """How a chat reply is read: a factory of fresh parsers of its tool calls (tools asked
-        with a tool_choice other than none, in this template's format) and its reasoning
-        (``reasoning_format``: the request's, else --reasoning-format); None when the text is
-        the content as it stands (text completions, and chat asking neither)."""
-        if "messages" not in request:
-            return None
-        tools = params.tools if params.tools is not None and params.tools.choice != "none" else None
-        mode = request.get("reasoning_format")
-        if mode is None:
-            mode = self._settings.reasoning_format
-        elif mode not in REASONING_FORMATS:
-            raise bad_param(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
-        # A prompt that ends inside an open <think> (DeepSeek-R1's and Qwen3's templates)
-        # starts the reply in its reasoning; auto splits only for templates with thinking tags.
-        opened = prompt.rstrip().endswith("<think>")
-        reasoning = mode == "deepseek" or (mode == "auto" and ("<think>" in (self.chat_template.jinja or "") or opened))
-        if tools is None and not reasoning:
-            return None
-        fmt = self.tool_format
-        return lambda: ReplyParser(
-            fmt, parse_tools=tools is not None, reasoning=reasoning, starts_in_reasoning=reasoning and opened, tools=tools
-        )
+        """How a chat reply is read (``Chat.reply_parsers``); None: its text is the content."""
+        return self._chat().reply_parsers(params.tools, request, prompt)
+
+    def _chat(self) -> Chat:
+        assert self.chat is not None, "set at construction"
+        return self.chat
 
     async def compile_grammar(self, params: GenerationParams) -> None:
         """Compile the request's grammar before any slot is claimed (a GrammarError, a 400
@@ -110,7 +92,7 @@ class Inputs:
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
-        return await self._prompts.render(request)
+        return await self._chat().render(request)
 
     async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
         return await self.tokenize_text(await self.render_prompt(request))

@@ -1,18 +1,17 @@
-"""Generation parameters from a request object (OpenAI names and llama.cpp names).
-
-Pure validation: importable without llama_cpp (the backend imports SamplingParams from here)."""
+"""Generation parameters from a request object (OpenAI names and llama.cpp names): pure
+validation, every value's bounds decided here."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from ..wire import sampling as sampling_keys
 from ..wire.errors import bad_param
+from .chat import Constraint, ToolRequest, parse_tools, request_constraint
 from .speculative import SPEC_TYPES, SpecRequest
-from .tools import ToolRequest, parse_tools
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -67,79 +66,6 @@ class GenerationParams:
     tools: ToolRequest | None = None
     # The request's own speculative-decoding keys (engine/speculative.py); None: the server's.
     speculative: SpecRequest | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """What a request's output must follow, as it asked: any JSON object, a JSON schema,
-    GBNF text, or calls of its tools. The engine turns it into the GBNF (and lazy triggers)
-    SamplingParams carries (llama/grammar.py)."""
-
-    kind: Literal["json_object", "json_schema", "gbnf", "tools"]
-    value: Any  # the schema (json_schema), the text (gbnf), None (json_object), the ToolRequest (tools)
-    param: str  # the key it came from: errors name it
-
-
-def parse_constraint(req: dict[str, Any]) -> Constraint | None:
-    """The request's output constraint: OpenAI's ``response_format`` (``json_object``, or
-    ``json_schema`` with its ``schema``), llama-server's ``json_schema`` (a schema) and
-    ``grammar`` (GBNF), or its tools (unless ``tool_choice`` is "none"). One at most;
-    ``{"type": "text"}``, ``{}`` and ``""`` ask nothing."""
-    return _constraint(req, parse_tools(req))
-
-
-def _constraint(req: dict[str, Any], tools: ToolRequest | None) -> Constraint | None:
-    constraint = _output_constraint(req)
-    if tools is None or tools.choice == "none":
-        return constraint
-    if constraint is not None:
-        key = constraint.param.split(".")[0]
-        raise bad_param(f'{key} with tools is not supported (unless tool_choice is "none")', key)
-    return Constraint("tools", tools, "tools")
-
-
-def _output_constraint(req: dict[str, Any]) -> Constraint | None:
-    found: list[Constraint] = []
-    rf = req.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-            raise bad_param("response_format must be an object with a type", "response_format")
-        kind = rf["type"]
-        if kind == "json_object":
-            # llama-server's extension: a "schema" beside json_object constrains to it.
-            schema = rf.get("schema")
-            found.append(
-                Constraint("json_object", None, "response_format")
-                if schema is None
-                else Constraint("json_schema", schema, "response_format.schema")
-            )
-        elif kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict):
-                raise bad_param("response_format.json_schema must be an object (name, schema, strict)", "response_format")
-            if spec.get("name") is not None and not isinstance(spec["name"], str):
-                raise bad_param("response_format.json_schema.name must be a string", "response_format")
-            if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-                raise bad_param("response_format.json_schema.strict must be a boolean", "response_format")
-            schema = spec.get("schema")  # absent: any JSON object (OpenAI's schema is optional)
-            found.append(
-                Constraint("json_object", None, "response_format")
-                if schema is None
-                else Constraint("json_schema", schema, "response_format.json_schema.schema")
-            )
-        elif kind != "text":
-            raise bad_param(
-                f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
-            )
-    if req.get("json_schema") not in (None, {}):
-        found.append(Constraint("json_schema", req["json_schema"], "json_schema"))
-    if req.get("grammar") not in (None, ""):
-        found.append(Constraint("gbnf", req["grammar"], "grammar"))
-    if len(found) > 1:
-        raise bad_param(
-            f"{found[0].param} and {found[1].param} both constrain the output: send one", found[1].param.split(".")[0]
-        )
-    return found[0] if found else None
 
 
 MAX_DRAFT = 256
@@ -223,7 +149,7 @@ def parse_generation(
         n_predict = n_ctx
     seed = _integer(merged, ("seed",), 0xFFFFFFFF, -(1 << 63), (1 << 64) - 1)
     tools = parse_tools(merged)
-    constraint = _constraint(merged, tools)
+    constraint = request_constraint(merged, tools)
     if constraint is not None and to_gbnf is None:
         raise bad_param(f"{constraint.param} is not supported here", constraint.param)
     grammar, triggers = (None, ()) if constraint is None or to_gbnf is None else to_gbnf(constraint)

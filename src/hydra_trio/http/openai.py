@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
+from ..engine.chat import ReplyParser
 from ..engine.engine import GenerationResult
 from ..engine.logprobs import TokenLogprobs
 from ..engine.stats import SlotInfo
-from ..engine.toolcalls import ReplyParser
 from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream

@@ -1,30 +1,22 @@
-"""OpenAI chat request -> prompt text, through the model's own Jinja chat template."""
+"""A chat request rendered: messages checked and normalised, earlier tool calls and the
+tools shown as the template can take them (``TemplateCaps``), then the prompt text through the
+Jinja template or a llama.cpp built-in. HTTP chat, PREFILL and DECODE all render through
+``PromptRenderer.render``, so they see the same text."""
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..wire.errors import ErrorCode, ProtocolError, Status
-from ..wire.jsontext import parse_json
-from .toolcalls import (
-    dump_arguments,
-    generic_calls_json,
-    tools_system_prompt,
-)
+from ...wire.errors import ErrorCode, ProtocolError, Status
+from ...wire.jsontext import parse_json
+from .caps import TemplateCaps
+from .formats import dump_arguments, generic_calls_json, tools_system_prompt
+from .jinja import FALLBACK_TEMPLATE, compile_template
+from .templates import ChatTemplate
 from .tools import ToolRequest, parse_tools
-
-# Used when a GGUF carries no template: ChatML, the most common convention.
-FALLBACK_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -33,18 +25,6 @@ class ChatRequestError(ProtocolError):
     def __init__(self, message: str) -> None:
         # Valid JSON of the wrong shape: the caller's mistake, so BAD_REQUEST.
         super().__init__(ErrorCode.BAD_JSON, message, status=Status.BAD_REQUEST)
-
-
-@lru_cache(maxsize=8)
-def compile_template(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-    return env.from_string(template)
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -115,27 +95,13 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
     return out
 
 
-def template_renders_tool_calls(template: str) -> bool:
-    return "tool_calls" in template
-
-
-def template_wants_object_arguments(template: str) -> bool:
-    """Templates that print ``arguments | tojson`` or walk ``arguments.items()`` (Qwen,
-    Hermes, Llama 3) need the arguments as an object; others print the string as sent."""
-    compact = template.replace(" ", "")
-    return "arguments|tojson" in compact or "arguments.items()" in compact
-
-
-def tool_messages(
-    messages: list[dict[str, Any]], template: str | None, tools: ToolRequest | None, *, describe: bool
-) -> list[dict[str, Any]]:
-    """The messages a template renders when tools are in play: with ``describe`` the tools
-    and the generic reply form are described in a system message first (llama.cpp's generic
-    format); a template that does not print earlier tool calls gets them as the generic JSON reply
-    in the assistant's content; arguments as the template wants them."""
-    source = template or ""
-    wants_object = template_wants_object_arguments(source)
-    renders_calls = template is not None and template_renders_tool_calls(source)
+def tool_messages(messages: list[dict[str, Any]], caps: TemplateCaps, tools: ToolRequest | None) -> list[dict[str, Any]]:
+    """The messages a template renders when tools are in play: for the generic format
+    (``caps.describes_tools``) the tools and its reply form are described in a system message
+    first (llama.cpp's generic handler); a template that does not print earlier tool calls gets
+    them as the generic JSON reply in the assistant's content; arguments as the template wants
+    them."""
+    wants_object, renders_calls = caps.object_arguments, caps.renders_tool_calls
     out = []
     for m in messages:
         calls = m.get("tool_calls")
@@ -154,10 +120,9 @@ def tool_messages(
                     [(c["function"]["name"], c["_arguments_object"]) for c in calls]
                 )
         out.append(m)
-    # ``describe``: the generic format is in use, whose reply form no template teaches (ChatML
-    # and the built-ins have no tool-call syntax, even where they list the tools): the system
-    # message does, as llama.cpp's generic handler.
-    if tools is not None and tools.choice != "none" and describe:
+    # ChatML and the built-ins have no tool-call syntax, even where they list the tools: the
+    # system message teaches the generic form.
+    if tools is not None and tools.choice != "none" and caps.describes_tools:
         prompt = tools_system_prompt(tools)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
@@ -167,17 +132,15 @@ def tool_messages(
 
 
 def render_prompt(
-    request: dict[str, Any], template: str | None, *, bos_token: str, eos_token: str, describe_tools: bool = False
+    request: dict[str, Any], template: str | None, caps: TemplateCaps, *, bos_token: str, eos_token: str
 ) -> str:
-    """Prompt text for a request with ``messages`` or a plain ``prompt`` (used verbatim).
-    ``describe_tools``: tools are described in a system message (``tool_messages``)."""
+    """Prompt text for a request with ``messages`` (through the Jinja ``template``, ChatML
+    when None) or a plain ``prompt`` (used verbatim)."""
     if "messages" in request:
         messages = normalise_messages(request["messages"])
-        add_gen = request.get("add_generation_prompt", True)
-        if not isinstance(add_gen, bool):
-            raise ChatRequestError("add_generation_prompt must be a boolean")
+        add_gen = _add_generation_prompt(request)
         tool_request = parse_tools(request)
-        messages = tool_messages(messages, template or FALLBACK_TEMPLATE, tool_request, describe=describe_tools)
+        messages = tool_messages(messages, caps, tool_request)
         try:
             text = compile_template(template or FALLBACK_TEMPLATE).render(
                 messages=messages,
@@ -193,3 +156,59 @@ def render_prompt(
     if isinstance(prompt, str):
         return prompt
     raise ChatRequestError("request needs 'messages' (array) or 'prompt' (string)")
+
+
+def _add_generation_prompt(request: dict[str, Any]) -> bool:
+    add_gen = request.get("add_generation_prompt", True)
+    if not isinstance(add_gen, bool):
+        raise ChatRequestError("add_generation_prompt must be a boolean")
+    return add_gen
+
+
+RunOnWorker = Callable[[Callable[[], str]], Awaitable[str]]
+ApplyBuiltin = Callable[[str, Sequence[tuple[str, str]], bool], str]
+
+
+class PromptRenderer:
+    """Request (``messages`` or a plain ``prompt``) -> prompt text with the engine's template.
+
+    Jinja renders on the trio thread (pure Python); a built-in template is a llama.cpp call,
+    so it runs on the GPU worker (``run_on_worker``)."""
+
+    def __init__(
+        self,
+        template: ChatTemplate,
+        caps: TemplateCaps,
+        *,
+        bos_token: str,
+        eos_token: str,
+        tokenizer_adds_bos: bool,
+        run_on_worker: RunOnWorker,
+        apply_builtin: ApplyBuiltin,
+    ) -> None:
+        self.template = template
+        self._caps = caps
+        self._bos = bos_token
+        self._eos = eos_token
+        # Prompts are tokenized with add_special: when the tokenizer adds BOS itself, a
+        # template's own leading BOS text would make two (llama-server strips it the same way).
+        self._strip_bos = tokenizer_adds_bos and bool(bos_token)
+        self._run = run_on_worker
+        self._apply_builtin = apply_builtin
+
+    async def render(self, request: dict[str, Any]) -> str:
+        tpl, caps = self.template, self._caps
+        if "messages" not in request or tpl.jinja is not None:
+            text = render_prompt(request, tpl.jinja, caps, bos_token=self._bos, eos_token=self._eos)
+            return text.removeprefix(self._bos) if self._strip_bos and "messages" in request else text
+        builtin = tpl.builtin
+        assert builtin is not None
+        # A built-in renders role and content only: tools are described in a system message
+        # and earlier calls written as the generic format's JSON (``tool_messages``).
+        messages = tool_messages(normalise_messages(request["messages"]), caps, parse_tools(request))
+        add_gen = _add_generation_prompt(request)
+        pairs = [(m["role"], m["content"]) for m in messages]
+        try:
+            return await self._run(lambda: self._apply_builtin(builtin, pairs, add_gen))
+        except ValueError as exc:
+            raise ChatRequestError(str(exc)) from None

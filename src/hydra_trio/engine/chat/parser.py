@@ -1,135 +1,18 @@
-"""Tool calls in a model's reply: the formats models write them in, and the one incremental
-parser that turns streamed text into content, reasoning and whole calls. Pure.
-
-A ToolFormat is the one home of a format's syntax: ReplyParser reads its markers, and
-llama/grammar.py's ``tools_gbnf`` writes its GBNF and lazy triggers from the same fields,
-so what the grammar makes a model write is what the parser takes as a call.
-"""
+"""A model's reply read back: the one incremental parser that turns streamed text into
+content, reasoning and whole tool calls, in the template's ``ToolFormat``. Pure."""
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..wire.errors import ProtocolError
-from ..wire.jsontext import parse_json
+from ...wire.errors import ProtocolError
+from ...wire.jsontext import parse_json
+from .formats import GENERIC, ToolFormat, dump_arguments
 from .reasoning import ThinkSplitter, partial_suffix
 from .tools import ToolRequest
-
-# How the grammar writes a call's JSON, up to the tool's name: ``{"name": "N", "<args>": {...}}``
-# (the spacing of the models' own examples). A lazy trigger may land inside this text.
-CALL_PREFIX = '{"name": "'
-
-
-@dataclass(frozen=True)
-class Trigger:
-    """A literal whose appearance in the reply starts the tool grammar (``auto``)."""
-
-    text: str
-    at_start: bool  # only as the reply's first non-whitespace text
-    then: str  # the fixed text the grammar writes right after it
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    name: str  # hermes | llama3 | mistral | generic
-    args_key: str  # the call object's key for the arguments
-    # What the parser looks for:
-    opener: str = ""  # a literal that starts calls anywhere in the text ("": none)
-    closer: str = ""  # a literal after each call's JSON
-    at_start: bool = False  # a JSON object opening the reply is a call (or the calls' object)
-    listed: bool = False  # after the opener, the calls are one JSON array
-    list_key: str = ""  # the calls are this key's array of one JSON object (generic)
-    separator: str = ""  # between one call's JSON and the next (llama3's ";")
-    # What the grammar writes: before all calls, around each, between two, after all.
-    before: str = ""
-    before_optional: bool = False
-    call_open: str = ""
-    call_close: str = ""
-    between: str = ""
-    after: str = ""
-    triggers: tuple[Trigger, ...] = ()
-
-
-HERMES = ToolFormat(
-    "hermes",
-    "arguments",
-    opener="<tool_call>",
-    closer="</tool_call>",
-    call_open="<tool_call>\n",
-    call_close="\n</tool_call>",
-    between="\n",
-    triggers=(Trigger("<tool_call>", False, "\n" + CALL_PREFIX),),
-)
-LLAMA3 = ToolFormat(
-    "llama3",
-    "parameters",
-    opener="<|python_tag|>",
-    at_start=True,
-    separator=";",
-    before="<|python_tag|>",
-    before_optional=True,
-    between="; ",
-    triggers=(Trigger("<|python_tag|>", False, CALL_PREFIX), Trigger('{"name"', True, CALL_PREFIX[len('{"name"'):])),
-)
-MISTRAL = ToolFormat(
-    "mistral",
-    "arguments",
-    opener="[TOOL_CALLS]",
-    listed=True,
-    before="[TOOL_CALLS][",
-    between=", ",
-    after="]",
-    triggers=(Trigger("[TOOL_CALLS]", False, "[" + CALL_PREFIX),),
-)
-GENERIC = ToolFormat(
-    "generic",
-    "arguments",
-    at_start=True,
-    list_key="tool_calls",
-    before='{"tool_calls": [',
-    between=", ",
-    after="]}",
-    triggers=(Trigger('{"tool_calls"', True, ": [" + CALL_PREFIX),),
-)
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GENERIC)}
-
-
-def detect_format(template_source: str | None) -> ToolFormat:
-    """The tool format a Jinja chat template writes calls in (generic: it has no syntax)."""
-    src = template_source or ""
-    if "<tool_call>" in src:
-        return HERMES
-    if "[TOOL_CALLS]" in src:
-        return MISTRAL
-    if "<|python_tag|>" in src or ("ipython" in src and "parameters" in src):
-        return LLAMA3
-    return GENERIC
-
-
-def tools_system_prompt(req: ToolRequest) -> str:
-    """A system message describing the tools and the generic reply form, for templates with
-    no tool syntax (as llama.cpp's generic handler does)."""
-    tools = [
-        {"name": t.name, **({"description": t.description} if t.description else {}), "parameters": t.parameters}
-        for t in req.callable
-    ]
-    form = '{"tool_calls": [{"name": "<tool name>", "arguments": {<the arguments, a JSON object>}}]}'
-    if req.choice == "function":
-        must = f"You must call {req.function}."
-    elif req.choice == "required":
-        must = "You must call at least one tool."
-    else:
-        must = "If no tool is needed, reply in plain text instead."
-    many = "The list may hold several calls." if req.parallel else "Call one tool at a time: the list holds one call."
-    return (
-        "You can call the following tools; each one's parameters are a JSON schema:\n"
-        + json.dumps(tools, ensure_ascii=False)
-        + f"\n\nTo call tools, reply with this JSON object and nothing else:\n{form}\n{many} {must}"
-    )
 
 
 @dataclass(frozen=True)
@@ -138,17 +21,6 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # the arguments object as compact JSON text (dump_arguments)
-
-
-def dump_arguments(value: dict[str, Any]) -> str:
-    """The one spelling of a call's arguments."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def generic_calls_json(calls: list[tuple[str, dict[str, Any]]]) -> str:
-    """Earlier calls ``(name, arguments)`` as the generic format's reply, for a template with
-    no tool syntax to show the model what it called (the spacing its grammar writes)."""
-    return json.dumps({GENERIC.list_key: [{"name": n, GENERIC.args_key: a} for n, a in calls]}, ensure_ascii=False)
 
 
 def new_call_id() -> str:

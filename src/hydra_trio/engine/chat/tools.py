@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..wire.errors import bad_param
+from ...wire.errors import bad_param
 
 MAX_TOOLS = 128
 MAX_SCHEMA_BYTES = 64 * 1024  # one tool's parameters schema as JSON
