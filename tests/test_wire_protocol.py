@@ -315,10 +315,6 @@ _BLOCKED_IMPORT_SCRIPT = textwrap.dedent(
 
     frame = hydra_trio.wire.encode_decode_frame_v3({{}}, {{"prompt": "hi"}}, b"")
     assert hydra_trio.wire.parse_decode_frame(frame).request == {{"prompt": "hi"}}
-    # Generation-parameter validation is pure too (the backend imports it, not the reverse).
-    import hydra_trio.engine.params as params
-    got = params.parse_generation({{"max_tokens": 3, "temperature": 0}}, default_n_predict=8, n_ctx=64)
-    assert got.n_predict == 3 and got.sampling.greedy
     leaked = sorted(n for n in sys.modules if n.partition(".")[0] in EXPLICIT)
     assert not leaked, leaked
     print("ok")
@@ -326,7 +322,7 @@ _BLOCKED_IMPORT_SCRIPT = textwrap.dedent(
 )
 
 
-def test_wire_and_params_import_without_heavy_dependencies() -> None:
+def test_wire_imports_without_heavy_dependencies() -> None:
     script = _BLOCKED_IMPORT_SCRIPT.format(src=str(_SRC))
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False

@@ -15,15 +15,27 @@ import trio
 
 from ..config import CACHE_TYPES, Settings, cache_type_problem
 from ..wire import sampling as sampling_keys
-from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.errors import ErrorCode, ParamError, ProtocolError, Status
+from .params import BOUNDS, check_value, parse_stop
 from .slots import SlotTable
 
 log = logging.getLogger(__name__)
 
-# CONFIGURE tiers (spec §2.4)
-_T1_KEYS = {"n_predict", "seed", "n_keep", "antiprompt", "sampling", "state_chunk_size"}
+# CONFIGURE tiers (spec §2.4). T1: a slot's defaults for later requests on it: every
+# generation key with a bound (params.BOUNDS: the spec's n_predict, seed and sampling keys,
+# top-level or under "sampling", and the rest of them), antiprompt (its stop strings), n_keep,
+# state_chunk_size. T2 rebuilds the context, T3 reloads the model, when every slot is idle.
+_T1_OWN_KEYS = {"n_keep", "antiprompt", "state_chunk_size"}
 _T2_KEYS = {"n_ctx", "cache_type_k", "cache_type_v"}
 _T3_KEYS = {"model_path"}
+# Keys coordinators send that this engine takes but cannot apply per slot: why, for
+# params_unused (docs/rpc-protocol.md §4 lists the coordinator's keys).
+_NOT_APPLIED = {
+    "n_keep": "accepted, not applied: no context shifting (generation stops at the context limit)",
+    "batch": "accepted, not applied: the batch size is fixed at start (--batch-size)",
+    "n_batch": "accepted, not applied: the batch size is fixed at start (--batch-size)",
+    "ctx": "accepted, not applied: the context size is fixed at start (--ctx-size); n_ctx (T2) rebuilds it",
+}
 CHUNK_MIN, CHUNK_MAX = 64 * 1024, 64 * 1024 * 1024
 
 
@@ -56,18 +68,10 @@ class Configurable(Protocol):
 
 async def configure(engine: Configurable, slot_id: int, body: dict[str, Any], settings: Settings) -> ConfigureOutcome:
     """Sort a CONFIGURE's keys into tiers, refuse what this engine's --configure-tiers or
-    the keys' rules do not allow, apply T1 to the slot and stage T2/T3."""
-    t1 = {k: v for k, v in body.items() if k in _T1_KEYS}
+    the keys' rules do not allow, apply T1 to the slot and stage T2/T3. Every key is applied,
+    staged, or named in ``params_unused`` with the reason."""
     staged = {k: v for k, v in body.items() if k in _T2_KEYS or k in _T3_KEYS}
-    unused: dict[str, str] = {}
-    if t1:
-        t1 = _validate_t1(t1)
-        if "n_keep" in t1:
-            # n_keep picks the prefix kept when a full context is shifted; this engine
-            # never shifts (a slot that fills up stops with stop_type "context"), so
-            # nothing would apply it: reported as accepted-but-unused, not as applied.
-            del t1["n_keep"]
-            unused["n_keep"] = "accepted, not applied: no context shifting (generation stops at the context limit)"
+    t1, unused = _validate_t1({k: v for k, v in body.items() if k not in staged})
     tier = "T3" if _T3_KEYS & staged.keys() else "T2" if staged else "T1"
     allowed = settings.configure_tier_set()
     for name, used in (("T1", t1), ("T2", _T2_KEYS & staged.keys()), ("T3", _T3_KEYS & staged.keys())):
@@ -110,39 +114,38 @@ def _model_in(model_dir: str, path: str) -> str:
     return real
 
 
-def _validate_t1(t1: dict[str, Any]) -> dict[str, Any]:
-    """Normalise T1 keys; unknown sampling keys are ignored, wrong types refused."""
-    out: dict[str, Any] = {}
-    for key in ("n_predict", "seed", "n_keep"):
-        if key in t1:
-            v = t1[key]
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise _bad(f"{key} must be an integer")
-            out[key] = v
-    if "antiprompt" in t1:
-        v = t1["antiprompt"]
-        if isinstance(v, str):
-            v = [v]
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise _bad("antiprompt must be a string or an array of strings")
-        out["antiprompt"] = v
-    if "sampling" in t1:
-        s = t1["sampling"]
-        if not isinstance(s, dict):
-            raise _bad("sampling must be an object")
-        sampling = {}
-        for k, v in s.items():  # echoed as spelled; stored canonical (SlotSettings.apply)
-            if sampling_keys.ALIASES.get(k, k) in sampling_keys.T1_SAMPLING_KEYS:
-                if isinstance(v, bool) or not isinstance(v, int | float):
-                    raise _bad(f"sampling.{k} must be a number")
-                sampling[k] = v
-        out["sampling"] = sampling
-    if "state_chunk_size" in t1:
-        v = t1["state_chunk_size"]
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise _bad("state_chunk_size must be an integer")
-        out["state_chunk_size"] = min(max(v, CHUNK_MIN), CHUNK_MAX)
-    return out
+def _validate_t1(body: dict[str, Any]) -> tuple[sampling_keys.Layer, dict[str, str]]:
+    """The T1 keys of ``body`` flattened by the one precedence rule (wire/sampling.py) and
+    validated by the one validation of generation values (params.check_value), and what is
+    not applied, with why. A bad value is refused (BAD_JSON), as a request would be."""
+    if body.get("sampling") is not None and not isinstance(body["sampling"], dict):
+        raise _bad("sampling must be an object")
+    keys = sampling_keys.flatten({k: v for k, v in body.items() if not (k == "sampling" and v is None)})
+    out = sampling_keys.Layer()
+    unused: dict[str, str] = {}
+    for key, value in keys.items():
+        name = keys.name(key)
+        try:
+            if key in BOUNDS:
+                out[key] = check_value(key, value, name)
+            elif key == "antiprompt":
+                out["stop"] = parse_stop(value, name)
+                out.spelled["stop"] = name
+                continue
+            elif key == "state_chunk_size":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise _bad("state_chunk_size must be an integer")
+                out[key] = min(max(value, CHUNK_MIN), CHUNK_MAX)
+            elif key in _NOT_APPLIED:
+                unused[name] = _NOT_APPLIED[key]
+                continue
+            else:
+                unused[name] = "unknown key: not a CONFIGURE key of this engine"
+                continue
+        except ParamError as err:
+            raise _bad(err.message) from None
+        out.spelled[key] = name
+    return out, unused
 
 
 def _validate_staged(staged: dict[str, Any], *, flash_attn: str) -> dict[str, Any]:
@@ -169,35 +172,40 @@ def _validate_staged(staged: dict[str, Any], *, flash_attn: str) -> dict[str, An
 
 
 class SlotSettings:
-    """T1: applied at once to a slot's defaults for later requests on it."""
+    """T1: applied at once to a slot's defaults for later requests on it, key by key (a later
+    CONFIGURE's key replaces the earlier one, whatever its spelling)."""
 
     def __init__(self, slots: SlotTable) -> None:
         self._slots = slots
-        self._config: list[dict[str, Any]] = [{} for _ in range(len(slots))]
+        self._config = [sampling_keys.Layer() for _ in range(len(slots))]
 
-    def of(self, slot_id: int) -> dict[str, Any]:
-        return self._config[slot_id]
+    def chunk_size(self, slot_id: int) -> int | None:
+        """The slot's STATE_GET send chunk (state_chunk_size), None: the whole blob at once."""
+        return self._config[slot_id].get("state_chunk_size")
 
-    def apply(self, slot_id: int, t1: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, slot_id: int, t1: sampling_keys.Layer) -> dict[str, Any]:
+        """Take validated T1 keys; returns them as the reply's ``params_applied``, spelled as
+        sent (a ``sampling`` object's keys under ``sampling``)."""
         self._slots.get(slot_id)  # NO_SLOT
-        cfg = self._config[slot_id]
+        self._config[slot_id].update_from(t1)
+        applied: dict[str, Any] = {}
         for key, value in t1.items():
-            if key == "sampling":  # canonical names: a later temp replaces an earlier temperature
-                cfg.setdefault("sampling", {}).update(sampling_keys.canonical(value))
+            name = t1.name(key)
+            shown = list(value) if key == "stop" else value
+            if name.startswith("sampling."):
+                applied.setdefault("sampling", {})[name.removeprefix("sampling.")] = shown
             else:
-                cfg[key] = value
-        return dict(t1)
+                applied[name] = shown
+        return applied
 
-    def generation_defaults(self, slot_id: int) -> dict[str, Any]:
-        """The slot's T1 settings as one layer of request keys, flattened by the one rule
-        (wire/sampling.py: its sampling keys beat its top-level ones; the request's layers,
-        merged after it, beat both)."""
+    def generation_defaults(self, slot_id: int) -> sampling_keys.Layer:
+        """The slot's T1 settings as the first layer of a request's keys (wire/sampling.py:
+        the request's layers, merged after it, beat it key by key)."""
         cfg = self._config[slot_id]
-        layer: dict[str, Any] = {k: cfg[k] for k in ("n_predict", "seed") if k in cfg}
-        if "antiprompt" in cfg:
-            layer["stop"] = cfg["antiprompt"]
-        layer["sampling"] = cfg.get("sampling", {})
-        return sampling_keys.flatten(layer)
+        return sampling_keys.Layer(
+            {k: v for k, v in cfg.items() if k != "state_chunk_size"},
+            {k: v for k, v in cfg.spelled.items() if k != "state_chunk_size"},
+        )
 
 
 class Reconfigurer:

@@ -10,8 +10,9 @@ from typing import Any
 
 from ..wire import sampling as sampling_keys
 from ..wire.errors import bad_param
+from ..wire.sampling import SPEC_TYPES
 from .chat import Constraint, ToolRequest, parse_tools, request_constraint
-from .speculative import SPEC_TYPES, SpecRequest
+from .speculative import SpecRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -71,61 +72,101 @@ class GenerationParams:
 MAX_DRAFT = 256
 
 
-def parse_speculative(req: dict[str, Any]) -> SpecRequest | None:
-    """A request's speculative decoding keys: ``"speculative": {"type", "n_max", "n_min"}``
-    (``draft_n_max``/``draft_n_min`` too) or llama-server's flat ``speculative.n_max``,
-    ``speculative.n_min``, ``speculative.type``; the object's keys beat the flat ones."""
-    obj = req.get("speculative")
-    if obj is not None and not isinstance(obj, dict):
-        raise bad_param("speculative must be an object (type, n_max, n_min)", "speculative")
-    flat = {k.removeprefix("speculative."): v for k, v in req.items() if k.startswith("speculative.")}
-    keys = flat | {{"draft_n_max": "n_max", "draft_n_min": "n_min"}.get(k, k): v for k, v in (obj or {}).items()}
-    if not keys:
-        return None
-    unknown = keys.keys() - {"type", "n_max", "n_min"}
-    if unknown:
-        raise bad_param(f"speculative: unknown keys {sorted(unknown)} (type, n_max, n_min)", "speculative")
-    kind = keys.get("type")
-    if kind is not None and kind not in SPEC_TYPES:
-        raise bad_param(f"speculative.type must be one of {', '.join(SPEC_TYPES)}, got {kind!r}", "speculative")
-    named = {f"speculative.{k}": v for k, v in keys.items()}
-    n_max = _integer(named, ("speculative.n_max",), -1, 0, MAX_DRAFT)
-    n_min = _integer(named, ("speculative.n_min",), -1, 0, MAX_DRAFT)
-    return SpecRequest(type=kind, n_max=None if n_max < 0 else n_max, n_min=None if n_min < 0 else n_min)
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A generation key's type and inclusive range."""
+
+    kind: type  # int or float (a number: an int is taken too)
+    lo: float
+    hi: float
 
 
-def _number(req: dict[str, Any], names: tuple[str, ...], default: float, lo: float, hi: float) -> float:
-    for name in names:
-        if name in req and req[name] is not None:
-            v = req[name]
-            # (math.isfinite of an int past float's range raises OverflowError: floats only.)
-            if isinstance(v, bool) or not isinstance(v, int | float) or (isinstance(v, float) and not math.isfinite(v)):
-                raise bad_param(f"{name} must be a number", name)
-            if not lo <= v <= hi:
-                raise bad_param(f"{name} must be between {lo} and {hi}, got {v}", name)
-            return float(v)
-    return default
+# Every numeric generation key's bounds, by canonical name: the one validation of a value,
+# for requests (HTTP, DECODE) and for CONFIGURE T1 alike (``check_value``).
+BOUNDS: dict[str, Bound] = {
+    "n_predict": Bound(int, -1, 1 << 30),  # -1: until the context ends
+    "seed": Bound(int, -(1 << 63), (1 << 64) - 1),
+    "temperature": Bound(float, 0.0, 100.0),
+    "top_k": Bound(int, 0, 1 << 20),
+    "top_p": Bound(float, 0.0, 1.0),
+    "min_p": Bound(float, 0.0, 1.0),
+    "repeat_penalty": Bound(float, 0.0, 100.0),
+    "repeat_last_n": Bound(int, 0, 1 << 20),
+    "frequency_penalty": Bound(float, -2.0, 2.0),
+    "presence_penalty": Bound(float, -2.0, 2.0),
+    "min_tokens": Bound(int, 0, 1 << 30),
+    "stream_interval": Bound(int, 1, 4096),
+    "speculative.n_max": Bound(int, 0, MAX_DRAFT),
+    "speculative.n_min": Bound(int, 0, MAX_DRAFT),
+}
 
 
-def _integer(req: dict[str, Any], names: tuple[str, ...], default: int, lo: int, hi: int) -> int:
-    for name in names:
-        if name in req and req[name] is not None:
-            v = req[name]
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise bad_param(f"{name} must be an integer", name)
-            if not lo <= v <= hi:
-                raise bad_param(f"{name} must be between {lo} and {hi}, got {v}", name)
-            return v
-    return default
+def check_value(key: str, value: Any, name: str | None = None) -> int | float:
+    """``value`` of the canonical generation key ``key`` if it is of its type and range; a
+    400 naming the parameter as spelled (``name``) otherwise."""
+    name = name or key
+    bound = BOUNDS[key]
+    if bound.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad_param(f"{name} must be an integer", name)
+    # (math.isfinite of an int past float's range raises OverflowError: floats only.)
+    elif isinstance(value, bool) or not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
+        raise bad_param(f"{name} must be a number", name)
+    if not bound.lo <= value <= bound.hi:
+        lo, hi = (int(bound.lo), int(bound.hi)) if bound.kind is int else (bound.lo, bound.hi)
+        raise bad_param(f"{name} must be between {lo} and {hi}, got {value}", name)
+    return value if bound.kind is int else float(value)
 
 
-def _boolean(req: dict[str, Any], name: str, default: bool) -> bool:
-    v = req.get(name)
+def _value(keys: sampling_keys.Layer, key: str, default: Any) -> Any:
+    v = keys.get(key)
+    return default if v is None else check_value(key, v, keys.name(key))
+
+
+def _boolean(keys: sampling_keys.Layer, key: str, default: bool) -> bool:
+    v = keys.get(key)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad_param(f"{name} must be a boolean", name)
+        raise bad_param(f"{keys.name(key)} must be a boolean", keys.name(key))
     return v
+
+
+def parse_stop(value: Any, name: str = "stop") -> tuple[str, ...]:
+    """Stop strings (a string or an array of them; empty ones dropped), bounded."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        stop: tuple[str, ...] = (value,) if value else ()
+    elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+        stop = tuple(s for s in value if s)
+    else:
+        raise bad_param(f"{name} must be a string or an array of strings", name)
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stop):
+        raise bad_param(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", name)
+    return stop
+
+
+def parse_speculative(req: dict[str, Any]) -> SpecRequest | None:
+    """A request's speculative decoding keys, flattened by the one rule (wire/sampling.py):
+    ``"speculative": {"type", "n_max", "n_min"}`` (``draft_n_max``/``draft_n_min`` too) or
+    llama-server's flat ``speculative.n_max``, ``speculative.n_min``, ``speculative.type``."""
+    keys = sampling_keys.flatten(req)
+    if keys.get("speculative") is not None:  # an object was flattened away: what is left under this name is no object
+        raise bad_param("speculative must be an object (type, n_max, n_min)", "speculative")
+    prefix = sampling_keys.SPEC_PREFIX
+    found = {k.removeprefix(prefix): k for k in keys if k.startswith(prefix)}
+    if not found:
+        return None
+    unknown = found.keys() - set(sampling_keys.SPEC_KEYS)
+    if unknown:
+        raise bad_param(f"speculative: unknown keys {sorted(unknown)} (type, n_max, n_min)", "speculative")
+    kind = keys.get(prefix + "type")
+    if kind is not None and kind not in SPEC_TYPES:
+        raise bad_param(f"speculative.type must be one of {', '.join(SPEC_TYPES)}, got {kind!r}", "speculative")
+    n_max = _value(keys, prefix + "n_max", None)
+    n_min = _value(keys, prefix + "n_min", None)
+    return SpecRequest(type=kind, n_max=n_max, n_min=n_min)
 
 
 def parse_generation(
@@ -136,60 +177,47 @@ def parse_generation(
     default_stream_interval: int = 1,
     to_gbnf: Callable[[Constraint], tuple[str, tuple[str, ...]]] | None = None,
 ) -> GenerationParams:
-    """Validate and collect generation settings: one layer, flattened by the one precedence
-    rule (wire/sampling.py: ``req["sampling"]`` keys beat ``req``'s own, aliases renamed).
+    """Validate and collect generation settings from one layer, or layers merged already
+    (``wire.sampling.merge``), by the one precedence rule (wire/sampling.py).
     ``to_gbnf``: the engine's conversion of an output constraint to GBNF and its lazy
-    triggers (llama/grammar.py; without it a constraint is refused)."""
+    triggers (chat/grammar.py; without it a constraint is refused)."""
     if req.get("sampling") is not None and not isinstance(req["sampling"], dict):
         raise bad_param("sampling must be an object", "sampling")
-    merged = sampling_keys.flatten({k: v for k, v in req.items() if not (k == "sampling" and v is None)})
+    keys = sampling_keys.flatten(req if isinstance(req, sampling_keys.Layer) else {k: v for k, v in req.items() if not (k == "sampling" and v is None)})
 
-    n_predict = _integer(merged, ("max_completion_tokens", "max_tokens", "n_predict"), default_n_predict, -1, 1 << 30)
+    n_predict = _value(keys, "n_predict", default_n_predict)
     if n_predict < 0 or n_predict > n_ctx:  # -1 = until the context ends
         n_predict = n_ctx
-    seed = _integer(merged, ("seed",), 0xFFFFFFFF, -(1 << 63), (1 << 64) - 1)
-    tools = parse_tools(merged)
-    constraint = request_constraint(merged, tools)
+    seed = _value(keys, "seed", 0xFFFFFFFF)
+    tools = parse_tools(keys)
+    constraint = request_constraint(keys, tools)
     if constraint is not None and to_gbnf is None:
         raise bad_param(f"{constraint.param} is not supported here", constraint.param)
     grammar, triggers = (None, ()) if constraint is None or to_gbnf is None else to_gbnf(constraint)
     params = SamplingParams(
-        temperature=_number(merged, ("temperature",), 0.0, 0.0, 100.0),
-        top_k=_integer(merged, ("top_k",), 40, 0, 1 << 20),
-        top_p=_number(merged, ("top_p",), 0.95, 0.0, 1.0),
-        min_p=_number(merged, ("min_p",), 0.05, 0.0, 1.0),
-        repeat_penalty=_number(merged, ("repeat_penalty",), 1.0, 0.0, 100.0),
-        repeat_last_n=_integer(merged, ("repeat_last_n",), 64, 0, 1 << 20),
-        frequency_penalty=_number(merged, ("frequency_penalty",), 0.0, -2.0, 2.0),
-        presence_penalty=_number(merged, ("presence_penalty",), 0.0, -2.0, 2.0),
+        temperature=_value(keys, "temperature", 0.0),
+        top_k=_value(keys, "top_k", 40),
+        top_p=_value(keys, "top_p", 0.95),
+        min_p=_value(keys, "min_p", 0.05),
+        repeat_penalty=_value(keys, "repeat_penalty", 1.0),
+        repeat_last_n=_value(keys, "repeat_last_n", 64),
+        frequency_penalty=_value(keys, "frequency_penalty", 0.0),
+        presence_penalty=_value(keys, "presence_penalty", 0.0),
         seed=seed & 0xFFFFFFFF,
-        ignore_eos=_boolean(merged, "ignore_eos", False),
-        min_tokens=_integer(merged, ("min_tokens",), 0, 0, 1 << 30),
+        ignore_eos=_boolean(keys, "ignore_eos", False),
+        min_tokens=_value(keys, "min_tokens", 0),
         grammar=grammar,
         grammar_triggers=triggers,
         grammar_param="grammar" if constraint is None else constraint.param,
     )
     if params.min_tokens > n_predict:
         raise bad_param(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})", "min_tokens")
-    stop_raw = merged.get("stop")
-    if stop_raw is None:
-        stop: tuple[str, ...] = ()
-    elif isinstance(stop_raw, str):
-        stop = (stop_raw,) if stop_raw else ()
-    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
-        stop = tuple(s for s in stop_raw if s)
-    else:
-        raise bad_param("stop must be a string or an array of strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in stop):
-        raise bad_param(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LEN} characters", "stop")
-    stream = _boolean(merged, "stream", False)
-    interval = _integer(merged, ("stream_interval",), default_stream_interval, 1, 4096)
     return GenerationParams(
         n_predict=n_predict,
         sampling=params,
-        stop=stop,
-        stream=stream,
-        stream_interval=interval,
+        stop=parse_stop(keys.get("stop"), keys.name("stop")),
+        stream=_boolean(keys, "stream", False),
+        stream_interval=_value(keys, "stream_interval", default_stream_interval),
         tools=tools,
-        speculative=parse_speculative(merged),
+        speculative=parse_speculative(keys),
     )

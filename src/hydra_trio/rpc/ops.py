@@ -215,7 +215,7 @@ class OpTable:
             "kv_hash": snap.kv_hash,
             **engine.identity.fields(),
         }
-        reply = Reply.ok(meta, list(snap.parts), send_chunk=engine.slot_settings.of(ctx.slot_id).get("state_chunk_size"))
+        reply = Reply.ok(meta, list(snap.parts), send_chunk=engine.slot_settings.chunk_size(ctx.slot_id))
         reply.held = snap.held
         return reply
 
