@@ -354,13 +354,10 @@ def engine_alone(model: Path, slots: int, slot_ctx: int, counts: list[int], roun
 
                     async def one(prompt: str) -> None:
                         nonlocal made
-                        tokens = await eng.inputs.tokenize_text(prompt)  # a request's own work, as over HTTP
-                        slot = await eng.scheduler.claim_for_prompt(tokens, "ceiling")
-                        try:
-                            res = await eng.generate(slot.id, tokens, params, discard, result=GenerationResult())
+                        tokens = await eng.prompt_tokens(prompt)  # a request's own work, as over HTTP
+                        async with eng.claim("ceiling", prompt=tokens) as lease:
+                            res = await lease.generate(tokens, params, discard, result=GenerationResult())
                             made += res.completion_tokens  # after the await: "made +=" would read it before
-                        finally:
-                            eng.release(slot)
 
                     t0, c0 = time.perf_counter(), time.process_time()
                     async with trio.open_nursery() as nursery:

@@ -100,7 +100,7 @@ def compile_figures(model: str, threads: int) -> dict[str, list[float]]:
         settings = replace(Settings(model=model), host="127.0.0.1", port=0, rpc_port=0, slots=1, ctx_size=2048, threads=threads)
         async with trio.open_nursery() as nursery:
             ep = await nursery.start(serve, settings)
-            inputs = ep.state.engine.inputs
+            inputs = ep.state.engine._core.inputs
             cases = {
                 "schema (32 properties)": {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": COMPILE_SCHEMA}}},
                 "tools (8, required)": {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "required"},

@@ -37,8 +37,9 @@ import numpy as np
 from benchmarks.harness import env_info
 from benchmarks.speculative import SAMPLING, WORKLOADS, _model
 from hydra_trio.engine import speculative
-from hydra_trio.engine.speculative import SpecConfig, Speculation, step_drafts, verify
-from hydra_trio.engine.stepcost import BatchCost, StepCost, batch_counts
+from hydra_trio.engine.speculation import SpecConfig, Speculation
+from hydra_trio.engine.speculation.policy import step_drafts, verify
+from hydra_trio.engine.speculation.stepcost import BatchCost, StepCost, batch_counts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [*range(1, 41), 48, 64, 96, 128, 192, 256]

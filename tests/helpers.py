@@ -1,7 +1,7 @@
 """Helpers shared by the integration tests; not collected (no test_ prefix).
 
 The one tool that makes the lifecycle tests deterministic is ``WorkerGate``: the test task
-holds the engine's GPU-worker limiter (``engine.worker.limiter``, a CapacityLimiter(1)), so
+holds the engine's GPU-worker limiter (``engine._core.worker.limiter``, a CapacityLimiter(1)), so
 every llama.cpp call queues behind it. ``step()`` hands the worker to exactly one queued
 call and takes it back (trio's limiter is FIFO and hands the token over on release), so a
 request can be advanced one GPU call at a time and observed between calls.
@@ -109,11 +109,11 @@ async def wait_slots_until(engine: Any, check: Callable[[], bool], timeout_s: fl
     released when a request ends and when a staged reconfiguration has been applied)."""
     with trio.fail_after(timeout_s):
         while not check():
-            await engine.slots.wait_released()
+            await engine._core.slots.wait_released()
 
 
 async def wait_slots_idle(engine: Any, timeout_s: float = 10.0) -> None:
-    await wait_slots_until(engine, engine.slots.all_idle, timeout_s)
+    await wait_slots_until(engine, engine._core.slots.all_idle, timeout_s)
 
 
 # ---- the GPU-worker gate -----------------------------------------------------------------
@@ -124,13 +124,13 @@ class WorkerGate:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.limiter: trio.CapacityLimiter = engine.worker.limiter
+        self.limiter: trio.CapacityLimiter = engine._core.worker.limiter
         self.held = False
 
     async def close(self) -> None:
         """Take the worker (waits for the call running now, if any)."""
         assert not self.held
-        self.engine.worker.wants_turn.set()  # as any caller: a run of steps ends after one
+        self.engine._core.worker.wants_turn.set()  # as any caller: a run of steps ends after one
         await self.limiter.acquire()
         self.held = True
 
@@ -156,7 +156,7 @@ class WorkerGate:
             self.limiter.release()  # FIFO: the token goes to the queued call
             # Queued behind it, asking for the worker as any caller does (a run of generation
             # steps returns after one step); back once it finished.
-            self.engine.worker.wants_turn.set()
+            self.engine._core.worker.wants_turn.set()
             await self.limiter.acquire()
 
 

@@ -91,3 +91,71 @@ def test_the_layers_import_each_other_without_a_circle() -> None:
     for node in sorted(edges):
         if node not in state:
             visit(node)
+
+
+def test_engine_llama_imports_nothing_of_the_engine_above_it() -> None:
+    for m, p in modules().items():
+        if m.startswith("engine/llama/"):
+            ours = {i for i in imports_of(p) if i.startswith("hydra_trio.")}
+            above = {i for i in ours if i.startswith("hydra_trio.engine.") and not i.startswith("hydra_trio.engine.llama")}
+            assert not above, (m, sorted(above))
+
+
+def test_callers_use_what_a_package_exports() -> None:
+    """Outside engine/, only the face (``hydra_trio.engine``) is imported; inside engine/,
+    a subpackage (chat/, speculation/, kv/, llama/, sched/) is reached through its own face only."""
+    faces = ("chat", "speculation", "kv", "llama", "sched")
+    for m, p in modules().items():
+        for i in imports_of(p):
+            if not i.startswith("hydra_trio.engine."):
+                continue
+            if not m.startswith("engine/"):
+                # ``from ..engine import X`` reads as hydra_trio.engine.X for a name X.
+                assert i.split(".")[2] in _face_names(), (m, i)
+                continue
+            parts = i.split(".")
+            own = m.split("/")[1] if m.count("/") >= 2 else None
+            if len(parts) >= 4 and parts[2] in faces and parts[2] != own:
+                assert parts[3] in _package_names(parts[2]), (m, i)
+
+
+def _face_names() -> set[str]:
+    return _package_names(None)
+
+
+def _package_names(sub: str | None) -> set[str]:
+    """What a package's __init__.py exports (its ``__all__``)."""
+    path = PKG / "engine" / (sub or "") / "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    return set()
+
+
+def test_no_engine_subfolder_holds_more_than_15_modules() -> None:
+    by_folder: dict[str, int] = defaultdict(int)
+    for m in modules():
+        if m.startswith("engine/"):
+            by_folder[m.rsplit("/", 1)[0]] += 1
+    assert max(by_folder.values()) <= 15, dict(by_folder)
+
+
+def test_no_module_is_over_600_lines() -> None:
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    assert not long, long
+
+
+def test_the_engine_face_is_small_and_the_front_ends_reach_only_it() -> None:
+    from hydra_trio.engine import Engine
+
+    public = [n for n in vars(Engine) if not n.startswith("_")]
+    assert len(public) <= 25, sorted(public)
+    # No front end goes through the face into a second attribute (``engine.x.y``), nor holds
+    # a slot by hand: a slot's life is ``async with engine.claim(...)``.
+    chain = re.compile(r"\bengine\.(\w+)\.(\w+)")
+    for m, p in modules().items():
+        if m.split("/")[0] in ("http", "rpc", "decode", "handoff"):
+            text = p.read_text(encoding="utf-8")
+            assert not chain.search(text), (m, chain.search(text))
+            assert ".release(slot" not in text and "slot_claim" not in text, m

@@ -438,7 +438,7 @@ def test_token_text_tables_equal_llama_cpp(backend: LlamaBackend) -> None:
     """/tokenize pieces and /detokenize read tables built at load instead of calling llama.cpp
     per token: the tables hold exactly what llama.cpp says, control tokens spelled out."""
     for t in range(backend.info.n_vocab):
-        assert backend.special_piece(t) == backend._piece(t, special=True)
+        assert backend.vocabulary.special_piece(t) == backend._piece(t, special=True)
         assert backend.token_bytes(t) == backend._piece(t)
 
 

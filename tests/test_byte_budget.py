@@ -77,7 +77,7 @@ async def test_a_live_engine_answers_busy_when_payload_memory_stays_full(start_e
             first_done.set()
 
         async with trio.open_nursery() as nursery:
-            async with ep.state.engine.worker.limiter:
+            async with ep.state.engine._core.worker.limiter:
                 nursery.start_soon(hold_budget)
                 await trio.testing.wait_all_tasks_blocked()
                 assert ep.state.payload_budget.used >= len(blob)

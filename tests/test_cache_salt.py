@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from helpers import http
-from hydra_trio.engine.kvblocks import SlotBlocks, block_hash
-from hydra_trio.engine.promptcache import PromptCache, Snapshot
+from hydra_trio.engine.kv.blocks import SlotBlocks, block_hash
+from hydra_trio.engine.kv.promptcache import PromptCache
+from hydra_trio.engine.llama import Snapshot
 
 PROMPT = "tell me about the river and the old mill and why they matter " * 4
 

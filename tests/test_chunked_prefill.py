@@ -42,7 +42,7 @@ async def test_a_prompt_arriving_during_generation_rides_in_the_step_batches(
     # batch_size = the step budget: a part that finds no step to share with is no larger.
     ep = await start_engine(tiny_model_ctx, ctx_size=4096, batch_size=32, step_token_budget=32)
     engine = ep.state.engine
-    budget = engine.batcher.token_budget
+    budget = engine._core.batcher.token_budget
     async with http(ep) as h, await rpc(ep) as c:
         alone_a = text_of(await chat_completion(h, MESSAGES, A_TOKENS))
         await erase_all(h)
@@ -54,8 +54,8 @@ async def test_a_prompt_arriving_during_generation_rides_in_the_step_batches(
             rid = await decode_ok(c, 0, frame(MESSAGES, n_predict=A_TOKENS))
             await g.step(2)  # tokenize, prefill: A samples its first token
             await g.wait_queued(1)  # A's next step waits for the worker: A is generating
-            assert engine.batcher.generating == 1
-            fused_before, parts_before = engine.batcher.prompt_tokens, engine.batcher.prompt_parts
+            assert engine._core.batcher.generating == 1
+            fused_before, parts_before = engine._core.batcher.prompt_tokens, engine._core.batcher.prompt_parts
             got: dict[str, Any] = {}
 
             async def request_b() -> None:
@@ -68,8 +68,8 @@ async def test_a_prompt_arriving_during_generation_rides_in_the_step_batches(
     assert text_of(got["b"]) == text_of(alone_b)
     assert got["b"]["usage"] == alone_b["usage"]
     # B's whole prompt went through step batches, a budget's worth (or less) at a time.
-    assert engine.batcher.prompt_tokens - fused_before == prompt_b
-    assert engine.batcher.prompt_parts - parts_before >= math.ceil(prompt_b / budget)
+    assert engine._core.batcher.prompt_tokens - fused_before == prompt_b
+    assert engine._core.batcher.prompt_parts - parts_before >= math.ceil(prompt_b / budget)
 
 
 async def test_delete_while_the_prompt_rides_in_step_batches(
@@ -88,7 +88,7 @@ async def test_delete_while_the_prompt_rides_in_step_batches(
             await g.step(1)  # B's tokenize
             await g.step(3)  # three batches: A's steps with parts of B's prompt
             entry_b = entry_of(ep, b)
-            fused = engine.batcher.prompt_tokens
+            fused = engine._core.batcher.prompt_tokens
             assert 0 < fused < len(LONG_TURN["content"]) and entry_b.result.completion_tokens == 0
             async with trio.open_nursery() as nursery:
                 deleted: dict[str, Any] = {}
@@ -99,8 +99,8 @@ async def test_delete_while_the_prompt_rides_in_step_batches(
                 nursery.start_soon(delete_b)
                 await trio.testing.wait_all_tasks_blocked()
                 g.open()
-            after_reply = engine.batcher.prompt_tokens
+            after_reply = engine._core.batcher.prompt_tokens
             assert deleted["r"].status_code == 200 and deleted["r"].json()["state"] == "cancelled"
         await get_result(h, a)  # A ran to its end: plenty of batches after the DELETE
-        assert engine.batcher.prompt_tokens == after_reply
+        assert engine._core.batcher.prompt_tokens == after_reply
         assert (await slot_meta(c, 1))["is_processing"] is False

@@ -118,7 +118,7 @@ async def timed_out(start_engine: Callable[..., Any], tiny_model: Path) -> Async
             assert tombstone_state(ep, rid) == "timed_out"
             meta = await slot_meta(c, 0)
             assert meta["is_processing"] is False and meta["n_past"] == len(before)
-            calls = ep.state.engine.worker.calls
+            calls = ep.state.engine._core.worker.calls
         yield Stopped(ep, h, c, rid, resp, before, calls)
 
 
@@ -131,7 +131,7 @@ async def test_validation_timeout_leaves_the_slot_as_it_was(
         assert r.status_code == 410 and r.json()["state"] == "timed_out"
         # After the busy work ended: the slot is unchanged and nothing ran for the request.
         assert await slot_tokens(s.c, 0) == s.before
-        assert s.ep.state.engine.worker.calls == s.calls_before_release + 1  # the STATE_GET
+        assert s.ep.state.engine._core.worker.calls == s.calls_before_release + 1  # the STATE_GET
         r = await s.h.get(f"/v1/decode/{s.rid}")
         assert r.status_code == 410 and r.json()["state"] == "timed_out"
         d = await s.h.delete(f"/v1/decode/{s.rid}")
@@ -186,7 +186,7 @@ async def deleted_while_restoring(
             assert meta["is_processing"] is False and meta["n_past"] == len(before)
             r = await h.get(f"/v1/decode/{rid}")
             assert r.status_code == 410 and r.json()["state"] == "cancelled"
-            calls = ep.state.engine.worker.calls
+            calls = ep.state.engine._core.worker.calls
         yield Stopped(ep, h, c, rid, resp, before, calls)
 
 
@@ -194,7 +194,7 @@ async def test_delete_during_restore(start_engine: Callable[..., Any], tiny_mode
     async with deleted_while_restoring(start_engine, tiny_model) as s:
         assert s.resp is not None and s.resp.status != Status.OK
         assert await slot_tokens(s.c, 0) == s.before
-        assert s.ep.state.engine.worker.calls == s.calls_before_release + 1  # the STATE_GET
+        assert s.ep.state.engine._core.worker.calls == s.calls_before_release + 1  # the STATE_GET
         r = await s.h.get(f"/v1/decode/{s.rid}")
         assert r.status_code == 410 and r.json()["state"] == "cancelled"
         d = await s.h.delete(f"/v1/decode/{s.rid}")
@@ -248,8 +248,8 @@ async def test_delete_during_delta_prefill(
             res = entry.result
             assert res is not None and res.first_token_at is None and res.completion_tokens == 0
             assert res.n_prompt_processed > 10 * 64  # a long delta really is being prefilled
-            assert engine.n_past(1) == n_kv + 3 * 64
-            processed = engine.prompt_tokens_processed
+            assert engine._core.n_past(1) == n_kv + 3 * 64
+            processed = engine._core.prompt_tokens_processed
             d = await h.delete(f"/v1/decode/{rid}")
             assert d.status_code == 200, d.text
             assert_cancelled_reply(d.json(), rid)
@@ -264,11 +264,11 @@ async def test_delete_during_delta_prefill(
         )
         body = await get_result(h, other)
         assert (
-            engine.prompt_tokens_processed
+            engine._core.prompt_tokens_processed
             == processed + body["hydra_metrics"]["n_prompt_processed"]
         )
         assert res.completion_tokens == 0 and res.first_token_at is None
-        assert engine.n_past(1) == n_past_after
+        assert engine._core.n_past(1) == n_past_after
         r = await h.get(f"/v1/decode/{rid}")
         assert r.status_code == 410 and r.json()["state"] == "cancelled"
         assert (await slot_meta(c, 1))["is_processing"] is False
@@ -289,14 +289,14 @@ async def test_delete_aborts_a_running_prefill_chunk(
             entry = entry_of(ep, rid)
             await g.step(1)  # tokenize
             await g.wait_queued(1)  # the one prefill chunk
-            processed = engine.prompt_tokens_processed
+            processed = engine._core.prompt_tokens_processed
             g.open()
 
             # The prefill chunk is the only call left: once the worker thread runs a call,
             # it is that chunk's llama_decode (polled: a thread cannot wake a trio task).
-            await wait_until(lambda: engine.worker.running)
+            await wait_until(lambda: engine._core.worker.running)
             d = await h.delete(f"/v1/decode/{rid}")
-        if engine.prompt_tokens_processed != processed:
+        if engine._core.prompt_tokens_processed != processed:
             pytest.skip(
                 "the prefill chunk finished before the DELETE landed (machine too slow/fast)"
             )
@@ -335,8 +335,8 @@ async def test_delete_during_token_loop(start_engine: Callable[..., Any], tiny_m
             d = await deleted.result()
             # Everything below is "after the DELETE reply".
             count = res.completion_tokens
-            generated = engine.tokens_generated
-            n_past = engine.n_past(0)
+            generated = engine._core.tokens_generated
+            n_past = engine._core.n_past(0)
             assert d.status_code == 200, d.text
             assert_cancelled_reply(d.json(), rid)
             assert entry.state.value == "cancelled"
@@ -350,8 +350,8 @@ async def test_delete_during_token_loop(start_engine: Callable[..., Any], tiny_m
         body = await get_result(h, other)
         assert body["usage"]["completion_tokens"] > count
         assert res.completion_tokens == count
-        assert engine.tokens_generated == generated + body["usage"]["completion_tokens"]
-        assert engine.n_past(0) == n_past
+        assert engine._core.tokens_generated == generated + body["usage"]["completion_tokens"]
+        assert engine._core.n_past(0) == n_past
         r = await h.get(f"/v1/decode/{rid}")
         assert r.status_code == 410 and r.json()["state"] == "cancelled"
         assert store(ep).get(rid).state.value == "cancelled"
@@ -392,9 +392,9 @@ async def test_connection_reset_before_reply_cancels_the_request_at_once(
             assert tombstone_state(ep, rid) == "cancelled"
             meta = await slot_meta(c, 0)
             assert meta["is_processing"] is False and meta["n_past"] == len(before)
-            calls = ep.state.engine.worker.calls
+            calls = ep.state.engine._core.worker.calls
         assert await slot_tokens(c, 0) == before
-        assert ep.state.engine.worker.calls == calls + 1  # the STATE_GET; nothing for the request
+        assert ep.state.engine._core.worker.calls == calls + 1  # the STATE_GET; nothing for the request
         r = await h.get(f"/v1/decode/{rid}")
         assert r.status_code == 410 and r.json()["state"] == "cancelled"
         rid2 = await decode_ok(
@@ -531,7 +531,7 @@ async def test_close_in_the_batch_of_the_ack_cancels_the_request(
     await sock.connect(("127.0.0.1", ep.rpc_port))
     seen: list[Any] = []
     hung_up = trio.Event()
-    real_n_past = engine.n_past
+    real_n_past = engine._core.n_past
 
     def n_past_then_hang_up(slot: int) -> int:
         if not hung_up.is_set() and store(ep).running():

@@ -75,9 +75,9 @@ async def assert_clean(ep: Any, baseline: int, cancelled: list[int] = ()) -> Non
     ``cancelled`` stays a tombstone after a later request on its slot ran to its end."""
     engine = ep.state.engine
     await wait_until(lambda: not store(ep).running(), 10)
-    assert not any(s.busy for s in engine.slots.slots)
+    assert not any(s.busy for s in engine._core.slots.slots)
     async with http(ep) as h, await rpc(ep) as c:
-        for slot in range(len(engine.slots)):
+        for slot in range(len(engine._core.slots)):
             await get_result(h, await decode_ok(c, slot, frame(MESSAGES, n_predict=N)))
         for rid in cancelled:
             r = await h.get(f"/v1/decode/{rid}")
@@ -168,10 +168,10 @@ async def test_chat_reader_leaving_mid_sse_cancels_the_chat(start_engine: Any, t
                 events += line.startswith("data: ")
                 if events >= 3:
                     break
-        evaluated = engine.tokens_evaluated
+        evaluated = engine._core.tokens_evaluated
     # The chat's producer belongs to its request: the client leaving cancels it.
-    await wait_until(lambda: not any(s.busy for s in engine.slots.slots), 10)
-    assert engine.tokens_evaluated - evaluated < LONG_N
+    await wait_until(lambda: not any(s.busy for s in engine._core.slots.slots), 10)
+    assert engine._core.tokens_evaluated - evaluated < LONG_N
     await assert_clean(ep, baseline)
 
 

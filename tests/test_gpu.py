@@ -68,7 +68,7 @@ FULL = {"n_gpu_layers": -1, **ENGINE}
 
 
 def _report(ep: Any) -> Any:
-    report = ep.state.engine.backend.offload
+    report = ep.state.engine._core.backend.offload
     assert report is not None
     return report
 
@@ -95,7 +95,7 @@ async def test_all_layers_offloaded(
     INFO agree: every layer (n_layer + the output layer) is on the GPU."""
     caplog.set_level(logging.INFO, logger="hydra_trio")
     ep = await start_engine(tiny_model, **FULL)
-    backend = ep.state.engine.backend
+    backend = ep.state.engine._core.backend
     n_layers = backend.info.n_layer + 1
     counts = [m.groups() for line in backend._load_log if (m := _OFFLOADED_RE.search(line))]
     assert counts == [(str(n_layers), str(n_layers))], backend._load_log
@@ -219,13 +219,13 @@ async def test_delete_interrupts_a_gpu_decode(start_engine: Callable[..., Any], 
         (d,) = replies
         assert d.status_code == 200, d.text
         assert d.json()["cancelled"] is True and d.json()["state"] == "cancelled"
-        count, generated, n_past = res.completion_tokens, engine.tokens_generated, engine.n_past(0)
+        count, generated, n_past = res.completion_tokens, engine._core.tokens_generated, engine._core.n_past(0)
         other = await decode_ok(c, 1, frame(MESSAGES, n_predict=STOPPED_N))
         body = await get_result(h, other)
         assert body["usage"]["completion_tokens"] > count
         assert res.completion_tokens == count  # 0 tokens after the DELETE
-        assert engine.tokens_generated == generated + body["usage"]["completion_tokens"]
-        assert engine.n_past(0) == n_past
+        assert engine._core.tokens_generated == generated + body["usage"]["completion_tokens"]
+        assert engine._core.n_past(0) == n_past
         assert store(ep).get(rid).state.value == "cancelled"
         assert text_of(body).startswith(res.text)
 

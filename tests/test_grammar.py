@@ -159,7 +159,7 @@ async def test_two_constraints_are_refused(engine: Any) -> None:
 
 
 async def test_same_schema_compiles_once(engine: Any) -> None:
-    grammars = engine.state.engine.backend.grammars
+    grammars = engine.state.engine._core.backend.grammars
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     async with http(engine) as h:
         before = grammars.compiles

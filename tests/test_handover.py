@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from hydra_trio.engine.handover import Handover
+from hydra_trio.engine.sched.handover import Handover
 
 
 async def test_calls_sent_from_a_thread_run_on_trio_in_order() -> None:

@@ -116,7 +116,7 @@ async def test_completions_share_batches_with_chat(ctx_engine: Any) -> None:
     """A completion and a chat generating at once are batched into the same llama_decode
     steps (the engine counts sequences per step)."""
     engine = ctx_engine.state.engine
-    before_batches, before_tokens = engine.batcher.batches, engine.batcher.tokens
+    before_batches, before_tokens = engine._core.batcher.batches, engine._core.batcher.tokens
     async with http(ctx_engine) as c, gate(ctx_engine) as g, trio.open_nursery() as n:
         n.start_soon(partial(complete, c, prompt="tell me a story", max_tokens=24))
         n.start_soon(
@@ -130,8 +130,8 @@ async def test_completions_share_batches_with_chat(ctx_engine: Any) -> None:
         # second prefill runs while the first request still has ~23 steps to go.
         await g.wait_queued(2)
         g.open()
-    steps = engine.batcher.batches - before_batches
-    assert engine.batcher.tokens - before_tokens > steps, "no step carried both requests"
+    steps = engine._core.batcher.batches - before_batches
+    assert engine._core.batcher.tokens - before_tokens > steps, "no step carried both requests"
 
 
 @pytest.mark.parametrize(
@@ -169,13 +169,13 @@ async def test_client_disconnect_stops_a_completion_stream(engine: Any) -> None:
         # Baseline: this prompt really runs to 1000 tokens when nobody hangs up.
         full = await complete(c, prompt="hello world", max_tokens=1000)
         assert full["usage"]["completion_tokens"] == 1000
-        before = eng.tokens_generated
+        before = eng._core.tokens_generated
         await stream_then_hang_up(c, "/v1/completions", {"prompt": "hello world", "max_tokens": 1000}, 3)
     await wait_slots_idle(eng)
-    generated = eng.tokens_generated - before
+    generated = eng._core.tokens_generated - before
     with trio.fail_after(5):
         await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-    assert eng.tokens_generated - before == generated, (
+    assert eng._core.tokens_generated - before == generated, (
         "generation went on after the slot was released"
     )
     assert 3 <= generated < 500, f"{generated} tokens generated for a client that left after 3"

@@ -266,8 +266,8 @@ async def test_detokenize_refuses_more_ids_than_the_cells_unparsed(start_engine:
     cap would let it in; one of n_ctx ids is served."""
     ep = await start_engine(tiny_model, **ENGINE)
     engine = ep.state.engine
-    assert engine.inputs.max_token_ids_json_bytes < engine.inputs.max_request_json_bytes
-    n = engine.inputs.max_token_ids_json_bytes + 1
+    assert engine._core.inputs.max_token_ids_json_bytes < engine._core.inputs.max_request_json_bytes
+    n = engine._core.inputs.max_token_ids_json_bytes + 1
     status, body, _ = await raw_exchange(
         ep, f"POST /detokenize HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {n}\r\n\r\n", b""
     )

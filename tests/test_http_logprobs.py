@@ -1,5 +1,5 @@
 """OpenAI logprobs on chat and text completions (tiny context-sensitive model, greedy), and
-the request-parameter policy of both routes (http/openai_params.py): honoured, ignored, or
+the request-parameter policy of both routes (engine/requests.py): honoured, ignored, or
 a 400 that names the parameter, in the one error shape."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from helpers import MESSAGES, OTHER_MESSAGES, http, parse_sse, stream_chat, wait_slots_idle
-from hydra_trio.engine.logprobs import log_softmax, token_logprobs
-from hydra_trio.http.openai_params import IGNORED
+from hydra_trio.engine.llama.logprobs import log_softmax, token_logprobs
+from hydra_trio.engine.requests import IGNORED
 from test_http_openai import assert_openai_error
 
 
@@ -180,12 +180,12 @@ async def test_completion_logprobs_match_a_direct_computation(ctx_engine: Any) -
 
     # The same numbers straight from the model's logits after the prompt.
     await wait_slots_idle(engine)
-    tokens = await engine.inputs.tokenize_text(prompt)
-    slot = engine.slot_claim(1, "test:logprobs")
+    tokens = await engine._core.inputs.tokenize_text(prompt)
+    slot = engine._core.slots.claim(1, "test:logprobs")
     try:
-        _, raw = await engine.prefill(slot.id, tokens, 0, want_logits=True)
+        _, raw = await engine._core.prefill(slot.id, tokens, 0, want_logits=True)
     finally:
-        engine.release(slot)
+        engine._core.slots.release(slot)
     assert raw is not None
     logits = np.frombuffer(raw, dtype="<f4")
     full = log_softmax(logits)

@@ -337,15 +337,15 @@ async def test_client_disconnect_stops_generation(engine: Any) -> None:
         # Baseline: this prompt really runs to 1000 tokens when nobody hangs up.
         full = await chat(c, max_tokens=1000)
         assert full["usage"]["completion_tokens"] == 1000
-        before = eng.tokens_generated
+        before = eng._core.tokens_generated
 
         await stream_then_hang_up(c, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1000}, 4)
 
     await wait_slots_idle(eng)
-    generated = eng.tokens_generated - before
+    generated = eng._core.tokens_generated - before
     with trio.fail_after(5):
         await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-    assert eng.tokens_generated - before == generated, "generation went on after the slot was released"
+    assert eng._core.tokens_generated - before == generated, "generation went on after the slot was released"
     assert 3 <= generated < 500, f"{generated} tokens generated for a client that left after 3"
 
 
@@ -396,7 +396,7 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(
     """Text went out, then generation failed (any exception, not only a ProtocolError): the
     client gets an error event naming the failure, never a clean-looking end."""
     eng = engine.state.engine
-    real_generate = eng.generate
+    real_generate = eng._core.generate
 
     async def generate_then_fail(slot: int, tokens: Any, params: Any, emit: Any, **kw: Any) -> Any:
         await emit("some text")

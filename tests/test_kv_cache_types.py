@@ -40,7 +40,7 @@ async def test_the_layout_is_reported_and_q8_0_blobs_are_about_half(
         c = await rpc(ep)
         async with c:
             assert (await c.info()).meta["kv_cache"] == layout
-        b = ep.state.engine.backend
+        b = ep.state.engine._core.backend
         sizes[kind] = b.state_size_for(1001) - b.state_size_for(1)  # per 1000 positions
     # q8_0 stores 34 bytes per 32 values, f16 64 (the cell metadata is the same for both).
     assert sizes["q8_0"] <= 0.55 * sizes["f16"]

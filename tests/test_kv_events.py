@@ -16,7 +16,7 @@ import zmq
 
 from helpers import http, rpc, wait_slots_idle, wait_slots_until, wait_until
 from hydra_trio.config import Settings, validate
-from hydra_trio.engine.kvblocks import SlotBlocks, block_hash
+from hydra_trio.engine.kv.blocks import SlotBlocks, block_hash
 from hydra_trio.kvevents import KvEventPublisher, open_kv_events
 from hydra_trio.metrics import Metrics
 from hydra_trio.wire.kvevents import (
@@ -229,14 +229,14 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
     async def check() -> None:
         nonlocal applied
         await wait_slots_idle(eng)
-        async with eng.worker.limiter:  # every GPU-worker call queued so far has run ...
+        async with eng._core.worker.limiter:  # every GPU-worker call queued so far has run ...
             pass
         await trio.testing.wait_all_tasks_blocked()  # ... and its caller published its events
         batches = await trio.to_thread.run_sync(replay_sync, pub.replay_endpoint, applied)
         assert [s for s, _ in batches] == list(range(applied, pub.next_seq))
         apply(index, events_of(batches))
         applied = pub.next_seq
-        assert index == expected([eng.slot_tokens(s) for s in range(3)], bs)
+        assert index == expected([eng._core.slot_tokens(s) for s in range(3)], bs)
 
     async with http(ep) as h:
         topics = ["the river and the mill", "a red kite over the hills", "seven owls", "winter bread", "a lost key"]
@@ -252,14 +252,14 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
             await check()
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * bs
         # One slot's state into another that holds something else: a shared chain, held twice.
-        src, dst, *_ = (s for s in range(3) if eng.n_past(s) >= 2 * bs)
-        assert eng.slot_tokens(dst)[:bs] != eng.slot_tokens(src)[:bs] or eng.n_past(dst) != eng.n_past(src)
+        src, dst, *_ = (s for s in range(3) if eng._core.n_past(s) >= 2 * bs)
+        assert eng._core.slot_tokens(dst)[:bs] != eng._core.slot_tokens(src)[:bs] or eng._core.n_past(dst) != eng._core.n_past(src)
         state = await h.get(f"/slots/{src}/state")
         assert state.status_code == 200
         put = await h.put(f"/slots/{dst}/state", content=state.content)
         assert put.status_code == 200, put.text
         await check()
-        assert any(n == 2 for n in eng.kv_blocks.held().values())
+        assert any(n == 2 for n in eng._core.kv_blocks.held().values())
         assert (await h.post(f"/slots/{src}?action=erase")).status_code == 200
         await check()
         assert (await h.post(f"/slots/{dst}?action=erase")).status_code == 200
@@ -276,7 +276,7 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
         assert index
         kinds = {e["type"] for e in events_of(await trio.to_thread.run_sync(replay_sync, pub.replay_endpoint, 0))}
         assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
-        assert eng.prompt_cache.restored >= 1  # a history came back from host memory
+        assert eng._core.prompt_cache.restored >= 1  # a history came back from host memory
         version = (await h.get("/version")).json()["kv_events"]
         assert version["endpoint"] == pub.endpoint and version["block_size"] == bs
         metrics = (await h.get("/metrics")).text
@@ -328,7 +328,7 @@ async def test_a_late_subscriber_learns_everything_held_from_a_resync(
         for t in ("the first long conversation about rivers", "a second one about mills and bread"):
             await _chat(h, t * 4)
     await wait_slots_idle(eng)
-    held_before = eng.kv_blocks.n_held
+    held_before = eng._core.kv_blocks.n_held
     assert held_before > 0
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -340,7 +340,7 @@ async def test_a_late_subscriber_learns_everything_held_from_a_resync(
         _, seq, payload = sub.recv_multipart()
         assert decode_seq(seq) == pub.next_seq - 1
         apply(index, decode_batch(payload)[1])
-        assert index == expected([eng.slot_tokens(s) for s in range(2)], pub.block_size)
+        assert index == expected([eng._core.slot_tokens(s) for s in range(2)], pub.block_size)
         assert len(index) == held_before
     finally:
         sub.close()

@@ -90,7 +90,7 @@ async def test_handoff_restores_the_prompt_and_matches_one_engine(pair: tuple[An
         assert hydra["model_name"] == a.state.engine.identity.model_name
         assert body["kv_export"]["exported"] and body["kv_export"]["kv_bytes"] == hydra["kv_bytes"]
         # The slot is free as soon as the reply is out: the export lives in host memory.
-        assert not any(s.busy for s in a.state.engine.slots.slots)
+        assert not any(s.busy for s in a.state.engine._core.slots.slots)
         assert len(a.state.exports) == 1 and a.state.exports.bytes_held == hydra["kv_bytes"]
 
         before = await scrape(cb)
@@ -275,11 +275,11 @@ async def test_vllm_gauges_are_measured(start_engine: Callable[..., Any], tiny_m
             nursery.start_soon(partial(c2.post, post, json=body))
             await g.wait_queued(2)  # the second request's tokenize, behind it
             await g.step(2)  # the chunk, then the tokenize: the second now waits for the slot
-            await wait_until(lambda: ep.state.engine.slots.waiting == 1)
+            await wait_until(lambda: ep.state.engine._core.slots.waiting == 1)
             busy = await scrape(c)
             assert busy[("vllm:num_requests_running", labels)] == 1
             assert busy[("vllm:num_requests_waiting", labels)] == 1
-            assert busy[("vllm:kv_cache_usage_perc", labels)] == ep.state.engine.n_past(0) / ep.state.engine.n_ctx > 0
+            assert busy[("vllm:kv_cache_usage_perc", labels)] == ep.state.engine._core.n_past(0) / ep.state.engine.n_ctx > 0
             g.open()
         done = await scrape(c)
     assert done[("vllm:num_requests_running", labels)] == 0
@@ -382,7 +382,7 @@ async def test_client_leaving_during_the_pull_cancels_it(pair: tuple[Any, Any], 
             assert r.status_code == 200
             with trio.fail_after(10):
                 await peer.connected.wait()  # the pull is under way, in the request's slot
-            assert any(s.busy for s in b.state.engine.slots.slots)
+            assert any(s.busy for s in b.state.engine._core.slots.slots)
         # The client has gone: the pull's connection closes and the slot is freed.
     with trio.fail_after(10):
         await peer.hung_up.wait()
@@ -417,7 +417,7 @@ async def test_export_keeps_the_identity_of_the_model_that_made_it(
         params = (await export(ca))["kv_transfer_params"]
         async with await rpc(a) as c:
             assert (await c.configure(None, {"model_path": str(tiny_model)})).meta["tier"] == "T3"
-        await wait_until(lambda: a.state.engine.t3_reloads == 1, 30.0)
+        await wait_until(lambda: a.state.engine._core.t3_reloads == 1, 30.0)
         assert a.state.engine.identity.model_name != b.state.engine.identity.model_name
         text, body = await decode(cb, params)
     assert body["kv_transfer"]["status"] == "restored", body["kv_transfer"]

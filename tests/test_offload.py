@@ -163,15 +163,15 @@ async def test_engine_reports_offload_and_keeps_it_across_a_reload(
         info = (await r.info()).meta
         for body in (version, info):
             assert body["n_gpu_layers_requested"] == 3
-            assert body["n_gpu_layers"] == (3 if engine.backend.gpu_offload_supported else 0)
-            assert body["n_layers"] == engine.backend.info.n_layer + 1
+            assert body["n_gpu_layers"] == (3 if engine._core.backend.gpu_offload_supported else 0)
+            assert body["n_layers"] == engine._core.backend.info.n_layer + 1
             assert body["flash_attn"] == "off" and body["flash_attn_requested"] == "off"
             assert body["kv_offload"] is False
             assert any(d["type"] == "cpu" and d["memory_total"] > 0 for d in body["devices"])
             assert body["chat_template"]["source"] == "gguf"
         # CONFIGURE T3: the reloaded model gets the same offload settings.
         assert (await r.configure(0, {"model_path": str(tiny_model_other)})).ok
-    await wait_slots_until(engine, lambda: engine.t3_reloads == 1)
+    await wait_slots_until(engine, lambda: engine._core.t3_reloads == 1)
     assert llama_params["model"][-1] == {"n_gpu_layers": 3, "main_gpu": 0}
     assert llama_params["context"][-1]["flash_attn_type"] == 0
     assert llama_params["context"][-1]["offload_kqv"] is False

@@ -65,7 +65,7 @@ async def test_repack_reaches_llama_cpp_and_is_reported(
         pytest.skip("this CPU has AMX: repacked weights would crash llama.cpp here")
     ep = await start_engine(tiny_model, repack=repack)
     engine = ep.state.engine
-    assert engine.backend.model_params_applied["use_extra_bufts"] is repack
+    assert engine._core.backend.model_params_applied["use_extra_bufts"] is repack
     reason = "--repack given" if repack else "--no-repack given"
     async with http(ep) as h:
         version = (await h.get("/version")).json()
@@ -78,8 +78,8 @@ async def test_repack_reaches_llama_cpp_and_is_reported(
 async def test_the_default_follows_this_cpu(start_engine: Callable[..., Any], tiny_model: Path) -> None:
     ep = await start_engine(tiny_model)
     expected = repack_choice(None, cpu_flags())
-    assert ep.state.engine.backend.repack == expected
-    assert ep.state.engine.backend.model_params_applied["use_extra_bufts"] is expected.enabled
+    assert ep.state.engine._core.backend.repack == expected
+    assert ep.state.engine._core.backend.model_params_applied["use_extra_bufts"] is expected.enabled
 
 
 async def test_warmup_runs_at_load_and_leaves_nothing_behind(
@@ -87,19 +87,19 @@ async def test_warmup_runs_at_load_and_leaves_nothing_behind(
 ) -> None:
     ep = await start_engine(tiny_model)
     engine = ep.state.engine
-    assert engine.warmup_ms is not None and engine.warmup_ms > 0
-    assert engine.backend.decode_s == 0.0  # the warm-up's compute is not users' compute
-    assert [engine.backend.n_past(s) for s in range(engine.backend.n_slots)] == [0, 0]
+    assert engine._core.warmup_ms is not None and engine._core.warmup_ms > 0
+    assert engine._core.backend.decode_s == 0.0  # the warm-up's compute is not users' compute
+    assert [engine._core.backend.n_past(s) for s in range(engine._core.backend.n_slots)] == [0, 0]
     # The KV cache holds nothing of the warm-up: a slot's first request starts at position 0.
-    pos_max = await engine.worker.call(
-        lambda: __import__("llama_cpp").llama_memory_seq_pos_max(engine.backend._mem, 0)
+    pos_max = await engine._core.worker.call(
+        lambda: __import__("llama_cpp").llama_memory_seq_pos_max(engine._core.backend._mem, 0)
     )
     assert pos_max == -1
 
 
 async def test_no_warmup_skips_it(start_engine: Callable[..., Any], tiny_model: Path) -> None:
     ep = await start_engine(tiny_model, warmup=False)
-    assert ep.state.engine.warmup_ms is None
+    assert ep.state.engine._core.warmup_ms is None
 
 
 async def test_a_warmup_that_fails_stops_the_start_before_health_is_ok(
@@ -157,7 +157,7 @@ async def test_on_an_amx_cpu_the_engine_loads_without_repacking(
 
     monkeypatch.setattr(context, "cpu_flags", lambda: frozenset(SAPPHIRE_RAPIDS_FLAGS.split()))
     ep = await start_engine(tiny_model)
-    backend = ep.state.engine.backend
+    backend = ep.state.engine._core.backend
     assert backend.model_params_applied["use_extra_bufts"] is False
     async with http(ep) as h:
         version = (await h.get("/version")).json()

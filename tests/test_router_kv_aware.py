@@ -42,7 +42,7 @@ async def synced(router: Router, eps: list[Any]) -> None:
     for ep in eps:
         eng = ep.state.engine
         await wait_slots_idle(eng)
-        async with eng.worker.limiter:  # every GPU-worker call so far has run ...
+        async with eng._core.worker.limiter:  # every GPU-worker call so far has run ...
             pass
     await trio.testing.wait_all_tasks_blocked()  # ... and its caller has published its events
     for ep in eps:

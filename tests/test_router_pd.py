@@ -141,13 +141,13 @@ async def test_router_client_leaving_mid_stream_leaves_both_idle(
 ) -> None:
     a, b = engines
     router = await router_over(a, b)
-    generated_before = b.state.engine.tokens_generated
+    generated_before = b.state.engine._core.tokens_generated
     req = {"messages": PROMPT, "max_tokens": 1800, "temperature": 0}
     async with router.client() as c:
         await stream_then_hang_up(c, "/v1/chat/completions", req, 3)
     # The router drops its upstream request; the decode engine stops and frees the slot.
-    await wait_until(lambda: not any(s.busy for s in b.state.engine.slots.slots), 20.0)
+    await wait_until(lambda: not any(s.busy for s in b.state.engine._core.slots.slots), 20.0)
     await assert_server_healthy(b)
     await assert_server_healthy(a)
     assert len(a.state.exports) == 0
-    assert b.state.engine.tokens_generated - generated_before < 1800
+    assert b.state.engine._core.tokens_generated - generated_before < 1800

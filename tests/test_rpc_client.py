@@ -25,7 +25,7 @@ async def test_a_call_cancelled_mid_exchange_closes_the_connection(engine: Any) 
     that reply to the next call (INFO)."""
     async with await rpc(engine) as c:
         await c.prefill(0, {"messages": MESSAGES})
-        async with engine.state.engine.worker.limiter:
+        async with engine.state.engine._core.worker.limiter:
             with trio.CancelScope() as scope:
 
                 async def cancel_when_blocked() -> None:
@@ -46,7 +46,7 @@ async def test_a_sync_call_that_timed_out_closes_the_connection(engine: Any) -> 
     client = await trio.to_thread.run_sync(lambda: SyncRpcClient("127.0.0.1", engine.rpc_port, timeout=0.3))
     try:
         await trio.to_thread.run_sync(client.prefill, 0, {"messages": MESSAGES})
-        async with engine.state.engine.worker.limiter:  # STATE_GET cannot answer in 0.3 s
+        async with engine.state.engine._core.worker.limiter:  # STATE_GET cannot answer in 0.3 s
             with pytest.raises(TimeoutError):
                 await trio.to_thread.run_sync(client.state_get, 0)
         with pytest.raises(RpcConnectionClosed, match="interrupted"):

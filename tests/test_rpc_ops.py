@@ -186,7 +186,7 @@ async def test_prefill_refusals_after_payload(engine: Any) -> None:
 
 async def test_prefill_and_state_ops_on_a_busy_slot(engine: Any) -> None:
     eng = engine.state.engine
-    slot = eng.slot_claim(0, "test:holder")
+    slot = eng._core.slots.claim(0, "test:holder")
     try:
         async with await rpc(engine) as c:
             body = json.dumps({"messages": MESSAGES}).encode()
@@ -198,7 +198,7 @@ async def test_prefill_and_state_ops_on_a_busy_slot(engine: Any) -> None:
             assert meta.ok and meta.meta["is_processing"] is True
             assert (await c.prefill(1, {"messages": MESSAGES})).ok  # the other slot works
     finally:
-        eng.release(slot)
+        eng._core.slots.release(slot)
     await assert_server_healthy(engine)
 
 
@@ -326,14 +326,16 @@ async def test_configure_t1(engine: Any) -> None:
         applied = m["params_applied"]
         assert applied["n_predict"] == 8 and applied["seed"] == 42
         # No context shifting here: n_keep is accepted (and type-checked) but not applied.
-        assert "n_keep" not in applied and "n_keep" not in eng.slot_settings.of(1)
+        assert "n_keep" not in applied and "n_keep" not in eng._core.slot_settings.generation_defaults(1)
         assert "no context shifting" in m["params_unused"]["n_keep"]
+        # Nothing dropped without a word: unknown keys are named, with why.
+        assert set(m["params_unused"]) == {"n_keep", "sampling.bogus", "not_a_key"}
         assert applied["antiprompt"] == ["STOP"]
         assert applied["sampling"] == {"temperature": 0.5, "top_k": 10, "penalty_repeat": 1.1}
         assert applied["state_chunk_size"] == 64 * 1024  # clamped up
         assert "not_a_key" not in applied
-        assert eng.slot_settings.of(1)["n_predict"] == 8
-        assert "n_predict" not in eng.slot_settings.of(0)  # per slot
+        assert eng._core.slot_settings.generation_defaults(1)["n_predict"] == 8
+        assert "n_predict" not in eng._core.slot_settings.generation_defaults(0)  # per slot
 
         m = (await c.configure(0, {"state_chunk_size": 1 << 40})).meta
         assert m["params_applied"] == {"state_chunk_size": 64 * 1024 * 1024}  # clamped down
@@ -368,7 +370,7 @@ async def test_configure_t2_n_ctx_applied_once_idle(engine: Any) -> None:
 
     async with await rpc(engine) as c:
         await c.prefill(0, {"messages": MESSAGES})
-    holder = eng.slot_claim(1, "test:holder")  # a busy slot defers the rebuild
+    holder = eng._core.slots.claim(1, "test:holder")  # a busy slot defers the rebuild
     released = False
     try:
         async with await rpc(engine) as c:
@@ -383,12 +385,12 @@ async def test_configure_t2_n_ctx_applied_once_idle(engine: Any) -> None:
         async with await rpc(engine) as c:
             r = await c.call(prefill_call(0, {"messages": MESSAGES}), check=False)
         assert r.status == Status.BUSY and "reconfiguring" in r.meta["error"], r.meta
-        eng.release(holder)
+        eng._core.slots.release(holder)
         released = True
         await wait_slots_until(eng, lambda: eng.n_ctx == 1024)
     finally:
         if not released:
-            eng.release(holder)
+            eng._core.slots.release(holder)
     # The new context serves requests; the rebuild dropped every slot's contents.
     async with await rpc(engine) as c:
         assert (await c.state_meta(0)).meta["n_past"] == 0
@@ -417,7 +419,7 @@ async def test_configure_t2_holds_the_cache_type_rule_of_start_up(start_engine: 
         r = await c.call(Call(Op.CONFIGURE, b"0", [json.dumps({"cache_type_v": "q8_0"}).encode()]), check=False)
         assert not r.ok and r.meta["error_code"] == "BAD_JSON", r.meta
         assert "needs flash attention" in r.meta["error"]
-        assert off.state.engine.reconfigurer.staged == {}
+        assert off.state.engine._core.reconfigurer.staged == {}
 
 
 # ---- HTTP slot-state routes -----------------------------------------------------------------
@@ -562,7 +564,7 @@ async def test_configure_t3_reads_only_regular_files_inside_the_model_dir(
             ):
                 r = await c.call(Call(Op.CONFIGURE, b"0", [json.dumps({"model_path": path}).encode()]), check=False)
                 assert not r.ok and r.meta["error_code"] == code and words in r.meta["error"], (path, r.meta)
-            assert ep.state.engine.reconfigurer.staged == {}
+            assert ep.state.engine._core.reconfigurer.staged == {}
             # A relative name inside the folder is the file there.
             ok = await c.configure(0, {"model_path": tiny_model.name})
             assert ok.meta["tier"] == "T3"

@@ -415,7 +415,7 @@ async def test_client_disconnect_during_prefill(engine: Any) -> None:
     long = {"messages": [{"role": "user", "content": "the " * 1500}]}
     payload = json.dumps(long).encode()
     eng = engine.state.engine
-    before = eng.prompt_tokens_processed
+    before = eng._core.prompt_tokens_processed
     for _ in range(3):
         stream = await trio.open_tcp_stream("127.0.0.1", engine.rpc_port)
         await stream.send_all(header(Op.PREFILL, key=b"0", payload_len=len(payload)) + payload)
@@ -427,7 +427,7 @@ async def test_client_disconnect_during_prefill(engine: Any) -> None:
 
     await wait_until(lambda: open_connections() == 0)  # all three handled, not just the first
     await assert_server_healthy(engine)
-    abandoned = eng.prompt_tokens_processed - before
+    abandoned = eng._core.prompt_tokens_processed - before
     async with await rpc(engine) as c:
         resp = await c.prefill(0, long)
         assert resp.ok and resp.meta["n_past"] > 1000

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from hydra_trio.engine.configure import SlotSettings, _validate_t1
 from hydra_trio.engine.params import BOUNDS, GenerationParams, parse_generation
-from hydra_trio.engine.slots import SlotTable
+from hydra_trio.engine.sched.slots import SlotTable
 from hydra_trio.wire import sampling
 from hydra_trio.wire.errors import ParamError, ProtocolError
 from hydra_trio.wire.frames import encode_decode_frame_v3, merged_generation, parse_decode_frame

@@ -205,7 +205,9 @@ def test_admin_key_settings(tmp_path: Path) -> None:
 
 
 def test_the_access_decision() -> None:
-    from hydra_trio.http.auth import KeyRing, Role, access, route_role
+    from hydra_trio.http.auth import KeyRing, access
+    from hydra_trio.http.routes import Role
+    from hydra_trio.http.routes import role_of as route_role
 
     both = KeyRing(KEY, ADMIN)
     assert access(Role.ADMIN, both, f"Bearer {ADMIN}") is None
@@ -223,6 +225,11 @@ def test_the_access_decision() -> None:
     assert route_role("/slots/<raw_id>/state", "PUT") is Role.ADMIN
     assert route_role("/health", "GET") is Role.NONE
     assert route_role(None, "GET") is Role.PLAIN
+    # HEAD is GET's facts: the decode listing's length is the admin's too.
+    assert route_role("/v1/decode", "HEAD") is Role.ADMIN
+    assert route_role("/slots", "HEAD") is Role.ADMIN
+    # A method a rule does not serve (a 405 to come) needs the rule's strictest role.
+    assert route_role("/v1/decode", "POST") is Role.ADMIN
 
 
 # ---- RPC allowlist --------------------------------------------------------------------------

@@ -117,13 +117,13 @@ async def test_the_engine_outlives_its_users_and_refuses_late_work(run_engine: A
     held_at_close: list[list[str | None]] = []
     async with run_engine(tiny_model) as ep:
         engine = ep.state.engine
-        real_close = engine.backend.close
+        real_close = engine._core.backend.close
 
         def close() -> None:
-            held_at_close.append([s.owner for s in engine.slots.slots if s.busy])
+            held_at_close.append([s.owner for s in engine._core.slots.slots if s.busy])
             real_close()
 
-        engine.backend.close = close
+        engine._core.backend.close = close
         async with await rpc(ep) as c:
             rid = await decode_ok(c, 0, frame(MESSAGES, n_predict=100_000))
         entry = entry_of(ep, rid)
@@ -131,9 +131,9 @@ async def test_the_engine_outlives_its_users_and_refuses_late_work(run_engine: A
     assert held_at_close == [[]]  # freed once, after the request had let its slot go
     assert entry.state.value == "cancelled"
     with pytest.raises(ProtocolError, match="engine is stopped"):
-        await engine.worker.call(lambda: None)
+        await engine._core.worker.call(lambda: None)
     with pytest.raises(ProtocolError, match="engine is stopped"):
-        engine.batcher.submit(0, 1, None)  # type: ignore[arg-type]
+        engine._core.batcher.submit(0, 1, None)  # type: ignore[arg-type]
 
 
 def test_sigterm_drains_a_streaming_completion_and_refuses_new_work(tiny_model: Path) -> None:

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydra_trio.config import Settings
-from hydra_trio.engine.scheduler import SlotScheduler
-from hydra_trio.engine.slots import SlotTable
-from hydra_trio.engine.text import common_prefix_len
+from hydra_trio.engine.llama import common_prefix_len
+from hydra_trio.engine.sched.scheduler import SlotScheduler
+from hydra_trio.engine.sched.slots import SlotTable
 
 
 def busy_runs(table: SlotTable) -> int:
@@ -80,18 +80,23 @@ async def test_a_split_cache_engine_packs_its_streams_a_unified_one_keeps_lru(
     for unified in (False, True):
         ep = await start_engine(tiny_model, slots=8, ctx_size=8 * 256, kv_unified=unified)
         eng = ep.state.engine
-        assert eng.slots.compact is not unified
-        first = [await eng.scheduler.claim_for_prompt([1, 2, 3 + i], f"a{i}") for i in range(8)]
+        assert eng._core.slots.compact is not unified
+        core = eng._core
+
+        async def claim(tokens: list[int], owner: str, core: Any = core) -> Any:
+            return await core.slots.claim_any(owner, core.scheduler.slot_rank(tokens))
+
+        first = [await claim([1, 2, 3 + i], f"a{i}") for i in range(8)]
         for i in (1, 3, 5, 7, 0, 2, 4, 6):  # the oldest: every other slot
-            eng.release(first[i])
-        again = [await eng.scheduler.claim_for_prompt([1, 2, 20 + i], f"b{i}") for i in range(4)]
+            eng._core.slots.release(first[i])
+        again = [await claim([1, 2, 20 + i], f"b{i}") for i in range(4)]
         ids = sorted(s.id for s in again)
         if unified:
             assert ids == [1, 3, 5, 7]  # least recently used
         else:
             assert ids == [ids[0] + k for k in range(4)]  # one run: one ubatch a step
         for s in again:
-            eng.release(s)
+            eng._core.slots.release(s)
 
 
 class _Held:

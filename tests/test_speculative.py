@@ -24,21 +24,19 @@ import trio
 from helpers import assert_server_healthy, http, parse_sse, scrape, stream_then_hang_up
 from hydra_trio.config import settings_from
 from hydra_trio.engine.params import parse_generation, parse_speculative
-from hydra_trio.engine.speculative import (
-    MEMORY_KIND,
-    PRIOR_SURVIVAL,
-    NgramIndex,
+from hydra_trio.engine.speculation import (
+    DraftPlanner,
     NgramMemories,
     NgramMemory,
     SpecConfig,
     SpecCounts,
     SpecRequest,
     Speculation,
-    plan_drafts,
     spec_config,
-    verify,
 )
-from hydra_trio.engine.stepcost import BatchCost, StepCost, batch_counts, ubatch_rows
+from hydra_trio.engine.speculation.drafter import MEMORY_KIND, PRIOR_SURVIVAL, NgramIndex
+from hydra_trio.engine.speculation.policy import plan_drafts, verify
+from hydra_trio.engine.speculation.stepcost import BatchCost, StepCost, batch_counts, ubatch_rows
 from hydra_trio.wire.errors import ParamError
 
 PROMPTS = [
@@ -308,14 +306,15 @@ class PinnedCost(StepCost):
 async def pinned(start_engine: Callable[..., Any], model: Path, **settings: Any) -> Any:
     """An engine whose draft plan prices steps with ``PinnedCost``."""
     ep = await start_engine(model, **settings)
-    ep.state.engine.backend.step_cost = PinnedCost()
+    backend = ep.state.engine._core.backend
+    backend.planner = DraftPlanner(backend.n_batch, split=not backend.kv_unified, step_cost=PinnedCost())
     return ep
 
 
 async def _complete(h: httpx.AsyncClient, ep: Any, prompt: str, spec: dict[str, Any], slot_empty: bool = True, **body: Any) -> dict[str, Any]:
     """A greedy completion in slot 0, started from an empty slot (the same shape each time)."""
     if slot_empty:
-        await ep.state.engine.clear_slot(0)
+        await ep.state.engine._core.clear_slot(0)
     r = await h.post(
         "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 48, "speculative": spec, **body}
     )
@@ -328,7 +327,7 @@ def _text(body: dict[str, Any]) -> str:
 
 
 def kv_positions(engine: Any, slot: int) -> int:
-    return int(llama_cpp.llama_memory_seq_pos_max(engine.backend._mem, slot)) + 1
+    return int(llama_cpp.llama_memory_seq_pos_max(engine._core.backend._mem, slot)) + 1
 
 
 async def test_greedy_text_is_the_same_and_drafts_were_accepted(start_engine: Callable[..., Any], tiny_model: Path) -> None:
@@ -346,7 +345,7 @@ async def test_greedy_text_is_the_same_and_drafts_were_accepted(start_engine: Ca
                 # The slot holds exactly the prompt and every token but the last (rejected
                 # positions are gone from the KV and from the history).
                 usage = spec_run["usage"]
-                assert engine.n_past(0) == kv_positions(engine, 0) == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+                assert engine._core.n_past(0) == kv_positions(engine, 0) == usage["prompt_tokens"] + usage["completion_tokens"] - 1
         after = await scrape(h)
 
     def grew(name: str) -> float:
@@ -367,7 +366,7 @@ async def test_steps_are_saved_and_the_request_line_says_so(
     start_engine: Callable[..., Any], tiny_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ep = await pinned(start_engine, tiny_model, slots=1)  # off by default; the request turns it on
-    batcher = ep.state.engine.batcher
+    batcher = ep.state.engine._core.batcher
     async with http(ep) as h:
         batches = batcher.batches
         plain = await _complete(h, ep, PROMPTS[0], {}, max_tokens=100)
@@ -399,7 +398,7 @@ async def test_max_tokens_and_stop_strings_are_exact(start_engine: Callable[...,
         # accepted): cut exactly where it starts, the steps that ran past it dropped.
         stop = full[30:75]
         cut = full.index(stop)
-        counts = ep.state.engine.spec_counts
+        counts = ep.state.engine._core.spec_counts
         for spec in (OFF, ON):
             accepted = counts.accepted
             body = await _complete(h, ep, PROMPTS[0], spec, max_tokens=120, stop=[stop])
@@ -418,7 +417,7 @@ async def test_streaming_chunks_logprobs_and_seeded_sampling_are_as_without(
     async with http(ep) as h:
 
         async def chunks(spec: dict[str, Any], interval: int) -> list[str]:
-            await ep.state.engine.clear_slot(0)
+            await ep.state.engine._core.clear_slot(0)
             body = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 60, "speculative": spec,
                     "stream": True, "stream_interval": interval}
             async with h.stream("POST", "/v1/completions", json=body) as r:
@@ -460,12 +459,12 @@ async def test_concurrent_streams_with_speculation_match_each_alone_without(
         alone: list[str] = []
         for prompt in PROMPTS:
             for s in range(4):
-                await engine.clear_slot(s)
+                await engine._core.clear_slot(s)
             r = await h.post("/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 64, "speculative": OFF})
             alone.append(_text(r.json()))
         for s in range(4):
-            await engine.clear_slot(s)
-        accepted = engine.spec_counts.accepted
+            await engine._core.clear_slot(s)
+        accepted = engine._core.spec_counts.accepted
         got: dict[int, str] = {}
 
         async def one(i: int) -> None:
@@ -476,7 +475,7 @@ async def test_concurrent_streams_with_speculation_match_each_alone_without(
             for i in range(len(PROMPTS)):
                 nursery.start_soon(one, i)
     assert [got[i] for i in range(len(PROMPTS))] == alone
-    assert engine.spec_counts.accepted > accepted
+    assert engine._core.spec_counts.accepted > accepted
 
 
 async def test_no_drafts_in_a_batch_larger_than_spec_max_batch(start_engine: Callable[..., Any], tiny_model: Path) -> None:
@@ -493,9 +492,9 @@ async def test_no_drafts_in_a_batch_larger_than_spec_max_batch(start_engine: Cal
             for i in range(4):
                 nursery.start_soon(one, i)
             gate.set()
-        together = engine.spec_counts.drafts
+        together = engine._core.spec_counts.drafts
         await _complete(h, ep, PROMPTS[0], ON, max_tokens=64)
-    assert engine.spec_counts.drafts > together  # alone it drafts
+    assert engine._core.spec_counts.drafts > together  # alone it drafts
 
 
 async def test_a_cancelled_stream_leaves_the_engine_healthy(start_engine: Callable[..., Any], tiny_model: Path) -> None:
@@ -503,12 +502,12 @@ async def test_a_cancelled_stream_leaves_the_engine_healthy(start_engine: Callab
     engine = ep.state.engine
     async with http(ep) as h:
         reference = await _complete(h, ep, PROMPTS[0], ON, max_tokens=200)
-        await engine.clear_slot(0)
+        await engine._core.clear_slot(0)
         body = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 200}
         await stream_then_hang_up(h, "/v1/completions", body, after=5)
         await assert_server_healthy(ep)
         # The slot's KV and its token list agree, whatever step the cancel met.
-        assert engine.n_past(0) == kv_positions(engine, 0)
+        assert engine._core.n_past(0) == kv_positions(engine, 0)
         again = await _complete(h, ep, PROMPTS[0], ON, max_tokens=200)
     assert _text(again) == _text(reference)
 
@@ -521,21 +520,21 @@ async def test_a_decode_speculates_and_gives_the_chat_text(start_engine: Callabl
     ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
     engine = ep.state.engine
     async with http(ep) as h:
-        await engine.clear_slot(0)
+        await engine._core.clear_slot(0)
         r = await h.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "speculative": OFF})
         plain = r.json()
-        await engine.clear_slot(0)
-        accepted = engine.spec_counts.accepted
+        await engine._core.clear_slot(0)
+        accepted = engine._core.spec_counts.accepted
         async with await rpc(ep) as c:
             rid = await decode_ok(c, 0, frame(MESSAGES, n_predict=80))
         body = await get_result(h, rid)
     assert text_of(body) == text_of(plain) and body["usage"]["completion_tokens"] == 80
-    assert engine.spec_counts.accepted > accepted
+    assert engine._core.spec_counts.accepted > accepted
 
 
 async def test_a_requests_tokens_go_to_its_salts_memory(start_engine: Callable[..., Any], tiny_model: Path) -> None:
     ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
-    memories = ep.state.engine.ngram_memories
+    memories = ep.state.engine._core.ngram_memories
     async with http(ep) as h:
         await _complete(h, ep, PROMPTS[1], ON, max_tokens=32, cache_salt="tenant-a")
         await _complete(h, ep, PROMPTS[1], OFF, max_tokens=32, cache_salt="tenant-b")  # no speculation: nothing kept

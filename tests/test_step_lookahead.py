@@ -11,7 +11,7 @@ from typing import Any
 
 import llama_cpp
 
-import hydra_trio.engine.batcher as batcher_module
+import hydra_trio.engine.sched.batcher as batcher_module
 from helpers import MESSAGES, chat_completion, http, text_of
 
 N = 40
@@ -19,7 +19,7 @@ N = 40
 
 def kv_positions(engine: Any, slot: int) -> int:
     """Positions the slot holds in llama.cpp's KV cache (not our bookkeeping)."""
-    return int(llama_cpp.llama_memory_seq_pos_max(engine.backend._mem, slot)) + 1
+    return int(llama_cpp.llama_memory_seq_pos_max(engine._core.backend._mem, slot)) + 1
 
 
 async def test_the_next_step_runs_in_the_same_worker_call(
@@ -27,7 +27,7 @@ async def test_the_next_step_runs_in_the_same_worker_call(
 ) -> None:
     ep = await start_engine(tiny_model, slots=1)
     engine = ep.state.engine
-    batcher = engine.batcher
+    batcher = engine._core.batcher
     async with http(ep) as h:
         used, runs, tokens = batcher.ahead_used, batcher.runs, batcher.tokens
         body = await chat_completion(h, MESSAGES, N)
@@ -48,10 +48,10 @@ async def test_a_run_of_steps_returns_to_trio_after_its_limit(
     ep = await start_engine(tiny_model, slots=1)
     engine = ep.state.engine
     async with http(ep) as h:
-        runs = engine.batcher.runs
+        runs = engine._core.batcher.runs
         body = await chat_completion(h, MESSAGES, N)
     assert body["usage"]["completion_tokens"] == N  # nothing lost at the seams
-    assert engine.batcher.runs - runs >= (N - 1) / 3
+    assert engine._core.batcher.runs - runs >= (N - 1) / 3
 
 
 async def test_no_step_is_evaluated_past_the_token_limit(
@@ -60,12 +60,12 @@ async def test_no_step_is_evaluated_past_the_token_limit(
     ep = await start_engine(tiny_model, slots=1)
     engine = ep.state.engine
     async with http(ep) as h:
-        dropped = engine.batcher.ahead_dropped
+        dropped = engine._core.batcher.ahead_dropped
         body = await chat_completion(h, MESSAGES, N)
     usage = body["usage"]
     # The last token is never evaluated: the slot holds the prompt and all tokens but it.
-    assert engine.n_past(0) == kv_positions(engine, 0) == usage["prompt_tokens"] + usage["completion_tokens"] - 1
-    assert engine.batcher.ahead_dropped == dropped
+    assert engine._core.n_past(0) == kv_positions(engine, 0) == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert engine._core.batcher.ahead_dropped == dropped
 
 
 async def test_a_stop_word_drops_the_step_and_leaves_a_consistent_slot(
@@ -82,7 +82,7 @@ async def test_a_stop_word_drops_the_step_and_leaves_a_consistent_slot(
         stop = full[len(full) // 2 : len(full) // 2 + 3]
         assert stop.strip(), full
         cut = full.index(stop)
-        dropped = engine.batcher.ahead_dropped
+        dropped = engine._core.batcher.ahead_dropped
         r = await h.post("/v1/chat/completions", json={**body, "stop": [stop]})
         assert r.status_code == 200, r.text
         stopped = r.json()
@@ -91,11 +91,11 @@ async def test_a_stop_word_drops_the_step_and_leaves_a_consistent_slot(
         # At most the one look-ahead step of the stopping token was dropped. Whether there was
         # one depends on timing: a request that lags (a busy machine) has not taken its last
         # look-ahead step when the next token is sampled, and that one gets none of its own.
-        assert engine.batcher.ahead_dropped - dropped in (0, 1)
+        assert engine._core.batcher.ahead_dropped - dropped in (0, 1)
         # The dropped step either never ran or ran to its end: our token list and the KV
         # agree either way, and hold at most one token beyond what the request used.
         usage = stopped["usage"]
-        held = engine.n_past(0)
+        held = engine._core.n_past(0)
         assert held == kv_positions(engine, 0)
         assert usage["prompt_tokens"] + usage["completion_tokens"] - 1 <= held <= usage["prompt_tokens"] + usage["completion_tokens"]
         # The slot is reused from that state (common prefix) and still gives the same text.

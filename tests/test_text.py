@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.engine.text import TextAssembler, common_prefix_len
+from hydra_trio.engine.llama import common_prefix_len
+from hydra_trio.engine.text import TextAssembler
 
 
 def _feed(pieces: list[bytes], stop: list[str]) -> tuple[str, TextAssembler]:

@@ -54,7 +54,7 @@ async def test_gguf_template_and_token_routes(engine: Any) -> None:
 
         plain = await tokenize(c, CHATML_HELLO)
         with_bos = await tokenize(c, CHATML_HELLO, add_special=True)
-        bos = engine.state.engine.backend.info.bos
+        bos = engine.state.engine._core.backend.info.bos
         assert with_bos == [bos, *plain]
         # Special tokens are parsed by default (one id for <|im_start|>), not when asked not to.
         assert len(await tokenize(c, "<|im_start|>", parse_special=False)) > len(
@@ -218,7 +218,7 @@ async def test_template_bos_is_not_doubled(
     tpl = tmp_path / "bos.jinja"
     tpl.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     ep = await start_engine(tiny_model, chat_template_file=str(tpl), **ENGINE)
-    bos = ep.state.engine.backend.info.bos
+    bos = ep.state.engine._core.backend.info.bos
     async with http(ep) as c:
         assert await apply_template(c, MESSAGES) == "hello world\n"
         async with await rpc(ep) as r:
@@ -235,14 +235,14 @@ async def test_work_per_request_is_bounded_before_it_starts(start_engine: Any, t
     ep = await start_engine(tiny_model, max_json_bytes=1 << 20)
     engine = ep.state.engine
     async with http(ep) as c:
-        calls = engine.worker.calls
+        calls = engine._core.worker.calls
         r = await c.post("/detokenize", json={"tokens": [1] * (engine.n_ctx + 1)})
         assert_openai_error(r, 413)
         too_long = "x" * (32 * engine.n_ctx_slot + 1)
         for path, body in (("/tokenize", {"content": too_long}), ("/v1/completions", {"prompt": too_long})):
             err = assert_openai_error(await c.post(path, json=body), 413)
             assert "refused untokenized" in err["error"]["message"], err
-        assert engine.worker.calls == calls  # no GPU-worker call for any of them
+        assert engine._core.worker.calls == calls  # no GPU-worker call for any of them
         # Detokenizing a slot's worth needs no GPU-worker call either.
         ids = [t["id"] for t in await tokenize(c, "hello world <|im_start|>", with_pieces=True)]
         back = (await c.post("/detokenize", json={"tokens": ids})).json()["content"]

@@ -35,14 +35,10 @@ async def _discard(_text: str) -> None:
 
 async def generate(engine: Any, body: dict[str, Any], prompt: str = "call a tool") -> tuple[str, str]:
     """(text, stop_type) of one generation through the engine's own path."""
-    params = engine.inputs.generation_params(body)
-    await engine.inputs.compile_grammar(params)
-    tokens = await engine.inputs.tokenize_text(prompt)
-    slot = await engine.scheduler.claim_for_prompt(tokens, "test", None)
-    try:
-        res = await engine.generate(slot.id, tokens, params, _discard)
-    finally:
-        engine.release(slot)
+    prepared = await engine.prepare("chat", {**body, "messages": [{"role": "user", "content": prompt}]})
+    assert prepared.tokens is not None
+    async with engine.claim("test", prompt=prepared.tokens) as lease:
+        res = await lease.generate(prepared.tokens, prepared.params, _discard)
     return res.text, res.stop_type
 
 
@@ -64,7 +60,7 @@ def check_calls(text: str, fmt: ToolFormat, req: ToolRequest, *, exactly_one: bo
 
 def use_format(engine: Any, fmt: ToolFormat) -> None:
     """Serve ``fmt`` as if the template wrote calls so (a white-box switch of the chat caps)."""
-    chat = engine.inputs.chat
+    chat = engine._core.inputs.chat
     chat.caps = dataclasses.replace(chat.caps, tool_format=fmt)
 
 
@@ -117,15 +113,15 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
 
 async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
     eng = engine.state.engine
-    grammars = eng.backend.grammars
+    grammars = eng._core.backend.grammars
     use_format(eng, HERMES)
     body = {"tools": tools_body([{"type": "object", "properties": {"n": {"type": "integer"}}}]), "max_tokens": 24}
-    params = eng.inputs.generation_params(body)
+    params = eng._core.inputs.generation_params(body)
     assert params.sampling.grammar is not None and params.sampling.grammar_triggers
     before = grammars.compiles
     free = []
     for _ in range(2):
-        await eng.inputs.compile_grammar(eng.inputs.generation_params(body))
+        await eng._core.inputs.compile_grammar(eng._core.inputs.generation_params(body))
         free.append(await generate(eng, body))
     assert grammars.compiles == before + 1
     assert grammars.known(params.sampling.grammar, params.sampling.grammar_triggers)
@@ -147,7 +143,7 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
     first, then the trigger, a piece at a time; from then on the grammar holds, so a token
     it refuses is replaced by one it allows."""
     eng = engine.state.engine
-    backend = eng.backend
+    backend = eng._core.backend
     fmt = FORMATS[fmt_name]
     req = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
     assert req is not None
@@ -182,7 +178,7 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
             backend.retire(sampler)
         return out.decode(), trigger.text
 
-    text, trig = await eng.worker.call(run)
+    text, trig = await eng._core.worker.call(run)
     after = text[text.index(trig) + len(trig):]
     expected = trigger.then + "tool_0"
     assert (after.startswith(expected) or expected.startswith(after)), (fmt_name, text)
@@ -209,11 +205,11 @@ async def test_a_schema_the_converter_refuses_names_its_tool(engine: Any) -> Non
     bad = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}
     body = {"tools": tools_body([{"type": "object"}, bad]), "tool_choice": "required"}
     with pytest.raises(ParamError) as info:
-        eng.inputs.generation_params(body)
+        eng._core.inputs.generation_params(body)
     assert info.value.param == "tools[1].function.parameters" and "multipleOf" in info.value.message
     # The named function's grammar converts only that tool's schema.
     named = {**body, "tool_choice": {"type": "function", "function": {"name": "tool_0"}}}
-    assert eng.inputs.generation_params(named).sampling.grammar is not None
+    assert eng._core.inputs.generation_params(named).sampling.grammar is not None
     # tool_choice "none": no grammar at all, the tools still parsed.
-    none = eng.inputs.generation_params({**body, "tool_choice": "none"})
+    none = eng._core.inputs.generation_params({**body, "tool_choice": "none"})
     assert none.sampling.grammar is None and none.tools is not None

@@ -256,7 +256,7 @@ async def test_tool_choice_none_renders_tools_and_parses_nothing(engine: Any) ->
 
 async def test_auto_compiles_a_lazy_grammar_once(engine: Any) -> None:
     async with http(engine) as h:
-        grammars = engine.state.engine.backend.grammars
+        grammars = engine.state.engine._core.backend.grammars
         before = grammars.compiles
         for _ in range(2):
             body = await chat(h, tools=TOOLS, tool_choice="auto", max_tokens=8)

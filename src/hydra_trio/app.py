@@ -19,7 +19,7 @@ import trio
 from .config import Settings
 from .decode.manager import DecodeManager
 from .decode.store import ResultStore
-from .engine.engine import Engine
+from .engine import Engine
 from .handoff.exports import ExportStore
 from .handoff.shm import ShmArea
 from .http.server import serve_http
@@ -90,11 +90,11 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     )
                     state.engine, state.decodes, state.exports = engine, decodes, exports
                     if state.kv_events is not None:
-                        blocks = engine.publish_kv_events(state.kv_events.publish, state.kv_events.block_size)
+                        events = engine.kv_events(state.kv_events.publish, state.kv_events.block_size)
                         state.metrics.live_gauge(
-                            "hydra_kv_blocks_held", "distinct KV blocks the slots hold (as KV events told)", lambda: blocks.n_held
+                            "hydra_kv_blocks_held", "distinct KV blocks the slots hold (as KV events told)", lambda: events.n_held
                         )
-                        await front.start(state.kv_events.serve, engine.resync_kv_events)
+                        await front.start(state.kv_events.serve, events.resync)
                     rpc_port = await front.start(serve_rpc, state, rpc_listeners)
                     state.rpc_port = rpc_port
                     if settings.advertise_host is None and settings.host in ("0.0.0.0", "::", ""):

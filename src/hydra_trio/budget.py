@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
 from .grants import FifoGrants
+from .wire.errors import ErrorCode, ProtocolError, Status
 
 
 class ByteBudget:
@@ -33,6 +39,28 @@ class ByteBudget:
         deadline of its own: the caller's cancel scope bounds the wait, and a cancelled wait
         takes nothing."""
         await self._line.acquire(n)
+
+    async def take(self, n: int, *, within_s: float, what: str) -> None:
+        """The one payload-budget wait of every front end: take ``n`` bytes within
+        ``within_s`` seconds (in arrival order), or refuse with the one "busy, retry" error
+        (BUSY, TIMEOUT; HTTP 503 with Retry-After). The caller releases them."""
+        with trio.move_on_after(within_s) as wait:
+            await self.acquire(n)
+        if wait.cancelled_caught:
+            raise ProtocolError(
+                ErrorCode.TIMEOUT,
+                f"engine busy: no room in --max-inflight-bytes for {what} of {n} bytes within {within_s:g} s",
+                status=Status.BUSY,
+            )
+
+    @asynccontextmanager
+    async def held(self, n: int, *, within_s: float, what: str) -> AsyncIterator[None]:
+        """``take`` for the length of a block, released when it ends."""
+        await self.take(n, within_s=within_s, what=what)
+        try:
+            yield
+        finally:
+            self.release(n)
 
     def release(self, n: int) -> None:
         self.used -= n

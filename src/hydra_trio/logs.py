@@ -27,7 +27,7 @@ import trio
 
 if TYPE_CHECKING:
     from .config import Settings
-    from .engine.engine import Engine, GenerationResult
+    from .engine import Engine, GenerationResult
 
 BASE_FIELDS = ("ts", "level", "logger", "msg")
 # Every request line has all of these in JSON (null where they do not apply), whatever its path.

@@ -15,10 +15,7 @@ from .vllm_metrics import PrefixCacheCounts, VllmCollector
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from .engine.engine import Engine
-    from .engine.output import GenerationResult
-    from .engine.promptcache import PromptCache
-    from .engine.stats import EngineStats
+    from .engine import Engine, EngineStats, GenerationResult
 
 # Base units (seconds), the old millisecond buckets' bounds.
 _S_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -75,8 +72,8 @@ class Metrics:
     def watch_engine(self, engine: Engine, running_decodes: Callable[[], int]) -> None:
         """Gauges read from the engine (and the decode requests) at scrape time."""
         self.registry.register(VllmCollector(engine, self.prefix_cache))
-        if engine.prompt_cache is not None:
-            self.registry.register(PromptCacheCollector(engine.prompt_cache))
+        if engine.stats().prompt_cache is not None:  # --cache-ram-mib: the cache is there from the start
+            self.registry.register(PromptCacheCollector(engine))
         self.registry.register(EngineCollector(engine))
         g = self.live_gauge
         g("hydra_decode_requests_running", "decode requests not yet ended", running_decodes)
@@ -135,13 +132,15 @@ class EngineCollector(Collector):
 class PromptCacheCollector(Collector):
     """The host-memory prompt cache (--cache-ram-mib), read at scrape time."""
 
-    def __init__(self, cache: PromptCache) -> None:
-        self.cache = cache
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        c = self.cache
+        c = self.engine.stats().prompt_cache
+        if c is None:
+            return
         yield GaugeMetricFamily("hydra_prompt_cache_bytes", "host memory held by the prompt cache", value=c.nbytes)
-        yield GaugeMetricFamily("hydra_prompt_cache_entries", "slot histories held by the prompt cache", value=len(c))
+        yield GaugeMetricFamily("hydra_prompt_cache_entries", "slot histories held by the prompt cache", value=c.entries)
         for name, doc, value in (
             ("hydra_prompt_cache_saved", "slot histories copied into the prompt cache", c.saved),
             ("hydra_prompt_cache_restored", "prompt cache entries restored into a slot", c.restored),

@@ -20,7 +20,7 @@ from .metrics import Metrics
 
 if TYPE_CHECKING:
     from .decode.manager import DecodeManager
-    from .engine.engine import Engine
+    from .engine import Engine
     from .handoff.exports import ExportStore
     from .kvevents import KvEventPublisher
 

@@ -16,23 +16,19 @@ import logging
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import partial
 from typing import Any
 
 import trio
 
 from ..config import Settings
-from ..engine.engine import Engine, GenerationResult
-from ..engine.params import GenerationParams
-from ..engine.worker import CallTiming
+from ..engine import CallTiming, Engine, GenerationParams, GenerationResult, SlotLease
 from ..logs import generation_fields, request_extra, spec_note
 from ..metrics import Metrics
-from ..model.identity import IdentityMatch, compare_identity
-from ..tasks import OwnedTask, run_cpu_bound
-from ..wire import sampling as sampling_keys
+from ..model.identity import IdentityMatch
+from ..tasks import OwnedTask
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import DecodeFrame, merged_generation
-from ..wire.kvblob import KvBlob, parse_kv_blob
+from ..wire.kvblob import KvBlob
 from .store import DecodeEntry, DecodeState, ResultStore, Tombstone
 
 log = logging.getLogger(__name__)
@@ -88,7 +84,7 @@ class DecodeManager:
         # Requests outlive the front ends that start them: cancelling the owner does not
         # reach them; ``stop()`` ends them once the front ends have left.
         self._lifetime = trio.CancelScope(shield=True)
-        self._t3_seen = engine.t3_reloads
+        self._t3_seen = engine.stats().t3_reloads
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self._lifetime:
@@ -152,95 +148,96 @@ class DecodeManager:
         if not self._accepting or self._nursery is None:
             raise ProtocolError(ErrorCode.SLOT_BUSY, "engine is draining for shutdown")
         engine = self.engine
-        engine.check_slot(slot_id)
-        request = sampling_keys.merge(engine.slot_settings.generation_defaults(slot_id), merged_generation(frame))
-        params = engine.inputs.generation_params(request)
+        engine.slot_info(slot_id)  # NO_SLOT
         try:
             with trio.fail_at(deadline):  # the validation deadline covers these waits too
-                # A malformed prompt is refused before the reply. No prompt at all (an empty
-                # prompt segment, spec §4.1): decoding continues from what the slot holds.
-                await engine.inputs.compile_grammar(params)  # a grammar that cannot compile: 400
-                has_prompt = "messages" in request or "prompt" in request
-                prompt_text = await engine.inputs.render_prompt(request) if has_prompt else None
-                blob = (  # the token list is bounded by the context before it is materialised
-                    await run_cpu_bound(partial(parse_kv_blob, frame.kv, max_tokens=engine.n_ctx_slot), len(frame.kv))
-                    if len(frame.kv)
-                    else None
+                # The one request policy, over the slot's CONFIGURE T1 layer, the header's
+                # generation and the prompt segment: what HTTP refuses is refused here, a
+                # grammar that cannot compile is a 400, a malformed prompt is refused before
+                # the reply. No prompt at all (an empty prompt segment, spec §4.1): decoding
+                # continues from what the slot holds.
+                prepared = await engine.prepare(
+                    "decode", merged_generation(frame), slot=slot_id, tokenize=False
                 )
+                # The KV's admission: parsed (no longer than a slot) and held against the
+                # resident model by what the coordinator claims of it (§4.2).
+                admitted = await engine.admit(frame.kv if len(frame.kv) else None, self._claims(frame), header_model=_header_model(frame))
         except trio.TooSlowError:
             raise ProtocolError(ErrorCode.TIMEOUT, "validation timeout") from None
-        slot = engine.slot_claim(slot_id, f"decode:{trace or 'rpc'}")  # SLOT_BUSY
-        try:
-            entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written
-        except BaseException:
-            engine.release(slot)
-            raise
-        entry.task = task = OwnedTask(f"decode:{entry.id}")
-        entry.replies = engine.inputs.reply_parsers(params, request, prompt_text or "")
-        entry.metrics.kv_bytes = len(frame.kv)
+        params, prompt_text = prepared.params, prepared.prompt
+        entry: DecodeEntry | None = None
         final, label = DecodeState.FAILED, None
         started: StartedDecode | None = None
         try:
-            with task.scope:  # DELETE and abandon() cancel this scope
-                self._check_identity(entry, frame, blob, t0)
+            async with engine.claim(f"decode:{trace or 'rpc'}", slot=slot_id) as lease:  # SLOT_BUSY
+                entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written
+                entry.task = task = OwnedTask(f"decode:{entry.id}")
+                entry.replies = prepared.replies
+                entry.logprobs = params.logprobs is not None
+                entry.metrics.kv_bytes = len(frame.kv)
+                blob = admitted.blob
                 try:
-                    with trio.fail_at(deadline):
-                        await self._restore(entry, slot.id, blob)
-                except trio.TooSlowError:
-                    # The restore was cancelled (queued or aborted before commit): the slot
-                    # holds exactly what it held before, and nothing runs for this id.
-                    final = DecodeState.TIMED_OUT
-                    raise ProtocolError(ErrorCode.TIMEOUT, "validation timeout") from None
-                # Views of the RPC payload: let that buffer go now (the budget has released
-                # it once the reply is written; a reference here would keep it for the whole
-                # generation).
-                del blob, frame
-                if prompt_text is None and engine.n_past(slot.id) == 0:
-                    raise ProtocolError(
-                        ErrorCode.BAD_JSON,
-                        "DECODE has no prompt, and the slot holds no KV to continue from",
-                        status=Status.BAD_REQUEST,
-                    )
-                started = self._started(entry, slot.id, t0)
-                task_status.started(started)
-                final = await self._generate(entry, prompt_text, params, rlog)
-            if task.scope.cancelled_caught:
-                final = DecodeState.CANCELLED
-                if started is None:  # DELETE during validation or restore
-                    raise ProtocolError(ErrorCode.RESTORE_FAILED, "decode request cancelled before the restore completed")
-        except trio.Cancelled:  # the caller left before the reply, or the engine stops
-            final = DecodeState.CANCELLED
-            raise
-        except ProtocolError as err:
-            entry.error, entry.error_code = err.message, str(err.code)
-            if err.code == ErrorCode.CAP_MISMATCH:
-                label = "rejected"
-            if started is None:
-                raise _with_id(err, entry, final) from None
-            # Its request line (below) names the cause.
-        except Exception as exc:
-            entry.error, entry.error_code = f"internal error: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL
-            if started is None:
-                raise _with_id(ProtocolError(ErrorCode.INTERNAL, entry.error), entry, final) from exc
-            rlog.exception("decode %d failed", entry.id)
+                    with task.scope:  # DELETE and abandon() cancel this scope
+                        self._check_identity(entry, admitted.match, t0)
+                        try:
+                            with trio.fail_at(deadline):
+                                await self._restore(entry, lease, blob, params.cache_salt)
+                        except trio.TooSlowError:
+                            # The restore was cancelled (queued or aborted before commit): the slot
+                            # holds exactly what it held before, and nothing runs for this id.
+                            final = DecodeState.TIMED_OUT
+                            raise ProtocolError(ErrorCode.TIMEOUT, "validation timeout") from None
+                        # Views of the RPC payload: let that buffer go now (the budget has released
+                        # it once the reply is written; a reference here would keep it for the whole
+                        # generation).
+                        del blob, frame, admitted
+                        if prompt_text is None and lease.n_past == 0:
+                            raise ProtocolError(
+                                ErrorCode.BAD_JSON,
+                                "DECODE has no prompt, and the slot holds no KV to continue from",
+                                status=Status.BAD_REQUEST,
+                            )
+                        started = self._started(entry, slot_id, t0)
+                        task_status.started(started)
+                        final = await self._generate(entry, lease, prompt_text, params, rlog)
+                    if task.scope.cancelled_caught:
+                        final = DecodeState.CANCELLED
+                        if started is None:  # DELETE during validation or restore
+                            raise ProtocolError(ErrorCode.RESTORE_FAILED, "decode request cancelled before the restore completed")
+                except trio.Cancelled:  # the caller left before the reply, or the engine stops
+                    final = DecodeState.CANCELLED
+                    raise
+                except ProtocolError as err:
+                    entry.error, entry.error_code = err.message, str(err.code)
+                    if err.code == ErrorCode.CAP_MISMATCH:
+                        label = "rejected"
+                    if started is None:
+                        raise _with_id(err, entry, final) from None
+                    # Its request line (below) names the cause.
+                except Exception as exc:
+                    entry.error, entry.error_code = f"internal error: {type(exc).__name__}: {exc}", ErrorCode.INTERNAL
+                    if started is None:
+                        raise _with_id(ProtocolError(ErrorCode.INTERNAL, entry.error), entry, final) from exc
+                    rlog.exception("decode %d failed", entry.id)
         finally:
-            engine.release(slot)
-            self._seal(entry, final, label)
-            if started is not None:
-                self._log_end(entry, final, trace, rlog)
-            task.finished.set()
+            if entry is not None:  # the slot is free by now
+                self._seal(entry, final, label)
+                if started is not None:
+                    self._log_end(entry, final, trace, rlog)
+                entry.task.finished.set()
 
-    def _check_identity(self, entry: DecodeEntry, frame: DecodeFrame, blob: KvBlob | None, t0: float) -> None:
-        """The §4.2 identity gate against the resident model; CAP_MISMATCH if it fails."""
-        resident = self.engine.identity
+    def _claims(self, frame: DecodeFrame) -> Any:
+        """What the coordinator claims of the model that made the KV (``kv_metadata``): with
+        no foreign KV and no claims, the slot's KV is this engine's own."""
         kv_meta = frame.header.get("kv_metadata")
-        if blob is None and not kv_meta:
-            # No foreign KV and no claims about it: the slot's KV is this engine's own.
-            kv_meta = resident.fields()
-        header_model = frame.header.get("model")
-        match: IdentityMatch = compare_identity(
-            resident, kv_meta, header_model=header_model if isinstance(header_model, str) else None
-        )
+        if not len(frame.kv) and not kv_meta:
+            resident = self.engine.identity
+            return resident.fields()
+        return kv_meta
+
+    def _check_identity(self, entry: DecodeEntry, match: IdentityMatch | None, t0: float) -> None:
+        """The §4.2 identity gate's verdict (``Engine.admit``); CAP_MISMATCH if it failed."""
+        assert match is not None, "claims are always given"
         entry.metrics.match = match.as_meta()
         entry.metrics.validate_ms = (time.perf_counter() - t0) * 1000.0
         if not match.accepted:
@@ -250,22 +247,22 @@ class DecodeManager:
                 extra={"valid": False, "match": match.as_meta(), "reason": match.reason},
             )
 
-    async def _restore(self, entry: DecodeEntry, slot_id: int, blob: KvBlob | None) -> None:
+    async def _restore(self, entry: DecodeEntry, lease: SlotLease, blob: KvBlob | None, salt: str | None) -> None:
         """Restore the blob into the slot (all-or-nothing), with the logits that came with it."""
-        engine = self.engine
         entry.state = DecodeState.RESTORING
         entry.notify()
         t_restore = time.perf_counter()
         if blob is not None:
-            await engine.kv.restore(slot_id, blob, timing := CallTiming())
+            await lease.restore(blob, timing=(timing := CallTiming()), salt=salt)
             entry.metrics.queue_wait_ms = timing.queue_wait_s * 1000.0
             self.metrics.restore_bytes.inc(entry.metrics.kv_bytes)
         m = entry.metrics
         m.restore_slot_ms = (time.perf_counter() - t_restore) * 1000.0
-        m.n_past_after_restore = engine.n_past(slot_id)
-        t3 = engine.t3_reloads
+        m.n_past_after_restore = lease.n_past
+        stats = self.engine.stats()
+        t3 = stats.t3_reloads
         m.t3_reloaded = t3 != self._t3_seen
-        m.t3_reload_ms = engine.last_t3_reload_ms if t3 != self._t3_seen else 0.0
+        m.t3_reload_ms = stats.last_t3_reload_ms if t3 != self._t3_seen else 0.0
         self._t3_seen = t3
 
     def _started(self, entry: DecodeEntry, slot_id: int, t0: float) -> StartedDecode:
@@ -287,13 +284,12 @@ class DecodeManager:
         return StartedDecode(meta, entry, self.store, self.metrics, t0)
 
     async def _generate(
-        self, entry: DecodeEntry, prompt_text: str | None, params: GenerationParams, rlog: Any
+        self, entry: DecodeEntry, lease: SlotLease, prompt_text: str | None, params: GenerationParams, rlog: Any
     ) -> DecodeState:
-        engine = self.engine
         if prompt_text is None:  # continue the slot: its tokens are the prompt
-            tokens = engine.slot_tokens(entry.slot_id)
+            tokens = lease.tokens()
         else:
-            tokens = await engine.inputs.tokenize_text(prompt_text)
+            tokens = await self.engine.prompt_tokens(prompt_text)
         res = GenerationResult()
         entry.result = res
 
@@ -301,8 +297,8 @@ class DecodeManager:
             entry.chunks.append(delta)
             entry.notify()
 
-        await engine.generate(entry.slot_id, tokens, params, emit, result=res)
-        entry.metrics.n_past = engine.n_past(entry.slot_id)
+        await lease.generate(tokens, params, emit, result=res)
+        entry.metrics.n_past = lease.n_past
         return DecodeState.DONE
 
     @staticmethod
@@ -364,6 +360,11 @@ class DecodeManager:
             # It finished on its own before the cancellation landed: now delete it.
         self.store.delete(entry)
         return CancelResult(CancelOutcome.DELETED, request_id, DecodeState.DELETED)
+
+
+def _header_model(frame: DecodeFrame) -> str | None:
+    model = frame.header.get("model")
+    return model if isinstance(model, str) else None
 
 
 def _with_id(err: ProtocolError, entry: DecodeEntry, state: DecodeState) -> ProtocolError:

@@ -1,2 +1,38 @@
-"""Inference: the llama.cpp backend (the only module importing llama_cpp), the GPU worker,
-slots, sampling and the chat template."""
+"""The engine: one model, N slots, one GPU worker. Its face is what this package exports:
+``Engine`` (and a slot's ``SlotLease``), the parameter, result and stats types the front ends
+read, and the chat room's reply types. Nothing outside engine/ reaches its modules."""
+
+from .chat import ReplyDelta, ReplyParser, ToolCall
+from .engine import Engine, KvEvents, Prepared
+from .kv import Admitted, KvCopy
+from .lease import Emit, SlotLease
+from .llama import MAX_TOP_LOGPROBS, DecodeAborted, TokenLogprobs, Vocabulary
+from .output import GenerationResult
+from .params import GenerationParams, SamplingParams
+from .requests import Route
+from .stats import EngineStats, SlotInfo
+from .worker import CallTiming
+
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "Admitted",
+    "CallTiming",
+    "DecodeAborted",
+    "Emit",
+    "Engine",
+    "EngineStats",
+    "GenerationParams",
+    "GenerationResult",
+    "KvCopy",
+    "KvEvents",
+    "Prepared",
+    "ReplyDelta",
+    "ReplyParser",
+    "Route",
+    "SamplingParams",
+    "SlotInfo",
+    "SlotLease",
+    "TokenLogprobs",
+    "ToolCall",
+    "Vocabulary",
+]

@@ -17,7 +17,7 @@ from ..config import CACHE_TYPES, Settings, cache_type_problem
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ParamError, ProtocolError, Status
 from .params import BOUNDS, check_value, parse_stop
-from .slots import SlotTable
+from .sched import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,8 @@ def _validate_t1(body: dict[str, Any]) -> tuple[sampling_keys.Layer, dict[str, s
                     raise _bad("state_chunk_size must be an integer")
                 out[key] = min(max(value, CHUNK_MIN), CHUNK_MAX)
             elif key in _NOT_APPLIED:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise _bad(f"{name} must be an integer")
                 unused[name] = _NOT_APPLIED[key]
                 continue
             else:

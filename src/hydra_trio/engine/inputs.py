@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..wire.errors import ErrorCode, ProtocolError, Status
+from ..wire.errors import ErrorCode, ProtocolError, Status, bad_param
 from .chat import Chat, ChatTemplate, ReplyParser
-from .llama.chat import apply_builtin_chat_template
-from .llama.context import LlamaBackend, kv_layout
+from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
 from .worker import GpuWorker
 
@@ -95,7 +94,31 @@ class Inputs:
         return await self._chat().render(request)
 
     async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
+        """A request's prompt tokens: ``messages`` through the chat template, or its
+        ``prompt`` (text, token ids, or a one-element batch of either)."""
+        if "prompt" in request and "messages" not in request:
+            return await self.prompt_tokens(request["prompt"])
         return await self.tokenize_text(await self.render_prompt(request))
+
+    async def prompt_tokens(self, prompt: Any) -> list[int]:
+        """``prompt`` as a string, a token array, or a one-element array of either (OpenAI's
+        batch form with one prompt) -> tokens. Strings get the model's BOS like any prompt."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return await self.tokenize_text(prompt)
+        if isinstance(prompt, list) and len(prompt) >= self.n_ctx_slot:
+            self.check_prompt_fits(len(prompt))  # before any per-token check (a 4 M-token array: ~1 s)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            n_vocab = self._backend().info.n_vocab
+            bad = [t for t in prompt if not 0 <= t < n_vocab]
+            if bad:
+                raise bad_param(f"prompt holds token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
+            self.check_prompt_fits(len(prompt))
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+            raise bad_param("one prompt per request: batched prompts are not supported")
+        raise bad_param("prompt must be a non-empty string or a non-empty array of token ids")
 
     @property
     def max_request_json_bytes(self) -> int:

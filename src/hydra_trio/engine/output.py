@@ -10,8 +10,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .llama.sampling import Sampler
-from .logprobs import TokenLogprobs
+from .llama import Sampler, TokenLogprobs
 from .params import GenerationParams
 from .text import TextAssembler
 

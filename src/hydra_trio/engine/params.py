@@ -12,41 +12,11 @@ from ..wire import sampling as sampling_keys
 from ..wire.errors import bad_param
 from ..wire.sampling import SPEC_TYPES
 from .chat import Constraint, ToolRequest, parse_tools, request_constraint
-from .speculative import SpecRequest
+from .llama import SamplingParams
+from .speculation import SpecRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    frequency_penalty: float = 0.0  # OpenAI's, over the last repeat_last_n tokens (llama.cpp's)
-    presence_penalty: float = 0.0
-    seed: int = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
-    ignore_eos: bool = False  # end-of-generation tokens are never sampled (benchmarks' convention)
-    min_tokens: int = 0  # vLLM's: no end-of-generation token before this many (stop strings still stop)
-    # GBNF every sampled token must follow (response_format, json_schema, grammar, tools), as text:
-    # a pure value that pickles and compares; compiled on the GPU worker (llama/grammar.py).
-    grammar: str | None = None
-    # A lazy grammar's trigger patterns (tool_choice "auto": free text until the model starts
-    # a call; llama/grammar.py's trigger_pattern); (): the grammar holds from the first token.
-    grammar_triggers: tuple[str, ...] = ()
-    grammar_param: str = field(default="grammar", compare=False)  # the key it came from: errors name it
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any repetition penalty changes the logits before the pick."""
-        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .kv import PromptCacheStats
+
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
@@ -30,8 +32,11 @@ class EngineStats:
     spec_drafts: int = 0  # speculation: drafts verified
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # draft tokens accepted
-    # A generation step's measured llama_decode seconds by its rows (speculative.StepCost).
+    # A generation step's measured llama_decode seconds by its rows (engine/speculation/ StepCost).
     step_decode_s: tuple[tuple[int, float], ...] = ()
+    t3_reloads: int = 0  # CONFIGURE T3 model reloads done
+    last_t3_reload_ms: float = 0.0
+    prompt_cache: PromptCacheStats | None = None  # None: --cache-ram-mib 0
 
     @property
     def slots_idle(self) -> int:

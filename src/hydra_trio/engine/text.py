@@ -76,11 +76,3 @@ def _failure(pattern: str) -> list[int]:
             k += 1
         fail[i] = k
     return fail
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

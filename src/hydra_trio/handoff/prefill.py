@@ -1,47 +1,46 @@
-"""The prefill side of a P/D hand-off: prefill the prompt in a slot, sample the one token
-the router asked for, copy the slot's KV (and the last logits) out into host memory as an
-export under a lease (``exports.py``), and free the slot at once."""
+"""The prefill side of a P/D hand-off: prefill the prompt in a held slot, sample the one token
+the router asked for, copy the slot's KV (and the last logits) out into host memory; once the
+slot is free again, keep that copy as an export under a lease (``exports.py``)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
-from ..engine.engine import Engine
-from ..engine.output import GenerationResult
-from ..engine.params import GenerationParams
-from ..engine.slots import Slot
+from ..engine import Engine, GenerationParams, GenerationResult, KvCopy, SlotLease
 from ..wire.kvpull import IDENTITY_KEYS
 from .exports import Export, ExportStore
 
 
 @dataclass(slots=True)
-class ExportedPrefill:
+class PrefilledSlot:
     result: GenerationResult  # the prompt and the one sampled token, as a completion
     slot_id: int
-    export: Export | None  # None: larger than --kv-export-max-bytes on its own
+    copy: KvCopy  # the slot's KV and the last position's logits, in host memory
     prefill_ms: float
     copy_ms: float  # llama_state_seq_get_data into host memory
-    slot_held_ms: float  # claim to release: what the export cost normal traffic
+    slot_held_ms: float  # the slot's work for the export: what it cost normal traffic
 
 
-async def prefill_export(
-    engine: Engine, exports: ExportStore, slot: Slot, tokens: list[int], params: GenerationParams
-) -> ExportedPrefill:
-    """Prefill ``tokens`` in ``slot`` (claimed by the caller; released here, however this
-    ends), sample one token, copy the KV out as an export."""
+async def prefill_export(lease: SlotLease, tokens: list[int], params: GenerationParams) -> PrefilledSlot:
+    """Prefill ``tokens`` in the held slot, sample one token, copy the KV out."""
     t_claim = time.perf_counter()
-    try:
-        # The logits travel with the KV. A slot that still holds the prompt with its logits
-        # (an earlier export of it) gives the same ones again.
-        res, logits = await engine.sample_first(slot.id, tokens, params)
-        t_prefilled = time.perf_counter()
-        copy = await engine.kv.copy_out(slot.id, logits=logits)
-        copy_ms = (time.perf_counter() - t_prefilled) * 1000.0
-    finally:
-        engine.release(slot)
-    slot_held_ms = (time.perf_counter() - t_claim) * 1000.0
-    identity = engine.identity.info_fields()
+    # The logits travel with the KV. A slot that still holds the prompt with its logits
+    # (an earlier export of it) gives the same ones again.
+    res, logits = await lease.sample_first(tokens, params)
+    t_prefilled = time.perf_counter()
+    copy = await lease.copy_out(logits=logits)
+    t_copied = time.perf_counter()
+    return PrefilledSlot(
+        res, lease.id, copy, res.prompt_ms, (t_copied - t_prefilled) * 1000.0, (t_copied - t_claim) * 1000.0
+    )
+
+
+async def export_prefill(engine: Engine, exports: ExportStore, out: PrefilledSlot) -> Export | None:
+    """Keep the copy as an export, labelled with the model and KV layout that made it; None
+    when it is larger than --kv-export-max-bytes on its own."""
+    resident = engine.identity
+    identity = resident.info_fields()
     made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": engine.kv_cache_layout}
-    export = await exports.put(copy.parts, copy.n_past, await copy.kv_hash(), made_by)
-    return ExportedPrefill(res, slot.id, export, res.prompt_ms, copy_ms, slot_held_ms)
+    copy = out.copy
+    return await exports.put(copy.parts, copy.n_past, await copy.kv_hash(), made_by)

@@ -13,19 +13,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import trio
 
 from ..budget import ByteBudget
 from ..config import Settings
-from ..engine.engine import Engine
-from ..engine.llama.seqstate import cache_layout_mismatch
-from ..model.identity import compare_identity
-from ..tasks import run_cpu_bound
+from ..engine import Engine, SlotLease
 from ..wire.errors import ProtocolError
-from ..wire.kvblob import KvBlob, parse_kv_blob
+from ..wire.kvblob import KvBlob
 from ..wire.kvpull import HandoffParams, parse_handoff_params
 from .exports import ExportStore
 from .pull import PULL_FAILED, PullFailed, network_failure, pull_export
@@ -48,34 +44,35 @@ class Handoff:
     restore_ms: float = 0.0
     n_restored: int = 0
     transport: str = ""  # how the bytes came: "shm" (mapped on this host) or "tcp"
+    engine: Engine | None = None  # the engine whose slot it restores into (None: it names no export)
 
     @classmethod
-    def begin(cls, engine: Engine, exports: ExportStore, raw: object, *, trace: str = "") -> Handoff | None:
+    async def begin(cls, engine: Engine, exports: ExportStore, raw: object, *, trace: str = "") -> Handoff | None:
         """The hand-off a request's ``kv_transfer_params`` (``raw``) asks for: None when it
         names no hydra export; already a fallback when it is malformed or names KV of
         another model (the identity gate, before any byte moves)."""
         try:
             params = parse_handoff_params(raw)
         except ProtocolError as err:
-            h = cls(None, exports, trace)
+            h = cls(None, exports, trace, engine=engine)
             h._fail("bad_params", err.message)
             return h
         if params is None:
             return None
-        h = cls(params, exports, trace)
-        match = compare_identity(engine.identity, params.identity, header_model=None)
-        if not match.accepted:
-            h._fail("identity_mismatch", f"export was made by another model: {match.reason}")
-        elif (why := cache_layout_mismatch(params.kv_cache, engine.kv_cache_layout)) is not None:
-            h._fail("layout_mismatch", f"export's KV cache layout differs: {why}")
+        h = cls(params, exports, trace, engine=engine)
+        admitted = await engine.admit(None, {**params.identity, "kv_cache": params.kv_cache})
+        assert admitted.match is not None, "claims were given"
+        if not admitted.match.accepted:
+            h._fail("identity_mismatch", f"export was made by another model: {admitted.match.reason}")
+        elif admitted.layout_problem is not None:
+            h._fail("layout_mismatch", f"export's KV cache layout differs: {admitted.layout_problem}")
         return h
 
     async def restore(
         self,
-        engine: Engine,
         settings: Settings,
         budget: ByteBudget,
-        slot_id: int,
+        lease: SlotLease,
         prompt_tokens: list[int],
         salt: str | None = None,
     ) -> None:
@@ -101,13 +98,13 @@ class Handoff:
             self._fail("too_large", f"export of {n} bytes exceeds --max-kv-bytes {settings.max_kv_bytes}")
             return
         deadline = trio.current_time() + settings.kv_pull_timeout_s
-        with trio.move_on_at(deadline) as wait:
-            await budget.acquire(n)
-        if wait.cancelled_caught:
-            self._fail("timeout", f"no payload room for {n} bytes within {settings.kv_pull_timeout_s:g} s")
+        try:
+            await budget.take(n, within_s=settings.kv_pull_timeout_s, what="a KV pull")
+        except ProtocolError as err:
+            self._fail("timeout", err.message)
             return
         try:
-            await self._pull_and_restore(engine, settings, deadline, slot_id, prompt_tokens, salt)
+            await self._pull_and_restore(settings, deadline, lease, prompt_tokens, salt)
         finally:
             budget.release(n)
         if self.reason == PULL_FAILED:  # the budget is back; the slot waits, as for a silent peer
@@ -115,14 +112,13 @@ class Handoff:
 
     async def _pull_and_restore(
         self,
-        engine: Engine,
         settings: Settings,
         deadline: float,
-        slot_id: int,
+        lease: SlotLease,
         prompt_tokens: list[int],
         salt: str | None,
     ) -> None:
-        blob = await self._pull(engine, settings, deadline)
+        blob = await self._pull(settings, deadline)
         if blob is None:
             return
         if blob.tokens != prompt_tokens[: len(blob.tokens)] or len(blob.tokens) > len(prompt_tokens):
@@ -130,7 +126,7 @@ class Handoff:
             return
         t0 = time.perf_counter()
         try:
-            await engine.kv.restore(slot_id, blob, salt=salt)
+            await lease.restore(blob, salt=salt)
         except ProtocolError as err:
             self._fail("restore_failed", err.message)
             return
@@ -139,9 +135,9 @@ class Handoff:
         self.status = "restored"
         self.exports.metrics.pulls.labels("restored", "").inc()
 
-    async def _pull(self, engine: Engine, settings: Settings, deadline: float) -> KvBlob | None:
-        params = self.params
-        assert params is not None
+    async def _pull(self, settings: Settings, deadline: float) -> KvBlob | None:
+        params, engine = self.params, self.engine
+        assert params is not None and engine is not None
         t0 = time.perf_counter()
         try:
             with trio.fail_at(deadline):
@@ -159,18 +155,18 @@ class Handoff:
         self.kv_bytes = len(pulled.blob)
         self.transport = pulled.transport
         self.exports.metrics.pull_bytes.inc(self.kv_bytes)
-        # The identity gate again, on what the engine that served the bytes says of itself.
-        match = compare_identity(engine.identity, pulled.meta, header_model=None)
-        if not match.accepted:
-            self._fail("identity_mismatch", f"prefill engine serves another model: {match.reason}")
-            return None
+        # The admission: the identity gate again, on what the engine that served the bytes
+        # says of itself, and the blob parsed (no more tokens than a slot holds).
         try:
-            # No more tokens than a slot holds: the token list is built from the blob's count.
-            parse = partial(parse_kv_blob, pulled.blob, max_tokens=engine.n_ctx_slot)
-            blob = await run_cpu_bound(parse, len(pulled.blob))
+            admitted = await engine.admit(pulled.blob, pulled.meta)
         except ProtocolError as err:
             self._fail_network("bad_reply", err.message)
             return None
+        assert admitted.match is not None and admitted.blob is not None
+        if not admitted.match.accepted:
+            self._fail("identity_mismatch", f"prefill engine serves another model: {admitted.match.reason}")
+            return None
+        blob = admitted.blob
         if blob.n_past != params.n_past:
             self._fail_network("bad_reply", f"blob holds {blob.n_past} positions; the export announced {params.n_past}")
             return None

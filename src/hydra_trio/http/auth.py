@@ -4,7 +4,7 @@
 Two roles (docs/operations.md "Roles"). The admin key (--admin-api-key) serves every route;
 the plain key (--api-key) serves every route but the admin ones: slot state GET/PUT and its
 meta, erase, /slots (other clients' request ids) and the decode listing. ``access`` is the
-one decision; the rest only feeds it.
+one decision; the rest only feeds it. Which role a route needs is http/routes.py's table.
 
 Which keys are set decides what a request without a valid key gets (``KeyRing.anonymous``):
 neither key: everything (HTTP open, as before keys); --api-key alone: nothing, and that key
@@ -17,13 +17,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from quart import Response, request
 
 from ..config import is_loopback
 from .common import json_response
+from .routes import Role, role_of
 from .sse import error_body
 
 if TYPE_CHECKING:
@@ -32,34 +32,6 @@ if TYPE_CHECKING:
     from ..state import AppState
 
 log = logging.getLogger(__name__)
-
-
-class Role(IntEnum):
-    NONE = 0  # what /health needs: load balancers probe it without credentials
-    PLAIN = 1  # completions, chat, tokenizer routes, a decode result by its id, /metrics
-    ADMIN = 2  # slot state, erase, /slots, the decode listing
-
-
-# By URL rule (what routing matched, so no spelling of a path reaches a route under another
-# rule's role), and method where one rule serves both roles. Unlisted: PLAIN.
-_RULE_ROLES: dict[tuple[str, str | None], Role] = {
-    ("/health", None): Role.NONE,
-    ("/slots", None): Role.ADMIN,
-    ("/slots/<raw_id>", None): Role.ADMIN,  # POST ?action=erase
-    ("/slots/<raw_id>/state", None): Role.ADMIN,  # GET: another user's prompt; PUT: KV others would reuse
-    ("/slots/<raw_id>/state/meta", None): Role.ADMIN,
-    ("/v1/decode", "GET"): Role.ADMIN,  # every decode id: the ids are the results' capabilities
-}
-
-
-def route_role(rule: str | None, method: str) -> Role:
-    """The role a request to ``rule`` (None: no route matched, a 404/405 to come) needs."""
-    if rule is None:
-        return Role.PLAIN  # unmatched paths still need a key: their 404s tell nothing to strangers
-    found = _RULE_ROLES.get((rule, method))
-    if found is None:
-        found = _RULE_ROLES.get((rule, None), Role.PLAIN)
-    return found
 
 
 def _digest(key: str) -> bytes:
@@ -135,7 +107,7 @@ def install_auth(app: QuartTrio, state: AppState) -> None:
     @app.before_request
     async def require_api_key() -> Response | None:
         rule = request.url_rule.rule if request.url_rule is not None else None
-        refused = access(route_role(rule, request.method), ring, request.headers.get("Authorization", ""))
+        refused = access(role_of(rule, request.method), ring, request.headers.get("Authorization", ""))
         if refused is None:
             return None
         status, message = refused

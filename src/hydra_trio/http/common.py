@@ -14,13 +14,13 @@ from werkzeug.exceptions import HTTPException
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ParamError, ProtocolError, Status
 from ..wire.jsontext import parse_json_object
-from .sse import error_body
+from .sse import RETRY_AFTER, busy_body, error_body
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ..config import Settings
-    from ..engine.engine import Engine
+    from ..engine import Engine
     from ..state import AppState
 
 _HTTP_STATUS = {
@@ -66,6 +66,11 @@ def set_request_nursery(nursery: trio.Nursery) -> None:
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
     return Response(body, status=status, content_type="application/json", headers=headers)
+
+
+def busy_reply(message: str, **extra: Any) -> Response:
+    """The one "busy, retry" reply of every HTTP route: 503 with Retry-After."""
+    return json_response(busy_body(message, **extra), 503, RETRY_AFTER)
 
 
 class EngineStarting(Exception):
@@ -141,10 +146,14 @@ async def read_request_json(*, token_ids: bool = False) -> dict[str, Any]:
     engine = state.engine
     cap, why = state.settings.max_json_bytes, "--max-json-bytes"
     if engine is not None:
-        if token_ids and engine.inputs.max_token_ids_json_bytes < cap:
-            cap, why = engine.inputs.max_token_ids_json_bytes, f"the most an array of {engine.n_ctx} token ids (every KV cell) takes"
-        elif not token_ids and engine.inputs.max_request_json_bytes < cap:
-            cap, why = engine.inputs.max_request_json_bytes, f"the most a request for a slot of {engine.n_ctx_slot} positions can use"
+        limit = engine.json_body_limit(token_ids=token_ids)
+        if limit < cap:
+            cap = limit
+            why = (
+                f"the most an array of {engine.n_ctx} token ids (every KV cell) takes"
+                if token_ids
+                else f"the most a request for a slot of {engine.n_ctx_slot} positions can use"
+            )
     return await read_json_body(cap, why)
 
 
@@ -188,6 +197,8 @@ def register_error_handlers(app: Any) -> None:
     @app.errorhandler(ProtocolError)
     async def _protocol_error(err: ProtocolError) -> Response:
         status = http_status(err)
+        if status == 503:  # RPC's BUSY: the one "busy, retry" reply
+            return busy_reply(err.message, error_code=str(err.code), **err.extra)
         kind = "invalid_request_error" if status < 500 else "server_error"
         param = err.param if isinstance(err, ParamError) else None
         return json_response(error_body(status, err.message, kind, param=param, error_code=str(err.code), **err.extra), status)
@@ -198,7 +209,7 @@ def register_error_handlers(app: Any) -> None:
 
     @app.errorhandler(EngineStarting)
     async def _starting(_err: EngineStarting) -> Response:
-        return json_response(error_body(503, "model is loading", "unavailable_error"), 503, {"Retry-After": "1"})
+        return busy_reply("model is loading")
 
     @app.errorhandler(HTTPException)
     async def _werkzeug(err: HTTPException) -> Response:

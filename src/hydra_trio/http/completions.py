@@ -9,51 +9,17 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
-from ..engine.logprobs import TokenLogprobs
-from ..engine.output import GenerationResult
-from ..wire.errors import bad_param
+from ..engine import GenerationResult, TokenLogprobs
 from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
-from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
+from .generation import generate_buffered, sse_body, start_stream
 from .logprobs import CompletionLogprobs
-from .openai_params import request_params
 from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    pass
 
 bp = Blueprint("completions", __name__)
-
-
-async def prompt_tokens(engine: Engine, prompt: Any) -> list[int]:
-    """``prompt`` as a string, a token array, or a one-element array of either (OpenAI's
-    batch form with one prompt) -> tokens. Strings get the model's BOS like any prompt."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return await engine.inputs.tokenize_text(prompt)
-    if isinstance(prompt, list) and len(prompt) >= engine.n_ctx_slot:
-        engine.inputs.check_prompt_fits(len(prompt))  # before any per-token check (a 4 M-token array: ~1 s)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        n_vocab = engine.n_vocab
-        bad = [t for t in prompt if not 0 <= t < n_vocab]
-        if bad:
-            raise bad_param(
-                f"prompt holds token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}"
-            )
-        engine.inputs.check_prompt_fits(len(prompt))
-        return list(prompt)
-    if (
-        isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(p, str | list) for p in prompt)
-    ):
-        raise bad_param("one prompt per request: batched prompts are not supported")
-    raise bad_param("prompt must be a non-empty string or a non-empty array of token ids")
 
 
 @bp.post("/v1/completions")
@@ -61,10 +27,11 @@ async def completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_request_json()
-    params = await request_params("completions", engine, body)  # 400 for what this engine would not honour
-    tokens = await prompt_tokens(engine, body["prompt"])
+    prepared = await engine.prepare("completions", body)  # 400 for what this engine would not honour
+    params, tokens = prepared.params, prepared.tokens
+    assert tokens is not None, "tokenized"
     cid = "cmpl-" + secrets.token_hex(12)
-    model = engine.identity.model_alias
+    model = engine.served_name
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
 
@@ -76,17 +43,12 @@ async def completions() -> Response:
     plan = await kv_transfer.route(state, body, engine, tokens, params, render)
     if isinstance(plan, Response):
         return plan
-    try:
-        if not params.stream:
-            slot_id, res = await generate_buffered(
-                state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore
-            )
-            return json_response(render(slot_id, res, **plan.fields()))
-        stream = await start_stream(
+    if not params.stream:
+        slot_id, res = await generate_buffered(
             state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore
         )
-    except SlotsBusy:
-        return all_slots_busy(state)
+        return json_response(render(slot_id, res, **plan.fields()))
+    stream = await start_stream(state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore)
 
     created = now_s()
     body = sse_body(

@@ -46,7 +46,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from .sse import error_body
+from .sse import RETRY_AFTER, busy_body
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -168,11 +168,7 @@ class ConnectionGate:
             status, body, headers = self._health()
         else:
             message = f"engine busy: {self.open} HTTP connections are open, the limit (--max-http-connections); retry later"
-            status, body, headers = (
-                503,
-                error_body(503, message, "unavailable_error"),
-                {"Retry-After": "1"},
-            )
+            status, body, headers = 503, busy_body(message), RETRY_AFTER
         head_only = isinstance(request, h11.Request) and request.method == b"HEAD"
         return _response(conn, status, body, headers, head_only=head_only)
 

@@ -10,7 +10,7 @@ from quart import Blueprint, Response, request
 
 from ..decode.manager import CancelOutcome, DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
-from ..engine.engine import Engine, GenerationResult
+from ..engine import Engine, GenerationResult
 from ..writeturn import Wrote
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
 from .connections import chunk_writer
@@ -103,7 +103,7 @@ async def delete_decode(raw_id: str) -> Response:
             # ours: what the request had computed when it stopped, and the engine's work
             # counter at this moment (compare later: nothing ran after the reply)
             "completion_tokens": result.completion_tokens,
-            "engine_tokens_evaluated": manager.engine.tokens_evaluated,
+            "engine_tokens_evaluated": require_engine().stats().tokens_evaluated,
         }
     )
 
@@ -136,13 +136,15 @@ def _completion_id(entry: DecodeEntry) -> str:
 
 
 def _result_body(manager: DecodeManager, entry: DecodeEntry) -> dict[str, Any]:
+    engine = require_engine()
     return completion_body(
         _completion_id(entry),
-        manager.engine.identity.model_alias,
+        engine.served_name,
         entry.slot_id,
         entry.result,
+        vocab=engine.vocab if entry.logprobs else None,
         replies=entry.replies,
-        hydra_metrics=hydra_metrics(manager.engine, entry),
+        hydra_metrics=hydra_metrics(engine, entry),
     )
 
 
@@ -151,15 +153,16 @@ def hydra_metrics(engine: Engine, entry: DecodeEntry) -> dict[str, Any]:
     res: GenerationResult | None = entry.result
     m = entry.metrics
     n_common = res.n_common if res else 0
+    stats, identity = engine.stats(), engine.identity
     return {
         "decode_request_id": entry.id,
         "id_slot": entry.slot_id,
         "n_past": m.n_past if m.n_past is not None else m.n_past_after_restore,
         "decode_ms": round(res.decode_ms, 3) if res else 0.0,
         "prompt_ms": round(res.prompt_ms, 3) if res else 0.0,
-        "model_load_ms": round(engine.model_load_ms, 3),
+        "model_load_ms": round(stats.model_load_s * 1000.0, 3),
         "restore_slot_ms": round(m.restore_slot_ms, 3),
-        "model_identity": engine.identity.fields(),
+        "model_identity": identity.fields(),
         "match": m.match,
         # True when the KV carried in could not serve the prompt at all and it was
         # recomputed from scratch.
@@ -189,7 +192,7 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
     cannot (the socket full or gone, or a chunk only partly taken: the reader sends the
     rest first)."""
     cid = _completion_id(entry)
-    model = manager.engine.identity.model_alias
+    model = require_engine().served_name
     created = entry.created_unix
     # The chat stream's event per delta (a template, not the chunk serialised per token),
     # and every chunk that is ready in one write, as the chat stream does.

@@ -1,5 +1,5 @@
-"""One way for HTTP routes to run a generation: claim a slot, call ``Engine.generate`` (the
-entry point every path shares, so requests join the same continuous batches), release.
+"""One way for HTTP routes to run a generation: hold a slot (``Engine.claim``), generate in
+it (the entry point every path shares, so requests join the same continuous batches).
 
 Chat completions and text completions differ only in how they shape the result; both use
 ``generate_buffered`` or ``start_stream`` from here.
@@ -14,22 +14,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
-from quart import Response
 
-from ..engine.logprobs import TokenLogprobs
-from ..engine.output import GenerationResult
-from ..engine.params import GenerationParams
+from ..engine import GenerationParams, GenerationResult, SlotLease, TokenLogprobs
 from ..logs import generation_fields, request_extra, spec_note
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
 from ..writeturn import WriterTurn, Wrote
-from .common import client_request_id, http_status, json_response, request_nursery
+from .common import client_request_id, http_status, request_nursery
 from .connections import chunk_writer
 from .sse import SSE_DONE, error_body, sse_event
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
-    from ..engine.slots import Slot
+    from ..engine import Engine
     from ..state import AppState
     from ..tasks import OwnedTask
 
@@ -38,23 +34,7 @@ log = logging.getLogger(__name__)
 
 # Runs in the claimed slot before generation (e.g. restoring a handed-off KV, whose logits
 # then stay with the slot for the first token).
-Prepare = Callable[[int], Awaitable[None]]
-
-
-class SlotsBusy(Exception):
-    """No slot became free within --slot-wait-s."""
-
-
-def all_slots_busy(state: AppState) -> Response:
-    return json_response(
-        error_body(
-            503,
-            f"all slots are busy (waited {state.settings.slot_wait_s:g} s)",
-            "unavailable_error",
-        ),
-        503,
-        headers={"Retry-After": "1"},
-    )
+Prepare = Callable[[SlotLease], Awaitable[None]]
 
 
 def error_event_body(exc: BaseException) -> dict[str, Any]:
@@ -66,16 +46,11 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
     return error_body(500, f"internal error: {type(exc).__name__}", "server_error", error_code="INTERNAL")
 
 
-async def claim_slot(
-    state: AppState, engine: Engine, tokens: Sequence[int], owner: str, salt: str | None = None
-) -> Slot:
-    """A free slot (preferring the longest prefix cached under the request's cache ``salt``)
-    within --slot-wait-s; SlotsBusy."""
-    try:
-        with trio.fail_after(state.settings.slot_wait_s):
-            return await engine.scheduler.claim_for_prompt(tokens, owner, salt)
-    except trio.TooSlowError:
-        raise SlotsBusy from None
+def slot_for(state: AppState, engine: Engine, tokens: Sequence[int], owner: str, salt: str | None) -> Any:
+    """The claim of an HTTP generation: the free slot that holds the longest prefix of the
+    prompt under the request's cache ``salt``, waited for up to --slot-wait-s (then the one
+    "busy, retry" refusal: 503 with Retry-After)."""
+    return engine.claim(owner, prompt=tokens, salt=salt, wait_s=state.settings.slot_wait_s)
 
 
 async def _discard(_delta: str) -> None:
@@ -92,20 +67,17 @@ async def generate_buffered(
     path: str,
     prepare: Prepare | None = None,
 ) -> tuple[int, GenerationResult]:
-    """(slot id, result) of a whole generation. Raises SlotsBusy."""
+    """(slot id, result) of a whole generation."""
     t_arrived = trio.current_time()
-    slot = await claim_slot(state, engine, tokens, owner, params.cache_salt)
-    queue_s = trio.current_time() - t_arrived
-    res = GenerationResult()
-    with _logged(owner, path, slot.id, res, queue_s):
-        try:
+    async with slot_for(state, engine, tokens, owner, params.cache_salt) as lease:
+        queue_s = trio.current_time() - t_arrived
+        res = GenerationResult()
+        with _logged(owner, path, lease.id, res, queue_s):
             if prepare is not None:
-                await prepare(slot.id)
-            await engine.generate(slot.id, tokens, params, _discard, result=res)
-        finally:
-            engine.release(slot)
+                await prepare(lease)
+            await lease.generate(tokens, params, _discard, result=res)
     state.metrics.record_generation(path, res, queue_s=queue_s)
-    return slot.id, res
+    return lease.id, res
 
 
 @contextmanager
@@ -278,16 +250,20 @@ async def start_stream(
     path: str,
     prepare: Prepare | None = None,
 ) -> GenerationStream:
-    """Claim a slot and start generating into a channel. Raises SlotsBusy."""
+    """Claim a slot and start generating into a channel (the claim's refusal is raised here)."""
     send, recv = trio.open_memory_channel[StreamItem](64)
     stall_s = state.settings.slot_wait_s
     turn = WriterTurn()
 
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
-        slot = await claim_slot(state, engine, tokens, owner, params.cache_salt)
-        queue_s = trio.current_time() - t_arrived
-        task_status.started(slot.id)
+        # The slot is free before the channel closes: a reader that saw the end sees it free.
+        async with send, slot_for(state, engine, tokens, owner, params.cache_salt) as lease:
+            queue_s = trio.current_time() - t_arrived
+            task_status.started(lease.id)
+            await _produce(lease, queue_s)
+
+    async def _produce(lease: SlotLease, queue_s: float) -> None:
 
         async def put(item: StreamItem) -> None:
             turn.take_back()  # the reader writes what is queued, in order
@@ -319,30 +295,27 @@ async def start_stream(
             await put(Delta(delta))
 
         res = GenerationResult()
-        async with send:
-            try:
-                with _logged(owner, path, slot.id, res, queue_s):
-                    if prepare is not None:
-                        await prepare(slot.id)
-                    await engine.generate(slot.id, tokens, params, emit, result=res)
-                    if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
-                        await emit("")
-                state.metrics.record_generation(path, res, queue_s=queue_s)
-                await put(Done(res))
-            except (trio.TooSlowError, trio.BrokenResourceError) as exc:
-                # The reader stopped reading or left: nobody to tell.
-                log.info("streaming generation %s ended: reader gone or stalled (%r)", owner, exc)
-            except Exception as exc:
-                if not isinstance(exc, ProtocolError):
-                    log.exception("streaming generation %s failed", owner)
-                else:
-                    log.info("streaming generation %s ended early: %s", owner, exc.message)
-                # The reader is told, unless it stalls for the whole stall deadline too.
-                turn.take_back()
-                with trio.move_on_after(stall_s):
-                    await send.send(Failed(exc))
-            finally:
-                engine.release(slot)
+        try:
+            with _logged(owner, path, lease.id, res, queue_s):
+                if prepare is not None:
+                    await prepare(lease)
+                await lease.generate(tokens, params, emit, result=res)
+                if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
+                    await emit("")
+            state.metrics.record_generation(path, res, queue_s=queue_s)
+            await put(Done(res))
+        except (trio.TooSlowError, trio.BrokenResourceError) as exc:
+            # The reader stopped reading or left: nobody to tell.
+            log.info("streaming generation %s ended: reader gone or stalled (%r)", owner, exc)
+        except Exception as exc:
+            if not isinstance(exc, ProtocolError):
+                log.exception("streaming generation %s failed", owner)
+            else:
+                log.info("streaming generation %s ended early: %s", owner, exc.message)
+            # The reader is told, unless it stalls for the whole stall deadline too.
+            turn.take_back()
+            with trio.move_on_after(stall_s):
+                await send.send(Failed(exc))
 
     # The producer belongs to its request: it runs in the request's own nursery, which ends
     # when the client goes away or the response is sent.

@@ -6,10 +6,10 @@ A route (chat completions; text completions use the same three calls) does:
     if exported is not None:
         return exported                        # prefill side: do_remote_decode
     handoff = begin_handoff(state, body)      # decode side: None unless it names an export
-    ... claim a slot ...
-    await restore_handoff(state, handoff, engine, slot.id, tokens)
-    res = await engine.generate(slot.id, tokens, params, emit)
-    ... render(slot.id, res, **handoff_fields(handoff)) ...
+    async with engine.claim(...) as lease:
+        await restore_handoff(state, handoff, lease, tokens)
+        res = await lease.generate(tokens, params, emit)
+    ... render(lease.id, res, **handoff_fields(handoff)) ...
 
 ``render(slot_id, result, **extra)`` builds the route's own non-streaming body.
 """
@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Response
 
-from ..engine.params import GenerationParams
-from ..handoff.prefill import prefill_export
+from ..engine import GenerationParams, SlotLease
+from ..handoff.prefill import export_prefill, prefill_export
 from ..handoff.restore import Handoff
 from ..logs import generation_fields, request_extra
 from ..wire.kvpull import export_params, wants_remote_decode
 from .common import EngineStarting, client_request_id, json_response, require_engine
-from .generation import SlotsBusy, all_slots_busy, claim_slot
+from .generation import slot_for
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..engine import Engine
     from ..state import AppState
 
 Render = Callable[..., dict[str, Any]]
@@ -57,14 +57,11 @@ async def export_completion(
     request_id = client_request_id() or secrets.token_hex(6)
     owner = f"http:kv-export:{request_id}"
     t_arrived = trio.current_time()
-    try:
-        slot = await claim_slot(state, engine, tokens, owner, params.cache_salt)  # bounds the wait, not the prefill
-    except SlotsBusy:
-        return all_slots_busy(state)
-    queue_s = trio.current_time() - t_arrived
-    out = await prefill_export(engine, exports, slot, tokens, params)  # releases the slot
+    async with slot_for(state, engine, tokens, owner, params.cache_salt) as lease:  # bounds the wait, not the prefill
+        queue_s = trio.current_time() - t_arrived
+        out = await prefill_export(lease, tokens, params)
+    export = await export_prefill(engine, exports, out)
     state.metrics.record_generation("kv_export", out.result, queue_s=queue_s)
-    export = out.export
     log.info(
         "kv_export %s slot %d: %d prompt (%d cached) in %.1f ms, %s",
         owner, out.slot_id, out.result.prompt_tokens, out.result.n_common, out.prefill_ms,
@@ -105,7 +102,7 @@ def _rpc_port(state: AppState) -> int:
     return state.rpc_port
 
 
-def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
+async def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
     """Decode side: the hand-off the request's ``kv_transfer_params`` asks for (None when
     it names no hydra export). Nothing moves yet: the pull runs in the request's slot."""
     raw = body.get("kv_transfer_params")
@@ -113,17 +110,17 @@ def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
         return None
     exports = state.exports
     assert exports is not None
-    return Handoff.begin(require_engine(), exports, raw, trace=client_request_id())
+    return await Handoff.begin(require_engine(), exports, raw, trace=client_request_id())
 
 
 async def restore_handoff(
-    state: AppState, handoff: Handoff | None, engine: Engine, slot_id: int, tokens: list[int], salt: str | None = None
+    state: AppState, handoff: Handoff | None, lease: SlotLease, tokens: list[int], salt: str | None = None
 ) -> None:
     """Pull the export into the claimed slot, with the logits for the first token, as the
     history of the request's cache ``salt`` (nothing without a hand-off; a failed one falls
     back to a local prefill)."""
     if handoff is not None:
-        await handoff.restore(engine, state.settings, state.payload_budget, slot_id, tokens, salt)
+        await handoff.restore(state.settings, state.payload_budget, lease, tokens, salt)
 
 
 def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
@@ -139,7 +136,7 @@ class DecodeSide:
     response fields that report it."""
 
     handoff: Handoff | None
-    restore: Callable[[int], Awaitable[None]]
+    restore: Callable[[SlotLease], Awaitable[None]]
 
     def fields(self) -> dict[str, Any]:
         return handoff_fields(self.handoff)
@@ -153,5 +150,5 @@ async def route(
     exported = await export_completion(state, body, tokens, params, render)
     if exported is not None:
         return exported
-    handoff = begin_handoff(state, body)
-    return DecodeSide(handoff, partial(restore_handoff, state, handoff, engine, tokens=tokens, salt=params.cache_salt))
+    handoff = await begin_handoff(state, body)
+    return DecodeSide(handoff, partial(restore_handoff, state, handoff, tokens=tokens, salt=params.cache_salt))

@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from ..engine.logprobs import TokenLogprobs
+from ..engine import TokenLogprobs, Vocabulary
 
 # JSON has no -Infinity: a token the model rules out (a -inf logit) reads as OpenAI's floor.
 _FLOOR = -9999.0
-
-
-class Vocab(Protocol):
-    def special_piece(self, token: int) -> bytes: ...  # a token's spelling, control tokens too
-    def token_bytes(self, token: int) -> bytes: ...  # what it adds to the text
 
 
 def _lp(value: float) -> float:
@@ -28,12 +23,12 @@ def _text(piece: bytes) -> str:
     return piece.decode("utf-8", "replace")
 
 
-def _chat_token(vocab: Vocab, token: int, logprob: float) -> dict[str, Any]:
+def _chat_token(vocab: Vocabulary, token: int, logprob: float) -> dict[str, Any]:
     piece = vocab.special_piece(token)
     return {"token": _text(piece), "logprob": _lp(logprob), "bytes": list(piece)}
 
 
-def chat_logprobs(vocab: Vocab, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+def chat_logprobs(vocab: Vocabulary, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
     """``choices[i].logprobs`` of a chat completion, or of one chunk of its stream."""
     return {
         "content": [
@@ -53,7 +48,7 @@ class CompletionLogprobs:
     completion text, counted on across calls. Each dict of ``top_logprobs`` holds the N most
     likely tokens and the sampled one (up to N + 1, as OpenAI's legacy API)."""
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Vocabulary) -> None:
         self._vocab = vocab
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as the text's
         self._offset = 0

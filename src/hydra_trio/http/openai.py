@@ -11,17 +11,22 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
-from ..engine.chat import ReplyParser
-from ..engine.engine import GenerationResult
-from ..engine.logprobs import TokenLogprobs
-from ..engine.stats import SlotInfo
+from ..engine import GenerationResult, ReplyParser, SlotInfo, TokenLogprobs, Vocabulary
 from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
-from .generation import SlotsBusy, all_slots_busy, generate_buffered, sse_body, start_stream
-from .logprobs import Vocab, chat_logprobs
-from .openai_params import request_params
+from .generation import generate_buffered, sse_body, start_stream
+from .logprobs import chat_logprobs
 from .replies import ReplyEvents, ReplyParserFactory, chat_message, delta_fields, finish_reason
-from .sse import HOLE, completion_chunk, now_s, sse_event, sse_text_events, timings, usage
+from .sse import (
+    HOLE,
+    RETRY_AFTER,
+    completion_chunk,
+    now_s,
+    sse_event,
+    sse_text_events,
+    timings,
+    usage,
+)
 
 if TYPE_CHECKING:
     from ..state import AppState
@@ -43,14 +48,14 @@ def health_reply(state: AppState) -> tuple[int, dict[str, Any], dict[str, str]]:
     if engine is None:
         return 503, {"status": "starting", "detail": state.startup_phase}, {}
     if state.draining:  # load balancers take the engine out; running requests finish
-        return 503, {"status": "draining", "in_flight": state.in_flight()}, {"Retry-After": "1"}
-    stats = engine.stats()
+        return 503, {"status": "draining", "in_flight": state.in_flight()}, RETRY_AFTER
+    stats, identity = engine.stats(), engine.identity
     return (
         200,
         {
             "status": "ok",
-            "model": engine.identity.model_alias,
-            "model_name": engine.identity.model_name,
+            "model": engine.served_name,
+            "model_name": identity.model_name,
             "slots_idle": stats.slots_idle,
             "slots_processing": stats.slots_busy,
         },
@@ -113,13 +118,13 @@ async def chat_completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_request_json()
-    params = await request_params("chat", engine, body)  # 400 for what this engine would not honour
-    prompt = await engine.inputs.render_prompt(body)
-    tokens = await engine.inputs.tokenize_text(prompt)
+    prepared = await engine.prepare("chat", body)  # 400 for what this engine would not honour
+    params, tokens = prepared.params, prepared.tokens
+    assert tokens is not None, "tokenized"
     # Tool calls and reasoning parsed from the reply (None: the text is the content).
-    replies = engine.inputs.reply_parsers(params, body, prompt)
+    replies = prepared.replies
     cid = "chatcmpl-" + secrets.token_hex(12)
-    model = engine.identity.model_alias
+    model = engine.served_name
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
@@ -128,13 +133,10 @@ async def chat_completions() -> Response:
     )
     if isinstance(plan, Response):
         return plan
-    try:
-        if not params.stream:
-            slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
-            return json_response(completion_body(cid, model, slot_id, res, vocab=vocab, replies=replies, **plan.fields()))
-        stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
-    except SlotsBusy:
-        return all_slots_busy(state)
+    if not params.stream:
+        slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
+        return json_response(completion_body(cid, model, slot_id, res, vocab=vocab, replies=replies, **plan.fields()))
+    stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
 
     created = now_s()
     head = sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
@@ -160,7 +162,7 @@ async def chat_completions() -> Response:
     return Response(body, status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _logprobs_chunk(vocab: Vocab, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]) -> bytes:
+def _logprobs_chunk(vocab: Vocabulary, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]) -> bytes:
     """A stream's chunk with its tokens' logprobs (requests that asked for them)."""
     chunk = completion_chunk(cid, created, model, delta={"content": text})
     chunk["choices"][0]["logprobs"] = chat_logprobs(vocab, entries)
@@ -168,7 +170,7 @@ def _logprobs_chunk(vocab: Vocab, cid: str, created: int, model: str, text: str,
 
 
 def _parsed_logprobs_chunk(
-    vocab: Vocab, events: ReplyEvents, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]
+    vocab: Vocabulary, events: ReplyEvents, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]
 ) -> bytes:
     """A parsed stream's chunk with its tokens' logprobs: every token's entry goes out when
     it comes, with whatever its text parsed into (an empty content while a call is held)."""
@@ -200,7 +202,7 @@ def completion_body(
     slot_id: int,
     res: GenerationResult,
     *,
-    vocab: Vocab | None = None,
+    vocab: Vocabulary | None = None,
     replies: ReplyParserFactory | None = None,
     **extra: Any,
 ) -> dict[str, Any]:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.chat import ReplyDelta, ReplyParser, ToolCall
-from ..engine.output import GenerationResult
+from ..engine import GenerationResult, ReplyDelta, ReplyParser, ToolCall
 from .sse import sse_event
 
 ReplyParserFactory = Callable[[], ReplyParser]  # a fresh parser for each reading of a reply

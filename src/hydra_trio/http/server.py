@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import resource
 from typing import TYPE_CHECKING, Any
 
@@ -16,9 +15,9 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..tasks import Started, leaves
-from . import connections
+from . import connections, routes
 from .auth import install_auth
-from .common import client_request_id, json_response, register_error_handlers, set_request_nursery
+from .common import busy_reply, client_request_id, register_error_handlers, set_request_nursery
 from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
@@ -32,10 +31,6 @@ if TYPE_CHECKING:
     from ..state import AppState
 
 log = logging.getLogger(__name__)
-
-# The routes that start new generation work (refused while draining; the rest still answer).
-_NEW_WORK = frozenset({"/v1/chat/completions", "/v1/completions"})
-
 
 class _RequestNurseryConnection(TrioASGIHTTPConnection):
     """quart-trio's HTTP connection, with its per-request nursery made available to the
@@ -78,12 +73,9 @@ def create_app(state: AppState) -> QuartTrio:
 
     @app.before_request
     async def refuse_new_work_while_draining() -> Response | None:
-        if state.draining and request.method == "POST" and request.path in _NEW_WORK:
-            return json_response(
-                error_body(503, "engine is draining for shutdown: send new requests elsewhere", "unavailable_error"),
-                503,
-                headers={"Retry-After": "1"},
-            )
+        route = routes.by_path(request.method, request.path)
+        if state.draining and route is not None and route.new_work:
+            return busy_reply("engine is draining for shutdown: send new requests elsewhere")
         return None
 
     @app.after_request
@@ -97,23 +89,18 @@ def create_app(state: AppState) -> QuartTrio:
     return app
 
 
-_STATE = re.compile(r"/slots/[^/]+/state")
-_NO_BODY_POST = re.compile(r"/slots/[^/]*")  # POST /slots/{id}?action=erase takes none
-
-
 def body_cap(method: str, path: str, state: AppState) -> int:
-    """The largest request body a route takes, decided before the app sees the request: a
-    slot state upload up to --max-kv-bytes, other POSTs (JSON) up to --max-json-bytes (the
-    prompt routes refine it: common.read_request_json), everything else none. Quart buffers
+    """The largest request body a route takes (http/routes.py), decided before the app sees
+    the request: a slot state upload up to --max-kv-bytes, JSON up to --max-json-bytes (the
+    prompt routes refine it: common.read_request_json), everything else none; a POST to no
+    route is capped as JSON (its 404 is answered after the body). Quart buffers
     whatever body comes with any request, read by the route or not, up to its one
     MAX_CONTENT_LENGTH (the largest of these): a GET with a body would sit in memory for as
     long as its response runs (a stream: minutes)."""
     settings = state.settings
-    if method == "PUT" and _STATE.fullmatch(path):
-        return settings.max_kv_bytes
-    if method == "POST" and not _NO_BODY_POST.fullmatch(path):
-        return settings.max_json_bytes
-    return 0
+    route = routes.by_path(method, path)
+    body = "json" if route is None and method in ("POST", "PUT", "PATCH") else route.body if route is not None else "none"
+    return {"kv": settings.max_kv_bytes, "json": settings.max_json_bytes, "none": 0}[body]
 
 
 def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:

@@ -40,6 +40,16 @@ def error_body(status: int, message: str, kind: str, *, param: str | None = None
     return {"error": {"message": message, "type": kind, "param": param, "code": status}, **extra}
 
 
+# Every "busy, retry" reply (503) tells the client when to come back.
+RETRY_AFTER = {"Retry-After": "1"}
+
+
+def busy_body(message: str, **extra: Any) -> dict[str, Any]:
+    """The body of the one "busy, retry" reply (503 with ``RETRY_AFTER``): the engine is
+    loading, draining, out of slots, of payload room or of connections."""
+    return error_body(503, message, "unavailable_error", **extra)
+
+
 def completion_chunk(cid: str, created: int, model: str, *, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
     return {
         "id": cid,

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from quart import Blueprint, Response, request
 
+from .. import slotstate
 from ..config import Settings
-from ..engine import transfer
 from ..receive import payload_buffer
+from . import routes
 from .common import (
     HttpError,
     app_state,
@@ -25,7 +25,6 @@ from .connections import close_connection_after
 bp = Blueprint("slot_state", __name__)
 
 _CHUNK = 1 << 20  # GET sends the blob in slices of this size
-_STATE_PATH = re.compile(r"/slots/[^/]+/state")
 _GATE = "hydra.upload_gate"  # ASGI scope key: set once the route has room for the body
 
 ASGIReceive = Callable[[], Awaitable[dict[str, Any]]]
@@ -41,7 +40,7 @@ def _slot_id(raw: str) -> int:
 
 @bp.get("/slots/<raw_id>/state/meta")
 async def state_meta(raw_id: str) -> Response:
-    return json_response(transfer.slot_meta(require_engine(), _slot_id(raw_id)))
+    return json_response(slotstate.slot_meta(require_engine(), _slot_id(raw_id)))
 
 
 @bp.get("/slots/<raw_id>/state")
@@ -51,7 +50,7 @@ async def state_get(raw_id: str) -> Response:
     state = app_state()
     budget = state.payload_budget
     settings = state.settings
-    snap = await transfer.snapshot(engine, slot_id, f"http:state_get:{slot_id}", budget, settings.idle_timeout_s)
+    snap = await slotstate.snapshot(engine, slot_id, f"http:state_get:{slot_id}", budget, settings.idle_timeout_s)
     if settings.min_download_bytes_per_s:  # the read-rate floor: grace + size / rate at most
         deadline_s = settings.download_grace_s + snap.size / settings.min_download_bytes_per_s
         close_connection_after(request_nursery(), deadline_s, f"slot {slot_id} state ({snap.size} bytes)")
@@ -108,7 +107,7 @@ async def state_put(raw_id: str) -> Response:
     RPC payloads use; the upload is held back (hold_state_uploads) until it has that room."""
     engine = require_engine()
     slot_id = _slot_id(raw_id)
-    engine.check_slot(slot_id)
+    engine.slot_info(slot_id)  # NO_SLOT before any byte is read
     state = app_state()
     settings = state.settings
     length = request.content_length
@@ -116,23 +115,11 @@ async def state_put(raw_id: str) -> Response:
         raise HttpError(411, "a Content-Length is required (the blob is received into one buffer)", "invalid_request_error")
     if length > settings.max_kv_bytes:
         raise HttpError(413, f"blob of {length} bytes exceeds the cap of {settings.max_kv_bytes}", "invalid_request_error")
-    budget = state.payload_budget
-    with trio.move_on_after(settings.idle_timeout_s) as wait:
-        await budget.acquire(length)
-    if wait.cancelled_caught:
-        raise HttpError(
-            503,
-            f"engine busy: no room for a {length}-byte blob within {settings.idle_timeout_s:g} s",
-            "unavailable_error",
-            headers={"Retry-After": "1"},
-        )
-    try:
+    async with state.payload_budget.held(length, within_s=settings.idle_timeout_s, what="a KV blob upload"):
         buf = payload_buffer(length)
         await _receive_into(memoryview(buf), settings)
-        meta = await transfer.restore(engine, slot_id, memoryview(buf), f"http:state_put:{slot_id}")
+        meta = await slotstate.restore(engine, slot_id, memoryview(buf), f"http:state_put:{slot_id}")
         del buf
-    finally:
-        budget.release(length)
     state.metrics.restore_bytes.inc(length)
     return json_response(meta, headers={"X-Hydra-N-Past": str(meta["n_past"])})
 
@@ -166,7 +153,8 @@ def hold_state_uploads(asgi_app: ASGIApp, settings: Settings) -> ASGIApp:
     budget. Held back here instead, it waits in the socket (TCP pushes back on the sender)."""
 
     async def app(scope: dict[str, Any], receive: ASGIReceive, send: ASGISend) -> None:
-        if scope["type"] != "http" or scope["method"] != "PUT" or not _STATE_PATH.fullmatch(scope["path"]):
+        route = routes.by_path(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        if route is None or route.body != "kv":
             await asgi_app(scope, receive, send)
             return
         gate = trio.Event()
@@ -211,4 +199,4 @@ async def slot_action(raw_id: str) -> Response:
     action = request.args.get("action", "")
     if action != "erase":
         raise HttpError(400, f"unsupported action {action!r} (supported: erase)", "invalid_request_error")
-    return json_response(await transfer.erase(engine, slot_id, f"http:erase:{slot_id}"))
+    return json_response(await slotstate.erase(engine, slot_id, f"http:erase:{slot_id}"))

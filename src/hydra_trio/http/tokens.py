@@ -12,7 +12,6 @@ from quart import Blueprint, Response
 
 from ..wire.errors import bad_param
 from .common import HttpError, json_response, read_request_json, require_engine
-from .completions import prompt_tokens
 
 bp = Blueprint("tokens", __name__)
 
@@ -36,9 +35,7 @@ def _piece_json(piece: bytes) -> str | list[int]:
 async def _vllm_tokens(engine: Any, body: dict[str, Any]) -> list[int]:
     """The tokens of a vLLM-shaped request: ``messages`` through the chat template as the
     chat route renders them, a ``prompt`` as the text-completion route takes it."""
-    if "messages" in body:
-        return await engine.inputs.tokenize_request(body)  # what the chat route does with its body
-    return await prompt_tokens(engine, body.get("prompt"))
+    return await engine.prompt_tokens(body)  # what the chat and text-completion routes run
 
 
 def _vllm_reply(engine: Any, tokens: list[int]) -> dict[str, Any]:
@@ -78,9 +75,10 @@ async def tokenize() -> Response:
     parse_special = _flag(body, "parse_special", True)
     with_pieces = _flag(body, "with_pieces", False)
 
-    tokens = await engine.inputs.tokenize(content, add_special=add_special, parse_special=parse_special)
+    tokens = await engine.tokenize(content, add_special=add_special, parse_special=parse_special)
     if with_pieces:
-        piece = engine.vocab.special_piece
+        vocab = engine.vocab
+        piece = vocab.special_piece
         return json_response({"tokens": [{"id": t, "piece": _piece_json(piece(t))} for t in tokens]})
     return json_response({"tokens": tokens})
 
@@ -102,7 +100,8 @@ async def detokenize() -> Response:
         raise bad_param(f"token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
     # Pieces from the table read at load: no llama call, no GPU worker. llama-server names
     # the text "content", vLLM "prompt": both, so either client reads its own.
-    text = engine.vocab.detokenize(tokens)
+    vocab = engine.vocab
+    text = vocab.detokenize(tokens)
     return json_response({"content": text, "prompt": text})
 
 
@@ -112,4 +111,4 @@ async def apply_template() -> Response:
     body = await read_request_json()
     if "messages" not in body:
         raise bad_param("messages is required")
-    return json_response({"prompt": await engine.inputs.render_prompt(body)})
+    return json_response({"prompt": await engine.render(body)})

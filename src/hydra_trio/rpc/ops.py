@@ -10,11 +10,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .. import __version__
+from .. import __version__, slotstate
 from ..config import Settings
-from ..engine import transfer
-from ..engine.configure import configure
-from ..engine.kvcopy import KvCopy
+from ..engine import KvCopy
 from ..logs import request_extra
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
@@ -26,7 +24,7 @@ from .connection import Connection
 if TYPE_CHECKING:
     import logging
 
-    from ..engine.engine import Engine
+    from ..engine import Engine
     from ..state import AppState
 
 Buffer = bytes | bytearray | memoryview
@@ -178,7 +176,7 @@ class OpTable:
 
     def _slot_exists(self, ctx: OpContext) -> None:
         ctx.slot_id = parse_slot_key(ctx.key)
-        self.engine.check_slot(ctx.slot_id)
+        self.engine.slot_info(ctx.slot_id)  # NO_SLOT
 
     def _slot_free(self, ctx: OpContext) -> None:
         self._slot_exists(ctx)
@@ -188,7 +186,7 @@ class OpTable:
 
     def _slot_or_empty(self, ctx: OpContext) -> None:
         ctx.slot_id = parse_slot_key(ctx.key, empty_means_zero=True)
-        self.engine.check_slot(ctx.slot_id)
+        self.engine.slot_info(ctx.slot_id)  # NO_SLOT
 
     def _empty_key(self, ctx: OpContext) -> None:
         if ctx.key:
@@ -202,7 +200,7 @@ class OpTable:
     async def state_get(self, ctx: OpContext, _payload: memoryview) -> Reply:
         engine = self.engine
         settings = self.state.settings
-        snap = await transfer.snapshot(
+        snap = await slotstate.snapshot(
             engine, ctx.slot_id, self._owner(ctx, "STATE_GET"), self.state.payload_budget, settings.idle_timeout_s
         )
         ctx.log.info(
@@ -213,14 +211,14 @@ class OpTable:
             "n_past": snap.n_past,
             "state_size": snap.state_size,
             "kv_hash": snap.kv_hash,
-            **engine.identity.fields(),
+            **identity_fields(engine),
         }
-        reply = Reply.ok(meta, list(snap.parts), send_chunk=engine.slot_settings.chunk_size(ctx.slot_id))
+        reply = Reply.ok(meta, list(snap.parts), send_chunk=snap.send_chunk)
         reply.held = snap.held
         return reply
 
     async def state_put(self, ctx: OpContext, payload: memoryview) -> Reply:
-        meta = await transfer.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
+        meta = await slotstate.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
         self.state.metrics.restore_bytes.inc(len(payload))
         ctx.log.info(
             "STATE_PUT slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, meta["n_past"], len(payload), meta["restore_ms"],
@@ -229,13 +227,14 @@ class OpTable:
         return Reply.ok(meta)
 
     async def state_meta(self, ctx: OpContext, _payload: memoryview) -> Reply:
-        return Reply.ok(transfer.slot_meta(self.engine, ctx.slot_id))
+        return Reply.ok(slotstate.slot_meta(self.engine, ctx.slot_id))
 
     async def info(self, _ctx: OpContext, _payload: memoryview) -> Reply:
         return Reply.ok(self.info_meta())
 
     def info_meta(self) -> dict[str, Any]:
         engine = self.engine
+        identity = engine.identity
         caps = list(CAPABILITIES)
         if Op.DECODE in self._ops:
             caps.insert(0, "merged_decode")
@@ -251,14 +250,14 @@ class OpTable:
             "n_slots": engine.n_slots,
             "n_ctx": engine.n_ctx,
             "n_vocab": engine.n_vocab,
-            "preset_aliases": [engine.identity.model_alias],
-            **engine.identity.info_fields(),
+            "preset_aliases": [engine.served_name],
+            **identity.info_fields(),
             **engine.runtime_fields(),  # ours: devices, n_gpu_layers, flash_attn, chat_template
         }
 
     async def configure(self, ctx: OpContext, payload: memoryview) -> Reply:
         body = await run_cpu_bound(partial(decode_json_object, payload, "CONFIGURE"), len(payload))
-        outcome = await configure(self.engine, ctx.slot_id, body, self.state.settings)
+        outcome = await self.engine.configure(ctx.slot_id, body)
         ctx.log.info(
             "CONFIGURE slot %d: applied %s, unused %s, deferred %s",
             ctx.slot_id, sorted(outcome.applied), sorted(outcome.unused), outcome.deferred,
@@ -355,29 +354,31 @@ class OpTable:
         ctx.release_payload()  # parsed: its bytes are no longer needed
         engine = self.engine
         t0 = time.perf_counter()
-        tokens = await engine.inputs.tokenize_request(body)
-        slot = engine.slot_claim(ctx.slot_id, self._owner(ctx, "PREFILL"))
+        # The one request policy (a DECODE of the same request would be refused the same).
+        prepared = await engine.prepare("decode", body)
+        tokens = prepared.tokens
+        assert tokens is not None, "tokenized"
         budget, held = self.state.payload_budget, 0
 
         async def reserve(size: int) -> None:  # the copy is charged until the reply is sent
             nonlocal held
-            await transfer.charge(budget, size, self.state.settings.idle_timeout_s, "a PREFILL reply")
+            await budget.take(size, within_s=self.state.settings.idle_timeout_s, what="a PREFILL reply")
             held = size
 
         try:
-            try:
-                _, logits = await engine.prefill(ctx.slot_id, tokens, 0, want_logits=True)
-                assert logits is not None
-                copy = await engine.kv.copy_out(ctx.slot_id, logits=logits, reserve=reserve)
-            finally:
-                engine.release(slot)
-            return await self._prefill_reply(ctx, tokens, copy, t0, held)
+            async with engine.claim(self._owner(ctx, "PREFILL"), slot=ctx.slot_id) as lease:
+                logits = await lease.prefill(tokens, salt=prepared.params.cache_salt)
+                copy = await lease.copy_out(logits=logits, reserve=reserve)
+            return await self._prefill_reply(ctx, body, tokens, copy, t0, held)
         except BaseException:
             budget.release(held)
             raise
 
-    async def _prefill_reply(self, ctx: OpContext, tokens: list[int], copy: KvCopy, t0: float, held: int) -> Reply:
+    async def _prefill_reply(
+        self, ctx: OpContext, body: dict[str, Any], tokens: list[int], copy: KvCopy, t0: float, held: int
+    ) -> Reply:
         engine = self.engine
+        identity = engine.identity
         prefill_ms = (time.perf_counter() - t0) * 1000.0
         parts = copy.parts
         n_past = copy.n_past
@@ -392,10 +393,27 @@ class OpTable:
             "logits_size": len(parts[2]),
             "prefill_ms": round(prefill_ms, 3),
             "kv_hash": await copy.kv_hash(),
-            **engine.identity.fields(),
+            # One model is served: a PREFILL that names another is served by it, and says so
+            # (the spec's model_fallback), rather than answered as if it were that model.
+            "model_fallback": _names_another_model(body.get("model"), identity.model_alias, identity.model_name),
+            **identity.fields(),
         }
         reply = Reply.ok(meta, parts)
         reply.held = held
         return reply
 
 
+def identity_fields(engine: Engine) -> dict[str, Any]:
+    """The resident model's identity fields, as replies carry them."""
+    identity = engine.identity
+    return identity.fields()
+
+
+def _names_another_model(asked: Any, alias: str, name: str) -> bool:
+    """Whether a request's ``model`` names a model this engine does not serve (absent or
+    null: it names none)."""
+    if asked is None:
+        return False
+    if not isinstance(asked, str):
+        raise ProtocolError(ErrorCode.BAD_JSON, "model must be a string", status=Status.BAD_REQUEST)
+    return asked not in (alias, name)

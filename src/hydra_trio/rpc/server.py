@@ -195,14 +195,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             if head.payload_len > cap:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the cap of {cap}")
             spec.precheck(ctx)
-            with trio.move_on_after(settings.idle_timeout_s) as waited:
-                await budget.acquire(head.payload_len)
-            if waited.cancelled_caught:
-                raise ProtocolError(
-                    ErrorCode.TIMEOUT,
-                    f"engine busy: no room for a {head.payload_len}-byte payload within {settings.idle_timeout_s:g} s",
-                    status=Status.BUSY,
-                )
+            await budget.take(head.payload_len, within_s=settings.idle_timeout_s, what=f"a {op_name} payload")
         except ProtocolError as err:
             rlog.info("%s refused before payload: %s", op_name, err.message)
             state.metrics.rpc_requests.labels(op_name, err.status.name).inc()

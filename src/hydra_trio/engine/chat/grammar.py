@@ -17,13 +17,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from ...wire.errors import bad_param
-from ..llama.grammar import (
-    JSON_OBJECT_GBNF,
-    MAX_GBNF_CHARS,
-    MAX_GBNF_NESTING,
-    Triggers,
-    convert_schema,
-)
+from ..llama import JSON_OBJECT_GBNF, MAX_GBNF_CHARS, MAX_GBNF_NESTING, Triggers, convert_schema
 from .formats import CALL_PREFIX, GENERIC, ToolFormat, Trigger
 from .tools import ToolRequest, parse_tools
 

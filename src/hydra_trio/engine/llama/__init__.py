@@ -1,5 +1,66 @@
 """llama.cpp through llama-cpp-python's low-level API: the only package that imports
-llama_cpp. log.py routes its log; chat.py its built-in chat templates; devices.py the ggml
-devices, offload and repacking; sampling.py a request's sampler; context.py the model and
-its context (decode, steps, tokens); state.py a slot's KV state out and in; seqstate.py that
-state's layout, read without llama.cpp."""
+llama_cpp, and it imports nothing of the engine above it (what it needs of the engine's
+speculation and KV events it takes as the protocols in types.py). log.py routes its log;
+chat.py its built-in chat templates; devices.py the ggml devices, offload and repacking;
+sampling.py a request's sampler; grammar.py compiled grammars; context.py the model and its
+context (decode, steps, tokens); steps.py the batched steps; state.py a slot's KV state out
+and in; seqstate.py that state's layout, read without llama.cpp."""
+
+from .chat import apply_builtin_chat_template
+from .context import LlamaBackend, kv_layout
+from .devices import OffloadSettings
+from .grammar import (
+    JSON_OBJECT_GBNF,
+    MAX_GBNF_CHARS,
+    MAX_GBNF_NESTING,
+    GrammarCache,
+    GrammarError,
+    Triggers,
+    convert_schema,
+)
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from .sampling import Sampler, SamplingParams
+from .seqstate import cache_layout_mismatch
+from .state import DecodeAborted, NoKvSpace, Snapshot
+from .types import (
+    Drafter,
+    ModelInfo,
+    PrefillPart,
+    SlotWatcher,
+    StepPlanner,
+    StepRequest,
+    StepResult,
+    Vocabulary,
+    common_prefix_len,
+)
+
+__all__ = [
+    "JSON_OBJECT_GBNF",
+    "MAX_GBNF_CHARS",
+    "MAX_GBNF_NESTING",
+    "MAX_TOP_LOGPROBS",
+    "DecodeAborted",
+    "Drafter",
+    "GrammarCache",
+    "GrammarError",
+    "LlamaBackend",
+    "ModelInfo",
+    "NoKvSpace",
+    "OffloadSettings",
+    "PrefillPart",
+    "Sampler",
+    "SamplingParams",
+    "SlotWatcher",
+    "Snapshot",
+    "StepPlanner",
+    "StepRequest",
+    "StepResult",
+    "TokenLogprobs",
+    "Triggers",
+    "Vocabulary",
+    "apply_builtin_chat_template",
+    "cache_layout_mismatch",
+    "common_prefix_len",
+    "convert_schema",
+    "kv_layout",
+]

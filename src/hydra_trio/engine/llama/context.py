@@ -19,9 +19,6 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from ..kvblocks import SlotBlocks
-from ..stepcost import StepCost
-from ..text import common_prefix_len
 from .chat import builtin_chat_templates
 from .devices import (
     OffloadReport,
@@ -39,7 +36,7 @@ from .sampling import Sampler
 from .seqstate import type_name
 from .state import DecodeAborted, NoKvSpace, SlotStates
 from .steps import BatchSteps
-from .types import ModelInfo
+from .types import ModelInfo, SlotWatcher, StepPlanner, Vocabulary, common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +118,14 @@ class LlamaBackend(SlotStates, BatchSteps):
         # the GPU worker, read at scrape time: the worker's busy time less this is the
         # engine's own work there, and tokens over it the rate a free front end would reach.
         self.decode_s = 0.0
-        self.step_cost = StepCost()
+        self.planner: StepPlanner | None = None  # the engine's speculation (engine/speculation/): set after load
         self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
         # Per slot: the cache_salt its history was computed under (None: unsalted). With the
         # tokens it is the history's identity: see ``shared_prefix``.
         self.seq_salt: list[str | None] = []
-        # Told of every change of a slot's KV (kvblocks.py: the KV events); None: nobody.
-        self.watcher: SlotBlocks | None = None
+        # Told of every change of a slot's KV (engine/kv/ ``SlotBlocks``: the KV events); None: nobody.
+        self.watcher: SlotWatcher | None = None
         self.type_k = type_k
         self.type_v = type_v
         self.offload: OffloadReport | None = None
@@ -300,16 +297,10 @@ class LlamaBackend(SlotStates, BatchSteps):
             n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
-    def special_piece(self, token: int) -> bytes:
-        """A token's text with control tokens spelled out (what llama-server's /tokenize and
-        /detokenize show). Pure Python: any thread."""
-        return self._special_text.get(token, self.pieces[token])
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        """Tokens -> text, special tokens rendered (llama-server's /detokenize). Pure Python."""
-        special = self._special_text
-        pieces = self.pieces
-        return b"".join(special.get(t, pieces[t]) for t in tokens).decode("utf-8", "replace")
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The vocabulary as text (special pieces, detokenize), for any thread."""
+        return Vocabulary(self.pieces, self._special_text)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token contributes to the text (control tokens: none)."""

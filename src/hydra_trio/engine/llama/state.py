@@ -12,12 +12,12 @@ import ctypes
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import llama_cpp
 
 from ...wire.errors import ErrorCode, ProtocolError
 from ...wire.kvblob import split_trailing_logits
-from ..promptcache import Snapshot
 from .seqstate import (
     StateLayout,
     StateLayoutError,
@@ -28,6 +28,27 @@ from .seqstate import (
     with_streams,
 )
 from .types import ModelInfo
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A slot's KV copied out: ``buf[offset:]`` is the state (then the tail logits, when
+    ``has_logits``); the ``offset`` bytes before it give a restore room to rewrite it."""
+
+    tokens: list[int]
+    buf: bytearray
+    offset: int
+    has_logits: bool
+    salt: str | None = None  # the cache_salt the history was computed under
+
+    @property
+    def order(self) -> tuple[str, list[int]]:
+        """Where the entry sorts: by salt (validated non-empty: "" is "unsalted"), then tokens."""
+        return (self.salt or "", self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buf)
 
 log = logging.getLogger(__name__)
 

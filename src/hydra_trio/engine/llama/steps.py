@@ -1,6 +1,6 @@
 """The batched generation steps of LlamaBackend (context.py): every generating slot's next
 token in one llama_decode, with the drafts of requests that speculate as extra positions,
-verified and rolled back (engine/speculative.py), and steps that share a decode with parts
+verified and rolled back (the engine's ``StepPlanner``, engine/speculation/), and steps that share a decode with parts
 of prompts (chunked prefill).
 
 Kept apart from the context because it is its own subject: what one step's batch holds and
@@ -17,10 +17,8 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 import outcome
 
-from ..speculative import step_drafts, verify
-from ..stepcost import BatchCost, StepCost, batch_counts
 from .state import NoKvSpace
-from .types import PrefillPart, StepRequest, StepResult
+from .types import PrefillPart, StepPlanner, StepRequest, StepResult
 
 
 class BatchSteps:
@@ -34,7 +32,7 @@ class BatchSteps:
     seq_tokens: list[list[int]]
     _swa_low: list[int]
     decode_s: float
-    step_cost: StepCost  # what a forward pass costs by rows, measured (the draft plan's cost)
+    planner: StepPlanner | None  # the engine's speculation: drafts, accept rule, pass costs (None: no drafts)
 
     def step(
         self, requests: Sequence[StepRequest], *, drafts: bool = True, before_decode: Callable[[], None] | None = None
@@ -80,14 +78,18 @@ class BatchSteps:
         batch has left. The drafts are ``step_drafts``': each capped by its request's tokens
         left and its slot's room."""
         seq_tokens = self.seq_tokens
-        drafts = step_drafts(
-            [requests[i].slot for i in live],
-            [
-                (r.spec, seq_tokens[r.slot], r.token, min(r.n_left - 1, self.n_ctx_slot - len(seq_tokens[r.slot]) - 1))
-                for r in (requests[i] for i in live)
-            ],
-            self._batch_cost(),
-            room,
+        planner = self.planner
+        drafts = (
+            [[] for _ in live]
+            if planner is None
+            else planner.drafts(
+                [requests[i].slot for i in live],
+                [
+                    (r.spec, seq_tokens[r.slot], r.token, min(r.n_left - 1, self.n_ctx_slot - len(seq_tokens[r.slot]) - 1))
+                    for r in (requests[i] for i in live)
+                ],
+                room,
+            )
         )
         entries: list[tuple[int, int, int, bool]] = []
         for i, draft in zip(live, drafts, strict=True):
@@ -97,18 +99,12 @@ class BatchSteps:
             entries += [(r.slot, t, pos + 1 + j, True) for j, t in enumerate(draft)]
         return entries, drafts
 
-    def _batch_cost(self) -> BatchCost:
-        return BatchCost(self.step_cost, self.n_batch, split=not self.kv_unified)
-
     def _measure(
         self, requests: Sequence[StepRequest], live: Sequence[int], proposed: Sequence[list[int]], seconds: float
     ) -> None:
-        """Count a step's decode time into the cost of a pass of its rows, if it was one
-        forward pass (the cost the draft plan prices each pass with)."""
-        counts = batch_counts([requests[i].slot for i in live], [1 + len(d) for d in proposed])
-        passes = self._batch_cost().passes(counts)
-        if len(passes) == 1:
-            self.step_cost.add(passes[0], seconds)
+        """Tell the planner a step's decode time (the cost it prices drafts with)."""
+        if self.planner is not None:
+            self.planner.measured([requests[i].slot for i in live], [1 + len(d) for d in proposed], seconds)
 
     def _verify_steps(
         self,
@@ -132,7 +128,8 @@ class BatchSteps:
             sampler = r.sampler
             if draft:
                 base = row
-                picks = verify(draft, lambda k, s=sampler, base=base: self._sample(s, base + k, rows[base + k]), self.is_eog)
+                assert self.planner is not None, "drafts come from the planner"
+                picks = self.planner.verify(draft, lambda k, s=sampler, base=base: self._sample(s, base + k, rows[base + k]), self.is_eog)
                 n_ok = len(picks) - 1
                 history.append(r.token)
                 history.extend(draft[:n_ok])

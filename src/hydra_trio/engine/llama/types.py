@@ -1,13 +1,85 @@
 """What the model and its context tell and take: the model's description, one slot's share
-of a generation step, and a prompt part riding in a step batch."""
+of a generation step, a prompt part riding in a step batch, and what the backend's steps ask
+of the engine's speculation (``Drafter``, ``StepPlanner``: engine/speculation/ implements them)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from ..speculative import Speculation
 from .sampling import Sampler
+
+
+class Drafter(Protocol):
+    """One request's drafting state (engine/speculation/ ``Speculation``), on the worker."""
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        """A verified draft of the candidate last offered: how much of it was accepted."""
+        ...
+
+
+class StepPlanner(Protocol):
+    """The speculation the steps run with (engine/speculation/ ``DraftPlanner``)."""
+
+    def drafts(
+        self, slots: Sequence[int], streams: Sequence[tuple[Drafter | None, Sequence[int], int, int]], room: int
+    ) -> list[list[int]]:
+        """The draft each stream of a step verifies: ``streams`` holds each one's drafter (None:
+        it does not speculate), its tokens so far, the token the step evaluates, and the most
+        it may draft; ``room``: draft positions the batch has left."""
+        ...
+
+    def measured(self, slots: Sequence[int], rows: Sequence[int], seconds: float) -> None:
+        """A step's llama_decode took ``seconds`` for ``rows`` positions of each slot."""
+        ...
+
+    def verify(self, draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:
+        """The accept rule: the picks a step keeps of ``draft`` (``pick(j)``: the sampler's
+        pick at the j-th position)."""
+        ...
+
+
+class SlotWatcher(Protocol):
+    """Told of every change of what a slot's KV holds (engine/kv/ ``SlotBlocks``: KV events)."""
+
+    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None) -> None:
+        """``slot`` holds ``tokens`` now, its first ``kept`` unchanged since last told."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """The served model's vocabulary as text, read once at load: no llama call, any thread."""
+
+    pieces: Sequence[bytes]  # each token's bytes as generated text (control tokens: none)
+    special: Mapping[int, bytes]  # the tokens whose spelled-out text differs (control tokens)
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.pieces)
+
+    def special_piece(self, token: int) -> bytes:
+        """A token's text with control tokens spelled out (llama-server's /tokenize pieces)."""
+        return self.special.get(token, self.pieces[token])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a generated token contributes to the text."""
+        return self.pieces[token]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Tokens -> text, special tokens rendered (llama-server's /detokenize)."""
+        special, pieces = self.special, self.pieces
+        return b"".join(special.get(t, pieces[t]) for t in tokens).decode("utf-8", "replace")
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token sequences share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 # What one step sampled for a sequence, in order: its pick, then (speculation) a pick per
 # accepted draft position; the last is the token the next step evaluates. None: no room.
@@ -43,7 +115,7 @@ class StepRequest:
     token: int
     sampler: Sampler
     n_left: int = 1  # tokens the request may still produce (a draft is capped at n_left - 1)
-    spec: Speculation | None = None  # drafts from the request's own tokens (None: no speculation)
+    spec: Drafter | None = None  # drafts from the request's own tokens (None: no speculation)
 
 
 @dataclass(slots=True)

@@ -1,42 +1,18 @@
-"""n-gram speculative decoding (prompt lookup, llama-server's ``--spec-type ngram-simple``):
-drafts from the request's own prompt and output, verified in the step batch.
+"""n-gram drafting (prompt lookup, llama-server's ``--spec-type ngram-simple``): what one
+request could draft next and how likely each position of it is accepted.
 
 A request's next tokens often repeat text it has seen (code edits, quoting, summaries): the
 tokens that followed an earlier occurrence of its last tokens are a cheap guess, in its own
 tokens or, failing a long match there, in what earlier requests of its cache salt generated
-(``NgramMemory``). The guess rides in the same llama_decode as every other slot's step, as
-extra positions of its sequence with logits for each; the sampler picks at each position in
-turn (``verify``), the longest matching prefix is kept plus the pick after it, and the
-rejected positions are removed from the KV (engine/llama/steps.py).
-
-How long a draft is, is one decision for the whole step (``step_drafts``, ``plan_drafts``): each request
-offers the continuation of its best match (``Speculation.candidate``) with the chance that
-each further position is accepted, and the step takes the draft positions that make the
-most tokens per second at the cost measured on this machine (engine/stepcost.py: the
-forward passes the batch becomes, and what a pass of so many rows costs). So drafts grow
-where they are accepted and rows are cheap, and stop where the batch is already large.
-
-Pure Python, no llama call: ``Speculation`` lives on the GPU worker with its request.
+(``NgramMemory``). ``Speculation`` is a request's drafting state, on the GPU worker with its
+request; how much of each candidate a step takes is ``policy.py``'s decision. Pure Python.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from ..wire.sampling import SPEC_TYPES
-from .stepcost import BatchCost, batch_counts
-
-if TYPE_CHECKING:  # params.py imports this module, and it must not pull in config (gguf)
-    from ..config import Settings
-
-__all__ = [
-    "SPEC_TYPES", "NgramIndex", "NgramMemories", "NgramMemory", "SpecConfig", "SpecCounts", "SpecRequest", "Speculation",
-    "plan_drafts", "request_speculation", "spec_config", "step_drafts", "verify",
-]
 
 # The chance that a draft position is accepted, given the one before it was, is learned per
 # request and per length of the match the draft came from (a continuation after 8 matching
@@ -54,9 +30,6 @@ PRIOR_SURVIVAL = (0.4, 0.6, 0.8, 0.95, 0.9)
 MEMORY_KIND = len(MATCH_BUCKETS) + 1
 PRIOR_WEIGHT = 2.0
 EVIDENCE_DECAY = 0.85
-# A draft position this unlikely to be accepted is not worth pricing: at the cheapest a
-# verified position costs about a quarter of a one-token step on a CPU (docs/performance.md).
-LEAST_WORTH = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,40 +41,6 @@ class SpecConfig:
     ngram_max: int = 12  # a match's context is compared over this many tokens at most
     ngram_min: int = 1  # a match covers at least this many tokens
     max_batch: int = 8  # no drafting in a step with more generating slots than this
-
-
-@dataclass(frozen=True, slots=True)
-class SpecRequest:
-    """A request's ``speculative`` keys (None: the server's setting)."""
-
-    type: str | None = None
-    n_max: int | None = None
-    n_min: int | None = None
-
-
-def spec_config(
-    *,
-    server_type: str,
-    n_max: int,
-    n_min: int,
-    ngram_max: int,
-    ngram_min: int,
-    max_batch: int,
-    request: SpecRequest | None,
-    can_roll_back: bool,
-) -> SpecConfig | None:
-    """The one rule of whether and how a request speculates: the request's keys beat the
-    server's; a model whose KV cannot drop positions (recurrent, hybrid) never does (the
-    server refuses --spec-type at start; a request asking is served without)."""
-    req = request or SpecRequest()
-    kind = req.type if req.type is not None else server_type
-    if kind == "none" or not can_roll_back:
-        return None
-    n_max = req.n_max if req.n_max is not None else n_max
-    n_min = req.n_min if req.n_min is not None else n_min
-    if n_max < 1:
-        return None
-    return SpecConfig(n_max=n_max, n_min=min(n_min, n_max), ngram_max=ngram_max, ngram_min=ngram_min, max_batch=max_batch)
 
 
 class NgramIndex:
@@ -299,114 +238,3 @@ class Speculation:
         b = self._bucket
         self._failed[b] = self._failed[b] * EVIDENCE_DECAY + failed
         self._tried[b] = self._tried[b] * EVIDENCE_DECAY + n_accepted + failed
-
-
-def plan_drafts(
-    slots: Sequence[int],
-    candidates: Sequence[tuple[int, float, int]],
-    cost: BatchCost,
-    room: int,
-) -> list[int]:
-    """The draft length of each step in a batch: the choice that makes the most expected
-    tokens per second of the step's decode. ``slots``: the steps' slots, ascending;
-    ``candidates``: each step's (candidate draft length, chance each position is accepted
-    given the one before, least length it may draft); ``room``: draft positions the batch
-    has left. The one draft-length policy.
-
-    A position's worth is the chance that it and every one before it are accepted; positions
-    are added in order of worth (across the steps), and the batch of the best ratio of
-    expected tokens (each step's own token, plus the worth of its draft positions) to its
-    estimated seconds (``cost``: its forward passes, each priced by rows as measured) is
-    taken. The step without drafts not measured yet: no drafts (it is measured first)."""
-    n = len(slots)
-    lengths = [0] * n
-    if not n or room <= 0 or not any(k for k, _, _ in candidates):
-        return lengths
-    base = slots[0]
-    counts = batch_counts(slots, [1] * n)  # tokens per sequence id, gaps included (they split passes)
-    seconds = cost.seconds(counts)
-    if seconds is None or seconds <= 0:
-        return lengths
-    best_rate, best = n / seconds, list(lengths)
-    heap = [(-p, i, 1) for i, (k, p, _) in enumerate(candidates) if k > 0 and p >= LEAST_WORTH]
-    heapq.heapify(heap)
-    expected = float(n)
-    used = 0
-    while heap and used < room:
-        neg_worth, i, j = heapq.heappop(heap)
-        expected -= neg_worth
-        lengths[i] = j
-        counts[slots[i] - base] += 1
-        used += 1
-        seconds = cost.seconds(counts)
-        if seconds is not None and seconds > 0 and expected / seconds > best_rate:
-            best_rate, best = expected / seconds, list(lengths)
-        k, p, _ = candidates[i]
-        worth = -neg_worth * p
-        if j < k and worth >= LEAST_WORTH:
-            heapq.heappush(heap, (-worth, i, j + 1))
-    return [k if k >= least else 0 for k, (_, _, least) in zip(best, candidates, strict=True)]
-
-
-def step_drafts(
-    slots: Sequence[int],
-    streams: Sequence[tuple[Speculation | None, Sequence[int], int, int]],
-    cost: BatchCost,
-    room: int,
-) -> list[list[int]]:
-    """The draft each stream of a step verifies. ``slots``: the streams' slots, ascending;
-    ``streams``: each one's speculation (None: it does not speculate), its tokens so far, the
-    token the step evaluates, and the most it may draft (its tokens left, its slot's room);
-    ``room``: draft positions the batch has left. A stream offers its candidate unless the
-    step has more streams than its ``max_batch``; ``plan_drafts`` decides how much of each the
-    step takes."""
-    offers: list[list[int]] = []
-    candidates: list[tuple[int, float, int]] = []
-    for spec, history, token, most in streams:
-        draft: list[int] = []
-        chance = 0.0
-        cap = min(most, room)
-        if spec is not None and cap > 0 and len(streams) <= spec.config.max_batch:
-            draft, chance = spec.candidate(history, token, cap)
-        offers.append(draft)
-        candidates.append((len(draft), chance, spec.config.n_min if spec is not None else 0))
-    if not any(offers):
-        return offers
-    lengths = plan_drafts(slots, candidates, cost, room)
-    return [offer[:k] for offer, k in zip(offers, lengths, strict=True)]
-
-
-def verify(draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:
-    """The accept rule: the request's sampler picks at position 0 (the step's own token's
-    logits), then at position j+1 only while its pick at j equalled draft j; the picks are
-    the step's tokens (the accepted drafts, then the first pick that differs or follows the
-    last draft). With point-mass drafts a pick is a draw from the target distribution, so
-    keeping the matching prefix and the first differing pick is exact rejection sampling;
-    the sampler (its RNG, penalties, grammar) sees only the picks kept, exactly as without
-    a draft. An end of generation ends the picks (nothing is sampled after it)."""
-    picks: list[int] = []
-    for j in range(len(draft) + 1):
-        token = pick(j)
-        picks.append(token)
-        if j == len(draft) or token != draft[j] or is_eog(token):
-            break
-    return picks
-
-
-def request_speculation(
-    settings: Settings, request: SpecRequest | None, can_roll_back: bool, totals: SpecCounts, memory: NgramMemory
-) -> Speculation | None:
-    """A request's drafting under the server's ``--spec-*`` settings (``spec_config``), or
-    None; its verified drafts also count into ``totals`` (the engine's), and its tokens go
-    into ``memory`` (its salt's) and are drafted from there too."""
-    config = spec_config(
-        server_type=settings.spec_type,
-        n_max=settings.spec_draft_n_max,
-        n_min=settings.spec_draft_n_min,
-        ngram_max=settings.spec_ngram_size_n,
-        ngram_min=settings.spec_ngram_min_n,
-        max_batch=settings.spec_max_batch,
-        request=request,
-        can_roll_back=can_roll_back,
-    )
-    return None if config is None else Speculation(config, totals, memory)

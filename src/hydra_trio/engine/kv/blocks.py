@@ -17,7 +17,7 @@ from typing import Protocol
 
 import xxhash
 
-from ..wire.kvevents import Event, all_blocks_cleared, block_removed, block_stored
+from ...wire.kvevents import Event, all_blocks_cleared, block_removed, block_stored
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:

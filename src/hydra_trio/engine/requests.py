@@ -1,6 +1,9 @@
-"""Which OpenAI request parameters each completion route honours, ignores or refuses: the one
-place that decides (``check_request``), so a request is never answered differently from
-what it asked for without being told.
+"""Which request parameters each entry point honours, ignores or refuses: the one request
+policy of HTTP chat, HTTP text completions and DECODE (``check_request``), so a request is
+never answered differently from what it asked for without being told. A DECODE's merged
+layers (wire/sampling.py) meet the policy of the route its prompt segment has the shape of:
+``messages`` are chat's, a ``prompt`` text completion's; one with no prompt (it continues
+the slot) meets the rules every route shares.
 
 - Honoured: handed to generation (engine/params.py parses the sampling and length keys and
   the output constraint: ``response_format``, llama-server's ``json_schema`` and
@@ -17,20 +20,15 @@ what it asked for without being told.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from ..engine.logprobs import MAX_TOP_LOGPROBS
-from ..engine.params import GenerationParams
 from ..wire.errors import bad_param
+from .llama import MAX_TOP_LOGPROBS
 
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
-
-Route = Literal["chat", "completions"]
+Route = Literal["chat", "completions", "decode"]
 
 # Accepted and ignored (docs/http-api.md lists them, with why).
-IGNORED: dict[Route, tuple[str, ...]] = {
+IGNORED: dict[str, tuple[str, ...]] = {
     "chat": (
         "model", "user", "safety_identifier", "prompt_cache_key", "metadata", "service_tier",
         "store", "stream_options",
@@ -87,17 +85,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
-async def request_params(route: Route, engine: Engine, body: dict[str, Any]) -> GenerationParams:
-    """A completion route's generation parameters: what it cannot honour refused first
-    (``check_request``), then the engine's parse, with the logprobs asked for, and its
-    output constraint (response_format, json_schema, grammar) compiled: all before a slot
-    is claimed."""
-    n_logprobs = check_request(route, body)
-    params = replace(engine.inputs.generation_params(body), logprobs=n_logprobs, cache_salt=cache_salt(body))
-    await engine.inputs.compile_grammar(params)
-    return params
-
-
 MAX_CACHE_SALT_CHARS = 256  # a tenant's name or a hash of it; a key of every cache lookup
 
 
@@ -117,6 +104,8 @@ def cache_salt(body: dict[str, Any]) -> str | None:
 def check_request(route: Route, body: dict[str, Any]) -> int | None:
     """Refuse (400 naming it) what ``route`` cannot honour; return the ``logprobs`` asked
     for: the number of top alternatives per token (0..20), or None when not asked."""
+    if route == "decode":  # the shape of its prompt segment says which route's rules it meets
+        route = "chat" if "messages" in body else "completions" if "prompt" in body else "decode"
     if route == "chat":
         if not isinstance(body.get("messages"), list):
             raise bad_param("messages is required (an array; a plain prompt goes to /v1/completions)", "messages")
@@ -125,7 +114,7 @@ def check_request(route: Route, body: dict[str, Any]) -> int | None:
         for key in _COMPLETIONS_ONLY[1:]:
             if body.get(key) is not None:
                 raise bad_param(f"{key} is a /v1/completions parameter, not supported on chat", key)
-    else:
+    elif route == "completions":
         for key in _CHAT_ONLY:
             if key in body if key == "messages" else body.get(key) is not None:
                 hint = " (ask logprobs: N)" if key == "top_logprobs" else ""

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 import outcome
 import trio
 
-from ..wire.errors import ErrorCode, ProtocolError, Status
+from ...wire.errors import ErrorCode, ProtocolError, Status
+from ..llama import PrefillPart, Sampler, StepRequest, StepResult
+from ..speculation import Speculation
 from .handover import Handover
-from .llama.sampling import Sampler
-from .llama.types import PrefillPart, StepRequest, StepResult
-from .speculative import Speculation
 
 log = logging.getLogger(__name__)
 

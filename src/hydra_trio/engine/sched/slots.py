@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import trio
 
-from ..grants import FifoGrants
-from ..wire.errors import ErrorCode, ProtocolError
+from ...grants import FifoGrants
+from ...wire.errors import ErrorCode, ProtocolError
 
 
 @dataclass(slots=True)

@@ -28,28 +28,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from .text import common_prefix_len
+from ..llama import Snapshot, common_prefix_len
 
 
-@dataclass(slots=True)
-class Snapshot:
-    """A slot's KV copied out: ``buf[offset:]`` is the state (then the tail logits, when
-    ``has_logits``); the ``offset`` bytes before it give a restore room to rewrite it."""
+@dataclass(frozen=True, slots=True)
+class PromptCacheStats:
+    """The prompt cache's figures at one moment (``EngineStats.prompt_cache``)."""
 
-    tokens: list[int]
-    buf: bytearray
-    offset: int
-    has_logits: bool
-    salt: str | None = None  # the cache_salt the history was computed under
-
-    @property
-    def order(self) -> tuple[str, list[int]]:
-        """Where the entry sorts: by salt (validated non-empty: "" is "unsalted"), then tokens."""
-        return (self.salt or "", self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.buf)
+    nbytes: int
+    entries: int
+    saved: int
+    restored: int
+    restored_tokens: int
+    evicted: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +60,9 @@ class PromptCache:
     restored: int = 0  # entries taken back into a slot
     restored_tokens: int = 0  # their positions: prompt tokens not recomputed
     evicted: int = 0  # entries dropped for room (or replaced by a longer one)
+
+    def stats(self) -> PromptCacheStats:
+        return PromptCacheStats(self.nbytes, len(self), self.saved, self.restored, self.restored_tokens, self.evicted)
 
     def __len__(self) -> int:
         return len(self._entries)

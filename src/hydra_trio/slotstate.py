@@ -1,20 +1,16 @@
-"""Slot state transfer shared by the RPC ops and the HTTP state routes."""
+"""The slot-state use cases the RPC ops (STATE_GET/PUT/META, erase) and the HTTP state
+routes share, over the engine's face: a snapshot charged to the payload budget, a restore of
+an admitted blob, a slot's description, an erase."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-import trio
-
-from ..budget import ByteBudget
-from ..tasks import run_cpu_bound
-from ..wire.errors import ErrorCode, ProtocolError
-from ..wire.kvblob import parse_kv_blob
+from .budget import ByteBudget
 from .engine import Engine
-from .kvcopy import Buffer
+from .wire.hashing import Buffer
 
 
 @dataclass(slots=True)
@@ -24,6 +20,7 @@ class Snapshot:
     state_size: int  # llama state bytes
     kv_hash: str
     ms: float
+    send_chunk: int | None = None  # the slot's STATE_GET send chunk (CONFIGURE T1); None: whole
     held: int = 0  # payload-budget bytes charged for it: the sender releases them once sent
 
     @property
@@ -31,56 +28,40 @@ class Snapshot:
         return sum(len(p) for p in self.parts)
 
 
-async def charge(budget: ByteBudget, n: int, wait_s: float, what: str) -> None:
-    """Take ``n`` bytes of the payload budget for a copy about to be made, waiting up to
-    ``wait_s`` for room (BUSY otherwise): snapshots held for slow readers count too."""
-    with trio.move_on_after(wait_s) as wait:
-        await budget.acquire(n)
-    if wait.cancelled_caught:
-        raise ProtocolError(
-            ErrorCode.SLOT_BUSY, f"no room in --max-inflight-bytes for {what} of {n} bytes within {wait_s:g} s"
-        )
-
-
 async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget, wait_s: float) -> Snapshot:
     """Copy a slot's KV out as a v2 blob, charged to the payload budget until the caller has
     sent it (``held``). The slot is held only for the copy."""
     t0 = time.perf_counter()
-    slot = engine.slot_claim(slot_id, owner)
     held = 0
 
     async def reserve(size: int) -> None:
         nonlocal held
-        await charge(budget, size, wait_s, "a KV snapshot")
+        await budget.take(size, within_s=wait_s, what="a KV snapshot")
         held = size
 
     try:
-        try:
-            copy = await engine.kv.copy_out(slot_id, reserve=reserve)
-        finally:
-            engine.release(slot)
+        async with engine.claim(owner, slot=slot_id) as lease:
+            copy = await lease.copy_out(reserve=reserve)
+            chunk = lease.send_chunk
         kv_hash = await copy.kv_hash()
     except BaseException:
         budget.release(held)
         raise
-    return Snapshot(copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, held)
+    return Snapshot(copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, chunk, held)
 
 
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:
     """Check a v2 blob's structure, then restore it into the slot, all-or-nothing."""
-    parsed = await run_cpu_bound(  # BAD_FRAME before the slot is touched
-        partial(parse_kv_blob, blob, max_tokens=engine.n_ctx_slot), len(blob)
-    )
+    admitted = await engine.admit(blob)  # BAD_FRAME before the slot is touched
+    assert admitted.blob is not None, "bytes were given"
     t0 = time.perf_counter()
-    slot = engine.slot_claim(slot_id, owner)
-    try:
-        await engine.kv.restore(slot_id, parsed)
-    finally:
-        engine.release(slot)
+    async with engine.claim(owner, slot=slot_id) as lease:
+        await lease.restore(admitted.blob)
+        n_past = lease.n_past
     return {
         "restored": True,
         "bytes": len(blob),
-        "n_past": engine.n_past(slot_id),
+        "n_past": n_past,
         "restore_ms": round((time.perf_counter() - t0) * 1000.0, 3),
         # What was really checked: llama.cpp accepted the layout for the resident model.
         "model_match": True,
@@ -94,11 +75,6 @@ def slot_meta(engine: Engine, slot_id: int) -> dict[str, Any]:
 
 
 async def erase(engine: Engine, slot_id: int, owner: str) -> dict[str, Any]:
-    slot = engine.slot_claim(slot_id, owner)
-    try:
-        n_before = engine.n_past(slot_id)
-        await engine.clear_slot(slot_id)
-    finally:
-        engine.release(slot)
+    async with engine.claim(owner, slot=slot_id) as lease:
+        n_before = await lease.clear()
     return {"id_slot": slot_id, "n_erased": n_before}
-

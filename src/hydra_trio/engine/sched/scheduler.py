@@ -12,13 +12,12 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ..config import Settings
-from ..wire.errors import ProtocolError
-from .llama.context import LlamaBackend
-from .llama.state import DecodeAborted
-from .promptcache import PromptCache
-from .slots import Slot, SlotTable
-from .worker import GpuWorker
+from ...config import Settings
+from ...wire.errors import ProtocolError
+from ..kv import PromptCache
+from ..llama import DecodeAborted, LlamaBackend
+from ..worker import GpuWorker
+from .slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +84,6 @@ class SlotScheduler:
                 await self._worker.call(lambda v=victim.id: backend.clear_slot(v))
             finally:
                 self._slots.release(victim)
-
-    async def claim_for_prompt(self, prompt_tokens: Sequence[int], owner: str, salt: str | None = None) -> Slot:
-        """A free slot for the prompt under ``salt`` (``slot_rank``); waits for one for as
-        long as the caller's scope allows."""
-        return await self._slots.claim_any(owner, self.slot_rank(prompt_tokens, salt))
 
     def slot_rank(self, prompt: Sequence[int], salt: str | None = None) -> Callable[[int], tuple[int, int]]:
         """The slot-choice policy, as a score of each slot for this prompt (higher is better;

@@ -1,0 +1,566 @@
+"""The engine's core: one model, N slots, one GPU worker; its components, lifecycle,
+prefill, generation, KV copies, CONFIGURE's apply step and figures. Internal to engine/:
+front ends use the face (engine.py ``Engine``, lease.py ``SlotLease``).
+
+Request tasks never call llama.cpp themselves: they ask the engine for work (a prefill
+chunk, a generation step). Generation steps of all generating slots are batched into one
+llama_decode by the step batcher (``batcher.py``); prefill chunks interleave with those
+batches on the one GPU worker. CONFIGURE's per-slot settings and staged rebuilds live in
+``configure.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import trio
+
+from ..config import CACHE_TYPES, Settings
+from ..model.identity import ModelIdentity, read_identity
+from ..wire.errors import ErrorCode, ProtocolError
+from ..wire.kvblob import KvBlob
+from ..wire.kvevents import Event
+from .chat import resolve_chat_template
+from .configure import Reconfigurer, SlotSettings
+from .inputs import Inputs
+from .kv import KvCopy, PromptCache, SlotBlocks, copy_out, restore_blob
+from .llama import (
+    DecodeAborted,
+    LlamaBackend,
+    NoKvSpace,
+    OffloadSettings,
+    PrefillPart,
+    Sampler,
+    StepRequest,
+    kv_layout,
+)
+from .output import GenerationResult, OutputProcessor
+from .params import GenerationParams
+from .reload import apply_staged
+from .sched import PartOutcome, SlotScheduler, SlotTable, StepBatcher
+from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
+from .stats import EngineStats, SlotInfo
+from .worker import CallTiming, GpuWorker
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[str], Awaitable[None]]
+
+
+async def _emit_all(emit: Emit, sends: Sequence[str]) -> None:
+    for send in sends:
+        await emit(send)
+
+
+class EngineCore:
+    """The components and what spans them (engine.py's ``Engine`` is the face over it)."""
+
+    def __init__(self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings) -> None:
+        self.backend = backend
+        self.identity = identity
+        self.settings = settings
+        self.worker = GpuWorker()
+        self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified)
+        self.inputs = Inputs(lambda: self.backend, self.worker, settings)
+        self.model_load_ms = 0.0
+        self.warmup_ms: float | None = None  # None: no warm-up ran (--no-warmup)
+        # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
+        budget = min(settings.step_token_budget, backend.n_batch)
+        self.batcher = StepBatcher(
+            backend.n_slots,
+            lambda reqs, before_decode: self.backend.step(reqs, before_decode=before_decode),
+            lambda fn: self.worker.call(fn, yields=True),
+            self._run_mixed,
+            token_budget=budget,
+            alone_budget=backend.n_batch,
+            worker_free=self.worker.wait_while_busy,
+            is_eog=lambda token: self.backend.is_eog(token),
+            wants_turn=self.worker.wants_turn,
+        )
+        self.tokens_generated = 0
+        # The speculation the backend's steps run with: the draft policy and what a forward
+        # pass costs by rows on this machine (engine/speculation/); a model reload gets its own.
+        backend.planner = DraftPlanner(backend.n_batch, split=not backend.kv_unified)
+        self.spec_counts = SpecCounts()  # vllm:spec_decode_* (every request's drafts)
+        self.ngram_memories = NgramMemories(settings.spec_ngram_size_n)  # drafts from earlier requests, per salt
+        # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
+        self.kv_blocks: SlotBlocks | None = None
+        # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
+        self.prompt_cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
+        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache)
+        self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
+        self._prefilling_alone = 0  # prompts in a chunk call of their own right now
+        # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
+        self.slot_settings = SlotSettings(self.slots)
+        self.reconfigurer = Reconfigurer(self.slots, partial(apply_staged, self))
+        # The engine's own tasks run in a scope that outer cancellation cannot reach: the
+        # engine outlives its users and is stopped (``stop``) once they have left.
+        self._lifetime = trio.CancelScope(shield=True)
+        self.t3_reloads = 0
+        self.last_t3_reload_ms = 0.0
+        self.model_path = backend.model_path
+        # Where CONFIGURE T3 may load from: fixed at start, whatever T3 loads later.
+        self.model_dir = settings.model_dir or os.path.dirname(os.path.realpath(backend.model_path))
+        # The GGUF's own template (else ChatML) until load() applies --chat-template[-file].
+        self.inputs.set_chat_template(
+            resolve_chat_template(name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=())
+        )
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    @classmethod
+    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> EngineCore:
+        t0 = time.perf_counter()
+        identity = await trio.to_thread.run_sync(lambda: read_identity(model_path, alias=alias))
+        worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
+        offload = OffloadSettings(
+            n_gpu_layers=settings.n_gpu_layers,
+            main_gpu=settings.main_gpu,
+            flash_attn=settings.flash_attn,
+            kv_offload=not settings.no_kv_offload,
+            repack=settings.repack,
+        )
+        backend = await trio.to_thread.run_sync(
+            lambda: LlamaBackend(
+                model_path,
+                n_slots=settings.slots,
+                n_ctx=settings.ctx_size,
+                n_threads=settings.threads,
+                n_batch=settings.batch_size,
+                type_k=CACHE_TYPES[settings.cache_type_k],
+                type_v=CACHE_TYPES[settings.cache_type_v],
+                offload=offload,
+                kv_unified=settings.kv_unified,
+            ),
+            limiter=worker_limiter,
+        )
+        try:
+            if settings.warmup:
+                # Said before the call: if a kernel faults, this is the last line in the log.
+                log.info("warming up: one prompt and one step on slot 0 (--no-warmup skips it; weights %s)",
+                         "repacked" if backend.repack.enabled else "not repacked")
+                t_warm = time.perf_counter()
+                await trio.to_thread.run_sync(backend.warmup, limiter=worker_limiter)
+                engine_warmup_ms: float | None = (time.perf_counter() - t_warm) * 1000.0
+            else:
+                engine_warmup_ms = None
+            template = resolve_chat_template(
+                name=settings.chat_template,
+                file=settings.chat_template_file,
+                gguf_template=backend.info.chat_template,
+                builtin_names=backend.builtin_templates,
+            )
+        except BaseException:
+            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            raise
+        if settings.spec_type != "none" and not backend.info.can_roll_back:
+            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            kind = "recurrent" if backend.info.recurrent else "hybrid"
+            raise SystemExit(
+                f"--spec-type {settings.spec_type}: {identity.model_name} is a {kind} model, whose KV cannot drop "
+                "rejected draft positions; serve it with --spec-type none"
+            )
+        engine = cls(backend, identity, settings)
+        engine.inputs.set_chat_template(template)
+        engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
+        engine.warmup_ms = engine_warmup_ms
+        log.info(
+            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, KV cache %s (a slot holds up to %d; %s), %d threads",
+            engine.model_load_ms, identity.model_name, identity.model_quant, identity.tokenizer,
+            backend.n_slots, backend.n_ctx, engine.kv_layout, backend.n_ctx_slot,
+            ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read", backend.n_threads,
+        )
+        assert backend.offload is not None
+        log.info("offload: %s", backend.offload.summary())
+        log.info("chat template: %s (%s)", template.name, template.source)
+        return engine
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the step batcher and the reconfigurer until ``stop()``, then close the model.
+
+        Cancelling the caller does not stop them: whoever owns the engine calls ``stop()``
+        after everything that uses the engine has ended, so no request is left waiting on a
+        step of a closed engine."""
+        with self._lifetime:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.batcher.run)
+                nursery.start_soon(self.reconfigurer.run)
+                task_status.started()
+        with trio.CancelScope(shield=True):
+            await self.worker.close(self.backend.close)
+
+    def stop(self) -> None:
+        """End ``run``: late steps and GPU calls are refused with a clear error."""
+        self._lifetime.cancel()
+
+    @property
+    def prompt_tokens_processed(self) -> int:
+        """Prompt tokens evaluated for requests: in chunks of their own or in step batches."""
+        return self._chunk_prompt_tokens + self.batcher.prompt_tokens
+
+    @property
+    def tokens_evaluated(self) -> int:
+        """Every token llama.cpp has evaluated for requests: prompt chunks + generation steps."""
+        return self.prompt_tokens_processed + self.batcher.tokens
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells all slots hold together."""
+        return self.backend.n_ctx
+
+    @property
+    def n_ctx_slot(self) -> int:
+        """The most positions one slot can hold: all of n_ctx with a unified cache, its own
+        stream's share with a split one."""
+        return self.backend.n_ctx_slot
+
+    @property
+    def kv_layout(self) -> str:
+        return kv_layout(self.backend)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.slots)
+
+    async def wait_slot_released(self) -> None:
+        """Until any slot is released (the drain watches the slots empty)."""
+        await self.slots.wait_released()
+
+    @property
+    def kv_cache_layout(self) -> dict[str, Any]:
+        """K/V cache types and V transposition, as blobs made here carry them."""
+        return dict(self.backend.cache_layout)
+
+    @property
+    def n_vocab(self) -> int:
+        return self.backend.info.n_vocab
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics, logs and /health: no reader counts slots itself."""
+        slots, batcher, worker = self.slots, self.batcher, self.worker
+        return EngineStats(
+            slots=len(slots),
+            slots_busy=slots.n_busy,
+            requests_waiting=slots.waiting,
+            kv_cells_total=self.n_ctx,
+            kv_cells_used=self.backend.cells_in_use(),
+            kv_cells_running=sum(self.backend.n_past(s.id) for s in slots.slots if s.busy),
+            tokens_generated=self.tokens_generated,
+            prompt_tokens_processed=self.prompt_tokens_processed,
+            tokens_evaluated=self.tokens_evaluated,
+            step_batches=batcher.batches,
+            step_tokens=batcher.tokens,
+            step_prompt_tokens=batcher.prompt_tokens,
+            worker_busy_s=worker.busy_s,
+            worker_calls=worker.calls,
+            llama_decode_s=self.backend.decode_s,
+            model_load_s=self.model_load_ms / 1000.0,
+            spec_drafts=self.spec_counts.drafts,
+            spec_draft_tokens=self.spec_counts.draft_tokens,
+            spec_accepted_tokens=self.spec_counts.accepted,
+            step_decode_s=tuple(sorted(self._planner().step_cost.measured().items())),
+            t3_reloads=self.t3_reloads,
+            last_t3_reload_ms=self.last_t3_reload_ms,
+            prompt_cache=None if self.prompt_cache is None else self.prompt_cache.stats(),
+        )
+
+    def _planner(self) -> DraftPlanner:
+        planner = self.backend.planner
+        assert isinstance(planner, DraftPlanner), "set when the backend is taken"
+        return planner
+
+    def slot_info(self, slot_id: int) -> SlotInfo:
+        """The one description of a slot (/slots, STATE_META); NO_SLOT for an unknown id."""
+        slot = self.slots.get(slot_id)
+        return SlotInfo(
+            slot.id, slot.owner, slot.transferring, self.n_past(slot_id), self.n_ctx_slot, self.state_size(slot_id)
+        )
+
+    def publish_kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> SlotBlocks:
+        """From now on, every change of what the slots hold goes to ``publish`` as KV events,
+        after the GPU-worker call that made it (on the trio thread)."""
+        self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
+        self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
+        return self.kv_blocks
+
+    async def resync_kv_events(self) -> None:
+        """Tell everything the slots hold anew (for a new subscriber), between worker calls."""
+        if self.kv_blocks is not None:
+            await self.worker.call(self.kv_blocks.resync)
+
+    def slots_emptied(self, backend: LlamaBackend) -> None:
+        """On the worker, once a T2/T3 change has emptied every slot (``backend`` serves now)."""
+        if self.kv_blocks is not None:
+            self.kv_blocks.rewatch(backend)
+
+    # ---- CONFIGURE T2/T3 ---------------------------------------------------------------
+
+    @property
+    def flash_attn_applied(self) -> str:
+        """on | off: what the context uses (CONFIGURE T2 checks cache types against it)."""
+        assert self.backend.offload is not None, "set when the context is built"
+        return self.backend.offload.flash_attn
+
+    def runtime_fields(self) -> dict[str, Any]:
+        """Where the model runs (ggml devices, layers offloaded, flash attention), how its KV
+        cache is laid out and which chat template renders prompts: for /version and INFO."""
+        offload = self.backend.offload
+        assert offload is not None, "set when the context is built"
+        return {
+            **offload.as_dict(),
+            "kv_unified": self.backend.kv_unified,
+            "n_ctx_slot": self.n_ctx_slot,
+            "kv_cache": self.backend.cache_layout,  # type_k, type_v, v_trans
+            "chat_template": self.inputs.chat_template.as_dict(),
+        }
+
+    # ---- prefill -----------------------------------------------------------------------
+
+    async def prefill(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        n_keep: int,
+        *,
+        sampler: Sampler | None = None,
+        want_logits: bool = False,
+    ) -> tuple[int | None, bytes | None]:
+        """Keep the slot's first ``n_keep`` positions and evaluate ``tokens[n_keep:]``.
+
+        While other requests generate, the prompt rides along in their step batches, a token
+        budget's worth per batch, so their streams keep their pace. Otherwise it runs in
+        ``--batch-size`` chunks, each one cancellable GPU-worker call (the abort flag stops a
+        running chunk). Returns the token sampled from the last position (with ``sampler``)
+        and its logits (with ``want_logits``).
+        """
+        backend = self.backend
+        rest = list(tokens[n_keep:])
+        if not rest:
+            raise ValueError("prefill needs at least one token to evaluate")
+        # The slot keeps n_keep of its positions and drops the rest: what it will hold beyond
+        # what it holds now is len(tokens) - n_past.
+        await self.scheduler.make_room(len(tokens) - backend.n_past(slot), exclude=slot)
+        done = 0
+        result: tuple[int | None, bytes | None] = (None, None)
+        try:
+            while done < len(rest):
+                keep = n_keep + done  # after the first chunk: what the slot holds already
+                # With streams to keep pace with, or another prompt being prefilled alone
+                # (requests that arrive together), the prompt goes into the shared batches.
+                if self.batcher.generating > 0 or (self._prefilling_alone and done == 0):
+                    return await self.batcher.prefill(
+                        slot, rest[done:], keep, sampler=sampler, want_logits=want_logits
+                    )
+                chunk = rest[done : done + backend.n_batch]
+                last = done + len(chunk) == len(rest)
+
+                def call(abort: threading.Event, chunk: list[int] = chunk, keep: int = keep, last: bool = last) -> tuple[int | None, bytes | None]:
+                    backend.truncate_slot(slot, keep)
+                    return backend.eval_chunk(
+                        slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
+                    )
+
+                self._prefilling_alone += 1
+                try:
+                    result = await self.worker.run(call)
+                except DecodeAborted:
+                    await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
+                    raise
+                finally:
+                    self._prefilling_alone -= 1
+                self._chunk_prompt_tokens += len(chunk)
+                done += len(chunk)
+        except NoKvSpace:
+            raise ProtocolError(
+                ErrorCode.INTERNAL,
+                f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}; "
+                + (
+                    f"{self.n_ctx} cells are shared by all slots and the others are in use"
+                    if self.backend.kv_unified
+                    else f"a slot holds {self.n_ctx_slot} (split KV cache)"
+                ),
+            ) from None
+        return result
+
+    async def first_token(
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        sampler: Sampler,
+        res: GenerationResult,
+        *,
+        want_logits: bool = False,
+        salt: str | None = None,
+    ) -> tuple[int | None, bytes | None]:
+        """Bring the slot to hold the prompt (``reuse_plan``) under the request's cache
+        ``salt`` and sample the token after it (None: the context is full); with
+        ``want_logits`` also the logits it came from. The plan goes into ``res`` first, so a
+        cancelled prefill still reports its work."""
+        await self.scheduler.swap_in(slot, tokens, salt)
+        res.n_common, logits = self.scheduler.reuse_plan(slot, tokens, salt)
+        res.logits_reused = logits is not None
+        await self.scheduler.keep_history(slot, res.n_common)
+        await self.scheduler.adopt_salt(slot, salt)
+        if logits is not None:
+            reused = logits
+            token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
+            return token, logits
+        res.n_prompt_processed = len(tokens) - res.n_common
+        return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
+
+    async def sample_first(
+        self, slot: int, tokens: Sequence[int], params: GenerationParams
+    ) -> tuple[GenerationResult, bytes]:
+        """Bring the slot to hold the prompt and sample the one token a P/D prefill answers
+        with, by generation's own rules (OutputProcessor: stop decision, text, counts);
+        returns it as a completion, with the logits it came from (they travel with the KV)."""
+        res = GenerationResult(prompt_tokens=len(tokens))
+        sampler = Sampler(params.sampling, grammars=self.backend.grammars)  # built inside its first GPU-worker call
+        one = replace(params, n_predict=1, logprobs=None)
+        out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.token_bytes)
+        t_start = time.perf_counter()
+        try:
+            token, logits = await self.first_token(slot, tokens, sampler, res, want_logits=True, salt=params.cache_salt)
+        finally:
+            self.backend.retire(sampler)
+        assert token is not None and logits is not None, "a prompt that fits leaves room for one token"
+        out.started(t_start)
+        out.take(token)  # ends it: one token at most
+        if res.completion_tokens:
+            self.tokens_generated += 1
+        out.finish()
+        return res, logits
+
+    # ---- generation steps (batched) ----------------------------------------------------
+
+    async def _run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[PartOutcome]]:
+        return await self.worker.call(lambda: self.backend.step_mixed(reqs, parts))
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def generate(
+        self,
+        slot: int,
+        prompt_tokens: Sequence[int],
+        params: GenerationParams,
+        emit: Emit,
+        *,
+        result: GenerationResult | None = None,
+    ) -> GenerationResult:
+        """Prefill what the slot lacks of the prompt, then sample until a stop condition.
+
+        ``result`` is filled in as generation goes (callers read it even if cancelled).
+        When the slot holds exactly the prompt with its last position's logits (a restored
+        hand-off, or a PREFILL on this engine), the first token is sampled from them without
+        recomputing anything.
+        """
+        res = result if result is not None else GenerationResult()
+        res.prompt_tokens = len(prompt_tokens)
+        backend = self.backend
+        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
+        out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.token_bytes)
+        spec = request_speculation(
+            self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts,
+            self.ngram_memories.for_salt(params.cache_salt),
+        )
+        t_start = time.perf_counter()
+        try:
+            token, _ = await self.first_token(slot, prompt_tokens, sampler, res, salt=params.cache_salt)
+            out.started(t_start)
+            self.batcher.generating += 1
+            try:
+                run: tuple[int | None, ...] = (token,)  # what the last step sampled, in order
+                while True:
+                    # Each token as if it came alone: the stop decision and stream_interval's
+                    # chunks are those of one token per step; only the chunks' sending waits
+                    # for the next step to be handed in.
+                    sends: list[str] = []
+                    ended = False
+                    for tok in run:
+                        if out.take(tok):
+                            ended = True
+                            break
+                        self.tokens_generated += 1
+                        if (send := out.ready()) is not None:
+                            sends.append(send)
+                    if ended:
+                        break
+                    last = run[-1]
+                    assert last is not None
+                    # Pipelined: the next token is computed while this text goes to readers.
+                    job = self.batcher.submit(slot, last, sampler, out.remaining, spec)
+                    run = await self.batcher.result(job, _emit_all(emit, sends) if sends else None) or (None,)
+                for send in sends:
+                    await emit(send)
+                if res.stop_type not in ("eos", "context"):
+                    self.tokens_generated += 1  # the last token, which ended it
+                if (send := out.unsent()) is not None:
+                    await emit(send)
+                assert res.first_token_at is not None
+                res.decode_ms = (time.perf_counter() - res.first_token_at) * 1000.0
+            finally:
+                self.batcher.generating -= 1
+                await self.batcher.drop_ahead(slot)
+                if spec is not None:
+                    res.spec_drafted, res.spec_accepted = spec.counts.draft_tokens, spec.counts.accepted
+            tail = out.finish()
+            if tail:
+                await emit(tail)
+            return res
+        finally:
+            backend.retire(sampler)
+
+    # ---- KV copies ---------------------------------------------------------------------
+
+    async def copy_out(
+        self, slot_id: int, *, logits: bytes | None = None, reserve: Callable[[int], Awaitable[None]] | None = None
+    ) -> KvCopy:
+        """The held slot's KV as a v2 blob (kv/copy.py); the slot shows as transferring while
+        its bytes move (slot_info, the byte budget's readers)."""
+        slot = self.slots.get(slot_id)
+        slot.transferring = True
+        try:
+            return await copy_out(self.backend, self.worker, slot_id, logits=logits, reserve=reserve)
+        finally:
+            slot.transferring = False
+
+    async def restore(self, slot_id: int, blob: KvBlob, timing: CallTiming | None = None, *, salt: str | None = None) -> None:
+        """Restore a parsed, admitted v2 blob into the held slot, all-or-nothing, as ``salt``'s
+        history (the cache_salt of the request it serves; None: unsalted); idle slots'
+        KV is evicted for its room first."""
+        backend = self.backend
+        if blob.checkpoint is not None and not backend.info.recurrent:
+            raise ProtocolError(
+                ErrorCode.BAD_FRAME,
+                "kv blob carries a recurrent-state checkpoint; the resident model is not recurrent",
+            )
+        if blob.n_past >= backend.n_ctx_slot:
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {self.inputs.slot_room()}")
+        await self.scheduler.make_room(blob.n_past, exclude=slot_id)
+        slot = self.slots.get(slot_id)
+        slot.transferring = True
+        try:
+            await restore_blob(backend, self.worker, slot_id, blob, timing, salt)
+        finally:
+            slot.transferring = False
+
+    async def clear_slot(self, slot: int) -> None:
+        await self.worker.call(lambda: self.backend.clear_slot(slot))
+
+    def n_past(self, slot: int) -> int:
+        return self.backend.n_past(slot)
+
+    def slot_tokens(self, slot: int) -> list[int]:
+        """The tokens the slot's KV holds (a copy)."""
+        return list(self.backend.seq_tokens[slot])
+
+    def state_size(self, slot: int) -> int:
+        """Exact serialized size without a GPU-worker call (STATE_META must stay cheap)."""
+        return self.backend.slot_state_size(slot)

@@ -1,0 +1,20 @@
+"""KV beyond one decode: a slot's KV copied out and restored (copy.py), the host prompt cache
+(promptcache.py), which blocks the slots hold for KV events (blocks.py), and the one admission
+of a received blob (admission.py: parse, bound, identity gate, layout). Nothing outside this
+package reaches its modules."""
+
+from .admission import Admitted, admit_blob
+from .blocks import SlotBlocks
+from .copy import KvCopy, copy_out, restore_blob
+from .promptcache import PromptCache, PromptCacheStats
+
+__all__ = [
+    "Admitted",
+    "KvCopy",
+    "PromptCache",
+    "PromptCacheStats",
+    "SlotBlocks",
+    "admit_blob",
+    "copy_out",
+    "restore_blob",
+]

@@ -1,0 +1,70 @@
+"""A slot's KV in and out as a v2 blob on the GPU worker: ``copy_out`` makes every copy
+STATE_GET, PREFILL and a P/D export send, ``restore_blob`` puts every received one into a slot
+(DECODE, STATE_SET, the P/D hand-off). The caller holds the slot (engine/lease.py), which
+decides room and marks the slot as transferring while its bytes move."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+
+from ...tasks import run_cpu_bound
+from ...wire.hashing import Buffer, xxh3_tag_of
+from ...wire.kvblob import KvBlob, blob_head_size, encode_blob_head
+from ..llama import DecodeAborted, LlamaBackend
+from ..worker import CallTiming, GpuWorker
+
+
+@dataclass(slots=True)
+class KvCopy:
+    parts: list[Buffer]  # head, llama state (, the last position's logits)
+    n_past: int
+    state_size: int  # llama state bytes
+
+    @property
+    def size(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    async def kv_hash(self) -> str:
+        """The blob's tag, hashed off the trio thread when it is large."""
+        return await run_cpu_bound(partial(xxh3_tag_of, self.parts), self.size)
+
+
+async def copy_out(
+    backend: LlamaBackend,
+    worker: GpuWorker,
+    slot: int,
+    *,
+    logits: bytes | None = None,
+    reserve: Callable[[int], Awaitable[None]] | None = None,
+) -> KvCopy:
+    """The slot's KV as a v2 blob (head, state, and ``logits`` when given). ``reserve`` is
+    awaited with the blob's exact size before anything is copied (the payload budget's
+    charge)."""
+    if reserve is not None:
+        await reserve(blob_head_size(backend.n_past(slot)) + backend.slot_state_size(slot) + len(logits or b""))
+    state, tokens = await worker.call(lambda: backend.state_get(slot))
+    parts: list[Buffer] = [encode_blob_head(len(tokens), tokens), state]
+    if logits is not None:
+        parts.append(logits)
+    return KvCopy(parts, len(tokens), len(state))
+
+
+async def restore_blob(
+    backend: LlamaBackend, worker: GpuWorker, slot: int, blob: KvBlob, timing: CallTiming | None, salt: str | None
+) -> None:
+    """Restore a parsed v2 blob into the slot, all-or-nothing (engine/llama/state.py), as
+    ``salt``'s history. Trailing logits become the slot's tail logits."""
+
+    def call(abort: threading.Event) -> None:
+        backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw, salt=salt)
+
+    try:
+        await worker.run(call, timing)
+    except DecodeAborted:
+        await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
+        raise

@@ -1,0 +1,10 @@
+"""Scheduling: which slot a request takes and what of its KV it continues (scheduler.py),
+slot claims in line (slots.py), continuous batching of steps and prompt parts (batcher.py),
+and step results handed from the worker to trio (handover.py). Nothing outside this package
+reaches its modules."""
+
+from .batcher import PartOutcome, StepBatcher
+from .scheduler import SlotScheduler
+from .slots import Slot, SlotTable
+
+__all__ = ["PartOutcome", "Slot", "SlotScheduler", "SlotTable", "StepBatcher"]
