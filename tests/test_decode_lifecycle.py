@@ -540,7 +540,7 @@ async def test_close_in_the_batch_of_the_ack_cancels_the_request(
             hung_up.set()
         return real_n_past(slot)
 
-    monkeypatch.setattr(engine, "n_past", n_past_then_hang_up)
+    monkeypatch.setattr(engine._core, "n_past", n_past_then_hang_up)
     await sock.send(encode_request(Op.DECODE, b"0", frame(MESSAGES, n_predict=LONG_N)))
     with trio.fail_after(30):
         await hung_up.wait()

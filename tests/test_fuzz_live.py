@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pytest
 from benchmarks.fuzz import run_campaign
 
-from helpers import MESSAGES, frame, http, rpc
+from helpers import MESSAGES, frame, http, kv_meta, prefill, rpc
 from hydra_trio.rpc.client import decode_call, prefill_call
 from hydra_trio.wire.errors import Status
 
@@ -56,3 +56,16 @@ async def test_a_message_role_that_is_not_a_string_is_a_bad_request(
     async with http(ep) as h:
         r = await h.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
         assert r.status_code == 400, r.text
+
+
+async def test_kv_sent_with_no_kv_metadata_is_a_cap_mismatch(start_engine: Any, tiny_model: Path) -> None:
+    """The campaign found an INTERNAL: a DECODE carrying KV bytes and no ``kv_metadata``
+    reached the identity verdict with no claims to judge. KV nobody vouches for is refused as
+    claiming nothing, and the engine goes on."""
+    ep = await start_engine(tiny_model)
+    async with await rpc(ep) as c:
+        pre = await prefill(c, 0, MESSAGES)
+        resp = await c.call(decode_call(1, frame(MESSAGES, pre.payload)), check=False)
+        assert resp.status == Status.ERROR and resp.meta["error_code"] == "CAP_MISMATCH", resp.meta
+        assert "missing" in resp.meta["reason"], resp.meta
+        assert (await c.call(decode_call(1, frame(MESSAGES, pre.payload, kv_metadata=kv_meta(pre))), check=False)).ok

@@ -402,7 +402,7 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(
         await emit("some text")
         raise RuntimeError("the GPU fell off the bus")
 
-    monkeypatch.setattr(eng, "generate", generate_then_fail)
+    monkeypatch.setattr(eng._core, "generate", generate_then_fail)
     async with http(engine) as c:
         body = {"messages": MESSAGES, "max_tokens": 8, "stream": True}
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -412,7 +412,7 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(
     assert events[1]["choices"][0]["delta"] == {"content": "some text"}
     assert events[-1]["error"]["code"] == 500 and events[-1]["error_code"] == "INTERNAL", events[-1]
     assert "RuntimeError" in events[-1]["error"]["message"]
-    monkeypatch.setattr(eng, "generate", real_generate)
+    monkeypatch.setattr(eng._core, "generate", real_generate)
     await assert_server_healthy(engine)
 
 

@@ -111,7 +111,7 @@ async def test_an_engine_that_dropped_a_history_gets_no_credit_for_it(
         assert where == 0  # the longer history wins
         # Engine 0 drops the history: its slot erased, a BlockRemoved for every block.
         eng0 = eps[0].state.engine
-        (slot,) = [s for s in range(2) if eng0.n_past(s)]
+        (slot,) = [s for s in range(2) if eng0._core.n_past(s)]
         async with http(eps[0]) as h:
             assert (await h.post(f"/slots/{slot}?action=erase")).status_code == 200
         await synced(router, eps)

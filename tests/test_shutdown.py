@@ -180,7 +180,7 @@ async def test_a_stop_while_the_model_loads_ends_serve(monkeypatch: pytest.Monke
 
     from conftest import test_settings
     from hydra_trio import app
-    from hydra_trio.engine import engine as engine_module
+    from hydra_trio.engine import core as engine_module
 
     loading = threading.Event()
     real_backend = engine_module.LlamaBackend

@@ -233,11 +233,13 @@ class DecodeManager:
         if not len(frame.kv) and not kv_meta:
             resident = self.engine.identity
             return resident.fields()
-        return kv_meta
+        # KV with no claims about it is checked as claiming nothing (a CAP_MISMATCH naming
+        # each missing field), never taken on trust.
+        return {} if kv_meta is None else kv_meta
 
     def _check_identity(self, entry: DecodeEntry, match: IdentityMatch | None, t0: float) -> None:
         """The §4.2 identity gate's verdict (``Engine.admit``); CAP_MISMATCH if it failed."""
-        assert match is not None, "claims are always given"
+        assert match is not None, "DECODE always gives claims (_claims)"
         entry.metrics.match = match.as_meta()
         entry.metrics.validate_ms = (time.perf_counter() - t0) * 1000.0
         if not match.accepted:

@@ -192,7 +192,7 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
     cannot (the socket full or gone, or a chunk only partly taken: the reader sends the
     rest first)."""
     cid = _completion_id(entry)
-    model = require_engine().served_name
+    model = manager.engine.served_name
     created = entry.created_unix
     # The chat stream's event per delta (a template, not the chunk serialised per token),
     # and every chunk that is ready in one write, as the chat stream does.
