@@ -11,6 +11,7 @@ from quart import Blueprint, Response, request
 from .. import slotstate
 from ..config import Settings
 from ..receive import payload_buffer
+from ..wire.protocol import ascii_decimal
 from . import routes
 from .common import (
     HttpError,
@@ -33,9 +34,10 @@ ASGIApp = Callable[[dict[str, Any], ASGIReceive, ASGISend], Awaitable[None]]
 
 
 def _slot_id(raw: str) -> int:
-    if not raw.isdigit() or len(raw) > 9:
-        raise HttpError(400, f"slot id must be a non-negative integer, got {raw[:40]!r}", "invalid_request_error")
-    return int(raw)
+    slot = ascii_decimal(raw, max_digits=9)
+    if slot is None:
+        raise HttpError(400, f"slot id must be a non-negative integer in ASCII digits, got {raw[:40]!r}", "invalid_request_error")
+    return slot
 
 
 @bp.get("/slots/<raw_id>/state/meta")
