@@ -144,7 +144,7 @@ def ours(template: Path) -> tuple[dict[str, Any], str | None]:
             out[name] = {"prompt": trio.run(chat.render, json.loads(json.dumps(body)))}
         except ChatRequestError as exc:
             out[name] = {"error": f"400 {exc}"}
-        except Exception as exc:  # noqa: BLE001 -- what the HTTP layer answers as a 500
+        except Exception as exc:
             out[name] = {"error": f"500 {type(exc).__name__}: {exc}"}
     return out, getattr(tpl, "fallback_reason", None)
 
