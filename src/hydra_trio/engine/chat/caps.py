@@ -22,12 +22,15 @@ class TemplateCaps:
     object_arguments: bool  # it prints a call's arguments as an object (``| tojson``, ``.items()``)
     system_role: bool = True  # it prints a system message (else it is merged into the next, as llama.cpp)
     shows_tools: bool = False  # it lists the request's tools itself
+    thinking_default: bool = False  # enable_thinking when the request does not say (as llama-server)
 
     @property
     def describes_tools(self) -> bool:
-        """The generic format is in use, whose reply form no template teaches: the tools and
-        the form are described in a system message (as llama.cpp's generic handler does)."""
-        return self.tool_format is GENERIC and not self.shows_tools
+        """The generic format is in use and the template knows nothing of tools (it neither
+        lists them nor prints earlier calls): the tools and the reply form are described in a
+        system message (llama.cpp's old generic handler). A template with any tool syntax of
+        its own renders as llama-server renders it, with nothing added."""
+        return self.tool_format is GENERIC and not self.shows_tools and not self.renders_tool_calls
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -37,6 +40,7 @@ class TemplateCaps:
             "object_arguments": self.object_arguments,
             "system_role": self.system_role,
             "shows_tools": self.shows_tools,
+            "thinking_default": self.thinking_default,
         }
 
 
@@ -62,6 +66,7 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
         return TemplateCaps(
             tool_format=fmt, thinks=OPEN in source, renders_tool_calls=seen.renders_tool_calls,
             object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
+            thinking_default=seen.thinks,
         )
     compact = source.replace(" ", "")
     return TemplateCaps(

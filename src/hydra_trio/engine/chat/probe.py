@@ -11,6 +11,10 @@ from typing import Any
 from .jinja import compile_template, date_context
 
 _SYS, _TOOL, _ARG, _CALL = "SYS_PROBE_7f3a", "tool_probe_7f3a", "arg_probe_7f3a", "call_probe_7f3a"
+_THOUGHT = "THOUGHT_PROBE_7f3a"
+# What llama-server sets for its default preserve_reasoning kwarg (caps_apply_preserve_reasoning).
+PRESERVE_REASONING = {"preserve_thinking": True, "clear_thinking": False,
+                      "truncate_history_thinking": False, "drop_thinking": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +23,7 @@ class Probed:
     shows_tools: bool  # the tools' names reach the prompt
     renders_tool_calls: bool  # an earlier call's name reaches the prompt
     object_arguments: bool  # a call's arguments are read as an object (their values printed)
+    thinks: bool  # it prints a reply's reasoning or opens a think block: enable_thinking defaults on
 
 
 def _tools() -> list[dict[str, Any]]:
@@ -39,9 +44,11 @@ def _round_trip(arguments: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _render(source: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+def _render(
+    source: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, **extra: Any
+) -> str | None:
     ctx: dict[str, Any] = {"messages": messages, "bos_token": "", "eos_token": "", "enable_thinking": True,
-                           "add_generation_prompt": True, **date_context()}
+                           "add_generation_prompt": True, **date_context(), **extra}
     if tools is not None:
         ctx["tools"] = tools
     try:
@@ -57,9 +64,27 @@ def probe(source: str) -> Probed:
     # A template that prints the object whole as Python would (``{{ arguments }}``) wants text.
     object_args = with_objects is not None and _ARG in with_objects and f"{{'arg': '{_ARG}'}}" not in with_objects
     out = with_objects if object_args else _render(source, _round_trip(f'{{"arg": "{_ARG}"}}'), _tools())
+    listed = _render(source, [{"role": "user", "content": "User message"}], _tools())
     return Probed(
         system_role=system_role,
-        shows_tools=out is not None and _TOOL in out,
+        shows_tools=listed is not None and _TOOL in listed,
         renders_tool_calls=out is not None and _CALL in out,
         object_arguments=object_args,
+        thinks=_thinks(source),
     )
+
+
+def _thinks(source: str) -> bool:
+    """Whether the template has a reasoning form (llama-server then turns enable_thinking on
+    by default): it prints a reply's reasoning_content, or its generation prompt opens a think
+    block only when thinking is enabled."""
+    reply = [{"role": "user", "content": "User message"},
+             {"role": "assistant", "content": "Assistant message", "reasoning_content": _THOUGHT}]
+    calling = [reply[0], {**reply[1], "content": "", "tool_calls": _round_trip(f'{{"arg": "{_ARG}"}}')[1]["tool_calls"]}]
+    for messages, tools in ((reply, None), (calling, _tools())):  # some print it only before a call
+        shown = _render(source, messages, tools, add_generation_prompt=False, **PRESERVE_REASONING)
+        if shown is not None and _THOUGHT in shown:
+            return True
+    ask = [{"role": "user", "content": "User message"}]
+    on, off = _render(source, ask, None, enable_thinking=True), _render(source, ask, None, enable_thinking=False)
+    return on is not None and off is not None and on != off and "<think>" in on.replace(off, "", 1)

@@ -15,6 +15,7 @@ from ...wire.jsontext import parse_json
 from .caps import TemplateCaps
 from .formats import dump_arguments, generic_calls_json, tools_system_prompt
 from .jinja import FALLBACK_TEMPLATE, compile_template, date_context
+from .probe import PRESERVE_REASONING
 from .templates import ChatTemplate
 from .tools import ToolRequest, parse_tools
 
@@ -152,14 +153,31 @@ def template_tools(tools: ToolRequest) -> list[dict[str, Any]]:
                                               "parameters": t.parameters}} for t in tools.tools]
 
 
-def template_kwargs(request: dict[str, Any]) -> dict[str, Any]:
-    """``chat_template_kwargs``: extra variables for the template (``enable_thinking``, ...)."""
-    kwargs = request.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
+def template_kwargs(request: dict[str, Any], caps: TemplateCaps) -> dict[str, Any]:
+    """The variables llama-server adds to a template's context: ``enable_thinking`` (on by
+    default where the template has a reasoning form), ``preserve_reasoning`` (on by default,
+    with the spellings templates read: ``preserve_thinking``, ``clear_thinking``, ...),
+    ``reasoning_effort`` from the request, and every key of ``chat_template_kwargs``."""
+    given = request.get("chat_template_kwargs")
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
         raise ChatRequestError("chat_template_kwargs must be an object")
-    return kwargs
+    thinking = given.get("enable_thinking", caps.thinking_default)
+    if not isinstance(thinking, bool):
+        raise ChatRequestError("chat_template_kwargs.enable_thinking must be a boolean")
+    out: dict[str, Any] = {}
+    preserve = given.get("preserve_reasoning", True)
+    if isinstance(preserve, bool):
+        out.update({k: (v if preserve else not v) for k, v in PRESERVE_REASONING.items()})
+    effort = request.get("reasoning_effort")
+    if effort == "none":
+        thinking = False
+    elif isinstance(effort, str) and effort:
+        out["reasoning_effort"] = out["reasoning_strength"] = effort
+    out.update({"enable_thinking": thinking, **date_context(), "preserve_reasoning": preserve, **given})
+    out["enable_thinking"] = thinking
+    return out
 
 
 def render_prompt(
@@ -167,19 +185,17 @@ def render_prompt(
 ) -> str:
     """Prompt text for a request with ``messages`` (through the Jinja ``template``, ChatML
     when None) or a plain ``prompt`` (used verbatim). The template sees what llama-server
-    gives it: the messages, ``bos_token``, ``eos_token``, ``enable_thinking`` (true unless the
-    request's ``chat_template_kwargs`` says otherwise), ``tools`` only when there are some,
-    today's ``date_string`` and ``datetime``, ``add_generation_prompt`` and every key of
-    ``chat_template_kwargs``."""
+    gives it: the messages, ``bos_token``, ``eos_token``, ``tools`` only when there are some,
+    today's ``date_string`` and ``datetime``, ``add_generation_prompt`` and the reasoning
+    switches and ``chat_template_kwargs`` (``template_kwargs``)."""
     if "messages" in request:
         messages = normalise_messages(request["messages"])
         add_gen = _add_generation_prompt(request)
         tool_request = parse_tools(request)
-        kwargs = template_kwargs(request)
+        kwargs = template_kwargs(request, caps)
         source = template or FALLBACK_TEMPLATE
         messages = tool_messages(messages, caps, tool_request, source=source)
-        context: dict[str, Any] = {"messages": messages, "bos_token": bos_token, "eos_token": eos_token,
-                                   "enable_thinking": True, **date_context(), **kwargs}
+        context: dict[str, Any] = {"messages": messages, "bos_token": bos_token, "eos_token": eos_token, **kwargs}
         if tool_request is not None and tool_request.tools:
             context["tools"] = template_tools(tool_request)
         context["add_generation_prompt"] = add_gen
