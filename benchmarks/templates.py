@@ -6,7 +6,8 @@ trip; thinking with ``chat_template_kwargs``), renders each through hydra-trio's
 (the code ``/apply-template`` runs, on a template given as ``--chat-template-file``) and asks
 llama-server built from the same sdist (``--chat-template-file`` on a synthetic model) for its
 ``/apply-template``; the two prompts are compared byte for byte. One row per template, then
-the count. llama-server's answers are cached per template text and day (a rerun after a
+the count ("ok": the same bytes; "ref": both answer 400, the template raising for that
+conversation; "DIF": a difference). llama-server's answers are cached per template text and day (a rerun after a
 change here takes seconds); ``--refresh`` asks it again.
 
 The templates are not ours and are not copied into this repository: without the sdist the
@@ -180,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             mine, note = ours(t)
             ms = (time.perf_counter() - t0) * 1000
-            same = {n: mine[n] == theirs[n] for n in CONVERSATIONS}
+            same = {n: mine[n] == theirs[n] or (_refused(mine[n]) and _refused(theirs[n])) for n in CONVERSATIONS}
             rows.append({"template": t.stem, "same": same, "ms": round(ms, 1), "fallback": note,
                          "ours": mine, "llama_server": theirs})
-            marks = " ".join(("ok " if same[n] else "DIF") for n in CONVERSATIONS)
+            marks = " ".join(("DIF" if not same[n] else "ok " if "prompt" in mine[n] else "ref") for n in CONVERSATIONS)
             print(f"{t.stem[:48]:48} {marks}  {ms:7.1f} ms" + (f"  fallback: {note}" if note else ""))
             if args.diff:
                 for n in CONVERSATIONS:
@@ -196,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _refused(render: dict[str, Any]) -> bool:
+    """A 400 (the template raised for this conversation): both refusing is parity, whatever
+    the wording."""
+    return str(render.get("error", "")).startswith("400")
 
 
 def _print_diff(name: str, mine: dict[str, Any], theirs: dict[str, Any]) -> None:

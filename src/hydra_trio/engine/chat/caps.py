@@ -23,14 +23,16 @@ class TemplateCaps:
     system_role: bool = True  # it prints a system message (else it is merged into the next, as llama.cpp)
     shows_tools: bool = False  # it lists the request's tools itself
     thinking_default: bool = False  # enable_thinking when the request does not say (as llama-server)
+    own_template: bool = False  # the model's or the user's Jinja: rendered as llama-server does, nothing added
 
     @property
     def describes_tools(self) -> bool:
-        """The generic format is in use and the template knows nothing of tools (it neither
-        lists them nor prints earlier calls): the tools and the reply form are described in a
-        system message (llama.cpp's old generic handler). A template with any tool syntax of
-        its own renders as llama-server renders it, with nothing added."""
-        return self.tool_format is GENERIC and not self.shows_tools and not self.renders_tool_calls
+        """The generic format is in use with a built-in or our ChatML fallback, which know
+        nothing of tools: the tools and the reply form are described in a system message
+        (llama.cpp's old generic handler). A model's or a user's Jinja template renders as
+        llama-server renders it, with nothing added: where it lists no tools, llama-server
+        shows the model none either."""
+        return self.tool_format is GENERIC and not self.own_template
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -66,7 +68,7 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
         return TemplateCaps(
             tool_format=fmt, thinks=OPEN in source, renders_tool_calls=seen.renders_tool_calls,
             object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
-            thinking_default=seen.thinks,
+            thinking_default=seen.thinks, own_template=template.source != "fallback",
         )
     compact = source.replace(" ", "")
     return TemplateCaps(

@@ -13,7 +13,7 @@ from typing import Any
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SandboxedEnvironment
 
 # Used when a GGUF carries no template: ChatML, the most common convention.
 FALLBACK_TEMPLATE = (
@@ -40,7 +40,24 @@ def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
            separators: Any = None, sort_keys: bool = False) -> str:
     """llama.cpp's ``tojson``: non-ASCII kept unless asked, Python's separators."""
     seps = tuple(separators) if separators else None
-    return json.dumps(value, ensure_ascii=bool(ensure_ascii), indent=indent, separators=seps, sort_keys=bool(sort_keys))
+    return json.dumps(value, ensure_ascii=bool(ensure_ascii), indent=indent, separators=seps,
+                      sort_keys=bool(sort_keys), default=_json_default)
+
+
+def _json_default(value: Any) -> Any:
+    # ``tools | map(attribute='function') | tojson``: a filter's generator is a list there.
+    if isinstance(value, jinja2.Undefined):
+        return None
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(f"{type(value).__name__} is not JSON serializable") from None
+
+
+def safe(value: Any) -> Any:
+    """``| safe`` as llama.cpp has it: the value itself. (jinja2's Markup would HTML-escape
+    every string added to it, though nothing here is HTML.)"""
+    return value
 
 
 def strftime_now(fmt: str) -> str:
@@ -56,7 +73,8 @@ def date_context() -> dict[str, str]:
 @lru_cache(maxsize=8)
 def compile_template(template: str) -> jinja2.Template:
     """``template``'s source compiled (jinja2's TemplateError for bad syntax)."""
-    env = ImmutableSandboxedEnvironment(
+    # Sandboxed (no reaching Python internals) but lists mutable: Kimi's templates append.
+    env = SandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlocks]
     )
 
@@ -66,4 +84,5 @@ def compile_template(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.filters["tojson"] = tojson
+    env.filters["safe"] = safe
     return env.from_string(template)

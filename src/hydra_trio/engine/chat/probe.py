@@ -59,7 +59,7 @@ def _render(
 
 def probe(source: str) -> Probed:
     out = _render(source, [{"role": "system", "content": _SYS}, {"role": "user", "content": "User message"}], None)
-    system_role = out is None or _SYS in out
+    system_role = out is not None and _SYS in out  # Gemma's raise on a system message
     with_objects = _render(source, _round_trip({"arg": _ARG}), _tools())
     # A template that prints the object whole as Python would (``{{ arguments }}``) wants text.
     object_args = with_objects is not None and _ARG in with_objects and f"{{'arg': '{_ARG}'}}" not in with_objects
