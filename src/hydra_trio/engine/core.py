@@ -30,7 +30,7 @@ from ..wire.kvevents import Event
 from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
-from .kv import KvCopy, PromptCache, SlotBlocks, copy_out, restore_blob
+from .kv import HostBlocks, KvCopy, PromptCache, SlotBlocks, copy_out, restore_blob
 from .llama import (
     DecodeAborted,
     LlamaBackend,
@@ -92,6 +92,7 @@ class EngineCore:
         self.ngram_memories = NgramMemories(settings.spec_ngram_size_n)  # drafts from earlier requests, per salt
         # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
+        self.host_blocks: HostBlocks | None = None  # the prompt cache's blocks, with kv_blocks
         # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
         self.prompt_cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
         self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache)
@@ -288,12 +289,17 @@ class EngineCore:
         after the GPU-worker call that made it (on the trio thread)."""
         self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
         self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
+        if self.prompt_cache is not None:  # histories moved to RAM: medium CPU
+            self.host_blocks = HostBlocks(block_size, publish)
+            self.prompt_cache.watch(self.host_blocks)
         return self.kv_blocks
 
     async def resync_kv_events(self) -> None:
         """Tell everything the slots hold anew (for a new subscriber), between worker calls."""
         if self.kv_blocks is not None:
-            await self.worker.call(self.kv_blocks.resync)
+            await self.worker.call(self.kv_blocks.resync)  # AllBlocksCleared, then the slots'
+        if self.host_blocks is not None:
+            self.host_blocks.publish_resync()
 
     def slots_emptied(self, backend: LlamaBackend) -> None:
         """On the worker, once a T2/T3 change has emptied every slot (``backend`` serves now)."""
