@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import Settings
-from ..wire.errors import ErrorCode, ProtocolError, Status, bad_param
+from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
 from .chat import Chat, ChatTemplate, ReplyParser
 from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
@@ -183,8 +183,4 @@ class Inputs:
     def check_prompt_fits(self, n_tokens: int) -> None:
         """Refuse a prompt no slot can hold (with room for one generated token)."""
         if n_tokens >= self.n_ctx_slot:
-            raise ProtocolError(
-                ErrorCode.TOO_LARGE,
-                f"prompt has {n_tokens} tokens; {self.slot_room()}",
-                status=Status.BAD_REQUEST,
-            )
+            raise PromptTooLong(f"prompt has {n_tokens} tokens; {self.slot_room()}")
