@@ -245,10 +245,14 @@ async def test_prompt_longer_than_context_is_refused(engine: Any) -> None:
     async with http(engine) as c:
         huge = [{"role": "user", "content": "the " * 3000}]
         r = await c.post("/v1/chat/completions", json={"messages": huge, "max_tokens": 4})
-        body = assert_openai_error(r, 413)
-        assert body.get("error_code") == "TOO_LARGE"
+        # OpenAI's 400 context_length_exceeded: what agents compact their conversation on.
+        # (its code is OpenAI's string, not the HTTP status the other errors carry).
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body.get("error_code") == "TOO_LARGE" and body["error"]["code"] == "context_length_exceeded"
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"].startswith("prompt has")
         r = await c.post("/v1/chat/completions", json={"messages": huge, "max_tokens": 4, "stream": True})
-        assert_openai_error(r, 413)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 async def test_unknown_route_and_method(engine: Any) -> None:

@@ -41,6 +41,11 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/models", "GET", Role.PLAIN),
     Route("/v1/chat/completions", "POST", Role.PLAIN, "json", new_work=True),
     Route("/v1/completions", "POST", Role.PLAIN, "json", new_work=True),
+    # The agents' dialects (Anthropic Messages, OpenAI Responses): codecs over chat.
+    Route("/v1/messages", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/v1/messages/count_tokens", "POST", Role.PLAIN, "json"),
+    Route("/v1/responses", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/v1/responses/input_tokens", "POST", Role.PLAIN, "json"),
     Route("/v1/chat/completions/render", "POST", Role.PLAIN, "json"),
     Route("/v1/completions/render", "POST", Role.PLAIN, "json"),
     Route("/tokenize", "POST", Role.PLAIN, "json"),

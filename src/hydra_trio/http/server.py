@@ -16,12 +16,14 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..tasks import Started, leaves
 from . import connections, routes
+from .anthropic import bp as anthropic_bp
 from .auth import install_auth
 from .common import busy_reply, client_request_id, register_error_handlers, set_request_nursery
 from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 from .openai import health_reply
+from .responses import bp as responses_bp
 from .sse import error_body
 from .state_routes import bp as state_bp
 from .state_routes import drain_body, hold_state_uploads
@@ -61,6 +63,8 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(state_bp)
     app.register_blueprint(completions_bp)
     app.register_blueprint(tokens_bp)
+    app.register_blueprint(anthropic_bp)
+    app.register_blueprint(responses_bp)
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
