@@ -9,11 +9,11 @@ import logging
 import resource
 from typing import TYPE_CHECKING, Any
 
+import quart.app
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from quart import Response, request
-import quart.app
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
