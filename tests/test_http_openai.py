@@ -13,7 +13,6 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from prometheus_client.parser import text_string_to_metric_families
 
 import hydra_trio
 from helpers import (
@@ -23,6 +22,7 @@ from helpers import (
     assert_server_healthy,
     chat,
     http,
+    metric_samples,
     sse_text,
     stream_chat,
     stream_then_hang_up,
@@ -303,21 +303,13 @@ async def test_health_version_models_slots(engine: Any) -> None:
         assert used["state_size"] > slots[1 - body["id_slot"]]["state_size"]
 
 
-def _metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 async def test_metrics_after_completion(engine: Any) -> None:
     async with http(engine) as c:
         await chat(c, max_tokens=9)
         r = await c.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
-    samples = _metric_samples(r.text)
+    samples = metric_samples(r.text)
     assert all(name.startswith(("hydra_", "vllm:", "python_", "process_")) for name, _ in samples)
     assert samples[("hydra_completion_tokens_total", (("path", "chat"),))] == 9
     assert samples[("hydra_prompt_tokens_total", (("path", "chat"),))] > 0
