@@ -248,7 +248,7 @@ async def test_a_state_reader_that_stops_reading_loses_its_snapshot(
     ids=["get_4gb", "state_get", "delete", "chunked_get", "erase", "json_over", "state_put_over"],
 )
 async def test_a_body_past_its_routes_cap_is_refused_unread(start_engine: Any, tiny_model: Path, head: str) -> None:
-    """A route that takes no body (GETs, DELETE) refuses any at once, a JSON route (erase too) one
+    """A route that takes no body (GETs, DELETE, erase) refuses any at once, a JSON route one
     past --max-json-bytes, a state upload one past --max-kv-bytes: 413 before a byte of the
     body is read (Quart would buffer it all, up to its one cap, ~4 GiB by default)."""
     ep = await start_engine(tiny_model, max_json_bytes=1000, max_kv_bytes=2000, **ENGINE)

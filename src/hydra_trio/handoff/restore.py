@@ -24,7 +24,7 @@ from ..wire.errors import ProtocolError
 from ..wire.kvblob import KvBlob
 from ..wire.kvpull import HandoffParams, parse_handoff_params
 from .exports import ExportStore
-from .pull import PullFailed, network_failure, pull_export
+from .pull import PULL_FAILED, PullFailed, network_failure, pull_export
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,8 @@ class Handoff:
         before any room is asked for: the budget's queue is first come, first served, and a
         claim it could never grant would hold everyone behind it until its deadline.
 
-        A network failure (``pull_failed``: refused, reset, a reply that is not one) falls
-        back at once: a dead prefill engine must not cost every hand-off its deadline in a
-        held slot. Only addresses in --kv-pull-allow are ever connected to, so the timing
-        tells a client no more than which allowed ports are closed (docs/operations.md)."""
+        A network failure (``pull_failed``) answers at the deadline, as a silent peer does:
+        a closed port, a silent one and one that answers something else look the same."""
         if self.status != "pending" or self.params is None:
             return
         n = self.params.kv_bytes
@@ -109,6 +107,8 @@ class Handoff:
             await self._pull_and_restore(settings, deadline, lease, prompt_tokens, salt)
         finally:
             budget.release(n)
+        if self.reason == PULL_FAILED:  # the budget is back; the slot waits, as for a silent peer
+            await trio.sleep_until(deadline)
 
     async def _pull_and_restore(
         self,

@@ -11,7 +11,6 @@ from quart import Blueprint, Response, request
 from ..decode.manager import CancelOutcome, DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
 from ..engine import Engine, GenerationResult
-from ..wire.protocol import ascii_decimal
 from ..writeturn import Wrote
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
 from .connections import chunk_writer
@@ -33,10 +32,10 @@ def _manager() -> DecodeManager:
 
 
 def _request_id(raw: str) -> int:
-    rid = ascii_decimal(raw, max_digits=20)
-    if rid is None:
-        raise HttpError(400, f"decode_request_id must be a non-negative integer in ASCII digits, got {raw[:40]!r}", "invalid_request_error")
-    return rid
+    try:
+        return int(raw)
+    except ValueError:
+        raise HttpError(400, f"decode_request_id must be an integer, got {raw[:40]!r}", "invalid_request_error") from None
 
 
 @bp.get("/v1/decode")

@@ -11,7 +11,6 @@ from quart import Blueprint, Response, request
 from .. import slotstate
 from ..config import Settings
 from ..receive import payload_buffer
-from ..wire.protocol import ascii_decimal
 from . import routes
 from .common import (
     HttpError,
@@ -34,10 +33,9 @@ ASGIApp = Callable[[dict[str, Any], ASGIReceive, ASGISend], Awaitable[None]]
 
 
 def _slot_id(raw: str) -> int:
-    slot = ascii_decimal(raw, max_digits=9)
-    if slot is None:
-        raise HttpError(400, f"slot id must be a non-negative integer in ASCII digits, got {raw[:40]!r}", "invalid_request_error")
-    return slot
+    if not raw.isdigit() or len(raw) > 9:
+        raise HttpError(400, f"slot id must be a non-negative integer, got {raw[:40]!r}", "invalid_request_error")
+    return int(raw)
 
 
 @bp.get("/slots/<raw_id>/state/meta")

@@ -102,25 +102,15 @@ def error_response(err: ProtocolError) -> bytes:
     return encode_response(err.status, err.meta())
 
 
-def ascii_decimal(text: str | bytes, *, max_digits: int) -> int | None:
-    """``text`` as a non-negative integer when it is 1..max_digits ASCII digits, else None.
-    (``str.isdigit`` and ``int`` also take other scripts' digits, '²' and '١' among them.)"""
-    raw = text.encode("ascii", "replace") if isinstance(text, str) else text
-    if not 0 < len(raw) <= max_digits or not raw.isdigit():  # bytes.isdigit: ASCII only
-        return None
-    return int(raw)
-
-
 def parse_slot_key(key: bytes, *, empty_means_zero: bool = False) -> int:
     """A slot key is ASCII decimal; INFO and CONFIGURE accept an empty key as slot 0."""
     if not key:
         if empty_means_zero:
             return 0
         raise ProtocolError(ErrorCode.BAD_KEY, "empty key: a slot id in ASCII decimal is required")
-    slot = ascii_decimal(key, max_digits=9)
-    if slot is None:
+    if len(key) > 9 or not key.isdigit():
         raise ProtocolError(ErrorCode.BAD_KEY, f"key must be a slot id in ASCII decimal, got {key[:32]!r}")
-    return slot
+    return int(key)
 
 
 def decode_json_object(payload: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
@@ -136,7 +126,6 @@ __all__ = [
     "RequestHeader",
     "ResponseHeader",
     "Status",
-    "ascii_decimal",
     "decode_json_object",
     "encode_meta",
     "encode_request",
