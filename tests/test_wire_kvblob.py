@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 from hydra_trio.wire.kvblob import (
     FLAG_CHECKPOINT,
-    FLAG_RECURRENT_ONLY,
     Checkpoint,
     KvBlob,
     encode_blob_head,
@@ -57,7 +56,7 @@ def blobs(draw: st.DrawFn) -> tuple[bytes, dict]:
 
 def reencode(blob: KvBlob) -> bytes:
     """The bytes a parsed blob stands for: parsing is lossless iff this equals the input."""
-    return encode_kv_blob(blob.n_past, blob.tokens, blob.state, checkpoint=blob.checkpoint, version=blob.version)
+    return encode_kv_blob(blob.n_past, blob.tokens, blob.state, checkpoint=blob.checkpoint)
 
 
 def assert_consistent(raw: bytes, blob: KvBlob) -> None:
@@ -194,36 +193,9 @@ def _refused(raw: bytes, needle: str) -> None:
 GOOD = encode_kv_blob(3, [1, 2, 3], b"state")
 
 
-@pytest.mark.parametrize("version", [0x00, 0x01, 0x04, 0xFF])
+@pytest.mark.parametrize("version", [0x00, 0x01, 0x03, 0xFF])
 def test_wrong_version(version: int) -> None:
     _refused(bytes([version]) + GOOD[1:], "version")
-
-
-def test_an_unversioned_legacy_blob_is_refused_saying_so() -> None:
-    """A legacy blob starts with n_past (300 here: byte 0 is 0x2c); one of 2 or 3 positions
-    would read as a v2/v3 head, so none is taken on a guess."""
-    _refused(struct.pack("<II", 300, 3) + GOOD[9:], "unversioned legacy blobs are not accepted")
-
-
-def test_v3_is_v2_with_its_version_byte() -> None:
-    """The C++ engine's v3 layout: v2's bytes, version 0x03; flags bit 1 marks a checkpoint
-    holding a recurrent-only capture."""
-    v3 = parse_kv_blob(b"\x03" + GOOD[1:])
-    v2 = parse_kv_blob(GOOD)
-    assert (v3.n_past, v3.tokens, bytes(v3.state)) == (v2.n_past, v2.tokens, bytes(v2.state))
-    ck = Checkpoint(1, 2, 3, memoryview(b"ckpt"), memoryview(b"d"))
-    head = bytearray(encode_blob_head(3, [1, 2, 3], ck))
-    flags_at = 9 + 4 * 3
-    assert head[flags_at] == FLAG_CHECKPOINT
-    head[0], head[flags_at] = 0x03, FLAG_CHECKPOINT | FLAG_RECURRENT_ONLY
-    got = parse_kv_blob(bytes(head) + b"state")
-    assert got.checkpoint is not None and got.checkpoint.recurrent_only and bytes(got.checkpoint.data) == b"ckpt"
-    assert not parse_kv_blob(encode_blob_head(3, [1, 2, 3], ck) + b"state").checkpoint.recurrent_only  # type: ignore[union-attr]
-    head[0] = 0x02  # bit 1 is v3's
-    _refused(bytes(head) + b"state", "unknown flag bits 0x03 for version 0x02")
-    alone = bytearray(GOOD)
-    alone[0], alone[flags_at] = 0x03, FLAG_RECURRENT_ONLY
-    _refused(bytes(alone), "without a checkpoint")
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x02", GOOD[:9]])

@@ -547,12 +547,6 @@ class EngineCore:
                 ErrorCode.BAD_FRAME,
                 "kv blob carries a recurrent-state checkpoint; the resident model is not recurrent",
             )
-        if blob.checkpoint is not None:
-            # Not dropped on the quiet: the slot would lose the rollback point its sender kept.
-            raise ProtocolError(
-                ErrorCode.RESTORE_FAILED,
-                "kv blob carries a recurrent-state checkpoint; this engine does not restore checkpoints yet",
-            )
         if blob.n_past >= backend.n_ctx_slot:
             raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {self.inputs.slot_room()}")
         await self.scheduler.make_room(blob.n_past, exclude=slot_id)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
-import math
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -25,7 +24,7 @@ from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
 from . import peer
-from .connection import DRAIN_CHUNK, Connection
+from .connection import Connection
 from .ops import OpContext, OpSpec, OpTable, Reply
 
 if TYPE_CHECKING:
@@ -188,7 +187,6 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
         rlog = _TraceLog(log, trace, conn.peer)
         op_name = ops.name(head.op)
         ctx = OpContext(conn=conn, key=key, trace=trace, log=rlog, payload_len=head.payload_len)
-        within_cap = False  # the payload is one the op could have taken
         try:
             if head.flags != 0:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"unsupported flags 0x{head.flags:02x}", status=Status.BAD_REQUEST)
@@ -196,17 +194,17 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             cap = spec.cap(settings)
             if head.payload_len > cap:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the cap of {cap}")
-            within_cap = True
             spec.precheck(ctx)
             await budget.take(head.payload_len, within_s=settings.idle_timeout_s, what=f"a {op_name} payload")
         except ProtocolError as err:
             rlog.info("%s refused before payload: %s", op_name, err.message)
             state.metrics.rpc_requests.labels(op_name, err.status.name).inc()
-            if await _discard_payload(conn, head.payload_len, within_cap, settings, budget):
+            if head.payload_len <= settings.drain_limit_bytes:
+                await conn.drain(head.payload_len)
                 await _send_reply(conn, Reply.error(err))
                 continue
             await _send_reply(conn, Reply.error(err))
-            rlog.info("refused payload of %d bytes not read (over the drain limit, or too slow): closing", head.payload_len)
+            rlog.info("payload of %d bytes is over the drain limit: closing", head.payload_len)
             return
         try:
             # The one buffer it lives in.
@@ -219,32 +217,6 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
         del payload  # ops keep no view of it past their reply
         if not keep_open:
             return
-
-
-async def _discard_payload(conn: Connection, n: int, within_cap: bool, settings: Settings, budget: ByteBudget) -> bool:
-    """Read a refused payload and throw it away, so that a client that writes its whole
-    request before reading (every upstream client does) gets the refusal, not a reset.
-
-    Up to --drain-limit-bytes always; up to the op's cap (a busy or missing slot refusing a
-    whole blob, --max-kv-bytes) too, through one scratch buffer charged to the payload
-    budget, at --min-upload-bytes-per-s after --upload-grace-s (a refusal must not become a
-    way to hold a connection). False: not read (too large, too slow, or no budget for the
-    scratch); the caller closes."""
-    if n <= settings.drain_limit_bytes:
-        return await conn.drain(n)
-    if not within_cap:
-        return False
-    rate = settings.min_upload_bytes_per_s
-    deadline = trio.current_time() + settings.upload_grace_s + n / rate if rate else math.inf
-    scratch = min(n, DRAIN_CHUNK)
-    try:
-        await budget.take(scratch, within_s=min(settings.idle_timeout_s, 1.0), what="a refused payload's scratch")
-    except ProtocolError:
-        return False
-    try:
-        return await conn.drain(n, scratch, deadline=deadline)
-    finally:
-        budget.release(scratch)
 
 
 async def _answer(

@@ -1,18 +1,4 @@
-"""The KV blob (spec §3): slot tokens + llama sequence state (+ logits after PREFILL).
-
-Two versions are read, one is written:
-
-- **v2** (byte 0 = ``0x02``): the layout of spec §3. Flags bit 0: a recurrent-state
-  checkpoint section follows the tokens.
-- **v3** (byte 0 = ``0x03``), what the C++ engine's STATE_GET writes now: v2's layout, byte
-  for byte, plus flags bit 1 (``0x02``), which says the checkpoint section holds a
-  recurrent-only capture (the recurrent layers' state, no attention KV). Bit 1 means
-  nothing without bit 0. For a model without checkpoints, v2 and v3 differ in byte 0 only.
-- The C++ engine also takes an *unversioned* legacy blob (its first field is ``n_past``).
-  We refuse it: its first byte is ``n_past``'s low byte, so a legacy blob of 2 or 3
-  positions (mod 256) reads as a v2 or v3 head, and no rule we were given tells them apart.
-
-STATE_GET writes v2: every reader (ours, the C++ engine's, older coordinators) takes it.
+"""The v2 KV blob (spec §3): slot tokens + llama sequence state (+ logits after PREFILL).
 
 Parsing is zero-copy: the returned views point into the caller's buffer, so a multi-GB blob
 is held in memory once.
@@ -27,11 +13,8 @@ from dataclasses import dataclass
 
 from .errors import ErrorCode, ProtocolError
 
-KV_BLOB_VERSION = 0x02  # what we write
-KV_BLOB_VERSIONS_READ = (0x02, 0x03)
+KV_BLOB_VERSION = 0x02
 FLAG_CHECKPOINT = 0x01
-FLAG_RECURRENT_ONLY = 0x02  # v3: the checkpoint holds a recurrent-only capture
-_FLAGS_OF = {0x02: FLAG_CHECKPOINT, 0x03: FLAG_CHECKPOINT | FLAG_RECURRENT_ONLY}
 _HEAD = struct.Struct("<BII")  # version, n_past, n_tok
 _CKPT_HEAD = struct.Struct("<iiqQ")  # pos_min, pos_max, n_tokens, size
 _U64 = struct.Struct("<Q")
@@ -49,7 +32,6 @@ class Checkpoint:
     n_tokens: int
     data: memoryview
     draft: memoryview
-    recurrent_only: bool = False  # v3 flag 0x02: the recurrent layers' state only
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +45,6 @@ class KvBlob:
     # The whole blob (``state`` is its end). Once parsed, the bytes before ``state`` hold
     # nothing anyone reads again: a restore may rewrite the state into them (seqstate.py).
     raw: memoryview | None = None
-    version: int = KV_BLOB_VERSION  # the version it was read as
 
     @property
     def n_tokens(self) -> int:
@@ -87,16 +68,13 @@ def blob_head_size(n_tokens: int) -> int:
     return _HEAD.size + 4 * n_tokens + 1  # + the flags byte
 
 
-def encode_blob_head(
-    n_past: int, tokens: list[int] | array, checkpoint: Checkpoint | None = None, *, version: int = KV_BLOB_VERSION
-) -> bytes:
-    """Everything before the llama state bytes. Send it, then the state, then optional logits.
-    ``version``: what we write is v2; v3 only where a test builds the C++ engine's blobs."""
-    parts = [_HEAD.pack(version, n_past, len(tokens)), _tokens_to_bytes(tokens)]
+def encode_blob_head(n_past: int, tokens: list[int] | array, checkpoint: Checkpoint | None = None) -> bytes:
+    """Everything before the llama state bytes. Send it, then the state, then optional logits."""
+    parts = [_HEAD.pack(KV_BLOB_VERSION, n_past, len(tokens)), _tokens_to_bytes(tokens)]
     if checkpoint is None:
         parts.append(b"\x00")
     else:
-        parts.append(bytes([FLAG_CHECKPOINT | (FLAG_RECURRENT_ONLY if checkpoint.recurrent_only else 0)]))
+        parts.append(bytes([FLAG_CHECKPOINT]))
         parts.append(
             _CKPT_HEAD.pack(checkpoint.pos_min, checkpoint.pos_max, checkpoint.n_tokens, len(checkpoint.data))
         )
@@ -112,10 +90,8 @@ def encode_kv_blob(
     state: Buffer,
     logits: Buffer | None = None,
     checkpoint: Checkpoint | None = None,
-    *,
-    version: int = KV_BLOB_VERSION,
 ) -> bytes:
-    parts = [encode_blob_head(n_past, tokens, checkpoint, version=version), state]
+    parts = [encode_blob_head(n_past, tokens, checkpoint), state]
     if logits is not None:
         parts.append(logits)
     return b"".join(parts)
@@ -131,11 +107,8 @@ def parse_kv_blob(buf: Buffer, *, max_tokens: int = _MAX_TOKENS) -> KvBlob:
     if len(view) < _HEAD.size + 1:
         raise _bad(f"too short ({len(view)} bytes)")
     version, n_past, n_tok = _HEAD.unpack_from(view, 0)
-    if version not in KV_BLOB_VERSIONS_READ:
-        raise _bad(
-            f"unsupported version 0x{version:02x} (expected 0x02 or 0x03; unversioned legacy blobs"
-            " are not accepted: re-export the slot with STATE_GET)"
-        )
+    if version != KV_BLOB_VERSION:
+        raise _bad(f"unsupported version 0x{version:02x} (expected 0x02)")
     if n_tok > min(max_tokens, _MAX_TOKENS):
         raise _bad(f"declares {n_tok} tokens; a slot holds at most {min(max_tokens, _MAX_TOKENS)}")
     pos = _HEAD.size
@@ -150,10 +123,8 @@ def parse_kv_blob(buf: Buffer, *, max_tokens: int = _MAX_TOKENS) -> KvBlob:
     pos = end_tokens
     flags = view[pos]
     pos += 1
-    if flags & ~_FLAGS_OF[version]:
-        raise _bad(f"unknown flag bits 0x{flags:02x} for version 0x{version:02x}")
-    if flags & FLAG_RECURRENT_ONLY and not flags & FLAG_CHECKPOINT:
-        raise _bad("flag 0x02 (recurrent-only checkpoint) without a checkpoint (flag 0x01)")
+    if flags & ~FLAG_CHECKPOINT:
+        raise _bad(f"unknown flag bits 0x{flags:02x}")
     checkpoint = None
     if flags & FLAG_CHECKPOINT:
         if pos + _CKPT_HEAD.size > len(view):
@@ -172,11 +143,11 @@ def parse_kv_blob(buf: Buffer, *, max_tokens: int = _MAX_TOKENS) -> KvBlob:
             raise _bad(f"checkpoint draft declares {draft_size} bytes, {len(view) - pos} remain")
         draft = view[pos : pos + draft_size]
         pos += draft_size
-        checkpoint = Checkpoint(pos_min, pos_max, ck_tokens, data, draft, bool(flags & FLAG_RECURRENT_ONLY))
+        checkpoint = Checkpoint(pos_min, pos_max, ck_tokens, data, draft)
     state = view[pos:]
     if len(state) == 0:
         raise _bad("no KV state bytes")
-    return KvBlob(n_past=n_past, tokens=tokens, state=state, checkpoint=checkpoint, raw=view, version=version)
+    return KvBlob(n_past=n_past, tokens=tokens, state=state, checkpoint=checkpoint, raw=view)
 
 
 def split_trailing_logits(tail: memoryview, n_vocab: int) -> memoryview | None:
