@@ -27,7 +27,7 @@ from helpers import (
     wait_until,
 )
 from hydra_trio.rpc.client import Call, RpcClient
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
 from hydra_trio.wire.kvblob import Checkpoint, encode_blob_head, parse_kv_blob
 from hydra_trio.wire.protocol import MAGIC, REQUEST_HEADER, Op, encode_request_header
 
@@ -230,7 +230,7 @@ def _bad_structure(blob: bytes) -> dict[str, bytes]:
     ck = Checkpoint(0, parsed.n_past - 1, parsed.n_past, memoryview(b"\x00" * 16), memoryview(b""))
     return {
         "version-0x01": b"\x01" + blob[1:],
-        "version-0x03": b"\x03" + blob[1:],
+        "version-0x04": b"\x04" + blob[1:],
         "version-0xff": b"\xff" + blob[1:],
         "unknown-flag-bit": blob[: head_len - 1] + b"\x02" + blob[head_len:],
         "n_tok-too-large": blob[:5] + struct.pack("<I", 0xFFFFFFFF) + blob[9:],
@@ -433,3 +433,24 @@ async def test_client_disconnect_during_prefill(engine: Any) -> None:
         assert resp.ok and resp.meta["n_past"] > 1000
     # Three abandoned prefills did not all run to the end.
     assert abandoned < 3 * resp.meta["n_past"], abandoned
+
+
+@pytest.mark.parametrize("recurrent_only", [False, True])
+def test_checkpoint_section_applies_to_recurrent_models_only(recurrent_only: bool) -> None:
+    """A v3 checkpoint (or recurrent-only capture) passes on a recurrent/hybrid model when it
+    lies inside the blob's positions; anywhere else it is refused, saying why."""
+    from hydra_trio.engine.kv import check_checkpoint
+    from hydra_trio.wire.kvblob import KV_BLOB_V3, encode_kv_blob
+
+    def blob(pos_min: int, pos_max: int, n_tok: int) -> Any:
+        ck = Checkpoint(pos_min, pos_max, n_tok, memoryview(b"ck"), memoryview(b""), recurrent_only)
+        return parse_kv_blob(encode_kv_blob(4, [1, 2, 3, 4], b"state", checkpoint=ck, version=KV_BLOB_V3))
+
+    check_checkpoint(blob(0, 2, 3), recurrent=True)
+    with pytest.raises(ProtocolError, match="no recurrent state, so a checkpoint does not apply") as info:
+        check_checkpoint(blob(0, 2, 3), recurrent=False)
+    assert info.value.code is ErrorCode.BAD_FRAME
+    assert ("recurrent-only capture" in info.value.message) is recurrent_only
+    for bad in ((0, 4, 3), (3, 1, 2), (-1, 2, 3), (0, 2, 9)):
+        with pytest.raises(ProtocolError, match="outside the 4 the blob holds"):
+            check_checkpoint(blob(*bad), recurrent=True)
