@@ -187,6 +187,51 @@ async def test_oversized_payload_over_drain_limit_closes(capped: Any, op: int, s
     await assert_server_healthy(capped)
 
 
+WRITE_FIRST = {"drain_limit_bytes": 64 << 10, "max_kv_bytes": 16 << 20}  # refusals drain to the KV cap
+
+
+async def test_refused_kv_payload_reaches_a_client_that_writes_first(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """STATE_PUT/DECODE payloads far past --drain-limit-bytes (8 MiB, more than the socket
+    buffers hold) into a missing or busy slot: the client writes all of it before reading,
+    as every KV client does, and gets the refusal, on a connection still in step."""
+    engine = await start_engine(tiny_model, **ENGINE, **WRITE_FIRST)
+    blob = b"\x02" + b"\x00" * ((8 << 20) - 1)
+    before = engine.state.payload_budget.discarded
+    holder = engine.state.engine._core.slots.claim(0, "test:holder")
+    try:
+        async with await rpc(engine) as c:
+            for op, key, status, code in (
+                (Op.STATE_PUT, b"99", Status.NOT_FOUND, "NO_SLOT"),
+                (Op.STATE_PUT, b"0", Status.BUSY, "SLOT_BUSY"),
+                (Op.DECODE, b"99", Status.NOT_FOUND, "NO_SLOT"),
+            ):
+                resp = await c.call(Call(op, key, [blob]), check=False)
+                assert_error(resp, status, code)
+                assert (await c.info()).ok  # drained: in step
+    finally:
+        engine.state.engine._core.slots.release(holder)
+    assert engine.state.payload_budget.discarded - before == 3 * len(blob)
+    assert engine.state.payload_budget.used == 0
+    await assert_server_healthy(engine)
+
+
+async def test_refused_payload_from_a_slow_client_closes(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    """A drain obeys the upload floor: a client that stops sending mid-payload is answered
+    and closed once --min-upload-bytes-per-s is missed after the grace, not held."""
+    engine = await start_engine(
+        tiny_model, **ENGINE, **WRITE_FIRST, min_upload_bytes_per_s=1 << 20, upload_grace_s=0.2
+    )
+    async with await rpc(engine) as c:
+        await c.send_raw(header(Op.STATE_PUT, key=b"99", payload_len=4 << 20) + b"\x00" * 1000)
+        resp = await c.read_response()  # the refusal, then the close
+        assert_error(resp, Status.NOT_FOUND, "NO_SLOT")
+        await expect_closed(c)
+    assert engine.state.payload_budget.used == 0
+    await assert_server_healthy(engine)
+
+
 async def test_payload_within_caps_is_served(capped: Any) -> None:
     async with await rpc(capped) as c:
         body = {"seed": 5, "pad": "x" * 900}
