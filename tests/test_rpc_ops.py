@@ -491,7 +491,7 @@ async def test_http_state_routes(engine: Any) -> None:
         assert r.status_code == 200, r.text
         assert (await h.get("/slots/0/state")).content == rpc_blob
 
-        r = await h.put("/slots/1/state", content=b"\x03" + rpc_blob[1:])
+        r = await h.put("/slots/1/state", content=b"\x04" + rpc_blob[1:])
         assert r.status_code == 400 and r.json()["error"]["message"]
         assert r.json()["error_code"] == "BAD_FRAME"
         assert (await h.get("/slots/1/state/meta")).json()["n_past"] == pre.meta["n_past"]
