@@ -119,6 +119,9 @@ class Settings:
     kv_export_max_bytes: int = 2 * _GiB
     kv_export_ttl_s: float = 30.0
     kv_pull_timeout_s: float = 30.0
+    # A failed pull's fallback waits out --kv-pull-timeout-s (holding no slot, no budget) so
+    # that a closed, a silent and a talking port answer alike; off: it falls back at once.
+    kv_pull_uniform_timing: bool = False
     # Networks a decode engine may pull KV exports from (a request names the address): the
     # default keeps an HTTP client from aiming the engine anywhere but this machine.
     kv_pull_allow: str = "127.0.0.0/8,::1"
@@ -274,6 +277,7 @@ _HELP: dict[str, str] = {
     "kv_export_max_bytes": "bytes all KV exports may hold; past it the oldest are evicted",
     "kv_export_ttl_s": "seconds a KV export waits to be pulled before it is dropped",
     "kv_pull_timeout_s": "deadline for pulling a KV export from a prefill engine",
+    "kv_pull_uniform_timing": "a failed KV pull falls back to the local prefill only at --kv-pull-timeout-s, so a closed, a silent and a talking port look alike to HTTP clients (the wait holds no slot and no payload budget); default: fall back at once (--kv-pull-allow already decides which hosts may be pulled from)",
     "kv_pull_allow": "networks a decode engine may pull KV exports from, CIDR[,CIDR...] (a hand-off naming another address falls back to a local prefill)",
     "kv_shm_dir": "folder (tmpfs) where KV exports live so that a decode engine on the same host maps them instead of pulling them over TCP; used only when the decode engine can read it; empty = off",
     "kv_events_endpoint": "publish vLLM KV events (what the slots hold) on this ZMQ PUB endpoint, for vllm-router --policy kv_aware, e.g. tcp://127.0.0.1:5557; bind loopback or a private network only (BlockStored carries every user's token ids), or set --kv-events-curve-secret-key-file (default: off)",

@@ -30,7 +30,7 @@ from ..wire.kvevents import Event
 from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
-from .kv import HostBlocks, KvCopy, PromptCache, SlotBlocks, copy_out, restore_blob
+from .kv import HostBlocks, KvCopy, PromptCache, SlotBlocks, check_checkpoint, copy_out, restore_blob
 from .llama import (
     DecodeAborted,
     LlamaBackend,
@@ -542,11 +542,8 @@ class EngineCore:
         history (the cache_salt of the request it serves; None: unsalted); idle slots'
         KV is evicted for its room first."""
         backend = self.backend
-        if blob.checkpoint is not None and not backend.info.recurrent:
-            raise ProtocolError(
-                ErrorCode.BAD_FRAME,
-                "kv blob carries a recurrent-state checkpoint; the resident model is not recurrent",
-            )
+        if blob.checkpoint is not None:
+            check_checkpoint(blob, recurrent=not backend.info.can_roll_back)
         if blob.n_past >= backend.n_ctx_slot:
             raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {self.inputs.slot_room()}")
         await self.scheduler.make_room(blob.n_past, exclude=slot_id)
@@ -570,3 +567,4 @@ class EngineCore:
     def state_size(self, slot: int) -> int:
         """Exact serialized size without a GPU-worker call (STATE_META must stay cheap)."""
         return self.backend.slot_state_size(slot)
+

@@ -190,7 +190,8 @@ def body_cap(method: str, path: str, state: AppState) -> int:
     settings = state.settings
     route = routes.by_path(method, path)
     body = "json" if route is None and method in ("POST", "PUT", "PATCH") else route.body if route is not None else "none"
-    return {"kv": settings.max_kv_bytes, "json": settings.max_json_bytes, "none": 0}[body]
+    caps = {"kv": settings.max_kv_bytes, "json": settings.max_json_bytes, "small": routes.SMALL_BODY_BYTES, "none": 0}
+    return caps[body]
 
 
 def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:

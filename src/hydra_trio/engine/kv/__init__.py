@@ -5,7 +5,7 @@ package reaches its modules."""
 
 from .admission import Admitted, admit_blob
 from .blocks import HostBlocks, SlotBlocks
-from .copy import KvCopy, copy_out, restore_blob
+from .copy import KvCopy, check_checkpoint, copy_out, restore_blob
 from .promptcache import PromptCache, PromptCacheStats
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "PromptCacheStats",
     "SlotBlocks",
     "admit_blob",
+    "check_checkpoint",
     "copy_out",
     "restore_blob",
 ]
