@@ -30,7 +30,15 @@ from ..wire.kvevents import Event
 from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
-from .kv import HostBlocks, KvCopy, PromptCache, SlotBlocks, check_checkpoint, copy_out, restore_blob
+from .kv import (
+    HostBlocks,
+    KvCopy,
+    PromptCache,
+    SlotBlocks,
+    check_checkpoint,
+    copy_out,
+    restore_blob,
+)
 from .llama import (
     DecodeAborted,
     LlamaBackend,
