@@ -200,3 +200,19 @@ def test_streamed_events_reassemble_to_the_response(text: str, cuts: list[int], 
     final = evs[-1]["response"]
     assert final["usage"] == whole["usage"] and final["status"] == whole["status"]
     assert _joined(reassemble(evs)) == _joined(_flat(whole["output"])) == _joined(_flat(final["output"]))
+
+
+async def test_reasoning_comes_back_as_a_reasoning_item(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+    from test_http_messages import THINK_TEMPLATE
+
+    template = tmp_path / "think.jinja"
+    template.write_text(THINK_TEMPLATE)
+    sdk = client(await start_engine(tiny_model, chat_template_file=str(template), **ROOMY))
+    kw: Any = {"model": "m", "input": "hi", "max_output_tokens": 6, "temperature": 0, "reasoning": {"effort": "high"}}
+    resp = await sdk.responses.create(**kw)
+    assert [o.type for o in resp.output] == ["reasoning"] and resp.output[0].content[0].text, resp.output  # type: ignore[union-attr,index]
+    last: Any = None
+    async with sdk.responses.stream(**kw) as stream:
+        async for ev in stream:
+            last = ev
+    assert last.response.output[0].model_dump()["content"] == resp.output[0].model_dump()["content"]
