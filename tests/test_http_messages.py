@@ -204,3 +204,24 @@ def test_streamed_events_reassemble_to_the_message(text: str, cuts: list[int], t
     assert [e["type"] for e in evs[:2]] == ["message_start", "ping"] and evs[-1]["type"] == "message_stop"
     assert evs[-2]["delta"]["stop_reason"] == whole["stop_reason"] and evs[-2]["usage"] == whole["usage"]
     assert _joined(reassemble(evs)) == _joined(whole["content"])
+
+
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+async def test_reasoning_comes_back_as_thinking_blocks(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """A template whose generation prompt opens <think>: the reply starts in its reasoning, so
+    (random weights, no </think> in a few tokens) it is all thinking, whole and streamed."""
+    template = tmp_path / "think.jinja"
+    template.write_text(THINK_TEMPLATE)
+    ep = await start_engine(tiny_model, chat_template_file=str(template), **ROOMY)
+    sdk = client(ep)
+    kw: Any = {"model": "m", "max_tokens": 6, "messages": USER, "thinking": {"type": "adaptive"}, "extra_body": GREEDY}
+    msg = await sdk.messages.create(**kw)
+    assert [b.type for b in msg.content] == ["thinking"] and msg.content[0].thinking, msg  # type: ignore[union-attr]
+    async with sdk.messages.stream(**kw) as stream:
+        final = await stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]

@@ -294,11 +294,11 @@ class ResponseEvents:
         start = shell.response("in_progress", [])
         self.head = self._event("response.created", response=start) + self._event("response.in_progress", response=start)
 
-    def _event(self, name: str, **data: Any) -> bytes:
-        payload = {"type": name, "sequence_number": self._seq, **data}
+    def _event(self, kind: str, /, **data: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self._seq, **data}
         self._seq += 1
         body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-        return f"event: {name}\ndata: ".encode() + body + b"\n\n"
+        return f"event: {kind}\ndata: ".encode() + body + b"\n\n"
 
     def _close(self) -> bytes:
         if self._open is None:
