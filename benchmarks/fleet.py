@@ -5,7 +5,9 @@ each in its own network namespace on a link-local segment, vllm-router in P/D mo
 namespace. Clients stream chats through the router (every one a hand-off) and straight to
 the decode engines, in bounded loops, while one fault strikes: kill -9 a prefill engine,
 kill -9 a decode engine, SIGSTOP a prefill engine (continued later), or cut a prefill or a
-decode engine's link (mended later). Then everything is stopped.
+decode engine's link (mended later). Then everything is stopped. Two more phases drive a
+hand-off by hand and strike its prefill engine between the export and the pull (kill -9,
+or a cut link), to time the decode engine's fallback.
 
 Measured per phase: requests that succeeded, ended in a clean error (an HTTP error status
 with a body, or an SSE error event), ended in a transport error (the connection reset or
@@ -41,6 +43,9 @@ import trio
 from .netns import Fabric, NetnsEngine, available
 
 FAULTS = ("kill9-prefill", "kill9-decode", "sigstop-prefill", "cut-prefill", "cut-decode")
+# Hand-offs driven by hand, the prefill engine struck between its reply and the decode
+# engine's pull (a window the router's traffic seldom hits): how long the fallback takes.
+HANDOFF_FAULTS = ("handoff-kill9-prefill", "handoff-cut-prefill")
 PROMPTS = [f"session {i}: the slot cache engine moves its keys and values " * 6 for i in range(8)]
 _SHM_NAME = re.compile(r"^hydra-kv-(\d+)-(\d+)-[0-9a-f]{8}-(.+)$")
 
@@ -79,6 +84,8 @@ class Phase:
         self.done = trio.Event()  # the fault is over and --after-s has passed: clients stop
 
     async def run(self) -> dict[str, Any]:
+        if self.fault in HANDOFF_FAULTS:
+            return await self._handoffs()
         a = self.args
         with Fabric(4) as fabric:
             net = f"{fabric.caller_addr.rsplit('.', 1)[0]}.0/24"
@@ -95,6 +102,62 @@ class Phase:
             finally:
                 for e in engines:
                     await trio.to_thread.run_sync(e.stop)
+
+    async def _handoffs(self) -> dict[str, Any]:
+        """``--handoffs`` times: a fresh prefill engine exports (do_remote_decode), is then
+        killed or cut off, and the decode engine gets the reply's kv_transfer_params: it
+        must fall back to a local prefill and answer. Timed from the decode request."""
+        a = self.args
+        times: list[float] = []
+        outcomes: Counter[str] = Counter()
+        leaks: dict[str, Any] = {}
+        with Fabric(2) as fabric:
+            net = f"{fabric.caller_addr.rsplit('.', 1)[0]}.0/24"
+            common = ("--slots", "2", "--ctx-size", "1024", "--kv-pull-timeout-s", str(a.pull_timeout_s))
+            decode = NetnsEngine(fabric.hosts[1], self.model, net, self.log_dir, f"{self.fault}-decode", extra=common)
+            await trio.to_thread.run_sync(decode.start)
+            try:
+                async with httpx.AsyncClient(timeout=a.hang_s) as c:
+                    for n in range(a.handoffs):
+                        prefill = NetnsEngine(fabric.hosts[0], self.model, net, self.log_dir, f"{self.fault}-prefill{n}", extra=common)
+                        await trio.to_thread.run_sync(prefill.start)
+                        body = {"messages": [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}], "temperature": 0}
+                        r = await c.post(prefill.url + "/v1/chat/completions",
+                                         json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+                        params = r.json()["kv_transfer_params"]
+                        if self.fault == "handoff-kill9-prefill":
+                            prefill.signal(signal.SIGKILL)
+                            await trio.to_thread.run_sync(prefill.proc.wait)  # type: ignore[union-attr]
+                        else:
+                            await trio.to_thread.run_sync(fabric.cut, 0)
+                        t = trio.current_time()
+                        outcome = "hung"
+                        with trio.move_on_after(a.hang_s + 5):
+                            try:
+                                d = await c.post(decode.url + "/v1/chat/completions",
+                                                 json={**body, "max_tokens": a.max_tokens, "kv_transfer_params": params})  # fmt: skip
+                                kv = d.json().get("kv_transfer") or {}
+                                outcome = f"{d.status_code} {kv.get('status')} {kv.get('reason', '')}".strip()
+                            except httpx.HTTPError as exc:
+                                outcome = type(exc).__name__
+                        times.append(trio.current_time() - t)
+                        outcomes[outcome] += 1
+                        if self.fault == "handoff-cut-prefill":
+                            await trio.to_thread.run_sync(fabric.mend, 0)
+                        await trio.to_thread.run_sync(prefill.stop)
+                    text = (await c.get(decode.url + "/metrics")).text
+                    g = _gauges(text)
+                    leaks = {"engines": {decode.name: {**g, "pulls": _pulls(text)}}, "leaked": {k: v for k, v in g.items() if v}}
+            finally:
+                await trio.to_thread.run_sync(decode.stop)
+        return {
+            "fault": self.fault,
+            "outcomes": dict(outcomes),
+            "hung": outcomes.get("hung", 0),
+            "fallback_s": _summary(times),
+            "pull_timeout_s": a.pull_timeout_s,
+            "leaks": leaks,
+        }
 
     async def _with_router(self, fabric: Fabric, engines: list[NetnsEngine]) -> dict[str, Any]:
         a = self.args
@@ -281,7 +344,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__.split("\n\n")[0])
-    p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
+    p.add_argument("--faults", nargs="+", default=list(FAULTS + HANDOFF_FAULTS), choices=FAULTS + HANDOFF_FAULTS)
+    p.add_argument("--handoffs", type=int, default=3, help="hand-offs per hand-off fault (a fresh prefill engine each)")
     p.add_argument("--clients", type=int, default=4, help="router clients (each also a hand-off)")
     p.add_argument("--requests", type=int, default=400, help="requests per client at most (the loops end --after-s past the fault)")
     p.add_argument("--after-s", type=float, default=3.0, help="traffic goes on this long after the fault is over")
