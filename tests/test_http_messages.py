@@ -137,6 +137,11 @@ def test_system_blocks_tool_results_and_choices_map_to_chat() -> None:
     assert [t["function"]["name"] for t in chat["tools"]] == ["get_weather", "get_time"]  # the server tool dropped
     assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["stop"], chat["top_k"]) == ("required", False, ["END"], 5)
     assert to_chat({"max_tokens": 1, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "none"}})["tool_choice"] == "none"
+    # Claude Code (2.1.x) sends system messages between the turns (its agent list, reminders).
+    mid = to_chat({"max_tokens": 1, "messages": [*USER, {"role": "system", "content": "agents: claude"}, *USER]})
+    assert mid["messages"][1] == {"role": "system", "content": "agents: claude"}
+    blocks = to_chat({"max_tokens": 1, "messages": [*USER, {"role": "system", "content": [{"type": "text", "text": "r"}]}]})
+    assert blocks["messages"][1] == {"role": "system", "content": "r"}
 
 
 def _sse(raw: bytes) -> list[dict[str, Any]]:

@@ -98,9 +98,12 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad(f"{where} must be an object with role 'user' or 'assistant'")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad(f"{where} must be an object with role 'user', 'assistant' or 'system'")
         role, content = m["role"], m.get("content")
+        if role == "system":  # Claude Code sends these between turns (agent lists, reminders)
+            out.append({"role": "system", "content": _text_of(content, where)})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
