@@ -39,8 +39,8 @@ _QUANTIFIER = re.compile(r"\{(\d*)(?:,(\d*))?\}")
 def check_schema(schema: Any, param: str, *, relax_unenforced: bool = False) -> Any:
     """``schema`` normalised for the converter, or a 400 naming ``param`` and the problem.
 
-    ``relax_unenforced``: a keyword in UNENFORCED is left out (the grammar then allows more
-    than the schema) instead of refused. For a tool's parameters: an agent's whole tool list
+    ``relax_unenforced``: a keyword in UNENFORCED, and a maxLength/maxItems too large to
+    expand, is left out (the grammar then allows more than the schema) instead of refused. For a tool's parameters: an agent's whole tool list
     must not be refused for one ``propertyNames`` (Claude Code sends one), and a tool call's
     arguments are the client's to check; ``response_format`` keeps the refusal."""
     if not isinstance(schema, dict | bool):
@@ -52,6 +52,10 @@ def check_schema(schema: Any, param: str, *, relax_unenforced: bool = False) -> 
         return walk.node(schema, "")
     except RecursionError:
         raise bad_param(f"{param}: schema nested too deeply", param) from None
+
+
+def _over_repeat(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > MAX_REPEAT
 
 
 def _unsatisfiable(param: str, why: str) -> ProtocolError:
@@ -140,6 +144,8 @@ class _Walk:
         self.numbers(out, kind, where)
         self.objects(out, kind, where)
         for lo_key, hi_key in (("minLength", "maxLength"), ("minItems", "maxItems")):
+            if self.relax_unenforced and _over_repeat(out.get(hi_key)):
+                del out[hi_key]  # a tool's "at most 524288 characters": the grammar leaves it open
             lo = self.count(where, lo_key, out[lo_key]) if lo_key in out else 0
             hi = self.count(where, hi_key, out[hi_key]) if hi_key in out else None
             if hi is not None and lo > hi:
