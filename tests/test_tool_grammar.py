@@ -212,6 +212,7 @@ async def test_a_schema_the_converter_refuses_names_its_tool(engine: Any) -> Non
     loose = {"type": "object", "properties": {
         "n": {"type": "integer", "multipleOf": 3}, "m": {"type": "object", "propertyNames": {"pattern": "^a"}},
         "script": {"type": "string", "maxLength": 524288},  # Claude Code's: too large to expand
+        "args": {"description": "any JSON value"},  # annotations alone: any value
     }}
     relaxed = {"tools": tools_body([loose]), "tool_choice": "required"}
     assert eng._core.inputs.generation_params(relaxed).sampling.grammar is not None

@@ -31,6 +31,10 @@ UNENFORCED = frozenset({
     "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
 })
 _ENFORCED_FORMATS = frozenset({"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5", "email", "uri", "ipv4"})
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
+    "readOnly", "writeOnly", "markdownDescription",
+})
 _TYPES = frozenset({"string", "integer", "number", "boolean", "null", "object", "array"})
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
 _QUANTIFIER = re.compile(r"\{(\d*)(?:,(\d*))?\}")
@@ -103,6 +107,8 @@ class _Walk:
             raise self.fail(where, f"the schema keyword {bad[0]!r} is not supported in constrained output")
         for key in bad:
             del out[key]
+        if not out.keys() - _ANNOTATIONS:
+            return {}  # annotations alone constrain nothing: any value (the converter wants {})
         if out.get("nullable") is True:  # OpenAPI's spelling of "or null"
             out.pop("nullable")
             return self.node({"anyOf": [out, {"type": "null"}]}, where)
