@@ -36,6 +36,17 @@ class GenerationBlocks(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
+class LenientUndefined(jinja2.ChainableUndefined):
+    """An undefined value as llama.cpp's runtime treats it: its attributes are undefined too,
+    it prints as nothing and adds as nothing (``functions + '...'`` where a template never set
+    ``functions``), so a template that reads a name llama-server does not give renders there."""
+
+    def _add(self, other: Any) -> Any:
+        return other
+
+    __add__ = __radd__ = _add  # type: ignore[assignment]
+
+
 def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
            separators: Any = None, sort_keys: bool = False) -> str:
     """llama.cpp's ``tojson``: non-ASCII kept unless asked, Python's separators."""
@@ -75,7 +86,8 @@ def compile_template(template: str) -> jinja2.Template:
     """``template``'s source compiled (jinja2's TemplateError for bad syntax)."""
     # Sandboxed (no reaching Python internals) but lists mutable: Kimi's templates append.
     env = SandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlocks]
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlocks],
+        undefined=LenientUndefined,
     )
 
     def raise_exception(message: str) -> None:

@@ -7,6 +7,7 @@ source given inline), the GGUF's ``tokenizer.chat_template``, else ChatML.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ import jinja2
 
 from .jinja import FALLBACK_TEMPLATE, compile_template
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class ChatTemplate:
@@ -23,9 +26,13 @@ class ChatTemplate:
     source: str  # file | builtin | inline | gguf | fallback
     jinja: str | None = None  # Jinja source (None: a llama.cpp built-in renders it)
     builtin: str | None = None
+    fallback_reason: str | None = None  # why the model's own template is not the one served
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "source": self.source}
+        out: dict[str, Any] = {"name": self.name, "source": self.source}
+        if self.fallback_reason:
+            out["fallback_reason"] = self.fallback_reason
+        return out
 
 
 def resolve_chat_template(
@@ -54,6 +61,15 @@ def resolve_chat_template(
             + " (or pass a Jinja file with --chat-template-file)"
         )
     if gguf_template:
+        try:
+            compile_template(gguf_template)
+        except jinja2.exceptions.TemplateError as exc:
+            # The model's own template is not ours to fix: serve ChatML, say so in the log
+            # and in /version's chat_template, rather than refuse to start.
+            reason = f"the GGUF's tokenizer.chat_template does not compile ({exc}); serving ChatML"
+            log.warning("%s", reason)
+            return ChatTemplate(name="chatml-fallback", source="fallback", jinja=FALLBACK_TEMPLATE,
+                                fallback_reason=reason)
         return ChatTemplate(name="gguf", source="gguf", jinja=gguf_template)
     return ChatTemplate(name="chatml-fallback", source="fallback", jinja=FALLBACK_TEMPLATE)
 
