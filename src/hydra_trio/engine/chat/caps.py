@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .formats import FORMATS, GENERIC, HERMES, LLAMA3, MISTRAL, ToolFormat
-from .reasoning import OPEN
+from . import formats as f
+from .formats import FORMATS, GENERIC, ToolFormat
+from .reasoning import CLOSE, OPEN
 from .templates import ChatTemplate
 
 
@@ -19,6 +20,7 @@ class TemplateCaps:
     thinks: bool  # it has think tags: a reply may open with reasoning
     renders_tool_calls: bool  # it prints an assistant message's earlier ``tool_calls``
     object_arguments: bool  # it prints a call's arguments as an object (``| tojson``, ``.items()``)
+    think_tags: tuple[str, str] = (OPEN, CLOSE)  # the markers around its reasoning
 
     @property
     def describes_tools(self) -> bool:
@@ -32,18 +34,46 @@ class TemplateCaps:
             "thinking": self.thinks,
             "renders_tool_calls": self.renders_tool_calls,
             "object_arguments": self.object_arguments,
+            "think_tags": list(self.think_tags),
         }
+
+
+# Each family's own markers, most specific first: several families write ``<tool_call>``
+# (Hermes' JSON, Qwen3-Coder's ``<function=``, GLM's ``<arg_key>``), so theirs come before it.
+_MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
+    (("<|channel|>", "<|message|>"), f.HARMONY),
+    (("<|tool_calls_section_begin|>",), f.KIMI_K2),
+    (("｜DSML｜",), f.DEEPSEEK_DSML),
+    (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
+    (("<minimax:tool_call>",), f.MINIMAX),
+    (("<seed:tool_call>",), f.SEED_OSS),
+    (("<arg_key>", "<arg_value>"), f.GLM),
+    (("<function=", "<parameter="), f.QWEN3_CODER),
+    (("<tool_call>",), f.HERMES),
+    (("[TOOL_CALLS]",), f.MISTRAL),
+    (("<|python_tag|>",), f.LLAMA3),
+)
+# Reasoning markers other than <think>: the first found in the source is the template's.
+_THINK_TAGS: tuple[tuple[str, str], ...] = (("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]"), (OPEN, CLOSE))
 
 
 def detect_format(source: str) -> ToolFormat:
     """The tool format a Jinja template's source writes calls in (generic: it has none)."""
-    if "<tool_call>" in source:
-        return HERMES
-    if "[TOOL_CALLS]" in source:
-        return MISTRAL
-    if "<|python_tag|>" in source or ("ipython" in source and "parameters" in source):
-        return LLAMA3
+    for marks, fmt in _MARKERS:
+        if all(m in source for m in marks):
+            return fmt
+    if "ipython" in source and "parameters" in source:
+        return f.LLAMA3
     return GENERIC
+
+
+def detect_think_tags(source: str) -> tuple[str, str] | None:
+    """The markers a template's reasoning is written between; None: it has none (gpt-oss's
+    analysis channel is its format's, harmony.py)."""
+    for tags in _THINK_TAGS:
+        if tags[0] in source:
+            return tags
+    return None
 
 
 def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> TemplateCaps:
@@ -52,11 +82,13 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
     source = template.jinja or ""
     fmt = detect_format(source) if tool_call_parser == "auto" else FORMATS[tool_call_parser]
     compact = source.replace(" ", "")
+    tags = detect_think_tags(source)
     return TemplateCaps(
         tool_format=fmt,
-        thinks=OPEN in source,
+        thinks=tags is not None or fmt.harmony,
         renders_tool_calls=template.jinja is not None and "tool_calls" in source,
         # Qwen, Hermes and Llama 3 print ``arguments | tojson`` or walk ``arguments.items()``;
         # others print the string as sent.
         object_arguments="arguments|tojson" in compact or "arguments.items()" in compact,
+        think_tags=tags or (OPEN, CLOSE),
     )
