@@ -142,7 +142,10 @@ async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
     assert reply.content == free[0][0] and reply.tool_calls == []
 
 
-TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i in range(len(fmt.triggers))]
+# DeepSeek's markers hold U+2581, which this SentencePiece vocabulary reads as its space
+# piece: the trigger cannot be written token by token here (its grammar still holds: the
+# required-call test writes the marker in byte tokens).
+TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i, t in enumerate(fmt.triggers) if "\u2581" not in t.text]
 
 
 @pytest.mark.parametrize(("fmt_name", "which"), TRIGGERS, ids=[f"{n}-{i}" for n, i in TRIGGERS])
