@@ -96,6 +96,13 @@ CASES: list[Case] = [
      True, "", "Let's call a tool:", [("empty_args", {})]),
     ("minimax", '\n</think>\n\n<minimax:tool_call>\n<invoke name="special_function">\n<parameter name="arg1">1</parameter>\n'
      "</invoke>\n</minimax:tool_call>", True, "", "", ONE),
+    # Gemma 4: bare keys, strings between <|"|>; its reasoning is the "thought" channel.
+    ("gemma4", '<|tool_call>call:get_time{city:<|"|>San Francisco<|"|>}<tool_call|>', False, "", "",
+     [("get_time", {"city": "San Francisco"})]),
+    ("gemma4", "<|tool_call>call:empty_args{}<tool_call|>", False, "", "", [("empty_args", {})]),
+    ("gemma4", 'Hello, world!\nWhat\'s up?<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>'
+     "<|tool_call>call:special_function{arg1:1}<tool_call|>", False, "Hello, world!\nWhat's up?", "",
+     [("get_time", {"city": "Paris"}), ("special_function", {"arg1": 1})]),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -172,6 +179,7 @@ SNIPPETS = [
     ("{% set dsml_token = '｜DSML｜' %}{{ '<' + dsml_token + 'invoke name=' }}", "deepseek_dsml"),
     ("<minimax:tool_call>\\n<invoke name=\"{{ name }}\">", "minimax"),
     ("{{ '<|start|>assistant<|channel|>' + channel + '<|message|>' }}", "harmony"),
+    ("{{ '<|tool_call>call:' + name + '{' }}...{{ '}<tool_call|>' }}", "gemma4"),
     ("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}", "hermes"),
 ]
 
@@ -189,6 +197,11 @@ def test_each_familys_think_markers() -> None:
     assert detect_think_tags("{{ '<seed:think>' + r + '</seed:think>' }}") == ("<seed:think>", "</seed:think>")
     assert detect_think_tags("[THINK]{{ r }}[/THINK]") == ("[THINK]", "[/THINK]")
     assert detect_think_tags("<think>{{ r }}</think>") == ("<think>", "</think>")
+    assert detect_think_tags("<mm:think>{{ r }}</mm:think>") == ("<mm:think>", "</mm:think>")
+    assert detect_think_tags("{{ '<|channel>thought\\n' + r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")
+    gemma = parse_reply("<|channel>thought\nI'm\nthinking<channel|>Hello", FORMATS["gemma4"], parse_tools=False,
+                        reasoning=True, think_tags=("<|channel>thought", "<channel|>"))
+    assert (gemma.reasoning, gemma.content) == ("I'm\nthinking", "Hello")
     assert detect_think_tags("{{ messages }}") is None
     seed = "<seed:think>plan</seed:think>Answer"
     r = parse_reply(seed, FORMATS["seed_oss"], parse_tools=False, reasoning=True, think_tags=("<seed:think>", "</seed:think>"))

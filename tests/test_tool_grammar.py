@@ -111,6 +111,7 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_0<｜tool▁sep｜>",
               "deepseek_dsml": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="tool_0">\n<｜DSML｜parameter name="x" string="false">',
               "minimax": '<minimax:tool_call>\n<invoke name="tool_0">\n<parameter name="x">',
+              "gemma4": "<|tool_call>call:tool_0{x:",
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
     for name, fmt in FORMATS.items():
         use_format(eng, fmt)

@@ -88,6 +88,13 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
             + f"</{p}invoke>"
             for n, a in calls
         ) + f"\n</{section}>"
+    if fmt.name == "gemma4":
+        def value(v: Any) -> str:
+            return f'<|"|>{v}<|"|>' if isinstance(v, str) else json.dumps(v)
+
+        return "".join(
+            f"<|tool_call>call:{n}{{" + ",".join(f"{k}:{value(v)}" for k, v in a.items()) + "}<tool_call|>" for n, a in calls
+        )
     if fmt is HERMES:
         return "\n".join(f"<tool_call>\n{call_json(fmt, n, a)}\n</tool_call>" for n, a in calls)
     if fmt is LLAMA3:

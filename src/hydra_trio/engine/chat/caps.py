@@ -46,6 +46,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("｜DSML｜",), f.DEEPSEEK_DSML),
     (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
     (("<minimax:tool_call>",), f.MINIMAX),
+    (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
     (("<seed:tool_call>",), f.SEED_OSS),
     (("<arg_key>", "<arg_value>"), f.GLM),
     (("<function=", "<parameter="), f.QWEN3_CODER),
@@ -54,7 +55,13 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<|python_tag|>",), f.LLAMA3),
 )
 # Reasoning markers other than <think>: the first found in the source is the template's.
-_THINK_TAGS: tuple[tuple[str, str], ...] = (("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]"), (OPEN, CLOSE))
+_THINK_TAGS: tuple[tuple[str, str], ...] = (
+    ("<seed:think>", "</seed:think>"),
+    ("<mm:think>", "</mm:think>"),
+    ("[THINK]", "[/THINK]"),
+    ("<|channel>thought", "<channel|>"),  # Gemma 4
+    (OPEN, CLOSE),
+)
 
 
 def detect_format(source: str) -> ToolFormat:

@@ -319,3 +319,48 @@ DSML = Block(
     read=_invoke_reader("｜DSML｜"),
     call_rule=_invoke_rule("｜DSML｜", True),
 )
+
+
+# -- Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>
+
+GEMMA_QUOTE = '<|"|>'
+_GEMMA_STRING = re.compile(r'<\|"\|>(.*?)<\|"\|>|"(?:[^"\\]|\\.)*"', re.S)
+_GEMMA_KEY = re.compile(r"([{,]\s*)([A-Za-z_][\w.-]*)\s*:")
+
+
+def gemma_args(text: str) -> dict[str, Any] | None:
+    """Gemma 4's argument object (bare keys, strings between ``<|"|>``) as a dict."""
+    strings: list[str] = []
+
+    def hold(m: re.Match[str]) -> str:
+        strings.append(json.dumps(m.group(1)) if m.group(1) is not None else m.group(0))
+        return f"\x00{len(strings) - 1}\x00"
+
+    held = _GEMMA_STRING.sub(hold, text)
+    held = _GEMMA_KEY.sub(lambda m: f'{m.group(1)}"{m.group(2)}":', held)
+    held = re.sub(r",\s*([}\]])", r"\1", held)  # the grammar writes a comma after each argument
+    return _json_args(re.sub(r"\x00(\d+)\x00", lambda m: strings[int(m.group(1))], held))
+
+
+def _read_gemma(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    body = body.strip()
+    if not body.startswith("call:"):
+        return None
+    name, brace, rest = body[len("call:"):].partition("{")
+    args = gemma_args(brace + rest) if brace else None
+    return [(name.strip(), args, None)] if name.strip() and args is not None else None
+
+
+def _gemma_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    props = tool.parameters.get("properties") or {} if isinstance(tool.parameters, dict) else {}
+
+    def write(k: str) -> tuple[str, str]:
+        s = props.get(k)
+        quoted = isinstance(s, dict) and s.get("type") == "string"
+        return (f"{k}:{GEMMA_QUOTE}" if quoted else f"{k}:"), (f"{GEMMA_QUOTE}," if quoted else ",")
+
+    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, write)
+    return " ".join(x for x in (_lit(f"<|tool_call>call:{tool.name}{{"), params, _lit("}<tool_call|>")) if x), rules
+
+
+GEMMA4 = Block(openers=("<|tool_call>",), closer="<tool_call|>", read=_read_gemma, call_rule=_gemma_rule)

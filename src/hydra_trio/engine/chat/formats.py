@@ -143,6 +143,9 @@ DEEPSEEK_DSML = ToolFormat(
     block=families.DSML,
     triggers=(Trigger("<｜DSML｜function_calls>", False, '\n<｜DSML｜invoke name="'),),
 )
+GEMMA4 = ToolFormat(
+    "gemma4", "arguments", block=families.GEMMA4, triggers=(Trigger("<|tool_call>", False, "call:"),)
+)
 # gpt-oss: one call per reply (the model stops at ``<|call|>``); its grammar is harmony.py's.
 HARMONY = ToolFormat(
     "harmony",
@@ -152,7 +155,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, HARMONY)
 }
 
 
