@@ -1,4 +1,5 @@
-"""The v2 KV blob (spec §3): round trips, truncation, mutation, and the refusals."""
+"""The KV blob (spec §3): v2 round trips, truncation, mutation, and the refusals; the v3 and
+legacy (ggsq) blobs the C++ engine sends, built its way."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from hydra_trio.wire.errors import ErrorCode, ProtocolError
 from hydra_trio.wire.kvblob import (
     FLAG_CHECKPOINT,
     FLAG_RECURRENT_ONLY,
+    KV_BLOB_V3,
+    LEGACY_MAGIC,
     Checkpoint,
     KvBlob,
     encode_blob_head,
     encode_kv_blob,
+    encode_legacy_blob,
     parse_kv_blob,
     split_trailing_logits,
 )
@@ -57,6 +61,8 @@ def blobs(draw: st.DrawFn) -> tuple[bytes, dict]:
 
 def reencode(blob: KvBlob) -> bytes:
     """The bytes a parsed blob stands for: parsing is lossless iff this equals the input."""
+    if blob.version == 0:
+        return encode_legacy_blob(blob.tokens, blob.state)
     return encode_kv_blob(blob.n_past, blob.tokens, blob.state, checkpoint=blob.checkpoint, version=blob.version)
 
 
@@ -194,36 +200,78 @@ def _refused(raw: bytes, needle: str) -> None:
 GOOD = encode_kv_blob(3, [1, 2, 3], b"state")
 
 
-@pytest.mark.parametrize("version", [0x00, 0x01, 0x04, 0xFF])
+@pytest.mark.parametrize("version", [0x00, 0x01, 0x04, 0x71, 0xFF])
 def test_wrong_version(version: int) -> None:
     _refused(bytes([version]) + GOOD[1:], "version")
 
 
-def test_an_unversioned_legacy_blob_is_refused_saying_so() -> None:
-    """A legacy blob starts with n_past (300 here: byte 0 is 0x2c); one of 2 or 3 positions
-    would read as a v2/v3 head, so none is taken on a guess."""
-    _refused(struct.pack("<II", 300, 3) + GOOD[9:], "unversioned legacy blobs are not accepted")
+# --- the C++ engine's blobs ---------------------------------------------------------------------
 
 
-def test_v3_is_v2_with_its_version_byte() -> None:
-    """The C++ engine's v3 layout: v2's bytes, version 0x03; flags bit 1 marks a checkpoint
-    holding a recurrent-only capture."""
-    v3 = parse_kv_blob(b"\x03" + GOOD[1:])
-    v2 = parse_kv_blob(GOOD)
-    assert (v3.n_past, v3.tokens, bytes(v3.state)) == (v2.n_past, v2.tokens, bytes(v2.state))
-    ck = Checkpoint(1, 2, 3, memoryview(b"ckpt"), memoryview(b"d"))
-    head = bytearray(encode_blob_head(3, [1, 2, 3], ck))
-    flags_at = 9 + 4 * 3
-    assert head[flags_at] == FLAG_CHECKPOINT
-    head[0], head[flags_at] = 0x03, FLAG_CHECKPOINT | FLAG_RECURRENT_ONLY
-    got = parse_kv_blob(bytes(head) + b"state")
-    assert got.checkpoint is not None and got.checkpoint.recurrent_only and bytes(got.checkpoint.data) == b"ckpt"
-    assert not parse_kv_blob(encode_blob_head(3, [1, 2, 3], ck) + b"state").checkpoint.recurrent_only  # type: ignore[union-attr]
-    head[0] = 0x02  # bit 1 is v3's
-    _refused(bytes(head) + b"state", "unknown flag bits 0x03 for version 0x02")
-    alone = bytearray(GOOD)
-    alone[0], alone[flags_at] = 0x03, FLAG_RECURRENT_ONLY
-    _refused(bytes(alone), "without a checkpoint")
+def _fork_v3(n_past: int, tokens: list[int], state: bytes, ck: tuple[int, int, int, bytes, bytes] | None,
+             recurrent_only: bool) -> bytes:
+    """A v3 blob laid out field by field as the C++ engine writes it (spec §3, version byte
+    0x03; flag bit 1 marks a recurrent-only checkpoint capture), independent of our encoder."""
+    out = struct.pack("<BII", 0x03, n_past, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
+    if ck is None:
+        return out + b"\x00" + state
+    pos_min, pos_max, n_tok, data, draft = ck
+    out += bytes([0x01 | (0x02 if recurrent_only else 0)])
+    out += struct.pack("<iiqQ", pos_min, pos_max, n_tok, len(data)) + data + struct.pack("<Q", len(draft)) + draft
+    return out + state
+
+
+def test_v3_without_checkpoint_is_v2_but_the_version_byte() -> None:
+    v2 = encode_kv_blob(3, [1, 2, 3], b"state")
+    v3 = _fork_v3(3, [1, 2, 3], b"state", None, False)
+    assert v3[1:] == v2[1:] and v3[0] == KV_BLOB_V3
+    a, b = parse_kv_blob(v2), parse_kv_blob(v3)
+    assert (a.n_past, a.tokens, bytes(a.state)) == (b.n_past, b.tokens, bytes(b.state))
+    assert (a.version, b.version) == (0x02, 0x03)
+    assert encode_kv_blob(3, [1, 2, 3], b"state", version=KV_BLOB_V3) == v3
+
+
+@pytest.mark.parametrize("recurrent_only", [False, True])
+def test_v3_checkpoint_sections(recurrent_only: bool) -> None:
+    raw = _fork_v3(4, [5, 6, 7, 8], b"kvkv", (0, 2, 3, b"ckpt", b"dr"), recurrent_only)
+    blob = parse_kv_blob(raw)
+    ck = blob.checkpoint
+    assert ck is not None and ck.recurrent_only is recurrent_only
+    assert (ck.pos_min, ck.pos_max, ck.n_tokens, bytes(ck.data), bytes(ck.draft)) == (0, 2, 3, b"ckpt", b"dr")
+    assert bytes(blob.state) == b"kvkv"
+    assert encode_kv_blob(4, [5, 6, 7, 8], b"kvkv", checkpoint=ck, version=KV_BLOB_V3) == raw
+
+
+def test_recurrent_only_flag_is_v3s_alone() -> None:
+    raw = bytearray(_fork_v3(4, [5, 6, 7, 8], b"kvkv", (0, 2, 3, b"ckpt", b""), True))
+    raw[0] = 0x02
+    _refused(bytes(raw), "unknown flag bits 0x03 for version 0x02")
+    lone = bytearray(_fork_v3(3, [1, 2, 3], b"state", None, False))
+    lone[9 + 12] = FLAG_RECURRENT_ONLY
+    _refused(bytes(lone), "without a checkpoint")
+
+
+def test_legacy_blob_is_llama_cpps_sequence_file() -> None:
+    """The unversioned blob: u32 'ggsq' magic at offset 0, u32 file version, u32 n_tok,
+    tokens, state. Its first byte (0x71) can never be a version byte."""
+    raw = struct.pack("<III", 0x67677371, 2, 3) + struct.pack("<3i", 9, 8, 7) + b"state"
+    assert raw[:4] == b"qsgg" and LEGACY_MAGIC == 0x67677371
+    blob = parse_kv_blob(raw)
+    assert (blob.version, blob.n_past, blob.tokens, bytes(blob.state), blob.checkpoint) == (0, 3, [9, 8, 7], b"state", None)
+    assert encode_legacy_blob([9, 8, 7], b"state") == raw
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (struct.pack("<III", 0x67677371, 7, 0) + b"s", "file version 7"),
+        (struct.pack("<III", 0x67677371, 2, 50) + b"s", "declares 50 tokens"),
+        (struct.pack("<III", 0x67677371, 2, 1) + b"\0\0\0\0", "no KV state"),
+        (struct.pack("<II", 0x67677371, 2), "legacy blob too short"),
+    ],
+)
+def test_legacy_refusals(raw: bytes, needle: str) -> None:
+    _refused(raw, needle)
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x02", GOOD[:9]])
@@ -251,7 +299,7 @@ def test_token_count_bounded_by_the_callers_limit() -> None:
     assert "declares 4 tokens; a slot holds at most 3" in info.value.message
 
 
-@pytest.mark.parametrize("flags", [0x02, 0x03, 0x80, 0xFF])
+@pytest.mark.parametrize("flags", [0x02, 0x03, 0x04, 0x80, 0xFF])
 def test_unknown_flags(flags: int) -> None:
     raw = bytearray(GOOD)
     raw[9 + 12] = flags

@@ -152,7 +152,7 @@ class Engine:
         inputs = core.inputs
         layers = body if slot is None else sampling_keys.merge(core.slot_settings.generation_defaults(slot), body)
         n_logprobs = check_request(route, layers)
-        params = replace(inputs.generation_params(layers), logprobs=n_logprobs, cache_salt=cache_salt(layers))
+        params = replace(await inputs.generation_params_off_loop(layers), logprobs=n_logprobs, cache_salt=cache_salt(layers))
         await inputs.compile_grammar(params)
         has_prompt = "messages" in layers or isinstance(layers.get("prompt"), str)
         prompt = await inputs.render_prompt(layers) if has_prompt else None

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import trio
+
 from ..config import Settings
-from ..wire.errors import ErrorCode, ProtocolError, Status, bad_param
+from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
 from .chat import Chat, ChatTemplate, ReplyParser
 from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
@@ -24,6 +26,9 @@ MAX_PROMPT_BYTES_PER_POSITION = 32
 # A token id in a JSON array: up to 7 digits, its comma, and the indentation of a
 # pretty-printed body (json.dumps(indent=4) inside an object: 8 spaces and a newline).
 MAX_TOKEN_ID_JSON_BYTES = 24
+# Threads converting requests' schemas and tools to grammars at once: each conversion is
+# bounded (chat/schema.py), and off the trio thread it cannot hold the event loop.
+GRAMMAR_THREADS = 2
 
 
 class Inputs:
@@ -35,6 +40,7 @@ class Inputs:
         self._worker = worker
         self._settings = settings
         self.chat: Chat | None = None  # set with the template (set_chat_template)
+        self._grammar_threads = trio.CapacityLimiter(GRAMMAR_THREADS)
 
     @property
     def n_ctx(self) -> int:
@@ -72,6 +78,11 @@ class Inputs:
             default_stream_interval=s.stream_interval,
             to_gbnf=self._chat().to_gbnf,
         )
+
+    async def generation_params_off_loop(self, request: dict[str, Any]) -> GenerationParams:
+        """``generation_params`` on a worker thread (at most GRAMMAR_THREADS at once): a
+        request's schema or tools become GBNF there, never on the trio thread."""
+        return await trio.to_thread.run_sync(self.generation_params, request, limiter=self._grammar_threads)
 
     def reply_parsers(self, params: GenerationParams, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
         """How a chat reply is read (``Chat.reply_parsers``); None: its text is the content."""
@@ -183,8 +194,4 @@ class Inputs:
     def check_prompt_fits(self, n_tokens: int) -> None:
         """Refuse a prompt no slot can hold (with room for one generated token)."""
         if n_tokens >= self.n_ctx_slot:
-            raise ProtocolError(
-                ErrorCode.TOO_LARGE,
-                f"prompt has {n_tokens} tokens; {self.slot_room()}",
-                status=Status.BAD_REQUEST,
-            )
+            raise PromptTooLong(f"prompt has {n_tokens} tokens; {self.slot_room()}")

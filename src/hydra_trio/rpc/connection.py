@@ -3,7 +3,6 @@ watches the peer)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +14,6 @@ from ..receive import payload_buffer, recv_exactly
 from ..tasks import raise_single
 
 Buffer = bytes | bytearray | memoryview
-DRAIN_CHUNK = 1 << 20  # the one scratch buffer a refused payload passes through
 
 
 class Connection:
@@ -76,19 +74,6 @@ class Connection:
         if n:
             await self.read_into(memoryview(buf))
         return buf
-
-    async def drain(self, n: int, chunk: int = DRAIN_CHUNK, *, deadline: float = math.inf) -> bool:
-        """Read and discard ``n`` bytes (refused payloads), with one reused buffer of at most
-        ``chunk`` bytes. False when ``deadline`` (trio time) passed first: the stream is then
-        out of step, and the caller closes it."""
-        scratch = memoryview(bytearray(min(n, chunk))) if n else memoryview(b"")
-        left = n
-        with trio.move_on_at(deadline):
-            while left:
-                k = min(left, len(scratch))
-                await self.read_into(scratch[:k])
-                left -= k
-        return not left
 
     async def send(self, parts: Sequence[Buffer], chunk: int | None = None) -> None:
         """Send every part. A peer that accepts no byte for idle_timeout_s raises

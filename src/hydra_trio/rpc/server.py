@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
-import math
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -25,7 +24,7 @@ from ..tasks import raise_single
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
 from . import peer
-from .connection import DRAIN_CHUNK, Connection
+from .connection import Connection
 from .ops import OpContext, OpSpec, OpTable, Reply
 
 if TYPE_CHECKING:
@@ -188,7 +187,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
         rlog = _TraceLog(log, trace, conn.peer)
         op_name = ops.name(head.op)
         ctx = OpContext(conn=conn, key=key, trace=trace, log=rlog, payload_len=head.payload_len)
-        within_cap = False  # the payload is one the op could have taken
+        spec: OpSpec | None = None
         try:
             if head.flags != 0:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"unsupported flags 0x{head.flags:02x}", status=Status.BAD_REQUEST)
@@ -196,17 +195,20 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             cap = spec.cap(settings)
             if head.payload_len > cap:
                 raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the cap of {cap}")
-            within_cap = True
             spec.precheck(ctx)
             await budget.take(head.payload_len, within_s=settings.idle_timeout_s, what=f"a {op_name} payload")
         except ProtocolError as err:
             rlog.info("%s refused before payload: %s", op_name, err.message)
             state.metrics.rpc_requests.labels(op_name, err.status.name).inc()
-            if await _discard_payload(conn, head.payload_len, within_cap, settings, budget):
+            limit = settings.drain_limit_bytes
+            if spec is not None and spec.drain_to_cap:
+                limit = max(limit, spec.cap(settings))
+            if head.payload_len <= limit and await _discard(conn, head.payload_len, settings, budget):
                 await _send_reply(conn, Reply.error(err))
                 continue
             await _send_reply(conn, Reply.error(err))
-            rlog.info("refused payload of %d bytes not read (over the drain limit, or too slow): closing", head.payload_len)
+            if head.payload_len > limit:
+                rlog.info("payload of %d bytes is over the drain limit of %d: closing", head.payload_len, limit)
             return
         try:
             # The one buffer it lives in.
@@ -221,30 +223,45 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             return
 
 
-async def _discard_payload(conn: Connection, n: int, within_cap: bool, settings: Settings, budget: ByteBudget) -> bool:
-    """Read a refused payload and throw it away, so that a client that writes its whole
-    request before reading (every upstream client does) gets the refusal, not a reset.
+_SCRATCH = 1 << 20  # the one buffer a refused payload passes through
 
-    Up to --drain-limit-bytes always; up to the op's cap (a busy or missing slot refusing a
-    whole blob, --max-kv-bytes) too, through one scratch buffer charged to the payload
-    budget, at --min-upload-bytes-per-s after --upload-grace-s (a refusal must not become a
-    way to hold a connection). False: not read (too large, too slow, or no budget for the
-    scratch); the caller closes."""
-    if n <= settings.drain_limit_bytes:
-        return await conn.drain(n)
-    if not within_cap:
-        return False
+
+async def _discard(conn: Connection, n: int, settings: Settings, budget: ByteBudget) -> bool:
+    """Read and throw away a refused request's ``n`` payload bytes, so that a client that
+    writes its whole request before reading (every KV client does) gets the refusal. The
+    bytes pass through one small scratch buffer charged to the payload budget, never held.
+    The upload rules apply: no byte for --idle-timeout-s, or less than
+    --min-upload-bytes-per-s on average after --upload-grace-s, and the drain stops (False:
+    the caller replies and closes), so a refusal cannot become a way to hold a connection.
+    The peer leaving mid-drain raises PeerClosed, as any read."""
+    if n == 0:
+        return True
+    scratch = memoryview(bytearray(min(n, _SCRATCH)))
     rate = settings.min_upload_bytes_per_s
-    deadline = trio.current_time() + settings.upload_grace_s + n / rate if rate else math.inf
-    scratch = min(n, DRAIN_CHUNK)
-    try:
-        await budget.take(scratch, within_s=min(settings.idle_timeout_s, 1.0), what="a refused payload's scratch")
-    except ProtocolError:
-        return False
-    try:
-        return await conn.drain(n, scratch, deadline=deadline)
-    finally:
-        budget.release(scratch)
+    start = last = trio.current_time()
+    got = 0
+    with budget.drain_charged(len(scratch)):
+        while got < n:
+            deadline = last + conn.idle_timeout_s
+            if rate:
+                deadline = min(deadline, start + settings.upload_grace_s + got / rate)
+            with trio.move_on_at(deadline):
+                try:
+                    k = await conn.sock.recv_into(scratch, min(n - got, len(scratch)))
+                except OSError as exc:
+                    raise PeerClosed(f"peer left mid-drain: {exc}", got=got, n=n, cause=exc) from None
+                if k == 0:
+                    raise PeerClosed("peer closed mid-drain", got=got, n=n)
+                got += k
+                budget.discarded += k
+                last = trio.current_time()
+                continue
+            log.info(
+                "rpc %s: refused payload too slow (%d of %d bytes in %.1f s); closing",
+                conn.peer, got, n, trio.current_time() - start,
+            )
+            return False
+    return True
 
 
 async def _answer(

@@ -1,18 +1,11 @@
 """The KV blob (spec §3): slot tokens + llama sequence state (+ logits after PREFILL).
 
-Two versions are read, one is written:
-
-- **v2** (byte 0 = ``0x02``): the layout of spec §3. Flags bit 0: a recurrent-state
-  checkpoint section follows the tokens.
-- **v3** (byte 0 = ``0x03``), what the C++ engine's STATE_GET writes now: v2's layout, byte
-  for byte, plus flags bit 1 (``0x02``), which says the checkpoint section holds a
-  recurrent-only capture (the recurrent layers' state, no attention KV). Bit 1 means
-  nothing without bit 0. For a model without checkpoints, v2 and v3 differ in byte 0 only.
-- The C++ engine also takes an *unversioned* legacy blob (its first field is ``n_past``).
-  We refuse it: its first byte is ``n_past``'s low byte, so a legacy blob of 2 or 3
-  positions (mod 256) reads as a v2 or v3 head, and no rule we were given tells them apart.
-
-STATE_GET writes v2: every reader (ours, the C++ engine's, older coordinators) takes it.
+Read: version 0x02, version 0x03 (the C++ engine's STATE_GET today: v2 except that the
+checkpoint section may be a recurrent-only capture, flag 0x02) and the legacy unversioned
+blob, which is llama.cpp's sequence-state file (``llama_state_seq_save_file``): u32 magic
+``ggsq`` at offset 0, u32 file version, u32 n_tok, tokens, state. The first byte decides, and
+cannot be mistaken: a versioned blob starts 0x02 or 0x03, the legacy one with the magic's
+first byte 0x71 ('q', little-endian). Written: always v2, which every reader takes.
 
 Parsing is zero-copy: the returned views point into the caller's buffer, so a multi-GB blob
 is held in memory once.
@@ -27,11 +20,15 @@ from dataclasses import dataclass
 
 from .errors import ErrorCode, ProtocolError
 
-KV_BLOB_VERSION = 0x02  # what we write
-KV_BLOB_VERSIONS_READ = (0x02, 0x03)
+KV_BLOB_VERSION = 0x02  # what this engine writes
+KV_BLOB_V3 = 0x03
+READ_VERSIONS = (KV_BLOB_VERSION, KV_BLOB_V3)
 FLAG_CHECKPOINT = 0x01
-FLAG_RECURRENT_ONLY = 0x02  # v3: the checkpoint holds a recurrent-only capture
-_FLAGS_OF = {0x02: FLAG_CHECKPOINT, 0x03: FLAG_CHECKPOINT | FLAG_RECURRENT_ONLY}
+FLAG_RECURRENT_ONLY = 0x02  # v3: the checkpoint holds the recurrent state alone
+# The legacy blob: llama.cpp's LLAMA_STATE_SEQ_MAGIC ('ggsq') as a little-endian u32.
+LEGACY_MAGIC = 0x67677371
+LEGACY_FILE_VERSIONS = (2, 3)  # LLAMA_STATE_SEQ_VERSION of the llama.cpp builds that wrote them
+_LEGACY_HEAD = struct.Struct("<III")  # magic, file version, n_tok
 _HEAD = struct.Struct("<BII")  # version, n_past, n_tok
 _CKPT_HEAD = struct.Struct("<iiqQ")  # pos_min, pos_max, n_tokens, size
 _U64 = struct.Struct("<Q")
@@ -49,7 +46,7 @@ class Checkpoint:
     n_tokens: int
     data: memoryview
     draft: memoryview
-    recurrent_only: bool = False  # v3 flag 0x02: the recurrent layers' state only
+    recurrent_only: bool = False  # v3 flag 0x02: a capture of the recurrent state alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +60,7 @@ class KvBlob:
     # The whole blob (``state`` is its end). Once parsed, the bytes before ``state`` hold
     # nothing anyone reads again: a restore may rewrite the state into them (seqstate.py).
     raw: memoryview | None = None
-    version: int = KV_BLOB_VERSION  # the version it was read as
+    version: int = KV_BLOB_VERSION  # 0x02, 0x03, or 0 for the legacy unversioned blob
 
     @property
     def n_tokens(self) -> int:
@@ -91,11 +88,15 @@ def encode_blob_head(
     n_past: int, tokens: list[int] | array, checkpoint: Checkpoint | None = None, *, version: int = KV_BLOB_VERSION
 ) -> bytes:
     """Everything before the llama state bytes. Send it, then the state, then optional logits.
-    ``version``: what we write is v2; v3 only where a test builds the C++ engine's blobs."""
+    ``version``: 0x03 only to build what the C++ engine sends (tests); this engine sends v2."""
+    if version not in READ_VERSIONS:
+        raise ValueError(f"kv blob version 0x{version:02x}")
     parts = [_HEAD.pack(version, n_past, len(tokens)), _tokens_to_bytes(tokens)]
     if checkpoint is None:
         parts.append(b"\x00")
     else:
+        if checkpoint.recurrent_only and version != KV_BLOB_V3:
+            raise ValueError("a recurrent-only checkpoint needs a v3 blob")
         parts.append(bytes([FLAG_CHECKPOINT | (FLAG_RECURRENT_ONLY if checkpoint.recurrent_only else 0)]))
         parts.append(
             _CKPT_HEAD.pack(checkpoint.pos_min, checkpoint.pos_max, checkpoint.n_tokens, len(checkpoint.data))
@@ -121,6 +122,39 @@ def encode_kv_blob(
     return b"".join(parts)
 
 
+def encode_legacy_blob(tokens: list[int] | array, state: Buffer, *, file_version: int = 2) -> bytes:
+    """The legacy unversioned blob (llama.cpp's sequence-state file layout): for tests and
+    tools; this engine never sends one."""
+    return b"".join([_LEGACY_HEAD.pack(LEGACY_MAGIC, file_version, len(tokens)), _tokens_to_bytes(tokens), state])
+
+
+def _read_tokens(view: memoryview, pos: int, n_tok: int, max_tokens: int) -> tuple[list[int], int]:
+    if n_tok > min(max_tokens, _MAX_TOKENS):
+        raise _bad(f"declares {n_tok} tokens; a slot holds at most {min(max_tokens, _MAX_TOKENS)}")
+    end_tokens = pos + 4 * n_tok
+    if end_tokens > len(view):
+        raise _bad(f"declares {n_tok} tokens but holds only {len(view) - pos} bytes after the head")
+    arr = array("i")
+    arr.frombytes(view[pos:end_tokens])
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tolist(), end_tokens
+
+
+def _parse_legacy(view: memoryview, max_tokens: int) -> KvBlob:
+    if len(view) < _LEGACY_HEAD.size:
+        raise _bad(f"legacy blob too short ({len(view)} bytes)")
+    _magic, file_version, n_tok = _LEGACY_HEAD.unpack_from(view, 0)
+    if file_version not in LEGACY_FILE_VERSIONS:
+        raise _bad(f"legacy (ggsq) blob of file version {file_version}; known: {list(LEGACY_FILE_VERSIONS)}")
+    tokens, pos = _read_tokens(view, _LEGACY_HEAD.size, n_tok, max_tokens)
+    state = view[pos:]
+    if len(state) == 0:
+        raise _bad("no KV state bytes")
+    # A sequence file holds exactly its tokens' positions: n_past is their count.
+    return KvBlob(n_past=n_tok, tokens=tokens, state=state, raw=view, version=0)
+
+
 def parse_kv_blob(buf: Buffer, *, max_tokens: int = _MAX_TOKENS) -> KvBlob:
     """Check the blob's structure; raise ProtocolError(BAD_FRAME) on anything that does not fit.
 
@@ -128,29 +162,20 @@ def parse_kv_blob(buf: Buffer, *, max_tokens: int = _MAX_TOKENS) -> KvBlob:
     declared count is refused before the token list is built (up to 2^24 Python ints, ~0.5 GB,
     otherwise)."""
     view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+    if len(view) >= 4 and int.from_bytes(view[:4], "little") == LEGACY_MAGIC:
+        return _parse_legacy(view, max_tokens)
     if len(view) < _HEAD.size + 1:
         raise _bad(f"too short ({len(view)} bytes)")
     version, n_past, n_tok = _HEAD.unpack_from(view, 0)
-    if version not in KV_BLOB_VERSIONS_READ:
-        raise _bad(
-            f"unsupported version 0x{version:02x} (expected 0x02 or 0x03; unversioned legacy blobs"
-            " are not accepted: re-export the slot with STATE_GET)"
-        )
-    if n_tok > min(max_tokens, _MAX_TOKENS):
-        raise _bad(f"declares {n_tok} tokens; a slot holds at most {min(max_tokens, _MAX_TOKENS)}")
-    pos = _HEAD.size
-    end_tokens = pos + 4 * n_tok
-    if end_tokens + 1 > len(view):
-        raise _bad(f"declares {n_tok} tokens but holds only {len(view) - pos} bytes after the head")
-    arr = array("i")
-    arr.frombytes(view[pos:end_tokens])
-    if sys.byteorder == "big":
-        arr.byteswap()
-    tokens = arr.tolist()
-    pos = end_tokens
+    if version not in READ_VERSIONS:
+        raise _bad(f"unsupported version 0x{version:02x} (known: 0x02, 0x03, and the legacy ggsq blob)")
+    tokens, pos = _read_tokens(view, _HEAD.size, n_tok, max_tokens)
+    if pos + 1 > len(view):
+        raise _bad(f"declares {n_tok} tokens but holds only {len(view) - _HEAD.size} bytes after the head")
     flags = view[pos]
     pos += 1
-    if flags & ~_FLAGS_OF[version]:
+    known = FLAG_CHECKPOINT | (FLAG_RECURRENT_ONLY if version == KV_BLOB_V3 else 0)
+    if flags & ~known:
         raise _bad(f"unknown flag bits 0x{flags:02x} for version 0x{version:02x}")
     if flags & FLAG_RECURRENT_ONLY and not flags & FLAG_CHECKPOINT:
         raise _bad("flag 0x02 (recurrent-only checkpoint) without a checkpoint (flag 0x01)")

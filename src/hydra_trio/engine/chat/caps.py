@@ -10,6 +10,7 @@ from typing import Any
 
 from . import formats as f
 from .formats import FORMATS, GENERIC, ToolFormat
+from .probe import probe
 from .reasoning import CLOSE, OPEN
 from .templates import ChatTemplate
 
@@ -21,12 +22,19 @@ class TemplateCaps:
     renders_tool_calls: bool  # it prints an assistant message's earlier ``tool_calls``
     object_arguments: bool  # it prints a call's arguments as an object (``| tojson``, ``.items()``)
     think_tags: tuple[str, str] = (OPEN, CLOSE)  # the markers around its reasoning
+    system_role: bool = True  # it prints a system message (else it is merged into the next, as llama.cpp)
+    shows_tools: bool = False  # it lists the request's tools itself
+    thinking_default: bool = False  # enable_thinking when the request does not say (as llama-server)
+    own_template: bool = False  # the model's or the user's Jinja: rendered as llama-server does, nothing added
 
     @property
     def describes_tools(self) -> bool:
-        """The generic format is in use, whose reply form no template teaches: the tools and
-        the form are described in a system message (as llama.cpp's generic handler does)."""
-        return self.tool_format is GENERIC
+        """The generic format is in use with a built-in or our ChatML fallback, which know
+        nothing of tools: the tools and the reply form are described in a system message
+        (llama.cpp's old generic handler). A model's or a user's Jinja template renders as
+        llama-server renders it, with nothing added: where it lists no tools, llama-server
+        shows the model none either."""
+        return self.tool_format is GENERIC and not self.own_template
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -35,6 +43,9 @@ class TemplateCaps:
             "renders_tool_calls": self.renders_tool_calls,
             "object_arguments": self.object_arguments,
             "think_tags": list(self.think_tags),
+            "system_role": self.system_role,
+            "shows_tools": self.shows_tools,
+            "thinking_default": self.thinking_default,
         }
 
 
@@ -88,8 +99,16 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
     overrides what the source suggests. A llama.cpp built-in renders role and content only."""
     source = template.jinja or ""
     fmt = detect_format(source) if tool_call_parser == "auto" else FORMATS[tool_call_parser]
-    compact = source.replace(" ", "")
     tags = detect_think_tags(source)
+    if template.jinja is not None:
+        # Rendered, not sniffed: what the template prints of a probe conversation (probe.py).
+        seen = probe(template.jinja)
+        return TemplateCaps(
+            tool_format=fmt, thinks=tags is not None or fmt.harmony, renders_tool_calls=seen.renders_tool_calls,
+            object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
+            thinking_default=seen.thinks, own_template=template.source != "fallback", think_tags=tags or (OPEN, CLOSE),
+        )
+    compact = source.replace(" ", "")
     return TemplateCaps(
         tool_format=fmt,
         thinks=tags is not None or fmt.harmony,

@@ -11,7 +11,6 @@ keyword. Tool calls are written in the template's ``ToolFormat`` (``formats.py``
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
@@ -19,6 +18,7 @@ from typing import Any, Literal
 from ...wire.errors import bad_param
 from ..llama import JSON_OBJECT_GBNF, MAX_GBNF_CHARS, MAX_GBNF_NESTING, Triggers, convert_schema
 from .formats import CALL_PREFIX, GENERIC, ToolFormat, Trigger
+from .schema import check_schema
 from .tools import ToolRequest, parse_tools
 
 GRAMMAR_CACHE_SIZE = 64  # conversions kept (as many as the worker keeps compiled grammars)
@@ -223,71 +223,11 @@ def _renamed(gbnf: str, prefix: str) -> str:
 
 def schema_gbnf(schema: Any, param: str) -> str:
     """A JSON schema (an object, or a boolean schema) as GBNF; a 400 naming ``param`` and the
-    problem when it cannot be converted."""
-    if not isinstance(schema, dict | bool):
-        raise bad_param(f"{param} must be a JSON schema (an object)", param)
-    try:
-        schema = _honourable(schema, param)
-    except RecursionError:
-        raise bad_param(f"{param}: schema nested too deeply", param) from None
+    problem when no value satisfies it, it cannot be enforced, or its grammar would be too
+    large (all decided by ``check_schema`` before any grammar text is built)."""
+    schema = check_schema(schema, param)
     # Key order kept: the grammar writes properties in the order the schema lists them.
     return _schema_gbnf(json.dumps(schema, separators=(",", ":")), param)
-
-
-# Keywords that assert something the converter (llama-cpp-python's) does not build into the
-# grammar: refused, since a reply would then not be valid for the schema. Annotations
-# (title, description, default, format, ...) constrain nothing and pass.
-_UNENFORCED = frozenset({
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
-    "minProperties", "maxProperties", "patternProperties", "propertyNames", "not", "if", "then",
-    "else", "dependentRequired", "dependentSchemas", "dependencies", "contains", "minContains",
-    "maxContains", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
-})
-MAX_INT_RANGE = 256  # a closed integer range up to this many values becomes an enum
-
-
-def _honourable(schema: Any, param: str) -> Any:
-    """``schema`` with what the converter cannot enforce made enforceable (a small closed
-    integer range: an enum of its values) or refused, naming the keyword."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    if out.get("type") == "integer" and _UNENFORCED.intersection(out) <= {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}:
-        lo, hi = _int_bounds(out)
-        if lo is not None and hi is not None and 0 < hi - lo + 1 <= MAX_INT_RANGE:
-            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "type"):
-                out.pop(key, None)
-            out["enum"] = list(range(lo, hi + 1))
-    bad = sorted(_UNENFORCED.intersection(out))
-    if bad:
-        hint = f" (integers: a closed range of at most {MAX_INT_RANGE} values is)" if set(bad) & {"minimum", "maximum"} else ""
-        raise bad_param(f"{param}: the schema keyword {bad[0]!r} is not supported in constrained output{hint}", param)
-    for key in ("properties", "$defs", "definitions"):
-        if isinstance(out.get(key), dict):
-            out[key] = {k: _honourable(v, param) for k, v in out[key].items()}
-    for key in ("items", "additionalProperties"):
-        if isinstance(out.get(key), dict):
-            out[key] = _honourable(out[key], param)
-    for key in ("items", "prefixItems", "anyOf", "oneOf", "allOf"):
-        if isinstance(out.get(key), list):
-            out[key] = [_honourable(v, param) for v in out[key]]
-    return out
-
-
-def _int_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
-    """An integer schema's inclusive bounds (None: unbounded or not an integer bound)."""
-    def num(key: str) -> float | None:
-        v = schema.get(key)
-        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-
-    lo, hi = num("minimum"), num("maximum")
-    if (x := num("exclusiveMinimum")) is not None:
-        lo = max(lo, math.floor(x) + 1) if lo is not None else math.floor(x) + 1
-    if (x := num("exclusiveMaximum")) is not None:
-        hi = min(hi, math.ceil(x) - 1) if hi is not None else math.ceil(x) - 1
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return None, None
-    return math.ceil(lo), math.floor(hi)
 
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)

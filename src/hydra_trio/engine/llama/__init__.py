@@ -16,10 +16,10 @@ from .grammar import (
     GrammarCache,
     GrammarError,
     Triggers,
-    convert_schema,
 )
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from .sampling import Sampler, SamplingParams
+from .schema import convert_schema, int_bounds, number_bounds, number_range
 from .seqstate import cache_layout_mismatch
 from .state import DecodeAborted, NoKvSpace, Snapshot
 from .types import (
@@ -62,5 +62,8 @@ __all__ = [
     "cache_layout_mismatch",
     "common_prefix_len",
     "convert_schema",
+    "int_bounds",
     "kv_layout",
+    "number_bounds",
+    "number_range",
 ]

@@ -1,5 +1,5 @@
 """Grammars on llama.cpp: the compile of GBNF on the GPU worker (llama.cpp's grammar
-sampler), the bounded cache of compiled grammars, and llama-cpp-python's JSON-schema converter.
+sampler), the bounded cache of compiled grammars, and (llama/schema.py) the JSON-schema converter.
 
 What a request's constraint becomes as GBNF is decided in ``engine/chat/grammar.py`` (pure);
 ``GrammarCache.compile`` parses that text with llama.cpp once (on the worker) and keeps the
@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 import llama_cpp
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from ...wire.errors import ParamError
 
@@ -33,24 +33,6 @@ Triggers = tuple[str, ...]  # a lazy grammar's trigger patterns; (): a grammar f
 
 # llama.cpp's JSON grammar (grammars/json.gbnf): any JSON object, for json_object mode.
 JSON_OBJECT_GBNF = JSON_GBNF.strip() + "\n"
-_CONVERTER_CHAR, _JSON_CHAR = r'char ::= [^"\\] |', r'char ::= [^"\\\x7F\x00-\x1F] |'
-_CONVERTER_DOT, _JSON_DOT = r"dot ::= [^\x0A\x0D]", r"dot ::= [^\x00-\x1F\x7F]"
-# The converter's exponent takes 16 digits: 1e548 is JSON text, but no float (Python reads it
-# as inf, strict JSON refuses it, and a tool call's arguments could not be written back).
-# Two digits keep every number the grammar allows finite (16-digit mantissa, e99 at most).
-_CONVERTER_EXP, _FINITE_EXP = "([eE] [-+]? integral-part)?", "([eE] [-+]? [0-9] [0-9]?)?"
-
-
-def convert_schema(schema_json: str) -> str:
-    """A JSON schema's text as GBNF by llama-cpp-python's converter (pure Python), fixed where
-    its output admits what JSON does not. Raises what the converter raises (assertions,
-    KeyError, RecursionError) for a schema it cannot express: the caller names the schema."""
-    gbnf = json_schema_to_gbnf(schema_json)
-    # This converter's string characters admit raw control characters, which JSON forbids in
-    # a string (llama.cpp's own converter and json.gbnf exclude them): excluded here too.
-    return gbnf.replace(_CONVERTER_CHAR, _JSON_CHAR).replace(_CONVERTER_DOT, _JSON_DOT).replace(_CONVERTER_EXP, _FINITE_EXP)
-
-
 class GrammarError(ParamError):
     """A grammar llama.cpp could not parse: a 400 naming its problem."""
 
