@@ -64,7 +64,8 @@ def use_format(engine: Any, fmt: ToolFormat) -> None:
     chat.caps = dataclasses.replace(chat.caps, tool_format=fmt)
 
 
-async def test_required_and_named_calls_validate_in_every_format(start_engine: Any, tiny_model: Path) -> None:
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
+async def test_required_and_named_calls_validate_in_every_format(start_engine: Any, tiny_model: Path, fmt: ToolFormat) -> None:
     ep = await start_engine(tiny_model, slots=1)
     engine = ep.state.engine
     cases: list[tuple[list[dict[str, Any]], Any, bool]] = []
@@ -82,20 +83,19 @@ async def test_required_and_named_calls_validate_in_every_format(start_engine: A
 
     collect()
     seen = 0
-    for fmt in FORMATS.values():
-        use_format(engine, fmt)
-        for n, (schemas, choice, parallel) in enumerate(cases):
-            body = {"tools": tools_body(schemas), "tool_choice": choice, "parallel_tool_calls": parallel, "max_tokens": MAX_TOKENS}
-            req = parse_tools(body)
-            assert req is not None
-            for sampling in ({"temperature": 0}, {**SAMPLED, "seed": n}):
-                text, stop = await generate(engine, {**body, **sampling})
-                assert stop == "eos", (fmt.name, text)
-                check_calls(text, fmt, req, exactly_one=not parallel)
-                if choice != "required":
-                    assert {c.name for c in parse_reply(text, fmt, parse_tools=True, reasoning=False).tool_calls} == {req.function}
-                seen += 1
-    assert seen == 2 * len(FORMATS) * len(cases)
+    use_format(engine, fmt)
+    for n, (schemas, choice, parallel) in enumerate(cases):
+        body = {"tools": tools_body(schemas), "tool_choice": choice, "parallel_tool_calls": parallel, "max_tokens": MAX_TOKENS}
+        req = parse_tools(body)
+        assert req is not None
+        for sampling in ({"temperature": 0}, {**SAMPLED, "seed": n}):
+            text, stop = await generate(engine, {**body, **sampling})
+            assert stop == "eos", (fmt.name, text)
+            check_calls(text, fmt, req, exactly_one=not parallel)
+            if choice != "required":
+                assert {c.name for c in parse_reply(text, fmt, parse_tools=True, reasoning=False).tool_calls} == {req.function}
+            seen += 1
+    assert seen == 2 * len(cases)
 
 
 async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
@@ -103,7 +103,16 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
     body = {"tools": tools_body([{"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}]),
             "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200}
     starts = {"hermes": '<tool_call>\n{"name": "tool_0", "arguments": ', "llama3": '{"name": "tool_0", "parameters": ',
-              "mistral": '[TOOL_CALLS][{"name": "tool_0", "arguments": ', "generic": '{"tool_calls": [{"name": "tool_0", "arguments": '}
+              "mistral": '[TOOL_CALLS][{"name": "tool_0", "arguments": ', "generic": '{"tool_calls": [{"name": "tool_0", "arguments": ',
+              "qwen3_coder": "<tool_call>\n<function=tool_0>\n<parameter=x>\n",
+              "seed_oss": "<seed:tool_call>\n<function=tool_0>\n<parameter=x>\n",
+              "glm": "<tool_call>tool_0\n<arg_key>x</arg_key>\n<arg_value>",
+              "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.tool_0:",
+              "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_0<｜tool▁sep｜>",
+              "deepseek_dsml": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="tool_0">\n<｜DSML｜parameter name="x" string="false">',
+              "minimax": '<minimax:tool_call>\n<invoke name="tool_0">\n<parameter name="x">',
+              "gemma4": "<|tool_call>call:tool_0{x:",
+              "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
     for name, fmt in FORMATS.items():
         use_format(eng, fmt)
         text, _ = await generate(eng, body)
@@ -134,7 +143,10 @@ async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
     assert reply.content == free[0][0] and reply.tool_calls == []
 
 
-TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i in range(len(fmt.triggers))]
+# DeepSeek's markers hold U+2581, which this SentencePiece vocabulary reads as its space
+# piece: the trigger cannot be written token by token here (its grammar still holds: the
+# required-call test writes the marker in byte tokens).
+TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i, t in enumerate(fmt.triggers) if "\u2581" not in t.text]
 
 
 @pytest.mark.parametrize(("fmt_name", "which"), TRIGGERS, ids=[f"{n}-{i}" for n, i in TRIGGERS])

@@ -319,7 +319,10 @@ _ENV_OVERRIDES = {
 _FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool}
 FLASH_ATTN_MODES = ("on", "off", "auto")
 LOG_FORMATS = ("text", "json")
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3", "mistral", "generic")  # engine/toolcalls.py FORMATS
+TOOL_CALL_PARSERS = (  # engine/chat/formats.py FORMATS
+    "auto", "hermes", "llama3", "mistral", "generic", "qwen3_coder", "seed_oss", "glm", "kimi_k2", "deepseek",
+    "deepseek_dsml", "minimax", "gemma4", "harmony",
+)
 REASONING_FORMATS = ("auto", "deepseek", "none")
 # KV cache types by llama-server's names (-ctk/-ctv) -> ggml type ids, as gguf numbers them.
 CACHE_TYPES = {

@@ -14,7 +14,6 @@ from ...wire.errors import bad_param
 from .caps import TemplateCaps, template_caps
 from .grammar import Constraint, constraint_gbnf, parse_constraint, request_constraint
 from .parser import ReplyDelta, ReplyParser, ToolCall, parse_reply
-from .reasoning import OPEN as THINK_OPEN
 from .render import ApplyBuiltin, ChatRequestError, PromptRenderer, RunOnWorker, render_prompt
 from .templates import ChatTemplate, resolve_chat_template
 from .tools import ToolRequest, parse_tools
@@ -94,13 +93,18 @@ class Chat:
             raise bad_param(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
         # A prompt that ends inside an open think block (DeepSeek-R1's and Qwen3's templates)
         # starts the reply in its reasoning; auto splits only for templates with think tags.
-        opened = prompt.rstrip().endswith(THINK_OPEN)
+        opened = prompt.rstrip().endswith(self.caps.think_tags[0])
         reasoning = mode == "deepseek" or (mode == "auto" and (self.caps.thinks or opened))
-        if calls is None and not reasoning:
+        fmt, tags = self.caps.tool_format, self.caps.think_tags
+        if calls is None and not reasoning and not fmt.harmony:  # harmony's markup is always read
             return None
-        fmt = self.caps.tool_format
         return lambda: ReplyParser(
-            fmt, parse_tools=calls is not None, reasoning=reasoning, starts_in_reasoning=reasoning and opened, tools=calls
+            fmt,
+            parse_tools=calls is not None,
+            reasoning=reasoning,
+            starts_in_reasoning=reasoning and opened,
+            tools=calls,
+            think_tags=tags,
         )
 
 

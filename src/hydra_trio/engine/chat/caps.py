@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .formats import FORMATS, GENERIC, HERMES, LLAMA3, MISTRAL, ToolFormat
+from . import formats as f
+from .formats import FORMATS, GENERIC, ToolFormat
 from .probe import probe
-from .reasoning import OPEN
+from .reasoning import CLOSE, OPEN
 from .templates import ChatTemplate
 
 
@@ -20,6 +21,7 @@ class TemplateCaps:
     thinks: bool  # it has think tags: a reply may open with reasoning
     renders_tool_calls: bool  # it prints an assistant message's earlier ``tool_calls``
     object_arguments: bool  # it prints a call's arguments as an object (``| tojson``, ``.items()``)
+    think_tags: tuple[str, str] = (OPEN, CLOSE)  # the markers around its reasoning
     system_role: bool = True  # it prints a system message (else it is merged into the next, as llama.cpp)
     shows_tools: bool = False  # it lists the request's tools itself
     thinking_default: bool = False  # enable_thinking when the request does not say (as llama-server)
@@ -40,21 +42,56 @@ class TemplateCaps:
             "thinking": self.thinks,
             "renders_tool_calls": self.renders_tool_calls,
             "object_arguments": self.object_arguments,
+            "think_tags": list(self.think_tags),
             "system_role": self.system_role,
             "shows_tools": self.shows_tools,
             "thinking_default": self.thinking_default,
         }
 
 
+# Each family's own markers, most specific first: several families write ``<tool_call>``
+# (Hermes' JSON, Qwen3-Coder's ``<function=``, GLM's ``<arg_key>``), so theirs come before it.
+_MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
+    (("<|channel|>", "<|message|>"), f.HARMONY),
+    (("<|tool_calls_section_begin|>",), f.KIMI_K2),
+    (("｜DSML｜",), f.DEEPSEEK_DSML),
+    (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
+    (("<minimax:tool_call>",), f.MINIMAX),
+    (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
+    (("<seed:tool_call>",), f.SEED_OSS),
+    (("<arg_key>", "<arg_value>"), f.GLM),
+    (("<function=", "<parameter="), f.QWEN3_CODER),
+    (("<tool_call>",), f.HERMES),
+    (("[TOOL_CALLS]",), f.MISTRAL),
+    (("<|python_tag|>",), f.LLAMA3),
+)
+# Reasoning markers other than <think>: the first found in the source is the template's.
+_THINK_TAGS: tuple[tuple[str, str], ...] = (
+    ("<seed:think>", "</seed:think>"),
+    ("<mm:think>", "</mm:think>"),
+    ("[THINK]", "[/THINK]"),
+    ("<|channel>thought", "<channel|>"),  # Gemma 4
+    (OPEN, CLOSE),
+)
+
+
 def detect_format(source: str) -> ToolFormat:
     """The tool format a Jinja template's source writes calls in (generic: it has none)."""
-    if "<tool_call>" in source:
-        return HERMES
-    if "[TOOL_CALLS]" in source:
-        return MISTRAL
-    if "<|python_tag|>" in source or ("ipython" in source and "parameters" in source):
-        return LLAMA3
+    for marks, fmt in _MARKERS:
+        if all(m in source for m in marks):
+            return fmt
+    if "ipython" in source and "parameters" in source:
+        return f.LLAMA3
     return GENERIC
+
+
+def detect_think_tags(source: str) -> tuple[str, str] | None:
+    """The markers a template's reasoning is written between; None: it has none (gpt-oss's
+    analysis channel is its format's, harmony.py)."""
+    for tags in _THINK_TAGS:
+        if tags[0] in source:
+            return tags
+    return None
 
 
 def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> TemplateCaps:
@@ -62,20 +99,22 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
     overrides what the source suggests. A llama.cpp built-in renders role and content only."""
     source = template.jinja or ""
     fmt = detect_format(source) if tool_call_parser == "auto" else FORMATS[tool_call_parser]
+    tags = detect_think_tags(source)
     if template.jinja is not None:
         # Rendered, not sniffed: what the template prints of a probe conversation (probe.py).
         seen = probe(template.jinja)
         return TemplateCaps(
-            tool_format=fmt, thinks=OPEN in source, renders_tool_calls=seen.renders_tool_calls,
+            tool_format=fmt, thinks=tags is not None or fmt.harmony, renders_tool_calls=seen.renders_tool_calls,
             object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
-            thinking_default=seen.thinks, own_template=template.source != "fallback",
+            thinking_default=seen.thinks, own_template=template.source != "fallback", think_tags=tags or (OPEN, CLOSE),
         )
     compact = source.replace(" ", "")
     return TemplateCaps(
         tool_format=fmt,
-        thinks=OPEN in source,
+        thinks=tags is not None or fmt.harmony,
         renders_tool_calls=template.jinja is not None and "tool_calls" in source,
         # Qwen, Hermes and Llama 3 print ``arguments | tojson`` or walk ``arguments.items()``;
         # others print the string as sent.
         object_arguments="arguments|tojson" in compact or "arguments.items()" in compact,
+        think_tags=tags or (OPEN, CLOSE),
     )

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from . import families
+from .families import Block
 from .tools import ToolRequest
 
 # How the grammar writes a call's JSON, up to the tool's name: ``{"name": "N", "<args>": {...}}``
@@ -47,6 +49,10 @@ class ToolFormat:
     between: str = ""
     after: str = ""
     triggers: tuple[Trigger, ...] = ()
+    # A family whose calls are blocks of its own markup (families.py): the parser reads them
+    # with ``block.read`` and the grammar writes each call with ``block.call_rule``.
+    block: Block | None = None
+    harmony: bool = False  # gpt-oss's channels (harmony.py): reasoning, content and calls
 
 
 HERMES = ToolFormat(
@@ -90,7 +96,67 @@ GENERIC = ToolFormat(
     after="]}",
     triggers=(Trigger('{"tool_calls"', True, ": [" + CALL_PREFIX),),
 )
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GENERIC)}
+QWEN3_CODER = ToolFormat(
+    "qwen3_coder",
+    "arguments",
+    between="\n",
+    block=families.QWEN_XML,
+    triggers=(Trigger("<tool_call>", False, "\n<function="),),
+)
+SEED_OSS = ToolFormat(
+    "seed_oss",
+    "arguments",
+    between="\n",
+    block=families.SEED_XML,
+    triggers=(Trigger("<seed:tool_call>", False, "\n<function="),),
+)
+GLM = ToolFormat("glm", "arguments", between="\n", block=families.GLM_XML, triggers=(Trigger("<tool_call>", False, ""),))
+KIMI_K2 = ToolFormat(
+    "kimi_k2",
+    "arguments",
+    before="<|tool_calls_section_begin|>",
+    after="<|tool_calls_section_end|>",
+    block=families.KIMI,
+    triggers=(Trigger("<|tool_calls_section_begin|>", False, "<|tool_call_begin|>functions."),),
+)
+DEEPSEEK = ToolFormat(
+    "deepseek",
+    "arguments",
+    before=families.DS_BEGIN,
+    after=families.DS_END,
+    block=families.DEEPSEEK,
+    triggers=(Trigger(families.DS_BEGIN, False, "<｜tool▁call▁begin｜>"),),
+)
+MINIMAX = ToolFormat(
+    "minimax",
+    "arguments",
+    before="<minimax:tool_call>",
+    after="</minimax:tool_call>",
+    block=families.MINIMAX,
+    triggers=(Trigger("<minimax:tool_call>", False, '\n<invoke name="'),),
+)
+DEEPSEEK_DSML = ToolFormat(
+    "deepseek_dsml",
+    "arguments",
+    before="<｜DSML｜function_calls>",
+    after="</｜DSML｜function_calls>",
+    block=families.DSML,
+    triggers=(Trigger("<｜DSML｜function_calls>", False, '\n<｜DSML｜invoke name="'),),
+)
+GEMMA4 = ToolFormat(
+    "gemma4", "arguments", block=families.GEMMA4, triggers=(Trigger("<|tool_call>", False, "call:"),)
+)
+# gpt-oss: one call per reply (the model stops at ``<|call|>``); its grammar is harmony.py's.
+HARMONY = ToolFormat(
+    "harmony",
+    "arguments",
+    harmony=True,
+    triggers=(Trigger("<|channel|>commentary to=functions.", False, ""),),
+)
+FORMATS: dict[str, ToolFormat] = {
+    f.name: f
+    for f in (HERMES, LLAMA3, MISTRAL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, HARMONY)
+}
 
 
 def tools_system_prompt(req: ToolRequest) -> str:

@@ -125,13 +125,28 @@ def tools_gbnf(request: ToolRequest, fmt: ToolFormat) -> tuple[str, Triggers]:
     for i, tool in enumerate(request.tools):
         if tool not in request.callable:
             continue
-        schema = schema_gbnf(tool.parameters, f"tools[{i}].function.parameters", relax_unenforced=True)
+        if fmt.block is not None and fmt.block.call_rule is not None:  # a family's own markup (families.py)
+            call, more_rules = fmt.block.call_rule(tool, i, _tool_schema_gbnf, _renamed)
+            calls.append(call)
+            rules.extend(more_rules)
+            continue
+        if fmt.harmony:  # gpt-oss: a commentary message to the function, its body the JSON
+            head = f"<|channel|>commentary to=functions.{tool.name} <|constrain|>json<|message|>"
+            rules.append(_renamed(_tool_schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-"))
+            calls.append(f"{_literal(head)} t{i}-root")
+            continue
+        schema = _tool_schema_gbnf(tool.parameters, f"tools[{i}].function.parameters")
         rules.append(_renamed(schema, f"t{i}-"))
         head = f'{CALL_PREFIX}{tool.name}", "{fmt.args_key}": '
         calls.append(f"{_literal(head)} t{i}-root {_literal('}')}")
     block = " ".join(x for x in (_literal(fmt.call_open), "call", _literal(fmt.call_close)) if x)
     between = _literal(fmt.between)
-    more = f" ({between + ' ' if between else ''}call-block){{0,{MAX_PARALLEL_CALLS - 1}}}" if request.parallel else ""
+    # harmony: one call a reply (the model ends its message with <|call|> and stops)
+    more = (
+        f" ({between + ' ' if between else ''}call-block){{0,{MAX_PARALLEL_CALLS - 1}}}"
+        if request.parallel and not fmt.harmony
+        else ""
+    )
     before = _literal(fmt.before)
     if before and fmt.before_optional:
         before = f"({before})?"
@@ -214,6 +229,11 @@ def schema_gbnf(schema: Any, param: str, *, relax_unenforced: bool = False) -> s
     schema = check_schema(schema, param, relax_unenforced=relax_unenforced)
     # Key order kept: the grammar writes properties in the order the schema lists them.
     return _schema_gbnf(json.dumps(schema, separators=(",", ":")), param)
+
+
+def _tool_schema_gbnf(schema: Any, param: str) -> str:
+    """A tool's parameters: keywords no grammar enforces are left out, not refused."""
+    return schema_gbnf(schema, param, relax_unenforced=True)
 
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)

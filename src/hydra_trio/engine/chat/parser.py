@@ -10,8 +10,10 @@ from typing import Any
 
 from ...wire.errors import ProtocolError
 from ...wire.jsontext import parse_json
+from .families import Props
 from .formats import GENERIC, ToolFormat, dump_arguments
-from .reasoning import ThinkSplitter, partial_suffix
+from .harmony import HarmonySplitter
+from .reasoning import CLOSE, OPEN, ThinkSplitter, partial_suffix
 from .tools import ToolRequest
 
 
@@ -74,9 +76,12 @@ class _JsonEnd:
 class _CallScanner:
     """Content text -> (content, calls) for one format."""
 
-    def __init__(self, fmt: ToolFormat, names: frozenset[str] | None, new_id: Callable[[], str]) -> None:
+    def __init__(
+        self, fmt: ToolFormat, names: frozenset[str] | None, new_id: Callable[[], str], props: dict[str, Props] | None = None
+    ) -> None:
         self._fmt = fmt
         self._names = names
+        self._props = props or {}  # tool name -> its parameters' properties (typing XML values)
         self._new_id = new_id
         self._buf = ""  # text not decided yet: a possible marker's start, or an open call
         self._ws = ""  # whitespace held: dropped when a call comes next to it
@@ -98,7 +103,7 @@ class _CallScanner:
                     self._text(self._buf, out)
                     self._buf = ""
                 break
-            outcome = self._region(marker)
+            outcome = self._block(marker, final) if self._fmt.block is not None else self._region(marker)
             if outcome is None:  # the region is still open
                 if final:
                     self._text(self._buf, out)
@@ -124,6 +129,13 @@ class _CallScanner:
         fmt, buf = self._fmt, self._buf
         if self._json is not None:
             return 0, 0  # an open region: always at the buffer's start, its marker passed
+        if fmt.block is not None:
+            found = [(k, len(o)) for o in fmt.block.openers if (k := buf.find(o)) >= 0]
+            if found:
+                return min(found)
+            if not final:
+                return len(buf) - partial_suffix(buf, *fmt.block.openers), None
+            return len(buf), None
         j = len(buf) - len(buf.lstrip())
         if j < len(buf):
             c = buf[j]
@@ -168,6 +180,33 @@ class _CallScanner:
                 return end, []
             end = k + len(fmt.closer)
         return end, self._calls_of(value_text)
+
+    def _block(self, marker: int, final: bool) -> tuple[int, list[ToolCall]] | None:
+        """A family's block region (families.py) at the buffer's start: None while its closer
+        (or the optional tail after it) may still come; else (its end, its calls)."""
+        block, buf = self._fmt.block, self._buf
+        assert block is not None
+        closer = block.closers[block.openers.index(buf[:marker])] if block.closers else block.closer
+        k = buf.find(closer, marker)
+        if k < 0:
+            return None
+        end = k + len(closer)
+        if block.tail:
+            j = end
+            while j < len(buf) and buf[j].isspace():
+                j += 1
+            rest = buf[j:j + len(block.tail)]
+            if rest == block.tail:
+                end = j + len(block.tail)
+            elif not final and len(rest) < len(block.tail) and block.tail.startswith(rest):
+                return None
+        found = block.read(buf[marker:k], buf[:marker], self._props.get)
+        if not found or (self._names is not None and any(n not in self._names for n, _, _ in found)):
+            return max(marker, 1), []  # not calls: the opener is content, the scan goes on after it
+        base = len(self.calls)
+        return end, [
+            ToolCall(base + i, given or self._new_id(), name, dump_arguments(args)) for i, (name, args, given) in enumerate(found)
+        ]
 
     def _calls_of(self, text: str) -> list[ToolCall]:
         """The calls a region's JSON holds; none unless every one is a valid call."""
@@ -230,10 +269,22 @@ class ReplyParser:
         starts_in_reasoning: bool = False,
         tools: ToolRequest | None = None,
         new_id: Callable[[], str] = new_call_id,
+        think_tags: tuple[str, str] = (OPEN, CLOSE),
     ) -> None:
-        self._think = ThinkSplitter(starts_in_reasoning=starts_in_reasoning) if reasoning else None
         names = None if tools is None else frozenset(t.name for t in tools.callable)
-        self._scanner = _CallScanner(fmt or GENERIC, names, new_id) if parse_tools else None
+        props = {} if tools is None else {t.name: _properties(t.parameters) for t in tools.callable}
+        self._new_id = new_id
+        self._harmony: HarmonySplitter | None = None
+        self._think: ThinkSplitter | None = None
+        self._scanner: _CallScanner | None = None
+        self._harmony_calls: list[ToolCall] = []
+        if fmt is not None and fmt.harmony:  # its channels carry reasoning, content and calls alike
+            self._harmony = HarmonySplitter(
+                reasoning=reasoning, parse_tools=parse_tools, accept=lambda n: names is None or n in names
+            )
+        else:
+            self._think = ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags) if reasoning else None
+            self._scanner = _CallScanner(fmt or GENERIC, names, new_id, props) if parse_tools else None
         self._content: list[str] = []
         self._reasoning: list[str] = []
 
@@ -244,6 +295,14 @@ class ReplyParser:
         return self._step("", final=True)
 
     def _step(self, text: str, *, final: bool) -> ReplyDelta:
+        if self._harmony is not None:
+            reasoning, text, found = self._harmony.feed(text, final=final)
+            base = len(self._harmony_calls)
+            calls = [ToolCall(base + i, self._new_id(), n, dump_arguments(a)) for i, (n, a) in enumerate(found)]
+            self._harmony_calls.extend(calls)
+            self._content.append(text)
+            self._reasoning.append(reasoning)
+            return ReplyDelta(content=text, reasoning=reasoning, tool_calls=calls)
         reasoning = ""
         if self._think is not None:
             reasoning, text = self._think.feed(text)
@@ -267,7 +326,14 @@ class ReplyParser:
 
     @property
     def calls(self) -> list[ToolCall]:
+        if self._harmony is not None:
+            return list(self._harmony_calls)
         return list(self._scanner.calls) if self._scanner is not None else []
+
+
+def _properties(schema: Any) -> Props:
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    return props if isinstance(props, dict) else {}
 
 
 def parse_reply(
@@ -279,10 +345,17 @@ def parse_reply(
     starts_in_reasoning: bool = False,
     tools: ToolRequest | None = None,
     new_id: Callable[[], str] = new_call_id,
+    think_tags: tuple[str, str] = (OPEN, CLOSE),
 ) -> ReplyDelta:
     """A whole (non-streamed) reply: one feed and the finish."""
     parser = ReplyParser(
-        fmt, parse_tools=parse_tools, reasoning=reasoning, starts_in_reasoning=starts_in_reasoning, tools=tools, new_id=new_id
+        fmt,
+        parse_tools=parse_tools,
+        reasoning=reasoning,
+        starts_in_reasoning=starts_in_reasoning,
+        tools=tools,
+        new_id=new_id,
+        think_tags=think_tags,
     )
     first, last = parser.feed(text), parser.finish()
     return ReplyDelta(first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls)

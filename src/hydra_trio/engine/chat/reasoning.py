@@ -26,7 +26,9 @@ class ThinkSplitter:
     ``</think>`` as reasoning, without the tags and one newline on each side; the content
     after it starts at its first non-whitespace character."""
 
-    def __init__(self, *, starts_in_reasoning: bool = False) -> None:
+    def __init__(self, *, starts_in_reasoning: bool = False, tags: tuple[str, str] = (OPEN, CLOSE)) -> None:
+        # ``tags``: the family's think markers (``<think>``, Seed-OSS's ``<seed:think>``, ...)
+        self._open, self._close = tags
         self._state: Literal["start", "think", "after", "content"] = "think" if starts_in_reasoning else "start"
         self._buf = ""
         self._first = True  # no reasoning emitted yet: its one leading newline is dropped
@@ -40,20 +42,20 @@ class ThinkSplitter:
             buf = self._buf
             if self._state == "start":
                 lead = buf.lstrip()
-                if lead.startswith(OPEN):
-                    self._state, self._buf = "think", lead[len(OPEN):]
-                elif OPEN.startswith(lead):
+                if lead.startswith(self._open):
+                    self._state, self._buf = "think", lead[len(self._open):]
+                elif self._open.startswith(lead):
                     break  # whitespace, or the start of the tag: wait for more
                 else:
                     self._state = "content"
             elif self._state == "think":
-                end = buf.find(CLOSE)
+                end = buf.find(self._close)
                 if end >= 0:
                     said = buf[:end]
                     reasoning.append(self._reasoning(said[:-1] if said.endswith("\n") else said))
-                    self._state, self._buf = "after", buf[end + len(CLOSE):]
+                    self._state, self._buf = "after", buf[end + len(self._close):]
                 else:
-                    keep = partial_suffix(buf, "\n" + CLOSE, CLOSE)
+                    keep = partial_suffix(buf, "\n" + self._close, self._close)
                     reasoning.append(self._reasoning(buf[: len(buf) - keep]))
                     self._buf = buf[len(buf) - keep:]
                     break

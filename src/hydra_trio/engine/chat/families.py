@@ -1,0 +1,366 @@
+"""Tool-call syntaxes that are not one JSON object per call: the model families whose calls
+are blocks of their own markup (Qwen3-Coder's and Seed-OSS's ``<function=...>``, GLM's
+``<arg_key>``, Kimi K2's and DeepSeek's special-token sections, MiniMax's and DeepSeek
+V3.2's ``<invoke>``). Each ``Block`` holds both readers of its syntax: ``read`` (one block's
+text -> calls, for ``parser.py``) and ``call_rule`` (one tool's call as GBNF, for
+``grammar.tools_gbnf``), so what the grammar makes a model write is what the parser reads.
+The formats built on them are in ``formats.py``. Pure.
+
+The shapes and expected parses restate llama.cpp's tests (tests/test-chat.cpp) for the
+templates of its corpus (models/templates/)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .tools import Tool
+
+Call = tuple[str, dict[str, Any], str | None]  # (name, arguments, the id the model wrote or None)
+Props = Mapping[str, Mapping[str, Any]]  # a tool's parameters' properties: name -> schema
+Reader = Callable[[str, str, Callable[[str], Props | None]], list[Call] | None]
+SchemaGbnf = Callable[[Any, str], str]  # grammar.schema_gbnf
+Renamed = Callable[[str, str], str]  # grammar._renamed
+
+
+@dataclass(frozen=True)
+class Block:
+    """A region of calls: it starts at one of ``openers`` and ends at ``closer`` (then an
+    optional ``tail``, with whitespace before it, is part of it too). ``read`` gets the text
+    between opener and closer and the opener; it returns the calls, or None when the region
+    is not valid calls (its text is then content)."""
+
+    openers: tuple[str, ...]
+    closer: str
+    read: Reader
+    tail: str = ""
+    closers: tuple[str, ...] = ()  # when given: the closer of each opener (DSML's two spellings)
+    # One call's GBNF: (tool, its index, schema_gbnf, renamed) -> (the call's expression, rules)
+    call_rule: Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]] | None = None
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text) if text else ""
+
+
+def _json_args(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _trim_nl(text: str) -> str:
+    """A parameter's value without the one newline each side the XML forms put around it."""
+    if text.startswith("\n"):
+        text = text[1:]
+    if text.endswith("\n"):
+        text = text[:-1]
+    return text
+
+
+def typed_value(text: str, schema: Mapping[str, Any] | None) -> Any:
+    """An XML parameter's text as the argument's value: as written for a string parameter
+    (or one the tool does not declare as another type); else its JSON value, the text when
+    it is not JSON (as llama.cpp's XML parsers do)."""
+    kind = schema.get("type") if schema is not None else None
+    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _xml_args(pairs: list[tuple[str, str]], props: Props | None) -> dict[str, Any]:
+    return {k: typed_value(_trim_nl(v), (props or {}).get(k)) for k, v in pairs}
+
+
+# -- Qwen3-Coder and Seed-OSS: <tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>
+
+_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def _read_function(body: str, opener: str, props_of: Callable[[str], Props | None], fn: str) -> list[Call] | None:
+    """One ``<function=NAME>...`` call; the opener is the tool-call tag (then the function
+    tag follows it) or, as some models write it, the function tag itself."""
+    if opener != fn:
+        body = body.lstrip()
+        if not body.startswith(fn):
+            return None
+        body = body[len(fn):]
+    name, sep, rest = body.partition(">")
+    name = name.strip()
+    if not sep or not name:
+        return None
+    pairs = [(m.group(1).strip(), m.group(2)) for m in _PARAM.finditer(rest)]
+    if _PARAM.sub("", rest).strip():
+        return None  # text outside the parameters: not a call
+    return [(name, _xml_args(pairs, props_of(name)), None)]
+
+
+def _xml_param_rules(
+    tool: Tool,
+    i: int,
+    schema_gbnf: SchemaGbnf,
+    renamed: Renamed,
+    write: Callable[[str], tuple[str, str]],
+    padded: bool = False,
+) -> tuple[str, list[str]]:
+    """A tool's parameters as a sequence of XML parameters in the schema's order (required
+    ones always, others optional): a string's value is text without ``<``, others their
+    schema's JSON. ``write(key)``: the literal before and after a parameter's value."""
+    props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
+    required = set(tool.parameters.get("required") or ()) if isinstance(tool.parameters, dict) else set()
+    rules: list[str] = []
+    parts: list[str] = []
+    for j, (key, schema) in enumerate((props or {}).items()):
+        if isinstance(schema, dict) and schema.get("type") == "string":
+            # A string is written as text (typed_value reads it so): no "<" (it would end
+            # the value) and, where no newline is written around it, no newline at its edges.
+            value = f"t{i}-p{j}-text"
+            lo, hi = schema.get("minLength"), schema.get("maxLength")
+            lo = lo if isinstance(lo, int) else 0
+            count = f"{{{lo},{hi}}}" if isinstance(hi, int) else f"{{{lo},}}" if lo else "*"
+            chars = "[^<]" if padded else "[^<\\n]"
+            rules.append(f"{value} ::= {chars}{count}")
+        else:
+            rules.append(renamed(schema_gbnf(schema, f"tools[{i}].function.parameters.properties.{key}"), f"t{i}-p{j}-"))
+            value = f"t{i}-p{j}-root"
+        before, after = write(key)
+        part = f"{_lit(before)} {value} {_lit(after)}"
+        parts.append(part if key in required else f"({part})?")
+    return " ".join(parts), rules
+
+
+def _qwen_rule(call_open: str, call_close: str) -> Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]]:
+    def rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+        params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, lambda k: (f"<parameter={k}>\n", "\n</parameter>\n"), True)
+        head = _lit(f"{call_open}\n<function={tool.name}>\n")
+        return " ".join(x for x in (head, params, _lit(f"</function>\n{call_close}")) if x), rules
+
+    return rule
+
+
+QWEN_XML = Block(
+    openers=("<tool_call>", "<function="),
+    closer="</function>",
+    tail="</tool_call>",
+    read=lambda body, opener, props: _read_function(body, opener, props, "<function="),
+    call_rule=_qwen_rule("<tool_call>", "</tool_call>"),
+)
+SEED_XML = Block(
+    openers=("<seed:tool_call>", "<function="),
+    closer="</function>",
+    tail="</seed:tool_call>",
+    read=lambda body, opener, props: _read_function(body, opener, props, "<function="),
+    call_rule=_qwen_rule("<seed:tool_call>", "</seed:tool_call>"),
+)
+
+
+# -- GLM-4.5/4.6/4.7: <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>
+
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _read_glm(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    k = body.find("<arg_key>")
+    name, rest = (body, "") if k < 0 else (body[:k], body[k:])
+    name = name.strip()
+    if not name or "<" in name or "{" in name:
+        return None
+    pairs = [(m.group(1).strip(), m.group(2)) for m in _ARG.finditer(rest)]
+    if _ARG.sub("", rest).strip():
+        return None
+    return [(name, _xml_args(pairs, props_of(name)), None)]
+
+
+def _glm_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    params, rules = _xml_param_rules(
+        tool, i, schema_gbnf, renamed, lambda k: (f"<arg_key>{k}</arg_key>\n<arg_value>", "</arg_value>\n")
+    )
+    return " ".join(x for x in (_lit(f"<tool_call>{tool.name}\n"), params, _lit("</tool_call>")) if x), rules
+
+
+GLM_XML = Block(openers=("<tool_call>",), closer="</tool_call>", read=_read_glm, call_rule=_glm_rule)
+
+
+# -- JSON arguments between special tokens: Kimi K2 and DeepSeek V3.x/R1
+
+
+def _json_rule(head: Callable[[Tool], str], tail: str) -> Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]]:
+    def rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+        args = renamed(schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-")
+        return f"{head(tool)} t{i}-root {_lit(tail)}", [args]
+
+    return rule
+
+
+KIMI_CALL = re.compile(
+    r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?([^<:\s]+)(:\d+)?\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.S
+)
+
+
+def _read_kimi(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    """Kimi K2's calls; its id is the name as written, ``functions.NAME:IDX``."""
+    calls: list[Call] = []
+    pos = 0
+    for m in KIMI_CALL.finditer(body):
+        if m.start() != pos:
+            return None
+        args = _json_args(m.group(3))
+        if args is None:
+            return None
+        name = m.group(1)
+        calls.append((name, args, f"functions.{name}{m.group(2) or ':' + str(len(calls))}"))
+        pos = m.end()
+    return calls if calls and not body[pos:].strip() else None
+
+
+KIMI = Block(
+    openers=("<|tool_calls_section_begin|>",),
+    closer="<|tool_calls_section_end|>",
+    read=_read_kimi,
+    call_rule=_json_rule(
+        lambda t: f'{_lit("<|tool_call_begin|>functions." + t.name + ":")} [0-9]+ {_lit("<|tool_call_argument_begin|>")}',
+        "<|tool_call_end|>",
+    ),
+)
+
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL = re.compile(
+    r"\s*<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>([^\n<]+)\n```(?:json)?\n?(.*?)```|([^<]+?)<｜tool▁sep｜>(.*?))\s*<｜tool▁call▁end｜>",
+    re.S,
+)
+
+
+def _read_deepseek(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    """DeepSeek V3.1's ``NAME<｜tool▁sep｜>{json}`` and R1's ``function<｜tool▁sep｜>NAME\\n```json\\n{json}```"""
+    calls: list[Call] = []
+    pos = 0
+    for m in DS_CALL.finditer(body):
+        if m.start() != pos:
+            return None
+        name, text = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
+        args = _json_args(text)
+        if args is None:
+            return None
+        calls.append((name.strip(), args, None))
+        pos = m.end()
+    return calls if calls and not body[pos:].strip() else None
+
+
+DEEPSEEK = Block(
+    openers=(DS_BEGIN,),
+    closer=DS_END,
+    read=_read_deepseek,
+    call_rule=_json_rule(lambda t: _lit(f"<｜tool▁call▁begin｜>{t.name}<｜tool▁sep｜>"), "<｜tool▁call▁end｜>"),
+)
+
+
+# -- <invoke name="N"><parameter name="K">V</parameter></invoke>: MiniMax M2 and DeepSeek V3.2 (DSML)
+
+
+def _invoke_reader(p: str) -> Reader:
+    invoke = re.compile(rf'\s*<{p}invoke name="([^"]+)">(.*?)</{p}invoke>', re.S)
+    param = re.compile(rf'<{p}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{p}parameter>', re.S)
+
+    def read(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+        calls: list[Call] = []
+        pos = 0
+        for m in invoke.finditer(body):
+            if m.start() != pos:
+                return None
+            name, inner = m.group(1), m.group(2)
+            if param.sub("", inner).strip():
+                return None
+            props = props_of(name) or {}
+            args: dict[str, Any] = {}
+            for pm in param.finditer(inner):
+                key, is_string, text = pm.group(1), pm.group(2), _trim_nl(pm.group(3))
+                args[key] = text if is_string == "true" else typed_value(text, None if is_string else props.get(key))
+            calls.append((name, args, None))
+            pos = m.end()
+        return calls if calls and not body[pos:].strip() else None
+
+    return read
+
+
+def _invoke_rule(p: str, dsml: bool) -> Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]]:
+    def rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+        props = tool.parameters.get("properties") or {} if isinstance(tool.parameters, dict) else {}
+
+        def write(k: str) -> tuple[str, str]:
+            s = props.get(k)
+            flag = (' string="true"' if isinstance(s, dict) and s.get("type") == "string" else ' string="false"') if dsml else ""
+            return f'<{p}parameter name="{k}"{flag}>', f"</{p}parameter>\n"
+
+        params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, write)
+        head = _lit(f'\n<{p}invoke name="{tool.name}">\n')
+        return " ".join(x for x in (head, params, _lit(f"</{p}invoke>\n")) if x), rules
+
+    return rule
+
+
+MINIMAX = Block(
+    openers=("<minimax:tool_call>",),
+    closer="</minimax:tool_call>",
+    read=_invoke_reader(""),
+    call_rule=_invoke_rule("", False),
+)
+DSML = Block(
+    openers=("<｜DSML｜function_calls>", "<｜DSML｜tool_calls>"),  # V3.2's, V4's
+    closer="</｜DSML｜function_calls>",
+    closers=("</｜DSML｜function_calls>", "</｜DSML｜tool_calls>"),
+    read=_invoke_reader("｜DSML｜"),
+    call_rule=_invoke_rule("｜DSML｜", True),
+)
+
+
+# -- Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>
+
+GEMMA_QUOTE = '<|"|>'
+_GEMMA_STRING = re.compile(r'<\|"\|>(.*?)<\|"\|>|"(?:[^"\\]|\\.)*"', re.S)
+_GEMMA_KEY = re.compile(r"([{,]\s*)([A-Za-z_][\w.-]*)\s*:")
+
+
+def gemma_args(text: str) -> dict[str, Any] | None:
+    """Gemma 4's argument object (bare keys, strings between ``<|"|>``) as a dict."""
+    strings: list[str] = []
+
+    def hold(m: re.Match[str]) -> str:
+        strings.append(json.dumps(m.group(1)) if m.group(1) is not None else m.group(0))
+        return f"\x00{len(strings) - 1}\x00"
+
+    held = _GEMMA_STRING.sub(hold, text)
+    held = _GEMMA_KEY.sub(lambda m: f'{m.group(1)}"{m.group(2)}":', held)
+    held = re.sub(r",\s*([}\]])", r"\1", held)  # the grammar writes a comma after each argument
+    return _json_args(re.sub(r"\x00(\d+)\x00", lambda m: strings[int(m.group(1))], held))
+
+
+def _read_gemma(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    body = body.strip()
+    if not body.startswith("call:"):
+        return None
+    name, brace, rest = body[len("call:"):].partition("{")
+    args = gemma_args(brace + rest) if brace else None
+    return [(name.strip(), args, None)] if name.strip() and args is not None else None
+
+
+def _gemma_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    props = tool.parameters.get("properties") or {} if isinstance(tool.parameters, dict) else {}
+
+    def write(k: str) -> tuple[str, str]:
+        s = props.get(k)
+        quoted = isinstance(s, dict) and s.get("type") == "string"
+        return (f"{k}:{GEMMA_QUOTE}" if quoted else f"{k}:"), (f"{GEMMA_QUOTE}," if quoted else ",")
+
+    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, write)
+    return " ".join(x for x in (_lit(f"<|tool_call>call:{tool.name}{{"), params, _lit("}<tool_call|>")) if x), rules
+
+
+GEMMA4 = Block(openers=("<|tool_call>",), closer="<tool_call|>", read=_read_gemma, call_rule=_gemma_rule)

@@ -1,0 +1,210 @@
+"""The model families whose calls are not one JSON object (engine/chat/families.py) and
+gpt-oss's harmony channels (harmony.py): each family's replies, as llama.cpp's tests expect
+them parsed (restated in our words), give the same calls, reasoning and content whole and
+streamed split at every point; ``auto`` picks the family from a template's markers. Pure."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hydra_trio.engine.chat import (
+    ChatTemplate,
+    ReplyParser,
+    parse_reply,
+    parse_tools,
+    template_caps,
+)
+from hydra_trio.engine.chat.caps import detect_format, detect_think_tags
+from hydra_trio.engine.chat.formats import FORMATS, ToolFormat
+
+INT = {"type": "integer"}
+TOOLS = parse_tools({
+    "tools": [
+        {"type": "function", "function": {"name": "special_function", "parameters": {"type": "object", "properties": {"arg1": INT}}}},
+        {"type": "function", "function": {"name": "special_function_with_opt",
+                                          "parameters": {"type": "object", "properties": {"arg1": INT, "arg2": INT}}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "empty_args", "parameters": {"type": "object", "properties": {}}}},
+    ],
+    "parallel_tool_calls": True,
+})
+ONE = [("special_function", {"arg1": 1})]
+TWO = [("special_function", {"arg1": 1}), ("special_function_with_opt", {"arg1": 1, "arg2": 2})]
+
+
+def ids() -> Callable[[], str]:
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+# (format, reply, starts in reasoning, content, reasoning, calls)
+Case = tuple[str, str, bool, str, str, list[tuple[str, dict[str, Any]]]]
+CASES: list[Case] = [
+    # Qwen3-Coder (and Qwen3.5, Nemotron 3, StepFun 3.5): XML parameters, typed by the schema.
+    ("qwen3_coder", "<tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>",
+     False, "", "", ONE),
+    ("qwen3_coder", "Let me call it.\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>",
+     False, "Let me call it.", "", ONE),  # the opening <tool_call> skipped, as some models do
+    ("qwen3_coder", "<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+     "<function=special_function_with_opt>\n<parameter=arg1>\n1\n</parameter>\n<parameter=arg2>\n2\n</parameter>\n</function>\n"
+     "</tool_call>", False, "", "", TWO),
+    ("qwen3_coder", "<tool_call>\n<function=get_time>\n<parameter=city>\n42\n</parameter>\n</function>\n</tool_call>",
+     False, "", "", [("get_time", {"city": "42"})]),  # a string parameter stays text
+    ("qwen3_coder", "<think>\nplan\n</think>\n\nHello, world!", False, "Hello, world!", "plan", []),
+    ("qwen3_coder", "<tool_call>\n<function=nope>\n</function>\n</tool_call>", False,
+     "<tool_call>\n<function=nope>\n</function>\n</tool_call>", "", []),  # an undeclared tool: content
+    ("seed_oss", "<seed:tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n"
+     "</seed:tool_call>", False, "", "", ONE),
+    # GLM-4.6 (newlines) and GLM-4.7 (none); its prompt may end inside <think>.
+    ("glm", "<tool_call>special_function\n<arg_key>arg1</arg_key>\n<arg_value>1</arg_value>\n</tool_call>", False, "", "", ONE),
+    ("glm", "I'm\nthinking</think><tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value></tool_call>",
+     True, "", "I'm\nthinking", ONE),
+    ("glm", "<tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value></tool_call><tool_call>"
+     "special_function_with_opt<arg_key>arg1</arg_key><arg_value>1</arg_value><arg_key>arg2</arg_key><arg_value>2</arg_value>"
+     "</tool_call>", False, "", "", TWO),
+    ("glm", "Let me read it.</think><tool_call>empty_args</tool_call>", True, "", "Let me read it.", [("empty_args", {})]),
+    ("glm", "I'm\nthinking</think>Hello, world!\nWhat's up?", True, "Hello, world!\nWhat's up?", "I'm\nthinking", []),
+    # Kimi K2: the id is the model's own functions.NAME:IDX.
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.special_function:0<|tool_call_argument_begin|>"
+     '{"arg1": 1}<|tool_call_end|><|tool_calls_section_end|>', False, "", "", ONE),
+    ("kimi_k2", "<think>I'm thinking about this</think>Hello<|tool_calls_section_begin|><|tool_call_begin|>"
+     'functions.special_function:0<|tool_call_argument_begin|>{"arg1": 1}<|tool_call_end|><|tool_call_begin|>'
+     'functions.special_function_with_opt:1<|tool_call_argument_begin|>{"arg1": 1, "arg2": 2}<|tool_call_end|>'
+     "<|tool_calls_section_end|>", False, "Hello", "I'm thinking about this", TWO),
+    # DeepSeek V3.1 (NAME<sep>JSON) and R1 (function<sep>NAME ```json```), prompt ending in <think>.
+    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "XYZCITY"}<｜tool▁call▁end｜>'
+     "<｜tool▁calls▁end｜>", False, "", "", [("get_time", {"city": "XYZCITY"})]),
+    ("deepseek", 'REASONING</think>CONTENT<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Paris"}'
+     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>special_function<｜tool▁sep｜>{"arg1": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     True, "CONTENT", "REASONING", [("get_time", {"city": "Paris"}), ("special_function", {"arg1": 1})]),
+    ("deepseek", "</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>special_function\n```json\n"
+     '{"arg1": 1}```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', True, "", "", ONE),
+    # DeepSeek V3.2 (function_calls) and V4 (tool_calls) DSML; string="false" is JSON.
+    ("deepseek_dsml", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_time">\n<｜DSML｜parameter name="city" string="true">'
+     "Tokyo</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>", False, "", "", [("get_time", {"city": "Tokyo"})]),
+    ("deepseek_dsml", '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="special_function">\n<｜DSML｜parameter name="arg1" '
+     'string="false">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>', False, "", "", ONE),
+    # MiniMax M2: its prompt ends inside <think>.
+    ("minimax", 'Let\'s call a tool:\n</think>\n\n<minimax:tool_call>\n<invoke name="empty_args">\n</invoke>\n</minimax:tool_call>',
+     True, "", "Let's call a tool:", [("empty_args", {})]),
+    ("minimax", '\n</think>\n\n<minimax:tool_call>\n<invoke name="special_function">\n<parameter name="arg1">1</parameter>\n'
+     "</invoke>\n</minimax:tool_call>", True, "", "", ONE),
+    # Gemma 4: bare keys, strings between <|"|>; its reasoning is the "thought" channel.
+    ("gemma4", '<|tool_call>call:get_time{city:<|"|>San Francisco<|"|>}<tool_call|>', False, "", "",
+     [("get_time", {"city": "San Francisco"})]),
+    ("gemma4", "<|tool_call>call:empty_args{}<tool_call|>", False, "", "", [("empty_args", {})]),
+    ("gemma4", 'Hello, world!\nWhat\'s up?<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>'
+     "<|tool_call>call:special_function{arg1:1}<tool_call|>", False, "Hello, world!\nWhat's up?", "",
+     [("get_time", {"city": "Paris"}), ("special_function", {"arg1": 1})]),
+    # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
+    ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
+    ("harmony", "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>Hello, world!",
+     False, "Hello, world!", "I'm\nthinking", []),
+    ("harmony", "<|channel|>analysis<|message|>I'm\nthinking", False, "", "I'm\nthinking", []),
+    ("harmony", ' to=functions.special_function<|channel|>analysis<|message|>{"arg1": 1}', False, "", "", ONE),
+    ("harmony", '<|channel|>analysis to=functions.special_function<|message|>{"arg1": 1}', False, "", "", ONE),
+    ("harmony", ' to=functions.special_function<|channel|>analysis <|constrain|>json<|message|>{"arg1": 1}', False, "", "", ONE),
+    ("harmony", "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.special_function <|constrain|>json<|message|>{"arg1": 1}<|call|>', False, "", "I'm\nthinking", ONE),
+    ("harmony", "<|channel|>analysis<|message|>run python<|end|><|start|>assistant<|channel|>commentary to=python "
+     "<|constrain|>code<|message|>print(\"hello\")", False, "", "run python", []),  # a built-in tool's message: dropped
+    ("harmony", "Plain text, no channels.", False, "Plain text, no channels.", "", []),
+]
+
+
+def _whole(fmt: ToolFormat, text: str, starts_in: bool) -> tuple[str, str, list[Any]]:
+    r = parse_reply(text, fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids())
+    return r.content, r.reasoning, r.tool_calls
+
+
+def _streamed(fmt: ToolFormat, pieces: list[str], starts_in: bool) -> tuple[str, str, list[Any]]:
+    p = ReplyParser(fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids())
+    deltas = [p.feed(x) for x in pieces] + [p.finish()]
+    assert [c for d in deltas for c in d.tool_calls] == p.calls
+    return "".join(d.content for d in deltas), "".join(d.reasoning for d in deltas), p.calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_each_familys_reply_parses_whole_and_split_anywhere(case: Case) -> None:
+    name, text, starts_in, content, reasoning, calls = case
+    fmt = FORMATS[name]
+    whole = _whole(fmt, text, starts_in)
+    assert (whole[0], whole[1]) == (content, reasoning)
+    assert [(c.name, json.loads(c.arguments)) for c in whole[2]] == calls
+    assert [c.index for c in whole[2]] == list(range(len(calls)))
+    for k in range(len(text) + 1):  # every split point in two, and character by character
+        assert _streamed(fmt, [text[:k], text[k:]], starts_in) == whole, k
+    assert _streamed(fmt, list(text), starts_in) == whole
+
+
+def test_kimi_keeps_the_models_call_ids() -> None:
+    text = CASES[13][1]
+    assert [c.id for c in _whole(FORMATS["kimi_k2"], text, False)[2]] == [
+        "functions.special_function:0", "functions.special_function_with_opt:1"
+    ]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_any_split_of_a_familys_reply_is_its_whole_parse(case: Case, data: st.DataObject) -> None:
+    name, text, starts_in = case[0], case[1], case[2]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert _streamed(FORMATS[name], pieces, starts_in) == _whole(FORMATS[name], text, starts_in)
+
+
+def test_harmony_without_reasoning_shows_the_analysis_as_content() -> None:
+    text = "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>Hi"
+    r = parse_reply(text, FORMATS["harmony"], parse_tools=False, reasoning=False)
+    assert (r.content, r.reasoning) == ("I'm\nthinkingHi", "")
+
+
+# ---- detection from a template's markers --------------------------------------------------------
+
+SNIPPETS = [
+    ("{{ '<tool_call>\\n<function=' + name + '>\\n<parameter=' + k + '>' }}", "qwen3_coder"),
+    ("{{ '<seed:tool_call>\\n<function=' + name + '>' }}<parameter={{ k }}>", "seed_oss"),
+    ("{{ '<tool_call>' + name }}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>", "glm"),
+    ("<|tool_calls_section_begin|>{% for c in calls %}<|tool_call_begin|>{% endfor %}", "kimi_k2"),
+    ("{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' }}", "deepseek"),
+    ("{% set dsml_token = '｜DSML｜' %}{{ '<' + dsml_token + 'invoke name=' }}", "deepseek_dsml"),
+    ("<minimax:tool_call>\\n<invoke name=\"{{ name }}\">", "minimax"),
+    ("{{ '<|start|>assistant<|channel|>' + channel + '<|message|>' }}", "harmony"),
+    ("{{ '<|tool_call>call:' + name + '{' }}...{{ '}<tool_call|>' }}", "gemma4"),
+    ("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}", "hermes"),
+]
+
+
+@pytest.mark.parametrize(("source", "name"), SNIPPETS, ids=[n for _, n in SNIPPETS])
+def test_auto_picks_the_family_from_the_templates_markers(source: str, name: str) -> None:
+    assert detect_format(source) is FORMATS[name]
+    caps = template_caps(ChatTemplate(name="t", source="inline", jinja=source))
+    assert caps.tool_format is FORMATS[name] and caps.as_dict()["tool_format"] == name
+    # a named parser overrides what the source suggests
+    assert template_caps(ChatTemplate(name="t", source="inline", jinja=source), "hermes").tool_format is FORMATS["hermes"]
+
+
+def test_each_familys_think_markers() -> None:
+    assert detect_think_tags("{{ '<seed:think>' + r + '</seed:think>' }}") == ("<seed:think>", "</seed:think>")
+    assert detect_think_tags("[THINK]{{ r }}[/THINK]") == ("[THINK]", "[/THINK]")
+    assert detect_think_tags("<think>{{ r }}</think>") == ("<think>", "</think>")
+    assert detect_think_tags("<mm:think>{{ r }}</mm:think>") == ("<mm:think>", "</mm:think>")
+    assert detect_think_tags("{{ '<|channel>thought\\n' + r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")
+    gemma = parse_reply("<|channel>thought\nI'm\nthinking<channel|>Hello", FORMATS["gemma4"], parse_tools=False,
+                        reasoning=True, think_tags=("<|channel>thought", "<channel|>"))
+    assert (gemma.reasoning, gemma.content) == ("I'm\nthinking", "Hello")
+    assert detect_think_tags("{{ messages }}") is None
+    seed = "<seed:think>plan</seed:think>Answer"
+    r = parse_reply(seed, FORMATS["seed_oss"], parse_tools=False, reasoning=True, think_tags=("<seed:think>", "</seed:think>"))
+    assert (r.reasoning, r.content) == ("plan", "Answer")
+    caps = template_caps(ChatTemplate(name="t", source="inline", jinja="<|channel|>analysis<|message|>"))
+    assert caps.thinks  # harmony's analysis channel is its reasoning
