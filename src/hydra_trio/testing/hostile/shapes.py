@@ -5,12 +5,14 @@ watch: the half of Campaign that builds cases."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
 
 import httpx
 import trio
 
+from ..net import free_port
 from ..process import EngineProcess
 from .config import (
     BIG,
@@ -23,7 +25,6 @@ from .config import (
 )
 from .httpfuzz import Case
 from .rawhttp import http_request
-from .streams import _lan_address, fuzz_free_port
 
 
 class CampaignShapes:
@@ -273,8 +274,8 @@ class CampaignShapes:
     async def traps(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """A listener on every interface: the KV pulls aim at its port, so a connection the
         engine should not have opened is seen."""
-        lan = _lan_address()
-        port = fuzz_free_port("0.0.0.0")
+        lan = lan_address()
+        port = free_port("0.0.0.0")
         self.ledger.notes["_lan_host"] = lan
         self.ledger.notes["_trap_port"] = port
         # Every interface: a connection to the LAN address, to 0.0.0.0 (which Linux sends to
@@ -334,3 +335,17 @@ class CampaignShapes:
             )
             if r.status_code == 200:  # (no export: the KV-pull shapes are counted as skipped)
                 self.ledger.notes["_export_params"] = r.json().get("kv_transfer_params")
+
+
+def lan_address() -> str:
+    """This host's address on a non-loopback interface (where a listener can be), else a
+    documentation address with no listener."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.123", 9))  # UDP: no packet is sent, the route picks the address
+            addr = s.getsockname()[0]
+            if not addr.startswith("127."):
+                return addr
+    except OSError:
+        pass
+    return "192.0.2.1"

@@ -18,27 +18,6 @@ from ..workload import (
 )
 from .config import STOPPED
 
-
-def fuzz_free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _lan_address() -> str:
-    """This host's address on a non-loopback interface (where a listener can be), else a
-    documentation address with no listener."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.123", 9))  # UDP: no packet is sent, the route picks the address
-            addr = s.getsockname()[0]
-            if not addr.startswith("127."):
-                return addr
-    except OSError:
-        pass
-    return "192.0.2.1"
-
-
 # ---- the stream reader (its own process) ------------------------------------------------------
 
 
