@@ -14,6 +14,8 @@ from .sse import DONE, delta_text, sse_data
 
 @dataclass
 class Stream:
+    """One streaming completion on its own raw socket, and what its reader saw so far."""
+
     sock: socket.socket
     request: bytes
     buf: bytearray = field(default_factory=bytearray)
@@ -25,6 +27,8 @@ class Stream:
 
 
 def completion_request(port: int, prompt: str, n_tokens: int) -> bytes:
+    """A whole HTTP/1.1 request for a greedy streaming ``/v1/completions`` of ``n_tokens``
+    (``ignore_eos``: every stream runs its full length), closed after its reply."""
     body = json.dumps(
         {
             "prompt": prompt,
@@ -78,6 +82,7 @@ def consume(s: Stream, now: float) -> None:
 
 
 def percentile(values: Sequence[float], p: float) -> float:
+    """The ``p``-th percentile, linearly interpolated (NaN for no values)."""
     vals = sorted(values)
     if not vals:
         return float("nan")
