@@ -41,10 +41,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from hydra_trio.testing.workload import Stream, completion_request, consume
 
 from .harness import EngineProcess, env_info, metric_value, percentile, words_prompt
 from .llama_server import LlamaServer, find_or_build
@@ -65,76 +66,9 @@ def thread_cpu_s(pid: int, tid: int) -> float:
     return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
 
 
-@dataclass
-class Stream:
-    sock: socket.socket
-    request: bytes
-    buf: bytearray = field(default_factory=bytearray)
-    header_done: bool = False
-    arrivals: list[float] = field(default_factory=list)  # one per token-bearing event
-    tokens: int = 0  # from the final usage, else the events counted
-    done: bool = False
-    error: str = ""
-
-
-def _request(port: int, prompt: str, n_tokens: int) -> bytes:
-    body = json.dumps(
-        {
-            "prompt": prompt,
-            "max_tokens": n_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    return head + body
-
-
-def _consume(s: Stream, now: float) -> None:
-    """Parse what arrived: SSE events (chunked transfer framing is skipped line by line)."""
-    if not s.header_done:
-        end = s.buf.find(b"\r\n\r\n")
-        if end < 0:
-            return
-        status = bytes(s.buf[: s.buf.find(b"\r\n")])
-        if b" 200 " not in status:
-            s.error = status.decode(errors="replace")
-        del s.buf[: end + 4]
-        s.header_done = True
-    while True:
-        end = s.buf.find(b"\n\n")
-        if end < 0:
-            return
-        event = bytes(s.buf[:end])
-        del s.buf[: end + 2]
-        for line in event.split(b"\n"):
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                s.done = True
-                continue
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                continue
-            usage = obj.get("usage")
-            if usage:
-                s.tokens = usage.get("completion_tokens", s.tokens)
-            choices = obj.get("choices") or []
-            if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
-                s.arrivals.append(now)
-
-
 def run_round(port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
     """One streaming completion per prompt, all at once, each read to its end."""
-    return _read_streams(port, [_request(port, p, n_tokens) for p in prompts], n_tokens, time.perf_counter(), timeout_s)
+    return _read_streams(port, [completion_request(port, p, n_tokens) for p in prompts], n_tokens, time.perf_counter(), timeout_s)
 
 
 def run_health_burst(port: int, n: int, timeout_s: float = 60) -> dict[str, Any]:
@@ -217,7 +151,7 @@ def _read_streams(port: int, requests: list[bytes], n_tokens: int, t0: float, ti
                 continue
             if chunk:
                 st.buf += chunk
-                _consume(st, now)
+                consume(st, now)
                 if not st.done:
                     continue
             # The stream ended ([DONE]) or the server closed it: hang up (a keep-alive
@@ -252,7 +186,7 @@ def churn(port: int, n_streams: int, n_tokens: int, seed: int) -> None:
     import random
 
     rng = random.Random(seed)
-    reqs = [_request(port, f"churn{seed} {i} " + words_prompt(12, seed=50_000 + seed * 1000 + i), rng.randint(1, n_tokens)) for i in range(n_streams)]
+    reqs = [completion_request(port, f"churn{seed} {i} " + words_prompt(12, seed=50_000 + seed * 1000 + i), rng.randint(1, n_tokens)) for i in range(n_streams)]
     _read_streams(port, reqs, n_tokens, time.perf_counter(), 600)
 
 

@@ -8,7 +8,6 @@ about 10 minutes on 2 cores; a missing peer is skipped with a message, never a c
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from hydra_trio.testing.sse import sse_chunk
 
 from .harness import free_port, summary, wait_http
 
@@ -143,7 +144,7 @@ def slot_restore_ttft_ms(server: LlamaServer, prompt: str, repeats: int) -> dict
             with http.stream("POST", "/completion", json={**body, "n_predict": 4, "stream": True}) as resp:
                 first = None
                 for line in resp.iter_lines():
-                    if first is None and line.startswith("data: ") and json.loads(line[6:]).get("content"):
+                    if first is None and (chunk := sse_chunk(line)) is not None and chunk.get("content"):
                         first = time.perf_counter()
             if first is None:
                 raise RuntimeError("llama-server streamed no text")

@@ -33,6 +33,7 @@ import httpx
 import trio
 
 from hydra_trio.rpc.client import RpcClient, RpcConnectionClosed, build_decode_frame, decode_call
+from hydra_trio.testing.sse import DONE, sse_data
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.protocol import Op, encode_request
 
@@ -146,9 +147,9 @@ class Soak:
                     self.report.error(f"sse status {r.status_code}", (await r.aread()).decode(errors="replace"))
                     return False
                 async for line in r.aiter_lines():
-                    if line == "data: [DONE]":
+                    if sse_data(line) == DONE:
                         done = True
-                    elif line.startswith("data: "):
+                    elif sse_data(line) is not None:
                         events += 1
                         if leave_after is not None and events >= leave_after:
                             break
@@ -229,9 +230,9 @@ class Soak:
                 return
             events, done, leave_after = 0, False, rng.randint(1, 8)
             async for line in r.aiter_lines():
-                if line == "data: [DONE]":
+                if sse_data(line) == DONE:
                     done = True
-                elif line.startswith("data: "):
+                elif sse_data(line) is not None:
                     events += 1
                     if leave and events >= leave_after:
                         self.report.outcomes["chat left mid-stream"] += 1

@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from hydra_trio.testing.sse import sse_chunk
+
 from .__main__ import RESULTS, build_models
 from .figures import Tokenizer, chat_request
 from .harness import EngineProcess, env_info, summary
@@ -45,9 +47,8 @@ def decode_ttft(d: EngineProcess, req: dict[str, Any], params: dict[str, Any]) -
     t0 = time.perf_counter()
     with httpx.Client(timeout=900) as c, c.stream("POST", d.url + "/v1/chat/completions", json=body) as resp:
         for line in resp.iter_lines():
-            if not line.startswith("data: {"):
+            if (chunk := sse_chunk(line)) is None:
                 continue
-            chunk = json.loads(line[6:])
             if first is None and any(ch["delta"].get("content") for ch in chunk.get("choices") or []):
                 first = time.perf_counter()
             kv = chunk.get("kv_transfer") or kv

@@ -38,6 +38,8 @@ from hydra_trio.testing.metrics import MetricSamples as MetricSamples
 from hydra_trio.testing.metrics import metric_samples as metric_samples
 from hydra_trio.testing.net import free_port as free_port
 from hydra_trio.testing.sse import parse_sse as parse_sse
+from hydra_trio.testing.sse import sse_chunk as sse_chunk
+from hydra_trio.testing.sse import sse_data as sse_data
 from hydra_trio.testing.sse import sse_text as sse_text
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.frames import encode_v3_raw
@@ -250,7 +252,7 @@ async def stream_then_hang_up(h: httpx.AsyncClient, path: str, body: dict[str, A
     async with h.stream("POST", path, json={**body, "stream": True}) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
-            if line.startswith("data: "):
+            if sse_data(line) is not None:
                 seen += 1
                 if seen >= after:
                     return
@@ -380,7 +382,7 @@ async def read_sse(
         n = 0
         async for line in r.aiter_lines():
             out.lines.append(line)
-            if line.startswith("data: "):
+            if sse_data(line) is not None:
                 n += 1
                 if stop_after is not None and n >= stop_after:
                     return

@@ -28,6 +28,7 @@ from helpers import (
     parse_sse,
     read_sse,
     rpc,
+    sse_data,
     sse_text,
     text_of,
     wait_until,
@@ -109,7 +110,7 @@ async def test_sse_readers_early_late_concurrent_and_leaving(
                 # The leaver disconnected while generation is paused; resume it.
                 await wait_until(
                     lambda: (
-                        sum(1 for x in late.lines or [] if x.startswith("data: ")) > n_before_join
+                        sum(1 for x in late.lines or [] if sse_data(x) is not None) > n_before_join
                     )
                 )
         final = await get_result(h, rid)

@@ -40,12 +40,14 @@ from helpers import (
     read_sse,
     reset_on_close,
     rpc,
+    sse_data,
     store,
     tombstone_state,
     wait_listed,
     wait_until,
 )
 from hydra_trio.rpc.client import RpcClient, SyncRpcClient, build_decode_frame
+from hydra_trio.testing.sse import DONE
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.protocol import Op, encode_request
 
@@ -165,7 +167,7 @@ async def test_chat_reader_leaving_mid_sse_cancels_the_chat(start_engine: Any, t
             assert r.status_code == 200
             events = 0
             async for line in r.aiter_lines():
-                events += line.startswith("data: ")
+                events += sse_data(line) is not None
                 if events >= 3:
                     break
         evaluated = engine._core.tokens_evaluated
@@ -293,9 +295,9 @@ class ChatReader(threading.Thread):
         try:
             with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/chat/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
-                    if line == "data: [DONE]":
+                    if sse_data(line) == DONE:
                         self.ending = "done"
-                    elif line.startswith("data: "):
+                    elif sse_data(line) is not None:
                         self.chunks += 1
                         if self.chunks >= 2:
                             self.started_streaming.set()

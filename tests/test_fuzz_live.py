@@ -1,21 +1,18 @@
-"""The live fuzz campaign (benchmarks/fuzz.py) at a CI budget: about 2,000 mutated and
+"""The live fuzz campaign (hydra_trio.testing.rpcfuzz) at a CI budget: about 2,000 mutated and
 hypothesis-drawn frames on persistent connections against an in-process engine, every reply
 read; PREFILLs and accepted DECODEs run for real. No crash, hang, desync or resurrected entry,
 and the engine is healthy afterwards. The full figure: `python -m benchmarks.fuzz`."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import pytest
-from benchmarks.fuzz import run_campaign
 
 from helpers import MESSAGES, frame, http, kv_meta, prefill, rpc
 from hydra_trio.rpc.client import decode_call, prefill_call
+from hydra_trio.testing.rpcfuzz import run_campaign
 from hydra_trio.wire.errors import Status
 
 FRAMES = 2000

@@ -1,4 +1,4 @@
-"""The hostile-client campaign (benchmarks/hostile.py) in its CI form: a few seconds of the
+"""The hostile-client campaign (hydra_trio.testing.hostile) in its CI form: a few seconds of the
 HTTP and RPC fuzzers, slow-drip senders, stalled readers, idle connections and the issue's
 shapes (12 MB bodies, huge prompts, KV pulls aimed at disallowed addresses) against a real
 ``hydra-trio serve`` process, beside well-formed streams. Correctness only: no crash, no hang,
@@ -9,17 +9,14 @@ Below it, what the full campaign found, pinned one request at a time."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import pytest
 import trio
-from benchmarks.hostile import SHORT, campaign
 
 from helpers import http
+from hydra_trio.testing.hostile import SHORT, campaign
 
 pytestmark = pytest.mark.slow  # runs the hostile campaign against a served process
 

@@ -23,6 +23,7 @@ from helpers import (
     chat,
     http,
     metric_samples,
+    sse_chunk,
     sse_text,
     stream_chat,
     stream_then_hang_up,
@@ -360,7 +361,7 @@ async def test_all_slots_busy_gets_503(start_engine: Callable[..., Any], tiny_mo
                 ) as r:
                     assert r.status_code == 200
                     async for line in r.aiter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]":
+                        if sse_chunk(line) is not None:
                             n_chunks += 1
                             if n_chunks >= 3:
                                 got_chunk.set()
@@ -404,7 +405,7 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             lines = [line async for line in r.aiter_lines()]
-    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    events = [c for x in lines if (c := sse_chunk(x)) is not None]
     assert events[1]["choices"][0]["delta"] == {"content": "some text"}
     assert events[-1]["error"]["code"] == 500 and events[-1]["error_code"] == "INTERNAL", events[-1]
     assert "RuntimeError" in events[-1]["error"]["message"]

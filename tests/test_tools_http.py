@@ -28,6 +28,7 @@ from helpers import (
     stream_chat,
 )
 from hydra_trio.rpc.client import build_decode_frame
+from hydra_trio.testing.sse import sse_chunk
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 
@@ -284,7 +285,7 @@ async def test_decode_returns_tool_calls_like_chat(engine: Any) -> None:
         calls = check_calls(choice["message"])
         async with h.stream("GET", f"/v1/decode/{rid}", headers={"Accept": "text/event-stream"}) as r:
             lines = [line async for line in r.aiter_lines()]
-    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    events = [c for line in lines if (c := sse_chunk(line)) is not None]
     content, streamed, finish = reassembled(events)
     assert content == (choice["message"]["content"] or "")
     assert finish == "tool_calls"

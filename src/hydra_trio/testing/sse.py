@@ -7,12 +7,15 @@ import json
 from typing import Any
 
 DONE = "[DONE]"
-_DATA = "data: "
 
 
 def sse_data(line: str) -> str | None:
-    """The payload of a ``data: `` line (``[DONE]`` included), else None (blank, comment)."""
-    return line[len(_DATA) :] if line.startswith(_DATA) else None
+    """The payload of a ``data:`` line (``[DONE]`` included; one space after the colon is
+    dropped, as the SSE spec says: other servers omit it), else None (blank, comment)."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:") :]
+    return data[1:] if data.startswith(" ") else data
 
 
 def sse_chunk(line: str) -> dict[str, Any] | None:
