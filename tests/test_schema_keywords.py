@@ -189,3 +189,27 @@ def test_number_range_allows_only_numbers_within(
             x = float(text)
             assert lo is None or (x > lo if lo_x else x >= lo), (lo, lo_x, text)
             assert hi is None or (x < hi if hi_x else x <= hi), (hi, hi_x, text)
+
+
+async def test_schemas_are_converted_off_the_event_loop(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schema's conversion runs on a worker thread (``Inputs.generation_params_off_loop``):
+    however long it takes, it cannot hold the trio thread and the streams it serves."""
+    import threading
+
+    from hydra_trio.engine.chat import grammar
+
+    seen: list[threading.Thread] = []
+    real = grammar.convert_schema
+
+    def spy(text: str) -> str:
+        seen.append(threading.current_thread())
+        return real(text)
+
+    monkeypatch.setattr(grammar, "convert_schema", spy)
+    grammar._schema_gbnf.cache_clear()
+    async with http(engine) as h:
+        schema = {"type": "object", "properties": {"q": {"type": "integer", "minimum": 3, "maximum": 77}}, "required": ["q"]}
+        body = await chat(h, json_schema=schema, max_tokens=64)
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+    loop_thread = threading.current_thread()  # this test runs on the engine's trio thread
+    assert seen and all(t is not loop_thread for t in seen), seen
