@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import socket
 import statistics
 import string
@@ -18,6 +17,7 @@ import httpx
 import trio
 
 from hydra_trio.rpc.client import RpcClient, SyncRpcClient, build_decode_frame, identity_kv_metadata
+from hydra_trio.testing.sse import sse_chunk
 from hydra_trio.wire.kvblob import parse_kv_blob
 
 from .harness import EngineProcess, metric_value, percentile, summary, words_prompt
@@ -391,10 +391,8 @@ async def _stream_times(http: httpx.AsyncClient, method: str, url: str, **kw: An
 
 def _has_text(line: str) -> bool:
     """An SSE line carrying generated text (any JSON spacing: other servers differ)."""
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return False
-    choices = json.loads(line[6:]).get("choices") or [{}]
-    return bool(choices[0].get("delta", {}).get("content"))
+    chunk = sse_chunk(line)
+    return chunk is not None and bool((chunk.get("choices") or [{}])[0].get("delta", {}).get("content"))
 
 
 _prompt_serial = itertools.count()

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,11 +16,10 @@ from typing import Any
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Shared with the tests (hydra_trio.testing); re-exported for the benchmarks' one import.
+from hydra_trio.testing.metrics import sample_value as sample_value
+from hydra_trio.testing.net import free_port as free_port
+from hydra_trio.testing.sse import delta_text, sse_chunk
 
 
 @dataclass
@@ -119,14 +116,6 @@ def engines(*procs: EngineProcess, log_dir: Path, names: Sequence[str]) -> Itera
             p.stop()
 
 
-def sample_value(metrics_text: str, name: str) -> float | None:
-    """One unlabelled sample of a /metrics text (``name`` as exposed, e.g. ``..._total``)."""
-    for line in metrics_text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
-
-
 def metric_value(url: str, name: str) -> float:
     """One unlabelled sample of an engine's /metrics; RuntimeError when it is not there."""
     value = sample_value(httpx.get(url + "/metrics", timeout=10).text, name)
@@ -193,13 +182,11 @@ def stream_chat(url: str, messages: list[dict[str, str]], n_predict: int) -> tup
     with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/chat/completions", json=req) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (chunk := sse_chunk(line)) is None:
                 continue
-            chunk = json.loads(line[6:])
             final = {**final, **{k: v for k, v in chunk.items() if v is not None}}
-            for choice in chunk.get("choices") or []:
-                if text := choice["delta"].get("content"):
-                    first = first if first is not None else time.perf_counter() - t0
-                    parts.append(text)
+            if text := delta_text(chunk):
+                first = first if first is not None else time.perf_counter() - t0
+                parts.append(text)
     assert first is not None, "no content token"
     return first, "".join(parts), final

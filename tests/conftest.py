@@ -15,6 +15,20 @@ import trio
 
 from hydra_trio.config import Settings
 
+# A test that takes one of these starts an engine (or loads a model into llama.cpp): it is
+# ``slow`` by that alone, so ``pytest -m "not slow"`` (the quick loop, under a minute) skips it
+# with no mark to remember. Files that start engines or servers some other way, or run
+# campaigns, carry ``pytestmark = pytest.mark.slow`` (docs/testing in README.md).
+ENGINE_FIXTURES = frozenset(
+    {"start_engine", "engine", "ctx_engine", "run_engine", "gemma_model", "serve_process"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

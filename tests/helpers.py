@@ -32,6 +32,13 @@ from hydra_trio.rpc.client import (
     state_get_call,
     state_meta_call,
 )
+
+# Shared with the benchmarks (hydra_trio.testing); re-exported for the tests' one import.
+from hydra_trio.testing.metrics import MetricSamples as MetricSamples
+from hydra_trio.testing.metrics import metric_samples as metric_samples
+from hydra_trio.testing.net import free_port as free_port
+from hydra_trio.testing.sse import parse_sse as parse_sse
+from hydra_trio.testing.sse import sse_text as sse_text
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.frames import encode_v3_raw
 from hydra_trio.wire.kvblob import parse_kv_blob
@@ -233,29 +240,6 @@ async def wait_listed(h: httpx.AsyncClient, state: str, timeout_s: float = 10.0)
     return found[0]
 
 
-def parse_sse(lines: list[str]) -> tuple[list[dict[str, Any]], bool]:
-    """(events, saw [DONE]) from the lines of an SSE body; [DONE] must be last."""
-    events: list[dict[str, Any]] = []
-    done = False
-    for line in lines:
-        if not line:
-            continue
-        assert line.startswith("data: "), f"unexpected SSE line {line!r}"
-        data = line[len("data: ") :]
-        assert not done, "event after [DONE]"
-        if data == "[DONE]":
-            done = True
-            continue
-        events.append(json.loads(data))
-    return events, done
-
-
-def sse_text(events: list[dict[str, Any]]) -> str:
-    return "".join(
-        e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")
-    )
-
-
 SSE_HEADERS = {"Accept": "text/event-stream"}
 
 
@@ -403,20 +387,6 @@ async def read_sse(
 
 
 # ---- /metrics ---------------------------------------------------------------------------------
-
-MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def metric_samples(text: str) -> MetricSamples:
-    """{(sample name, sorted labels): value} of a Prometheus text exposition."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
 
 async def scrape(c: httpx.AsyncClient) -> MetricSamples:
     r = await c.get("/metrics")

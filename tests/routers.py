@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from functools import partial
@@ -14,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from helpers import wait_until
+from helpers import free_port, wait_until
 
 
 def _router_binary() -> str | None:
@@ -24,12 +23,6 @@ def _router_binary() -> str | None:
 
 ROUTER = _router_binary()
 needs_router = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Router:

@@ -179,7 +179,7 @@ def test_readme_quick_start_commands():
     blocks = _quick_start_commands()
     assert "python3 -m venv .venv && . .venv/bin/activate && pip install . && hydra-trio serve" in blocks
     ci = _ci_test_command()
-    assert ci == "python -m pytest -q"
+    assert ci == "python -m pytest -q --durations=15"  # CI prints the 15 slowest tests
     tests = [b for b in blocks if "pytest" in b]
     assert tests == [
         "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test,realmodel]' && " + ci

@@ -10,7 +10,6 @@ stays a tombstone after a later request on the same slot ran to its end).
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from helpers import (
     decode_ok,
     entry_of,
     frame,
+    free_port,
     gate,
     get_result,
     http,
@@ -230,17 +230,11 @@ async def test_delete_at_each_stage(start_engine: Any, tiny_model: Path, stage: 
 # ---- SIGTERM on a real process -----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Served:
     """`hydra-trio serve` in its own process, its log in a file."""
 
     def __init__(self, model: Path, log: Path, *extra: str) -> None:
-        self.http, self.rpc = _free_port(), _free_port()
+        self.http, self.rpc = free_port(), free_port()
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hydra_trio.cli", "serve", "--model", str(model), "--port", str(self.http),

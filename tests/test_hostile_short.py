@@ -21,6 +21,8 @@ from benchmarks.hostile import HOSTILE_SCHEMAS, SHORT, campaign
 
 from helpers import http
 
+pytestmark = pytest.mark.slow  # runs the hostile campaign against a served process
+
 
 def test_hostile_campaign_short(tmp_path: Path) -> None:
     report = campaign(SHORT, log_dir=tmp_path)  # fixed seeds (SHORT.seed = 0)

@@ -13,7 +13,6 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from prometheus_client.parser import text_string_to_metric_families
 
 import hydra_trio
 from helpers import (
@@ -23,6 +22,7 @@ from helpers import (
     assert_server_healthy,
     chat,
     http,
+    metric_samples,
     sse_text,
     stream_chat,
     stream_then_hang_up,
@@ -245,10 +245,14 @@ async def test_prompt_longer_than_context_is_refused(engine: Any) -> None:
     async with http(engine) as c:
         huge = [{"role": "user", "content": "the " * 3000}]
         r = await c.post("/v1/chat/completions", json={"messages": huge, "max_tokens": 4})
-        body = assert_openai_error(r, 413)
-        assert body.get("error_code") == "TOO_LARGE"
+        # OpenAI's 400 context_length_exceeded: what agents compact their conversation on.
+        # (its code is OpenAI's string, not the HTTP status the other errors carry).
+        assert r.status_code == 400, r.text
+        body = r.json()
+        assert body.get("error_code") == "TOO_LARGE" and body["error"]["code"] == "context_length_exceeded"
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"].startswith("prompt has")
         r = await c.post("/v1/chat/completions", json={"messages": huge, "max_tokens": 4, "stream": True})
-        assert_openai_error(r, 413)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 async def test_unknown_route_and_method(engine: Any) -> None:
@@ -299,21 +303,13 @@ async def test_health_version_models_slots(engine: Any) -> None:
         assert used["state_size"] > slots[1 - body["id_slot"]]["state_size"]
 
 
-def _metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 async def test_metrics_after_completion(engine: Any) -> None:
     async with http(engine) as c:
         await chat(c, max_tokens=9)
         r = await c.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
-    samples = _metric_samples(r.text)
+    samples = metric_samples(r.text)
     assert all(name.startswith(("hydra_", "vllm:", "python_", "process_")) for name, _ in samples)
     assert samples[("hydra_completion_tokens_total", (("path", "chat"),))] == 9
     assert samples[("hydra_prompt_tokens_total", (("path", "chat"),))] > 0

@@ -49,10 +49,10 @@ def test_every_decision_reads_the_table() -> None:
     state: Any = _State()
     assert body_cap("PUT", "/slots/3/state", state) == 1000  # a KV blob
     assert body_cap("POST", "/v1/chat/completions", state) == 100  # JSON
-    assert body_cap("POST", "/slots/3", state) == 100  # erase takes llama-server's {}
+    assert body_cap("POST", "/slots/3", state) == routes.SMALL_BODY_BYTES  # erase takes llama-server's {}
     assert body_cap("GET", "/v1/decode/7", state) == 0
     assert body_cap("HEAD", "/v1/decode", state) == 0
     found = routes.by_path("POST", "/v1/completions")
     assert found is not None and found.new_work
-    assert {r.rule for r in routes.ROUTES if r.new_work} == {"/v1/chat/completions", "/v1/completions"}
+    assert {r.rule for r in routes.ROUTES if r.new_work} == {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"}
     assert routes.by_path("PUT", "/slots/1/state/meta") is None

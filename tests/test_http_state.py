@@ -185,3 +185,40 @@ async def test_a_refused_upload_s_drain_has_one_deadline(autojump_clock: trio.ab
     with trio.fail_after(idle_s * 100):
         await drain_body(drip, 1 << 30, idle_s)
     assert trio.current_time() - t0 == pytest.approx(idle_s)
+
+
+@pytest.mark.parametrize("raw", ["%C2%B2", "%C2%B9", "%D9%A1", "%EF%BC%91", "%201", "1_0", "+1", "-1", "0x1", "12345678901"])
+async def test_slot_ids_that_are_not_ascii_digits_are_400_everywhere(
+    start_engine: Any, tiny_model: Path, raw: str
+) -> None:
+    """'²', '¹', Arabic-Indic and full-width digits pass str.isdigit() (some int() too): every
+    slot route answers 400, never a 500; so does a decode id of them."""
+    ep = await start_engine(tiny_model, **ENGINE)
+    async with http(ep) as h:
+        for method, path in (
+            ("GET", f"/slots/{raw}/state/meta"),
+            ("GET", f"/slots/{raw}/state"),
+            ("POST", f"/slots/{raw}?action=erase"),
+            ("GET", f"/v1/decode/{raw}"),
+            ("DELETE", f"/v1/decode/{raw}"),
+        ):
+            r = await h.request(method, path)
+            assert r.status_code == 400, (method, path, r.status_code, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        r = await h.put(f"/slots/{raw}/state", content=b"\x02" + b"\0" * 20, headers=OCTETS)
+        assert r.status_code == 400, r.text
+
+
+async def test_erase_takes_llama_servers_json_body(start_engine: Any, tiny_model: Path) -> None:
+    """llama-server's slot API takes a JSON body on erase ({}), and its clients send one: so
+    does this one, up to a small cap; past it 413, and a body that is not a JSON object 400."""
+    ep = await start_engine(tiny_model, **ENGINE)
+    await state_blob(ep)
+    async with http(ep) as h:
+        r = await h.post("/slots/0?action=erase", json={})
+        assert r.status_code == 200, r.text
+        assert (await h.get("/slots/0/state/meta")).json()["n_past"] == 0
+        assert (await h.post("/slots/0?action=erase")).status_code == 200  # no body, as before
+        assert (await h.post("/slots/0?action=erase", json={"id_slot": 0})).status_code == 200
+        assert (await h.post("/slots/0?action=erase", content=b"{" * 10)).status_code == 400
+        assert (await h.post("/slots/0?action=erase", json={"pad": "x" * 5000})).status_code == 413

@@ -31,14 +31,18 @@ from hydra_trio.wire.kvevents import (
 Index = dict[int, tuple[int | None, tuple[int, ...]]]  # block hash -> (parent, its tokens)
 
 
-def apply(index: Index, events: Sequence[Event]) -> None:
-    """What a router's index does with events (and what it needs of them)."""
+def apply(index: Index, events: Sequence[Event], medium: str = "GPU") -> None:
+    """What a router's index of one medium does with events (and what it needs of them):
+    "GPU" the slots, "CPU" the host prompt cache."""
     for ev in events:
         kind = ev["type"]
+        if kind != "AllBlocksCleared" and ev["medium"] != medium:
+            assert ev["medium"] in ("GPU", "CPU")
+            continue
         if kind == "BlockStored":
             parent, bs, toks = ev["parent_block_hash"], ev["block_size"], ev["token_ids"]
             assert parent is None or parent in index, "a store whose parent was never stored"
-            assert len(toks) == bs * len(ev["block_hashes"]) and ev["medium"] == "GPU"
+            assert len(toks) == bs * len(ev["block_hashes"])
             for i, h in enumerate(ev["block_hashes"]):
                 assert h not in index, "a block stored twice without a removal between"
                 index[h] = (parent, tuple(toks[i * bs : (i + 1) * bs]))
@@ -224,6 +228,7 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
     eng, pub = ep.state.engine, ep.state.kv_events
     bs = pub.block_size
     index: Index = {}
+    host: Index = {}  # the prompt cache's blocks (medium CPU)
     applied = 0
 
     async def check() -> None:
@@ -235,14 +240,17 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
         batches = await trio.to_thread.run_sync(replay_sync, pub.replay_endpoint, applied)
         assert [s for s, _ in batches] == list(range(applied, pub.next_seq))
         apply(index, events_of(batches))
+        apply(host, events_of(batches), "CPU")
         applied = pub.next_seq
         assert index == expected([eng._core.slot_tokens(s) for s in range(3)], bs)
+        assert host == expected([snap.tokens for _, snap in eng._core.prompt_cache.items()], bs)
 
     async with http(ep) as h:
         topics = ["the river and the mill", "a red kite over the hills", "seven owls", "winter bread", "a lost key"]
         for t in topics:  # five sessions on three slots: evictions, the prompt cache
             await _chat(h, f"tell me about {t}, and why it matters to us all " * 3)
         await check()
+        assert host, "the histories moved to RAM are told as medium CPU blocks"
         await _chat(h, f"tell me about {topics[0]}, and why it matters to us all " * 3, n=30)  # swapped back in
         await check()
         # A prompt that shares most of a slot's history and then differs: the slot is cut.
@@ -270,7 +278,7 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
             assert (await c.configure(0, {"n_ctx": 3 * 256})).meta["success"]
         await wait_slots_until(eng, lambda: eng.n_ctx == 3 * 256)
         await check()
-        assert index == {}
+        assert index == {} and host == {}
         await _chat(h, "after the rebuild " * 8)
         await check()
         assert index

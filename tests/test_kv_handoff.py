@@ -5,6 +5,8 @@ failure falls back to a local prefill with the same text and says why."""
 from __future__ import annotations
 
 import copy
+import socket
+import struct
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -348,19 +350,24 @@ async def _talking_peer(nursery: trio.Nursery) -> int:
 async def test_a_closed_a_silent_and_a_talking_port_look_the_same(
     start_engine: Callable[..., Any], tiny_model_ctx: Path, nursery: trio.Nursery
 ) -> None:
-    """No port scanning through the engine (issue 28, 1.8): whatever is at the address a
-    client names, the reply says ``pull_failed`` and comes no sooner than the pull's
-    deadline (a silent port's time). The cause is the engine's log's alone."""
+    """No port scanning through the engine (issue 28, 1.8), where an operator asks for it
+    (--kv-pull-uniform-timing): whatever is at the address a client names, the reply says
+    ``pull_failed`` and comes no sooner than the pull's deadline (a silent port's time). The
+    cause is the engine's log's alone. The wait holds no slot and no budget (issue 42)."""
     timeout_s = 0.5
     a = await start_engine(tiny_model_ctx, **ENGINE)
-    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=timeout_s)
+    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=timeout_s, kv_pull_uniform_timing=True)
     _, silent = await _silent_peer(nursery)
     talking = await _talking_peer(nursery)
+    held: list[tuple[int, bool, int]] = []
     async with http(a) as ca, http(b) as cb:
         params = (await export(ca))["kv_transfer_params"]
         for port in (1, silent, talking):  # closed (refused at once), silent, talking
             t0 = trio.current_time()
-            _, body = await decode(cb, {**params, "remote_port": port})
+            async with trio.open_nursery() as watch:
+                watch.start_soon(_watch_holdings, b, held, port)
+                _, body = await decode(cb, {**params, "remote_port": port})
+                watch.cancel_scope.cancel()
             elapsed = trio.current_time() - t0
             kv = body["kv_transfer"]
             assert kv["status"] == "fallback" and kv["reason"] == "pull_failed", (port, kv)
@@ -368,24 +375,79 @@ async def test_a_closed_a_silent_and_a_talking_port_look_the_same(
         after = await scrape(cb)
     assert after[("hydra_kv_pulls_total", (("outcome", "fallback"), ("reason", "pull_failed")))] == 3
     assert not any(k[0] == "hydra_kv_pulls_total" and ("reason", "unreachable") in k[1] for k in after)
+    # Sampled through each wait (its first half: the local prefill comes at its end): no
+    # slot claimed, no payload budget held.
+    for port in (1, silent, talking):
+        samples = [(busy, used) for p, busy, used in held if p == port]
+        assert samples and all(not busy and used == 0 for busy, used in samples[: len(samples) // 2]), (port, samples)
+
+
+async def _watch_holdings(ep: Any, out: list[tuple[int, bool, int]], port: int) -> None:
+    """(port, any slot busy, payload budget used) every few ms, until cancelled."""
+    while True:
+        slots = ep.state.engine._core.slots.slots
+        out.append((port, any(s.busy for s in slots), ep.state.payload_budget.used))
+        await trio.sleep(0.01)
+
+
+class ResettingPeer:
+    """An allowed peer that takes the connection and resets it at once (a prefill engine
+    killed mid-exchange, a port behind a rejecting firewall)."""
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        sock = stream.socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.receive_some(65536)
+        sock.close()
+
+
+async def test_a_dead_or_resetting_peer_falls_back_at_once(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, nursery: trio.Nursery
+) -> None:
+    """Issue 42: a pull refused (closed port) or reset by an allowed peer falls back to the
+    local prefill at once, not at --kv-pull-timeout-s (60 s here: the whole test is far
+    shorter), with the same text, and nothing left held."""
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE, kv_pull_timeout_s=60.0)
+    listeners = await nursery.start(partial(trio.serve_tcp, ResettingPeer().handle, 0, host="127.0.0.1"))
+    resetting = listeners[0].socket.getsockname()[1]
+    async with http(a) as ca, http(b) as cb:
+        await plain(cb)
+        reference = await plain(cb)
+        params = (await export(ca))["kv_transfer_params"]
+        with trio.fail_after(30):  # a wait for the deadline would take 60 s per hand-off
+            for port in (1, resetting, 1, resetting):
+                text, body = await decode(cb, {**params, "remote_port": port})
+                assert text == reference
+                kv = body["kv_transfer"]
+                assert kv["status"] == "fallback" and kv["reason"] == "pull_failed", (port, kv)
+    assert b.state.payload_budget.used == 0
+    await assert_server_healthy(b)
 
 
 async def test_client_leaving_during_the_pull_cancels_it(pair: tuple[Any, Any], nursery: trio.Nursery) -> None:
+    """The pull runs before the request claims a slot (a wedged prefill engine holds none),
+    and a client that leaves while it runs cancels it."""
     a, b = pair
     peer, port = await _silent_peer(nursery)
     async with http(a) as ca:
         params = (await export(ca))["kv_transfer_params"]
     params["remote_port"] = port
     req = {"messages": PROMPT, "max_tokens": N, "temperature": 0, "stream": True, "kv_transfer_params": params}
-    async with http(b) as cb:
-        async with cb.stream("POST", "/v1/chat/completions", json=req) as r:
-            assert r.status_code == 200
-            with trio.fail_after(10):
-                await peer.connected.wait()  # the pull is under way, in the request's slot
-            assert any(s.busy for s in b.state.engine._core.slots.slots)
-        # The client has gone: the pull's connection closes and the slot is freed.
+    async with http(b) as cb, trio.open_nursery() as client:
+
+        async def request() -> None:
+            async with cb.stream("POST", "/v1/chat/completions", json=req) as r:
+                await r.aread()
+
+        client.start_soon(request)
+        with trio.fail_after(10):
+            await peer.connected.wait()  # the pull is under way
+        assert not any(s.busy for s in b.state.engine._core.slots.slots)
+        assert b.state.payload_budget.used == 0  # nothing announced, nothing charged
+        client.cancel_scope.cancel()  # the client goes away
     with trio.fail_after(10):
-        await peer.hung_up.wait()
+        await peer.hung_up.wait()  # the pull's connection closed with it
     await assert_server_healthy(b)
 
 

@@ -96,7 +96,7 @@ async def test_expired_exports_and_a_crashed_engine_s_files_are_removed(
 def test_a_probe_path_from_a_request_is_never_a_fifo_or_a_link(tmp_path: Path) -> None:
     """kv_transfer_params name the probe: a FIFO there must not block the engine (it would,
     opened plainly, until someone wrote to it), and a link must not be followed."""
-    from hydra_trio.handoff.shm import ShmArea, shares_folder
+    from hydra_trio.handoff.shm import ShmArea, network_namespace, shares_folder
 
     fifo = tmp_path / f"hydra-kv-{os.getuid()}-1-0badcafe-probe"
     os.mkfifo(fifo)
@@ -107,6 +107,9 @@ def test_a_probe_path_from_a_request_is_never_a_fifo_or_a_link(tmp_path: Path) -
     link = tmp_path / f"hydra-kv-{os.getuid()}-2-0badcafe-probe"
     link.symlink_to(area.probe)
     assert shares_folder({"probe": str(link), "token": area.token}) is False
+    # Another network namespace is another host, whatever folder it shares.
+    assert area.advertised()["netns"] == network_namespace()
+    assert shares_folder({**area.advertised(), "netns": "1:2"}) is False
     area.close()
 
 

@@ -18,9 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hydra_trio.model.synthetic import PRESETS
 from hydra_trio.wire.protocol import Op, encode_request_header
+
+pytestmark = pytest.mark.slow  # starts a `hydra-trio serve` process and fills every slot
 
 MiB = 1 << 20
 # What the engine holds besides model, KV cache and payloads: the interpreter and its

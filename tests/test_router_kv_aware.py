@@ -184,3 +184,30 @@ async def test_pd_mode_sends_each_prefill_where_its_history_is_cached(
                 where, body = await turn(c, conv, prefills)
                 assert where == i, f"conversation {i}'s prefill went to engine {where}"
                 assert body["kv_transfer"]["status"] == "restored"
+
+
+async def test_a_history_moved_to_ram_is_credited_to_its_engine(
+    nursery: trio.Nursery, tmp_path: Path, start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """Host prompt-cache blocks (medium CPU) reach the router's index: engine 0's one slot
+    moved session 7's two turns to RAM when session 8 came, engine 1's slot holds its first
+    turn only. The router sends the next turn to engine 0, which serves it from RAM."""
+    events = {"kv_events_endpoint": "tcp://127.0.0.1:0", "kv_events_replay_endpoint": "tcp://127.0.0.1:0"}
+    eps = [await start_engine(tiny_model, slots=1, ctx_size=2048, cache_ram_mib=64, **events) for _ in range(2)]
+    router = await launch_router(nursery, tmp_path, kv_aware_args(eps))
+    conv = session(7)
+    async with http(eps[1]) as h:
+        await turn(h, list(conv), eps)  # engine 1: the first turn, in its slot
+    async with http(eps[0]) as h:
+        await turn(h, conv, eps)
+        conv[-1]["content"] += " tell me much more about every part of it " * 6  # a long second turn
+        await turn(h, conv, eps)
+        await turn(h, session(8), eps)  # session 8 takes the one slot: session 7 goes to RAM
+    eng0 = eps[0].state.engine
+    assert eng0._core.prompt_cache.stats().entries >= 1
+    async with router.client() as c:
+        await synced(router, eps)
+        restored = eng0._core.prompt_cache.restored
+        where, body = await turn(c, conv, eps)
+    assert where == 0, "the router did not credit engine 0 with the history it holds in RAM"
+    assert eng0._core.prompt_cache.restored == restored + 1 and cached(body) > 0

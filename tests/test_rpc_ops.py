@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,43 @@ async def test_state_get_put_round_trip_same_engine(engine: Any, tiny_model: Pat
         assert bytes((await c.state_get(0)).payload) == bytes(got.payload)
 
 
+def _as_fork_blob(v2: bytes, version: int) -> bytes:
+    """The same slot as the C++ engine sends it, laid out field by field: v3 (version byte
+    0x03, no checkpoint: flags 0) or the legacy unversioned blob (llama.cpp's sequence file:
+    u32 'ggsq', u32 file version 2, u32 n_tok, tokens, state)."""
+    blob = parse_kv_blob(v2)
+    toks = struct.pack(f"<{len(blob.tokens)}i", *blob.tokens)
+    if version == 3:
+        return struct.pack("<BII", 0x03, blob.n_past, len(blob.tokens)) + toks + b"\x00" + bytes(blob.state)
+    return struct.pack("<III", 0x67677371, 2, len(blob.tokens)) + toks + bytes(blob.state)
+
+
+@pytest.mark.parametrize("version", [3, 0], ids=["v3", "legacy"])
+async def test_fork_blobs_restore_and_generate_like_v2(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, version: int
+) -> None:
+    """STATE_PUT of the C++ engine's v3 (and legacy) blob of a slot holds the same KV as the
+    v2 blob of that slot, and generates the same text; STATE_GET still writes v2."""
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    req = {"messages": OTHER_MESSAGES}
+    async with await rpc(a) as ca:
+        await ca.prefill(1, req)
+        v2 = bytes((await ca.state_get(1)).payload)
+    texts = []
+    for blob in (v2, _as_fork_blob(v2, version)):
+        b = await start_engine(tiny_model_ctx, **ENGINE)
+        async with await rpc(b) as cb:
+            put = await cb.state_put(1, blob)
+            assert put.meta["restored"] is True and put.meta["n_past"] == parse_kv_blob(v2).n_past
+            got = bytes((await cb.state_get(1)).payload)
+            assert got[0] == 0x02 and got == v2  # written as v2, whatever came in
+        async with http(b) as hb:
+            cont = await chat(hb, **req, max_tokens=24)
+        assert cont["id_slot"] == 1
+        texts.append(cont["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1]
+
+
 async def test_empty_slot_state_round_trip(engine: Any) -> None:
     async with await rpc(engine) as c:
         got = await c.state_get(1)
@@ -453,7 +491,7 @@ async def test_http_state_routes(engine: Any) -> None:
         assert r.status_code == 200, r.text
         assert (await h.get("/slots/0/state")).content == rpc_blob
 
-        r = await h.put("/slots/1/state", content=b"\x03" + rpc_blob[1:])
+        r = await h.put("/slots/1/state", content=b"\x04" + rpc_blob[1:])
         assert r.status_code == 400 and r.json()["error"]["message"]
         assert r.json()["error_code"] == "BAD_FRAME"
         assert (await h.get("/slots/1/state/meta")).json()["n_past"] == pre.meta["n_past"]

@@ -27,7 +27,7 @@ from helpers import (
     wait_until,
 )
 from hydra_trio.rpc.client import Call, RpcClient
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
 from hydra_trio.wire.kvblob import Checkpoint, encode_blob_head, parse_kv_blob
 from hydra_trio.wire.protocol import MAGIC, REQUEST_HEADER, Op, encode_request_header
 
@@ -187,6 +187,51 @@ async def test_oversized_payload_over_drain_limit_closes(capped: Any, op: int, s
     await assert_server_healthy(capped)
 
 
+WRITE_FIRST = {"drain_limit_bytes": 64 << 10, "max_kv_bytes": 16 << 20}  # refusals drain to the KV cap
+
+
+async def test_refused_kv_payload_reaches_a_client_that_writes_first(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """STATE_PUT/DECODE payloads far past --drain-limit-bytes (8 MiB, more than the socket
+    buffers hold) into a missing or busy slot: the client writes all of it before reading,
+    as every KV client does, and gets the refusal, on a connection still in step."""
+    engine = await start_engine(tiny_model, **ENGINE, **WRITE_FIRST)
+    blob = b"\x02" + b"\x00" * ((8 << 20) - 1)
+    before = engine.state.payload_budget.discarded
+    holder = engine.state.engine._core.slots.claim(0, "test:holder")
+    try:
+        async with await rpc(engine) as c:
+            for op, key, status, code in (
+                (Op.STATE_PUT, b"99", Status.NOT_FOUND, "NO_SLOT"),
+                (Op.STATE_PUT, b"0", Status.BUSY, "SLOT_BUSY"),
+                (Op.DECODE, b"99", Status.NOT_FOUND, "NO_SLOT"),
+            ):
+                resp = await c.call(Call(op, key, [blob]), check=False)
+                assert_error(resp, status, code)
+                assert (await c.info()).ok  # drained: in step
+    finally:
+        engine.state.engine._core.slots.release(holder)
+    assert engine.state.payload_budget.discarded - before == 3 * len(blob)
+    assert engine.state.payload_budget.used == 0
+    await assert_server_healthy(engine)
+
+
+async def test_refused_payload_from_a_slow_client_closes(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    """A drain obeys the upload floor: a client that stops sending mid-payload is answered
+    and closed once --min-upload-bytes-per-s is missed after the grace, not held."""
+    engine = await start_engine(
+        tiny_model, **ENGINE, **WRITE_FIRST, min_upload_bytes_per_s=1 << 20, upload_grace_s=0.2
+    )
+    async with await rpc(engine) as c:
+        await c.send_raw(header(Op.STATE_PUT, key=b"99", payload_len=4 << 20) + b"\x00" * 1000)
+        resp = await c.read_response()  # the refusal, then the close
+        assert_error(resp, Status.NOT_FOUND, "NO_SLOT")
+        await expect_closed(c)
+    assert engine.state.payload_budget.used == 0
+    await assert_server_healthy(engine)
+
+
 async def test_payload_within_caps_is_served(capped: Any) -> None:
     async with await rpc(capped) as c:
         body = {"seed": 5, "pad": "x" * 900}
@@ -230,7 +275,7 @@ def _bad_structure(blob: bytes) -> dict[str, bytes]:
     ck = Checkpoint(0, parsed.n_past - 1, parsed.n_past, memoryview(b"\x00" * 16), memoryview(b""))
     return {
         "version-0x01": b"\x01" + blob[1:],
-        "version-0x03": b"\x03" + blob[1:],
+        "version-0x04": b"\x04" + blob[1:],
         "version-0xff": b"\xff" + blob[1:],
         "unknown-flag-bit": blob[: head_len - 1] + b"\x02" + blob[head_len:],
         "n_tok-too-large": blob[:5] + struct.pack("<I", 0xFFFFFFFF) + blob[9:],
@@ -433,3 +478,24 @@ async def test_client_disconnect_during_prefill(engine: Any) -> None:
         assert resp.ok and resp.meta["n_past"] > 1000
     # Three abandoned prefills did not all run to the end.
     assert abandoned < 3 * resp.meta["n_past"], abandoned
+
+
+@pytest.mark.parametrize("recurrent_only", [False, True])
+def test_checkpoint_section_applies_to_recurrent_models_only(recurrent_only: bool) -> None:
+    """A v3 checkpoint (or recurrent-only capture) passes on a recurrent/hybrid model when it
+    lies inside the blob's positions; anywhere else it is refused, saying why."""
+    from hydra_trio.engine.kv import check_checkpoint
+    from hydra_trio.wire.kvblob import KV_BLOB_V3, encode_kv_blob
+
+    def blob(pos_min: int, pos_max: int, n_tok: int) -> Any:
+        ck = Checkpoint(pos_min, pos_max, n_tok, memoryview(b"ck"), memoryview(b""), recurrent_only)
+        return parse_kv_blob(encode_kv_blob(4, [1, 2, 3, 4], b"state", checkpoint=ck, version=KV_BLOB_V3))
+
+    check_checkpoint(blob(0, 2, 3), recurrent=True)
+    with pytest.raises(ProtocolError, match="no recurrent state, so a checkpoint does not apply") as info:
+        check_checkpoint(blob(0, 2, 3), recurrent=False)
+    assert info.value.code is ErrorCode.BAD_FRAME
+    assert ("recurrent-only capture" in info.value.message) is recurrent_only
+    for bad in ((0, 4, 3), (3, 1, 2), (-1, 2, 3), (0, 2, 9)):
+        with pytest.raises(ProtocolError, match="outside the 4 the blob holds"):
+            check_checkpoint(blob(*bad), recurrent=True)

@@ -15,17 +15,14 @@ import httpx
 import pytest
 
 from hydra_trio.rpc.client import SyncRpcClient, build_decode_frame, prefill_call
+from hydra_trio.testing.net import free_port
 from hydra_trio.wire.errors import Status
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.slow  # starts `hydra-trio serve` processes and signals them
 
 
 def _start(model: Path, *extra: str) -> tuple[subprocess.Popen[bytes], int, int]:
-    http, rpc = _free_port(), _free_port()
+    http, rpc = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hydra_trio.cli", "serve", "--model", str(model), "--port", str(http),
          "--rpc-port", str(rpc), "--slots", "1", "--ctx-size", "2048", "--threads", "1", *extra],

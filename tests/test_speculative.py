@@ -258,6 +258,7 @@ def test_bad_flag_values_stop_the_start_with_their_reason() -> None:
     assert settings_from(None, env={"HYDRA_SPEC_TYPE": "ngram"}).spec_type == "ngram"
 
 
+@pytest.mark.slow  # starts the CLI twice
 def test_bad_flag_values_exit_non_zero() -> None:
     import os
     import subprocess

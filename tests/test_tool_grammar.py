@@ -202,11 +202,19 @@ def test_trigger_patterns_match_only_at_the_end_and_at_the_start_when_asked() ->
 
 async def test_a_schema_the_converter_refuses_names_its_tool(engine: Any) -> None:
     eng = engine.state.engine
-    bad = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minLength": -1}}}
     body = {"tools": tools_body([{"type": "object"}, bad]), "tool_choice": "required"}
     with pytest.raises(ParamError) as info:
         eng._core.inputs.generation_params(body)
-    assert info.value.param == "tools[1].function.parameters" and "multipleOf" in info.value.message
+    assert info.value.param == "tools[1].function.parameters" and "minLength" in info.value.message
+    # A keyword no grammar enforces is left out of a tool's grammar (Claude Code's tools use
+    # propertyNames), and refused in response_format, where the reply must be valid.
+    loose = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}, "m": {"type": "object", "propertyNames": {"pattern": "^a"}}}}
+    relaxed = {"tools": tools_body([loose]), "tool_choice": "required"}
+    assert eng._core.inputs.generation_params(relaxed).sampling.grammar is not None
+    with pytest.raises(ParamError) as info:
+        eng._core.inputs.generation_params({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}})
+    assert "multipleOf" in info.value.message
     # The named function's grammar converts only that tool's schema.
     named = {**body, "tool_choice": {"type": "function", "function": {"name": "tool_0"}}}
     assert eng._core.inputs.generation_params(named).sampling.grammar is not None

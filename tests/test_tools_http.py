@@ -205,10 +205,11 @@ async def test_tool_messages_round_trip_through_the_template(start_engine: Any, 
         check_calls(body["choices"][0]["message"])
 
 
-async def test_a_template_without_tool_syntax_gets_them_described(engine: Any) -> None:
-    """The synthetic model's ChatML lists the tools but has no call syntax: the tools and the
-    generic reply form are described in the system message, and an earlier call goes into
-    the assistant's content as the generic format's JSON."""
+async def test_a_template_that_lists_tools_renders_them_as_llama_server_does(engine: Any) -> None:
+    """The synthetic model's ChatML lists the tools itself (``# Tools``) but has no call
+    syntax. As llama-server renders it (checked against its /apply-template, issue 41): the
+    template's own listing, no generic description of ours, the system message after it,
+    and, as there, an earlier call the template cannot show is not shown."""
     history = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "time?"},
@@ -219,9 +220,13 @@ async def test_a_template_without_tool_syntax_gets_them_described(engine: Any) -
         r = await h.post("/apply-template", json={"messages": history, "tools": TOOLS})
         assert r.status_code == 200, r.text
         prompt = r.json()["prompt"]
-        assert "<|im_start|>system\nbe brief\n\nYou can call the following tools" in prompt
-        assert '{"tool_calls": [{"name": "<tool name>"' in prompt
-        assert '"name":"get_time"' in prompt.replace(" ", "") and "12:00" in prompt
+        listing = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in TOOLS)
+        assert prompt == (
+            f"<|im_start|>system\n# Tools\n{listing}<|im_end|>\n<|im_start|>system\nbe brief<|im_end|>\n"
+            "<|im_start|>user\ntime?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+            "<|im_start|>tool\n12:00<|im_end|>\n<|im_start|>assistant\n"
+        ), prompt
+        assert "You can call the following tools" not in prompt
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The v2 KV blob (spec §3): round trips, truncation, mutation, and the refusals."""
+"""The KV blob (spec §3): v2 round trips, truncation, mutation, and the refusals; the v3 and
+legacy (ggsq) blobs the C++ engine sends, built its way."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from hypothesis import strategies as st
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 from hydra_trio.wire.kvblob import (
     FLAG_CHECKPOINT,
+    FLAG_RECURRENT_ONLY,
+    KV_BLOB_V3,
+    LEGACY_MAGIC,
     Checkpoint,
     KvBlob,
     encode_blob_head,
     encode_kv_blob,
+    encode_legacy_blob,
     parse_kv_blob,
     split_trailing_logits,
 )
@@ -56,7 +61,9 @@ def blobs(draw: st.DrawFn) -> tuple[bytes, dict]:
 
 def reencode(blob: KvBlob) -> bytes:
     """The bytes a parsed blob stands for: parsing is lossless iff this equals the input."""
-    return encode_kv_blob(blob.n_past, blob.tokens, blob.state, checkpoint=blob.checkpoint)
+    if blob.version == 0:
+        return encode_legacy_blob(blob.tokens, blob.state)
+    return encode_kv_blob(blob.n_past, blob.tokens, blob.state, checkpoint=blob.checkpoint, version=blob.version)
 
 
 def assert_consistent(raw: bytes, blob: KvBlob) -> None:
@@ -193,9 +200,78 @@ def _refused(raw: bytes, needle: str) -> None:
 GOOD = encode_kv_blob(3, [1, 2, 3], b"state")
 
 
-@pytest.mark.parametrize("version", [0x00, 0x01, 0x03, 0xFF])
+@pytest.mark.parametrize("version", [0x00, 0x01, 0x04, 0x71, 0xFF])
 def test_wrong_version(version: int) -> None:
     _refused(bytes([version]) + GOOD[1:], "version")
+
+
+# --- the C++ engine's blobs ---------------------------------------------------------------------
+
+
+def _fork_v3(n_past: int, tokens: list[int], state: bytes, ck: tuple[int, int, int, bytes, bytes] | None,
+             recurrent_only: bool) -> bytes:
+    """A v3 blob laid out field by field as the C++ engine writes it (spec §3, version byte
+    0x03; flag bit 1 marks a recurrent-only checkpoint capture), independent of our encoder."""
+    out = struct.pack("<BII", 0x03, n_past, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
+    if ck is None:
+        return out + b"\x00" + state
+    pos_min, pos_max, n_tok, data, draft = ck
+    out += bytes([0x01 | (0x02 if recurrent_only else 0)])
+    out += struct.pack("<iiqQ", pos_min, pos_max, n_tok, len(data)) + data + struct.pack("<Q", len(draft)) + draft
+    return out + state
+
+
+def test_v3_without_checkpoint_is_v2_but_the_version_byte() -> None:
+    v2 = encode_kv_blob(3, [1, 2, 3], b"state")
+    v3 = _fork_v3(3, [1, 2, 3], b"state", None, False)
+    assert v3[1:] == v2[1:] and v3[0] == KV_BLOB_V3
+    a, b = parse_kv_blob(v2), parse_kv_blob(v3)
+    assert (a.n_past, a.tokens, bytes(a.state)) == (b.n_past, b.tokens, bytes(b.state))
+    assert (a.version, b.version) == (0x02, 0x03)
+    assert encode_kv_blob(3, [1, 2, 3], b"state", version=KV_BLOB_V3) == v3
+
+
+@pytest.mark.parametrize("recurrent_only", [False, True])
+def test_v3_checkpoint_sections(recurrent_only: bool) -> None:
+    raw = _fork_v3(4, [5, 6, 7, 8], b"kvkv", (0, 2, 3, b"ckpt", b"dr"), recurrent_only)
+    blob = parse_kv_blob(raw)
+    ck = blob.checkpoint
+    assert ck is not None and ck.recurrent_only is recurrent_only
+    assert (ck.pos_min, ck.pos_max, ck.n_tokens, bytes(ck.data), bytes(ck.draft)) == (0, 2, 3, b"ckpt", b"dr")
+    assert bytes(blob.state) == b"kvkv"
+    assert encode_kv_blob(4, [5, 6, 7, 8], b"kvkv", checkpoint=ck, version=KV_BLOB_V3) == raw
+
+
+def test_recurrent_only_flag_is_v3s_alone() -> None:
+    raw = bytearray(_fork_v3(4, [5, 6, 7, 8], b"kvkv", (0, 2, 3, b"ckpt", b""), True))
+    raw[0] = 0x02
+    _refused(bytes(raw), "unknown flag bits 0x03 for version 0x02")
+    lone = bytearray(_fork_v3(3, [1, 2, 3], b"state", None, False))
+    lone[9 + 12] = FLAG_RECURRENT_ONLY
+    _refused(bytes(lone), "without a checkpoint")
+
+
+def test_legacy_blob_is_llama_cpps_sequence_file() -> None:
+    """The unversioned blob: u32 'ggsq' magic at offset 0, u32 file version, u32 n_tok,
+    tokens, state. Its first byte (0x71) can never be a version byte."""
+    raw = struct.pack("<III", 0x67677371, 2, 3) + struct.pack("<3i", 9, 8, 7) + b"state"
+    assert raw[:4] == b"qsgg" and LEGACY_MAGIC == 0x67677371
+    blob = parse_kv_blob(raw)
+    assert (blob.version, blob.n_past, blob.tokens, bytes(blob.state), blob.checkpoint) == (0, 3, [9, 8, 7], b"state", None)
+    assert encode_legacy_blob([9, 8, 7], b"state") == raw
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (struct.pack("<III", 0x67677371, 7, 0) + b"s", "file version 7"),
+        (struct.pack("<III", 0x67677371, 2, 50) + b"s", "declares 50 tokens"),
+        (struct.pack("<III", 0x67677371, 2, 1) + b"\0\0\0\0", "no KV state"),
+        (struct.pack("<II", 0x67677371, 2), "legacy blob too short"),
+    ],
+)
+def test_legacy_refusals(raw: bytes, needle: str) -> None:
+    _refused(raw, needle)
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x02", GOOD[:9]])
@@ -223,7 +299,7 @@ def test_token_count_bounded_by_the_callers_limit() -> None:
     assert "declares 4 tokens; a slot holds at most 3" in info.value.message
 
 
-@pytest.mark.parametrize("flags", [0x02, 0x03, 0x80, 0xFF])
+@pytest.mark.parametrize("flags", [0x02, 0x03, 0x04, 0x80, 0xFF])
 def test_unknown_flags(flags: int) -> None:
     raw = bytearray(GOOD)
     raw[9 + 12] = flags

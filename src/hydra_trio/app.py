@@ -73,7 +73,7 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     engine = await Engine.load(model_path, settings, alias=alias)
                     await start_service(services, engine.run)
                     store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
-                    state.metrics.watch_engine(engine, lambda: len(store.running()))
+                    state.metrics.watch_engine(engine, lambda: len(store.running()), settings.kv_events_block_size)
                     if settings.log_stats_interval_s > 0:  # reads the engine: ends with the front ends
                         front.start_soon(log_stats, engine, settings.log_stats_interval_s)
                     decodes = DecodeManager(engine, store, settings, state.metrics)
@@ -90,6 +90,7 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     )
                     state.engine, state.decodes, state.exports = engine, decodes, exports
                     if state.kv_events is not None:
+                        state.kv_events.set_model(engine.served_name)  # the topic's {model}
                         events = engine.kv_events(state.kv_events.publish, state.kv_events.block_size)
                         state.metrics.live_gauge(
                             "hydra_kv_blocks_held", "distinct KV blocks the slots hold (as KV events told)", lambda: events.n_held

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
@@ -20,6 +20,7 @@ class ByteBudget:
     def __init__(self, total: int) -> None:
         self.total = total
         self.used = 0
+        self.discarded = 0  # bytes of refused payloads read and thrown away (drain_charged)
         self._line: FifoGrants[int, int] = FifoGrants(self._take)
 
     @property
@@ -61,6 +62,19 @@ class ByteBudget:
             yield
         finally:
             self.release(n)
+
+    @contextmanager
+    def drain_charged(self, scratch: int) -> Iterator[None]:
+        """A refused payload being read and discarded: the one scratch buffer it passes
+        through is charged for as long as the drain runs, without waiting in line (the
+        refusal's reply must not wait behind the uploads the refusal was about; each
+        connection drains one payload at a time, so the overdraft is at most one scratch
+        buffer per connection). The bytes themselves are never held."""
+        self.used += scratch
+        try:
+            yield
+        finally:
+            self.release(scratch)
 
     def release(self, n: int) -> None:
         self.used -= n

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import string
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,9 @@ class Settings:
     kv_export_max_bytes: int = 2 * _GiB
     kv_export_ttl_s: float = 30.0
     kv_pull_timeout_s: float = 30.0
+    # A failed pull's fallback waits out --kv-pull-timeout-s (holding no slot, no budget) so
+    # that a closed, a silent and a talking port answer alike; off: it falls back at once.
+    kv_pull_uniform_timing: bool = False
     # Networks a decode engine may pull KV exports from (a request names the address): the
     # default keeps an HTTP client from aiming the engine anywhere but this machine.
     kv_pull_allow: str = "127.0.0.0/8,::1"
@@ -131,7 +135,12 @@ class Settings:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_replay_bytes: int = 64 * _MiB
+    # The topic may name {pod} and {model}; "llm-d" is the preset kv@{pod}@{model}, the topic
+    # llm-d's KV-cache indexer reads the pod and model from (kvevents.py).
     kv_events_topic: str = ""
+    # Events as tagged maps (vllm-router), or as vLLM's positional arrays (llm-d); auto: arrays
+    # with the llm-d preset, maps otherwise.
+    kv_events_encoding: str = "auto"
     kv_events_block_size: int = 16
     kv_events_hwm: int = 100_000  # messages queued per subscriber; past it PUB drops (never waits)
     # Replay requests answered per second per peer (a burst of as many); the rest are dropped.
@@ -268,12 +277,14 @@ _HELP: dict[str, str] = {
     "kv_export_max_bytes": "bytes all KV exports may hold; past it the oldest are evicted",
     "kv_export_ttl_s": "seconds a KV export waits to be pulled before it is dropped",
     "kv_pull_timeout_s": "deadline for pulling a KV export from a prefill engine",
+    "kv_pull_uniform_timing": "a failed KV pull falls back to the local prefill only at --kv-pull-timeout-s, so a closed, a silent and a talking port look alike to HTTP clients (the wait holds no slot and no payload budget); default: fall back at once (--kv-pull-allow already decides which hosts may be pulled from)",
     "kv_pull_allow": "networks a decode engine may pull KV exports from, CIDR[,CIDR...] (a hand-off naming another address falls back to a local prefill)",
     "kv_shm_dir": "folder (tmpfs) where KV exports live so that a decode engine on the same host maps them instead of pulling them over TCP; used only when the decode engine can read it; empty = off",
     "kv_events_endpoint": "publish vLLM KV events (what the slots hold) on this ZMQ PUB endpoint, for vllm-router --policy kv_aware, e.g. tcp://127.0.0.1:5557; bind loopback or a private network only (BlockStored carries every user's token ids), or set --kv-events-curve-secret-key-file (default: off)",
     "kv_events_replay_endpoint": "serve replays of recent KV event batches on this ZMQ ROUTER endpoint (vllm-router --kv-event-replay-source)",
     "kv_events_replay_bytes": "bytes of recent KV event batches kept for replays (the oldest go first)",
-    "kv_events_topic": "topic of every KV event message (vllm-router's default: empty)",
+    "kv_events_topic": "topic of every KV event message (vllm-router's default: empty); {pod} is replaced by $POD_NAME (else the host name) and {model} by the served model name; llm-d is the preset kv@{pod}@{model} that llm-d's KV-cache indexer parses",
+    "kv_events_encoding": "KV event layout: map (tagged maps, as vllm-router decodes), array (vLLM's msgspec array_like structs, as llm-d's KV-cache indexer decodes), or auto (array with --kv-events-topic llm-d, else map)",
     "kv_events_block_size": "tokens per KV event block (vllm-router's --kv-event-block-size; 16 in P/D mode)",
     "kv_events_hwm": "KV event messages queued per subscriber; past it a slow subscriber misses messages (and asks for a replay) instead of the engine waiting",
     "kv_events_replay_rate": "KV event replay requests answered per second from each peer (a burst of as many); past it a request gets no answer",
@@ -325,6 +336,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "tool_call_parser": TOOL_CALL_PARSERS,
     "reasoning_format": REASONING_FORMATS,
     "spec_type": SPEC_TYPES,
+    "kv_events_encoding": ("auto", "map", "array"),
 }
 
 
@@ -422,6 +434,17 @@ def cache_type_problem(cache_type_v: str, flash_attn: str) -> str | None:
     return f"cache_type_v {cache_type_v} is quantized, which needs flash attention: set --flash-attn on or auto, or an unquantized --cache-type-v (f16, bf16, f32)"
 
 
+def _topic_problem(topic: str) -> str | None:
+    """A KV events topic names no placeholder but {pod} and {model} (kvevents.expand_topic)."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(topic) if name is not None}
+    except ValueError as exc:
+        return f"kv_events_topic: {exc} (write a brace as {{{{ or }}}})"
+    if names - {"pod", "model"}:
+        return f"kv_events_topic may name {{pod}} and {{model}} only, not {', '.join(sorted(names - {'pod', 'model'}))}"
+    return None
+
+
 def validate(s: Settings) -> None:
     problems = [
         f"{name} must be {lo:g}..{hi:g}" for name, (lo, hi) in _RANGES.items() if not lo <= getattr(s, name) <= hi
@@ -476,6 +499,8 @@ def validate(s: Settings) -> None:
         problems.append("log_stats_interval_s must be >= 0 (0 = off)")
     if s.kv_events_replay_endpoint and not s.kv_events_endpoint:
         problems.append("kv_events_replay_endpoint needs kv_events_endpoint (the replays are of its batches)")
+    if (problem := _topic_problem(s.kv_events_topic)) is not None:
+        problems.append(problem)
     if s.kv_events_curve_allowed_keys_file and not s.kv_events_curve_secret_key_file:
         problems.append("kv_events_curve_allowed_keys_file needs kv_events_curve_secret_key_file (CURVE on)")
     if s.spec_draft_n_min > s.spec_draft_n_max:

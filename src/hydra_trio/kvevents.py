@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import struct
 import time
 from collections import OrderedDict
@@ -63,6 +65,12 @@ _MAX_RATE_PEERS = 1024
 # Empty batches that answer subscriptions at most this often: a flood of connects cannot fill
 # the ring with them (they are cheap, so this is far shorter than the resync interval).
 _HELLO_INTERVAL_S = 0.1
+# --kv-events-topic's preset for llm-d: its KV-cache indexer splits the topic on "@" to learn
+# which pod sent a batch and for which model (pod ids key its index).
+LLMD_TOPIC_PRESET = "llm-d"
+LLMD_TOPIC = "kv@{pod}@{model}"
+# Room for what {pod} and {model} add to the topic in a subscription (MAXMSGSIZE).
+_TOPIC_ROOM = 256
 # ZAP (ZeroMQ's authentication protocol, RFC 27): libzmq asks this inproc endpoint of the
 # sockets' context whether a CURVE client key may connect.
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -133,6 +141,28 @@ class CurveKeys:
     allowed: frozenset[bytes] | None  # raw 32-byte client keys; None: any client
 
 
+def pod_name() -> str:
+    """What {pod} stands for: $POD_NAME (what an llm-d manifest sets from the downward API,
+    and what its indexer is told the pod is called), else the host name (a pod's own)."""
+    return os.environ.get("POD_NAME") or socket.gethostname()
+
+
+def topic_template(settings: Settings) -> str:
+    return LLMD_TOPIC if settings.kv_events_topic == LLMD_TOPIC_PRESET else settings.kv_events_topic
+
+
+def expand_topic(template: str, pod: str, model: str) -> str:
+    """The topic with {pod} and {model} filled in (config.validate admits no other name)."""
+    return template.format(pod=pod, model=model)
+
+
+def event_encoding(settings: Settings) -> str:
+    """How events are laid out on the wire: auto is "array" for llm-d, else "map"."""
+    if settings.kv_events_encoding != "auto":
+        return settings.kv_events_encoding
+    return "array" if settings.kv_events_topic == LLMD_TOPIC_PRESET else "map"
+
+
 def load_curve_keys(settings: Settings) -> CurveKeys | None:
     """The CURVE keys of ``--kv-events-curve-*`` (None: CURVE off); SystemExit naming the
     setting when libzmq lacks CURVE or a file is unreadable or malformed."""
@@ -198,7 +228,10 @@ class KvEventPublisher:
     def __init__(self, settings: Settings, registry: CollectorRegistry) -> None:
         assert settings.kv_events_endpoint is not None
         self.block_size = settings.kv_events_block_size
-        self.topic = settings.kv_events_topic.encode()
+        self.encoding = event_encoding(settings)
+        self.template = topic_template(settings)
+        # {model} is known once the model loads (set_model); until then it reads "".
+        self.topic = expand_topic(self.template, pod_name(), "").encode()
         self._curve = load_curve_keys(settings)
         # Its own context: the ZAP endpoint below is one per context.
         self._ctx = zmq.Context()
@@ -252,7 +285,7 @@ class KvEventPublisher:
         sock.setsockopt(zmq.LINGER, 0)  # closing never waits on a subscriber
         sock.setsockopt(zmq.SNDHWM, hwm)
         # What a peer may send: subscriptions (1 + a prefix) and 8-byte replay requests.
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_RECEIVED_BYTES + len(self.topic))
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_RECEIVED_BYTES + len(self.template) + _TOPIC_ROOM)
         if self._curve is not None:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret)
@@ -261,6 +294,10 @@ class KvEventPublisher:
         except zmq.ZMQError as exc:
             raise SystemExit(f"{name}: cannot bind {endpoint!r}: {exc}") from None
         return sock
+
+    def set_model(self, model: str) -> None:
+        """Name the served model in the topic (before the first event is published)."""
+        self.topic = expand_topic(self.template, pod_name(), model).encode()
 
     @property
     def next_seq(self) -> int:
@@ -278,7 +315,7 @@ class KvEventPublisher:
     def _send_batch(self, events: Sequence[Event]) -> None:
         if self._closed:  # the engine's last calls (closing the model) come after the sockets
             return
-        payload = encode_batch(time.time(), events)
+        payload = encode_batch(time.time(), events, encoding=self.encoding)
         seq = self._ring.next
         self._ring.append(payload)
         try:
@@ -424,6 +461,7 @@ class KvEventPublisher:
             "endpoint": self.endpoint,
             "replay_endpoint": self.replay_endpoint,
             "topic": self.topic.decode(),
+            "encoding": self.encoding,
             "block_size": self.block_size,
             "next_seq": self._ring.next,
             "curve_public_key": self.curve_public_key,
@@ -457,11 +495,12 @@ def open_kv_events(settings: Settings, registry: CollectorRegistry) -> KvEventPu
         return None
     publisher = KvEventPublisher(settings, registry)
     log.info(
-        "KV events: publishing on %s (replay %s), %d-token blocks, topic %r, %s",
+        "KV events: publishing on %s (replay %s), %d-token blocks, topic %r, %s events, %s",
         publisher.endpoint,
         publisher.replay_endpoint or "off",
         publisher.block_size,
-        settings.kv_events_topic,
+        publisher.template,
+        publisher.encoding,
         f"CURVE on, server public key {publisher.curve_public_key}" if publisher.curve_public_key else "no CURVE",
     )
     return publisher

@@ -69,9 +69,10 @@ class Metrics:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""
         Gauge(name, doc, registry=self.registry).set_function(read)
 
-    def watch_engine(self, engine: Engine, running_decodes: Callable[[], int]) -> None:
-        """Gauges read from the engine (and the decode requests) at scrape time."""
-        self.registry.register(VllmCollector(engine, self.prefix_cache))
+    def watch_engine(self, engine: Engine, running_decodes: Callable[[], int], block_size: int = 16) -> None:
+        """Gauges read from the engine (and the decode requests) at scrape time;
+        ``block_size``: the KV block vllm:cache_config_info counts in."""
+        self.registry.register(VllmCollector(engine, self.prefix_cache, block_size))
         if engine.stats().prompt_cache is not None:  # --cache-ram-mib: the cache is there from the start
             self.registry.register(PromptCacheCollector(engine))
         self.registry.register(EngineCollector(engine))

@@ -5,10 +5,16 @@
 ``vllm:generation_tokens``, ``vllm:request_success{finished_reason}``, and the latency
 histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and
 ``vllm:e2e_request_latency_seconds`` (vLLM's buckets, with finer ones below 10 ms for
-inter-token latency, which a small model reaches), and the phases of a request:
+inter-token latency, which a small model reaches), the phases of a request:
 ``vllm:request_queue_time_seconds`` (waiting for a slot), ``vllm:request_prefill_time_seconds``
 (slot claimed -> first token) and ``vllm:request_decode_time_seconds`` (first -> last token).
 TTFT and e2e count from the request's arrival, so they include the queue time, as vLLM's do.
+And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
+cut into blocks, as vLLM's CacheConfig labels it: ``block_size`` (the KV events' block,
+--kv-events-block-size), ``num_gpu_blocks`` (all slots' cells in those blocks: what llm-d's
+scheduler and the Inference Extension size an endpoint's cache by), ``num_cpu_blocks``
+("None": the host prompt cache is sized in bytes, its entries' size varies by model),
+``cache_dtype`` and ``enable_prefix_caching``.
 
 prometheus-client accepts ':' in metric names (it is legal in the exposition format; the
 Prometheus docs reserve it for recording rules, and vLLM uses it anyway), so these are
@@ -105,9 +111,25 @@ class PrefixCacheCounts:
 
 
 class VllmCollector(Collector):
-    def __init__(self, engine: Engine, prefix: PrefixCacheCounts) -> None:
+    def __init__(self, engine: Engine, prefix: PrefixCacheCounts, block_size: int = 16) -> None:
         self.engine = engine
         self.prefix = prefix
+        self.block_size = block_size
+
+    def cache_config_info(self, n_cells: int) -> GaugeMetricFamily:
+        """vLLM's info gauge: the cache's shape in labels (read at each scrape: T2 may
+        change n_ctx, T3 the cache type)."""
+        info = {
+            "block_size": str(self.block_size),
+            "cache_dtype": str(self.engine.kv_cache_layout.get("type_k", "auto")),
+            "enable_prefix_caching": "True",
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(n_cells // self.block_size),
+            "engine": "0",
+        }
+        f = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info))
+        f.add_metric(list(info.values()), 1.0)
+        return f
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
@@ -138,6 +160,7 @@ class VllmCollector(Collector):
         for reason in ("stop", "length", "abort"):
             done.add_metric([*model, reason], p.finished[reason])
         families.append(done)
+        families.append(self.cache_config_info(stats.kv_cells_total))
         families += [
             p.ttft.family("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, model),
             p.itl.family("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels, model),

@@ -30,7 +30,15 @@ from ..wire.kvevents import Event
 from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
-from .kv import KvCopy, PromptCache, SlotBlocks, copy_out, restore_blob
+from .kv import (
+    HostBlocks,
+    KvCopy,
+    PromptCache,
+    SlotBlocks,
+    check_checkpoint,
+    copy_out,
+    restore_blob,
+)
 from .llama import (
     DecodeAborted,
     LlamaBackend,
@@ -92,6 +100,7 @@ class EngineCore:
         self.ngram_memories = NgramMemories(settings.spec_ngram_size_n)  # drafts from earlier requests, per salt
         # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
+        self.host_blocks: HostBlocks | None = None  # the prompt cache's blocks, with kv_blocks
         # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
         self.prompt_cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
         self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache)
@@ -288,12 +297,17 @@ class EngineCore:
         after the GPU-worker call that made it (on the trio thread)."""
         self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
         self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
+        if self.prompt_cache is not None:  # histories moved to RAM: medium CPU
+            self.host_blocks = HostBlocks(block_size, publish)
+            self.prompt_cache.watch(self.host_blocks)
         return self.kv_blocks
 
     async def resync_kv_events(self) -> None:
         """Tell everything the slots hold anew (for a new subscriber), between worker calls."""
         if self.kv_blocks is not None:
-            await self.worker.call(self.kv_blocks.resync)
+            await self.worker.call(self.kv_blocks.resync)  # AllBlocksCleared, then the slots'
+        if self.host_blocks is not None:
+            self.host_blocks.publish_resync()
 
     def slots_emptied(self, backend: LlamaBackend) -> None:
         """On the worker, once a T2/T3 change has emptied every slot (``backend`` serves now)."""
@@ -536,11 +550,8 @@ class EngineCore:
         history (the cache_salt of the request it serves; None: unsalted); idle slots'
         KV is evicted for its room first."""
         backend = self.backend
-        if blob.checkpoint is not None and not backend.info.recurrent:
-            raise ProtocolError(
-                ErrorCode.BAD_FRAME,
-                "kv blob carries a recurrent-state checkpoint; the resident model is not recurrent",
-            )
+        if blob.checkpoint is not None:
+            check_checkpoint(blob, recurrent=not backend.info.can_roll_back)
         if blob.n_past >= backend.n_ctx_slot:
             raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {self.inputs.slot_room()}")
         await self.scheduler.make_room(blob.n_past, exclude=slot_id)
@@ -564,3 +575,4 @@ class EngineCore:
     def state_size(self, slot: int) -> int:
         """Exact serialized size without a GPU-worker call (STATE_META must stay cheap)."""
         return self.backend.slot_state_size(slot)
+

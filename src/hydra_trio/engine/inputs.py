@@ -13,7 +13,7 @@ from typing import Any
 import trio
 
 from ..config import Settings
-from ..wire.errors import ErrorCode, ProtocolError, Status, bad_param
+from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
 from .chat import Chat, ChatTemplate, ReplyParser
 from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
@@ -194,8 +194,4 @@ class Inputs:
     def check_prompt_fits(self, n_tokens: int) -> None:
         """Refuse a prompt no slot can hold (with room for one generated token)."""
         if n_tokens >= self.n_ctx_slot:
-            raise ProtocolError(
-                ErrorCode.TOO_LARGE,
-                f"prompt has {n_tokens} tokens; {self.slot_room()}",
-                status=Status.BAD_REQUEST,
-            )
+            raise PromptTooLong(f"prompt has {n_tokens} tokens; {self.slot_room()}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,10 +76,18 @@ async def allowed_address(host: str, port: int, allow: Sequence[IPNetwork]) -> s
     raise PullFailed("not_allowed", f"{host} ({', '.join(sorted(set(addresses)))}) is outside --kv-pull-allow")
 
 
-async def pull_export(params: HandoffParams, *, allow: Sequence[IPNetwork], trace: str = "") -> Pulled:
+async def pull_export(
+    params: HandoffParams,
+    *,
+    allow: Sequence[IPNetwork],
+    trace: str = "",
+    reserve: Callable[[int], Awaitable[None]] | None = None,
+) -> Pulled:
     """The export's blob, verified; PullFailed otherwise. Bounded by the caller's scope; the
-    caller has checked ``params.kv_bytes`` against --max-kv-bytes and holds the payload
-    budget for it."""
+    caller has checked ``params.kv_bytes`` against --max-kv-bytes. ``reserve(n)`` is awaited
+    once the peer's reply announces the export's ``n`` bytes, before they are received or
+    mapped (the payload budget's charge, which the caller releases): a peer that is gone,
+    refuses or answers something else never costs budget."""
     address = await allowed_address(params.host, params.port, allow)
     # Shared memory only when this process reads the prefill engine's probe: never assumed.
     shm = shares_folder(params.shm)
@@ -107,6 +115,8 @@ async def pull_export(params: HandoffParams, *, allow: Sequence[IPNetwork], trac
                     raise network_failure(
                         "bad_reply", f"KV_PULL reply holds {meta.get('kv_bytes')!r} bytes; the export has {params.kv_bytes}"
                     )
+                if reserve is not None:
+                    await reserve(params.kv_bytes)
                 blob = await trio.to_thread.run_sync(_mapped, handed, params)
                 handed = None  # mapped, and unlinked by the mapping
                 transport = "shm"
@@ -115,6 +125,8 @@ async def pull_export(params: HandoffParams, *, allow: Sequence[IPNetwork], trac
                     raise network_failure(
                         "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has {params.kv_bytes}"
                     )
+                if reserve is not None:
+                    await reserve(head.payload_len)
                 blob = payload_buffer(head.payload_len)  # the one buffer the KV lives in until restored
                 await recv_exactly(sock.recv_into, memoryview(blob))
                 transport = "tcp"

@@ -1,9 +1,9 @@
 """The decode side of a P/D hand-off through a router's ``kv_transfer_params``.
 
-``Handoff``: check the identity the export claims, then, in the request's
-slot, pull it over the binary RPC (``pull.py``), check it (caps, hash, identity of
-the serving engine, the prompt it holds), restore it and let the normal generation
-continue from it. Any failure falls back to prefilling locally and says why (``report()``,
+``Handoff``: check the identity the export claims, then, before the request claims a
+slot, pull it over the binary RPC (``pull.py``) and check it (caps, hash, identity of
+the serving engine, the prompt it holds); in the slot, restore it and let the normal
+generation continue from it. Any failure falls back to prefilling locally and says why (``report()``,
 ``hydra_kv_pulls_total{outcome="fallback",reason}``): the text is the same either way,
 only the prompt work differs.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -45,6 +45,11 @@ class Handoff:
     n_restored: int = 0
     transport: str = ""  # how the bytes came: "shm" (mapped on this host) or "tcp"
     engine: Engine | None = None  # the engine whose slot it restores into (None: it names no export)
+    # The fetched blob until the restore, and the payload-budget bytes it holds.
+    _blob: KvBlob | None = field(default=None, repr=False)
+    _budget: ByteBudget | None = field(default=None, repr=False)
+    _held: int = 0
+    _released: trio.Event = field(default_factory=trio.Event, repr=False)
 
     @classmethod
     async def begin(cls, engine: Engine, exports: ExportStore, raw: object, *, trace: str = "") -> Handoff | None:
@@ -68,29 +73,25 @@ class Handoff:
             h._fail("layout_mismatch", f"export's KV cache layout differs: {admitted.layout_problem}")
         return h
 
-    async def restore(
-        self,
-        settings: Settings,
-        budget: ByteBudget,
-        lease: SlotLease,
-        prompt_tokens: list[int],
-        salt: str | None = None,
-    ) -> None:
-        """Pull the export and restore it into the caller's (claimed) slot (with the logits
-        that came with it), as the history of the request's cache ``salt``. On any failure
-        the slot is as it was and the request prefills locally.
+    async def fetch(self, settings: Settings, budget: ByteBudget, prompt_tokens: list[int]) -> None:
+        """Pull the export and check it (caps, hash, the serving engine's identity, the prompt
+        it holds), BEFORE the request claims a slot: a peer that is gone, refuses, resets or
+        stays silent holds no slot. On any failure the request prefills locally.
 
-        Runs in the request's slot, as a DECODE's receive does: the pulled bytes come from
-        the payload budget (``--max-inflight-bytes``, shared with RPC payloads and uploads)
-        and live only until the restore, and a client that leaves cancels the pull.
-        ``--kv-pull-timeout-s`` bounds the wait for budget room and the pull together.
+        The pulled bytes come from the payload budget (``--max-inflight-bytes``, shared with
+        RPC payloads and uploads), taken once the peer's reply announces them, and are held
+        until ``restore`` (or ``release``: the request ended first). ``--kv-pull-timeout-s``
+        bounds the pull and the wait for budget room together; a client that leaves cancels it.
 
         The claim (``kv_bytes``, the client's number) is checked against --max-kv-bytes
-        before any room is asked for: the budget's queue is first come, first served, and a
-        claim it could never grant would hold everyone behind it until its deadline.
+        before anything moves: the budget's queue is first come, first served, and a claim
+        it could never grant would hold everyone behind it until its deadline.
 
-        A network failure (``pull_failed``) answers at the deadline, as a silent peer does:
-        a closed port, a silent one and one that answers something else look the same."""
+        A network failure (``pull_failed``, the one reason for a closed, a silent and a
+        talking port) falls back at once: --kv-pull-allow decides which hosts may be pulled
+        from, so the timing says nothing of hosts the client could not already name. With
+        --kv-pull-uniform-timing it answers at the deadline instead, as a silent peer does;
+        that wait holds no slot and no budget (docs/reliability.md)."""
         if self.status != "pending" or self.params is None:
             return
         n = self.params.kv_bytes
@@ -99,49 +100,78 @@ class Handoff:
             return
         deadline = trio.current_time() + settings.kv_pull_timeout_s
         try:
-            await budget.take(n, within_s=settings.kv_pull_timeout_s, what="a KV pull")
-        except ProtocolError as err:
-            self._fail("timeout", err.message)
-            return
-        try:
-            await self._pull_and_restore(settings, deadline, lease, prompt_tokens, salt)
-        finally:
-            budget.release(n)
-        if self.reason == PULL_FAILED:  # the budget is back; the slot waits, as for a silent peer
-            await trio.sleep_until(deadline)
-
-    async def _pull_and_restore(
-        self,
-        settings: Settings,
-        deadline: float,
-        lease: SlotLease,
-        prompt_tokens: list[int],
-        salt: str | None,
-    ) -> None:
-        blob = await self._pull(settings, deadline)
+            blob = await self._pull(settings, budget, deadline)
+            if blob is not None and (len(blob.tokens) > len(prompt_tokens) or blob.tokens != prompt_tokens[: len(blob.tokens)]):
+                self._fail("prompt_mismatch", "the export holds another prompt than this request's")
+                blob = None
+        except BaseException:
+            self.release()
+            raise
         if blob is None:
+            self.release()  # budget back before any uniform wait
+            if self.reason == PULL_FAILED and settings.kv_pull_uniform_timing:
+                await trio.sleep_until(deadline)
             return
-        if blob.tokens != prompt_tokens[: len(blob.tokens)] or len(blob.tokens) > len(prompt_tokens):
-            self._fail("prompt_mismatch", "the export holds another prompt than this request's")
-            return
-        t0 = time.perf_counter()
-        try:
-            await lease.restore(blob, salt=salt)
-        except ProtocolError as err:
-            self._fail("restore_failed", err.message)
-            return
-        self.restore_ms = (time.perf_counter() - t0) * 1000.0
-        self.n_restored = blob.n_past
-        self.status = "restored"
-        self.exports.metrics.pulls.labels("restored", "").inc()
+        self._blob = blob
 
-    async def _pull(self, settings: Settings, deadline: float) -> KvBlob | None:
+    def release(self) -> None:
+        """Give back what the pulled bytes hold (idempotent): after the restore, or when the
+        request ends without one."""
+        self._blob = None
+        if self._held and self._budget is not None:
+            self._budget.release(self._held)
+        self._held = 0
+        self._released.set()
+
+    @property
+    def holds_budget(self) -> bool:
+        return self._held > 0
+
+    async def hold_until_released(self) -> None:
+        """Run in the request's own nursery: whatever ends the request (a refused claim, the
+        client leaving, the response sent), the pulled bytes' budget goes back with it."""
+        try:
+            await self._released.wait()
+        finally:
+            self.release()
+
+    async def restore(self, lease: SlotLease, salt: str | None = None) -> None:
+        """Restore the fetched blob into the caller's (claimed) slot, with the logits that
+        came with it, as the history of the request's cache ``salt``. On failure the slot
+        is as it was and the request prefills locally. The budget goes back either way."""
+        blob = self._blob
+        try:
+            if blob is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                await lease.restore(blob, salt=salt)
+            except ProtocolError as err:
+                self._fail("restore_failed", err.message)
+                return
+            self.restore_ms = (time.perf_counter() - t0) * 1000.0
+            self.n_restored = blob.n_past
+            self.status = "restored"
+            self.exports.metrics.pulls.labels("restored", "").inc()
+        finally:
+            del blob
+            self.release()
+
+    async def _pull(self, settings: Settings, budget: ByteBudget, deadline: float) -> KvBlob | None:
         params, engine = self.params, self.engine
         assert params is not None and engine is not None
+
+        async def reserve(n: int) -> None:
+            try:
+                await budget.take(n, within_s=max(0.0, deadline - trio.current_time()), what="a KV pull")
+            except ProtocolError as err:
+                raise PullFailed("timeout", err.message) from None
+            self._budget, self._held = budget, n
+
         t0 = time.perf_counter()
         try:
             with trio.fail_at(deadline):
-                pulled = await pull_export(params, allow=settings.kv_pull_networks(), trace=self.trace)
+                pulled = await pull_export(params, allow=settings.kv_pull_networks(), trace=self.trace, reserve=reserve)
         except trio.TooSlowError:
             exc = network_failure(
                 "timeout", f"no KV from {params.host}:{params.port} within {settings.kv_pull_timeout_s:g} s"

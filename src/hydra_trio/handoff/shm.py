@@ -104,8 +104,12 @@ class ShmArea:
         return cls(root, tag, token, fd)
 
     def advertised(self) -> dict[str, str]:
-        """What kv_transfer_params tell a decode engine, to find out whether it shares the folder."""
-        return {"probe": str(self.probe), "token": self.token}
+        """What kv_transfer_params tell a decode engine, to find out whether it shares the
+        folder, and which network namespace this engine is in (see ``shares_folder``)."""
+        out = {"probe": str(self.probe), "token": self.token}
+        if (netns := network_namespace()) is not None:
+            out["netns"] = netns
+        return out
 
     async def create(self, parts: Sequence[Buffer]) -> ShmFile | None:
         """A new shared file holding ``parts`` back to back; None (logged) when the folder has
@@ -224,12 +228,28 @@ def _owner_alive(probe: Path, uid: int) -> bool:
         os.close(fd)
 
 
+def network_namespace() -> str | None:
+    """This process's network namespace as ``"dev:inode"`` of /proc/self/ns/net (None where
+    /proc does not tell it)."""
+    try:
+        st = os.stat("/proc/self/ns/net")
+    except OSError:
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def shares_folder(advertised: object) -> bool:
     """Whether this process sees the prefill engine's shared-memory folder: its probe file
-    is here, with the announced contents. The path comes from a request, so it is opened
+    is here, with the announced contents, and the prefill engine is in this network
+    namespace. Engines in two namespaces are two hosts to the fleet (their own addresses,
+    links that can be cut), even when a mount of /dev/shm is shared, as ``ip netns exec``
+    leaves it: their hand-offs go over TCP. The path comes from a request, so it is opened
     without following a link and without blocking (a FIFO would otherwise hang the caller),
     and only a regular file of this user's counts."""
     if not isinstance(advertised, dict):
+        return False
+    theirs = advertised.get("netns")
+    if theirs is not None and theirs != network_namespace():
         return False
     probe, token = advertised.get("probe"), advertised.get("token")
     if not isinstance(probe, str) or not isinstance(token, str) or not _PROBE.match(Path(probe).name):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from quart import Response, request
 
@@ -79,7 +79,7 @@ def access(needed: Role, ring: KeyRing, authorization: str) -> tuple[int, str] |
         return None
     if granted is None:
         if token is None:
-            return 401, "missing API key: send 'Authorization: Bearer KEY'"
+            return 401, "missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
         return 401, "invalid API key"
     return 403, "this route needs the admin API key (--admin-api-key): slot state, erase, /slots and the decode listing"
 
@@ -107,7 +107,7 @@ def install_auth(app: QuartTrio, state: AppState) -> None:
     @app.before_request
     async def require_api_key() -> Response | None:
         rule = request.url_rule.rule if request.url_rule is not None else None
-        refused = access(role_of(rule, request.method), ring, request.headers.get("Authorization", ""))
+        refused = access(role_of(rule, request.method), ring, authorization_of(request.headers))
         if refused is None:
             return None
         status, message = refused
@@ -116,6 +116,15 @@ def install_auth(app: QuartTrio, state: AppState) -> None:
             return json_response(error_body(401, message, "authentication_error"), 401, {"WWW-Authenticate": "Bearer"})
         state.metrics.http_auth_forbidden.inc()
         return json_response(error_body(403, message, "permission_error"), 403)
+
+
+def authorization_of(headers: Any) -> str:
+    """The request's credentials as an Authorization header: ``Authorization: Bearer KEY``,
+    else Anthropic's ``x-api-key: KEY`` (what the anthropic SDK and Claude Code send)."""
+    auth = headers.get("Authorization", "")
+    if not auth and (key := headers.get("x-api-key", "")):
+        return f"Bearer {key}"
+    return auth
 
 
 def bearer_token(header: str) -> str | None:

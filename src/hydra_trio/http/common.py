@@ -12,7 +12,7 @@ from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
 from ..tasks import run_cpu_bound
-from ..wire.errors import ErrorCode, ParamError, ProtocolError, Status
+from ..wire.errors import ErrorCode, ParamError, PromptTooLong, ProtocolError, Status
 from ..wire.jsontext import parse_json_object
 from .sse import RETRY_AFTER, busy_body, error_body
 
@@ -43,6 +43,8 @@ _CODE_STATUS = {
 
 
 def http_status(err: ProtocolError) -> int:
+    if isinstance(err, PromptTooLong):  # the 400 agents compact their conversation on
+        return 400
     return _CODE_STATUS.get(err.code) or _HTTP_STATUS.get(err.status, 500)
 
 
@@ -201,7 +203,10 @@ def register_error_handlers(app: Any) -> None:
             return busy_reply(err.message, error_code=str(err.code), **err.extra)
         kind = "invalid_request_error" if status < 500 else "server_error"
         param = err.param if isinstance(err, ParamError) else None
-        return json_response(error_body(status, err.message, kind, param=param, error_code=str(err.code), **err.extra), status)
+        body = error_body(status, err.message, kind, param=param, error_code=str(err.code), **err.extra)
+        if isinstance(err, PromptTooLong):  # OpenAI's code, the one agents recognise (issue 40)
+            body["error"].update(code="context_length_exceeded", param="messages")
+        return json_response(body, status)
 
     @app.errorhandler(HttpError)
     async def _http_error(err: HttpError) -> Response:
@@ -214,7 +219,9 @@ def register_error_handlers(app: Any) -> None:
     @app.errorhandler(HTTPException)
     async def _werkzeug(err: HTTPException) -> Response:
         code = err.code or 500
-        return json_response(error_body(code, err.description or err.name, "invalid_request_error"), code)
+        # OpenAI's words for an unknown route (Anthropic's shape on /v1/messages*: anthropic.py).
+        message = f"Invalid URL ({request.method} {request.path[:200]})" if code == 404 else err.description or err.name
+        return json_response(error_body(code, message, "invalid_request_error"), code)
 
     @app.errorhandler(Exception)
     async def _internal(err: Exception) -> Response:

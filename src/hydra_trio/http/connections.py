@@ -379,9 +379,12 @@ def _peer(stream: trio.SocketStream) -> str:
 # ---- the seam: Hypercorn's private parts this module relies on --------------------------------
 # Hypercorn has no public way to wrap its trio connection handler, so the worker's TCPServer is
 # replaced (install) and ``_GatedTCPServer`` overrides and reads private members. pyproject.toml
-# pins the versions this was written against (hypercorn>=0.17,<0.19); install() checks every
+# pins the versions this was written against (HYPERCORN_TESTED); install() checks every
 # member before the server starts, so another version fails at once, by name, instead of
 # serving with a gate or a fast path that silently does nothing.
+
+
+HYPERCORN_TESTED = "hypercorn>=0.18,<0.19"
 
 
 class HypercornSeamError(RuntimeError):
@@ -446,7 +449,7 @@ def install() -> None:
     if missing:
         raise HypercornSeamError(
             f"Hypercorn {_hypercorn_version()} is not one hydra-trio's HTTP connection handler "
-            f"works with (tested: hypercorn>=0.17,<0.19): missing or changed: {'; '.join(missing)}"
+            f"works with (tested: {HYPERCORN_TESTED}): missing or changed: {'; '.join(missing)}"
         )
     hypercorn.trio.run.TCPServer = _GatedTCPServer  # type: ignore[misc]  # the seam: see the module doc
 

@@ -11,6 +11,7 @@ from quart import Blueprint, Response, request
 from ..decode.manager import CancelOutcome, DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
 from ..engine import Engine, GenerationResult
+from ..wire.protocol import ascii_decimal
 from ..writeturn import Wrote
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
 from .connections import chunk_writer
@@ -32,10 +33,12 @@ def _manager() -> DecodeManager:
 
 
 def _request_id(raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise HttpError(400, f"decode_request_id must be an integer, got {raw[:40]!r}", "invalid_request_error") from None
+    # ASCII digits only (int() takes '²', ' 7', '1_0'); ids are positive int32, so a sign or
+    # more than 10 digits names none.
+    rid = ascii_decimal(raw, max_digits=10)
+    if rid is None:
+        raise HttpError(400, f"decode_request_id must be an integer in ASCII digits, got {raw[:40]!r}", "invalid_request_error")
+    return rid
 
 
 @bp.get("/v1/decode")

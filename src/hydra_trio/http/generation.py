@@ -196,6 +196,8 @@ async def sse_body(
     done_event: Callable[[GenerationResult], bytes],
     logprobs_event: Callable[[str, Sequence[TokenLogprobs]], bytes] | None = None,
     direct: bool = True,
+    done: bytes = SSE_DONE,
+    error_event: Callable[[BaseException], bytes] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body of a streaming completion (chat or text): ``head``, an event per text
     delta, the final event, ``[DONE]``; what is ready goes out in one write. Leaving (the
@@ -204,7 +206,9 @@ async def sse_body(
     A request that asked for logprobs gets ``Logprobs`` before each delta: that delta's
     event is then ``logprobs_event(text, entries)``. ``direct=False``: the producer never
     writes deltas itself (a parsed reply's event may be empty, or depend on what came before).
-    An empty event writes nothing."""
+    An empty event writes nothing. ``done``: what ends the body (OpenAI's ``[DONE]``; the
+    agents' dialects end with their own last event: b""); ``error_event``: the event of a
+    failure after the 200 (else OpenAI's error chunk)."""
     held: Sequence[TokenLogprobs] | None = None
     try:
         if head:
@@ -232,10 +236,11 @@ async def sse_body(
                 elif isinstance(item, Done):
                     out.append(done_event(item.result))
                 else:
-                    out.append(sse_event(error_event_body(item.error)))
+                    out.append(sse_event(error_event_body(item.error)) if error_event is None else error_event(item.error))
             if out:
                 yield b"".join(out)
-        yield SSE_DONE
+        if done:
+            yield done
     finally:
         await stream.close()
 

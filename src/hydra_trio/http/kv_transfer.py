@@ -6,8 +6,9 @@ A route (chat completions; text completions use the same three calls) does:
     if exported is not None:
         return exported                        # prefill side: do_remote_decode
     handoff = begin_handoff(state, body)      # decode side: None unless it names an export
+    await fetch_handoff(state, handoff, tokens)  # the pull, before any slot is claimed
     async with engine.claim(...) as lease:
-        await restore_handoff(state, handoff, lease, tokens)
+        await restore_handoff(handoff, lease)
         res = await lease.generate(tokens, params, emit)
     ... render(lease.id, res, **handoff_fields(handoff)) ...
 
@@ -31,7 +32,13 @@ from ..handoff.prefill import export_prefill, prefill_export
 from ..handoff.restore import Handoff
 from ..logs import generation_fields, request_extra
 from ..wire.kvpull import export_params, wants_remote_decode
-from .common import EngineStarting, client_request_id, json_response, require_engine
+from .common import (
+    EngineStarting,
+    client_request_id,
+    json_response,
+    request_nursery,
+    require_engine,
+)
 from .generation import slot_for
 
 if TYPE_CHECKING:
@@ -104,7 +111,7 @@ def _rpc_port(state: AppState) -> int:
 
 async def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
     """Decode side: the hand-off the request's ``kv_transfer_params`` asks for (None when
-    it names no hydra export). Nothing moves yet: the pull runs in the request's slot."""
+    it names no hydra export). Nothing moves yet: ``fetch_handoff`` pulls it."""
     raw = body.get("kv_transfer_params")
     if raw is None:
         return None
@@ -113,14 +120,23 @@ async def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None
     return await Handoff.begin(require_engine(), exports, raw, trace=client_request_id())
 
 
-async def restore_handoff(
-    state: AppState, handoff: Handoff | None, lease: SlotLease, tokens: list[int], salt: str | None = None
-) -> None:
-    """Pull the export into the claimed slot, with the logits for the first token, as the
-    history of the request's cache ``salt`` (nothing without a hand-off; a failed one falls
-    back to a local prefill)."""
+async def fetch_handoff(state: AppState, handoff: Handoff | None, tokens: list[int]) -> None:
+    """Pull and check the export before the request claims a slot (a dead or slow prefill
+    engine holds no slot). What the pulled bytes hold of the payload budget goes back with
+    the request, however it ends (its own nursery), or at the restore."""
+    if handoff is None:
+        return
+    await handoff.fetch(state.settings, state.payload_budget, tokens)
+    if handoff.holds_budget:
+        request_nursery().start_soon(handoff.hold_until_released)
+
+
+async def restore_handoff(handoff: Handoff | None, lease: SlotLease, salt: str | None = None) -> None:
+    """Restore the fetched export into the claimed slot, with the logits for the first
+    token, as the history of the request's cache ``salt`` (nothing without a hand-off; a
+    failed one falls back to a local prefill)."""
     if handoff is not None:
-        await handoff.restore(state.settings, state.payload_budget, lease, tokens, salt)
+        await handoff.restore(lease, salt)
 
 
 def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
@@ -151,4 +167,5 @@ async def route(
     if exported is not None:
         return exported
     handoff = await begin_handoff(state, body)
-    return DecodeSide(handoff, partial(restore_handoff, state, handoff, tokens=tokens, salt=params.cache_salt))
+    await fetch_handoff(state, handoff, tokens)
+    return DecodeSide(handoff, partial(restore_handoff, handoff, salt=params.cache_salt))

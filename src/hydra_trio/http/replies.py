@@ -71,3 +71,34 @@ class ReplyEvents:
     def rest(self) -> bytes:
         fields = delta_fields(self.parser.finish())
         return b"" if fields is None else sse_event(self._chunk(fields))
+
+
+# What a reply is made of, for the agents' dialects (http/anthropic.py, http/responses.py):
+# reasoning text, content text, or one whole tool call, in the order they came.
+Piece = tuple[str, str] | ToolCall  # ("reasoning" | "text", text), or a call
+
+
+def delta_pieces(delta: ReplyDelta) -> list[Piece]:
+    """One parsed delta as pieces (the parser gives reasoning before content before calls)."""
+    out: list[Piece] = []
+    if delta.reasoning:
+        out.append(("reasoning", delta.reasoning))
+    if delta.content:
+        out.append(("text", delta.content))
+    out.extend(delta.tool_calls)
+    return out
+
+
+def whole_pieces(res: GenerationResult, parser: ReplyParser | None) -> list[Piece]:
+    """The whole reply as pieces (``parser`` fresh: it parses ``res.text`` here)."""
+    if parser is None:
+        return [("text", res.text)] if res.text else []
+    parser.feed(res.text)
+    parser.finish()
+    out: list[Piece] = []
+    if parser.reasoning:
+        out.append(("reasoning", parser.reasoning))
+    if parser.content:
+        out.append(("text", parser.content))
+    out.extend(parser.calls)
+    return out

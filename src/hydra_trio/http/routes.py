@@ -1,6 +1,6 @@
 """Every HTTP route's facts, in one table: who may call it (its auth role, for every method it
-serves, HEAD as GET), what body it takes (none, JSON up to --max-json-bytes, a KV blob up to
---max-kv-bytes), and whether it starts new work (refused while draining, with the one "busy,
+serves, HEAD as GET), what body it takes (none, a small JSON object up to 4 KiB, JSON up to
+--max-json-bytes, a KV blob up to --max-kv-bytes), and whether it starts new work (refused while draining, with the one "busy,
 retry" reply). The auth check, the body caps, the drain and the upload gate all read it; a
 test holds it to the app's own routes (tests/test_http_routes.py)."""
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
 
-Body = Literal["none", "json", "kv"]
+Body = Literal["none", "small", "json", "kv"]
+SMALL_BODY_BYTES = 4096  # a "small" body: a JSON object nothing is read from (erase's {})
 
 
 class Role(IntEnum):
@@ -41,6 +42,11 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/models", "GET", Role.PLAIN),
     Route("/v1/chat/completions", "POST", Role.PLAIN, "json", new_work=True),
     Route("/v1/completions", "POST", Role.PLAIN, "json", new_work=True),
+    # The agents' dialects (Anthropic Messages, OpenAI Responses): codecs over chat.
+    Route("/v1/messages", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/v1/messages/count_tokens", "POST", Role.PLAIN, "json"),
+    Route("/v1/responses", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/v1/responses/input_tokens", "POST", Role.PLAIN, "json"),
     Route("/v1/chat/completions/render", "POST", Role.PLAIN, "json"),
     Route("/v1/completions/render", "POST", Role.PLAIN, "json"),
     Route("/tokenize", "POST", Role.PLAIN, "json"),
@@ -50,7 +56,7 @@ ROUTES: tuple[Route, ...] = (
     Route("/v1/decode/<raw_id>", "GET", Role.PLAIN),
     Route("/v1/decode/<raw_id>", "DELETE", Role.PLAIN),
     Route("/slots", "GET", Role.ADMIN),  # other clients' request ids
-    Route("/slots/<raw_id>", "POST", Role.ADMIN, "json"),  # ?action=erase; llama-server's clients send {}
+    Route("/slots/<raw_id>", "POST", Role.ADMIN, "small"),  # ?action=erase; llama-server's clients send {}
     Route("/slots/<raw_id>/state", "GET", Role.ADMIN),  # another user's prompt
     Route("/slots/<raw_id>/state", "PUT", Role.ADMIN, "kv"),  # KV others would reuse
     Route("/slots/<raw_id>/state/meta", "GET", Role.ADMIN),

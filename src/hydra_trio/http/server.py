@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 import json
 import logging
 import resource
 from typing import TYPE_CHECKING, Any
 
+import quart.app
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
@@ -16,12 +19,14 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..tasks import Started, leaves
 from . import connections, routes
+from .anthropic import bp as anthropic_bp
 from .auth import install_auth
 from .common import busy_reply, client_request_id, register_error_handlers, set_request_nursery
 from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 from .openai import health_reply
+from .responses import bp as responses_bp
 from .sse import error_body
 from .state_routes import bp as state_bp
 from .state_routes import drain_body, hold_state_uploads
@@ -32,10 +37,92 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# ---- the seam: quart-trio's private parts this module relies on --------------------------------
+# quart-trio has no hook for its per-request nursery, so _RequestNurseryConnection re-writes
+# TrioASGIHTTPConnection.__call__ (four lines) around Quart's private _create_request_from_scope.
+# pyproject.toml pins the versions this was written against; check_quart_trio_seam() (run by
+# create_app, before anything is served) checks every member, and that upstream's __call__
+# still does only what the copy does, so another version fails at once, by name, instead of
+# serving requests built another way (as http/connections.py does for Hypercorn's seam).
+QUART_TRIO_TESTED = "quart-trio>=0.12,<0.13"
+QUART_TESTED = "quart>=0.22,<0.23"
+# Every global and attribute name upstream's __call__ uses: more (or fewer) means it changed.
+_UPSTREAM_CALL_NAMES = frozenset(
+    {"_create_request_from_scope", "trio", "open_nursery", "start_soon", "handle_messages", "handle_request"}
+)
+
+
+class QuartTrioSeamError(RuntimeError):
+    """The installed quart-trio (or Quart) lacks a private member the app relies on."""
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def _params(fn: Any) -> list[str] | None:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _quart_trio_seam_missing() -> list[str]:
+    """The private members of quart-trio and Quart that ``_RequestNurseryConnection`` relies on
+    that are missing or of another kind than expected (empty: all there)."""
+    missing: list[str] = []
+
+    def need(ok: Any, what: str) -> None:
+        if not ok:
+            missing.append(what)
+
+    conn = TrioASGIHTTPConnection
+    upstream = getattr(conn.__dict__.get("__call__"), "__code__", None)
+    need(
+        upstream is not None and frozenset(upstream.co_names) == _UPSTREAM_CALL_NAMES,
+        "TrioASGIHTTPConnection.__call__ (builds the request, then runs handle_messages and "
+        "handle_request in one nursery, nothing else)",
+    )
+    create = getattr(conn, "_create_request_from_scope", None)
+    need(
+        callable(create) and not inspect.iscoroutinefunction(create) and _params(create) == ["self", "send"],
+        "TrioASGIHTTPConnection._create_request_from_scope(self, send) (a plain method)",
+    )
+    for name, last in (("handle_messages", "receive"), ("handle_request", "send")):
+        fn = getattr(conn, name, None)
+        need(
+            inspect.iscoroutinefunction(fn) and _params(fn) == ["self", "nursery", "request", last],
+            f"TrioASGIHTTPConnection.{name}(self, nursery, request, {last}) (a coroutine function)",
+        )
+    need(QuartTrio.__dict__.get("asgi_http_class") is conn, "QuartTrio.asgi_http_class (TrioASGIHTTPConnection)")
+    asgi_app = getattr(quart.app.Quart, "asgi_app", None)
+    need(
+        "asgi_http_class" in getattr(getattr(asgi_app, "__code__", None), "co_names", ()),
+        "Quart.asgi_app (a method that looks asgi_http_class up per request)",
+    )
+    return missing
+
+
+def check_quart_trio_seam() -> None:
+    """Raise QuartTrioSeamError naming what is missing when the installed quart-trio or Quart
+    is not one ``_RequestNurseryConnection`` was written against."""
+    missing = _quart_trio_seam_missing()
+    if missing:
+        raise QuartTrioSeamError(
+            f"quart-trio {_version('quart-trio')} (Quart {_version('quart')}) is not one "
+            f"hydra-trio's HTTP app works with (tested: {QUART_TRIO_TESTED}, {QUART_TESTED}): "
+            f"missing or changed: {'; '.join(missing)}"
+        )
+
+
 class _RequestNurseryConnection(TrioASGIHTTPConnection):
     """quart-trio's HTTP connection, with its per-request nursery made available to the
     route (``common.request_nursery()``). That nursery is cancelled when the client goes
-    away or the response has been sent, so what a route starts in it ends with its request."""
+    away or the response has been sent, so what a route starts in it ends with its request.
+    A copy of upstream's ``__call__`` plus one line: the seam above checks it still matches."""
 
     async def __call__(self, receive: Any, send: Any) -> None:
         request_ = self._create_request_from_scope(send)
@@ -50,6 +137,7 @@ class _App(QuartTrio):
 
 
 def create_app(state: AppState) -> QuartTrio:
+    check_quart_trio_seam()  # before anything is served: a clear error if quart-trio changed
     app = _App("hydra_trio")
     app.config["HYDRA_STATE"] = state
     # Streams (SSE) may run far longer than Quart's 60 s default; bodies may be KV blobs.
@@ -61,6 +149,8 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(state_bp)
     app.register_blueprint(completions_bp)
     app.register_blueprint(tokens_bp)
+    app.register_blueprint(anthropic_bp)
+    app.register_blueprint(responses_bp)
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
@@ -100,7 +190,8 @@ def body_cap(method: str, path: str, state: AppState) -> int:
     settings = state.settings
     route = routes.by_path(method, path)
     body = "json" if route is None and method in ("POST", "PUT", "PATCH") else route.body if route is not None else "none"
-    return {"kv": settings.max_kv_bytes, "json": settings.max_json_bytes, "none": 0}[body]
+    caps = {"kv": settings.max_kv_bytes, "json": settings.max_json_bytes, "small": routes.SMALL_BODY_BYTES, "none": 0}
+    return caps[body]
 
 
 def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:

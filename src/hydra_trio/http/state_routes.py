@@ -11,11 +11,13 @@ from quart import Blueprint, Response, request
 from .. import slotstate
 from ..config import Settings
 from ..receive import payload_buffer
+from ..wire.protocol import ascii_decimal
 from . import routes
 from .common import (
     HttpError,
     app_state,
     json_response,
+    read_json_body,
     receive_body,
     request_nursery,
     require_engine,
@@ -32,10 +34,12 @@ ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[dict[str, Any], ASGIReceive, ASGISend], Awaitable[None]]
 
 
+
 def _slot_id(raw: str) -> int:
-    if not raw.isdigit() or len(raw) > 9:
-        raise HttpError(400, f"slot id must be a non-negative integer, got {raw[:40]!r}", "invalid_request_error")
-    return int(raw)
+    slot = ascii_decimal(raw)
+    if slot is None:
+        raise HttpError(400, f"slot id must be a non-negative integer in ASCII digits, got {raw[:40]!r}", "invalid_request_error")
+    return slot
 
 
 @bp.get("/slots/<raw_id>/state/meta")
@@ -199,4 +203,7 @@ async def slot_action(raw_id: str) -> Response:
     action = request.args.get("action", "")
     if action != "erase":
         raise HttpError(400, f"unsupported action {action!r} (supported: erase)", "invalid_request_error")
+    if request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+        # llama-server's slot API takes a JSON body here ({}); a small object, ignored.
+        await read_json_body(routes.SMALL_BODY_BYTES, "the erase route's cap")
     return json_response(await slotstate.erase(engine, slot_id, f"http:erase:{slot_id}"))

@@ -75,15 +75,6 @@ class Connection:
             await self.read_into(memoryview(buf))
         return buf
 
-    async def drain(self, n: int, chunk: int = 1 << 20) -> None:
-        """Read and discard ``n`` bytes (refused payloads), with one reused buffer."""
-        scratch = memoryview(bytearray(min(n, chunk))) if n else memoryview(b"")
-        left = n
-        while left:
-            k = min(left, len(scratch))
-            await self.read_into(scratch[:k])
-            left -= k
-
     async def send(self, parts: Sequence[Buffer], chunk: int | None = None) -> None:
         """Send every part. A peer that accepts no byte for idle_timeout_s raises
         trio.TooSlowError: the deadline restarts at each bit of progress, so a large reply

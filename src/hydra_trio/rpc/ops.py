@@ -100,6 +100,9 @@ class OpSpec:
     cancel_on_disconnect: bool = False  # long ops stop when the caller hangs up
     # Reads the payload (default: Connection.read_payload); may fill in the context.
     receive: Callable[[OpContext], Awaitable[np.ndarray]] | None = None
+    # A refusal before the payload drains up to the op's cap, not just --drain-limit-bytes:
+    # clients of the KV ops write the whole blob before they read (rpc/server.py).
+    drain_to_cap: bool = False
 
 
 CAPABILITIES = (
@@ -122,7 +125,9 @@ class OpTable:
         no_payload = self._no_payload_cap
         self._ops: dict[int, OpSpec] = {
             Op.STATE_GET: OpSpec("STATE_GET", no_payload, self._slot_free, self.state_get),
-            Op.STATE_PUT: OpSpec("STATE_PUT", lambda st: st.max_kv_bytes, self._slot_free, self.state_put),
+            Op.STATE_PUT: OpSpec(
+                "STATE_PUT", lambda st: st.max_kv_bytes, self._slot_free, self.state_put, drain_to_cap=True
+            ),
             Op.STATE_META: OpSpec("STATE_META", no_payload, self._slot_exists, self.state_meta),
             Op.CONFIGURE: OpSpec("CONFIGURE", lambda st: st.max_json_bytes, self._slot_or_empty, self.configure),
             Op.INFO: OpSpec("INFO", no_payload, self._slot_or_empty, self.info),
@@ -138,6 +143,7 @@ class OpTable:
                 self.decode,
                 cancel_on_disconnect=True,
                 receive=self._receive_decode,
+                drain_to_cap=True,
             )
         if state.exports is not None:
             self._ops[Op.KV_PULL] = OpSpec(

@@ -187,6 +187,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
         rlog = _TraceLog(log, trace, conn.peer)
         op_name = ops.name(head.op)
         ctx = OpContext(conn=conn, key=key, trace=trace, log=rlog, payload_len=head.payload_len)
+        spec: OpSpec | None = None
         try:
             if head.flags != 0:
                 raise ProtocolError(ErrorCode.BAD_FRAME, f"unsupported flags 0x{head.flags:02x}", status=Status.BAD_REQUEST)
@@ -199,12 +200,15 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
         except ProtocolError as err:
             rlog.info("%s refused before payload: %s", op_name, err.message)
             state.metrics.rpc_requests.labels(op_name, err.status.name).inc()
-            if head.payload_len <= settings.drain_limit_bytes:
-                await conn.drain(head.payload_len)
+            limit = settings.drain_limit_bytes
+            if spec is not None and spec.drain_to_cap:
+                limit = max(limit, spec.cap(settings))
+            if head.payload_len <= limit and await _discard(conn, head.payload_len, settings, budget):
                 await _send_reply(conn, Reply.error(err))
                 continue
             await _send_reply(conn, Reply.error(err))
-            rlog.info("payload of %d bytes is over the drain limit: closing", head.payload_len)
+            if head.payload_len > limit:
+                rlog.info("payload of %d bytes is over the drain limit of %d: closing", head.payload_len, limit)
             return
         try:
             # The one buffer it lives in.
@@ -217,6 +221,47 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
         del payload  # ops keep no view of it past their reply
         if not keep_open:
             return
+
+
+_SCRATCH = 1 << 20  # the one buffer a refused payload passes through
+
+
+async def _discard(conn: Connection, n: int, settings: Settings, budget: ByteBudget) -> bool:
+    """Read and throw away a refused request's ``n`` payload bytes, so that a client that
+    writes its whole request before reading (every KV client does) gets the refusal. The
+    bytes pass through one small scratch buffer charged to the payload budget, never held.
+    The upload rules apply: no byte for --idle-timeout-s, or less than
+    --min-upload-bytes-per-s on average after --upload-grace-s, and the drain stops (False:
+    the caller replies and closes), so a refusal cannot become a way to hold a connection.
+    The peer leaving mid-drain raises PeerClosed, as any read."""
+    if n == 0:
+        return True
+    scratch = memoryview(bytearray(min(n, _SCRATCH)))
+    rate = settings.min_upload_bytes_per_s
+    start = last = trio.current_time()
+    got = 0
+    with budget.drain_charged(len(scratch)):
+        while got < n:
+            deadline = last + conn.idle_timeout_s
+            if rate:
+                deadline = min(deadline, start + settings.upload_grace_s + got / rate)
+            with trio.move_on_at(deadline):
+                try:
+                    k = await conn.sock.recv_into(scratch, min(n - got, len(scratch)))
+                except OSError as exc:
+                    raise PeerClosed(f"peer left mid-drain: {exc}", got=got, n=n, cause=exc) from None
+                if k == 0:
+                    raise PeerClosed("peer closed mid-drain", got=got, n=n)
+                got += k
+                budget.discarded += k
+                last = trio.current_time()
+                continue
+            log.info(
+                "rpc %s: refused payload too slow (%d of %d bytes in %.1f s); closing",
+                conn.peer, got, n, trio.current_time() - start,
+            )
+            return False
+    return True
 
 
 async def _answer(

@@ -81,6 +81,15 @@ class ProtocolError(Exception):
         return f"ProtocolError({self.status.name}, {self.code}, {self.message!r})"
 
 
+class PromptTooLong(ProtocolError):
+    """A prompt no slot can hold: TOO_LARGE on the wire; over HTTP the error agents act on
+    (they compact the conversation): OpenAI's 400 ``context_length_exceeded``, Anthropic's
+    400 ``invalid_request_error`` "prompt is too long"."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.TOO_LARGE, message, status=Status.BAD_REQUEST)
+
+
 class ParamError(ProtocolError):
     """A refused request parameter: BAD_JSON / BAD_REQUEST, and ``param`` names it (OpenAI's
     ``error.param`` over HTTP; RPC replies carry the message as before)."""

@@ -24,8 +24,20 @@ from typing import Any
 
 import msgpack
 
-# Where a chain's blocks live, in the router's terms: "GPU" is the device tier (the slots).
+# Where a chain's blocks live, in the router's terms: "GPU" is the device tier (the slots),
+# "CPU" the host tier (the prompt cache in RAM, vLLM's name for its CPU offload tier).
 MEDIUM_DEVICE = "GPU"
+MEDIUM_HOST = "CPU"
+# How events are laid out (--kv-events-encoding): "map" (tagged maps, what vllm-router
+# decodes) or "array" (vLLM's msgspec ``array_like`` structs: each event a positional array
+# led by its tag, what llm-d's KV-cache indexer decodes).
+ENCODINGS = ("map", "array")
+# Each event type's fields in vLLM's struct order (the positional layout of "array").
+_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
 # The replay stream's last frame carries seq -1 (signed), with an empty topic and payload.
 END_SEQ = struct.pack(">q", -1)
 # vllm-router refuses a batch of more than this many events (and payloads over 16 MiB).
@@ -34,7 +46,9 @@ MAX_EVENTS_PER_BATCH = 4096
 Event = dict[str, Any]
 
 
-def block_stored(hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int) -> Event:
+def block_stored(
+    hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int, medium: str = MEDIUM_DEVICE
+) -> Event:
     return {
         "type": "BlockStored",
         "block_hashes": list(hashes),
@@ -42,13 +56,13 @@ def block_stored(hashes: Sequence[int], parent: int | None, token_ids: Sequence[
         "token_ids": list(token_ids),
         "block_size": block_size,
         "lora_id": None,
-        "medium": MEDIUM_DEVICE,
+        "medium": medium,
         "lora_name": None,
     }
 
 
-def block_removed(hashes: Sequence[int]) -> Event:
-    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": MEDIUM_DEVICE}
+def block_removed(hashes: Sequence[int], medium: str = MEDIUM_DEVICE) -> Event:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
 
 
 def all_blocks_cleared() -> Event:
@@ -66,13 +80,25 @@ def decode_seq(raw: bytes) -> int:
     return int(struct.unpack(">q", raw)[0])
 
 
-def encode_batch(ts: float, events: Sequence[Event], dp_rank: int | None = None) -> bytes:
+def encode_batch(ts: float, events: Sequence[Event], dp_rank: int | None = None, encoding: str = "map") -> bytes:
+    """The payload ``[ts, events, dp_rank]``; ``encoding`` "array" lays each event out as
+    ``[tag, *fields]`` in vLLM's field order instead of a map."""
+    if encoding == "array":
+        events = [[ev["type"], *(ev[f] for f in _FIELDS[ev["type"]])] for ev in events]
     return msgpack.packb([ts, list(events), dp_rank], use_bin_type=True)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
+    """A payload of either encoding, its events as maps."""
     ts, events, *rank = msgpack.unpackb(payload, raw=False)
-    return float(ts), list(events), rank[0] if rank else None
+    return float(ts), [_as_map(ev) for ev in events], rank[0] if rank else None
+
+
+def _as_map(ev: Any) -> Event:
+    if isinstance(ev, list):  # "array": [tag, *fields]; trailing defaults may be left off
+        fields = _FIELDS.get(ev[0], ())
+        return {"type": ev[0], **{f: (ev[i + 1] if i + 1 < len(ev) else None) for i, f in enumerate(fields)}}
+    return dict(ev)
 
 
 def replay_request(start_seq: int) -> list[bytes]:

@@ -152,7 +152,8 @@ def check_host(value: object) -> str:
 
 
 def _shm(value: object) -> dict[str, str]:
-    """The prefill engine's probe (handoff/shm.py): {} when not announced."""
+    """The prefill engine's probe (handoff/shm.py), and its network namespace when told
+    (a decode engine in another one does not map its files): {} when not announced."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -162,6 +163,11 @@ def _shm(value: object) -> dict[str, str]:
         isinstance(v, str) and 0 < len(v) <= _MAX_PATH and "\0" not in v for v in out.values()
     ):
         raise _bad("shm must be an object of probe and token (strings)")
+    netns = value.get("netns")
+    if netns is not None:
+        if not isinstance(netns, str) or not 0 < len(netns) <= 64:
+            raise _bad("shm.netns must be a string of at most 64 characters")
+        out["netns"] = netns
     return out
 
 

@@ -102,15 +102,29 @@ def error_response(err: ProtocolError) -> bytes:
     return encode_response(err.status, err.meta())
 
 
+_ASCII_DIGITS = frozenset(b"0123456789")
+
+
+def ascii_decimal(raw: str | bytes, *, max_digits: int = 9) -> int | None:
+    """``raw`` as a non-negative integer when it is 1..``max_digits`` ASCII digits, else None.
+    str.isdigit() and int() take Unicode digits ('²', '١'), spaces, signs and underscores:
+    every id on the wire and in a URL path goes through this one check instead."""
+    data = raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw
+    if not 0 < len(data) <= max_digits or not _ASCII_DIGITS.issuperset(data):
+        return None
+    return int(data)
+
+
 def parse_slot_key(key: bytes, *, empty_means_zero: bool = False) -> int:
     """A slot key is ASCII decimal; INFO and CONFIGURE accept an empty key as slot 0."""
     if not key:
         if empty_means_zero:
             return 0
         raise ProtocolError(ErrorCode.BAD_KEY, "empty key: a slot id in ASCII decimal is required")
-    if len(key) > 9 or not key.isdigit():
+    slot = ascii_decimal(key)
+    if slot is None:
         raise ProtocolError(ErrorCode.BAD_KEY, f"key must be a slot id in ASCII decimal, got {key[:32]!r}")
-    return int(key)
+    return slot
 
 
 def decode_json_object(payload: bytes | bytearray | memoryview, what: str) -> dict[str, Any]:
@@ -126,6 +140,7 @@ __all__ = [
     "RequestHeader",
     "ResponseHeader",
     "Status",
+    "ascii_decimal",
     "decode_json_object",
     "encode_meta",
     "encode_request",

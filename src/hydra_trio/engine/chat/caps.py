@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .formats import FORMATS, GENERIC, HERMES, LLAMA3, MISTRAL, ToolFormat
+from .probe import probe
 from .reasoning import OPEN
 from .templates import ChatTemplate
 
@@ -19,12 +20,19 @@ class TemplateCaps:
     thinks: bool  # it has think tags: a reply may open with reasoning
     renders_tool_calls: bool  # it prints an assistant message's earlier ``tool_calls``
     object_arguments: bool  # it prints a call's arguments as an object (``| tojson``, ``.items()``)
+    system_role: bool = True  # it prints a system message (else it is merged into the next, as llama.cpp)
+    shows_tools: bool = False  # it lists the request's tools itself
+    thinking_default: bool = False  # enable_thinking when the request does not say (as llama-server)
+    own_template: bool = False  # the model's or the user's Jinja: rendered as llama-server does, nothing added
 
     @property
     def describes_tools(self) -> bool:
-        """The generic format is in use, whose reply form no template teaches: the tools and
-        the form are described in a system message (as llama.cpp's generic handler does)."""
-        return self.tool_format is GENERIC
+        """The generic format is in use with a built-in or our ChatML fallback, which know
+        nothing of tools: the tools and the reply form are described in a system message
+        (llama.cpp's old generic handler). A model's or a user's Jinja template renders as
+        llama-server renders it, with nothing added: where it lists no tools, llama-server
+        shows the model none either."""
+        return self.tool_format is GENERIC and not self.own_template
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -32,6 +40,9 @@ class TemplateCaps:
             "thinking": self.thinks,
             "renders_tool_calls": self.renders_tool_calls,
             "object_arguments": self.object_arguments,
+            "system_role": self.system_role,
+            "shows_tools": self.shows_tools,
+            "thinking_default": self.thinking_default,
         }
 
 
@@ -51,6 +62,14 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
     overrides what the source suggests. A llama.cpp built-in renders role and content only."""
     source = template.jinja or ""
     fmt = detect_format(source) if tool_call_parser == "auto" else FORMATS[tool_call_parser]
+    if template.jinja is not None:
+        # Rendered, not sniffed: what the template prints of a probe conversation (probe.py).
+        seen = probe(template.jinja)
+        return TemplateCaps(
+            tool_format=fmt, thinks=OPEN in source, renders_tool_calls=seen.renders_tool_calls,
+            object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
+            thinking_default=seen.thinks, own_template=template.source != "fallback",
+        )
     compact = source.replace(" ", "")
     return TemplateCaps(
         tool_format=fmt,

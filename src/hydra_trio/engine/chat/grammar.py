@@ -125,7 +125,7 @@ def tools_gbnf(request: ToolRequest, fmt: ToolFormat) -> tuple[str, Triggers]:
     for i, tool in enumerate(request.tools):
         if tool not in request.callable:
             continue
-        schema = schema_gbnf(tool.parameters, f"tools[{i}].function.parameters")
+        schema = schema_gbnf(tool.parameters, f"tools[{i}].function.parameters", relax_unenforced=True)
         rules.append(_renamed(schema, f"t{i}-"))
         head = f'{CALL_PREFIX}{tool.name}", "{fmt.args_key}": '
         calls.append(f"{_literal(head)} t{i}-root {_literal('}')}")
@@ -206,11 +206,12 @@ def _renamed(gbnf: str, prefix: str) -> str:
     return "".join(out)
 
 
-def schema_gbnf(schema: Any, param: str) -> str:
+def schema_gbnf(schema: Any, param: str, *, relax_unenforced: bool = False) -> str:
     """A JSON schema (an object, or a boolean schema) as GBNF; a 400 naming ``param`` and the
-    problem when no value satisfies it, it cannot be enforced, or its grammar would be too
-    large (all decided by ``check_schema`` before any grammar text is built)."""
-    schema = check_schema(schema, param)
+    problem when no value satisfies it, it cannot be enforced (``relax_unenforced``: those
+    keywords left out, for tools), or its grammar would be too large (all decided by
+    ``check_schema`` before any grammar text is built)."""
+    schema = check_schema(schema, param, relax_unenforced=relax_unenforced)
     # Key order kept: the grammar writes properties in the order the schema lists them.
     return _schema_gbnf(json.dumps(schema, separators=(",", ":")), param)
 

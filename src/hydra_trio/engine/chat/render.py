@@ -14,7 +14,8 @@ from ...wire.errors import ErrorCode, ProtocolError, Status
 from ...wire.jsontext import parse_json
 from .caps import TemplateCaps
 from .formats import dump_arguments, generic_calls_json, tools_system_prompt
-from .jinja import FALLBACK_TEMPLATE, compile_template
+from .jinja import FALLBACK_TEMPLATE, compile_template, date_context
+from .probe import PRESERVE_REASONING
 from .templates import ChatTemplate
 from .tools import ToolRequest, parse_tools
 
@@ -95,33 +96,47 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
     return out
 
 
-def tool_messages(messages: list[dict[str, Any]], caps: TemplateCaps, tools: ToolRequest | None) -> list[dict[str, Any]]:
-    """The messages a template renders when tools are in play: for the generic format
-    (``caps.describes_tools``) the tools and its reply form are described in a system message
-    first (llama.cpp's generic handler); a template that does not print earlier tool calls gets
-    them as the generic JSON reply in the assistant's content; arguments as the template wants
-    them."""
+def tool_messages(
+    messages: list[dict[str, Any]], caps: TemplateCaps, tools: ToolRequest | None, *, source: str = ""
+) -> list[dict[str, Any]]:
+    """The messages a template renders, shaped as llama-server hands them to it: role,
+    content, reasoning_content, name, tool_call_id and tool_calls (type, function, id), with a
+    call's arguments as an object where the template reads them so (``caps.object_arguments``),
+    else the JSON text; developer turns as system ones (except for gpt-oss's harmony, which has
+    its own); a system message merged into the next where the template drops it. For the
+    generic format (``caps.describes_tools``) the tools and the reply form are described in a
+    system message first, and earlier calls a template cannot print are written as that form's
+    JSON in the assistant's content."""
     wants_object, renders_calls = caps.object_arguments, caps.renders_tool_calls
+    keep_developer = "<|channel|>" in source
     out = []
     for m in messages:
+        role = "system" if m["role"] == "developer" and not keep_developer else m["role"]
+        msg: dict[str, Any] = {"role": role, "content": m["content"]}
+        for key in ("reasoning_content", "name", "tool_call_id"):
+            if isinstance(m.get(key), str) and m[key]:
+                msg[key] = m[key]
         calls = m.get("tool_calls")
-        if calls is not None:
-            m = dict(m)
-            if renders_calls:
-                m["tool_calls"] = [
-                    {**{k: v for k, v in c.items() if k != "_arguments_object"},
+        if calls:
+            if renders_calls or not caps.describes_tools:
+                msg["tool_calls"] = [
+                    {"type": "function",
                      "function": {"name": c["function"]["name"],
-                                  "arguments": c["_arguments_object"] if wants_object else c["function"]["arguments"]}}
+                                  "arguments": c["_arguments_object"] if wants_object else c["function"]["arguments"]},
+                     "id": c["id"]}
                     for c in calls
                 ]
             else:
-                del m["tool_calls"]
-                m["content"] = (m["content"] + "\n" if m["content"] else "") + generic_calls_json(
+                msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + generic_calls_json(
                     [(c["function"]["name"], c["_arguments_object"]) for c in calls]
                 )
-        out.append(m)
-    # ChatML and the built-ins have no tool-call syntax, even where they list the tools: the
-    # system message teaches the generic form.
+        out.append(msg)
+    if not caps.system_role and out and out[0]["role"] == "system":
+        first = out.pop(0)
+        if out:  # llama.cpp's workaround: the system text opens the next message
+            out[0] = {**out[0], "content": first["content"] + "\n" + out[0]["content"]}
+    # ChatML and the built-ins have no tool-call syntax and may not list the tools: the system
+    # message teaches the generic form.
     if tools is not None and tools.choice != "none" and caps.describes_tools:
         prompt = tools_system_prompt(tools)
         if out and out[0]["role"] == "system":
@@ -131,26 +146,67 @@ def tool_messages(messages: list[dict[str, Any]], caps: TemplateCaps, tools: Too
     return out
 
 
+def template_tools(tools: ToolRequest) -> list[dict[str, Any]]:
+    """The tools as llama-server gives them to a template: type, then function with name,
+    description ("" when none) and parameters, in that order (templates print them)."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.parameters}} for t in tools.tools]
+
+
+def template_kwargs(request: dict[str, Any], caps: TemplateCaps) -> dict[str, Any]:
+    """The variables llama-server adds to a template's context: ``enable_thinking`` (on by
+    default where the template has a reasoning form), ``preserve_reasoning`` (on by default,
+    with the spellings templates read: ``preserve_thinking``, ``clear_thinking``, ...),
+    ``reasoning_effort`` from the request, and every key of ``chat_template_kwargs``."""
+    given = request.get("chat_template_kwargs")
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise ChatRequestError("chat_template_kwargs must be an object")
+    thinking = given.get("enable_thinking", caps.thinking_default)
+    if not isinstance(thinking, bool):
+        raise ChatRequestError("chat_template_kwargs.enable_thinking must be a boolean")
+    out: dict[str, Any] = {}
+    preserve = given.get("preserve_reasoning", True)
+    if isinstance(preserve, bool):
+        out.update({k: (v if preserve else not v) for k, v in PRESERVE_REASONING.items()})
+    effort = request.get("reasoning_effort")
+    if effort == "none":
+        thinking = False
+    elif isinstance(effort, str) and effort:
+        out["reasoning_effort"] = out["reasoning_strength"] = effort
+    out.update({"enable_thinking": thinking, **date_context(), "preserve_reasoning": preserve, **given})
+    out["enable_thinking"] = thinking
+    return out
+
+
 def render_prompt(
     request: dict[str, Any], template: str | None, caps: TemplateCaps, *, bos_token: str, eos_token: str
 ) -> str:
     """Prompt text for a request with ``messages`` (through the Jinja ``template``, ChatML
-    when None) or a plain ``prompt`` (used verbatim)."""
+    when None) or a plain ``prompt`` (used verbatim). The template sees what llama-server
+    gives it: the messages, ``bos_token``, ``eos_token``, ``tools`` only when there are some,
+    today's ``date_string`` and ``datetime``, ``add_generation_prompt`` and the reasoning
+    switches and ``chat_template_kwargs`` (``template_kwargs``)."""
     if "messages" in request:
         messages = normalise_messages(request["messages"])
         add_gen = _add_generation_prompt(request)
         tool_request = parse_tools(request)
-        messages = tool_messages(messages, caps, tool_request)
+        kwargs = template_kwargs(request, caps)
+        source = template or FALLBACK_TEMPLATE
+        messages = tool_messages(messages, caps, tool_request, source=source)
+        context: dict[str, Any] = {"messages": messages, "bos_token": bos_token, "eos_token": eos_token, **kwargs}
+        if tool_request is not None and tool_request.tools:
+            context["tools"] = template_tools(tool_request)
+        context["add_generation_prompt"] = add_gen
         try:
-            text = compile_template(template or FALLBACK_TEMPLATE).render(
-                messages=messages,
-                tools=[t.as_openai() for t in tool_request.tools] if tool_request is not None else None,
-                add_generation_prompt=add_gen,
-                bos_token=bos_token,
-                eos_token=eos_token,
-            )
+            text = compile_template(source).render(**context)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatRequestError(f"chat template failed: {exc}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # A template that cannot take this conversation (it iterates text, indexes past
+            # the end): the request's shape for this model, not our fault, so a 400 naming it.
+            raise ChatRequestError(f"chat template failed: {type(exc).__name__}: {exc}") from None
         return text
     prompt = request.get("prompt")
     if isinstance(prompt, str):

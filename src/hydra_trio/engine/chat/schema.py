@@ -36,13 +36,18 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
 _QUANTIFIER = re.compile(r"\{(\d*)(?:,(\d*))?\}")
 
 
-def check_schema(schema: Any, param: str) -> Any:
-    """``schema`` normalised for the converter, or a 400 naming ``param`` and the problem."""
+def check_schema(schema: Any, param: str, *, relax_unenforced: bool = False) -> Any:
+    """``schema`` normalised for the converter, or a 400 naming ``param`` and the problem.
+
+    ``relax_unenforced``: a keyword in UNENFORCED is left out (the grammar then allows more
+    than the schema) instead of refused. For a tool's parameters: an agent's whole tool list
+    must not be refused for one ``propertyNames`` (Claude Code sends one), and a tool call's
+    arguments are the client's to check; ``response_format`` keeps the refusal."""
     if not isinstance(schema, dict | bool):
         raise bad_param(f"{param} must be a JSON schema (an object)", param)
     if schema is False:
         raise _unsatisfiable(param, "the schema is false")
-    walk = _Walk(param)
+    walk = _Walk(param, relax_unenforced)
     try:
         return walk.node(schema, "")
     except RecursionError:
@@ -54,8 +59,9 @@ def _unsatisfiable(param: str, why: str) -> ProtocolError:
 
 
 class _Walk:
-    def __init__(self, param: str) -> None:
+    def __init__(self, param: str, relax_unenforced: bool = False) -> None:
         self.param = param
+        self.relax_unenforced = relax_unenforced
         self.nodes = 0
         self.repeats = 0
         self.enums = 0
@@ -89,8 +95,10 @@ class _Walk:
             raise self.fail(where, f"the schema's grammar is too large: over {MAX_NODES} subschemas")
         out = dict(schema)
         bad = sorted(UNENFORCED.intersection(out))
-        if bad:
+        if bad and not self.relax_unenforced:
             raise self.fail(where, f"the schema keyword {bad[0]!r} is not supported in constrained output")
+        for key in bad:
+            del out[key]
         if out.get("nullable") is True:  # OpenAPI's spelling of "or null"
             out.pop("nullable")
             return self.node({"anyOf": [out, {"type": "null"}]}, where)

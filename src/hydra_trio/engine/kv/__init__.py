@@ -4,17 +4,19 @@ of a received blob (admission.py: parse, bound, identity gate, layout). Nothing 
 package reaches its modules."""
 
 from .admission import Admitted, admit_blob
-from .blocks import SlotBlocks
-from .copy import KvCopy, copy_out, restore_blob
+from .blocks import HostBlocks, SlotBlocks
+from .copy import KvCopy, check_checkpoint, copy_out, restore_blob
 from .promptcache import PromptCache, PromptCacheStats
 
 __all__ = [
     "Admitted",
+    "HostBlocks",
     "KvCopy",
     "PromptCache",
     "PromptCacheStats",
     "SlotBlocks",
     "admit_blob",
+    "check_checkpoint",
     "copy_out",
     "restore_blob",
 ]

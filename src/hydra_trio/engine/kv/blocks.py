@@ -1,7 +1,9 @@
 """Which full KV blocks the slots hold, as chained block hashes, and the KV events
 (wire/kvevents.py) that tell a router each change.
 
-A slot holding N positions holds its first ``N // block_size`` blocks. A block's hash names
+A slot holding N positions holds its first ``N // block_size`` blocks (medium "GPU"); a host
+prompt-cache entry (promptcache.py) holding N positions holds as many on medium "CPU"
+(``HostBlocks``), so that a router can tell which engine keeps a session's history in RAM. A block's hash names
 its tokens and, through its parent's hash, every token before it, so several slots holding
 the same prefix hold the same blocks: a block is stored when the first slot gets it and
 removed when the last one drops it. The router matches requests on its own hashes of the
@@ -17,7 +19,7 @@ from typing import Protocol
 
 import xxhash
 
-from ...wire.kvevents import Event, all_blocks_cleared, block_removed, block_stored
+from ...wire.kvevents import MEDIUM_HOST, Event, all_blocks_cleared, block_removed, block_stored
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -159,3 +161,90 @@ class SlotBlocks:
         while self.pending:
             out.append(self.pending.popleft())
         return out
+
+
+class HostBlocks:
+    """The host prompt cache's blocks (medium "CPU"), told as each entry comes and goes.
+    Used on the trio thread only (the prompt cache lives there): its events go to
+    ``publish`` at once. A block several entries share (one system prompt, many sessions)
+    is stored with the first and removed with the last, as for slots. The same tokens in a
+    slot and in RAM are the same hashes on two media: a router holds one entry per medium."""
+
+    def __init__(self, block_size: int, publish: Callable[[list[Event]], None]) -> None:
+        self.block_size = block_size
+        self._publish = publish
+        self._chains: dict[int, list[int]] = {}  # entry key -> its block hashes
+        self._refs: dict[int, int] = {}  # block hash -> entries holding it
+        self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
+        self._parents: dict[int, int | None] = {}  # block hash -> its parent's (None: a chain's first)
+
+    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None) -> None:
+        bs = self.block_size
+        chain: list[int] = []
+        parent = chain_root(salt)
+        for i in range(len(tokens) // bs):
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            chain.append(parent)
+        self._chains[key] = chain
+        # Held blocks lead the chain (a block's hash covers its prefix, held with it).
+        new_from = 0
+        for i, h in enumerate(chain):
+            seen = self._refs.get(h, 0)
+            self._refs[h] = seen + 1
+            if seen:
+                new_from = i + 1
+            else:
+                self._tokens[h] = tuple(tokens[i * bs : (i + 1) * bs])
+                self._parents[h] = chain[i - 1] if i else None
+        if new_from < len(chain):
+            parent_hash = chain[new_from - 1] if new_from else None
+            self._publish(
+                [block_stored(chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, MEDIUM_HOST)]
+            )
+
+    def entry_removed(self, key: int) -> None:
+        gone = []
+        for h in reversed(self._chains.pop(key, [])):
+            left = self._refs[h] - 1
+            if left:
+                self._refs[h] = left
+                continue
+            del self._refs[h], self._tokens[h], self._parents[h]
+            gone.append(h)
+        if gone:
+            self._publish([block_removed(gone, MEDIUM_HOST)])
+
+    def cleared(self) -> None:
+        """The cache was emptied (a context rebuilt or a model reloaded): told as removals,
+        which hold even when the change then fails and no AllBlocksCleared follows."""
+        if self._refs:
+            self._publish([block_removed(list(self._refs), MEDIUM_HOST)])
+        self._chains.clear()
+        self._refs.clear()
+        self._tokens.clear()
+        self._parents.clear()
+
+    def publish_resync(self) -> None:
+        if self._chains:
+            self._publish(self.resync_events())
+
+    def resync_events(self) -> list[Event]:
+        """Every block held, each chain once (after the slots' AllBlocksCleared)."""
+        told: set[int] = set()
+        out: list[Event] = []
+        for chain in self._chains.values():
+            run = [h for h in chain if h not in told]
+            if not run:
+                continue
+            told.update(run)
+            tokens = [t for h in run for t in self._tokens[h]]
+            out.append(block_stored(run, self._parents[run[0]], tokens, self.block_size, MEDIUM_HOST))
+        return out
+
+    @property
+    def n_held(self) -> int:
+        return len(self._refs)
+
+    def held(self) -> dict[int, int]:
+        """Block hash -> entries holding it (for tests)."""
+        return dict(self._refs)

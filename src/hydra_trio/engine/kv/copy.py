@@ -13,6 +13,7 @@ from functools import partial
 import trio
 
 from ...tasks import run_cpu_bound
+from ...wire.errors import ErrorCode, ProtocolError
 from ...wire.hashing import Buffer, xxh3_tag_of
 from ...wire.kvblob import KvBlob, blob_head_size, encode_blob_head
 from ..llama import DecodeAborted, LlamaBackend
@@ -68,3 +69,25 @@ async def restore_blob(
     except DecodeAborted:
         await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
         raise
+
+def check_checkpoint(blob: KvBlob, *, recurrent: bool) -> None:
+    """A blob's checkpoint section (v2 flag 0x01; v3 flag 0x02: a recurrent-only capture).
+    Refused where it does not apply (a model without recurrent state); on a recurrent or
+    hybrid model it must describe positions the blob holds. The sequence state after it
+    already holds the recurrent state at n_past, which is what the restore puts in the slot:
+    the checkpoint is a roll-back point, and this engine keeps none (it re-prefills a prompt
+    that diverges inside a recurrent model's history)."""
+    ck = blob.checkpoint
+    assert ck is not None
+    kind = "a recurrent-only capture (v3 flag 0x02)" if ck.recurrent_only else "a recurrent-state checkpoint"
+    if not recurrent:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME,
+            f"kv blob carries {kind}; the resident model has no recurrent state, so a checkpoint does not apply",
+        )
+    if not (0 <= ck.pos_min <= ck.pos_max < max(blob.n_past, 1)) or not 0 <= ck.n_tokens <= blob.n_past:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME,
+            f"kv blob: {kind} for positions {ck.pos_min}..{ck.pos_max} ({ck.n_tokens} tokens) "
+            f"outside the {blob.n_past} the blob holds",
+        )

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Protocol
 
 from ..llama import Snapshot, common_prefix_len
 
@@ -49,6 +50,14 @@ class CacheHit:
     n_common: int  # prompt tokens the entry holds
 
 
+class CacheWatcher(Protocol):
+    """Told each entry that comes and goes (blocks.HostBlocks: KV events of medium CPU)."""
+
+    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None) -> None: ...
+    def entry_removed(self, key: int) -> None: ...
+    def cleared(self) -> None: ...
+
+
 @dataclass(slots=True)
 class PromptCache:
     max_bytes: int
@@ -60,6 +69,16 @@ class PromptCache:
     restored: int = 0  # entries taken back into a slot
     restored_tokens: int = 0  # their positions: prompt tokens not recomputed
     evicted: int = 0  # entries dropped for room (or replaced by a longer one)
+    watcher: CacheWatcher | None = None
+
+    def watch(self, watcher: CacheWatcher) -> None:
+        """Tell ``watcher`` every entry held now, and from now on each change."""
+        self.watcher = watcher
+        for key, snap in self._entries.items():
+            watcher.entry_stored(key, snap.tokens, snap.salt)
+
+    def items(self) -> Iterator[tuple[int, Snapshot]]:
+        return iter(self._entries.items())
 
     def stats(self) -> PromptCacheStats:
         return PromptCacheStats(self.nbytes, len(self), self.saved, self.restored, self.restored_tokens, self.evicted)
@@ -85,6 +104,8 @@ class PromptCache:
         insort(self._sorted, key, key=self._order_of)
         self.nbytes += snap.nbytes
         self.saved += 1
+        if self.watcher is not None:
+            self.watcher.entry_stored(key, snap.tokens, snap.salt)
         return True
 
     def _prefixes_of(self, tokens: list[int], salt: str | None) -> list[int]:
@@ -144,6 +165,8 @@ class PromptCache:
         self._entries.clear()
         self._sorted.clear()
         self.nbytes = 0
+        if self.watcher is not None:
+            self.watcher.cleared()
 
     def _unlink(self, key: int) -> None:
         """Take ``key`` out of both orders ((salt, tokens) are unique: put drops an equal entry)."""
@@ -151,6 +174,8 @@ class PromptCache:
         assert self._sorted[i] == key
         del self._sorted[i]
         self.nbytes -= self._entries.pop(key).nbytes
+        if self.watcher is not None:  # taken back into a slot or evicted: no longer in RAM
+            self.watcher.entry_removed(key)
 
     def _drop(self, key: int) -> None:
         self._unlink(key)

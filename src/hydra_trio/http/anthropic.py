@@ -1,0 +1,425 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) as a
+codec at the edge: the request becomes the internal chat request (``to_chat``), runs the one
+chat pipeline /v1/chat/completions runs (engine.prepare: template, tools and their grammar,
+reasoning split, prefix cache, cache_salt, limits; http/generation.py: claim, generate, logs,
+metrics), and the result is shaped back as a message or as Anthropic's event stream.
+
+Every error on /v1/messages* (ours, the auth check's, the drain's, a 404) leaves in
+Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (``anthropic_errors``).
+docs/http-api.md lists what is mapped, ignored and refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from typing import TYPE_CHECKING, Any
+
+from quart import Blueprint, Response, request
+
+from ..engine import GenerationResult, ReplyParser, ToolCall
+from .common import (
+    HttpError,
+    app_state,
+    generation_owner,
+    json_response,
+    read_request_json,
+    require_engine,
+)
+from .generation import generate_buffered, sse_body, start_stream
+from .replies import Piece, ReplyParserFactory, delta_pieces, whole_pieces
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+log = logging.getLogger(__name__)
+bp = Blueprint("anthropic", __name__)
+
+# Claude Code's first system block: a line that changes with every request. Rendered, it
+# would end the cached prefix at the system prompt's start; it tells the model nothing.
+BILLING_HEADER = "x-anthropic-billing-header:"
+# Accepted and ignored (docs/http-api.md names each): nothing here could honour them.
+IGNORED = (
+    "model", "metadata", "context_management", "service_tier", "container", "mcp_servers", "betas",
+    "anthropic_version", "cache_control", "inference_geo",
+)
+
+
+def bad(message: str) -> HttpError:
+    return HttpError(400, message, "invalid_request_error")
+
+
+# ---- request: Messages -> the internal chat request ------------------------------------------
+
+
+def _system_text(system: Any) -> str:
+    """``system`` as one text: a string, or text blocks joined by blank lines, with Claude
+    Code's billing-header line dropped (it would defeat the prefix cache)."""
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        blocks = [system]
+    elif isinstance(system, list):
+        blocks = []
+        for i, block in enumerate(system):
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                raise bad(f"system[{i}] must be a text block")
+            blocks.append(block["text"])
+    else:
+        raise bad("system must be a string or an array of text blocks")
+    kept = []
+    for text in blocks:
+        lines = [ln for ln in text.split("\n") if not ln.startswith(BILLING_HEADER)]
+        if any(ln.strip() for ln in lines):
+            kept.append("\n".join(lines))
+    return "\n\n".join(kept)
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A tool_result's content: a string or text blocks."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or an array of text blocks")
+    parts = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in ("image", "document"):
+            raise bad(f"{where}.content[{j}]: {kind} blocks are not supported (this server has no multimodal model)")
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise bad(f"{where}.content[{j}] must be a text block")
+        parts.append(block["text"])
+    return "\n".join(parts)
+
+
+def _messages(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list) or not raw:
+        raise bad("messages must be a non-empty array")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad(f"{where} must be an object with role 'user', 'assistant' or 'system'")
+        role, content = m["role"], m.get("content")
+        if role == "system":  # Claude Code sends these between turns (agent lists, reminders)
+            out.append({"role": "system", "content": _text_of(content, where)})
+            continue
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad(f"{where}.content must be a string or an array of content blocks")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        thinking: list[str] = []
+        for j, block in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind in ("image", "document", "search_result"):
+                raise bad(f"{at}: {kind} blocks are not supported (this server has no multimodal model)")
+            elif kind == "tool_use" and role == "assistant":
+                if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
+                    raise bad(f"{at}: tool_use needs id and name")
+                args = block.get("input", {})
+                calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": json.dumps(args)}})
+            elif kind == "tool_result" and role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise bad(f"{at}: tool_result needs tool_use_id")
+                text = _text_of(block.get("content"), at)
+                if block.get("is_error"):
+                    text = f"Error: {text}"
+                results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+            elif kind == "thinking" and role == "assistant":
+                thinking.append(str(block.get("thinking") or ""))
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by another server: nothing a template could show
+            else:
+                raise bad(f"{at}: a {kind!r} block is not supported in a {role} message")
+        if role == "user":
+            out.extend(results)  # the results answer the calls just before; the text follows
+            if texts or not results:
+                out.append({"role": "user", "content": "\n".join(texts)})
+        else:
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            if thinking:
+                msg["reasoning_content"] = "".join(thinking)
+            out.append(msg)
+    return out
+
+
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise bad("tools must be an array")
+    out, dropped = [], []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise bad(f"tools[{i}] must be an object with a name")
+        if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
+            dropped.append(str(tool.get("type") or tool["name"]))  # a server tool (web_search, bash...)
+            continue
+        fn = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    if dropped:
+        log.info("/v1/messages: dropped tools this server cannot run: %s", ", ".join(dropped))
+    return out
+
+
+def _tool_choice(raw: Any) -> tuple[Any, bool | None]:
+    """(chat's tool_choice, parallel_tool_calls) of Anthropic's tool_choice."""
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict):
+        raise bad("tool_choice must be an object with a type")
+    parallel = False if raw.get("disable_parallel_tool_use") else None
+    kind = raw.get("type")
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and isinstance(raw.get("name"), str):
+        return {"type": "function", "function": {"name": raw["name"]}}, parallel
+    raise bad("tool_choice.type must be auto, any, tool (with name) or none")
+
+
+def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]:
+    """A Messages request as the internal chat request (400 for what cannot be mapped)."""
+    messages = _messages(body.get("messages"))
+    system = _system_text(body.get("system"))
+    chat: dict[str, Any] = {"messages": ([{"role": "system", "content": system}] if system else []) + messages}
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+        choice, parallel = _tool_choice(body.get("tool_choice"))
+        if choice is not None:
+            chat["tool_choice"] = choice
+        if parallel is not None:
+            chat["parallel_tool_calls"] = parallel
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive", "disabled"):
+        # The template's thinking switch (templates without one ignore it).
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
+    if "cache_salt" in body:
+        chat["cache_salt"] = body["cache_salt"]
+    if count_only:
+        return chat
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise bad("max_tokens is required: a positive integer")
+    chat["max_tokens"] = max_tokens
+    for key in ("temperature", "top_p", "top_k", "stream"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
+    fmt = (body.get("output_config") or {}).get("format") if isinstance(body.get("output_config"), dict) else None
+    fmt = fmt or body.get("output_format")  # structured outputs (a beta), under either name
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    return chat
+
+
+# ---- reply: the result as a message, or as its event stream ----------------------------------
+
+
+def stop_reason(res: GenerationResult, pieces_have_calls: bool, stop: list[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished generation."""
+    if res.stop_type in ("limit", "context"):
+        return "max_tokens", None
+    if pieces_have_calls:
+        return "tool_use", None
+    if res.stop_type == "word" and res.stopping_word in stop:
+        return "stop_sequence", res.stopping_word
+    return "end_turn", None
+
+
+def usage(res: GenerationResult) -> dict[str, Any]:
+    # Anthropic counts cached prompt tokens apart: input_tokens are the ones computed.
+    return {
+        "input_tokens": res.prompt_tokens - res.n_common,
+        "output_tokens": res.completion_tokens,
+        "cache_read_input_tokens": res.n_common,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _tool_input(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return {}
+
+
+def block_of(piece: Piece) -> dict[str, Any]:
+    if isinstance(piece, ToolCall):
+        return {"type": "tool_use", "id": call_id(piece), "name": piece.name, "input": _tool_input(piece)}
+    kind, text = piece
+    return {"type": "thinking", "thinking": text, "signature": ""} if kind == "reasoning" else {"type": "text", "text": text}
+
+
+def call_id(call: ToolCall) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def message_body(mid: str, model: str, res: GenerationResult, parser: ReplyParser | None, stop: list[str]) -> dict[str, Any]:
+    pieces = whole_pieces(res, parser)
+    reason, sequence = stop_reason(res, any(isinstance(p, ToolCall) for p in pieces), stop)
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [block_of(p) for p in pieces],
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(res),
+    }
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps({"type": name, **data}, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class MessageEvents:
+    """One message's event stream: message_start and a ping, then a content block per run of
+    thinking or text (``*_delta`` events) and per tool call (one ``input_json_delta``), then
+    message_delta (stop_reason, usage) and message_stop."""
+
+    def __init__(self, mid: str, model: str, n_prompt: int, parser: ReplyParser | None, stop: list[str]) -> None:
+        self.parser, self._stop = parser, stop
+        self._index = -1
+        self._open: str | None = None  # the kind of the open block: "reasoning" or "text"
+        self._calls = False
+        message = {
+            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
+        }
+        self.head = event("message_start", {"message": message}) + event("ping", {})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return event("content_block_stop", {"index": self._index})
+
+    def _pieces(self, pieces: list[Piece]) -> bytes:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                out.append(self._close())
+                self._index += 1
+                self._calls = True
+                start = {"type": "tool_use", "id": call_id(piece), "name": piece.name, "input": {}}
+                out.append(event("content_block_start", {"index": self._index, "content_block": start}))
+                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                out.append(event("content_block_delta", {"index": self._index, "delta": delta}))
+                out.append(event("content_block_stop", {"index": self._index}))
+                continue
+            kind, text = piece
+            if self._open != kind:
+                out.append(self._close())
+                self._index += 1
+                self._open = kind
+                empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else {"type": "text", "text": ""}
+                out.append(event("content_block_start", {"index": self._index, "content_block": empty}))
+            delta = {"type": "thinking_delta", "thinking": text} if kind == "reasoning" else {"type": "text_delta", "text": text}
+            out.append(event("content_block_delta", {"index": self._index, "delta": delta}))
+        return b"".join(out)
+
+    def delta(self, text: str) -> bytes:
+        if self.parser is None:
+            return self._pieces([("text", text)] if text else [])
+        return self._pieces(delta_pieces(self.parser.feed(text)))
+
+    def done(self, res: GenerationResult) -> bytes:
+        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish()))
+        reason, sequence = stop_reason(res, self._calls, self._stop)
+        return (
+            rest
+            + self._close()
+            + event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(res)})
+            + event("message_stop", {})
+        )
+
+
+def error_shape(status: int, message: str) -> dict[str, Any]:
+    kind = {
+        400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+        408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+        504: "timeout_error",
+    }.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_event(exc: BaseException) -> bytes:
+    from .generation import error_event_body
+
+    err = error_event_body(exc)["error"]
+    return event("error", {"error": error_shape(int(err["code"]), err["message"])["error"]})
+
+
+@bp.after_app_request
+async def anthropic_errors(response: Response) -> Response:
+    """Every JSON error on /v1/messages* in Anthropic's shape; a prompt that does not fit is
+    "prompt is too long" (what Claude Code compacts its conversation on)."""
+    if not request.path.startswith("/v1/messages") or response.status_code < 400 or response.mimetype != "application/json":
+        return response
+    try:
+        err = json.loads(await response.get_data())["error"]
+        message = str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        return response
+    if err.get("code") == "context_length_exceeded":
+        message = f"prompt is too long: {message}"
+    response.set_data(json.dumps(error_shape(response.status_code, message), separators=(",", ":")))
+    return response
+
+
+async def _chat_request(count_only: bool = False) -> tuple[Engine, dict[str, Any], dict[str, Any]]:
+    engine = require_engine()
+    body = await read_request_json()
+    return engine, body, to_chat(body, count_only=count_only)
+
+
+@bp.post("/v1/messages/count_tokens")
+async def count_tokens() -> Response:
+    engine, _body, chat = await _chat_request(count_only=True)
+    return json_response({"input_tokens": len(await engine.prompt_tokens(chat))})
+
+
+@bp.post("/v1/messages")
+async def messages() -> Response:
+    state = app_state()
+    engine, body, chat = await _chat_request()
+    prepared = await engine.prepare("chat", chat)
+    params, tokens, replies = prepared.params, prepared.tokens, prepared.replies
+    assert tokens is not None, "tokenized"
+    stop = list(params.stop)
+    mid = "msg_" + secrets.token_hex(12)
+    owner = generation_owner(mid)
+    model = body.get("model") if isinstance(body.get("model"), str) else engine.served_name
+    if not params.stream:
+        _slot, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="messages")
+        return json_response(message_body(mid, model, res, _fresh(replies), stop))
+    stream = await start_stream(state, engine, tokens, params, owner=owner, path="messages")
+    events = MessageEvents(mid, model, len(tokens), _fresh(replies), stop)
+    out = sse_body(
+        stream, head=events.head, delta_event=events.delta, done_event=events.done, direct=False, done=b"",
+        error_event=error_event,
+    )
+    return Response(out, status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _fresh(replies: ReplyParserFactory | None) -> ReplyParser | None:
+    return None if replies is None else replies()
