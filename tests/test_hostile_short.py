@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from helpers import http
-from hydra_trio.testing.hostile import SHORT, campaign
+from hydra_trio.testing.hostile import HOSTILE_SCHEMAS, SHORT, campaign
 
 pytestmark = pytest.mark.slow  # runs the hostile campaign against a served process
 
@@ -44,6 +44,8 @@ def test_hostile_campaign_short(tmp_path: Path) -> None:
     assert sum(n for k, n in counts.items() if k.startswith("fuzz ")) > 5, counts
     assert report["rpc_frames"] > 5, counts
     assert report["streams"]["tokens_timed"] > 0, report["streams"]
+    for name in HOSTILE_SCHEMAS:
+        assert any(k.startswith(f"schema_{name} 400") for k in counts), (name, counts)
 
 
 # ---- what the campaign found, pinned ---------------------------------------------------------
@@ -100,4 +102,19 @@ async def test_a_body_cut_short_by_eof_does_not_end_the_server(
                 while await stream.receive_some(1 << 16):
                     pass
     async with http(ep) as h:
+        assert (await h.get("/health")).status_code == 200
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_SCHEMAS))
+async def test_hostile_schemas_are_refused_before_any_grammar(start_engine: Any, tiny_model: Path, name: str) -> None:
+    """Each sized the grammar before its refusal (minLength 1e8: 1.7 GB, the loop frozen for
+    seconds) or was accepted though no reply could satisfy it: now a 400 saying the problem,
+    decided before any grammar text is built, and no log line in the message."""
+    ep = await start_engine(tiny_model, log_level="WARNING")
+    async with http(ep) as h:
+        r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "json_schema": HOSTILE_SCHEMAS[name]})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith("json_schema"), message
+        assert ("too large" in message) or ("no value can satisfy" in message), message
         assert (await h.get("/health")).status_code == 200

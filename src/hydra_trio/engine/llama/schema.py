@@ -33,10 +33,19 @@ _CONVERTER_EXP, _FINITE_EXP = "([eE] [-+]? integral-part)?", "([eE] [-+]? [0-9] 
 
 _FORMATS = {
     # A subset of RFC 5322's addresses: what any checker accepts.
-    "email": r'[a-zA-Z0-9._%+-]{1,64} "@" [a-zA-Z0-9-]{1,63} ("." [a-zA-Z0-9-]{1,63}){1,4}',
-    "uri": r'[a-zA-Z] [a-zA-Z0-9+.-]{0,15} ":" [a-zA-Z0-9._~:/?#@!$&()*+,;=%-]{1,2000}',
+    # (Shorter than the RFCs allow: every value is still valid, and a model cannot run on.)
+    "email": r'[a-zA-Z0-9._%+-]{1,32} "@" [a-zA-Z0-9-]{1,24} ("." [a-zA-Z0-9-]{1,24}){1,3}',
+    "uri": r'[a-zA-Z] [a-zA-Z0-9+.-]{0,15} ":" [a-zA-Z0-9._~:/?#@!$&()*+,;=%-]{1,512}',
     "ipv4": "ipv4-octet " + " ".join(['"." ipv4-octet'] * 3),
 }
+
+
+# The converter's date takes year 0000 and September 31st: here only real dates (Feb 29th
+# left out, years 1000-9999), so every date it allows is one a date parser accepts.
+_DATE = (
+    '[1-9] [0-9]{3} "-" (("0" [13578] | "1" [02]) "-" ("0" [1-9] | [12] [0-9] | "3" [01])'
+    ' | ("0" [469] | "11") "-" ("0" [1-9] | [12] [0-9] | "30") | "02-" ("0" [1-9] | "1" [0-9] | "2" [0-8]))'
+)
 
 
 def convert_schema(schema_json: str) -> str:
@@ -45,6 +54,8 @@ def convert_schema(schema_json: str) -> str:
     converter = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     schema = converter.resolve_refs(json.loads(schema_json), "input")
     converter.visit(schema, "")
+    if "date" in converter._rules:  # the converter's own rule table
+        converter._rules["date"] = _DATE
     gbnf = converter.format_grammar()
     # This converter's string characters admit raw control characters, which JSON forbids in
     # a string (llama.cpp's own converter and json.gbnf exclude them): excluded here too.

@@ -36,8 +36,8 @@ actors), streams (the reader process), report, run (``campaign``, ``main``). Tim
 never in tests (tests/test_hostile_short.py asserts correctness only).
 """
 
-from .config import SHORT, Config
+from .config import HOSTILE_SCHEMAS, SHORT, Config
 from .report import render
 from .run import campaign, main
 
-__all__ = ["SHORT", "Config", "campaign", "main", "render"]
+__all__ = ["HOSTILE_SCHEMAS", "SHORT", "Config", "campaign", "main", "render"]

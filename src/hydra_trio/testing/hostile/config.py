@@ -16,6 +16,18 @@ RUNTIME_ALLOWANCE_MIB = 96
 GOAL_GAP_MS = 250.0
 NOTABLE_GAP_MS = 50.0  # gaps above this are attributed to what was in flight
 BIG = 12_000_000  # the issue's 12 MB shapes
+# Schemas a client may send to size or wedge the grammar (issue 40): each is a 400.
+HOSTILE_SCHEMAS: dict[str, Any] = {
+    "min_length_1e8": {"type": "string", "minLength": 100_000_000},
+    "max_items_1e9": {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000_000},
+    "pattern_repeat_1e7": {"type": "string", "pattern": "^a{10000000}$"},
+    "lengths_add_up": {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 2000} for i in range(20)}},
+    "min_over_max": {"type": "string", "minLength": 5, "maxLength": 2},
+    "all_of_string_integer": {"allOf": [{"type": "string"}, {"type": "integer"}]},
+    "required_not_allowed": {"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False},
+    "pattern_bad_range": {"type": "string", "pattern": "^[z-a]$"},
+    "empty_integer_range": {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4},
+}
 MAX_REPLY = 64 << 20  # read at most this much of any reply
 MESSAGES = [{"role": "user", "content": "hello world"}]
 STOPPED = "stopped: the campaign ended"

@@ -16,6 +16,7 @@ from ..net import free_port
 from ..process import EngineProcess
 from .config import (
     BIG,
+    HOSTILE_SCHEMAS,
     KV_PARAM_BATCH,
     KV_PARAM_FIELDS,
     KV_PARAM_REASONS,
@@ -164,6 +165,14 @@ class CampaignShapes:
             ("chunked_over_limit", Case("", b"")),
             ("kv_pull_hostname", Case("", b"")),
             ("kv_params_fuzz", Case("", b"")),
+            # Schemas that sized or hung the grammar (issue 40): refused before any GBNF is
+            # built (a 60-byte minLength of 1e8 took 1.7 GB and froze the loop for seconds).
+            *(
+                (f"schema_{name}", post("/v1/chat/completions", json.dumps(
+                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "json_schema": schema}
+                ).encode()))
+                for name, schema in HOSTILE_SCHEMAS.items()
+            ),
         ]
 
     async def _chunked_sender(self, stream: trio.SocketStream) -> None:
