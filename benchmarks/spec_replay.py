@@ -2,7 +2,7 @@
 [--draft-n-max N] [--priors 0.4,0.6,0.8,0.95] [--out PATH]`
 
 The draft policy replayed on real replies, without the model in the loop: how the engine's
-own drafting code (engine/speculative.py: ``Speculation.candidate`` and ``plan_drafts``)
+own drafting code (engine/speculation/drafter.py: ``Speculation.candidate`` and ``plan_drafts``)
 would do on the workloads of ``benchmarks.speculative``, priced at the pass costs measured
 here. The policy's constants were chosen this way; a run takes about two minutes.
 
@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks.harness import env_info
 from benchmarks.speculative import SAMPLING, WORKLOADS, _model
-from hydra_trio.engine import speculative
+from hydra_trio.engine.speculation import drafter as speculative
 from hydra_trio.engine.speculation import SpecConfig, Speculation
 from hydra_trio.engine.speculation.policy import step_drafts, verify
 from hydra_trio.engine.speculation.stepcost import BatchCost, StepCost, batch_counts
