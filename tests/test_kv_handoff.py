@@ -647,3 +647,28 @@ async def test_the_cache_salt_travels_with_the_handoff(pair: tuple[Any, Any]) ->
                 _, again = await chat_text(c, stream=False, messages=PROMPT, max_tokens=2, temperature=0, **extra)
                 cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
                 assert (cached >= n - 1) if reused else cached == 0, (c.base_url, salt, cached)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_pulled_export_s_budget_goes_back_when_no_slot_comes(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, stream: bool
+) -> None:
+    """The pull runs before the claim: when the claim is then refused (every slot busy past
+    --slot-wait-s), the pulled bytes' payload budget goes back with the request."""
+    a = await start_engine(tiny_model_ctx, **ENGINE)
+    b = await start_engine(tiny_model_ctx, **ENGINE, slot_wait_s=0.2)
+    core = b.state.engine._core
+    async with http(a) as ca, http(b) as cb:
+        params = (await export(ca))["kv_transfer_params"]
+        assert len(a.state.exports) == 1
+        held = [core.slots.claim(s.id, "test:holder") for s in list(core.slots.slots)]
+        try:
+            req = {"messages": PROMPT, "max_tokens": N, "temperature": 0, "stream": stream, "kv_transfer_params": params}
+            r = await cb.post("/v1/chat/completions", json=req)
+            assert r.status_code == 503, r.text
+            assert len(a.state.exports) == 0  # it was pulled, before the claim was refused
+        finally:
+            for slot in held:
+                core.slots.release(slot)
+        await wait_until(lambda: b.state.payload_budget.used == 0, 10.0)
+    await assert_server_healthy(b)
