@@ -192,3 +192,35 @@ async def test_p_d_export_reuses_only_what_the_window_still_holds(
         assert again["kv_transfer_params"]["hydra"]["kv_hash"] == first["kv_transfer_params"]["hydra"]["kv_hash"]
         short = await run(short_prompt)  # shares ~270 positions the window has dropped
         assert short["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_sliding_window_cache_is_window_sized_by_default(gemma_model: Path) -> None:
+    """The default SWA cache is llama-server's (swa_full off: the sliding-window layers keep
+    their 512-position window, so their attention spans the window, not the sequence), and
+    a prompt past the window (where those cells are reused) continues exactly as with the
+    full-size cache: the same greedy token."""
+    from hydra_trio.config import Settings
+    from hydra_trio.engine.llama.context import LlamaBackend
+    from hydra_trio.engine.llama.sampling import Sampler
+    from hydra_trio.engine.params import SamplingParams
+
+    assert Settings().swa_full is False
+    picks = {}
+    for full in (False, True):
+        b = LlamaBackend(str(gemma_model), n_slots=1, n_ctx=4096, n_threads=1, n_batch=512, swa_full=full)
+        try:
+            assert b.context_params_applied["swa_full"] is full
+            # 5 chunks: the window-sized SWA cache (512 per sequence, with the scratch one, + a
+            # chunk: 1536 cells) fills during the fourth and is reused from then on.
+            prompt = b.tokenize("The history of the city of Paris is long and old. " * 240, add_special=True)[:2560]
+            sampler = Sampler(SamplingParams())
+            try:
+                for i in range(0, len(prompt), 512):
+                    last = i + 512 >= len(prompt)
+                    token, _ = b.eval_chunk(0, prompt[i : i + 512], None, sampler=sampler if last else None)
+            finally:
+                sampler.close()
+            picks[full] = token
+        finally:
+            b.close()
+    assert picks[False] == picks[True]

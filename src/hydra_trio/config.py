@@ -33,6 +33,11 @@ class Settings:
     # a step's attention reads only its own slot's cells. Unified: one pool any slot may fill,
     # but every sequence's attention spans all used cells (measured: docs/operations.md "KV cache layout").
     kv_unified: bool = False
+    # Sliding-window layers (Gemma 2/3, ...) keep their window of cells, as llama-server does:
+    # a full-size SWA cache makes their attention span the whole sequence (a 16k prefill
+    # 1.3x slower, docs/performance.md) and buys nothing here (prefix reuse already honours
+    # the window: LlamaBackend.reusable_prefix).
+    swa_full: bool = False
     # Slot choice (llama-server's --slot-prompt-similarity): a prompt continues a slot's KV
     # only when the shared prefix is at least this share of the prompt; otherwise it takes an
     # empty slot, else the least recently used. 0: always the longest shared prefix.
@@ -230,6 +235,7 @@ _HELP: dict[str, str] = {
     "slot_prompt_similarity": "a prompt reuses a slot's KV only when the shared prefix is at least this share of the prompt (else an empty, then the least recently used slot); 0 = always the longest prefix",
     "cache_ram_mib": "host memory (MiB) for slots' KV kept past the slots: a slot's history is copied here before it is dropped, and comes back for a prompt that continues it; 0 = off",
     "kv_unified": "one KV cache shared by all slots instead of one stream per slot (a slot may then hold the whole context, but every step's attention spans all slots' cells)",
+    "swa_full": "full-size KV cache for sliding-window layers (llama.cpp's swa_full): their attention then spans the whole sequence; off (default, llama-server's) keeps only the window, faster prefill of long prompts",
     "threads": "CPU threads for llama.cpp (default: the cores but one, at most 8: the engine's own thread needs a core)",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
     "stream_interval": "streamed tokens per chunk at most (the first token and the end go at once); a request's stream_interval wins",

@@ -147,6 +147,7 @@ class EngineCore:
                 type_v=CACHE_TYPES[settings.cache_type_v],
                 offload=offload,
                 kv_unified=settings.kv_unified,
+                swa_full=settings.swa_full,
             ),
             limiter=worker_limiter,
         )

@@ -60,6 +60,7 @@ async def apply_staged(core: Reloadable, changes: dict[str, Any]) -> None:
                 type_v=changes.get("cache_type_v", old.type_v),
                 offload=old.offload_settings,
                 kv_unified=old.kv_unified,
+                swa_full=old.swa_full,
             )
             if core.settings.warmup:  # a kernel that faults on the new model faults here
                 new.warmup()
