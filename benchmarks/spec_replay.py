@@ -36,8 +36,8 @@ import numpy as np
 
 from benchmarks.harness import env_info
 from benchmarks.speculative import SAMPLING, WORKLOADS, _model
-from hydra_trio.engine.speculation import drafter as speculative
 from hydra_trio.engine.speculation import SpecConfig, Speculation
+from hydra_trio.engine.speculation import drafter as speculative
 from hydra_trio.engine.speculation.policy import step_drafts, verify
 from hydra_trio.engine.speculation.stepcost import BatchCost, StepCost, batch_counts
 
