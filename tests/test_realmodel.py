@@ -132,10 +132,11 @@ async def test_sliding_window_slots_reuse_only_what_they_still_hold(
 ) -> None:
     """Gemma 3's sliding-window layers keep only the last 512 positions of a sequence. A slot
     that ran past the window and is then cut back for a shorter shared prefix cannot continue
-    from the cut: the engine recomputes the prompt (same text as on a fresh slot), and the
-    slot's state size (STATE_META, no llama call) is still exact."""
+    from the cut: without a context checkpoint (off here; the checkpoint test below has them)
+    the engine recomputes the prompt (same text as on a fresh slot), and the slot's state
+    size (STATE_META, no llama call) is still exact."""
     # One slot: the prompts share too little for the slot choice to put them in one slot.
-    ep = await start_engine(gemma_model, **{**REAL, "ctx_size": 1024, "batch_size": 512, "slots": 1})
+    ep = await start_engine(gemma_model, **{**REAL, "ctx_size": 1024, "batch_size": 512, "slots": 1, "ctx_checkpoints": 0})
     assert ep.state.engine._core.backend.n_swa == 512
     long_prompt = "The history of the city of Paris is long and old. " * 60  # ~660 tokens
     short_prompt = "The history of the city of Paris is long and old. " * 25 + "Bananas are"
@@ -170,8 +171,9 @@ async def test_p_d_export_reuses_only_what_the_window_still_holds(
 ) -> None:
     """The P/D prefill side follows the same prefix rule as generation: after a prompt longer
     than Gemma 3's 512-position window, an export of a prompt that shares only an early
-    prefix with it is recomputed, not continued from SWA cells llama.cpp has dropped; a
-    prompt the slot holds in full is exported again from the kept logits."""
+    prefix with it is not continued from SWA cells llama.cpp has dropped: it resumes from
+    the long prefill's earliest context checkpoint (a batch before its end), the latest one
+    before the cut; a prompt the slot holds in full is exported again from the kept logits."""
     ep = await start_engine(gemma_model, **{**REAL, "ctx_size": 2048, "batch_size": 512, "slots": 1})
     export = {"do_remote_decode": True, "do_remote_prefill": False}
     long_prompt = "The history of the city of Paris is long and old. " * 60  # ~660 tokens
@@ -190,8 +192,8 @@ async def test_p_d_export_reuses_only_what_the_window_still_holds(
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"]
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["kv_transfer_params"]["hydra"]["kv_hash"] == first["kv_transfer_params"]["hydra"]["kv_hash"]
-        short = await run(short_prompt)  # shares ~270 positions the window has dropped
-        assert short["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        short = await run(short_prompt)  # shares ~270 positions, of which the window dropped some
+        assert short["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 512
 
 
 def test_sliding_window_cache_is_window_sized_by_default(gemma_model: Path) -> None:
@@ -224,3 +226,58 @@ def test_sliding_window_cache_is_window_sized_by_default(gemma_model: Path) -> N
         finally:
             b.close()
     assert picks[False] == picks[True]
+
+
+async def _ids(c: Any, text: str) -> list[int]:
+    r = await c.post("/tokenize", json={"content": text, "add_special": True})
+    return [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
+
+
+@pytest.mark.parametrize("slots", [1, 2], ids=["unified", "split"])
+async def test_a_prompt_that_leaves_the_history_near_its_end_resumes_from_a_checkpoint(
+    start_engine: Callable[..., Any], gemma_model: Path, slots: int
+) -> None:
+    """A slot that generated past its prompt has dropped, in its sliding-window layers, the
+    cells a cut just before the prompt's end needs. The prefill's context checkpoint (4
+    tokens before the end) lets the next prompt, which leaves the history 2 tokens before
+    that end, resume there: it computes 4 + its own tokens, not all 700. What it computes
+    is the model's answer: the first token's distribution matches a recompute from nothing
+    in the same slot (top-5 log-probs within a rounding tolerance; a wrong window would
+    move them by far more)."""
+    ep = await start_engine(gemma_model, threads=1, ctx_size=4096, slots=slots, batch_size=256)
+    async with http(ep) as c:
+        x = (await _ids(c, "The history of the city of Paris is long and old. " * 60))[:700]
+        y = x[:-2] + (await _ids(c, " Bananas are yellow and the sea is blue, said the old man."))[1:]
+
+        async def run(prompt: list[int], n: int) -> dict[str, Any]:
+            body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = await run(x, 40)  # the window moves 40 positions past the prompt's end
+        resumed = await run(y, 1)
+        assert resumed["id_slot"] == first["id_slot"]
+        assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] == len(x) - 4
+        assert (await c.post(f"/slots/{resumed['id_slot']}?action=erase")).status_code == 200
+        fresh = await run(y, 1)
+        assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    got = resumed["choices"][0]["logprobs"]["top_logprobs"][0]
+    want = fresh["choices"][0]["logprobs"]["top_logprobs"][0]
+    shared = set(got) & set(want)
+    assert len(shared) >= 4, (got, want)
+    assert all(abs(got[t] - want[t]) < 0.1 for t in shared), (got, want)
+
+
+async def test_without_checkpoints_the_same_prompt_recomputes(
+    start_engine: Callable[..., Any], gemma_model: Path
+) -> None:
+    """The control: with --ctx-checkpoints 0 the same cut finds the window gone."""
+    ep = await start_engine(gemma_model, threads=1, ctx_size=4096, slots=1, batch_size=256, ctx_checkpoints=0)
+    async with http(ep) as c:
+        x = (await _ids(c, "The history of the city of Paris is long and old. " * 60))[:700]
+        y = x[:-2] + (await _ids(c, " Bananas are yellow and the sea is blue, said the old man."))[1:]
+        for prompt, n in ((x, 40), (y, 1)):
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0})
+            assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

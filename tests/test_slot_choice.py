@@ -109,6 +109,9 @@ class _Held:
     def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None) -> int:
         return common_prefix_len(self.seq_tokens[slot], tokens)
 
+    def reusable_prefix(self, slot: int, n_keep: int) -> int:
+        return n_keep  # no sliding window: all of a shared prefix can be continued
+
 
 @settings(max_examples=300, deadline=None)
 @given(
@@ -128,3 +131,25 @@ def test_the_slot_score_settles_slots_by_their_head_as_the_plain_rule_would(
     for slot, tokens in enumerate(held):
         n = common_prefix_len(tokens, prompt)
         assert score(slot) == ((n if n and n >= share * len(prompt) else 0), 0 if tokens else 1)
+
+
+class _Windowed(_Held):
+    """Slot 0's sliding window has dropped what its shared prefix needs (no checkpoint)."""
+
+    def reusable_prefix(self, slot: int, n_keep: int) -> int:
+        return 0 if slot == 0 else n_keep
+
+
+async def test_a_slot_whose_window_dropped_the_shared_prefix_loses_to_an_empty_one() -> None:
+    """Sharing a prefix the slot can no longer continue is worth nothing: the prompt takes the
+    empty slot and leaves that slot's history to its own session."""
+    prompt = [1, 2, 3, 4, 5, 6]
+    backend = _Windowed([[1, 2, 3, 4, 5, 9, 9], []])
+    table = SlotTable(2)
+    scheduler = SlotScheduler(lambda: backend, None, table, replace(Settings(), slot_prompt_similarity=0.1), None)  # type: ignore[arg-type]
+    score = scheduler.slot_rank(prompt)
+    assert score(0) == (0, 0) and score(1) == (0, 1)
+    assert (await table.claim_any("turn", score)).id == 1
+    plain = _Held(backend.seq_tokens)  # the same slots without a window: the shared prefix wins
+    rank = SlotScheduler(lambda: plain, None, SlotTable(2), replace(Settings(), slot_prompt_similarity=0.1), None)  # type: ignore[arg-type]
+    assert rank.slot_rank(prompt)(0) == (5, 0)

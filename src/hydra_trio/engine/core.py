@@ -148,6 +148,7 @@ class EngineCore:
                 offload=offload,
                 kv_unified=settings.kv_unified,
                 swa_full=settings.swa_full,
+                ctx_checkpoints=settings.ctx_checkpoints,
             ),
             limiter=worker_limiter,
         )
@@ -355,6 +356,16 @@ class EngineCore:
         running chunk). Returns the token sampled from the last position (with ``sampler``)
         and its logits (with ``want_logits``).
         """
+        # Stops for the context checkpoints of a sliding-window model (llama/checkpoints.py).
+        for cut in self.backend.checkpoints.cuts(len(tokens), n_keep):
+            await self._evaluate(slot, tokens[:cut], n_keep, sampler=None, want_logits=False)
+            await self.worker.call(lambda: self.backend.take_checkpoint(slot))
+            n_keep = cut
+        return await self._evaluate(slot, tokens, n_keep, sampler=sampler, want_logits=want_logits)
+
+    async def _evaluate(
+        self, slot: int, tokens: Sequence[int], n_keep: int, *, sampler: Sampler | None, want_logits: bool
+    ) -> tuple[int | None, bytes | None]:
         backend = self.backend
         rest = list(tokens[n_keep:])
         if not rest:

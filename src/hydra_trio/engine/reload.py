@@ -61,6 +61,7 @@ async def apply_staged(core: Reloadable, changes: dict[str, Any]) -> None:
                 offload=old.offload_settings,
                 kv_unified=old.kv_unified,
                 swa_full=old.swa_full,
+                ctx_checkpoints=old.ctx_checkpoints,
             )
             if core.settings.warmup:  # a kernel that faults on the new model faults here
                 new.warmup()

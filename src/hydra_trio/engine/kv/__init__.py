@@ -6,10 +6,11 @@ package reaches its modules."""
 from .admission import Admitted, admit_blob
 from .blocks import HostBlocks, SlotBlocks
 from .copy import KvCopy, check_checkpoint, copy_out, restore_blob
-from .promptcache import PromptCache, PromptCacheStats
+from .promptcache import CacheHit, PromptCache, PromptCacheStats
 
 __all__ = [
     "Admitted",
+    "CacheHit",
     "HostBlocks",
     "KvCopy",
     "PromptCache",

@@ -48,6 +48,7 @@ class PromptCacheStats:
 class CacheHit:
     key: int
     n_common: int  # prompt tokens the entry holds
+    n_tokens: int  # positions the entry holds in all
 
 
 class CacheWatcher(Protocol):
@@ -149,7 +150,7 @@ class PromptCache:
                 continue  # another salt's run begins or ends here
             n = common_prefix_len(entry.tokens, prompt)
             if n and (best is None or n > best.n_common):
-                best = CacheHit(key, n)
+                best = CacheHit(key, n, len(entry.tokens))
         return best
 
     def take(self, key: int) -> Snapshot:

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
+from ...wire.errors import ErrorCode, ProtocolError
 from .chat import builtin_chat_templates
+from .checkpoints import Checkpoint, Checkpoints
 from .devices import (
     OffloadReport,
     OffloadSettings,
@@ -66,6 +68,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         offload: OffloadSettings | None = None,
         kv_unified: bool = True,
         swa_full: bool = False,
+        ctx_checkpoints: int = 8,
     ) -> None:
         init_llama()
         self.kv_unified = kv_unified or n_slots == 1
@@ -74,6 +77,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # is the full-size SWA cache, where those layers' attention (and mask) spans every
         # cell of the sequence: measured 1.3x slower prefill at 16k (docs/performance.md).
         self.swa_full = swa_full
+        self.ctx_checkpoints = ctx_checkpoints
         self.model_path = model_path
         self.n_slots = n_slots
         self.n_batch = n_batch
@@ -227,6 +231,10 @@ class LlamaBackend(SlotStates, BatchSteps):
         # Lowest position each slot's SWA cells still hold (see n_swa), and, for SWA models,
         # the slot's exact state size, re-measured on the worker after each change.
         self._swa_low = [0] * self.n_slots
+        # Only a window-sized SWA cache loses what a cut needs (checkpoints.py).
+        self.checkpoints = Checkpoints(
+            self.n_slots, self.ctx_checkpoints if self.n_swa and not self.swa_full else 0, self.n_batch
+        )
         self._measure_state_size()
         self._sizes = [self._state_base] * self.n_slots
 
@@ -243,10 +251,50 @@ class LlamaBackend(SlotStates, BatchSteps):
 
     def reusable_prefix(self, slot: int, n_keep: int) -> int:
         """How much of a wanted prefix of ``n_keep`` positions the slot can really continue
-        from: all of it, or 0 when its sliding-window cells before the cut are gone."""
+        from: all of it, or, when its sliding-window cells before the cut are gone, its
+        latest context checkpoint at or before the cut (0: none)."""
+        if self._window_holds(slot, n_keep):
+            return n_keep
+        best = self.checkpoints.best(slot, n_keep)
+        return best.n_tokens if best is not None else 0
+
+    def _window_holds(self, slot: int, n_keep: int) -> bool:
         if not self.n_swa or n_keep >= len(self.seq_tokens[slot]) - 1:
-            return n_keep  # keeping all, or all but the last position, keeps a full window
-        return n_keep if self._swa_low[slot] <= max(0, n_keep - self.n_swa) else 0
+            return True  # keeping all, or all but the last position, keeps a full window
+        return self._swa_low[slot] <= max(0, n_keep - self.n_swa)
+
+    @staticmethod
+    def reusable_in_state(n_swa: int, n_tokens: int, n_keep: int) -> int:
+        """``reusable_prefix`` for a saved state of ``n_tokens`` positions (it holds the SWA
+        cells of its last window only, and no checkpoints)."""
+        if not n_swa or n_keep >= n_tokens - 1:
+            return n_keep
+        return n_keep if max(0, n_tokens - n_swa) <= max(0, n_keep - n_swa) else 0
+
+    def take_checkpoint(self, slot: int) -> None:
+        """Copy the slot's sliding-window state as it is now (checkpoints.py)."""
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, slot, flags))
+        buf = (ctypes.c_uint8 * size)()
+        if int(llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, slot, flags)) != size:
+            log.warning("context checkpoint of slot %d not taken: llama.cpp wrote a short state", slot)
+            return
+        n = len(self.seq_tokens[slot])
+        self.checkpoints.add(slot, Checkpoint(n_tokens=n, swa_low=self._swa_low[slot], data=bytes(buf)))
+
+    def _resume_from_checkpoint(self, slot: int, n_keep: int) -> None:
+        """Put back the sliding-window cells of the slot's checkpoint at ``n_keep``; the
+        full-attention layers still hold every position up to it."""
+        best = self.checkpoints.best(slot, n_keep)
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
+        if best is not None and best.n_tokens == n_keep:
+            src = (ctypes.c_uint8 * len(best.data)).from_buffer_copy(best.data)
+            if int(llama_cpp.llama_state_seq_set_data_ext(self._ctx, src, len(best.data), slot, flags)):
+                self._swa_low[slot] = best.swa_low
+                return
+        # Not planned by reusable_prefix, or llama.cpp refused it: the slot cannot continue.
+        self.clear_slot(slot)
+        raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: no usable context checkpoint at {n_keep} positions")
 
     def rebuild_context(self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None) -> None:
         """Recreate the context (CONFIGURE T2). All slot contents are dropped."""
@@ -360,6 +408,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self.seq_tokens[slot] = []
         self._swa_low[slot] = 0
+        self.checkpoints.forget(slot)
         self._advanced(slot)
 
     def truncate_slot(self, slot: int, n_keep: int) -> None:
@@ -367,14 +416,18 @@ class LlamaBackend(SlotStates, BatchSteps):
         if n_keep == 0:
             self.clear_slot(slot)
         elif n_keep < len(self.seq_tokens[slot]):
+            if not self._window_holds(slot, n_keep):
+                self._resume_from_checkpoint(slot, n_keep)
             llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
             del self.seq_tokens[slot][n_keep:]
+            self.checkpoints.forget(slot, above=n_keep)
             self._advanced(slot)
 
     def _resync(self, seq: int) -> None:
         # After a failed decode, believe the KV cache, not our bookkeeping.
         n = llama_cpp.llama_memory_seq_pos_max(self._mem, seq) + 1
         del self.seq_tokens[seq][max(n, 0):]
+        self.checkpoints.forget(seq, above=max(n, 0))
         self._advanced(seq)
 
     def warmup(self) -> None:

@@ -18,6 +18,7 @@ import llama_cpp
 
 from ...wire.errors import ErrorCode, ProtocolError
 from ...wire.kvblob import split_trailing_logits
+from .checkpoints import Checkpoints
 from .seqstate import (
     StateLayout,
     StateLayoutError,
@@ -82,6 +83,7 @@ class SlotStates:
     _stream_overhead: int
     _kept: list[int]
     _swa_low: list[int]
+    checkpoints: Checkpoints
 
     def _measure_state_size(self) -> None:
         # A sequence's state is a fixed header plus a fixed size per position: measure both
@@ -269,6 +271,7 @@ class SlotStates:
             self._kept[slot] = 0  # every position may differ (kvblocks.py keeps equal blocks)
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)
+            self.checkpoints.forget(slot)  # they were of the history this state replaces
             committed = True
             self._advanced(slot, bytes(logits) if logits is not None else None)
             return logits is not None

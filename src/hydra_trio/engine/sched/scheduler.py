@@ -14,7 +14,7 @@ import trio
 
 from ...config import Settings
 from ...wire.errors import ProtocolError
-from ..kv import PromptCache
+from ..kv import CacheHit, PromptCache
 from ..llama import DecodeAborted, LlamaBackend
 from ..worker import GpuWorker
 from .slots import SlotTable
@@ -106,7 +106,9 @@ class SlotScheduler:
                 return 0, 1  # an empty slot shares nothing
             if held[:n_head] != head:
                 return 0, 0
-            n_common = backend.shared_prefix(slot, prompt, salt)
+            # What the slot can continue, not what it shares: a sliding window may have
+            # dropped what a shared prefix needs, and then an empty slot is as good.
+            n_common = backend.reusable_prefix(slot, backend.shared_prefix(slot, prompt, salt))
             return (n_common if n_common >= least else 0), 0
 
         return score
@@ -140,15 +142,25 @@ class SlotScheduler:
         cache = self._cache
         if cache is None:
             return
-        hit = cache.best(prompt, salt)
-        held = self._backend().shared_prefix(slot, prompt, salt)
-        if hit is None or hit.n_common < held + MIN_CACHED_TOKENS:
+        backend = self._backend()
+        shared = backend.shared_prefix(slot, prompt, salt)
+        # Compared by what each could continue (a sliding window may have dropped the rest).
+        held = backend.reusable_prefix(slot, min(shared, len(prompt) - 1))
+
+        def worth_it() -> CacheHit | None:
+            hit = cache.best(prompt, salt)
+            if hit is None:
+                return None
+            usable = backend.reusable_in_state(backend.n_swa, hit.n_tokens, min(hit.n_common, len(prompt) - 1))
+            return hit if usable >= held + MIN_CACHED_TOKENS else None
+
+        if worth_it() is None:
             return
-        await self.keep_history(slot, held)
+        await self.keep_history(slot, shared)
         # Looked up again: while the slot's history was copied, another request with the
         # same prompt may have taken the entry (a KeyError, a 500, before).
-        hit = cache.best(prompt, salt)
-        if hit is None or hit.n_common < held + MIN_CACHED_TOKENS:
+        hit = worth_it()
+        if hit is None:
             return
         snap = cache.take(hit.key)
         await self.make_room(len(snap.tokens), exclude=slot)

@@ -1,0 +1,65 @@
+"""Context checkpoints of the sliding-window layers (llama-server's ``--ctx-checkpoints``).
+
+A window-sized SWA cache drops a sequence's SWA cells older than the window as it advances,
+so a slot cut back by more than a position or two cannot be continued: the cells its window
+needs before the cut are gone. An agent's next turn cuts exactly there (the reply rendered
+differently, a second session behind the same system prompt). So, as llama-server does, a
+prefill stops a few tokens before the prompt's end (4, and a batch plus 4), copies the SWA
+layers' state of the slot (``LLAMA_STATE_SEQ_FLAGS_SWA_ONLY``: the window, not the whole
+KV), and goes on. A later prompt that shares at least a checkpoint's positions restores its
+SWA cells and keeps the full-attention layers' cells up to it, evaluating only the rest.
+
+Pure bookkeeping: the llama calls are the backend's (context.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    n_tokens: int  # positions the slot held when it was taken
+    swa_low: int  # lowest position its SWA cells hold
+    data: bytes  # llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_SWA_ONLY)
+
+
+# Where a prefill stops for a checkpoint, counted back from the prompt's end (llama-server's
+# offsets): 4 leaves a few tokens to evaluate (a turn that re-renders the generation prompt),
+# a batch more covers a reply rendered differently from what was generated.
+END_OFFSETS = (4,)
+
+
+class Checkpoints:
+    """Each slot's checkpoints, oldest first, at most ``per_slot`` of them (0: off)."""
+
+    def __init__(self, n_slots: int, per_slot: int, n_batch: int) -> None:
+        self.per_slot = per_slot
+        self._offsets = tuple(sorted({*END_OFFSETS, min(n_batch, 4 + n_batch)}, reverse=True))
+        self._by_slot: list[list[Checkpoint]] = [[] for _ in range(n_slots)]
+
+    def cuts(self, n_prompt: int, n_keep: int) -> list[int]:
+        """Positions where a prefill of ``n_prompt`` tokens, keeping ``n_keep``, stops for a
+        checkpoint (ascending; none when checkpoints are off)."""
+        if not self.per_slot:
+            return []
+        return sorted({n_prompt - off for off in self._offsets if n_prompt - off > n_keep})
+
+    def add(self, slot: int, checkpoint: Checkpoint) -> None:
+        held = [c for c in self._by_slot[slot] if c.n_tokens < checkpoint.n_tokens]
+        held.append(checkpoint)
+        self._by_slot[slot] = held[-self.per_slot :]
+
+    def best(self, slot: int, n_keep: int) -> Checkpoint | None:
+        """The latest checkpoint a slot cut back to ``n_keep`` positions can resume from."""
+        return max((c for c in self._by_slot[slot] if c.n_tokens <= n_keep), key=lambda c: c.n_tokens, default=None)
+
+    def forget(self, slot: int, above: int = 0) -> None:
+        """Drop the slot's checkpoints past ``above`` positions (its history changed there)."""
+        self._by_slot[slot] = [c for c in self._by_slot[slot] if c.n_tokens <= above] if above else []
+
+    def count(self, slot: int) -> int:
+        return len(self._by_slot[slot])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c.data) for cps in self._by_slot for c in cps)
