@@ -57,14 +57,16 @@ def env_info() -> dict[str, Any]:
     }
 
 
-def stream_chat(url: str, messages: list[dict[str, str]], n_predict: int) -> tuple[float, str, dict[str, Any]]:
+def stream_chat(
+    url: str, messages: list[dict[str, str]], n_predict: int, headers: dict[str, str] | None = None
+) -> tuple[float, str, dict[str, Any]]:
     """One streamed, greedy chat completion: (seconds to the first content token, the answer,
     the last chunk, which carries ``usage`` and any ``kv_transfer``)."""
     req = {"messages": messages, "max_tokens": n_predict, "temperature": 0, "stream": True,
            "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, parts, final = None, [], {}
-    with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/chat/completions", json=req) as r:
+    with httpx.Client(timeout=600, headers=headers) as c, c.stream("POST", url + "/v1/chat/completions", json=req) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if (chunk := sse_chunk(line)) is None:

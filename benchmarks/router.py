@@ -82,11 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
     ap.add_argument("--clients", type=int, default=3, help="multi-turn: sessions running at once")
     ap.add_argument("--n-predict", type=int, default=16, help="multi-turn: tokens per answer")
+    ap.add_argument("--slots", type=int, default=4, help="multi-turn: slots per engine")
+    ap.add_argument("--cache-ram-mib", type=int, default=None, help="multi-turn: the engines' host prompt cache (default: theirs)")
+    ap.add_argument("--schedule", default="sessions", choices=["sessions", "rounds"],
+                    help="multi-turn: each client runs whole sessions, or turn t of every session goes before turn t+1")
+    ap.add_argument("--policies", default="round_robin,cache_aware,kv_aware",
+                    help="multi-turn: runs, comma-separated (round_robin, cache_aware, kv_aware, kv_aware_no_host_credit)")
     args = ap.parse_args(argv)
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     if args.workload in ("multi-turn", "all"):
-        from .kv_routing import multi_turn
+        from .kv_routing import ROUTER_ARGS, multi_turn
 
         m = args.multi_turn_model
         if m in ("tiny", "small", "bench"):
@@ -98,8 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = RESULTS / "router-multi-turn-logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         name = Path(model).stem
+        if (args.schedule, args.slots) != ("sessions", 4):  # the default run keeps its file name
+            name += f"-{args.schedule}-{args.sessions}x{args.slots}slots"
+        policies = tuple(args.policies.split(","))
+        unknown = set(policies) - set(ROUTER_ARGS)
+        if unknown:
+            ap.error(f"--policies: unknown {sorted(unknown)}; known: {', '.join(ROUTER_ARGS)}")
         multi_turn(model, log_dir, RESULTS / f"router-multi-turn-{name}.json", sessions=args.sessions, turns=args.turns,
-                   clients=args.clients, n_predict=args.n_predict, start_router=start_router)
+                   clients=args.clients, n_predict=args.n_predict, start_router=start_router, slots=args.slots,
+                   cache_ram_mib=args.cache_ram_mib, schedule=args.schedule, policies=policies)
         if args.workload == "multi-turn":
             return 0
     model = build_models(cache, [args.preset])[args.preset]

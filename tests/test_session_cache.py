@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,11 +52,12 @@ async def test_sessions_keep_their_own_slots(start_engine: Callable[..., Any], t
 
 
 async def test_a_history_past_the_slots_comes_back_from_host_memory(
-    start_engine: Callable[..., Any], tiny_model: Path
+    start_engine: Callable[..., Any], tiny_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Three sessions on two slots: the third takes the least recently used slot, whose
     history goes to the prompt cache first and comes back, exact, for that session's next
-    turn. Without the cache the turn recomputes its history."""
+    turn (its request line says how much came from RAM). Without the cache the turn
+    recomputes its history."""
     for cache_mib in (64, 0):
         ep = await start_engine(tiny_model, cache_ram_mib=cache_mib)
         async with http(ep) as h:
@@ -65,7 +67,11 @@ async def test_a_history_past_the_slots_comes_back_from_host_memory(
                 convs.append(conv)
                 firsts.append(body)
             assert firsts[2]["id_slot"] == firsts[0]["id_slot"]  # the least recently used
-            _, again = await _turn(h, convs[0])
+            caplog.clear()
+            with caplog.at_level("INFO", logger="hydra_trio"):
+                _, again = await _turn(h, convs[0])
+            (line,) = [r.request for r in caplog.records if getattr(r, "request", None) and r.request["route"] == "chat"]
+            assert line["host_cached_tokens"] == (_cached(again) if cache_mib else 0)
             if cache_mib:
                 assert _cached(again) >= firsts[0]["usage"]["prompt_tokens"]
                 m = await scrape(h)

@@ -38,6 +38,7 @@ REQUEST_FIELDS = (
     "slot",
     "prompt_tokens",
     "cached_tokens",
+    "host_cached_tokens",  # of cached_tokens, those the host prompt cache (RAM) gave back
     "completion_tokens",
     "finish_reason",  # stop | length (OpenAI's); abort when cancelled
     "ttft_ms",
@@ -115,6 +116,7 @@ def generation_fields(res: GenerationResult, *, outcome: str, queue_s: float = 0
         "status": outcome,
         "prompt_tokens": res.prompt_tokens,
         "cached_tokens": res.n_common,
+        "host_cached_tokens": res.n_host,
         "completion_tokens": res.completion_tokens,
         "finish_reason": res.finish_reason if outcome == "done" else "abort" if outcome == "cancelled" else None,
         "ttft_ms": round(queue_s * 1000.0 + res.prompt_ms, 3) if started else None,

@@ -388,7 +388,8 @@ class EngineCore:
                 last = done + len(chunk) == len(rest)
 
                 def call(abort: threading.Event, chunk: list[int] = chunk, keep: int = keep, last: bool = last) -> tuple[int | None, bytes | None]:
-                    backend.truncate_slot(slot, keep)
+                    if backend.truncate_slot(slot, keep) != keep:  # first_token cut it already: a no-op
+                        raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not be cut back to {keep} positions")
                     return backend.eval_chunk(
                         slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
                     )
@@ -429,8 +430,9 @@ class EngineCore:
         ``salt`` and sample the token after it (None: the context is full); with
         ``want_logits`` also the logits it came from. The plan goes into ``res`` first, so a
         cancelled prefill still reports its work."""
-        await self.scheduler.swap_in(slot, tokens, salt)
+        from_host = await self.scheduler.swap_in(slot, tokens, salt)
         res.n_common, logits = self.scheduler.reuse_plan(slot, tokens, salt)
+        res.n_host = min(from_host, res.n_common)
         res.logits_reused = logits is not None
         await self.scheduler.keep_history(slot, res.n_common)
         await self.scheduler.adopt_salt(slot, salt)
@@ -438,6 +440,10 @@ class EngineCore:
             reused = logits
             token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
             return token, logits
+        # The slot is cut to the plan here, where the plan can still change: a memory that
+        # refuses a partial cut (recurrent, hybrid) was emptied, and the whole prompt is evaluated.
+        res.n_common = await self.scheduler.cut(slot, res.n_common)
+        res.n_host = min(res.n_host, res.n_common)
         res.n_prompt_processed = len(tokens) - res.n_common
         return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
 

@@ -19,6 +19,7 @@ from .text import TextAssembler
 class GenerationResult:
     prompt_tokens: int = 0
     n_common: int = 0  # prompt tokens found in the slot's KV (not recomputed)
+    n_host: int = 0  # of them, those the host prompt cache put back into the slot (--cache-ram-mib)
     n_prompt_processed: int = 0  # prompt tokens evaluated by this request
     logits_reused: bool = False  # first token sampled from logits that came with the KV
     completion_tokens: int = 0

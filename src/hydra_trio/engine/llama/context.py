@@ -411,17 +411,28 @@ class LlamaBackend(SlotStates, BatchSteps):
         self.checkpoints.forget(slot)
         self._advanced(slot)
 
-    def truncate_slot(self, slot: int, n_keep: int) -> None:
-        """Drop positions >= n_keep from the slot."""
+    def truncate_slot(self, slot: int, n_keep: int) -> int:
+        """Drop positions >= n_keep from the slot; returns the positions it holds now.
+
+        0 when the memory refused a partial removal (llama_memory_seq_rm is false: a
+        recurrent or hybrid model's state cannot be cut back): the slot is emptied then, so
+        the prompt is recomputed instead of continuing a state that still holds the tail."""
         if n_keep == 0:
             self.clear_slot(slot)
         elif n_keep < len(self.seq_tokens[slot]):
             if not self._window_holds(slot, n_keep):
                 self._resume_from_checkpoint(slot, n_keep)
-            llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
+            if not llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1):
+                log.warning(
+                    "slot %d: the KV cannot be cut back to %d of its %d positions (recurrent or hybrid memory); cleared",
+                    slot, n_keep, len(self.seq_tokens[slot]),
+                )  # fmt: skip
+                self.clear_slot(slot)
+                return 0
             del self.seq_tokens[slot][n_keep:]
             self.checkpoints.forget(slot, above=n_keep)
             self._advanced(slot)
+        return len(self.seq_tokens[slot])
 
     def _resync(self, seq: int) -> None:
         # After a failed decode, believe the KV cache, not our bookkeeping.

@@ -175,6 +175,8 @@ class BatchSteps:
         """
         for part in parts:
             if part.keep is not None:
+                # No cut is left to make here (Engine.first_token cut the slot to its plan),
+                # so a memory that refuses partial removal never fails a shared batch.
                 self.truncate_slot(part.slot, part.keep)
         live = self._live_in_slot_order(requests)
         fits = [p for p in parts if len(self.seq_tokens[p.slot]) + len(p.tokens) <= self.n_ctx_slot]

@@ -65,6 +65,15 @@ class SlotScheduler:
             n_common -= 1  # re-evaluate the last prompt token for its logits
         return backend.reusable_prefix(slot, n_common), None
 
+    async def cut(self, slot: int, n_keep: int) -> int:
+        """Drop the slot's positions past ``n_keep`` (its history went to the prompt cache
+        first: ``keep_history``); returns the positions it kept, 0 when the memory refused a
+        partial removal and the slot was emptied (``LlamaBackend.truncate_slot``)."""
+        backend = self._backend()
+        if n_keep >= backend.n_past(slot):
+            return n_keep
+        return await self._worker.call(lambda: backend.truncate_slot(slot, n_keep))
+
     async def make_room(self, needed: int, *, exclude: int) -> None:
         """Free the KV of idle slots (least recently used first) until ``needed`` more cells
         fit in the shared cache. A victim is claimed while it is cleared, so no request can
@@ -135,13 +144,13 @@ class SlotScheduler:
             await self._worker.call(lambda: backend.clear_slot(slot))
         backend.seq_salt[slot] = salt
 
-    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> None:
+    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> int:
         """When the prompt cache holds more of the prompt (under the request's ``salt``) than
         the slot does, put that entry into the slot (the slot's own history goes to the
-        cache first)."""
+        cache first). Returns the positions put back (0: none)."""
         cache = self._cache
         if cache is None:
-            return
+            return 0
         backend = self._backend()
         shared = backend.shared_prefix(slot, prompt, salt)
         # Compared by what each could continue (a sliding window may have dropped the rest).
@@ -155,13 +164,13 @@ class SlotScheduler:
             return hit if usable >= held + MIN_CACHED_TOKENS else None
 
         if worth_it() is None:
-            return
+            return 0
         await self.keep_history(slot, shared)
         # Looked up again: while the slot's history was copied, another request with the
         # same prompt may have taken the entry (a KeyError, a 500, before).
         hit = worth_it()
         if hit is None:
-            return
+            return 0
         snap = cache.take(hit.key)
         await self.make_room(len(snap.tokens), exclude=slot)
         view = memoryview(snap.buf)
@@ -178,5 +187,6 @@ class SlotScheduler:
             raise
         except ProtocolError as err:  # our own state: only a full shared pool refuses it
             log.warning("prompt cache: entry of %d positions not restored into slot %d: %s", len(snap.tokens), slot, err.message)
-            return
+            return 0
         log.debug("prompt cache: slot %d continues %d cached positions", slot, len(snap.tokens))
+        return len(snap.tokens)

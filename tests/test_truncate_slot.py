@@ -1,0 +1,99 @@
+"""A slot cut back to a shared prefix when the memory refuses a partial removal.
+
+llama_memory_seq_rm returns false when positions cannot be removed from the middle on:
+recurrent and hybrid models keep one state per sequence, not one cell per position. No
+synthetic recurrent GGUF is written here, so its refusal is simulated by a seq_rm that
+refuses every partial removal (and removes nothing then, as llama.cpp does)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+
+from helpers import http
+from hydra_trio.engine.llama.context import LlamaBackend
+from hydra_trio.engine.llama.sampling import Sampler
+from hydra_trio.engine.params import SamplingParams
+
+PROMPT = "the river runs past the old mill and the owls watch it from the trees " * 4
+
+
+@pytest.fixture
+def refuse_partial_rm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """seq_rm refuses (False, nothing removed) any removal that keeps positions; whole
+    sequences still go. Returns the refused (seq, p0) calls."""
+    real = llama_cpp.llama_memory_seq_rm
+    refused: list[tuple[int, int]] = []
+
+    def seq_rm(mem: Any, seq: int, p0: int, p1: int) -> bool:
+        if p0 > 0:
+            refused.append((seq, p0))
+            return False
+        return bool(real(mem, seq, p0, p1))
+
+    monkeypatch.setattr(llama_cpp, "llama_memory_seq_rm", seq_rm)
+    return refused
+
+
+@pytest.fixture
+def backend(tiny_model_ctx: Path) -> Iterator[LlamaBackend]:
+    b = LlamaBackend(str(tiny_model_ctx), n_slots=1, n_ctx=512, n_threads=1, n_batch=256, kv_unified=True)
+    yield b
+    b.close()
+
+
+def _fill(b: LlamaBackend) -> list[int]:
+    prompt = b.tokenize(PROMPT, add_special=True)
+    sampler = Sampler(SamplingParams())
+    try:
+        b.eval_chunk(0, prompt, None, sampler=sampler)
+    finally:
+        sampler.close()
+    return prompt
+
+
+def test_a_cut_keeps_the_prefix_it_reports(backend: LlamaBackend) -> None:
+    prompt = _fill(backend)
+    assert backend.truncate_slot(0, len(prompt) - 5) == len(prompt) - 5
+    assert backend.seq_tokens[0] == prompt[:-5]
+    assert backend.truncate_slot(0, len(prompt)) == len(prompt) - 5  # nothing past the end to drop
+
+
+def test_a_refused_cut_empties_the_slot_and_reports_nothing_kept(
+    backend: LlamaBackend, refuse_partial_rm: list[tuple[int, int]]
+) -> None:
+    prompt = _fill(backend)
+    assert backend.truncate_slot(0, len(prompt) - 5) == 0
+    assert refuse_partial_rm == [(0, len(prompt) - 5)]
+    assert backend.seq_tokens[0] == []
+    mem = llama_cpp.llama_get_memory(backend._ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == -1  # the KV agrees: nothing held
+
+
+async def test_a_prompt_recomputes_when_its_slot_cannot_be_cut(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path, refuse_partial_rm: list[tuple[int, int]]
+) -> None:
+    """One slot holds PROMPT + an answer; a prompt sharing only part of it needs a cut the
+    memory refuses. It is computed whole (0 cached tokens) and answers as from an empty
+    slot, instead of continuing a KV that still holds the old tail."""
+    ep = await start_engine(tiny_model_ctx, slots=1, ctx_size=1024, cache_ram_mib=0)
+    other = PROMPT[: len(PROMPT) // 2] + "but the bread is baked at dawn in the village"
+    body = {"max_tokens": 8, "temperature": 0}
+    async with http(ep) as h:
+        r = await h.post("/v1/completions", json={**body, "prompt": PROMPT})
+        assert r.status_code == 200, r.text
+        r = await h.post("/v1/completions", json={**body, "prompt": other})
+        assert r.status_code == 200, r.text
+        cut = r.json()
+        assert refuse_partial_rm, "the second prompt did not need a partial cut"
+        assert cut["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # From an empty slot: a prompt sharing nothing clears it whole (no partial cut).
+        r = await h.post("/v1/completions", json={**body, "prompt": "winter " * 8})
+        assert r.status_code == 200, r.text
+        r = await h.post("/v1/completions", json={**body, "prompt": other})
+        assert r.status_code == 200, r.text
+    assert cut["choices"][0]["text"] == r.json()["choices"][0]["text"]
