@@ -119,7 +119,10 @@ class EngineCore:
         self.model_dir = settings.model_dir or os.path.dirname(os.path.realpath(backend.model_path))
         # The GGUF's own template (else ChatML) until load() applies --chat-template[-file].
         self.inputs.set_chat_template(
-            resolve_chat_template(name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=())
+            resolve_chat_template(
+                name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=(),
+                gguf_variants=backend.info.chat_template_variants,
+            )
         )
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -167,6 +170,7 @@ class EngineCore:
                 file=settings.chat_template_file,
                 gguf_template=backend.info.chat_template,
                 builtin_names=backend.builtin_templates,
+                gguf_variants=backend.info.chat_template_variants,
             )
         except BaseException:
             await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
@@ -190,7 +194,7 @@ class EngineCore:
         )
         assert backend.offload is not None
         log.info("offload: %s", backend.offload.summary())
-        log.info("chat template: %s (%s)", template.name, template.source)
+        log.info("chat template: %s", template.describe())
         return engine
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -456,7 +460,7 @@ class EngineCore:
         res = GenerationResult(prompt_tokens=len(tokens))
         sampler = Sampler(params.sampling, grammars=self.backend.grammars)  # built inside its first GPU-worker call
         one = replace(params, n_predict=1, logprobs=None)
-        out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.token_bytes)
+        out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.text_of(params.shown_tokens))
         t_start = time.perf_counter()
         try:
             token, logits = await self.first_token(slot, tokens, sampler, res, want_logits=True, salt=params.cache_salt)
@@ -497,7 +501,7 @@ class EngineCore:
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
         sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
-        out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.token_bytes)
+        out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.text_of(params.shown_tokens))
         spec = request_speculation(
             self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts,
             self.ngram_memories.for_salt(params.cache_salt),

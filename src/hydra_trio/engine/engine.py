@@ -152,7 +152,9 @@ class Engine:
         inputs = core.inputs
         layers = body if slot is None else sampling_keys.merge(core.slot_settings.generation_defaults(slot), body)
         n_logprobs = check_request(route, layers)
-        params = replace(await inputs.generation_params_off_loop(layers), logprobs=n_logprobs, cache_salt=cache_salt(layers))
+        params = await inputs.generation_params_off_loop(layers)
+        params = replace(params, logprobs=n_logprobs, cache_salt=cache_salt(layers),
+                         shown_tokens=inputs.shown_tokens(params, layers))
         await inputs.compile_grammar(params)
         has_prompt = "messages" in layers or isinstance(layers.get("prompt"), str)
         prompt = await inputs.render_prompt(layers) if has_prompt else None

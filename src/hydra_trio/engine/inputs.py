@@ -51,7 +51,8 @@ class Inputs:
         return self._backend().n_ctx_slot
 
     def set_chat_template(self, template: ChatTemplate) -> None:
-        info = self._backend().info
+        backend = self._backend()
+        info = backend.info
         self.chat = Chat(
             template,
             tool_call_parser=self._settings.tool_call_parser,
@@ -61,6 +62,8 @@ class Inputs:
             tokenizer_adds_bos=info.add_bos,
             run_on_worker=self._worker.call,
             apply_builtin=apply_builtin_chat_template,
+            special_text=backend.vocabulary.special,
+            unshown=backend.eog_ids | {info.bos},
         )
 
     @property
@@ -87,6 +90,11 @@ class Inputs:
     def reply_parsers(self, params: GenerationParams, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
         """How a chat reply is read (``Chat.reply_parsers``); None: its text is the content."""
         return self._chat().reply_parsers(params.tools, request, prompt)
+
+    def shown_tokens(self, params: GenerationParams, request: dict[str, Any]) -> frozenset[int]:
+        """The control tokens a reply shows as text (``Chat.shown_tokens``): a chat
+        request's template syntax; none for text completions (as llama-server without --special)."""
+        return self._chat().shown_tokens(params.tools) if "messages" in request else frozenset()
 
     def _chat(self) -> Chat:
         assert self.chat is not None, "set at construction"

@@ -37,6 +37,9 @@ class GenerationParams:
     tools: ToolRequest | None = None
     # The request's own speculative-decoding keys (engine/speculative.py); None: the server's.
     speculative: SpecRequest | None = None
+    # Control tokens whose text the reply shows (a chat template's tool and think syntax,
+    # chat/__init__.py ``Chat.shown_tokens``); every other control token adds no text.
+    shown_tokens: frozenset[int] = frozenset()
 
 
 MAX_DRAFT = 256

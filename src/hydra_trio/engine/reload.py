@@ -77,7 +77,10 @@ async def apply_staged(core: Reloadable, changes: dict[str, Any]) -> None:
         core.inputs.set_chat_template(
             core.inputs.chat_template
             if keep
-            else resolve_chat_template(name=None, file=None, gguf_template=new.info.chat_template, builtin_names=())
+            else resolve_chat_template(
+                name=None, file=None, gguf_template=new.info.chat_template, builtin_names=(),
+                gguf_variants=new.info.chat_template_variants,
+            )
         )
         await core.worker.call(old.close)
         core.t3_reloads += 1

@@ -146,8 +146,9 @@ def write_model(
     file_type: gguf.LlamaFileType | None = None,
     tokenizer_pre: str | None = None,
     extra_kv: Mapping[str, Any] | None = None,
-    chat_template: str | None = CHATML_TEMPLATE,
+    chat_template: str | Sequence[Mapping[str, str]] | None = CHATML_TEMPLATE,
     n_vocab: int | None = None,
+    control_tokens: Mapping[int, str] | None = None,
 ) -> Path:
     """Write a llama GGUF with random weights and return its path.
 
@@ -155,6 +156,12 @@ def write_model(
     F32/F16 (identity tests need e.g. a "Q4_K_M" label; the weights stay float).
     ``extra_kv`` adds metadata keys verbatim (ints become u32, bools, floats f32, strings,
     lists of strings), e.g. ``{"llama.nextn_predict_layers": 1}``.
+    ``chat_template``: Jinja text, or named templates as HF's dict-valued chat_template and
+    convert_hf_to_gguf.py write them (``[{"name": "default", "template": ...}, {"name":
+    "tool_use", ...}]``: ``tokenizer.chat_template``, ``tokenizer.chat_template.tool_use`` and
+    the ``tokenizer.chat_templates`` list). ``control_tokens``: vocabulary ids respelled as
+    control tokens (``{id: "<tool_call>"}``, a model's own special tokens; the weights stay
+    those of the seed).
     """
     spec = PRESETS[preset]
     if n_vocab is not None:
@@ -186,6 +193,10 @@ def write_model(
     writer.add_vocab_size(spec.n_vocab)
 
     tokens, scores, types = build_vocab(spec.n_vocab)
+    for token_id, text in (control_tokens or {}).items():
+        if not len(SPECIAL_TOKENS) + 256 <= token_id < spec.n_vocab:
+            raise ValueError(f"control token id {token_id} is not a word piece of the vocabulary")
+        tokens[token_id], types[token_id], scores[token_id] = text, int(gguf.TokenType.CONTROL), 0.0
     writer.add_tokenizer_model("llama")
     if tokenizer_pre:
         writer.add_tokenizer_pre(tokenizer_pre)

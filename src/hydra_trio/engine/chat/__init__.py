@@ -6,12 +6,13 @@ served template; nothing outside this package reaches its modules."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...config import REASONING_FORMATS
 from ...wire.errors import bad_param
 from .caps import TemplateCaps, template_caps
+from .formats import syntax_text
 from .grammar import Constraint, constraint_gbnf, parse_constraint, request_constraint
 from .parser import ReplyDelta, ReplyParser, ToolCall, parse_reply
 from .render import ApplyBuiltin, ChatRequestError, PromptRenderer, RunOnWorker, render_prompt
@@ -38,9 +39,22 @@ __all__ = [
 ]
 
 
+class _Served:
+    """One template as served: what it can do and its renderer."""
+
+    def __init__(self, template: ChatTemplate, tool_call_parser: str, renderer: Callable[[ChatTemplate, TemplateCaps], PromptRenderer]) -> None:
+        self.template = template
+        self.caps = template_caps(template, tool_call_parser)
+        self.renderer = renderer(template, self.caps)
+
+
 class Chat:
-    """One served chat template: renders requests, turns constraints into its grammar, and
-    makes the parsers that read its replies."""
+    """One served chat template (with the GGUF's tool_use variant, when it has one): renders
+    requests, turns constraints into its grammar, and makes the parsers that read its replies.
+    Which of the two a request goes through is ``ChatTemplate.for_request``'s decision.
+
+    ``special_text``: the vocabulary's control tokens spelled out (id -> bytes) and ``unshown``
+    those never shown (BOS, EOG): from them, which control tokens a chat reply shows as text."""
 
     def __init__(
         self,
@@ -53,28 +67,53 @@ class Chat:
         tokenizer_adds_bos: bool,
         run_on_worker: RunOnWorker,
         apply_builtin: ApplyBuiltin,
+        special_text: Mapping[int, bytes] | None = None,
+        unshown: frozenset[int] = frozenset(),
     ) -> None:
         self.template = template
-        self.caps = template_caps(template, tool_call_parser)
+
+        def renderer(tpl: ChatTemplate, caps: TemplateCaps) -> PromptRenderer:
+            return PromptRenderer(
+                tpl,
+                caps,
+                bos_token=bos_token,
+                eos_token=eos_token,
+                tokenizer_adds_bos=tokenizer_adds_bos,
+                run_on_worker=run_on_worker,
+                apply_builtin=apply_builtin,
+            )
+
+        self._default = _Served(template, tool_call_parser, renderer)
+        self._tool_use = _Served(template.tool_use, tool_call_parser, renderer) if template.tool_use else None
+        self.caps = self._default.caps
         self._reasoning_format = reasoning_format
-        self._renderer = PromptRenderer(
-            template,
-            self.caps,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            tokenizer_adds_bos=tokenizer_adds_bos,
-            run_on_worker=run_on_worker,
-            apply_builtin=apply_builtin,
-        )
+        self._shown = {
+            served.template.variant: _shown_tokens(served, special_text or {}, unshown)
+            for served in (self._default, self._tool_use)
+            if served is not None
+        }
+
+    def _served(self, declares_tools: bool) -> _Served:
+        chosen = self.template.for_request(declares_tools)
+        return self._tool_use if chosen is not self.template and self._tool_use is not None else self._default
 
     async def render(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (``messages`` through the template, or a plain
         ``prompt``); a 400 for a bad shape or a template that raises."""
-        return await self._renderer.render(request)
+        declares = "messages" in request and parse_tools(request) is not None
+        return await self._served(declares).renderer.render(request)
 
     def to_gbnf(self, constraint: Constraint) -> tuple[str, tuple[str, ...]]:
-        """A request's output constraint as GBNF and lazy triggers, tools in this template's syntax."""
-        return constraint_gbnf(constraint, self.caps.tool_format)
+        """A request's output constraint as GBNF and lazy triggers, tools in the syntax of the
+        template its prompt renders through."""
+        return constraint_gbnf(constraint, self._served(constraint.kind == "tools").caps.tool_format)
+
+    def shown_tokens(self, tools: ToolRequest | None) -> frozenset[int]:
+        """The control tokens a chat reply shows as text: those of its template's syntax (tool
+        markers, think tags, the markup its template spells), so the reply parser reads
+        ``<tool_call>`` whether the model wrote it as one special token or as text pieces
+        (llama-server's ``preserved_tokens``). Other control tokens stay unshown."""
+        return self._shown[self._served(tools is not None).template.variant]
 
     def reply_parsers(
         self, tools: ToolRequest | None, request: dict[str, Any], prompt: str
@@ -85,6 +124,7 @@ class Chat:
         the content as it stands (text completions, and chat asking neither)."""
         if "messages" not in request:
             return None
+        caps = self._served(tools is not None).caps
         calls = tools if tools is not None and tools.choice != "none" else None
         mode = request.get("reasoning_format")
         if mode is None:
@@ -93,9 +133,9 @@ class Chat:
             raise bad_param(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
         # A prompt that ends inside an open think block (DeepSeek-R1's and Qwen3's templates)
         # starts the reply in its reasoning; auto splits only for templates with think tags.
-        opened = prompt.rstrip().endswith(self.caps.think_tags[0])
-        reasoning = mode == "deepseek" or (mode == "auto" and (self.caps.thinks or opened))
-        fmt, tags = self.caps.tool_format, self.caps.think_tags
+        opened = prompt.rstrip().endswith(caps.think_tags[0])
+        reasoning = mode == "deepseek" or (mode == "auto" and (caps.thinks or opened))
+        fmt, tags = caps.tool_format, caps.think_tags
         if calls is None and not reasoning and not fmt.harmony:  # harmony's markup is always read
             return None
         return lambda: ReplyParser(
@@ -106,6 +146,24 @@ class Chat:
             tools=calls,
             think_tags=tags,
         )
+
+
+def _shown_tokens(served: _Served, special_text: Mapping[int, bytes], unshown: frozenset[int]) -> frozenset[int]:
+    """A template's syntax tokens: control tokens of its tool format's literals or its think
+    tags, or spelled in its source but not in a plain conversation's render (so tool and
+    think markup, not turn markers such as ``<|im_start|>``, which stay unshown as in
+    llama-server). BOS and EOG never reach a reply's text."""
+    caps = served.caps
+    syntax = "\n".join((*syntax_text(caps.tool_format), *caps.think_tags))
+    source = served.template.jinja or ""
+    shown = set()
+    for token, raw in special_text.items():
+        text = raw.decode("utf-8", "replace")
+        if token in unshown or not text:
+            continue
+        if text in syntax or (text in source and text not in caps.turn_text):
+            shown.add(token)
+    return frozenset(shown)
 
 
 def render_jinja(request: dict[str, Any], source: str | None, *, bos_token: str, eos_token: str) -> str:

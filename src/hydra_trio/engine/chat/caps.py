@@ -26,6 +26,7 @@ class TemplateCaps:
     shows_tools: bool = False  # it lists the request's tools itself
     thinking_default: bool = False  # enable_thinking when the request does not say (as llama-server)
     own_template: bool = False  # the model's or the user's Jinja: rendered as llama-server does, nothing added
+    turn_text: str = ""  # what a plain conversation prints: its turn markup (not tool or think syntax)
 
     @property
     def describes_tools(self) -> bool:
@@ -107,6 +108,7 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
             tool_format=fmt, thinks=tags is not None or fmt.harmony, renders_tool_calls=seen.renders_tool_calls,
             object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
             thinking_default=seen.thinks, own_template=template.source != "fallback", think_tags=tags or (OPEN, CLOSE),
+            turn_text=seen.plain,
         )
     compact = source.replace(" ", "")
     return TemplateCaps(

@@ -159,6 +159,22 @@ FORMATS: dict[str, ToolFormat] = {
 }
 
 
+HARMONY_MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+
+
+def syntax_text(fmt: ToolFormat) -> tuple[str, ...]:
+    """Every literal the format's calls are written with (markers, and the fixed text the
+    grammar writes): a model's special token spelled inside one is part of the syntax, so a
+    reply shows it as text for the parser (as llama-server's ``preserved_tokens``)."""
+    parts = [fmt.opener, fmt.closer, fmt.before, fmt.call_open, fmt.call_close, fmt.after]
+    parts += [t.text + t.then for t in fmt.triggers]
+    if fmt.block is not None:
+        parts += [*fmt.block.openers, fmt.block.closer, fmt.block.tail, *fmt.block.closers]
+    if fmt.harmony:
+        parts += HARMONY_MARKS
+    return tuple(p for p in parts if p)
+
+
 def tools_system_prompt(req: ToolRequest) -> str:
     """A system message describing the tools and the generic reply form, for templates with
     no tool syntax (as llama.cpp's generic handler does)."""

@@ -24,6 +24,7 @@ class Probed:
     renders_tool_calls: bool  # an earlier call's name reaches the prompt
     object_arguments: bool  # a call's arguments are read as an object (their values printed)
     thinks: bool  # it prints a reply's reasoning or opens a think block: enable_thinking defaults on
+    plain: str = ""  # what a system and a user message print (its turn markup), "" if it refused
 
 
 def _tools() -> list[dict[str, Any]]:
@@ -58,7 +59,7 @@ def _render(
 
 
 def probe(source: str) -> Probed:
-    out = _render(source, [{"role": "system", "content": _SYS}, {"role": "user", "content": "User message"}], None)
+    plain = out = _render(source, [{"role": "system", "content": _SYS}, {"role": "user", "content": "User message"}], None)
     system_role = out is not None and _SYS in out  # Gemma's raise on a system message
     with_objects = _render(source, _round_trip({"arg": _ARG}), _tools())
     # A template that prints the object whole as Python would (``{{ arguments }}``) wants text.
@@ -71,6 +72,7 @@ def probe(source: str) -> Probed:
         renders_tool_calls=out is not None and _CALL in out,
         object_arguments=object_args,
         thinks=_thinks(source),
+        plain=plain or "",
     )
 
 

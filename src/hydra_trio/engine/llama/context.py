@@ -10,11 +10,12 @@ whatever happens to the trio task that asked for the work.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llama_cpp
 import numpy as np
@@ -162,7 +163,30 @@ class LlamaBackend(SlotStates, BatchSteps):
             hybrid=bool(llama_cpp.llama_model_is_hybrid(m)),
             bos_text=self._vocab_text(bos),
             eos_text=self._vocab_text(eos),
+            chat_template_variants=self._template_variants(),
         )
+
+    def _template_variants(self) -> dict[str, str]:
+        """The GGUF's named templates: those ``tokenizer.chat_templates`` lists, and
+        ``tool_use`` (the one llama.cpp selects) even where the list is missing."""
+        names = {"tool_use"}
+        buf = ctypes.create_string_buffer(4096)
+        n = llama_cpp.llama_model_meta_val_str(self._model, b"tokenizer.chat_templates", buf, len(buf))
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            n = llama_cpp.llama_model_meta_val_str(self._model, b"tokenizer.chat_templates", buf, len(buf))
+        if n > 0:
+            try:  # llama.cpp prints a string array as ["a", "b"]
+                listed = json.loads(buf.value.decode("utf-8", "replace"))
+            except ValueError:
+                listed = []
+            names.update(x for x in listed if isinstance(x, str))
+        out: dict[str, str] = {}
+        for name in sorted(names):
+            ptr = llama_cpp.llama_model_chat_template(self._model, name.encode())
+            if ptr:
+                out[name] = ptr.decode("utf-8", "replace")
+        return out
 
     def _build_context(self, n_ctx: int, n_threads: int) -> None:
         cp = llama_cpp.llama_context_default_params()
@@ -364,6 +388,14 @@ class LlamaBackend(SlotStates, BatchSteps):
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token contributes to the text (control tokens: none)."""
         return self.pieces[token]
+
+    def text_of(self, shown: frozenset[int]) -> Callable[[int], bytes]:
+        """``token_bytes``, with the control tokens in ``shown`` spelled out (a chat
+        template's syntax tokens: the reply parser reads their text)."""
+        if not shown:
+            return self.token_bytes
+        special, pieces = self._special_text, self.pieces
+        return lambda token: special[token] if token in shown else pieces[token]
 
     def is_eog(self, token: int) -> bool:
         return token in self.eog_ids

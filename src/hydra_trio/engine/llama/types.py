@@ -5,7 +5,7 @@ of the engine's speculation (``Drafter``, ``StepPlanner``: engine/speculation/ i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .sampling import Sampler
@@ -100,6 +100,8 @@ class ModelInfo:
     hybrid: bool  # recurrent and attention layers (its recurrent state cannot drop positions either)
     bos_text: str  # what chat templates see as bos_token / eos_token
     eos_text: str
+    # The GGUF's named chat templates (tokenizer.chat_template.NAME: "tool_use", ...) by name.
+    chat_template_variants: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def can_roll_back(self) -> bool:
