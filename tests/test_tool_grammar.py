@@ -60,8 +60,8 @@ def check_calls(text: str, fmt: ToolFormat, req: ToolRequest, *, exactly_one: bo
 
 def use_format(engine: Any, fmt: ToolFormat) -> None:
     """Serve ``fmt`` as if the template wrote calls so (a white-box switch of the chat caps)."""
-    chat = engine._core.inputs.chat
-    chat.caps = dataclasses.replace(chat.caps, tool_format=fmt)
+    served = engine._core.inputs.chat._default  # the template served to requests (no tool_use variant here)
+    served.caps = dataclasses.replace(served.caps, tool_format=fmt)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))

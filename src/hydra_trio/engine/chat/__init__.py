@@ -85,13 +85,17 @@ class Chat:
 
         self._default = _Served(template, tool_call_parser, renderer)
         self._tool_use = _Served(template.tool_use, tool_call_parser, renderer) if template.tool_use else None
-        self.caps = self._default.caps
         self._reasoning_format = reasoning_format
         self._shown = {
             served.template.variant: _shown_tokens(served, special_text or {}, unshown)
             for served in (self._default, self._tool_use)
             if served is not None
         }
+
+    @property
+    def caps(self) -> TemplateCaps:
+        """What the default template can do (the tool_use variant's: ``_served(True).caps``)."""
+        return self._default.caps
 
     def _served(self, declares_tools: bool) -> _Served:
         chosen = self.template.for_request(declares_tools)

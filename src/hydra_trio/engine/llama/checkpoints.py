@@ -63,3 +63,11 @@ class Checkpoints:
     @property
     def nbytes(self) -> int:
         return sum(len(c.data) for cps in self._by_slot for c in cps)
+
+
+def reusable_in_state(n_swa: int, n_tokens: int, n_keep: int) -> int:
+    """The backend's ``reusable_prefix`` for a saved state of ``n_tokens`` positions (it
+    holds the SWA cells of its last window only, and no checkpoints)."""
+    if not n_swa or n_keep >= n_tokens - 1:
+        return n_keep
+    return n_keep if max(0, n_tokens - n_swa) <= max(0, n_keep - n_swa) else 0

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...wire.errors import ErrorCode, ProtocolError
 from .chat import builtin_chat_templates
-from .checkpoints import Checkpoint, Checkpoints
+from .checkpoints import Checkpoint, Checkpoints, reusable_in_state
 from .devices import (
     OffloadReport,
     OffloadSettings,
@@ -287,13 +287,7 @@ class LlamaBackend(SlotStates, BatchSteps):
             return True  # keeping all, or all but the last position, keeps a full window
         return self._swa_low[slot] <= max(0, n_keep - self.n_swa)
 
-    @staticmethod
-    def reusable_in_state(n_swa: int, n_tokens: int, n_keep: int) -> int:
-        """``reusable_prefix`` for a saved state of ``n_tokens`` positions (it holds the SWA
-        cells of its last window only, and no checkpoints)."""
-        if not n_swa or n_keep >= n_tokens - 1:
-            return n_keep
-        return n_keep if max(0, n_tokens - n_swa) <= max(0, n_keep - n_swa) else 0
+    reusable_in_state = staticmethod(reusable_in_state)
 
     def take_checkpoint(self, slot: int) -> None:
         """Copy the slot's sliding-window state as it is now (checkpoints.py)."""
