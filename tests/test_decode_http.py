@@ -46,8 +46,8 @@ async def test_plain_get_while_generating_then_wait(
         async with gate(ep) as g:
             rid = await decode_ok(c, 0, frame(MESSAGES, n_predict=N))
             # Tokenize; the slot's answer to the chat goes to the prompt cache before the
-            # DECODE drops it; prefill; one step: generating, with text.
-            await g.step(4)
+            # DECODE drops it; the cut to the reuse plan; prefill; one step: generating, with text.
+            await g.step(5)
             entry = entry_of(ep, rid)
             assert entry.state.value == "generating" and entry.chunks
             r = await h.get(f"/v1/decode/{rid}")
