@@ -4,7 +4,7 @@ A window-sized SWA cache drops a sequence's SWA cells older than the window as i
 so a slot cut back by more than a position or two cannot be continued: the cells its window
 needs before the cut are gone. An agent's next turn cuts exactly there (the reply rendered
 differently, a second session behind the same system prompt). So, as llama-server does, a
-prefill stops a few tokens before the prompt's end (4, and a batch plus 4), copies the SWA
+prefill stops a few tokens before the prompt's end (4, and a batch), copies the SWA
 layers' state of the slot (``LLAMA_STATE_SEQ_FLAGS_SWA_ONLY``: the window, not the whole
 KV), and goes on. A later prompt that shares at least a checkpoint's positions restores its
 SWA cells and keeps the full-attention layers' cells up to it, evaluating only the rest.
@@ -23,18 +23,15 @@ class Checkpoint:
     data: bytes  # llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_SWA_ONLY)
 
 
-# Where a prefill stops for a checkpoint, counted back from the prompt's end (llama-server's
-# offsets): 4 leaves a few tokens to evaluate (a turn that re-renders the generation prompt),
-# a batch more covers a reply rendered differently from what was generated.
-END_OFFSETS = (4,)
-
-
 class Checkpoints:
     """Each slot's checkpoints, oldest first, at most ``per_slot`` of them (0: off)."""
 
     def __init__(self, n_slots: int, per_slot: int, n_batch: int) -> None:
         self.per_slot = per_slot
-        self._offsets = tuple(sorted({*END_OFFSETS, min(n_batch, 4 + n_batch)}, reverse=True))
+        # Where a prefill stops, counted back from the prompt's end (llama-server's offsets):
+        # 4 leaves a few tokens to evaluate (a turn that re-renders the generation prompt), a
+        # batch covers a reply rendered differently from what was generated.
+        self._offsets = (n_batch, 4)
         self._by_slot: list[list[Checkpoint]] = [[] for _ in range(n_slots)]
 
     def cuts(self, n_prompt: int, n_keep: int) -> list[int]:
@@ -65,9 +62,15 @@ class Checkpoints:
         return sum(len(c.data) for cps in self._by_slot for c in cps)
 
 
+def window_holds(n_swa: int, n_held: int, swa_low: int, n_keep: int) -> bool:
+    """Whether a sequence of ``n_held`` positions whose SWA cells start at ``swa_low`` can be
+    cut back to ``n_keep`` and continued: its window before the cut is all there."""
+    if not n_swa or n_keep >= n_held - 1:
+        return True  # keeping all, or all but the last position, keeps a full window
+    return swa_low <= max(0, n_keep - n_swa)
+
+
 def reusable_in_state(n_swa: int, n_tokens: int, n_keep: int) -> int:
     """The backend's ``reusable_prefix`` for a saved state of ``n_tokens`` positions (it
     holds the SWA cells of its last window only, and no checkpoints)."""
-    if not n_swa or n_keep >= n_tokens - 1:
-        return n_keep
-    return n_keep if max(0, n_tokens - n_swa) <= max(0, n_keep - n_swa) else 0
+    return n_keep if window_holds(n_swa, n_tokens, max(0, n_tokens - n_swa), n_keep) else 0

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...wire.errors import ErrorCode, ProtocolError
 from .chat import builtin_chat_templates
-from .checkpoints import Checkpoint, Checkpoints, reusable_in_state
+from .checkpoints import Checkpoint, Checkpoints, window_holds
 from .devices import (
     OffloadReport,
     OffloadSettings,
@@ -283,11 +283,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         return best.n_tokens if best is not None else 0
 
     def _window_holds(self, slot: int, n_keep: int) -> bool:
-        if not self.n_swa or n_keep >= len(self.seq_tokens[slot]) - 1:
-            return True  # keeping all, or all but the last position, keeps a full window
-        return self._swa_low[slot] <= max(0, n_keep - self.n_swa)
-
-    reusable_in_state = staticmethod(reusable_in_state)
+        return window_holds(self.n_swa, len(self.seq_tokens[slot]), self._swa_low[slot], n_keep)
 
     def take_checkpoint(self, slot: int) -> None:
         """Copy the slot's sliding-window state as it is now (checkpoints.py)."""
