@@ -7,7 +7,8 @@ of greedy replies at 1 and 8 streams, without a constraint and with the same JSO
 llama-server's ``json_schema`` field (both engines take it), every reply cut at the same
 length (``ignore_eos`` unconstrained; the schema's string is longer than the reply). Each
 round runs the cases back to back and the ratios are taken within the round; every round is
-printed. Then the compile of a schema and of a tools grammar, first and cached (hydra-trio
+printed. The same schema's grammar is also sent as ``grammar`` (a client's own GBNF: ours runs
+it on llguidance, llama-server on llama.cpp's engine). Then the compile of a schema and of a tools grammar, first and cached (hydra-trio
 only: llama-server has no such figure).
 
 The real model (Gemma 3 270M, 262k vocabulary) is the figure that matters: random synthetic
@@ -119,6 +120,13 @@ def compile_figures(model: str, threads: int) -> dict[str, list[float]]:
     return out
 
 
+def schema_as_gbnf() -> str:
+    """SCHEMA's grammar as the engine writes it, to send as a client's own GBNF."""
+    from hydra_trio.engine.chat import Constraint, constraint_gbnf
+
+    return constraint_gbnf(Constraint("json_schema", SCHEMA, "json_schema"))[0]
+
+
 def resolve_model(name: str) -> str:
     if name == "synthetic":
         from hydra_trio.model.synthetic import write_model
@@ -152,6 +160,9 @@ def main() -> None:
     slots, ctx = 8, 8 * 512
     log_dir = Path(tempfile.mkdtemp(prefix="bench-grammar-"))
     schema = {"json_schema": SCHEMA, "ignore_eos": False}
+    # The same schema's grammar sent as a client's own GBNF: ours runs it on llguidance
+    # (engine/llama/guidance.py), llama-server on llama.cpp's grammar engine.
+    gbnf = {"grammar": schema_as_gbnf(), "ignore_eos": False}
     rounds: list[dict[str, Any]] = []
     print(f"model {args.model}, {args.tokens} tokens a reply, {args.threads} thread(s) each, {slots} slots; logs in {log_dir}")
     ours = EngineProcess(model, slots=slots, ctx_size=ctx, threads=args.threads).start(log_dir, "hydra")
@@ -162,16 +173,19 @@ def main() -> None:
             for n in STREAMS:
                 row[f"ours_plain_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, {})
                 row[f"ours_schema_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, schema)
+                row[f"ours_gbnf_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, gbnf)
                 if peer is not None:
                     row[f"peer_plain_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, {})
                     row[f"peer_schema_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, schema)
+                    row[f"peer_gbnf_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, gbnf)
             rounds.append(row)
             for n in STREAMS:
-                line = (f"round {r + 1}, {n} stream(s): ours {row[f'ours_plain_{n}']:.1f} plain, {row[f'ours_schema_{n}']:.1f} schema "
-                        f"(constrained/plain {row[f'ours_schema_{n}'] / row[f'ours_plain_{n}']:.2f})")
+                line = (f"round {r + 1}, {n} stream(s): ours {row[f'ours_plain_{n}']:.1f} plain, {row[f'ours_schema_{n}']:.1f} schema, "
+                        f"{row[f'ours_gbnf_{n}']:.1f} gbnf (constrained/plain {row[f'ours_schema_{n}'] / row[f'ours_plain_{n}']:.2f})")
                 if peer is not None:
-                    line += (f"; llama-server {row[f'peer_plain_{n}']:.1f} plain, {row[f'peer_schema_{n}']:.1f} schema; "
-                             f"ours/llama-server with the schema {row[f'ours_schema_{n}'] / row[f'peer_schema_{n}']:.2f}")
+                    line += (f"; llama-server {row[f'peer_plain_{n}']:.1f} plain, {row[f'peer_schema_{n}']:.1f} schema, "
+                             f"{row[f'peer_gbnf_{n}']:.1f} gbnf; ours/llama-server with the schema "
+                             f"{row[f'ours_schema_{n}'] / row[f'peer_schema_{n}']:.2f}, with the gbnf {row[f'ours_gbnf_{n}'] / row[f'peer_gbnf_{n}']:.2f}")
                 print(line, flush=True)
     finally:
         ours.stop()
@@ -181,9 +195,11 @@ def main() -> None:
     for n in STREAMS:
         own = statistics.median(x[f"ours_schema_{n}"] / x[f"ours_plain_{n}"] for x in rounds)
         line = f"  {n} stream(s): constrained/plain {own:.2f}"
+        line += f", gbnf (llguidance)/plain {statistics.median(x[f'ours_gbnf_{n}'] / x[f'ours_plain_{n}'] for x in rounds):.2f}"
         if peer is not None:
             vs = statistics.median(x[f"ours_schema_{n}"] / x[f"peer_schema_{n}"] for x in rounds)
-            line += f", ours/llama-server constrained {vs:.2f}"
+            vg = statistics.median(x[f"ours_gbnf_{n}"] / x[f"peer_gbnf_{n}"] for x in rounds)
+            line += f", ours/llama-server constrained {vs:.2f}, gbnf {vg:.2f}"
         print(line)
     compiles = compile_figures(model, args.threads)
     for name, (first, cached) in compiles.items():

@@ -103,10 +103,15 @@ class Inputs:
     async def compile_grammar(self, params: GenerationParams) -> None:
         """Compile the request's grammar before any slot is claimed (a GrammarError, a 400
         naming the problem, when llama.cpp cannot parse it); a cached one costs nothing."""
-        gbnf, triggers = params.sampling.grammar, params.sampling.grammar_triggers
+        gbnf, triggers, param = params.sampling.grammar, params.sampling.grammar_triggers, params.sampling.grammar_param
         grammars = self._backend().grammars
         if gbnf is not None and not grammars.known(gbnf, triggers):
-            await self._worker.call(lambda: grammars.compile(gbnf, params.sampling.grammar_param, triggers))
+            # llama.cpp's parse checks any GBNF, whichever engine runs it: one set of errors.
+            await self._worker.call(lambda: grammars.compile(gbnf, param, triggers))
+        if gbnf is not None and params.sampling.grammar_engine == "llguidance" and not grammars.guidance.known(gbnf):
+            # Off the worker and the trio thread: a large grammar (or the first one's
+            # tokenizer view) takes up to seconds, and llguidance releases the GIL meanwhile.
+            await trio.to_thread.run_sync(grammars.guidance.compile, gbnf, param)
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""

@@ -182,6 +182,7 @@ def parse_generation(
         grammar=grammar,
         grammar_triggers=triggers,
         grammar_param="grammar" if constraint is None else constraint.param,
+        grammar_engine="llama" if constraint is None else constraint.grammar_engine(triggers),
     )
     if params.min_tokens > n_predict:
         raise bad_param(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})", "min_tokens")

@@ -29,6 +29,7 @@ __all__ = [
     "TemplateCaps",
     "ToolCall",
     "ToolRequest",
+    "constraint_gbnf",
     "parse_constraint",
     "parse_reply",
     "parse_tools",

@@ -2,7 +2,8 @@
 llama_cpp, and it imports nothing of the engine above it (what it needs of the engine's
 speculation and KV events it takes as the protocols in types.py). log.py routes its log;
 chat.py its built-in chat templates; devices.py the ggml devices, offload and repacking;
-sampling.py a request's sampler; grammar.py compiled grammars; context.py the model and its
+sampling.py a request's sampler; grammar.py compiled grammars (guidance.py: a client's
+GBNF on llguidance, bounded per token); context.py the model and its
 context (decode, steps, tokens); steps.py the batched steps; state.py a slot's KV state out
 and in; seqstate.py that state's layout, read without llama.cpp."""
 

@@ -16,12 +16,15 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 from llama_cpp.llama_grammar import JSON_GBNF
 
 from ...wire.errors import ParamError
+
+if TYPE_CHECKING:
+    from .guidance import GuidanceCache
 
 MAX_GBNF_CHARS = 256 * 1024  # llama.cpp parses grammars recursively: bound what it is given
 # Parentheses deep: llama.cpp's parser recurses once per level and a grammar nested ~100k
@@ -42,9 +45,10 @@ class GrammarCache:
     keyed by the GBNF text and the lazy triggers). ``compile`` and ``new_state`` run on the
     GPU worker only; ``known`` may be asked from any thread (one dict lookup)."""
 
-    def __init__(self, vocab: Any, pieces: list[bytes], capacity: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(self, vocab: Any, pieces: list[bytes], guidance: GuidanceCache, capacity: int = GRAMMAR_CACHE_SIZE) -> None:
         self._vocab = vocab
         self.pieces = pieces  # each token's bytes: constrained text is also kept valid UTF-8
+        self.guidance = guidance  # a client's own GBNF runs there (grammar_engine "llguidance")
         self._capacity = capacity
         self._templates: OrderedDict[tuple[str, Triggers], _Template] = OrderedDict()
         self.compiles = 0  # llama.cpp parses done (a test counts them)
