@@ -61,7 +61,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "modalities": (_neutral(["text"]), "modalities other than [\"text\"] are not supported"),
     "prediction": (_is_none, "prediction (predicted outputs) is not supported"),
     "web_search_options": (_is_none, "web_search_options is not supported"),
-    "reasoning_effort": (_is_none, "reasoning_effort is not supported"),
     "verbosity": (_is_none, "verbosity is not supported"),
     "store": (_neutral(False), "store is not supported: completions are not stored"),
     # llama-server
@@ -134,6 +133,7 @@ def check_request(route: Route, body: dict[str, Any]) -> int | None:
         if key in body and not asks_nothing(body[key]):
             raise bad_param(why, key)
     _check_stream_options(body)
+    _check_reasoning_effort(body)
     return _chat_logprobs(body) if route == "chat" else _completion_logprobs(body)
 
 
@@ -145,6 +145,17 @@ def _check_stream_options(body: dict[str, Any]) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad_param("stream_options must be an object", "stream_options")
+
+
+# OpenAI's reasoning_effort values: "none" turns the template's thinking off, the others are
+# handed to it as reasoning_effort (gpt-oss's template reads it) (chat/render.py).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _check_reasoning_effort(body: dict[str, Any]) -> None:
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_param(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "reasoning_effort")
 
 
 def _top_n(v: Any, name: str) -> int:

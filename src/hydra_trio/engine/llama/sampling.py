@@ -17,6 +17,7 @@ import numpy as np
 
 from .grammar import GrammarCache
 from .logprobs import TokenLogprobs, token_logprobs
+from .thinking import ThinkGate
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +68,17 @@ class Sampler:
     the request reads entry i once its i-th token is back (the step's done event orders it).
     """
 
-    def __init__(self, params: SamplingParams, *, logprobs: int | None = None, grammars: GrammarCache | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        logprobs: int | None = None,
+        grammars: GrammarCache | None = None,
+        think: ThinkGate | None = None,
+    ) -> None:
         self.params = params
+        # The reply's think block (llama/thinking.py): tags it forces, a grammar it holds.
+        self.think = think
         self.logprobs = logprobs
         self.picked: list[TokenLogprobs] = []
         self.n_picked = 0  # tokens picked so far (on the worker): min_tokens counts them
@@ -141,11 +151,20 @@ class Sampler:
         A writable ``logits`` (a view of llama.cpp's buffer) may be edited in place by a ban;
         a read-only one (a blob's) is copied first. Log-probabilities are always those of the
         model's own logits, before any ban."""
-        if self.params.grammar is not None:
+        think = self.think
+        if think is not None and (forced := think.forced()) is not None:
+            token, shown = forced, logits  # a think tag being written: the model's logits are not asked
+            if not self.is_argmax:
+                llama_cpp.llama_sampler_accept(self.chain(len(logits)), token)  # penalties' history
+        elif self.params.grammar is not None and not (think is not None and think.holds_grammar):
             token, shown = self._pick_constrained(logits, eog_ids)
         else:
             shown = logits.copy() if self.logprobs is not None and self.bans_eog and logits.flags.writeable else logits
             token = self._pick(logits, eog_ids)
+            if think is not None and think.holds_grammar and token in eog_ids and (close := think.close_instead()) is not None:
+                token = close
+        if think is not None:
+            think.accept(token)
         if self.logprobs is not None:
             self.picked.append(token_logprobs(shown, token, self.logprobs))
         self.n_picked += 1
