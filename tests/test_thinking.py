@@ -255,3 +255,34 @@ async def test_messages_thinking_budget_gives_a_thinking_block_then_text(start_e
         items = r.json()["output"]
         assert [i["type"] for i in items] == ["reasoning", "message"], items
         jsonschema.validate(json.loads(items[1]["content"][0]["text"]), SCHEMA)
+
+
+async def test_reasoning_effort_over_http(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+    template = tmp_path / "effort.jinja"
+    template.write_text(OPENS_THINK.replace("<think>\n", "<think>effort={{ reasoning_effort | default('unset') }}\n"))
+    ep = await start_engine(tiny_model, chat_template_file=str(template), **ROOMY)
+    async with http(ep) as h:
+        prompt = (await h.post("/apply-template", json={"messages": USER, "reasoning_effort": "high"})).json()["prompt"]
+        assert "effort=high" in prompt
+        await chat(h, messages=USER, max_tokens=2, reasoning_effort="low")
+        r = await h.post("/v1/chat/completions", json={"messages": USER, "reasoning_effort": "extreme"})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["param"] == "reasoning_effort" and error["type"] == "invalid_request_error"
+
+
+async def test_a_forced_tool_call_comes_after_the_reasoning(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+    template = tmp_path / "think.jinja"
+    template.write_text(OPENS_THINK)
+    ep = await start_engine(tiny_model, chat_template_file=str(template), **ROOMY)
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+    async with http(ep) as h:
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            body = await chat(h, messages=USER, max_tokens=96, temperature=0, tools=[tool], tool_choice=choice,
+                              reasoning_budget_tokens=4)
+            message = body["choices"][0]["message"]
+            assert message["reasoning_content"], message
+            calls = message["tool_calls"]
+            assert calls and calls[0]["function"]["name"] == "get_time", message
+            assert json.loads(calls[0]["function"]["arguments"])["zone"] in ("UTC", "CET")
