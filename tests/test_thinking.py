@@ -57,6 +57,12 @@ def test_reasoning_effort_is_accepted_and_a_bad_value_is_refused_naming_it() -> 
         with pytest.raises(ParamError) as exc:
             check_request("chat", {"messages": USER, "reasoning_effort": bad})
         assert exc.value.param == "reasoning_effort" and "minimal" in str(exc.value)
+    # On a plain prompt there is no template to think: refused, as the other chat parameters.
+    for key, value in (("reasoning_effort", "low"), ("reasoning_budget_tokens", 8), ("thinking_budget_tokens", 0)):
+        with pytest.raises(ParamError) as exc:
+            check_request("completions", {"prompt": "hi", key: value})
+        assert exc.value.param == key
+    check_request("completions", {"prompt": "hi", "reasoning_budget_tokens": -1})
 
 
 def test_reasoning_effort_reaches_the_template() -> None:

@@ -104,7 +104,7 @@ class Inputs:
         else --reasoning-budget) written under its key, so a budget of 0 turns the template's
         thinking off (chat/render.py ``thinking_on``)."""
         key = BUDGET_KEYS[0]
-        if "messages" not in request or request.get(key) == params.reasoning_budget:
+        if "messages" not in request or request.get(key, -1) == params.reasoning_budget:
             return request
         return {**request, key: params.reasoning_budget}
 

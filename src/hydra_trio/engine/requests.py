@@ -39,7 +39,9 @@ IGNORED: dict[str, tuple[str, ...]] = {
     ),
 }
 
-_CHAT_ONLY = ("messages", "tools", "tool_choice", "functions", "function_call", "top_logprobs")
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "functions", "function_call", "top_logprobs", "reasoning_effort")
+# A thinking budget is a chat template's think block's: on a plain prompt it would do nothing.
+_BUDGET_KEYS = ("reasoning_budget_tokens", "thinking_budget_tokens")
 _COMPLETIONS_ONLY = ("prompt", "suffix", "echo", "best_of")
 
 
@@ -118,6 +120,9 @@ def check_request(route: Route, body: dict[str, Any]) -> int | None:
             if key in body if key == "messages" else body.get(key) is not None:
                 hint = " (ask logprobs: N)" if key == "top_logprobs" else ""
                 raise bad_param(f"{key} is a /v1/chat/completions parameter{hint}, not supported on /v1/completions", key)
+        for key in _BUDGET_KEYS:
+            if body.get(key) not in (None, -1):
+                raise bad_param(f"{key} is a /v1/chat/completions parameter (a chat template's think block), not supported on /v1/completions", key)
         if "prompt" not in body:
             raise bad_param("prompt is required", "prompt")
         if body.get("echo") not in (None, False):
