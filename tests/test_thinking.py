@@ -292,3 +292,35 @@ async def test_a_forced_tool_call_comes_after_the_reasoning(start_engine: Any, t
             calls = message["tool_calls"]
             assert calls and calls[0]["function"]["name"] == "get_time", message
             assert json.loads(calls[0]["function"]["arguments"])["zone"] in ("UTC", "CET")
+
+
+def test_which_replies_get_a_think_plan() -> None:
+    """The one decision (Chat.think_plan): a budget where the reply thinks, a grammar held
+    where it thinks first, and nothing where it does not."""
+    from hydra_trio.engine.chat import Chat, ChatTemplate, render_jinja
+    from hydra_trio.engine.llama import SamplingParams
+
+    def plan(source: str, *, grammar: str | None = None, triggers: tuple[str, ...] = (), budget: int = -1, **req: Any) -> ThinkPlan | None:
+        chat_ = Chat(ChatTemplate(name="t", source="inline", jinja=source), tool_call_parser="auto", reasoning_format="auto",
+                     bos_token="", eos_token="", tokenizer_adds_bos=False, run_on_worker=None, apply_builtin=None)  # type: ignore[arg-type]
+        request = {"messages": USER, "reasoning_budget_tokens": budget, **req}
+        prompt = render_jinja(request, source, bos_token="", eos_token="")
+        return chat_.think_plan(None, request, prompt, budget=budget, sampling=SamplingParams(grammar=grammar, grammar_triggers=triggers))
+
+    json_gbnf = 'root ::= "{}"'
+    on = {"chat_template_kwargs": {"enable_thinking": True}}
+    assert plan(OPENS_THINK) is None
+    p = plan(OPENS_THINK, budget=3)
+    assert p is not None and p.starts_in_reasoning and p.budget == 3 and not p.holds_grammar and not p.force_open
+    p = plan(OPENS_THINK, grammar=json_gbnf)
+    assert p is not None and p.holds_grammar and p.budget == -1
+    assert plan(OPENS_THINK, grammar='root ::= "a</think>b"') is None  # it spells the reasoning itself
+    p = plan(MAY_THINK, grammar=json_gbnf, **on)
+    assert p is not None and p.force_open and p.holds_grammar and not p.starts_in_reasoning
+    assert plan(MAY_THINK, grammar=json_gbnf, chat_template_kwargs={"enable_thinking": False}) is None
+    assert plan(MAY_THINK, grammar=json_gbnf, reasoning_effort="none", **on) is None
+    assert plan(MAY_THINK, grammar=json_gbnf, triggers=("(x)$",), **on) is None  # tool_choice auto: may call at once
+    p = plan(MAY_THINK, budget=5, **on)
+    assert p is not None and not p.force_open and p.budget == 5  # the model opens the block, the budget counts from there
+    chatml = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert plan(chatml, grammar=json_gbnf, budget=5) is None

@@ -186,7 +186,8 @@ class Chat:
         held = grammar is not None and close_tag not in grammar
         lazy = bool(sampling.grammar_triggers)
         opened = _opens_think(prompt, caps)
-        thinks = caps.thinks and thinking_on(request, caps)
+        # A prompt ending in a closed block (a template's empty one) leaves the reply none.
+        thinks = caps.thinks and thinking_on(request, caps) and not prompt.rstrip().endswith(close_tag)
         force_open = not opened and thinks and held and not lazy
         if not (opened or force_open or (thinks and budget > 0)):
             return None
