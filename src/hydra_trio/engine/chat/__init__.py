@@ -161,7 +161,6 @@ class Chat:
             think_tags=tags,
         )
 
-
     def think_plan(
         self, tools: ToolRequest | None, request: dict[str, Any], prompt: str, *, budget: int, sampling: SamplingParams
     ) -> ThinkPlan | None:
