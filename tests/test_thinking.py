@@ -324,3 +324,24 @@ def test_which_replies_get_a_think_plan() -> None:
     assert p is not None and not p.force_open and p.budget == 5  # the model opens the block, the budget counts from there
     chatml = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert plan(chatml, grammar=json_gbnf, budget=5) is None
+
+
+async def test_pd_handoff_thinks_as_one_engine(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """The decode side samples the first token from the handed logits with its own sampler:
+    the budget and the held grammar give the reply one engine gives."""
+    template = tmp_path / "think.jinja"
+    template.write_text(MAY_THINK)
+    a = await start_engine(tiny_model, chat_template_file=str(template), **ROOMY)
+    b = await start_engine(tiny_model, chat_template_file=str(template), **ROOMY)
+    body = {"messages": USER, "temperature": 0, "response_format": RESPONSE_FORMAT, "reasoning_budget_tokens": 3,
+            "chat_template_kwargs": {"enable_thinking": True}}
+    async with http(a) as ca, http(b) as cb:
+        reference = (await chat(ca, **body, max_tokens=64))["choices"][0]["message"]
+        pre = await chat(ca, **body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+        r = await cb.post("/v1/chat/completions", json={**body, "max_tokens": 64, "kv_transfer_params": pre["kv_transfer_params"]})
+        assert r.status_code == 200, r.text
+        handed = r.json()
+        assert handed["kv_transfer"]["status"] == "restored", handed["kv_transfer"]
+    message = handed["choices"][0]["message"]
+    assert message == reference and message["reasoning_content"]
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
