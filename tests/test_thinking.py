@@ -345,3 +345,21 @@ async def test_pd_handoff_thinks_as_one_engine(start_engine: Any, tiny_model: Pa
     message = handed["choices"][0]["message"]
     assert message == reference and message["reasoning_content"]
     jsonschema.validate(json.loads(message["content"]), SCHEMA)
+
+
+async def test_a_budget_of_zero_turns_thinking_off(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """--reasoning-budget 0: the template renders with thinking off; one that opens the block
+    anyway (it reads no switch) has it closed at once, so the reply is all content."""
+    for source in (MAY_THINK, OPENS_THINK):
+        template = tmp_path / "t.jinja"
+        template.write_text(source)
+        ep = await start_engine(tiny_model, chat_template_file=str(template), reasoning_budget=0, **ROOMY)
+        async with http(ep) as h:
+            kw = {"chat_template_kwargs": {"enable_thinking": True}}
+            prompt = (await h.post("/apply-template", json={"messages": USER, "reasoning_budget_tokens": 0, **kw})).json()["prompt"]
+            assert prompt.endswith("</think>\n\n") if source is MAY_THINK else prompt.endswith("<think>\n")
+            raw = await chat(h, messages=USER, max_tokens=16, temperature=0, reasoning_format="none", **kw)
+            message = (await chat(h, messages=USER, max_tokens=16, temperature=0, **kw))["choices"][0]["message"]
+            assert not message.get("reasoning_content") and message["content"], message
+            if source is OPENS_THINK:
+                assert raw["choices"][0]["message"]["content"].startswith("</think>")
