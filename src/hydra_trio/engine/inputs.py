@@ -42,6 +42,8 @@ class Inputs:
         self._settings = settings
         self.chat: Chat | None = None  # set with the template (set_chat_template)
         self._grammar_threads = trio.CapacityLimiter(GRAMMAR_THREADS)
+        # Think tags' tokens (think_plan), by tags and shown tokens: a template has a few.
+        self._tags: tuple[LlamaBackend | None, dict[tuple[bytes, bytes, frozenset[int]], tuple[tuple[int, ...], tuple[int, ...]]]] = (None, {})
 
     @property
     def n_ctx(self) -> int:
@@ -117,13 +119,19 @@ class Inputs:
         if plan is None:
             return None
         backend = self._backend()
-        opening, closing = plan.open_text.decode(), plan.close_text.decode()
-        open_ids, close_ids = await self._worker.call(
-            lambda: (backend.tokenize(opening, add_special=False), backend.tokenize(closing, add_special=False))
-        )
-        text_of = backend.text_of(params.shown_tokens)
-        return replace(plan, open_tokens=_spelling(open_ids, plan.open_text, text_of),
-                       close_tokens=_spelling(close_ids, plan.close_text, text_of))
+        key = (plan.open_text, plan.close_text, params.shown_tokens)
+        if self._tags[0] is not backend:  # a reload's model tokenizes its own way
+            self._tags = (backend, {})
+        known = self._tags[1].get(key)
+        if known is None:
+            opening, closing = plan.open_text.decode(), plan.close_text.decode()
+            open_ids, close_ids = await self._worker.call(
+                lambda: (backend.tokenize(opening, add_special=False), backend.tokenize(closing, add_special=False))
+            )
+            text_of = backend.text_of(params.shown_tokens)
+            known = (_spelling(open_ids, plan.open_text, text_of), _spelling(close_ids, plan.close_text, text_of))
+            self._tags[1][key] = known
+        return replace(plan, open_tokens=known[0], close_tokens=known[1])
 
     def _chat(self) -> Chat:
         assert self.chat is not None, "set at construction"
