@@ -196,6 +196,7 @@ def parse_generation(
         grammar_triggers=triggers,
         grammar_param="grammar" if constraint is None else constraint.param,
     )
+    budget = _value(keys, "reasoning_budget_tokens", -1)  # -1: the server's, as llama-server
     if params.min_tokens > n_predict:
         raise bad_param(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})", "min_tokens")
     return GenerationParams(
@@ -206,5 +207,5 @@ def parse_generation(
         stream_interval=_value(keys, "stream_interval", default_stream_interval),
         tools=tools,
         speculative=parse_speculative(keys),
-        reasoning_budget=reasoning_budget if (reasoning_budget := _value(keys, "reasoning_budget_tokens", -1)) != -1 else default_reasoning_budget,
+        reasoning_budget=default_reasoning_budget if budget == -1 else budget,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from ..wire.errors import bad_param
+from .chat import BUDGET_KEYS
 from .llama import MAX_TOP_LOGPROBS
 
 Route = Literal["chat", "completions", "decode"]
@@ -40,8 +41,6 @@ IGNORED: dict[str, tuple[str, ...]] = {
 }
 
 _CHAT_ONLY = ("messages", "tools", "tool_choice", "functions", "function_call", "top_logprobs", "reasoning_effort")
-# A thinking budget is a chat template's think block's: on a plain prompt it would do nothing.
-_BUDGET_KEYS = ("reasoning_budget_tokens", "thinking_budget_tokens")
 _COMPLETIONS_ONLY = ("prompt", "suffix", "echo", "best_of")
 
 
@@ -120,7 +119,7 @@ def check_request(route: Route, body: dict[str, Any]) -> int | None:
             if key in body if key == "messages" else body.get(key) is not None:
                 hint = " (ask logprobs: N)" if key == "top_logprobs" else ""
                 raise bad_param(f"{key} is a /v1/chat/completions parameter{hint}, not supported on /v1/completions", key)
-        for key in _BUDGET_KEYS:
+        for key in BUDGET_KEYS:  # a chat template's think block's: on a plain prompt it would do nothing
             if body.get(key) not in (None, -1):
                 raise bad_param(f"{key} is a /v1/chat/completions parameter (a chat template's think block), not supported on /v1/completions", key)
         if "prompt" not in body:
