@@ -161,7 +161,7 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-grammar-"))
     schema = {"json_schema": SCHEMA, "ignore_eos": False}
     # The same schema's grammar sent as a client's own GBNF: ours runs it on llguidance
-    # (engine/llama/guidance.py), llama-server on llama.cpp's grammar engine.
+    # (engine/llama/grammar.py, GuidanceCache), llama-server on llama.cpp's grammar engine.
     gbnf = {"grammar": schema_as_gbnf(), "ignore_eos": False}
     rounds: list[dict[str, Any]] = []
     print(f"model {args.model}, {args.tokens} tokens a reply, {args.threads} thread(s) each, {slots} slots; logs in {log_dir}")

@@ -1,4 +1,4 @@
-"""A client's own GBNF runs on llguidance (engine/llama/guidance.py, issue 40): llama.cpp's
+"""A client's own GBNF runs on llguidance (engine/llama/grammar.py, GuidanceCache, issue 40): llama.cpp's
 grammar engine has no bound on one token's work, and an ambiguous grammar held every stream
 for minutes. Here: which engine a constraint gets, that llguidance constrains as the grammar
 says, and that a grammar past the per-token bound ends its own request with a clear error

@@ -455,7 +455,7 @@ class EngineCore:
         with, by generation's own rules (OutputProcessor: stop decision, text, counts);
         returns it as a completion, with the logits it came from (they travel with the KV)."""
         res = GenerationResult(prompt_tokens=len(tokens))
-        sampler = Sampler(params.sampling, grammars=self.backend.grammars)  # built inside its first GPU-worker call
+        sampler = Sampler(params.sampling, grammars=self.backend.grammars, think=params.think_gate(self.backend.text_of(params.shown_tokens)))
         one = replace(params, n_predict=1, logprobs=None)
         out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.text_of(params.shown_tokens))
         t_start = time.perf_counter()
@@ -498,7 +498,7 @@ class EngineCore:
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
-        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
+        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars, think=params.think_gate(backend.text_of(params.shown_tokens)))
         out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.text_of(params.shown_tokens))
         spec = request_speculation(
             self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts,

@@ -36,7 +36,7 @@ class Constraint:
 
     def grammar_engine(self, triggers: Triggers) -> Literal["llama", "llguidance"]:
         """Which grammar engine runs it: a client's own GBNF on llguidance, whose per-token
-        work is bounded (llama/guidance.py); the grammars built here, not ambiguous, and any
+        work is bounded (llama/grammar.py, GuidanceCache); the grammars built here, not ambiguous, and any
         lazy one on llama.cpp's."""
         return "llguidance" if self.kind == "gbnf" and not triggers else "llama"
 

@@ -16,9 +16,9 @@ from typing import Literal
 import llama_cpp
 import numpy as np
 
-from .grammar import GrammarCache, GrammarError
-from .guidance import GuidanceState
+from .grammar import GrammarCache, GrammarError, GuidanceState
 from .logprobs import TokenLogprobs, token_logprobs
+from .thinking import ThinkGate
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class SamplingParams:
     grammar_triggers: tuple[str, ...] = ()
     grammar_param: str = field(default="grammar", compare=False)  # the key it came from: errors name it
     # Which engine runs the grammar: llama.cpp's, or llguidance's (a client's own GBNF, whose
-    # per-token work llama.cpp cannot bound: llama/guidance.py).
+    # per-token work llama.cpp cannot bound: llama/grammar.py, GuidanceCache).
     grammar_engine: Literal["llama", "llguidance"] = "llama"
 
     @property
@@ -72,8 +72,17 @@ class Sampler:
     the request reads entry i once its i-th token is back (the step's done event orders it).
     """
 
-    def __init__(self, params: SamplingParams, *, logprobs: int | None = None, grammars: GrammarCache | None = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        logprobs: int | None = None,
+        grammars: GrammarCache | None = None,
+        think: ThinkGate | None = None,
+    ) -> None:
         self.params = params
+        # The reply's think block (llama/thinking.py): tags it forces, a grammar it holds.
+        self.think = think
         self.logprobs = logprobs
         self.picked: list[TokenLogprobs] = []
         self.n_picked = 0  # tokens picked so far (on the worker): min_tokens counts them
@@ -150,11 +159,20 @@ class Sampler:
         A writable ``logits`` (a view of llama.cpp's buffer) may be edited in place by a ban;
         a read-only one (a blob's) is copied first. Log-probabilities are always those of the
         model's own logits, before any ban."""
-        if self.params.grammar is not None:
+        think = self.think
+        if think is not None and (forced := think.forced()) is not None:
+            token, shown = forced, logits  # a think tag being written: the model's logits are not asked
+            if not self.is_argmax:
+                llama_cpp.llama_sampler_accept(self.chain(len(logits)), token)  # penalties' history
+        elif self.params.grammar is not None and not (think is not None and think.holds_grammar):
             token, shown = self._pick_constrained(logits, eog_ids)
         else:
             shown = logits.copy() if self.logprobs is not None and self.bans_eog and logits.flags.writeable else logits
             token = self._pick(logits, eog_ids)
+            if think is not None and think.holds_grammar and token in eog_ids and (close := think.close_instead()) is not None:
+                token = close
+        if think is not None:
+            think.accept(token)
         if self.logprobs is not None:
             self.picked.append(token_logprobs(shown, token, self.logprobs))
         self.n_picked += 1
