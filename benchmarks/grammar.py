@@ -120,6 +120,55 @@ def compile_figures(model: str, threads: int) -> dict[str, list[float]]:
     return out
 
 
+def trigger_figures(model: str, tokens: int = 3500) -> dict[str, list[float]]:
+    """us a token of the sampler over a free-text reply of ``tokens`` tokens (the first and
+    the last 200), with tool_choice auto's lazy grammar waiting for its trigger and with no
+    grammar: the trigger check should cost what the new text costs, not grow with the reply
+    (llama.cpp searches its whole buffer each token; engine/llama/grammar.py TriggerWatch)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from hydra_trio.app import serve
+    from hydra_trio.config import Settings
+    from hydra_trio.engine.llama import Sampler
+
+    out: dict[str, list[float]] = {}
+
+    async def main() -> None:
+        settings = replace(Settings(model=model), host="127.0.0.1", port=0, rpc_port=0, slots=1, ctx_size=2048, threads=1)
+        async with trio.open_nursery() as nursery:
+            ep = await nursery.start(serve, settings)
+            core = ep.state.engine._core
+            backend = core.backend
+            lazy = core.inputs.generation_params({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "auto"})
+            await core.inputs.compile_grammar(lazy)
+            word = backend.tokenize(" word", add_special=False, parse_special=False)[-1]
+
+            def run(params: Any) -> list[float]:
+                sampler = Sampler(params, grammars=backend.grammars)
+                eog = np.fromiter(sorted(backend.eog_ids), dtype=np.intp)
+                logits = np.zeros(backend.info.n_vocab, dtype=np.float32)
+                logits[word] = 10.0
+                times = []
+                try:
+                    for _ in range(tokens):
+                        row = logits.copy()
+                        t0 = time.perf_counter()
+                        sampler.sample(row, eog)
+                        times.append(time.perf_counter() - t0)
+                finally:
+                    backend.retire(sampler)
+                return [statistics.mean(times[:200]) * 1e6, statistics.mean(times[-200:]) * 1e6]
+
+            out["auto (lazy, waiting)"] = await core.worker.call(lambda: run(lazy.sampling))
+            out["no grammar"] = await core.worker.call(lambda: run(replace(lazy.sampling, grammar=None, grammar_triggers=())))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return out
+
+
 def schema_as_gbnf() -> str:
     """SCHEMA's grammar as the engine writes it, to send as a client's own GBNF."""
     from hydra_trio.engine.chat import Constraint, constraint_gbnf
@@ -204,8 +253,13 @@ def main() -> None:
     compiles = compile_figures(model, args.threads)
     for name, (first, cached) in compiles.items():
         print(f"compile of a {name} grammar: first {first:.2f} ms, cached {cached:.3f} ms")
+    triggers = trigger_figures(model)
+    for name, (first, last) in triggers.items():
+        print(f"sampler over a 3,500-token free-text reply, {name}: {first:.0f} us a token (first 200), {last:.0f} us (last 200)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "tokens": args.tokens, "rounds": rounds, "compile_ms": compiles}, indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"model": args.model, "tokens": args.tokens, "rounds": rounds, "compile_ms": compiles, "trigger_us": triggers}, indent=2
+        ))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from .devices import (
     repack_choice,
     repacked_mib,
 )
-from .grammar import GrammarCache, GuidanceCache
+from .grammar import GrammarCache
 from .log import captured, init_llama
 from .sampling import Sampler
 from .seqstate import type_name
@@ -120,9 +120,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._eog_index = np.fromiter(sorted(self.eog_ids), dtype=np.intp)  # ignore_eos masks these
         # Compiled for this vocabulary: llama.cpp's grammars (worker only), and llguidance's
         # for a client's own GBNF (compiled off the worker: llama/grammar.py, GuidanceCache).
-        self.grammars = GrammarCache(
-            self._vocab, self.pieces, GuidanceCache(self._vocab, self.pieces, self._special_text, sorted(self.eog_ids))
-        )
+        self.grammars = GrammarCache(self._vocab, self.pieces, self._special_text, sorted(self.eog_ids))
         self._ctx = None
         self._abort_flag: threading.Event | None = None
         # ctypes callbacks must outlive the context, or they are garbage-collected under it.

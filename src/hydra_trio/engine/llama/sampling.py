@@ -16,7 +16,7 @@ from typing import Literal
 import llama_cpp
 import numpy as np
 
-from .grammar import GrammarCache, GrammarError, GuidanceState
+from .grammar import GrammarCache, GrammarError, GuidanceState, TriggerWatch
 from .logprobs import TokenLogprobs, token_logprobs
 from .thinking import ThinkGate
 
@@ -94,6 +94,11 @@ class Sampler:
         self._grammars = grammars
         self._grammar: ctypes.c_void_p | None = None
         self._guided: GuidanceState | None = None  # grammar_engine "llguidance": its state instead
+        # A lazy grammar (tool_choice auto) waits for its trigger here, out of llama.cpp's
+        # per-token regex over the whole reply (llama/grammar.py TriggerWatch).
+        self._watch = (
+            TriggerWatch(params.grammar_triggers, grammars.max_piece) if params.grammar_triggers and grammars is not None else None
+        )
         # Why the grammar ended this request (llguidance past its per-token bound): the
         # sampler then picks an end-of-generation token and the request reports this.
         self.failure: str | None = None
@@ -221,8 +226,15 @@ class Sampler:
             self._guided = self._grammars.guidance.new_state(self.params.grammar, self.params.grammar_param)
         return self._guided
 
+    @property
+    def _waiting(self) -> bool:
+        """A lazy grammar whose trigger has not appeared yet: it allows anything."""
+        return self._watch is not None and not self._watch.fired
+
     def _allows(self, token: int) -> bool:
         """Whether the grammar's state allows ``token`` next (one candidate through it)."""
+        if self._waiting:
+            return True
         if (guided := self._guidance_state()) is not None:
             return guided.allows(token)
         one = self._one
@@ -251,7 +263,8 @@ class Sampler:
         if self.failure is not None:  # ended already (a step may sample once more)
             return self._end(eog_ids), logits
         guided = self._guidance_state()
-        grammar = None if guided is not None else self._grammar_state()
+        waiting = self._waiting
+        grammar = None if guided is not None or waiting else self._grammar_state()
         if self.logprobs is None:
             banned = logits
             if self.bans_eog and len(eog_ids):
@@ -268,7 +281,9 @@ class Sampler:
                     llama_cpp.llama_sampler_accept(self.chain(len(banned)), token)
                     self._accept(grammar, token)
                     return token, logits
-        if guided is not None:
+        if waiting:
+            masked = np.array(logits, dtype=np.float32)  # everything allowed (a copy: a ban edits pick)
+        elif guided is not None:
             masked = np.where(guided.allowed(), logits, np.float32(-np.inf))
             if (failure := guided.failure) is not None:
                 self.failure = f"{self.params.grammar_param}: the grammar is too complex for the engine's per-token bound ({failure})"
@@ -336,7 +351,14 @@ class Sampler:
 
     def _accept(self, grammar: ctypes.c_void_p | None, token: int) -> None:
         """Advance the grammar and the UTF-8 tail past the picked ``token``."""
-        if grammar is None:
+        if self._waiting:
+            assert self._watch is not None and self._grammars is not None
+            replay = self._watch.push(token, self._grammars.grammar_pieces[token])
+            if replay is not None:  # triggered: a fresh lazy state finds it in the short text
+                state = self._grammar_state()
+                for t in replay:
+                    llama_cpp.llama_sampler_accept(state, t)
+        elif grammar is None:
             assert self._guided is not None
             self._guided.accept(token)
             if (failure := self._guided.failure) is not None:  # the end comes at the next pick
