@@ -11,10 +11,12 @@ import json
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
 from helpers import MESSAGES, assert_server_healthy, chat, http
 from hydra_trio.engine.chat import parse_constraint
+from hydra_trio.engine.llama import grammar as grammar_module
 
 # Ambiguous: every "a" may close either branch, so an Earley parser's items grow each token
 # (llama.cpp's engine expanded its stacks for 265 s on one token of it).
@@ -46,7 +48,13 @@ async def test_guidance_state_allows_what_the_grammar_allows(engine: Any) -> Non
     assert state.failure is None
 
 
-async def test_an_ambiguous_grammar_ends_its_request_and_not_the_engine(start_engine: Any, tiny_model: Any) -> None:
+async def test_an_ambiguous_grammar_ends_its_request_and_not_the_engine(
+    start_engine: Any, tiny_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the per-token bound the request ends with a 400 (streamed: an error event). The
+    bound is lowered here so that the tiny vocabulary's ambiguous grammar reaches it within
+    a slot's context (with the engine's own bound it needs more tokens than a slot holds)."""
+    monkeypatch.setattr(grammar_module, "LIMITS", {**grammar_module.LIMITS, "step_max_items": 2_000})
     ep = await start_engine(tiny_model, slots=2)
     body = {"messages": MESSAGES, "grammar": AMBIGUOUS, "max_tokens": 1800, "min_tokens": 1800}
     async with http(ep) as h:
@@ -76,3 +84,30 @@ async def test_an_ambiguous_grammar_ends_its_request_and_not_the_engine(start_en
         # The engine is healthy: a constrained and a plain request answer.
         assert (await chat(h, grammar=YES_NO, max_tokens=8))["choices"][0]["message"]["content"] in ("yes", "no")
     await assert_server_healthy(ep)
+
+
+# 20,000 alternatives, ~210 KB: llama.cpp's parse of it holds its caller ~1 s (the worker, so
+# every stream) and one token's pass over the vocabulary took minutes; llguidance compiles it
+# off the worker and masks a token in milliseconds.
+WIDE = "root ::= " + " | ".join(f'"w{i}"' for i in range(20_000)) + "\n"
+
+
+async def test_a_large_client_grammar_is_compiled_off_the_worker(engine: Any) -> None:
+    grammars = engine.state.engine._core.backend.grammars
+    before = grammars.compiles  # llama.cpp parses (on the worker)
+    async with http(engine) as h:
+        body = await chat(h, grammar=WIDE, max_tokens=16)
+    content = body["choices"][0]["message"]["content"]
+    assert content.startswith("w") and content[1:].isdigit() and int(content[1:]) < 20_000
+    assert grammars.compiles == before  # llama.cpp never parsed it
+
+
+async def test_gbnf_llguidance_cannot_run_is_a_400_naming_it(engine: Any) -> None:
+    """A repetition of a bracketed repetition: llama.cpp reads it, llguidance's converter does
+    not (it drops the brackets). Refused, not run on the engine that cannot bound it."""
+    async with http(engine) as h:
+        r = await h.post("/v1/chat/completions", json={"messages": MESSAGES, "grammar": 'root ::= ("a"{0,3}){0,3}'})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "grammar" and "llguidance" in error["message"], error
+        assert (await chat(h, grammar=YES_NO, max_tokens=8))["choices"][0]["message"]["content"] in ("yes", "no")

@@ -16,7 +16,7 @@ import trio
 from ..config import Settings
 from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
 from .chat import BUDGET_KEYS, Chat, ChatTemplate, ReplyParser
-from .llama import LlamaBackend, ThinkPlan, apply_builtin_chat_template, kv_layout
+from .llama import GrammarError, LlamaBackend, ThinkPlan, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
 from .worker import GpuWorker
 
@@ -30,6 +30,9 @@ MAX_TOKEN_ID_JSON_BYTES = 24
 # Threads converting requests' schemas and tools to grammars at once: each conversion is
 # bounded (chat/schema.py), and off the trio thread it cannot hold the event loop.
 GRAMMAR_THREADS = 2
+# A client's GBNF llguidance refuses is also parsed by llama.cpp, up to this size, to answer in
+# the words llama-server's users know (a parse on the worker: bounded so it stays short).
+LLAMA_ERROR_GBNF_CHARS = 16 * 1024
 
 
 class Inputs:
@@ -139,16 +142,26 @@ class Inputs:
 
     async def compile_grammar(self, params: GenerationParams) -> None:
         """Compile the request's grammar before any slot is claimed (a GrammarError, a 400
-        naming the problem, when llama.cpp cannot parse it); a cached one costs nothing."""
+        naming the problem, when it cannot be compiled); a cached one costs nothing."""
         gbnf, triggers, param = params.sampling.grammar, params.sampling.grammar_triggers, params.sampling.grammar_param
         grammars = self._backend().grammars
-        if gbnf is not None and not grammars.known(gbnf, triggers):
-            # llama.cpp's parse checks any GBNF, whichever engine runs it: one set of errors.
+        if gbnf is None:
+            return
+        if params.sampling.grammar_engine == "llguidance":
+            if grammars.guidance.known(gbnf):
+                return
+            try:
+                # Off the worker and the trio thread (GRAMMAR_THREADS at once): a large grammar
+                # (or the first one's vocabulary view) takes up to seconds; llguidance releases
+                # the GIL. llama.cpp's parse of the same 256 KiB would hold the worker ~1 s.
+                await trio.to_thread.run_sync(grammars.guidance.compile, gbnf, param, limiter=self._grammar_threads)
+            except GrammarError:
+                if len(gbnf) <= LLAMA_ERROR_GBNF_CHARS:  # llama.cpp's words for its syntax, where it has some
+                    await self._worker.call(lambda: grammars.compile(gbnf, param, triggers))
+                raise
+            return
+        if not grammars.known(gbnf, triggers):
             await self._worker.call(lambda: grammars.compile(gbnf, param, triggers))
-        if gbnf is not None and params.sampling.grammar_engine == "llguidance" and not grammars.guidance.known(gbnf):
-            # Off the worker and the trio thread: a large grammar (or the first one's
-            # tokenizer view) takes up to seconds, and llguidance releases the GIL meanwhile.
-            await trio.to_thread.run_sync(grammars.guidance.compile, gbnf, param)
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
