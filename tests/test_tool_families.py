@@ -208,3 +208,60 @@ def test_each_familys_think_markers() -> None:
     assert (r.reasoning, r.content) == ("plan", "Answer")
     caps = template_caps(ChatTemplate(name="t", source="inline", jinja="<|channel|>analysis<|message|>"))
     assert caps.thinks  # harmony's analysis channel is its reasoning
+
+
+# ---- forced calls after a prompt that opens a think block ----------------------------------------
+
+DEEPSEEK_LIKE = (
+    "{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}"
+    "{% if tools %}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{% endif %}"
+    "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+)
+
+
+async def _no_worker(fn: Any) -> Any:
+    return fn()
+
+
+def _no_builtin(*_: Any) -> str:
+    raise AssertionError("Jinja only")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_a_forced_call_after_an_open_think_block_is_a_call(choice: Any) -> None:
+    """DeepSeek's and MiniMax's prompts end inside ``<think>``: a reply read from there starts
+    in its reasoning, except a forced call's, which the grammar writes from the first token
+    (found by the corpus benchmark: the call went to reasoning_content)."""
+    from hydra_trio.engine.chat import Chat
+
+    tpl = ChatTemplate(name="t", source="inline", jinja=DEEPSEEK_LIKE)
+    chat = Chat(tpl, tool_call_parser="auto", reasoning_format="auto", bos_token="<s>", eos_token="</s>",
+                tokenizer_adds_bos=True, run_on_worker=_no_worker, apply_builtin=_no_builtin)
+    assert chat.caps.tool_format is FORMATS["deepseek"]
+    body = {"messages": [{"role": "user", "content": "time in Paris?"}], "tools": [
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    ], "tool_choice": choice}
+    prompt = "<｜User｜>time in Paris?<｜Assistant｜><think>\n"
+    call = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    make = chat.reply_parsers(parse_tools(body), body, prompt)
+    assert make is not None
+    parser = make()
+    deltas = [parser.feed(c) for c in call] + [parser.finish()]
+    calls = [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls]
+    reasoning = "".join(d.reasoning for d in deltas)
+    if choice == "auto":  # free text: the reply is still in the open think block
+        assert calls == [] and reasoning == call
+    else:
+        assert calls == [("get_time", {"city": "Paris"})] and reasoning == ""
+
+
+def test_kimi_call_index_is_bounded_in_the_grammar() -> None:
+    """The grammar writes Kimi's ``functions.NAME:IDX`` with a bounded index: unbounded, a
+    random-weight model wrote digits to max_tokens (found by the corpus benchmark)."""
+    from hydra_trio.engine.chat.grammar import tools_gbnf
+
+    req = parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
+                       "tool_choice": "required"})
+    assert req is not None
+    gbnf, _ = tools_gbnf(req, FORMATS["kimi_k2"])
+    assert "[0-9]+" not in gbnf and "[0-9]{1,5}" in gbnf

@@ -226,7 +226,7 @@ KIMI = Block(
     closer="<|tool_calls_section_end|>",
     read=_read_kimi,
     call_rule=_json_rule(
-        lambda t: f'{_lit("<|tool_call_begin|>functions." + t.name + ":")} [0-9]+ {_lit("<|tool_call_argument_begin|>")}',
+        lambda t: f'{_lit("<|tool_call_begin|>functions." + t.name + ":")} [0-9]{{1,5}} {_lit("<|tool_call_argument_begin|>")}',
         "<|tool_call_end|>",
     ),
 )
