@@ -88,7 +88,8 @@ def forced_calls(client: httpx.Client) -> dict[str, dict[str, Any]]:
         ok, why = check_forced(case, status, body)
         out[case] = {"ok": ok, "why": why, "s": round(time.perf_counter() - t0, 2)}
         if not ok:
-            out[case]["reply"] = body if isinstance(body, str) else body.get("choices", [{}])[0].get("message", body)
+            reply = body if isinstance(body, str) else body.get("choices", [{}])[0].get("message", body)
+            out[case]["reply"] = json.dumps(reply, ensure_ascii=False)[:400]  # its start: what it wrote
     return out
 
 

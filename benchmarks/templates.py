@@ -110,7 +110,7 @@ def llama_server_answers(binary: Path, model: Path, template: Path, log_dir: Pat
     port = free_port()
     log = open(log_dir / f"{template.stem}.llama-server.log", "wb")
     proc = subprocess.Popen(
-        [str(binary), "-m", str(model), "-c", "4096", "-np", "1", "-t", "1", "--host", "127.0.0.1",
+        [str(binary), "-m", str(model), "-c", "16384", "-np", "1", "-t", "1", "--host", "127.0.0.1",
          "--port", str(port), "--no-warmup", "--jinja", "--chat-template-file", str(template)],
         stdout=log, stderr=log,
     )
@@ -137,7 +137,7 @@ def llama_server_answers(binary: Path, model: Path, template: Path, log_dir: Pat
 
 def our_answers(model: Path, template: Path, log_dir: Path, repeats: int) -> dict[str, Any]:
     """The same HTTP session against hydra-trio serving the template (one slot)."""
-    engine = EngineProcess(str(model), slots=1, ctx_size=4096, threads=1, batch_size=256,
+    engine = EngineProcess(str(model), slots=1, ctx_size=16384, threads=1, batch_size=256,
                            extra=["--chat-template-file", str(template)])
     try:
         engine.start(log_dir, template.stem + ".hydra")
@@ -187,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed /apply-template calls per conversation (the median)")
     ap.add_argument("--diff", action="store_true", help="print a diff of each differing render")
     ap.add_argument("--json", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--markdown", type=Path, help="print the table of a saved --json run as Markdown (runs nothing)")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown_table(json.loads(args.markdown.read_text())))
+        return 0
     root = corpus_dir()
     binary = cached_binary(VERSION)
     if not root.is_dir():
@@ -226,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             line = f"{t.stem[:44]:44} {marks}  {ms:6.0f}"
             if http:
                 renders_reasoning = tc.REASONING in str(theirs.get("thinking", {}).get("prompt", ""))
+                row["tool_format"] = chat.caps.tool_format.name if chat is not None else None
                 row["reasoning"] = tc.reasoning_split(chat, renders_reasoning) if chat is not None else {
                     "result": "ERR", "why": note}
                 row["in_process_ms"] = tc.in_process_times(chat, CONVERSATIONS, args.repeats) if chat is not None else {}
@@ -251,8 +256,41 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
     totals["wall_s"] = round(time.perf_counter() - t_start, 1)
     if args.json:
-        args.json.write_text(json.dumps({"totals": totals, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"totals": totals, "rows": [_slim(r) for r in rows]}, indent=1))
     return 0
+
+
+def _slim(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as saved: the prompts of conversations that render the same are their length
+    (the templates are not ours; the differences are kept whole)."""
+    out = dict(row)
+    for side in ("ours", "llama_server"):
+        out[side] = {n: ({"chars": len(r["prompt"])} if row["same"][n] and "prompt" in r else r) for n, r in row[side].items()}
+    return out
+
+
+def markdown_table(run: dict[str, Any]) -> str:
+    """One row per template of a saved run: render parity, the tool format ``auto`` picked,
+    forced calls (required greedy / named sampled: + parsed and valid, x not), the reasoning
+    split, and ``/apply-template`` medians."""
+    def ms(session: dict[str, Any], name: str) -> str:
+        t = session.get("times", {}).get(name, {})
+        return f"{t['ms']:.1f}" if "ms" in t else "err"
+
+    def conv_ms(session: dict[str, Any]) -> str:
+        vals = [t["ms"] for n, t in session.get("times", {}).items() if n != "agent20" and "ms" in t]
+        return f"{statistics.median(vals):.1f}" if vals else "err"
+
+    lines = ["| template | format | plain | tools | round trip | thinking | forced, ours | forced, llama-server "
+             "| reasoning split | /apply-template ms, ours / l-s (median of 4 conv.) | agent20 ms, ours / l-s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in run["rows"]:
+        marks = [("DIF" if not r["same"][n] else "ok" if "prompt" in r["ours"][n] else "ref") for n in CONVERSATIONS]
+        ours_s, theirs_s = r.get("hydra_http", {}), r.get("llama_server_http", {})
+        lines.append(f"| {r['template']} | {r.get('tool_format')} | " + " | ".join(marks)
+                     + f" | {_forced_marks(ours_s)} | {_forced_marks(theirs_s)} | {r.get('reasoning', {}).get('result', '')} "
+                     f"| {conv_ms(ours_s)} / {conv_ms(theirs_s)} | {ms(ours_s, 'agent20')} / {ms(theirs_s, 'agent20')} |")
+    return "\n".join(lines)
 
 
 def _forced_marks(session: dict[str, Any]) -> str:
