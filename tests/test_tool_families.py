@@ -181,6 +181,7 @@ SNIPPETS = [
     ("{{ '<|start|>assistant<|channel|>' + channel + '<|message|>' }}", "harmony"),
     ("{{ '<|tool_call>call:' + name + '{' }}...{{ '}<tool_call|>' }}", "gemma4"),
     ("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}", "hermes"),
+    ("respond only with <|tool_call|> followed by a JSON list of tools used", "granite"),  # Granite 3.3
 ]
 
 

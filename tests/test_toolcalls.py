@@ -101,6 +101,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<|python_tag|>" + "; ".join(call_json(fmt, n, a) for n, a in calls)
     if fmt is MISTRAL:
         return "[TOOL_CALLS][" + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]"
+    if fmt.name == "granite":
+        return "<|tool_call|>[" + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]"
     return '{"tool_calls": [' + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]}"
 
 

@@ -64,6 +64,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<function=", "<parameter="), f.QWEN3_CODER),
     (("<tool_call>",), f.HERMES),
     (("[TOOL_CALLS]",), f.MISTRAL),
+    (("<|tool_call|>",), f.GRANITE),
     (("<|python_tag|>",), f.LLAMA3),
 )
 # Reasoning markers other than <think>: the first found in the source is the template's.

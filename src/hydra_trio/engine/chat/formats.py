@@ -32,7 +32,7 @@ class Trigger:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    name: str  # hermes | llama3 | mistral | generic
+    name: str  # hermes | llama3 | mistral | granite | generic | a family's (FORMATS)
     args_key: str  # the call object's key for the arguments
     # What the parser looks for:
     opener: str = ""  # a literal that starts calls anywhere in the text ("": none)
@@ -85,6 +85,17 @@ MISTRAL = ToolFormat(
     between=", ",
     after="]",
     triggers=(Trigger("[TOOL_CALLS]", False, "[" + CALL_PREFIX),),
+)
+# IBM Granite 3.3: "respond only with <|tool_call|> followed by a JSON list of tools used"
+GRANITE = ToolFormat(
+    "granite",
+    "arguments",
+    opener="<|tool_call|>",
+    listed=True,
+    before="<|tool_call|>[",
+    between=", ",
+    after="]",
+    triggers=(Trigger("<|tool_call|>", False, "[" + CALL_PREFIX),),
 )
 GENERIC = ToolFormat(
     "generic",
@@ -155,7 +166,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, HARMONY)
 }
 
 
