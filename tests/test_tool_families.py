@@ -103,6 +103,15 @@ CASES: list[Case] = [
     ("gemma4", 'Hello, world!\nWhat\'s up?<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>'
      "<|tool_call>call:special_function{arg1:1}<tool_call|>", False, "Hello, world!\nWhat's up?", "",
      [("get_time", {"city": "Paris"}), ("special_function", {"arg1": 1})]),
+    # Nemotron Nano v2 (its prompt may end inside <think>), Apriel 1.5/1.6, Granite 3.3: a JSON list of calls.
+    ("nemotron", 'I\'m\nthinking\n</think>\n<TOOLCALL>[{"name": "special_function", "arguments": {"arg1": 1}}]</TOOLCALL>',
+     True, "", "I'm\nthinking", ONE),
+    ("nemotron", '<TOOLCALL>[{"name": "special_function", "arguments": {"arg1": 1}}, {"name": "special_function_with_opt", '
+     '"arguments": {"arg1": 1, "arg2": 2}}]</TOOLCALL>\n', False, "", "", TWO),
+    ("apriel", '<tool_calls>[{"name": "special_function", "arguments": {"arg1": 1}}]</tool_calls>', False, "", "", ONE),
+    ("apriel", 'Sure.\n<tool_calls>[{"name": "get_time", "arguments": {"city": "Paris"}, "id": "abc"}]</tool_calls>', False,
+     "Sure.", "", [("get_time", {"city": "Paris"})]),
+    ("granite", '<|tool_call|>[{"name": "special_function", "arguments": {"arg1": 1}}]', False, "", "", ONE),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -182,6 +191,9 @@ SNIPPETS = [
     ("{{ '<|tool_call>call:' + name + '{' }}...{{ '}<tool_call|>' }}", "gemma4"),
     ("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}", "hermes"),
     ("respond only with <|tool_call|> followed by a JSON list of tools used", "granite"),  # Granite 3.3
+    ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
+    ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
+     "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both
 ]
 
 

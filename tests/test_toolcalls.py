@@ -101,8 +101,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<|python_tag|>" + "; ".join(call_json(fmt, n, a) for n, a in calls)
     if fmt is MISTRAL:
         return "[TOOL_CALLS][" + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]"
-    if fmt.name == "granite":
-        return "<|tool_call|>[" + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]"
+    if fmt.name in ("granite", "nemotron", "apriel"):  # a JSON list between the format's literals
+        return fmt.before + ", ".join(call_json(fmt, n, a) for n, a in calls) + fmt.after
     return '{"tool_calls": [' + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]}"
 
 

@@ -62,6 +62,8 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<seed:tool_call>",), f.SEED_OSS),
     (("<arg_key>", "<arg_value>"), f.GLM),
     (("<function=", "<parameter="), f.QWEN3_CODER),
+    (("<TOOLCALL>[",), f.NEMOTRON),
+    (("<tool_calls>[",), f.APRIEL),  # before <tool_call>: Apriel 1.5 names both
     (("<tool_call>",), f.HERMES),
     (("[TOOL_CALLS]",), f.MISTRAL),
     (("<|tool_call|>",), f.GRANITE),

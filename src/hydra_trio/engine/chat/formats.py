@@ -97,6 +97,30 @@ GRANITE = ToolFormat(
     after="]",
     triggers=(Trigger("<|tool_call|>", False, "[" + CALL_PREFIX),),
 )
+# NVIDIA Nemotron Nano v2: <TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>
+NEMOTRON = ToolFormat(
+    "nemotron",
+    "arguments",
+    opener="<TOOLCALL>",
+    closer="</TOOLCALL>",
+    listed=True,
+    before="<TOOLCALL>[",
+    between=", ",
+    after="]</TOOLCALL>",
+    triggers=(Trigger("<TOOLCALL>", False, "[" + CALL_PREFIX),),
+)
+# ServiceNow Apriel 1.5 and 1.6: <tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>
+APRIEL = ToolFormat(
+    "apriel",
+    "arguments",
+    opener="<tool_calls>",
+    closer="</tool_calls>",
+    listed=True,
+    before="<tool_calls>[",
+    between=", ",
+    after="]</tool_calls>",
+    triggers=(Trigger("<tool_calls>", False, "[" + CALL_PREFIX),),
+)
 GENERIC = ToolFormat(
     "generic",
     "arguments",
@@ -166,7 +190,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, HARMONY)
 }
 
 
