@@ -17,6 +17,7 @@ import jsonschema
 import trio
 
 from hydra_trio.engine.chat import Chat
+from hydra_trio.testing.sse import sse_chunk
 
 # Bounded strings and numbers: a random-weight model under a grammar writes until the
 # grammar lets it stop, so an unbounded string is a loop to max_tokens (a property of the
@@ -42,6 +43,9 @@ FORCED: dict[str, dict[str, Any]] = {
     # sampled (seeded), the second tool by name
     "named": {"tool_choice": {"type": "function", "function": {"name": "search_docs"}},
               "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 7},
+    # sampled (another seed), any tool, streamed: the calls as the deltas build them
+    "streamed": {"tool_choice": "required", "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 11,
+                 "stream": True},
 }
 
 
@@ -76,14 +80,46 @@ def check_forced(case: str, status: int, body: Any) -> tuple[bool, str]:
     return True, ""
 
 
+def _streamed(client: httpx.Client, body: dict[str, Any]) -> tuple[int, Any]:
+    """A streamed chat completion as the one reply its deltas add up to (content, reasoning,
+    each call's name and arguments by its index), in the unstreamed shape."""
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, r.read().decode("utf-8", "replace")
+        content, reasoning, finish = [], [], None
+        calls: dict[int, dict[str, Any]] = {}
+        for line in r.iter_lines():
+            if (chunk := sse_chunk(line)) is None:
+                continue
+            if "error" in chunk:
+                return 500, chunk
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                content.append(delta.get("content") or "")
+                reasoning.append(delta.get("reasoning_content") or "")
+                finish = choice.get("finish_reason") or finish
+                for tc in delta.get("tool_calls") or []:
+                    call = calls.setdefault(tc.get("index", 0), {"function": {"name": "", "arguments": ""}})
+                    fn = tc.get("function") or {}
+                    call["function"]["name"] += fn.get("name") or ""
+                    call["function"]["arguments"] += fn.get("arguments") or ""
+    msg = {"content": "".join(content), "reasoning_content": "".join(reasoning),
+           "tool_calls": [calls[k] for k in sorted(calls)]}
+    return 200, {"choices": [{"message": msg, "finish_reason": finish}]}
+
+
 def forced_calls(client: httpx.Client) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for case in FORCED:
         t0 = time.perf_counter()
         try:
-            r = client.post("/v1/chat/completions", json=forced_body(case))
-            status, body = r.status_code, (r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text)
-        except httpx.HTTPError as exc:
+            body_in = forced_body(case)
+            if body_in.get("stream"):
+                status, body = _streamed(client, body_in)
+            else:
+                r = client.post("/v1/chat/completions", json=body_in)
+                status, body = r.status_code, (r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text)
+        except (httpx.HTTPError, ValueError) as exc:
             status, body = 0, f"{type(exc).__name__}: {exc}"
         ok, why = check_forced(case, status, body)
         out[case] = {"ok": ok, "why": why, "s": round(time.perf_counter() - t0, 2)}

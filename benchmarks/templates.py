@@ -8,7 +8,7 @@ llama-server built from the same sdist (``--chat-template-file`` on a synthetic 
 ``/apply-template``; the two prompts are compared byte for byte. One row per template, then
 the count ("ok": the same bytes; "ref": both answer 400, the template raising for that
 conversation; "DIF": a difference). Then, unless ``--parity-only`` (template_calls.py):
-forced tool calls (``tool_choice`` "required", greedy; a named tool, sampled) through each
+forced tool calls (``tool_choice`` "required", greedy; a named tool, sampled; "required", sampled and streamed) through each
 server's ``/v1/chat/completions`` on the synthetic model with that template, whether their
 replies come back as ``tool_calls`` whose arguments validate; the reasoning split of a reply
 in the template's own think syntax (our parser; llama-server has no endpoint for it); and
@@ -208,11 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tpl-parity-") as tmp:
         model = write_model(Path(tmp) / "tiny.gguf", "tiny")
         if http:
-            print(f"{'template':44} {'renders':15} {'ms':>6}  forced ours/l-s   think  agent20 ms ours/l-s")
+            print(f"{'template':44} {'renders':15} {'ms':>6}  forced ours/l-s     think  agent20 ms ours/l-s")
         for t in templates:
             text = t.read_text(encoding="utf-8")
             key = _key(text)
-            fresh = args.refresh or key not in cache or (http and "http" not in cache[key])
+            fresh = args.refresh or key not in cache or (
+                http and set(cache[key].get("http", {}).get("forced", {})) != set(tc.FORCED))  # asked other cases
             if fresh:
                 if not binary.is_file():
                     print(f"no llama-server at {binary} (python -m benchmarks --with-llama-server builds it)")
@@ -297,7 +298,7 @@ def _forced_marks(session: dict[str, Any]) -> str:
     forced = session.get("forced")
     if not forced:
         return "--"
-    return "".join("+" if forced[c]["ok"] else "x" for c in tc.FORCED)
+    return "".join("?" if c not in forced else "+" if forced[c]["ok"] else "x" for c in tc.FORCED)
 
 
 def _agent_ms(session: dict[str, Any]) -> str:
@@ -338,7 +339,7 @@ def _totals_lines(t: dict[str, Any]) -> list[str]:
     for side, label in (("hydra_http", "hydra-trio"), ("llama_server_http", "llama-server")):
         f = t[side]["forced_ok"]
         lines.append(f"{label}: forced calls parsed and valid: " + ", ".join(f"{c} {n}/{t['templates']}" for c, n in f.items())
-                     + f"; both on {t[side]['templates_all_forced_ok']} templates")
+                     + f"; all on {t[side]['templates_all_forced_ok']} templates")
     lines.append("reasoning split: " + ", ".join(f"{k} {v}" for k, v in t["reasoning"].items()))
     if "agent20_ratio" in t:
         a = t["agent20_ratio"]
