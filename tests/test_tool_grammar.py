@@ -192,6 +192,9 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
 
     text, trig = await eng._core.worker.call(run)
     after = text[text.index(trig) + len(trig):]
+    if fmt_name == "cohere":  # the model's call id comes before the tool's name
+        assert re.match(re.escape(trigger.then) + r"\d", after), (fmt_name, text)
+        return
     expected = trigger.then + "tool_0"
     assert (after.startswith(expected) or expected.startswith(after)), (fmt_name, text)
 

@@ -58,6 +58,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("｜DSML｜",), f.DEEPSEEK_DSML),
     (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
     (("<minimax:tool_call>",), f.MINIMAX),
+    (("<|START_ACTION|>", "<|END_ACTION|>"), f.COHERE),
     (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
     (("<seed:tool_call>",), f.SEED_OSS),
     (("<arg_key>", "<arg_value>"), f.GLM),
@@ -74,6 +75,7 @@ _THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<seed:think>", "</seed:think>"),
     ("<mm:think>", "</mm:think>"),
     ("[THINK]", "[/THINK]"),
+    ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere
     ("<|channel>thought", "<channel|>"),  # Gemma 4
     (OPEN, CLOSE),
 )

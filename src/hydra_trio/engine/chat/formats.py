@@ -181,6 +181,16 @@ DEEPSEEK_DSML = ToolFormat(
 GEMMA4 = ToolFormat(
     "gemma4", "arguments", block=families.GEMMA4, triggers=(Trigger("<|tool_call>", False, "call:"),)
 )
+# Cohere Command R7B and Cohere2MoE: a JSON list of calls between the action markers
+COHERE = ToolFormat(
+    "cohere",
+    "parameters",
+    before="<|START_ACTION|>[\n    ",
+    between=",\n    ",
+    after="\n]<|END_ACTION|>",
+    block=families.COHERE,
+    triggers=(Trigger("<|START_ACTION|>", False, '[\n    {"tool_call_id": "'),),
+)
 # gpt-oss: one call per reply (the model stops at ``<|call|>``); its grammar is harmony.py's.
 HARMONY = ToolFormat(
     "harmony",
@@ -190,7 +200,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, COHERE, HARMONY)
 }
 
 
