@@ -286,7 +286,7 @@ def markdown_table(run: dict[str, Any]) -> str:
              "| reasoning split | /apply-template ms, ours / l-s (median of 4 conv.) | agent20 ms, ours / l-s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in run["rows"]:
-        marks = [("DIF" if not r["same"][n] else "ok" if "prompt" in r["ours"][n] else "ref") for n in CONVERSATIONS]
+        marks = [("DIF" if not r["same"][n] else "ref" if "error" in r["ours"][n] else "ok") for n in CONVERSATIONS]
         ours_s, theirs_s = r.get("hydra_http", {}), r.get("llama_server_http", {})
         lines.append(f"| {r['template']} | {r.get('tool_format')} | " + " | ".join(marks)
                      + f" | {_forced_marks(ours_s)} | {_forced_marks(theirs_s)} | {r.get('reasoning', {}).get('result', '')} "
