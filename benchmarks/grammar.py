@@ -7,7 +7,8 @@ of greedy replies at 1 and 8 streams, without a constraint and with the same JSO
 llama-server's ``json_schema`` field (both engines take it), every reply cut at the same
 length (``ignore_eos`` unconstrained; the schema's string is longer than the reply). Each
 round runs the cases back to back and the ratios are taken within the round; every round is
-printed. Then the compile of a schema and of a tools grammar, first and cached (hydra-trio
+printed. The same schema's grammar is also sent as ``grammar`` (a client's own GBNF: ours runs
+it on llguidance, llama-server on llama.cpp's engine). Then the compile of a schema and of a tools grammar, first and cached (hydra-trio
 only: llama-server has no such figure).
 
 The real model (Gemma 3 270M, 262k vocabulary) is the figure that matters: random synthetic
@@ -119,6 +120,62 @@ def compile_figures(model: str, threads: int) -> dict[str, list[float]]:
     return out
 
 
+def trigger_figures(model: str, tokens: int = 3500) -> dict[str, list[float]]:
+    """us a token of the sampler over a free-text reply of ``tokens`` tokens (the first and
+    the last 200), with tool_choice auto's lazy grammar waiting for its trigger and with no
+    grammar: the trigger check should cost what the new text costs, not grow with the reply
+    (llama.cpp searches its whole buffer each token; engine/llama/grammar.py TriggerWatch)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from hydra_trio.app import serve
+    from hydra_trio.config import Settings
+    from hydra_trio.engine.llama import Sampler
+
+    out: dict[str, list[float]] = {}
+
+    async def main() -> None:
+        settings = replace(Settings(model=model), host="127.0.0.1", port=0, rpc_port=0, slots=1, ctx_size=2048, threads=1)
+        async with trio.open_nursery() as nursery:
+            ep = await nursery.start(serve, settings)
+            core = ep.state.engine._core
+            backend = core.backend
+            lazy = core.inputs.generation_params({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "auto"})
+            await core.inputs.compile_grammar(lazy)
+            word = backend.tokenize(" word", add_special=False, parse_special=False)[-1]
+
+            def run(params: Any) -> list[float]:
+                sampler = Sampler(params, grammars=backend.grammars)
+                eog = np.fromiter(sorted(backend.eog_ids), dtype=np.intp)
+                logits = np.zeros(backend.info.n_vocab, dtype=np.float32)
+                logits[word] = 10.0
+                times = []
+                try:
+                    for _ in range(tokens):
+                        row = logits.copy()
+                        t0 = time.perf_counter()
+                        sampler.sample(row, eog)
+                        times.append(time.perf_counter() - t0)
+                finally:
+                    backend.retire(sampler)
+                return [statistics.mean(times[:200]) * 1e6, statistics.mean(times[-200:]) * 1e6]
+
+            out["auto (lazy, waiting)"] = await core.worker.call(lambda: run(lazy.sampling))
+            out["no grammar"] = await core.worker.call(lambda: run(replace(lazy.sampling, grammar=None, grammar_triggers=())))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return out
+
+
+def schema_as_gbnf() -> str:
+    """SCHEMA's grammar as the engine writes it, to send as a client's own GBNF."""
+    from hydra_trio.engine.chat import Constraint, constraint_gbnf
+
+    return constraint_gbnf(Constraint("json_schema", SCHEMA, "json_schema"))[0]
+
+
 def resolve_model(name: str) -> str:
     if name == "synthetic":
         from hydra_trio.model.synthetic import write_model
@@ -152,6 +209,9 @@ def main() -> None:
     slots, ctx = 8, 8 * 512
     log_dir = Path(tempfile.mkdtemp(prefix="bench-grammar-"))
     schema = {"json_schema": SCHEMA, "ignore_eos": False}
+    # The same schema's grammar sent as a client's own GBNF: ours runs it on llguidance
+    # (engine/llama/grammar.py, GuidanceCache), llama-server on llama.cpp's grammar engine.
+    gbnf = {"grammar": schema_as_gbnf(), "ignore_eos": False}
     rounds: list[dict[str, Any]] = []
     print(f"model {args.model}, {args.tokens} tokens a reply, {args.threads} thread(s) each, {slots} slots; logs in {log_dir}")
     ours = EngineProcess(model, slots=slots, ctx_size=ctx, threads=args.threads).start(log_dir, "hydra")
@@ -162,16 +222,19 @@ def main() -> None:
             for n in STREAMS:
                 row[f"ours_plain_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, {})
                 row[f"ours_schema_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, schema)
+                row[f"ours_gbnf_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, gbnf)
                 if peer is not None:
                     row[f"peer_plain_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, {})
                     row[f"peer_schema_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, schema)
+                    row[f"peer_gbnf_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, gbnf)
             rounds.append(row)
             for n in STREAMS:
-                line = (f"round {r + 1}, {n} stream(s): ours {row[f'ours_plain_{n}']:.1f} plain, {row[f'ours_schema_{n}']:.1f} schema "
-                        f"(constrained/plain {row[f'ours_schema_{n}'] / row[f'ours_plain_{n}']:.2f})")
+                line = (f"round {r + 1}, {n} stream(s): ours {row[f'ours_plain_{n}']:.1f} plain, {row[f'ours_schema_{n}']:.1f} schema, "
+                        f"{row[f'ours_gbnf_{n}']:.1f} gbnf (constrained/plain {row[f'ours_schema_{n}'] / row[f'ours_plain_{n}']:.2f})")
                 if peer is not None:
-                    line += (f"; llama-server {row[f'peer_plain_{n}']:.1f} plain, {row[f'peer_schema_{n}']:.1f} schema; "
-                             f"ours/llama-server with the schema {row[f'ours_schema_{n}'] / row[f'peer_schema_{n}']:.2f}")
+                    line += (f"; llama-server {row[f'peer_plain_{n}']:.1f} plain, {row[f'peer_schema_{n}']:.1f} schema, "
+                             f"{row[f'peer_gbnf_{n}']:.1f} gbnf; ours/llama-server with the schema "
+                             f"{row[f'ours_schema_{n}'] / row[f'peer_schema_{n}']:.2f}, with the gbnf {row[f'ours_gbnf_{n}'] / row[f'peer_gbnf_{n}']:.2f}")
                 print(line, flush=True)
     finally:
         ours.stop()
@@ -181,15 +244,22 @@ def main() -> None:
     for n in STREAMS:
         own = statistics.median(x[f"ours_schema_{n}"] / x[f"ours_plain_{n}"] for x in rounds)
         line = f"  {n} stream(s): constrained/plain {own:.2f}"
+        line += f", gbnf (llguidance)/plain {statistics.median(x[f'ours_gbnf_{n}'] / x[f'ours_plain_{n}'] for x in rounds):.2f}"
         if peer is not None:
             vs = statistics.median(x[f"ours_schema_{n}"] / x[f"peer_schema_{n}"] for x in rounds)
-            line += f", ours/llama-server constrained {vs:.2f}"
+            vg = statistics.median(x[f"ours_gbnf_{n}"] / x[f"peer_gbnf_{n}"] for x in rounds)
+            line += f", ours/llama-server constrained {vs:.2f}, gbnf {vg:.2f}"
         print(line)
     compiles = compile_figures(model, args.threads)
     for name, (first, cached) in compiles.items():
         print(f"compile of a {name} grammar: first {first:.2f} ms, cached {cached:.3f} ms")
+    triggers = trigger_figures(model)
+    for name, (first, last) in triggers.items():
+        print(f"sampler over a 3,500-token free-text reply, {name}: {first:.0f} us a token (first 200), {last:.0f} us (last 200)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "tokens": args.tokens, "rounds": rounds, "compile_ms": compiles}, indent=2))
+        Path(args.json).write_text(json.dumps(
+            {"model": args.model, "tokens": args.tokens, "rounds": rounds, "compile_ms": compiles, "trigger_us": triggers}, indent=2
+        ))
 
 
 if __name__ == "__main__":

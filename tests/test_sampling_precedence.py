@@ -55,6 +55,8 @@ def read(params: GenerationParams, key: str) -> Any:
         return params.n_predict
     if key == "stream_interval":
         return params.stream_interval
+    if key == "reasoning_budget_tokens":
+        return params.reasoning_budget
     if key.startswith("speculative."):
         spec = params.speculative
         return None if spec is None else getattr(spec, key.removeprefix("speculative."))

@@ -82,6 +82,10 @@ class Settings:
     # Reasoning (llama-server's --reasoning-format): auto splits <think>...</think> into
     # reasoning_content when the template has thinking tags; deepseek always; none keeps it inline.
     reasoning_format: str = "auto"
+    # Thinking budget (llama-server's --reasoning-budget): -1 unlimited, 0 thinking off (the
+    # template's enable_thinking false), N > 0 at most N tokens of reasoning, then the engine
+    # writes the close tag itself and the reply goes on. A request's reasoning_budget_tokens wins.
+    reasoning_budget: int = -1
     default_n_predict: int = 512  # when a request names no max_tokens / n_predict
     # n-gram speculative decoding (engine/speculative.py), llama-server's flag names: drafts
     # from the request's own prompt and output, verified in the step batch.
@@ -256,6 +260,7 @@ _HELP: dict[str, str] = {
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
     "chat_template_file": "chat template: path of a Jinja file",
     "tool_call_parser": "tool-call syntax parsed from replies: auto (from the chat template), hermes, llama3, mistral, generic",
+    "reasoning_budget": "thinking budget in tokens (llama-server's): -1 unlimited, 0 thinking off (enable_thinking false), N > 0 at most N tokens of reasoning, then the close tag (e.g. </think>) is written and the reply goes on; a request's reasoning_budget_tokens wins",
     "reasoning_format": "reasoning in replies: auto (split <think> into reasoning_content when the template has thinking tags), deepseek (always split), none (keep inline)",
     "default_n_predict": "tokens to generate when a request does not say",
     "spec_type": "speculative decoding: none, or ngram-simple (alias ngram): drafts from the request's own prompt and output (the tokens that followed the earlier occurrence of its last tokens whose context matches furthest back) and from what earlier requests of its cache_salt generated, verified in the step batch, each step drafting what makes the most tokens per second at the measured cost; a request's \"speculative\": {\"type\": ...} wins; recurrent and hybrid models refuse it",
@@ -511,6 +516,8 @@ def validate(s: Settings) -> None:
         problems.append(problem)
     if s.ctx_checkpoints < 0:
         problems.append("ctx_checkpoints must be >= 0 (0 = off)")
+    if s.reasoning_budget < -1:
+        problems.append(f"reasoning_budget must be -1 (unlimited), 0 (thinking off) or a number of tokens, got {s.reasoning_budget}")
     if s.log_stats_interval_s < 0:
         problems.append("log_stats_interval_s must be >= 0 (0 = off)")
     if s.kv_events_replay_endpoint and not s.kv_events_endpoint:

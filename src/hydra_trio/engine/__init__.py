@@ -9,12 +9,13 @@ from .lease import Emit, SlotLease
 from .llama import MAX_TOP_LOGPROBS, DecodeAborted, TokenLogprobs, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams, SamplingParams
-from .requests import Route
+from .requests import REASONING_EFFORTS, Route
 from .stats import EngineStats, SlotInfo
 from .worker import CallTiming
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
+    "REASONING_EFFORTS",
     "Admitted",
     "CallTiming",
     "DecodeAborted",

@@ -358,8 +358,7 @@ class EngineCore:
         budget's worth per batch, so their streams keep their pace. Otherwise it runs in
         ``--batch-size`` chunks, each one cancellable GPU-worker call (the abort flag stops a
         running chunk). Returns the token sampled from the last position (with ``sampler``)
-        and its logits (with ``want_logits``).
-        """
+        and its logits (with ``want_logits``)."""
         # Stops for the context checkpoints of a sliding-window model (llama/checkpoints.py).
         for cut in self.backend.checkpoints.cuts(len(tokens), n_keep):
             await self._evaluate(slot, tokens[:cut], n_keep, sampler=None, want_logits=False)
@@ -451,14 +450,12 @@ class EngineCore:
         res.n_prompt_processed = len(tokens) - res.n_common
         return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
 
-    async def sample_first(
-        self, slot: int, tokens: Sequence[int], params: GenerationParams
-    ) -> tuple[GenerationResult, bytes]:
+    async def sample_first(self, slot: int, tokens: Sequence[int], params: GenerationParams) -> tuple[GenerationResult, bytes]:
         """Bring the slot to hold the prompt and sample the one token a P/D prefill answers
         with, by generation's own rules (OutputProcessor: stop decision, text, counts);
         returns it as a completion, with the logits it came from (they travel with the KV)."""
         res = GenerationResult(prompt_tokens=len(tokens))
-        sampler = Sampler(params.sampling, grammars=self.backend.grammars)  # built inside its first GPU-worker call
+        sampler = Sampler(params.sampling, grammars=self.backend.grammars, think=params.think_gate(self.backend.text_of(params.shown_tokens)))
         one = replace(params, n_predict=1, logprobs=None)
         out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.text_of(params.shown_tokens))
         t_start = time.perf_counter()
@@ -467,6 +464,7 @@ class EngineCore:
         finally:
             self.backend.retire(sampler)
         assert token is not None and logits is not None, "a prompt that fits leaves room for one token"
+        sampler.raise_failure()
         out.started(t_start)
         out.take(token)  # ends it: one token at most
         if res.completion_tokens:
@@ -500,7 +498,7 @@ class EngineCore:
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
-        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars)  # built on the worker
+        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars, think=params.think_gate(backend.text_of(params.shown_tokens)))
         out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.text_of(params.shown_tokens))
         spec = request_speculation(
             self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts,
@@ -535,6 +533,7 @@ class EngineCore:
                     run = await self.batcher.result(job, _emit_all(emit, sends) if sends else None) or (None,)
                 for send in sends:
                     await emit(send)
+                sampler.raise_failure()  # a grammar that ended it: an error, not a reply
                 if res.stop_type not in ("eos", "context"):
                     self.tokens_generated += 1  # the last token, which ended it
                 if (send := out.unsent()) is not None:

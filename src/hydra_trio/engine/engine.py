@@ -157,7 +157,9 @@ class Engine:
                          shown_tokens=inputs.shown_tokens(params, layers))
         await inputs.compile_grammar(params)
         has_prompt = "messages" in layers or isinstance(layers.get("prompt"), str)
-        prompt = await inputs.render_prompt(layers) if has_prompt else None
+        rendered = inputs.as_rendered(layers, params)
+        prompt = await inputs.render_prompt(rendered) if has_prompt else None
+        params = replace(params, thinking=await inputs.think_plan(params, rendered, prompt))
         tokens: list[int] | None = None
         if tokenize:
             tokens = await inputs.tokenize_text(prompt) if prompt is not None else await inputs.prompt_tokens(layers.get("prompt"))

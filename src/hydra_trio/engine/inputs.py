@@ -8,14 +8,15 @@ prompt no slot can hold, how large a prompt-route or token-id JSON body is worth
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import trio
 
 from ..config import Settings
 from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
-from .chat import Chat, ChatTemplate, ReplyParser
-from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
+from .chat import BUDGET_KEYS, Chat, ChatTemplate, ReplyParser
+from .llama import LlamaBackend, ThinkPlan, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
 from .worker import GpuWorker
 
@@ -41,6 +42,8 @@ class Inputs:
         self._settings = settings
         self.chat: Chat | None = None  # set with the template (set_chat_template)
         self._grammar_threads = trio.CapacityLimiter(GRAMMAR_THREADS)
+        # Think tags' tokens (think_plan), by tags and shown tokens: a template has a few.
+        self._tags: tuple[LlamaBackend | None, dict[tuple[bytes, bytes, frozenset[int]], tuple[tuple[int, ...], tuple[int, ...]]]] = (None, {})
 
     @property
     def n_ctx(self) -> int:
@@ -79,6 +82,7 @@ class Inputs:
             default_n_predict=s.default_n_predict,
             n_ctx=self.n_ctx_slot,
             default_stream_interval=s.stream_interval,
+            default_reasoning_budget=s.reasoning_budget,
             to_gbnf=self._chat().to_gbnf,
         )
 
@@ -96,6 +100,39 @@ class Inputs:
         request's template syntax; none for text completions (as llama-server without --special)."""
         return self._chat().shown_tokens(params.tools) if "messages" in request else frozenset()
 
+    @staticmethod
+    def as_rendered(request: dict[str, Any], params: GenerationParams) -> dict[str, Any]:
+        """A chat request as its prompt is rendered: the thinking budget in force (its own,
+        else --reasoning-budget) written under its key, so a budget of 0 turns the template's
+        thinking off (chat/render.py ``thinking_on``)."""
+        key = BUDGET_KEYS[0]
+        if "messages" not in request or request.get(key, -1) == params.reasoning_budget:
+            return request
+        return {**request, key: params.reasoning_budget}
+
+    async def think_plan(self, params: GenerationParams, request: dict[str, Any], prompt: str | None) -> ThinkPlan | None:
+        """What generation does with the reply's think block (``Chat.think_plan``), its tags
+        tokenized on the GPU worker; None: nothing."""
+        if prompt is None:
+            return None
+        plan = self._chat().think_plan(params.tools, request, prompt, budget=params.reasoning_budget, sampling=params.sampling)
+        if plan is None:
+            return None
+        backend = self._backend()
+        key = (plan.open_text, plan.close_text, params.shown_tokens)
+        if self._tags[0] is not backend:  # a reload's model tokenizes its own way
+            self._tags = (backend, {})
+        known = self._tags[1].get(key)
+        if known is None:
+            opening, closing = plan.open_text.decode(), plan.close_text.decode()
+            open_ids, close_ids = await self._worker.call(
+                lambda: (backend.tokenize(opening, add_special=False), backend.tokenize(closing, add_special=False))
+            )
+            text_of = backend.text_of(params.shown_tokens)
+            known = (_spelling(open_ids, plan.open_text, text_of), _spelling(close_ids, plan.close_text, text_of))
+            self._tags[1][key] = known
+        return replace(plan, open_tokens=known[0], close_tokens=known[1])
+
     def _chat(self) -> Chat:
         assert self.chat is not None, "set at construction"
         return self.chat
@@ -103,10 +140,15 @@ class Inputs:
     async def compile_grammar(self, params: GenerationParams) -> None:
         """Compile the request's grammar before any slot is claimed (a GrammarError, a 400
         naming the problem, when llama.cpp cannot parse it); a cached one costs nothing."""
-        gbnf, triggers = params.sampling.grammar, params.sampling.grammar_triggers
+        gbnf, triggers, param = params.sampling.grammar, params.sampling.grammar_triggers, params.sampling.grammar_param
         grammars = self._backend().grammars
         if gbnf is not None and not grammars.known(gbnf, triggers):
-            await self._worker.call(lambda: grammars.compile(gbnf, params.sampling.grammar_param, triggers))
+            # llama.cpp's parse checks any GBNF, whichever engine runs it: one set of errors.
+            await self._worker.call(lambda: grammars.compile(gbnf, param, triggers))
+        if gbnf is not None and params.sampling.grammar_engine == "llguidance" and not grammars.guidance.known(gbnf):
+            # Off the worker and the trio thread: a large grammar (or the first one's
+            # tokenizer view) takes up to seconds, and llguidance releases the GIL meanwhile.
+            await trio.to_thread.run_sync(grammars.guidance.compile, gbnf, param)
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""
@@ -203,3 +245,12 @@ class Inputs:
         """Refuse a prompt no slot can hold (with room for one generated token)."""
         if n_tokens >= self.n_ctx_slot:
             raise PromptTooLong(f"prompt has {n_tokens} tokens; {self.slot_room()}")
+
+
+def _spelling(tokens: list[int], text: bytes, text_of: Callable[[int], bytes]) -> tuple[int, ...]:
+    """A tag's tokens without the leading ones it can do without: a SentencePiece vocabulary
+    tokenizes ``</think>`` with its word-start space first, and a forced space would end up in
+    the reasoning's text."""
+    while len(tokens) > 1 and text in b"".join(text_of(t) for t in tokens[1:]):
+        tokens = tokens[1:]
+    return tuple(tokens)

@@ -12,7 +12,7 @@ from ..wire import sampling as sampling_keys
 from ..wire.errors import bad_param
 from ..wire.sampling import SPEC_TYPES
 from .chat import Constraint, ToolRequest, parse_tools, request_constraint
-from .llama import SamplingParams
+from .llama import SamplingParams, ThinkGate, ThinkPlan
 from .speculation import SpecRequest
 
 MAX_STOP_STRINGS = 16
@@ -40,6 +40,17 @@ class GenerationParams:
     # Control tokens whose text the reply shows (a chat template's tool and think syntax,
     # chat/__init__.py ``Chat.shown_tokens``); every other control token adds no text.
     shown_tokens: frozenset[int] = frozenset()
+    # The thinking budget in force (llama-server's reasoning_budget_tokens, else
+    # --reasoning-budget): -1 unlimited, 0 thinking off, N: at most N tokens of reasoning.
+    reasoning_budget: int = -1
+    # How generation treats the reply's think block (its budget, and a grammar held until the
+    # block closes): set with the rendered prompt (Inputs.think_plan); None: nothing to do.
+    thinking: ThinkPlan | None = None
+
+    def think_gate(self, token_bytes: Callable[[int], bytes]) -> ThinkGate | None:
+        """One generation's think-block state for its sampler (``token_bytes``: each token's
+        shown text); None when the plan asks nothing."""
+        return None if self.thinking is None else ThinkGate(self.thinking, token_bytes)
 
 
 MAX_DRAFT = 256
@@ -69,6 +80,7 @@ BOUNDS: dict[str, Bound] = {
     "presence_penalty": Bound(float, -2.0, 2.0),
     "min_tokens": Bound(int, 0, 1 << 30),
     "stream_interval": Bound(int, 1, 4096),
+    "reasoning_budget_tokens": Bound(int, -1, 1 << 30),  # -1: the server's (--reasoning-budget)
     "speculative.n_max": Bound(int, 0, MAX_DRAFT),
     "speculative.n_min": Bound(int, 0, MAX_DRAFT),
 }
@@ -148,6 +160,7 @@ def parse_generation(
     default_n_predict: int,
     n_ctx: int,
     default_stream_interval: int = 1,
+    default_reasoning_budget: int = -1,
     to_gbnf: Callable[[Constraint], tuple[str, tuple[str, ...]]] | None = None,
 ) -> GenerationParams:
     """Validate and collect generation settings from one layer, or layers merged already
@@ -182,7 +195,9 @@ def parse_generation(
         grammar=grammar,
         grammar_triggers=triggers,
         grammar_param="grammar" if constraint is None else constraint.param,
+        grammar_engine="llama" if constraint is None else constraint.grammar_engine(triggers),
     )
+    budget = _value(keys, "reasoning_budget_tokens", -1)  # -1: the server's, as llama-server
     if params.min_tokens > n_predict:
         raise bad_param(f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({n_predict})", "min_tokens")
     return GenerationParams(
@@ -193,4 +208,5 @@ def parse_generation(
         stream_interval=_value(keys, "stream_interval", default_stream_interval),
         tools=tools,
         speculative=parse_speculative(keys),
+        reasoning_budget=default_reasoning_budget if budget == -1 else budget,
     )

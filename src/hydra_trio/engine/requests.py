@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from ..wire.errors import bad_param
+from .chat import BUDGET_KEYS
 from .llama import MAX_TOP_LOGPROBS
 
 Route = Literal["chat", "completions", "decode"]
@@ -39,7 +40,7 @@ IGNORED: dict[str, tuple[str, ...]] = {
     ),
 }
 
-_CHAT_ONLY = ("messages", "tools", "tool_choice", "functions", "function_call", "top_logprobs")
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "functions", "function_call", "top_logprobs", "reasoning_effort")
 _COMPLETIONS_ONLY = ("prompt", "suffix", "echo", "best_of")
 
 
@@ -61,7 +62,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "modalities": (_neutral(["text"]), "modalities other than [\"text\"] are not supported"),
     "prediction": (_is_none, "prediction (predicted outputs) is not supported"),
     "web_search_options": (_is_none, "web_search_options is not supported"),
-    "reasoning_effort": (_is_none, "reasoning_effort is not supported"),
     "verbosity": (_is_none, "verbosity is not supported"),
     "store": (_neutral(False), "store is not supported: completions are not stored"),
     # llama-server
@@ -119,6 +119,9 @@ def check_request(route: Route, body: dict[str, Any]) -> int | None:
             if key in body if key == "messages" else body.get(key) is not None:
                 hint = " (ask logprobs: N)" if key == "top_logprobs" else ""
                 raise bad_param(f"{key} is a /v1/chat/completions parameter{hint}, not supported on /v1/completions", key)
+        for key in BUDGET_KEYS:  # a chat template's think block's: on a plain prompt it would do nothing
+            if body.get(key) not in (None, -1):
+                raise bad_param(f"{key} is a /v1/chat/completions parameter (a chat template's think block), not supported on /v1/completions", key)
         if "prompt" not in body:
             raise bad_param("prompt is required", "prompt")
         if body.get("echo") not in (None, False):
@@ -134,6 +137,7 @@ def check_request(route: Route, body: dict[str, Any]) -> int | None:
         if key in body and not asks_nothing(body[key]):
             raise bad_param(why, key)
     _check_stream_options(body)
+    _check_reasoning_effort(body)
     return _chat_logprobs(body) if route == "chat" else _completion_logprobs(body)
 
 
@@ -145,6 +149,17 @@ def _check_stream_options(body: dict[str, Any]) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad_param("stream_options must be an object", "stream_options")
+
+
+# OpenAI's reasoning_effort values: "none" turns the template's thinking off, the others are
+# handed to it as reasoning_effort (gpt-oss's template reads it) (chat/render.py).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _check_reasoning_effort(body: dict[str, Any]) -> None:
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_param(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "reasoning_effort")
 
 
 def _top_n(v: Any, name: str) -> int:

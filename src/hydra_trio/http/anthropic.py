@@ -209,6 +209,11 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive", "disabled"):
         # The template's thinking switch (templates without one ignore it).
         chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
+        budget = thinking.get("budget_tokens") if thinking["type"] == "enabled" else None
+        if budget is not None:  # llama-server's mapping: the thinking budget of the reply
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise bad("thinking.budget_tokens must be a positive integer")
+            chat["reasoning_budget_tokens"] = budget
     if "cache_salt" in body:
         chat["cache_salt"] = body["cache_salt"]
     if count_only:

@@ -19,7 +19,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from ..engine import GenerationResult, ReplyParser, ToolCall
+from ..engine import REASONING_EFFORTS, GenerationResult, ReplyParser, ToolCall
 from .common import (
     HttpError,
     app_state,
@@ -191,8 +191,11 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
         if body.get("parallel_tool_calls") is not None:
             chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
-    if effort is not None:  # "none" turns the template's thinking switch off
+    if effort is not None:  # "none" turns the template's thinking switch off; a level goes to the template
+        if effort not in REASONING_EFFORTS:
+            raise bad(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "reasoning.effort")
         chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
+        chat["reasoning_effort"] = effort
     if "cache_salt" in body:
         chat["cache_salt"] = body["cache_salt"]
     if count_only:

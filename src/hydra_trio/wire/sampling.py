@@ -32,6 +32,7 @@ ALIASES: dict[str, str] = {
     "penalty_last_n": "repeat_last_n",
     "penalty_freq": "frequency_penalty",
     "penalty_present": "presence_penalty",
+    "thinking_budget_tokens": "reasoning_budget_tokens",  # llama-server's other spelling
 }
 _RANK = {alias: i + 1 for i, alias in enumerate(ALIASES)}  # canonical names rank 0
 

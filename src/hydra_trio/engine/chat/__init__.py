@@ -11,15 +11,25 @@ from typing import Any
 
 from ...config import REASONING_FORMATS
 from ...wire.errors import bad_param
+from ..llama import SamplingParams, ThinkPlan
 from .caps import TemplateCaps, template_caps
 from .formats import syntax_text
 from .grammar import Constraint, constraint_gbnf, parse_constraint, request_constraint
 from .parser import ReplyDelta, ReplyParser, ToolCall, parse_reply
-from .render import ApplyBuiltin, ChatRequestError, PromptRenderer, RunOnWorker, render_prompt
+from .render import (
+    BUDGET_KEYS,
+    ApplyBuiltin,
+    ChatRequestError,
+    PromptRenderer,
+    RunOnWorker,
+    render_prompt,
+    thinking_on,
+)
 from .templates import ChatTemplate, resolve_chat_template
 from .tools import ToolRequest, parse_tools
 
 __all__ = [
+    "BUDGET_KEYS",
     "Chat",
     "ChatRequestError",
     "ChatTemplate",
@@ -29,6 +39,7 @@ __all__ = [
     "TemplateCaps",
     "ToolCall",
     "ToolRequest",
+    "constraint_gbnf",
     "parse_constraint",
     "parse_reply",
     "parse_tools",
@@ -137,7 +148,7 @@ class Chat:
             raise bad_param(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
         # A prompt that ends inside an open think block (DeepSeek-R1's and Qwen3's templates)
         # starts the reply in its reasoning; auto splits only for templates with think tags.
-        opened = prompt.rstrip().endswith(caps.think_tags[0])
+        opened = _opens_think(prompt, caps)
         reasoning = mode == "deepseek" or (mode == "auto" and (caps.thinks or opened))
         # A forced call (required, a named function) is grammar-constrained from the reply's
         # first token (grammar.tools_gbnf writes the calls and nothing before them): the reply
@@ -154,6 +165,47 @@ class Chat:
             tools=calls,
             think_tags=tags,
         )
+
+    def think_plan(
+        self, tools: ToolRequest | None, request: dict[str, Any], prompt: str, *, budget: int, sampling: SamplingParams
+    ) -> ThinkPlan | None:
+        """What generation does with a chat reply's think block (llama/thinking.py), its tags'
+        tokens left to the caller; None: nothing. ``request`` as rendered (the budget in force
+        written in: ``thinking_on``); ``budget``: -1 unlimited, else the most reasoning tokens.
+
+        The block is the reply's when the prompt opened it, or when the template thinks and
+        thinking is on (the model opens it). A grammar the reply must follow starts after the
+        close tag: the model reasons first and its answer still follows it. Where the prompt
+        did not open the block but thinking is on, the engine opens it (a grammar from the
+        first token would leave no room to think), except for a lazy grammar (tool_choice
+        auto: the model may call at once) and a grammar that spells the close tag itself (it
+        covers the reasoning: it holds from the first token, as llama-server's)."""
+        if "messages" not in request:
+            return None
+        caps = self._served(tools is not None).caps
+        if caps.tool_format.harmony:  # gpt-oss reasons in its analysis channel, not a think block
+            return None
+        open_tag, close_tag = caps.think_tags
+        grammar = sampling.grammar
+        held = grammar is not None and close_tag not in grammar
+        lazy = bool(sampling.grammar_triggers)
+        opened = _opens_think(prompt, caps)
+        # A prompt ending in a closed block (a template's empty one) leaves the reply none.
+        thinks = caps.thinks and thinking_on(request, caps) and not prompt.rstrip().endswith(close_tag)
+        force_open = not opened and thinks and held and not lazy
+        if not (opened or force_open or (thinks and budget > 0)):
+            return None
+        if not held and budget < 0:
+            return None
+        return ThinkPlan(
+            open_text=open_tag.encode(), close_text=close_tag.encode(), open_tokens=(), close_tokens=(),
+            budget=budget, starts_in_reasoning=opened, force_open=force_open, holds_grammar=held and (opened or force_open),
+        )
+
+
+def _opens_think(prompt: str, caps: TemplateCaps) -> bool:
+    """Whether the prompt ends inside an open think block (its generation prompt opened it)."""
+    return prompt.rstrip().endswith(caps.think_tags[0])
 
 
 def _shown_tokens(served: _Served, special_text: Mapping[int, bytes], unshown: frozenset[int]) -> frozenset[int]:

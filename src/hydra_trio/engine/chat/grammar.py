@@ -34,6 +34,12 @@ class Constraint:
     value: Any  # the schema (json_schema), the text (gbnf), None (json_object), the ToolRequest (tools)
     param: str  # the key it came from: errors name it
 
+    def grammar_engine(self, triggers: Triggers) -> Literal["llama", "llguidance"]:
+        """Which grammar engine runs it: a client's own GBNF on llguidance, whose per-token
+        work is bounded (llama/grammar.py, GuidanceCache); the grammars built here, not ambiguous, and any
+        lazy one on llama.cpp's."""
+        return "llguidance" if self.kind == "gbnf" and not triggers else "llama"
+
 
 def parse_constraint(req: dict[str, Any]) -> Constraint | None:
     """The request's output constraint: OpenAI's ``response_format`` (``json_object``, or

@@ -154,30 +154,50 @@ def template_tools(tools: ToolRequest) -> list[dict[str, Any]]:
 
 
 def template_kwargs(request: dict[str, Any], caps: TemplateCaps) -> dict[str, Any]:
-    """The variables llama-server adds to a template's context: ``enable_thinking`` (on by
-    default where the template has a reasoning form), ``preserve_reasoning`` (on by default,
-    with the spellings templates read: ``preserve_thinking``, ``clear_thinking``, ...),
-    ``reasoning_effort`` from the request, and every key of ``chat_template_kwargs``."""
-    given = request.get("chat_template_kwargs")
-    if given is None:
-        given = {}
-    if not isinstance(given, dict):
-        raise ChatRequestError("chat_template_kwargs must be an object")
-    thinking = given.get("enable_thinking", caps.thinking_default)
-    if not isinstance(thinking, bool):
-        raise ChatRequestError("chat_template_kwargs.enable_thinking must be a boolean")
+    """The variables llama-server adds to a template's context: ``enable_thinking``
+    (``thinking_on``), ``preserve_reasoning`` (on by default, with the spellings templates
+    read: ``preserve_thinking``, ``clear_thinking``, ...), ``reasoning_effort`` from the
+    request, and every key of ``chat_template_kwargs``."""
+    given = _template_kwargs_given(request)
+    thinking = thinking_on(request, caps)
     out: dict[str, Any] = {}
     preserve = given.get("preserve_reasoning", True)
     if isinstance(preserve, bool):
         out.update({k: (v if preserve else not v) for k, v in PRESERVE_REASONING.items()})
     effort = request.get("reasoning_effort")
-    if effort == "none":
-        thinking = False
-    elif isinstance(effort, str) and effort:
+    if isinstance(effort, str) and effort and effort != "none":
         out["reasoning_effort"] = out["reasoning_strength"] = effort
     out.update({"enable_thinking": thinking, **date_context(), "preserve_reasoning": preserve, **given})
     out["enable_thinking"] = thinking
     return out
+
+
+# The request keys of a thinking budget (llama-server's, and its alias): the engine writes the
+# budget in force (a request's, else --reasoning-budget) under the first before rendering.
+BUDGET_KEYS = ("reasoning_budget_tokens", "thinking_budget_tokens")
+
+
+def thinking_on(request: dict[str, Any], caps: TemplateCaps) -> bool:
+    """The one decision of whether a request thinks (the template's ``enable_thinking``):
+    ``chat_template_kwargs.enable_thinking``, else the template's default (on where it has a
+    reasoning form, as llama-server); ``reasoning_effort: "none"`` and a thinking budget of 0
+    turn it off whatever the kwargs say."""
+    thinking = _template_kwargs_given(request).get("enable_thinking", caps.thinking_default)
+    if not isinstance(thinking, bool):
+        raise ChatRequestError("chat_template_kwargs.enable_thinking must be a boolean")
+    budget = next((request[k] for k in BUDGET_KEYS if request.get(k) is not None), None)
+    if request.get("reasoning_effort") == "none" or (budget == 0 and not isinstance(budget, bool)):
+        return False
+    return thinking
+
+
+def _template_kwargs_given(request: dict[str, Any]) -> dict[str, Any]:
+    given = request.get("chat_template_kwargs")
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise ChatRequestError("chat_template_kwargs must be an object")
+    return given
 
 
 def render_prompt(

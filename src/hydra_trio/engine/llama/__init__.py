@@ -2,7 +2,9 @@
 llama_cpp, and it imports nothing of the engine above it (what it needs of the engine's
 speculation and KV events it takes as the protocols in types.py). log.py routes its log;
 chat.py its built-in chat templates; devices.py the ggml devices, offload and repacking;
-sampling.py a request's sampler; grammar.py compiled grammars; context.py the model and its
+sampling.py a request's sampler; thinking.py its reply's think block (the thinking budget,
+a grammar held until the block closes); grammar.py compiled grammars (with GuidanceCache: a
+client's GBNF on llguidance, bounded per token); context.py the model and its
 context (decode, steps, tokens); steps.py the batched steps; state.py a slot's KV state out
 and in; seqstate.py that state's layout, read without llama.cpp."""
 
@@ -23,6 +25,7 @@ from .sampling import Sampler, SamplingParams
 from .schema import convert_schema, int_bounds, number_bounds, number_range
 from .seqstate import cache_layout_mismatch
 from .state import DecodeAborted, NoKvSpace, Snapshot
+from .thinking import ThinkGate, ThinkPlan
 from .types import (
     Drafter,
     ModelInfo,
@@ -56,6 +59,8 @@ __all__ = [
     "StepPlanner",
     "StepRequest",
     "StepResult",
+    "ThinkGate",
+    "ThinkPlan",
     "TokenLogprobs",
     "Triggers",
     "Vocabulary",

@@ -111,7 +111,6 @@ class LlamaBackend(SlotStates, BatchSteps):
         # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
         # the GPU worker) so the token loop needs no llama call on the trio thread.
         self.pieces: list[bytes] = [self._piece(t) for t in range(self.info.n_vocab)]
-        self.grammars = GrammarCache(self._vocab, self.pieces)  # compiled for this vocabulary (worker only)
         # The few tokens (control tokens) whose spelled-out text differs: with these, showing
         # tokens (/tokenize pieces, /detokenize) needs no llama call and no GPU worker.
         self._special_text = {
@@ -119,6 +118,9 @@ class LlamaBackend(SlotStates, BatchSteps):
         }
         self.eog_ids = frozenset(t for t in range(self.info.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
         self._eog_index = np.fromiter(sorted(self.eog_ids), dtype=np.intp)  # ignore_eos masks these
+        # Compiled for this vocabulary: llama.cpp's grammars (worker only), and llguidance's
+        # for a client's own GBNF (compiled off the worker: llama/grammar.py, GuidanceCache).
+        self.grammars = GrammarCache(self._vocab, self.pieces, self._special_text, sorted(self.eog_ids))
         self._ctx = None
         self._abort_flag: threading.Event | None = None
         # ctypes callbacks must outlive the context, or they are garbage-collected under it.

@@ -28,6 +28,12 @@ HOSTILE_SCHEMAS: dict[str, Any] = {
     "pattern_bad_range": {"type": "string", "pattern": "^[z-a]$"},
     "empty_integer_range": {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4},
 }
+# Grammars a client may send that llama.cpp's grammar engine could not bound per token
+# (issue 40: this one held every stream for 265 s): on llguidance, each ends its own request
+# with a 400 once past the per-token bound, while the streams go on.
+HOSTILE_GRAMMARS: dict[str, str] = {
+    "ambiguous": 'root ::= s\ns ::= "a" s p | "a" s q | ""\np ::= "a"\nq ::= "a"\n',
+}
 MAX_REPLY = 64 << 20  # read at most this much of any reply
 MESSAGES = [{"role": "user", "content": "hello world"}]
 STOPPED = "stopped: the campaign ended"

@@ -16,6 +16,7 @@ from ..net import free_port
 from ..process import EngineProcess
 from .config import (
     BIG,
+    HOSTILE_GRAMMARS,
     HOSTILE_SCHEMAS,
     KV_PARAM_BATCH,
     KV_PARAM_FIELDS,
@@ -172,6 +173,12 @@ class CampaignShapes:
                     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "json_schema": schema}
                 ).encode()))
                 for name, schema in HOSTILE_SCHEMAS.items()
+            ),
+            *(
+                (f"grammar_{name}", post("/v1/chat/completions", json.dumps(
+                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1800, "min_tokens": 1800, "grammar": grammar}
+                ).encode()))
+                for name, grammar in HOSTILE_GRAMMARS.items()
             ),
         ]
 
