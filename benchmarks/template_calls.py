@@ -37,6 +37,10 @@ FORCED_TOOLS = [
                        "required": ["query", "exact"]}}},
 ]
 FORCED_MAX_TOKENS = 512
+# Where the prompt opens a think block (or the template thinks and the engine opens it), the
+# call's grammar is held until the block closes (engine/llama/thinking.py): a random-weight
+# model never writes the close tag, so a thinking budget writes it, then the call follows.
+FORCED_THINK_BUDGET = 24
 FORCED: dict[str, dict[str, Any]] = {
     # greedy, any tool
     "required": {"tool_choice": "required", "temperature": 0},
@@ -51,7 +55,8 @@ FORCED: dict[str, dict[str, Any]] = {
 
 def forced_body(case: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-            "tools": FORCED_TOOLS, "max_tokens": FORCED_MAX_TOKENS, "parallel_tool_calls": False, **FORCED[case]}
+            "tools": FORCED_TOOLS, "max_tokens": FORCED_MAX_TOKENS, "parallel_tool_calls": False,
+            "reasoning_budget_tokens": FORCED_THINK_BUDGET, **FORCED[case]}
 
 
 def check_forced(case: str, status: int, body: Any) -> tuple[bool, str]:

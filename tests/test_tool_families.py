@@ -245,7 +245,7 @@ def test_each_familys_think_markers() -> None:
     assert caps.thinks  # harmony's analysis channel is its reasoning
 
 
-# ---- forced calls after a prompt that opens a think block ----------------------------------------
+# ---- calls after a prompt that opens a think block ----------------------------------------
 
 DEEPSEEK_LIKE = (
     "{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}"
@@ -263,10 +263,10 @@ def _no_builtin(*_: Any) -> str:
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
-def test_a_forced_call_after_an_open_think_block_is_a_call(choice: Any) -> None:
+def test_a_call_after_an_open_think_block_follows_the_reasoning(choice: Any) -> None:
     """DeepSeek's and MiniMax's prompts end inside ``<think>``: a reply read from there starts
-    in its reasoning, except a forced call's, which the grammar writes from the first token
-    (found by the corpus benchmark: the call went to reasoning_content)."""
+    in its reasoning, a forced call's too (its grammar is held until the block closes:
+    llama/thinking.py), and the call after the close tag is a call."""
     from hydra_trio.engine.chat import Chat
 
     tpl = ChatTemplate(name="t", source="inline", jinja=DEEPSEEK_LIKE)
@@ -281,13 +281,10 @@ def test_a_forced_call_after_an_open_think_block_is_a_call(choice: Any) -> None:
     make = chat.reply_parsers(parse_tools(body), body, prompt)
     assert make is not None
     parser = make()
-    deltas = [parser.feed(c) for c in call] + [parser.finish()]
-    calls = [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls]
-    reasoning = "".join(d.reasoning for d in deltas)
-    if choice == "auto":  # free text: the reply is still in the open think block
-        assert calls == [] and reasoning == call
-    else:
-        assert calls == [("get_time", {"city": "Paris"})] and reasoning == ""
+    deltas = [parser.feed(c) for c in "Paris, then.\n</think>\n\n" + call] + [parser.finish()]
+    assert [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls] == [("get_time", {"city": "Paris"})]
+    assert "".join(d.reasoning for d in deltas) == "Paris, then."
+    assert "".join(d.content for d in deltas) == ""
 
 
 def test_kimi_call_index_is_bounded_in_the_grammar() -> None:

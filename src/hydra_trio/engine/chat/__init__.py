@@ -150,10 +150,6 @@ class Chat:
         # starts the reply in its reasoning; auto splits only for templates with think tags.
         opened = _opens_think(prompt, caps)
         reasoning = mode == "deepseek" or (mode == "auto" and (caps.thinks or opened))
-        # A forced call (required, a named function) is grammar-constrained from the reply's
-        # first token (grammar.tools_gbnf writes the calls and nothing before them): the reply
-        # is the calls even where the prompt left a think block open (DeepSeek's, MiniMax's).
-        forced = calls is not None and calls.choice in ("required", "function")
         fmt, tags = caps.tool_format, caps.think_tags
         if calls is None and not reasoning and not fmt.harmony:  # harmony's markup is always read
             return None
@@ -161,7 +157,7 @@ class Chat:
             fmt,
             parse_tools=calls is not None,
             reasoning=reasoning,
-            starts_in_reasoning=reasoning and opened and not forced,
+            starts_in_reasoning=reasoning and opened,
             tools=calls,
             think_tags=tags,
         )
