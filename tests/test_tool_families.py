@@ -103,6 +103,21 @@ CASES: list[Case] = [
     ("gemma4", 'Hello, world!\nWhat\'s up?<|tool_call>call:get_time{city:<|"|>Paris<|"|>}<tool_call|>'
      "<|tool_call>call:special_function{arg1:1}<tool_call|>", False, "Hello, world!\nWhat's up?", "",
      [("get_time", {"city": "Paris"}), ("special_function", {"arg1": 1})]),
+    # Nemotron Nano v2 (its prompt may end inside <think>), Apriel 1.5/1.6, Granite 3.3: a JSON list of calls.
+    ("nemotron", 'I\'m\nthinking\n</think>\n<TOOLCALL>[{"name": "special_function", "arguments": {"arg1": 1}}]</TOOLCALL>',
+     True, "", "I'm\nthinking", ONE),
+    ("nemotron", '<TOOLCALL>[{"name": "special_function", "arguments": {"arg1": 1}}, {"name": "special_function_with_opt", '
+     '"arguments": {"arg1": 1, "arg2": 2}}]</TOOLCALL>\n', False, "", "", TWO),
+    ("apriel", '<tool_calls>[{"name": "special_function", "arguments": {"arg1": 1}}]</tool_calls>', False, "", "", ONE),
+    ("apriel", 'Sure.\n<tool_calls>[{"name": "get_time", "arguments": {"city": "Paris"}, "id": "abc"}]</tool_calls>', False,
+     "Sure.", "", [("get_time", {"city": "Paris"})]),
+    ("granite", '<|tool_call|>[{"name": "special_function", "arguments": {"arg1": 1}}]', False, "", "", ONE),
+    # Cohere Command R7B (a reply may open with its thinking) and Cohere2MoE (its prompt opens it).
+    ("cohere", "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_ACTION|>[\n    {\"tool_call_id\": \"0\", "
+     '"tool_name": "special_function", "parameters": {"arg1": 1}}\n]<|END_ACTION|>', False, "", "I'm\nthinking", ONE),
+    ("cohere", "<|END_THINKING|><|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"special_function\", "
+     '"parameters": {"arg1": 1}},\n    {"tool_call_id": "1", "tool_name": "special_function_with_opt", "parameters": '
+     '{"arg1": 1, "arg2": 2}}\n]<|END_ACTION|>', True, "", "", TWO),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -120,16 +135,25 @@ CASES: list[Case] = [
 ]
 
 
+# A family's think markers where they are not <think> (caps.detect_think_tags reads them from its template).
+THINK_TAGS = {"cohere": ("<|START_THINKING|>", "<|END_THINKING|>")}
+
+
 def _whole(fmt: ToolFormat, text: str, starts_in: bool) -> tuple[str, str, list[Any]]:
-    r = parse_reply(text, fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids())
+    r = parse_reply(text, fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids(),
+                    **_tags(fmt))
     return r.content, r.reasoning, r.tool_calls
 
 
 def _streamed(fmt: ToolFormat, pieces: list[str], starts_in: bool) -> tuple[str, str, list[Any]]:
-    p = ReplyParser(fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids())
+    p = ReplyParser(fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids(), **_tags(fmt))
     deltas = [p.feed(x) for x in pieces] + [p.finish()]
     assert [c for d in deltas for c in d.tool_calls] == p.calls
     return "".join(d.content for d in deltas), "".join(d.reasoning for d in deltas), p.calls
+
+
+def _tags(fmt: ToolFormat) -> dict[str, Any]:
+    return {"think_tags": THINK_TAGS[fmt.name]} if fmt.name in THINK_TAGS else {}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
@@ -143,6 +167,11 @@ def test_each_familys_reply_parses_whole_and_split_anywhere(case: Case) -> None:
     for k in range(len(text) + 1):  # every split point in two, and character by character
         assert _streamed(fmt, [text[:k], text[k:]], starts_in) == whole, k
     assert _streamed(fmt, list(text), starts_in) == whole
+
+
+def test_cohere_keeps_the_models_call_ids() -> None:
+    text = next(c[1] for c in CASES if c[0] == "cohere" and "special_function_with_opt" in c[1])
+    assert [c.id for c in _whole(FORMATS["cohere"], text, True)[2]] == ["0", "1"]
 
 
 def test_kimi_keeps_the_models_call_ids() -> None:
@@ -181,6 +210,11 @@ SNIPPETS = [
     ("{{ '<|start|>assistant<|channel|>' + channel + '<|message|>' }}", "harmony"),
     ("{{ '<|tool_call>call:' + name + '{' }}...{{ '}<tool_call|>' }}", "gemma4"),
     ("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}", "hermes"),
+    ("respond only with <|tool_call|> followed by a JSON list of tools used", "granite"),  # Granite 3.3
+    ("Action: write <|START_ACTION|> followed by a list of JSON-formatted tool calls ...]<|END_ACTION|>", "cohere"),
+    ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
+    ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
+     "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both
 ]
 
 
@@ -196,6 +230,7 @@ def test_auto_picks_the_family_from_the_templates_markers(source: str, name: str
 def test_each_familys_think_markers() -> None:
     assert detect_think_tags("{{ '<seed:think>' + r + '</seed:think>' }}") == ("<seed:think>", "</seed:think>")
     assert detect_think_tags("[THINK]{{ r }}[/THINK]") == ("[THINK]", "[/THINK]")
+    assert detect_think_tags("<|START_THINKING|>{{ r }}<|END_THINKING|>") == ("<|START_THINKING|>", "<|END_THINKING|>")
     assert detect_think_tags("<think>{{ r }}</think>") == ("<think>", "</think>")
     assert detect_think_tags("<mm:think>{{ r }}</mm:think>") == ("<mm:think>", "</mm:think>")
     assert detect_think_tags("{{ '<|channel>thought\\n' + r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")
@@ -208,3 +243,57 @@ def test_each_familys_think_markers() -> None:
     assert (r.reasoning, r.content) == ("plan", "Answer")
     caps = template_caps(ChatTemplate(name="t", source="inline", jinja="<|channel|>analysis<|message|>"))
     assert caps.thinks  # harmony's analysis channel is its reasoning
+
+
+# ---- calls after a prompt that opens a think block ----------------------------------------
+
+DEEPSEEK_LIKE = (
+    "{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}"
+    "{% if tools %}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{% endif %}"
+    "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}"
+)
+
+
+async def _no_worker(fn: Any) -> Any:
+    return fn()
+
+
+def _no_builtin(*_: Any) -> str:
+    raise AssertionError("Jinja only")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_a_call_after_an_open_think_block_follows_the_reasoning(choice: Any) -> None:
+    """DeepSeek's and MiniMax's prompts end inside ``<think>``: a reply read from there starts
+    in its reasoning, a forced call's too (its grammar is held until the block closes:
+    llama/thinking.py), and the call after the close tag is a call."""
+    from hydra_trio.engine.chat import Chat
+
+    tpl = ChatTemplate(name="t", source="inline", jinja=DEEPSEEK_LIKE)
+    chat = Chat(tpl, tool_call_parser="auto", reasoning_format="auto", bos_token="<s>", eos_token="</s>",
+                tokenizer_adds_bos=True, run_on_worker=_no_worker, apply_builtin=_no_builtin)
+    assert chat.caps.tool_format is FORMATS["deepseek"]
+    body = {"messages": [{"role": "user", "content": "time in Paris?"}], "tools": [
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    ], "tool_choice": choice}
+    prompt = "<｜User｜>time in Paris?<｜Assistant｜><think>\n"
+    call = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    make = chat.reply_parsers(parse_tools(body), body, prompt)
+    assert make is not None
+    parser = make()
+    deltas = [parser.feed(c) for c in "Paris, then.\n</think>\n\n" + call] + [parser.finish()]
+    assert [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls] == [("get_time", {"city": "Paris"})]
+    assert "".join(d.reasoning for d in deltas) == "Paris, then."
+    assert "".join(d.content for d in deltas) == ""
+
+
+def test_kimi_call_index_is_bounded_in_the_grammar() -> None:
+    """The grammar writes Kimi's ``functions.NAME:IDX`` with a bounded index: unbounded, a
+    random-weight model wrote digits to max_tokens (found by the corpus benchmark)."""
+    from hydra_trio.engine.chat.grammar import tools_gbnf
+
+    req = parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
+                       "tool_choice": "required"})
+    assert req is not None
+    gbnf, _ = tools_gbnf(req, FORMATS["kimi_k2"])
+    assert "[0-9]+" not in gbnf and "[0-9]{1,5}" in gbnf

@@ -101,6 +101,12 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<|python_tag|>" + "; ".join(call_json(fmt, n, a) for n, a in calls)
     if fmt is MISTRAL:
         return "[TOOL_CALLS][" + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]"
+    if fmt.name == "cohere":
+        return "<|START_ACTION|>[\n" + ",\n".join(
+            "    " + json.dumps({"tool_call_id": str(i), "tool_name": n, "parameters": a}) for i, (n, a) in enumerate(calls)
+        ) + "\n]<|END_ACTION|>"
+    if fmt.name in ("granite", "nemotron", "apriel"):  # a JSON list between the format's literals
+        return fmt.before + ", ".join(call_json(fmt, n, a) for n, a in calls) + fmt.after
     return '{"tool_calls": [' + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]}"
 
 
@@ -121,7 +127,8 @@ def test_each_format_parses_one_and_parallel_calls(fmt: ToolFormat) -> None:
         assert r.content == ""
         assert names_args(r.tool_calls) == calls
         assert [c.index for c in r.tool_calls] == list(range(len(calls)))
-        given = [f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)] if fmt.name == "kimi_k2" else None
+        given = ([f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)] if fmt.name == "kimi_k2"
+                 else [str(i) for i in range(len(calls))] if fmt.name == "cohere" else None)  # the model's own ids
         assert [c.id for c in r.tool_calls] == (given or [f"call_{i}" for i in range(len(calls))])
         assert r.tool_calls[0].arguments == json.dumps(calls[0][1], separators=(",", ":"))
 

@@ -58,12 +58,16 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("｜DSML｜",), f.DEEPSEEK_DSML),
     (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
     (("<minimax:tool_call>",), f.MINIMAX),
+    (("<|START_ACTION|>", "<|END_ACTION|>"), f.COHERE),
     (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
     (("<seed:tool_call>",), f.SEED_OSS),
     (("<arg_key>", "<arg_value>"), f.GLM),
     (("<function=", "<parameter="), f.QWEN3_CODER),
+    (("<TOOLCALL>[",), f.NEMOTRON),
+    (("<tool_calls>[",), f.APRIEL),  # before <tool_call>: Apriel 1.5 names both
     (("<tool_call>",), f.HERMES),
     (("[TOOL_CALLS]",), f.MISTRAL),
+    (("<|tool_call|>",), f.GRANITE),
     (("<|python_tag|>",), f.LLAMA3),
 )
 # Reasoning markers other than <think>: the first found in the source is the template's.
@@ -71,6 +75,7 @@ _THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<seed:think>", "</seed:think>"),
     ("<mm:think>", "</mm:think>"),
     ("[THINK]", "[/THINK]"),
+    ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere
     ("<|channel>thought", "<channel|>"),  # Gemma 4
     (OPEN, CLOSE),
 )

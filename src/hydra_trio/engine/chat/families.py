@@ -226,7 +226,7 @@ KIMI = Block(
     closer="<|tool_calls_section_end|>",
     read=_read_kimi,
     call_rule=_json_rule(
-        lambda t: f'{_lit("<|tool_call_begin|>functions." + t.name + ":")} [0-9]+ {_lit("<|tool_call_argument_begin|>")}',
+        lambda t: f'{_lit("<|tool_call_begin|>functions." + t.name + ":")} [0-9]{{1,5}} {_lit("<|tool_call_argument_begin|>")}',
         "<|tool_call_end|>",
     ),
 )
@@ -364,3 +364,35 @@ def _gemma_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -
 
 
 GEMMA4 = Block(openers=("<|tool_call>",), closer="<tool_call|>", read=_read_gemma, call_rule=_gemma_rule)
+
+
+# -- Cohere Command R7B and Cohere2MoE: <|START_ACTION|>[{"tool_call_id": "0", "tool_name": N, "parameters": {...}}]<|END_ACTION|>
+
+
+def _read_cohere(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    """Cohere's JSON list of calls; its id is the model's ``tool_call_id``."""
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls: list[Call] = []
+    for item in items:
+        if not isinstance(item, dict):
+            return None
+        name, args, given = item.get("tool_name"), item.get("parameters", {}), item.get("tool_call_id")
+        if not isinstance(name, str) or not name or not isinstance(args, dict):
+            return None
+        calls.append((name, args, str(given) if given is not None else None))
+    return calls
+
+
+def _cohere_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    args = renamed(schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-")
+    head = _lit('{"tool_call_id": "') + " [0-9]{1,3} "
+    name = _lit(f'", "tool_name": "{tool.name}", "parameters": ')
+    return f"{head}{name} t{i}-root {_lit('}')}", [args]
+
+
+COHERE = Block(openers=("<|START_ACTION|>",), closer="<|END_ACTION|>", read=_read_cohere, call_rule=_cohere_rule)

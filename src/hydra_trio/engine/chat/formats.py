@@ -32,7 +32,7 @@ class Trigger:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    name: str  # hermes | llama3 | mistral | generic
+    name: str  # hermes | llama3 | mistral | granite | generic | a family's (FORMATS)
     args_key: str  # the call object's key for the arguments
     # What the parser looks for:
     opener: str = ""  # a literal that starts calls anywhere in the text ("": none)
@@ -85,6 +85,41 @@ MISTRAL = ToolFormat(
     between=", ",
     after="]",
     triggers=(Trigger("[TOOL_CALLS]", False, "[" + CALL_PREFIX),),
+)
+# IBM Granite 3.3: "respond only with <|tool_call|> followed by a JSON list of tools used"
+GRANITE = ToolFormat(
+    "granite",
+    "arguments",
+    opener="<|tool_call|>",
+    listed=True,
+    before="<|tool_call|>[",
+    between=", ",
+    after="]",
+    triggers=(Trigger("<|tool_call|>", False, "[" + CALL_PREFIX),),
+)
+# NVIDIA Nemotron Nano v2: <TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>
+NEMOTRON = ToolFormat(
+    "nemotron",
+    "arguments",
+    opener="<TOOLCALL>",
+    closer="</TOOLCALL>",
+    listed=True,
+    before="<TOOLCALL>[",
+    between=", ",
+    after="]</TOOLCALL>",
+    triggers=(Trigger("<TOOLCALL>", False, "[" + CALL_PREFIX),),
+)
+# ServiceNow Apriel 1.5 and 1.6: <tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>
+APRIEL = ToolFormat(
+    "apriel",
+    "arguments",
+    opener="<tool_calls>",
+    closer="</tool_calls>",
+    listed=True,
+    before="<tool_calls>[",
+    between=", ",
+    after="]</tool_calls>",
+    triggers=(Trigger("<tool_calls>", False, "[" + CALL_PREFIX),),
 )
 GENERIC = ToolFormat(
     "generic",
@@ -146,6 +181,16 @@ DEEPSEEK_DSML = ToolFormat(
 GEMMA4 = ToolFormat(
     "gemma4", "arguments", block=families.GEMMA4, triggers=(Trigger("<|tool_call>", False, "call:"),)
 )
+# Cohere Command R7B and Cohere2MoE: a JSON list of calls between the action markers
+COHERE = ToolFormat(
+    "cohere",
+    "parameters",
+    before="<|START_ACTION|>[\n    ",
+    between=",\n    ",
+    after="\n]<|END_ACTION|>",
+    block=families.COHERE,
+    triggers=(Trigger("<|START_ACTION|>", False, '[\n    {"tool_call_id": "'),),
+)
 # gpt-oss: one call per reply (the model stops at ``<|call|>``); its grammar is harmony.py's.
 HARMONY = ToolFormat(
     "harmony",
@@ -155,7 +200,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, COHERE, HARMONY)
 }
 
 
