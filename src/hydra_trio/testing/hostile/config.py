@@ -33,6 +33,8 @@ HOSTILE_SCHEMAS: dict[str, Any] = {
 # with a 400 once past the per-token bound, while the streams go on.
 HOSTILE_GRAMMARS: dict[str, str] = {
     "ambiguous": 'root ::= s\ns ::= "a" s p | "a" s q | ""\np ::= "a"\nq ::= "a"\n',
+    # ~210 KB: llama.cpp's parse of it held the worker ~1 s, a token's pass took minutes.
+    "alternatives_20k": "root ::= " + " | ".join(f'"w{i}"' for i in range(20_000)) + "\n",
 }
 MAX_REPLY = 64 << 20  # read at most this much of any reply
 MESSAGES = [{"role": "user", "content": "hello world"}]
