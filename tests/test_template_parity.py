@@ -109,3 +109,40 @@ def test_a_gguf_template_that_does_not_compile_falls_back_and_says_so(caplog: py
     assert "does not compile" in tpl.as_dict()["fallback_reason"]
     assert "serving ChatML" in caplog.text
     assert render(tpl.jinja, messages=[{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+THOUGHT = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+           {"role": "user", "content": "and 3+3?"}]
+
+
+def test_lfm2_templates_read_the_reasoning_as_thinking() -> None:
+    """llama.cpp's LFM2/LFM2.5 handler copies reasoning_content to ``thinking`` (the field the
+    template reads); it knows the template by its tool-list markup."""
+    src = ("{# List of tools: [ #}{% for m in messages %}{% if m.thinking is defined %}<think>{{ m.thinking }}</think>"
+           "{% endif %}{{ m.content }}|{% endfor %}")
+    assert render(src, messages=THOUGHT) == "2+2?|<think>Two and two.</think>4|and 3+3?|"
+    plain = src.replace("{# List of tools: [ #}", "")
+    assert render(plain, messages=THOUGHT) == "2+2?|4|and 3+3?|"  # another template: as given
+
+
+def test_ministral3_templates_read_content_as_blocks_with_a_thinking_block_first() -> None:
+    """llama.cpp's Ministral / Magistral Large 3 handler hands system and assistant content as
+    blocks, the reasoning as a ``thinking`` block before the text, and no reasoning_content."""
+    src = ("{# [SYSTEM_PROMPT] [TOOL_CALLS] [ARGS] #}{% for m in messages %}{% if m.content is string %}{{ m.content }}"
+           "{% else %}{% for b in m.content %}{% if b.type == 'thinking' %}[THINK]{{ b.thinking }}[/THINK]"
+           "{% else %}{{ b.text }}{% endif %}{% endfor %}{% endif %}{{ m.reasoning_content is defined }}|{% endfor %}")
+    assert render(src, messages=THOUGHT) == "2+2?False|[THINK]Two and two.[/THINK]4False|and 3+3?False|"
+    mistral32 = src.replace("[ARGS] #}", "[ARGS] [CALL_ID] #}")  # Mistral Small 3.2: not this handler's
+    assert render(mistral32, messages=THOUGHT) == "2+2?False|4True|and 3+3?False|"
+
+
+def test_gemma4s_older_templates_read_a_calls_results_from_the_model_turn() -> None:
+    """llama.cpp's workaround for Gemma 4 templates without the OpenAI-compatible header:
+    the call, its results and the reply after them are one assistant turn with tool_responses."""
+    src = ("{# '<|tool_call>call:' #}{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
+           "{% for r in m.tool_responses or [] %}<{{ r.name }}={{ r.response.t }}>{% endfor %}|{% endfor %}")
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"t": 21}'}, {"role": "assistant", "content": "21 C"}]
+    assert render(src, messages=msgs) == "user:weather?|assistant:21 C<get_weather=21>|"
+    newer = src.replace("#}", "{#- OpenAI Chat Completions: #}")  # the current template reads role tool itself
+    assert render(newer, messages=msgs) == "user:weather?|assistant:|tool:{\"t\": 21}|assistant:21 C|"

@@ -5,6 +5,7 @@ Jinja template or a llama.cpp built-in. HTTP chat, PREFILL and DECODE all render
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -143,6 +144,74 @@ def tool_messages(
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
         else:
             out.insert(0, {"role": "system", "content": prompt})
+    return _as_handler_gives(out, source)
+
+
+def _as_handler_gives(messages: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """The messages as llama.cpp's specialised handler for ``source`` reshapes them, for the
+    two templates whose handler changes what the template reads (llama.cpp's own detection,
+    common/chat.cpp ``common_chat_try_specialized_template``): LFM2 and LFM2.5 read an earlier
+    turn's reasoning as ``thinking`` (common/parsers/lfm2.cpp); Ministral / Magistral Large 3
+    read system and assistant content as blocks, the reasoning a ``thinking`` block first
+    (common/parsers/ministral3.cpp); Gemma 4's older templates read a call's results from the
+    model turn (``_gemma4_model_turns``). gpt-oss's copy is harmony.py's."""
+    lfm2 = ("<|tool_list_start|>" in source and "<|tool_list_end|>" in source) or (
+        "List of tools: [" in source and "<|tool_list_start|>" not in source
+    )
+    ministral3 = all(k in source for k in ("[SYSTEM_PROMPT]", "[TOOL_CALLS]", "[ARGS]")) and "[CALL_ID]" not in source
+    if "'<|tool_call>call:'" in source and "{#- OpenAI Chat Completions:" not in source:
+        return _gemma4_model_turns(messages)
+    if lfm2:
+        return [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m for m in messages]
+    if not ministral3:
+        return messages
+    out = []
+    for m in messages:
+        if m["role"] not in ("system", "assistant"):
+            out.append(m)
+            continue
+        blocks: list[dict[str, Any]] = []
+        if "reasoning_content" in m:
+            blocks.append({"type": "thinking", "thinking": m["reasoning_content"]})
+        content = m.get("content")
+        blocks.extend(content if isinstance(content, list) else [{"type": "text", "text": content or ""}])
+        out.append({**{k: v for k, v in m.items() if k != "reasoning_content"}, "content": blocks})
+    return out
+
+
+def _gemma4_model_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """llama.cpp's workaround for Gemma 4's older templates (common/parsers/gemma4.cpp):
+    an assistant turn with calls, the ``tool`` results after it and the assistant's plain
+    reply after those become one assistant message with ``tool_responses`` (each
+    ``{name, response}``: the result parsed as JSON where it is JSON, named after its call)."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        if m["role"] != "assistant" or not m.get("tool_calls"):
+            out.append(m)
+            i += 1
+            continue
+        calls, responses = list(m["tool_calls"]), []
+        i += 1
+        while i < len(messages) and messages[i]["role"] == "tool":
+            result = messages[i].get("content")
+            try:
+                response = json.loads(result) if isinstance(result, str) else result
+            except ValueError:
+                response = result
+            name = calls[len(responses)]["function"]["name"] if len(responses) < len(calls) else ""
+            responses.append({"name": name or messages[i].get("tool_call_id", ""), "response": response})
+            i += 1
+        turn: dict[str, Any] = {"role": "assistant", "tool_calls": calls}
+        if responses:
+            turn["tool_responses"] = responses
+        if i < len(messages) and messages[i]["role"] == "assistant" and not messages[i].get("tool_calls") and messages[i].get("content"):
+            turn["content"] = messages[i]["content"]
+            i += 1
+        if "reasoning_content" in m:
+            turn["reasoning_content"] = m["reasoning_content"]
+        out.append(turn)
     return out
 
 
