@@ -19,6 +19,8 @@ prompt to both engines, the order alternating between rounds, and every round is
 - itl: a stream (short prompt, ``ignore_eos``) and, once it runs, an N-token prompt in the
   other slot: the stream's p50/p99 inter-token latency while that prompt prefills, and the
   prompt's own prefill time.
+- turns-pd: the session of ``turns`` through a P/D hand-off between two hydra-trio engines
+  (PREFILL on one, DECODE on the other): each turn's TTFT to the decode engine's first token.
 """
 
 from __future__ import annotations
@@ -127,6 +129,52 @@ def turns(peers: list[Peer], prefix_n: int, n_turns: int, tok_url: str) -> list[
     return rows
 
 
+def turns_pd(a: EngineProcess, b: EngineProcess, prefix_n: int, n_turns: int) -> list[dict[str, Any]]:
+    """The same session through a P/D hand-off, as vllm-router runs one (``kv_transfer_params``):
+    each turn is exported by ``a`` (its slot keeps the history, so a later turn evaluates its
+    new tokens) and decoded by ``b``, which pulls the KV; TTFT is from the export request's
+    start to ``b``'s first streamed token."""
+    prefix = tokens(a.url, prefix_n, seed=77)
+    adds = [body_tokens(a.url, 200 + (137 * k) % 301, seed=500 + k) for k in range(n_turns)]
+    export = {"do_remote_decode": True, "do_remote_prefill": False}
+
+    def one(history: list[int]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        r = httpx.post(a.url + "/v1/completions", json={"prompt": history, "max_tokens": 1, "temperature": 0,
+                                                       "kv_transfer_params": export}, timeout=1800)
+        r.raise_for_status()
+        t_export = time.perf_counter() - t0
+        body = r.json()
+        first = None
+        with httpx.stream("POST", b.url + "/v1/completions", timeout=1800, json={
+            "prompt": history, "max_tokens": 4, "temperature": 0, "stream": True, "kv_transfer_params": body["kv_transfer_params"],
+        }) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if first is None and line.startswith("data: {"):
+                    first = time.perf_counter()
+        assert first is not None
+        return {"n_prompt": len(history), "ttft_s": first - t0, "export_s": t_export,
+                "prompt_n": (body.get("timings") or {}).get("prompt_n"),
+                "kv_mib": body["kv_transfer_params"].get("hydra", {}).get("kv_bytes", 0) / 2**20}
+
+    rows = []
+    history = list(prefix)
+    row = {"turn": 0, **one(history)}
+    rows.append(row)
+    print(f"turns-pd: turn 0 ({len(history)} tokens) TTFT {row['ttft_s']:.2f}s (export {row['export_s']:.2f}s, KV {row['kv_mib']:.1f} MiB)", flush=True)
+    for k, add in enumerate(adds, start=1):
+        history += add
+        row = one(history)
+        alone, _ = Peer("hydra-trio", a.url, a.pid, {}).complete(tokens(a.url, len(add), seed=900 + k), cache=False)
+        row = {"turn": k, "n_new": len(add), **row, "cold_new_s": alone, "ratio_to_new": row["ttft_s"] / alone}
+        rows.append(row)
+        print(f"turns-pd: turn {k} (+{len(add)} -> {len(history)}) TTFT {row['ttft_s']:.2f}s (export {row['export_s']:.2f}s, "
+              f"evaluated {row['prompt_n']}, KV {row['kv_mib']:.1f} MiB), cold {len(add)} tokens {alone:.2f}s, "
+              f"ratio {row['ratio_to_new']:.2f}", flush=True)
+    return rows
+
+
 def itl_beside(peer: Peer, stream_prompt: list[int], long_prompt: list[int]) -> dict[str, Any]:
     """The stream's chunk gaps while ``long_prompt`` prefills in the other slot."""
     arrivals: list[float] = []
@@ -205,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=3, help="later turns of the session")
     ap.add_argument("--prefix", type=int, default=None, help="session prefix tokens (16384; --quick 4096)")
     ap.add_argument("--itl-size", type=int, default=None, help="prompt beside the stream (16384; --quick 4096)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: cold, turns, itl")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: cold, turns, itl, turns-pd")
     ap.add_argument("--no-llama-server", action="store_true", help="hydra-trio alone")
     ap.add_argument("--llama-server", default=None, help="llama-server binary (default: the cached build)")
     ap.add_argument("--extra", default="", help="extra hydra-trio serve flags, space separated")
@@ -242,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
             out["turns"] = turns(peers, prefix_n, args.turns, hydra.url)
         if "itl" not in skip:
             out["itl"] = itl(peers, itl_n, max(1, rounds - 1), hydra.url)
+        if "turns-pd" not in skip:
+            decode = EngineProcess(model, slots=2, ctx_size=2 * n_slot, threads=args.threads, extra=args.extra.split())
+            decode.start(log_dir, "hydra-trio-decode")
+            try:
+                out["turns_pd"] = turns_pd(hydra, decode, prefix_n, args.turns)
+            finally:
+                decode.stop()
         out["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
     finally:
         if server is not None:
