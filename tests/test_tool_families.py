@@ -32,6 +32,11 @@ TOOLS = parse_tools({
                                           "parameters": {"type": "object", "properties": {"arg1": INT, "arg2": INT}}}},
         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
         {"type": "function", "function": {"name": "empty_args", "parameters": {"type": "object", "properties": {}}}},
+        *({"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": p}}} for n, p in (
+            ("toggle", {"enabled": {"type": "boolean"}}), ("set_nullable", {"value": {"type": "null"}}),
+            ("set_config", {"config": {"type": "object"}}), ("python", {"code": {"type": "string"}}),
+            ("Calendar_create_event", {"title": {"type": "string"}, "participants": {"type": "array"}, "metadata": {"type": "object"}}),
+        )),
     ],
     "parallel_tool_calls": True,
 })
@@ -118,6 +123,45 @@ CASES: list[Case] = [
     ("cohere", "<|END_THINKING|><|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"special_function\", "
      '"parameters": {"arg1": 1}},\n    {"tool_call_id": "1", "tool_name": "special_function_with_opt", "parameters": '
      '{"arg1": 1, "arg2": 2}}\n]<|END_ACTION|>', True, "", "", TWO),
+    # LFM2 and LFM2.5: Python-style calls (Python's literals become JSON's; JSON's are taken too).
+    ("lfm2", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("lfm2", "<|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "", "", ONE),
+    ("lfm2", '<|tool_call_start|>[get_time(city="XYZCITY")]<|tool_call_end|>', False, "", "", [("get_time", {"city": "XYZCITY"})]),
+    ("lfm2", "<|tool_call_start|>[get_time(city='Paris')]<|tool_call_end|>", False, "", "", [("get_time", {"city": "Paris"})]),
+    ("lfm2", "<|tool_call_start|>[toggle(enabled=True)]<|tool_call_end|>", False, "", "", [("toggle", {"enabled": True})]),
+    ("lfm2", "<|tool_call_start|>[set_nullable(value=None)]<|tool_call_end|>", False, "", "", [("set_nullable", {"value": None})]),
+    ("lfm2", '<|tool_call_start|>[set_config(config={"enabled": True, "count": 3})]<|tool_call_end|>', False, "", "",
+     [("set_config", {"config": {"enabled": True, "count": 3}})]),
+    ("lfm2", '<|tool_call_start|>[set_config(config={"enabled": true, "note": null})]<|tool_call_end|>', False, "", "",
+     [("set_config", {"config": {"enabled": True, "note": None}})]),
+    # (llama.cpp names this tool Calendar.create_event: our tool names are OpenAI's, no dots)
+    ("lfm2", '<|tool_call_start|>[Calendar_create_event(title="demo", participants=["Alice", "Bob"], '
+     'metadata={"priority": "high", "reminder": true})]<|tool_call_end|>', False, "", "",
+     [("Calendar_create_event", {"title": "demo", "participants": ["Alice", "Bob"], "metadata": {"priority": "high", "reminder": True}})]),
+    ("lfm2", "Use this format: [link text](url). Example: [Wikipedia](https://www.wikipedia.org).", False,
+     "Use this format: [link text](url). Example: [Wikipedia](https://www.wikipedia.org).", "", []),
+    ("lfm2", '<|tool_call_start|>[python(code="def hello():\\n    print(\'hey\')")]<|tool_call_end|>', False, "", "",
+     [("python", {"code": "def hello():\n    print('hey')"})]),  # an escape is its character
+    ("lfm2", '<|tool_call_start|>[python(code="First line\\nSecond line\\tindented")]<|tool_call_end|>', False, "", "",
+     [("python", {"code": "First line\nSecond line\tindented"})]),
+    ("lfm2", '<|tool_call_start|>[python(code="print(\\"hi\\")")]<|tool_call_end|>', False, "", "",
+     [("python", {"code": 'print("hi")'})]),
+    ("lfm2", 'Let me check the time.<|tool_call_start|>[get_time(city="Paris")]<|tool_call_end|>', False,
+     "Let me check the time.", "", [("get_time", {"city": "Paris"})]),
+    ("lfm2", "<|tool_call_start|>[special_function(arg1=1), special_function_with_opt(arg1=1, arg2=2)]<|tool_call_end|>",
+     False, "", "", TWO),
+    ("lfm2", "<|tool_call_start|>[empty_args()]<|tool_call_end|>", False, "", "", [("empty_args", {})]),
+    ("lfm2", "<|tool_call_start|>[special_function(arg1=", False, "<|tool_call_start|>[special_function(arg1=", "", []),
+    # LFM2.5-8B-A1B thinks: a call's marker inside the reasoning is reasoning.
+    ("lfm2", "<think>I'm\nthinking</think><|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "",
+     "I'm\nthinking", ONE),
+    ("lfm2", '<think>I need to call a function</think>Let me check the time.<|tool_call_start|>[get_time(city="Paris")]'
+     "<|tool_call_end|>", False, "Let me check the time.", "I need to call a function", [("get_time", {"city": "Paris"})]),
+    ("lfm2", "<think>Let me think about <|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|> hmm</think>"
+     "<|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "",
+     "Let me think about <|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|> hmm", ONE),
+    ("lfm2", "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>", False, "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>",
+     "", []),  # an undeclared tool: content
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -212,6 +256,8 @@ SNIPPETS = [
     ("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}", "hermes"),
     ("respond only with <|tool_call|> followed by a JSON list of tools used", "granite"),  # Granite 3.3
     ("Action: write <|START_ACTION|> followed by a list of JSON-formatted tool calls ...]<|END_ACTION|>", "cohere"),
+    ("{{- '<|im_start|>system\\n<|tool_list_start|>' + tools | tojson + '<|tool_list_end|>' -}}", "lfm2"),  # LFM2
+    ("{%- set ns.system_prompt = ns.system_prompt + \"List of tools: [\" -%}", "lfm2"),  # LFM2.5
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both

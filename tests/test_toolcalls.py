@@ -105,6 +105,10 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<|START_ACTION|>[\n" + ",\n".join(
             "    " + json.dumps({"tool_call_id": str(i), "tool_name": n, "parameters": a}) for i, (n, a) in enumerate(calls)
         ) + "\n]<|END_ACTION|>"
+    if fmt.name == "lfm2":
+        return "<|tool_call_start|>[" + ", ".join(
+            f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls
+        ) + "]<|tool_call_end|>"
     if fmt.name in ("granite", "nemotron", "apriel"):  # a JSON list between the format's literals
         return fmt.before + ", ".join(call_json(fmt, n, a) for n, a in calls) + fmt.after
     return '{"tool_calls": [' + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]}"

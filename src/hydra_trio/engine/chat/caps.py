@@ -59,6 +59,8 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
     (("<minimax:tool_call>",), f.MINIMAX),
     (("<|START_ACTION|>", "<|END_ACTION|>"), f.COHERE),
+    (("<|tool_list_start|>", "<|tool_list_end|>"), f.LFM2),  # LFM2 (llama.cpp's is_lfm2_template)
+    (("List of tools: [",), f.LFM2),  # LFM2.5: its tools in plain text
     (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
     (("<seed:tool_call>",), f.SEED_OSS),
     (("<arg_key>", "<arg_value>"), f.GLM),

@@ -191,6 +191,16 @@ COHERE = ToolFormat(
     block=families.COHERE,
     triggers=(Trigger("<|START_ACTION|>", False, '[\n    {"tool_call_id": "'),),
 )
+# LFM2 and LFM2.5: Python-style calls in a list between the call markers
+LFM2 = ToolFormat(
+    "lfm2",
+    "arguments",
+    before="<|tool_call_start|>[",
+    between=", ",
+    after="]<|tool_call_end|>",
+    block=families.LFM2,
+    triggers=(Trigger("<|tool_call_start|>", False, "["),),
+)
 # gpt-oss: one call per reply (the model stops at ``<|call|>``); its grammar is harmony.py's.
 HARMONY = ToolFormat(
     "harmony",
@@ -200,7 +210,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, COHERE, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, COHERE, LFM2, HARMONY)
 }
 
 
