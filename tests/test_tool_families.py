@@ -162,6 +162,12 @@ CASES: list[Case] = [
      "Let me think about <|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|> hmm", ONE),
     ("lfm2", "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>", False, "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>",
      "", []),  # an undeclared tool: content
+    # firefunction v2: a JSON list after "functools" (no closing marker).
+    ("firefunction", 'Hello, world!\nWhat\'s up?', False, "Hello, world!\nWhat's up?", "", []),
+    ("firefunction", ' functools[{"name": "special_function", "arguments": {"arg1": 1}}]', False, "", "", ONE),
+    ("firefunction", 'Sure. functools[{"name": "special_function", "arguments": {"arg1": 1}}, {"name": '
+     '"special_function_with_opt", "arguments": {"arg1": 1, "arg2": 2}}]', False, "Sure.", "", TWO),
+    ("firefunction", "I used functools.partial here.", False, "I used functools.partial here.", "", []),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -258,6 +264,7 @@ SNIPPETS = [
     ("Action: write <|START_ACTION|> followed by a list of JSON-formatted tool calls ...]<|END_ACTION|>", "cohere"),
     ("{{- '<|im_start|>system\\n<|tool_list_start|>' + tools | tojson + '<|tool_list_end|>' -}}", "lfm2"),  # LFM2
     ("{%- set ns.system_prompt = ns.system_prompt + \"List of tools: [\" -%}", "lfm2"),  # LFM2.5
+    ("{%- set ns.content = ns.content + ' functools[' + tool.calls | join(', ') + ']' -%}", "firefunction"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both

@@ -109,7 +109,7 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls
         ) + "]<|tool_call_end|>"
-    if fmt.name in ("granite", "nemotron", "apriel"):  # a JSON list between the format's literals
+    if fmt.name in ("granite", "nemotron", "apriel", "firefunction"):  # a JSON list between the format's literals
         return fmt.before + ", ".join(call_json(fmt, n, a) for n, a in calls) + fmt.after
     return '{"tool_calls": [' + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]}"
 

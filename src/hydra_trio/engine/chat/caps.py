@@ -66,6 +66,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<arg_key>", "<arg_value>"), f.GLM),
     (("<function=", "<parameter="), f.QWEN3_CODER),
     (("<TOOLCALL>[",), f.NEMOTRON),
+    (("functools[",), f.FIREFUNCTION),
     (("<tool_calls>[",), f.APRIEL),  # before <tool_call>: Apriel 1.5 names both
     (("<tool_call>",), f.HERMES),
     (("[TOOL_CALLS]",), f.MISTRAL),

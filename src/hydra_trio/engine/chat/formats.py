@@ -121,6 +121,18 @@ APRIEL = ToolFormat(
     after="]</tool_calls>",
     triggers=(Trigger("<tool_calls>", False, "[" + CALL_PREFIX),),
 )
+# Fireworks' firefunction v2: " functools[{"name": ..., "arguments": {...}}, ...]" (no closing marker;
+# the grammar writes it from "functools[", its trigger, on: what a lazy grammar is fed starts there)
+FIREFUNCTION = ToolFormat(
+    "firefunction",
+    "arguments",
+    opener="functools",
+    listed=True,
+    before="functools[",
+    between=", ",
+    after="]",
+    triggers=(Trigger("functools[", False, CALL_PREFIX),),
+)
 GENERIC = ToolFormat(
     "generic",
     "arguments",
@@ -210,7 +222,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, COHERE, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, COHERE, LFM2, HARMONY)
 }
 
 
