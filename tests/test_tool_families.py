@@ -168,6 +168,14 @@ CASES: list[Case] = [
     ("firefunction", 'Sure. functools[{"name": "special_function", "arguments": {"arg1": 1}}, {"name": '
      '"special_function_with_opt", "arguments": {"arg1": 1, "arg2": 2}}]', False, "Sure.", "", TWO),
     ("firefunction", "I used functools.partial here.", False, "I used functools.partial here.", "", []),
+    # MiniMax M1: one call's JSON a line between <tool_calls> tags (its template's own example; arguments
+    # it prints | tojson, so a string of JSON, are taken too).
+    ("minimax_m1", 'Sure.\n<tool_calls>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_calls>', False,
+     "Sure.", "", ONE),
+    ("minimax_m1", '<tool_calls>\n{"name": "special_function", "arguments": {"arg1": 1}}\n{"name": "special_function_with_opt", '
+     '"arguments": {"arg1": 1, "arg2": 2}}\n</tool_calls>', False, "", "", TWO),
+    ("minimax_m1", '<tool_calls>\n{"name": "special_function", "arguments": "{\\"arg1\\": 1}"}\n</tool_calls>', False, "", "", ONE),
+    ("minimax_m1", "<tool_calls>\nnot a call\n</tool_calls>", False, "<tool_calls>\nnot a call\n</tool_calls>", "", []),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -265,6 +273,8 @@ SNIPPETS = [
     ("{{- '<|im_start|>system\\n<|tool_list_start|>' + tools | tojson + '<|tool_list_end|>' -}}", "lfm2"),  # LFM2
     ("{%- set ns.system_prompt = ns.system_prompt + \"List of tools: [\" -%}", "lfm2"),  # LFM2.5
     ("{%- set ns.content = ns.content + ' functools[' + tool.calls | join(', ') + ']' -%}", "firefunction"),
+    ("{{ '<beginning_of_sentence>ai name=assistant\\n<tool_calls>\\n' -}}...{{ '</tool_calls><end_of_sentence>\\n' -}}",
+     "minimax_m1"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both

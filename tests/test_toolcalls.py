@@ -105,6 +105,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<|START_ACTION|>[\n" + ",\n".join(
             "    " + json.dumps({"tool_call_id": str(i), "tool_name": n, "parameters": a}) for i, (n, a) in enumerate(calls)
         ) + "\n]<|END_ACTION|>"
+    if fmt.name == "minimax_m1":
+        return "<tool_calls>\n" + "\n".join(call_json(fmt, n, a) for n, a in calls) + "\n</tool_calls>"
     if fmt.name == "lfm2":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls

@@ -67,6 +67,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<function=", "<parameter="), f.QWEN3_CODER),
     (("<TOOLCALL>[",), f.NEMOTRON),
     (("functools[",), f.FIREFUNCTION),
+    (("</tool_calls><end_of_sentence>",), f.MINIMAX_M1),
     (("<tool_calls>[",), f.APRIEL),  # before <tool_call>: Apriel 1.5 names both
     (("<tool_call>",), f.HERMES),
     (("[TOOL_CALLS]",), f.MISTRAL),

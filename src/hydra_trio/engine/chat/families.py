@@ -560,3 +560,74 @@ def _keyword_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed)
 
 
 LFM2 = Block(openers=("<|tool_call_start|>",), closer="<|tool_call_end|>", read=_read_lfm2, call_rule=_keyword_rule)
+
+
+def _object_args(value: Any) -> dict[str, Any] | None:
+    """A call's arguments: an object, or (as templates that print them ``| tojson`` show a
+    string's) a JSON string of one."""
+    if isinstance(value, str):
+        return _json_args(value)
+    return value if isinstance(value, dict) else None
+
+
+# -- MiniMax M1: <tool_calls>\n{"name": N, "arguments": {...}}\n{...}\n</tool_calls> (one JSON object a line)
+
+
+def _read_json_lines(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    decoder = json.JSONDecoder()
+    calls: list[Call] = []
+    pos = 0
+    while True:
+        while pos < len(body) and body[pos].isspace():
+            pos += 1
+        if pos == len(body):
+            break
+        try:
+            item, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return None
+        if not isinstance(item, dict) or set(item) - {"name", "arguments"}:
+            return None
+        name, args = item.get("name"), _object_args(item.get("arguments", {}))
+        if not isinstance(name, str) or not name or args is None:
+            return None
+        calls.append((name, args, None))
+    return calls or None
+
+
+MINIMAX_M1 = Block(
+    openers=("<tool_calls>",),
+    closer="</tool_calls>",
+    read=_read_json_lines,
+    call_rule=_json_rule(lambda t: _lit(f'{{"name": "{t.name}", "arguments": '), "}"),
+)
+
+
+# -- Apertus: <|tools_prefix|>[{"NAME": {...arguments...}}, ...]<|tools_suffix|> (the name as the key)
+
+
+def _read_name_keyed(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls: list[Call] = []
+    for item in items:
+        if not isinstance(item, dict) or len(item) != 1:
+            return None
+        ((name, value),) = item.items()
+        args = _object_args(value)
+        if not name or args is None:
+            return None
+        calls.append((name, args, None))
+    return calls
+
+
+APERTUS = Block(
+    openers=("<|tools_prefix|>",),
+    closer="<|tools_suffix|>",
+    read=_read_name_keyed,
+    call_rule=_json_rule(lambda t: _lit(f'{{"{t.name}": '), "}"),
+)

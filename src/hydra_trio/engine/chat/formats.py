@@ -182,6 +182,16 @@ MINIMAX = ToolFormat(
     block=families.MINIMAX,
     triggers=(Trigger("<minimax:tool_call>", False, '\n<invoke name="'),),
 )
+# MiniMax M1: <tool_calls>\n{"name": ..., "arguments": {...}}\n...\n</tool_calls>, one call's JSON a line
+MINIMAX_M1 = ToolFormat(
+    "minimax_m1",
+    "arguments",
+    before="<tool_calls>\n",
+    between="\n",
+    after="\n</tool_calls>",
+    block=families.MINIMAX_M1,
+    triggers=(Trigger("<tool_calls>", False, "\n" + CALL_PREFIX),),
+)
 DEEPSEEK_DSML = ToolFormat(
     "deepseek_dsml",
     "arguments",
@@ -222,7 +232,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, COHERE, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, LFM2, HARMONY)
 }
 
 
