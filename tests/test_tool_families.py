@@ -176,6 +176,13 @@ CASES: list[Case] = [
      '"arguments": {"arg1": 1, "arg2": 2}}\n</tool_calls>', False, "", "", TWO),
     ("minimax_m1", '<tool_calls>\n{"name": "special_function", "arguments": "{\\"arg1\\": 1}"}\n</tool_calls>', False, "", "", ONE),
     ("minimax_m1", "<tool_calls>\nnot a call\n</tool_calls>", False, "<tool_calls>\nnot a call\n</tool_calls>", "", []),
+    # Apertus: the tool's name is the key of its arguments; <|inner_prefix|>...<|inner_suffix|> its deliberation.
+    ("apertus", '<|tools_prefix|>[{"special_function": {"arg1": 1}}]<|tools_suffix|>', False, "", "", ONE),
+    ("apertus", '<|inner_prefix|>I\'m\nthinking<|inner_suffix|>Sure.<|tools_prefix|>[{"special_function": {"arg1": 1}}, '
+     '{"special_function_with_opt": {"arg1": 1, "arg2": 2}}]<|tools_suffix|>', False, "Sure.", "I'm\nthinking", TWO),
+    ("apertus", '<|tools_prefix|>[{"special_function": "{\\"arg1\\": 1}"}]<|tools_suffix|>', False, "", "", ONE),
+    ("apertus", '<|tools_prefix|>[{"special_function": {"arg1": 1}, "x": 2}]<|tools_suffix|>', False,
+     '<|tools_prefix|>[{"special_function": {"arg1": 1}, "x": 2}]<|tools_suffix|>', "", []),  # not one name: content
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -194,7 +201,7 @@ CASES: list[Case] = [
 
 
 # A family's think markers where they are not <think> (caps.detect_think_tags reads them from its template).
-THINK_TAGS = {"cohere": ("<|START_THINKING|>", "<|END_THINKING|>")}
+THINK_TAGS = {"cohere": ("<|START_THINKING|>", "<|END_THINKING|>"), "apertus": ("<|inner_prefix|>", "<|inner_suffix|>")}
 
 
 def _whole(fmt: ToolFormat, text: str, starts_in: bool) -> tuple[str, str, list[Any]]:
@@ -275,6 +282,7 @@ SNIPPETS = [
     ("{%- set ns.content = ns.content + ' functools[' + tool.calls | join(', ') + ']' -%}", "firefunction"),
     ("{{ '<beginning_of_sentence>ai name=assistant\\n<tool_calls>\\n' -}}...{{ '</tool_calls><end_of_sentence>\\n' -}}",
      "minimax_m1"),
+    ("{%- set tool_calls_token = '<|tools_prefix|>' -%}{%- set end_tool_calls_token = '<|tools_suffix|>' -%}", "apertus"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both
@@ -294,6 +302,8 @@ def test_each_familys_think_markers() -> None:
     assert detect_think_tags("{{ '<seed:think>' + r + '</seed:think>' }}") == ("<seed:think>", "</seed:think>")
     assert detect_think_tags("[THINK]{{ r }}[/THINK]") == ("[THINK]", "[/THINK]")
     assert detect_think_tags("<|START_THINKING|>{{ r }}<|END_THINKING|>") == ("<|START_THINKING|>", "<|END_THINKING|>")
+    assert detect_think_tags("{%- set inner_token = '<|inner_prefix|>' -%}{%- set outer_token = '<|inner_suffix|>' -%}") == (
+        "<|inner_prefix|>", "<|inner_suffix|>")
     assert detect_think_tags("<think>{{ r }}</think>") == ("<think>", "</think>")
     assert detect_think_tags("<mm:think>{{ r }}</mm:think>") == ("<mm:think>", "</mm:think>")
     assert detect_think_tags("{{ '<|channel>thought\\n' + r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")

@@ -118,6 +118,7 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "cohere": '<|START_ACTION|>[\n    {"tool_call_id": "',  # then the model's id, the name, the parameters
               "firefunction": 'functools[{"name": "tool_0", "arguments": ',
               "minimax_m1": '<tool_calls>\n{"name": "tool_0", "arguments": ',
+              "apertus": '<|tools_prefix|>[{"tool_0": ',
               "lfm2": "<|tool_call_start|>[tool_0(x=",
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
     for name, fmt in FORMATS.items():

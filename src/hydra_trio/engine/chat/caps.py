@@ -59,6 +59,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
     (("<minimax:tool_call>",), f.MINIMAX),
     (("<|START_ACTION|>", "<|END_ACTION|>"), f.COHERE),
+    (("<|tools_prefix|>", "<|tools_suffix|>"), f.APERTUS),
     (("<|tool_list_start|>", "<|tool_list_end|>"), f.LFM2),  # LFM2 (llama.cpp's is_lfm2_template)
     (("List of tools: [",), f.LFM2),  # LFM2.5: its tools in plain text
     (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
@@ -80,6 +81,7 @@ _THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<mm:think>", "</mm:think>"),
     ("[THINK]", "[/THINK]"),
     ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere
+    ("<|inner_prefix|>", "<|inner_suffix|>"),  # Apertus' deliberation
     ("<|channel>thought", "<channel|>"),  # Gemma 4
     (OPEN, CLOSE),
 )

@@ -213,6 +213,16 @@ COHERE = ToolFormat(
     block=families.COHERE,
     triggers=(Trigger("<|START_ACTION|>", False, '[\n    {"tool_call_id": "'),),
 )
+# Apertus: a JSON list of {"NAME": {...arguments...}} between its tool markers
+APERTUS = ToolFormat(
+    "apertus",
+    "arguments",
+    before="<|tools_prefix|>[",
+    between=", ",
+    after="]<|tools_suffix|>",
+    block=families.APERTUS,
+    triggers=(Trigger("<|tools_prefix|>", False, '[{"'),),
+)
 # LFM2 and LFM2.5: Python-style calls in a list between the call markers
 LFM2 = ToolFormat(
     "lfm2",
@@ -232,7 +242,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, LFM2, HARMONY)
 }
 
 
