@@ -183,6 +183,15 @@ CASES: list[Case] = [
     ("apertus", '<|tools_prefix|>[{"special_function": "{\\"arg1\\": 1}"}]<|tools_suffix|>', False, "", "", ONE),
     ("apertus", '<|tools_prefix|>[{"special_function": {"arg1": 1}, "x": 2}]<|tools_suffix|>', False,
      '<|tools_prefix|>[{"special_function": {"arg1": 1}, "x": 2}]<|tools_suffix|>', "", []),  # not one name: content
+    # GigaChat3: the call is a "function call" role's message; GigaChat3.1: after <|function_call|>.
+    ("gigachat3", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("gigachat3", '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "special_function", "arguments": {"arg1": 1}}', False,
+     "", "", ONE),
+    ("gigachat3", 'Hello, world!\nWhat\'s up?<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "special_function", '
+     '"arguments": {"arg1": 1}}', False, "Hello, world!\nWhat's up?", "", ONE),
+    ("gigachat3_1", '<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}', False, "", "", ONE),
+    ("gigachat3_1", 'Hello, world!\nWhat\'s up?<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}', False,
+     "Hello, world!\nWhat's up?", "", ONE),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -283,6 +292,9 @@ SNIPPETS = [
     ("{{ '<beginning_of_sentence>ai name=assistant\\n<tool_calls>\\n' -}}...{{ '</tool_calls><end_of_sentence>\\n' -}}",
      "minimax_m1"),
     ("{%- set tool_calls_token = '<|tools_prefix|>' -%}{%- set end_tool_calls_token = '<|tools_suffix|>' -%}", "apertus"),
+    ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", message_sep=\"<|message_sep|>\\n\\n\") -%}"
+     "{%- set call = {'role': 'function call'} -%}", "gigachat3"),
+    ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", function_call=\"<|function_call|>\") -%}", "gigachat3_1"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both

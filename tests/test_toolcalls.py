@@ -109,6 +109,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<tool_calls>\n" + "\n".join(call_json(fmt, n, a) for n, a in calls) + "\n</tool_calls>"
     if fmt.name == "apertus":
         return "<|tools_prefix|>[" + ", ".join(json.dumps({n: a}) for n, a in calls) + "]<|tools_suffix|>"
+    if fmt.name in ("gigachat3", "gigachat3_1"):
+        return "".join(fmt.before + call_json(fmt, n, a) for n, a in calls)
     if fmt.name == "lfm2":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls

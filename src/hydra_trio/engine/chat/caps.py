@@ -68,6 +68,8 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<function=", "<parameter="), f.QWEN3_CODER),
     (("<TOOLCALL>[",), f.NEMOTRON),
     (("functools[",), f.FIREFUNCTION),
+    (("<|function_call|>", "<|role_sep|>"), f.GIGACHAT3_1),
+    (("<|role_sep|>", "<|message_sep|>", "function call"), f.GIGACHAT3),  # without <|function_call|>, as llama.cpp
     (("</tool_calls><end_of_sentence>",), f.MINIMAX_M1),
     (("<tool_calls>[",), f.APRIEL),  # before <tool_call>: Apriel 1.5 names both
     (("<tool_call>",), f.HERMES),

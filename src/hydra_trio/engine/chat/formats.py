@@ -133,6 +133,25 @@ FIREFUNCTION = ToolFormat(
     after="]",
     triggers=(Trigger("functools[", False, CALL_PREFIX),),
 )
+# GigaChat3: its "function call" role's message after the reply's (one call; the template shows no second)
+GIGA3_CALL = "<|message_sep|>\n\nfunction call<|role_sep|>"
+GIGACHAT3 = ToolFormat(
+    "gigachat3",
+    "arguments",
+    opener=GIGA3_CALL,
+    before=GIGA3_CALL + "\n",
+    between=GIGA3_CALL + "\n",
+    triggers=(Trigger(GIGA3_CALL, False, "\n" + CALL_PREFIX),),
+)
+# GigaChat3.1: <|function_call|>{"name": ..., "arguments": {...}}
+GIGACHAT3_1 = ToolFormat(
+    "gigachat3_1",
+    "arguments",
+    opener="<|function_call|>",
+    before="<|function_call|>",
+    between="<|function_call|>",
+    triggers=(Trigger("<|function_call|>", False, CALL_PREFIX),),
+)
 GENERIC = ToolFormat(
     "generic",
     "arguments",
@@ -242,7 +261,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, LFM2, HARMONY)
 }
 
 
