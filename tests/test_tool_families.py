@@ -35,6 +35,7 @@ TOOLS = parse_tools({
         *({"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": p}}} for n, p in (
             ("toggle", {"enabled": {"type": "boolean"}}), ("set_nullable", {"value": {"type": "null"}}),
             ("set_config", {"config": {"type": "object"}}), ("python", {"code": {"type": "string"}}),
+            ("html", {"markup": {"type": "string"}}),
             ("Calendar_create_event", {"title": {"type": "string"}, "participants": {"type": "array"}, "metadata": {"type": "object"}}),
         )),
     ],
@@ -192,6 +193,20 @@ CASES: list[Case] = [
     ("gigachat3_1", '<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}', False, "", "", ONE),
     ("gigachat3_1", 'Hello, world!\nWhat\'s up?<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}', False,
      "Hello, world!\nWhat's up?", "", ONE),
+    # MiniCPM5: XML parameters (a string's text as written, a CDATA block's as is); its prompt may open <think>.
+    ("minicpm5", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("minicpm5", '<function name="python"><param name="code">print(\'Hello, World!\')</param></function>', False, "", "",
+     [("python", {"code": "print('Hello, World!')"})]),
+    ("minicpm5", '<function name="empty_args"></function>', False, "", "", [("empty_args", {})]),
+    ("minicpm5", '<function name="html"><param name="markup"><![CDATA[<a href="/x">hi</a> </param>]]></param></function>', False,
+     "", "", [("html", {"markup": '<a href="/x">hi</a> </param>'})]),
+    ("minicpm5", 'I\'m thinking</think><function name="python"><param name="code">print(\'hey\')</param></function>', True,
+     "", "I'm thinking", [("python", {"code": "print('hey')"})]),
+    ("minicpm5", '<function name="python"><param name="code">print(\'x\')</param></function>\n<function name="python">'
+     '<param name="code">print(\'y\')</param></function>', False, "", "",
+     [("python", {"code": "print('x')"}), ("python", {"code": "print('y')"})]),
+    ("minicpm5", '<function name="special_function_with_opt"><param name="arg1">1</param>\n<param name="arg2">2</param>'
+     "</function>", False, "", "", [("special_function_with_opt", {"arg1": 1, "arg2": 2})]),  # typed by the schema
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -295,6 +310,8 @@ SNIPPETS = [
     ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", message_sep=\"<|message_sep|>\\n\\n\") -%}"
      "{%- set call = {'role': 'function call'} -%}", "gigachat3"),
     ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", function_call=\"<|function_call|>\") -%}", "gigachat3_1"),
+    ("Tool usage guidelines:\n...<function name=\"function-name\"><param name=\"param-name\">param-value</param></function>",
+     "minicpm5"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both

@@ -121,6 +121,7 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "apertus": '<|tools_prefix|>[{"tool_0": ',
               "gigachat3": '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "tool_0", "arguments": ',
               "gigachat3_1": '<|function_call|>{"name": "tool_0", "arguments": ',
+              "minicpm5": '<function name="tool_0"><param name="x">',
               "lfm2": "<|tool_call_start|>[tool_0(x=",
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
     for name, fmt in FORMATS.items():

@@ -111,6 +111,11 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<|tools_prefix|>[" + ", ".join(json.dumps({n: a}) for n, a in calls) + "]<|tools_suffix|>"
     if fmt.name in ("gigachat3", "gigachat3_1"):
         return "".join(fmt.before + call_json(fmt, n, a) for n, a in calls)
+    if fmt.name == "minicpm5":
+        return "\n".join(
+            f'<function name="{n}">' + "".join(f'<param name="{k}">{_xml(n, k, v)}</param>' for k, v in a.items()) + "</function>"
+            for n, a in calls
+        )
     if fmt.name == "lfm2":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls

@@ -64,6 +64,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("List of tools: [",), f.LFM2),  # LFM2.5: its tools in plain text
     (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
     (("<seed:tool_call>",), f.SEED_OSS),
+    (("Tool usage guidelines:", '<function name="', '<param name="'), f.MINICPM5),  # as llama.cpp tells it
     (("<arg_key>", "<arg_value>"), f.GLM),
     (("<function=", "<parameter="), f.QWEN3_CODER),
     (("<TOOLCALL>[",), f.NEMOTRON),

@@ -631,3 +631,36 @@ APERTUS = Block(
     read=_read_name_keyed,
     call_rule=_json_rule(lambda t: _lit(f'{{"{t.name}": '), "}"),
 )
+
+
+# -- MiniCPM5: <function name="N"><param name="K">V</param>...</function> (a value may be <![CDATA[...]]>)
+
+_MINICPM_NAME = re.compile(r'([^"<>\n]+)">')
+_MINICPM_PARAM = re.compile(r'\s*<param name="([^"]+)">(?:<!\[CDATA\[(.*?)\]\]>|(.*?))</param>', re.S)
+
+
+def _read_minicpm(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    m = _MINICPM_NAME.match(body)
+    if m is None:
+        return None
+    name, props = m.group(1).strip(), props_of(m.group(1).strip()) or {}
+    args: dict[str, Any] = {}
+    pos = m.end()
+    for pm in _MINICPM_PARAM.finditer(body, pos):
+        if pm.start() != pos:
+            return None
+        key = pm.group(1)
+        text = pm.group(2) if pm.group(2) is not None else pm.group(3)
+        args[key] = text if pm.group(2) is not None else typed_value(text, props.get(key))
+        pos = pm.end()
+    if body[pos:].strip():
+        return None
+    return [(name, args, None)] if name else None
+
+
+def _minicpm_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, lambda k: (f'<param name="{k}">', "</param>"))
+    return " ".join(x for x in (_lit(f'<function name="{tool.name}">'), params, _lit("</function>")) if x), rules
+
+
+MINICPM5 = Block(openers=('<function name="',), closer="</function>", read=_read_minicpm, call_rule=_minicpm_rule)

@@ -242,6 +242,10 @@ APERTUS = ToolFormat(
     block=families.APERTUS,
     triggers=(Trigger("<|tools_prefix|>", False, '[{"'),),
 )
+# MiniCPM5: <function name="N"><param name="K">V</param></function>, a call a line
+MINICPM5 = ToolFormat(
+    "minicpm5", "arguments", between="\n", block=families.MINICPM5, triggers=(Trigger("<function", False, ' name="'),)
+)
 # LFM2 and LFM2.5: Python-style calls in a list between the call markers
 LFM2 = ToolFormat(
     "lfm2",
@@ -261,7 +265,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, LFM2, HARMONY)
 }
 
 
