@@ -207,6 +207,14 @@ CASES: list[Case] = [
      [("python", {"code": "print('x')"}), ("python", {"code": "print('y')"})]),
     ("minicpm5", '<function name="special_function_with_opt"><param name="arg1">1</param>\n<param name="arg2">2</param>'
      "</function>", False, "", "", [("special_function_with_opt", {"arg1": 1, "arg2": 2})]),  # typed by the schema
+    # functionary v3.2: the prompt ends with ">>>"; a message's recipient line, "all" for content.
+    ("functionary", "all\nHello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("functionary", 'special_function\n{"arg1": 1}', False, "", "", ONE),
+    ("functionary", 'all\nLet me check.>>>special_function\n{"arg1": 1}>>>special_function_with_opt\n{"arg1": 1, "arg2": 2}',
+     False, "Let me check.", "", TWO),
+    ("functionary", 'special_function\n{"arg1": 1}\n>>>all\nDone.', False, "Done.", "", ONE),
+    ("functionary", "Hello there, no recipient", False, "Hello there, no recipient", "", []),
+    ("functionary", 'nope\n{"a": 1}', False, 'nope\n{"a": 1}', "", []),  # an undeclared tool: content
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -312,6 +320,7 @@ SNIPPETS = [
     ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", function_call=\"<|function_call|>\") -%}", "gigachat3_1"),
     ("Tool usage guidelines:\n...<function name=\"function-name\"><param name=\"param-name\">param-value</param></function>",
      "minicpm5"),
+    ("Respond in this format:\\n>>>${recipient}\\n${content}...{{ '>>>all\\n' + message['content'] }}", "functionary"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both

@@ -116,6 +116,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
             f'<function name="{n}">' + "".join(f'<param name="{k}">{_xml(n, k, v)}</param>' for k, v in a.items()) + "</function>"
             for n, a in calls
         )
+    if fmt.name == "functionary":  # the first recipient's ">>>" ends the prompt
+        return ">>>".join(f"{n}\n{json.dumps(a)}" for n, a in calls)
     if fmt.name == "lfm2":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls

@@ -69,6 +69,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<function=", "<parameter="), f.QWEN3_CODER),
     (("<TOOLCALL>[",), f.NEMOTRON),
     (("functools[",), f.FIREFUNCTION),
+    ((">>>all", ">>>${recipient}"), f.FUNCTIONARY),  # functionary v3.2, as llama.cpp tells it
     (("<|function_call|>", "<|role_sep|>"), f.GIGACHAT3_1),
     (("<|role_sep|>", "<|message_sep|>", "function call"), f.GIGACHAT3),  # without <|function_call|>, as llama.cpp
     (("</tool_calls><end_of_sentence>",), f.MINIMAX_M1),

@@ -52,6 +52,10 @@ class ToolFormat:
     # A family whose calls are blocks of its own markup (families.py): the parser reads them
     # with ``block.read`` and the grammar writes each call with ``block.call_rule``.
     block: Block | None = None
+    # Functionary v3.2's recipients: each message starts at ``opener`` with its recipient's
+    # line (the reply's first one right at its start: the prompt ends with the opener);
+    # ``all`` is content (the line dropped), a tool's name a call whose arguments' JSON follows.
+    recipient: str = ""
     harmony: bool = False  # gpt-oss's channels (harmony.py): reasoning, content and calls
 
 
@@ -120,6 +124,17 @@ APRIEL = ToolFormat(
     between=", ",
     after="]</tool_calls>",
     triggers=(Trigger("<tool_calls>", False, "[" + CALL_PREFIX),),
+)
+# Functionary v3.2: ">>>NAME\n{arguments}" (the prompt ends with ">>>"), ">>>all\n" before content
+FUNCTIONARY = ToolFormat(
+    "functionary",
+    "arguments",
+    opener=">>>",
+    recipient="all",
+    before=">>>",
+    before_optional=True,
+    between=">>>",
+    triggers=(Trigger(">>>", False, ""),),
 )
 # Fireworks' firefunction v2: " functools[{"name": ..., "arguments": {...}}, ...]" (no closing marker;
 # the grammar writes it from "functools[", its trigger, on: what a lazy grammar is fed starts there)
@@ -265,7 +280,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, LFM2, HARMONY)
 }
 
 
