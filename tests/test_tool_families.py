@@ -215,6 +215,14 @@ CASES: list[Case] = [
     ("functionary", 'special_function\n{"arg1": 1}\n>>>all\nDone.', False, "Done.", "", ONE),
     ("functionary", "Hello there, no recipient", False, "Hello there, no recipient", "", []),
     ("functionary", 'nope\n{"a": 1}', False, 'nope\n{"a": 1}', "", []),  # an undeclared tool: content
+    # Upstage Solar Open: the model's id, the name, the JSON arguments (its template's own form).
+    ("solar", '<|tool_calls|><|tool_call:begin|>abc123<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}'
+     "<|tool_call:end|>", False, "", "", ONE),
+    ("solar", '<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}<|tool_call:end|>'
+     '<|tool_call:begin|>b<|tool_call:name|>special_function_with_opt<|tool_call:args|>{"arg1": 1, "arg2": 2}'
+     "<|tool_call:end|>", False, "", "", TWO),
+    ("solar", "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>",
+     False, "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>", "", []),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -271,6 +279,11 @@ def test_cohere_keeps_the_models_call_ids() -> None:
     assert [c.id for c in _whole(FORMATS["cohere"], text, True)[2]] == ["0", "1"]
 
 
+def test_solar_keeps_the_models_call_ids() -> None:
+    text = next(c[1] for c in CASES if c[0] == "solar" and "special_function_with_opt" in c[1])
+    assert [c.id for c in _whole(FORMATS["solar"], text, False)[2]] == ["a", "b"]
+
+
 def test_kimi_keeps_the_models_call_ids() -> None:
     text = CASES[13][1]
     assert [c.id for c in _whole(FORMATS["kimi_k2"], text, False)[2]] == [
@@ -321,6 +334,8 @@ SNIPPETS = [
     ("Tool usage guidelines:\n...<function name=\"function-name\"><param name=\"param-name\">param-value</param></function>",
      "minicpm5"),
     ("Respond in this format:\\n>>>${recipient}\\n${content}...{{ '>>>all\\n' + message['content'] }}", "functionary"),
+    ("{{- \"<|tool_call:begin|>\" + tool_call.id +\"<|tool_call:name|>\" + tool_call.function.name + \"<|tool_call:args|>\" }}",
+     "solar"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both

@@ -123,6 +123,7 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "gigachat3_1": '<|function_call|>{"name": "tool_0", "arguments": ',
               "minicpm5": '<function name="tool_0"><param name="x">',
               "functionary": "tool_0\n",  # the prompt ends with its ">>>" (which the grammar may repeat)
+              "solar": "<|tool_calls|><|tool_call:begin|>",  # then the model's id, the name, the arguments
               "lfm2": "<|tool_call_start|>[tool_0(x=",
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
     for name, fmt in FORMATS.items():
@@ -132,6 +133,8 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
         assert text.removeprefix("<|python_tag|>").removeprefix(">>>").startswith(starts[name]), (name, text)
         if name == "cohere":
             assert re.match(r'\d{1,3}", "tool_name": "tool_0", "parameters": ', text[len(starts[name]):]), text
+        if name == "solar":
+            assert re.match(r"\d{1,3}<\|tool_call:name\|>tool_0<\|tool_call:args\|>", text[len(starts[name]):]), text
 
 
 async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
@@ -206,7 +209,7 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
 
     text, trig = await eng._core.worker.call(run)
     after = text[text.index(trig) + len(trig):]
-    if fmt_name == "cohere":  # the model's call id comes before the tool's name
+    if fmt_name in ("cohere", "solar"):  # the model's call id comes before the tool's name
         assert re.match(re.escape(trigger.then) + r"\d", after), (fmt_name, text)
         return
     expected = trigger.then + "tool_0"

@@ -118,6 +118,11 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         )
     if fmt.name == "functionary":  # the first recipient's ">>>" ends the prompt
         return ">>>".join(f"{n}\n{json.dumps(a)}" for n, a in calls)
+    if fmt.name == "solar":
+        return "<|tool_calls|>" + "".join(
+            f"<|tool_call:begin|>{i}<|tool_call:name|>{n}<|tool_call:args|>{json.dumps(a)}<|tool_call:end|>"
+            for i, (n, a) in enumerate(calls)
+        )
     if fmt.name == "lfm2":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls
@@ -145,7 +150,7 @@ def test_each_format_parses_one_and_parallel_calls(fmt: ToolFormat) -> None:
         assert names_args(r.tool_calls) == calls
         assert [c.index for c in r.tool_calls] == list(range(len(calls)))
         given = ([f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)] if fmt.name == "kimi_k2"
-                 else [str(i) for i in range(len(calls))] if fmt.name == "cohere" else None)  # the model's own ids
+                 else [str(i) for i in range(len(calls))] if fmt.name in ("cohere", "solar") else None)  # the model's own ids
         assert [c.id for c in r.tool_calls] == (given or [f"call_{i}" for i in range(len(calls))])
         assert r.tool_calls[0].arguments == json.dumps(calls[0][1], separators=(",", ":"))
 

@@ -664,3 +664,27 @@ def _minicpm_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed)
 
 
 MINICPM5 = Block(openers=('<function name="',), closer="</function>", read=_read_minicpm, call_rule=_minicpm_rule)
+
+
+# -- Upstage Solar Open: <|tool_calls|><|tool_call:begin|>ID<|tool_call:name|>N<|tool_call:args|>{...}<|tool_call:end|>...
+
+SOLAR_BEGIN, SOLAR_END = "<|tool_call:begin|>", "<|tool_call:end|>"
+
+
+def _read_solar(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    """One call; its id is the model's (the grammar writes a call index, as Cohere's)."""
+    given, sep, rest = body.partition("<|tool_call:name|>")
+    name, sep2, args_text = rest.partition("<|tool_call:args|>")
+    args = _json_args(args_text) if sep and sep2 else None
+    if args is None or not name.strip() or "<" in given:
+        return None
+    return [(name.strip(), args, given.strip() or None)]
+
+
+def _solar_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    args = renamed(schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-")
+    head = f"{_lit(SOLAR_BEGIN)} [0-9]{{1,3}} {_lit('<|tool_call:name|>' + tool.name + '<|tool_call:args|>')}"
+    return f"{head} t{i}-root {_lit(SOLAR_END)}", [args]
+
+
+SOLAR = Block(openers=("<|tool_calls|>" + SOLAR_BEGIN, SOLAR_BEGIN), closer=SOLAR_END, read=_read_solar, call_rule=_solar_rule)

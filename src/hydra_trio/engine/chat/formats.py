@@ -261,6 +261,14 @@ APERTUS = ToolFormat(
 MINICPM5 = ToolFormat(
     "minicpm5", "arguments", between="\n", block=families.MINICPM5, triggers=(Trigger("<function", False, ' name="'),)
 )
+# Upstage Solar Open: each call with the model's id, name and JSON arguments between its markers
+SOLAR = ToolFormat(
+    "solar",
+    "arguments",
+    before="<|tool_calls|>",
+    block=families.SOLAR,
+    triggers=(Trigger("<|tool_calls|>", False, families.SOLAR_BEGIN),),
+)
 # LFM2 and LFM2.5: Python-style calls in a list between the call markers
 LFM2 = ToolFormat(
     "lfm2",
@@ -280,7 +288,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, SOLAR, LFM2, HARMONY)
 }
 
 
