@@ -223,6 +223,31 @@ CASES: list[Case] = [
      "<|tool_call:end|>", False, "", "", TWO),
     ("solar", "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>",
      False, "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>", "", []),
+    # Kimi K3: XTML tags; its prompt opens the think (or response) section; response and message tags dropped.
+    ("kimi_k3", "<|open|>response<|sep|>Hello, world!\nWhat's up?<|close|>response<|sep|><|close|>message<|sep|>", False,
+     "Hello, world!\nWhat's up?", "", []),
+    ("kimi_k3", "I'm thinking about this<|close|>think<|sep|><|open|>response<|sep|>Hello, world!\nWhat's up?"
+     "<|close|>response<|sep|><|close|>message<|sep|>", True, "Hello, world!\nWhat's up?", "I'm thinking about this", []),
+    ("kimi_k3", "<|open|>response<|sep|>Use the response tag, then message the handler.<|close|>response<|sep|>"
+     "<|close|>message<|sep|>", False, "Use the response tag, then message the handler.", "", []),
+    ("kimi_k3", "I was still thinking when the budget ran out", True, "", "I was still thinking when the budget ran out", []),
+    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="special_function" '
+     'index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
+     "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", ONE),
+    ("kimi_k3", 'I should call it<|close|>think<|sep|><|open|>response<|sep|>On it.<|close|>response<|sep|><|open|>tools<|sep|>'
+     '<|open|>call tool="special_function" index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1'
+     "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>", True, "On it.",
+     "I should call it", ONE),
+    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="special_function" '
+     'index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
+     '<|open|>call tool="special_function_with_opt" index="2"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1'
+     '<|close|>argument<|sep|><|open|>argument key="arg2" type="number"<|sep|>2<|close|>argument<|sep|><|close|>call<|sep|>'
+     "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", TWO),
+    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="python" index="1"<|sep|>'
+     '<|open|>argument key="code" type="string"<|sep|>print(\'hey\')<|close|>argument<|sep|><|close|>call<|sep|>'
+     "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", [("python", {"code": "print('hey')"})]),
+    ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="special_function" index="1"<|sep|><|open|>json type="object"<|sep|>'
+     '{"arg1": 1}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', False, "", "", ONE),  # arguments as one JSON
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -241,7 +266,7 @@ CASES: list[Case] = [
 
 
 # A family's think markers where they are not <think> (caps.detect_think_tags reads them from its template).
-THINK_TAGS = {"cohere": ("<|START_THINKING|>", "<|END_THINKING|>"), "apertus": ("<|inner_prefix|>", "<|inner_suffix|>")}
+THINK_TAGS = {"kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), "cohere": ("<|START_THINKING|>", "<|END_THINKING|>"), "apertus": ("<|inner_prefix|>", "<|inner_suffix|>")}
 
 
 def _whole(fmt: ToolFormat, text: str, starts_in: bool) -> tuple[str, str, list[Any]]:
@@ -336,6 +361,7 @@ SNIPPETS = [
     ("Respond in this format:\\n>>>${recipient}\\n${content}...{{ '>>>all\\n' + message['content'] }}", "functionary"),
     ("{{- \"<|tool_call:begin|>\" + tool_call.id +\"<|tool_call:name|>\" + tool_call.function.name + \"<|tool_call:args|>\" }}",
      "solar"),
+    ("{{- '<|open|>' + tag -}}...{{- '<|close|>' + tag + '<|sep|>' -}}...<|end_of_msg|>", "kimi_k3"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both
@@ -357,6 +383,8 @@ def test_each_familys_think_markers() -> None:
     assert detect_think_tags("<|START_THINKING|>{{ r }}<|END_THINKING|>") == ("<|START_THINKING|>", "<|END_THINKING|>")
     assert detect_think_tags("{%- set inner_token = '<|inner_prefix|>' -%}{%- set outer_token = '<|inner_suffix|>' -%}") == (
         "<|inner_prefix|>", "<|inner_suffix|>")
+    assert detect_think_tags("{{- '<|open|>' + tag -}}{{- '<|close|>' + tag -}}<|end_of_msg|>") == (
+        "<|open|>think<|sep|>", "<|close|>think<|sep|>")  # Kimi K3 builds its tags
     assert detect_think_tags("<think>{{ r }}</think>") == ("<think>", "</think>")
     assert detect_think_tags("<mm:think>{{ r }}</mm:think>") == ("<mm:think>", "</mm:think>")
     assert detect_think_tags("{{ '<|channel>thought\\n' + r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")

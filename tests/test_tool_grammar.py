@@ -124,6 +124,7 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "minicpm5": '<function name="tool_0"><param name="x">',
               "functionary": "tool_0\n",  # the prompt ends with its ">>>" (which the grammar may repeat)
               "solar": "<|tool_calls|><|tool_call:begin|>",  # then the model's id, the name, the arguments
+              "kimi_k3": '<|open|>tools<|sep|><|open|>call tool="tool_0" index="',
               "lfm2": "<|tool_call_start|>[tool_0(x=",
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
     for name, fmt in FORMATS.items():
@@ -133,6 +134,8 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
         assert text.removeprefix("<|python_tag|>").removeprefix(">>>").startswith(starts[name]), (name, text)
         if name == "cohere":
             assert re.match(r'\d{1,3}", "tool_name": "tool_0", "parameters": ', text[len(starts[name]):]), text
+        if name == "kimi_k3":
+            assert re.match(r'[1-9][0-9]?"<\|sep\|><\|open\|>argument key="x" type="boolean"<\|sep\|>', text[len(starts[name]):]), text
         if name == "solar":
             assert re.match(r"\d{1,3}<\|tool_call:name\|>tool_0<\|tool_call:args\|>", text[len(starts[name]):]), text
 

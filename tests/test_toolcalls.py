@@ -123,6 +123,16 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
             f"<|tool_call:begin|>{i}<|tool_call:name|>{n}<|tool_call:args|>{json.dumps(a)}<|tool_call:end|>"
             for i, (n, a) in enumerate(calls)
         )
+    if fmt.name == "kimi_k3":
+        def k3_type(v: Any) -> str:
+            return "string" if isinstance(v, str) else "number" if isinstance(v, int | float) else "object"
+
+        return "<|open|>tools<|sep|>" + "".join(
+            f'<|open|>call tool="{n}" index="{i + 1}"<|sep|>' + "".join(
+                f'<|open|>argument key="{k}" type="{k3_type(v)}"<|sep|>{v if isinstance(v, str) else json.dumps(v)}'
+                "<|close|>argument<|sep|>" for k, v in a.items()
+            ) + "<|close|>call<|sep|>" for i, (n, a) in enumerate(calls)
+        ) + "<|close|>tools<|sep|>"
     if fmt.name == "lfm2":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls

@@ -55,6 +55,7 @@ class TemplateCaps:
 _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<|channel|>", "<|message|>"), f.HARMONY),
     (("<|tool_calls_section_begin|>",), f.KIMI_K2),
+    (("<|open|>", "<|close|>", "<|end_of_msg|>"), f.KIMI_K3),  # its tags built from these, as llama.cpp tells it
     (("｜DSML｜",), f.DEEPSEEK_DSML),
     (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
     (("<minimax:tool_call>",), f.MINIMAX),
@@ -92,6 +93,9 @@ _THINK_TAGS: tuple[tuple[str, str], ...] = (
 )
 
 
+KIMI_K3_THINK = ("<|open|>think<|sep|>", "<|close|>think<|sep|>")
+
+
 def detect_format(source: str) -> ToolFormat:
     """The tool format a Jinja template's source writes calls in (generic: it has none)."""
     for marks, fmt in _MARKERS:
@@ -105,6 +109,8 @@ def detect_format(source: str) -> ToolFormat:
 def detect_think_tags(source: str) -> tuple[str, str] | None:
     """The markers a template's reasoning is written between; None: it has none (gpt-oss's
     analysis channel is its format's, harmony.py)."""
+    if all(m in source for m in ("<|open|>", "<|close|>", "<|end_of_msg|>")):
+        return KIMI_K3_THINK  # Kimi K3 builds its tags from these tokens
     for tags in _THINK_TAGS:
         if tags[0] in source:
             return tags

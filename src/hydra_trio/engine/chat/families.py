@@ -688,3 +688,58 @@ def _solar_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -
 
 
 SOLAR = Block(openers=("<|tool_calls|>" + SOLAR_BEGIN, SOLAR_BEGIN), closer=SOLAR_END, read=_read_solar, call_rule=_solar_rule)
+
+
+# -- Kimi K3: <|open|>tools<|sep|><|open|>call tool="N" index="1"<|sep|><|open|>argument key="K" type="T"<|sep|>V
+#    <|close|>argument<|sep|>...<|close|>call<|sep|>...<|close|>tools<|sep|> (its XTML tags)
+
+K3_CALL = re.compile(r'<\|open\|>call tool="([^"]+)"(?: index="[^"]*")?<\|sep\|>(.*?)<\|close\|>call<\|sep\|>', re.S)
+K3_ARG = re.compile(r'<\|open\|>argument key="([^"]+)"(?: type="([^"]*)")?<\|sep\|>(.*?)<\|close\|>argument<\|sep\|>', re.S)
+K3_JSON = re.compile(r'\s*<\|open\|>json(?: type="object")?<\|sep\|>(.*?)<\|close\|>json<\|sep\|>\s*', re.S)
+_K3_TYPES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null",
+             "object": "object", "array": "array"}
+
+
+def _unescape_attr(text: str) -> str:
+    return text.replace("&quot;", '"').replace("&amp;", "&")
+
+
+def _read_kimi_k3(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    calls: list[Call] = []
+    pos = 0
+    for m in K3_CALL.finditer(body):
+        if body[pos:m.start()].strip():
+            return None
+        name, inner = _unescape_attr(m.group(1)), m.group(2)
+        whole = K3_JSON.fullmatch(inner)
+        if whole is not None:
+            args = _json_args(whole.group(1))
+            if args is None:
+                return None
+        else:
+            if K3_ARG.sub("", inner).strip():
+                return None
+            args = {}
+            for am in K3_ARG.finditer(inner):
+                kind, text = am.group(2), am.group(3)
+                args[_unescape_attr(am.group(1))] = text if kind == "string" else typed_value(text, None)
+        calls.append((name, args, None))
+        pos = m.end()
+    return calls if calls and not body[pos:].strip() else None
+
+
+def _k3_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    props = tool.parameters.get("properties") or {} if isinstance(tool.parameters, dict) else {}
+
+    def write(k: str) -> tuple[str, str]:
+        s = props.get(k)
+        kind = _K3_TYPES.get(s.get("type"), "object") if isinstance(s, dict) and isinstance(s.get("type"), str) else "object"
+        return f'<|open|>argument key="{k}" type="{kind}"<|sep|>', "<|close|>argument<|sep|>"
+
+    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, write)
+    call_open = '<|open|>call tool="' + tool.name + '" index="'
+    head = f"{_lit(call_open)} [1-9] [0-9]? {_lit(chr(34) + '<|sep|>')}"
+    return " ".join(x for x in (head, params, _lit("<|close|>call<|sep|>")) if x), rules
+
+
+KIMI_K3 = Block(openers=("<|open|>tools<|sep|>",), closer="<|close|>tools<|sep|>", read=_read_kimi_k3, call_rule=_k3_rule)

@@ -56,6 +56,7 @@ class ToolFormat:
     # line (the reply's first one right at its start: the prompt ends with the opener);
     # ``all`` is content (the line dropped), a tool's name a call whose arguments' JSON follows.
     recipient: str = ""
+    dropped: tuple[str, ...] = ()  # markup around content (a block family's), removed from it
     harmony: bool = False  # gpt-oss's channels (harmony.py): reasoning, content and calls
 
 
@@ -269,6 +270,16 @@ SOLAR = ToolFormat(
     block=families.SOLAR,
     triggers=(Trigger("<|tool_calls|>", False, families.SOLAR_BEGIN),),
 )
+# Kimi K3: XTML tags; its content's response and message tags are dropped
+KIMI_K3 = ToolFormat(
+    "kimi_k3",
+    "arguments",
+    before="<|open|>tools<|sep|>",
+    after="<|close|>tools<|sep|>",
+    block=families.KIMI_K3,
+    dropped=("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>"),
+    triggers=(Trigger("<|open|>tools<|sep|>", False, '<|open|>call tool="'),),
+)
 # LFM2 and LFM2.5: Python-style calls in a list between the call markers
 LFM2 = ToolFormat(
     "lfm2",
@@ -288,7 +299,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, SOLAR, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, SOLAR, KIMI_K3, LFM2, HARMONY)
 }
 
 
@@ -302,7 +313,7 @@ def syntax_text(fmt: ToolFormat) -> tuple[str, ...]:
     parts = [fmt.opener, fmt.closer, fmt.before, fmt.call_open, fmt.call_close, fmt.after]
     parts += [t.text + t.then for t in fmt.triggers]
     if fmt.block is not None:
-        parts += [*fmt.block.openers, fmt.block.closer, fmt.block.tail, *fmt.block.closers]
+        parts += [*fmt.block.openers, fmt.block.closer, fmt.block.tail, *fmt.block.closers, *fmt.dropped]
     if fmt.harmony:
         parts += HARMONY_MARKS
     return tuple(p for p in parts if p)

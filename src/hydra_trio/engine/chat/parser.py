@@ -108,7 +108,9 @@ class _CallScanner:
                     self._text(self._buf, out)
                     self._buf = ""
                 break
-            if self._fmt.block is not None:
+            if marker and self._buf[:marker] in self._fmt.dropped:
+                outcome = marker, None
+            elif self._fmt.block is not None:
                 outcome = self._block(marker, final)
             elif self._fmt.recipient:
                 outcome = self._recipient(marker, final)
@@ -147,11 +149,12 @@ class _CallScanner:
             else:
                 return 0, 0
         if fmt.block is not None:
-            found = [(k, len(o)) for o in fmt.block.openers if (k := buf.find(o)) >= 0]
+            marks = (*fmt.block.openers, *fmt.dropped)
+            found = [(k, len(o)) for o in marks if (k := buf.find(o)) >= 0]
             if found:
                 return min(found)
             if not final:
-                return len(buf) - partial_suffix(buf, *fmt.block.openers), None
+                return len(buf) - partial_suffix(buf, *marks), None
             return len(buf), None
         j = len(buf) - len(buf.lstrip())
         if j < len(buf):
