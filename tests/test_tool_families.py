@@ -326,6 +326,22 @@ def test_any_split_of_a_familys_reply_is_its_whole_parse(case: Case, data: st.Da
     assert _streamed(FORMATS[name], pieces, starts_in) == _whole(FORMATS[name], text, starts_in)
 
 
+def test_content_markup_is_removed_without_tools_too() -> None:
+    """functionary's ``all`` recipient line and Kimi K3's response and message tags are not
+    content in a reply to a request without tools either (as llama.cpp's parsers read them);
+    a call's text is then content."""
+    for name, text, content in (
+        ("functionary", "all\nHello, world!", "Hello, world!"),
+        ("functionary", 'special_function\n{"arg1": 1}', 'special_function\n{"arg1": 1}'),
+        ("kimi_k3", "<|open|>response<|sep|>Hello, world!<|close|>response<|sep|><|close|>message<|sep|>", "Hello, world!"),
+    ):
+        fmt = FORMATS[name]
+        r = parse_reply(text, fmt, parse_tools=False, reasoning=False)
+        assert (r.content, r.tool_calls) == (content, []), name
+        p = ReplyParser(fmt, parse_tools=False, reasoning=False)
+        assert "".join(p.feed(c).content for c in text) + p.finish().content == content, name
+
+
 def test_harmony_without_reasoning_shows_the_analysis_as_content() -> None:
     text = "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>Hi"
     r = parse_reply(text, FORMATS["harmony"], parse_tools=False, reasoning=False)

@@ -343,7 +343,13 @@ class ReplyParser:
             )
         else:
             self._think = ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags) if reasoning else None
-            self._scanner = _CallScanner(fmt or GENERIC, names, new_id, props) if parse_tools else None
+            if parse_tools:
+                self._scanner = _CallScanner(fmt or GENERIC, names, new_id, props)
+            elif fmt is not None and (fmt.dropped or fmt.recipient):
+                # Markup around content is removed without tools too (no call is then accepted).
+                self._scanner = _CallScanner(fmt, frozenset(), new_id)
+            else:
+                self._scanner = None
         self._content: list[str] = []
         self._reasoning: list[str] = []
 
