@@ -248,6 +248,12 @@ CASES: list[Case] = [
      "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", [("python", {"code": "print('hey')"})]),
     ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="special_function" index="1"<|sep|><|open|>json type="object"<|sep|>'
      '{"arg1": 1}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', False, "", "", ONE),  # arguments as one JSON
+    # Cohere's content wrappers (R7B's response, Cohere2MoE's text) are not content.
+    ("cohere", "<|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>", False, "Hello, world!\nWhat's up?", "", []),
+    ("cohere", "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>",
+     False, "Hello, world!\nWhat's up?", "I'm\nthinking", []),
+    ("cohere", "I'm\nthinking<|END_THINKING|><|START_TEXT|>Hello, world!\nWhat's up?<|END_TEXT|>", True,
+     "Hello, world!\nWhat's up?", "I'm\nthinking", []),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -327,13 +333,16 @@ def test_any_split_of_a_familys_reply_is_its_whole_parse(case: Case, data: st.Da
 
 
 def test_content_markup_is_removed_without_tools_too() -> None:
-    """functionary's ``all`` recipient line and Kimi K3's response and message tags are not
+    """functionary's ``all`` recipient line, Kimi K3's response and message tags and Cohere's are not
     content in a reply to a request without tools either (as llama.cpp's parsers read them);
     a call's text is then content."""
     for name, text, content in (
         ("functionary", "all\nHello, world!", "Hello, world!"),
         ("functionary", 'special_function\n{"arg1": 1}', 'special_function\n{"arg1": 1}'),
         ("kimi_k3", "<|open|>response<|sep|>Hello, world!<|close|>response<|sep|><|close|>message<|sep|>", "Hello, world!"),
+        # reasoning not split: the think block stays, the response wrapper goes (llama.cpp's "unparsed" R7B case)
+        ("cohere", "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>",
+         "<|START_THINKING|>I'm\nthinking<|END_THINKING|>Hello, world!\nWhat's up?"),
     ):
         fmt = FORMATS[name]
         r = parse_reply(text, fmt, parse_tools=False, reasoning=False)

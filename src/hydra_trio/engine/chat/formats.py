@@ -246,6 +246,7 @@ COHERE = ToolFormat(
     between=",\n    ",
     after="\n]<|END_ACTION|>",
     block=families.COHERE,
+    dropped=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),  # R7B's, Cohere2MoE's
     triggers=(Trigger("<|START_ACTION|>", False, '[\n    {"tool_call_id": "'),),
 )
 # Apertus: a JSON list of {"NAME": {...arguments...}} between its tool markers
