@@ -254,6 +254,11 @@ CASES: list[Case] = [
      False, "Hello, world!\nWhat's up?", "I'm\nthinking", []),
     ("cohere", "I'm\nthinking<|END_THINKING|><|START_TEXT|>Hello, world!\nWhat's up?<|END_TEXT|>", True,
      "Hello, world!\nWhat's up?", "I'm\nthinking", []),
+    # Cohere Command R+: "Action:" and a JSON code block; its turn tokens are not content.
+    ("command_r_plus", "<|CHATBOT_TOKEN|>Hello, world!\nWhat's up?<|END_OF_TURN_TOKEN|>", False, "Hello, world!\nWhat's up?", "", []),
+    ("command_r_plus", 'Action:\n```json\n[{"tool_name": "special_function", "parameters": {"arg1": 1}}]\n```', False, "", "", ONE),
+    ("command_r_plus", 'Action:\n```json\n[\n    {"tool_name": "special_function", "parameters": {"arg1": 1}},\n    {"tool_name": '
+     '"special_function_with_opt", "parameters": {"arg1": 1, "arg2": 2}}\n]\n```', False, "", "", TWO),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -387,6 +392,7 @@ SNIPPETS = [
     ("{{- \"<|tool_call:begin|>\" + tool_call.id +\"<|tool_call:name|>\" + tool_call.function.name + \"<|tool_call:args|>\" }}",
      "solar"),
     ("{{- '<|open|>' + tag -}}...{{- '<|close|>' + tag + '<|sep|>' -}}...<|end_of_msg|>", "kimi_k3"),
+    ("{{- '\\nAction:\\n```json\\n[\\n' }}...You should use the `directly-answer` tool if ...", "command_r_plus"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both

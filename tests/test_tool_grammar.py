@@ -125,6 +125,7 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "functionary": "tool_0\n",  # the prompt ends with its ">>>" (which the grammar may repeat)
               "solar": "<|tool_calls|><|tool_call:begin|>",  # then the model's id, the name, the arguments
               "kimi_k3": '<|open|>tools<|sep|><|open|>call tool="tool_0" index="',
+              "command_r_plus": 'Action:\n```json\n[\n    {"tool_name": "tool_0", "parameters": ',
               "lfm2": "<|tool_call_start|>[tool_0(x=",
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
     for name, fmt in FORMATS.items():

@@ -133,6 +133,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
                 "<|close|>argument<|sep|>" for k, v in a.items()
             ) + "<|close|>call<|sep|>" for i, (n, a) in enumerate(calls)
         ) + "<|close|>tools<|sep|>"
+    if fmt.name == "command_r_plus":
+        return "Action:\n```json\n[" + ", ".join(json.dumps({"tool_name": n, "parameters": a}) for n, a in calls) + "]\n```"
     if fmt.name == "lfm2":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls

@@ -60,6 +60,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
     (("<minimax:tool_call>",), f.MINIMAX),
     (("<|START_ACTION|>", "<|END_ACTION|>"), f.COHERE),
+    (("directly-answer", "Action:", "```json"), f.COMMAND_R_PLUS),
     (("<|tools_prefix|>", "<|tools_suffix|>"), f.APERTUS),
     (("<|tool_call:begin|>", "<|tool_call:name|>"), f.SOLAR),
     (("<|tool_list_start|>", "<|tool_list_end|>"), f.LFM2),  # LFM2 (llama.cpp's is_lfm2_template)

@@ -743,3 +743,13 @@ def _k3_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> t
 
 
 KIMI_K3 = Block(openers=("<|open|>tools<|sep|>",), closer="<|close|>tools<|sep|>", read=_read_kimi_k3, call_rule=_k3_rule)
+
+
+# -- Cohere Command R+: Action:\n```json\n[{"tool_name": N, "parameters": {...}}, ...]\n``` (Cohere's list, no ids)
+
+COMMAND_R_PLUS = Block(
+    openers=("Action:\n```json",),
+    closer="```",
+    read=_read_cohere,
+    call_rule=_json_rule(lambda t: _lit(f'{{"tool_name": "{t.name}", "parameters": '), "}"),
+)

@@ -291,6 +291,17 @@ LFM2 = ToolFormat(
     block=families.LFM2,
     triggers=(Trigger("<|tool_call_start|>", False, "["),),
 )
+# Cohere Command R+: "Action:" and a JSON code block of the calls (Cohere's list, no ids)
+COMMAND_R_PLUS = ToolFormat(
+    "command_r_plus",
+    "parameters",
+    before="Action:\n```json\n[\n    ",
+    between=",\n    ",
+    after="\n]\n```",
+    block=families.COMMAND_R_PLUS,
+    dropped=("<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+    triggers=(Trigger("Action:\n```json", False, '\n[\n    {"tool_name": "'),),
+)
 # gpt-oss: one call per reply (the model stops at ``<|call|>``); its grammar is harmony.py's.
 HARMONY = ToolFormat(
     "harmony",
@@ -300,7 +311,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, SOLAR, KIMI_K3, LFM2, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, SOLAR, KIMI_K3, LFM2, COMMAND_R_PLUS, HARMONY)
 }
 
 
