@@ -32,6 +32,12 @@ TOOLS = parse_tools({
                                           "parameters": {"type": "object", "properties": {"arg1": INT, "arg2": INT}}}},
         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
         {"type": "function", "function": {"name": "empty_args", "parameters": {"type": "object", "properties": {}}}},
+        *({"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": p}}} for n, p in (
+            ("toggle", {"enabled": {"type": "boolean"}}), ("set_nullable", {"value": {"type": "null"}}),
+            ("set_config", {"config": {"type": "object"}}), ("python", {"code": {"type": "string"}}),
+            ("html", {"markup": {"type": "string"}}),
+            ("Calendar_create_event", {"title": {"type": "string"}, "participants": {"type": "array"}, "metadata": {"type": "object"}}),
+        )),
     ],
     "parallel_tool_calls": True,
 })
@@ -118,6 +124,141 @@ CASES: list[Case] = [
     ("cohere", "<|END_THINKING|><|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"special_function\", "
      '"parameters": {"arg1": 1}},\n    {"tool_call_id": "1", "tool_name": "special_function_with_opt", "parameters": '
      '{"arg1": 1, "arg2": 2}}\n]<|END_ACTION|>', True, "", "", TWO),
+    # LFM2 and LFM2.5: Python-style calls (Python's literals become JSON's; JSON's are taken too).
+    ("lfm2", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("lfm2", "<|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "", "", ONE),
+    ("lfm2", '<|tool_call_start|>[get_time(city="XYZCITY")]<|tool_call_end|>', False, "", "", [("get_time", {"city": "XYZCITY"})]),
+    ("lfm2", "<|tool_call_start|>[get_time(city='Paris')]<|tool_call_end|>", False, "", "", [("get_time", {"city": "Paris"})]),
+    ("lfm2", "<|tool_call_start|>[toggle(enabled=True)]<|tool_call_end|>", False, "", "", [("toggle", {"enabled": True})]),
+    ("lfm2", "<|tool_call_start|>[set_nullable(value=None)]<|tool_call_end|>", False, "", "", [("set_nullable", {"value": None})]),
+    ("lfm2", '<|tool_call_start|>[set_config(config={"enabled": True, "count": 3})]<|tool_call_end|>', False, "", "",
+     [("set_config", {"config": {"enabled": True, "count": 3}})]),
+    ("lfm2", '<|tool_call_start|>[set_config(config={"enabled": true, "note": null})]<|tool_call_end|>', False, "", "",
+     [("set_config", {"config": {"enabled": True, "note": None}})]),
+    # (llama.cpp names this tool Calendar.create_event: our tool names are OpenAI's, no dots)
+    ("lfm2", '<|tool_call_start|>[Calendar_create_event(title="demo", participants=["Alice", "Bob"], '
+     'metadata={"priority": "high", "reminder": true})]<|tool_call_end|>', False, "", "",
+     [("Calendar_create_event", {"title": "demo", "participants": ["Alice", "Bob"], "metadata": {"priority": "high", "reminder": True}})]),
+    ("lfm2", "Use this format: [link text](url). Example: [Wikipedia](https://www.wikipedia.org).", False,
+     "Use this format: [link text](url). Example: [Wikipedia](https://www.wikipedia.org).", "", []),
+    ("lfm2", '<|tool_call_start|>[python(code="def hello():\\n    print(\'hey\')")]<|tool_call_end|>', False, "", "",
+     [("python", {"code": "def hello():\n    print('hey')"})]),  # an escape is its character
+    ("lfm2", '<|tool_call_start|>[python(code="First line\\nSecond line\\tindented")]<|tool_call_end|>', False, "", "",
+     [("python", {"code": "First line\nSecond line\tindented"})]),
+    ("lfm2", '<|tool_call_start|>[python(code="print(\\"hi\\")")]<|tool_call_end|>', False, "", "",
+     [("python", {"code": 'print("hi")'})]),
+    ("lfm2", 'Let me check the time.<|tool_call_start|>[get_time(city="Paris")]<|tool_call_end|>', False,
+     "Let me check the time.", "", [("get_time", {"city": "Paris"})]),
+    ("lfm2", "<|tool_call_start|>[special_function(arg1=1), special_function_with_opt(arg1=1, arg2=2)]<|tool_call_end|>",
+     False, "", "", TWO),
+    ("lfm2", "<|tool_call_start|>[empty_args()]<|tool_call_end|>", False, "", "", [("empty_args", {})]),
+    ("lfm2", "<|tool_call_start|>[special_function(arg1=", False, "<|tool_call_start|>[special_function(arg1=", "", []),
+    # LFM2.5-8B-A1B thinks: a call's marker inside the reasoning is reasoning.
+    ("lfm2", "<think>I'm\nthinking</think><|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "",
+     "I'm\nthinking", ONE),
+    ("lfm2", '<think>I need to call a function</think>Let me check the time.<|tool_call_start|>[get_time(city="Paris")]'
+     "<|tool_call_end|>", False, "Let me check the time.", "I need to call a function", [("get_time", {"city": "Paris"})]),
+    ("lfm2", "<think>Let me think about <|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|> hmm</think>"
+     "<|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "",
+     "Let me think about <|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|> hmm", ONE),
+    ("lfm2", "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>", False, "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>",
+     "", []),  # an undeclared tool: content
+    # firefunction v2: a JSON list after "functools" (no closing marker).
+    ("firefunction", 'Hello, world!\nWhat\'s up?', False, "Hello, world!\nWhat's up?", "", []),
+    ("firefunction", ' functools[{"name": "special_function", "arguments": {"arg1": 1}}]', False, "", "", ONE),
+    ("firefunction", 'Sure. functools[{"name": "special_function", "arguments": {"arg1": 1}}, {"name": '
+     '"special_function_with_opt", "arguments": {"arg1": 1, "arg2": 2}}]', False, "Sure.", "", TWO),
+    ("firefunction", "I used functools.partial here.", False, "I used functools.partial here.", "", []),
+    # MiniMax M1: one call's JSON a line between <tool_calls> tags (its template's own example; arguments
+    # it prints | tojson, so a string of JSON, are taken too).
+    ("minimax_m1", 'Sure.\n<tool_calls>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_calls>', False,
+     "Sure.", "", ONE),
+    ("minimax_m1", '<tool_calls>\n{"name": "special_function", "arguments": {"arg1": 1}}\n{"name": "special_function_with_opt", '
+     '"arguments": {"arg1": 1, "arg2": 2}}\n</tool_calls>', False, "", "", TWO),
+    ("minimax_m1", '<tool_calls>\n{"name": "special_function", "arguments": "{\\"arg1\\": 1}"}\n</tool_calls>', False, "", "", ONE),
+    ("minimax_m1", "<tool_calls>\nnot a call\n</tool_calls>", False, "<tool_calls>\nnot a call\n</tool_calls>", "", []),
+    # Apertus: the tool's name is the key of its arguments; <|inner_prefix|>...<|inner_suffix|> its deliberation.
+    ("apertus", '<|tools_prefix|>[{"special_function": {"arg1": 1}}]<|tools_suffix|>', False, "", "", ONE),
+    ("apertus", '<|inner_prefix|>I\'m\nthinking<|inner_suffix|>Sure.<|tools_prefix|>[{"special_function": {"arg1": 1}}, '
+     '{"special_function_with_opt": {"arg1": 1, "arg2": 2}}]<|tools_suffix|>', False, "Sure.", "I'm\nthinking", TWO),
+    ("apertus", '<|tools_prefix|>[{"special_function": "{\\"arg1\\": 1}"}]<|tools_suffix|>', False, "", "", ONE),
+    ("apertus", '<|tools_prefix|>[{"special_function": {"arg1": 1}, "x": 2}]<|tools_suffix|>', False,
+     '<|tools_prefix|>[{"special_function": {"arg1": 1}, "x": 2}]<|tools_suffix|>', "", []),  # not one name: content
+    # GigaChat3: the call is a "function call" role's message; GigaChat3.1: after <|function_call|>.
+    ("gigachat3", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("gigachat3", '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "special_function", "arguments": {"arg1": 1}}', False,
+     "", "", ONE),
+    ("gigachat3", 'Hello, world!\nWhat\'s up?<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "special_function", '
+     '"arguments": {"arg1": 1}}', False, "Hello, world!\nWhat's up?", "", ONE),
+    ("gigachat3_1", '<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}', False, "", "", ONE),
+    ("gigachat3_1", 'Hello, world!\nWhat\'s up?<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}', False,
+     "Hello, world!\nWhat's up?", "", ONE),
+    # MiniCPM5: XML parameters (a string's text as written, a CDATA block's as is); its prompt may open <think>.
+    ("minicpm5", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("minicpm5", '<function name="python"><param name="code">print(\'Hello, World!\')</param></function>', False, "", "",
+     [("python", {"code": "print('Hello, World!')"})]),
+    ("minicpm5", '<function name="empty_args"></function>', False, "", "", [("empty_args", {})]),
+    ("minicpm5", '<function name="html"><param name="markup"><![CDATA[<a href="/x">hi</a> </param>]]></param></function>', False,
+     "", "", [("html", {"markup": '<a href="/x">hi</a> </param>'})]),
+    ("minicpm5", 'I\'m thinking</think><function name="python"><param name="code">print(\'hey\')</param></function>', True,
+     "", "I'm thinking", [("python", {"code": "print('hey')"})]),
+    ("minicpm5", '<function name="python"><param name="code">print(\'x\')</param></function>\n<function name="python">'
+     '<param name="code">print(\'y\')</param></function>', False, "", "",
+     [("python", {"code": "print('x')"}), ("python", {"code": "print('y')"})]),
+    ("minicpm5", '<function name="special_function_with_opt"><param name="arg1">1</param>\n<param name="arg2">2</param>'
+     "</function>", False, "", "", [("special_function_with_opt", {"arg1": 1, "arg2": 2})]),  # typed by the schema
+    # functionary v3.2: the prompt ends with ">>>"; a message's recipient line, "all" for content.
+    ("functionary", "all\nHello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
+    ("functionary", 'special_function\n{"arg1": 1}', False, "", "", ONE),
+    ("functionary", 'all\nLet me check.>>>special_function\n{"arg1": 1}>>>special_function_with_opt\n{"arg1": 1, "arg2": 2}',
+     False, "Let me check.", "", TWO),
+    ("functionary", 'special_function\n{"arg1": 1}\n>>>all\nDone.', False, "Done.", "", ONE),
+    ("functionary", "Hello there, no recipient", False, "Hello there, no recipient", "", []),
+    ("functionary", 'nope\n{"a": 1}', False, 'nope\n{"a": 1}', "", []),  # an undeclared tool: content
+    # Upstage Solar Open: the model's id, the name, the JSON arguments (its template's own form).
+    ("solar", '<|tool_calls|><|tool_call:begin|>abc123<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}'
+     "<|tool_call:end|>", False, "", "", ONE),
+    ("solar", '<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}<|tool_call:end|>'
+     '<|tool_call:begin|>b<|tool_call:name|>special_function_with_opt<|tool_call:args|>{"arg1": 1, "arg2": 2}'
+     "<|tool_call:end|>", False, "", "", TWO),
+    ("solar", "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>",
+     False, "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>", "", []),
+    # Kimi K3: XTML tags; its prompt opens the think (or response) section; response and message tags dropped.
+    ("kimi_k3", "<|open|>response<|sep|>Hello, world!\nWhat's up?<|close|>response<|sep|><|close|>message<|sep|>", False,
+     "Hello, world!\nWhat's up?", "", []),
+    ("kimi_k3", "I'm thinking about this<|close|>think<|sep|><|open|>response<|sep|>Hello, world!\nWhat's up?"
+     "<|close|>response<|sep|><|close|>message<|sep|>", True, "Hello, world!\nWhat's up?", "I'm thinking about this", []),
+    ("kimi_k3", "<|open|>response<|sep|>Use the response tag, then message the handler.<|close|>response<|sep|>"
+     "<|close|>message<|sep|>", False, "Use the response tag, then message the handler.", "", []),
+    ("kimi_k3", "I was still thinking when the budget ran out", True, "", "I was still thinking when the budget ran out", []),
+    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="special_function" '
+     'index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
+     "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", ONE),
+    ("kimi_k3", 'I should call it<|close|>think<|sep|><|open|>response<|sep|>On it.<|close|>response<|sep|><|open|>tools<|sep|>'
+     '<|open|>call tool="special_function" index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1'
+     "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>", True, "On it.",
+     "I should call it", ONE),
+    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="special_function" '
+     'index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
+     '<|open|>call tool="special_function_with_opt" index="2"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1'
+     '<|close|>argument<|sep|><|open|>argument key="arg2" type="number"<|sep|>2<|close|>argument<|sep|><|close|>call<|sep|>'
+     "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", TWO),
+    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="python" index="1"<|sep|>'
+     '<|open|>argument key="code" type="string"<|sep|>print(\'hey\')<|close|>argument<|sep|><|close|>call<|sep|>'
+     "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", [("python", {"code": "print('hey')"})]),
+    ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="special_function" index="1"<|sep|><|open|>json type="object"<|sep|>'
+     '{"arg1": 1}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', False, "", "", ONE),  # arguments as one JSON
+    # Cohere's content wrappers (R7B's response, Cohere2MoE's text) are not content.
+    ("cohere", "<|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>", False, "Hello, world!\nWhat's up?", "", []),
+    ("cohere", "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>",
+     False, "Hello, world!\nWhat's up?", "I'm\nthinking", []),
+    ("cohere", "I'm\nthinking<|END_THINKING|><|START_TEXT|>Hello, world!\nWhat's up?<|END_TEXT|>", True,
+     "Hello, world!\nWhat's up?", "I'm\nthinking", []),
+    # Cohere Command R+: "Action:" and a JSON code block; its turn tokens are not content.
+    ("command_r_plus", "<|CHATBOT_TOKEN|>Hello, world!\nWhat's up?<|END_OF_TURN_TOKEN|>", False, "Hello, world!\nWhat's up?", "", []),
+    ("command_r_plus", 'Action:\n```json\n[{"tool_name": "special_function", "parameters": {"arg1": 1}}]\n```', False, "", "", ONE),
+    ("command_r_plus", 'Action:\n```json\n[\n    {"tool_name": "special_function", "parameters": {"arg1": 1}},\n    {"tool_name": '
+     '"special_function_with_opt", "parameters": {"arg1": 1, "arg2": 2}}\n]\n```', False, "", "", TWO),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
@@ -136,7 +277,7 @@ CASES: list[Case] = [
 
 
 # A family's think markers where they are not <think> (caps.detect_think_tags reads them from its template).
-THINK_TAGS = {"cohere": ("<|START_THINKING|>", "<|END_THINKING|>")}
+THINK_TAGS = {"kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), "cohere": ("<|START_THINKING|>", "<|END_THINKING|>"), "apertus": ("<|inner_prefix|>", "<|inner_suffix|>")}
 
 
 def _whole(fmt: ToolFormat, text: str, starts_in: bool) -> tuple[str, str, list[Any]]:
@@ -174,6 +315,11 @@ def test_cohere_keeps_the_models_call_ids() -> None:
     assert [c.id for c in _whole(FORMATS["cohere"], text, True)[2]] == ["0", "1"]
 
 
+def test_solar_keeps_the_models_call_ids() -> None:
+    text = next(c[1] for c in CASES if c[0] == "solar" and "special_function_with_opt" in c[1])
+    assert [c.id for c in _whole(FORMATS["solar"], text, False)[2]] == ["a", "b"]
+
+
 def test_kimi_keeps_the_models_call_ids() -> None:
     text = CASES[13][1]
     assert [c.id for c in _whole(FORMATS["kimi_k2"], text, False)[2]] == [
@@ -189,6 +335,25 @@ def test_any_split_of_a_familys_reply_is_its_whole_parse(case: Case, data: st.Da
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     assert _streamed(FORMATS[name], pieces, starts_in) == _whole(FORMATS[name], text, starts_in)
+
+
+def test_content_markup_is_removed_without_tools_too() -> None:
+    """functionary's ``all`` recipient line, Kimi K3's response and message tags and Cohere's are not
+    content in a reply to a request without tools either (as llama.cpp's parsers read them);
+    a call's text is then content."""
+    for name, text, content in (
+        ("functionary", "all\nHello, world!", "Hello, world!"),
+        ("functionary", 'special_function\n{"arg1": 1}', 'special_function\n{"arg1": 1}'),
+        ("kimi_k3", "<|open|>response<|sep|>Hello, world!<|close|>response<|sep|><|close|>message<|sep|>", "Hello, world!"),
+        # reasoning not split: the think block stays, the response wrapper goes (llama.cpp's "unparsed" R7B case)
+        ("cohere", "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>",
+         "<|START_THINKING|>I'm\nthinking<|END_THINKING|>Hello, world!\nWhat's up?"),
+    ):
+        fmt = FORMATS[name]
+        r = parse_reply(text, fmt, parse_tools=False, reasoning=False)
+        assert (r.content, r.tool_calls) == (content, []), name
+        p = ReplyParser(fmt, parse_tools=False, reasoning=False)
+        assert "".join(p.feed(c).content for c in text) + p.finish().content == content, name
 
 
 def test_harmony_without_reasoning_shows_the_analysis_as_content() -> None:
@@ -212,6 +377,22 @@ SNIPPETS = [
     ("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}", "hermes"),
     ("respond only with <|tool_call|> followed by a JSON list of tools used", "granite"),  # Granite 3.3
     ("Action: write <|START_ACTION|> followed by a list of JSON-formatted tool calls ...]<|END_ACTION|>", "cohere"),
+    ("{{- '<|im_start|>system\\n<|tool_list_start|>' + tools | tojson + '<|tool_list_end|>' -}}", "lfm2"),  # LFM2
+    ("{%- set ns.system_prompt = ns.system_prompt + \"List of tools: [\" -%}", "lfm2"),  # LFM2.5
+    ("{%- set ns.content = ns.content + ' functools[' + tool.calls | join(', ') + ']' -%}", "firefunction"),
+    ("{{ '<beginning_of_sentence>ai name=assistant\\n<tool_calls>\\n' -}}...{{ '</tool_calls><end_of_sentence>\\n' -}}",
+     "minimax_m1"),
+    ("{%- set tool_calls_token = '<|tools_prefix|>' -%}{%- set end_tool_calls_token = '<|tools_suffix|>' -%}", "apertus"),
+    ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", message_sep=\"<|message_sep|>\\n\\n\") -%}"
+     "{%- set call = {'role': 'function call'} -%}", "gigachat3"),
+    ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", function_call=\"<|function_call|>\") -%}", "gigachat3_1"),
+    ("Tool usage guidelines:\n...<function name=\"function-name\"><param name=\"param-name\">param-value</param></function>",
+     "minicpm5"),
+    ("Respond in this format:\\n>>>${recipient}\\n${content}...{{ '>>>all\\n' + message['content'] }}", "functionary"),
+    ("{{- \"<|tool_call:begin|>\" + tool_call.id +\"<|tool_call:name|>\" + tool_call.function.name + \"<|tool_call:args|>\" }}",
+     "solar"),
+    ("{{- '<|open|>' + tag -}}...{{- '<|close|>' + tag + '<|sep|>' -}}...<|end_of_msg|>", "kimi_k3"),
+    ("{{- '\\nAction:\\n```json\\n[\\n' }}...You should use the `directly-answer` tool if ...", "command_r_plus"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
      "<tool_calls>[{\"name\": <function-name-1>}]</tool_calls>", "apriel"),  # Apriel 1.5 names both
@@ -231,6 +412,10 @@ def test_each_familys_think_markers() -> None:
     assert detect_think_tags("{{ '<seed:think>' + r + '</seed:think>' }}") == ("<seed:think>", "</seed:think>")
     assert detect_think_tags("[THINK]{{ r }}[/THINK]") == ("[THINK]", "[/THINK]")
     assert detect_think_tags("<|START_THINKING|>{{ r }}<|END_THINKING|>") == ("<|START_THINKING|>", "<|END_THINKING|>")
+    assert detect_think_tags("{%- set inner_token = '<|inner_prefix|>' -%}{%- set outer_token = '<|inner_suffix|>' -%}") == (
+        "<|inner_prefix|>", "<|inner_suffix|>")
+    assert detect_think_tags("{{- '<|open|>' + tag -}}{{- '<|close|>' + tag -}}<|end_of_msg|>") == (
+        "<|open|>think<|sep|>", "<|close|>think<|sep|>")  # Kimi K3 builds its tags
     assert detect_think_tags("<think>{{ r }}</think>") == ("<think>", "</think>")
     assert detect_think_tags("<mm:think>{{ r }}</mm:think>") == ("<mm:think>", "</mm:think>")
     assert detect_think_tags("{{ '<|channel>thought\\n' + r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")

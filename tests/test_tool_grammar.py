@@ -116,14 +116,29 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "nemotron": '<TOOLCALL>[{"name": "tool_0", "arguments": ',
               "apriel": '<tool_calls>[{"name": "tool_0", "arguments": ',
               "cohere": '<|START_ACTION|>[\n    {"tool_call_id": "',  # then the model's id, the name, the parameters
+              "firefunction": 'functools[{"name": "tool_0", "arguments": ',
+              "minimax_m1": '<tool_calls>\n{"name": "tool_0", "arguments": ',
+              "apertus": '<|tools_prefix|>[{"tool_0": ',
+              "gigachat3": '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "tool_0", "arguments": ',
+              "gigachat3_1": '<|function_call|>{"name": "tool_0", "arguments": ',
+              "minicpm5": '<function name="tool_0"><param name="x">',
+              "functionary": "tool_0\n",  # the prompt ends with its ">>>" (which the grammar may repeat)
+              "solar": "<|tool_calls|><|tool_call:begin|>",  # then the model's id, the name, the arguments
+              "kimi_k3": '<|open|>tools<|sep|><|open|>call tool="tool_0" index="',
+              "command_r_plus": 'Action:\n```json\n[\n    {"tool_name": "tool_0", "parameters": ',
+              "lfm2": "<|tool_call_start|>[tool_0(x=",
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
     for name, fmt in FORMATS.items():
         use_format(eng, fmt)
         text, _ = await generate(eng, body)
         # llama3's <|python_tag|> is optional: the reply may or may not carry it.
-        assert text.removeprefix("<|python_tag|>").startswith(starts[name]), (name, text)
+        assert text.removeprefix("<|python_tag|>").removeprefix(">>>").startswith(starts[name]), (name, text)
         if name == "cohere":
             assert re.match(r'\d{1,3}", "tool_name": "tool_0", "parameters": ', text[len(starts[name]):]), text
+        if name == "kimi_k3":
+            assert re.match(r'[1-9][0-9]?"<\|sep\|><\|open\|>argument key="x" type="boolean"<\|sep\|>', text[len(starts[name]):]), text
+        if name == "solar":
+            assert re.match(r"\d{1,3}<\|tool_call:name\|>tool_0<\|tool_call:args\|>", text[len(starts[name]):]), text
 
 
 async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
@@ -198,7 +213,7 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
 
     text, trig = await eng._core.worker.call(run)
     after = text[text.index(trig) + len(trig):]
-    if fmt_name == "cohere":  # the model's call id comes before the tool's name
+    if fmt_name in ("cohere", "solar"):  # the model's call id comes before the tool's name
         assert re.match(re.escape(trigger.then) + r"\d", after), (fmt_name, text)
         return
     expected = trigger.then + "tool_0"

@@ -105,7 +105,41 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "<|START_ACTION|>[\n" + ",\n".join(
             "    " + json.dumps({"tool_call_id": str(i), "tool_name": n, "parameters": a}) for i, (n, a) in enumerate(calls)
         ) + "\n]<|END_ACTION|>"
-    if fmt.name in ("granite", "nemotron", "apriel"):  # a JSON list between the format's literals
+    if fmt.name == "minimax_m1":
+        return "<tool_calls>\n" + "\n".join(call_json(fmt, n, a) for n, a in calls) + "\n</tool_calls>"
+    if fmt.name == "apertus":
+        return "<|tools_prefix|>[" + ", ".join(json.dumps({n: a}) for n, a in calls) + "]<|tools_suffix|>"
+    if fmt.name in ("gigachat3", "gigachat3_1"):
+        return "".join(fmt.before + call_json(fmt, n, a) for n, a in calls)
+    if fmt.name == "minicpm5":
+        return "\n".join(
+            f'<function name="{n}">' + "".join(f'<param name="{k}">{_xml(n, k, v)}</param>' for k, v in a.items()) + "</function>"
+            for n, a in calls
+        )
+    if fmt.name == "functionary":  # the first recipient's ">>>" ends the prompt
+        return ">>>".join(f"{n}\n{json.dumps(a)}" for n, a in calls)
+    if fmt.name == "solar":
+        return "<|tool_calls|>" + "".join(
+            f"<|tool_call:begin|>{i}<|tool_call:name|>{n}<|tool_call:args|>{json.dumps(a)}<|tool_call:end|>"
+            for i, (n, a) in enumerate(calls)
+        )
+    if fmt.name == "kimi_k3":
+        def k3_type(v: Any) -> str:
+            return "string" if isinstance(v, str) else "number" if isinstance(v, int | float) else "object"
+
+        return "<|open|>tools<|sep|>" + "".join(
+            f'<|open|>call tool="{n}" index="{i + 1}"<|sep|>' + "".join(
+                f'<|open|>argument key="{k}" type="{k3_type(v)}"<|sep|>{v if isinstance(v, str) else json.dumps(v)}'
+                "<|close|>argument<|sep|>" for k, v in a.items()
+            ) + "<|close|>call<|sep|>" for i, (n, a) in enumerate(calls)
+        ) + "<|close|>tools<|sep|>"
+    if fmt.name == "command_r_plus":
+        return "Action:\n```json\n[" + ", ".join(json.dumps({"tool_name": n, "parameters": a}) for n, a in calls) + "]\n```"
+    if fmt.name == "lfm2":
+        return "<|tool_call_start|>[" + ", ".join(
+            f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls
+        ) + "]<|tool_call_end|>"
+    if fmt.name in ("granite", "nemotron", "apriel", "firefunction"):  # a JSON list between the format's literals
         return fmt.before + ", ".join(call_json(fmt, n, a) for n, a in calls) + fmt.after
     return '{"tool_calls": [' + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]}"
 
@@ -128,7 +162,7 @@ def test_each_format_parses_one_and_parallel_calls(fmt: ToolFormat) -> None:
         assert names_args(r.tool_calls) == calls
         assert [c.index for c in r.tool_calls] == list(range(len(calls)))
         given = ([f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)] if fmt.name == "kimi_k2"
-                 else [str(i) for i in range(len(calls))] if fmt.name == "cohere" else None)  # the model's own ids
+                 else [str(i) for i in range(len(calls))] if fmt.name in ("cohere", "solar") else None)  # the model's own ids
         assert [c.id for c in r.tool_calls] == (given or [f"call_{i}" for i in range(len(calls))])
         assert r.tool_calls[0].arguments == json.dumps(calls[0][1], separators=(",", ":"))
 

@@ -151,7 +151,8 @@ class Chat:
         opened = _opens_think(prompt, caps)
         reasoning = mode == "deepseek" or (mode == "auto" and (caps.thinks or opened))
         fmt, tags = caps.tool_format, caps.think_tags
-        if calls is None and not reasoning and not fmt.harmony:  # harmony's markup is always read
+        # harmony's markup is always read, and content's markup of a format that has some
+        if calls is None and not reasoning and not fmt.harmony and not (fmt.dropped or fmt.recipient):
             return None
         return lambda: ReplyParser(
             fmt,

@@ -55,15 +55,27 @@ class TemplateCaps:
 _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<|channel|>", "<|message|>"), f.HARMONY),
     (("<|tool_calls_section_begin|>",), f.KIMI_K2),
+    (("<|open|>", "<|close|>", "<|end_of_msg|>"), f.KIMI_K3),  # its tags built from these, as llama.cpp tells it
     (("｜DSML｜",), f.DEEPSEEK_DSML),
     (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
     (("<minimax:tool_call>",), f.MINIMAX),
     (("<|START_ACTION|>", "<|END_ACTION|>"), f.COHERE),
+    (("directly-answer", "Action:", "```json"), f.COMMAND_R_PLUS),
+    (("<|tools_prefix|>", "<|tools_suffix|>"), f.APERTUS),
+    (("<|tool_call:begin|>", "<|tool_call:name|>"), f.SOLAR),
+    (("<|tool_list_start|>", "<|tool_list_end|>"), f.LFM2),  # LFM2 (llama.cpp's is_lfm2_template)
+    (("List of tools: [",), f.LFM2),  # LFM2.5: its tools in plain text
     (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
     (("<seed:tool_call>",), f.SEED_OSS),
+    (("Tool usage guidelines:", '<function name="', '<param name="'), f.MINICPM5),  # as llama.cpp tells it
     (("<arg_key>", "<arg_value>"), f.GLM),
     (("<function=", "<parameter="), f.QWEN3_CODER),
     (("<TOOLCALL>[",), f.NEMOTRON),
+    (("functools[",), f.FIREFUNCTION),
+    ((">>>all", ">>>${recipient}"), f.FUNCTIONARY),  # functionary v3.2, as llama.cpp tells it
+    (("<|function_call|>", "<|role_sep|>"), f.GIGACHAT3_1),
+    (("<|role_sep|>", "<|message_sep|>", "function call"), f.GIGACHAT3),  # without <|function_call|>, as llama.cpp
+    (("</tool_calls><end_of_sentence>",), f.MINIMAX_M1),
     (("<tool_calls>[",), f.APRIEL),  # before <tool_call>: Apriel 1.5 names both
     (("<tool_call>",), f.HERMES),
     (("[TOOL_CALLS]",), f.MISTRAL),
@@ -76,9 +88,13 @@ _THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<mm:think>", "</mm:think>"),
     ("[THINK]", "[/THINK]"),
     ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere
+    ("<|inner_prefix|>", "<|inner_suffix|>"),  # Apertus' deliberation
     ("<|channel>thought", "<channel|>"),  # Gemma 4
     (OPEN, CLOSE),
 )
+
+
+KIMI_K3_THINK = ("<|open|>think<|sep|>", "<|close|>think<|sep|>")
 
 
 def detect_format(source: str) -> ToolFormat:
@@ -94,6 +110,8 @@ def detect_format(source: str) -> ToolFormat:
 def detect_think_tags(source: str) -> tuple[str, str] | None:
     """The markers a template's reasoning is written between; None: it has none (gpt-oss's
     analysis channel is its format's, harmony.py)."""
+    if all(m in source for m in ("<|open|>", "<|close|>", "<|end_of_msg|>")):
+        return KIMI_K3_THINK  # Kimi K3 builds its tags from these tokens
     for tags in _THINK_TAGS:
         if tags[0] in source:
             return tags

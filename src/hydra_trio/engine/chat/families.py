@@ -11,8 +11,10 @@ templates of its corpus (models/templates/)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -396,3 +398,358 @@ def _cohere_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) 
 
 
 COHERE = Block(openers=("<|START_ACTION|>",), closer="<|END_ACTION|>", read=_read_cohere, call_rule=_cohere_rule)
+
+
+# -- LFM2 / LFM2.5: <|tool_call_start|>[name(arg="v", n=1), other()]<|tool_call_end|> (Python-style calls)
+
+_PY_NAME = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*\(")
+_PY_KEY = re.compile(r"\s*([^\s=,()\[\]{}'\"]+)\s*=")
+_PY_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_PY_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'', re.S)
+_PY_WORDS = re.compile(r"True|False|None|true|false|null")
+_PY_WORD_VALUES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def _py_string(token: str) -> str:
+    """A quoted literal's text: a double-quoted one as JSON when it is JSON (its ``\\u``
+    surrogate pairs joined), else by Python's escapes."""
+    if token[0] == '"':
+        try:
+            value = json.loads(token)
+        except ValueError:
+            pass
+        else:
+            return value if isinstance(value, str) else token
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        value = ast.literal_eval(token)  # a string literal only: the token is one
+    return value.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
+
+
+class _PyReader:
+    """The Python-literal subset LFM2 writes its calls in (and JSON's literals, as llama.cpp
+    accepts them): calls with keyword arguments, strings, numbers, lists, tuples, dicts."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.i = text, 0
+
+    def _ws(self) -> None:
+        while self.i < len(self.text) and self.text[self.i].isspace():
+            self.i += 1
+
+    def _take(self, c: str) -> bool:
+        self._ws()
+        if self.text.startswith(c, self.i):
+            self.i += len(c)
+            return True
+        return False
+
+    def _match(self, pattern: re.Pattern[str]) -> re.Match[str] | None:
+        self._ws()
+        m = pattern.match(self.text, self.i)
+        if m is not None:
+            self.i = m.end()
+        return m
+
+    def calls(self) -> list[Call]:
+        if not self._take("["):
+            raise ValueError("no list")
+        calls: list[Call] = []
+        while True:
+            m = self._match(_PY_NAME)
+            if m is None:
+                raise ValueError("no call")
+            args: dict[str, Any] = {}
+            while not self._take(")"):
+                if args and not self._take(","):
+                    raise ValueError("no comma")
+                if self._take(")"):  # a trailing comma
+                    break
+                key = self._match(_PY_KEY)
+                if key is None:
+                    raise ValueError("no keyword")
+                args[key.group(1)] = self.value()
+            calls.append((m.group(1), args, None))
+            if self._take("]"):
+                break
+            if not self._take(","):
+                raise ValueError("no comma")
+        self._ws()
+        if self.i != len(self.text):
+            raise ValueError("text after the calls")
+        return calls
+
+    def value(self) -> Any:
+        self._ws()
+        c = self.text[self.i:self.i + 1]
+        if c in ("'", '"'):
+            m = self._match(_PY_STRING)
+            if m is None:
+                raise ValueError("unterminated string")
+            return _py_string(m.group(0))
+        if c in ("[", "("):
+            close = "]" if c == "[" else ")"
+            self.i += 1
+            items: list[Any] = []
+            while not self._take(close):
+                if items and not self._take(","):
+                    raise ValueError("no comma")
+                if self._take(close):
+                    break
+                items.append(self.value())
+            return items
+        if c == "{":
+            self.i += 1
+            obj: dict[str, Any] = {}
+            while not self._take("}"):
+                if obj and not self._take(","):
+                    raise ValueError("no comma")
+                if self._take("}"):
+                    break
+                key = self.value()
+                if not isinstance(key, str) or not self._take(":"):
+                    raise ValueError("bad key")
+                obj[key] = self.value()
+            return obj
+        if (w := self._match(_PY_WORDS)) is not None:
+            return _PY_WORD_VALUES[w.group(0)]
+        if (n := self._match(_PY_NUMBER)) is not None:
+            text = n.group(0)
+            return float(text) if any(x in text for x in ".eE") else int(text)
+        raise ValueError("no value")
+
+
+def pythonic_calls(body: str) -> list[Call] | None:
+    """``[name(k=v, ...), ...]`` as calls; None when it is not that."""
+    try:
+        return _PyReader(body).calls()
+    except (ValueError, SyntaxError, RecursionError, MemoryError):
+        return None
+
+
+def _read_lfm2(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    return pythonic_calls(body)
+
+
+def _keyword_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    """``NAME(k1=V1, k2=V2)``: the schema's properties in order as keyword arguments (required
+    ones always, others optional, a comma between two), each value its schema's JSON."""
+    props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
+    required = set(tool.parameters.get("required") or ()) if isinstance(tool.parameters, dict) else set()
+    items = list((props or {}).items())
+    rules: list[str] = []
+    values: list[str] = []
+    for j, (key, schema) in enumerate(items):
+        rules.append(renamed(schema_gbnf(schema, f"tools[{i}].function.parameters.properties.{key}"), f"t{i}-p{j}-"))
+        values.append(f"{_lit(key + '=')} t{i}-p{j}-root")
+    n = len(items)
+    # t{i}-more{j}: the arguments from j on after one was written; t{i}-args{j}: none yet.
+    for j in range(n - 1, -1, -1):
+        more_next = f"t{i}-more{j + 1}" if j + 1 < n else ""
+        args_next = f"t{i}-args{j + 1}" if j + 1 < n else ""
+        this = f'", " {values[j]} {more_next}'.strip()
+        first = f"{values[j]} {more_next}".strip()
+        if items[j][0] in required:
+            rules.append(f"t{i}-more{j} ::= {this}")
+            rules.append(f"t{i}-args{j} ::= {first}")
+        else:
+            rules.append(f"t{i}-more{j} ::= ({this})" + (f" | {more_next}" if more_next else "?"))
+            rules.append(f"t{i}-args{j} ::= ({first})" + (f" | {args_next}" if args_next else "?"))
+    args = f" t{i}-args0 " if n else " "
+    return f"{_lit(tool.name + '(')}{args}{_lit(')')}", rules
+
+
+LFM2 = Block(openers=("<|tool_call_start|>",), closer="<|tool_call_end|>", read=_read_lfm2, call_rule=_keyword_rule)
+
+
+def _object_args(value: Any) -> dict[str, Any] | None:
+    """A call's arguments: an object, or (as templates that print them ``| tojson`` show a
+    string's) a JSON string of one."""
+    if isinstance(value, str):
+        return _json_args(value)
+    return value if isinstance(value, dict) else None
+
+
+# -- MiniMax M1: <tool_calls>\n{"name": N, "arguments": {...}}\n{...}\n</tool_calls> (one JSON object a line)
+
+
+def _read_json_lines(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    decoder = json.JSONDecoder()
+    calls: list[Call] = []
+    pos = 0
+    while True:
+        while pos < len(body) and body[pos].isspace():
+            pos += 1
+        if pos == len(body):
+            break
+        try:
+            item, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return None
+        if not isinstance(item, dict) or set(item) - {"name", "arguments"}:
+            return None
+        name, args = item.get("name"), _object_args(item.get("arguments", {}))
+        if not isinstance(name, str) or not name or args is None:
+            return None
+        calls.append((name, args, None))
+    return calls or None
+
+
+MINIMAX_M1 = Block(
+    openers=("<tool_calls>",),
+    closer="</tool_calls>",
+    read=_read_json_lines,
+    call_rule=_json_rule(lambda t: _lit(f'{{"name": "{t.name}", "arguments": '), "}"),
+)
+
+
+# -- Apertus: <|tools_prefix|>[{"NAME": {...arguments...}}, ...]<|tools_suffix|> (the name as the key)
+
+
+def _read_name_keyed(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls: list[Call] = []
+    for item in items:
+        if not isinstance(item, dict) or len(item) != 1:
+            return None
+        ((name, value),) = item.items()
+        args = _object_args(value)
+        if not name or args is None:
+            return None
+        calls.append((name, args, None))
+    return calls
+
+
+APERTUS = Block(
+    openers=("<|tools_prefix|>",),
+    closer="<|tools_suffix|>",
+    read=_read_name_keyed,
+    call_rule=_json_rule(lambda t: _lit(f'{{"{t.name}": '), "}"),
+)
+
+
+# -- MiniCPM5: <function name="N"><param name="K">V</param>...</function> (a value may be <![CDATA[...]]>)
+
+_MINICPM_NAME = re.compile(r'([^"<>\n]+)">')
+_MINICPM_PARAM = re.compile(r'\s*<param name="([^"]+)">(?:<!\[CDATA\[(.*?)\]\]>|(.*?))</param>', re.S)
+
+
+def _read_minicpm(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    m = _MINICPM_NAME.match(body)
+    if m is None:
+        return None
+    name, props = m.group(1).strip(), props_of(m.group(1).strip()) or {}
+    args: dict[str, Any] = {}
+    pos = m.end()
+    for pm in _MINICPM_PARAM.finditer(body, pos):
+        if pm.start() != pos:
+            return None
+        key = pm.group(1)
+        text = pm.group(2) if pm.group(2) is not None else pm.group(3)
+        args[key] = text if pm.group(2) is not None else typed_value(text, props.get(key))
+        pos = pm.end()
+    if body[pos:].strip():
+        return None
+    return [(name, args, None)] if name else None
+
+
+def _minicpm_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, lambda k: (f'<param name="{k}">', "</param>"))
+    return " ".join(x for x in (_lit(f'<function name="{tool.name}">'), params, _lit("</function>")) if x), rules
+
+
+MINICPM5 = Block(openers=('<function name="',), closer="</function>", read=_read_minicpm, call_rule=_minicpm_rule)
+
+
+# -- Upstage Solar Open: <|tool_calls|><|tool_call:begin|>ID<|tool_call:name|>N<|tool_call:args|>{...}<|tool_call:end|>...
+
+SOLAR_BEGIN, SOLAR_END = "<|tool_call:begin|>", "<|tool_call:end|>"
+
+
+def _read_solar(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    """One call; its id is the model's (the grammar writes a call index, as Cohere's)."""
+    given, sep, rest = body.partition("<|tool_call:name|>")
+    name, sep2, args_text = rest.partition("<|tool_call:args|>")
+    args = _json_args(args_text) if sep and sep2 else None
+    if args is None or not name.strip() or "<" in given:
+        return None
+    return [(name.strip(), args, given.strip() or None)]
+
+
+def _solar_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    args = renamed(schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-")
+    head = f"{_lit(SOLAR_BEGIN)} [0-9]{{1,3}} {_lit('<|tool_call:name|>' + tool.name + '<|tool_call:args|>')}"
+    return f"{head} t{i}-root {_lit(SOLAR_END)}", [args]
+
+
+SOLAR = Block(openers=("<|tool_calls|>" + SOLAR_BEGIN, SOLAR_BEGIN), closer=SOLAR_END, read=_read_solar, call_rule=_solar_rule)
+
+
+# -- Kimi K3: <|open|>tools<|sep|><|open|>call tool="N" index="1"<|sep|><|open|>argument key="K" type="T"<|sep|>V
+#    <|close|>argument<|sep|>...<|close|>call<|sep|>...<|close|>tools<|sep|> (its XTML tags)
+
+K3_CALL = re.compile(r'<\|open\|>call tool="([^"]+)"(?: index="[^"]*")?<\|sep\|>(.*?)<\|close\|>call<\|sep\|>', re.S)
+K3_ARG = re.compile(r'<\|open\|>argument key="([^"]+)"(?: type="([^"]*)")?<\|sep\|>(.*?)<\|close\|>argument<\|sep\|>', re.S)
+K3_JSON = re.compile(r'\s*<\|open\|>json(?: type="object")?<\|sep\|>(.*?)<\|close\|>json<\|sep\|>\s*', re.S)
+_K3_TYPES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null",
+             "object": "object", "array": "array"}
+
+
+def _unescape_attr(text: str) -> str:
+    return text.replace("&quot;", '"').replace("&amp;", "&")
+
+
+def _read_kimi_k3(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+    calls: list[Call] = []
+    pos = 0
+    for m in K3_CALL.finditer(body):
+        if body[pos:m.start()].strip():
+            return None
+        name, inner = _unescape_attr(m.group(1)), m.group(2)
+        whole = K3_JSON.fullmatch(inner)
+        if whole is not None:
+            args = _json_args(whole.group(1))
+            if args is None:
+                return None
+        else:
+            if K3_ARG.sub("", inner).strip():
+                return None
+            args = {}
+            for am in K3_ARG.finditer(inner):
+                kind, text = am.group(2), am.group(3)
+                args[_unescape_attr(am.group(1))] = text if kind == "string" else typed_value(text, None)
+        calls.append((name, args, None))
+        pos = m.end()
+    return calls if calls and not body[pos:].strip() else None
+
+
+def _k3_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    props = tool.parameters.get("properties") or {} if isinstance(tool.parameters, dict) else {}
+
+    def write(k: str) -> tuple[str, str]:
+        s = props.get(k)
+        kind = _K3_TYPES.get(s.get("type"), "object") if isinstance(s, dict) and isinstance(s.get("type"), str) else "object"
+        return f'<|open|>argument key="{k}" type="{kind}"<|sep|>', "<|close|>argument<|sep|>"
+
+    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, write)
+    call_open = '<|open|>call tool="' + tool.name + '" index="'
+    head = f"{_lit(call_open)} [1-9] [0-9]? {_lit(chr(34) + '<|sep|>')}"
+    return " ".join(x for x in (head, params, _lit("<|close|>call<|sep|>")) if x), rules
+
+
+KIMI_K3 = Block(openers=("<|open|>tools<|sep|>",), closer="<|close|>tools<|sep|>", read=_read_kimi_k3, call_rule=_k3_rule)
+
+
+# -- Cohere Command R+: Action:\n```json\n[{"tool_name": N, "parameters": {...}}, ...]\n``` (Cohere's list, no ids)
+
+COMMAND_R_PLUS = Block(
+    openers=("Action:\n```json",),
+    closer="```",
+    read=_read_cohere,
+    call_rule=_json_rule(lambda t: _lit(f'{{"tool_name": "{t.name}", "parameters": '), "}"),
+)

@@ -52,6 +52,11 @@ class ToolFormat:
     # A family whose calls are blocks of its own markup (families.py): the parser reads them
     # with ``block.read`` and the grammar writes each call with ``block.call_rule``.
     block: Block | None = None
+    # Functionary v3.2's recipients: each message starts at ``opener`` with its recipient's
+    # line (the reply's first one right at its start: the prompt ends with the opener);
+    # ``all`` is content (the line dropped), a tool's name a call whose arguments' JSON follows.
+    recipient: str = ""
+    dropped: tuple[str, ...] = ()  # markup around content (a block family's), removed from it
     harmony: bool = False  # gpt-oss's channels (harmony.py): reasoning, content and calls
 
 
@@ -121,6 +126,48 @@ APRIEL = ToolFormat(
     after="]</tool_calls>",
     triggers=(Trigger("<tool_calls>", False, "[" + CALL_PREFIX),),
 )
+# Functionary v3.2: ">>>NAME\n{arguments}" (the prompt ends with ">>>"), ">>>all\n" before content
+FUNCTIONARY = ToolFormat(
+    "functionary",
+    "arguments",
+    opener=">>>",
+    recipient="all",
+    before=">>>",
+    before_optional=True,
+    between=">>>",
+    triggers=(Trigger(">>>", False, ""),),
+)
+# Fireworks' firefunction v2: " functools[{"name": ..., "arguments": {...}}, ...]" (no closing marker;
+# the grammar writes it from "functools[", its trigger, on: what a lazy grammar is fed starts there)
+FIREFUNCTION = ToolFormat(
+    "firefunction",
+    "arguments",
+    opener="functools",
+    listed=True,
+    before="functools[",
+    between=", ",
+    after="]",
+    triggers=(Trigger("functools[", False, CALL_PREFIX),),
+)
+# GigaChat3: its "function call" role's message after the reply's (one call; the template shows no second)
+GIGA3_CALL = "<|message_sep|>\n\nfunction call<|role_sep|>"
+GIGACHAT3 = ToolFormat(
+    "gigachat3",
+    "arguments",
+    opener=GIGA3_CALL,
+    before=GIGA3_CALL + "\n",
+    between=GIGA3_CALL + "\n",
+    triggers=(Trigger(GIGA3_CALL, False, "\n" + CALL_PREFIX),),
+)
+# GigaChat3.1: <|function_call|>{"name": ..., "arguments": {...}}
+GIGACHAT3_1 = ToolFormat(
+    "gigachat3_1",
+    "arguments",
+    opener="<|function_call|>",
+    before="<|function_call|>",
+    between="<|function_call|>",
+    triggers=(Trigger("<|function_call|>", False, CALL_PREFIX),),
+)
 GENERIC = ToolFormat(
     "generic",
     "arguments",
@@ -170,6 +217,16 @@ MINIMAX = ToolFormat(
     block=families.MINIMAX,
     triggers=(Trigger("<minimax:tool_call>", False, '\n<invoke name="'),),
 )
+# MiniMax M1: <tool_calls>\n{"name": ..., "arguments": {...}}\n...\n</tool_calls>, one call's JSON a line
+MINIMAX_M1 = ToolFormat(
+    "minimax_m1",
+    "arguments",
+    before="<tool_calls>\n",
+    between="\n",
+    after="\n</tool_calls>",
+    block=families.MINIMAX_M1,
+    triggers=(Trigger("<tool_calls>", False, "\n" + CALL_PREFIX),),
+)
 DEEPSEEK_DSML = ToolFormat(
     "deepseek_dsml",
     "arguments",
@@ -189,7 +246,61 @@ COHERE = ToolFormat(
     between=",\n    ",
     after="\n]<|END_ACTION|>",
     block=families.COHERE,
+    dropped=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),  # R7B's, Cohere2MoE's
     triggers=(Trigger("<|START_ACTION|>", False, '[\n    {"tool_call_id": "'),),
+)
+# Apertus: a JSON list of {"NAME": {...arguments...}} between its tool markers
+APERTUS = ToolFormat(
+    "apertus",
+    "arguments",
+    before="<|tools_prefix|>[",
+    between=", ",
+    after="]<|tools_suffix|>",
+    block=families.APERTUS,
+    triggers=(Trigger("<|tools_prefix|>", False, '[{"'),),
+)
+# MiniCPM5: <function name="N"><param name="K">V</param></function>, a call a line
+MINICPM5 = ToolFormat(
+    "minicpm5", "arguments", between="\n", block=families.MINICPM5, triggers=(Trigger("<function", False, ' name="'),)
+)
+# Upstage Solar Open: each call with the model's id, name and JSON arguments between its markers
+SOLAR = ToolFormat(
+    "solar",
+    "arguments",
+    before="<|tool_calls|>",
+    block=families.SOLAR,
+    triggers=(Trigger("<|tool_calls|>", False, families.SOLAR_BEGIN),),
+)
+# Kimi K3: XTML tags; its content's response and message tags are dropped
+KIMI_K3 = ToolFormat(
+    "kimi_k3",
+    "arguments",
+    before="<|open|>tools<|sep|>",
+    after="<|close|>tools<|sep|>",
+    block=families.KIMI_K3,
+    dropped=("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>"),
+    triggers=(Trigger("<|open|>tools<|sep|>", False, '<|open|>call tool="'),),
+)
+# LFM2 and LFM2.5: Python-style calls in a list between the call markers
+LFM2 = ToolFormat(
+    "lfm2",
+    "arguments",
+    before="<|tool_call_start|>[",
+    between=", ",
+    after="]<|tool_call_end|>",
+    block=families.LFM2,
+    triggers=(Trigger("<|tool_call_start|>", False, "["),),
+)
+# Cohere Command R+: "Action:" and a JSON code block of the calls (Cohere's list, no ids)
+COMMAND_R_PLUS = ToolFormat(
+    "command_r_plus",
+    "parameters",
+    before="Action:\n```json\n[\n    ",
+    between=",\n    ",
+    after="\n]\n```",
+    block=families.COMMAND_R_PLUS,
+    dropped=("<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>"),
+    triggers=(Trigger("Action:\n```json", False, '\n[\n    {"tool_name": "'),),
 )
 # gpt-oss: one call per reply (the model stops at ``<|call|>``); its grammar is harmony.py's.
 HARMONY = ToolFormat(
@@ -200,7 +311,7 @@ HARMONY = ToolFormat(
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, GEMMA4, COHERE, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, SOLAR, KIMI_K3, LFM2, COMMAND_R_PLUS, HARMONY)
 }
 
 
@@ -214,7 +325,7 @@ def syntax_text(fmt: ToolFormat) -> tuple[str, ...]:
     parts = [fmt.opener, fmt.closer, fmt.before, fmt.call_open, fmt.call_close, fmt.after]
     parts += [t.text + t.then for t in fmt.triggers]
     if fmt.block is not None:
-        parts += [*fmt.block.openers, fmt.block.closer, fmt.block.tail, *fmt.block.closers]
+        parts += [*fmt.block.openers, fmt.block.closer, fmt.block.tail, *fmt.block.closers, *fmt.dropped]
     if fmt.harmony:
         parts += HARMONY_MARKS
     return tuple(p for p in parts if p)

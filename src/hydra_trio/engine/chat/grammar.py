@@ -136,6 +136,10 @@ def tools_gbnf(request: ToolRequest, fmt: ToolFormat) -> tuple[str, Triggers]:
             calls.append(call)
             rules.extend(more_rules)
             continue
+        if fmt.recipient:  # functionary: the tool's name on its line, then its arguments' JSON
+            rules.append(_renamed(_tool_schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-"))
+            calls.append(f"{_literal(tool.name + chr(10))} t{i}-root")
+            continue
         if fmt.harmony:  # gpt-oss: a commentary message to the function, its body the JSON
             head = f"<|channel|>commentary to=functions.{tool.name} <|constrain|>json<|message|>"
             rules.append(_renamed(_tool_schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-"))

@@ -73,6 +73,9 @@ class _JsonEnd:
         return None
 
 
+MAX_RECIPIENT = 128  # characters of a recipient's line (functionary) before it is taken as text
+
+
 class _CallScanner:
     """Content text -> (content, calls) for one format."""
 
@@ -88,6 +91,8 @@ class _CallScanner:
         self._after_call = False  # the last thing decided was a call
         self._seen_text = False  # content other than whitespace was released
         self._json: _JsonEnd | None = None  # the open region's JSON scan
+        self._fresh = True  # a recipient format's reply start is not decided yet
+        self._name = ""  # the open recipient region's tool name
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
@@ -103,11 +108,18 @@ class _CallScanner:
                     self._text(self._buf, out)
                     self._buf = ""
                 break
-            outcome = self._block(marker, final) if self._fmt.block is not None else self._region(marker)
+            if marker and self._buf[:marker] in self._fmt.dropped:
+                outcome = marker, None
+            elif self._fmt.block is not None:
+                outcome = self._block(marker, final)
+            elif self._fmt.recipient:
+                outcome = self._recipient(marker, final)
+            else:
+                outcome = self._region(marker)
             if outcome is None:  # the region is still open
                 if final:
                     self._text(self._buf, out)
-                    self._buf, self._json = "", None
+                    self._buf, self._json, self._fresh = "", None, False
                 break
             end, calls = outcome
             self._json = None
@@ -115,7 +127,7 @@ class _CallScanner:
                 self._ws, self._after_call = "", True
                 new.extend(calls)
                 self.calls.extend(calls)
-            else:
+            elif calls is not None:  # None: a marker that is dropped (a recipient's content line)
                 self._text(self._buf[:end], out)
             self._buf = self._buf[end:]
         if final and not self._after_call:
@@ -129,12 +141,20 @@ class _CallScanner:
         fmt, buf = self._fmt, self._buf
         if self._json is not None:
             return 0, 0  # an open region: always at the buffer's start, its marker passed
+        if fmt.recipient and self._fresh:  # the reply's first recipient line has no marker
+            if buf.startswith(fmt.opener):
+                self._fresh = False
+            elif not final and fmt.opener.startswith(buf):
+                return 0, None
+            else:
+                return 0, 0
         if fmt.block is not None:
-            found = [(k, len(o)) for o in fmt.block.openers if (k := buf.find(o)) >= 0]
+            marks = (*fmt.block.openers, *fmt.dropped)
+            found = [(k, len(o)) for o in marks if (k := buf.find(o)) >= 0]
             if found:
                 return min(found)
             if not final:
-                return len(buf) - partial_suffix(buf, *fmt.block.openers), None
+                return len(buf) - partial_suffix(buf, *marks), None
             return len(buf), None
         j = len(buf) - len(buf.lstrip())
         if j < len(buf):
@@ -180,6 +200,45 @@ class _CallScanner:
                 return end, []
             end = k + len(fmt.closer)
         return end, self._calls_of(value_text)
+
+    def _recipient(self, marker: int, final: bool) -> tuple[int, list[ToolCall] | None] | None:
+        """A recipient format's message at the buffer's start (``marker`` 0: the reply's
+        first, its marker in the prompt): None while it is open; (its line's end, None) for
+        content's recipient (the line dropped); else (its end, its call), no call when it is
+        not one (the marker is then content)."""
+        fmt, buf = self._fmt, self._buf
+        if self._json is None:
+            nl = buf.find("\n", marker)
+            if nl < 0:
+                if not final and len(buf) - marker <= MAX_RECIPIENT:
+                    return None
+                self._fresh = False
+                return marker, []
+            name = buf[marker:nl].strip()
+            self._fresh = False
+            if name == fmt.recipient:
+                return nl + 1, None
+            if not name or any(c.isspace() for c in name) or (self._names is not None and name not in self._names):
+                return marker, []
+            j = nl + 1
+            while j < len(buf) and buf[j].isspace():
+                j += 1
+            if j == len(buf):
+                self._fresh = marker == 0
+                return None
+            if buf[j] != "{":
+                return marker, []
+            self._json, self._name = _JsonEnd(j), name
+        end = self._json.end(buf)
+        if end is None:
+            return None
+        try:
+            args = parse_json(buf[self._json.start:end].encode("utf-8", "surrogatepass"), "tool call")
+        except (ProtocolError, UnicodeError):
+            args = None
+        if not isinstance(args, dict):
+            return max(marker, len(fmt.opener) if buf.startswith(fmt.opener) else 0), []
+        return end, [ToolCall(len(self.calls), self._new_id(), self._name, dump_arguments(args))]
 
     def _block(self, marker: int, final: bool) -> tuple[int, list[ToolCall]] | None:
         """A family's block region (families.py) at the buffer's start: None while its closer
@@ -284,7 +343,13 @@ class ReplyParser:
             )
         else:
             self._think = ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags) if reasoning else None
-            self._scanner = _CallScanner(fmt or GENERIC, names, new_id, props) if parse_tools else None
+            if parse_tools:
+                self._scanner = _CallScanner(fmt or GENERIC, names, new_id, props)
+            elif fmt is not None and (fmt.dropped or fmt.recipient):
+                # Markup around content is removed without tools too (no call is then accepted).
+                self._scanner = _CallScanner(fmt, frozenset(), new_id)
+            else:
+                self._scanner = None
         self._content: list[str] = []
         self._reasoning: list[str] = []
 
