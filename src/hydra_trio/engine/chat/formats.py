@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from . import families
+from . import families, pythonic
 from .families import Block
 from .tools import ToolRequest
 
@@ -288,7 +288,7 @@ LFM2 = ToolFormat(
     before="<|tool_call_start|>[",
     between=", ",
     after="]<|tool_call_end|>",
-    block=families.LFM2,
+    block=pythonic.LFM2,
     triggers=(Trigger("<|tool_call_start|>", False, "["),),
 )
 # Cohere Command R+: "Action:" and a JSON code block of the calls (Cohere's list, no ids)
