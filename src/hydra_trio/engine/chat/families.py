@@ -54,6 +54,15 @@ def _json_args(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _json_list(text: str) -> list[Any] | None:
+    """A non-empty JSON list (a family's calls), else None."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, list) and value else None
+
+
 def _trim_nl(text: str) -> str:
     """A parameter's value without the one newline each side the XML forms put around it."""
     if text.startswith("\n"):
@@ -371,11 +380,7 @@ GEMMA4 = Block(openers=("<|tool_call>",), closer="<tool_call|>", read=_read_gemm
 
 def _read_cohere(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
     """Cohere's JSON list of calls; its id is the model's ``tool_call_id``."""
-    try:
-        items = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not items:
+    if (items := _json_list(body)) is None:
         return None
     calls: list[Call] = []
     for item in items:
@@ -443,11 +448,7 @@ MINIMAX_M1 = Block(
 
 
 def _read_name_keyed(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
-    try:
-        items = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not items:
+    if (items := _json_list(body)) is None:
         return None
     calls: list[Call] = []
     for item in items:

@@ -60,6 +60,22 @@ class ToolFormat:
     harmony: bool = False  # gpt-oss's channels (harmony.py): reasoning, content and calls
 
 
+def _json_list(name: str, opener: str, closer: str = "") -> ToolFormat:
+    """A format whose calls are one JSON list after ``opener`` (and before ``closer``):
+    ``OPENER[{"name": ..., "arguments": {...}}, ...]CLOSER``."""
+    return ToolFormat(
+        name,
+        "arguments",
+        opener=opener,
+        closer=closer,
+        listed=True,
+        before=opener + "[",
+        between=", ",
+        after="]" + closer,
+        triggers=(Trigger(opener, False, "[" + CALL_PREFIX),),
+    )
+
+
 HERMES = ToolFormat(
     "hermes",
     "arguments",
@@ -81,51 +97,13 @@ LLAMA3 = ToolFormat(
     between="; ",
     triggers=(Trigger("<|python_tag|>", False, CALL_PREFIX), Trigger('{"name"', True, CALL_PREFIX[len('{"name"'):])),
 )
-MISTRAL = ToolFormat(
-    "mistral",
-    "arguments",
-    opener="[TOOL_CALLS]",
-    listed=True,
-    before="[TOOL_CALLS][",
-    between=", ",
-    after="]",
-    triggers=(Trigger("[TOOL_CALLS]", False, "[" + CALL_PREFIX),),
-)
+MISTRAL = _json_list("mistral", "[TOOL_CALLS]")
 # IBM Granite 3.3: "respond only with <|tool_call|> followed by a JSON list of tools used"
-GRANITE = ToolFormat(
-    "granite",
-    "arguments",
-    opener="<|tool_call|>",
-    listed=True,
-    before="<|tool_call|>[",
-    between=", ",
-    after="]",
-    triggers=(Trigger("<|tool_call|>", False, "[" + CALL_PREFIX),),
-)
+GRANITE = _json_list("granite", "<|tool_call|>")
 # NVIDIA Nemotron Nano v2: <TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>
-NEMOTRON = ToolFormat(
-    "nemotron",
-    "arguments",
-    opener="<TOOLCALL>",
-    closer="</TOOLCALL>",
-    listed=True,
-    before="<TOOLCALL>[",
-    between=", ",
-    after="]</TOOLCALL>",
-    triggers=(Trigger("<TOOLCALL>", False, "[" + CALL_PREFIX),),
-)
+NEMOTRON = _json_list("nemotron", "<TOOLCALL>", "</TOOLCALL>")
 # ServiceNow Apriel 1.5 and 1.6: <tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>
-APRIEL = ToolFormat(
-    "apriel",
-    "arguments",
-    opener="<tool_calls>",
-    closer="</tool_calls>",
-    listed=True,
-    before="<tool_calls>[",
-    between=", ",
-    after="]</tool_calls>",
-    triggers=(Trigger("<tool_calls>", False, "[" + CALL_PREFIX),),
-)
+APRIEL = _json_list("apriel", "<tool_calls>", "</tool_calls>")
 # Functionary v3.2: ">>>NAME\n{arguments}" (the prompt ends with ">>>"), ">>>all\n" before content
 FUNCTIONARY = ToolFormat(
     "functionary",
