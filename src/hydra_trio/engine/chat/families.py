@@ -54,7 +54,7 @@ def _json_args(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _json_list(text: str) -> list[Any] | None:
+def _json_items(text: str) -> list[Any] | None:
     """A non-empty JSON list (a family's calls), else None."""
     try:
         value = json.loads(text)
@@ -380,7 +380,7 @@ GEMMA4 = Block(openers=("<|tool_call>",), closer="<tool_call|>", read=_read_gemm
 
 def _read_cohere(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
     """Cohere's JSON list of calls; its id is the model's ``tool_call_id``."""
-    if (items := _json_list(body)) is None:
+    if (items := _json_items(body)) is None:
         return None
     calls: list[Call] = []
     for item in items:
@@ -448,7 +448,7 @@ MINIMAX_M1 = Block(
 
 
 def _read_name_keyed(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
-    if (items := _json_list(body)) is None:
+    if (items := _json_items(body)) is None:
         return None
     calls: list[Call] = []
     for item in items:
