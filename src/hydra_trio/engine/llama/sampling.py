@@ -286,7 +286,7 @@ class Sampler:
         elif guided is not None:
             masked = np.where(guided.allowed(), logits, np.float32(-np.inf))
             if (failure := guided.failure) is not None:
-                self.failure = f"{self.params.grammar_param}: the grammar is too complex for the engine's per-token bound ({failure})"
+                self._failed(failure)
                 return self._end(eog_ids), logits
         else:
             candidates, cur = _candidates(logits)
@@ -344,6 +344,9 @@ class Sampler:
         if self.failure is not None:
             raise GrammarError(self.failure, self.params.grammar_param)
 
+    def _failed(self, failure: str) -> None:
+        self.failure = f"{self.params.grammar_param}: the grammar is too complex for the engine's per-token bound ({failure})"
+
     def _end(self, eog_ids: np.ndarray) -> int:
         if not len(eog_ids):
             raise RuntimeError(self.failure or "the vocabulary has no end-of-generation token")
@@ -362,7 +365,7 @@ class Sampler:
             assert self._guided is not None
             self._guided.accept(token)
             if (failure := self._guided.failure) is not None:  # the end comes at the next pick
-                self.failure = f"{self.params.grammar_param}: the grammar is too complex for the engine's per-token bound ({failure})"
+                self._failed(failure)
         else:
             llama_cpp.llama_sampler_accept(grammar, token)
         assert self._grammars is not None
