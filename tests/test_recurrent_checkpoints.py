@@ -16,7 +16,7 @@ import pytest
 
 from helpers import http
 from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.wire.kvblob import Checkpoint, encode_kv_blob
+from hydra_trio.wire.kvblob import Checkpoint, encode_kv_blob, parse_kv_blob
 
 OCTETS = {"content-type": "application/octet-stream"}
 PROMPT = "the river runs past the old mill and the owls watch it from the trees " * 3
@@ -57,6 +57,9 @@ def test_a_cut_resumes_from_a_checkpoint_there_and_nowhere_else(backend: LlamaBa
     assert backend.reusable_prefix(0, len(tokens)) == len(tokens)
     assert backend.reusable_prefix(0, len(tokens) - 1) == k  # the checkpoint, not the cut
     assert backend.reusable_prefix(0, k - 1) == 0
+    # A saved state (the prompt cache's) carries no checkpoints: only all of it continues,
+    # or all but its last position when the request's prompt is the whole of it.
+    assert [backend.reusable_in_state(100, n) for n in (100, 99, 98, 50)] == [100, 99, 0, 0]
     assert backend.truncate_slot(0, k) == k
     mem = llama_cpp.llama_get_memory(backend._ctx)
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == k - 1  # the checkpoint's state
@@ -145,7 +148,7 @@ async def test_the_engine_s_own_prefill_leaves_a_checkpoint_to_resume_from(
         assert logprob == pytest.approx(b[token], abs=1e-3)
 
 
-async def test_a_checkpoint_of_another_size_is_refused_and_the_slot_untouched(
+async def test_a_checkpoint_of_another_size_or_outside_the_blob_is_refused(
     start_engine: Callable[..., Any], mamba_model: Path, backend: LlamaBackend
 ) -> None:
     tokens = backend.tokenize(PROMPT, add_special=True)
@@ -160,6 +163,9 @@ async def test_a_checkpoint_of_another_size_is_refused_and_the_slot_untouched(
             r = await h.put("/slots/0/state", content=encode_kv_blob(len(tokens), tokens, state, checkpoint=ck), headers=OCTETS)
             assert r.status_code == 400 and said in r.text, r.text
         assert (await h.get("/slots/0/state/meta")).json()["n_past"] == len(tokens)
+        # What this engine writes has no checkpoint section: its state is whole at n_past.
+        got = parse_kv_blob((await h.get("/slots/0/state")).content)
+        assert got.checkpoint is None and got.tokens == tokens
 
 
 async def test_a_checkpoint_whose_state_lies_about_its_position_is_not_resumed_from(

@@ -143,8 +143,8 @@ class SlotStates:
     def reusable_in_state(self, n_tokens: int, n_keep: int) -> int:
         """``reusable_prefix`` for a saved state of ``n_tokens`` positions (the prompt
         cache's: no checkpoints travel with it)."""
-        if not self.info.can_roll_back:
-            return n_keep if n_keep >= n_tokens else 0
+        if not self.info.can_roll_back:  # whole, or but the last position (its logits may come along)
+            return n_keep if n_keep >= n_tokens - 1 else 0
         return reusable_in_state(self.n_swa, n_tokens, n_keep)
 
     def take_checkpoint(self, slot: int) -> None:
