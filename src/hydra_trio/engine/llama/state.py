@@ -112,7 +112,8 @@ class SlotStates:
         one = self.state_size(seq)
         # What a context checkpoint of a recurrent or hybrid model holds: its recurrent
         # state, one per sequence, the same size at any position (None: no recurrent state).
-        self.checkpoint_size = None if self.info.can_roll_back else int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, _PARTIAL))
+        partial = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, _PARTIAL))
+        self.checkpoint_size = None if self.info.can_roll_back else partial
         self._decode_batch([(seq, tok, 1, False)], None)
         two = self.state_size(seq)
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
