@@ -59,6 +59,15 @@ def tiny_model_wide(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mamba_model(model_dir: Path) -> Path:
+    """A recurrent model (llama.cpp's mamba architecture): one state per sequence, which no
+    cut keeps (context checkpoints, truncation)."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "mamba.gguf", "mamba", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_ctx(model_dir: Path) -> Path:
     """Same shape and vocabulary as tiny_model, with 10x stronger layer weights.
 

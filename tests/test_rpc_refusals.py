@@ -483,7 +483,8 @@ async def test_client_disconnect_during_prefill(engine: Any) -> None:
 @pytest.mark.parametrize("recurrent_only", [False, True])
 def test_checkpoint_section_applies_to_recurrent_models_only(recurrent_only: bool) -> None:
     """A v3 checkpoint (or recurrent-only capture) passes on a recurrent/hybrid model when it
-    lies inside the blob's positions; anywhere else it is refused, saying why."""
+    lies inside the blob's positions and is the size of the model's recurrent state; anywhere
+    else it is refused, saying why."""
     from hydra_trio.engine.kv import check_checkpoint
     from hydra_trio.wire.kvblob import KV_BLOB_V3, encode_kv_blob
 
@@ -491,11 +492,14 @@ def test_checkpoint_section_applies_to_recurrent_models_only(recurrent_only: boo
         ck = Checkpoint(pos_min, pos_max, n_tok, memoryview(b"ck"), memoryview(b""), recurrent_only)
         return parse_kv_blob(encode_kv_blob(4, [1, 2, 3, 4], b"state", checkpoint=ck, version=KV_BLOB_V3))
 
-    check_checkpoint(blob(0, 2, 3), recurrent=True)
+    check_checkpoint(blob(0, 2, 3), checkpoint_size=2)
     with pytest.raises(ProtocolError, match="no recurrent state, so a checkpoint does not apply") as info:
-        check_checkpoint(blob(0, 2, 3), recurrent=False)
+        check_checkpoint(blob(0, 2, 3), checkpoint_size=None)
     assert info.value.code is ErrorCode.BAD_FRAME
     assert ("recurrent-only capture" in info.value.message) is recurrent_only
     for bad in ((0, 4, 3), (3, 1, 2), (-1, 2, 3), (0, 2, 9)):
         with pytest.raises(ProtocolError, match="outside the 4 the blob holds"):
-            check_checkpoint(blob(*bad), recurrent=True)
+            check_checkpoint(blob(*bad), checkpoint_size=2)
+    with pytest.raises(ProtocolError, match="of 2 bytes; the resident model's recurrent state is 3") as info:
+        check_checkpoint(blob(0, 2, 3), checkpoint_size=3)
+    assert info.value.code is ErrorCode.BAD_FRAME

@@ -1,9 +1,9 @@
-"""A slot cut back to a shared prefix when the memory refuses a partial removal.
+"""A slot cut back to a shared prefix, and one whose memory cannot be cut back.
 
-llama_memory_seq_rm returns false when positions cannot be removed from the middle on:
-recurrent and hybrid models keep one state per sequence, not one cell per position. No
-synthetic recurrent GGUF is written here, so its refusal is simulated by a seq_rm that
-refuses every partial removal (and removes nothing then, as llama.cpp does)."""
+llama.cpp keeps one state per sequence for a recurrent model (the synthetic mamba GGUF), not
+one cell per position: no cut keeps it. Without a context checkpoint at the cut (here they
+are off; tests/test_recurrent_checkpoints.py has them) the slot is emptied and the prompt
+recomputed."""
 
 from __future__ import annotations
 
@@ -23,25 +23,15 @@ PROMPT = "the river runs past the old mill and the owls watch it from the trees 
 
 
 @pytest.fixture
-def refuse_partial_rm(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """seq_rm refuses (False, nothing removed) any removal that keeps positions; whole
-    sequences still go. Returns the refused (seq, p0) calls."""
-    real = llama_cpp.llama_memory_seq_rm
-    refused: list[tuple[int, int]] = []
-
-    def seq_rm(mem: Any, seq: int, p0: int, p1: int) -> bool:
-        if p0 > 0:
-            refused.append((seq, p0))
-            return False
-        return bool(real(mem, seq, p0, p1))
-
-    monkeypatch.setattr(llama_cpp, "llama_memory_seq_rm", seq_rm)
-    return refused
+def backend(tiny_model_ctx: Path) -> Iterator[LlamaBackend]:
+    b = LlamaBackend(str(tiny_model_ctx), n_slots=1, n_ctx=512, n_threads=1, n_batch=256, kv_unified=True)
+    yield b
+    b.close()
 
 
 @pytest.fixture
-def backend(tiny_model_ctx: Path) -> Iterator[LlamaBackend]:
-    b = LlamaBackend(str(tiny_model_ctx), n_slots=1, n_ctx=512, n_threads=1, n_batch=256, kv_unified=True)
+def recurrent(mamba_model: Path) -> Iterator[LlamaBackend]:
+    b = LlamaBackend(str(mamba_model), n_slots=1, n_ctx=512, n_threads=1, n_batch=256, ctx_checkpoints=0)
     yield b
     b.close()
 
@@ -63,24 +53,20 @@ def test_a_cut_keeps_the_prefix_it_reports(backend: LlamaBackend) -> None:
     assert backend.truncate_slot(0, len(prompt)) == len(prompt) - 5  # nothing past the end to drop
 
 
-def test_a_refused_cut_empties_the_slot_and_reports_nothing_kept(
-    backend: LlamaBackend, refuse_partial_rm: list[tuple[int, int]]
-) -> None:
-    prompt = _fill(backend)
-    assert backend.truncate_slot(0, len(prompt) - 5) == 0
-    assert refuse_partial_rm == [(0, len(prompt) - 5)]
-    assert backend.seq_tokens[0] == []
-    mem = llama_cpp.llama_get_memory(backend._ctx)
+def test_a_recurrent_state_cut_back_empties_the_slot_and_reports_nothing_kept(recurrent: LlamaBackend) -> None:
+    prompt = _fill(recurrent)
+    assert not recurrent.info.can_roll_back
+    assert recurrent.truncate_slot(0, len(prompt) - 5) == 0
+    assert recurrent.seq_tokens[0] == []
+    mem = llama_cpp.llama_get_memory(recurrent._ctx)
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == -1  # the KV agrees: nothing held
 
 
-async def test_a_prompt_recomputes_when_its_slot_cannot_be_cut(
-    start_engine: Callable[..., Any], tiny_model_ctx: Path, refuse_partial_rm: list[tuple[int, int]]
-) -> None:
+async def test_a_prompt_recomputes_when_its_slot_cannot_be_cut(start_engine: Callable[..., Any], mamba_model: Path) -> None:
     """One slot holds PROMPT + an answer; a prompt sharing only part of it needs a cut the
-    memory refuses. It is computed whole (0 cached tokens) and answers as from an empty
-    slot, instead of continuing a KV that still holds the old tail."""
-    ep = await start_engine(tiny_model_ctx, slots=1, ctx_size=1024, cache_ram_mib=0)
+    recurrent state cannot take. It is computed whole (0 cached tokens) and answers as from
+    an empty slot, instead of continuing a state that still holds the old tail."""
+    ep = await start_engine(mamba_model, slots=1, ctx_size=1024, cache_ram_mib=0, ctx_checkpoints=0)
     other = PROMPT[: len(PROMPT) // 2] + "but the bread is baked at dawn in the village"
     body = {"max_tokens": 8, "temperature": 0}
     async with http(ep) as h:
@@ -89,7 +75,6 @@ async def test_a_prompt_recomputes_when_its_slot_cannot_be_cut(
         r = await h.post("/v1/completions", json={**body, "prompt": other})
         assert r.status_code == 200, r.text
         cut = r.json()
-        assert refuse_partial_rm, "the second prompt did not need a partial cut"
         assert cut["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         # From an empty slot: a prompt sharing nothing clears it whole (no partial cut).
         r = await h.post("/v1/completions", json={**body, "prompt": "winter " * 8})

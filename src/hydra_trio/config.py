@@ -38,9 +38,9 @@ class Settings:
     # 1.3x slower, docs/performance.md) and buys nothing here (prefix reuse already honours
     # the window: LlamaBackend.reusable_prefix).
     swa_full: bool = False
-    # Context checkpoints per slot of the sliding-window layers' state (llama-server's
-    # --ctx-checkpoints; engine/llama/checkpoints.py): a prompt that leaves a slot's history
-    # a few tokens before its end resumes there instead of recomputing everything.
+    # Context checkpoints per slot of the sliding-window layers' or the recurrent state
+    # (llama-server's --ctx-checkpoints; engine/llama/checkpoints.py): a prompt that leaves a
+    # slot's history a few tokens before its end resumes there instead of recomputing everything.
     ctx_checkpoints: int = 8
     # Slot choice (llama-server's --slot-prompt-similarity): a prompt continues a slot's KV
     # only when the shared prefix is at least this share of the prompt; otherwise it takes an
@@ -243,7 +243,7 @@ _HELP: dict[str, str] = {
     "slot_prompt_similarity": "a prompt reuses a slot's KV only when the shared prefix is at least this share of the prompt (else an empty, then the least recently used slot); 0 = always the longest prefix",
     "cache_ram_mib": "host memory (MiB) for slots' KV kept past the slots: a slot's history is copied here before it is dropped, and comes back for a prompt that continues it; 0 = off",
     "kv_unified": "one KV cache shared by all slots instead of one stream per slot (a slot may then hold the whole context, but every step's attention spans all slots' cells)",
-    "ctx_checkpoints": "context checkpoints kept per slot for sliding-window models (llama-server's --ctx-checkpoints): a prefill copies the window's state 4 and --batch-size tokens before the prompt's end, so a next prompt that leaves the history there resumes instead of recomputing; 0 = off",
+    "ctx_checkpoints": "context checkpoints kept per slot for sliding-window, recurrent and hybrid models (llama-server's --ctx-checkpoints): a prefill copies the window's or the recurrent state 4 and --batch-size tokens before the prompt's end, and a restored KV blob's checkpoint section is kept as one, so a next prompt that leaves the history there resumes instead of recomputing; 0 = off",
     "swa_full": "full-size KV cache for sliding-window layers (llama.cpp's swa_full): their attention then spans the whole sequence; off (default, llama-server's) keeps only the window, faster prefill of long prompts",
     "threads": "CPU threads for llama.cpp (default: the cores but one, at most 8: the engine's own thread needs a core)",
     "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",

@@ -359,7 +359,7 @@ class EngineCore:
         ``--batch-size`` chunks, each one cancellable GPU-worker call (the abort flag stops a
         running chunk). Returns the token sampled from the last position (with ``sampler``)
         and its logits (with ``want_logits``)."""
-        # Stops for the context checkpoints of a sliding-window model (llama/checkpoints.py).
+        # Stops for the context checkpoints of a sliding-window or recurrent model (llama/checkpoints.py).
         for cut in self.backend.checkpoints.cuts(len(tokens), n_keep):
             await self._evaluate(slot, tokens[:cut], n_keep, sampler=None, want_logits=False)
             await self.worker.call(lambda: self.backend.take_checkpoint(slot))
@@ -572,7 +572,7 @@ class EngineCore:
         KV is evicted for its room first."""
         backend = self.backend
         if blob.checkpoint is not None:
-            check_checkpoint(blob, recurrent=not backend.info.can_roll_back)
+            check_checkpoint(blob, checkpoint_size=backend.checkpoint_size)
         if blob.n_past >= backend.n_ctx_slot:
             raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {self.inputs.slot_room()}")
         await self.scheduler.make_room(blob.n_past, exclude=slot_id)

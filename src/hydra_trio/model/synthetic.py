@@ -1,4 +1,5 @@
-"""Write real llama-architecture GGUF files with random weights (tests, demos, benchmarks).
+"""Write real GGUF files (llama, and mamba for a recurrent model) with random weights (tests,
+demos, benchmarks).
 
 No model can be downloaded where this project is built and tested, so it writes its own:
 llama.cpp loads them like any other GGUF, and greedy output is deterministic for a seed.
@@ -67,6 +68,9 @@ class Preset:
     n_ctx_train: int
     file_type: gguf.LlamaFileType
     name: str
+    # "llama", or "mamba": a recurrent model (one state per sequence, no per-position KV;
+    # n_head, n_head_kv and n_ff unused), for what only such a memory does (checkpoints).
+    arch: str = "llama"
 
 
 PRESETS: dict[str, Preset] = {
@@ -76,6 +80,8 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(8192, 512, 8, 8, 4, 1376, 8192, gguf.LlamaFileType.MOSTLY_F16, "Hydra Synthetic Small"),
     # ≈134 M params, 768 wide, 12 layers: compute and KV size of a real model of that shape.
     "bench": Preset(32000, 768, 12, 12, 12, 2048, 8192, gguf.LlamaFileType.MOSTLY_F16, "Hydra Synthetic Bench"),
+    # ≈0.5 MB: llama.cpp's mamba architecture (llama_model_is_recurrent), loads in milliseconds.
+    "mamba": Preset(512, 64, 2, 0, 0, 0, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Mamba", "mamba"),
 }
 
 
@@ -150,7 +156,7 @@ def write_model(
     n_vocab: int | None = None,
     control_tokens: Mapping[int, str] | None = None,
 ) -> Path:
-    """Write a llama GGUF with random weights and return its path.
+    """Write a GGUF of the preset's architecture with random weights and return its path.
 
     ``file_type`` only changes the declared ``general.file_type`` label when it is not one of
     F32/F16 (identity tests need e.g. a "Q4_K_M" label; the weights stay float).
@@ -169,7 +175,7 @@ def write_model(
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    arch = "llama"
+    arch = spec.arch
     weight_dtype = np.float16 if spec.file_type == gguf.LlamaFileType.MOSTLY_F16 else np.float32
     raw_type = gguf.GGMLQuantizationType.F16 if weight_dtype is np.float16 else gguf.GGMLQuantizationType.F32
 
@@ -184,11 +190,18 @@ def write_model(
     writer.add_context_length(spec.n_ctx_train)
     writer.add_embedding_length(spec.n_embd)
     writer.add_block_count(spec.n_layer)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
-    writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
-    writer.add_rope_freq_base(10000.0)
+    if arch == "mamba":
+        ssm = _mamba_shape(spec.n_embd)
+        writer.add_ssm_conv_kernel(ssm.d_conv)
+        writer.add_ssm_inner_size(ssm.d_inner)
+        writer.add_ssm_state_size(ssm.d_state)
+        writer.add_ssm_time_step_rank(ssm.dt_rank)
+    else:
+        writer.add_feed_forward_length(spec.n_ff)
+        writer.add_head_count(spec.n_head)
+        writer.add_head_count_kv(spec.n_head_kv)
+        writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
+        writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(spec.n_vocab)
 
@@ -215,11 +228,11 @@ def write_model(
 
     rng = np.random.default_rng(seed)
     d, ff, v = spec.n_embd, spec.n_ff, spec.n_vocab
-    d_kv = d // spec.n_head * spec.n_head_kv
+    d_kv = d // max(spec.n_head, 1) * spec.n_head_kv
     std = 0.02
     # numpy shapes are (rows, cols) = ggml's (ne1, ne0): output features first.
     writer.add_tensor("token_embd.weight", _tensor(rng, (v, d), weight_dtype, 1.0), raw_dtype=raw_type)
-    for i in range(spec.n_layer):
+    for i in range(spec.n_layer if arch == "llama" else 0):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", np.ones(d, dtype=np.float32))
         writer.add_tensor(p + "attn_q.weight", _tensor(rng, (d, d), weight_dtype, std), raw_dtype=raw_type)
@@ -230,6 +243,8 @@ def write_model(
         writer.add_tensor(p + "ffn_gate.weight", _tensor(rng, (ff, d), weight_dtype, std), raw_dtype=raw_type)
         writer.add_tensor(p + "ffn_up.weight", _tensor(rng, (ff, d), weight_dtype, std), raw_dtype=raw_type)
         writer.add_tensor(p + "ffn_down.weight", _tensor(rng, (d, ff), weight_dtype, std), raw_dtype=raw_type)
+    if arch == "mamba":
+        _add_mamba_layers(writer, rng, spec)
     writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
     # A larger output scale gives peaked, varied logits instead of near-uniform noise.
     writer.add_tensor("output.weight", _tensor(rng, (v, d), weight_dtype, 0.5), raw_dtype=raw_type)
@@ -240,6 +255,41 @@ def write_model(
     writer.close()
     tmp.replace(out)  # atomic: a concurrent reader never sees a half-written model
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _MambaShape:
+    d_inner: int
+    d_state: int
+    d_conv: int
+    dt_rank: int
+
+
+def _mamba_shape(n_embd: int) -> _MambaShape:
+    # Mamba-1's own ratios (llama.cpp takes an expansion factor of 2 only).
+    return _MambaShape(d_inner=2 * n_embd, d_state=16, d_conv=4, dt_rank=-(-n_embd // 16))
+
+
+def _add_mamba_layers(writer: gguf.GGUFWriter, rng: np.random.Generator, spec: Preset) -> None:
+    """Mamba-1 blocks as llama.cpp's mamba architecture loads them (src/models/mamba.cpp),
+    all f32. The selective scan's A is negative (-exp of a log, Mamba's init) so the state
+    decays, and slowly (dt's bias -4: softplus ≈ 0.018 a step), with weights strong enough
+    that the next token depends on tokens far back: a wrong state shows in the logits."""
+    d, s = spec.n_embd, _mamba_shape(spec.n_embd)
+    f32 = np.float32
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(d, dtype=f32))
+        writer.add_tensor(p + "ssm_in.weight", _tensor(rng, (2 * s.d_inner, d), f32, 0.3))
+        writer.add_tensor(p + "ssm_conv1d.weight", _tensor(rng, (s.d_inner, s.d_conv), f32, 0.3))
+        writer.add_tensor(p + "ssm_conv1d.bias", np.zeros(s.d_inner, dtype=f32))
+        writer.add_tensor(p + "ssm_x.weight", _tensor(rng, (s.dt_rank + 2 * s.d_state, s.d_inner), f32, 0.3))
+        writer.add_tensor(p + "ssm_dt.weight", _tensor(rng, (s.d_inner, s.dt_rank), f32, 0.3))
+        writer.add_tensor(p + "ssm_dt.bias", np.full(s.d_inner, -4.0, dtype=f32))
+        a_log = np.log(np.tile(np.arange(1, s.d_state + 1, dtype=f32), (s.d_inner, 1)))
+        writer.add_tensor(p + "ssm_a", -np.exp(a_log))
+        writer.add_tensor(p + "ssm_d", np.ones(s.d_inner, dtype=f32))
+        writer.add_tensor(p + "ssm_out.weight", _tensor(rng, (d, s.d_inner), f32, 0.3))
 
 
 def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:

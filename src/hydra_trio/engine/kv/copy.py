@@ -59,10 +59,13 @@ async def restore_blob(
     backend: LlamaBackend, worker: GpuWorker, slot: int, blob: KvBlob, timing: CallTiming | None, salt: str | None
 ) -> None:
     """Restore a parsed v2 blob into the slot, all-or-nothing (engine/llama/state.py), as
-    ``salt``'s history. Trailing logits become the slot's tail logits."""
+    ``salt``'s history. Trailing logits become the slot's tail logits; a checkpoint section
+    (``check_checkpoint`` passed it) becomes the slot's context checkpoint."""
 
     def call(abort: threading.Event) -> None:
-        backend.state_restore(slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw, salt=salt)
+        backend.state_restore(
+            slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw, salt=salt, checkpoint=blob.checkpoint
+        )
 
     try:
         await worker.run(call, timing)
@@ -70,17 +73,19 @@ async def restore_blob(
         await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
         raise
 
-def check_checkpoint(blob: KvBlob, *, recurrent: bool) -> None:
-    """A blob's checkpoint section (v2 flag 0x01; v3 flag 0x02: a recurrent-only capture).
-    Refused where it does not apply (a model without recurrent state); on a recurrent or
-    hybrid model it must describe positions the blob holds. The sequence state after it
-    already holds the recurrent state at n_past, which is what the restore puts in the slot:
-    the checkpoint is a roll-back point, and this engine keeps none (it re-prefills a prompt
-    that diverges inside a recurrent model's history)."""
+def check_checkpoint(blob: KvBlob, *, checkpoint_size: int | None) -> None:
+    """A blob's checkpoint section (v2 flag 0x01; v3 flag 0x02: a recurrent-only capture):
+    the recurrent state at ``n_tokens`` of the blob's positions, a roll-back point the slot
+    keeps (engine/llama/checkpoints.py) so that a later prompt diverging after it resumes
+    there. Refused where it does not apply (``checkpoint_size`` None: the model has no
+    recurrent state); on a recurrent or hybrid model it must lie inside the blob's positions
+    and be the size of this model's recurrent state (``LlamaBackend.checkpoint_size``, what
+    ``llama_state_seq_get_data_ext`` with the partial flag writes). Its draft part is not
+    read: this engine runs no draft model."""
     ck = blob.checkpoint
     assert ck is not None
     kind = "a recurrent-only capture (v3 flag 0x02)" if ck.recurrent_only else "a recurrent-state checkpoint"
-    if not recurrent:
+    if checkpoint_size is None:
         raise ProtocolError(
             ErrorCode.BAD_FRAME,
             f"kv blob carries {kind}; the resident model has no recurrent state, so a checkpoint does not apply",
@@ -90,4 +95,9 @@ def check_checkpoint(blob: KvBlob, *, recurrent: bool) -> None:
             ErrorCode.BAD_FRAME,
             f"kv blob: {kind} for positions {ck.pos_min}..{ck.pos_max} ({ck.n_tokens} tokens) "
             f"outside the {blob.n_past} the blob holds",
+        )
+    if len(ck.data) != checkpoint_size:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME,
+            f"kv blob: {kind} of {len(ck.data)} bytes; the resident model's recurrent state is {checkpoint_size}",
         )

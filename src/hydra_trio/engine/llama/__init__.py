@@ -9,7 +9,6 @@ context (decode, steps, tokens); steps.py the batched steps; state.py a slot's K
 and in; seqstate.py that state's layout, read without llama.cpp."""
 
 from .chat import apply_builtin_chat_template
-from .checkpoints import reusable_in_state
 from .context import LlamaBackend, kv_layout
 from .devices import OffloadSettings
 from .grammar import (
@@ -72,5 +71,4 @@ __all__ = [
     "kv_layout",
     "number_bounds",
     "number_range",
-    "reusable_in_state",
 ]

@@ -1,15 +1,19 @@
-"""Context checkpoints of the sliding-window layers (llama-server's ``--ctx-checkpoints``).
+"""Context checkpoints (llama-server's ``--ctx-checkpoints``): roll-back points for a memory
+that cannot simply be cut back.
 
 A window-sized SWA cache drops a sequence's SWA cells older than the window as it advances,
 so a slot cut back by more than a position or two cannot be continued: the cells its window
-needs before the cut are gone. An agent's next turn cuts exactly there (the reply rendered
-differently, a second session behind the same system prompt). So, as llama-server does, a
-prefill stops a few tokens before the prompt's end (4, and a batch), copies the SWA
-layers' state of the slot (``LLAMA_STATE_SEQ_FLAGS_SWA_ONLY``: the window, not the whole
-KV), and goes on. A later prompt that shares at least a checkpoint's positions restores its
-SWA cells and keeps the full-attention layers' cells up to it, evaluating only the rest.
+needs before the cut are gone. A recurrent state (Mamba, RWKV, the recurrent half of a hybrid
+model) is one per sequence, at its last position: no cut at all keeps it. An agent's next turn
+cuts exactly there (the reply rendered differently, a second session behind the same system
+prompt). So, as llama-server does for both, a prefill stops a few tokens before the prompt's
+end (4, and a batch), copies the slot's partial state (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``:
+the SWA window or the recurrent state, not the whole KV), and goes on; a restored KV blob's
+checkpoint section is kept here too. A later prompt that shares at least a checkpoint's
+positions restores that partial state and keeps the other layers' cells up to it, evaluating
+only the rest.
 
-Pure bookkeeping: the llama calls are the backend's (context.py)."""
+Pure bookkeeping: the llama calls are the backend's (state.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 class Checkpoint:
     n_tokens: int  # positions the slot held when it was taken
     swa_low: int  # lowest position its SWA cells hold
-    data: bytes  # llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_SWA_ONLY)
+    data: bytes  # llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
 
 
 class Checkpoints:
@@ -42,6 +46,8 @@ class Checkpoints:
         return sorted({n_prompt - off for off in self._offsets if n_prompt - off > n_keep})
 
     def add(self, slot: int, checkpoint: Checkpoint) -> None:
+        if not self.per_slot:
+            return
         held = [c for c in self._by_slot[slot] if c.n_tokens < checkpoint.n_tokens]
         held.append(checkpoint)
         self._by_slot[slot] = held[-self.per_slot :]

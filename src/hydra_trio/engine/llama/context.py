@@ -20,9 +20,8 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 import numpy as np
 
-from ...wire.errors import ErrorCode, ProtocolError
 from .chat import builtin_chat_templates
-from .checkpoints import Checkpoint, Checkpoints, window_holds
+from .checkpoints import Checkpoints
 from .devices import (
     OffloadReport,
     OffloadSettings,
@@ -257,10 +256,10 @@ class LlamaBackend(SlotStates, BatchSteps):
         # Lowest position each slot's SWA cells still hold (see n_swa), and, for SWA models,
         # the slot's exact state size, re-measured on the worker after each change.
         self._swa_low = [0] * self.n_slots
-        # Only a window-sized SWA cache loses what a cut needs (checkpoints.py).
-        self.checkpoints = Checkpoints(
-            self.n_slots, self.ctx_checkpoints if self.n_swa and not self.swa_full else 0, self.n_batch
-        )
+        # Only a window-sized SWA cache and a recurrent state lose what a cut needs
+        # (checkpoints.py), as llama-server takes checkpoints for them alone.
+        needed = (self.n_swa and not self.swa_full) or not self.info.can_roll_back
+        self.checkpoints = Checkpoints(self.n_slots, self.ctx_checkpoints if needed else 0, self.n_batch)
         self._measure_state_size()
         self._sizes = [self._state_base] * self.n_slots
 
@@ -274,43 +273,6 @@ class LlamaBackend(SlotStates, BatchSteps):
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
             self._sizes[slot] = self.state_size(slot)
-
-    def reusable_prefix(self, slot: int, n_keep: int) -> int:
-        """How much of a wanted prefix of ``n_keep`` positions the slot can really continue
-        from: all of it, or, when its sliding-window cells before the cut are gone, its
-        latest context checkpoint at or before the cut (0: none)."""
-        if self._window_holds(slot, n_keep):
-            return n_keep
-        best = self.checkpoints.best(slot, n_keep)
-        return best.n_tokens if best is not None else 0
-
-    def _window_holds(self, slot: int, n_keep: int) -> bool:
-        return window_holds(self.n_swa, len(self.seq_tokens[slot]), self._swa_low[slot], n_keep)
-
-    def take_checkpoint(self, slot: int) -> None:
-        """Copy the slot's sliding-window state as it is now (checkpoints.py)."""
-        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
-        size = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, slot, flags))
-        buf = (ctypes.c_uint8 * size)()
-        if int(llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, slot, flags)) != size:
-            log.warning("context checkpoint of slot %d not taken: llama.cpp wrote a short state", slot)
-            return
-        n = len(self.seq_tokens[slot])
-        self.checkpoints.add(slot, Checkpoint(n_tokens=n, swa_low=self._swa_low[slot], data=bytes(buf)))
-
-    def _resume_from_checkpoint(self, slot: int, n_keep: int) -> None:
-        """Put back the sliding-window cells of the slot's checkpoint at ``n_keep``; the
-        full-attention layers still hold every position up to it."""
-        best = self.checkpoints.best(slot, n_keep)
-        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY
-        if best is not None and best.n_tokens == n_keep:
-            src = (ctypes.c_uint8 * len(best.data)).from_buffer_copy(best.data)
-            if int(llama_cpp.llama_state_seq_set_data_ext(self._ctx, src, len(best.data), slot, flags)):
-                self._swa_low[slot] = best.swa_low
-                return
-        # Not planned by reusable_prefix, or llama.cpp refused it: the slot cannot continue.
-        self.clear_slot(slot)
-        raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: no usable context checkpoint at {n_keep} positions")
 
     def rebuild_context(self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None) -> None:
         """Recreate the context (CONFIGURE T2). All slot contents are dropped."""
@@ -438,18 +400,24 @@ class LlamaBackend(SlotStates, BatchSteps):
     def truncate_slot(self, slot: int, n_keep: int) -> int:
         """Drop positions >= n_keep from the slot; returns the positions it holds now.
 
-        0 when the memory refused a partial removal (llama_memory_seq_rm is false: a
-        recurrent or hybrid model's state cannot be cut back): the slot is emptied then, so
-        the prompt is recomputed instead of continuing a state that still holds the tail."""
+        Where the cut loses what continuing needs (a recurrent state, sliding-window cells
+        before it), the slot resumes from its context checkpoint at ``n_keep``
+        (``reusable_prefix`` plans cuts there). 0 when there is none, or the memory refused
+        the cut (llama_memory_seq_rm false): the slot is emptied then, so the prompt is
+        recomputed instead of continuing a state that still holds the tail."""
+        n_held = len(self.seq_tokens[slot])
         if n_keep == 0:
             self.clear_slot(slot)
-        elif n_keep < len(self.seq_tokens[slot]):
-            if not self._window_holds(slot, n_keep):
-                self._resume_from_checkpoint(slot, n_keep)
-            if not llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1):
+        elif n_keep < n_held:
+            if not (
+                (not self._cut_needs_checkpoint(slot, n_keep) or self._resume_from_checkpoint(slot, n_keep))
+                and llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
+                # A checkpoint's recurrent state carries its own position: it must be the cut's.
+                and llama_cpp.llama_memory_seq_pos_max(self._mem, slot) + 1 == n_keep
+            ):
                 log.warning(
-                    "slot %d: the KV cannot be cut back to %d of its %d positions (recurrent or hybrid memory); cleared",
-                    slot, n_keep, len(self.seq_tokens[slot]),
+                    "slot %d: the KV cannot be cut back to %d of its %d positions (no context checkpoint "
+                    "there, or the memory refused); cleared", slot, n_keep, n_held,
                 )  # fmt: skip
                 self.clear_slot(slot)
                 return 0

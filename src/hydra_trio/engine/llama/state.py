@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import llama_cpp
 
 from ...wire.errors import ErrorCode, ProtocolError
+from ...wire.kvblob import Checkpoint as BlobCheckpoint
 from ...wire.kvblob import split_trailing_logits
-from .checkpoints import Checkpoints
+from .checkpoints import Checkpoint, Checkpoints, reusable_in_state, window_holds
 from .seqstate import (
     StateLayout,
     StateLayoutError,
@@ -53,6 +54,9 @@ class Snapshot:
 
 log = logging.getLogger(__name__)
 
+# A sequence's partial state: its SWA layers' cells, or its recurrent state (llama.h).
+_PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
 
 class DecodeAborted(Exception):
     """llama_decode was stopped by the abort flag; the batch's cells were removed."""
@@ -84,6 +88,7 @@ class SlotStates:
     _kept: list[int]
     _swa_low: list[int]
     checkpoints: Checkpoints
+    checkpoint_size: int | None
 
     def _measure_state_size(self) -> None:
         # A sequence's state is a fixed header plus a fixed size per position: measure both
@@ -105,12 +110,67 @@ class SlotStates:
         self.cache_layout = cache_layout(self.state_layout) if self.state_layout else {}
         self._stream_overhead = 4 * (self.n_stream - 1) * self._n_caches
         one = self.state_size(seq)
+        # What a context checkpoint of a recurrent or hybrid model holds: its recurrent
+        # state, one per sequence, the same size at any position (None: no recurrent state).
+        partial = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, _PARTIAL))
+        self.checkpoint_size = None if self.info.can_roll_back else partial
         self._decode_batch([(seq, tok, 1, False)], None)
         two = self.state_size(seq)
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._state_base = self.state_size(seq)
         self._state_per_pos = two - one
         self._state_first = one - self._state_per_pos  # header of a non-empty sequence
+
+    # ---- context checkpoints (checkpoints.py: the bookkeeping) -------------------------
+
+    def _cut_needs_checkpoint(self, slot: int, n_keep: int) -> bool:
+        """Whether the slot cut back to ``n_keep`` positions cannot be continued as it is: a
+        recurrent state is one per sequence, at its last position; a window-sized SWA cache
+        has dropped the cells before the cut its window needs."""
+        n_held = len(self.seq_tokens[slot])
+        if n_keep == 0 or n_keep >= n_held:
+            return False
+        return not self.info.can_roll_back or not window_holds(self.n_swa, n_held, self._swa_low[slot], n_keep)
+
+    def reusable_prefix(self, slot: int, n_keep: int) -> int:
+        """How much of a wanted prefix of ``n_keep`` positions the slot can really continue
+        from: all of it, or, where the cut loses what continuing needs, its latest context
+        checkpoint at or before the cut (0: none)."""
+        if not self._cut_needs_checkpoint(slot, n_keep):
+            return n_keep
+        best = self.checkpoints.best(slot, n_keep)
+        return best.n_tokens if best is not None else 0
+
+    def reusable_in_state(self, n_tokens: int, n_keep: int) -> int:
+        """``reusable_prefix`` for a saved state of ``n_tokens`` positions (the prompt
+        cache's: no checkpoints travel with it)."""
+        if not self.info.can_roll_back:  # whole, or but the last position (its logits may come along)
+            return n_keep if n_keep >= n_tokens - 1 else 0
+        return reusable_in_state(self.n_swa, n_tokens, n_keep)
+
+    def take_checkpoint(self, slot: int) -> None:
+        """Copy the part of the slot's state a cut cannot keep, as it is now: the SWA layers'
+        cells, or the recurrent state (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``, llama-server's)."""
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, slot, _PARTIAL))
+        buf = (ctypes.c_uint8 * size)()
+        if int(llama_cpp.llama_state_seq_get_data_ext(self._ctx, buf, size, slot, _PARTIAL)) != size:
+            log.warning("context checkpoint of slot %d not taken: llama.cpp wrote a short state", slot)
+            return
+        n = len(self.seq_tokens[slot])
+        self.checkpoints.add(slot, Checkpoint(n_tokens=n, swa_low=self._swa_low[slot], data=bytes(buf)))
+
+    def _resume_from_checkpoint(self, slot: int, n_keep: int) -> bool:
+        """Put back the partial state of the slot's checkpoint at ``n_keep`` (the other
+        layers still hold every position up to it; the caller cuts them). False: there is
+        none, or llama.cpp refused it (the caller empties the slot)."""
+        best = self.checkpoints.best(slot, n_keep)
+        if best is None or best.n_tokens != n_keep:
+            return False
+        src = (ctypes.c_uint8 * len(best.data)).from_buffer_copy(best.data)
+        if int(llama_cpp.llama_state_seq_set_data_ext(self._ctx, src, len(best.data), slot, _PARTIAL)) != len(best.data):
+            return False
+        self._swa_low[slot] = best.swa_low
+        return True
 
     def slot_state_size(self, slot: int) -> int:
         """Exact serialized size of the slot's sequence, without a llama call."""
@@ -207,6 +267,7 @@ class SlotStates:
         *,
         blob: memoryview | None = None,
         salt: str | None = None,
+        checkpoint: BlobCheckpoint | None = None,
     ) -> bool:
         """Restore a sequence state into ``slot``, all-or-nothing; its history is then
         ``salt``'s (the request's that brought it: ``shared_prefix``). ``blob``: the whole blob
@@ -217,7 +278,10 @@ class SlotStates:
         nothing or exactly n_vocab f32 logits, does it replace the slot. Split cache: the same
         checks, in the slot's own stream, and any failure leaves the slot empty. The logits
         become the slot's ``tail_logits`` (a copy: a view would keep the whole received
-        payload alive). Returns whether the blob carried logits.
+        payload alive). ``checkpoint``: the blob's roll-back point of this history (a
+        recurrent state at fewer positions, checked by the caller: engine/kv/copy.py), kept
+        as the slot's context checkpoint.
+        Returns whether the blob carried logits.
         """
         n_vocab = self.info.n_vocab
         if len(tokens) != n_past:
@@ -272,6 +336,9 @@ class SlotStates:
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)
             self.checkpoints.forget(slot)  # they were of the history this state replaces
+            if checkpoint is not None and 0 < checkpoint.n_tokens < n_past:  # else no cut needs it
+                n = checkpoint.n_tokens
+                self.checkpoints.add(slot, Checkpoint(n, max(0, n - self.n_swa), bytes(checkpoint.data)))
             committed = True
             self._advanced(slot, bytes(logits) if logits is not None else None)
             return logits is not None

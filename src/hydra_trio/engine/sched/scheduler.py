@@ -15,7 +15,7 @@ import trio
 from ...config import Settings
 from ...wire.errors import ProtocolError
 from ..kv import CacheHit, PromptCache
-from ..llama import DecodeAborted, LlamaBackend, reusable_in_state
+from ..llama import DecodeAborted, LlamaBackend
 from ..worker import GpuWorker
 from .slots import SlotTable
 
@@ -160,7 +160,7 @@ class SlotScheduler:
             hit = cache.best(prompt, salt)
             if hit is None:
                 return None
-            usable = reusable_in_state(backend.n_swa, hit.n_tokens, min(hit.n_common, len(prompt) - 1))
+            usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1))
             return hit if usable >= held + MIN_CACHED_TOKENS else None
 
         if worth_it() is None:
