@@ -113,7 +113,7 @@ FUNCTIONARY = ToolFormat(
     before=">>>",
     before_optional=True,
     between=">>>",
-    triggers=(Trigger(">>>", False, ""),),
+    triggers=(Trigger(">>>", False, ""),),  # its patterns name the request's tools: grammar.recipient_patterns
 )
 # Fireworks' firefunction v2: " functools[{"name": ..., "arguments": {...}}, ...]" (no closing marker;
 # the grammar writes it from "functools[", its trigger, on: what a lazy grammar is fed starts there)
