@@ -229,12 +229,15 @@ def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
         prompt = trio.run(chat.render, json.loads(json.dumps(request)))
     except Exception as exc:
         return {"result": "ERR", "why": f"render: {exc}"}
+    want = REASONING
     if caps.tool_format.harmony:
         reply = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
     else:
         open_, close = caps.think_tags
         opened = prompt.rstrip().endswith(open_)
         reply = ("" if opened else open_ + "\n") + REASONING + "\n" + close + "\n\n" + ANSWER
+        if opened and caps.think_lead:  # Apriel 1.6: the prompt's opening words are the reasoning's (as llama.cpp)
+            want = prompt[prompt.rfind(open_):] + REASONING
     factory = chat.reply_parsers(None, request, prompt)
     if factory is None:
         return {"result": "FAIL", "why": "no reasoning parser for this template", "reply": reply}
@@ -247,5 +250,5 @@ def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
             reasoning, content = reasoning + d.reasoning, content + d.content
         d = parser.finish()
         got[how] = (reasoning + d.reasoning, content + d.content)
-    ok = all(v == (REASONING, ANSWER) for v in got.values())
+    ok = all(v == (want, ANSWER) for v in got.values())
     return {"result": "ok" if ok else "FAIL", "why": "" if ok else f"got {got}", "reply": reply}

@@ -191,7 +191,9 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
         n_vocab = backend.info.n_vocab
         out = bytearray()
         try:
-            want = backend.tokenize(lead + trigger.text, add_special=False, parse_special=False)
+            # functionary's trigger is its marker and the first character of a tool's name (tool_0)
+            written = lead + trigger.text + ("t" if fmt.recipient else "")
+            want = backend.tokenize(written, add_special=False, parse_special=False)
             assert len(want) > 2  # the trigger takes several tokens in this vocabulary
             for token in want:
                 logits = np.zeros(n_vocab, dtype=np.float32)
@@ -261,3 +263,67 @@ async def test_a_schema_the_converter_refuses_names_its_tool(engine: Any) -> Non
     # tool_choice "none": no grammar at all, the tools still parsed.
     none = eng._core.inputs.generation_params({**body, "tool_choice": "none"})
     assert none.sampling.grammar is None and none.tools is not None
+
+
+def test_functionarys_trigger_is_a_tools_name_never_its_content_line() -> None:
+    """llama.cpp's functionary trigger is ``>>>(?!all)``: ``>>>all`` is content's recipient
+    line, a tool's name a call. Searched after each token, its lookahead also passes on a
+    ``>>>`` that ends the text; ours waits for the character that parts a name from ``all``."""
+    fmt = FORMATS["functionary"]
+    req = parse_tools({"tools": tools_body([{"type": "object"}]) + [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("allocate", "add", "all")]})
+    assert req is not None
+    _, triggers = tools_gbnf(req, fmt)
+
+    def fed(text: str) -> str | None:  # what llama.cpp feeds its grammar once the text so far matches
+        for end in range(1, len(text) + 1):  # a character a token
+            for p in triggers:
+                m = re.search(p, text[:end])
+                if m is not None:
+                    return text[m.start(1):end]
+        return None
+
+    assert fed("Sure.>>>all\nThe weather is fine.") is None
+    assert fed("Sure.>>>al") is None and fed("Sure.>>>a") is None and fed("Sure.>>>") is None
+    assert fed('Let me check.>>>tool_0\n{"x": 1}') == ">>>t"  # from its first character on
+    assert fed(">>>allocate\n{}") == ">>>allo" and fed(">>>add\n{}") == ">>>ad"
+    assert fed(">>>all\n{}") is None  # a tool named "all" cannot be told from content: never triggered
+    assert re.search(triggers[0], ">>>tool_0\n") and not re.search(triggers[0], '>>>tool_0\n{"')  # a beginning only
+    assert tools_gbnf(parse_tools({"tools": tools_body([{"type": "object"}]), "tool_choice": "required"}), fmt)[1] == ()
+    only_all = parse_tools({"tools": [{"type": "function", "function": {"name": "all", "parameters": {"type": "object"}}}]})
+    assert only_all is not None
+    lazy = tools_gbnf(only_all, fmt)[1]
+    assert lazy  # still lazy (no trigger would hold the grammar from the first token)
+    assert all(re.search(p, ">>>all\nHi") is None for p in lazy)
+
+
+async def test_functionary_under_auto_leaves_an_all_line_free_and_holds_a_call(engine: Any) -> None:
+    """The same on the tiny model's sampler, a token at a time: after ``>>>all`` the grammar
+    still waits (a token it would refuse is taken), after ``>>>tool_0`` it holds."""
+    eng = engine.state.engine
+    backend = eng._core.backend
+    fmt = FORMATS["functionary"]
+    req = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
+    assert req is not None
+    gbnf, triggers = tools_gbnf(req, fmt)
+
+    def run(written: str) -> bool:
+        """Whether, after ``written``, a token the call's grammar refuses is still taken."""
+        backend.grammars.compile(gbnf, "tools", triggers)
+        sampler = Sampler(SamplingParams(grammar=gbnf, grammar_triggers=triggers), grammars=backend.grammars)
+        eog = np.fromiter(sorted(backend.eog_ids), dtype=np.intp)
+        try:
+            for token in backend.tokenize(written, add_special=False, parse_special=False):
+                logits = np.zeros(backend.info.n_vocab, dtype=np.float32)
+                logits[token] = 10.0
+                assert sampler.sample(logits, eog) == token
+            refused = backend.tokenize("Z", add_special=False, parse_special=False)[-1]
+            logits = np.zeros(backend.info.n_vocab, dtype=np.float32)
+            logits[refused] = 10.0
+            return sampler.sample(logits, eog) == refused
+        finally:
+            backend.retire(sampler)
+
+    assert await eng._core.worker.call(lambda: run("Sure.>>>all\nThe answer"))  # content: free
+    assert await eng._core.worker.call(lambda: run("Sure.>>>all"))
+    assert not await eng._core.worker.call(lambda: run("Sure.>>>tool_0\n"))  # a call: the grammar holds

@@ -154,6 +154,8 @@ class Chat:
         # harmony's markup is always read, and content's markup of a format that has some
         if calls is None and not reasoning and not fmt.harmony and not (fmt.dropped or fmt.recipient):
             return None
+        # Apriel 1.6's prompt opens its reasoning with words of it, which the reasoning keeps
+        lead = prompt[prompt.rfind(tags[0]):] if reasoning and opened and caps.think_lead else ""
         return lambda: ReplyParser(
             fmt,
             parse_tools=calls is not None,
@@ -161,6 +163,7 @@ class Chat:
             starts_in_reasoning=reasoning and opened,
             tools=calls,
             think_tags=tags,
+            reasoning_lead=lead,
         )
 
     def think_plan(

@@ -27,6 +27,7 @@ class TemplateCaps:
     thinking_default: bool = False  # enable_thinking when the request does not say (as llama-server)
     own_template: bool = False  # the model's or the user's Jinja: rendered as llama-server does, nothing added
     turn_text: str = ""  # what a plain conversation prints: its turn markup (not tool or think syntax)
+    think_lead: bool = False  # its open tag is the reasoning's first words (Apriel 1.6's), reported with it
 
     @property
     def describes_tools(self) -> bool:
@@ -82,6 +83,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<|tool_call|>",), f.GRANITE),
     (("<|python_tag|>",), f.LLAMA3),
 )
+APRIEL_LEAD = "Here are my reasoning steps:"
 # Reasoning markers other than <think>: the first found in the source is the template's.
 _THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<seed:think>", "</seed:think>"),
@@ -90,6 +92,8 @@ _THINK_TAGS: tuple[tuple[str, str], ...] = (
     ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere
     ("<|inner_prefix|>", "<|inner_suffix|>"),  # Apertus' deliberation
     ("<|channel>thought", "<channel|>"),  # Gemma 4
+    ("<|think|>", "<|end|>"),  # Upstage Solar Open (after Gemma 4's: its templates name <|think|> too)
+    (APRIEL_LEAD, "[BEGIN FINAL RESPONSE]"),  # Apriel 1.6: its prompt opens the reasoning with these words
     (OPEN, CLOSE),
 )
 
@@ -131,7 +135,7 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
             tool_format=fmt, thinks=tags is not None or fmt.harmony, renders_tool_calls=seen.renders_tool_calls,
             object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
             thinking_default=seen.thinks, own_template=template.source != "fallback", think_tags=tags or (OPEN, CLOSE),
-            turn_text=seen.plain,
+            turn_text=seen.plain, think_lead=tags is not None and tags[0] == APRIEL_LEAD,
         )
     compact = source.replace(" ", "")
     return TemplateCaps(

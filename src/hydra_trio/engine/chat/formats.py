@@ -113,7 +113,7 @@ FUNCTIONARY = ToolFormat(
     before=">>>",
     before_optional=True,
     between=">>>",
-    triggers=(Trigger(">>>", False, ""),),
+    triggers=(Trigger(">>>", False, ""),),  # its patterns name the request's tools: grammar.recipient_patterns
 )
 # Fireworks' firefunction v2: " functools[{"name": ..., "arguments": {...}}, ...]" (no closing marker;
 # the grammar writes it from "functools[", its trigger, on: what a lazy grammar is fed starts there)
@@ -241,12 +241,15 @@ APERTUS = ToolFormat(
 MINICPM5 = ToolFormat(
     "minicpm5", "arguments", between="\n", block=families.MINICPM5, triggers=(Trigger("<function", False, ' name="'),)
 )
-# Upstage Solar Open: each call with the model's id, name and JSON arguments between its markers
+# Upstage Solar Open: each call with the model's id, name and JSON arguments between its markers;
+# its content's <|content|>...<|end|> wrapper (llama.cpp's) and the assistant header a reply repeats
+# after its reasoning are dropped
 SOLAR = ToolFormat(
     "solar",
     "arguments",
     before="<|tool_calls|>",
     block=families.SOLAR,
+    dropped=("<|begin|>assistant", "<|content|>", "<|end|>"),
     triggers=(Trigger("<|tool_calls|>", False, families.SOLAR_BEGIN),),
 )
 # Kimi K3: XTML tags; its content's response and message tags are dropped

@@ -164,7 +164,12 @@ def tools_gbnf(request: ToolRequest, fmt: ToolFormat) -> tuple[str, Triggers]:
     gbnf = "\n".join([f"root ::= {root}", f"call-block ::= {block}", f"call ::= {' | '.join(calls)}", *rules])
     if len(gbnf) > MAX_GBNF_CHARS:
         raise bad_param(f"tools: the tools' grammar is over {MAX_GBNF_CHARS} characters", "tools")
-    triggers = tuple(trigger_pattern(t) for t in fmt.triggers) if request.choice == "auto" else ()
+    if request.choice != "auto":
+        triggers: Triggers = ()
+    elif fmt.recipient:
+        triggers = recipient_patterns(fmt, [t.name for t in request.callable])
+    else:
+        triggers = tuple(trigger_pattern(t) for t in fmt.triggers)
     return gbnf, triggers
 
 
@@ -182,11 +187,39 @@ def trigger_pattern(trigger: Trigger) -> str:
     grammar writes after it: exactly what is fed is then a beginning of the grammar. (A
     token that carries the trigger and other text leaves the grammar waiting: that reply
     is unconstrained, and its calls are parsed as written.)"""
-    tail = ""
-    for c in reversed(trigger.then):
-        tail = f"(?:{_regex_literal(c)}{tail})?"
-    body = _regex_literal(trigger.text) + tail
+    body = _regex_literal(trigger.text) + _optional_tail(trigger.then)
     return f"^\\s*({body})$" if trigger.at_start else f"({body})$"
+
+
+def recipient_patterns(fmt: ToolFormat, names: list[str]) -> Triggers:
+    """Functionary's lazy trigger: a recipient line after the opener that names a tool.
+    llama.cpp's ``>>>(?!all)``, searched after each token, also matches a ``>>>`` that ends
+    the text before ``all`` comes (a ``>>>all`` content line written over two tokens is
+    forced into a call); this waits for the first character that parts the name from
+    content's ``all\\n`` line, so ``>>>all`` never triggers, and matches only a beginning of
+    ``>>>NAME\\n`` (as much of it as the last token carries): what is fed is a beginning of
+    the grammar. As llama.cpp's, it is searched in the generated text only, so a call the
+    reply opens with (after the prompt's ``>>>``) is not triggered; nor is a tool named ``all``."""
+    content = fmt.recipient + "\n"
+    alternatives = []
+    for name in names:
+        line = name + "\n"
+        parts = next((i for i, (a, b) in enumerate(zip(line, content, strict=False)) if a != b), None)
+        if parts is None:  # the name is content's recipient (a shorter one cannot be: names have no newline)
+            continue
+        alternatives.append(_regex_literal(line[: parts + 1]) + _optional_tail(line[parts + 1:]))
+    if not alternatives:  # still lazy (no triggers would hold the grammar from the start): one that never matches
+        return ("([^\\s\\S])$",)
+    names_re = "|".join(alternatives)
+    return (f"({_regex_literal(fmt.opener)}(?:{names_re}))$",)
+
+
+def _optional_tail(text: str) -> str:
+    """A regex matching any beginning of ``text`` (the empty one included)."""
+    tail = ""
+    for c in reversed(text):
+        tail = f"(?:{_regex_literal(c)}{tail})?"
+    return tail
 
 
 def _regex_literal(text: str) -> str:

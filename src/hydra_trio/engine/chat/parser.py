@@ -329,6 +329,7 @@ class ReplyParser:
         tools: ToolRequest | None = None,
         new_id: Callable[[], str] = new_call_id,
         think_tags: tuple[str, str] = (OPEN, CLOSE),
+        reasoning_lead: str = "",
     ) -> None:
         names = None if tools is None else frozenset(t.name for t in tools.callable)
         props = {} if tools is None else {t.name: _properties(t.parameters) for t in tools.callable}
@@ -342,7 +343,9 @@ class ReplyParser:
                 reasoning=reasoning, parse_tools=parse_tools, accept=lambda n: names is None or n in names
             )
         else:
-            self._think = ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags) if reasoning else None
+            self._think = (
+                ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags, lead=reasoning_lead) if reasoning else None
+            )
             if parse_tools:
                 self._scanner = _CallScanner(fmt or GENERIC, names, new_id, props)
             elif fmt is not None and (fmt.dropped or fmt.recipient):
@@ -411,6 +414,7 @@ def parse_reply(
     tools: ToolRequest | None = None,
     new_id: Callable[[], str] = new_call_id,
     think_tags: tuple[str, str] = (OPEN, CLOSE),
+    reasoning_lead: str = "",
 ) -> ReplyDelta:
     """A whole (non-streamed) reply: one feed and the finish."""
     parser = ReplyParser(
@@ -421,6 +425,7 @@ def parse_reply(
         tools=tools,
         new_id=new_id,
         think_tags=think_tags,
+        reasoning_lead=reasoning_lead,
     )
     first, last = parser.feed(text), parser.finish()
     return ReplyDelta(first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls)

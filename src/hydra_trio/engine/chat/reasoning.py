@@ -26,9 +26,13 @@ class ThinkSplitter:
     ``</think>`` as reasoning, without the tags and one newline on each side; the content
     after it starts at its first non-whitespace character."""
 
-    def __init__(self, *, starts_in_reasoning: bool = False, tags: tuple[str, str] = (OPEN, CLOSE)) -> None:
+    def __init__(self, *, starts_in_reasoning: bool = False, tags: tuple[str, str] = (OPEN, CLOSE), lead: str = "") -> None:
         # ``tags``: the family's think markers (``<think>``, Seed-OSS's ``<seed:think>``, ...)
         self._open, self._close = tags
+        # ``lead``: what the prompt wrote in the block it opened, when that is the reasoning's
+        # start (Apriel 1.6's "Here are my reasoning steps:\n": llama.cpp parses the generation
+        # prompt with the reply and reports it); the reasoning then keeps its first newline.
+        self._lead = lead
         self._state: Literal["start", "think", "after", "content"] = "think" if starts_in_reasoning else "start"
         self._buf = ""
         self._first = True  # no reasoning emitted yet: its one leading newline is dropped
@@ -53,6 +57,7 @@ class ThinkSplitter:
                 if end >= 0:
                     said = buf[:end]
                     reasoning.append(self._reasoning(said[:-1] if said.endswith("\n") else said))
+                    reasoning.append(self._unsaid_lead())
                     self._state, self._buf = "after", buf[end + len(self._close):]
                 else:
                     keep = partial_suffix(buf, "\n" + self._close, self._close)
@@ -75,7 +80,7 @@ class ThinkSplitter:
         reply that was only whitespace or the start of the tag is content."""
         buf, self._buf = self._buf, ""
         if self._state == "think":
-            return self._reasoning(buf), ""
+            return self._reasoning(buf) + self._unsaid_lead(), ""
         if self._state == "after":
             return "", ""
         return "", buf
@@ -83,5 +88,15 @@ class ThinkSplitter:
     def _reasoning(self, text: str) -> str:
         if text and self._first:
             self._first = False
+            if self._lead:
+                return self._lead + text
             return text[1:] if text.startswith("\n") else text
         return text
+
+    def _unsaid_lead(self) -> str:
+        """The lead, where the block closes with no reasoning of the reply's own (trimmed, as
+        llama.cpp trims reasoning)."""
+        if self._first and self._lead:
+            self._first = False
+            return self._lead.rstrip()
+        return ""
