@@ -164,8 +164,17 @@ def tools_gbnf(request: ToolRequest, fmt: ToolFormat) -> tuple[str, Triggers]:
     gbnf = "\n".join([f"root ::= {root}", f"call-block ::= {block}", f"call ::= {' | '.join(calls)}", *rules])
     if len(gbnf) > MAX_GBNF_CHARS:
         raise bad_param(f"tools: the tools' grammar is over {MAX_GBNF_CHARS} characters", "tools")
-    triggers = tuple(trigger_pattern(t) for t in fmt.triggers) if request.choice == "auto" else ()
-    return gbnf, triggers
+    if request.choice != "auto":
+        return gbnf, ()
+    return gbnf, tuple(trigger_pattern(t) for t in (*fmt.triggers, *tool_triggers(fmt, request)))
+
+
+def tool_triggers(fmt: ToolFormat, request: ToolRequest) -> tuple[Trigger, ...]:
+    """The format's trigger per callable tool (``ToolFormat.tool_trigger``), its name written in."""
+    if not fmt.tool_trigger:
+        return ()
+    text, then = fmt.tool_trigger
+    return tuple(Trigger(text.replace("{name}", t.name), False, then.replace("{name}", t.name)) for t in request.callable)
 
 
 def trigger_pattern(trigger: Trigger) -> str:
