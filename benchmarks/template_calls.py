@@ -216,7 +216,7 @@ REASONING, ANSWER = "Two plus two is four.", "4"
 
 def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
     """A reply with reasoning in the template's own syntax (its think tags, or gpt-oss's
-    analysis channel), after the prompt the template renders with ``enable_thinking``: is it
+    analysis channel, Muse Glimmer's ``to=self`` message), after the prompt the template renders with ``enable_thinking``: is it
     split into reasoning_content and content, whole and streamed a character at a time?
     ``renders_reasoning``: llama-server's render of an earlier turn shows its reasoning (the
     template thinks even if we did not see it)."""
@@ -232,6 +232,8 @@ def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
     want = REASONING
     if caps.tool_format.harmony:
         reply = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
+    elif caps.tool_format.channels == "glimmer":  # the prompt ends with <|start|>assistant
+        reply = f" to=self<|message|>{REASONING}<|eom|><|start|>assistant to=user<|message|>{ANSWER}<|eot|>"
     else:
         open_, close = caps.think_tags
         opened = prompt.rstrip().endswith(open_)

@@ -50,6 +50,11 @@ def ids() -> Callable[[], str]:
     return lambda: f"call_{next(counter)}"
 
 
+ATEM_CALL = ('<atem:function_calls>\n<atem:invoke name="special_function">\n<atem:parameter name="arg1">1</atem:parameter>\n'
+             "</atem:invoke>\n</atem:function_calls>")
+HY3_ONE = ("<tool_calls:opensource>\n<tool_call:opensource>special_function<tool_sep:opensource>\n<arg_key:opensource>arg1"
+           "</arg_key:opensource>\n<arg_value:opensource>1</arg_value:opensource>\n</tool_call:opensource>\n</tool_calls:opensource>")
+
 # (format, reply, starts in reasoning, content, reasoning, calls)
 Case = tuple[str, str, bool, str, str, list[tuple[str, dict[str, Any]]]]
 CASES: list[Case] = [
@@ -273,11 +278,45 @@ CASES: list[Case] = [
     ("harmony", "<|channel|>analysis<|message|>run python<|end|><|start|>assistant<|channel|>commentary to=python "
      "<|constrain|>code<|message|>print(\"hello\")", False, "", "run python", []),  # a built-in tool's message: dropped
     ("harmony", "Plain text, no channels.", False, "Plain text, no channels.", "", []),
+    # Muse Glimmer (the prompt ends with <|start|>assistant): to=self is reasoning, to=user the answer, a
+    # message to a tool its call; a message's end is <|eom|> (more follow) or <|eot|>.
+    ("muse_glimmer", " to=user<|message|>Hello, world!\nWhat's up?<|eot|>", False, "Hello, world!\nWhat's up?", "", []),
+    ("muse_glimmer", " to=special_function<|message|>" + ATEM_CALL, False, "", "", ONE),  # a call right away
+    ("muse_glimmer", " to=user<|message|>Hello, world!\nWhat's up?<|eom|><|start|>assistant to=special_function<|message|>"
+     + ATEM_CALL, False, "Hello, world!\nWhat's up?", "", ONE),  # an answer, then a call in the same reply
+    ("muse_glimmer", " to=user<|message|>You invoke it like this:\n" + ATEM_CALL + "<|eot|>", False,
+     "You invoke it like this:\n" + ATEM_CALL, "", []),  # markup quoted in the answer is no call
+    ("muse_glimmer", " to=self<|message|>I need to output JSON<|eom|><|start|>assistant to=user<|message|>{\"a\": 1}", False,
+     '{"a": 1}', "I need to output JSON", []),
+    ("muse_glimmer", " to=self<|message|>I could use " + ATEM_CALL + " here<|eom|><|start|>assistant to=user<|message|>Hello!<|eot|>",
+     False, "Hello!", "I could use " + ATEM_CALL + " here", []),  # markup in the reasoning is reasoning
+    ("muse_glimmer", " to=self<|message|>I'm\nthinking<|eom|><|start|>assistant to=special_function<|message|>" + ATEM_CALL
+     + "<|eom|><|start|>assistant to=special_function_with_opt<|message|>" + ATEM_CALL.replace('special_function">', 'special_'
+     'function_with_opt">').replace("1</atem:parameter>\n", '1</atem:parameter>\n<atem:parameter name="arg2">2</atem:parameter>\n'),
+     False, "", "I'm\nthinking", TWO),
+    ("muse_glimmer", ' to=get_time<|message|><atem:function_calls>\n<atem:invoke name="get_time">\n<atem:parameter name="city">'
+     " 42\n</atem:parameter>\n</atem:invoke>\n</atem:function_calls>", False, "", "", [("get_time", {"city": " 42\n"})]),
+    ("muse_glimmer", ' to=nope<|message|><atem:function_calls>\n<atem:invoke name="nope">\n</atem:invoke>\n</atem:function_calls>',
+     False, '<atem:function_calls>\n<atem:invoke name="nope">\n</atem:invoke>\n</atem:function_calls>', "", []),  # undeclared
+    ("muse_glimmer", "Plain text, no messages.", False, "Plain text, no messages.", "", []),
+    # Tencent Hy3 (llama.cpp reads it with its autoparser, with no parse test: as its template prints calls).
+    ("hy3", HY3_ONE, False, "", "", ONE),
+    ("hy3", HY3_ONE.replace("</tool_call:opensource>\n", "</tool_call:opensource>\n<tool_call:opensource>special_function_with_opt"
+     "<tool_sep:opensource>\n<arg_key:opensource>arg1</arg_key:opensource>\n<arg_value:opensource>1</arg_value:opensource>\n"
+     "<arg_key:opensource>arg2</arg_key:opensource>\n<arg_value:opensource>2</arg_value:opensource>\n</tool_call:opensource>\n"),
+     False, "", "", TWO),
+    ("hy3", "I'm\nthinking</think:opensource>Let me check.\n" + HY3_ONE, True, "Let me check.", "I'm\nthinking", ONE),
+    ("hy3", "<think:opensource></think:opensource>Hello, world!", False, "Hello, world!", "", []),
+    ("hy3", "<tool_calls:opensource>\n<tool_call:opensource>get_time<tool_sep:opensource>\n<arg_key:opensource>city"
+     "</arg_key:opensource>\n<arg_value:opensource>42</arg_value:opensource>\n</tool_call:opensource>\n</tool_calls:opensource>",
+     False, "", "", [("get_time", {"city": "42"})]),  # a string parameter stays text
+    ("hy3", "<tool_call:opensource>nope<tool_sep:opensource>\n</tool_call:opensource>", False,
+     "<tool_call:opensource>nope<tool_sep:opensource>\n</tool_call:opensource>", "", []),  # an undeclared tool: content
 ]
 
 
 # A family's think markers where they are not <think> (caps.detect_think_tags reads them from its template).
-THINK_TAGS = {"kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), "cohere": ("<|START_THINKING|>", "<|END_THINKING|>"), "apertus": ("<|inner_prefix|>", "<|inner_suffix|>")}
+THINK_TAGS = {"hy3": ("<think:opensource>", "</think:opensource>"), "kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), "cohere": ("<|START_THINKING|>", "<|END_THINKING|>"), "apertus": ("<|inner_prefix|>", "<|inner_suffix|>")}
 
 
 def _whole(fmt: ToolFormat, text: str, starts_in: bool) -> tuple[str, str, list[Any]]:
@@ -360,9 +399,15 @@ def test_harmony_without_reasoning_shows_the_analysis_as_content() -> None:
     text = "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>Hi"
     r = parse_reply(text, FORMATS["harmony"], parse_tools=False, reasoning=False)
     assert (r.content, r.reasoning) == ("I'm\nthinkingHi", "")
+    text = " to=self<|message|>I'm\nthinking<|eom|><|start|>assistant to=user<|message|>Hi<|eot|>"
+    r = parse_reply(text, FORMATS["muse_glimmer"], parse_tools=False, reasoning=False)
+    assert (r.content, r.reasoning) == ("I'm\nthinkingHi", "")  # Muse Glimmer's self messages the same
 
 
 # ---- detection from a template's markers --------------------------------------------------------
+
+HY3_SOURCE = ("{%- set HYTK = ':opensource' %}{%- set think_begin_token = '<think{}>'.format(HYTK) %}"
+              "{%- set toolsep_token = '<tool_sep{}>'.format(HYTK) %}{%- set argkey_begin_token = '<arg_key{}>'.format(HYTK) %}")
 
 SNIPPETS = [
     ("{{ '<tool_call>\\n<function=' + name + '>\\n<parameter=' + k + '>' }}", "qwen3_coder"),
@@ -392,6 +437,8 @@ SNIPPETS = [
     ("{{- \"<|tool_call:begin|>\" + tool_call.id +\"<|tool_call:name|>\" + tool_call.function.name + \"<|tool_call:args|>\" }}",
      "solar"),
     ("{{- '<|open|>' + tag -}}...{{- '<|close|>' + tag + '<|sep|>' -}}...<|end_of_msg|>", "kimi_k3"),
+    (HY3_SOURCE, "hy3"),
+    ("{{- '<atem:function_calls>\\n<atem:invoke name=\"' + tc.function.name + '\">\\n' -}}...{{- '<|eom|>' -}}", "muse_glimmer"),
     ("{{- '\\nAction:\\n```json\\n[\\n' }}...You should use the `directly-answer` tool if ...", "command_r_plus"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
@@ -416,6 +463,7 @@ def test_each_familys_think_markers() -> None:
         "<|inner_prefix|>", "<|inner_suffix|>")
     assert detect_think_tags("{{- '<|open|>' + tag -}}{{- '<|close|>' + tag -}}<|end_of_msg|>") == (
         "<|open|>think<|sep|>", "<|close|>think<|sep|>")  # Kimi K3 builds its tags
+    assert detect_think_tags(HY3_SOURCE) == ("<think:opensource>", "</think:opensource>")  # Hy3 formats its tags
     assert detect_think_tags("<think>{{ r }}</think>") == ("<think>", "</think>")
     assert detect_think_tags("<mm:think>{{ r }}</mm:think>") == ("<mm:think>", "</mm:think>")
     assert detect_think_tags("{{ '<|channel>thought\\n' + r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")
@@ -428,6 +476,8 @@ def test_each_familys_think_markers() -> None:
     assert (r.reasoning, r.content) == ("plan", "Answer")
     caps = template_caps(ChatTemplate(name="t", source="inline", jinja="<|channel|>analysis<|message|>"))
     assert caps.thinks  # harmony's analysis channel is its reasoning
+    glimmer = template_caps(ChatTemplate(name="t", source="inline", jinja="<atem:function_calls>{{ x }}<|eom|>"))
+    assert glimmer.thinks and glimmer.tool_format is FORMATS["muse_glimmer"]  # and Muse Glimmer's to=self messages
 
 
 # ---- calls after a prompt that opens a think block ----------------------------------------

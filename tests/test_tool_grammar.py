@@ -18,15 +18,15 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from hydra_trio.engine.chat import ToolRequest, parse_reply, parse_tools
-from hydra_trio.engine.chat.formats import FORMATS, GENERIC, HERMES, ToolFormat
-from hydra_trio.engine.chat.grammar import tools_gbnf, trigger_pattern
+from hydra_trio.engine.chat.formats import FORMATS, GENERIC, HERMES, ToolFormat, Trigger
+from hydra_trio.engine.chat.grammar import tool_triggers, tools_gbnf, trigger_pattern
 from hydra_trio.engine.llama.sampling import Sampler
 from hydra_trio.engine.params import SamplingParams
 from hydra_trio.wire.errors import ParamError
 from test_grammar import object_schemas
 
 SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
-MAX_TOKENS = 1500
+MAX_TOKENS = 3000  # Hy3 writes its long tags in many tokens here: 8 parallel calls can pass 1500
 
 
 async def _discard(_text: str) -> None:
@@ -127,7 +127,10 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "kimi_k3": '<|open|>tools<|sep|><|open|>call tool="tool_0" index="',
               "command_r_plus": 'Action:\n```json\n[\n    {"tool_name": "tool_0", "parameters": ',
               "lfm2": "<|tool_call_start|>[tool_0(x=",
-              "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>"}
+              "hy3": "<tool_calls:opensource>\n<tool_call:opensource>tool_0<tool_sep:opensource>\n<arg_key:opensource>x"
+                     "</arg_key:opensource>\n<arg_value:opensource>",
+              "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>",
+              "muse_glimmer": ' to=tool_0<|message|><atem:function_calls>\n<atem:invoke name="tool_0">\n<atem:parameter name="x">'}
     for name, fmt in FORMATS.items():
         use_format(eng, fmt)
         text, _ = await generate(eng, body)
@@ -167,7 +170,16 @@ async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
 # DeepSeek's markers hold U+2581, which this SentencePiece vocabulary reads as its space
 # piece: the trigger cannot be written token by token here (its grammar still holds: the
 # required-call test writes the marker in byte tokens).
-TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i, t in enumerate(fmt.triggers) if "\u2581" not in t.text]
+OK_TOOL = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
+assert OK_TOOL is not None
+
+
+def all_triggers(fmt: ToolFormat) -> tuple[Trigger, ...]:
+    """The format's triggers and its per-tool ones for ``tool_0`` (Muse Glimmer's)."""
+    return (*fmt.triggers, *tool_triggers(fmt, OK_TOOL))  # type: ignore[arg-type]
+
+
+TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i, t in enumerate(all_triggers(fmt)) if "\u2581" not in t.text]
 
 
 @pytest.mark.parametrize(("fmt_name", "which"), TRIGGERS, ids=[f"{n}-{i}" for n, i in TRIGGERS])
@@ -178,10 +190,8 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
     eng = engine.state.engine
     backend = eng._core.backend
     fmt = FORMATS[fmt_name]
-    req = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
-    assert req is not None
-    gbnf, triggers = tools_gbnf(req, fmt)
-    trigger = fmt.triggers[which]
+    gbnf, triggers = tools_gbnf(OK_TOOL, fmt)  # type: ignore[arg-type]
+    trigger = all_triggers(fmt)[which]
     lead = "" if trigger.at_start else "Hello there "
 
     def run() -> tuple[str, str]:
@@ -218,7 +228,7 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
     if fmt_name in ("cohere", "solar"):  # the model's call id comes before the tool's name
         assert re.match(re.escape(trigger.then) + r"\d", after), (fmt_name, text)
         return
-    expected = trigger.then + "tool_0"
+    expected = trigger.then + ("" if fmt.tool_trigger else "tool_0")  # a per-tool trigger names it itself
     assert (after.startswith(expected) or expected.startswith(after)), (fmt_name, text)
 
 
@@ -236,6 +246,18 @@ def test_trigger_patterns_match_only_at_the_end_and_at_the_start_when_asked() ->
     assert generic.startswith("^") and generic.endswith("$")
     assert re.fullmatch(generic, ' \n{"tool_calls"').group(1) == '{"tool_calls"'  # type: ignore[union-attr]
     assert re.fullmatch(generic, 'x {"tool_calls"') is None
+
+
+def test_muse_glimmers_trigger_is_a_message_to_a_declared_tool() -> None:
+    """As llama.cpp's pattern, which skips ``self`` and ``user``: reasoning and the answer stay
+    free; a message to ``tool_0`` starts the grammar, which writes that message from its start."""
+    gbnf, patterns = tools_gbnf(OK_TOOL, FORMATS["muse_glimmer"])  # type: ignore[arg-type]
+    (pattern,) = patterns
+    for free in (" to=self<|message|>", "<|eom|><|start|>assistant to=user<|message|>", " to=tool_1<|message|>"):
+        assert re.search(pattern, free) is None, free
+    m = re.search(pattern, " to=self<|message|>hm<|eom|><|start|>assistant to=tool_0<|message|><atem:")
+    assert m is not None and m.group(1) == " to=tool_0<|message|><atem:"
+    assert '" to=tool_0<|message|><atem:function_calls>' in gbnf
 
 
 async def test_a_schema_the_converter_refuses_names_its_tool(engine: Any) -> None:

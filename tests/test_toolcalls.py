@@ -65,12 +65,14 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
             + f"</function>\n</{tag}>"
             for n, a in calls
         )
-    if fmt.name == "glm":
-        return "\n".join(
-            f"<tool_call>{n}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_xml(n, k, v)}</arg_value>\n" for k, v in a.items())
-            + "</tool_call>"
+    if fmt.name in ("glm", "hy3"):
+        s, sep = ("", "\n") if fmt.name == "glm" else (":opensource", "<tool_sep:opensource>\n")
+        return fmt.before + "\n".join(
+            f"<tool_call{s}>{n}{sep}"
+            + "".join(f"<arg_key{s}>{k}</arg_key{s}>\n<arg_value{s}>{_xml(n, k, v)}</arg_value{s}>\n" for k, v in a.items())
+            + f"</tool_call{s}>"
             for n, a in calls
-        )
+        ) + fmt.after
     if fmt.name == "kimi_k2":
         return "<|tool_calls_section_begin|>" + "".join(
             f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
@@ -148,8 +150,8 @@ def names_args(calls: list[ToolCall]) -> list[tuple[str, Any]]:
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
-# gpt-oss's harmony channels have their own tests (test_tool_families.py).
-TEXT_FORMATS = {name: fmt for name, fmt in FORMATS.items() if not fmt.harmony}
+# The channel dialects (gpt-oss's harmony, Muse Glimmer) have their own tests (test_tool_families.py).
+TEXT_FORMATS = {name: fmt for name, fmt in FORMATS.items() if not fmt.channels}
 
 
 @pytest.mark.parametrize("fmt", list(TEXT_FORMATS.values()), ids=list(TEXT_FORMATS))

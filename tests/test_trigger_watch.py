@@ -16,14 +16,17 @@ from hypothesis import strategies as st
 
 from hydra_trio.engine.chat import parse_tools
 from hydra_trio.engine.chat.formats import FORMATS, GENERIC, HERMES
-from hydra_trio.engine.chat.grammar import tools_gbnf, trigger_pattern
+from hydra_trio.engine.chat.grammar import tool_triggers, tools_gbnf, trigger_pattern
 from hydra_trio.engine.llama import Sampler, SamplingParams
 from hydra_trio.engine.llama.grammar import TriggerWatch
 
-PATTERNS = tuple(trigger_pattern(t) for fmt in FORMATS.values() for t in fmt.triggers)
+_TOOL_0 = parse_tools({"tools": [{"type": "function", "function": {"name": "tool_0", "parameters": {"type": "object"}}}]})
+assert _TOOL_0 is not None
+# Each format's triggers, and the per-tool ones (Muse Glimmer's) for a tool named tool_0.
+PATTERNS = tuple(trigger_pattern(t) for fmt in FORMATS.values() for t in (*fmt.triggers, *tool_triggers(fmt, _TOOL_0)))
 # Pieces that build triggers, near-misses, whitespace and filler, in any order.
 PIECES = sorted({" ", "\n", "  ", "x", "Hi ", "{", '"', "tool", "_calls", '{"tool_calls"', "<tool_call>", "<tool", "_call>",
-                 "<|python_tag|>", "[TOOL_CALLS]", "\n{", '"name', "é", "\t"})
+                 "<|python_tag|>", "[TOOL_CALLS]", "\n{", '"name', "é", "\t", " to=", "tool_0", "self", "<|message|>", "<atem:"})
 
 
 def whole_text_fire(patterns: tuple[str, ...], pieces: list[bytes]) -> tuple[int, list[int]] | None:

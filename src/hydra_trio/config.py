@@ -337,7 +337,7 @@ FLASH_ATTN_MODES = ("on", "off", "auto")
 LOG_FORMATS = ("text", "json")
 TOOL_CALL_PARSERS = (  # engine/chat/formats.py FORMATS
     "auto", "hermes", "llama3", "mistral", "granite", "nemotron", "apriel", "firefunction", "functionary", "gigachat3", "gigachat3_1", "generic", "qwen3_coder", "seed_oss", "glm", "kimi_k2", "deepseek",
-    "deepseek_dsml", "minimax", "minimax_m1", "gemma4", "cohere", "apertus", "minicpm5", "solar", "kimi_k3", "lfm2", "command_r_plus", "harmony",
+    "deepseek_dsml", "minimax", "minimax_m1", "gemma4", "cohere", "apertus", "minicpm5", "solar", "kimi_k3", "hy3", "lfm2", "command_r_plus", "harmony", "muse_glimmer",
 )
 REASONING_FORMATS = ("auto", "deepseek", "none")
 # KV cache types by llama-server's names (-ctk/-ctv) -> ggml type ids, as gguf numbers them.

@@ -151,8 +151,8 @@ class Chat:
         opened = _opens_think(prompt, caps)
         reasoning = mode == "deepseek" or (mode == "auto" and (caps.thinks or opened))
         fmt, tags = caps.tool_format, caps.think_tags
-        # harmony's markup is always read, and content's markup of a format that has some
-        if calls is None and not reasoning and not fmt.harmony and not (fmt.dropped or fmt.recipient):
+        # a channel dialect's markup is always read, and content's markup of a format that has some
+        if calls is None and not reasoning and not fmt.channels and not (fmt.dropped or fmt.recipient):
             return None
         # Apriel 1.6's prompt opens its reasoning with words of it, which the reasoning keeps
         lead = prompt[prompt.rfind(tags[0]):] if reasoning and opened and caps.think_lead else ""
@@ -183,7 +183,7 @@ class Chat:
         if "messages" not in request:
             return None
         caps = self._served(tools is not None).caps
-        if caps.tool_format.harmony:  # gpt-oss reasons in its analysis channel, not a think block
+        if caps.tool_format.channels:  # gpt-oss and Muse Glimmer reason in a channel, not a think block
             return None
         open_tag, close_tag = caps.think_tags
         grammar = sampling.grammar

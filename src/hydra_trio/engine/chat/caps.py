@@ -55,6 +55,7 @@ class TemplateCaps:
 # (Hermes' JSON, Qwen3-Coder's ``<function=``, GLM's ``<arg_key>``), so theirs come before it.
 _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<|channel|>", "<|message|>"), f.HARMONY),
+    (("<atem:function_calls>", "<|eom|>"), f.GLIMMER),  # Muse Glimmer, as llama.cpp tells it
     (("<|tool_calls_section_begin|>",), f.KIMI_K2),
     (("<|open|>", "<|close|>", "<|end_of_msg|>"), f.KIMI_K3),  # its tags built from these, as llama.cpp tells it
     (("｜DSML｜",), f.DEEPSEEK_DSML),
@@ -69,6 +70,7 @@ _MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
     (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
     (("<seed:tool_call>",), f.SEED_OSS),
     (("Tool usage guidelines:", '<function name="', '<param name="'), f.MINICPM5),  # as llama.cpp tells it
+    (("<tool_sep{}>", "<arg_key{}>", ":opensource"), f.HY3),  # Tencent Hy3 formats its tags with the suffix
     (("<arg_key>", "<arg_value>"), f.GLM),
     (("<function=", "<parameter="), f.QWEN3_CODER),
     (("<TOOLCALL>[",), f.NEMOTRON),
@@ -99,6 +101,7 @@ _THINK_TAGS: tuple[tuple[str, str], ...] = (
 
 
 KIMI_K3_THINK = ("<|open|>think<|sep|>", "<|close|>think<|sep|>")
+HY3_THINK = ("<think:opensource>", "</think:opensource>")
 
 
 def detect_format(source: str) -> ToolFormat:
@@ -113,9 +116,11 @@ def detect_format(source: str) -> ToolFormat:
 
 def detect_think_tags(source: str) -> tuple[str, str] | None:
     """The markers a template's reasoning is written between; None: it has none (gpt-oss's
-    analysis channel is its format's, harmony.py)."""
+    analysis channel and Muse Glimmer's ``to=self`` messages are their formats', harmony.py)."""
     if all(m in source for m in ("<|open|>", "<|close|>", "<|end_of_msg|>")):
         return KIMI_K3_THINK  # Kimi K3 builds its tags from these tokens
+    if "<think{}>" in source and ":opensource" in source:
+        return HY3_THINK  # Tencent Hy3 formats them with the suffix
     for tags in _THINK_TAGS:
         if tags[0] in source:
             return tags
@@ -132,7 +137,7 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
         # Rendered, not sniffed: what the template prints of a probe conversation (probe.py).
         seen = probe(template.jinja)
         return TemplateCaps(
-            tool_format=fmt, thinks=tags is not None or fmt.harmony, renders_tool_calls=seen.renders_tool_calls,
+            tool_format=fmt, thinks=tags is not None or bool(fmt.channels), renders_tool_calls=seen.renders_tool_calls,
             object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
             thinking_default=seen.thinks, own_template=template.source != "fallback", think_tags=tags or (OPEN, CLOSE),
             turn_text=seen.plain, think_lead=tags is not None and tags[0] == APRIEL_LEAD,
@@ -140,7 +145,7 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
     compact = source.replace(" ", "")
     return TemplateCaps(
         tool_format=fmt,
-        thinks=tags is not None or fmt.harmony,
+        thinks=tags is not None or bool(fmt.channels),
         renders_tool_calls=template.jinja is not None and "tool_calls" in source,
         # Qwen, Hermes and Llama 3 print ``arguments | tojson`` or walk ``arguments.items()``;
         # others print the string as sent.

@@ -171,31 +171,38 @@ SEED_XML = Block(
 )
 
 
-# -- GLM-4.5/4.6/4.7: <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>
-
-_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
-
-
-def _read_glm(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
-    k = body.find("<arg_key>")
-    name, rest = (body, "") if k < 0 else (body[:k], body[k:])
-    name = name.strip()
-    if not name or "<" in name or "{" in name:
-        return None
-    pairs = [(m.group(1).strip(), m.group(2)) for m in _ARG.finditer(rest)]
-    if _ARG.sub("", rest).strip():
-        return None
-    return [(name, _xml_args(pairs, props_of(name)), None)]
+# -- GLM-4.5/4.6/4.7: <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call>; Tencent Hy3:
+#    ":opensource" in each tag, <tool_sep:opensource> after the name (its section's tags are formats.HY3's)
 
 
-def _glm_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
-    params, rules = _xml_param_rules(
-        tool, i, schema_gbnf, renamed, lambda k: (f"<arg_key>{k}</arg_key>\n<arg_value>", "</arg_value>\n")
-    )
-    return " ".join(x for x in (_lit(f"<tool_call>{tool.name}\n"), params, _lit("</tool_call>")) if x), rules
+def _arg_tags(s: str, sep: str) -> tuple[Reader, Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]]]:
+    """One call's reader and rule: ``s`` its tags' suffix, ``sep`` what ends the name."""
+    arg = re.compile(rf"<arg_key{s}>(.*?)</arg_key{s}>\s*<arg_value{s}>(.*?)</arg_value{s}>", re.S)
+
+    def read(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+        k = body.find(f"<arg_key{s}>")
+        name, rest = (body, "") if k < 0 else (body[:k], body[k:])
+        name = name.strip().removesuffix(sep.strip()).strip()
+        if not name or "<" in name or "{" in name:
+            return None
+        pairs = [(m.group(1).strip(), m.group(2)) for m in arg.finditer(rest)]
+        if arg.sub("", rest).strip():
+            return None
+        return [(name, _xml_args(pairs, props_of(name)), None)]
+
+    def rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+        params, rules = _xml_param_rules(
+            tool, i, schema_gbnf, renamed, lambda k: (f"<arg_key{s}>{k}</arg_key{s}>\n<arg_value{s}>", f"</arg_value{s}>\n")
+        )
+        return " ".join(x for x in (_lit(f"<tool_call{s}>{tool.name}{sep}"), params, _lit(f"</tool_call{s}>")) if x), rules
+
+    return read, rule
 
 
+_read_glm, _glm_rule = _arg_tags("", "\n")
 GLM_XML = Block(openers=("<tool_call>",), closer="</tool_call>", read=_read_glm, call_rule=_glm_rule)
+_read_hy3, _hy3_rule = _arg_tags(":opensource", "<tool_sep:opensource>\n")
+HY3 = Block(openers=("<tool_call:opensource>",), closer="</tool_call:opensource>", read=_read_hy3, call_rule=_hy3_rule)
 
 
 # -- JSON arguments between special tokens: Kimi K2 and DeepSeek V3.x/R1

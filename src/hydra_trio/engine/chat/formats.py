@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from . import families, pythonic
+from . import families, harmony, pythonic
 from .families import Block
 from .tools import ToolRequest
 
@@ -57,7 +57,15 @@ class ToolFormat:
     # ``all`` is content (the line dropped), a tool's name a call whose arguments' JSON follows.
     recipient: str = ""
     dropped: tuple[str, ...] = ()  # markup around content (a block family's), removed from it
-    harmony: bool = False  # gpt-oss's channels (harmony.py): reasoning, content and calls
+    # A trigger per declared tool (text, then), "{name}" its name: where the call's start names it
+    tool_trigger: tuple[str, str] = ()
+    # A channel dialect (harmony.py), whose messages carry reasoning, content and calls alike:
+    # "harmony" (gpt-oss), "glimmer" (Muse Glimmer); its splitter reads the reply, not the scanner.
+    channels: str = ""
+
+    @property
+    def harmony(self) -> bool:
+        return self.channels == "harmony"
 
 
 def _json_list(name: str, opener: str, closer: str = "") -> ToolFormat:
@@ -252,6 +260,18 @@ SOLAR = ToolFormat(
     dropped=("<|begin|>assistant", "<|content|>", "<|end|>"),
     triggers=(Trigger("<|tool_calls|>", False, families.SOLAR_BEGIN),),
 )
+# Tencent Hy3: GLM's tags with ":opensource" (families.HY3), the calls in its section, one a line
+HY3_OPEN, HY3_CLOSE = "<tool_calls:opensource>", "</tool_calls:opensource>"
+HY3 = ToolFormat(
+    "hy3",
+    "arguments",
+    before=HY3_OPEN + "\n",
+    between="\n",
+    after="\n" + HY3_CLOSE,
+    block=families.HY3,
+    dropped=(HY3_OPEN, HY3_CLOSE),  # the section around the calls
+    triggers=(Trigger(HY3_OPEN, False, "\n<tool_call:opensource>"),),
+)
 # Kimi K3: XTML tags; its content's response and message tags are dropped
 KIMI_K3 = ToolFormat(
     "kimi_k3",
@@ -287,12 +307,23 @@ COMMAND_R_PLUS = ToolFormat(
 HARMONY = ToolFormat(
     "harmony",
     "arguments",
-    harmony=True,
+    channels="harmony",
     triggers=(Trigger("<|channel|>commentary to=functions.", False, ""),),
+)
+# Muse Glimmer: each call its own message to the tool (`` to=NAME<|message|><atem:function_calls>...``),
+# the next after ``<|eom|><|start|>assistant``; under auto the grammar starts where a message to a
+# declared tool does (``tool_trigger``), as llama.cpp's pattern skips ``self`` and ``user``.
+GLIMMER = ToolFormat(
+    "muse_glimmer",
+    "arguments",
+    between="<|eom|><|start|>assistant",
+    block=harmony.ATEM,
+    channels="glimmer",
+    tool_trigger=(" to={name}<|message|>", "<atem:function_calls>"),
 )
 FORMATS: dict[str, ToolFormat] = {
     f.name: f
-    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, SOLAR, KIMI_K3, LFM2, COMMAND_R_PLUS, HARMONY)
+    for f in (HERMES, LLAMA3, MISTRAL, GRANITE, NEMOTRON, APRIEL, FIREFUNCTION, FUNCTIONARY, GIGACHAT3, GIGACHAT3_1, GENERIC, QWEN3_CODER, SEED_OSS, GLM, KIMI_K2, DEEPSEEK, DEEPSEEK_DSML, MINIMAX, MINIMAX_M1, GEMMA4, COHERE, APERTUS, MINICPM5, SOLAR, KIMI_K3, HY3, LFM2, COMMAND_R_PLUS, HARMONY, GLIMMER)
 }
 
 
@@ -309,6 +340,8 @@ def syntax_text(fmt: ToolFormat) -> tuple[str, ...]:
         parts += [*fmt.block.openers, fmt.block.closer, fmt.block.tail, *fmt.block.closers, *fmt.dropped]
     if fmt.harmony:
         parts += HARMONY_MARKS
+    if fmt.channels == "glimmer":
+        parts += harmony.GLIMMER_MARKS
     return tuple(p for p in parts if p)
 
 

@@ -169,8 +169,16 @@ def tools_gbnf(request: ToolRequest, fmt: ToolFormat) -> tuple[str, Triggers]:
     elif fmt.recipient:
         triggers = recipient_patterns(fmt, [t.name for t in request.callable])
     else:
-        triggers = tuple(trigger_pattern(t) for t in fmt.triggers)
+        triggers = tuple(trigger_pattern(t) for t in (*fmt.triggers, *tool_triggers(fmt, request)))
     return gbnf, triggers
+
+
+def tool_triggers(fmt: ToolFormat, request: ToolRequest) -> tuple[Trigger, ...]:
+    """The format's trigger per callable tool (``ToolFormat.tool_trigger``), its name written in."""
+    if not fmt.tool_trigger:
+        return ()
+    text, then = fmt.tool_trigger
+    return tuple(Trigger(text.replace("{name}", t.name), False, then.replace("{name}", t.name)) for t in request.callable)
 
 
 def trigger_pattern(trigger: Trigger) -> str:

@@ -1,13 +1,19 @@
-"""gpt-oss's harmony reply read back: its messages' channels split into reasoning
-(``analysis``), content (``final``, and ``commentary`` to no one) and tool calls (a message
-``to=functions.NAME``, its body the arguments' JSON), incrementally (any split of a reply
-gives what the whole reply gives). Pure.
+"""The channel dialects, read back incrementally (any split of a reply gives what the whole
+reply gives): a reply of messages, each a header naming its channel or recipient, then
+``<|message|>`` and a body, split into reasoning, content and tool calls. Pure.
 
-A reply continues the prompt's ``<|start|>assistant``: ``<|channel|>analysis<|message|>...
-<|end|><|start|>assistant<|channel|>final<|message|>...``; a message's header may name its
-recipient in the role (`` to=functions.f<|channel|>commentary``) or the channel
+gpt-oss's harmony (``HarmonySplitter``): the ``analysis`` channel is reasoning, ``final`` (and
+``commentary`` to no one) content, a message ``to=functions.NAME`` a call whose body is the
+arguments' JSON. A reply continues the prompt's ``<|start|>assistant``: ``<|channel|>analysis
+<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...``; a message's header may
+name its recipient in the role (`` to=functions.f<|channel|>commentary``) or the channel
 (``<|channel|>commentary to=functions.f <|constrain|>json``). A message to another recipient
-(the built-in ``python``, ``container.exec``) is dropped, as llama-server does."""
+(the built-in ``python``, ``container.exec``) is dropped, as llama-server does.
+
+Muse Glimmer (``GlimmerSplitter``, as llama.cpp's common/parsers/muse-glimmer.cpp): each
+message is `` to=RECIPIENT<|message|>BODY`` ended by ``<|eom|>`` (more follow, each after
+``<|start|>assistant``) or ``<|eot|>``; ``to=self`` is reasoning, ``to=user`` (or no recipient)
+content, any other recipient a call whose body is one ``<atem:function_calls>`` block (``ATEM``)."""
 
 from __future__ import annotations
 
@@ -16,7 +22,10 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
+from .families import Block, Props, Renamed, SchemaGbnf, _lit, _xml_param_rules, typed_value
+from .families import Call as BlockCall
 from .reasoning import partial_suffix
+from .tools import Tool
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")  # what ends a message's body
@@ -108,5 +117,141 @@ class HarmonySplitter:
                 args = None
             if isinstance(args, dict) and self._accept(self._name):
                 calls.append((self._name, args))
+            else:
+                content.append(body)
+
+
+# -- Muse Glimmer
+
+EOM, EOT = "<|eom|>", "<|eot|>"
+NEXT = "<|start|>assistant"  # opens each message after the first (the prompt ends with it)
+GLIMMER_MARKS = ("<|start|>", MESSAGE, EOM, EOT, "<atem:invoke", "</atem:invoke>", "<atem:parameter", "</atem:parameter>")
+_INVOKE = re.compile(r'\s*<atem:invoke name="([^"]+)">(.*?)</atem:invoke>', re.S)
+_PARAM = re.compile(r'\s*<atem:parameter name="([^"]+)">(.*?)</atem:parameter>', re.S)
+
+
+def _read_atem(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[BlockCall] | None:
+    """The invocations of one ``<atem:function_calls>`` block: a parameter's text as is for a
+    string, else its JSON (the text where it is not JSON), as llama.cpp reads them."""
+    calls: list[BlockCall] = []
+    pos = 0
+    for m in _INVOKE.finditer(body):
+        if m.start() != pos:
+            return None
+        name, inner, props = m.group(1), m.group(2), props_of(m.group(1)) or {}
+        args: dict[str, Any] = {}
+        at = 0
+        for pm in _PARAM.finditer(inner):
+            if pm.start() != at:
+                return None
+            args[pm.group(1)] = typed_value(pm.group(2), props.get(pm.group(1)))
+            at = pm.end()
+        if inner[at:].strip():
+            return None
+        calls.append((name, args, None))
+        pos = m.end()
+    return calls if calls and not body[pos:].strip() else None
+
+
+def _atem_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    """One call as its own message to the tool, as the template prints an earlier one."""
+    params, rules = _xml_param_rules(
+        tool, i, schema_gbnf, renamed, lambda k: (f'<atem:parameter name="{k}">', "</atem:parameter>\n"), True
+    )
+    head = _lit(f' to={tool.name}<|message|><atem:function_calls>\n<atem:invoke name="{tool.name}">\n')
+    return " ".join(x for x in (head, params, _lit("</atem:invoke>\n</atem:function_calls>")) if x), rules
+
+
+ATEM = Block(openers=("<atem:function_calls>",), closer="</atem:function_calls>", read=_read_atem, call_rule=_atem_rule)
+
+
+def _recipient(head: str, complete: bool) -> str | None:
+    """A message header's recipient ("" for none); None when ``head`` is not (the start of,
+    unless ``complete``) ``[<|start|>assistant] [to=RECIPIENT]``."""
+    h = head.lstrip()
+    if not complete and NEXT.startswith(h):
+        return ""
+    h = h.removeprefix(NEXT).lstrip()
+    if not complete:
+        h = h[: len(h) - partial_suffix(h, MESSAGE)]
+        if "to=".startswith(h):
+            return ""
+    if not h:
+        return ""
+    if not h.startswith("to=") or "<" in h or "\n" in h:
+        return None
+    return h[3:].split(" ", 1)[0]
+
+
+class GlimmerSplitter:
+    """Feeds of a Muse Glimmer reply -> (reasoning, content, calls) releasable so far; the
+    arguments as HarmonySplitter's, and ``props_of(name)`` a tool's parameters (typing values)."""
+
+    def __init__(
+        self, *, reasoning: bool, parse_tools: bool, accept: Callable[[str], bool], props_of: Callable[[str], Props | None]
+    ) -> None:
+        self._reasoning = reasoning
+        self._parse_tools = parse_tools
+        self._accept = accept
+        self._props_of = props_of
+        self._state: Literal["header", "body", "plain"] = "header"
+        self._buf = ""
+        self._kind: Kind = "content"
+
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, str, list[Call]]:
+        self._buf += text
+        reasoning: list[str] = []
+        content: list[str] = []
+        calls: list[Call] = []
+        while self._buf:
+            buf = self._buf
+            if self._state == "plain":
+                content.append(buf)
+                self._buf = ""
+            elif self._state == "header":
+                k = buf.find(MESSAGE)
+                recipient = _recipient(buf if k < 0 else buf[:k], k >= 0)
+                if recipient is None:
+                    self._state = "plain"  # not a message header: the reply is its text
+                    continue
+                if k < 0:
+                    if final:
+                        content.append(buf)  # a header with no message: shown as written
+                        self._buf = ""
+                    break
+                self._kind = self._kind_of(recipient)
+                self._state, self._buf = "body", buf[k + len(MESSAGE):]
+            else:
+                ends = [(j, m) for m in (EOM, EOT) if (j := buf.find(m)) >= 0]
+                if ends or final:
+                    j, mark = min(ends) if ends else (len(buf), "")
+                    self._emit(buf[:j], reasoning, content, calls, done=True)
+                    self._state, self._buf = "header", buf[j + len(mark):]
+                elif self._kind == "call":
+                    break  # held whole until it ends
+                else:
+                    keep = partial_suffix(buf, EOM, EOT)
+                    self._emit(buf[: len(buf) - keep], reasoning, content, calls, done=False)
+                    self._buf = buf[len(buf) - keep:]
+                    break
+        return "".join(reasoning), "".join(content), calls
+
+    def _kind_of(self, recipient: str) -> Kind:
+        if recipient == "self":
+            return "reasoning" if self._reasoning else "content"
+        return "call" if recipient not in ("", "user") and self._parse_tools else "content"
+
+    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool) -> None:
+        if self._kind == "reasoning":
+            reasoning.append(body)
+        elif self._kind == "content":
+            content.append(body)
+        elif done:
+            text = body.strip()
+            found = None
+            if text.startswith(ATEM.openers[0]) and text.endswith(ATEM.closer):
+                found = _read_atem(text[len(ATEM.openers[0]):-len(ATEM.closer)], ATEM.openers[0], self._props_of)
+            if found and all(self._accept(n) for n, _, _ in found):
+                calls.extend((n, a) for n, a, _ in found)
             else:
                 content.append(body)

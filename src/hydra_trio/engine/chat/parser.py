@@ -12,7 +12,7 @@ from ...wire.errors import ProtocolError
 from ...wire.jsontext import parse_json
 from .families import Props
 from .formats import GENERIC, ToolFormat, dump_arguments
-from .harmony import HarmonySplitter
+from .harmony import GlimmerSplitter, HarmonySplitter
 from .reasoning import CLOSE, OPEN, ThinkSplitter, partial_suffix
 from .tools import ToolRequest
 
@@ -334,11 +334,15 @@ class ReplyParser:
         names = None if tools is None else frozenset(t.name for t in tools.callable)
         props = {} if tools is None else {t.name: _properties(t.parameters) for t in tools.callable}
         self._new_id = new_id
-        self._harmony: HarmonySplitter | None = None
+        self._harmony: HarmonySplitter | GlimmerSplitter | None = None
         self._think: ThinkSplitter | None = None
         self._scanner: _CallScanner | None = None
         self._harmony_calls: list[ToolCall] = []
-        if fmt is not None and fmt.harmony:  # its channels carry reasoning, content and calls alike
+        if fmt is not None and fmt.channels == "glimmer":
+            self._harmony = GlimmerSplitter(
+                reasoning=reasoning, parse_tools=parse_tools, accept=lambda n: names is None or n in names, props_of=props.get
+            )
+        elif fmt is not None and fmt.harmony:  # its channels carry reasoning, content and calls alike
             self._harmony = HarmonySplitter(
                 reasoning=reasoning, parse_tools=parse_tools, accept=lambda n: names is None or n in names
             )
