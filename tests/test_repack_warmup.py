@@ -164,3 +164,47 @@ async def test_on_an_amx_cpu_the_engine_loads_without_repacking(
         r = await h.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "temperature": 0})
     assert version["repack"] is False and "AMX" in version["repack_reason"] and version["repacked_mib"] == 0.0
     assert r.status_code == 200, r.text
+
+
+# ---- the C allocator: llama.cpp's smaller buffers from glibc's heap (docs/performance.md) ----
+
+
+def _in_heap(address: int) -> bool:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith("[heap]"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_buffers_up_to_32_mib_come_from_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    from hydra_trio.engine.llama import devices
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version") or not Path("/proc/self/maps").exists():
+        pytest.skip("glibc on Linux only")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert devices._set_heap_threshold() == "blocks up to 32 MiB from the heap (mmap threshold)"
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    small, large = libc.malloc(24 << 20), libc.malloc(40 << 20)  # a 30 MiB SWA cache; a 36 MiB KV
+    try:
+        assert _in_heap(small)
+        assert not _in_heap(large)  # above the threshold: its own mapping, as before
+    finally:
+        libc.free(small)
+        libc.free(large)
+
+
+def test_an_operator_s_malloc_setting_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hydra_trio.engine.llama import devices
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert devices._set_heap_threshold() == "the operator's mmap threshold"
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
+    assert devices._set_heap_threshold() == "the operator's mmap threshold"

@@ -27,6 +27,7 @@ from .devices import (
     OffloadSettings,
     cpu_flags,
     flash_attn_applied,
+    heap_for_buffers,
     offloaded_layers,
     read_ggml_devices,
     repack_choice,
@@ -71,6 +72,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         ctx_checkpoints: int = 8,
     ) -> None:
         init_llama()
+        heap_for_buffers()  # before any buffer of the model or context is allocated
         self.kv_unified = kv_unified or n_slots == 1
         # Sliding-window layers keep only their window (+ one ubatch) of cells, as
         # llama-server does (common_params.swa_full false). llama.cpp's own context default
