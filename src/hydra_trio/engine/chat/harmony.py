@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -37,11 +38,16 @@ Kind = Literal["reasoning", "content", "call", "drop"]
 Call = tuple[str, dict[str, Any]]
 
 
-class HarmonySplitter:
-    """Feeds of a reply -> (reasoning, content, calls) releasable so far. ``reasoning``:
-    split the analysis channel out (else it is content); ``parse_tools``: read calls (else
-    their bodies are content); ``accept(name)``: whether a call's name is a declared tool
-    (a call of another is content)."""
+class _ChannelSplitter(ABC):
+    """Feeds of a reply in a channel dialect -> (reasoning, content, calls) releasable so far.
+    ``reasoning``: split the reasoning channel out (else it is content); ``parse_tools``: read
+    calls (else their bodies are content); ``accept(name)``: whether a call's name is a
+    declared tool (a call of another is content). A dialect says what ends a message's body
+    (``ends``; ``next_header``: the end that is the next message's header too), what a header
+    means (``_header``) and what a body gives (``_emit``)."""
+
+    ends: tuple[str, ...]
+    next_header = ""
 
     def __init__(self, *, reasoning: bool, parse_tools: bool, accept: Callable[[str], bool]) -> None:
         self._reasoning = reasoning
@@ -64,39 +70,60 @@ class HarmonySplitter:
                 self._buf = ""
             elif self._state == "header":
                 k = buf.find(MESSAGE)
+                head = self._header(buf if k < 0 else buf[:k], complete=k >= 0)
+                if head is None:
+                    self._state = "plain"  # not a message header: the reply is its text
+                    continue
                 if k < 0:
-                    lead = buf.lstrip()
-                    if lead and not any(h.startswith(lead[: len(h)]) for h in HEADER_STARTS):
-                        self._state = "plain"  # not harmony markup: the reply is its text
-                        continue
                     if final:
                         content.append(buf)  # a header with no message: shown as written
                         self._buf = ""
                     break
-                self._kind, self._name = self._header(buf[:k])
+                self._kind, self._name = head
                 self._state, self._buf = "body", buf[k + len(MESSAGE):]
             else:
-                ends = [(j, m) for m in ENDS if (j := buf.find(m)) >= 0]
+                ends = [(j, m) for m in self.ends if (j := buf.find(m)) >= 0]
                 if ends:
                     j, mark = min(ends)
                     self._emit(buf[:j], reasoning, content, calls, done=True)
-                    # <|start|> opens the next message's header; the others end this one
-                    self._state, self._buf = "header", buf[j if mark == "<|start|>" else j + len(mark):]
+                    self._state, self._buf = "header", buf[j if mark == self.next_header else j + len(mark):]
                 elif final:
                     self._emit(buf, reasoning, content, calls, done=True)
                     self._buf = ""
                 elif self._kind in ("call", "drop"):
                     break  # held whole until it ends
                 else:
-                    keep = partial_suffix(buf, *ENDS)
+                    keep = partial_suffix(buf, *self.ends)
                     self._emit(buf[: len(buf) - keep], reasoning, content, calls, done=False)
                     self._buf = buf[len(buf) - keep:]
                     break
         return "".join(reasoning), "".join(content), calls
 
-    def _header(self, header: str) -> tuple[Kind, str]:
-        channel = m.group(1) if (m := _CHANNEL.search(header)) else ""
-        recipient = m.group(1) if (m := _RECIPIENT.search(header)) else ""
+    @abstractmethod
+    def _header(self, head: str, *, complete: bool) -> tuple[Kind, str] | None:
+        """What a message with this header is, and its recipient; None: ``head`` is not (the
+        start of, unless ``complete``) a header. Incomplete, only that matters."""
+
+    @abstractmethod
+    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool) -> None:
+        """A body (``done``: the whole of it) into reasoning, content or a call."""
+
+
+class HarmonySplitter(_ChannelSplitter):
+    """gpt-oss's harmony: the analysis channel is the reasoning; a message to
+    ``functions.NAME`` a call, to another recipient dropped."""
+
+    ends = ENDS
+    next_header = "<|start|>"  # opens the next message's header; the others end this one
+
+    def _header(self, head: str, *, complete: bool) -> tuple[Kind, str] | None:
+        if not complete:
+            lead = head.lstrip()
+            if lead and not any(h.startswith(lead[: len(h)]) for h in HEADER_STARTS):
+                return None
+            return "content", ""
+        channel = m.group(1) if (m := _CHANNEL.search(head)) else ""
+        recipient = m.group(1) if (m := _RECIPIENT.search(head)) else ""
         if recipient.startswith("functions."):
             return ("call" if self._parse_tools else "content"), recipient[len("functions."):]
         if recipient:
@@ -183,58 +210,21 @@ def _recipient(head: str, complete: bool) -> str | None:
     return h[3:].split(" ", 1)[0]
 
 
-class GlimmerSplitter:
-    """Feeds of a Muse Glimmer reply -> (reasoning, content, calls) releasable so far; the
-    arguments as HarmonySplitter's, and ``props_of(name)`` a tool's parameters (typing values)."""
+class GlimmerSplitter(_ChannelSplitter):
+    """Muse Glimmer: ``to=self`` the reasoning, ``to=user`` (or none) content, any other
+    recipient a call; ``props_of(name)`` a tool's parameters (typing values)."""
+
+    ends = (EOM, EOT)
 
     def __init__(
         self, *, reasoning: bool, parse_tools: bool, accept: Callable[[str], bool], props_of: Callable[[str], Props | None]
     ) -> None:
-        self._reasoning = reasoning
-        self._parse_tools = parse_tools
-        self._accept = accept
+        super().__init__(reasoning=reasoning, parse_tools=parse_tools, accept=accept)
         self._props_of = props_of
-        self._state: Literal["header", "body", "plain"] = "header"
-        self._buf = ""
-        self._kind: Kind = "content"
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, str, list[Call]]:
-        self._buf += text
-        reasoning: list[str] = []
-        content: list[str] = []
-        calls: list[Call] = []
-        while self._buf:
-            buf = self._buf
-            if self._state == "plain":
-                content.append(buf)
-                self._buf = ""
-            elif self._state == "header":
-                k = buf.find(MESSAGE)
-                recipient = _recipient(buf if k < 0 else buf[:k], k >= 0)
-                if recipient is None:
-                    self._state = "plain"  # not a message header: the reply is its text
-                    continue
-                if k < 0:
-                    if final:
-                        content.append(buf)  # a header with no message: shown as written
-                        self._buf = ""
-                    break
-                self._kind = self._kind_of(recipient)
-                self._state, self._buf = "body", buf[k + len(MESSAGE):]
-            else:
-                ends = [(j, m) for m in (EOM, EOT) if (j := buf.find(m)) >= 0]
-                if ends or final:
-                    j, mark = min(ends) if ends else (len(buf), "")
-                    self._emit(buf[:j], reasoning, content, calls, done=True)
-                    self._state, self._buf = "header", buf[j + len(mark):]
-                elif self._kind == "call":
-                    break  # held whole until it ends
-                else:
-                    keep = partial_suffix(buf, EOM, EOT)
-                    self._emit(buf[: len(buf) - keep], reasoning, content, calls, done=False)
-                    self._buf = buf[len(buf) - keep:]
-                    break
-        return "".join(reasoning), "".join(content), calls
+    def _header(self, head: str, *, complete: bool) -> tuple[Kind, str] | None:
+        recipient = _recipient(head, complete)
+        return None if recipient is None else (self._kind_of(recipient), recipient)
 
     def _kind_of(self, recipient: str) -> Kind:
         if recipient == "self":
