@@ -88,6 +88,20 @@ def _top5(body: dict[str, Any]) -> dict[str, float]:
     return top
 
 
+async def _matches_a_cold_recompute(h: Any, body: dict[str, Any], resumed: dict[str, Any]) -> dict[str, Any]:
+    """Empty the slot and compute ``body`` again from nothing: the resumed reply's next-token
+    top 5 are the cold one's. Returns the cold reply."""
+    assert (await h.post("/slots/0?action=erase")).status_code == 200
+    r = await h.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    cold: dict[str, Any] = r.json()
+    a, b = _top5(resumed), _top5(cold)
+    assert sorted(a) == sorted(b)
+    for token, logprob in a.items():
+        assert logprob == pytest.approx(b[token], abs=1e-3)
+    return cold
+
+
 async def test_a_restored_checkpoint_is_where_a_diverging_prompt_resumes(
     start_engine: Callable[..., Any], mamba_model: Path, backend: LlamaBackend
 ) -> None:
@@ -108,15 +122,8 @@ async def test_a_restored_checkpoint_is_where_a_diverging_prompt_resumes(
         resumed = r.json()
         assert resumed["timings"]["prompt_n"] == len(diverging) - k
         assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] == k
-        assert (await h.post("/slots/0?action=erase")).status_code == 200
-        r = await h.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        cold = r.json()
+        cold = await _matches_a_cold_recompute(h, body, resumed)
         assert cold["timings"]["prompt_n"] == len(diverging)
-    a, b = _top5(resumed), _top5(cold)
-    assert sorted(a) == sorted(b)
-    for token, logprob in a.items():
-        assert logprob == pytest.approx(b[token], abs=1e-3)
 
 
 async def test_the_engine_s_own_prefill_leaves_a_checkpoint_to_resume_from(
@@ -138,14 +145,7 @@ async def test_the_engine_s_own_prefill_leaves_a_checkpoint_to_resume_from(
         resumed = r.json()
         assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] == len(tokens) - 4
         assert resumed["timings"]["prompt_n"] == len(then) - (len(tokens) - 4)
-        assert (await h.post("/slots/0?action=erase")).status_code == 200
-        r = await h.post("/v1/completions", json={**body, "prompt": then})
-        assert r.status_code == 200, r.text
-        cold = r.json()
-    a, b = _top5(resumed), _top5(cold)
-    assert sorted(a) == sorted(b)
-    for token, logprob in a.items():
-        assert logprob == pytest.approx(b[token], abs=1e-3)
+        await _matches_a_cold_recompute(h, {**body, "prompt": then}, resumed)
 
 
 async def test_a_checkpoint_of_another_size_or_outside_the_blob_is_refused(
