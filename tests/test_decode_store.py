@@ -263,29 +263,82 @@ def test_a_sink_that_declines_is_not_called_again_until_its_reader_sets_one() ->
     sub.wakeups.receive_nowait()  # woken (the two wake-ups coalesced)
 
 
-def test_ids_are_unique_positive_int32_over_many_allocations() -> None:
+def test_ids_are_positive_int32_and_unique_among_live_entries_and_tombstones() -> None:
     s, _ = make(max_entries=4)
-    seen: set[int] = set()
-    for _ in range(20_000):
+    held: set[int] = set()
+    for _ in range(5_000):
         e = s.create(0)
         assert 0 < e.id <= INT32_MAX
-        assert e.id not in seen
-        seen.add(e.id)
+        assert e.id not in held  # a live entry's or a remembered tombstone's id is never reissued
         s.finish(e, DecodeState.DONE)
-    alloc = IdAllocator(key=12345)
-    ids = [alloc.next() for _ in range(200_000)]
-    assert len(set(ids)) == len(ids)
-    assert all(0 < i <= INT32_MAX for i in ids)
-    # Random-looking, not sequential.
-    assert sum(1 for a, b in itertools.pairwise(ids) if b == a + 1) < 10
+        held = {x.id for x in s.entries()} | set(s._tombstones)
 
 
-@pytest.mark.parametrize("key", [0, 1, INT32_MAX, 0x5A5A5A5A])
-def test_id_allocator_never_issues_zero_or_repeats_for_any_key(key: int) -> None:
-    alloc = IdAllocator(key=key)
-    ids = [alloc.next() for _ in range(50_000)]
-    assert len(set(ids)) == len(ids)
-    assert min(ids) > 0 and max(ids) <= INT32_MAX
+def test_a_draw_that_is_zero_or_taken_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    draws = iter([0, 7, 7, 9])
+    monkeypatch.setattr("hydra_trio.decode.store.secrets.randbits", lambda bits: next(draws))
+    alloc = IdAllocator(taken=lambda i: i == 7)
+    assert alloc.next() == 9
+
+
+_OLD_MASK = (1 << 31) - 1
+_OLD_A = 0x2C1B3C6D
+
+
+def _old_tail(x: int) -> int:
+    """The allocator's former unkeyed steps after its keyed affine one (`counter * A + key`)."""
+    m = _OLD_MASK
+    x ^= x >> 15
+    x = (x * 0x297A2D39) & m
+    x ^= x >> 12
+    x = (x * 0x5BD1E995) & m
+    x ^= x >> 16
+    return x
+
+
+def _unshift(y: int, k: int) -> int:
+    x = y
+    for _ in range(31 // k + 1):
+        x = y ^ (x >> k)
+    return x & _OLD_MASK
+
+
+def _old_tail_inverse(y: int) -> int:
+    m = _OLD_MASK
+    x = _unshift(y, 16)
+    x = (x * pow(0x5BD1E995, -1, 1 << 31)) & m
+    x = _unshift(x, 12)
+    x = (x * pow(0x297A2D39, -1, 1 << 31)) & m
+    return _unshift(x, 15)
+
+
+def _predict_next(one_id: int) -> int:
+    """The attack of issue 50: invert the tail, step the affine counter, mix again."""
+    return _old_tail((_old_tail_inverse(one_id) + _OLD_A) & _OLD_MASK)
+
+
+def test_one_id_does_not_predict_the_next() -> None:
+    # The attack is real: on the former allocator it predicts every next id from one id.
+    key, counter = 0x5A5A5A5A, 41
+    old = [_old_tail((n * _OLD_A + key) & _OLD_MASK) for n in range(counter, counter + 50)]
+    assert all(_predict_next(a) == b for a, b in itertools.pairwise(old))
+    # The allocator now: no id predicts the next one, nor any later one.
+    s, _ = make(max_entries=10_000)
+    ids = [s.create(0).id for _ in range(5_000)]
+    predicted = {_predict_next(i) for i in ids}
+    assert not predicted & set(ids[1:])
+
+
+def test_ids_come_from_the_csprng(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def randbits(bits: int) -> int:
+        calls.append(bits)
+        return 12345
+
+    monkeypatch.setattr("hydra_trio.decode.store.secrets.randbits", randbits)
+    s, _ = make()
+    assert s.create(0).id == 12345 and calls == [31]
 
 
 def test_two_stores_use_different_id_sequences() -> None:

@@ -7,6 +7,7 @@ here, and sealing checks the entry is still the one the store holds.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -57,37 +58,24 @@ FINISHED = {DecodeState.DONE, DecodeState.FAILED}
 
 
 class IdAllocator:
-    """Random-looking positive int32 ids, never repeated in the life of the process.
+    """Decode ids: positive int32s drawn from the operating system's CSPRNG (``secrets``).
 
-    A counter pushed through a keyed bijection of [0, 2^31): distinct counters give distinct
-    ids with O(1) memory (remembering every id ever issued would grow without bound).
+    An id is the only credential a reader of a decode holds (docs/operations.md, security),
+    so no id may tell anything about another: each is an independent draw, never one derived
+    from a counter (a keyed mix of a counter is inverted from one id and predicts them all).
+    A draw that is 0 or still names a live entry or a tombstone (``taken``) is drawn again.
     """
 
-    _MASK = (1 << 31) - 1
+    _BITS = 31
 
-    def __init__(self, key: int | None = None) -> None:
-        import secrets
-
-        self._key = (key if key is not None else secrets.randbits(31)) & self._MASK
-        self._counter = 0
-
-    def _mix(self, x: int) -> int:
-        m = self._MASK
-        x = (x * 0x2C1B3C6D + self._key) & m  # odd multiplier: bijective mod 2^31
-        x ^= x >> 15
-        x = (x * 0x297A2D39) & m
-        x ^= x >> 12
-        x = (x * 0x5BD1E995) & m
-        x ^= x >> 16
-        return x
+    def __init__(self, taken: Callable[[int], bool]) -> None:
+        self._taken = taken
 
     def next(self) -> int:
+        # 2^31 ids against a store bounded to thousands: a redraw is a rare event.
         while True:
-            self._counter += 1
-            if self._counter > self._MASK:
-                raise RuntimeError("decode request ids exhausted (2^31 issued)")
-            value = self._mix(self._counter)
-            if value != 0:
+            value = secrets.randbits(self._BITS)
+            if value and not self._taken(value):
                 return value
 
 
@@ -197,11 +185,14 @@ class ResultStore:
         self._entries: OrderedDict[int, DecodeEntry] = OrderedDict()  # insertion order
         self._tombstones: OrderedDict[int, Tombstone] = OrderedDict()
         self.max_tombstones = max(64, 4 * max_entries)
-        self.ids = IdAllocator()
+        self.ids = IdAllocator(taken=self._holds_id)
         self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _holds_id(self, request_id: int) -> bool:
+        return request_id in self._entries or request_id in self._tombstones
 
     def entries(self) -> list[DecodeEntry]:
         return list(self._entries.values())
