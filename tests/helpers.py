@@ -483,3 +483,19 @@ def assert_same_kv(a: bytes | bytearray, b: bytes | bytearray, *, n_vocab: int |
 # ggml's spinning thread barriers make a 2-thread engine crawl (seconds per request) when other
 # processes hold the CPUs of a small CI box.
 ENGINE = {"threads": 1}
+
+
+def chat_plan(chat: Any, request: dict[str, Any], *, budget: int = -1) -> Any:
+    """``Chat.plan`` of ``request`` outside an engine (its tools and constraint parsed by the
+    one request parser; its grammar written on this thread): for tests of the plan's decisions."""
+    from hydra_trio.engine.params import parse_generation
+
+    params = parse_generation(request, default_n_predict=16, n_ctx=4096, default_reasoning_budget=budget)
+
+    async def off_loop(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    async def plan() -> Any:
+        return await chat.plan(request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=off_loop)
+
+    return trio.run(plan)

@@ -13,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.engine.llama.sampling import Sampler
 from hydra_trio.engine.llama.seqstate import (
     STATE_MAGIC,
     StateLayoutError,
@@ -24,6 +23,7 @@ from hydra_trio.engine.llama.seqstate import (
 )
 from hydra_trio.engine.llama.types import StepRequest
 from hydra_trio.engine.params import SamplingParams
+from hydra_trio.engine.sample import Sampler
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 
 PROMPT = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"

@@ -27,7 +27,7 @@ from .common import (
     require_engine,
 )
 from .generation import generate_buffered, sse_body, start_stream
-from .replies import Piece, ReplyParserFactory, delta_pieces, whole_pieces
+from .replies import Piece, ReplyParserFactory, cut, delta_pieces, whole_pieces
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -348,7 +348,7 @@ class MessageEvents:
         return self._pieces(delta_pieces(self.parser.feed(text)))
 
     def done(self, res: GenerationResult) -> bytes:
-        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish()))
+        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish(cut=cut(res))))
         reason, sequence = stop_reason(res, self._calls, self._stop)
         return (
             rest

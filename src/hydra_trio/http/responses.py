@@ -29,7 +29,7 @@ from .common import (
     require_engine,
 )
 from .generation import error_event_body, generate_buffered, sse_body, start_stream
-from .replies import Piece, delta_pieces, whole_pieces
+from .replies import Piece, cut, delta_pieces, whole_pieces
 
 log = logging.getLogger(__name__)
 bp = Blueprint("responses", __name__)
@@ -365,7 +365,7 @@ class ResponseEvents:
         return self._pieces(delta_pieces(self.parser.feed(text)))
 
     def done(self, res: GenerationResult) -> bytes:
-        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish()))
+        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish(cut=cut(res))))
         status = status_of(res)
         final = self.shell.response(status, self._output, res)
         return rest + self._close() + self._event(f"response.{status}", response=final)
