@@ -367,3 +367,21 @@ async def test_reasoning_is_split_out_when_the_prompt_opens_a_think(start_engine
         message = body["choices"][0]["message"]
         assert "reasoning_content" not in message
         assert message["content"].startswith("let me see\n</think>")
+
+
+async def test_a_cut_forced_call_is_never_content(engine: Any) -> None:
+    """The length cap in the middle of forced calls, whole and streamed: the reply's whole calls
+    only, finish_reason length, and no call syntax in content (issue 49)."""
+    async with http(engine) as h:
+        for max_tokens in range(4, 80, 5):
+            body = await chat(h, tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+            choice = body["choices"][0]
+            assert not choice["message"].get("content"), (max_tokens, choice)
+            assert choice["finish_reason"] in ("length", "tool_calls"), choice
+            if choice["message"].get("tool_calls"):
+                check_calls(choice["message"])
+            events, done, _ = await stream_chat(h, tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+            assert done  # [DONE]
+            content, calls, finish = reassembled(events)
+            assert content == "" and finish == choice["finish_reason"], (max_tokens, content)
+            assert without_ids(calls) == without_ids(choice["message"].get("tool_calls") or [])
