@@ -209,6 +209,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             await _send_reply(conn, Reply.error(err))
             if head.payload_len > limit:
                 rlog.info("payload of %d bytes is over the drain limit of %d: closing", head.payload_len, limit)
+                await _linger(conn, min(head.payload_len, LINGER_FACTOR * limit), settings, budget)
             return
         try:
             # The one buffer it lives in.
@@ -224,13 +225,41 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
 
 
 _SCRATCH = 1 << 20  # the one buffer a refused payload passes through
+# After the refusal of a payload too large to drain: read on for at most this many times the
+# drain bound, while the peer goes on sending, and stop at its first pause this long (it has
+# its answer: a peer that stops sending is not writing a request).
+LINGER_FACTOR = 4
+LINGER_SILENCE_S = 1.0
 
 
-async def _discard(conn: Connection, n: int, settings: Settings, budget: ByteBudget) -> bool:
+async def _linger(conn: Connection, n: int, settings: Settings, budget: ByteBudget) -> None:
+    """After the refusal of a payload over the drain bound was written: read and throw away up
+    to ``n`` more of its bytes, then the caller closes. A client that writes its whole request
+    before it reads (the coordinator's, every KV client) is blocked in its send; a close with
+    its bytes unread would answer it with a reset, which can discard the refusal unread, and
+    it would upload again. Bounded as a drain is (the upload floor), by LINGER_SILENCE_S of
+    silence and by --idle-timeout-s in all; the connection closes whatever happens."""
+    silence = min(LINGER_SILENCE_S, conn.idle_timeout_s)
+    with trio.move_on_after(conn.idle_timeout_s):
+        try:
+            await _discard(conn, n, settings, budget, silence_s=silence, what="refused payload after its reply")
+        except PeerClosed:  # it stopped writing, or read its reply and left: nothing to wait for
+            pass
+
+
+async def _discard(
+    conn: Connection,
+    n: int,
+    settings: Settings,
+    budget: ByteBudget,
+    *,
+    silence_s: float | None = None,
+    what: str = "refused payload",
+) -> bool:
     """Read and throw away a refused request's ``n`` payload bytes, so that a client that
     writes its whole request before reading (every KV client does) gets the refusal. The
     bytes pass through one small scratch buffer charged to the payload budget, never held.
-    The upload rules apply: no byte for --idle-timeout-s, or less than
+    The upload rules apply: no byte for ``silence_s`` (default --idle-timeout-s), or less than
     --min-upload-bytes-per-s on average after --upload-grace-s, and the drain stops (False:
     the caller replies and closes), so a refusal cannot become a way to hold a connection.
     The peer leaving mid-drain raises PeerClosed, as any read."""
@@ -238,11 +267,12 @@ async def _discard(conn: Connection, n: int, settings: Settings, budget: ByteBud
         return True
     scratch = memoryview(bytearray(min(n, _SCRATCH)))
     rate = settings.min_upload_bytes_per_s
+    silence = conn.idle_timeout_s if silence_s is None else silence_s
     start = last = trio.current_time()
     got = 0
     with budget.drain_charged(len(scratch)):
         while got < n:
-            deadline = last + conn.idle_timeout_s
+            deadline = last + silence
             if rate:
                 deadline = min(deadline, start + settings.upload_grace_s + got / rate)
             with trio.move_on_at(deadline):
@@ -257,8 +287,8 @@ async def _discard(conn: Connection, n: int, settings: Settings, budget: ByteBud
                 last = trio.current_time()
                 continue
             log.info(
-                "rpc %s: refused payload too slow (%d of %d bytes in %.1f s); closing",
-                conn.peer, got, n, trio.current_time() - start,
+                "rpc %s: %s stopped or too slow (%d of %d bytes in %.1f s); closing",
+                conn.peer, what, got, n, trio.current_time() - start,
             )
             return False
     return True
