@@ -496,9 +496,10 @@ async def test_client_disconnect_mid_request(engine: Any) -> None:
         assert (await c.state_put(1, blob)).ok
 
 
-async def test_client_disconnect_during_prefill(engine: Any) -> None:
-    """A PREFILL whose caller hangs up (a reset) right after sending is cancelled; nothing is
-    stuck. (A FIN alone may be a half-close: that caller still gets its reply.)"""
+@pytest.mark.parametrize("close", ["fin", "reset"])
+async def test_client_disconnect_during_prefill(engine: Any, close: str) -> None:
+    """A PREFILL whose caller hangs up (a FIN or a reset) right after sending is cancelled;
+    nothing is stuck."""
     long = {"messages": [{"role": "user", "content": "the " * 1500}]}
     payload = json.dumps(long).encode()
     eng = engine.state.engine
@@ -506,7 +507,8 @@ async def test_client_disconnect_during_prefill(engine: Any) -> None:
     for _ in range(3):
         stream = await trio.open_tcp_stream("127.0.0.1", engine.rpc_port)
         await stream.send_all(header(Op.PREFILL, key=b"0", payload_len=len(payload)) + payload)
-        reset_on_close(stream)
+        if close == "reset":
+            reset_on_close(stream)
         await stream.aclose()
 
     def open_connections() -> float:

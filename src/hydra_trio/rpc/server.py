@@ -299,12 +299,13 @@ async def _answer(
 ) -> bool:
     """Run the op and write its one reply; False when the peer hung up first (close).
 
-    For ops that stop when the caller hangs up (PREFILL, DECODE), a peer that resets cancels
-    everything from the op's start until its reply is written. A peer that sent EOF may only
-    have half-closed (it still reads, spec §4.3): its op finishes and the reply is written,
-    then ``peer.reset_after_reply`` tells a closed peer (it answers with a reset) from a
-    reading one. What the op started (a DECODE request) is committed once the reply is out
-    and was not answered with a reset, and abandoned otherwise: nobody learned its id.
+    For ops that stop when the caller hangs up (``spec.hang_up``, rpc/peer.py), the hang-up
+    cancels everything from the op's start until its reply is written: a reset for both
+    PREFILL and DECODE, EOF too for PREFILL. A DECODE peer that sent EOF may only have
+    half-closed (it still reads): its op finishes and the reply is written, then
+    ``peer.reset_after_reply`` tells a closed peer (it answers with a reset) from a reading
+    one. What the op started (a DECODE request) is committed once the reply is out and was
+    not answered with a reset, and abandoned otherwise: nobody learned its id.
     """
     try:
         return await _answer_or_hang_up(state, spec, ctx, payload, release_payload)
@@ -327,8 +328,8 @@ async def _answer_or_hang_up(
     ctx.release_payload = release_once
     watch = trio.CancelScope()  # the watcher's own: it watches the op, not the reply
     async with trio.open_nursery() as hangup:
-        if spec.cancel_on_disconnect:
-            hangup.start_soon(_cancel_on_reset, sock, hangup.cancel_scope, watch)
+        if spec.hang_up is not peer.HangUp.NEVER:
+            hangup.start_soon(_cancel_on_hang_up, sock, spec.hang_up, hangup.cancel_scope, watch)
         try:
             reply = await _run_op(spec, ctx, memoryview(payload))
         finally:
@@ -342,7 +343,8 @@ async def _answer_or_hang_up(
             state.payload_budget.release(reply.held)  # a snapshot's charge: sent, or never will be
         hangup.cancel_scope.cancel()
         return True
-    ctx.log.info("%s: peer reset the connection before the reply; request cancelled", spec.name)
+    how = "closed or reset" if spec.hang_up is peer.HangUp.EOF else "reset"
+    ctx.log.info("%s: peer %s the connection before the reply; request cancelled", spec.name, how)
     return False
 
 
@@ -350,7 +352,7 @@ async def _deliver(state: AppState, spec: OpSpec, ctx: OpContext, reply: Reply) 
     """Write the reply; commit what it started once the peer took it, abandon it otherwise."""
     sock = ctx.conn.sock
     try:
-        if spec.cancel_on_disconnect and peer.was_reset(sock):
+        if spec.hang_up is not peer.HangUp.NEVER and peer.was_reset(sock):
             # The reset came in the batch that ended the op; the watcher has not run yet.
             raise PeerClosed("peer reset the connection before the reply")
         await _send_reply(ctx.conn, reply)
@@ -368,11 +370,11 @@ async def _deliver(state: AppState, spec: OpSpec, ctx: OpContext, reply: Reply) 
     state.metrics.rpc_bytes_out.inc(reply.payload_len)
 
 
-async def _cancel_on_reset(
-    sock: trio.socket.SocketType, scope: trio.CancelScope, watch: trio.CancelScope
+async def _cancel_on_hang_up(
+    sock: trio.socket.SocketType, hang_up: peer.HangUp, scope: trio.CancelScope, watch: trio.CancelScope
 ) -> None:
     with watch:
-        await peer.wait_reset(sock)
+        await peer.wait_hang_up(sock, hang_up)
         scope.cancel()
 
 
