@@ -247,6 +247,8 @@ class OpTable:
             caps.insert(0, "merged_decode")
         if Op.KV_PULL in self._ops:
             caps.append("kv_pull")
+        if identity.model_hash:  # computed at every load (engine/modelfile.py)
+            caps.append("model_hash")
         return {
             "engine": "hydra-trio",
             "version": __version__,
