@@ -279,14 +279,21 @@ def test_a_row_size_past_any_buffer_is_a_layout_error_not_a_crash() -> None:
         read_layout(state, MemoryShape(1))
 
 
+@pytest.mark.parametrize("model", ["mamba_model", "hybrid_model"])
 @pytest.mark.parametrize("kv_unified", [False, True], ids=["split", "unified"])
-def test_a_recurrent_models_state_is_one_form_on_every_layout(mamba_model: Path, kv_unified: bool) -> None:
-    """The mamba model on three slots: its state has no stream count (llama.cpp's recurrent
-    memory), so STATE_GET's copy is llama.cpp's bytes, sized as STATE_META says, and a
-    restore into another slot continues with the same tokens."""
-    b = _backend(mamba_model, n_slots=3, kv_unified=kv_unified)
+def test_a_recurrent_models_state_is_one_form_on_every_layout(
+    request: pytest.FixtureRequest, model: str, kv_unified: bool
+) -> None:
+    """Three slots of the mamba model (a recurrent state only) and of the hybrid one (a KV
+    cache, then a recurrent state): STATE_GET's copy is in the one-stream form, sized as
+    STATE_META says, and a restore into another slot continues with the same tokens, which
+    another history would not give."""
+    b = _backend(request.getfixturevalue(model), n_slots=3, kv_unified=kv_unified)
     try:
-        assert b.state_layout is not None and b.state_layout.n_kv == 0 and b.cache_layout == {}
+        layout = b.state_layout
+        assert layout is not None and layout.caches[-1].recurrent
+        assert layout.n_kv == (1 if model == "hybrid_model" else 0)
+        assert (b.cache_layout != {}) == (model == "hybrid_model")  # K/V types: the KV cache's
         prompt = b.tokenize(PROMPT, add_special=True)
         sampler = Sampler(SamplingParams())
         first, logits = b.eval_chunk(1, prompt, None, sampler=sampler, want_logits=True)
@@ -295,8 +302,13 @@ def test_a_recurrent_models_state_is_one_form_on_every_layout(mamba_model: Path,
         state, tokens = b.state_get(1)
         assert len(state) == b.state_size(1) == b.slot_state_size(1)
         assert read_layout(state, b._shape).n_past == len(prompt)
+        assert all(c.recurrent or c.n_stream == 1 for c in read_layout(state, b._shape).caches)
         want = _greedy(b, 1, first)
         assert b.state_restore(2, memoryview(bytearray(state) + logits), tokens, len(tokens)) is True
         assert _greedy(b, 2, first) == want
+        # The continuation depends on the history: another prompt's state, then the same
+        # first token, gives other tokens.
+        b.eval_chunk(0, b.tokenize("the bread is baked at dawn in the village", add_special=True), None)
+        assert _greedy(b, 0, first) != want
     finally:
         b.close()

@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a synthetic GGUF (random weights; mamba: a recurrent model)")
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default=None, help="general.name")
     p.add_argument("--tag", action="append", help="general.tags entry (repeatable)")
