@@ -28,6 +28,7 @@ from helpers import (
     http,
     rpc,
     wait_slots_until,
+    wait_until,
 )
 from hydra_trio.rpc.client import (
     Call,
@@ -648,6 +649,41 @@ async def test_model_hash_follows_a_t3_reload(
         r = await c.call(decode_call(0, build_decode_frame({"messages": MESSAGES}, bytes(old.payload), kv_metadata=md)), check=False)
     assert r.meta["error_code"] == "CAP_MISMATCH" and r.meta["match"]["model_hash_match"] is False, r.meta
     assert "model_hash mismatch" in r.meta["reason"]
+
+
+async def test_model_hash_runs_in_a_thread_of_its_own(
+    start_engine: Callable[..., Any], tiny_model: Path, tiny_model_other: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A T3 reload's hashing (seconds to minutes on a multi-GB file) is held mid-file: the
+    event loop still answers INFO and the GPU worker still runs calls; then it finishes and
+    the reload takes effect."""
+    import threading
+
+    from hydra_trio.engine import modelfile
+
+    started, release = threading.Event(), threading.Event()
+    real = modelfile.file_sha256
+
+    def held(path: Any, *, between_chunks: Any = None) -> str:
+        started.set()
+        release.wait(30)
+        return real(path, between_chunks=between_chunks)
+
+    ep = await start_engine(tiny_model)
+    core = ep.state.engine._core
+    monkeypatch.setattr(modelfile, "file_sha256", held)
+    try:
+        async with await rpc(ep) as c:
+            assert (await c.configure(0, {"model_path": str(tiny_model_other)})).meta["tier"] == "T3"
+            await wait_until(started.is_set)
+            with trio.fail_after(10):
+                assert (await c.info()).meta["model_hash"] == sha256_of(tiny_model)  # the loop serves
+                assert await core.worker.call(lambda: 7) == 7  # and the worker is free
+            assert core.t3_reloads == 0
+    finally:
+        release.set()
+    await wait_slots_until(ep.state.engine, lambda: core.t3_reloads == 1)
+    assert ep.state.engine.identity.model_hash == sha256_of(tiny_model_other)
 
 
 async def test_configure_tiers_can_be_switched_off(start_engine: Callable[..., Any], tiny_model: Path) -> None:

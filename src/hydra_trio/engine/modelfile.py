@@ -1,8 +1,8 @@
 """The model file a load reads (at start, and for a CONFIGURE T3 reload): its identity from
 the GGUF metadata, and ``model_hash``, the SHA-256 of its bytes, computed once per load.
 
-Hashing a multi-GB file takes seconds to minutes (hashlib's SHA-256 ran at 0.3-2 GB/s on the
-machines here), so it runs in a thread of its own under its own limiter: never on the trio
+Hashing a multi-GB file takes seconds to minutes (hashlib's SHA-256 ran at 0.33-0.55 GB/s on
+the project's shared 2-core machine), so it runs in a thread of its own under its own limiter: never on the trio
 thread (every connection and stream keeps going), never on the GPU worker (llama.cpp calls
 keep going), and never in the thread pool's shared capacity. It stops at the next 8 MiB chunk
 when its caller is cancelled.
