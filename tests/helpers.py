@@ -260,7 +260,8 @@ async def stream_then_hang_up(h: httpx.AsyncClient, path: str, body: dict[str, A
 
 def reset_on_close(stream: trio.SocketStream) -> None:
     """SO_LINGER 0: close() sends a reset (RST) instead of a FIN: the peer hangs up for
-    good (a FIN alone may be a half-close, which the engine answers; see rpc/peer.py)."""
+    good (a FIN alone may be a half-close, which the engine answers on DECODE; see
+    rpc/peer.py)."""
     stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 

@@ -286,7 +286,7 @@ _HELP: dict[str, str] = {
     "download_grace_s": "seconds a slot state response may take before --min-download-bytes-per-s applies",
     "idle_timeout_s": "an RPC peer idle, or sending/reading no byte mid-request, this long is "
     "closed; also the wait for payload room",
-    "drain_limit_bytes": "a refused request's payload up to this size is drained, larger closes",
+    "drain_limit_bytes": "a refused request's payload up to this size is drained (the connection kept); larger is answered, read on while it comes (up to 4x this), then closed",
     "max_kv_bytes": "largest KV blob accepted",
     "max_json_bytes": "largest JSON payload accepted",
     "max_decode_header_bytes": "largest DECODE control header accepted",

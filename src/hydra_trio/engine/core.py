@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from ..config import CACHE_TYPES, Settings
-from ..model.identity import ModelIdentity, read_identity
+from ..model.identity import ModelIdentity
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import KvBlob
 from ..wire.kvevents import Event
@@ -48,6 +48,7 @@ from .llama import (
     StepRequest,
     kv_layout,
 )
+from .modelfile import read_model_identity
 from .output import GenerationResult, OutputProcessor
 from .params import GenerationParams
 from .reload import apply_staged
@@ -130,7 +131,7 @@ class EngineCore:
     @classmethod
     async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> EngineCore:
         t0 = time.perf_counter()
-        identity = await trio.to_thread.run_sync(lambda: read_identity(model_path, alias=alias))
+        identity = await read_model_identity(model_path, alias=alias)  # with its SHA-256, in a thread of its own
         worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
         offload = OffloadSettings(
             n_gpu_layers=settings.n_gpu_layers,
