@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -68,7 +69,15 @@ I_JSON_LIMIT = 2**53 - 1
 FRACTION_STEP = 1e-10
 _LOWER = ("minimum", "exclusiveMinimum")
 _UPPER = ("maximum", "exclusiveMaximum")
-MAX_SCHEMA_DEPTH = 64  # nested subschemas: deeper than any real schema, bounded for the walk
+MAX_SCHEMA_DEPTH = 64
+# A pattern's counted repetition is compiled into llguidance's lexer: ``a{1000}`` costs it 28 ms
+# a token, ``a{100000}`` 1.4 s (measured, the tiny model's vocabulary): a count past this is
+# one the engine cannot enforce within its per-token bound.
+MAX_PATTERN_COUNT = 1000
+_COUNTS = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+# A minimum size no reply can reach (minLength 1e8 characters): no value satisfies it here.
+MAX_MINIMUM_SIZE = 1 << 20
+_MINIMUMS = ("minLength", "minItems", "minProperties")  # nested subschemas: deeper than any real schema, bounded for the walk
 # JSON whitespace between tokens, as llama.cpp's converter bounds it (a base model asked for
 # JSON may otherwise write whitespace until its length cap).
 WHITESPACE = "(?: |\\n{1,2}[ \\t]{0,20})?"
@@ -137,6 +146,8 @@ def _walk(node: Any, where: str, w: _Walk, depth: int) -> Any:
                 raise bad_param(f"{w.param} at {where or '/'}: $ref {value!r} is not in the schema (only local references resolve)", w.param)
             else:
                 w.relaxed.append(f"{at} (a reference outside the schema)")
+        elif key in _MINIMUMS and isinstance(value, int) and value > MAX_MINIMUM_SIZE:
+            raise bad_param(f"{w.param} at {at}: no value can satisfy the schema within a reply: {key} {value}", w.param)
         elif key in _CHECKED and (why := _unenforceable(key, value)) is not None:
             if w.strict:
                 raise bad_param(f"{w.param} at {at}: {key} cannot be enforced ({why}); without strict it is relaxed", w.param)
@@ -165,6 +176,10 @@ def _unenforceable(key: str, value: Any) -> str | None:
         return None
     if not _json_numbers_fit(value):
         return "a number past the grammar's range"
+    if key == "pattern" and isinstance(value, str) and any(
+        int(n) > MAX_PATTERN_COUNT for m in _COUNTS.finditer(value) for n in m.groups() if n
+    ):
+        return f"a repetition count over {MAX_PATTERN_COUNT}: too large to enforce"
     text = json.dumps(value, sort_keys=True)
     return _compiles(key, text)
 
