@@ -27,7 +27,9 @@ refuse.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ...config import CACHE_TYPES
 
@@ -260,14 +262,21 @@ def layout_mismatch(got: StateLayout, local: StateLayout) -> str | None:
             return f"{where}V rows {what} (flash attention {'off' if vt_a else 'on'} where the KV was made), here the opposite"
         if len(k_a) != len(k_b):
             return f"{where}{len(k_a)} layers, the resident model has {len(k_b)}"
-        for layer, (ka, kb, va, vb) in enumerate(zip(k_a, k_b, v_a, v_b, strict=True)):
-            if ka[0] != kb[0] or va[0] != vb[0]:
-                return (
-                    f"{where}layer {layer}: K/V cache types {type_name(ka[0])}/{type_name(va[0])}, "
-                    f"here {type_name(kb[0])}/{type_name(vb[0])}"
-                )
-            if ka != kb or va != vb:
-                return f"{where}layer {layer}: K/V row sizes {ka[1:]}/{va[1:]}, here {kb[1:]}/{vb[1:]}"
+        if (said := _rows_mismatch(f"{where}layer", ("K/V cache types", "K/V row sizes"), (k_a, v_a), (k_b, v_b))) is not None:
+            return said
+    return None
+
+
+def _rows_mismatch(
+    label: str, says: tuple[str, str], got: tuple[Sequence[Any], Sequence[Any]], local: tuple[Sequence[Any], Sequence[Any]]
+) -> str | None:
+    """The first layer whose pair of row shapes (K/V, or a recurrent state's R/S) differs: its
+    types, else its sizes; None: all the same."""
+    for layer, (xa, xb, ya, yb) in enumerate(zip(got[0], local[0], got[1], local[1], strict=True)):
+        if xa[0] != xb[0] or ya[0] != yb[0]:
+            return f"{label} {layer}: {says[0]} {type_name(xa[0])}/{type_name(ya[0])}, here {type_name(xb[0])}/{type_name(yb[0])}"
+        if xa != xb or ya != yb:
+            return f"{label} {layer}: {says[1]} {xa[1:]}/{ya[1:]}, here {xb[1:]}/{yb[1:]}"
     return None
 
 
@@ -279,15 +288,7 @@ def _recurrent_mismatch(got: StateRows | None, local: StateRows | None) -> str |
     (n_a, r_a, s_a), (n_b, r_b, s_b) = got, local
     if n_a != n_b:
         return f"recurrent state of {n_a} layers, the resident model has {n_b}"
-    for layer, (ra, rb, sa, sb) in enumerate(zip(r_a, r_b, s_a, s_b, strict=True)):
-        if ra[0] != rb[0] or sa[0] != sb[0]:
-            return (
-                f"recurrent row {layer}: R/S types {type_name(ra[0])}/{type_name(sa[0])}, "
-                f"here {type_name(rb[0])}/{type_name(sb[0])}"
-            )
-        if ra != rb or sa != sb:
-            return f"recurrent row {layer}: R/S row sizes {ra[1:]}/{sa[1:]}, here {rb[1:]}/{sb[1:]}"
-    return "recurrent state rows differ"
+    return _rows_mismatch("recurrent row", ("R/S types", "R/S row sizes"), (r_a, s_a), (r_b, s_b)) or "recurrent state rows differ"
 
 
 def _parse(view: memoryview, shape: MemoryShape, *, allow_empty: bool = False) -> tuple[list[_Cache], int]:
