@@ -11,7 +11,7 @@ from .output import GenerationResult
 from .params import GenerationParams, SamplingParams
 from .requests import REASONING_EFFORTS, Route
 from .stats import EngineStats, SlotInfo
-from .worker import CallTiming
+from .worker import CallTiming, WorkerLane
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -36,4 +36,5 @@ __all__ = [
     "TokenLogprobs",
     "ToolCall",
     "Vocabulary",
+    "WorkerLane",
 ]

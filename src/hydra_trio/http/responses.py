@@ -25,10 +25,9 @@ from .common import (
     app_state,
     generation_owner,
     json_response,
-    read_request_json,
-    require_engine,
 )
 from .generation import error_event_body, generate_buffered, sse_body, start_stream
+from .model_routes import routed_json
 from .replies import Piece, delta_pieces, whole_pieces
 
 log = logging.getLogger(__name__)
@@ -377,16 +376,15 @@ class ResponseEvents:
 
 @bp.post("/v1/responses/input_tokens")
 async def input_tokens() -> Response:
-    engine = require_engine()
-    chat = to_chat(await read_request_json(), count_only=True)
+    engine, body = await routed_json()  # the engine of the model it names
+    chat = to_chat(body, count_only=True)
     return json_response({"object": "response.input_tokens", "input_tokens": len(await engine.prompt_tokens(chat))})
 
 
 @bp.post("/v1/responses")
 async def responses() -> Response:
     state = app_state()
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     chat = to_chat(body)
     prepared = await engine.prepare("chat", chat)
     params, tokens, replies = prepared.params, prepared.tokens, prepared.replies
