@@ -40,9 +40,12 @@ class WorkerLane:
         if flag in self._turn_flags:
             self._turn_flags.remove(flag)
 
-    def want_turn(self) -> None:
+    def want_turn(self, but: threading.Event | None = None) -> None:
+        """Ask every engine's run of steps (``but`` its own: a caller whose run polls it) to
+        yield after its current step."""
         for flag in self._turn_flags:
-            flag.set()
+            if flag is not but:
+                flag.set()
 
     async def run_sync(self, fn: Callable[[], T]) -> T:
         """``fn`` on the lane, when it is no engine's worker call (a model's load, warm-up or
@@ -112,8 +115,9 @@ class GpuWorker:
         return await self._call(fn, yields=yields)
 
     async def _call(self, fn: Callable[[], T], *, yields: bool) -> T:
-        if not yields:
-            self.lane.want_turn()
+        # A run of steps that yields to its own engine's calls still asks the other engines'
+        # runs to yield: models sharing the lane take turns step by step.
+        self.lane.want_turn(but=self.wants_turn if yields else None)
 
         def timed() -> T:
             start = time.perf_counter()
