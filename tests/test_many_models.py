@@ -244,6 +244,20 @@ async def test_a_request_gives_up_on_its_deadline_and_the_load_goes_on(models: d
         assert c.loads == 1
 
 
+async def test_a_model_that_fails_to_load_fails_its_requests_and_is_tried_again(models: dict[str, Path], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    async with serve_models({"a": models["a"], "bad": bad}, models_max=2) as ep, http(ep) as h:
+        for _ in range(2):  # each request tries again
+            r = await complete(h, "bad")
+            assert r.status_code == 500 and "model bad failed to load" in r.json()["error"]["message"], r.text
+        listed = {m["id"]: m for m in (await h.get("/models")).json()["data"]}
+        assert listed["bad"]["status"]["value"] == "unloaded" and listed["bad"]["status"]["failed"] is True
+        assert "not a readable GGUF" in listed["bad"]["status"]["error"]
+        assert await completion_text(h, "a")  # the others serve on
+        assert (await h.post("/models/load", json={"model": "bad"})).status_code == 500
+
+
 async def test_no_model_is_unloaded_under_a_running_request(models: dict[str, Path]) -> None:
     async with serve_models(three(models), models_max=2) as ep, http(ep) as h:
         await completion_text(h, "b", ep)

@@ -92,6 +92,8 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                         await pool.start_pinned()
                     engine = pool.engine(pool.default_name)  # the RPC's, the decode manager's
                     state.models = pool
+                    if settings.sleep_idle_seconds > 0 and all(e.pinned for e in pool.entries()):
+                        log.warning("--sleep-idle-seconds: no model sleeps here (the RPC model and pinned ones never do)")
                     store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
                     state.metrics.watch_models(pool, engine, lambda: len(store.running()), settings.kv_events_block_size)
                     if settings.log_stats_interval_s > 0:  # reads the engine: ends with the front ends

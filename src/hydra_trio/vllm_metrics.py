@@ -20,8 +20,8 @@ prometheus-client accepts ':' in metric names (it is legal in the exposition for
 Prometheus docs reserve it for recording rules, and vLLM uses it anyway), so these are
 ordinary metric families, rendered as vLLM renders them (counters with ``_total``), with
 vLLM's labels: ``engine="0"`` (one engine per process: vllm-router counts distinct
-``engine`` labels to size data parallelism) and ``model_name``. Every value is read from
-the engine at scrape time.
+``engine`` labels to size data parallelism) and ``model_name`` (a sample per model when the
+process serves several: modelpool.py). Every value is read from the engines at scrape time.
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ def _entry_view(state: AppState, entry: ModelEntry) -> dict[str, Any]:
         "pinned": entry.pinned,
         "rpc": entry.name == (state.models.default_name if state.models else None),
         "requests": entry.users,
+        "waiting": entry.waiting,
         "loads": entry.loads,
         "wakes": entry.wakes,
         "sleeps": entry.sleeps,
