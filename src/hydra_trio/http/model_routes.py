@@ -41,9 +41,9 @@ async def routed_json(*, token_ids: bool = False) -> tuple[Engine, dict[str, Any
     models), held until the exchange's last byte: never unloaded under it. Loading or waking
     the model, and making room for it, is waited for up to --model-wait-s (then 503)."""
     state = app_state()
+    engine = require_engine()  # 503 until the process is ready (the RPC model's engine is set last)
     pool = state.models
     if pool is None or not pool.strict:  # one model: as always, whatever ``model`` says
-        engine = require_engine()
         return engine, await read_request_json(token_ids=token_ids)
     # The body is read before its model is known: capped by --max-json-bytes alone.
     body = await read_json_body(state.settings.max_json_bytes)
