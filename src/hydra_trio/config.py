@@ -24,6 +24,14 @@ _GiB = 1024 * _MiB
 class Settings:
     model: str | None = None  # None: the synthetic demo model from the user cache
     alias: str | None = None
+    # Many models (modelpool.py; docs/operations.md "Many models"): named_models has no flag of its own.
+    named_models: tuple[str, ...] = ()
+    models_dir: str | None = None
+    models_max: int = 4
+    model_pin: str = ""
+    sleep_idle_seconds: float = -1.0
+    model_wait_s: float = 300.0
+    rpc_model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080  # HTTP; 0 = ephemeral
     rpc_port: int = 9504  # binary RPC; 0 = ephemeral
@@ -239,7 +247,13 @@ TOOL_CALL_PARSERS = (
     "deepseek_dsml", "minimax", "minimax_m1", "gemma4", "cohere", "apertus", "minicpm5", "solar", "kimi_k3", "hy3", "lfm2", "command_r_plus", "harmony", "muse_glimmer",
 )
 _HELP: dict[str, str] = {
-    "model": "GGUF model path (default: a synthetic random-weight demo model)",
+    "model": "GGUF model path (default: a synthetic random-weight demo model); repeated as NAME=PATH, several models served by name (a request's model picks one, loaded on demand)",
+    "models_dir": "serve every GGUF of this folder by name, as llama-server's router: NAME.gguf at the top, or NAME/ holding one model (mmproj and draft files skipped)",
+    "models_max": "models holding memory at once (loaded or loading); a request for another evicts the least recently used idle one (llama-server's --models-max)",
+    "model_pin": "models kept loaded from start to stop, never evicted nor put to sleep, a comma list of names (the RPC model always is)",
+    "sleep_idle_seconds": "a model idle this long frees its memory (sleeping) and wakes on its next request (llama-server's flag); <= 0 = never; the RPC model and pinned ones never sleep",
+    "model_wait_s": "seconds a request waits for its model to load or wake (and for room to load it) before 503",
+    "rpc_model": "the model the RPC port (PREFILL, DECODE, STATE_*, KV events) serves, pinned (default: the first --model NAME=PATH, else the first of --models-dir by name)",
     "alias": "model alias reported in identity (default: the file stem)",
     "host": "address to bind HTTP and RPC",
     "port": "HTTP port (0 = ephemeral)",
@@ -392,9 +406,16 @@ def _convert(kind: type, raw: str, name: str) -> Any:
         raise SystemExit(f"{name}: expected {kind.__name__}, got {raw!r}") from None
 
 
+# Settings filled from another flag's values (repeated --model NAME=PATH), with no flag of their own.
+_NO_FLAG = frozenset({"named_models"})
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
-    for f in fields(Settings):
+    for f in (f for f in fields(Settings) if f.name not in _NO_FLAG):
+        if f.name == "model":  # one PATH, or NAME=PATH repeated
+            parser.add_argument("--model", dest="model", action="append", default=None, help=f"{_HELP['model']} [env HYDRA_MODEL; default None]")
+            continue
         default = getattr(defaults, f.name)
         kind = _field_type(f.name, default)
         help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {default}]"
@@ -412,10 +433,13 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
     env = dict(os.environ) if env is None else env
     defaults = Settings()
     values: dict[str, Any] = {}
-    for f in fields(Settings):
+    for f in (f for f in fields(Settings) if f.name not in _NO_FLAG):
         default = getattr(defaults, f.name)
         kind = _field_type(f.name, default)
         given = getattr(args, f.name, None) if args is not None else None
+        if f.name == "model" and given is not None:
+            values["model"], values["named_models"] = split_model_flags(given)
+            continue
         if given is not None:
             values[f.name] = given
         elif env.get(env_name(f.name)):
@@ -425,6 +449,16 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
     settings = Settings(**{**{f.name: getattr(defaults, f.name) for f in fields(Settings)}, **values})
     validate(settings)
     return settings
+
+
+def split_model_flags(given: list[str]) -> tuple[str | None, tuple[str, ...]]:
+    """--model flags as (one PATH alone, as always; or NAME=PATH each: an existing file is a PATH)."""
+    named = [v for v in given if "=" in v and not os.path.isfile(v) and "/" not in v.partition("=")[0]]
+    if len(given) == 1 and not named:
+        return given[0], ()
+    if len(named) != len(given):
+        raise SystemExit(f"--model: give one PATH, or NAME=PATH for each of several models; got {', '.join(map(repr, given))}")
+    return None, tuple(named)
 
 
 # Settings that must lie in a closed range.
@@ -444,6 +478,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "spec_ngram_size_n": (1, 64),
     "spec_ngram_min_n": (1, 64),
     "spec_max_batch": (0, 256),
+    "models_max": (1, 1024),
+    "model_wait_s": (0.001, 1e6),
 }
 
 
@@ -560,6 +596,6 @@ def settings_table() -> str:
     """Markdown table of every setting (docs/operations.md "Every flag")."""
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     defaults = Settings()
-    for f in fields(Settings):
+    for f in (f for f in fields(Settings) if f.name not in _NO_FLAG):
         rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{getattr(defaults, f.name)}` | {_HELP[f.name]} |")
     return "\n".join(rows)

@@ -12,7 +12,7 @@ from .params import GenerationParams
 from .requests import REASONING_EFFORTS, Route
 from .sample import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from .stats import EngineStats, SlotInfo
-from .worker import CallTiming
+from .worker import CallTiming, WorkerLane
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -37,4 +37,5 @@ __all__ = [
     "TokenLogprobs",
     "ToolCall",
     "Vocabulary",
+    "WorkerLane",
 ]

@@ -27,6 +27,7 @@ from .llama import Vocabulary
 from .params import GenerationParams
 from .requests import Route, cache_salt, check_request
 from .stats import EngineStats, SlotInfo
+from .worker import WorkerLane
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +59,12 @@ class Engine:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> Engine:
-        """Load the model (on a worker thread), warm it up, and pick the chat template."""
-        return cls(await EngineCore.load(model_path, settings, alias=alias))
+    async def load(
+        cls, model_path: str, settings: Settings, *, alias: str | None = None, lane: WorkerLane | None = None
+    ) -> Engine:
+        """Load the model (on the GPU worker's ``lane``: the process's one when it serves
+        several models, else one of its own), warm it up, and pick the chat template."""
+        return cls(await EngineCore.load(model_path, settings, alias=alias, lane=lane))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``stop()``, then free the model (its users have left by then)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,12 @@ def request_nursery() -> trio.Nursery:
 
 def set_request_nursery(nursery: trio.Nursery) -> None:
     _request_nursery.set(nursery)
+
+
+# What an HTTP exchange holds until its last byte, when the request's nursery (a stream's
+# producer included) has ended: its model (http/model_routes.py). The ASGI wrapper that counts
+# the exchanges in flight (server.py) opens and closes it.
+request_holds: ContextVar[ExitStack] = ContextVar("hydra_request_holds")
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

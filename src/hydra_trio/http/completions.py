@@ -11,9 +11,10 @@ from quart import Blueprint, Response
 
 from ..engine import GenerationResult, TokenLogprobs
 from . import kv_transfer
-from .common import app_state, generation_owner, json_response, read_request_json, require_engine
+from .common import app_state, generation_owner, json_response
 from .generation import generate_buffered, sse_body, start_stream
 from .logprobs import CompletionLogprobs
+from .model_routes import routed_json
 from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
@@ -25,8 +26,7 @@ bp = Blueprint("completions", __name__)
 @bp.post("/v1/completions")
 async def completions() -> Response:
     state = app_state()
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     prepared = await engine.prepare("completions", body)  # 400 for what this engine would not honour
     params, tokens = prepared.params, prepared.tokens
     assert tokens is not None, "tokenized"

@@ -11,7 +11,8 @@ from typing import Any
 from quart import Blueprint, Response
 
 from ..wire.errors import bad_param
-from .common import HttpError, json_response, read_request_json, require_engine
+from .common import HttpError, json_response
+from .model_routes import routed_json
 
 bp = Blueprint("tokens", __name__)
 
@@ -44,8 +45,7 @@ def _vllm_reply(engine: Any, tokens: list[int]) -> dict[str, Any]:
 
 async def _render(required: str) -> Response:
     """vLLM's render routes: the prompt token ids the completion route would run."""
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()
     if required not in body:
         raise bad_param(f"{required} is required")
     tokens = await _vllm_tokens(engine, body)
@@ -64,8 +64,7 @@ async def render_completion() -> Response:
 
 @bp.post("/tokenize")
 async def tokenize() -> Response:
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()
     if "content" not in body and ("prompt" in body or "messages" in body):  # vLLM's shape
         return json_response(_vllm_reply(engine, await _vllm_tokens(engine, body)))
     content = body.get("content")
@@ -85,8 +84,7 @@ async def tokenize() -> Response:
 
 @bp.post("/detokenize")
 async def detokenize() -> Response:
-    engine = require_engine()
-    body = await read_request_json(token_ids=True)  # refused unparsed past what n_ctx ids take
+    engine, body = await routed_json(token_ids=True)  # one model: refused unparsed past what n_ctx ids take
     tokens = body.get("tokens", [])
     if not isinstance(tokens, list):
         raise bad_param("tokens must be an array of token ids")
@@ -107,8 +105,7 @@ async def detokenize() -> Response:
 
 @bp.post("/apply-template")
 async def apply_template() -> Response:
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()
     if "messages" not in body:
         raise bad_param("messages is required")
     return json_response({"prompt": await engine.render(body)})
