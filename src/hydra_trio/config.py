@@ -39,7 +39,7 @@ class Settings:
     # the window: LlamaBackend.reusable_prefix).
     swa_full: bool = False
     # Context checkpoints per slot of the sliding-window layers' or the recurrent state
-    # (llama-server's --ctx-checkpoints; engine/llama/checkpoints.py): a prompt that leaves a
+    # (llama-server's --ctx-checkpoints; engine/llama/state.py): a prompt that leaves a
     # slot's history a few tokens before its end resumes there instead of recomputing everything.
     ctx_checkpoints: int = 8
     # Slot choice (llama-server's --slot-prompt-similarity): a prompt continues a slot's KV

@@ -359,7 +359,7 @@ class EngineCore:
         ``--batch-size`` chunks, each one cancellable GPU-worker call (the abort flag stops a
         running chunk). Returns the token sampled from the last position (with ``sampler``)
         and its logits (with ``want_logits``)."""
-        # Stops for the context checkpoints of a sliding-window or recurrent model (llama/checkpoints.py).
+        # Stops for the context checkpoints of a sliding-window or recurrent model (llama/state.py).
         for cut in self.backend.checkpoints.cuts(len(tokens), n_keep):
             await self._evaluate(slot, tokens[:cut], n_keep, sampler=None, want_logits=False)
             await self.worker.call(lambda: self.backend.take_checkpoint(slot))

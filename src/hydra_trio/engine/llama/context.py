@@ -21,7 +21,6 @@ import llama_cpp
 import numpy as np
 
 from .chat import builtin_chat_templates
-from .checkpoints import Checkpoints
 from .devices import (
     OffloadReport,
     OffloadSettings,
@@ -37,7 +36,7 @@ from .grammar import GrammarCache
 from .log import captured, init_llama
 from .sampling import Sampler
 from .seqstate import type_name
-from .state import DecodeAborted, NoKvSpace, SlotStates
+from .state import Checkpoints, DecodeAborted, NoKvSpace, SlotStates
 from .steps import BatchSteps
 from .types import ModelInfo, SlotWatcher, StepPlanner, Vocabulary, common_prefix_len
 
@@ -259,7 +258,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # the slot's exact state size, re-measured on the worker after each change.
         self._swa_low = [0] * self.n_slots
         # Only a window-sized SWA cache and a recurrent state lose what a cut needs
-        # (checkpoints.py), as llama-server takes checkpoints for them alone.
+        # (state.py), as llama-server takes checkpoints for them alone.
         needed = (self.n_swa and not self.swa_full) or not self.info.can_roll_back
         self.checkpoints = Checkpoints(self.n_slots, self.ctx_checkpoints if needed else 0, self.n_batch)
         self._measure_state_size()
