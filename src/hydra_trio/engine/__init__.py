@@ -3,10 +3,11 @@
 read, and the chat room's reply types. Nothing outside engine/ reaches its modules."""
 
 from .chat import ReplyDelta, ReplyParser, ToolCall
+from .embedder import Embedder, Pooled
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
-from .llama import MAX_TOP_LOGPROBS, DecodeAborted, TokenLogprobs, Vocabulary
+from .llama import MAX_TOP_LOGPROBS, POOLING_TYPES, DecodeAborted, TokenLogprobs, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams, SamplingParams
 from .requests import REASONING_EFFORTS, Route
@@ -15,10 +16,12 @@ from .worker import CallTiming
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
+    "POOLING_TYPES",
     "REASONING_EFFORTS",
     "Admitted",
     "CallTiming",
     "DecodeAborted",
+    "Embedder",
     "Emit",
     "Engine",
     "EngineStats",
@@ -26,6 +29,7 @@ __all__ = [
     "GenerationResult",
     "KvCopy",
     "KvEvents",
+    "Pooled",
     "Prepared",
     "ReplyDelta",
     "ReplyParser",

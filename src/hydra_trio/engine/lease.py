@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 
 from ..wire.kvblob import KvBlob
 from .kv import KvCopy
+from .llama import TokenLogprobs
 from .output import GenerationResult
 from .params import GenerationParams
+from .scoring import score_prompt
 from .worker import CallTiming
 
 if TYPE_CHECKING:
@@ -72,6 +74,12 @@ class SlotLease:
         _, logits = await core.prefill(self.id, tokens, 0, want_logits=True)
         assert logits is not None, "asked for"
         return logits
+
+    async def score(self, tokens: Sequence[int], top_n: int, *, salt: str | None = None) -> list[TokenLogprobs]:
+        """The prompt evaluated anew into the slot with each token's log-probability given
+        those before it (``tokens[1:]``, ``top_n`` alternatives each: scoring.py); a
+        ``generate`` of the same tokens then starts from its last position's logits."""
+        return await score_prompt(self._check(), self.id, tokens, top_n, salt=salt)
 
     async def sample_first(self, tokens: Sequence[int], params: GenerationParams) -> tuple[GenerationResult, bytes]:
         """A P/D prefill: the prompt in the slot (prefix reuse as generation) and the one token

@@ -53,6 +53,20 @@ class CompletionLogprobs:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as the text's
         self._offset = 0
 
+    def echo(self, tokens: Sequence[int], scores: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """An echoed prompt's part: its first token has no logprob (null, as vLLM), each
+        other token's ``scores`` entry (engine scoring: given the tokens before it)."""
+        vocab = self._vocab
+        first = {"tokens": [_text(vocab.special_piece(tokens[0]))], "token_logprobs": [None], "top_logprobs": [None],
+                 "text_offset": [self._offset]}
+        self._offset += len(self._decoder.decode(vocab.token_bytes(tokens[0])))
+        return self.merge(first, self.take(scores))
+
+    @staticmethod
+    def merge(*parts: dict[str, Any]) -> dict[str, Any]:
+        """Runs of ``take`` (or ``echo``) one after the other, as one."""
+        return {key: [x for part in parts for x in part[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
     def take(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         vocab = self._vocab
         tokens: list[str] = []

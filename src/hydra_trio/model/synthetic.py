@@ -1,5 +1,6 @@
-"""Write real GGUF files (llama, and mamba for a recurrent model) with random weights (tests,
-demos, benchmarks).
+"""Write real GGUF files (llama, mamba for a recurrent model, qwen3 for a reranker) with random
+weights (tests, demos, benchmarks): generative models, an embedding model (a pooling type),
+a reranker (a rank head) and a code model (fill-in-the-middle tokens).
 
 No model can be downloaded where this project is built and tested, so it writes its own:
 llama.cpp loads them like any other GGUF, and greedy output is deterministic for a seed.
@@ -69,8 +70,13 @@ class Preset:
     file_type: gguf.LlamaFileType
     name: str
     # "llama", or "mamba": a recurrent model (one state per sequence, no per-position KV;
-    # n_head, n_head_kv and n_ff unused), for what only such a memory does (checkpoints).
+    # n_head, n_head_kv and n_ff unused), for what only such a memory does (checkpoints);
+    # "qwen3": llama's blocks with q/k norms, the architecture llama.cpp gives a rank head.
     arch: str = "llama"
+    # The model's own pooling (``{arch}.pooling_type``): "mean", "cls", "last" make an
+    # embedding model; "rank" a reranker (qwen3 only: Qwen3-Reranker's layout, see _RANK).
+    pooling: str | None = None
+    fim: bool = False  # fill-in-the-middle tokens (Qwen2.5-Coder's), for /infill
 
 
 PRESETS: dict[str, Preset] = {
@@ -82,6 +88,27 @@ PRESETS: dict[str, Preset] = {
     "bench": Preset(32000, 768, 12, 12, 12, 2048, 8192, gguf.LlamaFileType.MOSTLY_F16, "Hydra Synthetic Bench"),
     # ≈0.5 MB: llama.cpp's mamba architecture (llama_model_is_recurrent), loads in milliseconds.
     "mamba": Preset(512, 64, 2, 0, 0, 0, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Mamba", "mamba"),
+    # ≈0.5 MB each, tiny's shape: an embedding model (mean pooling, as gte-Qwen's GGUFs declare
+    # theirs), a reranker (Qwen3-Reranker's rank head) and a code model with FIM tokens.
+    "embed": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Embed", pooling="mean"),
+    "rerank": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Rerank", "qwen3", pooling="rank"),
+    "fim": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic FIM", fim=True),
+}
+
+POOLING_TYPES = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
+                 "last": gguf.PoolingType.LAST, "rank": gguf.PoolingType.RANK}
+# Qwen3-Reranker as llama.cpp's converter writes it (conversion/qwen.py): a rank pooling, the
+# labels "yes" and "no" (two scores, softmaxed; the score is the first), ``cls.output.weight``
+# in place of the LM head, and a "rerank" template that frames a query and a document.
+_RANK_LABELS = ["yes", "no"]
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query.<|im_end|>\n"
+    "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+)
+# Qwen2.5-Coder's FIM tokens and the GGUF keys that name them, at the top of the vocabulary.
+FIM_TOKENS = {
+    "fim_pre": "<|fim_prefix|>", "fim_suf": "<|fim_suffix|>", "fim_mid": "<|fim_middle|>",
+    "fim_pad": "<|fim_pad|>", "fim_rep": "<|repo_name|>", "fim_sep": "<|file_sep|>",
 }
 
 
@@ -155,6 +182,7 @@ def write_model(
     chat_template: str | Sequence[Mapping[str, str]] | None = CHATML_TEMPLATE,
     n_vocab: int | None = None,
     control_tokens: Mapping[int, str] | None = None,
+    pooling: str | None = None,
 ) -> Path:
     """Write a GGUF of the preset's architecture with random weights and return its path.
 
@@ -167,11 +195,16 @@ def write_model(
     "tool_use", ...}]``: ``tokenizer.chat_template``, ``tokenizer.chat_template.tool_use`` and
     the ``tokenizer.chat_templates`` list). ``control_tokens``: vocabulary ids respelled as
     control tokens (``{id: "<tool_call>"}``, a model's own special tokens; the weights stay
-    those of the seed).
+    those of the seed). ``pooling``: the model's own pooling type instead of the preset's
+    (a benchmark's embedding model of another preset's size).
     """
     spec = PRESETS[preset]
     if n_vocab is not None:
         spec = replace(spec, n_vocab=n_vocab)
+    if pooling is not None:
+        spec = replace(spec, pooling=pooling)
+    if spec.pooling == "rank" and spec.arch != "qwen3":
+        raise ValueError("a rank head needs the qwen3 architecture (llama.cpp loads cls.output there)")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -206,7 +239,18 @@ def write_model(
     writer.add_vocab_size(spec.n_vocab)
 
     tokens, scores, types = build_vocab(spec.n_vocab)
-    for token_id, text in (control_tokens or {}).items():
+    control = dict(control_tokens or {})
+    if spec.fim:  # the vocabulary's last ids, named by their keys
+        for i, (key, text) in enumerate(FIM_TOKENS.items()):
+            control[spec.n_vocab - len(FIM_TOKENS) + i] = text
+            writer.add_uint32(f"tokenizer.ggml.{key}_token_id", spec.n_vocab - len(FIM_TOKENS) + i)
+    if spec.pooling is not None:
+        writer.add_pooling_type(POOLING_TYPES[spec.pooling])
+    if spec.pooling == "rank":
+        writer.add_classifier_output_labels(_RANK_LABELS)
+        if isinstance(chat_template, str):
+            chat_template = [{"name": "default", "template": chat_template}, {"name": "rerank", "template": RERANK_TEMPLATE}]
+    for token_id, text in control.items():
         if not len(SPECIAL_TOKENS) + 256 <= token_id < spec.n_vocab:
             raise ValueError(f"control token id {token_id} is not a word piece of the vocabulary")
         tokens[token_id], types[token_id], scores[token_id] = text, int(gguf.TokenType.CONTROL), 0.0
@@ -232,9 +276,12 @@ def write_model(
     std = 0.02
     # numpy shapes are (rows, cols) = ggml's (ne1, ne0): output features first.
     writer.add_tensor("token_embd.weight", _tensor(rng, (v, d), weight_dtype, 1.0), raw_dtype=raw_type)
-    for i in range(spec.n_layer if arch == "llama" else 0):
+    for i in range(spec.n_layer if arch in ("llama", "qwen3") else 0):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", np.ones(d, dtype=np.float32))
+        if arch == "qwen3":
+            writer.add_tensor(p + "attn_q_norm.weight", np.ones(d // spec.n_head, dtype=np.float32))
+            writer.add_tensor(p + "attn_k_norm.weight", np.ones(d // spec.n_head, dtype=np.float32))
         writer.add_tensor(p + "attn_q.weight", _tensor(rng, (d, d), weight_dtype, std), raw_dtype=raw_type)
         writer.add_tensor(p + "attn_k.weight", _tensor(rng, (d_kv, d), weight_dtype, std), raw_dtype=raw_type)
         writer.add_tensor(p + "attn_v.weight", _tensor(rng, (d_kv, d), weight_dtype, std), raw_dtype=raw_type)
@@ -247,7 +294,13 @@ def write_model(
         _add_mamba_layers(writer, rng, spec)
     writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
     # A larger output scale gives peaked, varied logits instead of near-uniform noise.
-    writer.add_tensor("output.weight", _tensor(rng, (v, d), weight_dtype, 0.5), raw_dtype=raw_type)
+    head = _tensor(rng, (v, d), weight_dtype, 0.5)
+    if spec.pooling == "rank":
+        # In place of the LM head (the model ties its output to token_embd, as Qwen3-Reranker's
+        # GGUF does): two rows, small enough that the softmaxed scores spread over (0, 1).
+        writer.add_tensor("cls.output.weight", _tensor(rng, (len(_RANK_LABELS), d), weight_dtype, 0.05), raw_dtype=raw_type)
+    else:
+        writer.add_tensor("output.weight", head, raw_dtype=raw_type)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -5,12 +5,14 @@ chat.py its built-in chat templates; devices.py the ggml devices, offload and re
 sampling.py a request's sampler; thinking.py its reply's think block (the thinking budget,
 a grammar held until the block closes); grammar.py compiled grammars (with GuidanceCache: a
 client's GBNF on llguidance, bounded per token); context.py the model and its
-context (decode, steps, tokens); steps.py the batched steps; state.py a slot's KV state out
+context (decode, steps, tokens); embedding.py a second context for pooled embeddings and
+rank scores; steps.py the batched steps; state.py a slot's KV state out
 and in; seqstate.py that state's layout, read without llama.cpp."""
 
 from .chat import apply_builtin_chat_template
 from .context import LlamaBackend, kv_layout
 from .devices import OffloadSettings
+from .embedding import POOLING_TYPES, PooledShape, normalize
 from .grammar import (
     JSON_OBJECT_GBNF,
     MAX_GBNF_CHARS,
@@ -19,7 +21,7 @@ from .grammar import (
     GrammarError,
     Triggers,
 )
-from .logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, token_logprobs
 from .sampling import Sampler, SamplingParams
 from .schema import convert_schema, int_bounds, number_bounds, number_range
 from .seqstate import cache_layout_mismatch
@@ -33,6 +35,7 @@ from .types import (
     StepPlanner,
     StepRequest,
     StepResult,
+    TokenRoles,
     Vocabulary,
     common_prefix_len,
 )
@@ -42,6 +45,7 @@ __all__ = [
     "MAX_GBNF_CHARS",
     "MAX_GBNF_NESTING",
     "MAX_TOP_LOGPROBS",
+    "POOLING_TYPES",
     "DecodeAborted",
     "Drafter",
     "GrammarCache",
@@ -50,6 +54,7 @@ __all__ = [
     "ModelInfo",
     "NoKvSpace",
     "OffloadSettings",
+    "PooledShape",
     "PrefillPart",
     "Sampler",
     "SamplingParams",
@@ -61,6 +66,7 @@ __all__ = [
     "ThinkGate",
     "ThinkPlan",
     "TokenLogprobs",
+    "TokenRoles",
     "Triggers",
     "Vocabulary",
     "apply_builtin_chat_template",
@@ -69,6 +75,8 @@ __all__ = [
     "convert_schema",
     "int_bounds",
     "kv_layout",
+    "normalize",
     "number_bounds",
     "number_range",
+    "token_logprobs",
 ]
