@@ -121,7 +121,7 @@ class Embedder:
         (tokenized without BOS, specials parsed), else [BOS] query [EOS] [SEP] document [EOS],
         each mark as the tokenizer adds it (EOS: SEP where the vocabulary has none)."""
         backend = self._backend()
-        template = backend.info.chat_template_variants.get("rerank")
+        template = backend.info.rerank_template
         roles = backend.info.roles
         eos = roles.get("eos") if roles.get("eos") is not None else roles.get("sep")
         texts = [query, *documents]
@@ -151,19 +151,22 @@ class Embedder:
 
     # ---- running ---------------------------------------------------------------------------
 
-    async def run(self, inputs: Sequence[Sequence[int]], *, wait_s: float = math.inf) -> Pooled:
+    async def run(self, inputs: Sequence[Sequence[int]], *, wait_s: float = math.inf, what: str = "input") -> Pooled:
         """The vectors of tokenized ``inputs`` (raw: normalise with ``normalized``), each
         refused (400) past one embedding batch; the line full: 503 (busy, retry); waited
-        ``wait_s`` without being done: 503 too."""
+        ``wait_s`` without being done: 503 too. ``what``: the request's name for an input
+        (its parameter in a refusal: ``input``, or a rerank's ``documents``)."""
         shape, s = self._shape(), self._settings
+        name = "document" if what == "documents" else what
         for i, tokens in enumerate(inputs):
             if not tokens:
-                raise bad_param(f"input {i} has no tokens", "input")
+                raise bad_param(f"{name} {i} has no tokens", what)
             if len(tokens) > shape.n_batch:
-                raise bad_param(f"input {i} has {len(tokens)} tokens; an input holds at most {shape.n_batch} (--batch-size: "
-                                "the embedding context's batch, which pools an input whole)", "input")
+                raise bad_param(f"{name} {i} has {len(tokens)} tokens{' with the query' if what == 'documents' else ''}; "
+                                f"an input holds at most {shape.n_batch} (--batch-size: the embedding context's batch, "
+                                "which pools an input whole)", what)
         if len(inputs) > s.embd_max_waiting:
-            raise bad_param(f"{len(inputs)} inputs; at most {s.embd_max_waiting} a request (--embd-max-waiting)", "input")
+            raise bad_param(f"{len(inputs)} {what}; at most {s.embd_max_waiting} a request (--embd-max-waiting)", what)
         if len(self._line) + len(inputs) > s.embd_max_waiting:
             raise ProtocolError(ErrorCode.SLOT_BUSY, f"{len(self._line)} embedding inputs are waiting (--embd-max-waiting {s.embd_max_waiting})", status=Status.BUSY)
         mine = [_Input(t) for t in inputs]

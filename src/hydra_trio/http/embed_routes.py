@@ -77,10 +77,10 @@ def _logged(route: str, n_inputs: int, pooled: Pooled | None, t0: float, error: 
                                  status="done" if error is None else "failed", e2e_ms=round(ms, 3), error=error))
 
 
-async def _run(route: str, pooling: Embedder, inputs: list[list[int]]) -> Pooled:
+async def _run(route: str, pooling: Embedder, inputs: list[list[int]], what: str = "input") -> Pooled:
     state, t0 = app_state(), time.perf_counter()
     try:
-        pooled = await pooling.run(inputs, wait_s=state.settings.slot_wait_s)
+        pooled = await pooling.run(inputs, wait_s=state.settings.slot_wait_s, what=what)
     except Exception as exc:
         _logged(route, len(inputs), None, t0, getattr(exc, "message", type(exc).__name__))
         raise
@@ -162,7 +162,7 @@ async def rerank() -> Response:
     with_docs = body.get("return_text" if tei else "return_documents", False)
     if not isinstance(with_docs, bool):
         raise bad_param(f"{'return_text' if tei else 'return_documents'} must be a boolean", "return_documents")
-    pooled = await _run("rerank", pooling, await pooling.pair_tokens(query, docs))
+    pooled = await _run("rerank", pooling, await pooling.pair_tokens(query, docs), key)
     # The rank head's first label's score (Qwen3-Reranker's "yes", softmaxed), as llama-server reads it.
     scores = [float(v[0]) for v in pooled.vectors]
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[:top_n]  # stable: equal scores by index

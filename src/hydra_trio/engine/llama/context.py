@@ -180,6 +180,7 @@ class LlamaBackend(SlotStates, BatchSteps):
                              add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)), add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
                              add_sep=bool(llama_cpp.llama_vocab_get_add_sep(v))),
             pooling=model_pooling(m),
+            rerank_template=(llama_cpp.llama_model_chat_template(m, b"rerank") or b"").decode("utf-8", "replace") or None,
         )
 
     def _template_variants(self) -> dict[str, str]:

@@ -127,6 +127,7 @@ class ModelInfo:
     chat_template_variants: Mapping[str, str] = field(default_factory=dict)
     roles: TokenRoles = TokenRoles()
     pooling: str | None = None  # the GGUF's own pooling type ({arch}.pooling_type): an embedding model's
+    rerank_template: str | None = None  # tokenizer.chat_template.rerank: how a reranker frames a pair
 
     @property
     def can_roll_back(self) -> bool:
