@@ -48,11 +48,14 @@ async def completions() -> Response:
         pieces = engine.vocab
         echoed = prompt if isinstance(prompt, str) else b"".join(map(pieces.token_bytes, tokens)).decode("utf-8", "replace")
     scores: list[TokenLogprobs] = []
+    as_ids = body.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise bad_param("return_tokens_as_token_ids must be a boolean", "return_tokens_as_token_ids")
 
     def render(slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
         lp = None
         if vocab is not None:
-            lp = CompletionLogprobs(vocab)
+            lp = CompletionLogprobs(vocab, token_ids=bool(as_ids))
             lp = lp.merge(lp.echo(tokens, scores), lp.take(res.logprobs)) if echo else lp.take(res.logprobs)
         return text_completion_body(cid, now_s(), model, slot_id, res, logprobs=lp,
                                     text=echoed + res.text if echo else None, **extra)
@@ -85,7 +88,7 @@ async def completions() -> Response:
         done_event=lambda res: sse_event(
             text_completion_body(cid, created, model, stream.slot_id, res, text="", **plan.fields())
         ),
-        logprobs_event=None if vocab is None else _logprobs_chunks(CompletionLogprobs(vocab), cid, created, model),
+        logprobs_event=None if vocab is None else _logprobs_chunks(CompletionLogprobs(vocab, token_ids=bool(as_ids)), cid, created, model),
     )
     return Response(
         body,
