@@ -60,7 +60,7 @@ class FakeBackend:
 def make(n_batch: int = 64, n_seq: int = 4, *, streams: bool = False, **settings: Any) -> tuple[Embedder, FakeContext]:
     ctx = FakeContext(PooledShape("mean", 2, n_batch, n_seq, ()))
     backend = FakeBackend(ctx)
-    s = replace(Settings(step_token_budget=8), **settings)
+    s = replace(Settings(step_token_budget=8, warmup=False), **settings)
     emb = Embedder(lambda: backend, GpuWorker(), s, pooling=None, streams_running=lambda: streams)  # type: ignore[arg-type, return-value]
     return emb, ctx
 
@@ -160,6 +160,12 @@ async def test_a_cancelled_request_leaves_the_line_and_the_others_are_served() -
         ctx.gate.set()
     assert [[x[0] for x in call] for call in ctx.calls] == [[1, 2], [7, 8]]  # [3], [4] never ran
     assert not emb._line
+
+
+async def test_open_warms_the_context_up_with_one_input() -> None:
+    emb, ctx = make(warmup=True)
+    shape = await emb.open()
+    assert shape.pooling == "mean" and ctx.calls == [[[1]]]  # BOS alone
 
 
 async def test_tokenize_marks_texts_and_keeps_token_ids() -> None:

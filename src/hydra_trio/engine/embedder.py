@@ -82,9 +82,19 @@ class Embedder:
         self.calls = 0
 
     async def open(self) -> PooledShape:
-        """Make the embedding context (at load: a model it cannot serve fails the start)."""
+        """Make the embedding context at load, and (unless --no-warmup) run one input through
+        it: a model it cannot serve, or a kernel that faults, fails the start."""
         s = self._settings
-        self.shape = await self._worker.call(lambda: self._backend().embedding_context(self._pooling, s.embd_batch_inputs).shape)
+        backend = self._backend()
+
+        def make() -> PooledShape:
+            context = backend.embedding_context(self._pooling, s.embd_batch_inputs)
+            if s.warmup:
+                bos = backend.info.roles.get("bos")
+                context.run([[bos if bos is not None else 0]])
+            return context.shape
+
+        self.shape = await self._worker.call(make)
         return self.shape
 
     def _shape(self) -> PooledShape:
@@ -207,9 +217,16 @@ class Embedder:
             x = line.popleft()
             taken.append(x)
             n += len(x.tokens)
-        context = self._backend().embedding_context(self._pooling, shape.n_seq_max)
+        batch = [x.tokens for x in taken]
+
+        def work() -> list[np.ndarray]:
+            # On the worker: after a CONFIGURE T3 reload the new model's context is made here.
+            context = self._backend().embedding_context(self._pooling, shape.n_seq_max)
+            self.shape = context.shape
+            return context.run(batch)
+
         try:
-            vectors = await self._worker.call(lambda: context.run([x.tokens for x in taken]))
+            vectors = await self._worker.call(work)
         except trio.Cancelled:
             line.extendleft(reversed(taken))  # not done: the next one in turn takes them
             raise
