@@ -106,10 +106,10 @@ async def test_vllm_tokenizer_routes(start_engine: Callable[..., Any], tiny_mode
 
 
 async def test_lm_eval_requests_replayed(start_engine: Callable[..., Any], tiny_model: Path) -> None:
-    """What lm-eval 0.4 sent to this engine in examples/lm_eval_offline.py (captured: its
-    tokenizer calls, loglikelihood requests with echo, generation requests with stop
-    strings), replayed, and each answer read as lm-eval's parse_logprobs and
-    parse_generations read it."""
+    """What lm-eval 0.4.13 sent to this engine on the tiny preset in
+    examples/lm_eval_offline.py (``--capture``: its tokenizer calls, loglikelihood requests
+    with echo on token ids, generation requests with stop strings), replayed, and each
+    answer checked for what lm-eval's parse_logprobs and parse_generations read of it."""
     captured = json.loads((Path(__file__).parent / "data" / "lm_eval_requests.json").read_text())
     ep = await start_engine(tiny_model)
     kinds: set[str] = set()
@@ -121,12 +121,15 @@ async def test_lm_eval_requests_replayed(start_engine: Callable[..., Any], tiny_
             out = r.json()
             if path == "/v1/completions" and body.get("echo"):
                 kinds.add("loglikelihood")
-                ctxlen = len(body["prompt"][0]) - req["continuation_tokens"]
-                for choice in out["choices"]:  # lm-eval's LocalCompletionsAPI.parse_logprobs
-                    lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
-                    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
-                    assert len(lps) == req["continuation_tokens"] and all(math.isfinite(x) and x <= 0 for x in lps)
-                    assert all(tok <= max(top.values()) + 1e-9 for tok, top in zip(lps, tops, strict=True))
+                [prompt] = body["prompt"]
+                [choice] = out["choices"]
+                lp = choice["logprobs"]  # lm-eval's parse_logprobs reads [ctxlen:-1] of both lists
+                assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + body["max_tokens"]
+                assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+                for name, tok, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+                    # Keyed by text (OpenAI's legacy shape): the token's own entry, unless
+                    # the top token has the same text (byte tokens all read "\ufffd").
+                    assert math.isfinite(tok) and tok <= 0 and tok <= max(top.values()) and name in top
             elif path == "/v1/completions":
                 kinds.add("generate_until")
                 assert isinstance(out["choices"][0]["text"], str)  # parse_generations
