@@ -53,19 +53,24 @@ def cos(a: Any, b: Any) -> float:
 async def test_embeddings_equal_llama_servers(
     binary: Path, start_engine: Callable[..., Any], embed_model: Path, tmp_path: Path
 ) -> None:
+    """llama-server's vectors one input a request (several in one request, it batches them
+    across its slots, and with its default split KV cache some come out wrong: cosine 0.68 to
+    0.80 of themselves alone here, ggml-org/llama.cpp#26282), against ours for all the inputs
+    in one request (one batch) and one at a time."""
     ep = await start_engine(embed_model, batch_size=256)
-    theirs, *theirs_raw = await ask_llama_server(
-        binary, embed_model, tmp_path, ["--embeddings"],
-        [("/v1/embeddings", {"input": TEXTS}), *(("/v1/embeddings", {"input": t, "embd_normalize": -1}) for t in TEXTS[:2])],
-    )
+    asks = [("/v1/embeddings", {"input": t}) for t in TEXTS] + [("/v1/embeddings", {"input": t, "embd_normalize": -1}) for t in TEXTS[:2]]
+    answers = await ask_llama_server(binary, embed_model, tmp_path, ["--embeddings"], asks)
+    theirs, theirs_raw = answers[: len(TEXTS)], answers[len(TEXTS) :]
     async with http(ep) as h:
-        ours = (await h.post("/v1/embeddings", json={"input": TEXTS})).json()
+        batch = (await h.post("/v1/embeddings", json={"input": TEXTS})).json()
+        ours = [(await h.post("/v1/embeddings", json={"input": t})).json() for t in TEXTS]
         ours_raw = [(await h.post("/v1/embeddings", json={"input": t, "embd_normalize": -1})).json() for t in TEXTS[:2]]
-    assert ours["usage"] == theirs["usage"]
-    for a, b in zip(ours["data"], theirs["data"], strict=True):
-        assert a["index"] == b["index"]
-        assert cos(a["embedding"], b["embedding"]) > 1 - 1e-4
-        assert np.allclose(a["embedding"], b["embedding"], atol=1e-3)  # normalised alike
+    assert batch["usage"]["prompt_tokens"] == sum(t["usage"]["prompt_tokens"] for t in theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a["usage"] == b["usage"]
+        assert cos(a["data"][0]["embedding"], b["data"][0]["embedding"]) > 1 - 1e-4, i
+        assert cos(batch["data"][i]["embedding"], b["data"][0]["embedding"]) > 1 - 1e-4, i
+        assert np.allclose(a["data"][0]["embedding"], b["data"][0]["embedding"], atol=1e-3)  # normalised alike
     for a, b in zip(ours_raw, theirs_raw, strict=True):
         assert np.allclose(a["data"][0]["embedding"], b["data"][0]["embedding"], rtol=1e-3, atol=1e-3)
 
