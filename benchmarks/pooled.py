@@ -8,16 +8,23 @@ Models: the ``small`` preset's shape (33 M params) as an embedding model (mean p
 a reranker (qwen3 with Qwen3-Reranker's rank head and template), written once into the user
 cache. Both engines run the same llama thread count; llama-server with ``--embeddings`` (or
 ``--reranking``), ``-np 8`` and a batch of 512, ours with its embedding context of 512 tokens
-and 32 inputs a call. Each client sends requests back to back: an embeddings request is one
-input of about 64 tokens, a rerank request a query and 8 documents. The machine is shared, so
-every figure is a ratio within one round: each round runs a workload on both engines, their
-order alternating, and every round is printed.
+and 32 inputs a call. llama-server runs twice: as it starts by default (a KV stream per slot)
+and with ``--kv-unified``: with the split cache, inputs of different lengths that its slots
+batch together come out wrong (a mean pooled over part of the input: ggml-org/llama.cpp#26282,
+measured in tests/test_llama_server_pooled.py), so the unified one is the peer whose answers
+are right. Each client sends requests back to back: an embeddings request is one input of
+about 64 tokens, a rerank request a query and 8 documents. The machine is shared, so every
+figure is a ratio within one round: each round runs a workload on every engine, their order
+rotating, and every round is printed. Two figures each: inputs per second of wall time, and
+inputs per CPU second of the server process (all its threads: what the work cost it, which
+other processes on a loaded machine move far less than the wall time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -34,6 +41,13 @@ from .harness import EngineProcess, env_info, words_prompt
 from .llama_server import LlamaServer, find_or_build
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU seconds, every thread, user + system."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def models(preset: str) -> dict[str, str]:
@@ -92,36 +106,54 @@ def run_kind(kind: str, model: str, binary: Path, args: argparse.Namespace, log_
     theirs_flags = ["--reranking"] if kind == "rerank" else ["--embeddings", "--pooling", "mean"]
     ours = EngineProcess(model, slots=2, ctx_size=2048, threads=args.threads, batch_size=512,
                          extra=[*ours_flags, "--embd-batch-inputs", "32"]).start(log_dir, f"hydra-{kind}")
-    theirs = LlamaServer(binary, model, ctx=8 * 512, slots=8, log_dir=log_dir, tag=f"llama-server-{kind}",
-                         threads=args.threads, extra=[*theirs_flags, "-b", "512", "-ub", "512"])
-    out: dict[str, Any] = {}
+    peers = {"hydra-trio": (ours.url, ours.pid)}
+    servers = []
     try:
-        for clients in (1, 8):
-            rounds = []
-            for rnd in range(args.rounds):
-                work = bodies(kind, args.requests, seed=rnd + 100 * clients)
-                order = [("hydra-trio", ours.url), ("llama-server", theirs.url)]
-                if rnd % 2:
-                    order.reverse()
-                rates = {}
-                for name, url in order:
-                    wall, n = trio.run(drive, url, kind, clients, work)
-                    rates[name] = n / wall
-                ratio = rates["hydra-trio"] / rates["llama-server"]
-                rounds.append({**rates, "ratio": ratio})
-                unit = "inputs/s" if kind == "embeddings" else "pairs/s"
-                print(f"{kind} {clients} client(s) round {rnd}: hydra-trio {rates['hydra-trio']:.1f} {unit}, "
-                      f"llama-server {rates['llama-server']:.1f} {unit}, ratio {ratio:.3f}", flush=True)
-            ratios = [r["ratio"] for r in rounds]
-            out[f"{clients}"] = {
-                "rounds": rounds,
-                "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                "hydra_median": statistics.median(r["hydra-trio"] for r in rounds),
-                "llama_server_median": statistics.median(r["llama-server"] for r in rounds),
-            }
+        for name, more in (("llama-server", []), ("llama-server-kvu", ["--kv-unified"])):
+            server = LlamaServer(binary, model, ctx=8 * 512, slots=8, log_dir=log_dir, tag=f"{name}-{kind}",
+                                 threads=args.threads, extra=[*theirs_flags, "-b", "512", "-ub", "512", *more])
+            servers.append(server)
+            peers[name] = (server.url, server.proc.pid)
+        return _rounds(kind, peers, args)
     finally:
         ours.stop()
-        theirs.stop()
+        for server in servers:
+            server.stop()
+
+
+def _rate(peer: tuple[str, int], kind: str, clients: int, work: list[dict[str, Any]]) -> tuple[float, float]:
+    """(inputs per wall second, inputs per server CPU second)."""
+    url, pid = peer
+    c0 = cpu_s(pid)
+    wall, n = trio.run(drive, url, kind, clients, work)
+    return n / wall, n / max(cpu_s(pid) - c0, 1e-9)
+
+
+def _rounds(kind: str, peers: dict[str, tuple[str, int]], args: argparse.Namespace) -> dict[str, Any]:
+    unit = "inputs/s" if kind == "embeddings" else "pairs/s"
+    out: dict[str, Any] = {}
+    for clients in (1, 8):
+        rounds = []
+        for rnd in range(args.rounds):
+            work = bodies(kind, args.requests if kind == "embeddings" else max(1, args.requests // 3), seed=rnd + 100 * clients)
+            order = list(peers.items())
+            order = order[rnd % len(order):] + order[: rnd % len(order)]  # each engine leads in turn
+            measured = {name: _rate(peer, kind, clients, work) for name, peer in order}
+            rates = {name: m[0] for name, m in measured.items()}
+            per_cpu = {f"{name} per cpu s": m[1] for name, m in measured.items()}
+            ratios = {f"vs {name}": rates["hydra-trio"] / rates[name] for name in peers if name != "hydra-trio"}
+            ratios |= {f"cpu vs {name}": measured["hydra-trio"][1] / measured[name][1] for name in peers if name != "hydra-trio"}
+            rounds.append({**rates, **per_cpu, **ratios})
+            print(f"{kind} {clients} client(s) round {rnd}: " + ", ".join(f"{n} {r:.1f} {unit}" for n, r in rates.items())
+                  + "; ratios " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
+        summary: dict[str, Any] = {"rounds": rounds}
+        for name in peers:
+            summary[f"{name} median"] = statistics.median(r[name] for r in rounds)
+            for key in (f"vs {name}", f"cpu vs {name}"):
+                if name != "hydra-trio":
+                    values = [r[key] for r in rounds]
+                    summary[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        out[str(clients)] = summary
     return out
 
 
@@ -148,8 +180,9 @@ def main() -> None:
     (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
     for kind in ("embeddings", "rerank"):
         for clients, r in results.get(kind, {}).items():
-            print(f"{kind:10s} {clients} client(s): ratio median {r['ratio_median']:.3f} [{r['ratio_min']:.3f}-{r['ratio_max']:.3f}]"
-                  f" (hydra-trio {r['hydra_median']:.1f}/s, llama-server {r['llama_server_median']:.1f}/s)")
+            line = ", ".join(f"{k} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]" for k, v in r.items() if isinstance(v, dict))
+            rates = ", ".join(f"{k.removesuffix(' median')} {v:.1f}/s" for k, v in r.items() if k.endswith(" median"))
+            print(f"{kind:10s} {clients} client(s): hydra-trio {line} ({rates})")
 
 
 if __name__ == "__main__":
