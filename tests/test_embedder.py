@@ -72,7 +72,7 @@ async def test_inputs_that_wait_together_share_calls_in_order() -> None:
     results: dict[int, Any] = {}
 
     async def one(i: int, inputs: list[list[int]]) -> None:
-        results[i] = await emb.run(inputs)
+        results[i] = await emb.embed(inputs)
 
     async with trio.open_nursery() as n:
         n.start_soon(one, 0, [[10, 11]])
@@ -92,13 +92,13 @@ async def test_inputs_that_wait_together_share_calls_in_order() -> None:
 async def test_a_call_carries_a_step_budget_while_streams_generate() -> None:
     emb, ctx = make(n_batch=64, n_seq=8, streams=True)  # --step-token-budget 8
     await emb.open()
-    pooled = await emb.run([[1] * 5, [2] * 5, [3] * 20, [4] * 3])
+    pooled = await emb.embed([[1] * 5, [2] * 5, [3] * 20, [4] * 3])
     # 5 + 5 > 8: one input a call, but one always goes (the 20-token one alone).
     assert [[x[0] for x in call] for call in ctx.calls] == [[1], [2], [3], [4]]
     assert [int(v[1]) for v in pooled.vectors] == [5, 5, 20, 3]
     emb2, ctx2 = make(n_batch=64, n_seq=8, streams=False)
     await emb2.open()
-    await emb2.run([[1] * 5, [2] * 5, [3] * 20, [4] * 3])
+    await emb2.embed([[1] * 5, [2] * 5, [3] * 20, [4] * 3])
     assert len(ctx2.calls) == 1  # no streams: the whole batch
 
 
@@ -106,16 +106,16 @@ async def test_the_line_is_bounded_and_a_full_line_is_busy() -> None:
     emb, ctx = make(n_batch=64, n_seq=2, embd_max_waiting=4)
     await emb.open()
     with pytest.raises(ProtocolError) as too_many:
-        await emb.run([[1]] * 5)
+        await emb.embed([[1]] * 5)
     assert too_many.value.status == Status.BAD_REQUEST and "at most 4" in too_many.value.message
     ctx.gate = threading.Event()
     async with trio.open_nursery() as n:
-        n.start_soon(emb.run, [[1], [2]])
+        n.start_soon(emb.embed, [[1], [2]])
         await trio.to_thread.run_sync(ctx.entered.wait)  # 2 taken into the running call
-        n.start_soon(emb.run, [[3], [4], [5]])
+        n.start_soon(emb.embed, [[3], [4], [5]])
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(ProtocolError) as busy:
-            await emb.run([[6], [7]])  # 3 waiting + 2 > 4
+            await emb.embed([[6], [7]])  # 3 waiting + 2 > 4
         assert busy.value.status == Status.BUSY
         ctx.gate.set()
 
@@ -123,14 +123,18 @@ async def test_the_line_is_bounded_and_a_full_line_is_busy() -> None:
 async def test_refusals_name_the_input() -> None:
     emb, _ = make(n_batch=8)
     await emb.open()
-    for inputs, words in (([[1] * 9], "input 0 has 9 tokens; an input holds at most 8"), ([[1], []], "input 1 has no tokens")):
+    for inputs, words in (
+        ([[1] * 9], "input 0 has 9 tokens; an input holds at most 8"),
+        (["a", ""], "input 1 is an empty string"),
+        ([[1, 5000]], "array of token ids (0..999)"),
+        ([[1], "a b c d e f g h i j"], "input 1 has 12 tokens"),  # known only once tokenized, in its call
+    ):
         with pytest.raises(ProtocolError) as err:
-            await emb.run(inputs)
-        assert words in err.value.message
-    for texts, words in ((["a", ""], "input 1 is an empty string"), ([[1, 5000]], "array of token ids (0..999)")):
-        with pytest.raises(ProtocolError) as err:
-            await emb.tokenize(texts)
-        assert words in err.value.message
+            await emb.embed(inputs)
+        assert words in err.value.message and err.value.param == "input"  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolError) as err:
+        await emb.rerank("q", ["fine", "a b c d e f g"])
+    assert "document 1 has 11 tokens with the query" in err.value.message
 
 
 async def test_a_cancelled_request_leaves_the_line_and_the_others_are_served() -> None:
@@ -140,16 +144,16 @@ async def test_a_cancelled_request_leaves_the_line_and_the_others_are_served() -
     done: list[Any] = []
 
     async def served() -> None:
-        done.append(await emb.run([[7], [8]]))
+        done.append(await emb.embed([[7], [8]]))
 
     async with trio.open_nursery() as n:
-        n.start_soon(emb.run, [[1], [2]])
+        n.start_soon(emb.embed, [[1], [2]])
         await trio.to_thread.run_sync(ctx.entered.wait)
         gone = trio.CancelScope()
 
         async def leaves() -> None:
             with gone:
-                await emb.run([[3], [4]])
+                await emb.embed([[3], [4]])
 
         n.start_soon(leaves)
         await trio.testing.wait_all_tasks_blocked()
@@ -168,12 +172,18 @@ async def test_open_warms_the_context_up_with_one_input() -> None:
     assert shape.pooling == "mean" and ctx.calls == [[[1]]]  # BOS alone
 
 
-async def test_tokenize_marks_texts_and_keeps_token_ids() -> None:
-    emb, _ = make()
+async def test_texts_are_tokenized_in_the_call_that_computes_them() -> None:
+    """One trip to the worker a call: texts are tokenized there (with BOS/EOS), token ids kept;
+    a text that turns out not to fit the call's budget goes back to the line's head, tokenized."""
+    emb, ctx = make(n_batch=8, n_seq=4)
     await emb.open()
-    assert await emb.tokenize(["ab c", [5, 6]]) == [[1, 102, 101, 2], [5, 6]]
+    calls = emb._worker.calls
+    pooled = await emb.embed(["ab c", [5, 6], "a b c d e"])
+    assert ctx.calls == [[[1, 102, 101, 2], [5, 6]], [[1, 101, 101, 101, 101, 101, 2]]]
+    assert emb._worker.calls - calls == 2 and pooled.n_tokens == [4, 2, 7]
     # llama-server's pair: [BOS] query [EOS] (no SEP here) document [EOS]
-    assert await emb.pair_tokens("q", ["dd", "e"]) == [[1, 101, 2, 102, 2], [1, 101, 2, 101, 2]]
+    rr = await emb.rerank("q", ["dd", "e"])
+    assert ctx.calls[-2:] == [[[1, 101, 2, 102, 2]], [[1, 101, 2, 101, 2]]] and rr.prompt_tokens == 10  # 5 + 5 > 8
 
 
 def test_normalize_is_llama_cpps() -> None:

@@ -1,16 +1,18 @@
-"""Embedding and rerank requests (vLLM's pooling runner): inputs tokenized, admitted within
-their own limits, batched into calls of the embedding context (llama/embedding.py: a second
-context on the served model) on the one GPU worker, and read as vectors or scores.
+"""Embedding and rerank requests (vLLM's pooling runner): inputs admitted within their own
+limits, batched into calls of the embedding context (llama/embedding.py: a second context on
+the served model) on the one GPU worker, and read as vectors or scores.
 
 No task of its own: a request puts its inputs at the end of a bounded line and, holding the
 turn (a fair ``trio.Lock``), takes the oldest inputs there, its own or others', into one
 worker call, until its own are done. Inputs that arrive together share calls, and every wait
 stays in its request's scope: a request cancelled or out of time takes its inputs out of the
 line (inputs of a call it led that did not finish go back to the line's head for the next).
-The worker serves calls first come, first served, so between two embedding calls every step
-batch that waits runs; while streams generate, a call carries at most --step-token-budget
-tokens of inputs (at least one input), as a prompt's part in a step batch does, so the
-streams keep their pace.
+An input is tokenized in the call that computes it (texts are a llama.cpp call too): one
+trip to the worker a call, where a separate tokenizing call would wait behind the embedding
+call running then. The worker serves calls first come, first served, so between two
+embedding calls every step batch that waits runs; while streams generate, a call carries at
+most --step-token-budget tokens of inputs (at least one input), as a prompt's part in a step
+batch does, so the streams keep their pace.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from .worker import GpuWorker
 # Text refused untokenized past this many bytes a token of the embedding batch (inputs.py's rule).
 _BYTES_PER_TOKEN = 32
 
+# How an input becomes tokens on the worker (a text's tokenizer call, a rerank pair's layout).
+Tokenizer = Callable[[LlamaBackend], list[int]]
+
 
 def embeddings_wanted(settings: Settings, model_pooling: str | None) -> tuple[bool, str | None]:
     """Whether the engine serves embeddings, and with which pooling (None: the model's own):
@@ -44,9 +49,16 @@ def embeddings_wanted(settings: Settings, model_pooling: str | None) -> tuple[bo
 
 @dataclass(slots=True)
 class _Input:
-    tokens: Sequence[int]
+    name: str  # what a refusal calls it: "input 3", "document 0"
+    param: str  # the request's parameter it came from
+    tokens: list[int] | None  # None: not tokenized yet (``tokenizer`` runs in its call)
+    tokenizer: Tokenizer | None = None
     vector: np.ndarray | None = None
     error: BaseException | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.vector is None and self.error is None
 
 
 @dataclass(slots=True)
@@ -101,104 +113,75 @@ class Embedder:
         assert self.shape is not None, "open() ran at load"
         return self.shape
 
-    # ---- inputs ----------------------------------------------------------------------------
+    # ---- requests --------------------------------------------------------------------------
 
-    async def tokenize(self, texts: Sequence[str | Sequence[int]], *, add_special: bool = True) -> list[list[int]]:
-        """Each input as tokens (texts with the model's BOS/EOS, as llama-server tokenizes
-        them, all in one worker call; token ids checked), each within one embedding batch."""
-        shape, n_vocab = self._shape(), self._backend().info.n_vocab
-        limit = _BYTES_PER_TOKEN * shape.n_batch
-        for i, t in enumerate(texts):
+    async def embed(self, inputs: Sequence[str | Sequence[int]], *, wait_s: float = math.inf) -> Pooled:
+        """Each input's vector (raw: normalise with ``normalized``): a text tokenized with the
+        model's BOS/EOS as llama-server tokenizes it, or token ids. Refused (400, naming the
+        input) when empty, out of the vocabulary, or past one embedding batch."""
+        n_vocab, limit = self._backend().info.n_vocab, self._text_limit()
+        items = []
+        for i, t in enumerate(inputs):
             if isinstance(t, str):
                 if not t:
                     raise bad_param(f"input {i} is an empty string", "input")
-                if len(t) > limit // 4 and len(t.encode("utf-8", "surrogatepass")) > limit:
-                    raise ProtocolError(ErrorCode.TOO_LARGE, f"input {i} is over {limit} bytes: an input holds at most {shape.n_batch} tokens (--batch-size)", status=Status.BAD_REQUEST)
-            elif not t or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n_vocab for x in t):
+                self._check_text(t, f"input {i}", "input", limit)
+                items.append(_Input(f"input {i}", "input", None, _text_tokens(t)))
+            elif t and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n_vocab for x in t):
+                items.append(_Input(f"input {i}", "input", list(t)))
+            else:
                 raise bad_param(f"input {i} must be a non-empty string or array of token ids (0..{n_vocab - 1})", "input")
-        backend = self._backend()
-        try:
-            tokens = await self._worker.call(
-                lambda: [backend.tokenize(t, add_special=add_special) if isinstance(t, str) else list(t) for t in texts]
-            )
-        except UnicodeEncodeError:
-            raise bad_param("an input holds a lone surrogate (U+D800..U+DFFF): not valid Unicode", "input") from None
-        return tokens
+        return await self._run(items, wait_s)
 
-    async def pair_tokens(self, query: str, documents: Sequence[str]) -> list[list[int]]:
-        """The rank head's input for each document, in one worker call, as llama-server's
+    async def rerank(self, query: str, documents: Sequence[str], *, wait_s: float = math.inf) -> Pooled:
+        """The rank head's scores of each (query, document) pair, written as llama-server's
         format_prompt_rerank writes it: the GGUF's "rerank" template with both filled in
         (tokenized without BOS, specials parsed), else [BOS] query [EOS] [SEP] document [EOS],
         each mark as the tokenizer adds it (EOS: SEP where the vocabulary has none)."""
-        backend = self._backend()
-        template = backend.info.rerank_template
-        roles = backend.info.roles
-        eos = roles.get("eos") if roles.get("eos") is not None else roles.get("sep")
-        texts = [query, *documents]
-        if any(not isinstance(t, str) for t in texts):
-            raise bad_param("query and documents must be strings", "documents")
-        limit = _BYTES_PER_TOKEN * self._shape().n_batch
-        for t in texts:
-            if len(t) > limit // 4 and len(t.encode("utf-8", "surrogatepass")) > limit:
-                raise ProtocolError(ErrorCode.TOO_LARGE, f"a query or document is over {limit} bytes: a pair holds at most {self._shape().n_batch} tokens (--batch-size)", status=Status.BAD_REQUEST)
+        limit = self._text_limit()
+        self._check_text(query, "the query", "query", limit)
+        for i, d in enumerate(documents):
+            self._check_text(d, f"document {i}", "documents", limit)
+        return await self._run([_Input(f"document {i}", "documents", None, _pair_tokens(query, d)) for i, d in enumerate(documents)], wait_s)
 
-        def marks(*pairs: tuple[bool, int | None]) -> list[int]:
-            return [t for add, t in pairs if add and t is not None]
+    def _text_limit(self) -> int:
+        return _BYTES_PER_TOKEN * self._shape().n_batch
 
-        def run() -> list[list[int]]:
-            if template is not None:
-                return [backend.tokenize(template.replace("{query}", query).replace("{document}", d), add_special=False)
-                        for d in documents]
-            q = backend.tokenize(query, add_special=False, parse_special=False)
-            head = [*marks((roles.add_bos, roles.get("bos"))), *q, *marks((roles.add_eos, eos), (roles.add_sep, roles.get("sep")))]
-            tail = marks((roles.add_eos, eos))
-            return [[*head, *backend.tokenize(d, add_special=False, parse_special=False), *tail] for d in documents]
+    def _check_text(self, text: str, name: str, param: str, limit: int) -> None:
+        """Text no embedding batch could hold is refused before it is tokenized."""
+        if len(text) > limit // 4 and len(text.encode("utf-8", "surrogatepass")) > limit:
+            raise bad_param(f"{name} is over {limit} bytes: an input holds at most {self._shape().n_batch} tokens (--batch-size)", param)
 
-        try:
-            return await self._worker.call(run)
-        except UnicodeEncodeError:
-            raise bad_param("the query or a document holds a lone surrogate (U+D800..U+DFFF): not valid Unicode", "documents") from None
+    # ---- the line --------------------------------------------------------------------------
 
-    # ---- running ---------------------------------------------------------------------------
-
-    async def run(self, inputs: Sequence[Sequence[int]], *, wait_s: float = math.inf, what: str = "input") -> Pooled:
-        """The vectors of tokenized ``inputs`` (raw: normalise with ``normalized``), each
-        refused (400) past one embedding batch; the line full: 503 (busy, retry); waited
-        ``wait_s`` without being done: 503 too. ``what``: the request's name for an input
-        (its parameter in a refusal: ``input``, or a rerank's ``documents``)."""
-        shape, s = self._shape(), self._settings
-        name = "document" if what == "documents" else what
-        for i, tokens in enumerate(inputs):
-            if not tokens:
-                raise bad_param(f"{name} {i} has no tokens", what)
-            if len(tokens) > shape.n_batch:
-                raise bad_param(f"{name} {i} has {len(tokens)} tokens{' with the query' if what == 'documents' else ''}; "
-                                f"an input holds at most {shape.n_batch} (--batch-size: the embedding context's batch, "
-                                "which pools an input whole)", what)
-        if len(inputs) > s.embd_max_waiting:
-            raise bad_param(f"{len(inputs)} {what}; at most {s.embd_max_waiting} a request (--embd-max-waiting)", what)
-        if len(self._line) + len(inputs) > s.embd_max_waiting:
+    async def _run(self, mine: list[_Input], wait_s: float) -> Pooled:
+        """``mine`` through the line: the line full, 503 (busy, retry); not done in
+        ``wait_s``, 503 too; an input refused in its call (too long), 400 naming it."""
+        s = self._settings
+        if len(mine) > s.embd_max_waiting:
+            param = mine[0].param
+            raise bad_param(f"{len(mine)} {param}; at most {s.embd_max_waiting} a request (--embd-max-waiting)", param)
+        if len(self._line) + len(mine) > s.embd_max_waiting:
             raise ProtocolError(ErrorCode.SLOT_BUSY, f"{len(self._line)} embedding inputs are waiting (--embd-max-waiting {s.embd_max_waiting})", status=Status.BUSY)
-        mine = [_Input(t) for t in inputs]
         self._line.extend(mine)
         t0 = trio.current_time()
         calls = 0
         try:
             with trio.move_on_after(wait_s) as waited:
-                while any(x.vector is None and x.error is None for x in mine):
+                while any(x.pending for x in mine):
                     async with self._turn:
-                        if self._line and any(x.vector is None and x.error is None for x in mine):
+                        if self._line and any(x.pending for x in mine):
                             await self._call()
                             calls += 1
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"embedding inputs not done in {wait_s:g} s", status=Status.BUSY)
         finally:
-            pending = set(map(id, mine))
-            self._line = deque(x for x in self._line if id(x) not in pending)  # what is left of ours
+            ours = set(map(id, mine))
+            self._line = deque(x for x in self._line if id(x) not in ours)  # what is left of ours
         for x in mine:
             if x.error is not None:
                 raise x.error
-        return Pooled([x.vector for x in mine if x.vector is not None], [len(x.tokens) for x in mine],
+        return Pooled([x.vector for x in mine if x.vector is not None], [len(x.tokens or ()) for x in mine],
                       trio.current_time() - t0, calls)
 
     def normalized(self, vector: np.ndarray, norm: int | None) -> np.ndarray:
@@ -208,25 +191,42 @@ class Embedder:
 
     async def _call(self) -> None:
         """One worker call of the inputs at the line's head: at most embd_batch_inputs of them
-        and the batch's tokens (--step-token-budget while streams generate), at least one."""
+        and the batch's tokens (--step-token-budget while streams generate), at least one.
+        Inputs not tokenized yet are taken on trust and tokenized in the call; those of them
+        that do not fit go back to the line's head, tokenized, and one past a whole batch is
+        refused."""
         shape, line = self._shape(), self._line
         budget = min(self._settings.step_token_budget, shape.n_batch) if self._streams_running() else shape.n_batch
         taken: list[_Input] = []
         n = 0
-        while line and len(taken) < shape.n_seq_max and (not taken or n + len(line[0].tokens) <= budget):
-            x = line.popleft()
-            taken.append(x)
-            n += len(x.tokens)
-        batch = [x.tokens for x in taken]
+        while line and len(taken) < shape.n_seq_max and (not taken or n + len(line[0].tokens or (0,)) <= budget):
+            taken.append(line.popleft())
+            n += len(taken[-1].tokens or (0,))
+        backend_of, pooling = self._backend, self._pooling
 
-        def work() -> list[np.ndarray]:
-            # On the worker: after a CONFIGURE T3 reload the new model's context is made here.
-            context = self._backend().embedding_context(self._pooling, shape.n_seq_max)
+        def work() -> tuple[list[list[int] | BaseException], int, list[np.ndarray]]:
+            backend = backend_of()
+            tokens: list[list[int] | BaseException] = []
+            for x in taken:
+                try:
+                    tokens.append(x.tokens if x.tokens is not None else x.tokenizer(backend))  # type: ignore[misc]
+                except UnicodeEncodeError:  # JSON's "\ud800": a str, but no UTF-8
+                    tokens.append(bad_param(f"{x.name} holds a lone surrogate (U+D800..U+DFFF): not valid Unicode", x.param))
+            # The inputs this call takes, in line order: a refused one (it never runs), and the
+            # first that runs, and the next while the budget holds.
+            fit, total = 0, 0
+            for t in tokens:
+                runs = isinstance(t, list) and 0 < len(t) <= shape.n_batch
+                if runs and total and total + len(t) > budget:
+                    break
+                fit, total = fit + 1, total + (len(t) if runs else 0)  # type: ignore[arg-type]
+            context = backend.embedding_context(pooling, shape.n_seq_max)  # after a T3 reload, the new model's
             self.shape = context.shape
-            return context.run(batch)
+            runs = [t for t in tokens[:fit] if isinstance(t, list) and 0 < len(t) <= shape.n_batch]
+            return tokens, fit, context.run(runs) if runs else []
 
         try:
-            vectors = await self._worker.call(work)
+            tokens, fit, vectors = await self._worker.call(work)
         except trio.Cancelled:
             line.extendleft(reversed(taken))  # not done: the next one in turn takes them
             raise
@@ -239,7 +239,42 @@ class Embedder:
             for x in taken:
                 x.error = err
             return
-        for x, v in zip(taken, vectors, strict=True):
-            x.vector = v
-        self.inputs_done += len(taken)
+        done = iter(vectors)
+        for x, t in zip(taken, tokens, strict=True):
+            if isinstance(t, BaseException):
+                x.error = t
+                continue
+            x.tokens = t
+            if not t:
+                x.error = bad_param(f"{x.name} has no tokens", x.param)
+            elif len(t) > shape.n_batch:
+                x.error = bad_param(
+                    f"{x.name} has {len(t)} tokens{' with the query' if x.param == 'documents' else ''}; an input holds at "
+                    f"most {shape.n_batch} (--batch-size: the embedding context's batch, which pools an input whole)", x.param)
+        for x in taken[:fit]:
+            if x.error is None:
+                x.vector = next(done)
+        line.extendleft(reversed([x for x in taken[fit:] if x.error is None]))  # tokenized now, first in line
+        self.inputs_done += sum(1 for x in taken[:fit] if x.vector is not None)
         self.calls += 1
+
+
+def _text_tokens(text: str) -> Tokenizer:
+    """A text as llama-server tokenizes an embedding input: with the model's BOS/EOS, specials parsed."""
+    return lambda backend: backend.tokenize(text, add_special=True)
+
+
+def _pair_tokens(query: str, document: str) -> Tokenizer:
+    def tokens(backend: LlamaBackend) -> list[int]:
+        template = backend.info.rerank_template
+        if template is not None:
+            return backend.tokenize(template.replace("{query}", query).replace("{document}", document), add_special=False)
+        roles = backend.info.roles
+        eos = roles.get("eos") if roles.get("eos") is not None else roles.get("sep")
+        marks = [(roles.add_bos, roles.get("bos")), (roles.add_eos, eos), (roles.add_sep, roles.get("sep")), (roles.add_eos, eos)]
+        bos, q_end, sep, d_end = ([t] if add and t is not None else [] for add, t in marks)
+        q = backend.tokenize(query, add_special=False, parse_special=False)
+        d = backend.tokenize(document, add_special=False, parse_special=False)
+        return [*bos, *q, *q_end, *sep, *d, *d_end]
+
+    return tokens

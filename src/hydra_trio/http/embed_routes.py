@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -77,15 +78,15 @@ def _logged(route: str, n_inputs: int, pooled: Pooled | None, t0: float, error: 
                                  status="done" if error is None else "failed", e2e_ms=round(ms, 3), error=error))
 
 
-async def _run(route: str, pooling: Embedder, inputs: list[list[int]], what: str = "input") -> Pooled:
+async def _run(route: str, n_inputs: int, compute: Awaitable[Pooled]) -> Pooled:
     state, t0 = app_state(), time.perf_counter()
     try:
-        pooled = await pooling.run(inputs, wait_s=state.settings.slot_wait_s, what=what)
+        pooled = await compute
     except Exception as exc:
-        _logged(route, len(inputs), None, t0, getattr(exc, "message", type(exc).__name__))
+        _logged(route, n_inputs, None, t0, getattr(exc, "message", type(exc).__name__))
         raise
-    _logged(route, len(inputs), pooled, t0)
-    state.metrics.record_pooled(route, len(inputs), pooled.prompt_tokens)
+    _logged(route, n_inputs, pooled, t0)
+    state.metrics.record_pooled(route, n_inputs, pooled.prompt_tokens)
     return pooled
 
 
@@ -127,8 +128,8 @@ async def _embeddings(*, oai: bool) -> Response:
         raise bad_param(f"dimensions is not supported: this model's embeddings have {shape.n_out} dimensions, "
                         "and shortening them is not offered", "dimensions")
     norm = _normalize(body)
-    tokens = await pooling.tokenize(_inputs(source, "input" if "input" in body else "content"))
-    pooled = await _run("embeddings", pooling, tokens)
+    inputs = _inputs(source, "input" if "input" in body else "content")
+    pooled = await _run("embeddings", len(inputs), pooling.embed(inputs, wait_s=app_state().settings.slot_wait_s))
     vectors = [v if shape.pooling == "none" else pooling.normalized(v, norm) for v in pooled.vectors]
     if not oai:  # llama-server's /embeddings: a list of rows per input (one row when pooled)
         return json_response([{"index": i, "embedding": (v if v.ndim == 2 else v[None, :]).tolist()} for i, v in enumerate(vectors)])
@@ -162,7 +163,7 @@ async def rerank() -> Response:
     with_docs = body.get("return_text" if tei else "return_documents", False)
     if not isinstance(with_docs, bool):
         raise bad_param(f"{'return_text' if tei else 'return_documents'} must be a boolean", "return_documents")
-    pooled = await _run("rerank", pooling, await pooling.pair_tokens(query, docs), key)
+    pooled = await _run("rerank", len(docs), pooling.rerank(query, docs, wait_s=app_state().settings.slot_wait_s))
     # The rank head's first label's score (Qwen3-Reranker's "yes", softmaxed), as llama-server reads it.
     scores = [float(v[0]) for v in pooled.vectors]
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[:top_n]  # stable: equal scores by index
