@@ -205,3 +205,27 @@ def test_which_models_get_embeddings() -> None:
     assert embeddings_wanted(replace(base, embeddings=False), "rank") == (False, None)
     assert embeddings_wanted(replace(base, pooling="last"), None) == (True, "last")
     assert embeddings_wanted(replace(base, reranking=True), None) == (True, "rank")
+
+
+async def test_the_wait_is_for_a_turn_not_for_the_work() -> None:
+    """wait_s bounds the wait until a request's first input is in a call (busy: 503); once
+    one is, the request runs to its end however long its calls take."""
+    emb, ctx = make(n_batch=64, n_seq=1)
+    await emb.open()
+    ctx.gate = threading.Event()
+    async with trio.open_nursery() as n:
+        n.start_soon(emb.embed, [[1]])
+        await trio.to_thread.run_sync(ctx.entered.wait)  # [1] runs, held
+        with pytest.raises(ProtocolError) as busy:
+            await emb.embed([[2]], wait_s=0.05)  # its turn never comes in time
+        ctx.gate.set()
+    assert busy.value.status == Status.BUSY and "waited" in busy.value.message
+    assert not emb._line  # [2] left the line
+    ctx.entered.clear()
+    ctx.gate = threading.Event()
+    async with trio.open_nursery() as n:
+        n.start_soon(lambda: emb.embed([[3], [4]], wait_s=0.05))  # two calls: the second well past 0.05 s
+        await trio.to_thread.run_sync(ctx.entered.wait)
+        await trio.sleep(0.2)
+        ctx.gate.set()
+    assert [c[0][0] for c in ctx.calls[-2:]] == [3, 4]

@@ -55,6 +55,8 @@ class _Input:
     tokenizer: Tokenizer | None = None
     vector: np.ndarray | None = None
     error: BaseException | None = None
+    # Its request's wait for its turn: lifted once any of the request's inputs is in a call.
+    waiting: trio.CancelScope | None = None
 
     @property
     def pending(self) -> bool:
@@ -155,26 +157,30 @@ class Embedder:
     # ---- the line --------------------------------------------------------------------------
 
     async def _run(self, mine: list[_Input], wait_s: float) -> Pooled:
-        """``mine`` through the line: the line full, 503 (busy, retry); not done in
-        ``wait_s``, 503 too; an input refused in its call (too long), 400 naming it."""
+        """``mine`` through the line: the line full, 503 (busy, retry); none of them in a
+        call within ``wait_s`` (as a slot's claim waits), 503 too: once one is, the request
+        runs to its end; an input refused in its call (too long), 400 naming it."""
         s = self._settings
         if len(mine) > s.embd_max_waiting:
             param = mine[0].param
             raise bad_param(f"{len(mine)} {param}; at most {s.embd_max_waiting} a request (--embd-max-waiting)", param)
         if len(self._line) + len(mine) > s.embd_max_waiting:
             raise ProtocolError(ErrorCode.SLOT_BUSY, f"{len(self._line)} embedding inputs are waiting (--embd-max-waiting {s.embd_max_waiting})", status=Status.BUSY)
-        self._line.extend(mine)
         t0 = trio.current_time()
         calls = 0
+        waited = trio.CancelScope(deadline=trio.current_time() + wait_s)
+        for x in mine:
+            x.waiting = waited
+        self._line.extend(mine)
         try:
-            with trio.move_on_after(wait_s) as waited:
+            with waited:
                 while any(x.pending for x in mine):
                     async with self._turn:
                         if self._line and any(x.pending for x in mine):
                             await self._call()
                             calls += 1
             if waited.cancelled_caught:
-                raise ProtocolError(ErrorCode.SLOT_BUSY, f"embedding inputs not done in {wait_s:g} s", status=Status.BUSY)
+                raise ProtocolError(ErrorCode.SLOT_BUSY, f"embedding inputs waited {wait_s:g} s for the worker", status=Status.BUSY)
         finally:
             ours = set(map(id, mine))
             self._line = deque(x for x in self._line if id(x) not in ours)  # what is left of ours
@@ -202,6 +208,8 @@ class Embedder:
         while line and len(taken) < shape.n_seq_max and (not taken or n + len(line[0].tokens or (0,)) <= budget):
             taken.append(line.popleft())
             n += len(taken[-1].tokens or (0,))
+            if (scope := taken[-1].waiting) is not None:
+                scope.deadline = math.inf  # its request has its turn: it runs to its end
         backend_of, pooling = self._backend, self._pooling
 
         def work() -> tuple[list[list[int] | BaseException], int, list[np.ndarray]]:
