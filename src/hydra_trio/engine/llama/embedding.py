@@ -2,16 +2,18 @@
 a pooling type, for pooled embeddings (/v1/embeddings) and rank scores (/v1/rerank).
 
 Why not the generation context with ``llama_set_embeddings`` toggled, as llama-server does
-(measured, docs/performance.md "Embeddings beside generation"): with embeddings on, llama.cpp
-outputs every token of a batch (logits included), so no step can share a decode with an
-embedding input; a sequence's pooled vector covers only the part of it in the last ubatch,
-and the split KV cache (one stream per slot, the default) cuts a batch of unequal sequences
-into such parts (a mixed batch gave cosine 0.97 against the same input alone); and an input
-would take a slot and its KV cells from generation. Here every call is one batch of whole
-inputs, each its own sequence in one unified pool that is emptied after the call: an input
-never spans two ubatches, and eight inputs in one decode equal each one alone (cosine
-0.9999998). The price is this context's own KV (``n_batch`` cells) and output buffer (every
-position's logits and embedding), allocated once.
+(measured: benchmarks/embedding_context.py, docs/performance.md "Embeddings beside
+generation"): with embeddings on, llama.cpp outputs every token of a batch (logits, and a
+pooled vector for every sequence in it, a generating one's too), so a step that shares a
+decode with an input pays for all its rows; a sequence's pooled vector covers only its part
+in the last ubatch, and the split KV cache (a stream per slot, the engine's default) cuts a
+batch of unequal sequences into such parts (an input beside a step came out at cosine
+0.97-0.99 of itself alone; with the unified cache, right); and an input would take a slot and
+its KV cells from generation. Here every call is one batch of whole inputs, each its own
+sequence in one unified pool emptied after the call: an input never spans two ubatches, and
+eight inputs in one decode equal each one alone (cosine 0.9999999). The price is this
+context's own KV (``n_batch`` cells) and output buffer (every position's logits and
+embedding), allocated once.
 
 Every method runs on the GPU worker. ``normalize`` is pure numpy, as llama.cpp's
 ``common_embd_normalize``.
