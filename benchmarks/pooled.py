@@ -13,7 +13,7 @@ and with ``--kv-unified``: with the split cache, inputs of different lengths tha
 batch together come out wrong (a mean pooled over part of the input: ggml-org/llama.cpp#26282,
 measured in tests/test_llama_server_pooled.py), so the unified one is the peer whose answers
 are right. Each client sends requests back to back: an embeddings request is one input of
-about 64 tokens, a rerank request a query and 8 documents. The machine is shared, so every
+about 64 tokens (``--inputs N``: N of them), a rerank request a query and 8 documents. The machine is shared, so every
 figure is a ratio within one round: each round runs a workload on every engine, their order
 rotating, and every round is printed. Two figures each: inputs per second of wall time, and
 inputs per CPU second of the server process (all its threads: what the work cost it, which
@@ -65,12 +65,14 @@ def models(preset: str) -> dict[str, str]:
     return {"embeddings": str(embed), "rerank": str(rerank)}
 
 
-def bodies(kind: str, n: int, seed: int) -> list[dict[str, Any]]:
-    """``n`` request bodies, each its own text (no engine caches a pooled input anyway)."""
+def bodies(kind: str, n: int, seed: int, inputs: int = 1) -> list[dict[str, Any]]:
+    """``n`` request bodies, each its own text (no engine caches a pooled input anyway);
+    ``inputs`` texts in an embeddings request."""
     out = []
     for i in range(n):
         if kind == "embeddings":
-            out.append({"input": words_prompt(48, seed=seed * 1000 + i)})
+            texts = [words_prompt(48, seed=seed * 100000 + i * 100 + j) for j in range(inputs)]
+            out.append({"input": texts[0] if inputs == 1 else texts})
         else:
             docs = [words_prompt(36, seed=seed * 1000 + i * 10 + j) for j in range(8)]
             out.append({"query": words_prompt(10, seed=seed * 1000 + i), "documents": docs})
@@ -105,7 +107,9 @@ def run_kind(kind: str, model: str, binary: Path, args: argparse.Namespace, log_
     ours_flags = ["--reranking"] if kind == "rerank" else ["--embeddings"]
     theirs_flags = ["--reranking"] if kind == "rerank" else ["--embeddings", "--pooling", "mean"]
     ours = EngineProcess(model, slots=2, ctx_size=2048, threads=args.threads, batch_size=512,
-                         extra=[*ours_flags, "--embd-batch-inputs", "32"]).start(log_dir, f"hydra-{kind}")
+                         # llama-server queues without a bound: so does ours here (its default
+                         # answers 503 to a request whose turn has not come in 30 s).
+                         extra=[*ours_flags, "--embd-batch-inputs", "32", "--slot-wait-s", "600"]).start(log_dir, f"hydra-{kind}")
     peers = {"hydra-trio": (ours.url, ours.pid)}
     servers = []
     try:
@@ -135,7 +139,8 @@ def _rounds(kind: str, peers: dict[str, tuple[str, int]], args: argparse.Namespa
     for clients in (1, 8):
         rounds = []
         for rnd in range(args.rounds):
-            work = bodies(kind, args.requests if kind == "embeddings" else max(1, args.requests // 3), seed=rnd + 100 * clients)
+            n = args.requests if kind == "embeddings" else max(1, args.requests // 3)
+            work = bodies(kind, n, seed=rnd + 100 * clients, inputs=args.inputs)
             order = list(peers.items())
             order = order[rnd % len(order):] + order[: rnd % len(order)]  # each engine leads in turn
             measured = {name: _rate(peer, kind, clients, work) for name, peer in order}
@@ -162,6 +167,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=24, help="requests per workload (per round and engine)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--inputs", type=int, default=1, help="texts per embeddings request (RAG indexing sends many)")
     p.add_argument("--preset", default="small")
     p.add_argument("--llama-server", default=None)
     p.add_argument("--skip", default="")
