@@ -84,6 +84,14 @@ def rerank_model(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bert_model(model_dir: Path) -> Path:
+    """An encoder (the bert preset: no KV cache, no LM head, WordPiece, mean pooling)."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "bert.gguf", "bert", seed=0)
+
+
+@pytest.fixture(scope="session")
 def fim_model(model_dir: Path) -> Path:
     """A code model with fill-in-the-middle tokens (the fim preset)."""
     from hydra_trio.model.synthetic import write_model

@@ -229,3 +229,18 @@ async def test_a_rerank_pair_is_the_rerank_template(start_engine: Callable[..., 
         tokens = (await h.post("/tokenize", json={"content": text, "add_special": False})).json()["tokens"]
         out = (await h.post("/v1/rerank", json={"query": "q one", "documents": ["doc two"]})).json()
         assert out["usage"]["prompt_tokens"] == len(tokens)
+
+
+async def test_an_encoder_embeds_and_refuses_generation(start_engine: Callable[..., Any], bert_model: Path) -> None:
+    """BERT (no KV cache): embeddings by itself (its GGUF's pooling), [CLS] and [SEP] around
+    each text; generation and slots refused with 501, the engine healthy after."""
+    ep = await start_engine(bert_model)
+    async with http(ep) as h:
+        tokens = (await h.post("/tokenize", json={"content": "hello world", "add_special": True})).json()["tokens"]
+        assert tokens[0] == 2 and tokens[-1] == 3 and len(tokens) == 4  # [CLS] hello world [SEP]
+        out = await embed(h, input=["hello world", "the model"])
+        assert out["usage"]["prompt_tokens"] == 8 and cos(out["data"][0]["embedding"], out["data"][1]["embedding"]) < 0.999
+        for path, body in (("/v1/completions", {"prompt": "hello"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = await h.post(path, json=body)
+            assert r.status_code == 501 and "no KV cache" in r.json()["error"]["message"], r.text
+        assert (await embed(h, input="still fine"))["data"]

@@ -75,6 +75,20 @@ async def test_embeddings_equal_llama_servers(
         assert np.allclose(a["data"][0]["embedding"], b["data"][0]["embedding"], rtol=1e-3, atol=1e-3)
 
 
+async def test_encoder_embeddings_equal_llama_servers(
+    binary: Path, start_engine: Callable[..., Any], bert_model: Path, tmp_path: Path
+) -> None:
+    """BERT, an encoder without a KV cache (llama.cpp computes it in one ubatch, no memory)."""
+    ep = await start_engine(bert_model, batch_size=256)
+    theirs = await ask_llama_server(binary, bert_model, tmp_path, ["--embeddings"], [("/v1/embeddings", {"input": t}) for t in TEXTS])
+    async with http(ep) as h:
+        batch = (await h.post("/v1/embeddings", json={"input": TEXTS})).json()
+    for i, b in enumerate(theirs):
+        assert batch["data"][i]["index"] == i
+        assert cos(batch["data"][i]["embedding"], b["data"][0]["embedding"]) > 1 - 1e-4, i
+    assert batch["usage"]["prompt_tokens"] == sum(b["usage"]["prompt_tokens"] for b in theirs)
+
+
 async def test_rerank_scores_equal_llama_servers(
     binary: Path, start_engine: Callable[..., Any], rerank_model: Path, tmp_path: Path
 ) -> None:

@@ -248,10 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "make-model",
         help="write a synthetic GGUF (random weights; mamba: a recurrent model; embed: mean pooling; "
-        "rerank: a rank head; fim: fill-in-the-middle tokens)",
+        "rerank: a rank head; fim: fill-in-the-middle tokens; bert: an encoder)",
     )
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "embed", "rerank", "fim"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "embed", "rerank", "fim", "bert"], default="tiny")
     p.add_argument("--pooling", choices=["none", "mean", "cls", "last", "rank"], default=None,
                    help="the model's own pooling type (an embedding model of another preset's size; rank needs --preset rerank)")
     p.add_argument("--seed", type=int, default=0)

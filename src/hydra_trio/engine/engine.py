@@ -263,6 +263,9 @@ class Engine:
         ``prompt`` under ``salt``, waiting in line (first come, first served) up to ``wait_s``
         (then SLOT_BUSY, the one "busy, retry" refusal) within the caller's scope."""
         core = self._core
+        if not core.backend.generates:
+            raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, f"{core.identity.model_name} has no KV cache (an encoder such as "
+                                "BERT): it serves /v1/embeddings, not generation or slots")
         if slot is not None:
             held = core.slots.claim(slot, owner)
         else:

@@ -71,7 +71,8 @@ class Preset:
     name: str
     # "llama", or "mamba": a recurrent model (one state per sequence, no per-position KV;
     # n_head, n_head_kv and n_ff unused), for what only such a memory does (checkpoints);
-    # "qwen3": llama's blocks with q/k norms, the architecture llama.cpp gives a rank head.
+    # "qwen3": llama's blocks with q/k norms, the architecture llama.cpp gives a rank head;
+    # "bert": an encoder (bidirectional attention, no KV cache, no LM head), WordPiece vocabulary.
     arch: str = "llama"
     # The model's own pooling (``{arch}.pooling_type``): "mean", "cls", "last" make an
     # embedding model; "rank" a reranker (qwen3 only: Qwen3-Reranker's layout, see _RANK).
@@ -93,6 +94,8 @@ PRESETS: dict[str, Preset] = {
     "embed": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Embed", pooling="mean"),
     "rerank": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Rerank", "qwen3", pooling="rank"),
     "fim": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic FIM", fim=True),
+    # ≈0.3 MB: an encoder as most embedding GGUFs are (bge, MiniLM, nomic): BERT, mean pooling.
+    "bert": Preset(512, 64, 2, 4, 4, 128, 512, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic BERT", "bert", pooling="mean"),
 }
 
 POOLING_TYPES = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
@@ -203,6 +206,8 @@ def write_model(
         spec = replace(spec, n_vocab=n_vocab)
     if pooling is not None:
         spec = replace(spec, pooling=pooling)
+    if spec.arch == "bert":
+        return _write_bert(Path(path), spec, seed=seed, name=name)
     if spec.pooling == "rank" and spec.arch != "qwen3":
         raise ValueError("a rank head needs the qwen3 architecture (llama.cpp loads cls.output there)")
     out = Path(path)
@@ -343,6 +348,98 @@ def _add_mamba_layers(writer: gguf.GGUFWriter, rng: np.random.Generator, spec: P
         writer.add_tensor(p + "ssm_a", -np.exp(a_log))
         writer.add_tensor(p + "ssm_d", np.ones(s.d_inner, dtype=f32))
         writer.add_tensor(p + "ssm_out.weight", _tensor(rng, (d, s.d_inner), f32, 0.3))
+
+
+BERT_SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def build_wordpiece_vocab(n_vocab: int) -> list[str]:
+    """A WordPiece vocabulary as llama.cpp's "bert" tokenizer reads it (convert_hf_to_gguf
+    writes a word's first piece with "▁" and a continuation without BERT's "##"): the special
+    tokens, each character as a word start and as a continuation, whole words, then
+    two-letter continuations."""
+    tokens = list(BERT_SPECIAL)
+    seen = set(tokens)
+
+    def add(piece: str) -> None:
+        if piece not in seen and len(tokens) < n_vocab:
+            seen.add(piece)
+            tokens.append(piece)
+
+    for ch in string.ascii_lowercase + string.digits + string.punctuation:
+        add("▁" + ch)
+        add(ch)
+    for word in _WORDS:
+        add("▁" + word)
+    for a in string.ascii_lowercase:
+        for b in string.ascii_lowercase:
+            add(a + b)
+    if len(tokens) < n_vocab:
+        raise ValueError(f"n_vocab {n_vocab} is more than this WordPiece vocabulary's {len(tokens)} pieces")
+    return tokens
+
+
+def _write_bert(out: Path, spec: Preset, *, seed: int, name: str | None) -> Path:
+    """A BERT encoder as llama.cpp's bert architecture loads it (src/models/bert.cpp): token,
+    token-type and position embeddings, post-norm blocks with biases; [CLS] and [SEP] around
+    a text (the tokenizer adds them), bidirectional attention, the preset's pooling."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), "bert")
+    w.add_name(name or spec.name)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_block_count(spec.n_layer)
+    w.add_head_count(spec.n_head)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(POOLING_TYPES[spec.pooling or "mean"])
+    tokens = build_wordpiece_vocab(spec.n_vocab)
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types([int(gguf.TokenType.CONTROL)] * len(BERT_SPECIAL) + [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(BERT_SPECIAL)))
+    w.add_uint32(gguf.Keys.Tokenizer.TOKEN_TYPE_COUNT, 2)
+    pad, unk, cls, sep, _mask = range(len(BERT_SPECIAL))
+    w.add_bos_token_id(cls)  # llama.cpp's bert tokenizer adds BOS and EOS: [CLS] text [SEP]
+    w.add_eos_token_id(sep)
+    w.add_sep_token_id(sep)
+    w.add_pad_token_id(pad)
+    w.add_unk_token_id(unk)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    rng = np.random.default_rng(seed)
+    d, ff = spec.n_embd, spec.n_ff
+
+    def f32(*shape: int, std: float = 0.1) -> np.ndarray:
+        return _tensor(rng, shape, np.float32, std)
+
+    def norm(prefix: str, n: int) -> None:
+        w.add_tensor(prefix + ".weight", np.ones(n, dtype=np.float32))
+        w.add_tensor(prefix + ".bias", np.zeros(n, dtype=np.float32))
+
+    w.add_tensor("token_embd.weight", f32(len(tokens), d))
+    w.add_tensor("token_types.weight", f32(2, d))
+    w.add_tensor("position_embd.weight", f32(spec.n_ctx_train, d))
+    norm("token_embd_norm", d)
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(p + t + ".weight", f32(d, d))
+            w.add_tensor(p + t + ".bias", np.zeros(d, dtype=np.float32))
+        norm(p + "attn_output_norm", d)
+        w.add_tensor(p + "ffn_up.weight", f32(ff, d))
+        w.add_tensor(p + "ffn_up.bias", np.zeros(ff, dtype=np.float32))
+        w.add_tensor(p + "ffn_down.weight", f32(d, ff))
+        w.add_tensor(p + "ffn_down.bias", np.zeros(d, dtype=np.float32))
+        norm(p + "layer_output_norm", d)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(out)
+    return out
 
 
 def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:

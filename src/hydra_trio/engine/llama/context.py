@@ -251,6 +251,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         )
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
+        self.generates = bool(self._mem)  # no KV cache (an encoder, BERT): no slots to generate in
         # n_ctx_slot: the most one slot can hold; n_ctx: the cells all slots hold together.
         self.n_ctx_slot = int(llama_cpp.llama_n_ctx_seq(ctx))
         self.n_ctx = llama_cpp.llama_n_ctx(ctx) if self.kv_unified else self.n_ctx_slot * self.n_slots
