@@ -68,6 +68,15 @@ def mamba_model(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hybrid_model(model_dir: Path) -> Path:
+    """A hybrid model (llama.cpp's lfm2 architecture): short-convolution layers with a
+    recurrent state beside attention layers with a KV cache; its sequence state holds both."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "hybrid.gguf", "hybrid", seed=0)
+
+
+@pytest.fixture(scope="session")
 def embed_model(model_dir: Path) -> Path:
     """An embedding model (the embed preset: llama with mean pooling); it generates too."""
     from hydra_trio.model.synthetic import write_model

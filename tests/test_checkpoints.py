@@ -1,9 +1,9 @@
-"""The context checkpoints' bookkeeping (engine/llama/state.py): where a prefill stops
+"""The context checkpoints' bookkeeping (engine/llama/checkpoints.py): where a prefill stops
 for one, how many a slot keeps, which one a cut resumes from, and what a change forgets."""
 
 from __future__ import annotations
 
-from hydra_trio.engine.llama.state import Checkpoint, Checkpoints
+from hydra_trio.engine.llama.checkpoints import Checkpoint, Checkpoints
 
 
 def cp(n: int) -> Checkpoint:

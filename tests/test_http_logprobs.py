@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from helpers import MESSAGES, OTHER_MESSAGES, http, parse_sse, stream_chat, wait_slots_idle
-from hydra_trio.engine.llama.logprobs import log_softmax, token_logprobs
 from hydra_trio.engine.requests import IGNORED
+from hydra_trio.engine.sample import log_softmax, token_logprobs
 from test_http_openai import assert_openai_error
 
 
@@ -238,7 +238,7 @@ TEXT = "/v1/completions"
         (TEXT, {"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
         (TEXT, {"prompt": "x", "messages": MESSAGES}, "messages"),
         (TEXT, {"messages": MESSAGES}, "messages"),
-        (TEXT, {"prompt": "x", "echo": True}, "echo"),
+        (TEXT, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),  # the prompt's come whole
         (TEXT, {"prompt": "x", "suffix": "end"}, "suffix"),
         (TEXT, {"prompt": "x", "best_of": 2}, "best_of"),
         (TEXT, {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),

@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 
-from helpers import http
+from helpers import chat_plan, http
 from hydra_trio.engine.chat import Chat, resolve_chat_template
 from hydra_trio.engine.chat.templates import ChatTemplate
-from hydra_trio.engine.chat.tools import parse_tools
 from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.engine.llama.sampling import Sampler
 from hydra_trio.engine.params import SamplingParams
+from hydra_trio.engine.sample import Sampler
 from hydra_trio.model.synthetic import BOS_ID, IM_END_ID, IM_START_ID, write_model
 
 # ChatML with a mark saying which template rendered; the tool_use one lists the tools and
@@ -213,15 +212,15 @@ def test_tool_syntax_parses_as_one_special_token_or_as_text_pieces(special_model
         template = resolve_chat_template(name=None, file=None, gguf_template=b.info.chat_template, builtin_names=())
         chat = _chat(b, template)
         request = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
-        tools = parse_tools(request)
-        shown = chat.shown_tokens(tools)
+        plan = chat_plan(chat, request)
+        shown = plan.shown_tokens
         # The syntax tokens are shown; turn markers, BOS and EOG are not.
         assert {TOOL_CALL_ID, TOOL_CALL_END_ID} <= shown
         assert IM_START_ID not in shown and BOS_ID not in shown and IM_END_ID not in shown
         reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
         tokens = b.tokenize(reply, add_special=False, parse_special=as_one_token)
         assert (TOOL_CALL_ID in tokens) is as_one_token
-        make = chat.reply_parsers(tools, request, "")
+        make = plan.replies
         assert make is not None
 
         def calls(text_of: Any) -> list[Any]:

@@ -203,8 +203,8 @@ def test_sliding_window_cache_is_window_sized_by_default(gemma_model: Path) -> N
     full-size cache: the same greedy token."""
     from hydra_trio.config import Settings
     from hydra_trio.engine.llama.context import LlamaBackend
-    from hydra_trio.engine.llama.sampling import Sampler
     from hydra_trio.engine.params import SamplingParams
+    from hydra_trio.engine.sample import Sampler
 
     assert Settings().swa_full is False
     picks = {}

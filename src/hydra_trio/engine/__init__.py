@@ -7,10 +7,11 @@ from .embedder import Embedder, Pooled
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
-from .llama import MAX_TOP_LOGPROBS, POOLING_TYPES, DecodeAborted, TokenLogprobs, Vocabulary
+from .llama import POOLING_TYPES, DecodeAborted, Vocabulary
 from .output import GenerationResult
-from .params import GenerationParams, SamplingParams
+from .params import GenerationParams
 from .requests import REASONING_EFFORTS, Route
+from .sample import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from .stats import EngineStats, SlotInfo
 from .worker import CallTiming
 

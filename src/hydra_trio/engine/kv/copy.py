@@ -76,7 +76,7 @@ async def restore_blob(
 def check_checkpoint(blob: KvBlob, *, checkpoint_size: int | None) -> None:
     """A blob's checkpoint section (v2 flag 0x01; v3 flag 0x02: a recurrent-only capture):
     the recurrent state at ``n_tokens`` of the blob's positions, a roll-back point the slot
-    keeps (engine/llama/state.py) so that a later prompt diverging after it resumes
+    keeps (engine/llama/checkpoints.py) so that a later prompt diverging after it resumes
     there. Refused where it does not apply (``checkpoint_size`` None: the model has no
     recurrent state); on a recurrent or hybrid model it must lie inside the blob's positions
     and be the size of this model's recurrent state (``LlamaBackend.checkpoint_size``, what

@@ -21,6 +21,7 @@ import llama_cpp
 import numpy as np
 
 from .chat import builtin_chat_templates
+from .checkpoints import Checkpoints
 from .devices import (
     OffloadReport,
     OffloadSettings,
@@ -33,11 +34,9 @@ from .devices import (
     repacked_mib,
 )
 from .embedding import EmbeddingContext, model_pooling
-from .grammar import GrammarCache
 from .log import captured, init_llama
-from .sampling import Sampler
 from .seqstate import type_name
-from .state import Checkpoints, DecodeAborted, NoKvSpace, SlotStates
+from .state import DecodeAborted, NoKvSpace, SlotStates
 from .steps import BatchSteps
 from .types import (
     TOKEN_ROLES,
@@ -45,6 +44,7 @@ from .types import (
     SlotWatcher,
     StepPlanner,
     TokenRoles,
+    TokenSampler,
     Vocabulary,
     common_prefix_len,
 )
@@ -127,9 +127,10 @@ class LlamaBackend(SlotStates, BatchSteps):
         }
         self.eog_ids = frozenset(t for t in range(self.info.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
         self._eog_index = np.fromiter(sorted(self.eog_ids), dtype=np.intp)  # ignore_eos masks these
-        # Compiled for this vocabulary: llama.cpp's grammars (worker only), and llguidance's
-        # for a client's own GBNF (compiled off the worker: llama/grammar.py, GuidanceCache).
-        self.grammars = GrammarCache(self._vocab, self.pieces, self._special_text, sorted(self.eog_ids))
+        # Each token's bytes as a grammar reads them: control tokens spelled out, as llama.cpp's
+        # grammars read them (so a template's markup matches its grammar's literals whether
+        # the model writes it as one special token or as text pieces).
+        self.grammar_pieces = [self._special_text.get(t, piece) for t, piece in enumerate(self.pieces)]
         self._ctx = None
         self._embedding: EmbeddingContext | None = None  # made on first use (embedding_context)
         self._abort_flag: threading.Event | None = None
@@ -142,7 +143,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # engine's own work there, and tokens over it the rate a free front end would reach.
         self.decode_s = 0.0
         self.planner: StepPlanner | None = None  # the engine's speculation (engine/speculation/): set after load
-        self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
+        self._retired: deque[TokenSampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
         # Per slot: the cache_salt its history was computed under (None: unsalted). With the
         # tokens it is the history's identity: see ``shared_prefix``.
@@ -274,7 +275,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # the slot's exact state size, re-measured on the worker after each change.
         self._swa_low = [0] * self.n_slots
         # Only a window-sized SWA cache and a recurrent state lose what a cut needs
-        # (state.py), as llama-server takes checkpoints for them alone.
+        # (checkpoints.py), as llama-server takes checkpoints for them alone.
         needed = (self.n_swa and not self.swa_full) or not self.info.can_roll_back
         self.checkpoints = Checkpoints(self.n_slots, self.ctx_checkpoints if needed else 0, self.n_batch)
         self._measure_state_size()
@@ -382,7 +383,7 @@ class LlamaBackend(SlotStates, BatchSteps):
     def is_eog(self, token: int) -> bool:
         return token in self.eog_ids
 
-    def retire(self, sampler: Sampler) -> None:
+    def retire(self, sampler: TokenSampler) -> None:
         """Hand a finished request's sampler back; any thread (deque appends are atomic)."""
         self._retired.append(sampler)
 
@@ -519,7 +520,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         tokens: Sequence[int],
         abort: threading.Event | None,
         *,
-        sampler: Sampler | None = None,
+        sampler: TokenSampler | None = None,
         want_logits: bool = False,
         rows: Callable[[np.ndarray], None] | None = None,
     ) -> tuple[int | None, bytes | None]:
@@ -553,7 +554,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._advanced(slot, logits)  # after the logits are read: nothing may come between
         return token, logits
 
-    def _sample(self, sampler: Sampler, idx: int, row: np.ndarray | None = None) -> int:
+    def _sample(self, sampler: TokenSampler, idx: int, row: np.ndarray | None = None) -> int:
         """The token ``sampler`` picks from the last decode's output ``idx`` (``row``: those
         logits, when the caller has them): a view of llama.cpp's buffer, which an
         end-of-generation ban edits in place (after any copy of these logits, tail_logits or
@@ -581,7 +582,7 @@ class LlamaBackend(SlotStates, BatchSteps):
     def logits_bytes(self, idx: int) -> bytes:
         return self._logits(idx).tobytes()
 
-    def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
+    def sample_from_logits(self, sampler: TokenSampler, logits: bytes | memoryview) -> int:
         """Sample with the request's chain from logits that came with a KV blob."""
         return sampler.sample(np.frombuffer(logits, dtype="<f4", count=self.info.n_vocab), self._eog_index)
 

@@ -1,5 +1,5 @@
 """A slot's KV state out of and into llama.cpp: sizes, snapshots for the prompt cache, the
-one-stream form blobs travel in, the all-or-nothing restore, and context checkpoints.
+one-stream form blobs travel in, and the all-or-nothing restore.
 
 Half of LlamaBackend (context.py), kept apart because it is its own subject: how llama.cpp
 lays a sequence's state out (seqstate.py reads it without llama.cpp) and what a restore may
@@ -19,97 +19,19 @@ import llama_cpp
 from ...wire.errors import ErrorCode, ProtocolError
 from ...wire.kvblob import Checkpoint as BlobCheckpoint
 from ...wire.kvblob import split_trailing_logits
+from .checkpoints import Checkpoint, Checkpoints, reusable_in_state, window_holds
 from .seqstate import (
+    MemoryShape,
     StateLayout,
     StateLayoutError,
     cache_layout,
     layout_mismatch,
+    learn_shape,
     read_layout,
     rewrite_in_place,
     with_streams,
 )
 from .types import ModelInfo
-
-# ---- context checkpoints: the bookkeeping ---------------------------------------------
-#
-# Context checkpoints (llama-server's ``--ctx-checkpoints``): roll-back points for a memory
-# that cannot simply be cut back.
-#
-# A window-sized SWA cache drops a sequence's SWA cells older than the window as it advances,
-# so a slot cut back by more than a position or two cannot be continued: the cells its window
-# needs before the cut are gone. A recurrent state (Mamba, RWKV, the recurrent half of a hybrid
-# model) is one per sequence, at its last position: no cut at all keeps it. An agent's next turn
-# cuts exactly there (the reply rendered differently, a second session behind the same system
-# prompt). So, as llama-server does for both, a prefill stops a few tokens before the prompt's
-# end (4, and a batch), copies the slot's partial state (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``:
-# the SWA window or the recurrent state, not the whole KV), and goes on; a restored KV blob's
-# checkpoint section is kept here too. A later prompt that shares at least a checkpoint's
-# positions restores that partial state and keeps the other layers' cells up to it, evaluating
-# only the rest.
-#
-# Checkpoint and Checkpoints are pure bookkeeping; the llama calls are SlotStates'.
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    n_tokens: int  # positions the slot held when it was taken
-    swa_low: int  # lowest position its SWA cells hold
-    data: bytes  # llama_state_seq_get_data_ext(..., LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-
-
-class Checkpoints:
-    """Each slot's checkpoints, oldest first, at most ``per_slot`` of them (0: off)."""
-
-    def __init__(self, n_slots: int, per_slot: int, n_batch: int) -> None:
-        self.per_slot = per_slot
-        # Where a prefill stops, counted back from the prompt's end (llama-server's offsets):
-        # 4 leaves a few tokens to evaluate (a turn that re-renders the generation prompt), a
-        # batch covers a reply rendered differently from what was generated.
-        self._offsets = (n_batch, 4)
-        self._by_slot: list[list[Checkpoint]] = [[] for _ in range(n_slots)]
-
-    def cuts(self, n_prompt: int, n_keep: int) -> list[int]:
-        """Positions where a prefill of ``n_prompt`` tokens, keeping ``n_keep``, stops for a
-        checkpoint (ascending; none when checkpoints are off)."""
-        if not self.per_slot:
-            return []
-        return sorted({n_prompt - off for off in self._offsets if n_prompt - off > n_keep})
-
-    def add(self, slot: int, checkpoint: Checkpoint) -> None:
-        if not self.per_slot:
-            return
-        held = [c for c in self._by_slot[slot] if c.n_tokens < checkpoint.n_tokens]
-        held.append(checkpoint)
-        self._by_slot[slot] = held[-self.per_slot :]
-
-    def best(self, slot: int, n_keep: int) -> Checkpoint | None:
-        """The latest checkpoint a slot cut back to ``n_keep`` positions can resume from."""
-        return max((c for c in self._by_slot[slot] if c.n_tokens <= n_keep), key=lambda c: c.n_tokens, default=None)
-
-    def forget(self, slot: int, above: int = 0) -> None:
-        """Drop the slot's checkpoints past ``above`` positions (its history changed there)."""
-        self._by_slot[slot] = [c for c in self._by_slot[slot] if c.n_tokens <= above] if above else []
-
-    def count(self, slot: int) -> int:
-        return len(self._by_slot[slot])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(c.data) for cps in self._by_slot for c in cps)
-
-
-def window_holds(n_swa: int, n_held: int, swa_low: int, n_keep: int) -> bool:
-    """Whether a sequence of ``n_held`` positions whose SWA cells start at ``swa_low`` can be
-    cut back to ``n_keep`` and continued: its window before the cut is all there."""
-    if not n_swa or n_keep >= n_held - 1:
-        return True  # keeping all, or all but the last position, keeps a full window
-    return swa_low <= max(0, n_keep - n_swa)
-
-
-def reusable_in_state(n_swa: int, n_tokens: int, n_keep: int) -> int:
-    """The backend's ``reusable_prefix`` for a saved state of ``n_tokens`` positions (it
-    holds the SWA cells of its last window only, and no checkpoints)."""
-    return n_keep if window_holds(n_swa, n_tokens, max(0, n_tokens - n_swa), n_keep) else 0
 
 
 @dataclass(slots=True)
@@ -163,7 +85,7 @@ class SlotStates:
     seq_salt: list[str | None]
     tail_logits: list[bytes | None]
     state_layout: StateLayout | None
-    _n_caches: int
+    _shape: MemoryShape
     _stream_overhead: int
     _kept: list[int]
     _swa_low: list[int]
@@ -180,15 +102,21 @@ class SlotStates:
         tok = self.info.bos if self.info.bos >= 0 else 0
         self._decode_batch([(seq, tok, 0, False)], None)
         probe, _ = self._read_state(seq)
+        # The sections this context's states hold: KV caches (iSWA: two), then a recurrent
+        # or hybrid model's recurrent state, which has no streams (seqstate.py).
+        recurrent = self.info.recurrent or self.info.hybrid
+        n_kv = None if not recurrent else (2 if self.n_swa else 1) if self.info.hybrid else 0
         try:  # what a received state must match (None: a layout seqstate.py does not read)
-            self.state_layout: StateLayout | None = read_layout(probe, None)
+            self._shape = learn_shape(probe, n_kv=n_kv, recurrent=recurrent)
+            self.state_layout: StateLayout | None = read_layout(probe, self._shape)
         except StateLayoutError as exc:
             log.info("KV state layout not checked before restores (%s)", exc)
-            self.state_layout = None
-        self._n_caches = len(self.state_layout.caches) if self.state_layout else 1
+            self._shape, self.state_layout = MemoryShape(1), None
+        n_kv_caches = self.state_layout.n_kv if self.state_layout else 1
         # K/V types and V transposition, read from a state llama.cpp wrote (what blobs carry).
         self.cache_layout = cache_layout(self.state_layout) if self.state_layout else {}
-        self._stream_overhead = 4 * (self.n_stream - 1) * self._n_caches
+        self._stream_room = 4 * self.n_stream * n_kv_caches  # the local form's stream counts
+        self._stream_overhead = 4 * (self.n_stream - 1) * n_kv_caches
         one = self.state_size(seq)
         # What a context checkpoint of a recurrent or hybrid model holds: its recurrent
         # state, one per sequence, the same size at any position (None: no recurrent state).
@@ -201,7 +129,7 @@ class SlotStates:
         self._state_per_pos = two - one
         self._state_first = one - self._state_per_pos  # header of a non-empty sequence
 
-    # ---- context checkpoints (the bookkeeping: Checkpoints, above) ----------------------
+    # ---- context checkpoints (checkpoints.py: the bookkeeping) -------------------------
 
     def _cut_needs_checkpoint(self, slot: int, n_keep: int) -> bool:
         """Whether the slot cut back to ``n_keep`` positions cannot be continued as it is: a
@@ -279,7 +207,7 @@ class SlotStates:
         here only moves its stream), with room before it for that move, then the slot's
         tail logits: for the prompt cache."""
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx, slot))
-        room = 4 * self.n_stream * self._n_caches
+        room = self._stream_room
         logits = self.tail_logits[slot]
         buf = bytearray(room + size + (len(logits) if logits is not None else 0))
         cbuf = (ctypes.c_uint8 * size).from_buffer(buf, room)
@@ -296,7 +224,7 @@ class SlotStates:
         buf, tokens = self._read_state(slot)
         if self.n_stream > 1:  # compacted in place: the blob is held once
             with memoryview(buf) as view:
-                one = rewrite_in_place(view, 0, 1, 0, self._n_caches)
+                one = rewrite_in_place(view, 0, 1, 0, self._shape)
                 assert one is not None, "dropping streams needs no room"
                 n = len(one)
                 one.release()
@@ -310,10 +238,10 @@ class SlotStates:
         stream = 0 if self.kv_unified else seq
         try:
             if blob is not None and not blob.readonly:
-                local = rewrite_in_place(blob, len(blob) - len(state), self.n_stream, stream, self._n_caches)
+                local = rewrite_in_place(blob, len(blob) - len(state), self.n_stream, stream, self._shape)
                 if local is not None:
                     return local
-            return memoryview(with_streams(state, self.n_stream, stream, self._n_caches))
+            return memoryview(with_streams(state, self.n_stream, stream, self._shape))
         except StateLayoutError:
             return state
 
@@ -325,7 +253,7 @@ class SlotStates:
         if self.state_layout is None:
             return  # llama.cpp alone decides
         try:
-            got = read_layout(state, self._n_caches)
+            got = read_layout(state, self._shape)
         except StateLayoutError as exc:
             raise ProtocolError(ErrorCode.RESTORE_FAILED, f"not a KV state llama.cpp can restore: {exc}") from None
         why = layout_mismatch(got, self.state_layout)
