@@ -16,6 +16,7 @@ import pytest
 
 from helpers import assert_server_healthy, chat, http
 from hydra_trio.engine.structured import prepare_schema
+from hydra_trio.engine.structured.schema_policy import DATED_PATTERNS
 from hydra_trio.wire.errors import ProtocolError
 
 NAME = {"type": "string", "maxLength": 6}
@@ -32,6 +33,7 @@ KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
     "date": {"type": "string", "format": "date"},
     "time": {"type": "string", "format": "time"},
     "date_time": {"type": "string", "format": "date-time"},
+    "date_time_and_pattern": {"type": "string", "format": "date-time", "pattern": "^20"},
     "uuid": {"type": "string", "format": "uuid"},
     "email": {"type": "string", "format": "email", "maxLength": 24},  # a format with a length (refused before)
     "ipv4": {"type": "string", "format": "ipv4"},
@@ -224,3 +226,24 @@ async def test_grammars_are_written_and_compiled_off_the_event_loop(engine: Any,
     loop_thread = threading.current_thread()  # this test runs on the engine's trio thread
     assert {what for what, _ in seen} == {"prepare", "compile"}
     assert all(t is not loop_thread for _, t in seen), seen
+
+
+def test_the_date_patterns_admit_exactly_the_dates_python_reads() -> None:
+    """Every day of years 0000-9999 (leap days, month ends, year zero): the engine's date
+    pattern matches it exactly when Python's date reads it; times keep at most nanoseconds."""
+    import datetime
+
+    date = re.compile(DATED_PATTERNS["date"])
+    for year in range(10000):
+        for month in range(1, 13):
+            for day in (1, 28, 29, 30, 31):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    datetime.date.fromisoformat(text)
+                    readable = True
+                except ValueError:
+                    readable = False
+                assert bool(date.match(text)) == readable, text
+    stamp = re.compile(DATED_PATTERNS["date-time"])
+    assert stamp.match("2024-02-29T23:59:59.123456789Z") and stamp.match("0001-01-01T00:00:00+05:30")
+    assert not stamp.match("2023-02-29T00:00:00Z") and not stamp.match("2024-01-01T00:00:00.1234567890Z")

@@ -54,10 +54,20 @@ _CHECKED: dict[str, str | None] = {
     "maxProperties": "object", "type": None, "enum": None, "const": None,
 }
 _TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
-# Year 0000 is RFC 3339's (4DIGIT) but no year to Python's date (jsonschema's and pydantic's
-# validators refuse it): a date the engine writes is one its client can read back.
-YEAR_NOT_ZERO = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?s:.*)"
-_DATED = frozenset({"date", "date-time"})
+# Dates and times the engine writes are ones its client can read back: llguidance's formats
+# admit year 0000 (no year to Python's date, nor to jsonschema's and pydantic's validators),
+# February 29th of any year, and a fraction of a second without end (a base model writes zeros
+# until its length cap). These patterns replace the format: years 0001-9999, leap days in leap
+# years, at most nanoseconds. (A pattern is a search in llguidance: anchored here.)
+_YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    "|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+_DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+DATED_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}T{_TIME}$", "time": f"^{_TIME}$"}
 # Numbers the engine writes are I-JSON's (RFC 7493): without a bound, JSON's number grammar
 # admits 0.2e12002, which every JSON reader turns into infinity (and a call's arguments then
 # cannot be read). A side the schema leaves open is closed at the largest integer any
@@ -154,8 +164,13 @@ def _walk(node: Any, where: str, w: _Walk, depth: int) -> Any:
             w.relaxed.append(f"{at} ({why})")
         else:
             out[key] = value
-    if out.get("format") in _DATED and "pattern" not in out:
-        out["pattern"] = YEAR_NOT_ZERO  # llguidance anchors a pattern: this one spans the whole value
+    fmt = out.get("format")
+    if isinstance(fmt, str) and (dated := DATED_PATTERNS.get(fmt)) is not None:
+        del out["format"]
+        if "pattern" in out:  # the client's pattern and the date's, both
+            out["allOf"] = [*out.get("allOf", []), {"pattern": dated}]
+        else:
+            out["pattern"] = dated
     kinds = out.get("type")
     if kinds in ("number", "integer") or (isinstance(kinds, list) and {"number", "integer"} & set(kinds)):
         if not any(k in out for k in _LOWER):
