@@ -44,6 +44,9 @@ class Metrics:
         self.cached_prompt_tokens = Counter(
             "hydra_cached_prompt_tokens", "prompt tokens reused from the slot KV", ["path"], registry=r
         )
+        self.pooled_inputs = Counter(
+            "hydra_pooled_inputs", "embedding inputs and rerank pairs computed", ["path"], registry=r
+        )
         self.ttft = Histogram(
             "hydra_ttft_seconds", "engine time to first token (slot claimed -> first token)", ["path"], buckets=_S_BUCKETS, registry=r
         )
@@ -75,6 +78,11 @@ class Metrics:
         self.cached_prompt_tokens.labels(path).inc(res.n_common)
         self.prefix_counts(model).observe(res, aborted=aborted, queue_s=queue_s)
         self.ttft.labels(path).observe(res.prompt_ms / 1000.0)  # the engine's own: no slot wait
+
+    def record_pooled(self, path: str, n_inputs: int, n_tokens: int) -> None:
+        """One embedding or rerank request's inputs and their tokens (prompt tokens of ``path``)."""
+        self.pooled_inputs.labels(path).inc(n_inputs)
+        self.prompt_tokens.labels(path).inc(n_tokens)
 
     def live_gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""

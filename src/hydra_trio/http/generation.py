@@ -66,8 +66,10 @@ async def generate_buffered(
     owner: str,
     path: str,
     prepare: Prepare | None = None,
+    prompt_only: bool = False,
 ) -> tuple[int, GenerationResult]:
-    """(slot id, result) of a whole generation."""
+    """(slot id, result) of a whole generation; ``prompt_only``: the slot held for
+    ``prepare`` alone, no token generated (an echo with max_tokens 0)."""
     t_arrived = trio.current_time()
     async with slot_for(state, engine, tokens, owner, params.cache_salt) as lease:
         queue_s = trio.current_time() - t_arrived
@@ -75,7 +77,10 @@ async def generate_buffered(
         with _logged(owner, path, engine.served_name, lease.id, res, queue_s):
             if prepare is not None:
                 await prepare(lease)
-            await lease.generate(tokens, params, _discard, result=res)
+            if prompt_only:
+                res.prompt_tokens = res.n_prompt_processed = len(tokens)
+            else:
+                await lease.generate(tokens, params, _discard, result=res)
     state.metrics.record_generation(path, res, model=engine.served_name, queue_s=queue_s)
     return lease.id, res
 
@@ -254,8 +259,10 @@ async def start_stream(
     owner: str,
     path: str,
     prepare: Prepare | None = None,
+    prompt_only: bool = False,
 ) -> GenerationStream:
-    """Claim a slot and start generating into a channel (the claim's refusal is raised here)."""
+    """Claim a slot and start generating into a channel (the claim's refusal is raised here);
+    ``prompt_only`` as for ``generate_buffered``."""
     send, recv = trio.open_memory_channel[StreamItem](64)
     stall_s = state.settings.slot_wait_s
     turn = WriterTurn()
@@ -304,7 +311,10 @@ async def start_stream(
             with _logged(owner, path, engine.served_name, lease.id, res, queue_s):
                 if prepare is not None:
                     await prepare(lease)
-                await lease.generate(tokens, params, emit, result=res)
+                if prompt_only:
+                    res.prompt_tokens = res.n_prompt_processed = len(tokens)
+                else:
+                    await lease.generate(tokens, params, emit, result=res)
                 if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
                     await emit("")
             state.metrics.record_generation(path, res, model=engine.served_name, queue_s=queue_s)
