@@ -12,6 +12,7 @@ from typing import Any
 
 import gguf
 
+from .model.lora import adapter_specs
 from .wire.sampling import SPEC_TYPES
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -24,6 +25,13 @@ _GiB = 1024 * _MiB
 class Settings:
     model: str | None = None  # None: the synthetic demo model from the user cache
     alias: str | None = None
+    # LoRA adapters (llama-server's flags, repeated or comma lists): [NAME=]PATH at scale 1,
+    # [NAME=]PATH:SCALE; ids in that order (--lora first). A request's "model" picks one by
+    # NAME (vLLM's), default the file stem; the scales are what requests without "lora" get
+    # (model/lora.py ``adapter_specs``).
+    lora: tuple[str, ...] = ()
+    lora_scaled: tuple[str, ...] = ()
+    lora_init_without_apply: bool = False  # every default scale 0 until POST /lora-adapters
     host: str = "127.0.0.1"
     port: int = 8080  # HTTP; 0 = ephemeral
     rpc_port: int = 9504  # binary RPC; 0 = ephemeral
@@ -235,6 +243,9 @@ def parse_networks(value: str, name: str) -> tuple[IPNetwork, ...]:
 _HELP: dict[str, str] = {
     "model": "GGUF model path (default: a synthetic random-weight demo model)",
     "alias": "model alias reported in identity (default: the file stem)",
+    "lora": "LoRA adapter [NAME=]PATH, applied at scale 1 to requests without a \"lora\" list (repeat or comma-separate; llama-server's --lora); a request's \"model\" NAME selects it alone (vLLM's), NAME defaulting to the file stem",
+    "lora_scaled": "LoRA adapter [NAME=]PATH:SCALE, as --lora with that default scale (llama-server's --lora-scaled); ids follow the --lora ones",
+    "lora_init_without_apply": "load the LoRA adapters with every default scale 0 (llama-server's --lora-init-without-apply): requests choose them, or POST /lora-adapters sets the scales",
     "host": "address to bind HTTP and RPC",
     "port": "HTTP port (0 = ephemeral)",
     "rpc_port": "binary RPC port (0 = ephemeral)",
@@ -389,6 +400,10 @@ def _convert(kind: type, raw: str, name: str) -> Any:
         raise SystemExit(f"{name}: expected {kind.__name__}, got {raw!r}") from None
 
 
+def _comma_list(given: list[str]) -> tuple[str, ...]:
+    return tuple(item for text in given for item in text.split(",") if item.strip())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
     for f in fields(Settings):
@@ -400,6 +415,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         if kind is bool:  # a switch: given means True
             parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, default=None, help=help_text)
+            continue
+        if kind is tuple:  # repeatable, each a comma list (llama-server's --lora)
+            parser.add_argument(flag_name(f.name), dest=f.name, action="append", default=None, help=help_text)
             continue
         parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=_CHOICES.get(f.name), default=None, help=help_text)
 
@@ -414,10 +432,13 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
         kind = _field_type(f.name, default)
         given = getattr(args, f.name, None) if args is not None else None
         if given is not None:
-            values[f.name] = given
+            values[f.name] = _comma_list(given) if kind is tuple else given
         elif env.get(env_name(f.name)):
             raw = env[env_name(f.name)]
-            values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
+            if kind is tuple:
+                values[f.name] = _comma_list([raw])
+            else:
+                values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
     values.update(overrides)
     settings = Settings(**{**{f.name: getattr(defaults, f.name) for f in fields(Settings)}, **values})
     validate(settings)
@@ -532,6 +553,7 @@ def validate(s: Settings) -> None:
         problems.append(f"spec_ngram_min_n ({s.spec_ngram_min_n}) must not exceed spec_ngram_size_n ({s.spec_ngram_size_n})")
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
+    adapter_specs(s.lora, s.lora_scaled)  # a malformed or missing adapter stops startup here, named
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
     # An unreadable key file or a bad CIDR stops startup here, with its reason.

@@ -24,9 +24,11 @@ import trio
 
 from ..config import CACHE_TYPES, Settings
 from ..model.identity import ModelIdentity, read_identity
+from ..model.lora import adapter_specs
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import KvBlob
 from ..wire.kvevents import Event
+from .adapters import LoraAdapters
 from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
@@ -42,6 +44,7 @@ from .kv import (
 from .llama import (
     DecodeAborted,
     LlamaBackend,
+    LoraSet,
     NoKvSpace,
     OffloadSettings,
     PrefillPart,
@@ -77,6 +80,7 @@ class EngineCore:
         self.worker = GpuWorker()
         self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified)
         self.inputs = Inputs(lambda: self.backend, self.worker, settings)
+        self.adapters = LoraAdapters()  # load() reads those the settings name (--lora)
         self.model_load_ms = 0.0
         self.warmup_ms: float | None = None  # None: no warm-up ran (--no-warmup)
         # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
@@ -131,6 +135,7 @@ class EngineCore:
     async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> EngineCore:
         t0 = time.perf_counter()
         identity = await trio.to_thread.run_sync(lambda: read_identity(model_path, alias=alias))
+        adapters = await LoraAdapters.read(adapter_specs(settings.lora, settings.lora_scaled, init_without_apply=settings.lora_init_without_apply))
         worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
         offload = OffloadSettings(
             n_gpu_layers=settings.n_gpu_layers,
@@ -152,6 +157,7 @@ class EngineCore:
                 kv_unified=settings.kv_unified,
                 swa_full=settings.swa_full,
                 ctx_checkpoints=settings.ctx_checkpoints,
+                lora_paths=adapters.paths,
             ),
             limiter=worker_limiter,
         )
@@ -183,6 +189,7 @@ class EngineCore:
                 "rejected draft positions; serve it with --spec-type none"
             )
         engine = cls(backend, identity, settings)
+        engine.adapters = adapters
         engine.inputs.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         engine.warmup_ms = engine_warmup_ms
@@ -244,10 +251,6 @@ class EngineCore:
     def n_slots(self) -> int:
         return len(self.slots)
 
-    async def wait_slot_released(self) -> None:
-        """Until any slot is released (the drain watches the slots empty)."""
-        await self.slots.wait_released()
-
     @property
     def kv_cache_layout(self) -> dict[str, Any]:
         """K/V cache types and V transposition, as blobs made here carry them."""
@@ -301,10 +304,10 @@ class EngineCore:
     def publish_kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> SlotBlocks:
         """From now on, every change of what the slots hold goes to ``publish`` as KV events,
         after the GPU-worker call that made it (on the trio thread)."""
-        self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
+        self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size, self.adapters.event_fields)
         self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
         if self.prompt_cache is not None:  # histories moved to RAM: medium CPU
-            self.host_blocks = HostBlocks(block_size, publish)
+            self.host_blocks = HostBlocks(block_size, publish, self.adapters.event_fields)
             self.prompt_cache.watch(self.host_blocks)
         return self.kv_blocks
 
@@ -425,20 +428,21 @@ class EngineCore:
         tokens: Sequence[int],
         sampler: Sampler,
         res: GenerationResult,
+        params: GenerationParams,
         *,
         want_logits: bool = False,
-        salt: str | None = None,
     ) -> tuple[int | None, bytes | None]:
-        """Bring the slot to hold the prompt (``reuse_plan``) under the request's cache
-        ``salt`` and sample the token after it (None: the context is full); with
+        """Bring the slot to hold the prompt (``reuse_plan``) under the request's cache salt
+        and LoRA adapter set and sample the token after it (None: the context is full); with
         ``want_logits`` also the logits it came from. The plan goes into ``res`` first, so a
         cancelled prefill still reports its work."""
-        from_host = await self.scheduler.swap_in(slot, tokens, salt)
-        res.n_common, logits = self.scheduler.reuse_plan(slot, tokens, salt)
+        salt, lora = params.cache_salt, params.lora
+        from_host = await self.scheduler.swap_in(slot, tokens, salt, lora)
+        res.n_common, logits = self.scheduler.reuse_plan(slot, tokens, salt, lora)
         res.n_host = min(from_host, res.n_common)
         res.logits_reused = logits is not None
         await self.scheduler.keep_history(slot, res.n_common)
-        await self.scheduler.adopt_salt(slot, salt)
+        await self.scheduler.adopt(slot, salt, lora)
         if logits is not None:
             reused = logits
             token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
@@ -460,7 +464,7 @@ class EngineCore:
         out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.text_of(params.shown_tokens))
         t_start = time.perf_counter()
         try:
-            token, logits = await self.first_token(slot, tokens, sampler, res, want_logits=True, salt=params.cache_salt)
+            token, logits = await self.first_token(slot, tokens, sampler, res, params, want_logits=True)
         finally:
             self.backend.retire(sampler)
         assert token is not None and logits is not None, "a prompt that fits leaves room for one token"
@@ -506,7 +510,7 @@ class EngineCore:
         )
         t_start = time.perf_counter()
         try:
-            token, _ = await self.first_token(slot, prompt_tokens, sampler, res, salt=params.cache_salt)
+            token, _ = await self.first_token(slot, prompt_tokens, sampler, res, params)
             out.started(t_start)
             self.batcher.generating += 1
             try:
@@ -566,10 +570,10 @@ class EngineCore:
         finally:
             slot.transferring = False
 
-    async def restore(self, slot_id: int, blob: KvBlob, timing: CallTiming | None = None, *, salt: str | None = None) -> None:
-        """Restore a parsed, admitted v2 blob into the held slot, all-or-nothing, as ``salt``'s
-        history (the cache_salt of the request it serves; None: unsalted); idle slots'
-        KV is evicted for its room first."""
+    async def restore(self, slot_id: int, blob: KvBlob, timing: CallTiming | None = None, *, salt: str | None = None, lora: LoraSet = ()) -> None:
+        """Restore a parsed, admitted v2 blob into the held slot, all-or-nothing, as the history
+        of ``salt`` and ``lora`` (the cache_salt and adapter set of the request it serves;
+        None, (): unsalted, the base model); idle slots' KV is evicted for its room first."""
         backend = self.backend
         if blob.checkpoint is not None:
             check_checkpoint(blob, checkpoint_size=backend.checkpoint_size)
@@ -579,7 +583,7 @@ class EngineCore:
         slot = self.slots.get(slot_id)
         slot.transferring = True
         try:
-            await restore_blob(backend, self.worker, slot_id, blob, timing, salt)
+            await restore_blob(backend, self.worker, slot_id, blob, timing, salt, lora)
         finally:
             slot.transferring = False
 

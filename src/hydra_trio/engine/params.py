@@ -12,7 +12,7 @@ from ..wire import sampling as sampling_keys
 from ..wire.errors import bad_param
 from ..wire.sampling import SPEC_TYPES
 from .chat import Constraint, ToolRequest, parse_tools, request_constraint
-from .llama import SamplingParams, ThinkGate, ThinkPlan
+from .llama import LoraSet, SamplingParams, ThinkGate, ThinkPlan
 from .speculation import SpecRequest
 
 MAX_STOP_STRINGS = 16
@@ -32,6 +32,10 @@ class GenerationParams:
     # vLLM's cache_salt: KV computed under it is reused only by requests with the same one
     # (LlamaBackend.shared_prefix). None: unsalted. Set by the OpenAI routes.
     cache_salt: str | None = None
+    # The LoRA adapter set it runs under (engine/adapters.py ``choose``): its KV is that
+    # set's too. ``model``: the adapter its "model" named, which replies call the model.
+    lora: LoraSet = ()
+    model: str | None = None
     # The request's declared tools (tools.py), tool_choice "none" included: what the reply
     # parser and the prompt renderer read. None: it declares none.
     tools: ToolRequest | None = None

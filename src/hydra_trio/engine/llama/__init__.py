@@ -27,6 +27,7 @@ from .state import DecodeAborted, NoKvSpace, Snapshot
 from .thinking import ThinkGate, ThinkPlan
 from .types import (
     Drafter,
+    LoraSet,
     ModelInfo,
     PrefillPart,
     SlotWatcher,
@@ -47,6 +48,7 @@ __all__ = [
     "GrammarCache",
     "GrammarError",
     "LlamaBackend",
+    "LoraSet",
     "ModelInfo",
     "NoKvSpace",
     "OffloadSettings",
