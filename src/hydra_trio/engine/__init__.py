@@ -2,11 +2,12 @@
 ``Engine`` (and a slot's ``SlotLease``), the parameter, result and stats types the front ends
 read, and the chat room's reply types. Nothing outside engine/ reaches its modules."""
 
+from .adapters import LoraAdapters
 from .chat import ReplyDelta, ReplyParser, ToolCall
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
-from .llama import MAX_TOP_LOGPROBS, DecodeAborted, TokenLogprobs, Vocabulary
+from .llama import MAX_TOP_LOGPROBS, DecodeAborted, LoraSet, TokenLogprobs, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams, SamplingParams
 from .requests import REASONING_EFFORTS, Route
@@ -26,6 +27,8 @@ __all__ = [
     "GenerationResult",
     "KvCopy",
     "KvEvents",
+    "LoraAdapters",
+    "LoraSet",
     "Prepared",
     "ReplyDelta",
     "ReplyParser",

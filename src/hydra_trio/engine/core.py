@@ -26,7 +26,6 @@ from ..config import CACHE_TYPES, Settings
 from ..model.identity import ModelIdentity, read_identity
 from ..model.lora import adapter_specs
 from ..wire.errors import ErrorCode, ProtocolError
-from ..wire.kvblob import KvBlob
 from ..wire.kvevents import Event
 from .adapters import LoraAdapters
 from .chat import resolve_chat_template
@@ -34,17 +33,12 @@ from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
 from .kv import (
     HostBlocks,
-    KvCopy,
     PromptCache,
     SlotBlocks,
-    check_checkpoint,
-    copy_out,
-    restore_blob,
 )
 from .llama import (
     DecodeAborted,
     LlamaBackend,
-    LoraSet,
     NoKvSpace,
     OffloadSettings,
     PrefillPart,
@@ -58,7 +52,7 @@ from .reload import apply_staged
 from .sched import PartOutcome, SlotScheduler, SlotTable, StepBatcher
 from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
 from .stats import EngineStats, SlotInfo
-from .worker import CallTiming, GpuWorker
+from .worker import GpuWorker
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +67,14 @@ async def _emit_all(emit: Emit, sends: Sequence[str]) -> None:
 class EngineCore:
     """The components and what spans them (engine.py's ``Engine`` is the face over it)."""
 
-    def __init__(self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings) -> None:
+    def __init__(self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings, adapters: LoraAdapters | None = None) -> None:
         self.backend = backend
         self.identity = identity
         self.settings = settings
         self.worker = GpuWorker()
         self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified)
         self.inputs = Inputs(lambda: self.backend, self.worker, settings)
-        self.adapters = LoraAdapters()  # load() reads those the settings name (--lora)
+        self.adapters = adapters or LoraAdapters()  # --lora: read by load()
         self.model_load_ms = 0.0
         self.warmup_ms: float | None = None  # None: no warm-up ran (--no-warmup)
         # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
@@ -95,6 +89,7 @@ class EngineCore:
             worker_free=self.worker.wait_while_busy,
             is_eog=lambda token: self.backend.is_eog(token),
             wants_turn=self.worker.wants_turn,
+            lora_of=(lambda slot: self.backend.seq_lora[slot]) if self.adapters else None,
         )
         self.tokens_generated = 0
         # The speculation the backend's steps run with: the draft policy and what a forward
@@ -188,8 +183,7 @@ class EngineCore:
                 f"--spec-type {settings.spec_type}: {identity.model_name} is a {kind} model, whose KV cannot drop "
                 "rejected draft positions; serve it with --spec-type none"
             )
-        engine = cls(backend, identity, settings)
-        engine.adapters = adapters
+        engine = cls(backend, identity, settings, adapters)
         engine.inputs.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         engine.warmup_ms = engine_warmup_ms
@@ -556,36 +550,7 @@ class EngineCore:
         finally:
             backend.retire(sampler)
 
-    # ---- KV copies ---------------------------------------------------------------------
-
-    async def copy_out(
-        self, slot_id: int, *, logits: bytes | None = None, reserve: Callable[[int], Awaitable[None]] | None = None
-    ) -> KvCopy:
-        """The held slot's KV as a v2 blob (kv/copy.py); the slot shows as transferring while
-        its bytes move (slot_info, the byte budget's readers)."""
-        slot = self.slots.get(slot_id)
-        slot.transferring = True
-        try:
-            return await copy_out(self.backend, self.worker, slot_id, logits=logits, reserve=reserve)
-        finally:
-            slot.transferring = False
-
-    async def restore(self, slot_id: int, blob: KvBlob, timing: CallTiming | None = None, *, salt: str | None = None, lora: LoraSet = ()) -> None:
-        """Restore a parsed, admitted v2 blob into the held slot, all-or-nothing, as the history
-        of ``salt`` and ``lora`` (the cache_salt and adapter set of the request it serves;
-        None, (): unsalted, the base model); idle slots' KV is evicted for its room first."""
-        backend = self.backend
-        if blob.checkpoint is not None:
-            check_checkpoint(blob, checkpoint_size=backend.checkpoint_size)
-        if blob.n_past >= backend.n_ctx_slot:
-            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {self.inputs.slot_room()}")
-        await self.scheduler.make_room(blob.n_past, exclude=slot_id)
-        slot = self.slots.get(slot_id)
-        slot.transferring = True
-        try:
-            await restore_blob(backend, self.worker, slot_id, blob, timing, salt, lora)
-        finally:
-            slot.transferring = False
+    # ---- a slot's KV (copy-out and restore: lease.py) -------------------------------------
 
     async def clear_slot(self, slot: int) -> None:
         await self.worker.call(lambda: self.backend.clear_slot(slot))

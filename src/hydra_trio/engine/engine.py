@@ -18,12 +18,13 @@ from ..model.identity import ModelIdentity
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvevents import Event
+from .adapters import LoraAdapters
 from .chat import ReplyParser
 from .configure import ConfigureOutcome, configure
 from .core import EngineCore
 from .kv import Admitted, SlotBlocks, admit_blob
 from .lease import SlotLease
-from .llama import Vocabulary
+from .llama import LoraSet, Vocabulary
 from .params import GenerationParams
 from .requests import Route, cache_salt, check_request
 from .stats import EngineStats, SlotInfo
@@ -106,6 +107,11 @@ class Engine:
         return self._core.kv_cache_layout
 
     @property
+    def adapters(self) -> LoraAdapters:
+        """The LoRA adapters loaded with the model (--lora): their default scales, names, use."""
+        return self._core.adapters
+
+    @property
     def vocab(self) -> Vocabulary:
         """The vocabulary as text (token pieces, detokenize), read without a llama call."""
         return self._core.backend.vocabulary
@@ -155,6 +161,7 @@ class Engine:
         params = await inputs.generation_params_off_loop(layers)
         params = replace(params, logprobs=n_logprobs, cache_salt=cache_salt(layers),
                          shown_tokens=inputs.shown_tokens(params, layers))
+        params = core.adapters.choose(params, layers, route, core.identity)  # its LoRA adapter set
         await inputs.compile_grammar(params)
         has_prompt = "messages" in layers or isinstance(layers.get("prompt"), str)
         rendered = inputs.as_rendered(layers, params)
@@ -205,23 +212,27 @@ class Engine:
         slot: int | None = None,
         prompt: Sequence[int] = (),
         salt: str | None = None,
+        lora: LoraSet = (),
         wait_s: float = math.inf,
     ) -> AsyncIterator[SlotLease]:
         """Hold a slot for the block: ``slot`` that one, at once (SLOT_BUSY when it is taken,
         NO_SLOT when there is none); else the free slot the slot-choice policy ranks best for
-        ``prompt`` under ``salt``, waiting in line (first come, first served) up to ``wait_s``
-        (then SLOT_BUSY, the one "busy, retry" refusal) within the caller's scope."""
+        ``prompt`` under ``salt`` and the LoRA adapter set ``lora``, waiting in line (first
+        come, first served) up to ``wait_s`` (then SLOT_BUSY, the one "busy, retry" refusal)
+        within the caller's scope. The adapters of ``lora`` count as waiting, then running
+        (vllm:lora_requests_info)."""
         core = self._core
         if slot is not None:
             held = core.slots.claim(slot, owner)
         else:
-            with trio.move_on_after(wait_s) as waited:
-                held = await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt))
+            with trio.move_on_after(wait_s) as waited, core.adapters.waiting(lora):
+                held = await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora))
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"all slots are busy (waited {wait_s:g} s)")
         lease = SlotLease(core, held.id)
         try:
-            yield lease
+            with core.adapters.running(lora):
+                yield lease
         finally:
             lease._end()
             core.slots.release(held)

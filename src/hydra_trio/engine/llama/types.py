@@ -10,7 +10,6 @@ from typing import Protocol
 
 from .sampling import Sampler
 
-
 # A LoRA adapter set: (adapter id, scale) pairs by ascending id, none of scale 0; () is the
 # base model alone. llama.cpp applies adapters per context, so one llama_decode runs under
 # one set; with its cache_salt, the set is what a slot's KV was computed under.

@@ -6,6 +6,13 @@ the result. Each batch holds every step handed in by the time the last batch's r
 come back, plus as many prompt tokens as fit in the per-step token budget: a long prompt is
 spread over several batches, so the running streams keep their pace while it is prefilled
 (as vLLM and llama-server do), instead of waiting behind a whole prompt chunk.
+
+llama.cpp applies LoRA adapters per context, not per sequence, so a batch holds the slots of
+one adapter set only (``lora_of``), as llama-server's ``can_batch_with`` refuses to batch
+slots whose sets differ. Where llama-server lets the first slot's set go first, here the sets
+take turns: each batch goes to the set with work that was served longest ago, the others'
+steps wait for the next batch, and a run of look-ahead steps stops after one step while
+another set waits.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import outcome
 import trio
 
 from ...wire.errors import ErrorCode, ProtocolError, Status
-from ..llama import PrefillPart, Sampler, StepRequest, StepResult
+from ..llama import LoraSet, PrefillPart, Sampler, StepRequest, StepResult
 from ..speculation import Speculation
 from .handover import Handover
 
@@ -80,6 +87,7 @@ class StepBatcher:
         worker_free: Callable[[], Awaitable[None]],
         is_eog: Callable[[int], bool],
         wants_turn: threading.Event,
+        lora_of: Callable[[int], LoraSet] | None = None,
     ) -> None:
         # A slot has at most one job outstanding: the channel never holds more than n_slots.
         self._send, self._recv = trio.open_memory_channel[StepJob | PrefillJob](n_slots)
@@ -113,6 +121,11 @@ class StepBatcher:
         self.prompt_parts = 0  # prompt parts evaluated inside step batches
         self._stopped = False
         self._handover: Handover | None = None  # step results from the worker (while ``run`` runs)
+        # A slot's LoRA adapter set (None: no adapters are loaded, every slot runs the base
+        # model); the sets in the order they were last served, the least recently first.
+        self._lora_of = lora_of
+        self._turns: list[LoraSet] = []
+        self.set_switches = 0  # batches whose set differs from the batch before
 
     # ---- request side ------------------------------------------------------------------
 
@@ -190,11 +203,15 @@ class StepBatcher:
             while True:
                 steps = await self._gather()
                 live = [j for j in steps if not _finish_if_cancelled(j)]
-                prompts = self._next_prompts(len(live))
+                lora, others = self._choose_set(live)
+                if others:  # another set's steps wait for their turn
+                    self._next_steps.extend(j for j in live if self._lora_of(j.slot) != lora)  # type: ignore[misc]
+                    live = [j for j in live if self._lora_of(j.slot) == lora]  # type: ignore[misc]
+                prompts = self._next_prompts(len(live), lora)
                 if prompts:
                     await self._run_with_prompts(live, prompts)
                 elif live:
-                    await self._run_steps_only(live)
+                    await self._run_steps_only(live, alone=not others)
                 steps = []
         finally:
             self._stopped = True
@@ -241,8 +258,29 @@ class StepBatcher:
         else:
             steps.append(job)
 
-    def _next_prompts(self, n_steps: int) -> list[tuple[PrefillJob, int]]:
-        """The prompts that get a part in the next batch, each with the end of its part.
+    def _choose_set(self, steps: list[StepJob]) -> tuple[LoraSet | None, bool]:
+        """The adapter set of the next batch, and whether another set has work waiting (None,
+        False: no adapters are loaded). The set served longest ago goes first (a set new to
+        the turns before them)."""
+        lora_of = self._lora_of
+        if lora_of is None:
+            return None, False
+        self._prompts = deque(j for j in self._prompts if not _finish_if_cancelled(j))
+        waiting = {lora_of(j.slot) for j in steps} | {lora_of(j.slot) for j in self._prompts}
+        if not waiting:
+            return None, False
+        turns = self._turns
+        served = {s: i for i, s in enumerate(turns)}
+        chosen = min(waiting, key=lambda s: served.get(s, -1))
+        if turns and turns[-1] != chosen:
+            self.set_switches += 1
+        # Only sets with work keep a place: one that comes back later goes first then.
+        self._turns = [s for s in turns if s in waiting and s != chosen] + [chosen]
+        return chosen, len(waiting) > 1
+
+    def _next_prompts(self, n_steps: int, lora: LoraSet | None = None) -> list[tuple[PrefillJob, int]]:
+        """The prompts that get a part in the next batch, each with the end of its part
+        (``lora``: of that adapter set only; None: any).
 
         The steps go first. The first waiting prompt gets the rest of the token budget, and
         at least a quarter of it so that it progresses however many streams run; each further
@@ -253,6 +291,8 @@ class StepBatcher:
         left = self.alone_budget - n_steps
         chosen: list[tuple[PrefillJob, int]] = []
         for job in self._prompts:
+            if lora is not None and self._lora_of is not None and self._lora_of(job.slot) != lora:
+                continue  # another adapter set's: its own turn
             if n_steps == 0:
                 room = left
             elif not chosen:
@@ -267,10 +307,11 @@ class StepBatcher:
             left -= end - job.offset
         return chosen
 
-    async def _run_steps_only(self, jobs: list[StepJob]) -> None:
+    async def _run_steps_only(self, jobs: list[StepJob], *, alone: bool = True) -> None:
         """Run the steps, then, in the same worker call, the look-ahead steps of the tokens
         they sampled, and so on while every request keeps up and nothing else wants the
-        worker: the worker goes from one step to the next without a trip through trio.
+        worker (``alone``: no other adapter set waits for its turn): the worker goes from one
+        step to the next without a trip through trio.
 
         Each step's results reach trio as the next step's decode starts (``Handover``, in
         order, and before this returns), so the requests hand out their text meanwhile."""
@@ -296,7 +337,7 @@ class StepBatcher:
                     return
                 hand_over()  # a step that did not decode (no slot had room)
                 nxt: list[StepJob] = []
-                if n < MAX_STEPS_PER_CALL and not self._wants_turn.is_set():
+                if alone and n < MAX_STEPS_PER_CALL and not self._wants_turn.is_set():
                     # Read on the worker thread: flags trio may be setting now. A stale
                     # "asked" only ends the run early; a missed "cancelled" is dropped by the
                     # request (drop_ahead), which waits for the step.
