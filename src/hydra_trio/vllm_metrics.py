@@ -9,6 +9,7 @@ inter-token latency, which a small model reaches), the phases of a request:
 ``vllm:request_queue_time_seconds`` (waiting for a slot), ``vllm:request_prefill_time_seconds``
 (slot claimed -> first token) and ``vllm:request_decode_time_seconds`` (first -> last token).
 TTFT and e2e count from the request's arrival, so they include the queue time, as vLLM's do.
+With LoRA adapters loaded, ``vllm:lora_requests_info`` (``lora_requests_info``).
 And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
 cut into blocks, as vLLM's CacheConfig labels it: ``block_size`` (the KV events' block,
 --kv-events-block-size), ``num_gpu_blocks`` (all slots' cells in those blocks: what llm-d's
@@ -26,6 +27,7 @@ the engine at scrape time.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -131,6 +133,24 @@ class VllmCollector(Collector):
         f.add_metric(list(info.values()), 1.0)
         return f
 
+    def lora_requests_info(self) -> GaugeMetricFamily | None:
+        """vLLM's LoRA gauge, which the Gateway API Inference Extension and llm-d route on:
+        its value the time of the scrape, its labels the adapters requests run under and wait
+        for (names, comma-joined) and ``max_lora``, the most adapters one batch applies (here
+        all those loaded: a batch runs one set, which may hold each). None: no adapters."""
+        adapters = self.engine.adapters
+        if not len(adapters):
+            return None
+        running, waiting = adapters.in_use()
+        labels = {
+            "max_lora": str(len(adapters)),
+            "running_lora_adapters": ",".join(running),
+            "waiting_lora_adapters": ",".join(waiting),
+        }
+        f = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.", labels=list(labels))
+        f.add_metric(list(labels.values()), time.time())
+        return f
+
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
         stats = engine.stats()
@@ -161,6 +181,8 @@ class VllmCollector(Collector):
             done.add_metric([*model, reason], p.finished[reason])
         families.append(done)
         families.append(self.cache_config_info(stats.kv_cells_total))
+        if (lora := self.lora_requests_info()) is not None:
+            families.append(lora)
         families += [
             p.ttft.family("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, model),
             p.itl.family("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels, model),

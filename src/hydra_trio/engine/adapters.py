@@ -100,9 +100,9 @@ class LoraAdapters:
         if "lora" in body and body["lora"] is not None:
             if adapter is not None:
                 raise bad_param(f"model names the LoRA adapter {asked!r}, and a lora list is given too: give one", "lora")
-            return replace(params, lora=self._parse(body["lora"], "lora"))
+            return self._with(params, self._parse(body["lora"], "lora"))
         if adapter is not None:
-            return replace(params, lora=((adapter.id, 1.0),), model=adapter.spec.name)
+            return self._with(params, ((adapter.id, 1.0),), model=adapter.spec.name)
         if self.adapters and route != "decode" and asked is not None:
             if not isinstance(asked, str):
                 raise bad_param("model must be a string", "model")
@@ -110,7 +110,10 @@ class LoraAdapters:
                 err = ParamError(f"The model `{asked[:200]}` does not exist (served: {resident.model_alias}, and the LoRA adapters {', '.join(self.names)}).", "model")
                 err.status = Status.NOT_FOUND
                 raise err
-        return replace(params, lora=self.default_set())
+        return self._with(params, self.default_set())
+
+    def _with(self, params: GenerationParams, lora: LoraSet, *, model: str | None = None) -> GenerationParams:
+        return replace(params, lora=lora, lora_name=self.label(lora), model=model)
 
     def _parse(self, value: Any, what: str) -> LoraSet:
         """A list of ``{"id", "scale"}`` as a set (a 400 naming the entry at fault)."""

@@ -192,14 +192,21 @@ class Engine:
         return await configure(core, slot_id, body, core.settings)
 
     async def admit(
-        self, raw: memoryview | bytes | None, claims: Mapping[str, Any] | None = None, *, header_model: str | None = None
+        self,
+        raw: memoryview | bytes | None,
+        claims: Mapping[str, Any] | None = None,
+        *,
+        header_model: str | None = None,
+        lora: LoraSet | None = None,
     ) -> Admitted:
         """KV from elsewhere: ``raw`` parsed (BAD_FRAME; no longer than a slot) and ``claims``
-        (identity fields, ``kv_cache``) held against the resident model (engine/kv/)."""
+        (identity fields, ``kv_cache``, ``lora``) held against the resident model (engine/kv/)
+        and, with ``lora``, the LoRA adapter set of the request that would continue it."""
         core = self._core
         return await admit_blob(
             raw, claims, resident=core.identity, kv_cache_layout=core.kv_cache_layout,
             max_tokens=core.n_ctx_slot, header_model=header_model,
+            lora=None if lora is None else core.adapters.claims(lora),
         )
 
     # ---- slots -----------------------------------------------------------------------------

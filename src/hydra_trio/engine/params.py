@@ -33,8 +33,10 @@ class GenerationParams:
     # (LlamaBackend.shared_prefix). None: unsalted. Set by the OpenAI routes.
     cache_salt: str | None = None
     # The LoRA adapter set it runs under (engine/adapters.py ``choose``): its KV is that
-    # set's too. ``model``: the adapter its "model" named, which replies call the model.
+    # set's too; ``lora_name`` names it (logs; None: the base model). ``model``: the adapter
+    # its "model" named, which replies call the model by (None: the served name).
     lora: LoraSet = ()
+    lora_name: str | None = None
     model: str | None = None
     # The request's declared tools (tools.py), tool_choice "none" included: what the reply
     # parser and the prompt renderer read. None: it declares none.

@@ -31,7 +31,7 @@ async def completions() -> Response:
     params, tokens = prepared.params, prepared.tokens
     assert tokens is not None, "tokenized"
     cid = "cmpl-" + secrets.token_hex(12)
-    model = engine.served_name
+    model = params.model or engine.served_name  # a LoRA adapter the request's model named
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
 

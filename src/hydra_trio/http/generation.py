@@ -46,11 +46,11 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
     return error_body(500, f"internal error: {type(exc).__name__}", "server_error", error_code="INTERNAL")
 
 
-def slot_for(state: AppState, engine: Engine, tokens: Sequence[int], owner: str, salt: str | None) -> Any:
+def slot_for(state: AppState, engine: Engine, tokens: Sequence[int], owner: str, params: GenerationParams) -> Any:
     """The claim of an HTTP generation: the free slot that holds the longest prefix of the
-    prompt under the request's cache ``salt``, waited for up to --slot-wait-s (then the one
-    "busy, retry" refusal: 503 with Retry-After)."""
-    return engine.claim(owner, prompt=tokens, salt=salt, wait_s=state.settings.slot_wait_s)
+    prompt under the request's cache salt and LoRA adapter set, waited for up to
+    --slot-wait-s (then the one "busy, retry" refusal: 503 with Retry-After)."""
+    return engine.claim(owner, prompt=tokens, salt=params.cache_salt, lora=params.lora, wait_s=state.settings.slot_wait_s)
 
 
 async def _discard(_delta: str) -> None:
@@ -69,10 +69,10 @@ async def generate_buffered(
 ) -> tuple[int, GenerationResult]:
     """(slot id, result) of a whole generation."""
     t_arrived = trio.current_time()
-    async with slot_for(state, engine, tokens, owner, params.cache_salt) as lease:
+    async with slot_for(state, engine, tokens, owner, params) as lease:
         queue_s = trio.current_time() - t_arrived
         res = GenerationResult()
-        with _logged(owner, path, lease.id, res, queue_s):
+        with _logged(owner, path, lease.id, res, queue_s, params.lora_name):
             if prepare is not None:
                 await prepare(lease)
             await lease.generate(tokens, params, _discard, result=res)
@@ -81,9 +81,10 @@ async def generate_buffered(
 
 
 @contextmanager
-def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s: float) -> Iterator[None]:
+def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s: float, lora: str | None) -> Iterator[None]:
     """One request line per HTTP generation, however it ends: done, cancelled (the client
-    left), or failed, with its tokens and timings (logs.py: its JSON fields)."""
+    left), or failed, with its tokens and timings, and the LoRA adapter set it ran under
+    (``lora``, its name; None: the base model) (logs.py: its JSON fields)."""
     outcome, error = "done", None
     # The client's X-Request-Id, else the completion id (the owner names it then, alone).
     request_id = client_request_id() or owner.removeprefix("http:")
@@ -98,11 +99,11 @@ def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s:
     finally:
         fields = generation_fields(res, outcome=outcome, queue_s=queue_s)
         log.info(
-            "%s %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s",
+            "%s %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s%s",
             path, owner, slot_id, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
             res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
-            spec_note(res),
-            extra=request_extra(request_id=request_id, route=path, slot=slot_id, error=error, **fields),
+            spec_note(res), "" if lora is None else f", LoRA {lora}",
+            extra=request_extra(request_id=request_id, route=path, slot=slot_id, error=error, lora=lora, **fields),
         )
 
 
@@ -263,7 +264,7 @@ async def start_stream(
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
         # The slot is free before the channel closes: a reader that saw the end sees it free.
-        async with send, slot_for(state, engine, tokens, owner, params.cache_salt) as lease:
+        async with send, slot_for(state, engine, tokens, owner, params) as lease:
             queue_s = trio.current_time() - t_arrived
             task_status.started(lease.id)
             await _produce(lease, queue_s)
@@ -301,7 +302,7 @@ async def start_stream(
 
         res = GenerationResult()
         try:
-            with _logged(owner, path, lease.id, res, queue_s):
+            with _logged(owner, path, lease.id, res, queue_s, params.lora_name):
                 if prepare is not None:
                     await prepare(lease)
                 await lease.generate(tokens, params, emit, result=res)

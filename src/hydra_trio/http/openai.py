@@ -80,20 +80,23 @@ async def version() -> Response:
 async def models() -> Response:
     engine = require_engine()
     ident = engine.identity
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": ident.model_alias,
-                    "object": "model",
-                    "created": int(app_state().started_at),
-                    "owned_by": "hydra-trio",
-                    "meta": {**ident.info_fields(), "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab},
-                }
-            ],
-        }
-    )
+    created = int(app_state().started_at)
+    base = {
+        "id": ident.model_alias,
+        "object": "model",
+        "created": created,
+        "owned_by": "hydra-trio",
+        "root": ident.model_alias,
+        "parent": None,
+        "meta": {**ident.info_fields(), "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab},
+    }
+    # Each LoRA adapter as a model of its own, as vLLM lists them: its name selects it.
+    adapters = engine.adapters
+    loras = [
+        {"id": a["name"], "object": "model", "created": created, "owned_by": "hydra-trio", "root": a["path"], "parent": ident.model_alias}
+        for a in adapters.listing()
+    ]
+    return json_response({"object": "list", "data": [base, *loras]})
 
 
 @bp.get("/slots")
@@ -124,7 +127,7 @@ async def chat_completions() -> Response:
     # Tool calls and reasoning parsed from the reply (None: the text is the content).
     replies = prepared.replies
     cid = "chatcmpl-" + secrets.token_hex(12)
-    model = engine.served_name
+    model = params.model or engine.served_name  # a LoRA adapter the request's model named
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).

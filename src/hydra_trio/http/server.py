@@ -24,6 +24,7 @@ from .auth import install_auth
 from .common import busy_reply, client_request_id, register_error_handlers, set_request_nursery
 from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
+from .lora_routes import bp as lora_bp
 from .openai import bp as openai_bp
 from .openai import health_reply
 from .responses import bp as responses_bp
@@ -151,6 +152,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(tokens_bp)
     app.register_blueprint(anthropic_bp)
     app.register_blueprint(responses_bp)
+    app.register_blueprint(lora_bp)
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
