@@ -90,6 +90,7 @@ class EngineCore:
             is_eog=lambda token: self.backend.is_eog(token),
             wants_turn=self.worker.wants_turn,
             lora_of=(lambda slot: self.backend.seq_lora[slot]) if self.adapters else None,
+            lora_switch_s=backend.lora_switch_s,
         )
         self.tokens_generated = 0
         # The speculation the backend's steps run with: the draft policy and what a forward
@@ -166,6 +167,7 @@ class EngineCore:
                 engine_warmup_ms: float | None = (time.perf_counter() - t_warm) * 1000.0
             else:
                 engine_warmup_ms = None
+            await trio.to_thread.run_sync(backend.measure_lora_switch, limiter=worker_limiter)  # sets' turns (batcher.py)
             template = resolve_chat_template(
                 name=settings.chat_template,
                 file=settings.chat_template_file,
@@ -193,6 +195,10 @@ class EngineCore:
             backend.n_slots, backend.n_ctx, engine.kv_layout, backend.n_ctx_slot,
             ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read", backend.n_threads,
         )
+        if adapters:
+            log.info("LoRA adapters: %s; a change of set adds %.2f ms to a decode (a set's turn while others wait: %.0f ms)",
+                     ", ".join(f"{a['id']} {a['name']} ({a['path']}, scale {a['scale']:g})" for a in adapters.listing()),
+                     backend.lora_switch_s * 1000, engine.batcher.turn_s * 1000)
         assert backend.offload is not None
         log.info("offload: %s", backend.offload.summary())
         log.info("chat template: %s", template.describe())

@@ -103,6 +103,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # LoRA adapters (--lora), loaded with the model: an adapter's id is its place here.
         self.lora_paths = tuple(lora_paths)
         self._adapters = [self._load_adapter(path) for path in self.lora_paths]
+        self.lora_switch_s = 0.0  # measured by measure_lora_switch (steps.py)
         self.devices = read_ggml_devices()
         self.builtin_templates = builtin_chat_templates()
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
