@@ -135,7 +135,9 @@ def test_a_request_runs_under_its_list_else_the_adapter_its_model_names_else_the
     assert p.lora == ((1, 1.0),) and p.lora_name == "beta" and p.model == "beta"
     p = table.choose(_params(), {"model": resident.model_alias}, "chat", resident)
     assert p.lora == ((0, 1.0),) and p.model is None  # the defaults: alpha at 1, beta at 0
-    assert table.choose(_params(), {"lora": []}, "chat", resident).lora == ()
+    # llama-server's reading: an empty list asks nothing (the defaults); every adapter at 0 is the base.
+    assert table.choose(_params(), {"lora": []}, "chat", resident).lora == ((0, 1.0),)
+    assert table.choose(_params(), {"lora": [{"id": 0, "scale": 0}]}, "chat", resident).lora == ()
     table.set_scales([{"id": 1, "scale": 0.25}])  # llama-server's POST: alpha, unlisted, goes to 0
     assert table.default_set() == ((1, 0.25),) and [a["scale"] for a in table.listing()] == [0.0, 0.25]
     assert table.choose(_params(), {"lora": None}, "chat", resident).lora == ((1, 0.25),)

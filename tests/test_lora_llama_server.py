@@ -18,7 +18,8 @@ import trio
 from helpers import http
 
 PROMPT = "tell me about the river and the old mill and why they matter"
-SETS = ([{"id": 0, "scale": 0.5}], [{"id": 0, "scale": 1.0}], [{"id": 1, "scale": 0.75}, {"id": 0, "scale": 0.25}], [])
+# The last: every adapter at 0, the base model (an empty list would ask for the defaults).
+SETS = ([{"id": 0, "scale": 0.5}], [{"id": 0, "scale": 1.0}], [{"id": 1, "scale": 0.75}, {"id": 0, "scale": 0.25}], [{"id": 0, "scale": 0}])
 
 
 def _binary() -> Path:
@@ -55,12 +56,12 @@ async def test_lora_output_equals_llama_servers(
             ours.append(backend.seq_tokens[0][r.json()["usage"]["prompt_tokens"] :])
     server = await trio.to_thread.run_sync(lambda: LlamaServer(
         binary, str(tiny_model_ctx), ctx=2048, slots=1, log_dir=tmp_path, tag="llama-server-lora", threads=1,
-        extra=["--lora", ",".join(adapters), "--lora-init-without-apply"],
+        extra=["--lora", ",".join(adapters)],
     ))
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             listed = (await c.get("/lora-adapters")).json()
-            assert [(a["id"], a["path"], a["scale"]) for a in listed] == [(0, adapters[0], 0.0), (1, adapters[1], 0.0)]
+            assert [(a["id"], a["path"], a["scale"]) for a in listed] == [(0, adapters[0], 1.0), (1, adapters[1], 1.0)]
             theirs = []
             for lora in SETS:
                 r = await c.post("/completion", json={

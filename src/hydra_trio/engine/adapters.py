@@ -90,17 +90,19 @@ class LoraAdapters:
 
     def choose(self, params: GenerationParams, body: Mapping[str, Any], route: str, resident: ModelIdentity) -> GenerationParams:
         """``params`` with the set the request runs under: its ``lora`` list (llama-server's:
-        adapters it does not list at scale 0), else the one adapter at scale 1 its ``model``
+        adapters it does not list at scale 0; an empty list, as llama-server reads it, asks
+        for nothing: the base model is every adapter at 0), else the one adapter at scale 1 its ``model``
         names (vLLM's; ``params.model`` then names the adapter in the reply), else the
         default set. With adapters loaded, an HTTP request whose ``model`` names neither
         the served model nor an adapter is refused (404, vLLM's); RPC requests name models
         as the spec's ``model_fallback`` allows, and keep being served."""
         asked = body.get("model")
         adapter = self._by_name.get(asked) if isinstance(asked, str) else None
-        if "lora" in body and body["lora"] is not None:
+        listed = self._parse(body["lora"], "lora") if body.get("lora") is not None else None
+        if listed is not None and body["lora"]:  # an empty list is no list (llama-server's reading)
             if adapter is not None:
                 raise bad_param(f"model names the LoRA adapter {asked!r}, and a lora list is given too: give one", "lora")
-            return self._with(params, self._parse(body["lora"], "lora"))
+            return self._with(params, listed)
         if adapter is not None:
             return self._with(params, ((adapter.id, 1.0),), model=adapter.spec.name)
         if self.adapters and route != "decode" and asked is not None:
