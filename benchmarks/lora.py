@@ -9,12 +9,14 @@ attention and feed-forward matrix, ``hydra-trio make-model --lora``):
    of two slots under two sets, one after the other, are timed against the same decodes
    with both slots under one set (each number the median of ``--rounds`` runs of 64).
 2. The engine: ``--streams`` concurrent greedy completions of ``--tokens`` tokens each
-   (``ignore_eos``), aggregate tok/s and the streams' median inter-token gap, for: no
+   (``ignore_eos``), aggregate tok/s, the streams' inter-token gaps (median, p90) and the
+   slowest stream's time, for: no
    adapter loaded; adapters loaded but unused; every stream under one adapter; the streams
    split over two sets (base and an adapter, taking turns a batch each); every stream a set
    of its own.
-3. With llama-server (the same llama.cpp): the split workload, llama-server given the
-   adapters with ``--lora`` and each request its ``lora`` list.
+3. With llama-server (the same llama.cpp): every stream under one adapter, and the split
+   workload, llama-server given the adapters with ``--lora`` and each request its ``lora``
+   list (it batches the first slot's set and lets the others wait).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ async def _streams(url: str, sets: list[Any], streams: int, n: int) -> dict[str,
     """``streams`` concurrent streamed completions, stream i under ``sets[i % len(sets)]``."""
     gaps: list[float] = []
     tokens = 0
+    durations: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
 
         async def go(i: int) -> None:
@@ -92,7 +95,7 @@ async def _streams(url: str, sets: list[Any], streams: int, n: int) -> dict[str,
             body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
             if sets[i % len(sets)] is not None:
                 body["lora"] = sets[i % len(sets)]
-            last = None
+            last, t_start = None, time.perf_counter()
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
@@ -105,6 +108,7 @@ async def _streams(url: str, sets: list[Any], streams: int, n: int) -> dict[str,
                             gaps.append(now - last)
                         last = now
                         tokens += 1
+            durations.append(time.perf_counter() - t_start)
 
         t0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
@@ -116,6 +120,7 @@ async def _streams(url: str, sets: list[Any], streams: int, n: int) -> dict[str,
         "tok_s": tokens / wall,
         "itl_ms": 1000 * statistics.median(gaps) if gaps else 0.0,
         "itl_p90_ms": 1000 * gaps[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
+        "slowest_s": max(durations),
     }
 
 
@@ -143,33 +148,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:>28}: {s * 1000:7.3f} ms")
     print(f"  switching sets costs {(cost['alternating base / adapter'] - (cost['base'] + cost['one adapter']) / 2) * 1000:.3f} ms a decode")
 
-    rows: list[dict[str, Any]] = []
-    for name, sets in WORKLOADS.items():
-        flags = [] if name == "base, no adapter loaded" else ["--lora", ",".join(adapters), "--lora-init-without-apply"]
-        engine = EngineProcess(model, slots=args.streams, ctx_size=2048 * args.streams, threads=args.threads, extra=flags)
-        engine.start(tmp, f"engine-{len(rows)}")
-        try:
-            trio.run(_streams, engine.url, sets, args.streams, 4)  # warm: every batch shape once
-            runs = [trio.run(_streams, engine.url, sets, args.streams, args.tokens) for _ in range(args.rounds)]
-        finally:
-            engine.stop()
-        row = {"workload": name, **{k: statistics.median(r[k] for r in runs) for k in ("tok_s", "itl_ms", "itl_p90_ms")}, "runs": runs}
-        rows.append(row)
-        print(f"{name:>28} x{args.streams}: {row['tok_s']:7.1f} tok/s, ITL {row['itl_ms']:6.2f} ms (p90 {row['itl_p90_ms']:6.2f})", flush=True)
-    result["engine"] = rows
-
+    # Every server up at once, the workloads interleaved round by round: a busy machine's
+    # noise falls on all of them alike.
     from benchmarks.llama_server import LlamaServer, find_or_build
 
+    plain = EngineProcess(model, slots=args.streams, ctx_size=2048 * args.streams, threads=args.threads).start(tmp, "plain")
+    loaded = EngineProcess(model, slots=args.streams, ctx_size=2048 * args.streams, threads=args.threads,
+                           extra=["--lora", ",".join(adapters), "--lora-init-without-apply"]).start(tmp, "loaded")
     binary = find_or_build(args.llama_server, args.with_llama_server) if (args.llama_server or args.with_llama_server) else None
+    peer = None
     if binary is not None:
-        with LlamaServer(binary, model, ctx=2048 * args.streams, slots=args.streams, log_dir=tmp, tag="llama-server",
-                         threads=args.threads, extra=["--lora", ",".join(adapters), "--lora-init-without-apply"]) as server:
-            sets = WORKLOADS["two sets (base + adapter)"]
-            trio.run(_streams, server.url, sets, args.streams, 4)
-            runs = [trio.run(_streams, server.url, sets, args.streams, args.tokens) for _ in range(args.rounds)]
-        peer = {**{k: statistics.median(r[k] for r in runs) for k in ("tok_s", "itl_ms", "itl_p90_ms")}, "runs": runs}
-        result["llama_server_two_sets"] = peer
-        print(f"{'llama-server, two sets':>28} x{args.streams}: {peer['tok_s']:7.1f} tok/s, ITL {peer['itl_ms']:6.2f} ms (p90 {peer['itl_p90_ms']:6.2f})")
+        peer = LlamaServer(binary, model, ctx=2048 * args.streams, slots=args.streams, log_dir=tmp, tag="llama-server",
+                           threads=args.threads, extra=["--lora", ",".join(adapters)])
+    # (label, url, sets): llama-server reads an empty list as its defaults, so its base
+    # requests list every adapter at 0.
+    base_off = [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]
+    runs_of: list[tuple[str, str, list[Any]]] = [
+        (name, plain.url if name == "base, no adapter loaded" else loaded.url, sets) for name, sets in WORKLOADS.items()
+    ]
+    if peer is not None:
+        runs_of += [
+            (f"llama-server, {name}", peer.url, [s if s else base_off for s in WORKLOADS[name]])
+            for name in ("base, adapters loaded", "one adapter", "two sets (base + adapter)", "a set per stream")
+        ]
+    got: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in runs_of}
+    try:
+        for _label, url, sets in runs_of:
+            trio.run(_streams, url, sets, args.streams, 4)  # warm: every batch shape once
+        for _ in range(args.rounds):
+            for label, url, sets in runs_of:
+                got[label].append(trio.run(_streams, url, sets, args.streams, args.tokens))
+    finally:
+        plain.stop()
+        loaded.stop()
+        if peer is not None:
+            peer.stop()
+    rows: list[dict[str, Any]] = []
+    keys = ("tok_s", "itl_ms", "itl_p90_ms", "slowest_s")
+    for label, runs in got.items():
+        row = {"workload": label, **{k: statistics.median(r[k] for r in runs) for k in keys}, "runs": runs}
+        rows.append(row)
+        print(f"{label:>45} x{args.streams}: {row['tok_s']:7.1f} tok/s, ITL {row['itl_ms']:6.2f} ms "
+              f"(p90 {row['itl_p90_ms']:6.2f}), slowest stream {row['slowest_s']:5.2f} s")
+    result["runs"] = rows
     out = Path(args.out) if args.out else RESULTS / f"lora-{args.preset}-{args.streams}-streams.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"written: {out}")

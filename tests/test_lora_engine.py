@@ -266,6 +266,10 @@ async def test_decode_refuses_kv_made_under_another_set(
             assert resp.meta["match"]["lora_match"] is False and "LoRA adapter set mismatch" in resp.meta["reason"]
         # The slot's own KV (no blob, no claims) is held to its set by prefix reuse instead.
         await decode_ok(c, 0, frame(None, n_predict=2))
+        # A PREFILL whose model names an adapter is served by it: no model_fallback.
+        named = await prefill(c, 1, messages, model="style-b")
+        assert named.meta["model_fallback"] is False and [a["name"] for a in named.meta["lora"]] == ["style-b"]
+        assert (await prefill(c, 1, messages, model="another-model")).meta["model_fallback"] is True
 
 
 async def test_a_hand_off_falls_back_when_the_export_was_made_under_another_set(

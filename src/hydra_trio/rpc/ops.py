@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import __version__, slotstate
 from ..config import Settings
-from ..engine import KvCopy
+from ..engine import GenerationParams, KvCopy
 from ..logs import request_extra
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
@@ -378,15 +378,16 @@ class OpTable:
                 logits = await lease.prefill(tokens, salt=params.cache_salt, lora=params.lora)
                 copy = await lease.copy_out(logits=logits, reserve=reserve)
                 made_under = lease.kv_claims()  # the LoRA adapter set: a DECODE's kv_metadata claims it
-            return await self._prefill_reply(ctx, body, tokens, copy, t0, held, made_under, params.lora_name)
+            return await self._prefill_reply(ctx, body, tokens, copy, t0, held, made_under, params)
         except BaseException:
             budget.release(held)
             raise
 
     async def _prefill_reply(
         self, ctx: OpContext, body: dict[str, Any], tokens: list[int], copy: KvCopy, t0: float, held: int,
-        made_under: dict[str, Any], lora: str | None,
+        made_under: dict[str, Any], params: GenerationParams,
     ) -> Reply:
+        lora = params.lora_name
         engine = self.engine
         identity = engine.identity
         prefill_ms = (time.perf_counter() - t0) * 1000.0
@@ -405,7 +406,8 @@ class OpTable:
             "kv_hash": await copy.kv_hash(),
             # One model is served: a PREFILL that names another is served by it, and says so
             # (the spec's model_fallback), rather than answered as if it were that model.
-            "model_fallback": _names_another_model(body.get("model"), identity.model_alias, identity.model_name),
+            # (A "model" naming a LoRA adapter was served by it: params.model.)
+            "model_fallback": params.model is None and _names_another_model(body.get("model"), identity.model_alias, identity.model_name),
             **identity.fields(),
             **made_under,
         }
