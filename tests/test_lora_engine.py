@@ -298,3 +298,15 @@ async def test_a_hand_off_falls_back_when_the_export_was_made_under_another_set(
         assert right["kv_transfer"]["status"] == "restored", right["kv_transfer"]
         # The pulled KV and logits continue as the prefill engine's own computation did.
         assert right["choices"][0]["message"]["content"] == reference
+
+
+@pytest.mark.slow
+def test_an_adapter_for_another_base_stops_the_load_with_llama_cpps_reason(
+    tiny_model: Path, wide_kv_model: Path, model_dir: Path
+) -> None:
+    from hydra_trio.engine.llama import LlamaBackend
+    from hydra_trio.model.synthetic_lora import write_lora_adapter
+
+    other = write_lora_adapter(wide_kv_model, model_dir / "for-wide-kv.gguf", seed=1)  # 256 wide, not 64
+    with pytest.raises(RuntimeError, match=r"could not load LoRA adapter .*for-wide-kv.gguf.*shape"):
+        LlamaBackend(str(tiny_model), n_slots=1, n_ctx=256, n_threads=1, lora_paths=[str(other)])
