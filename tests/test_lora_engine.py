@@ -121,6 +121,7 @@ async def test_lora_adapters_lists_them_and_post_sets_the_defaults(
             (0, str(adapters["a"]), 1.0, "style-a"), (1, str(adapters["b"]), 0.5, "style-b"),
         ]
         assert all(a["digest"].startswith("xxh3:") and a["task_name"] == "" for a in listed)
+        assert (await h.get("/version")).json()["lora_adapters"] == listed  # and INFO: a coordinator's view
         # Without a lora list a request runs under the defaults: --lora at 1, --lora-scaled's.
         both = [{"id": 0, "scale": 1}, {"id": 1, "scale": 0.5}]
         assert _text(await complete(h)) == _text(await complete(h, lora=both))

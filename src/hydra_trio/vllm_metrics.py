@@ -9,8 +9,8 @@ inter-token latency, which a small model reaches), the phases of a request:
 ``vllm:request_queue_time_seconds`` (waiting for a slot), ``vllm:request_prefill_time_seconds``
 (slot claimed -> first token) and ``vllm:request_decode_time_seconds`` (first -> last token).
 TTFT and e2e count from the request's arrival, so they include the queue time, as vLLM's do.
-With LoRA adapters loaded, ``vllm:lora_requests_info`` (``lora_requests_info``).
-And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
+With LoRA adapters loaded, ``vllm:lora_requests_info``: the adapters requests run under and
+wait for (``lora_requests_info``). And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
 cut into blocks, as vLLM's CacheConfig labels it: ``block_size`` (the KV events' block,
 --kv-events-block-size), ``num_gpu_blocks`` (all slots' cells in those blocks: what llm-d's
 scheduler and the Inference Extension size an endpoint's cache by), ``num_cpu_blocks``

@@ -333,7 +333,8 @@ class EngineCore:
 
     def runtime_fields(self) -> dict[str, Any]:
         """Where the model runs (ggml devices, layers offloaded, flash attention), how its KV
-        cache is laid out and which chat template renders prompts: for /version and INFO."""
+        cache is laid out, which chat template renders prompts and which LoRA adapters it
+        loaded: for /version and INFO."""
         offload = self.backend.offload
         assert offload is not None, "set when the context is built"
         return {
@@ -342,6 +343,7 @@ class EngineCore:
             "n_ctx_slot": self.n_ctx_slot,
             "kv_cache": self.backend.cache_layout,  # type_k, type_v, v_trans
             "chat_template": self.inputs.chat_template.as_dict(),
+            "lora_adapters": self.adapters.listing(),  # GET /lora-adapters' list ([]: none loaded)
         }
 
     # ---- prefill -----------------------------------------------------------------------
