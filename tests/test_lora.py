@@ -46,7 +46,7 @@ def _table(n: int = 2, scales: tuple[float, ...] = (1.0, 0.0)) -> LoraAdapters:
 
 
 def _params() -> GenerationParams:
-    from hydra_trio.engine.llama import SamplingParams
+    from hydra_trio.engine.sample import SamplingParams
 
     return GenerationParams(n_predict=4, sampling=SamplingParams())
 
