@@ -12,6 +12,7 @@ from typing import Any
 
 import gguf
 
+from .model.lora import adapter_specs
 from .wire.sampling import SPEC_TYPES
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -32,6 +33,13 @@ class Settings:
     sleep_idle_seconds: float = -1.0
     model_wait_s: float = 300.0
     rpc_model: str | None = None
+    # LoRA adapters (llama-server's flags, repeated or comma lists): [NAME=]PATH at scale 1,
+    # [NAME=]PATH:SCALE; ids in that order (--lora first). A request's "model" picks one by
+    # NAME (vLLM's), default the file stem; the scales are what requests without "lora" get
+    # (model/lora.py ``adapter_specs``).
+    lora: tuple[str, ...] = ()
+    lora_scaled: tuple[str, ...] = ()
+    lora_init_without_apply: bool = False  # every default scale 0 until POST /lora-adapters
     host: str = "127.0.0.1"
     port: int = 8080  # HTTP; 0 = ephemeral
     rpc_port: int = 9504  # binary RPC; 0 = ephemeral
@@ -266,6 +274,9 @@ _HELP: dict[str, str] = {
     "model_wait_s": "seconds a request waits for its model to load or wake (and for room to load it) before 503",
     "rpc_model": "the model the RPC port (PREFILL, DECODE, STATE_*, KV events) serves, pinned (default: the first --model NAME=PATH, else the first of --models-dir by name)",
     "alias": "model alias reported in identity (default: the file stem)",
+    "lora": "LoRA adapter [NAME=]PATH, applied at scale 1 to requests without a \"lora\" list (repeat or comma-separate; llama-server's --lora); a request's \"model\" NAME selects it alone (vLLM's), NAME defaulting to the file stem",
+    "lora_scaled": "LoRA adapter [NAME=]PATH:SCALE, as --lora with that default scale (llama-server's --lora-scaled); ids follow the --lora ones",
+    "lora_init_without_apply": "load the LoRA adapters with every default scale 0 (llama-server's --lora-init-without-apply): requests choose them, or POST /lora-adapters sets the scales",
     "host": "address to bind HTTP and RPC",
     "port": "HTTP port (0 = ephemeral)",
     "rpc_port": "binary RPC port (0 = ephemeral)",
@@ -427,6 +438,8 @@ def _convert(kind: type, raw: str, name: str) -> Any:
 
 # Settings filled from another flag's values (repeated --model NAME=PATH), with no flag of their own.
 _NO_FLAG = frozenset({"named_models"})
+def _comma_list(given: list[str]) -> tuple[str, ...]:
+    return tuple(item for text in given for item in text.split(",") if item.strip())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -444,6 +457,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch: given means True
             parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, default=None, help=help_text)
             continue
+        if kind is tuple:  # repeatable, each a comma list (llama-server's --lora)
+            parser.add_argument(flag_name(f.name), dest=f.name, action="append", default=None, help=help_text)
+            continue
         parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=_CHOICES.get(f.name), default=None, help=help_text)
 
 
@@ -460,10 +476,13 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
             values["model"], values["named_models"] = split_model_flags(given)
             continue
         if given is not None:
-            values[f.name] = given
+            values[f.name] = _comma_list(given) if kind is tuple else given
         elif env.get(env_name(f.name)):
             raw = env[env_name(f.name)]
-            values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
+            if kind is tuple:
+                values[f.name] = _comma_list([raw])
+            else:
+                values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
     values.update(overrides)
     settings = Settings(**{**{f.name: getattr(defaults, f.name) for f in fields(Settings)}, **values})
     validate(settings)
@@ -597,6 +616,7 @@ def validate(s: Settings) -> None:
         problems.append("no_embeddings cannot go with pooling or reranking (they serve embeddings)")
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
+    adapter_specs(s.lora, s.lora_scaled)  # a malformed or missing adapter stops startup here, named
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
     # An unreadable key file or a bad CIDR stops startup here, with its reason.

@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ParamError, PromptTooLong, ProtocolError, Status
-from ..wire.jsontext import parse_json_object
+from ..wire.jsontext import parse_json, parse_json_object
 from .sse import RETRY_AFTER, busy_body, error_body
 
 if TYPE_CHECKING:
@@ -168,11 +168,11 @@ async def read_request_json(*, token_ids: bool = False) -> dict[str, Any]:
     return await read_json_body(cap, why)
 
 
-async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[str, Any]:
-    """The request's JSON object, at most ``max_bytes`` (``why``: what sets it), declared or
-    not: a chunked body is counted as it arrives and refused (413) once past the limit, not
-    buffered to Quart's own cap first; a slow one gets 408 (receive_body). A large body is
-    parsed off the trio thread."""
+async def read_json_body(max_bytes: int, why: str = "--max-json-bytes", *, any_value: bool = False) -> Any:
+    """The request's JSON object (``any_value``: any JSON value), at most ``max_bytes``
+    (``why``: what sets it), declared or not: a chunked body is counted as it arrives and
+    refused (413) once past the limit, not buffered to Quart's own cap first; a slow one
+    gets 408 (receive_body). A large body is parsed off the trio thread."""
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # refuse before reading it
         raise HttpError(413, f"body is {declared} bytes; the limit is {max_bytes} ({why})", "invalid_request_error")
@@ -189,7 +189,7 @@ async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[
     await receive_body(app_state().settings, take)
     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     try:  # the RPC paths' rule (wire/jsontext.py); every refusal is the client's 400
-        return await run_cpu_bound(partial(parse_json_object, data, "JSON body"), len(data))
+        return await run_cpu_bound(partial(parse_json if any_value else parse_json_object, data, "JSON body"), len(data))
     except ProtocolError as err:
         raise HttpError(400, err.message, "invalid_request_error") from None
 
