@@ -1,18 +1,18 @@
 """Concurrent streamed chats on the ``bench`` preset against llama-server, round for round;
-with ``--base``, another checkout of the project beside this one in every round (the
-bisection of issue 53's 8-stream regression, and the figure that shows the next one).
+with ``--base`` (repeatable), other checkouts of the project beside this one in every round
+(the bisection of issue 53's 8-stream regression, and the figure that shows the next one).
 
     python -m benchmarks.chat_streams [--streams 8] [--rounds 8] [--tokens 48] [--words 40]
-        [--base /path/to/other/checkout] [--llama-server PATH | --with-llama-server]
+        [--base /path/to/other/checkout ...] [--llama-server PATH | --with-llama-server]
         [--out benchmarks/results/chat-streams.json]
 
 Each round sends the same ``--streams`` chats (``--words``-word prompts new to every server,
 greedy, ``ignore_eos``, ``--tokens`` tokens each, streamed) to every server at once, one
 server after the other, the order turning by one each round; every server has ``--streams``
 slots and 2 llama threads. Per server and round: aggregate tok/s from the requests' start to
-the last token, and ITL. Printed: each ratio per round (this / llama-server, base /
-llama-server, this / base) as median [min-max]: the figure to read on a shared VM, where
-both sides of a ratio meet the same noise.
+the last token, and ITL. Printed: each ratio per round (each checkout / llama-server, this /
+each base) as median [min-max]: the figure to read on a shared VM, where both sides of a
+ratio meet the same noise. A base is named by its folder's name.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import trio
 
+from hydra_trio.config import Settings
 from hydra_trio.testing.sse import delta_text, sse_chunk
 
 from .harness import EngineProcess, env_info, percentile, summary, words_prompt
@@ -89,20 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--words", type=int, default=40)
     ap.add_argument("--preset", default="bench")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--base", type=Path, default=None, help="another checkout (its src/ is used), run beside this one")
+    ap.add_argument("--threads", type=int, default=Settings().threads, help="llama threads of every server (default: the engine's own default here, %(default)s)")
+    ap.add_argument("--base", type=Path, action="append", default=[], help="another checkout (its src/ is used), run beside this one; repeatable")
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="a llama-server binary")
     ap.add_argument("--with-llama-server", action="store_true", help="build llama-server once if needed (~10 min)")
     ap.add_argument("--no-llama-server", action="store_true", help="only this checkout (and --base)")
     ap.add_argument("--extra", default="", help="more `hydra-trio serve` flags for this checkout's engine")
+    ap.add_argument("--skip-this", action="store_true", help="only the --base checkouts (and llama-server): a bisection")
     ap.add_argument("--out", type=Path, default=None, help="write the rows and ratios as JSON")
     args = ap.parse_args(argv)
-    if args.base is not None and not (args.base / "src" / "hydra_trio").is_dir():
-        ap.error(f"--base {args.base}: no src/hydra_trio there")
+    for base in args.base:
+        if not (base / "src" / "hydra_trio").is_dir():
+            ap.error(f"--base {base}: no src/hydra_trio there")
+    if len({b.name for b in args.base} | {"this"}) != len(args.base) + 1:
+        ap.error("--base: each checkout's folder needs its own name (not 'this')")
     if args.streams < 1 or args.rounds < 1 or args.tokens < 2:
         ap.error("--streams and --rounds must be at least 1, --tokens at least 2")
     peer_bin = None if args.no_llama_server else find_or_build(args.llama_server, args.with_llama_server)
-    if peer_bin is None and args.base is None and not args.no_llama_server:
+    if peer_bin is None and not args.base and not args.no_llama_server:
         ap.error("no llama-server (give --llama-server PATH or --with-llama-server) and no --base: nothing to compare with")
     from .__main__ import build_models
 
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     stop: list[Any] = []
     before = os.environ.get("PYTHONPATH")
     try:
-        versions = [("this", HERE / "src")] + ([("base", args.base / "src")] if args.base else [])
+        versions = ([] if args.skip_this else [("this", HERE / "src")]) + [(b.name, b / "src") for b in args.base]
         for name, src in versions:
             os.environ["PYTHONPATH"] = str(src)  # the engine process imports this version
             extra = args.extra.split() if name == "this" else []
@@ -147,14 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         for s in stop:
             s.stop()
     result: dict[str, Any] = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": {k: str(v) for k, v in vars(args).items()},
         "env": env_info(),
         "load_before": os.getloadavg(),
         "rows": rows,
         "median_tok_s": {n: statistics.median(r["tok_s"] for r in rs) for n, rs in rows.items()},
         "ratios": {},
     }
-    pairs = [("this", "llama-server"), ("base", "llama-server"), ("this", "base")]
+    first = next(iter(rows))  # this checkout, else the first base
+    pairs = [(n, "llama-server") for n in rows if n != "llama-server"] + [(first, n) for n in rows if n not in (first, "llama-server")]
     for a, b in pairs:
         if a in rows and b in rows:
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rows[a], rows[b], strict=True)]
