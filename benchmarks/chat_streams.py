@@ -9,8 +9,10 @@ with ``--base`` (repeatable), other checkouts of the project beside this one in 
 Each round sends the same ``--streams`` chats (``--words``-word prompts new to every server,
 greedy, ``ignore_eos``, ``--tokens`` tokens each, streamed) to every server at once, one
 server after the other, the order turning by one each round; every server has ``--streams``
-slots and 2 llama threads. Per server and round: aggregate tok/s from the requests' start to
-the last token, and ITL. Printed: each ratio per round (each checkout / llama-server, this /
+slots and the same llama threads. Per server and round: aggregate tok/s from the requests'
+start to the last token, ITL, and the server's CPU per streamed token (all threads; and the
+trio thread's for hydra-trio): CPU time is far steadier than wall time on a busy machine, so a
+change in the engine's own work per token shows there first. Printed: each ratio per round (each checkout / llama-server, this /
 each base) as median [min-max]: the figure to read on a shared VM, where both sides of a
 ratio meet the same noise. A base is named by its folder's name.
 """
@@ -32,6 +34,7 @@ import trio
 from hydra_trio.config import Settings
 from hydra_trio.testing.sse import delta_text, sse_chunk
 
+from .ceiling import cpu_s, thread_cpu_s
 from .harness import EngineProcess, env_info, percentile, summary, words_prompt
 from .llama_server import LlamaServer, find_or_build
 
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     slot_ctx = 512
     ctx = args.streams * slot_ctx
     servers: dict[str, str] = {}
+    pids: dict[str, int] = {}
     stop: list[Any] = []
     before = os.environ.get("PYTHONPATH")
     try:
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             e = EngineProcess(model, slots=args.streams, ctx_size=ctx, threads=args.threads, extra=extra).start(work, name)
             stop.append(e)
             servers[name] = e.url
+            pids[name] = e.pid
         if before is None:
             os.environ.pop("PYTHONPATH", None)
         else:
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             peer = LlamaServer(peer_bin, model, ctx=ctx, slots=args.streams, log_dir=work, tag="llama-server", threads=args.threads)
             stop.append(peer)
             servers["llama-server"] = peer.url
+            pids["llama-server"] = peer.proc.pid
         names = list(servers)
         rows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
         for rnd in range(args.rounds + 1):  # round 0 warms every server up, unmeasured
@@ -143,11 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             order = names[rnd % len(names):] + names[: rnd % len(names)]
             line = []
             for name in order:
+                pid = pids[name]
+                c0, t0 = cpu_s(pid), thread_cpu_s(pid, pid)
                 row = trio.run(_streams, servers[name], prompts, args.tokens)
+                row["cpu_us_per_token"] = (cpu_s(pid) - c0) / max(1, row["tokens"]) * 1e6
+                if name != "llama-server":  # the trio thread is the main thread
+                    row["trio_cpu_us_per_token"] = (thread_cpu_s(pid, pid) - t0) / max(1, row["tokens"]) * 1e6
                 if rnd:
                     rows[name].append(row)
-                line.append(f"{name} {row['tok_s']:.1f}")
-            print(f"round {rnd}{' (warm-up)' if rnd == 0 else ''}: " + ", ".join(line) + " tok/s", flush=True)
+                line.append(f"{name} {row['tok_s']:.1f} tok/s ({row['cpu_us_per_token']:.0f} us CPU/token)")
+            print(f"round {rnd}{' (warm-up)' if rnd == 0 else ''}: " + ", ".join(line), flush=True)
     finally:
         for s in stop:
             s.stop()
@@ -166,10 +177,14 @@ def main(argv: list[str] | None = None) -> int:
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rows[a], rows[b], strict=True)]
             result["ratios"][f"{a}/{b}"] = summary(ratios)
             s = result["ratios"][f"{a}/{b}"]
-            print(f"{a} / {b}: median {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}] over {len(ratios)} rounds")
+            cpu = summary([x["cpu_us_per_token"] / y["cpu_us_per_token"] for x, y in zip(rows[a], rows[b], strict=True)])
+            result["ratios"][f"{a}/{b} cpu per token"] = cpu
+            print(f"{a} / {b}: tok/s median {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}] over {len(ratios)} rounds; "
+                  f"CPU per token {cpu['median']:.2f}x [{cpu['min']:.2f}-{cpu['max']:.2f}]")
     for n, rs in rows.items():
         print(f"{n}: median {result['median_tok_s'][n]:.1f} tok/s, ITL p50 {statistics.median(r['itl_p50_ms'] for r in rs):.1f} ms, "
-              f"p99 {statistics.median(r['itl_p99_ms'] for r in rs):.1f} ms")
+              f"p99 {statistics.median(r['itl_p99_ms'] for r in rs):.1f} ms, CPU {statistics.median(r['cpu_us_per_token'] for r in rs):.0f} us/token"
+              + (f" (trio thread {statistics.median(r['trio_cpu_us_per_token'] for r in rs):.0f})" if "trio_cpu_us_per_token" in rs[0] else ""))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")

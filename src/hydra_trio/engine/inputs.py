@@ -15,7 +15,7 @@ import trio
 
 from ..config import Settings
 from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
-from .chat import BUDGET_KEYS, Chat, ChatTemplate, ReplyParser
+from .chat import BUDGET_KEYS, Chat, ChatTemplate, Constraint, ReplyParser
 from .llama import GrammarError, LlamaBackend, ThinkPlan, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
 from .worker import GpuWorker
@@ -33,6 +33,17 @@ GRAMMAR_THREADS = 2
 # A client's GBNF llguidance refuses is also parsed by llama.cpp, up to this size, to answer in
 # the words llama-server's users know (a parse on the worker: bounded so it stays short).
 LLAMA_ERROR_GBNF_CHARS = 16 * 1024
+
+
+ToGbnf = Callable[[Constraint], tuple[str, tuple[str, ...]]]
+
+
+class _NeedsThread(Exception):
+    """A request's constraint is to be converted to GBNF (off the trio thread)."""
+
+
+def _convert_on_a_thread(_constraint: Constraint) -> tuple[str, tuple[str, ...]]:
+    raise _NeedsThread
 
 
 class Inputs:
@@ -77,7 +88,7 @@ class Inputs:
         assert self.chat is not None, "set at construction"
         return self.chat.template
 
-    def generation_params(self, request: dict[str, Any]) -> GenerationParams:
+    def generation_params(self, request: dict[str, Any], to_gbnf: ToGbnf | None = None) -> GenerationParams:
         """A request's generation settings, with this engine's defaults and limits."""
         s = self._settings
         return parse_generation(
@@ -86,13 +97,19 @@ class Inputs:
             n_ctx=self.n_ctx_slot,
             default_stream_interval=s.stream_interval,
             default_reasoning_budget=s.reasoning_budget,
-            to_gbnf=self._chat().to_gbnf,
+            to_gbnf=self._chat().to_gbnf if to_gbnf is None else to_gbnf,
         )
 
     async def generation_params_off_loop(self, request: dict[str, Any]) -> GenerationParams:
-        """``generation_params`` on a worker thread (at most GRAMMAR_THREADS at once): a
-        request's schema or tools become GBNF there, never on the trio thread."""
-        return await trio.to_thread.run_sync(self.generation_params, request, limiter=self._grammar_threads)
+        """``generation_params`` where a request's schema or tools become GBNF on a worker
+        thread (at most GRAMMAR_THREADS at once), never on the trio thread. A request with
+        nothing to convert is read here at once: a thread hop each, two at a time, staggered
+        requests that came together (their prompts then joined the streams' batches one by
+        one: issue 53's 8-stream regression)."""
+        try:
+            return self.generation_params(request, to_gbnf=_convert_on_a_thread)
+        except _NeedsThread:
+            return await trio.to_thread.run_sync(self.generation_params, request, limiter=self._grammar_threads)
 
     def reply_parsers(self, params: GenerationParams, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
         """How a chat reply is read (``Chat.reply_parsers``); None: its text is the content."""
