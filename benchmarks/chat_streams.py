@@ -12,7 +12,9 @@ server after the other, the order turning by one each round; every server has ``
 slots and the same llama threads. Per server and round: aggregate tok/s from the requests'
 start to the last token, ITL, and the server's CPU per streamed token (all threads; and the
 trio thread's for hydra-trio): CPU time is far steadier than wall time on a busy machine, so a
-change in the engine's own work per token shows there first. Printed: each ratio per round (each checkout / llama-server, this /
+change in the engine's own work per token shows there first; for hydra-trio also its steps
+(llama_decode calls of the generation steps) and tokens per step, which say how well the
+round's requests were batched, whatever the machine's load. Printed: each ratio per round (each checkout / llama-server, this /
 each base) as median [min-max]: the figure to read on a shared VM, where both sides of a
 ratio meet the same noise. A base is named by its folder's name.
 """
@@ -35,10 +37,17 @@ from hydra_trio.config import Settings
 from hydra_trio.testing.sse import delta_text, sse_chunk
 
 from .ceiling import cpu_s, thread_cpu_s
-from .harness import EngineProcess, env_info, percentile, summary, words_prompt
+from .harness import EngineProcess, env_info, metric_value, percentile, summary, words_prompt
 from .llama_server import LlamaServer, find_or_build
 
 HERE = Path(__file__).resolve().parent.parent
+# hydra-trio's counters read around each round: how it batched the round's work
+COUNTERS = {
+    "steps": "hydra_step_batches_total",
+    "step_tokens": "hydra_engine_step_tokens_total",
+    "decode_s": "hydra_llama_decode_seconds_total",
+    "worker_busy_s": "hydra_gpu_worker_busy_seconds_total",
+}
 
 
 async def _one(http: httpx.AsyncClient, prompt: str, n_tokens: int) -> list[float]:
@@ -150,14 +159,19 @@ def main(argv: list[str] | None = None) -> int:
             line = []
             for name in order:
                 pid = pids[name]
+                ours = name != "llama-server"
+                m0 = {k: metric_value(servers[name], v) for k, v in COUNTERS.items()} if ours else {}
                 c0, t0 = cpu_s(pid), thread_cpu_s(pid, pid)
                 row = trio.run(_streams, servers[name], prompts, args.tokens)
                 row["cpu_us_per_token"] = (cpu_s(pid) - c0) / max(1, row["tokens"]) * 1e6
-                if name != "llama-server":  # the trio thread is the main thread
+                if ours:  # the trio thread is the main thread
                     row["trio_cpu_us_per_token"] = (thread_cpu_s(pid, pid) - t0) / max(1, row["tokens"]) * 1e6
+                    row.update({k: metric_value(servers[name], v) - m0[k] for k, v in COUNTERS.items()})
+                    row["tokens_per_step"] = row["step_tokens"] / max(1, row["steps"])
                 if rnd:
                     rows[name].append(row)
-                line.append(f"{name} {row['tok_s']:.1f} tok/s ({row['cpu_us_per_token']:.0f} us CPU/token)")
+                line.append(f"{name} {row['tok_s']:.1f} tok/s ({row['cpu_us_per_token']:.0f} us CPU/token"
+                            + (f", {row['steps']:.0f} steps of {row['tokens_per_step']:.1f})" if ours else ")"))
             print(f"round {rnd}{' (warm-up)' if rnd == 0 else ''}: " + ", ".join(line), flush=True)
     finally:
         for s in stop:
@@ -184,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     for n, rs in rows.items():
         print(f"{n}: median {result['median_tok_s'][n]:.1f} tok/s, ITL p50 {statistics.median(r['itl_p50_ms'] for r in rs):.1f} ms, "
               f"p99 {statistics.median(r['itl_p99_ms'] for r in rs):.1f} ms, CPU {statistics.median(r['cpu_us_per_token'] for r in rs):.0f} us/token"
-              + (f" (trio thread {statistics.median(r['trio_cpu_us_per_token'] for r in rs):.0f})" if "trio_cpu_us_per_token" in rs[0] else ""))
+              + (f" (trio thread {statistics.median(r['trio_cpu_us_per_token'] for r in rs):.0f}), "
+                 f"{statistics.median(r['steps'] for r in rs):.0f} steps of {statistics.median(r['tokens_per_step'] for r in rs):.2f} tokens"
+                 if "steps" in rs[0] else ""))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")

@@ -22,8 +22,9 @@ trio thread (overlapped with llama_decode, which releases the GIL; it competes f
                     look-ahead steps made (StepBatcher.submit/_take_waiting/_count/_deliver/
                     _next_prompts, Handover.drain)
 
-A probe costs about 0.3-0.5 us (two perf_counter_ns and a list); hostwork.py runs the same
-load on an engine without probes beside it, so that cost shows.
+Times are the thread's CPU time (a probe costs about 1 us: two CLOCK_THREAD_CPUTIME_ID reads
+and a list); hostwork.py runs the same load on an engine without probes beside it, so that
+cost shows.
 """
 
 from __future__ import annotations
@@ -50,24 +51,29 @@ def _stack() -> list[list[Any]]:
     return s
 
 
+# A part's time is its thread's CPU time (CLOCK_THREAD_CPUTIME_ID), not the wall clock: on a
+# shared machine a thread waits for a core for longer than it computes, and that wait is the
+# machine's, not the part's. An outermost probe also keeps its wall time: wall less CPU is
+# what its thread waited (for a core, or for the GIL).
+_clock = time.thread_time_ns
+
+
 def _enter(part: str) -> list[Any]:
     stack = _stack()
-    # part, start, time of nested probes, and for an outermost probe its thread's CPU time
-    # (wall less CPU: waits for the GIL or for a core)
-    frame = [part, time.perf_counter_ns(), 0, None if stack else time.thread_time_ns()]
+    frame = [part, _clock(), 0, None if stack else time.perf_counter_ns()]  # part, start, nested, wall start
     stack.append(frame)
     return frame
 
 
 def _leave(frame: list[Any]) -> None:
-    elapsed = time.perf_counter_ns() - frame[1]
+    elapsed = _clock() - frame[1]
     stack = _stack()
     stack.pop()
     if stack:
         stack[-1][2] += elapsed
     else:
-        _add(f"{frame[0]} (outermost, wall)", elapsed)
-        _add(f"{frame[0]} (outermost, cpu)", time.thread_time_ns() - frame[3])
+        _add(f"{frame[0]} (outermost, wall)", time.perf_counter_ns() - frame[3])
+        _add(f"{frame[0]} (outermost, cpu)", elapsed)
     _add(frame[0], elapsed - frame[2])
 
 
@@ -130,12 +136,13 @@ def install() -> None:
     @functools.wraps(generate)
     async def generate_timed(self: Any, slot: int, prompt_tokens: Any, params: Any, emit: Any, **kw: Any) -> Any:
         async def emit_timed(delta: str) -> None:
-            # Off the probe stack: another task's emit may start while this one waits.
-            t0 = time.perf_counter_ns()
+            # Off the probe stack: another task's emit may start while this one waits (its
+            # CPU time then counts that task's work too: an emit rarely waits).
+            t0 = _clock()
             try:
                 await emit(delta)
             finally:
-                _add("stream-out", time.perf_counter_ns() - t0)
+                _add("stream-out", _clock() - t0)
 
         return await generate(self, slot, prompt_tokens, params, emit_timed, **kw)
 

@@ -182,13 +182,56 @@ if (( WITH_SERVER )); then
 fi
 export CMAKE_ARGS CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
 echo "CMAKE_ARGS=$CMAKE_ARGS CMAKE_BUILD_PARALLEL_LEVEL=$JOBS"
-# LLAMA_BUILD_DIR=path keeps the CMake build folder there (a rerun recompiles only what
-# changed: the Vulkan lane on 2 cores); by default it is a fresh one under WORK.
+# LLAMA_BUILD_DIR=path keeps the CMake build folder there, and the sdist unpacked beside it
+# (LLAMA_SRC_DIR; CMake's cache names its source folder): a rerun recompiles only what
+# changed (the Vulkan lane on 2 cores). By default both are fresh ones under WORK.
 BUILD_DIR=${LLAMA_BUILD_DIR:-$WORK/build}
-export BUILD_DIR
+SRC_DIR=${LLAMA_SRC_DIR:-${LLAMA_BUILD_DIR:+$LLAMA_BUILD_DIR-src}}
+SRC_DIR=${SRC_DIR:-$WORK/src}
+export BUILD_DIR SRC_DIR
+unpack_sdist() {
+  # The sdist unpacked (its files keep the archive's times: a kept build folder stays valid).
+  python - "$SDIST" "$SRC_DIR" "$BACKEND" "${VULKAN_SDK:-}" <<'PYEOF'
+import re, sys, tarfile
+from pathlib import Path
+sdist, dest, backend = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+root = dest / sdist.name.removesuffix(".tar.gz")
+if not (root / "PKG-INFO").is_file():
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(dest, filter="data")
+print(root)
+if backend != "vulkan":
+    raise SystemExit(0)
+# Vulkan headers older than VK_EXT_layer_settings (Debian 12's 1.3.239): ggml-vulkan sets the
+# validation layer's best-practices switch through it, a debugging aid; without the
+# extension the instance is made without that setting (the only code that needs it).
+sdk = [f"{sys.argv[4]}/include"] if len(sys.argv) > 4 and sys.argv[4] else []
+headers = [Path(p) / "vulkan" / "vulkan_core.h" for p in (*sdk, "/usr/include")]
+if any(h.is_file() and "VK_EXT_layer_settings" in h.read_text() for h in headers):
+    raise SystemExit(0)
+src = root / "vendor/llama.cpp/ggml/src/ggml-vulkan/ggml-vulkan.cpp"
+text = src.read_text()
+if "HYDRA_NO_LAYER_SETTINGS" in text:
+    raise SystemExit(0)
+pattern = re.compile(r"(\n(\s*)VkBool32 enable_best_practice = layer_settings;.*?\n(\s*)vk::InstanceCreateInfo instance_create_info\(([^;]*?), &layer_setting_info\);)", re.S)
+m = pattern.search(text)
+if m is None:
+    raise SystemExit(f"{src}: the layer-settings block to guard was not found")
+guarded = (f"\n#if defined(VK_EXT_layer_settings) // HYDRA_NO_LAYER_SETTINGS{m.group(1)}\n#else\n"
+           f"{m.group(3)}vk::InstanceCreateInfo instance_create_info({m.group(4)});\n#endif")
+src.write_text(text[: m.start()] + guarded + text[m.end():])
+print(f"{src}: VK_EXT_layer_settings guarded (these Vulkan headers lack it)")
+PYEOF
+}
+export -f unpack_sdist
 build_llama() {
+  local out root
+  out=$(unpack_sdist) || { echo "$out"; return 1; }
+  echo "$out"
+  root=$(head -n 1 <<<"$out")
   python -m pip wheel -v --no-deps --no-build-isolation --no-index --disable-pip-version-check \
-    -C build-dir="$BUILD_DIR" -w "$WORK/wheel" "$SDIST" &&
+    -C build-dir="$BUILD_DIR" -w "$WORK/wheel" "$root" &&
   python -m pip install --no-deps --no-index --disable-pip-version-check "$WORK"/wheel/llama_cpp_python-*.whl
 }
 export -f build_llama
