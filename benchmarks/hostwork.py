@@ -158,7 +158,8 @@ def run_model(label: str, model: str, args: argparse.Namespace, peer_bin: Path |
                     if name == "probed":
                         before = srv.dump()
                         w0, d0, c0 = worker_busy_s(port), decode_s(port), thread_cpu_s(pid, pid)
-                    row = measure(name, port, pid, tid, lambda p=port, ps=prompts: run_round(p, ps, args.tokens))
+                    n_tokens = args.tokens if rnd else 4  # the warm-up: kernels and slots, briefly
+                    row = measure(name, port, pid, tid, lambda p=port, ps=prompts, k=n_tokens: run_round(p, ps, k))
                     if name == "probed":
                         parts = parts_delta(before, srv.dump())
                         row["split"] = split_row(row, parts, worker_busy_s(port) - w0, thread_cpu_s(pid, pid) - c0)
