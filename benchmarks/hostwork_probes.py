@@ -11,7 +11,7 @@ worker thread (every llama.cpp call; what a GPU would wait for):
                     into the slot's history (BatchSteps.step / step_mixed less the above)
   logits read       the logits as arrays (llama_get_logits views)
   sampling          Sampler.sample less the constraint: argmax or the llama chain, bans
-  constraint        a grammar's pick (Sampler._pick_constrained)
+  constraint        a grammar's pick (Sampler._constrained: llguidance's check or mask)
   prefill           prompt chunks alone (eval_chunk less its decode): not a token's work
 trio thread (overlapped with llama_decode, which releases the GIL; it competes for it after):
   detokenize        the token's bytes, UTF-8 and stop strings (token_bytes, TextAssembler.push)
@@ -107,9 +107,9 @@ def install() -> None:
 
     from hydra_trio.engine.core import EngineCore
     from hydra_trio.engine.llama.context import LlamaBackend
-    from hydra_trio.engine.llama.sampling import Sampler
     from hydra_trio.engine.llama.steps import BatchSteps
     from hydra_trio.engine.output import OutputProcessor
+    from hydra_trio.engine.sample import Sampler
     from hydra_trio.engine.sched.batcher import StepBatcher
     from hydra_trio.engine.sched.handover import Handover
     from hydra_trio.engine.text import TextAssembler
@@ -121,7 +121,7 @@ def install() -> None:
     _patch(LlamaBackend, "_first_logits", "logits read")
     _patch(LlamaBackend, "_logits", "logits read")
     _patch(Sampler, "sample", "sampling")
-    _patch(Sampler, "_pick_constrained", "constraint")
+    _patch(Sampler, "_constrained", "constraint")
     _patch(LlamaBackend, "eval_chunk", "prefill")
     _patch(LlamaBackend, "token_bytes", "detokenize")
     _patch(TextAssembler, "push", "detokenize")

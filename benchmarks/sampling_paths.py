@@ -3,7 +3,7 @@ Deliver 3's evidence): on the bare llama.cpp API, the same greedy loop at 1 and 
 the token picked three ways, side by side in one process, round after round:
 
 - ``numpy``: the engine's path today: the step's logits as one NumPy view of llama.cpp's
-  buffer (``llama_get_logits``), then ``argmax`` of each row (engine/llama/sampling.py);
+  buffer (``llama_get_logits``), then ``argmax`` of each row (engine/sample/sampler.py: ``Sampler.is_argmax``);
 - ``chain``: llama.cpp's own host sampler, ``llama_sampler_sample`` with a greedy chain on
   the context's logits (it builds an n_vocab candidate array per token);
 - ``backend``: llama.cpp's backend sampling (``llama_set_sampler`` per sequence: the chain
