@@ -325,6 +325,7 @@ async def test_a_prompt_rides_only_in_its_own_sets_batches() -> None:
         nursery.start_soon(batcher.run)
         for job in jobs:
             assert await batcher.result(job) == (2,)
+        batcher.generating = 0  # set A's streams end (else the batcher waits for their next steps)
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     for slots, parts in rec.batches:

@@ -72,6 +72,10 @@ class Settings:
     # arriving prompt. Small on CPUs (each prompt token costs about what a whole step does);
     # a GPU takes hundreds at almost no extra step time.
     step_token_budget: int = 32
+    # While streams run, each step carries as many prompt tokens as keep it under this
+    # inter-token latency (engine/sched/chunks.py); 0: the machine's own, 20 one-stream steps
+    # as measured (a long prompt then goes about as fast as alone).
+    itl_target_ms: float = 0.0
     # Streaming: up to this many tokens per chunk (vLLM's --stream-interval); the first token
     # and the end are sent at once. A request's own "stream_interval" wins.
     stream_interval: int = 1
@@ -297,7 +301,8 @@ _HELP: dict[str, str] = {
     "embd_max_waiting": "embedding and rerank inputs waiting for the GPU worker at most (one request's included); past it a request gets 503 with Retry-After",
     "spm_infill": "/infill: suffix before prefix (llama-server's --spm-infill), the order some code models were trained with",
     "stream_interval": "streamed tokens per chunk at most (the first token and the end go at once); a request's stream_interval wins",
-    "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens; each further waiting prompt adds up to this many)",
+    "step_token_budget": "prompt tokens per generation-step batch while streams run, until the ITL target's step costs are measured (each further waiting prompt adds up to this many)",
+    "itl_target_ms": "inter-token latency target while a prompt is prefilled beside running streams: each step carries as many prompt tokens as keep it under this; 0 = the machine's own (20 one-stream steps, as measured)",
     "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: all when the llama.cpp build can offload, else 0)",
     "main_gpu": "llama.cpp's main_gpu: the GPU for scratch work and, when layers are not split across GPUs, the model",
     "flash_attn": "flash attention: on, off or auto",
@@ -504,6 +509,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "slots": (1, 256),
     "batch_size": (1, 8192),
     "step_token_budget": (1, 8192),
+    "itl_target_ms": (0.0, 600_000.0),
     "slot_prompt_similarity": (0.0, 1.0),
     "stream_interval": (1, 4096),
     "kv_events_block_size": (1, 4096),

@@ -81,8 +81,7 @@ class EngineCore:
         self.adapters = adapters or LoraAdapters()  # --lora: read by load()
         self.model_load_ms = 0.0
         self.warmup_ms: float | None = None  # None: no warm-up ran (--no-warmup)
-        # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
-        budget = min(settings.step_token_budget, backend.n_batch)
+        budget = min(settings.step_token_budget, backend.n_batch)  # before the ITL target's costs are measured
         self.batcher = StepBatcher(
             backend.n_slots,
             lambda reqs, before_decode: self.backend.step(reqs, before_decode=before_decode),
@@ -95,6 +94,7 @@ class EngineCore:
             wants_turn=self.worker.wants_turn,
             lora_of=(lambda slot: self.backend.seq_lora[slot]) if self.adapters else None,
             lora_switch_s=backend.lora_switch_s,
+            itl_target_s=settings.itl_target_ms / 1000.0,
         )
         self.tokens_generated = 0
         # The speculation the backend's steps run with: the draft policy and what a forward

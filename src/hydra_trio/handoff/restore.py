@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,10 +142,17 @@ class Handoff:
         finally:
             self.release()
 
-    async def restore(self, lease: SlotLease, salt: str | None = None) -> None:
+    async def restore(
+        self, lease: SlotLease, salt: str | None = None, *, let_go: Callable[[list[KvBlob]], None] | None = None
+    ) -> None:
         """Restore the fetched blob into the caller's (claimed) slot, with the logits that
         came with it, as the history of the request's cache ``salt`` and LoRA adapter set. On failure the slot
-        is as it was and the request prefills locally. The budget goes back either way."""
+        is as it was and the request prefills locally. The budget goes back either way.
+
+        ``let_go(holder)``: drops the blob's last reference (``holder.clear()``) elsewhere
+        than here, before the first token: letting a shared-memory export's mapping go
+        unmaps it and frees the file's pages, 100-170 ms for 148.5 MB on a loaded 2-core VM
+        (measured between the restore's return and the first token)."""
         blob = self._blob
         try:
             if blob is None:
@@ -160,8 +168,11 @@ class Handoff:
             self.status = "restored"
             self.exports.metrics.pulls.labels("restored", "").inc()
         finally:
+            holder = [] if blob is None else [blob]
             del blob
             self.release()
+            if let_go is not None and holder:
+                let_go(holder)
 
     async def _pull(self, settings: Settings, budget: ByteBudget, deadline: float) -> KvBlob | None:
         params, engine = self.params, self.engine

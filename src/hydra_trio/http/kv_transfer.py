@@ -135,7 +135,13 @@ async def restore_handoff(handoff: Handoff | None, lease: SlotLease, salt: str |
     token, as the history of the request's cache ``salt`` and LoRA adapter set (nothing
     without a hand-off; a failed one falls back to a local prefill)."""
     if handoff is not None:
-        await handoff.restore(lease, salt)
+        await handoff.restore(lease, salt, let_go=_let_go_on_a_thread)
+
+
+def _let_go_on_a_thread(holder: list[Any]) -> None:
+    """The pulled blob's last reference dropped on a worker thread, in the request's own
+    nursery (munmap releases the GIL): not between the restore and the first token."""
+    request_nursery().start_soon(partial(trio.to_thread.run_sync, holder.clear, abandon_on_cancel=False))
 
 
 def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:

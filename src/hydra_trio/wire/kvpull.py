@@ -216,8 +216,9 @@ def parse_handoff_params(params: object) -> HandoffParams | None:
     )
 
 
-def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer) -> None:
-    """The reply is the export the params named, byte for byte: HASH_MISMATCH or BAD_FRAME."""
+def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer, digest: int | None = None) -> None:
+    """The reply is the export the params named, byte for byte: HASH_MISMATCH or BAD_FRAME.
+    ``digest``: the payload's XXH3-64, when it was hashed as it arrived."""
     if meta.get("export_id") != params.export_id:
         raise ProtocolError(ErrorCode.BAD_FRAME, "KV_PULL reply names another export")
     if len(payload) != params.kv_bytes or meta.get("kv_bytes") != params.kv_bytes:
@@ -227,7 +228,7 @@ def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer
     if meta.get("n_past") != params.n_past:
         raise ProtocolError(ErrorCode.BAD_FRAME, "KV_PULL reply n_past differs from the export's")
     expected = parse_tag(params.kv_hash, "kv_hash")
-    actual = xxh3_64(payload)
+    actual = xxh3_64(payload) if digest is None else digest
     if actual != expected or str(meta.get("kv_hash", "")).lower() != params.kv_hash:
         raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got {format_tag(actual)})")
 

@@ -3,9 +3,10 @@ and so do the prompt tokens of requests that arrive meanwhile (chunked prefill).
 
 Request tasks hand in a step (slot, token, sampler) or a prompt (slot, tokens) and wait for
 the result. Each batch holds every step handed in by the time the last batch's requests have
-come back, plus as many prompt tokens as fit in the per-step token budget: a long prompt is
-spread over several batches, so the running streams keep their pace while it is prefilled
-(as vLLM and llama-server do), instead of waiting behind a whole prompt chunk.
+come back, plus as many prompt tokens as keep the step under the inter-token latency target
+(``chunks.py``): a long prompt is spread over several batches, so the running streams keep
+a pace while it is prefilled (as vLLM and llama-server do), instead of waiting behind a whole
+prompt chunk, and the prompt goes nearly as fast as alone.
 
 llama.cpp applies LoRA adapters per context, not per sequence, so a batch holds the slots of
 one adapter set only (``lora_of``), as llama-server's ``can_batch_with`` refuses to batch
@@ -31,6 +32,7 @@ import trio
 from ...wire.errors import ErrorCode, ProtocolError, Status
 from ..llama import LoraSet, PrefillPart, StepRequest, StepResult, TokenSampler
 from ..speculation import Speculation
+from .chunks import ChunkSizer
 from .handover import Handover
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class StepBatcher:
         wants_turn: threading.Event,
         lora_of: Callable[[int], LoraSet] | None = None,
         lora_switch_s: float = 0.0,
+        itl_target_s: float = 0.0,
     ) -> None:
         # A slot has at most one job outstanding: the channel never holds more than n_slots.
         self._send, self._recv = trio.open_memory_channel[StepJob | PrefillJob](n_slots)
@@ -117,6 +120,8 @@ class StepBatcher:
         self.runs = 0  # worker calls that ran steps only (each one or more steps)
         self.token_budget = max(1, token_budget)
         self.alone_budget = max(self.token_budget, alone_budget)  # a prompt part with no steps
+        # The prompt tokens of a step beside streams, by the ITL target (0: the machine's own).
+        self.chunks = ChunkSizer(itl_target_s, budget=self.token_budget, n_batch=self.alone_budget)
         self._prompts: deque[PrefillJob] = deque()  # handed in, not finished
         self.generating = 0  # requests inside their token loop (a batch waits for them)
         self.batches = 0
@@ -294,21 +299,27 @@ class StepBatcher:
         """The prompts that get a part in the next batch, each with the end of its part
         (``lora``: of that adapter set only; None: any).
 
-        The steps go first. The first waiting prompt gets the rest of the token budget, and
-        at least a quarter of it so that it progresses however many streams run; each further
-        waiting prompt advances by up to a budget too, so that prompts which arrive together
-        start together (the batch grows with the queue, up to n_batch). With no step to
-        share the batch with, the prompts fill a whole prefill chunk (n_batch)."""
+        The steps go first. The first waiting prompt gets as many tokens as keep the step
+        under the ITL target (``ChunkSizer.chunk``: at least a quarter of the token budget, so
+        that it progresses however many streams run); each further waiting prompt advances
+        by up to a token budget too, so that prompts which arrive together start together
+        (the batch grows with the queue, up to n_batch). With no step to share the batch
+        with, the prompts fill a whole prefill chunk (n_batch)."""
         self._prompts = deque(j for j in self._prompts if not _finish_if_cancelled(j))
+        if n_steps and self._prompts and self.chunks.step_s(n_steps) is None:
+            return []  # one step of the streams alone first: their step time, measured
         left = self.alone_budget - n_steps
+        # A stream whose step is not in this batch (its task was slow to hand it in) waits
+        # for the batch all the same: the part is sized for it too.
+        streams = max(n_steps, self.generating)
         chosen: list[tuple[PrefillJob, int]] = []
         for job in self._prompts:
             if lora is not None and self._lora_of is not None and self._lora_of(job.slot) != lora:
                 continue  # another adapter set's: its own turn
-            if n_steps == 0:
+            if streams == 0:
                 room = left
             elif not chosen:
-                room = max(self.token_budget - n_steps, self.token_budget // 4, 1)
+                room = self.chunks.chunk(streams)
             else:
                 room = self.token_budget
             room = min(room, left)
@@ -329,10 +340,12 @@ class StepBatcher:
         order, and before this returns), so the requests hand out their text meanwhile."""
         handover = self._handover
         assert handover is not None  # inside ``run``
-        self._wants_turn.clear()  # what wanted the worker before is in this batch, or ahead of it
+        if not self._prompts:  # else one step only: a prompt waits for the next batch
+            self._wants_turn.clear()  # what wanted the worker before is in this batch, or ahead of it
         # A step's results go to trio just before the next step's llama_decode, which runs
         # without the GIL: trio hands out the text while the model computes (handover.py).
         pending: list[tuple[list[StepJob], list[StepResult], list[StepJob]]] = []
+        timed: list[tuple[int, float]] = []  # (steps, seconds) of each step: the ITL model's
 
         def hand_over() -> None:
             if pending:
@@ -341,6 +354,7 @@ class StepBatcher:
         def run_steps() -> None:
             cur = jobs
             for n in range(1, MAX_STEPS_PER_CALL + 1):
+                t0 = time.perf_counter()
                 try:
                     results = self._step_sync([j.request() for j in cur], hand_over)
                 except Exception as exc:
@@ -348,6 +362,7 @@ class StepBatcher:
                     handover.send(self._deliver_error, cur, exc)
                     return
                 hand_over()  # a step that did not decode (no slot had room)
+                timed.append((len(cur), time.perf_counter() - t0))
                 nxt: list[StepJob] = []
                 if n < MAX_STEPS_PER_CALL and not self._wants_turn.is_set() and (until is None or time.perf_counter() < until):
                     # Read on the worker thread: flags trio may be setting now. A stale
@@ -364,6 +379,8 @@ class StepBatcher:
         with trio.CancelScope(shield=True):  # finish the steps even on shutdown
             await self._run_on_worker(run_steps)
         handover.drain()  # what the run's last steps sent
+        for n_steps, seconds in timed:
+            self.chunks.steps_ran(n_steps, seconds)
 
     def _goes_on(self, job: StepJob, res: StepResult) -> bool:
         """Whether the last token ``job`` sampled (``res``) surely gets its own step (the
@@ -397,6 +414,7 @@ class StepBatcher:
             for job, end in prompts
         ]
         reqs = [j.request() for j in jobs]
+        t0 = time.perf_counter()
         try:
             with trio.CancelScope(shield=True):  # finish the batch even on shutdown
                 results, part_outcomes = await self._run_mixed(reqs, parts)
@@ -407,6 +425,8 @@ class StepBatcher:
             part_outcomes = [outcome.Error(exc)] * len(prompts)
         else:
             self._count(jobs, results)
+            if jobs:
+                self.chunks.prompt_ran(len(jobs), sum(len(p.tokens) for p in parts), time.perf_counter() - t0)
         for job in jobs:
             job.done.set()
         for (prompt, end), part_outcome in zip(prompts, part_outcomes, strict=True):
