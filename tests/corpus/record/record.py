@@ -17,6 +17,7 @@ import enum
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,7 +74,9 @@ class Session:
         if note:
             doc["note"] = note
         doc["requests"] = requests
-        self.store.write_capture(self.client, scenario, scrub(doc, {str(self.work): "/work/project"}))
+        # Claude Code also names the project's folder with every other character a dash.
+        paths = {str(self.work): "/work/project", re.sub(r"[^A-Za-z0-9]", "-", str(self.work)): "-work-project"}
+        self.store.write_capture(self.client, scenario, scrub(doc, paths))
         self.written.append(scenario)
         print(f"  {self.client}/{scenario}: {len(requests)} requests {[r['recorder_reply'] for r in requests]}")
 
@@ -571,6 +574,9 @@ def record_langchain(rec: Recorder, store: Store, work: Path, npm: Path) -> None
     session.run("bind-tools-stream-chat", Plan(**FRAMEWORK_PLAN), lambda: list(chat.bind_tools(tools, tool_choice="any").stream(USER)))
 
 
+# The captures' folder of a recorder whose client has another name (zod's requests are the
+# openai npm SDK's).
+CAPTURED_AS = {"zod": "openai-node"}
 RECORDERS: dict[str, Callable[[Recorder, Store, Path, Path], None]] = {
     "claude-code": record_claude_code,
     "codex": record_codex,
@@ -595,7 +601,7 @@ def main() -> None:
         work = Path(tmp)
         for name in args.only or RECORDERS:
             print(f"recording {name}")
-            for stale in (args.out / "captures" / name).glob("*.json"):
+            for stale in (args.out / "captures" / CAPTURED_AS.get(name, name)).glob("*.json"):
                 stale.unlink()
             RECORDERS[name](rec, store, work, args.npm_prefix.resolve())
     store.finish()

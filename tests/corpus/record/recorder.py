@@ -250,6 +250,12 @@ def _id(prefix: str) -> str:
     return f"{prefix}_rec{next(_ids):04d}"
 
 
+def _restart_ids() -> None:
+    """Ids count from 1 in each scenario: recording one client alone gives the bytes a full run does."""
+    global _ids
+    _ids = itertools.count(1)
+
+
 def _sse(events: list[tuple[str | None, Any]]) -> bytes:
     out = []
     for name, data in events:
@@ -492,6 +498,7 @@ class Recorder:
                 if path == "/__scenario":  # a client script in another process names its scenario
                     with recorder._lock:
                         recorder.name = (body or {}).get("$raw", "unnamed").strip()
+                        _restart_ids()
                     self._answer(200, b"{}", "application/json")
                     return
                 kind = dialect(path)
@@ -529,6 +536,7 @@ class Recorder:
     def scenario(self, name: str, plan: Plan | None = None) -> None:
         with self._lock:
             self.name, self.plan = name, plan or Plan()
+            _restart_ids()
 
     def take(self) -> list[Captured]:
         with self._lock:
