@@ -12,6 +12,9 @@ PARTS, a comma list (default: all, in this order):
   the schemas both compiled (fixed seed), generated greedily to a cap on both: the share whose
   reply ended and validates (``jsonschema``, format checker on, references resolved in the
   same offline store).
+- ``validity``: the coverage part's generated sample again, alone (the same schemas, read from
+  the results file's ``coverage.validity.schemas``): what a change of the schema policy does
+  to the share of replies that end and validate, without the coverage part's 485 compiles.
 - ``compile``: in this process, ms to write (``format_grammar``, the schema policy's
   ``SchemaRules``) and to compile (``GuidanceCache.compile``) each schema's grammar and its
   first mask, on the tiny model's vocabulary and on Gemma 3's (262k tokens); and Claude Code's
@@ -61,7 +64,7 @@ from .llama_server import LlamaServer, find_or_build, sdist_tree
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TOOLS_FILE = ROOT / "tests" / "corpus" / "claude-code-tools.json"
-PARTS = ("coverage", "compile", "ttft", "throughput", "gaps")
+PARTS = ("coverage", "validity", "compile", "ttft", "throughput", "gaps")
 # Gemma 3 270M's GGUF carries no chat template: both servers get llama.cpp's Gemma template
 # (the same turn markup), as benchmarks/dialects.py does.
 GEMMA_TEMPLATE = "vendor/llama.cpp/models/templates/google-gemma-2-2b-it.jinja"
@@ -374,6 +377,19 @@ def generate(picked: list[tuple[str, Any]], ours: Restartable, peer: Restartable
             "checks_of_ended": dict(Counter(g["check"] for g in ended)),
         }
     return out
+
+
+def sample_validity(binary: Path | None, tiny: Path, picked: list[tuple[str, Any]], log_dir: Path, *,
+                    cap: int, timeout: float) -> dict[str, Any]:
+    """``generate`` on fresh servers: the sample's replies under the engine as it is now."""
+    ours = Restartable(start_ours(tiny, log_dir, "validity-ours"))
+    peer = Restartable(start_peer(binary, tiny, log_dir, "validity-peer")) if binary else None
+    try:
+        return generate(picked, ours, peer, cap, timeout)
+    finally:
+        ours.stop()
+        if peer is not None:
+            peer.stop()
 
 
 def coverage_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -807,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     template = sdist_tree(version("llama-cpp-python")) / GEMMA_TEMPLATE
     log_dir = Path(tempfile.mkdtemp(prefix="bench-structured-"))
     print(f"logs in {log_dir}; load average {os.getloadavg()}", flush=True)
-    needs_schemas = {"coverage", "compile", "gaps"} & set(parts)
+    needs_schemas = {"coverage", "validity", "compile", "gaps"} & set(parts)
     schemas, left_out = schemastore_schemas() if needs_schemas else ([], {})
     if args.limit:
         schemas = schemas[: args.limit]
@@ -828,6 +844,17 @@ def main(argv: list[str] | None = None) -> int:
                                            sample=args.sample, cap=args.cap, seed=args.seed)
         save()
         print_coverage(results["coverage"])
+    if "validity" in parts:
+        print("1b. validity (the coverage part's sample) ...", flush=True)
+        wanted = results.get("coverage", {}).get("validity", {}).get("schemas")
+        if not wanted:
+            ap.error("validity needs a coverage part in the results file first (its sample)")
+        by_url = dict(schemas)
+        with loaded(results, "validity"):
+            results["validity"] = sample_validity(binary, tiny, [(u, by_url[u]) for u in wanted if u in by_url],
+                                                  log_dir, cap=args.cap, timeout=args.timeout)
+        save()
+        print(json.dumps({k: results["validity"].get(k) for k in ("ours", "peer")}, indent=1))
     if "compile" in parts:
         print("2. compile ...", flush=True)
         assert gemma is not None

@@ -81,8 +81,10 @@ _LOWER = ("minimum", "exclusiveMinimum")
 _UPPER = ("maximum", "exclusiveMaximum")
 # An object that lists its properties and says nothing of others gets only those, as llama.cpp's
 # converter writes it (llguidance, by the letter of JSON Schema, lets a model add keys: a base
-# model wrote them until its length cap, 44 of 60 SchemaStore schemas against llama-server's 28).
-_OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# model wrote them until its length cap). Not where subschemas list one object's properties
+# between them: an allOf's members, alternatives beside listed properties or a $ref, an object
+# with any of those (``_composes``).
+_OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
 MAX_SCHEMA_DEPTH = 64
 # A pattern's counted repetition is compiled into llguidance's lexer: ``a{1000}`` costs it 28 ms
 # a token, ``a{100000}`` 1.4 s (measured, the tiny model's vocabulary): a count past this is
@@ -125,7 +127,9 @@ def prepare_schema(schema: Any, param: str, *, strict: bool, ref_base: str = "#"
     if not isinstance(schema, dict):
         raise bad_param(f"{param} must be a JSON schema (an object or a boolean)", param)
     relaxed: list[str] = []
-    out = _walk(schema, "", _Walk(relaxed, strict, param, ref_base), 0)
+    composed: set[str] = set()
+    _composed_refs(schema, False, composed, 0)
+    out = _walk(schema, "", _Walk(relaxed, strict, param, ref_base, frozenset(composed)), 0)
     return PreparedSchema(out, tuple(relaxed))
 
 
@@ -135,9 +139,48 @@ class _Walk:
     strict: bool
     param: str
     ref_base: str
+    composed_refs: frozenset[str]  # definitions an allOf composes with others (never closed)
 
 
-def _walk(node: Any, where: str, w: _Walk, depth: int) -> Any:
+# A schema without a type keeps it open where something else says what the value is.
+_UNTYPED_KEEPS = ("$ref", "enum", "const", "anyOf", "oneOf", "allOf", "not", "if")
+# Keywords whose subschemas describe the same value as the schema holding them.
+_SAME_VALUE = frozenset({"allOf", "anyOf", "oneOf", "if", "then", "else"})
+
+
+def _composes(node: dict[str, Any], key: str, composed: bool) -> bool:
+    """Whether ``node[key]``'s subschemas list their value's properties together with others
+    (an allOf's members; alternatives beside listed properties or a $ref; anything within
+    such a member)."""
+    return key in _SAME_VALUE and (composed or key == "allOf" or "properties" in node or "$ref" in node)
+
+
+def _composed_refs(node: Any, composed: bool, out: set[str], depth: int) -> None:
+    """The local ``$ref`` targets (as ``/definitions/X``) that an allOf member reaches for its
+    value: an allOf's members list one object's properties between them, so none of them
+    may be closed on its own."""
+    if depth > MAX_SCHEMA_DEPTH or not isinstance(node, dict):
+        return
+    ref = node.get("$ref")
+    if composed and isinstance(ref, str) and ref.startswith("#"):
+        out.add(ref[1:])
+    for key, value in node.items():
+        if key in _SAME_VALUE:
+            for child in value if isinstance(value, list) else [value]:
+                _composed_refs(child, _composes(node, key, composed), out, depth + 1)
+        elif key in _ONE:
+            _composed_refs(value, False, out, depth + 1)
+        elif key in _MAP and isinstance(value, dict):
+            for child in value.values():
+                _composed_refs(child, False, out, depth + 1)
+        elif key == "prefixItems" and isinstance(value, list):
+            for child in value:
+                _composed_refs(child, False, out, depth + 1)
+
+
+def _walk(node: Any, where: str, w: _Walk, depth: int, composed: bool = False) -> Any:
+    """``composed``: the node describes its value together with others (an allOf's member, or
+    what such a member reaches for the same value): its object is not closed."""
     if depth > MAX_SCHEMA_DEPTH:
         raise bad_param(f"{w.param}: the schema nests subschemas more than {MAX_SCHEMA_DEPTH} deep", w.param)
     if not isinstance(node, dict):
@@ -147,12 +190,13 @@ def _walk(node: Any, where: str, w: _Walk, depth: int) -> Any:
         if key in ANNOTATIONS or key.startswith("x-"):
             continue
         at = f"{where}/{key}"
+        same = _composes(node, key, composed)
         if key in _ONE:
-            out[key] = _walk(value, at, w, depth + 1)
+            out[key] = _walk(value, at, w, depth + 1, same)
         elif key in _MAP and isinstance(value, dict):
-            out[key] = {k: _walk(v, f"{at}/{k}", w, depth + 1) for k, v in value.items()}
+            out[key] = {k: _walk(v, f"{at}/{k}", w, depth + 1, f"{at}/{k}" in w.composed_refs) for k, v in value.items()}
         elif key in _LIST and isinstance(value, list):
-            out[key] = [_walk(v, f"{at}/{i}", w, depth + 1) for i, v in enumerate(value)]
+            out[key] = [_walk(v, f"{at}/{i}", w, depth + 1, same) for i, v in enumerate(value)]
         elif key == "$ref" and isinstance(value, str):
             if value.startswith("#"):
                 out[key] = w.ref_base + value[1:]
@@ -168,7 +212,15 @@ def _walk(node: Any, where: str, w: _Walk, depth: int) -> Any:
             w.relaxed.append(f"{at} ({why})")
         else:
             out[key] = value
-    if "properties" in out and not any(k in out for k in _OPEN_OBJECT):
+    if "type" not in out and not composed and not any(k in out for k in _UNTYPED_KEEPS):
+        # Object or array keywords without a type: llama.cpp's converter writes that kind only
+        # (by the letter of JSON Schema any other value passes: a base model wrote a number
+        # of digits to its cap under SchemaStore's commitlintrc).
+        if any(k in out for k in ("properties", "required", "additionalProperties")):
+            out["type"] = "object"
+        elif any(k in out for k in ("items", "prefixItems")):
+            out["type"] = "array"
+    if "properties" in out and not composed and not any(k in out for k in _OPEN_OBJECT):
         out["additionalProperties"] = False  # only the listed properties, as llama.cpp writes it
     fmt = out.get("format")
     if isinstance(fmt, str) and (dated := DATED_PATTERNS.get(fmt)) is not None:
