@@ -13,10 +13,9 @@ import jinja2
 
 from ...wire.errors import ErrorCode, ProtocolError, Status
 from ...wire.jsontext import parse_json
-from .caps import TemplateCaps
+from .caps import PRESERVE_REASONING, TemplateCaps
 from .formats import dump_arguments, generic_calls_json, tools_system_prompt
 from .jinja import FALLBACK_TEMPLATE, compile_template, date_context
-from .probe import PRESERVE_REASONING
 from .templates import ChatTemplate
 from .tools import ToolRequest, parse_tools
 
