@@ -200,3 +200,22 @@ def test_any_mix_of_a_familys_marks_costs_linear_work(name: str, data: st.DataOb
     head = data.draw(st.sampled_from(["", *marks, reply[:a]]))
     tail = data.draw(st.sampled_from(["", *marks, reply[a:]]))
     _linear(name, head, unit, tail)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_any_text_of_a_familys_marks_parses_the_same_however_split(name: str, data: st.DataObject) -> None:
+    """Model output is anything: pieces of the family's markup and reply, brackets, quotes,
+    whitespace, in any order, never raise, and any split of it reads as the whole does."""
+    fmt = FORMATS[name]
+    reply = REPLIES[name].replace(ARG, "1")
+    pieces = [*_openers(fmt), *_closers(fmt), *TAG.findall(reply), reply, "[", "]", "{", "}", '"', "\\", " ", "\n", "x", "1"]
+    text = "".join(data.draw(st.lists(st.sampled_from(pieces), max_size=30)))
+    whole = _parse(fmt, text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    p = ReplyParser(fmt, parse_tools=True, reasoning=True, tools=TOOLS, **_tags(fmt))
+    deltas = [p.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)] + [p.finish()]
+    streamed = ("".join(d.content for d in deltas), "".join(d.reasoning for d in deltas),
+                [(c.name, c.arguments) for d in deltas for c in d.tool_calls])
+    assert streamed == whole

@@ -138,10 +138,12 @@ class HarmonySplitter(_ChannelSplitter):
     next_header = "<|start|>"  # opens the next message's header; the others end this one
 
     def _header(self, head: str, *, complete: bool) -> tuple[Kind, str] | None:
+        lead = head.lstrip()  # the same test whole or in part: any split reads as the whole does
+        if not complete:  # (what may yet be <|message|> is not the header's)
+            lead = lead[: len(lead) - partial_suffix(lead, MESSAGE)]
+        if lead and not any(h.startswith(lead[: len(h)]) for h in HEADER_STARTS):
+            return None
         if not complete:
-            lead = head.lstrip()
-            if lead and not any(h.startswith(lead[: len(h)]) for h in HEADER_STARTS):
-                return None
             return "content", ""
         channel = m.group(1) if (m := _CHANNEL.search(head)) else ""
         recipient = m.group(1) if (m := _RECIPIENT.search(head)) else ""
