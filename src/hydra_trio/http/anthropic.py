@@ -367,6 +367,11 @@ def error_shape(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+def on_messages_path(path: str) -> bool:
+    """Whether ``path`` is one whose errors are in Anthropic's shape (/v1/messages*)."""
+    return path.startswith("/v1/messages")
+
+
 def error_event(exc: BaseException) -> bytes:
     from .generation import error_event_body
 
@@ -378,7 +383,7 @@ def error_event(exc: BaseException) -> bytes:
 async def anthropic_errors(response: Response) -> Response:
     """Every JSON error on /v1/messages* in Anthropic's shape; a prompt that does not fit is
     "prompt is too long" (what Claude Code compacts its conversation on)."""
-    if not request.path.startswith("/v1/messages") or response.status_code < 400 or response.mimetype != "application/json":
+    if not on_messages_path(request.path) or response.status_code < 400 or response.mimetype != "application/json":
         return response
     try:
         err = json.loads(await response.get_data())["error"]

@@ -11,11 +11,11 @@ from typing import Any
 
 import jinja2
 
-from ...wire.errors import ErrorCode, ProtocolError, Status
+from ...wire.errors import ErrorCode, ProtocolError, Status, bad_param
 from ...wire.jsontext import parse_json
 from .caps import PRESERVE_REASONING, TemplateCaps
 from .formats import dump_arguments, generic_calls_json, tools_system_prompt
-from .jinja import FALLBACK_TEMPLATE, compile_template, date_context
+from .jinja import FALLBACK_TEMPLATE, TEMPLATE_GLOBALS, compile_template, date_context
 from .templates import ChatTemplate
 from .tools import ToolRequest, parse_tools
 
@@ -259,12 +259,24 @@ def thinking_on(request: dict[str, Any], caps: TemplateCaps) -> bool:
     return thinking
 
 
+# What the engine itself gives a template, from the request it checked: a template kwarg that set
+# one would replace it (``messages`` past a gateway that filters them, ``tools`` never parsed,
+# the special tokens), so none may. The dates and the reasoning switches are the kwargs' to set.
+RENDERED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}) | TEMPLATE_GLOBALS
+
+
 def _template_kwargs_given(request: dict[str, Any]) -> dict[str, Any]:
     given = request.get("chat_template_kwargs")
     if given is None:
         return {}
     if not isinstance(given, dict):
         raise ChatRequestError("chat_template_kwargs must be an object")
+    if taken := sorted(RENDERED_VARIABLES.intersection(given)):
+        raise bad_param(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the engine renders "
+            f"{'it' if len(taken) == 1 else 'them'} from the request itself",
+            f"chat_template_kwargs.{taken[0]}",
+        )
     return given
 
 
@@ -347,6 +359,7 @@ class PromptRenderer:
             return text.removeprefix(self._bos) if self._strip_bos and "messages" in request else text
         builtin = tpl.builtin
         assert builtin is not None
+        _template_kwargs_given(request)  # refused as for a Jinja template, though a built-in reads none
         # A built-in renders role and content only: tools are described in a system message
         # and earlier calls written as the generic format's JSON (``tool_messages``).
         messages = tool_messages(normalise_messages(request["messages"]), caps, parse_tools(request))
