@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from hydra_trio.engine.chat import render_jinja
 from hydra_trio.testing.sse import parse_sse
@@ -132,3 +133,48 @@ async def test_a_stream_whose_event_cannot_be_built_ends_with_its_error_event(
         monkeypatch.undo()
         r = await c.post("/v1/chat/completions", json={**chat, "stream": False})
         assert r.status_code == 200  # the engine is well
+
+
+async def test_routes_that_need_no_slot_are_admitted_a_few_at_a_time(start_engine: Any, tiny_model: Path) -> None:
+    """count_tokens, input_tokens and the tokenizer routes hold no slot, so nothing else bounds
+    how many run at once: SLOTLESS_AT_ONCE do, the others wait --slot-wait-s, then the one
+    "busy, retry" 503 in their API's shape. Held here at the GPU worker (each waits there to
+    tokenize, holding its place)."""
+    from helpers import WorkerGate
+    from hydra_trio.http.common import SLOTLESS_AT_ONCE
+
+    ep = await start_engine(tiny_model, slot_wait_s=1.0)
+    gate = WorkerGate(ep.state.engine)
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30) as c:
+
+        async def count() -> None:
+            r = await c.post("/v1/messages/count_tokens", json={"messages": USER})
+            statuses.append(r.status_code)
+
+        await gate.close()
+        async with trio.open_nursery() as nursery:
+            for _ in range(SLOTLESS_AT_ONCE):
+                nursery.start_soon(count)
+            await gate.wait_queued(SLOTLESS_AT_ONCE)  # each holds its place, waiting for the worker
+            r = await c.post("/v1/messages/count_tokens", json={"messages": USER})
+            assert anthropic_shaped(r, 503) and r.json()["error"]["type"] == "overloaded_error", r.text
+            assert r.headers["retry-after"] == "1"
+            r = await c.post("/v1/responses/input_tokens", json={"input": "hi"})
+            assert openai_shaped(r, 503), r.text
+            gate.open()
+        assert statuses == [200] * SLOTLESS_AT_ONCE
+        r = await c.post("/tokenize", json={"content": "hello"})  # places free again
+        assert r.status_code == 200
+
+
+async def test_more_turns_than_a_slot_has_positions_are_refused_before_anything_reads_them(start_engine: Any, tiny_model: Path) -> None:
+    ep = await start_engine(tiny_model)  # 2,048 positions a slot
+    turns = [{"role": "user", "content": "a"}] * 2048
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" and "turns" in r.text, r.text
+        r = await c.post("/v1/messages/count_tokens", json={"messages": turns})
+        assert anthropic_shaped(r, 400) and r.json()["error"]["message"].startswith("prompt is too long"), r.text
+        r = await c.post("/v1/responses/input_tokens", json={"input": turns})
+        assert r.status_code == 400 and "turns" in r.text, r.text

@@ -23,6 +23,8 @@ from .common import (
     app_state,
     generation_owner,
     json_response,
+    needs_no_slot,
+    off_loop,
     read_request_json,
     require_engine,
 )
@@ -399,10 +401,11 @@ async def anthropic_errors(response: Response) -> Response:
 async def _chat_request(count_only: bool = False) -> tuple[Engine, dict[str, Any], dict[str, Any]]:
     engine = require_engine()
     body = await read_request_json()
-    return engine, body, to_chat(body, count_only=count_only)
+    return engine, body, await off_loop(lambda: to_chat(body, count_only=count_only))
 
 
 @bp.post("/v1/messages/count_tokens")
+@needs_no_slot
 async def count_tokens() -> Response:
     engine, _body, chat = await _chat_request(count_only=True)
     return json_response({"input_tokens": len(await engine.prompt_tokens(chat))})

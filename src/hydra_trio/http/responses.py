@@ -25,6 +25,8 @@ from .common import (
     app_state,
     generation_owner,
     json_response,
+    needs_no_slot,
+    off_loop,
     read_request_json,
     require_engine,
 )
@@ -386,9 +388,11 @@ class ResponseEvents:
 
 
 @bp.post("/v1/responses/input_tokens")
+@needs_no_slot
 async def input_tokens() -> Response:
     engine = require_engine()
-    chat = to_chat(await read_request_json(), count_only=True)
+    body = await read_request_json()
+    chat = await off_loop(lambda: to_chat(body, count_only=True))
     return json_response({"object": "response.input_tokens", "input_tokens": len(await engine.prompt_tokens(chat))})
 
 
@@ -397,7 +401,7 @@ async def responses() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_request_json()
-    chat = to_chat(body)
+    chat = await off_loop(lambda: to_chat(body))
     prepared = await engine.prepare("chat", chat)
     params, tokens, replies = prepared.params, prepared.tokens, prepared.replies
     assert tokens is not None, "tokenized"

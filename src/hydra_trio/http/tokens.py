@@ -11,7 +11,7 @@ from typing import Any
 from quart import Blueprint, Response
 
 from ..wire.errors import bad_param
-from .common import HttpError, json_response, read_request_json, require_engine
+from .common import HttpError, json_response, needs_no_slot, read_request_json, require_engine
 
 bp = Blueprint("tokens", __name__)
 
@@ -53,16 +53,19 @@ async def _render(required: str) -> Response:
 
 
 @bp.post("/v1/chat/completions/render")
+@needs_no_slot
 async def render_chat() -> Response:
     return await _render("messages")
 
 
 @bp.post("/v1/completions/render")
+@needs_no_slot
 async def render_completion() -> Response:
     return await _render("prompt")
 
 
 @bp.post("/tokenize")
+@needs_no_slot
 async def tokenize() -> Response:
     engine = require_engine()
     body = await read_request_json()
@@ -84,6 +87,7 @@ async def tokenize() -> Response:
 
 
 @bp.post("/detokenize")
+@needs_no_slot
 async def detokenize() -> Response:
     engine = require_engine()
     body = await read_request_json(token_ids=True)  # refused unparsed past what n_ctx ids take
@@ -106,6 +110,7 @@ async def detokenize() -> Response:
 
 
 @bp.post("/apply-template")
+@needs_no_slot
 async def apply_template() -> Response:
     engine = require_engine()
     body = await read_request_json()

@@ -167,6 +167,7 @@ class LlamaBackend(SlotStates, BatchSteps):
             bos_text=self._vocab_text(bos),
             eos_text=self._vocab_text(eos),
             chat_template_variants=self._template_variants(),
+            add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
         )
 
     def _template_variants(self) -> dict[str, str]:

@@ -102,6 +102,7 @@ class ModelInfo:
     eos_text: str
     # The GGUF's named chat templates (tokenizer.chat_template.NAME: "tool_use", ...) by name.
     chat_template_variants: Mapping[str, str] = field(default_factory=dict)
+    add_eos: bool = False  # tokenizing with add_special ends with EOS too (some embedding models)
 
     @property
     def can_roll_back(self) -> bool:
