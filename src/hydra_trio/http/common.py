@@ -143,10 +143,10 @@ async def receive_body(settings: Settings, take: Callable[[bytes], None]) -> int
 # of up to the prompt cap: at most this many run; the others wait --slot-wait-s, then get the
 # one "busy, retry" reply (503, Retry-After; Anthropic's overloaded_error on its routes).
 SLOTLESS_AT_ONCE = 4
-# Bodies past this many bytes are received and parsed this many at a time (each is a few
-# times its size in memory while it is parsed); smaller ones never wait.
+# Bodies past this many bytes are parsed (once received) this many at a time: a 13.6 MB body of
+# tiny messages is ~120 MB of objects while parsed (two at once: +236 MB); smaller ones never wait.
 BIG_BODY_BYTES = 1 << 20
-BIG_BODIES_AT_ONCE = 2
+BIG_BODIES_AT_ONCE = 1
 # A request's Python work on its body (a codec's mapping, a render) goes to a thread past this
 # many body bytes: there it shares the GIL in 5 ms turns instead of holding the event loop.
 OFF_LOOP_BODY_BYTES = 64 << 10
