@@ -6,10 +6,11 @@ from .chat import ReplyDelta, ReplyParser, ToolCall
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
-from .llama import MAX_TOP_LOGPROBS, DecodeAborted, TokenLogprobs, Vocabulary
+from .llama import DecodeAborted, Vocabulary
 from .output import GenerationResult
-from .params import GenerationParams, SamplingParams
+from .params import GenerationParams
 from .requests import REASONING_EFFORTS, Route
+from .sample import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from .stats import EngineStats, SlotInfo
 from .worker import CallTiming
 

@@ -23,14 +23,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from ...wire.jsontext import read_bounded
-from .families import (
-    Block,
-    Props,
-    Renamed,
-    SchemaGbnf,
-    _lit,
-    _xml_param_rules,
-)
+from ..structured import SchemaExpr, literal, seq
+from .families import Block, Props, _xml_param_rules
 from .families import Call as BlockCall
 from .markup import HeldText, NextMark, elements, held_back, partial_suffix, typed_value
 from .tools import Tool
@@ -69,7 +63,9 @@ class _ChannelSplitter(ABC):
         self._kind: Kind = "content"
         self._name = ""
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, str, list[Call]]:
+    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> tuple[str, str, list[Call]]:
+        """``cut``: the length cap ended the reply: a call message it left open (or a header
+        not yet through to its message) is dropped, never content."""
         if self._held is not None:  # a call's (or a dropped) body, held whole until it ends
             if not self._held.add(text) and not final:
                 return "", "", []
@@ -94,7 +90,8 @@ class _ChannelSplitter(ABC):
                     continue
                 if k < 0:
                     if final:
-                        content.append(buf[p:])  # a header with no message: shown as written
+                        if not cut:
+                            content.append(buf[p:])  # a header with no message: shown as written
                         p = len(buf)
                     break
                 self._kind, self._name = head
@@ -106,7 +103,10 @@ class _ChannelSplitter(ABC):
                     self._emit(buf[p:j], reasoning, content, calls, done=True)
                     self._state, p = "header", j if buf[j:j + n] == self.next_header else j + n
                 elif final:
-                    self._emit(buf[p:], reasoning, content, calls, done=True)
+                    end = len(buf)
+                    if cut:  # a body the cap cut in its end marker: the body without the marker's beginning
+                        end -= held_back(buf, p, self.ends)
+                    self._emit(buf[p:end], reasoning, content, calls, done=True, cut=cut)
                     p = len(buf)
                 elif self._kind in ("call", "drop"):
                     self._held = HeldText(self.ends, buf[p:])  # held whole until it ends
@@ -126,8 +126,9 @@ class _ChannelSplitter(ABC):
         start of, unless ``complete``) a header. Incomplete, only that matters."""
 
     @abstractmethod
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool) -> None:
-        """A body (``done``: the whole of it) into reasoning, content or a call."""
+    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
+        """A body (``done``: the whole of it) into reasoning, content or a call (``cut``: the
+        length cap ended it: a call that does not read whole is dropped, never content)."""
 
 
 class HarmonySplitter(_ChannelSplitter):
@@ -155,7 +156,7 @@ class HarmonySplitter(_ChannelSplitter):
             return "reasoning", ""
         return "content", ""
 
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool) -> None:
+    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
         if self._kind == "reasoning":
             reasoning.append(body)
         elif self._kind == "content":
@@ -168,7 +169,7 @@ class HarmonySplitter(_ChannelSplitter):
             written = self._accept(self._name, args) if isinstance(args, dict) else None
             if written is not None:
                 calls.append((self._name, written))
-            else:
+            elif not cut:
                 content.append(body)
 
 
@@ -192,13 +193,13 @@ def _read_atem(body: str, opener: str, props_of: Callable[[str], Props | None]) 
     return calls or None
 
 
-def _atem_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+def _atem_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
     """One call as its own message to the tool, as the template prints an earlier one."""
     params, rules = _xml_param_rules(
-        tool, i, schema_gbnf, renamed, lambda k: (f'<atem:parameter name="{k}">', "</atem:parameter>\n"), True
+        tool, i, schema, lambda k: (f'<atem:parameter name="{k}">', "</atem:parameter>\n"), True
     )
-    head = _lit(f' to={tool.name}<|message|><atem:function_calls>\n<atem:invoke name="{tool.name}">\n')
-    return " ".join(x for x in (head, params, _lit("</atem:invoke>\n</atem:function_calls>")) if x), rules
+    head = literal(f' to={tool.name}<|message|><atem:function_calls>\n<atem:invoke name="{tool.name}">\n')
+    return seq(head, params, literal("</atem:invoke>\n</atem:function_calls>")), rules
 
 
 ATEM = Block(openers=("<atem:function_calls>",), closer="</atem:function_calls>", read=_read_atem, call_rule=_atem_rule)
@@ -241,7 +242,7 @@ class GlimmerSplitter(_ChannelSplitter):
             return "reasoning" if self._reasoning else "content"
         return "call" if recipient not in ("", "user") and self._parse_tools else "content"
 
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool) -> None:
+    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
         if self._kind == "reasoning":
             reasoning.append(body)
         elif self._kind == "content":
@@ -254,5 +255,5 @@ class GlimmerSplitter(_ChannelSplitter):
             written = [self._accept(n, a) for n, a, _ in found or ()]
             if found and None not in written:
                 calls.extend((n, w) for (n, _, _), w in zip(found, written, strict=True) if w is not None)
-            else:
+            elif not cut:
                 content.append(body)

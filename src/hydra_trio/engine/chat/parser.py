@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...wire.jsontext import JsonSpan, read_bounded
-from .families import Props
+from .families import MAX_SALVAGE_TRIES, Props
 from .formats import GENERIC, ToolFormat, written_arguments
 from .harmony import GlimmerSplitter, HarmonySplitter
 from .markup import NON_SPACE, NextMark, held_back
@@ -107,7 +107,10 @@ class _CallScanner:
         self._dropped = NextMark(fmt.dropped if block is not None else ())
         self.calls: list[ToolCall] = []
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """``final``: the reply ended; ``cut``: by the length cap, so text that may still be a
+        call (an open region, a marker's beginning) is never released as content, and an open
+        region's whole calls are read (``_salvage``)."""
         if self._wake is not None and not final and not self._wake.woken_by(text):
             self._more.append(text)
             return "", []
@@ -116,28 +119,36 @@ class _CallScanner:
         self._wake = None
         out: list[str] = []
         new: list[ToolCall] = []
+        done = final and not cut  # whether what is held can no longer become a call
         p = 0
         while p < len(buf):
-            start, marker = self._find_start(buf, p, final)
+            start, marker = self._find_start(buf, p, done)
             self._text(buf[p:start], out)
             p = start
             if marker is None:
                 if final:
-                    self._text(buf[p:], out)
+                    if not cut:
+                        self._text(buf[p:], out)
                     p = len(buf)
                 break
             outcome: Outcome
             if marker and buf[p:p + marker] in self._fmt.dropped:
                 outcome = p + marker, None
             elif self._fmt.block is not None:
-                outcome = self._block(buf, p, marker, final)
+                outcome = self._block(buf, p, marker, done)
             elif self._fmt.recipient:
-                outcome = self._recipient(buf, p, marker, final)
+                outcome = self._recipient(buf, p, marker, done)
             else:
                 outcome = self._region(buf, p, marker)
             if isinstance(outcome, _Wake):  # the region is still open
                 if final:
-                    self._text(buf[p:], out)
+                    if not cut:
+                        self._text(buf[p:], out)
+                    elif calls := self._salvage(buf, p, marker):
+                        self._ws.clear()
+                        self._after_call = True
+                        new.extend(calls)
+                        self.calls.extend(calls)
                     p, self._open, self._fresh = len(buf), None, False
                 else:
                     self._wake = outcome
@@ -311,6 +322,38 @@ class _CallScanner:
             for i, ((name, _, given), arguments) in enumerate(zip(found, written, strict=True))
         ]
 
+    def _salvage(self, buf: str, p: int, marker: int) -> list[ToolCall]:
+        """The whole calls of the open region at ``buf[p]`` the length cap cut (a list or a
+        block of several calls, read up to its last whole call); none for a region of one call."""
+        fmt = self._fmt
+        if fmt.block is not None or fmt.recipient:
+            whole = self._block(buf, p, marker, True) if fmt.block is not None else self._recipient(buf, p, marker, True)
+            if not isinstance(whole, _Wake) and whole[1]:  # its call ended (a tail after it was cut)
+                return whole[1]
+        if fmt.block is not None:
+            found = fmt.block.salvage(buf[p + marker:], buf[p:p + marker], self._props.get)
+            written = [written_arguments(a) for _, a, _ in found or ()]
+            if not found or None in written or (self._names is not None and any(n not in self._names for n, _, _ in found)):
+                return []
+            base = len(self.calls)
+            return [
+                ToolCall(base + i, given or self._new_id(), n, arguments)
+                for i, ((n, _, given), arguments) in enumerate(zip(found, written, strict=True))
+            ]
+        st = self._open
+        if st is None or st.json_at < 0 or not (fmt.listed or fmt.list_key):
+            return []
+        text, close = buf[p + st.json_at:], "]" if fmt.listed else "]}"
+        end = len(text)
+        for _ in range(MAX_SALVAGE_TRIES):
+            k = text.rfind("}", 0, end)
+            if k < 0:
+                return []
+            if calls := self._calls_of(text[: k + 1] + close):
+                return calls
+            end = k
+        return []
+
     def _calls_of(self, text: str) -> list[ToolCall]:
         """The calls a region's JSON holds; none unless every one is a valid call."""
         try:
@@ -412,12 +455,15 @@ class ReplyParser:
     def feed(self, text: str) -> ReplyDelta:
         return self._step(text, final=False)
 
-    def finish(self) -> ReplyDelta:
-        return self._step("", final=True)
+    def finish(self, *, cut: bool = False) -> ReplyDelta:
+        """The rest of the reply. ``cut``: the length cap ended it, so a call it left open is
+        never content: its whole calls are kept (a list cut after its first calls), the rest
+        dropped, as is a marker's beginning."""
+        return self._step("", final=True, cut=cut)
 
-    def _step(self, text: str, *, final: bool) -> ReplyDelta:
+    def _step(self, text: str, *, final: bool, cut: bool = False) -> ReplyDelta:
         if self._harmony is not None:
-            reasoning, text, found = self._harmony.feed(text, final=final)
+            reasoning, text, found = self._harmony.feed(text, final=final, cut=cut)
             base = len(self._harmony_calls)
             calls = [ToolCall(base + i, self._new_id(), n, a) for i, (n, a) in enumerate(found)]
             self._harmony_calls.extend(calls)
@@ -432,7 +478,7 @@ class ReplyParser:
                 reasoning, text = reasoning + more_reasoning, text + more
         calls: list[ToolCall] = []
         if self._scanner is not None:
-            text, calls = self._scanner.feed(text, final=final)
+            text, calls = self._scanner.feed(text, final=final, cut=cut)
         self._content.append(text)
         self._reasoning.append(reasoning)
         return ReplyDelta(content=text, reasoning=reasoning, tool_calls=calls)

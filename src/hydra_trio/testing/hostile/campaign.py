@@ -20,7 +20,7 @@ from .config import Config, Ledger
 from .httpfuzz import JSON_ROUTES, Case, check_reply, fuzz_case
 from .rawhttp import Reply, _recv, _ServerClosed, http_request, read_reply
 from .shapes import CampaignShapes
-from .surfaces import converter_shape, id_prediction, own_engine_probes
+from .surfaces import id_prediction, own_engine_probes
 
 
 class Campaign(CampaignShapes):
@@ -93,10 +93,7 @@ class Campaign(CampaignShapes):
             if outcome == "closed" and not case.protocol:
                 self.ledger.find("closed_without_reply", f"{kind}: {case.data[:160]!r}")
             problem = check_reply(case, reply)
-            if problem and reply.status >= 500 and converter_shape(kind):
-                # The schema converter's known 5xx (issue 50 item 5: replaced in its own work).
-                self.ledger.counts[f"KNOWN schema converter 5xx {kind}"] += 1
-            elif problem:
+            if problem:
                 self.ledger.find(
                     "server_error" if reply.status >= 500 else "malformed_reply",
                     f"{kind}: {problem} <- {case.data[:240]!r}",

@@ -23,7 +23,6 @@ from .campaign import Campaign
 from .config import GOAL_GAP_MS, RUNTIME_ALLOWANCE_MIB, SHORT, STOPPED, Config, Ledger
 from .report import _first_traceback, _ms, _rss_peak, _span_ms, analyse, render
 from .streams import read_streams
-from .surfaces import CONVERTER_FILES
 
 # ---- running it ---------------------------------------------------------------------------------
 
@@ -211,10 +210,8 @@ def campaign(cfg: Config, *, log_dir: Path, engine_args: tuple[str, ...] = ()) -
     if "Traceback" in log_text:
         ledger.notes["first_traceback"] = _first_traceback(log_text)
     # The engine's own unhandled errors (a bug of ours), apart from Hypercorn's (see docs/reliability.md).
-    for line, known in _log_errors(log_text):
-        if known:  # the schema converter's (issue 50 item 5): counted, not a finding
-            ledger.counts["KNOWN schema converter traceback in log"] += 1
-        elif "unhandled error in" in line or "background task" in line:
+    for line in log_text.splitlines():
+        if "unhandled error in" in line or "background task" in line:
             ledger.find("unhandled_error_in_log", line)
         elif "Error in ASGI Framework" in line:
             ledger.find("hypercorn_error_in_log", line)
@@ -267,26 +264,6 @@ def campaign(cfg: Config, *, log_dir: Path, engine_args: tuple[str, ...] = ()) -
     }
     report["clean"] = not findings and alive and code == 0
     return report
-
-
-def _log_errors(log_text: str) -> list[tuple[str, bool]]:
-    """(line, known) of each error line of the engine's log: known when its traceback's
-    innermost frame of ours is in the JSON-schema converter."""
-    import re
-
-    lines = log_text.splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        if not any(m in line for m in ("unhandled error in", "background task", "Error in ASGI Framework")):
-            continue
-        block = []
-        for later in lines[i + 1:]:
-            if any(m in later for m in ("unhandled error in", "background task", "Error in ASGI Framework")):
-                break
-            block.append(later)
-        frames = re.findall(r'File "[^"]*/hydra_trio/([^"]+)"', "\n".join(block))
-        out.append((line, bool(frames) and frames[-1].endswith(CONVERTER_FILES)))
-    return out
 
 
 def main(argv: list[str] | None = None, *, results: Path = Path("benchmarks") / "results") -> int:

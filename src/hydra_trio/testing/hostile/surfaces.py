@@ -30,13 +30,10 @@ SLOT_POSITIONS = 2048  # the campaign engine's (run.py: 16 slots of 2,048 cells)
 BODY_CAP = 3 * 32 * SLOT_POSITIONS + (1 << 20)  # its prompt routes' body cap (engine/inputs.py)
 # Variables the engine renders itself: a template kwarg that sets one is a 400 naming it.
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "namespace", "raise_exception")
-HUGE = int("9" * 400)  # a schema bound no float holds (the converter's OverflowError before its fix)
+HUGE = int("9" * 400)  # a schema bound no float holds (the schema policy relaxes it, or a 400 with strict)
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength")
 DEEP = "[" * 1000 + "]" * 1000
-# Known 5xx of the JSON-schema converter (issue 50 item 5, replaced by llguidance in its own
-# work): shapes under this prefix that answer 5xx are counted apart, not findings.
-CONVERTER_SHAPES = "schema_bound_"
-CONVERTER_FILES = ("engine/chat/schema.py", "engine/llama/schema.py")
+BOUND_SHAPES = "schema_bound_"
 
 
 def tiny_messages_body(route: str, limit: int, count: int | None = None) -> bytes:
@@ -70,13 +67,13 @@ def surface_cases(port: int, body_cap: int = BODY_CAP) -> list[tuple[str, Case]]
             "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {name: [{"role": "user", "content": "x"}]}})))
     for bound in BOUNDS:
         schema = {"type": "object", "properties": {"n": {"type": "integer" if "Length" not in bound else "string", bound: HUGE}}}
-        out.append((f"{CONVERTER_SHAPES}{bound}_chat", post("/v1/chat/completions", {
+        out.append((f"{BOUND_SHAPES}{bound}_chat", post("/v1/chat/completions", {
             "messages": MESSAGES, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})))
-        out.append((f"{CONVERTER_SHAPES}{bound}_responses", post("/v1/responses", {
+        out.append((f"{BOUND_SHAPES}{bound}_responses", post("/v1/responses", {
             "input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}})))
-        out.append((f"{CONVERTER_SHAPES}{bound}_messages", post("/v1/messages", {
+        out.append((f"{BOUND_SHAPES}{bound}_messages", post("/v1/messages", {
             "messages": MESSAGES, "max_tokens": 2, "output_format": {"type": "json_schema", "schema": schema}})))
-        out.append((f"{CONVERTER_SHAPES}{bound}_input_schema", post("/v1/messages", {
+        out.append((f"{BOUND_SHAPES}{bound}_input_schema", post("/v1/messages", {
             "messages": MESSAGES, "max_tokens": 2, "tools": [{"name": "t", "input_schema": schema}], "tool_choice": {"type": "any"}})))
     return out
 
@@ -256,8 +253,4 @@ async def own_engine_probes(ledger: Ledger, hang_s: float) -> None:
             ledger.find("unhandled_error_in_log", "the probes' own engine: " + log[log.index("Traceback"):][:300])
 
 
-def converter_shape(kind: str) -> bool:
-    return CONVERTER_SHAPES in kind
-
-
-__all__ = ["BODY_CAP", "CONVERTER_FILES", "converter_shape", "id_prediction", "own_engine_probes", "surface_cases"]
+__all__ = ["BODY_CAP", "id_prediction", "own_engine_probes", "surface_cases"]
