@@ -120,16 +120,21 @@ def _kv_pair(text: str) -> tuple[str, object]:
 def cmd_make_model(args: argparse.Namespace) -> int:
     from .model.synthetic import write_model
 
-    path = write_model(
-        args.out,
-        args.preset,
-        seed=args.seed,
-        name=args.name,
-        base_model_name=args.base_model,
-        tags=args.tag or (),
-        tokenizer_pre=args.tokenizer_pre,
-        extra_kv=dict(args.kv or []),
-    )
+    try:
+        path = write_model(
+            args.out,
+            args.preset,
+            seed=args.seed,
+            name=args.name,
+            base_model_name=args.base_model,
+            tags=args.tag or (),
+            tokenizer_pre=args.tokenizer_pre,
+            extra_kv=dict(args.kv or []),
+            pooling=args.pooling,
+        )
+    except ValueError as exc:
+        print(f"make-model: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -240,9 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(fn=cmd_serve)
 
-    p = sub.add_parser("make-model", help="write a synthetic GGUF (random weights; mamba: a recurrent model)")
+    p = sub.add_parser(
+        "make-model",
+        help="write a synthetic GGUF (random weights; mamba: a recurrent model; hybrid: lfm2; embed: mean pooling; "
+        "rerank: a rank head; fim: fill-in-the-middle tokens; bert: an encoder)",
+    )
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid", "embed", "rerank", "fim", "bert"], default="tiny")
+    p.add_argument("--pooling", choices=["none", "mean", "cls", "last", "rank"], default=None,
+                   help="the model's own pooling type (an embedding model of another preset's size; rank needs --preset rerank)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default=None, help="general.name")
     p.add_argument("--tag", action="append", help="general.tags entry (repeatable)")

@@ -34,6 +34,7 @@ BASE_FIELDS = ("ts", "level", "logger", "msg")
 REQUEST_FIELDS = (
     "request_id",  # the client's X-Request-Id / RPC trace, else this engine's own id
     "route",  # chat | completions | kv_export | decode | PREFILL | STATE_GET | ...
+    "model",  # the model that served it (its served name)
     "status",  # done | cancelled | failed | ... (DECODE: its final state)
     "slot",
     "prompt_tokens",

@@ -303,8 +303,7 @@ class DecodeManager:
         entry.metrics.n_past = lease.n_past
         return DecodeState.DONE
 
-    @staticmethod
-    def _log_end(entry: DecodeEntry, final: DecodeState, trace: str, rlog: Any) -> None:
+    def _log_end(self, entry: DecodeEntry, final: DecodeState, trace: str, rlog: Any) -> None:
         """The DECODE's request line, however it ended (after its reply: a refusal before
         it is the RPC server's line)."""
         res: GenerationResult = entry.result or GenerationResult()
@@ -318,7 +317,7 @@ class DecodeManager:
             "decode %d %s: %d prompt (%d cached), %d generated, %s",
             entry.id, outcome, res.prompt_tokens, res.n_common, res.completion_tokens, detail,
             extra=request_extra(
-                request_id=trace or f"decode-{entry.id}", route="decode", slot=entry.slot_id,
+                request_id=trace or f"decode-{entry.id}", route="decode", model=self.engine.served_name, slot=entry.slot_id,
                 error=entry.error or None, **fields,
             ),
         )
@@ -326,7 +325,7 @@ class DecodeManager:
     def _seal(self, entry: DecodeEntry, final: DecodeState, label: str | None) -> None:
         res: GenerationResult | None = entry.result
         if res is not None:
-            self.metrics.record_generation("decode", res, aborted=final is DecodeState.CANCELLED)
+            self.metrics.record_generation("decode", res, model=self.engine.served_name, aborted=final is DecodeState.CANCELLED)
             acked = entry.metrics.acked_at
             if acked is not None and res.first_token_at is not None:
                 entry.metrics.ttft_ms = (res.first_token_at - acked) * 1000.0

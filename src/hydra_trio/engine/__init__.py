@@ -3,23 +3,26 @@
 read, and the chat room's reply types. Nothing outside engine/ reaches its modules."""
 
 from .chat import ReplyDelta, ReplyParser, ToolCall
+from .embedder import Embedder, Pooled
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
-from .llama import DecodeAborted, Vocabulary
+from .llama import POOLING_TYPES, DecodeAborted, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams
 from .requests import REASONING_EFFORTS, Route
 from .sample import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from .stats import EngineStats, SlotInfo
-from .worker import CallTiming
+from .worker import CallTiming, WorkerLane
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
+    "POOLING_TYPES",
     "REASONING_EFFORTS",
     "Admitted",
     "CallTiming",
     "DecodeAborted",
+    "Embedder",
     "Emit",
     "Engine",
     "EngineStats",
@@ -27,6 +30,7 @@ __all__ = [
     "GenerationResult",
     "KvCopy",
     "KvEvents",
+    "Pooled",
     "Prepared",
     "ReplyDelta",
     "ReplyParser",
@@ -37,4 +41,5 @@ __all__ = [
     "TokenLogprobs",
     "ToolCall",
     "Vocabulary",
+    "WorkerLane",
 ]

@@ -56,7 +56,7 @@ from .sample import Sampler
 from .sched import PartOutcome, SlotScheduler, SlotTable, StepBatcher
 from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
 from .stats import EngineStats, SlotInfo
-from .worker import CallTiming, GpuWorker
+from .worker import CallTiming, GpuWorker, WorkerLane
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,11 @@ async def _emit_all(emit: Emit, sends: Sequence[str]) -> None:
 class EngineCore:
     """The components and what spans them (engine.py's ``Engine`` is the face over it)."""
 
-    def __init__(self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings) -> None:
+    def __init__(self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings, lane: WorkerLane | None = None) -> None:
         self.backend = backend
         self.identity = identity
         self.settings = settings
-        self.worker = GpuWorker()
+        self.worker = GpuWorker(lane)
         self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified)
         self.inputs = Inputs(lambda: self.backend, self.worker, settings)
         self.model_load_ms = 0.0
@@ -129,10 +129,10 @@ class EngineCore:
     # ---- lifecycle ---------------------------------------------------------------------
 
     @classmethod
-    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> EngineCore:
+    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None, lane: WorkerLane | None = None) -> EngineCore:
         t0 = time.perf_counter()
         identity = await read_model_identity(model_path, alias=alias)  # with its SHA-256, in a thread of its own
-        worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
+        lane = lane or WorkerLane()  # the engine's worker takes it over after load
         offload = OffloadSettings(
             n_gpu_layers=settings.n_gpu_layers,
             main_gpu=settings.main_gpu,
@@ -140,7 +140,7 @@ class EngineCore:
             kv_offload=not settings.no_kv_offload,
             repack=settings.repack,
         )
-        backend = await trio.to_thread.run_sync(
+        backend = await lane.run_sync(
             lambda: LlamaBackend(
                 model_path,
                 n_slots=settings.slots,
@@ -153,8 +153,7 @@ class EngineCore:
                 kv_unified=settings.kv_unified,
                 swa_full=settings.swa_full,
                 ctx_checkpoints=settings.ctx_checkpoints,
-            ),
-            limiter=worker_limiter,
+            )
         )
         try:
             if settings.warmup:
@@ -162,7 +161,7 @@ class EngineCore:
                 log.info("warming up: one prompt and one step on slot 0 (--no-warmup skips it; weights %s)",
                          "repacked" if backend.repack.enabled else "not repacked")
                 t_warm = time.perf_counter()
-                await trio.to_thread.run_sync(backend.warmup, limiter=worker_limiter)
+                await lane.run_sync(backend.warmup)
                 engine_warmup_ms: float | None = (time.perf_counter() - t_warm) * 1000.0
             else:
                 engine_warmup_ms = None
@@ -174,16 +173,17 @@ class EngineCore:
                 gguf_variants=backend.info.chat_template_variants,
             )
         except BaseException:
-            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            with trio.CancelScope(shield=True):  # a load cancelled during its warm-up still frees the model
+                await lane.run_sync(backend.close)
             raise
         if settings.spec_type != "none" and not backend.info.can_roll_back:
-            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            await lane.run_sync(backend.close)
             kind = "recurrent" if backend.info.recurrent else "hybrid"
             raise SystemExit(
                 f"--spec-type {settings.spec_type}: {identity.model_name} is a {kind} model, whose KV cannot drop "
                 "rejected draft positions; serve it with --spec-type none"
             )
-        engine = cls(backend, identity, settings)
+        engine = cls(backend, identity, settings, lane)
         engine.inputs.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         engine.warmup_ms = engine_warmup_ms

@@ -5,28 +5,33 @@ the worker, the slots, the batcher, the scheduler, the prompt cache) is the core
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import trio
 
 from ..config import Settings
 from ..model.identity import ModelIdentity
 from ..wire import sampling as sampling_keys
-from ..wire.errors import ErrorCode, ProtocolError
+from ..wire.errors import ErrorCode, ProtocolError, bad_param
 from ..wire.kvevents import Event
 from .chat import ReplyParser
 from .configure import ConfigureOutcome, configure
 from .core import EngineCore
+from .embedder import Embedder, embeddings_wanted
 from .kv import Admitted, SlotBlocks, admit_blob
 from .lease import SlotLease
 from .llama import Vocabulary
 from .params import GenerationParams
 from .requests import Route, cache_salt, check_request
 from .stats import EngineStats, SlotInfo
+from .worker import WorkerLane
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +59,35 @@ class Engine:
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
+        on, pooling = embeddings_wanted(core.settings, core.backend.info.pooling)
+        self._embedder = (
+            Embedder(lambda: core.backend, core.worker, core.settings, pooling=pooling,
+                     streams_running=lambda: core.batcher.generating > 0)
+            if on else None
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> Engine:
-        """Load the model (on a worker thread), warm it up, and pick the chat template."""
-        return cls(await EngineCore.load(model_path, settings, alias=alias))
+    async def load(
+        cls, model_path: str, settings: Settings, *, alias: str | None = None, lane: WorkerLane | None = None
+    ) -> Engine:
+        """Load the model (on the GPU worker's ``lane``: the process's one when it serves
+        several models, else one of its own), warm it up, and pick the chat template; with
+        embeddings, make their context (a model it cannot serve fails the start)."""
+        engine = cls(await EngineCore.load(model_path, settings, alias=alias, lane=lane))
+        if engine._embedder is not None:
+            core = engine._core
+            try:
+                shape = await engine._embedder.open()
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await core.worker.close(core.backend.close)
+                raise
+            log.info("embeddings: pooling %s, %d floats an input%s, calls of up to %d inputs and %d tokens",
+                     shape.pooling, shape.n_out, f" (rank labels {', '.join(shape.labels)})" if shape.labels else "",
+                     shape.n_seq_max, shape.n_batch)
+        return engine
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``stop()``, then free the model (its users have left by then)."""
@@ -107,8 +134,15 @@ class Engine:
 
     @property
     def vocab(self) -> Vocabulary:
-        """The vocabulary as text (token pieces, detokenize), read without a llama call."""
-        return self._core.backend.vocabulary
+        """The vocabulary as text (token pieces, detokenize), its tokens with a role (BOS,
+        EOS, FIM, ...) and the chat template prompts render with: read without a llama call."""
+        core = self._core
+        return replace(core.backend.vocabulary, chat_template=core.inputs.chat_template.jinja)
+
+    @property
+    def pooling(self) -> Embedder | None:
+        """Embeddings and rerank scores (engine/embedder.py); None: not served (--embeddings)."""
+        return self._embedder
 
     def json_body_limit(self, *, token_ids: bool = False) -> int:
         """The largest JSON body worth parsing for a prompt route (``token_ids``: a body of
@@ -117,8 +151,10 @@ class Engine:
         return inputs.max_token_ids_json_bytes if token_ids else inputs.max_request_json_bytes
 
     def runtime_fields(self) -> dict[str, Any]:
-        """Where the model runs, how its KV cache is laid out, which chat template renders."""
-        return self._core.runtime_fields()
+        """Where the model runs, how its KV cache is laid out, which chat template renders,
+        and the embedding context's pooling (None: no embeddings)."""
+        shape = None if self._embedder is None else self._embedder.shape
+        return {**self._core.runtime_fields(), "pooling": None if shape is None else shape.pooling}
 
     # ---- figures -------------------------------------------------------------------------
 
@@ -179,9 +215,28 @@ class Engine:
         inputs = self._core.inputs
         return await inputs.tokenize_text(source) if isinstance(source, str) else await inputs.tokenize_request(source)
 
-    async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        """Text -> tokens (the tokenizer routes), bounded by what a slot could hold."""
-        return await self._core.inputs.tokenize(text, add_special=add_special, parse_special=parse_special)
+    @overload
+    async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
+
+    @overload
+    async def tokenize(self, text: Sequence[str], *, add_special: bool, parse_special: bool = True) -> list[list[int]]: ...
+
+    async def tokenize(self, text: str | Sequence[str], *, add_special: bool, parse_special: bool = True) -> list[int] | list[list[int]]:
+        """Text -> tokens (the tokenizer routes), bounded by what a slot could hold; several
+        texts in one worker call (a prompt built of parts: /infill)."""
+        inputs = self._core.inputs
+        if isinstance(text, str):
+            return await inputs.tokenize(text, add_special=add_special, parse_special=parse_special)
+        texts = list(text)
+        for t in texts:
+            inputs.check_text_fits(t)
+        backend = self._core.backend
+        try:
+            return await self._core.worker.call(
+                lambda: [backend.tokenize(t, add_special=add_special, parse_special=parse_special) for t in texts]
+            )
+        except UnicodeEncodeError:  # JSON's "\ud800": a str, but no UTF-8
+            raise bad_param("text holds a lone surrogate (U+D800..U+DFFF): not valid Unicode") from None
 
     async def configure(self, slot_id: int, body: dict[str, Any]) -> ConfigureOutcome:
         """CONFIGURE: T1 applied to the slot, T2/T3 staged until every slot is idle."""
@@ -216,6 +271,9 @@ class Engine:
         ``prompt`` under ``salt``, waiting in line (first come, first served) up to ``wait_s``
         (then SLOT_BUSY, the one "busy, retry" refusal) within the caller's scope."""
         core = self._core
+        if not core.backend.generates:
+            raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, f"{core.identity.model_name} has no KV cache (an encoder such as "
+                                "BERT): it serves /v1/embeddings, not generation or slots")
         if slot is not None:
             held = core.slots.claim(slot, owner)
         else:

@@ -72,9 +72,10 @@ def next_cut(text: str, start: int, specials: SpecialTexts, tokenize: Tokenize) 
 
 async def tokenize_sliced(worker: GpuWorker, backend: LlamaBackend, text: str, *, add_special: bool) -> list[int]:
     """``backend.tokenize(text, add_special=..., parse_special=True)``, one slice a worker call
-    (the other steps run between them). A vocabulary that adds a token at the end too (EOS
-    with ``add_special``) is tokenized whole: its slices could not say which one ends."""
-    if len(text) <= 2 * SLICE_CHARS or (add_special and backend.info.add_eos):
+    (the other steps run between them). A vocabulary that adds a token at the end too (EOS or
+    SEP with ``add_special``) is tokenized whole: its slices could not say which one ends."""
+    roles = backend.info.roles
+    if len(text) <= 2 * SLICE_CHARS or (add_special and (roles.add_eos or roles.add_sep)):
         return await worker.call(lambda: backend.tokenize(text, add_special=add_special))
     specials = _SPECIALS.get(backend)
     if specials is None:  # once per model (a reload's has its own)

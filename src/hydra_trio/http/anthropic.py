@@ -28,10 +28,9 @@ from .common import (
     json_response,
     needs_no_slot,
     off_loop,
-    read_request_json,
-    require_engine,
 )
 from .generation import generate_buffered, sse_body, start_stream
+from .model_routes import routed_json
 from .replies import Piece, ReplyParserFactory, cut, delta_pieces, whole_pieces
 
 if TYPE_CHECKING:
@@ -420,8 +419,7 @@ async def anthropic_errors(response: Response) -> Response:
 
 
 async def _chat_request(count_only: bool = False) -> tuple[Engine, dict[str, Any], dict[str, Any]]:
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     return engine, body, await off_loop(lambda: to_chat(body, count_only=count_only))
 
 

@@ -6,7 +6,7 @@ import functools
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -64,6 +64,12 @@ def request_nursery() -> trio.Nursery:
 
 def set_request_nursery(nursery: trio.Nursery) -> None:
     _request_nursery.set(nursery)
+
+
+# What an HTTP exchange holds until its last byte, when the request's nursery (a stream's
+# producer included) has ended: its model (http/model_routes.py). The ASGI wrapper that counts
+# the exchanges in flight (server.py) opens and closes it.
+request_holds: ContextVar[ExitStack] = ContextVar("hydra_request_holds")
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -229,16 +235,20 @@ async def read_request_json(*, token_ids: bool = False) -> dict[str, Any]:
             )
     body = await read_json_body(cap, why)
     if engine is not None and not token_ids:
-        # Each turn renders to a token at least: more turns than a slot has positions cannot
-        # fit, and refused now they are never mapped, rendered or tokenized (a 13 MB body of
-        # tiny messages took ~1 s and +576 MB through those before its refusal).
-        for key in ("messages", "input"):
-            items = body.get(key)
-            if isinstance(items, list) and len(items) >= engine.n_ctx_slot:
-                raise PromptTooLong(
-                    f"{key} holds {len(items)} turns; a slot holds {engine.n_ctx_slot} positions and each turn takes one at least"
-                )
+        check_turns(engine, body)
     return body
+
+
+def check_turns(engine: Engine, body: dict[str, Any]) -> None:
+    """Each turn renders to a token at least: more turns than a slot has positions cannot
+    fit, and refused now they are never mapped, rendered or tokenized (a 13 MB body of tiny
+    messages took ~1 s and +576 MB through those before its refusal)."""
+    for key in ("messages", "input"):
+        items = body.get(key)
+        if isinstance(items, list) and len(items) >= engine.n_ctx_slot:
+            raise PromptTooLong(
+                f"{key} holds {len(items)} turns; a slot holds {engine.n_ctx_slot} positions and each turn takes one at least"
+            )
 
 
 async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[str, Any]:

@@ -66,22 +66,27 @@ async def generate_buffered(
     owner: str,
     path: str,
     prepare: Prepare | None = None,
+    prompt_only: bool = False,
 ) -> tuple[int, GenerationResult]:
-    """(slot id, result) of a whole generation."""
+    """(slot id, result) of a whole generation; ``prompt_only``: the slot held for
+    ``prepare`` alone, no token generated (an echo with max_tokens 0)."""
     t_arrived = trio.current_time()
     async with slot_for(state, engine, tokens, owner, params.cache_salt) as lease:
         queue_s = trio.current_time() - t_arrived
         res = GenerationResult()
-        with _logged(owner, path, lease.id, res, queue_s):
+        with _logged(owner, path, engine.served_name, lease.id, res, queue_s):
             if prepare is not None:
                 await prepare(lease)
-            await lease.generate(tokens, params, _discard, result=res)
-    state.metrics.record_generation(path, res, queue_s=queue_s)
+            if prompt_only:
+                res.prompt_tokens = res.n_prompt_processed = len(tokens)
+            else:
+                await lease.generate(tokens, params, _discard, result=res)
+    state.metrics.record_generation(path, res, model=engine.served_name, queue_s=queue_s)
     return lease.id, res
 
 
 @contextmanager
-def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s: float) -> Iterator[None]:
+def _logged(owner: str, path: str, model: str, slot_id: int, res: GenerationResult, queue_s: float) -> Iterator[None]:
     """One request line per HTTP generation, however it ends: done, cancelled (the client
     left), or failed, with its tokens and timings (logs.py: its JSON fields)."""
     outcome, error = "done", None
@@ -98,11 +103,11 @@ def _logged(owner: str, path: str, slot_id: int, res: GenerationResult, queue_s:
     finally:
         fields = generation_fields(res, outcome=outcome, queue_s=queue_s)
         log.info(
-            "%s %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s",
-            path, owner, slot_id, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
+            "%s %s model %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s",
+            path, owner, model, slot_id, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
             res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
             spec_note(res),
-            extra=request_extra(request_id=request_id, route=path, slot=slot_id, error=error, **fields),
+            extra=request_extra(request_id=request_id, route=path, model=model, slot=slot_id, error=error, **fields),
         )
 
 
@@ -277,8 +282,10 @@ async def start_stream(
     owner: str,
     path: str,
     prepare: Prepare | None = None,
+    prompt_only: bool = False,
 ) -> GenerationStream:
-    """Claim a slot and start generating into a channel (the claim's refusal is raised here)."""
+    """Claim a slot and start generating into a channel (the claim's refusal is raised here);
+    ``prompt_only`` as for ``generate_buffered``."""
     send, recv = trio.open_memory_channel[StreamItem](64)
     stall_s = state.settings.slot_wait_s
     turn = WriterTurn()
@@ -324,13 +331,16 @@ async def start_stream(
 
         res = GenerationResult()
         try:
-            with _logged(owner, path, lease.id, res, queue_s):
+            with _logged(owner, path, engine.served_name, lease.id, res, queue_s):
                 if prepare is not None:
                     await prepare(lease)
-                await lease.generate(tokens, params, emit, result=res)
+                if prompt_only:
+                    res.prompt_tokens = res.n_prompt_processed = len(tokens)
+                else:
+                    await lease.generate(tokens, params, emit, result=res)
                 if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
                     await emit("")
-            state.metrics.record_generation(path, res, queue_s=queue_s)
+            state.metrics.record_generation(path, res, model=engine.served_name, queue_s=queue_s)
             await put(Done(res))
         except (trio.TooSlowError, trio.BrokenResourceError) as exc:
             # The reader stopped reading or left: nobody to tell.

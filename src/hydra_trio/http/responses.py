@@ -30,10 +30,9 @@ from .common import (
     json_response,
     needs_no_slot,
     off_loop,
-    read_request_json,
-    require_engine,
 )
 from .generation import error_event_body, generate_buffered, sse_body, start_stream
+from .model_routes import routed_json
 from .replies import Piece, cut, delta_pieces, whole_pieces
 
 log = logging.getLogger(__name__)
@@ -408,8 +407,7 @@ class ResponseEvents:
 @bp.post("/v1/responses/input_tokens")
 @needs_no_slot
 async def input_tokens() -> Response:
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     chat = await off_loop(lambda: to_chat(body, count_only=True))
     try:
         n = len(await engine.prompt_tokens(chat))
@@ -421,8 +419,7 @@ async def input_tokens() -> Response:
 @bp.post("/v1/responses")
 async def responses() -> Response:
     state = app_state()
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     chat = await off_loop(lambda: to_chat(body))
     try:
         prepared = await engine.prepare("chat", chat)

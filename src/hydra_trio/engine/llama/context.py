@@ -33,11 +33,21 @@ from .devices import (
     repack_choice,
     repacked_mib,
 )
+from .embedding import EmbeddingContext, model_pooling
 from .log import captured, init_llama
 from .seqstate import type_name
 from .state import DecodeAborted, NoKvSpace, SlotStates
 from .steps import BatchSteps
-from .types import ModelInfo, SlotWatcher, StepPlanner, TokenSampler, Vocabulary, common_prefix_len
+from .types import (
+    TOKEN_ROLES,
+    ModelInfo,
+    SlotWatcher,
+    StepPlanner,
+    TokenRoles,
+    TokenSampler,
+    Vocabulary,
+    common_prefix_len,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +132,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # the model writes it as one special token or as text pieces).
         self.grammar_pieces = [self._special_text.get(t, piece) for t, piece in enumerate(self.pieces)]
         self._ctx = None
+        self._embedding: EmbeddingContext | None = None  # made on first use (embedding_context)
         self._abort_flag: threading.Event | None = None
         # ctypes callbacks must outlive the context, or they are garbage-collected under it.
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
@@ -166,7 +177,11 @@ class LlamaBackend(SlotStates, BatchSteps):
             bos_text=self._vocab_text(bos),
             eos_text=self._vocab_text(eos),
             chat_template_variants=self._template_variants(),
-            add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
+            roles=TokenRoles({r: t for r in TOKEN_ROLES if (t := getattr(llama_cpp, f"llama_vocab_{r}")(v)) >= 0},
+                             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)), add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
+                             add_sep=bool(llama_cpp.llama_vocab_get_add_sep(v))),
+            pooling=model_pooling(m),
+            rerank_template=(llama_cpp.llama_model_chat_template(m, b"rerank") or b"").decode("utf-8", "replace") or None,
         )
 
     def _template_variants(self) -> dict[str, str]:
@@ -237,6 +252,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         )
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
+        self.generates = bool(self._mem)  # no KV cache (an encoder, BERT): no slots to generate in
         # n_ctx_slot: the most one slot can hold; n_ctx: the cells all slots hold together.
         self.n_ctx_slot = int(llama_cpp.llama_n_ctx_seq(ctx))
         self.n_ctx = llama_cpp.llama_n_ctx(ctx) if self.kv_unified else self.n_ctx_slot * self.n_slots
@@ -297,8 +313,19 @@ class LlamaBackend(SlotStates, BatchSteps):
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
 
+    def embedding_context(self, pooling: str | None, n_seq_max: int) -> EmbeddingContext:
+        """The model's embedding context (embedding.py: ``pooling``, None for the model's
+        own), made on first use, freed with the model."""
+        if self._embedding is None:
+            self._embedding = EmbeddingContext(self._model, pooling=pooling, n_batch=self.n_batch, n_seq_max=n_seq_max,
+                                               n_threads=self.n_threads, offload=self.offload_settings)
+        return self._embedding
+
     def close(self) -> None:
         self._free_retired()
+        if self._embedding is not None:
+            self._embedding.close()
+            self._embedding = None
         self._free_context()
         if self._model is not None:
             llama_cpp.llama_model_free(self._model)
@@ -339,7 +366,7 @@ class LlamaBackend(SlotStates, BatchSteps):
     @property
     def vocabulary(self) -> Vocabulary:
         """The vocabulary as text (special pieces, detokenize), for any thread."""
-        return Vocabulary(self.pieces, self._special_text)
+        return Vocabulary(self.pieces, self._special_text, self.info.roles)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token contributes to the text (control tokens: none)."""
@@ -495,12 +522,14 @@ class LlamaBackend(SlotStates, BatchSteps):
         *,
         sampler: TokenSampler | None = None,
         want_logits: bool = False,
+        rows: Callable[[np.ndarray], None] | None = None,
     ) -> tuple[int | None, bytes | None]:
         """Append ``tokens`` (at most n_batch) to the slot's KV.
 
         With ``sampler``, samples the next token from the last position's logits in the same
         call (another slot's decode would overwrite the logits buffer afterwards). With
-        ``want_logits``, also returns those logits as n_vocab little-endian f32 bytes.
+        ``want_logits``, also returns those logits as n_vocab little-endian f32 bytes. With
+        ``rows``, every position's logits are computed and handed to it (prompt logprobs).
         """
         if not tokens:
             raise ValueError("eval_chunk needs at least one token")
@@ -513,9 +542,11 @@ class LlamaBackend(SlotStates, BatchSteps):
             raise NoKvSpace
         last = len(tokens) - 1
         need_logits = sampler is not None or want_logits
-        entries = [(slot, t, start + i, need_logits and i == last) for i, t in enumerate(tokens)]
+        entries = [(slot, t, start + i, rows is not None or (need_logits and i == last)) for i, t in enumerate(tokens)]
         self._decode_batch(entries, abort)
         self.seq_tokens[slot].extend(tokens)
+        if rows is not None:
+            rows(self._first_logits(len(tokens)))
         logits = self.logits_bytes(-1) if want_logits else None
         token = None
         if sampler is not None:
