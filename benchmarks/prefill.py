@@ -18,7 +18,8 @@ prompt to both engines, the order alternating between rounds, and every round is
   beside a cold prefill of just that many tokens (the goal's "new tokens only" time).
 - itl: a stream (short prompt, ``ignore_eos``) and, once it runs, an N-token prompt in the
   other slot: the stream's p50/p99 inter-token latency while that prompt prefills, and the
-  prompt's own prefill time.
+  prompt's own prefill time, against an as long prompt prefilled alone just before (the
+  ``--itl-target-ms`` goal: beside a stream at most 1.1x alone).
 - turns-pd: the session of ``turns`` through a P/D hand-off between two hydra-trio engines
   (PREFILL on one, DECODE on the other): each turn's TTFT to the decode engine's first token.
 """
@@ -216,13 +217,21 @@ def itl(peers: list[Peer], n: int, rounds: int, tok_url: str) -> list[dict[str, 
     for r in range(rounds):
         order = peers if r % 2 == 0 else peers[::-1]
         long_prompt = tokens(tok_url, n, seed=3000 + r)
+        alone_prompt = tokens(tok_url, n, seed=3500 + r)  # as long, new to both: the TTFT alone
         stream_prompt = tokens(tok_url, 32, seed=4000 + r)
         for p in order:
-            row = {"peer": p.name, "round": r, "n": n, **itl_beside(p, stream_prompt, long_prompt)}
+            alone_s, _ = p.complete(alone_prompt, cache=False)
+            row = {"peer": p.name, "round": r, "n": n, "alone_wall_s": alone_s, **itl_beside(p, stream_prompt, long_prompt)}
+            row["beside_over_alone"] = row["prefill_wall_s"] / alone_s
             rows.append(row)
-            print(f"itl {p.name} round {r}: {n}-token prefill beside a stream {row['prefill_wall_s']:.2f}s; stream ITL "
+            print(f"itl {p.name} round {r}: {n}-token prefill beside a stream {row['prefill_wall_s']:.2f}s "
+                  f"(alone {alone_s:.2f}s: {row['beside_over_alone']:.2f}x); stream ITL "
                   f"p50 {row['itl_p50_ms']:.0f} ms p99 {row['itl_p99_ms']:.0f} ms max {row['itl_max_ms']:.0f} ms "
                   f"({row['gaps']} gaps; alone {row['itl_alone_ms']:.0f} ms)", flush=True)
+        by = {row["peer"]: row for row in rows if row["round"] == r}
+        if "hydra-trio" in by and "llama-server" in by:
+            print(f"itl round {r}: hydra-trio beside / llama-server beside "
+                  f"{by['hydra-trio']['prefill_wall_s'] / by['llama-server']['prefill_wall_s']:.2f}x", flush=True)
     return rows
 
 

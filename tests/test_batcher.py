@@ -86,10 +86,15 @@ async def test_with_streams_each_waiting_prompt_advances_by_a_budget() -> None:
         nursery.start_soon(batcher.run)
         for job in jobs:
             assert await batcher.result(job) == (2,)
+        await wait_until(lambda: len(rec.batches) >= 2)
         nursery.cancel_scope.cancel()
-    # The first prompt gets the budget less the steps (8 - 2), the next a whole budget.
-    steps, parts = rec.batches[0]
-    assert sorted(steps) == [0, 1]
+    # The streams' step goes alone first (the ITL target's price of their step, measured).
+    assert rec.batches[0] == ([0, 1], [])
+    # Then the first prompt gets the budget less the streams (8 - 2: the cost of a prompt
+    # token is not measured yet), the next a whole budget; the streams, still generating,
+    # count though their steps are not in this batch.
+    steps, parts = rec.batches[1]
+    assert steps == []
     assert sorted(slot for slot, _ in parts) == [2, 3] and [n for _, n in parts] == [6, 8]
 
 

@@ -1,11 +1,11 @@
 """The engine on a GPU (``pytest -m gpu``): offload, greedy parity with CPU compute, KV
-hand-off between two engines on the one GPU, DELETE of a GPU decode, --no-kv-offload and
-partial offload. Synthetic models only (no downloads).
+hand-offs between two engines on the one GPU and between a CPU engine and a GPU one, DELETE
+of a GPU decode, --no-kv-offload and partial offload. Synthetic models only (no downloads).
 
 Every test here is skipped, saying why, unless the installed llama.cpp build can offload
 (``llama_cpp.llama_supports_gpu_offload()``) and ggml lists a GPU device: the default run on a
-CPU machine is unaffected. benchmarks/gpu/run.sh builds a CUDA llama-cpp-python and runs them
-(docs/gpu.md, "The GPU check").
+CPU machine is unaffected. benchmarks/gpu/run.sh builds a CUDA or Vulkan llama-cpp-python and
+runs them; benchmarks/gpu/vulkan.sh does so on Mesa's lavapipe (docs/gpu.md, "The GPU check").
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from helpers import (
     text_of,
 )
 from hydra_trio.engine.llama.devices import _OFFLOADED_RE, read_ggml_devices
-from hydra_trio.rpc.client import state_get_call, state_put_call
+from hydra_trio.rpc.client import decode_call, state_get_call, state_put_call
 from hydra_trio.wire.errors import Status
 
 
@@ -48,7 +48,7 @@ def _skip_reason() -> str | None:
     if not llama_cpp.llama_supports_gpu_offload():
         return (
             "no GPU offload in this llama.cpp build (llama_cpp.llama_supports_gpu_offload() is "
-            "False): the GPU tests need a CUDA build, see docs/gpu.md 'The GPU check'"
+            "False): the GPU tests need a CUDA or Vulkan build, see docs/gpu.md 'The GPU check'"
         )
     if not any(d.type in ("gpu", "igpu") for d in read_ggml_devices()):
         return "this llama.cpp build can offload, but ggml lists no GPU device on this machine"
@@ -186,6 +186,35 @@ async def test_decode_handoff_between_two_gpu_engines(
         assert body["usage"][key] == want["usage"][key]
     assert m["n_common"] == n_past and m["n_prompt_processed"] == 0 and m["logits_reused"] is True
     assert m["kv_bytes"] == len(pre.payload) and m["restore_slot_ms"] > 0
+
+
+async def test_decode_handoff_between_cpu_and_gpu_engines(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path
+) -> None:
+    """PREFILL on a CPU engine (--n-gpu-layers 0), DECODE on a fully offloaded one, then the
+    way back: the identity gate lets the same model's KV through whichever backend made it
+    (and refuses another model's name on the GPU engine), every prompt position is restored
+    and none evaluated, and the text is that of CPU compute for the first 8 tokens."""
+    cpu = await start_engine(tiny_model_ctx, n_gpu_layers=0, **ENGINE)
+    gpu = await start_engine(tiny_model_ctx, **FULL)
+    assert _report(cpu).n_gpu_layers == 0 and _report(gpu).n_gpu_layers == _report(gpu).n_layers
+    ref = await _greedy(cpu)
+    assert ref["usage"]["completion_tokens"] == N_PARITY
+    for src, dst in ((cpu, gpu), (gpu, cpu)):
+        async with http(dst) as hd, await rpc(src) as cs, await rpc(dst) as cd:
+            pre = await prefill(cs, 0, MESSAGES)
+            n_past = pre.meta["n_past"]
+            if dst is gpu:
+                other = {**kv_meta(pre), "model_name": "Other Tiny", "model_alias": "other-tiny"}
+                refused = await cd.call(decode_call(1, frame(MESSAGES, pre.payload, n_predict=N_PARITY, kv_metadata=other)), check=False)
+                assert refused.status == Status.ERROR and refused.meta["error_code"] == "CAP_MISMATCH", refused.meta
+            rid = await decode_ok(cd, 1, frame(MESSAGES, pre.payload, n_predict=N_PARITY, kv_metadata=kv_meta(pre)))
+            body = await get_result(hd, rid)
+        m = body["hydra_metrics"]
+        assert m["n_common"] == n_past and m["n_prompt_processed"] == 0 and m["logits_reused"] is True, m
+        assert m["kv_bytes"] == len(pre.payload)
+        assert body["usage"] == ref["usage"]
+        assert text_of(body) == text_of(ref), (src is cpu, text_of(body), text_of(ref))
 
 
 # ---- (d) DELETE interrupts a GPU decode -----------------------------------------------------

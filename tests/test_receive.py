@@ -3,9 +3,19 @@ drives them (run_blocking, no event loop)."""
 
 from __future__ import annotations
 
+import gc
+
+import numpy as np
 import pytest
 
-from hydra_trio.receive import PeerClosed, RecvInto, read_reply_head, recv_bytes, run_blocking
+from hydra_trio.receive import (
+    PeerClosed,
+    RecvInto,
+    payload_buffer,
+    read_reply_head,
+    recv_bytes,
+    run_blocking,
+)
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 from hydra_trio.wire.protocol import encode_response, encode_response_header
 
@@ -52,3 +62,29 @@ def test_reply_meta_is_capped() -> None:
     with pytest.raises(ProtocolError) as info:
         run_blocking(read_reply_head(_feed(_raw_reply(b'{"x":1}')), max_meta_bytes=2))
     assert info.value.code is ErrorCode.TOO_LARGE
+
+
+def test_a_large_receive_buffer_is_reused_once_nothing_holds_it() -> None:
+    """Above 64 MiB a payload lands in an anonymous mapping an earlier payload used (a
+    fresh page's first touch is the costly part of a large receive), but never while any
+    array or view of that payload is alive, and never for a payload under half its size."""
+    n = 70 << 20
+
+    def mapping_of(buf: np.ndarray) -> object:
+        return buf.base.obj  # np.frombuffer's memoryview of the mapping
+
+    first = payload_buffer(n)
+    first[:] = 1
+    held = mapping_of(first)
+    view = first[10:20]
+    del first
+    second = payload_buffer(n)  # the first payload's view still holds its mapping
+    assert mapping_of(second) is not held
+    del view
+    gc.collect()
+    third = payload_buffer(n - 1)
+    assert mapping_of(third) is held and third.nbytes == n - 1
+    assert mapping_of(payload_buffer(64 << 20)) is not held  # third holds it
+    del third
+    gc.collect()
+    assert mapping_of(payload_buffer(200 << 20)) is not held  # too small for that payload

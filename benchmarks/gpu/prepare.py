@@ -5,8 +5,8 @@
 Writes into benchmarks/gpu/prepared/ (git-ignored; it travels as one carried path):
 
 - ``llama_cpp_python-VER.tar.gz``: the installed llama-cpp-python version's sdist, trimmed to
-  what a CUDA (and CPU) build needs: no other backends' sources, no models, tests, examples,
-  docs, media, web-UI sources or .git;
+  what a CUDA, Vulkan or CPU build needs: no other backends' sources, no models, tests,
+  examples, docs, media, web-UI sources or .git;
 - ``wheels/``: CPython 3.12 manylinux x86_64 wheels of the engine's dependencies and the test
   tools the GPU tests use (llama-cpp-python is built there; vllm-router and ruff are left out:
   the GPU tests need neither, and they are large);
@@ -44,11 +44,14 @@ CARRY_LIMIT = 64 * MiB
 MARGIN = 8 * MiB  # what the repo + prepared/ must leave free under the carry limit
 SDIST_LIMIT = 24 * MiB  # the trimmed sdist alone
 
-# pip download / dry-run target: CPython 3.12 on manylinux x86_64 (the GPU machine).
+# pip download / dry-run target: CPython 3.12 on manylinux x86_64 (the GPU machine: Python
+# 3.12.3, glibc 2.39). pip matches each manylinux_2_N exactly: llguidance 1.9 ships
+# manylinux_2_31 only, which a list stopping at 2_28 could not find.
 PY = "3.12"
 PLATFORMS = [
-    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-    "manylinux2014_x86_64", "manylinux1_x86_64",
+    "manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64",
 ]
 
 # Left out of the wheel set: built there, or not needed by the GPU tests and large.
@@ -63,7 +66,8 @@ BUILD_REQS = ["scikit-build-core>=0.9.2", "setuptools>=77", "pip", "ninja"]
 # Paths (relative to the sdist root) dropped from the trimmed copy. A directory entry drops
 # everything under it. Backends are only add_subdirectory'd when enabled, so leaving out the
 # disabled ones' sources is safe; ggml-hip/ggml-musa only hold build files around ggml-cuda's
-# sources (kept, they are tiny).
+# sources (kept, they are tiny). ggml-vulkan is kept (about 0.3 MiB packed): the same sdist
+# builds the Vulkan lane (run.sh --backend vulkan, on lavapipe where there is no GPU).
 LC = "vendor/llama.cpp"
 DROP = {
     ".git", ".github", "docker", "docs", "examples", "tests", "mkdocs.yml",
@@ -77,7 +81,7 @@ DROP = {
     f"{LC}/tools/server/tests", f"{LC}/tools/server/bench", f"{LC}/tools/server/public_legacy",
     f"{LC}/tools/mtmd/tests", f"{LC}/tools/mtmd/legacy-models",
     *(f"{LC}/ggml/src/ggml-{b}" for b in (
-        "cann", "et", "hexagon", "metal", "opencl", "openvino", "sycl", "virtgpu", "vulkan",
+        "cann", "et", "hexagon", "metal", "opencl", "openvino", "sycl", "virtgpu",
         "webgpu", "zdnn", "zendnn", "kompute",
     )),
 }
@@ -88,6 +92,8 @@ REQUIRED = [
     "PKG-INFO", "pyproject.toml", "CMakeLists.txt", "llama_cpp/__init__.py", "llama_cpp/llama_cpp.py",
     f"{LC}/CMakeLists.txt", f"{LC}/ggml/CMakeLists.txt", f"{LC}/ggml/src/CMakeLists.txt",
     f"{LC}/ggml/src/ggml-cuda/CMakeLists.txt", f"{LC}/ggml/src/ggml-cuda/ggml-cuda.cu",
+    f"{LC}/ggml/src/ggml-vulkan/CMakeLists.txt", f"{LC}/ggml/src/ggml-vulkan/ggml-vulkan.cpp",
+    f"{LC}/ggml/src/ggml-vulkan/vulkan-shaders/vulkan-shaders-gen.cpp",
     f"{LC}/ggml/src/ggml-cpu/CMakeLists.txt", f"{LC}/tools/mtmd/CMakeLists.txt",
     f"{LC}/tools/server/CMakeLists.txt", f"{LC}/tools/ui/CMakeLists.txt",
     f"{LC}/scripts/ui-assets.cmake", f"{LC}/src/llama.cpp", f"{LC}/common/CMakeLists.txt",

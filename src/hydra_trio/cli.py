@@ -118,6 +118,8 @@ def _kv_pair(text: str) -> tuple[str, object]:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
+    if args.lora is not None:
+        return _make_lora_adapter(args)
     from .model.synthetic import write_model
 
     try:
@@ -134,6 +136,18 @@ def cmd_make_model(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         print(f"make-model: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _make_lora_adapter(args: argparse.Namespace) -> int:
+    from .model.synthetic_lora import write_lora_adapter
+
+    try:
+        path = write_lora_adapter(args.lora, args.out, seed=args.seed, rank=args.lora_rank, alpha=args.lora_alpha, name=args.name)
+    except (OSError, ValueError) as exc:
+        print(f"make-model --lora {args.lora}: {exc}", file=sys.stderr)
         return 2
     print(path)
     return 0
@@ -248,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "make-model",
         help="write a synthetic GGUF (random weights; mamba: a recurrent model; hybrid: lfm2; embed: mean pooling; "
-        "rerank: a rank head; fim: fill-in-the-middle tokens; bert: an encoder)",
+        "rerank: a rank head; fim: fill-in-the-middle tokens; bert: an encoder; --lora BASE: a LoRA adapter for BASE)",
     )
     p.add_argument("out", help="output .gguf path")
     p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid", "embed", "rerank", "fim", "bert"], default="tiny")
@@ -260,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", default=None, help="general.base_model.0.name")
     p.add_argument("--tokenizer-pre", default=None, help="tokenizer.ggml.pre")
     p.add_argument("--kv", action="append", type=_kv_pair, help="extra metadata KEY=VALUE, e.g. llama.nextn_predict_layers=1")
+    p.add_argument("--lora", metavar="BASE", default=None, help="write a LoRA adapter GGUF for the base model BASE instead of a model")
+    p.add_argument("--lora-rank", type=int, default=8, help="with --lora: the adapter's rank")
+    p.add_argument("--lora-alpha", type=float, default=None, help="with --lora: adapter.lora.alpha (default: the rank)")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("identity", help="print the model identity of a GGUF (spec §5), model_hash (its SHA-256) included")

@@ -12,6 +12,7 @@ from typing import Any
 
 import gguf
 
+from .model.lora import adapter_specs
 from .wire.sampling import SPEC_TYPES
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -32,6 +33,13 @@ class Settings:
     sleep_idle_seconds: float = -1.0
     model_wait_s: float = 300.0
     rpc_model: str | None = None
+    # LoRA adapters (llama-server's flags, repeated or comma lists): [NAME=]PATH at scale 1,
+    # [NAME=]PATH:SCALE; ids in that order (--lora first). A request's "model" picks one by
+    # NAME (vLLM's), default the file stem; the scales are what requests without "lora" get
+    # (model/lora.py ``adapter_specs``).
+    lora: tuple[str, ...] = ()
+    lora_scaled: tuple[str, ...] = ()
+    lora_init_without_apply: bool = False  # every default scale 0 until POST /lora-adapters
     host: str = "127.0.0.1"
     port: int = 8080  # HTTP; 0 = ephemeral
     rpc_port: int = 9504  # binary RPC; 0 = ephemeral
@@ -64,6 +72,10 @@ class Settings:
     # arriving prompt. Small on CPUs (each prompt token costs about what a whole step does);
     # a GPU takes hundreds at almost no extra step time.
     step_token_budget: int = 32
+    # While streams run, each step carries as many prompt tokens as keep it under this
+    # inter-token latency (engine/sched/chunks.py); 0: the machine's own, 20 one-stream steps
+    # as measured (a long prompt then goes about as fast as alone).
+    itl_target_ms: float = 0.0
     # Streaming: up to this many tokens per chunk (vLLM's --stream-interval); the first token
     # and the end are sent at once. A request's own "stream_interval" wins.
     stream_interval: int = 1
@@ -266,6 +278,9 @@ _HELP: dict[str, str] = {
     "model_wait_s": "seconds a request waits for its model to load or wake (and for room to load it) before 503",
     "rpc_model": "the model the RPC port (PREFILL, DECODE, STATE_*, KV events) serves, pinned (default: the first --model NAME=PATH, else the first of --models-dir by name)",
     "alias": "model alias reported in identity (default: the file stem)",
+    "lora": "LoRA adapter [NAME=]PATH, applied at scale 1 to requests without a \"lora\" list (repeat or comma-separate; llama-server's --lora); a request's \"model\" NAME selects it alone (vLLM's), NAME defaulting to the file stem",
+    "lora_scaled": "LoRA adapter [NAME=]PATH:SCALE, as --lora with that default scale (llama-server's --lora-scaled); ids follow the --lora ones",
+    "lora_init_without_apply": "load the LoRA adapters with every default scale 0 (llama-server's --lora-init-without-apply): requests choose them, or POST /lora-adapters sets the scales",
     "host": "address to bind HTTP and RPC",
     "port": "HTTP port (0 = ephemeral)",
     "rpc_port": "binary RPC port (0 = ephemeral)",
@@ -286,7 +301,8 @@ _HELP: dict[str, str] = {
     "embd_max_waiting": "embedding and rerank inputs waiting for the GPU worker at most (one request's included); past it a request gets 503 with Retry-After",
     "spm_infill": "/infill: suffix before prefix (llama-server's --spm-infill), the order some code models were trained with",
     "stream_interval": "streamed tokens per chunk at most (the first token and the end go at once); a request's stream_interval wins",
-    "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens; each further waiting prompt adds up to this many)",
+    "step_token_budget": "prompt tokens per generation-step batch while streams run, until the ITL target's step costs are measured (each further waiting prompt adds up to this many)",
+    "itl_target_ms": "inter-token latency target while a prompt is prefilled beside running streams: each step carries as many prompt tokens as keep it under this; 0 = the machine's own (20 one-stream steps, as measured)",
     "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: all when the llama.cpp build can offload, else 0)",
     "main_gpu": "llama.cpp's main_gpu: the GPU for scratch work and, when layers are not split across GPUs, the model",
     "flash_attn": "flash attention: on, off or auto",
@@ -427,6 +443,8 @@ def _convert(kind: type, raw: str, name: str) -> Any:
 
 # Settings filled from another flag's values (repeated --model NAME=PATH), with no flag of their own.
 _NO_FLAG = frozenset({"named_models"})
+def _comma_list(given: list[str]) -> tuple[str, ...]:
+    return tuple(item for text in given for item in text.split(",") if item.strip())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -444,6 +462,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch: given means True
             parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, default=None, help=help_text)
             continue
+        if kind is tuple:  # repeatable, each a comma list (llama-server's --lora)
+            parser.add_argument(flag_name(f.name), dest=f.name, action="append", default=None, help=help_text)
+            continue
         parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=_CHOICES.get(f.name), default=None, help=help_text)
 
 
@@ -460,10 +481,13 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
             values["model"], values["named_models"] = split_model_flags(given)
             continue
         if given is not None:
-            values[f.name] = given
+            values[f.name] = _comma_list(given) if kind is tuple else given
         elif env.get(env_name(f.name)):
             raw = env[env_name(f.name)]
-            values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
+            if kind is tuple:
+                values[f.name] = _comma_list([raw])
+            else:
+                values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
     values.update(overrides)
     settings = Settings(**{**{f.name: getattr(defaults, f.name) for f in fields(Settings)}, **values})
     validate(settings)
@@ -485,6 +509,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "slots": (1, 256),
     "batch_size": (1, 8192),
     "step_token_budget": (1, 8192),
+    "itl_target_ms": (0.0, 600_000.0),
     "slot_prompt_similarity": (0.0, 1.0),
     "stream_interval": (1, 4096),
     "kv_events_block_size": (1, 4096),
@@ -597,6 +622,7 @@ def validate(s: Settings) -> None:
         problems.append("no_embeddings cannot go with pooling or reranking (they serve embeddings)")
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
+    adapter_specs(s.lora, s.lora_scaled)  # a malformed or missing adapter stops startup here, named
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
     # An unreadable key file or a bad CIDR stops startup here, with its reason.

@@ -47,6 +47,7 @@ REQUEST_FIELDS = (
     "tokens_per_s",
     "spec_drafted",  # speculation's draft tokens verified (null: it did not run)
     "spec_accepted",  # and accepted
+    "lora",  # the LoRA adapter set it ran under (engine/adapters.py ``label``; null: the base model)
     "error",  # the failure's cause, when it failed
 )
 STATS_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "running", "waiting", "kv_cache_usage")

@@ -1,6 +1,7 @@
 """Receiving from a peer, for every side (the engine's RPC connections, the RPC clients and
 their blocking twin, the hand-off's KV_PULL, HTTP state uploads): the buffer a payload is
-read into, the one exact-length read, and the one RPC reply reader.
+read into, the one exact-length read (and its twin that hashes a span as it arrives), and
+the one RPC reply reader.
 
 The reads are written once as coroutines over a ``recv_into(view, nbytes) -> int`` callable:
 a trio socket's, or a blocking socket's wrapped in a coroutine that never suspends, which
@@ -10,12 +11,15 @@ a trio socket's, or a blocking socket's wrapped in a coroutine that never suspen
 from __future__ import annotations
 
 import mmap
+import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
 import trio
+import xxhash
 
+from .tasks import raise_single
 from .wire.errors import ErrorCode, ProtocolError
 from .wire.jsontext import parse_json_object
 from .wire.protocol import RESPONSE_HEADER, ResponseHeader, parse_response_header
@@ -62,6 +66,62 @@ async def recv_exactly(
             on_progress(got)
 
 
+_HASH_CHUNK = 8 << 20  # hashed per worker-thread hop: ~0.4 ms of XXH3, ~0.1 ms of hop
+
+
+class _Received:
+    """How many bytes of a read have arrived; wakes the hashing task as they do."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._more = trio.Event()
+
+    def advance(self, n: int) -> None:
+        self.n = n
+        self._more.set()
+        self._more = trio.Event()
+
+    async def wait_for(self, n: int) -> None:
+        while self.n < n:
+            await self._more.wait()
+
+
+async def recv_exactly_hashing(
+    recv_into: RecvInto,
+    view: memoryview,
+    span: tuple[int, int],
+    *,
+    got: int = 0,
+    idle_timeout_s: float | None = None,
+) -> int:
+    """Fill ``view[got:]`` as ``recv_exactly`` does (its first ``got`` bytes are there
+    already), and hash ``view[start : start + length]`` (``span``; XXH3-64) as its bytes
+    arrive: in a worker thread, a few MB behind the receive (xxhash releases the GIL), so
+    the digest is ready when the last byte is. Returns the digest."""
+    start, length = span
+    hasher = xxhash.xxh3_64()
+    received = _Received(got)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_hash_behind, view[start : start + length], start, hasher, received)
+            await recv_exactly(
+                recv_into, view[got:], idle_timeout_s=idle_timeout_s, on_progress=lambda k: received.advance(got + k)
+            )
+    except BaseExceptionGroup as group:  # the hashing task's nursery wraps what was raised
+        raise_single(group)
+    return hasher.intdigest()  # type: ignore[no-any-return]
+
+
+async def _hash_behind(span: memoryview, offset: int, hasher: Any, received: _Received) -> None:
+    """Feed ``span`` (which starts at ``offset`` of the read) to ``hasher`` as its bytes arrive."""
+    pos = 0
+    while pos < len(span):
+        end = min(len(span), pos + _HASH_CHUNK)
+        await received.wait_for(offset + end)
+        await trio.to_thread.run_sync(hasher.update, span[pos:end])
+        pos = end
+
+
 async def recv_bytes(recv_into: RecvInto, n: int) -> bytearray:
     buf = bytearray(n)
     if n:
@@ -104,10 +164,55 @@ def payload_buffer(n: int) -> np.ndarray:
     the kernel's "madvise" defrag a page fault then stalls for compaction (DECODE acks of a
     151 MB blob varied 80-380 ms). So from there: a bytearray up to 64 MiB (zeroed, but malloc
     reuses already-mapped heap pages, which measured 2-3x faster than faulting in a fresh
-    mapping at 1-17 MB), and an anonymous mapping above (the kernel supplies zero pages as
-    the receive first writes them: no zeroing pass, no huge pages)."""
+    mapping at 1-17 MB), and above, an anonymous mapping that an earlier payload used and
+    nothing holds any more (``_Mappings``), else a new one."""
     if n < _NO_HUGEPAGES_MIN:
         return np.empty(n, dtype=np.uint8)
     if n < _MMAP_MIN:
         return np.frombuffer(bytearray(n), dtype=np.uint8)
-    return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)
+    return np.frombuffer(_MAPPINGS.take(n), dtype=np.uint8, count=n)
+
+
+class _Mappings:
+    """The large receive buffers, kept for the next payloads. A fresh page's first touch is
+    what a large receive costs most on a VM: 148.5 MB into a new mapping took 0.9-2.2 s over
+    loopback TCP against 0.2-0.8 s into one written before, and first-writing it alone
+    0.6-3.9 s against 36-57 ms to copy into touched memory (this 2-core VM, loaded; the cost
+    of a fresh page is the host's and varies from VM to VM). A mapping is handed out again
+    only once nothing exports it (every array and view of the last payload is gone: the
+    same-size ``resize`` that mmap refuses while buffers are exported), to a payload of at
+    least half its size; at most ``KEEP`` are kept (the least recently used one is dropped
+    first), so the memory held past the payloads is at most that many payloads' worth."""
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._kept: list[mmap.mmap] = []  # most recently handed out last
+        self._lock = threading.Lock()  # the blocking client receives on other threads
+
+    def take(self, n: int) -> mmap.mmap:
+        with self._lock:
+            for m in self._kept:
+                if n <= len(m) <= 2 * n and _unexported(m):
+                    self._kept.remove(m)
+                    self._kept.append(m)
+                    return m
+            m = mmap.mmap(-1, n)
+            self._kept.append(m)
+            if len(self._kept) > self.KEEP:
+                free = next((k for k in self._kept if _unexported(k)), None)
+                self._kept.remove(free if free is not None else self._kept[0])
+            return m
+
+
+def _unexported(m: mmap.mmap) -> bool:
+    """Nothing holds a buffer of ``m`` (a same-size resize changes nothing; mmap refuses
+    any resize while buffers are exported)."""
+    try:
+        m.resize(len(m))
+    except (BufferError, OSError, ValueError, SystemError):  # exported, or no mremap here
+        return False
+    return True
+
+
+_MAPPINGS = _Mappings()

@@ -9,7 +9,8 @@ inter-token latency, which a small model reaches), the phases of a request:
 ``vllm:request_queue_time_seconds`` (waiting for a slot), ``vllm:request_prefill_time_seconds``
 (slot claimed -> first token) and ``vllm:request_decode_time_seconds`` (first -> last token).
 TTFT and e2e count from the request's arrival, so they include the queue time, as vLLM's do.
-And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
+With LoRA adapters loaded, ``vllm:lora_requests_info``: the adapters requests run under and
+wait for (``lora_requests_info``). And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
 cut into blocks, as vLLM's CacheConfig labels it: ``block_size`` (the KV events' block,
 --kv-events-block-size), ``num_gpu_blocks`` (all slots' cells in those blocks: what llm-d's
 scheduler and the Inference Extension size an endpoint's cache by), ``num_cpu_blocks``
@@ -26,6 +27,7 @@ process serves several: modelpool.py). Every value is read from the engines at s
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -138,6 +140,24 @@ class VllmCollector(Collector):
         f.add_metric(list(info.values()), 1.0)
         return f
 
+    def lora_requests_info(self) -> GaugeMetricFamily | None:
+        """vLLM's LoRA gauge, which the Gateway API Inference Extension and llm-d route on:
+        its value the time of the scrape, its labels the adapters requests run under and wait
+        for (names, comma-joined) and ``max_lora``, the most adapters one batch applies (here
+        all those loaded: a batch runs one set, which may hold each). None: no adapters."""
+        adapters = self.cache_engine().adapters  # --lora applies to the default (RPC) model
+        if not len(adapters):
+            return None
+        running, waiting = adapters.in_use()
+        labels = {
+            "max_lora": str(len(adapters)),
+            "running_lora_adapters": ",".join(running),
+            "waiting_lora_adapters": ",".join(waiting),
+        }
+        f = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.", labels=list(labels))
+        f.add_metric(list(labels.values()), time.time())
+        return f
+
     def collect(self) -> Iterator[Metric]:
         labels = ["engine", "model_name"]
         rows = [(["0", name], engine.stats() if engine is not None else None, p) for name, engine, p in self.models()]
@@ -166,6 +186,8 @@ class VllmCollector(Collector):
                 done.add_metric([*model, reason], p.finished[reason])
         yield done
         yield self.cache_config_info(self.cache_engine())
+        if (lora := self.lora_requests_info()) is not None:
+            yield lora
         for attr, name, doc in (
             ("ttft", "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds."),
             ("itl", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),

@@ -2,12 +2,13 @@
 ``Engine`` (and a slot's ``SlotLease``), the parameter, result and stats types the front ends
 read, and the chat room's reply types. Nothing outside engine/ reaches its modules."""
 
+from .adapters import LoraAdapters
 from .chat import ReplyDelta, ReplyParser, ToolCall
 from .embedder import Embedder, Pooled
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
-from .llama import POOLING_TYPES, DecodeAborted, Vocabulary
+from .llama import POOLING_TYPES, DecodeAborted, LoraSet, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams
 from .requests import REASONING_EFFORTS, Route
@@ -30,6 +31,8 @@ __all__ = [
     "GenerationResult",
     "KvCopy",
     "KvEvents",
+    "LoraAdapters",
+    "LoraSet",
     "Pooled",
     "Prepared",
     "ReplyDelta",

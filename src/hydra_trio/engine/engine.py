@@ -19,13 +19,14 @@ from ..model.identity import ModelIdentity
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, bad_param
 from ..wire.kvevents import Event
+from .adapters import LoraAdapters
 from .chat import ReplyParser
 from .configure import ConfigureOutcome, configure
 from .core import EngineCore
 from .embedder import Embedder, embeddings_wanted
 from .kv import Admitted, SlotBlocks, admit_blob
 from .lease import SlotLease
-from .llama import Vocabulary
+from .llama import LoraSet, Vocabulary
 from .params import GenerationParams
 from .requests import Route, cache_salt, check_request
 from .stats import EngineStats, SlotInfo
@@ -133,6 +134,11 @@ class Engine:
         return self._core.kv_cache_layout
 
     @property
+    def adapters(self) -> LoraAdapters:
+        """The LoRA adapters loaded with the model (--lora): their default scales, names, use."""
+        return self._core.adapters
+
+    @property
     def vocab(self) -> Vocabulary:
         """The vocabulary as text (token pieces, detokenize), its tokens with a role (BOS,
         EOS, FIM, ...) and the chat template prompts render with: read without a llama call."""
@@ -190,6 +196,7 @@ class Engine:
         layers = body if slot is None else sampling_keys.merge(core.slot_settings.generation_defaults(slot), body)
         n_logprobs = check_request(route, layers)
         params = await inputs.generation_params_off_loop(layers)
+        params = core.adapters.choose(params, layers, route, core.identity)  # its LoRA adapter set
         plan = await inputs.plan(layers, params)
         await inputs.compile_grammar(plan.grammar)
         params = replace(
@@ -244,14 +251,21 @@ class Engine:
         return await configure(core, slot_id, body, core.settings)
 
     async def admit(
-        self, raw: memoryview | bytes | None, claims: Mapping[str, Any] | None = None, *, header_model: str | None = None
+        self,
+        raw: memoryview | bytes | None,
+        claims: Mapping[str, Any] | None = None,
+        *,
+        header_model: str | None = None,
+        lora: LoraSet | None = None,
     ) -> Admitted:
         """KV from elsewhere: ``raw`` parsed (BAD_FRAME; no longer than a slot) and ``claims``
-        (identity fields, ``kv_cache``) held against the resident model (engine/kv/)."""
+        (identity fields, ``kv_cache``, ``lora``) held against the resident model (engine/kv/)
+        and, with ``lora``, the LoRA adapter set of the request that would continue it."""
         core = self._core
         return await admit_blob(
             raw, claims, resident=core.identity, kv_cache_layout=core.kv_cache_layout,
             max_tokens=core.n_ctx_slot, header_model=header_model,
+            lora=None if lora is None else core.adapters.claims(lora),
         )
 
     # ---- slots -----------------------------------------------------------------------------
@@ -264,12 +278,15 @@ class Engine:
         slot: int | None = None,
         prompt: Sequence[int] = (),
         salt: str | None = None,
+        lora: LoraSet = (),
         wait_s: float = math.inf,
     ) -> AsyncIterator[SlotLease]:
         """Hold a slot for the block: ``slot`` that one, at once (SLOT_BUSY when it is taken,
         NO_SLOT when there is none); else the free slot the slot-choice policy ranks best for
-        ``prompt`` under ``salt``, waiting in line (first come, first served) up to ``wait_s``
-        (then SLOT_BUSY, the one "busy, retry" refusal) within the caller's scope."""
+        ``prompt`` under ``salt`` and the LoRA adapter set ``lora``, waiting in line (first
+        come, first served) up to ``wait_s`` (then SLOT_BUSY, the one "busy, retry" refusal)
+        within the caller's scope. The adapters of ``lora`` count as waiting, then running
+        (vllm:lora_requests_info)."""
         core = self._core
         if not core.backend.generates:
             raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, f"{core.identity.model_name} has no KV cache (an encoder such as "
@@ -277,13 +294,14 @@ class Engine:
         if slot is not None:
             held = core.slots.claim(slot, owner)
         else:
-            with trio.move_on_after(wait_s) as waited:
-                held = await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt))
+            with trio.move_on_after(wait_s) as waited, core.adapters.waiting(lora):
+                held = await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora))
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"all slots are busy (waited {wait_s:g} s)")
         lease = SlotLease(core, held.id)
         try:
-            yield lease
+            with core.adapters.running(lora):
+                yield lease
         finally:
             lease._end()
             core.slots.release(held)

@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from ..config import Settings
+from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
 from .chat import Chat, ChatPlan, ChatTemplate
 from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
@@ -105,8 +106,14 @@ class Inputs:
         )
 
     async def generation_params_off_loop(self, request: dict[str, Any]) -> GenerationParams:
-        """``generation_params`` on a worker thread (at most GRAMMAR_THREADS at once): a long
-        tool list is validated there, never on the trio thread."""
+        """``generation_params``, a request's tool list validated on a worker thread (at most
+        GRAMMAR_THREADS at once), never on the trio thread. A request that declares no tools
+        is read here at once: a thread hop each, two at a time, staggered requests that came
+        together (their prompts then joined the streams' batches one by one: issue 53's
+        8-stream regression)."""
+        keys = sampling_keys.flatten(request)
+        if not keys.get("tools") and not keys.get("functions"):
+            return self.generation_params(request)
         return await trio.to_thread.run_sync(self.generation_params, request, limiter=self._grammar_threads)
 
     async def plan(self, request: dict[str, Any], params: GenerationParams) -> ChatPlan:

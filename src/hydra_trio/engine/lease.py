@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
 
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import KvBlob
-from .kv import KvCopy
-from .llama import DecodeAborted, NoKvSpace
+from .kv import KvCopy, check_checkpoint, copy_out, restore_blob
+from .llama import DecodeAborted, LoraSet, NoKvSpace
 from .output import GenerationResult
 from .params import GenerationParams
 from .sample import TokenLogprobs, token_logprobs
@@ -83,20 +83,23 @@ class SlotLease:
         (read it even when cancelled)."""
         return await self._check().generate(self.id, tokens, params, emit, result=result)
 
-    async def prefill(self, tokens: Sequence[int], *, salt: str | None = None) -> bytes:
-        """Evaluate the whole prompt into the emptied slot (RPC PREFILL) under ``salt``; the
-        logits of its last position, which stay with the slot for a DECODE that follows."""
+    async def prefill(self, tokens: Sequence[int], *, salt: str | None = None, lora: LoraSet = ()) -> bytes:
+        """Evaluate the whole prompt into the emptied slot (RPC PREFILL) under ``salt`` and the
+        adapter set ``lora``; the logits of its last position, which stay with the slot for a
+        DECODE that follows."""
         core = self._check()
-        await core.scheduler.adopt_salt(self.id, salt)
+        await core.scheduler.adopt(self.id, salt, lora)
         _, logits = await core.prefill(self.id, tokens, 0, want_logits=True)
         assert logits is not None, "asked for"
         return logits
 
-    async def score(self, tokens: Sequence[int], top_n: int, *, salt: str | None = None) -> list[TokenLogprobs]:
+    async def score(
+        self, tokens: Sequence[int], top_n: int, *, salt: str | None = None, lora: LoraSet = ()
+    ) -> list[TokenLogprobs]:
         """The prompt evaluated anew into the slot with each token's log-probability given
         those before it (``tokens[1:]``, ``top_n`` alternatives each: ``score_prompt``); a
         ``generate`` of the same tokens then starts from its last position's logits."""
-        return await score_prompt(self._check(), self.id, tokens, top_n, salt=salt)
+        return await score_prompt(self._check(), self.id, tokens, top_n, salt=salt, lora=lora)
 
     async def sample_first(self, tokens: Sequence[int], params: GenerationParams) -> tuple[GenerationResult, bytes]:
         """A P/D prefill: the prompt in the slot (prefix reuse as generation) and the one token
@@ -108,13 +111,43 @@ class SlotLease:
     async def copy_out(
         self, *, logits: bytes | None = None, reserve: Callable[[int], Awaitable[None]] | None = None
     ) -> KvCopy:
-        """The slot's KV as a v2 blob (and ``logits``); ``reserve`` is awaited with its exact
-        size before any byte is copied."""
-        return await self._check().copy_out(self.id, logits=logits, reserve=reserve)
+        """The slot's KV as a v2 blob (kv/copy.py) (and ``logits``); ``reserve`` is awaited with
+        its exact size before any byte is copied. The slot shows as transferring while its
+        bytes move (slot_info, the byte budget's readers)."""
+        core = self._check()
+        slot = core.slots.get(self.id)
+        slot.transferring = True
+        try:
+            return await copy_out(core.backend, core.worker, self.id, logits=logits, reserve=reserve)
+        finally:
+            slot.transferring = False
 
-    async def restore(self, blob: KvBlob, *, timing: CallTiming | None = None, salt: str | None = None) -> None:
-        """An admitted blob into the slot, all-or-nothing, as ``salt``'s history."""
-        await self._check().restore(self.id, blob, timing, salt=salt)
+    async def restore(
+        self, blob: KvBlob, *, timing: CallTiming | None = None, salt: str | None = None, lora: LoraSet = ()
+    ) -> None:
+        """An admitted blob into the slot, all-or-nothing, as the history of ``salt`` and
+        ``lora`` (the cache_salt and LoRA adapter set of the request it serves; None and ():
+        unsalted, the base model); idle slots' KV is evicted for its room first."""
+        core = self._check()
+        backend = core.backend
+        if blob.checkpoint is not None:
+            check_checkpoint(blob, checkpoint_size=backend.checkpoint_size)
+        if blob.n_past >= backend.n_ctx_slot:
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {core.inputs.slot_room()}")
+        await core.scheduler.make_room(blob.n_past, exclude=self.id)
+        slot = core.slots.get(self.id)
+        slot.transferring = True
+        try:
+            await restore_blob(backend, core.worker, self.id, blob, timing, salt, lora)
+        finally:
+            slot.transferring = False
+
+    def kv_claims(self) -> dict[str, Any]:
+        """What the slot's KV was computed under beyond the model, as KV claims carry it: the
+        LoRA adapter set (``{"lora": [...]}``), nothing for the base model."""
+        core = self._check()
+        lora = core.adapters.claims(core.backend.seq_lora[self.id])
+        return {"lora": lora} if lora else {}
 
     async def clear(self) -> int:
         """Empty the slot's KV; the positions it held."""
@@ -125,14 +158,14 @@ class SlotLease:
 
 
 async def score_prompt(
-    core: EngineCore, slot: int, tokens: Sequence[int], top_n: int, *, salt: str | None
+    core: EngineCore, slot: int, tokens: Sequence[int], top_n: int, *, salt: str | None, lora: LoraSet = ()
 ) -> list[TokenLogprobs]:
     """The log-probability of each of ``tokens[1:]`` given those before it, with its
     ``top_n`` most likely alternatives; the slot then holds the prompt and its last
-    position's logits (under the request's cache ``salt``)."""
+    position's logits (under the request's cache ``salt`` and adapter set ``lora``)."""
     backend, scheduler = core.backend, core.scheduler
     await scheduler.keep_history(slot, 0)
-    await scheduler.adopt_salt(slot, salt)
+    await scheduler.adopt(slot, salt, lora)
     await scheduler.make_room(len(tokens) - backend.n_past(slot), exclude=slot)
     out: list[TokenLogprobs] = []
     done = 0

@@ -64,6 +64,7 @@ async def apply_staged(core: Reloadable, changes: dict[str, Any]) -> None:
                 kv_unified=old.kv_unified,
                 swa_full=old.swa_full,
                 ctx_checkpoints=old.ctx_checkpoints,
+                lora_paths=old.lora_paths,  # the adapters go with the model (one that does not fit fails the reload)
             )
             if core.settings.warmup:  # a kernel that faults on the new model faults here
                 new.warmup()

@@ -2,8 +2,9 @@
 
 One request on a fresh connection: the reply's sizes are checked against this engine's
 caps before anything is read (a peer cannot make us allocate more than ``max_kv_bytes``),
-the payload is read into one preallocated buffer, and its bytes are checked against the
-hash the export was announced with. The caller's cancel scope bounds everything; leaving
+the payload is read into one preallocated buffer and hashed as it arrives (a worker thread,
+a few MB behind the receive), and its bytes are checked against the hash the export was
+announced with. The caller's cancel scope bounds everything; leaving
 it closes the connection, which is all the prefill engine needs to let the bytes go.
 """
 
@@ -19,7 +20,7 @@ import numpy as np
 import trio
 
 from ..config import IPNetwork
-from ..receive import PeerClosed, payload_buffer, read_reply_head, recv_exactly
+from ..receive import PeerClosed, payload_buffer, read_reply_head, recv_exactly_hashing
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
@@ -99,6 +100,7 @@ async def pull_export(
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock = stream.socket
         handed: object = None  # a shared file the reply handed over, until it is mapped
+        digest: int | None = None  # the received bytes' hash, taken as they came
         try:
             pull = encode_pull_request(params.export_id, shm=shm)
             request = encode_request(Op.KV_PULL, b"", pull, trace.encode()[:200])
@@ -128,7 +130,7 @@ async def pull_export(
                 if reserve is not None:
                     await reserve(head.payload_len)
                 blob = payload_buffer(head.payload_len)  # the one buffer the KV lives in until restored
-                await recv_exactly(sock.recv_into, memoryview(blob))
+                digest = await recv_exactly_hashing(sock.recv_into, memoryview(blob), (0, len(blob)))
                 transport = "tcp"
         except PeerClosed as exc:
             if exc.cause is None:
@@ -144,7 +146,7 @@ async def pull_export(
             if handed is not None:  # a failure (or a cancellation) after the reply
                 discard_export(handed, params.shm.get("probe", ""))
     try:
-        await run_cpu_bound(lambda: check_pulled(params, meta, blob), len(blob))
+        await run_cpu_bound(lambda: check_pulled(params, meta, blob, digest), 0 if digest is not None else len(blob))
     except ProtocolError as err:
         if err.code == ErrorCode.HASH_MISMATCH:
             raise PullFailed("hash_mismatch", err.message) from None

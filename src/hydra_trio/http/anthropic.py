@@ -236,8 +236,9 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
                 raise bad("thinking.budget_tokens must be a positive integer")
             chat["reasoning_budget_tokens"] = budget
-    if "cache_salt" in body:
-        chat["cache_salt"] = body["cache_salt"]
+    for key in ("cache_salt", "lora"):  # vLLM's salt, llama-server's adapter list
+        if key in body:
+            chat[key] = body[key]
     if count_only:
         return chat
     max_tokens = body.get("max_tokens")

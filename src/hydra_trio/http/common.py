@@ -15,7 +15,7 @@ from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
 from ..wire.errors import ErrorCode, ParamError, PromptTooLong, ProtocolError, Status
-from ..wire.jsontext import SLICED_MIN_CHARS, parse_json_object, parse_json_sliced
+from ..wire.jsontext import SLICED_MIN_CHARS, parse_json, parse_json_object, parse_json_sliced
 from .sse import RETRY_AFTER, busy_body, error_body
 
 if TYPE_CHECKING:
@@ -251,11 +251,12 @@ def check_turns(engine: Engine, body: dict[str, Any]) -> None:
             )
 
 
-async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[str, Any]:
-    """The request's JSON object, at most ``max_bytes`` (``why``: what sets it), declared or
-    not: a chunked body is counted as it arrives and refused (413) once past the limit, not
-    buffered to Quart's own cap first; a slow one gets 408 (receive_body). A large body is
-    parsed off the trio thread."""
+async def read_json_body(max_bytes: int, why: str = "--max-json-bytes", *, any_value: bool = False) -> Any:
+    """The request's JSON object (``any_value``: any JSON value), at most ``max_bytes``
+    (``why``: what sets it), declared or not: a chunked body is counted as it arrives and
+    refused (413) once past the limit, not buffered to Quart's own cap first; a slow one
+    gets 408 (receive_body). A large body is parsed in slices on the event loop, one over
+    BIG_BODY_BYTES at a time."""
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # refuse before reading it
         raise HttpError(413, f"body is {declared} bytes; the limit is {max_bytes} ({why})", "invalid_request_error")
@@ -274,20 +275,20 @@ async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[
     _body_bytes.set(len(data))
     try:  # the RPC paths' rule (wire/jsontext.py); every refusal is the client's 400
         if len(data) < SLICED_MIN_CHARS:
-            return parse_json_object(data, "JSON body")
+            return parse_json(data, "JSON body") if any_value else parse_json_object(data, "JSON body")
         if len(data) <= BIG_BODY_BYTES:
-            return await _parse_sliced(data)
+            return await _parse_sliced(data, any_value=any_value)
         # (admitted once received: a slow sender holds no place while it sends)
         async with _admitted(_admission().big_bodies, f"parsing bodies over {BIG_BODY_BYTES} bytes"):
-            return await _parse_sliced(data)
+            return await _parse_sliced(data, any_value=any_value)
     except ProtocolError as err:
         raise HttpError(400, err.message, "invalid_request_error") from None
 
 
-async def _parse_sliced(data: bytes) -> dict[str, Any]:
+async def _parse_sliced(data: bytes, *, any_value: bool = False) -> Any:
     """A large body parsed in slices with the event loop's other work between them: json's
     C parser holds the GIL for a whole call, on any thread (a 13 MB body of tiny objects
-    held every stream ~1 s)."""
+    held every stream ~1 s). An object unless ``any_value``."""
     try:
         text = str(data, "utf-8")
     except UnicodeDecodeError as exc:
@@ -300,7 +301,7 @@ async def _parse_sliced(data: bytes) -> dict[str, Any]:
             value = done.value
             break
         await trio.lowlevel.checkpoint()
-    if not isinstance(value, dict):
+    if not any_value and not isinstance(value, dict):
         raise ProtocolError(ErrorCode.BAD_JSON, f"JSON body: expected a JSON object, got {type(value).__name__}")
     return value
 

@@ -32,7 +32,7 @@ async def completions() -> Response:
     params, tokens = prepared.params, prepared.tokens
     assert tokens is not None, "tokenized"
     cid = "cmpl-" + secrets.token_hex(12)
-    model = engine.served_name
+    model = params.model or engine.served_name  # a LoRA adapter the request's model named
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
     # echo: the prompt leads the text (as given, or its tokens' text); with logprobs, each of
@@ -69,7 +69,7 @@ async def completions() -> Response:
         n_top = params.logprobs
 
         async def score(lease: SlotLease) -> None:
-            scores[:] = await lease.score(tokens, n_top, salt=params.cache_salt)
+            scores[:] = await lease.score(tokens, n_top, salt=params.cache_salt, lora=params.lora)
 
         prepare = score
     only = echo and params.n_predict == 0  # max_tokens 0: the prompt alone (lm-eval's loglikelihood)

@@ -46,11 +46,11 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
     return error_body(500, f"internal error: {type(exc).__name__}", "server_error", error_code="INTERNAL")
 
 
-def slot_for(state: AppState, engine: Engine, tokens: Sequence[int], owner: str, salt: str | None) -> Any:
+def slot_for(state: AppState, engine: Engine, tokens: Sequence[int], owner: str, params: GenerationParams) -> Any:
     """The claim of an HTTP generation: the free slot that holds the longest prefix of the
-    prompt under the request's cache ``salt``, waited for up to --slot-wait-s (then the one
-    "busy, retry" refusal: 503 with Retry-After)."""
-    return engine.claim(owner, prompt=tokens, salt=salt, wait_s=state.settings.slot_wait_s)
+    prompt under the request's cache salt and LoRA adapter set, waited for up to
+    --slot-wait-s (then the one "busy, retry" refusal: 503 with Retry-After)."""
+    return engine.claim(owner, prompt=tokens, salt=params.cache_salt, lora=params.lora, wait_s=state.settings.slot_wait_s)
 
 
 async def _discard(_delta: str) -> None:
@@ -71,10 +71,10 @@ async def generate_buffered(
     """(slot id, result) of a whole generation; ``prompt_only``: the slot held for
     ``prepare`` alone, no token generated (an echo with max_tokens 0)."""
     t_arrived = trio.current_time()
-    async with slot_for(state, engine, tokens, owner, params.cache_salt) as lease:
+    async with slot_for(state, engine, tokens, owner, params) as lease:
         queue_s = trio.current_time() - t_arrived
         res = GenerationResult()
-        with _logged(owner, path, engine.served_name, lease.id, res, queue_s):
+        with _logged(owner, path, engine.served_name, lease.id, res, queue_s, params.lora_name):
             if prepare is not None:
                 await prepare(lease)
             if prompt_only:
@@ -86,9 +86,12 @@ async def generate_buffered(
 
 
 @contextmanager
-def _logged(owner: str, path: str, model: str, slot_id: int, res: GenerationResult, queue_s: float) -> Iterator[None]:
+def _logged(
+    owner: str, path: str, model: str, slot_id: int, res: GenerationResult, queue_s: float, lora: str | None
+) -> Iterator[None]:
     """One request line per HTTP generation, however it ends: done, cancelled (the client
-    left), or failed, with its tokens and timings (logs.py: its JSON fields)."""
+    left), or failed, with its tokens and timings, and the LoRA adapter set it ran under
+    (``lora``, its name; None: the base model) (logs.py: its JSON fields)."""
     outcome, error = "done", None
     # The client's X-Request-Id, else the completion id (the owner names it then, alone).
     request_id = client_request_id() or owner.removeprefix("http:")
@@ -103,11 +106,11 @@ def _logged(owner: str, path: str, model: str, slot_id: int, res: GenerationResu
     finally:
         fields = generation_fields(res, outcome=outcome, queue_s=queue_s)
         log.info(
-            "%s %s model %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s",
+            "%s %s model %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s%s",
             path, owner, model, slot_id, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
             res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
-            spec_note(res),
-            extra=request_extra(request_id=request_id, route=path, model=model, slot=slot_id, error=error, **fields),
+            spec_note(res), "" if lora is None else f", LoRA {lora}",
+            extra=request_extra(request_id=request_id, route=path, model=model, slot=slot_id, error=error, lora=lora, **fields),
         )
 
 
@@ -293,7 +296,7 @@ async def start_stream(
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
         # The slot is free before the channel closes: a reader that saw the end sees it free.
-        async with send, slot_for(state, engine, tokens, owner, params.cache_salt) as lease:
+        async with send, slot_for(state, engine, tokens, owner, params) as lease:
             queue_s = trio.current_time() - t_arrived
             task_status.started(lease.id)
             await _produce(lease, queue_s)
@@ -331,7 +334,7 @@ async def start_stream(
 
         res = GenerationResult()
         try:
-            with _logged(owner, path, engine.served_name, lease.id, res, queue_s):
+            with _logged(owner, path, engine.served_name, lease.id, res, queue_s, params.lora_name):
                 if prepare is not None:
                     await prepare(lease)
                 if prompt_only:

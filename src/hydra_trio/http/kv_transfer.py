@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Response
 
-from ..engine import GenerationParams, SlotLease
+from ..engine import GenerationParams, LoraSet, SlotLease
 from ..handoff.prefill import export_prefill, prefill_export
 from ..handoff.restore import Handoff
 from ..logs import generation_fields, request_extra
@@ -62,7 +62,7 @@ async def export_completion(
     request_id = client_request_id() or secrets.token_hex(6)
     owner = f"http:kv-export:{request_id}"
     t_arrived = trio.current_time()
-    async with slot_for(state, engine, tokens, owner, params.cache_salt) as lease:  # bounds the wait, not the prefill
+    async with slot_for(state, engine, tokens, owner, params) as lease:  # bounds the wait, not the prefill
         queue_s = trio.current_time() - t_arrived
         out = await prefill_export(lease, tokens, params)
     export = await export_prefill(engine, exports, out)
@@ -74,7 +74,7 @@ async def export_completion(
         extra=request_extra(
             request_id=request_id, route="kv_export", model=engine.served_name, slot=out.slot_id,
             **generation_fields(out.result, outcome="done" if export is not None else "failed", queue_s=queue_s),
-            error=None if export is not None else "export refused: over --kv-export-max-bytes",
+            error=None if export is not None else "export refused: over --kv-export-max-bytes", lora=params.lora_name,
         ),
     )
     extra: dict[str, Any] = {
@@ -107,15 +107,16 @@ def _rpc_port(state: AppState) -> int:
     return state.rpc_port
 
 
-async def begin_handoff(state: AppState, body: dict[str, Any], engine: Engine) -> Handoff | None:
+async def begin_handoff(state: AppState, body: dict[str, Any], engine: Engine, lora: LoraSet = ()) -> Handoff | None:
     """Decode side: the hand-off the request's ``kv_transfer_params`` asks for (None when
-    it names no hydra export). Nothing moves yet: ``fetch_handoff`` pulls it."""
+    it names no hydra export), for a request under the LoRA adapter set ``lora``. Nothing
+    moves yet: ``fetch_handoff`` pulls it."""
     raw = body.get("kv_transfer_params")
     if raw is None:
         return None
     exports = state.exports
     assert exports is not None
-    return await Handoff.begin(engine, exports, raw, trace=client_request_id())
+    return await Handoff.begin(engine, exports, raw, trace=client_request_id(), lora=lora)
 
 
 async def fetch_handoff(state: AppState, handoff: Handoff | None, tokens: list[int]) -> None:
@@ -131,10 +132,16 @@ async def fetch_handoff(state: AppState, handoff: Handoff | None, tokens: list[i
 
 async def restore_handoff(handoff: Handoff | None, lease: SlotLease, salt: str | None = None) -> None:
     """Restore the fetched export into the claimed slot, with the logits for the first
-    token, as the history of the request's cache ``salt`` (nothing without a hand-off; a
-    failed one falls back to a local prefill)."""
+    token, as the history of the request's cache ``salt`` and LoRA adapter set (nothing
+    without a hand-off; a failed one falls back to a local prefill)."""
     if handoff is not None:
-        await handoff.restore(lease, salt)
+        await handoff.restore(lease, salt, let_go=_let_go_on_a_thread)
+
+
+def _let_go_on_a_thread(holder: list[Any]) -> None:
+    """The pulled blob's last reference dropped on a worker thread, in the request's own
+    nursery (munmap releases the GIL): not between the restore and the first token."""
+    request_nursery().start_soon(partial(trio.to_thread.run_sync, holder.clear, abandon_on_cancel=False))
 
 
 def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
@@ -164,6 +171,6 @@ async def route(
     exported = await export_completion(state, body, engine, tokens, params, render)
     if exported is not None:
         return exported
-    handoff = await begin_handoff(state, body, engine)
+    handoff = await begin_handoff(state, body, engine, params.lora)
     await fetch_handoff(state, handoff, tokens)
     return DecodeSide(handoff, partial(restore_handoff, handoff, salt=params.cache_salt))

@@ -61,7 +61,10 @@ async def hold_model(state: AppState, pool: ModelPool, name: str | None) -> Engi
     """The engine of model ``name`` (None: the default one), held for the exchange."""
     entry = pool.find(name)
     if entry is None:
-        # (An adapter's name, issue 51's LoRA, is looked up here, before the 404.)
+        # A LoRA adapter's name (--lora applies to the default model): that model serves it.
+        default = state.engine
+        if default is not None and name in default.adapters.names:
+            return default
         raise HttpError(404, f"The model `{name}` does not exist.", "invalid_request_error", param="model")
     with trio.move_on_after(state.settings.model_wait_s) as waited:
         engine = await pool.acquire(entry)
@@ -123,20 +126,18 @@ async def models() -> Response:
         return json_response({"object": "list", "data": [_entry_view(state, e) for e in pool.entries()]})
     engine = require_engine()  # one model: OpenAI's list of it, as always
     ident = engine.identity
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": ident.model_alias,
-                    "object": "model",
-                    "created": int(state.started_at),
-                    "owned_by": "hydra-trio",
-                    "meta": _meta(engine),
-                }
-            ],
-        }
-    )
+    created = int(state.started_at)
+    base = {
+        "id": ident.model_alias, "object": "model", "created": created, "owned_by": "hydra-trio",
+        "root": ident.model_alias, "parent": None, "meta": _meta(engine),
+    }
+    # Each LoRA adapter as a model of its own, as vLLM lists them: its name selects it.
+    adapters = engine.adapters
+    loras = [
+        {"id": a["name"], "object": "model", "created": created, "owned_by": "hydra-trio", "root": a["path"], "parent": ident.model_alias}
+        for a in adapters.listing()
+    ]
+    return json_response({"object": "list", "data": [base, *loras]})
 
 
 # ---- loading and unloading --------------------------------------------------------------------

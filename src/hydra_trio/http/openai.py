@@ -104,7 +104,7 @@ async def chat_completions() -> Response:
     # Tool calls and reasoning parsed from the reply (None: the text is the content).
     replies = prepared.replies
     cid = "chatcmpl-" + secrets.token_hex(12)
-    model = engine.served_name
+    model = params.model or engine.served_name  # a LoRA adapter the request's model named
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).

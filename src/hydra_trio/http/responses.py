@@ -222,8 +222,9 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
             raise bad(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "reasoning.effort")
         chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
         chat["reasoning_effort"] = effort
-    if "cache_salt" in body:
-        chat["cache_salt"] = body["cache_salt"]
+    for key in ("cache_salt", "lora"):  # vLLM's salt, llama-server's adapter list
+        if key in body:
+            chat[key] = body[key]
     fmt = _format(body.get("text"))  # checked on input_tokens too: the same body, the same 400
     if count_only:
         return chat

@@ -34,6 +34,7 @@ from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
 from .embed_routes import bp as embed_bp
 from .infill import bp as infill_bp
+from .lora_routes import bp as lora_bp
 from .model_routes import bp as models_bp
 from .openai import bp as openai_bp
 from .openai import health_reply
@@ -165,6 +166,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(models_bp)
     app.register_blueprint(embed_bp)
     app.register_blueprint(infill_bp)
+    app.register_blueprint(lora_bp)
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]

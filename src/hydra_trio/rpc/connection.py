@@ -4,14 +4,11 @@ watches the peer)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import trio
-import xxhash
 
-from ..receive import payload_buffer, recv_exactly
-from ..tasks import raise_single
+from ..receive import payload_buffer, recv_exactly, recv_exactly_hashing
 
 Buffer = bytes | bytearray | memoryview
 
@@ -51,16 +48,8 @@ class Connection:
         if want is None:
             await self.read_into(view[got:])
             return buf, None
-        start, length = want
-        hasher = xxhash.xxh3_64()
-        received = _Received(got)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_hash_behind, view[start : start + length], start, hasher, received)
-                await self.read_into(view[got:], lambda k: received.advance(got + k))
-        except BaseExceptionGroup as group:  # the hashing task's nursery wraps what was raised
-            raise_single(group)
-        return buf, hasher.intdigest()
+        digest = await recv_exactly_hashing(self.sock.recv_into, view, want, got=got, idle_timeout_s=self.idle_timeout_s)
+        return buf, digest
 
     async def read_payload(self, n: int) -> np.ndarray:
         """Read ``n`` bytes into one new buffer (see payload_buffer)."""
@@ -104,34 +93,4 @@ def _peer_name(sock: trio.socket.SocketType) -> str:
         return "?"
 
 
-
 SpanOf = Callable[[memoryview], "int | tuple[int, int] | None"]
-_HASH_CHUNK = 8 << 20  # hashed per worker-thread hop: ~0.4 ms of XXH3, ~0.1 ms of hop
-
-
-class _Received:
-    """How many payload bytes have arrived; wakes the hashing task as they do."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self._more = trio.Event()
-
-    def advance(self, n: int) -> None:
-        self.n = n
-        self._more.set()
-        self._more = trio.Event()
-
-    async def wait_for(self, n: int) -> None:
-        while self.n < n:
-            await self._more.wait()
-
-
-async def _hash_behind(span: memoryview, offset: int, hasher: Any, received: _Received) -> None:
-    """Feed ``span`` (which starts at payload ``offset``) to ``hasher`` as its bytes arrive.
-    xxhash releases the GIL, so the receive goes on while a chunk is hashed."""
-    pos = 0
-    while pos < len(span):
-        end = min(len(span), pos + _HASH_CHUNK)
-        await received.wait_for(offset + end)
-        await trio.to_thread.run_sync(hasher.update, span[pos:end])
-        pos = end

@@ -47,17 +47,25 @@ Event = dict[str, Any]
 
 
 def block_stored(
-    hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int, medium: str = MEDIUM_DEVICE
+    hashes: Sequence[int],
+    parent: int | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    medium: str = MEDIUM_DEVICE,
+    *,
+    lora_id: int | None = None,
+    lora_name: str | None = None,
 ) -> Event:
+    """``lora_id``, ``lora_name``: the LoRA adapter (set) the blocks were computed under (None: the base model)."""
     return {
         "type": "BlockStored",
         "block_hashes": list(hashes),
         "parent_block_hash": parent,
         "token_ids": list(token_ids),
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": lora_id,
         "medium": medium,
-        "lora_name": None,
+        "lora_name": lora_name,
     }
 
 

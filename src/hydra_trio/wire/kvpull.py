@@ -127,7 +127,8 @@ def export_params(
             "kv_hash": kv_hash,
             "kv_bytes": kv_bytes,
             "ttl_s": ttl_s,
-            **{k: identity[k] for k in (*IDENTITY_KEYS, "kv_cache") if k in identity},
+            # "lora" (ours, only under adapters): the LoRA adapter set the KV was made under.
+            **{k: identity[k] for k in (*IDENTITY_KEYS, "kv_cache", "lora") if k in identity},
             # Where a decode engine on the same host can tell it shares memory with this one.
             **({"shm": dict(shm)} if shm else {}),
         },
@@ -195,7 +196,8 @@ def parse_handoff_params(params: object) -> HandoffParams | None:
     if parse_tag(kv_hash, "kv_transfer_params.hydra.kv_hash") is None:
         raise _bad("kv_hash is required")
     assert isinstance(kv_hash, str)
-    identity = {k: h[k] for k in IDENTITY_KEYS if k in h}
+    # The adapter set ("lora") travels as a claim: the identity gate checks its shape.
+    identity = {k: h[k] for k in (*IDENTITY_KEYS, "lora") if k in h}
     kv_cache = h.get("kv_cache", {})
     if not isinstance(kv_cache, Mapping) or not all(
         isinstance(kv_cache.get(k, ""), str) for k in ("type_k", "type_v")
@@ -214,8 +216,9 @@ def parse_handoff_params(params: object) -> HandoffParams | None:
     )
 
 
-def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer) -> None:
-    """The reply is the export the params named, byte for byte: HASH_MISMATCH or BAD_FRAME."""
+def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer, digest: int | None = None) -> None:
+    """The reply is the export the params named, byte for byte: HASH_MISMATCH or BAD_FRAME.
+    ``digest``: the payload's XXH3-64, when it was hashed as it arrived."""
     if meta.get("export_id") != params.export_id:
         raise ProtocolError(ErrorCode.BAD_FRAME, "KV_PULL reply names another export")
     if len(payload) != params.kv_bytes or meta.get("kv_bytes") != params.kv_bytes:
@@ -225,7 +228,7 @@ def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer
     if meta.get("n_past") != params.n_past:
         raise ProtocolError(ErrorCode.BAD_FRAME, "KV_PULL reply n_past differs from the export's")
     expected = parse_tag(params.kv_hash, "kv_hash")
-    actual = xxh3_64(payload)
+    actual = xxh3_64(payload) if digest is None else digest
     if actual != expected or str(meta.get("kv_hash", "")).lower() != params.kv_hash:
         raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got {format_tag(actual)})")
 

@@ -17,6 +17,7 @@ from .state import DecodeAborted, NoKvSpace, Snapshot
 from .types import (
     ChainSettings,
     Drafter,
+    LoraSet,
     ModelInfo,
     PrefillPart,
     SlotWatcher,
@@ -36,6 +37,7 @@ __all__ = [
     "Drafter",
     "LlamaBackend",
     "LlamaChain",
+    "LoraSet",
     "ModelInfo",
     "NoKvSpace",
     "OffloadSettings",

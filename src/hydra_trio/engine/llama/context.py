@@ -10,7 +10,6 @@ whatever happens to the trio task that asked for the work.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import threading
 import time
@@ -20,7 +19,7 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 import numpy as np
 
-from .chat import builtin_chat_templates
+from .chat import builtin_chat_templates, gguf_template_variants
 from .checkpoints import Checkpoints
 from .devices import (
     OffloadReport,
@@ -40,6 +39,7 @@ from .state import DecodeAborted, NoKvSpace, SlotStates
 from .steps import BatchSteps
 from .types import (
     TOKEN_ROLES,
+    LoraSet,
     ModelInfo,
     SlotWatcher,
     StepPlanner,
@@ -78,6 +78,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         kv_unified: bool = True,
         swa_full: bool = False,
         ctx_checkpoints: int = 8,
+        lora_paths: Sequence[str] = (),
     ) -> None:
         init_llama()
         heap_for_buffers()  # before any buffer of the model or context is allocated
@@ -108,6 +109,10 @@ class LlamaBackend(SlotStates, BatchSteps):
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load model {model_path!r}")
         self._load_log = load_log
+        # LoRA adapters (--lora), loaded with the model: an adapter's id is its place here.
+        self.lora_paths = tuple(lora_paths)
+        self._adapters = [self._load_adapter(path) for path in self.lora_paths]
+        self.lora_switch_s = 0.0  # measured by measure_lora_switch (steps.py)
         self.devices = read_ggml_devices()
         self.builtin_templates = builtin_chat_templates()
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
@@ -144,10 +149,14 @@ class LlamaBackend(SlotStates, BatchSteps):
         self.decode_s = 0.0
         self.planner: StepPlanner | None = None  # the engine's speculation (engine/speculation/): set after load
         self._retired: deque[TokenSampler] = deque()  # freed by the next GPU-worker call
+        self._logits_view: tuple[int, np.ndarray] | None = None  # _first_logits': (address, rows)
         self.seq_tokens: list[list[int]] = []
         # Per slot: the cache_salt its history was computed under (None: unsalted). With the
         # tokens it is the history's identity: see ``shared_prefix``.
         self.seq_salt: list[str | None] = []
+        # Per slot: the LoRA adapter set its history was computed under; with the salt, the
+        # rest of the history's identity. A batch runs under its slots' one set (_decode_batch).
+        self.seq_lora: list[LoraSet] = []
         # Told of every change of a slot's KV (engine/kv/ ``SlotBlocks``: the KV events); None: nobody.
         self.watcher: SlotWatcher | None = None
         self.type_k = type_k
@@ -176,35 +185,13 @@ class LlamaBackend(SlotStates, BatchSteps):
             hybrid=bool(llama_cpp.llama_model_is_hybrid(m)),
             bos_text=self._vocab_text(bos),
             eos_text=self._vocab_text(eos),
-            chat_template_variants=self._template_variants(),
+            chat_template_variants=gguf_template_variants(self._model),
             roles=TokenRoles({r: t for r in TOKEN_ROLES if (t := getattr(llama_cpp, f"llama_vocab_{r}")(v)) >= 0},
                              add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)), add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
                              add_sep=bool(llama_cpp.llama_vocab_get_add_sep(v))),
             pooling=model_pooling(m),
             rerank_template=(llama_cpp.llama_model_chat_template(m, b"rerank") or b"").decode("utf-8", "replace") or None,
         )
-
-    def _template_variants(self) -> dict[str, str]:
-        """The GGUF's named templates: those ``tokenizer.chat_templates`` lists, and
-        ``tool_use`` (the one llama.cpp selects) even where the list is missing."""
-        names = {"tool_use"}
-        buf = ctypes.create_string_buffer(4096)
-        n = llama_cpp.llama_model_meta_val_str(self._model, b"tokenizer.chat_templates", buf, len(buf))
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            n = llama_cpp.llama_model_meta_val_str(self._model, b"tokenizer.chat_templates", buf, len(buf))
-        if n > 0:
-            try:  # llama.cpp prints a string array as ["a", "b"]
-                listed = json.loads(buf.value.decode("utf-8", "replace"))
-            except ValueError:
-                listed = []
-            names.update(x for x in listed if isinstance(x, str))
-        out: dict[str, str] = {}
-        for name in sorted(names):
-            ptr = llama_cpp.llama_model_chat_template(self._model, name.encode())
-            if ptr:
-                out[name] = ptr.decode("utf-8", "replace")
-        return out
 
     def _build_context(self, n_ctx: int, n_threads: int) -> None:
         cp = llama_cpp.llama_context_default_params()
@@ -261,6 +248,8 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
         self.seq_salt = [None] * self.n_slots
+        self.seq_lora = [()] * self.n_slots
+        self._lora_applied: LoraSet = ()  # a new context applies none
         # Per slot: how many leading positions are unchanged since the watcher last saw it.
         # A cut needs no update (the watcher keeps at most the blocks the slot still fills);
         # a restore, which may replace every position, sets it to 0.
@@ -281,12 +270,34 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._measure_state_size()
         self._sizes = [self._state_base] * self.n_slots
 
+    def _load_adapter(self, path: str) -> ctypes.c_void_p:
+        adapter, said = captured(lambda: llama_cpp.llama_adapter_lora_init(self._model, path.encode()))
+        if not adapter:
+            llama_cpp.llama_model_free(self._model)  # with the adapters loaded so far
+            self._model = None
+            why = "; ".join(line.strip() for line in said if "lora" in line.lower() and ("fail" in line or "error" in line.lower()))
+            raise RuntimeError(f"llama.cpp could not load LoRA adapter {path!r}" + (f": {why}" if why else ""))
+        return adapter
+
+    def _use_lora(self, entries: Sequence[tuple[int, int, int, bool]]) -> None:
+        """Put the adapter set of the entries' slots on the context (llama.cpp applies adapters
+        per context, not per sequence, and reserves its graph again after a change)."""
+        lora = self.seq_lora[entries[0][0]] if entries[0][0] < self.n_slots else ()
+        if any(e[0] < self.n_slots and self.seq_lora[e[0]] != lora for e in entries):
+            raise RuntimeError("one llama_decode would mix LoRA adapter sets (the step batcher groups slots by set)")
+        if lora != self._lora_applied:
+            n = len(lora)
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * max(n, 1))(*(self._adapters[i] for i, _ in lora))
+            scales = (ctypes.c_float * max(n, 1))(*(scale for _, scale in lora))
+            llama_cpp.llama_set_adapters_lora(self._ctx, adapters, n, scales)
+            self._lora_applied = lora
+
     def _advanced(self, slot: int, tail_logits: bytes | None = None) -> None:
         """Bookkeeping after the slot's sequence changed (runs on the worker); ``tail_logits``:
         those of its new last position, when the change computed or restored them."""
         self.tail_logits[slot] = tail_logits
         if self.watcher is not None:
-            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot])
+            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot], self.seq_lora[slot])
         self._kept[slot] = len(self.seq_tokens[slot])
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
@@ -312,6 +323,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         if self._ctx is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
+        self._logits_view = None  # a next context's buffer may come at the same address
 
     def embedding_context(self, pooling: str | None, n_seq_max: int) -> EmbeddingContext:
         """The model's embedding context (embedding.py: ``pooling``, None for the model's
@@ -401,12 +413,13 @@ class LlamaBackend(SlotStates, BatchSteps):
     def n_past(self, slot: int) -> int:
         return len(self.seq_tokens[slot])
 
-    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None) -> int:
-        """How many leading ``tokens`` the slot's KV holds for a request under ``salt``: the
-        one tenant rule of slot reuse (slot choice, prefix reuse, the prompt cache's swap).
-        KV computed under one cache_salt is never continued under another, so a request
-        learns nothing (cached_tokens, timing) of what other salts' requests sent."""
-        if self.seq_salt[slot] != salt:
+    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = ()) -> int:
+        """How many leading ``tokens`` the slot's KV holds for a request under ``salt`` and
+        the adapter set ``lora``: the one rule of slot reuse (slot choice, prefix reuse, the
+        prompt cache's swap). KV computed under one cache_salt is never continued under
+        another, so a request learns nothing (cached_tokens, timing) of what other salts'
+        requests sent; nor KV computed under one adapter set under another (other weights)."""
+        if self.seq_salt[slot] != salt or self.seq_lora[slot] != lora:
             return 0
         return common_prefix_len(self.seq_tokens[slot], tokens)
 
@@ -489,6 +502,8 @@ class LlamaBackend(SlotStates, BatchSteps):
             batch.seq_id[i][0] = seq
             batch.logits[i] = logits
         batch.n_tokens = len(entries)
+        if self._adapters:
+            self._use_lora(entries)
         # The abort callback is Python: ggml calls it for every graph node, and each call
         # takes the GIL from the trio thread. So it is attached only to calls that can be
         # cancelled (prefill chunks); a generation step is short and runs without it.
@@ -573,11 +588,17 @@ class LlamaBackend(SlotStates, BatchSteps):
         """The logits of the last decode's first ``n`` entries, which all asked for them, as
         one (n, n_vocab) view of llama.cpp's buffer (valid until the next decode): a step
         reads its streams' rows from it, instead of a view per stream (that view was half of
-        the worker's Python per streamed token at 64 streams)."""
+        the worker's Python per streamed token at 64 streams). The view is made again only
+        when llama.cpp's buffer moved or more rows are read (making one, a ctypes array
+        type each time, was 15-25 us of every step)."""
         ptr = llama_cpp.llama_get_logits(self._ctx)
         if not ptr:
             raise RuntimeError("llama.cpp has no logits")
-        return np.ctypeslib.as_array(ptr, shape=(n, self.info.n_vocab))
+        address = ctypes.addressof(ptr.contents)
+        view = self._logits_view
+        if view is None or view[0] != address or len(view[1]) < n:
+            self._logits_view = view = (address, np.ctypeslib.as_array(ptr, shape=(n, self.info.n_vocab)))
+        return view[1][:n]
 
     def logits_bytes(self, idx: int) -> bytes:
         return self._logits(idx).tobytes()

@@ -45,6 +45,11 @@ class ChainSettings(Protocol):
     @property
     def penalized(self) -> bool: ...
 
+# A LoRA adapter set: (adapter id, scale) pairs by ascending id, none of scale 0; () is the
+# base model alone. llama.cpp applies adapters per context, so one llama_decode runs under
+# one set; with its cache_salt, the set is what a slot's KV was computed under.
+LoraSet = tuple[tuple[int, float], ...]
+
 
 class Drafter(Protocol):
     """One request's drafting state (engine/speculation/ ``Speculation``), on the worker."""
@@ -78,8 +83,9 @@ class StepPlanner(Protocol):
 class SlotWatcher(Protocol):
     """Told of every change of what a slot's KV holds (engine/kv/ ``SlotBlocks``: KV events)."""
 
-    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None) -> None:
-        """``slot`` holds ``tokens`` now, its first ``kept`` unchanged since last told."""
+    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None, lora: LoraSet = ()) -> None:
+        """``slot`` holds ``tokens`` now, computed under ``salt`` and ``lora``, its first ``kept``
+        unchanged since last told."""
         ...
 
 

@@ -15,7 +15,7 @@ import trio
 from ...config import Settings
 from ...wire.errors import ProtocolError
 from ..kv import CacheHit, PromptCache
-from ..llama import DecodeAborted, LlamaBackend
+from ..llama import DecodeAborted, LlamaBackend, LoraSet
 from ..worker import GpuWorker
 from .slots import SlotTable
 
@@ -46,7 +46,7 @@ class SlotScheduler:
         self._settings = settings
         self._cache = cache
 
-    def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None) -> tuple[int, bytes | None]:
+    def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> tuple[int, bytes | None]:
         """How much of the slot's KV a prompt continues from: the one prefix-reuse policy of
         every path that continues a slot (generation, the P/D export).
 
@@ -57,7 +57,7 @@ class SlotScheduler:
         """
         backend = self._backend()
         cached = backend.seq_tokens[slot]
-        n_common = backend.shared_prefix(slot, tokens, salt)
+        n_common = backend.shared_prefix(slot, tokens, salt, lora)
         if n_common == len(tokens):
             logits = backend.tail_logits[slot]
             if logits is not None and n_common == len(cached):
@@ -94,7 +94,7 @@ class SlotScheduler:
             finally:
                 self._slots.release(victim)
 
-    def slot_rank(self, prompt: Sequence[int], salt: str | None = None) -> Callable[[int], tuple[int, int]]:
+    def slot_rank(self, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> Callable[[int], tuple[int, int]]:
         """The slot-choice policy, as a score of each slot for this prompt (higher is better;
         claim_any breaks ties by least recently used): a slot whose KV shares at least
         ``--slot-prompt-similarity`` of the prompt, the longest shared prefix first; then an
@@ -117,7 +117,7 @@ class SlotScheduler:
                 return 0, 0
             # What the slot can continue, not what it shares: a sliding window may have
             # dropped what a shared prefix needs, and then an empty slot is as good.
-            n_common = backend.reusable_prefix(slot, backend.shared_prefix(slot, prompt, salt))
+            n_common = backend.reusable_prefix(slot, backend.shared_prefix(slot, prompt, salt, lora))
             return (n_common if n_common >= least else 0), 0
 
         return score
@@ -132,32 +132,33 @@ class SlotScheduler:
         if cache.put(snap):
             log.debug("prompt cache: kept slot %d's %d positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
 
-    async def adopt_salt(self, slot: int, salt: str | None) -> None:
-        """Make the slot's history ``salt``'s. A request under another salt than the slot's
+    async def adopt(self, slot: int, salt: str | None, lora: LoraSet = ()) -> None:
+        """Make the slot's history ``salt``'s and the LoRA adapter set ``lora``'s: from now on
+        its batches run under that set. A request under another salt or set than the slot's
         continues none of it (``shared_prefix`` gave 0, and the prompt cache has it now), so
-        the slot is emptied before it is relabelled: no position computed under one salt
-        ever carries another (a prefill cancelled before its first chunk would leave them)."""
+        the slot is emptied before it is relabelled: no position computed under one salt or
+        set ever carries another (a prefill cancelled before its first chunk would leave them)."""
         backend = self._backend()
-        if backend.seq_salt[slot] == salt:
+        if backend.seq_salt[slot] == salt and backend.seq_lora[slot] == lora:
             return
         if backend.seq_tokens[slot]:
             await self._worker.call(lambda: backend.clear_slot(slot))
-        backend.seq_salt[slot] = salt
+        backend.seq_salt[slot], backend.seq_lora[slot] = salt, lora
 
-    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> int:
-        """When the prompt cache holds more of the prompt (under the request's ``salt``) than
+    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> int:
+        """When the prompt cache holds more of the prompt (under the request's ``salt`` and ``lora``) than
         the slot does, put that entry into the slot (the slot's own history goes to the
         cache first). Returns the positions put back (0: none)."""
         cache = self._cache
         if cache is None:
             return 0
         backend = self._backend()
-        shared = backend.shared_prefix(slot, prompt, salt)
+        shared = backend.shared_prefix(slot, prompt, salt, lora)
         # Compared by what each could continue (a sliding window may have dropped the rest).
         held = backend.reusable_prefix(slot, min(shared, len(prompt) - 1))
 
         def worth_it() -> CacheHit | None:
-            hit = cache.best(prompt, salt)
+            hit = cache.best(prompt, salt, lora)
             if hit is None:
                 return None
             usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1))
@@ -177,7 +178,7 @@ class SlotScheduler:
 
         def call(abort: threading.Event) -> None:
             self._backend().state_restore(
-                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt
+                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt, lora=snap.lora
             )
 
         try:
