@@ -80,7 +80,8 @@ def _system_text(system: Any) -> str:
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A tool_result's content: a string or text blocks."""
+    """A tool_result's content: a string, or text and tool_reference blocks (each reference a
+    line naming the tool: the model reads that its definition is now among the tools)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -90,6 +91,11 @@ def _text_of(content: Any, where: str) -> str:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in ("image", "document"):
             raise bad(f"{where}.content[{j}]: {kind} blocks are not supported (this server has no multimodal model)")
+        if kind == "tool_reference":  # a tool search's result (Claude Code's ToolSearch): the tool it loaded
+            if not isinstance(block.get("tool_name"), str):
+                raise bad(f"{where}.content[{j}]: tool_reference needs tool_name")
+            parts.append(f"Tool loaded: {block['tool_name']}")
+            continue
         if kind != "text" or not isinstance(block.get("text"), str):
             raise bad(f"{where}.content[{j}] must be a text block")
         parts.append(block["text"])
