@@ -10,12 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers import assert_error, assert_server_healthy, http, rpc
 from hydra_trio.rpc.client import Call
+from hydra_trio.wire import jsontext
 from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
 from hydra_trio.wire.frames import encode_v3_raw, parse_decode_frame
-from hydra_trio.wire.jsontext import parse_json, parse_json_object
+from hydra_trio.wire.jsontext import parse_json, parse_json_object, parse_json_sliced
 from hydra_trio.wire.kvpull import parse_pull_request
 from hydra_trio.wire.protocol import Op, decode_json_object
 
@@ -92,3 +95,57 @@ async def test_rpc_refuses_as_bad_json(start_engine: Any, tiny_model: Path) -> N
             assert_error(resp, Status.ERROR, "BAD_JSON")
         assert (await c.info()).ok
     await assert_server_healthy(ep)
+
+
+# ---- a large body parsed in slices (wire/jsontext.py parse_json_sliced, issue 50) ------------------
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=12) | st.dictionaries(st.text(max_size=6), inner, max_size=8),
+    max_leaves=120,
+)
+
+
+def _sliced(text: str) -> tuple[Any, int]:
+    steps, n = parse_json_sliced(text, "body"), 0
+    while True:
+        try:
+            next(steps)
+            n += 1
+        except StopIteration as done:
+            return done.value, n
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(value=JSON_VALUES, indent=st.sampled_from([None, 0, 2]), cut=st.integers(0, 10_000), junk=st.sampled_from(["", "x", ",", "]", "}", "NaN", "\\"]))
+def test_a_body_parsed_in_slices_is_what_json_reads(value: Any, indent: int | None, cut: int, junk: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same value for any JSON text, and a refusal exactly where json refuses: windows and
+    slices made tiny so every path (a window's C parse, a run of members, the walk) is taken."""
+    monkeypatch.setattr(jsontext, "SLICE_CHARS", 16)
+    monkeypatch.setattr(jsontext, "_WINDOWS", (4, 16))
+    text = json.dumps(value, indent=indent)
+    assert _sliced(text)[0] == json.loads(text)
+    broken = text[: cut % (len(text) + 1)] + junk
+    try:
+        expected = json.loads(broken, parse_constant=lambda c: 1 / 0)
+    except (ValueError, ZeroDivisionError, RecursionError):
+        with pytest.raises(ProtocolError):
+            _sliced(broken)
+    else:
+        assert _sliced(broken)[0] == expected
+
+
+def test_slices_are_bounded_and_keep_json_s_rules() -> None:
+    tiny = json.dumps({"role": "user", "content": "a"})
+    body = '{"messages": [' + ",".join([tiny] * 20_000) + "]}"
+    value, n = _sliced(body)
+    assert value == json.loads(body) and n >= len(body) // jsontext.SLICE_CHARS - 1
+    deep = "[" * 5000 + "]" * 5000  # past MAX_BODY_DEPTH, as past json's own depth: a 400, not a crash
+    with pytest.raises(ProtocolError, match=r"nested deeper|recursion"):
+        _sliced(deep)
+    with pytest.raises(ProtocolError, match="nested deeper"):  # walked, past any window
+        _sliced('{"a": ' + "[" * 5000 + " " * 40_000 + "]" * 5000 + "}")
+    for bad in ('{"a": NaN}', '[1e999]', '{"a" 1}', '[1,]', '\ufeff{}', '{"a": 1} {}'):
+        with pytest.raises(ProtocolError):
+            _sliced(bad)
+    assert _sliced('{"a": 1, "a": 2}')[0] == {"a": 2}  # the last duplicate wins, as json's

@@ -19,6 +19,7 @@ from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_p
 from .chat import Chat, ChatPlan, ChatTemplate
 from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
+from .slices import tokenize_sliced
 from .structured import GuidanceCache, OutputGrammar, ThinkPlan
 from .worker import GpuWorker
 
@@ -225,6 +226,8 @@ class Inputs:
         """Text -> tokens on the GPU worker, bounded: text no slot could hold is refused first."""
         self.check_text_fits(text)
         try:
+            if parse_special:  # in slices: the worker is every stream's (engine/slices.py)
+                return await tokenize_sliced(self._worker, self._backend(), text, add_special=add_special)
             return await self._worker.call(
                 lambda: self._backend().tokenize(text, add_special=add_special, parse_special=parse_special)
             )

@@ -26,6 +26,8 @@ from .common import (
     dialect_names,
     generation_owner,
     json_response,
+    needs_no_slot,
+    off_loop,
 )
 from .generation import generate_buffered, sse_body, start_stream
 from .model_routes import routed_json
@@ -394,6 +396,11 @@ def error_shape(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+def on_messages_path(path: str) -> bool:
+    """Whether ``path`` is one whose errors are in Anthropic's shape (/v1/messages*)."""
+    return path.startswith("/v1/messages")
+
+
 def error_event(exc: BaseException) -> bytes:
     from .generation import error_event_body
 
@@ -405,7 +412,7 @@ def error_event(exc: BaseException) -> bytes:
 async def anthropic_errors(response: Response) -> Response:
     """Every JSON error on /v1/messages* in Anthropic's shape; a prompt that does not fit is
     "prompt is too long" (what Claude Code compacts its conversation on)."""
-    if not request.path.startswith("/v1/messages") or response.status_code < 400 or response.mimetype != "application/json":
+    if not on_messages_path(request.path) or response.status_code < 400 or response.mimetype != "application/json":
         return response
     try:
         err = json.loads(await response.get_data())["error"]
@@ -420,10 +427,11 @@ async def anthropic_errors(response: Response) -> Response:
 
 async def _chat_request(count_only: bool = False) -> tuple[Engine, dict[str, Any], dict[str, Any]]:
     engine, body = await routed_json()  # the engine of the model it names
-    return engine, body, to_chat(body, count_only=count_only)
+    return engine, body, await off_loop(lambda: to_chat(body, count_only=count_only))
 
 
 @bp.post("/v1/messages/count_tokens")
+@needs_no_slot
 async def count_tokens() -> Response:
     engine, body, chat = await _chat_request(count_only=True)
     try:

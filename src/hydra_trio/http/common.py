@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import ExitStack, asynccontextmanager
 from contextvars import ContextVar
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ParamError, PromptTooLong, ProtocolError, Status
-from ..wire.jsontext import parse_json, parse_json_object
+from ..wire.jsontext import SLICED_MIN_CHARS, parse_json, parse_json_object, parse_json_sliced
 from .sse import RETRY_AFTER, busy_body, error_body
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
     from ..config import Settings
     from ..engine import Engine
@@ -145,6 +143,76 @@ async def receive_body(settings: Settings, take: Callable[[bytes], None]) -> int
         take(chunk)
 
 
+# ---- admission: how much request work runs at once ------------------------------------------------
+
+# Routes that need no slot (count_tokens, input_tokens, the tokenizer and render routes) would
+# otherwise run as many at once as clients send, each parsing, rendering and tokenizing a body
+# of up to the prompt cap: at most this many run; the others wait --slot-wait-s, then get the
+# one "busy, retry" reply (503, Retry-After; Anthropic's overloaded_error on its routes).
+SLOTLESS_AT_ONCE = 4
+# Bodies past this many bytes are parsed (once received) this many at a time: a 13.6 MB body of
+# tiny messages is ~120 MB of objects while parsed (two at once: +236 MB); smaller ones never wait.
+BIG_BODY_BYTES = 1 << 20
+BIG_BODIES_AT_ONCE = 1
+# A request's Python work on its body (a codec's mapping, a render) goes to a thread past this
+# many body bytes: there it shares the GIL in 5 ms turns instead of holding the event loop.
+OFF_LOOP_BODY_BYTES = 64 << 10
+_body_bytes: ContextVar[int] = ContextVar("hydra_request_body_bytes", default=0)
+
+
+class _Admission:
+    def __init__(self) -> None:
+        self.slotless = trio.CapacityLimiter(SLOTLESS_AT_ONCE)
+        self.big_bodies = trio.CapacityLimiter(BIG_BODIES_AT_ONCE)
+
+
+def _admission() -> _Admission:
+    """The app's admission (one per app: created with its first request)."""
+    found: _Admission | None = current_app.config.get("HYDRA_ADMISSION")
+    if found is None:
+        found = current_app.config["HYDRA_ADMISSION"] = _Admission()
+    return found
+
+
+@asynccontextmanager
+async def _admitted(limiter: trio.CapacityLimiter, what: str) -> AsyncIterator[None]:
+    """Hold one of ``limiter``'s places for the block, waiting --slot-wait-s at most."""
+    wait_s = app_state().settings.slot_wait_s
+    with trio.move_on_after(wait_s) as waited:
+        await limiter.acquire()
+    if waited.cancelled_caught:
+        raise HttpError(
+            503, f"{what}: all {int(limiter.total_tokens)} places are taken (waited {wait_s:g} s); retry",
+            "unavailable_error", headers=dict(RETRY_AFTER),
+        )
+    try:
+        yield
+    finally:
+        limiter.release()
+
+
+R = TypeVar("R")
+
+
+def needs_no_slot(view: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """A route that does prompt work without a slot: at most SLOTLESS_AT_ONCE run at once."""
+
+    @functools.wraps(view)
+    async def admitted_view(*args: Any, **kwargs: Any) -> R:
+        async with _admitted(_admission().slotless, f"{request.path[:100]} (needs no slot)"):
+            return await view(*args, **kwargs)
+
+    return admitted_view
+
+
+async def off_loop(fn: Callable[[], R]) -> R:
+    """``fn()`` (Python work on the request's body) on a thread when the body was large, so
+    that it shares the GIL with the event loop instead of holding it; inline when small."""
+    if _body_bytes.get() < OFF_LOOP_BODY_BYTES:
+        return fn()
+    return await trio.to_thread.run_sync(fn)
+
+
 async def read_request_json(*, token_ids: bool = False) -> dict[str, Any]:
     """A prompt route's JSON body (completions, chat, tokenizer and template routes): at most
     --max-json-bytes, and at most what a request for one slot can use (``Engine.
@@ -165,14 +233,30 @@ async def read_request_json(*, token_ids: bool = False) -> dict[str, Any]:
                 if token_ids
                 else f"the most a request for a slot of {engine.n_ctx_slot} positions can use"
             )
-    return await read_json_body(cap, why)
+    body = await read_json_body(cap, why)
+    if engine is not None and not token_ids:
+        check_turns(engine, body)
+    return body
+
+
+def check_turns(engine: Engine, body: dict[str, Any]) -> None:
+    """Each turn renders to a token at least: more turns than a slot has positions cannot
+    fit, and refused now they are never mapped, rendered or tokenized (a 13 MB body of tiny
+    messages took ~1 s and +576 MB through those before its refusal)."""
+    for key in ("messages", "input"):
+        items = body.get(key)
+        if isinstance(items, list) and len(items) >= engine.n_ctx_slot:
+            raise PromptTooLong(
+                f"{key} holds {len(items)} turns; a slot holds {engine.n_ctx_slot} positions and each turn takes one at least"
+            )
 
 
 async def read_json_body(max_bytes: int, why: str = "--max-json-bytes", *, any_value: bool = False) -> Any:
     """The request's JSON object (``any_value``: any JSON value), at most ``max_bytes``
     (``why``: what sets it), declared or not: a chunked body is counted as it arrives and
     refused (413) once past the limit, not buffered to Quart's own cap first; a slow one
-    gets 408 (receive_body). A large body is parsed off the trio thread."""
+    gets 408 (receive_body). A large body is parsed in slices on the event loop, one over
+    BIG_BODY_BYTES at a time."""
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # refuse before reading it
         raise HttpError(413, f"body is {declared} bytes; the limit is {max_bytes} ({why})", "invalid_request_error")
@@ -188,10 +272,38 @@ async def read_json_body(max_bytes: int, why: str = "--max-json-bytes", *, any_v
 
     await receive_body(app_state().settings, take)
     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    _body_bytes.set(len(data))
     try:  # the RPC paths' rule (wire/jsontext.py); every refusal is the client's 400
-        return await run_cpu_bound(partial(parse_json if any_value else parse_json_object, data, "JSON body"), len(data))
+        if len(data) < SLICED_MIN_CHARS:
+            return parse_json(data, "JSON body") if any_value else parse_json_object(data, "JSON body")
+        if len(data) <= BIG_BODY_BYTES:
+            return await _parse_sliced(data, any_value=any_value)
+        # (admitted once received: a slow sender holds no place while it sends)
+        async with _admitted(_admission().big_bodies, f"parsing bodies over {BIG_BODY_BYTES} bytes"):
+            return await _parse_sliced(data, any_value=any_value)
     except ProtocolError as err:
         raise HttpError(400, err.message, "invalid_request_error") from None
+
+
+async def _parse_sliced(data: bytes, *, any_value: bool = False) -> Any:
+    """A large body parsed in slices with the event loop's other work between them: json's
+    C parser holds the GIL for a whole call, on any thread (a 13 MB body of tiny objects
+    held every stream ~1 s). An object unless ``any_value``."""
+    try:
+        text = str(data, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"JSON body: invalid JSON: {exc}") from None
+    steps = parse_json_sliced(text, "JSON body")
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            value = done.value
+            break
+        await trio.lowlevel.checkpoint()
+    if not any_value and not isinstance(value, dict):
+        raise ProtocolError(ErrorCode.BAD_JSON, f"JSON body: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 class HttpError(Exception):

@@ -218,6 +218,28 @@ async def sse_body(
     agents' dialects end with their own last event: b""); ``error_event``: the event of a
     failure after the 200 (else OpenAI's error chunk)."""
     held: Sequence[TokenLogprobs] | None = None
+
+    def failure(exc: BaseException) -> bytes:
+        if error_event is not None:
+            try:
+                return error_event(exc)
+            except Exception:  # the dialect's own error event failed too: OpenAI's
+                log.exception("streaming reply: the error event could not be built")
+        return sse_event(error_event_body(exc))
+
+    def event_of(item: StreamItem) -> bytes:
+        nonlocal held
+        if isinstance(item, Delta):
+            text, entries, held = item.text, held, None
+            return delta_event(text) if entries is None or logprobs_event is None else logprobs_event(text, entries)
+        if isinstance(item, Logprobs):
+            held = item.entries
+            return b""
+        if isinstance(item, Done):
+            return done_event(item.result)
+        assert isinstance(item, Failed)
+        return failure(item.error)
+
     try:
         if head:
             yield head
@@ -225,28 +247,29 @@ async def sse_body(
         writer = chunk_writer()
         if writer is not None and logprobs_event is None and direct:
             stream.turn.attach(writer, delta_event)
+        ended = False
         async for batch in stream.batches():
             out: list[bytes] = []
             for item in batch:
-                if isinstance(item, Delta):
-                    text = item.text
-                    event = delta_event(text) if held is None or logprobs_event is None else logprobs_event(text, held)
-                    if event:
-                        out.append(event)
-                    held = None
-                elif isinstance(item, Rest):  # of a chunk the producer began: nothing may come between
+                if isinstance(item, Rest):  # of a chunk the producer began: nothing may come between
                     if out:
                         yield b"".join(out)
                         out = []
                     await stream.turn.send_rest()
-                elif isinstance(item, Logprobs):
-                    held = item.entries
-                elif isinstance(item, Done):
-                    out.append(done_event(item.result))
-                else:
-                    out.append(sse_event(error_event_body(item.error)) if error_event is None else error_event(item.error))
+                    continue
+                try:
+                    out.append(event_of(item))
+                except Exception as exc:
+                    # An event that cannot be built (a reply's parser, a shape) ends the stream
+                    # as any failure after the 200 does: its error event, then the end.
+                    log.exception("streaming reply: an event could not be built")
+                    out.append(failure(exc))
+                    ended = True
+                    break
             if out:
                 yield b"".join(out)
+            if ended:
+                break
         if done:
             yield done
     finally:

@@ -20,6 +20,7 @@ from .common import (
     HttpError,
     app_state,
     busy_reply,
+    check_turns,
     json_response,
     read_json_body,
     read_request_json,
@@ -50,7 +51,10 @@ async def routed_json(*, token_ids: bool = False) -> tuple[Engine, dict[str, Any
     name = body.get("model")
     if name is not None and not isinstance(name, str):
         raise bad_param("model must be a string", "model")
-    return await hold_model(state, pool, name), body
+    engine = await hold_model(state, pool, name)
+    if not token_ids:
+        check_turns(engine, body)
+    return engine, body
 
 
 async def hold_model(state: AppState, pool: ModelPool, name: str | None) -> Engine:

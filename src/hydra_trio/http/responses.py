@@ -28,6 +28,8 @@ from .common import (
     dialect_names,
     generation_owner,
     json_response,
+    needs_no_slot,
+    off_loop,
 )
 from .generation import error_event_body, generate_buffered, sse_body, start_stream
 from .model_routes import routed_json
@@ -116,6 +118,9 @@ def _input(raw: Any) -> list[dict[str, Any]]:
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content_text(output or "", where)})
         elif kind == "reasoning":
+            for key in ("content", "summary"):
+                if item.get(key) is not None and not isinstance(item[key], list):
+                    raise bad(f"{where}.{key} must be an array of text parts", "input")
             for part in (item.get("content") or item.get("summary") or []):
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     reasoning.append(part["text"])
@@ -164,7 +169,11 @@ def _tool_choice(raw: Any) -> Any:
 
 
 def _format(text: Any) -> dict[str, Any] | None:
+    if text is not None and not isinstance(text, dict):
+        raise bad("text must be an object (format)", "text")
     fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad("text.format must be an object with a type: text, json_object or json_schema", "text.format")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -216,12 +225,15 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     for key in ("cache_salt", "lora"):  # vLLM's salt, llama-server's adapter list
         if key in body:
             chat[key] = body[key]
+    fmt = _format(body.get("text"))  # checked on input_tokens too: the same body, the same 400
     if count_only:
         return chat
-    if (fmt := _format(body.get("text"))) is not None:
+    if fmt is not None:
         chat["response_format"] = fmt
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    if (limit := body.get("max_output_tokens")) is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise bad("max_output_tokens must be a positive integer", "max_output_tokens")
+        chat["max_tokens"] = limit
     for key in ("temperature", "top_p", "top_k", "stream", "seed"):
         if body.get(key) is not None:
             chat[key] = body[key]
@@ -394,9 +406,10 @@ class ResponseEvents:
 
 
 @bp.post("/v1/responses/input_tokens")
+@needs_no_slot
 async def input_tokens() -> Response:
     engine, body = await routed_json()  # the engine of the model it names
-    chat = to_chat(body, count_only=True)
+    chat = await off_loop(lambda: to_chat(body, count_only=True))
     try:
         n = len(await engine.prompt_tokens(chat))
     except ParamError as exc:
@@ -408,7 +421,7 @@ async def input_tokens() -> Response:
 async def responses() -> Response:
     state = app_state()
     engine, body = await routed_json()  # the engine of the model it names
-    chat = to_chat(body)
+    chat = await off_loop(lambda: to_chat(body))
     try:
         prepared = await engine.prepare("chat", chat)
     except ParamError as exc:

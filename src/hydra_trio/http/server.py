@@ -21,6 +21,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from ..tasks import Started, leaves
 from . import connections, routes
 from .anthropic import bp as anthropic_bp
+from .anthropic import error_shape, on_messages_path
 from .auth import install_auth
 from .common import (
     busy_reply,
@@ -231,9 +232,10 @@ def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:
             return
         size = f"{declared} bytes" if declared is not None else "a chunked body"
         what = "takes no body" if cap == 0 else f"takes at most {cap} bytes"
-        body = json.dumps(
-            error_body(413, f"{scope['method']} {scope['path'][:100]} {what}; got {size}", "invalid_request_error")
-        ).encode()
+        message = f"{scope['method']} {scope['path'][:100]} {what}; got {size}"
+        # Answered before the app: each dialect's shape here (as its after-request hook gives it there).
+        shaped = error_shape(413, message) if on_messages_path(scope["path"]) else error_body(413, message, "invalid_request_error")
+        body = json.dumps(shaped).encode()
         async with trio.open_nursery() as nursery:
             # Unread, the body would keep Hypercorn's queue to the app full and our reply's
             # last send waiting behind it: drop what comes (bounded) while the reply goes out.

@@ -12,7 +12,7 @@ from typing import Any
 from quart import Blueprint, Response, request
 
 from ..wire.errors import bad_param
-from .common import HttpError, app_state, json_response, require_engine
+from .common import HttpError, app_state, json_response, needs_no_slot, require_engine
 from .model_routes import hold_model, routed_json
 
 bp = Blueprint("tokens", __name__)
@@ -64,16 +64,19 @@ async def _render(required: str) -> Response:
 
 
 @bp.post("/v1/chat/completions/render")
+@needs_no_slot
 async def render_chat() -> Response:
     return await _render("messages")
 
 
 @bp.post("/v1/completions/render")
+@needs_no_slot
 async def render_completion() -> Response:
     return await _render("prompt")
 
 
 @bp.post("/tokenize")
+@needs_no_slot
 async def tokenize() -> Response:
     engine, body = await routed_json()
     if "content" not in body and ("prompt" in body or "messages" in body):  # vLLM's shape
@@ -94,6 +97,7 @@ async def tokenize() -> Response:
 
 
 @bp.post("/detokenize")
+@needs_no_slot
 async def detokenize() -> Response:
     engine, body = await routed_json(token_ids=True)  # one model: refused unparsed past what n_ctx ids take
     tokens = body.get("tokens", [])
@@ -115,6 +119,7 @@ async def detokenize() -> Response:
 
 
 @bp.post("/apply-template")
+@needs_no_slot
 async def apply_template() -> Response:
     engine, body = await routed_json()
     if "messages" not in body:

@@ -17,7 +17,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...wire.jsontext import read_bounded_at
 from ..structured import SchemaExpr, literal, regex, seq
+from .markup import (
+    NON_SPACE,
+    elements,
+    json_args,
+    json_items,
+    object_args,
+    trim_nl,
+    typed_value,
+    xml_args,
+)
 from .tools import Tool
 
 Call = tuple[str, dict[str, Any], str | None]  # (name, arguments, the id the model wrote or None)
@@ -61,53 +72,7 @@ class Block:
         return None
 
 
-def _json_args(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _json_items(text: str) -> list[Any] | None:
-    """A non-empty JSON list (a family's calls), else None."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, list) and value else None
-
-
-def _trim_nl(text: str) -> str:
-    """A parameter's value without the one newline each side the XML forms put around it."""
-    if text.startswith("\n"):
-        text = text[1:]
-    if text.endswith("\n"):
-        text = text[:-1]
-    return text
-
-
-def typed_value(text: str, schema: Mapping[str, Any] | None) -> Any:
-    """An XML parameter's text as the argument's value: as written for a string parameter
-    (or one the tool does not declare as another type); else its JSON value, the text when
-    it is not JSON (as llama.cpp's XML parsers do)."""
-    kind = schema.get("type") if schema is not None else None
-    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
-        return text
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _xml_args(pairs: list[tuple[str, str]], props: Props | None) -> dict[str, Any]:
-    return {k: typed_value(_trim_nl(v), (props or {}).get(k)) for k, v in pairs}
-
-
 # -- Qwen3-Coder and Seed-OSS: <tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n</function>\n</tool_call>
-
-_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
-
 
 def _read_function(body: str, opener: str, props_of: Callable[[str], Props | None], fn: str) -> list[Call] | None:
     """One ``<function=NAME>...`` call; the opener is the tool-call tag (then the function
@@ -119,12 +84,10 @@ def _read_function(body: str, opener: str, props_of: Callable[[str], Props | Non
         body = body[len(fn):]
     name, sep, rest = body.partition(">")
     name = name.strip()
-    if not sep or not name:
-        return None
-    pairs = [(m.group(1).strip(), m.group(2)) for m in _PARAM.finditer(rest)]
-    if _PARAM.sub("", rest).strip():
+    params = elements(rest, "<parameter=", ">", "</parameter>")
+    if not sep or not name or params is None or any(not k or "\n" in k for k, _ in params):
         return None  # text outside the parameters: not a call
-    return [(name, _xml_args(pairs, props_of(name)), None)]
+    return [(name, xml_args([(k.strip(), v) for k, v in params], props_of(name)), None)]
 
 
 MAX_SALVAGE_TRIES = 64  # places a cut block's last whole call is looked for (a nested "}" is no call's end)
@@ -195,18 +158,21 @@ SEED_XML = Block(
 
 def _arg_tags(s: str, sep: str) -> tuple[Reader, CallRule]:
     """One call's reader and rule: ``s`` its tags' suffix, ``sep`` what ends the name."""
-    arg = re.compile(rf"<arg_key{s}>(.*?)</arg_key{s}>\s*<arg_value{s}>(.*?)</arg_value{s}>", re.S)
+    value_tag = f"<arg_value{s}>"
 
     def read(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
         k = body.find(f"<arg_key{s}>")
         name, rest = (body, "") if k < 0 else (body[:k], body[k:])
         name = name.strip().removesuffix(sep.strip()).strip()
-        if not name or "<" in name or "{" in name:
+        # each argument: <arg_key>K</arg_key>, whitespace, <arg_value>V</arg_value>
+        args = elements(rest, f"<arg_key{s}>", f"</arg_key{s}>", f"</arg_value{s}>")
+        if not name or "<" in name or "{" in name or args is None:
             return None
-        pairs = [(m.group(1).strip(), m.group(2)) for m in arg.finditer(rest)]
-        if arg.sub("", rest).strip():
+        values = [v.lstrip() for _, v in args]
+        if not all(v.startswith(value_tag) for v in values):
             return None
-        return [(name, _xml_args(pairs, props_of(name)), None)]
+        pairs = [(key.strip(), v[len(value_tag):]) for (key, _), v in zip(args, values, strict=True)]
+        return [(name, xml_args(pairs, props_of(name)), None)]
 
     def rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
         params, rules = _xml_param_rules(
@@ -234,25 +200,19 @@ def _json_rule(head: Callable[[Tool], str], tail: str) -> CallRule:
     return rule
 
 
-KIMI_CALL = re.compile(
-    r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?([^<:\s]+)(:\d+)?\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.S
-)
+KIMI_HEAD = re.compile(r"\s*(?:functions\.)?([^<:\s]+)(:\d+)?\s*")
 
 
 def _read_kimi(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
     """Kimi K2's calls; its id is the name as written, ``functions.NAME:IDX``."""
     calls: list[Call] = []
-    pos = 0
-    for m in KIMI_CALL.finditer(body):
-        if m.start() != pos:
+    for head, text in elements(body, "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>") or ():
+        m = KIMI_HEAD.fullmatch(head)
+        args = json_args(text) if m is not None else None
+        if m is None or args is None:
             return None
-        args = _json_args(m.group(3))
-        if args is None:
-            return None
-        name = m.group(1)
-        calls.append((name, args, f"functions.{name}{m.group(2) or ':' + str(len(calls))}"))
-        pos = m.end()
-    return calls if calls and not body[pos:].strip() else None
+        calls.append((m.group(1), args, f"functions.{m.group(1)}{m.group(2) or ':' + str(len(calls))}"))
+    return calls or None
 
 
 KIMI = Block(
@@ -267,26 +227,21 @@ KIMI = Block(
 )
 
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-DS_CALL = re.compile(
-    r"\s*<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>([^\n<]+)\n```(?:json)?\n?(.*?)```|([^<]+?)<｜tool▁sep｜>(.*?))\s*<｜tool▁call▁end｜>",
-    re.S,
-)
+DS_R1 = re.compile(r"([^\n<]+)\n```(?:json)?\n?(.*?)```\s*", re.S)
 
 
 def _read_deepseek(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
     """DeepSeek V3.1's ``NAME<｜tool▁sep｜>{json}`` and R1's ``function<｜tool▁sep｜>NAME\\n```json\\n{json}```"""
     calls: list[Call] = []
-    pos = 0
-    for m in DS_CALL.finditer(body):
-        if m.start() != pos:
-            return None
-        name, text = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(3), m.group(4))
-        args = _json_args(text)
-        if args is None:
+    for name, text in elements(body, "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>") or ():
+        r1 = DS_R1.fullmatch(text) if name == "function" else None
+        if r1 is not None:
+            name, text = r1.group(1), r1.group(2)
+        args = json_args(text)
+        if args is None or "<" in name or not name.strip():
             return None
         calls.append((name.strip(), args, None))
-        pos = m.end()
-    return calls if calls and not body[pos:].strip() else None
+    return calls or None
 
 
 DEEPSEEK = Block(
@@ -301,27 +256,25 @@ DEEPSEEK = Block(
 # -- <invoke name="N"><parameter name="K">V</parameter></invoke>: MiniMax M2 and DeepSeek V3.2 (DSML)
 
 
-def _invoke_reader(p: str) -> Reader:
-    invoke = re.compile(rf'\s*<{p}invoke name="([^"]+)">(.*?)</{p}invoke>', re.S)
-    param = re.compile(rf'<{p}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{p}parameter>', re.S)
+_PARAM_HEAD = re.compile(r'([^"]+)"(?: string="(true|false)")?')
 
+
+def _invoke_reader(p: str) -> Reader:
     def read(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
         calls: list[Call] = []
-        pos = 0
-        for m in invoke.finditer(body):
-            if m.start() != pos:
-                return None
-            name, inner = m.group(1), m.group(2)
-            if param.sub("", inner).strip():
+        for name, inner in elements(body, f'<{p}invoke name="', '">', f"</{p}invoke>") or ():
+            params = elements(inner, f'<{p}parameter name="', ">", f"</{p}parameter>")
+            heads = [_PARAM_HEAD.fullmatch(head) for head, _ in params or ()]
+            if not name or '"' in name or params is None or None in heads:
                 return None
             props = props_of(name) or {}
             args: dict[str, Any] = {}
-            for pm in param.finditer(inner):
-                key, is_string, text = pm.group(1), pm.group(2), _trim_nl(pm.group(3))
+            for m, (_, value) in zip(heads, params, strict=True):
+                assert m is not None
+                key, is_string, text = m.group(1), m.group(2), trim_nl(value)
                 args[key] = text if is_string == "true" else typed_value(text, None if is_string else props.get(key))
             calls.append((name, args, None))
-            pos = m.end()
-        return calls if calls and not body[pos:].strip() else None
+        return calls or None
 
     return read
 
@@ -362,22 +315,35 @@ DSML = Block(
 # -- Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>
 
 GEMMA_QUOTE = '<|"|>'
-_GEMMA_STRING = re.compile(r'<\|"\|>(.*?)<\|"\|>|"(?:[^"\\]|\\.)*"', re.S)
+_GEMMA_QUOTES = re.compile(r'<\|"\|>|"')
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _GEMMA_KEY = re.compile(r"([{,]\s*)([A-Za-z_][\w.-]*)\s*:")
 
 
 def gemma_args(text: str) -> dict[str, Any] | None:
     """Gemma 4's argument object (bare keys, strings between ``<|"|>``) as a dict."""
+    if "\x00" in text:
+        return None  # (it marks the strings set aside below)
     strings: list[str] = []
-
-    def hold(m: re.Match[str]) -> str:
-        strings.append(json.dumps(m.group(1)) if m.group(1) is not None else m.group(0))
-        return f"\x00{len(strings) - 1}\x00"
-
-    held = _GEMMA_STRING.sub(hold, text)
+    parts: list[str] = []
+    pos = 0
+    while (m := _GEMMA_QUOTES.search(text, pos)) is not None:  # the strings set aside, in one pass
+        if m.group() == GEMMA_QUOTE:
+            end = text.find(GEMMA_QUOTE, m.end())
+            literal = json.dumps(text[m.end():end]) if end >= 0 else None
+            after = end + len(GEMMA_QUOTE)
+        else:
+            s = _JSON_STRING.match(text, m.start())
+            literal, after = (s.group(), s.end()) if s is not None else (None, 0)
+        if literal is None:
+            return None  # an unclosed string
+        strings.append(literal)
+        parts.append(f"{text[pos:m.start()]}\x00{len(strings) - 1}\x00")
+        pos = after
+    held = "".join(parts) + text[pos:]
     held = _GEMMA_KEY.sub(lambda m: f'{m.group(1)}"{m.group(2)}":', held)
     held = re.sub(r",\s*([}\]])", r"\1", held)  # the grammar writes a comma after each argument
-    return _json_args(re.sub(r"\x00(\d+)\x00", lambda m: strings[int(m.group(1))], held))
+    return json_args(re.sub(r"\x00(\d+)\x00", lambda m: strings[int(m.group(1))], held))
 
 
 def _read_gemma(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
@@ -409,7 +375,7 @@ GEMMA4 = Block(openers=("<|tool_call>",), closer="<tool_call|>", read=_read_gemm
 
 def _read_cohere(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
     """Cohere's JSON list of calls; its id is the model's ``tool_call_id``."""
-    if (items := _json_items(body)) is None:
+    if (items := json_items(body)) is None:
         return None
     calls: list[Call] = []
     for item in items:
@@ -433,33 +399,20 @@ COHERE = Block(
 )
 
 
-def _object_args(value: Any) -> dict[str, Any] | None:
-    """A call's arguments: an object, or (as templates that print them ``| tojson`` show a
-    string's) a JSON string of one."""
-    if isinstance(value, str):
-        return _json_args(value)
-    return value if isinstance(value, dict) else None
-
-
 # -- MiniMax M1: <tool_calls>\n{"name": N, "arguments": {...}}\n{...}\n</tool_calls> (one JSON object a line)
 
 
 def _read_json_lines(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
-    decoder = json.JSONDecoder()
     calls: list[Call] = []
     pos = 0
-    while True:
-        while pos < len(body) and body[pos].isspace():
-            pos += 1
-        if pos == len(body):
-            break
+    while (m := NON_SPACE.search(body, pos)) is not None:
         try:
-            item, pos = decoder.raw_decode(body, pos)
+            item, pos = read_bounded_at(body, m.start())
         except ValueError:
             return None
         if not isinstance(item, dict) or set(item) - {"name", "arguments"}:
             return None
-        name, args = item.get("name"), _object_args(item.get("arguments", {}))
+        name, args = item.get("name"), object_args(item.get("arguments", {}))
         if not isinstance(name, str) or not name or args is None:
             return None
         calls.append((name, args, None))
@@ -479,14 +432,14 @@ MINIMAX_M1 = Block(
 
 
 def _read_name_keyed(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
-    if (items := _json_items(body)) is None:
+    if (items := json_items(body)) is None:
         return None
     calls: list[Call] = []
     for item in items:
         if not isinstance(item, dict) or len(item) != 1:
             return None
         ((name, value),) = item.items()
-        args = _object_args(value)
+        args = object_args(value)
         if not name or args is None:
             return None
         calls.append((name, args, None))
@@ -506,7 +459,7 @@ APERTUS = Block(
 # -- MiniCPM5: <function name="N"><param name="K">V</param>...</function> (a value may be <![CDATA[...]]>)
 
 _MINICPM_NAME = re.compile(r'([^"<>\n]+)">')
-_MINICPM_PARAM = re.compile(r'\s*<param name="([^"]+)">(?:<!\[CDATA\[(.*?)\]\]>|(.*?))</param>', re.S)
+CDATA, CDATA_END = "<![CDATA[", "]]></param>"
 
 
 def _read_minicpm(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
@@ -516,15 +469,20 @@ def _read_minicpm(body: str, opener: str, props_of: Callable[[str], Props | None
     name, props = m.group(1).strip(), props_of(m.group(1).strip()) or {}
     args: dict[str, Any] = {}
     pos = m.end()
-    for pm in _MINICPM_PARAM.finditer(body, pos):
-        if pm.start() != pos:
+    while (w := NON_SPACE.search(body, pos)) is not None:  # <param name="K">V</param>, or V a CDATA section
+        head = w.start() + len('<param name="')
+        k = body.find('">', head) if body.startswith('<param name="', w.start()) else -1
+        if k <= head or '"' in body[head:k]:
             return None
-        key = pm.group(1)
-        text = pm.group(2) if pm.group(2) is not None else pm.group(3)
-        args[key] = text if pm.group(2) is not None else typed_value(text, props.get(key))
-        pos = pm.end()
-    if body[pos:].strip():
-        return None
+        v = k + 2
+        cdata = body.startswith(CDATA, v) and (e := body.find(CDATA_END, v)) >= 0
+        if not cdata:
+            e = body.find("</param>", v)
+        if e < 0:
+            return None
+        key = body[head:k]
+        args[key] = body[v + len(CDATA):e] if cdata else typed_value(body[v:e], props.get(key))
+        pos = e + (len(CDATA_END) if cdata else len("</param>"))
     return [(name, args, None)] if name else None
 
 
@@ -545,7 +503,7 @@ def _read_solar(body: str, opener: str, props_of: Callable[[str], Props | None])
     """One call; its id is the model's (the grammar writes a call index, as Cohere's)."""
     given, sep, rest = body.partition("<|tool_call:name|>")
     name, sep2, args_text = rest.partition("<|tool_call:args|>")
-    args = _json_args(args_text) if sep and sep2 else None
+    args = json_args(args_text) if sep and sep2 else None
     if args is None or not name.strip() or "<" in given:
         return None
     return [(name.strip(), args, given.strip() or None)]
@@ -563,8 +521,8 @@ SOLAR = Block(openers=("<|tool_calls|>" + SOLAR_BEGIN, SOLAR_BEGIN), closer=SOLA
 # -- Kimi K3: <|open|>tools<|sep|><|open|>call tool="N" index="1"<|sep|><|open|>argument key="K" type="T"<|sep|>V
 #    <|close|>argument<|sep|>...<|close|>call<|sep|>...<|close|>tools<|sep|> (its XTML tags)
 
-K3_CALL = re.compile(r'<\|open\|>call tool="([^"]+)"(?: index="[^"]*")?<\|sep\|>(.*?)<\|close\|>call<\|sep\|>', re.S)
-K3_ARG = re.compile(r'<\|open\|>argument key="([^"]+)"(?: type="([^"]*)")?<\|sep\|>(.*?)<\|close\|>argument<\|sep\|>', re.S)
+K3_CALL = re.compile(r'([^"]+)"(?: index="[^"]*")?')  # a call's head: tool="NAME" index="1"
+K3_ARG = re.compile(r'([^"]+)"(?: type="([^"]*)")?')  # an argument's head: key="K" type="T"
 K3_JSON = re.compile(r'\s*<\|open\|>json(?: type="object")?<\|sep\|>(.*?)<\|close\|>json<\|sep\|>\s*', re.S)
 _K3_TYPES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null",
              "object": "object", "array": "array"}
@@ -576,26 +534,26 @@ def _unescape_attr(text: str) -> str:
 
 def _read_kimi_k3(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
     calls: list[Call] = []
-    pos = 0
-    for m in K3_CALL.finditer(body):
-        if body[pos:m.start()].strip():
-            return None
-        name, inner = _unescape_attr(m.group(1)), m.group(2)
+    for head, inner in elements(body, '<|open|>call tool="', "<|sep|>", "<|close|>call<|sep|>") or ():
+        m = K3_CALL.fullmatch(head)
         whole = K3_JSON.fullmatch(inner)
+        if m is None:
+            return None
         if whole is not None:
-            args = _json_args(whole.group(1))
+            args = json_args(whole.group(1))
             if args is None:
                 return None
         else:
-            if K3_ARG.sub("", inner).strip():
+            found = elements(inner, '<|open|>argument key="', "<|sep|>", "<|close|>argument<|sep|>")
+            heads = [K3_ARG.fullmatch(h) for h, _ in found or ()]
+            if found is None or None in heads:
                 return None
             args = {}
-            for am in K3_ARG.finditer(inner):
-                kind, text = am.group(2), am.group(3)
-                args[_unescape_attr(am.group(1))] = text if kind == "string" else typed_value(text, None)
-        calls.append((name, args, None))
-        pos = m.end()
-    return calls if calls and not body[pos:].strip() else None
+            for am, (_, text) in zip(heads, found, strict=True):
+                assert am is not None
+                args[_unescape_attr(am.group(1))] = text if am.group(2) == "string" else typed_value(text, None)
+        calls.append((_unescape_attr(m.group(1)), args, None))
+    return calls or None
 
 
 def _k3_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:

@@ -374,8 +374,20 @@ def tools_system_prompt(req: ToolRequest) -> str:
 
 
 def dump_arguments(value: dict[str, Any]) -> str:
-    """The one spelling of a call's arguments."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """The one spelling of a call's arguments (JSON: no NaN or Infinity)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def written_arguments(value: dict[str, Any]) -> str | None:
+    """A parsed call's arguments as they go out (``dump_arguments``); None when they cannot be
+    written as UTF-8 JSON (a lone surrogate a ``\\ud800`` escape made, a Python-style call's
+    ``1e999``), so the call is not one."""
+    try:
+        text = dump_arguments(value)
+        text.encode("utf-8")
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+    return text
 
 
 def generic_calls_json(calls: list[tuple[str, dict[str, Any]]]) -> str:

@@ -17,16 +17,16 @@ content, any other recipient a call whose body is one ``<atem:function_calls>`` 
 
 from __future__ import annotations
 
-import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Literal
 
+from ...wire.jsontext import read_bounded
 from ..structured import SchemaExpr, literal, seq
-from .families import Block, Props, _xml_param_rules, typed_value
+from .families import Block, Props, _xml_param_rules
 from .families import Call as BlockCall
-from .reasoning import partial_suffix
+from .markup import HeldText, NextMark, elements, held_back, partial_suffix, typed_value
 from .tools import Tool
 
 MESSAGE = "<|message|>"
@@ -35,74 +35,89 @@ HEADER_STARTS = ("<|channel|>", "<|start|>", " to=", "to=")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
+MAX_HEADER = 512  # characters of a message header before it is taken as text: real ones are short
 Kind = Literal["reasoning", "content", "call", "drop"]
-Call = tuple[str, dict[str, Any]]
+Call = tuple[str, str]  # (name, the arguments as written out)
+Accept = Callable[[str, dict[str, Any]], str | None]  # (name, arguments) -> written arguments; None: not a call
 
 
 class _ChannelSplitter(ABC):
     """Feeds of a reply in a channel dialect -> (reasoning, content, calls) releasable so far.
     ``reasoning``: split the reasoning channel out (else it is content); ``parse_tools``: read
-    calls (else their bodies are content); ``accept(name)``: whether a call's name is a
-    declared tool (a call of another is content). A dialect says what ends a message's body
+    calls (else their bodies are content); ``accept(name, arguments)``: a call's arguments as
+    written out, None when it is not a call (a tool not declared: its body is content). A dialect says what ends a message's body
     (``ends``; ``next_header``: the end that is the next message's header too), what a header
     means (``_header``) and what a body gives (``_emit``)."""
 
     ends: tuple[str, ...]
     next_header = ""
 
-    def __init__(self, *, reasoning: bool, parse_tools: bool, accept: Callable[[str], bool]) -> None:
+    def __init__(self, *, reasoning: bool, parse_tools: bool, accept: Accept) -> None:
         self._reasoning = reasoning
         self._parse_tools = parse_tools
         self._accept = accept
         self._state: Literal["header", "body", "plain"] = "header"
         self._buf = ""
+        self._held: HeldText | None = None
+        self._ends = NextMark(self.ends)
         self._kind: Kind = "content"
         self._name = ""
 
     def feed(self, text: str, *, final: bool = False, cut: bool = False) -> tuple[str, str, list[Call]]:
         """``cut``: the length cap ended the reply: a call message it left open (or a header
         not yet through to its message) is dropped, never content."""
-        self._buf += text
+        if self._held is not None:  # a call's (or a dropped) body, held whole until it ends
+            if not self._held.add(text) and not final:
+                return "", "", []
+            text, self._held = self._held.text(), None
+        buf = self._buf + text
         reasoning: list[str] = []
         content: list[str] = []
         calls: list[Call] = []
-        while self._buf:
-            buf = self._buf
+        p = 0
+        while p < len(buf):
             if self._state == "plain":
-                content.append(buf)
-                self._buf = ""
+                content.append(buf[p:])
+                p = len(buf)
             elif self._state == "header":
-                k = buf.find(MESSAGE)
-                head = self._header(buf if k < 0 else buf[:k], complete=k >= 0)
+                k = buf.find(MESSAGE, p, p + MAX_HEADER + len(MESSAGE))
+                if k < 0 and len(buf) - p > MAX_HEADER:
+                    head = None  # no header is this long: the reply is its text
+                else:
+                    head = self._header(buf[p:] if k < 0 else buf[p:k], complete=k >= 0)
                 if head is None:
                     self._state = "plain"  # not a message header: the reply is its text
                     continue
                 if k < 0:
                     if final:
                         if not cut:
-                            content.append(buf)  # a header with no message: shown as written
-                        self._buf = ""
+                            content.append(buf[p:])  # a header with no message: shown as written
+                        p = len(buf)
                     break
                 self._kind, self._name = head
-                self._state, self._buf = "body", buf[k + len(MESSAGE):]
+                self._state, p = "body", k + len(MESSAGE)
             else:
-                ends = [(j, m) for m in self.ends if (j := buf.find(m)) >= 0]
-                if ends:
-                    j, mark = min(ends)
-                    self._emit(buf[:j], reasoning, content, calls, done=True)
-                    self._state, self._buf = "header", buf[j if mark == self.next_header else j + len(mark):]
+                hit = self._ends.at(buf, p)
+                if hit is not None:
+                    j, n = hit
+                    self._emit(buf[p:j], reasoning, content, calls, done=True)
+                    self._state, p = "header", j if buf[j:j + n] == self.next_header else j + n
                 elif final:
+                    end = len(buf)
                     if cut:  # a body the cap cut in its end marker: the body without the marker's beginning
-                        buf = buf[: len(buf) - partial_suffix(buf, *self.ends)]
-                    self._emit(buf, reasoning, content, calls, done=True, cut=cut)
-                    self._buf = ""
+                        end -= held_back(buf, p, self.ends)
+                    self._emit(buf[p:end], reasoning, content, calls, done=True, cut=cut)
+                    p = len(buf)
                 elif self._kind in ("call", "drop"):
-                    break  # held whole until it ends
-                else:
-                    keep = partial_suffix(buf, *self.ends)
-                    self._emit(buf[: len(buf) - keep], reasoning, content, calls, done=False)
-                    self._buf = buf[len(buf) - keep:]
+                    self._held = HeldText(self.ends, buf[p:])  # held whole until it ends
+                    p = len(buf)
                     break
+                else:
+                    keep = held_back(buf, p, self.ends)
+                    self._emit(buf[p:len(buf) - keep], reasoning, content, calls, done=False)
+                    p = len(buf) - keep
+                    break
+        self._buf = buf[p:]
         return "".join(reasoning), "".join(content), calls
 
     @abstractmethod
@@ -124,10 +139,12 @@ class HarmonySplitter(_ChannelSplitter):
     next_header = "<|start|>"  # opens the next message's header; the others end this one
 
     def _header(self, head: str, *, complete: bool) -> tuple[Kind, str] | None:
+        lead = head.lstrip()  # the same test whole or in part: any split reads as the whole does
+        if not complete:  # (what may yet be <|message|> is not the header's)
+            lead = lead[: len(lead) - partial_suffix(lead, MESSAGE)]
+        if lead and not any(h.startswith(lead[: len(h)]) for h in HEADER_STARTS):
+            return None
         if not complete:
-            lead = head.lstrip()
-            if lead and not any(h.startswith(lead[: len(h)]) for h in HEADER_STARTS):
-                return None
             return "content", ""
         channel = m.group(1) if (m := _CHANNEL.search(head)) else ""
         recipient = m.group(1) if (m := _RECIPIENT.search(head)) else ""
@@ -146,11 +163,12 @@ class HarmonySplitter(_ChannelSplitter):
             content.append(body)
         elif self._kind == "call" and done:
             try:
-                args = json.loads(body)
+                args = read_bounded(body)
             except ValueError:
                 args = None
-            if isinstance(args, dict) and self._accept(self._name):
-                calls.append((self._name, args))
+            written = self._accept(self._name, args) if isinstance(args, dict) else None
+            if written is not None:
+                calls.append((self._name, written))
             elif not cut:
                 content.append(body)
 
@@ -160,31 +178,19 @@ class HarmonySplitter(_ChannelSplitter):
 EOM, EOT = "<|eom|>", "<|eot|>"
 NEXT = "<|start|>assistant"  # opens each message after the first (the prompt ends with it)
 GLIMMER_MARKS = ("<|start|>", MESSAGE, EOM, EOT, "<atem:invoke", "</atem:invoke>", "<atem:parameter", "</atem:parameter>")
-_INVOKE = re.compile(r'\s*<atem:invoke name="([^"]+)">(.*?)</atem:invoke>', re.S)
-_PARAM = re.compile(r'\s*<atem:parameter name="([^"]+)">(.*?)</atem:parameter>', re.S)
 
 
 def _read_atem(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[BlockCall] | None:
     """The invocations of one ``<atem:function_calls>`` block: a parameter's text as is for a
     string, else its JSON (the text where it is not JSON), as llama.cpp reads them."""
     calls: list[BlockCall] = []
-    pos = 0
-    for m in _INVOKE.finditer(body):
-        if m.start() != pos:
+    for name, inner in elements(body, '<atem:invoke name="', '">', "</atem:invoke>") or ():
+        params = elements(inner, '<atem:parameter name="', '">', "</atem:parameter>")
+        if not name or '"' in name or params is None or any(not k or '"' in k for k, _ in params):
             return None
-        name, inner, props = m.group(1), m.group(2), props_of(m.group(1)) or {}
-        args: dict[str, Any] = {}
-        at = 0
-        for pm in _PARAM.finditer(inner):
-            if pm.start() != at:
-                return None
-            args[pm.group(1)] = typed_value(pm.group(2), props.get(pm.group(1)))
-            at = pm.end()
-        if inner[at:].strip():
-            return None
-        calls.append((name, args, None))
-        pos = m.end()
-    return calls if calls and not body[pos:].strip() else None
+        props = props_of(name) or {}
+        calls.append((name, {k: typed_value(v, props.get(k)) for k, v in params}, None))
+    return calls or None
 
 
 def _atem_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
@@ -223,9 +229,7 @@ class GlimmerSplitter(_ChannelSplitter):
 
     ends = (EOM, EOT)
 
-    def __init__(
-        self, *, reasoning: bool, parse_tools: bool, accept: Callable[[str], bool], props_of: Callable[[str], Props | None]
-    ) -> None:
+    def __init__(self, *, reasoning: bool, parse_tools: bool, accept: Accept, props_of: Callable[[str], Props | None]) -> None:
         super().__init__(reasoning=reasoning, parse_tools=parse_tools, accept=accept)
         self._props_of = props_of
 
@@ -248,7 +252,8 @@ class GlimmerSplitter(_ChannelSplitter):
             found = None
             if text.startswith(ATEM.openers[0]) and text.endswith(ATEM.closer):
                 found = _read_atem(text[len(ATEM.openers[0]):-len(ATEM.closer)], ATEM.openers[0], self._props_of)
-            if found and all(self._accept(n) for n, _, _ in found):
-                calls.extend((n, a) for n, a, _ in found)
+            written = [self._accept(n, a) for n, a, _ in found or ()]
+            if found and None not in written:
+                calls.extend((n, w) for (n, _, _), w in zip(found, written, strict=True) if w is not None)
             elif not cut:
                 content.append(body)

@@ -84,6 +84,10 @@ def date_context() -> dict[str, str]:
 @lru_cache(maxsize=8)
 def compile_template(template: str) -> jinja2.Template:
     """``template``'s source compiled (jinja2's TemplateError for bad syntax)."""
+    return _environment().from_string(template)
+
+
+def _environment() -> SandboxedEnvironment:
     # Sandboxed (no reaching Python internals) but lists mutable: Kimi's templates append.
     env = SandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlocks],
@@ -97,4 +101,9 @@ def compile_template(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = strftime_now
     env.filters["tojson"] = tojson
     env.filters["safe"] = safe
-    return env.from_string(template)
+    return env
+
+
+# What a template finds in its environment (jinja2's range, dict, namespace, ... and
+# llama.cpp's raise_exception, strftime_now): a request's template kwargs may not shadow them.
+TEMPLATE_GLOBALS = frozenset(_environment().globals)

@@ -8,12 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...wire.errors import ProtocolError
-from ...wire.jsontext import parse_json
+from ...wire.jsontext import JsonSpan, read_bounded
 from .families import MAX_SALVAGE_TRIES, Props
-from .formats import GENERIC, ToolFormat, dump_arguments
+from .formats import GENERIC, ToolFormat, written_arguments
 from .harmony import GlimmerSplitter, HarmonySplitter
-from .reasoning import CLOSE, OPEN, ThinkSplitter, partial_suffix
+from .markup import NON_SPACE, NextMark, held_back
+from .reasoning import CLOSE, OPEN, ThinkSplitter
 from .tools import ToolRequest
 
 
@@ -36,48 +36,54 @@ class ReplyDelta:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-class _JsonEnd:
-    """Where a JSON object or array that starts at ``start`` ends, found incrementally (the
-    text only grows while a call streams in, so each character is scanned once)."""
-
-    def __init__(self, start: int) -> None:
-        self.start = start
-        self._pos = start
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
-        self._end: int | None = None
-
-    def end(self, text: str) -> int | None:
-        if self._end is not None:
-            return self._end
-        for k in range(self._pos, len(text)):
-            c = text[k]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self._end = k + 1
-                    return self._end
-        self._pos = len(text)
-        return None
-
-
 MAX_RECIPIENT = 128  # characters of a recipient's line (functionary) before it is taken as text
 
 
+@dataclass
+class _Open:
+    """An open region's progress between feeds (offsets from its marker's start)."""
+
+    marker: int
+    closer_from: int = 0  # a block's closer is looked for from here on
+    json_at: int = -1  # a JSON region's value starts here (-1: not yet seen)
+    span: JsonSpan | None = None
+    name: str = ""  # a recipient region's tool
+    line_end: int = -1  # a recipient region's name line ends here
+
+
+class _Wake:
+    """What an open region waits for: text that cannot change its decision is kept aside
+    unread (``woken_by`` looks at the new text only), so a region that stays open over many
+    pieces costs each piece its own length, not the region's."""
+
+    def __init__(self, kind: str, literal: str = "", held: str = "", span: JsonSpan | None = None) -> None:
+        self._kind = kind  # "text": any text; "nonspace"; "literal" appearing; "json": the value ending
+        self._literal = literal
+        self._held = held  # the text before, where the literal may have begun
+        self._span = span
+
+    def woken_by(self, text: str) -> bool:
+        if not text:
+            return False
+        if self._kind == "nonspace":
+            return NON_SPACE.search(text) is not None
+        if self._kind == "literal":
+            seen = self._held + text
+            self._held = seen[len(seen) - len(self._literal) + 1:] if len(self._literal) > 1 else ""
+            return self._literal in seen
+        if self._kind == "json":
+            assert self._span is not None
+            return self._span.feed(text) is not None
+        return True
+
+
+Outcome = tuple[int, list[ToolCall] | None] | _Wake
+
+
 class _CallScanner:
-    """Content text -> (content, calls) for one format."""
+    """Content text -> (content, calls) for one format. Linear in the text however it is
+    split: every search starts where the last one stopped, and an open region sleeps until
+    what it waits for comes (``_Wake``)."""
 
     def __init__(
         self, fmt: ToolFormat, names: frozenset[str] | None, new_id: Callable[[], str], props: dict[str, Props] | None = None
@@ -86,214 +92,258 @@ class _CallScanner:
         self._names = names
         self._props = props or {}  # tool name -> its parameters' properties (typing XML values)
         self._new_id = new_id
-        self._buf = ""  # text not decided yet: a possible marker's start, or an open call
-        self._ws = ""  # whitespace held: dropped when a call comes next to it
+        self._buf = ""  # text not decided yet: a possible marker's start, or an open region
+        self._more: list[str] = []  # text after it, kept aside while the open region sleeps
+        self._wake: _Wake | None = None
+        self._open: _Open | None = None
+        self._skip = 0  # openers before this place in _buf are text (a failed block's, bar its last)
+        self._ws: list[str] = []  # whitespace held: dropped when a call comes next to it
         self._after_call = False  # the last thing decided was a call
         self._seen_text = False  # content other than whitespace was released
-        self._json: _JsonEnd | None = None  # the open region's JSON scan
         self._fresh = True  # a recipient format's reply start is not decided yet
-        self._name = ""  # the open recipient region's tool name
+        block = fmt.block
+        self._marks = (*block.openers, *fmt.dropped) if block is not None else ()
+        self._openers = NextMark(block.openers if block is not None else (fmt.opener,) if fmt.opener else ())
+        self._dropped = NextMark(fmt.dropped if block is not None else ())
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str, *, final: bool = False, cut: bool = False) -> tuple[str, list[ToolCall]]:
         """``final``: the reply ended; ``cut``: by the length cap, so text that may still be a
         call (an open region, a marker's beginning) is never released as content, and an open
         region's whole calls are read (``_salvage``)."""
-        self._buf += text
+        if self._wake is not None and not final and not self._wake.woken_by(text):
+            self._more.append(text)
+            return "", []
+        buf = "".join((self._buf, *self._more, text))
+        self._more.clear()
+        self._wake = None
         out: list[str] = []
         new: list[ToolCall] = []
         done = final and not cut  # whether what is held can no longer become a call
-        while self._buf:
-            start, marker = self._find_start(done)
-            self._text(self._buf[:start], out)
-            self._buf = self._buf[start:]
+        p = 0
+        while p < len(buf):
+            start, marker = self._find_start(buf, p, done)
+            self._text(buf[p:start], out)
+            p = start
             if marker is None:
                 if final:
                     if not cut:
-                        self._text(self._buf, out)
-                    self._buf = ""
+                        self._text(buf[p:], out)
+                    p = len(buf)
                 break
-            if marker and self._buf[:marker] in self._fmt.dropped:
-                outcome = marker, None
+            outcome: Outcome
+            if marker and buf[p:p + marker] in self._fmt.dropped:
+                outcome = p + marker, None
             elif self._fmt.block is not None:
-                outcome = self._block(marker, done)
+                outcome = self._block(buf, p, marker, done)
             elif self._fmt.recipient:
-                outcome = self._recipient(marker, done)
+                outcome = self._recipient(buf, p, marker, done)
             else:
-                outcome = self._region(marker)
-            if outcome is None:  # the region is still open
+                outcome = self._region(buf, p, marker)
+            if isinstance(outcome, _Wake):  # the region is still open
                 if final:
                     if not cut:
-                        self._text(self._buf, out)
-                    elif calls := self._salvage(marker):
-                        self._ws, self._after_call = "", True
+                        self._text(buf[p:], out)
+                    elif calls := self._salvage(buf, p, marker):
+                        self._ws.clear()
+                        self._after_call = True
                         new.extend(calls)
                         self.calls.extend(calls)
-                    self._buf, self._json, self._fresh = "", None, False
+                    p, self._open, self._fresh = len(buf), None, False
+                else:
+                    self._wake = outcome
                 break
             end, calls = outcome
-            self._json = None
+            self._open = None
             if calls:
-                self._ws, self._after_call = "", True
+                self._ws.clear()
+                self._after_call = True
                 new.extend(calls)
                 self.calls.extend(calls)
             elif calls is not None:  # None: a marker that is dropped (a recipient's content line)
-                self._text(self._buf[:end], out)
-            self._buf = self._buf[end:]
+                self._text(buf[p:end], out)
+            p = end
+        self._buf = buf[p:]
+        self._skip = max(0, self._skip - p)
         if final and not self._after_call:
-            out.append(self._ws)
-            self._ws = ""
+            out.extend(self._ws)
+            self._ws.clear()
         return "".join(out), new
 
-    def _find_start(self, final: bool) -> tuple[int, int | None]:
-        """(i, marker length) when a region starts at ``self._buf[i]``; (i, None) when no
-        region starts in the text and ``self._buf[:i]`` is plain text (the rest is held)."""
-        fmt, buf = self._fmt, self._buf
-        if self._json is not None:
-            return 0, 0  # an open region: always at the buffer's start, its marker passed
+    def _find_start(self, buf: str, p: int, final: bool) -> tuple[int, int | None]:
+        """(i, marker length) when a region starts at ``buf[i]``, i >= p; (i, None) when none
+        starts there and ``buf[p:i]`` is plain text (the rest is held)."""
+        fmt = self._fmt
+        if self._open is not None:
+            return p, self._open.marker  # an open region: at the buffer's start, its marker passed
         if fmt.recipient and self._fresh:  # the reply's first recipient line has no marker
-            if buf.startswith(fmt.opener):
+            if buf.startswith(fmt.opener, p):
                 self._fresh = False
-            elif not final and fmt.opener.startswith(buf):
-                return 0, None
+            elif not final and len(buf) - p < len(fmt.opener) and fmt.opener.startswith(buf[p:]):
+                return p, None
             else:
-                return 0, 0
+                return p, 0
         if fmt.block is not None:
-            marks = (*fmt.block.openers, *fmt.dropped)
-            found = [(k, len(o)) for o in marks if (k := buf.find(o)) >= 0]
+            found = [hit for hit in (self._openers.at(buf, max(p, self._skip)), self._dropped.at(buf, p)) if hit is not None]
             if found:
                 return min(found)
-            if not final:
-                return len(buf) - partial_suffix(buf, *marks), None
-            return len(buf), None
-        j = len(buf) - len(buf.lstrip())
-        if j < len(buf):
-            c = buf[j]
-            if fmt.at_start and c == "{" and not self._seen_text and not self.calls:
-                return j, 0
-            if fmt.separator and self._after_call and buf.startswith(fmt.separator, j):
-                return j, len(fmt.separator)
+            return (len(buf) - (0 if final else held_back(buf, p, self._marks))), None
+        if fmt.at_start or fmt.separator:
+            m = NON_SPACE.search(buf, p)
+            if m is not None:
+                j = m.start()
+                if fmt.at_start and buf[j] == "{" and not self._seen_text and not self.calls:
+                    return j, 0
+                if fmt.separator and self._after_call and buf.startswith(fmt.separator, j):
+                    return j, len(fmt.separator)
         if fmt.opener:
-            k = buf.find(fmt.opener)
-            if k >= 0:
-                return k, len(fmt.opener)
+            hit = self._openers.at(buf, p)
+            if hit is not None:
+                return hit
             if not final:
-                return len(buf) - partial_suffix(buf, fmt.opener), None
+                return len(buf) - held_back(buf, p, (fmt.opener,)), None
         return len(buf), None
 
-    def _region(self, marker: int) -> tuple[int, list[ToolCall]] | None:
-        """A region at the buffer's start whose marker is ``marker`` characters: None while
-        it is open; else (its end, its calls), no calls when it is not a valid call (its
-        text up to the end is then content)."""
-        fmt, buf = self._fmt, self._buf
-        if self._json is None:
-            j = marker
-            while j < len(buf) and buf[j].isspace():
-                j += 1
-            if j == len(buf):
-                return None
+    def _region(self, buf: str, p: int, marker: int) -> Outcome:
+        """A JSON region at ``buf[p]`` whose marker is ``marker`` characters: a wake while it
+        is open; else (its end, its calls), no calls when it is not a valid call (its text up
+        to the end is then content)."""
+        fmt, st = self._fmt, self._open
+        if st is None or st.span is None:
+            m = NON_SPACE.search(buf, p + marker)
+            if m is None:
+                self._open = st or _Open(marker)
+                return _Wake("nonspace")
+            j = m.start()
             if buf[j] != ("[" if fmt.listed else "{"):
-                return max(marker, 1), []  # the marker alone: content
-            self._json = _JsonEnd(j)
-        end = self._json.end(buf)
-        if end is None:
-            return None
-        value_text = buf[self._json.start:end]
+                return p + max(marker, 1), []  # the marker alone: content
+            st = self._open = _Open(marker, json_at=j - p, span=JsonSpan())
+            st.span.feed(buf, j)  # type: ignore[union-attr]
+        assert st.span is not None
+        if st.span.end is None:
+            return _Wake("json", span=st.span)
+        end = p + st.json_at + st.span.end
+        value_text = buf[p + st.json_at:end]
         if fmt.closer:
-            k = end
-            while k < len(buf) and buf[k].isspace():
-                k += 1
+            m = NON_SPACE.search(buf, end)
+            if m is None:
+                return _Wake("nonspace")
+            k = m.start()
             rest = buf[k:k + len(fmt.closer)]
             if len(rest) < len(fmt.closer) and fmt.closer.startswith(rest):
-                return None
+                return _Wake("text")
             if rest != fmt.closer:
                 return end, []
             end = k + len(fmt.closer)
         return end, self._calls_of(value_text)
 
-    def _recipient(self, marker: int, final: bool) -> tuple[int, list[ToolCall] | None] | None:
-        """A recipient format's message at the buffer's start (``marker`` 0: the reply's
-        first, its marker in the prompt): None while it is open; (its line's end, None) for
-        content's recipient (the line dropped); else (its end, its call), no call when it is
-        not one (the marker is then content)."""
-        fmt, buf = self._fmt, self._buf
-        if self._json is None:
-            nl = buf.find("\n", marker)
+    def _recipient(self, buf: str, p: int, marker: int, final: bool) -> Outcome:
+        """A recipient format's message at ``buf[p]`` (``marker`` 0: the reply's first, its
+        marker in the prompt): a wake while it is open; (its line's end, None) for content's
+        recipient (the line dropped); else (its end, its call), no call when it is not one
+        (the marker is then content)."""
+        fmt, st = self._fmt, self._open
+        if st is None:
+            at = p + marker
+            nl = buf.find("\n", at, at + MAX_RECIPIENT + 1)
             if nl < 0:
-                if not final and len(buf) - marker <= MAX_RECIPIENT:
-                    return None
+                if not final and len(buf) - at <= MAX_RECIPIENT:
+                    return _Wake("text")  # at most MAX_RECIPIENT characters are looked at again
                 self._fresh = False
-                return marker, []
-            name = buf[marker:nl].strip()
+                return at, []
+            name = buf[at:nl].strip()
             self._fresh = False
             if name == fmt.recipient:
                 return nl + 1, None
             if not name or any(c.isspace() for c in name) or (self._names is not None and name not in self._names):
-                return marker, []
-            j = nl + 1
-            while j < len(buf) and buf[j].isspace():
-                j += 1
-            if j == len(buf):
-                self._fresh = marker == 0
-                return None
+                return at, []
+            st = self._open = _Open(marker, name=name, line_end=nl - p)
+        if st.span is None:
+            m = NON_SPACE.search(buf, p + st.line_end + 1)
+            if m is None:
+                return _Wake("nonspace")
+            j = m.start()
             if buf[j] != "{":
-                return marker, []
-            self._json, self._name = _JsonEnd(j), name
-        end = self._json.end(buf)
-        if end is None:
-            return None
+                return p + marker, []
+            st.json_at, st.span = j - p, JsonSpan()
+            st.span.feed(buf, j)
+        if st.span.end is None:
+            return _Wake("json", span=st.span)
+        end = p + st.json_at + st.span.end
         try:
-            args = parse_json(buf[self._json.start:end].encode("utf-8", "surrogatepass"), "tool call")
-        except (ProtocolError, UnicodeError):
+            args = read_bounded(buf[p + st.json_at:end])
+        except ValueError:
             args = None
-        if not isinstance(args, dict):
-            return max(marker, len(fmt.opener) if buf.startswith(fmt.opener) else 0), []
-        return end, [ToolCall(len(self.calls), self._new_id(), self._name, dump_arguments(args))]
+        arguments = written_arguments(args) if isinstance(args, dict) else None
+        if arguments is None:
+            return p + max(marker, len(fmt.opener) if buf.startswith(fmt.opener, p) else 0), []
+        return end, [ToolCall(len(self.calls), self._new_id(), st.name, arguments)]
 
-    def _block(self, marker: int, final: bool) -> tuple[int, list[ToolCall]] | None:
-        """A family's block region (families.py) at the buffer's start: None while its closer
-        (or the optional tail after it) may still come; else (its end, its calls)."""
-        block, buf = self._fmt.block, self._buf
+    def _block(self, buf: str, p: int, marker: int, final: bool) -> Outcome:
+        """A family's block region (families.py) at ``buf[p]``: a wake while its closer (or the
+        optional tail after it) may still come; else (its end, its calls)."""
+        block = self._fmt.block
         assert block is not None
-        closer = block.closers[block.openers.index(buf[:marker])] if block.closers else block.closer
-        k = buf.find(closer, marker)
+        opener = buf[p:p + marker]
+        closer = block.closers[block.openers.index(opener)] if block.closers else block.closer
+        st = self._open
+        if st is None:
+            st = self._open = _Open(marker, closer_from=marker)
+        k = buf.find(closer, p + st.closer_from)
         if k < 0:
-            return None
+            st.closer_from = max(marker, len(buf) - p - len(closer) + 1)
+            return _Wake("literal", closer, buf[max(p + marker, len(buf) - len(closer) + 1):])
+        st.closer_from = k - p
         end = k + len(closer)
         if block.tail:
-            j = end
-            while j < len(buf) and buf[j].isspace():
-                j += 1
-            rest = buf[j:j + len(block.tail)]
-            if rest == block.tail:
-                end = j + len(block.tail)
-            elif not final and len(rest) < len(block.tail) and block.tail.startswith(rest):
-                return None
-        found = block.read(buf[marker:k], buf[:marker], self._props.get)
-        if not found or (self._names is not None and any(n not in self._names for n, _, _ in found)):
-            return max(marker, 1), []  # not calls: the opener is content, the scan goes on after it
+            m = NON_SPACE.search(buf, end)
+            if m is None:
+                if not final:
+                    return _Wake("nonspace")
+            else:
+                j = m.start()
+                rest = buf[j:j + len(block.tail)]
+                if rest == block.tail:
+                    end = j + len(block.tail)
+                elif not final and len(rest) < len(block.tail) and block.tail.startswith(rest):
+                    return _Wake("text")
+        found = block.read(buf[p + marker:k], opener, self._props.get)
+        written = [written_arguments(args) for _, args, _ in found or ()]
+        if not found or None in written or (self._names is not None and any(n not in self._names for n, _, _ in found)):
+            # Not calls: the opener is content. Of the openers inside, only the last can
+            # begin a region of calls that ends at this closer (the others' would hold it):
+            # trying each in turn would read the region again for each one.
+            last = max(buf.rfind(o, p + marker, k) for o in block.openers)
+            self._skip = last if last >= 0 else k
+            return p + max(marker, 1), []
         base = len(self.calls)
         return end, [
-            ToolCall(base + i, given or self._new_id(), name, dump_arguments(args)) for i, (name, args, given) in enumerate(found)
+            ToolCall(base + i, given or self._new_id(), name, arguments)
+            for i, ((name, _, given), arguments) in enumerate(zip(found, written, strict=True))
         ]
 
-    def _salvage(self, marker: int) -> list[ToolCall]:
-        """The whole calls of the open region the length cap cut (a list or a block of
-        several calls, read up to its last whole call); none for a region of one call."""
-        fmt, buf = self._fmt, self._buf
+    def _salvage(self, buf: str, p: int, marker: int) -> list[ToolCall]:
+        """The whole calls of the open region at ``buf[p]`` the length cap cut (a list or a
+        block of several calls, read up to its last whole call); none for a region of one call."""
+        fmt = self._fmt
         if fmt.block is not None or fmt.recipient:
-            whole = self._block(marker, True) if fmt.block is not None else self._recipient(marker, True)
-            if whole is not None and whole[1]:  # its call ended (a tail after it was cut)
+            whole = self._block(buf, p, marker, True) if fmt.block is not None else self._recipient(buf, p, marker, True)
+            if not isinstance(whole, _Wake) and whole[1]:  # its call ended (a tail after it was cut)
                 return whole[1]
         if fmt.block is not None:
-            found = fmt.block.salvage(buf[marker:], buf[:marker], self._props.get)
-            if not found or (self._names is not None and any(n not in self._names for n, _, _ in found)):
+            found = fmt.block.salvage(buf[p + marker:], buf[p:p + marker], self._props.get)
+            written = [written_arguments(a) for _, a, _ in found or ()]
+            if not found or None in written or (self._names is not None and any(n not in self._names for n, _, _ in found)):
                 return []
             base = len(self.calls)
-            return [ToolCall(base + i, given or self._new_id(), n, dump_arguments(a)) for i, (n, a, given) in enumerate(found)]
-        if self._json is None or not (fmt.listed or fmt.list_key):
+            return [
+                ToolCall(base + i, given or self._new_id(), n, arguments)
+                for i, ((n, _, given), arguments) in enumerate(zip(found, written, strict=True))
+            ]
+        st = self._open
+        if st is None or st.json_at < 0 or not (fmt.listed or fmt.list_key):
             return []
-        text, close = buf[self._json.start:], "]" if fmt.listed else "]}"
+        text, close = buf[p + st.json_at:], "]" if fmt.listed else "]}"
         end = len(text)
         for _ in range(MAX_SALVAGE_TRIES):
             k = text.rfind("}", 0, end)
@@ -307,8 +357,8 @@ class _CallScanner:
     def _calls_of(self, text: str) -> list[ToolCall]:
         """The calls a region's JSON holds; none unless every one is a valid call."""
         try:
-            value = parse_json(text.encode("utf-8", "surrogatepass"), "tool call")
-        except (ProtocolError, UnicodeError):
+            value = read_bounded(text)
+        except ValueError:
             return []
         fmt = self._fmt
         if fmt.list_key:
@@ -316,7 +366,7 @@ class _CallScanner:
         items = value if fmt.listed or fmt.list_key else [value]
         if not isinstance(items, list) or not items:
             return []
-        found: list[tuple[str, dict[str, Any]]] = []
+        found: list[tuple[str, str]] = []
         for item in items:
             if not isinstance(item, dict):
                 return []
@@ -326,9 +376,12 @@ class _CallScanner:
                 return []
             if self._names is not None and name not in self._names:
                 return []
-            found.append((name, args))
+            arguments = written_arguments(args)
+            if arguments is None:
+                return []
+            found.append((name, arguments))
         base = len(self.calls)
-        return [ToolCall(base + i, self._new_id(), name, dump_arguments(args)) for i, (name, args) in enumerate(found)]
+        return [ToolCall(base + i, self._new_id(), name, arguments) for i, (name, arguments) in enumerate(found)]
 
     def _text(self, text: str, out: list[str]) -> None:
         """Release ``text`` as content, holding its trailing whitespace: whitespace next to a
@@ -337,13 +390,15 @@ class _CallScanner:
             return
         core = text.strip()
         if not core:
-            self._ws += text
+            self._ws.append(text)
             return
         lead = len(text) - len(text.lstrip())
         if not self._after_call:
-            out.append(self._ws + text[:lead])
+            out.extend(self._ws)
+            out.append(text[:lead])
         out.append(core)
-        self._ws = text[lead + len(core):]
+        self._ws.clear()
+        self._ws.append(text[lead + len(core):])
         self._after_call = False
         self._seen_text = True
 
@@ -375,14 +430,14 @@ class ReplyParser:
         self._think: ThinkSplitter | None = None
         self._scanner: _CallScanner | None = None
         self._harmony_calls: list[ToolCall] = []
+
+        def accept(name: str, args: dict[str, Any]) -> str | None:
+            return written_arguments(args) if names is None or name in names else None
+
         if fmt is not None and fmt.channels == "glimmer":
-            self._harmony = GlimmerSplitter(
-                reasoning=reasoning, parse_tools=parse_tools, accept=lambda n: names is None or n in names, props_of=props.get
-            )
+            self._harmony = GlimmerSplitter(reasoning=reasoning, parse_tools=parse_tools, accept=accept, props_of=props.get)
         elif fmt is not None and fmt.harmony:  # its channels carry reasoning, content and calls alike
-            self._harmony = HarmonySplitter(
-                reasoning=reasoning, parse_tools=parse_tools, accept=lambda n: names is None or n in names
-            )
+            self._harmony = HarmonySplitter(reasoning=reasoning, parse_tools=parse_tools, accept=accept)
         else:
             self._think = (
                 ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags, lead=reasoning_lead) if reasoning else None
@@ -410,7 +465,7 @@ class ReplyParser:
         if self._harmony is not None:
             reasoning, text, found = self._harmony.feed(text, final=final, cut=cut)
             base = len(self._harmony_calls)
-            calls = [ToolCall(base + i, self._new_id(), n, dump_arguments(a)) for i, (n, a) in enumerate(found)]
+            calls = [ToolCall(base + i, self._new_id(), n, a) for i, (n, a) in enumerate(found)]
             self._harmony_calls.extend(calls)
             self._content.append(text)
             self._reasoning.append(reasoning)

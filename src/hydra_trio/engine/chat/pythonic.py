@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ...wire.jsontext import MAX_MODEL_DEPTH
 from ..structured import SchemaExpr, literal, seq
 from .families import Block, Call, Props
 from .tools import Tool
@@ -48,6 +49,7 @@ class _PyReader:
 
     def __init__(self, text: str) -> None:
         self.text, self.i = text, 0
+        self._depth = 0  # lists, tuples and dicts open around the value being read
 
     def _ws(self) -> None:
         while self.i < len(self.text) and self.text[self.i].isspace():
@@ -103,6 +105,22 @@ class _PyReader:
             if m is None:
                 raise ValueError("unterminated string")
             return _py_string(m.group(0))
+        if c in ("[", "(", "{"):
+            self._depth += 1
+            if self._depth > MAX_MODEL_DEPTH:  # as JSON a model wrote (wire/jsontext.py)
+                raise ValueError("nested too deep")
+            value = self._nested(c)
+            self._depth -= 1
+            return value
+        if (w := self._match(_PY_WORDS)) is not None:
+            return _PY_WORD_VALUES[w.group(0)]
+        if (n := self._match(_PY_NUMBER)) is not None:
+            text = n.group(0)
+            return float(text) if any(x in text for x in ".eE") else int(text)
+        raise ValueError("no value")
+
+    def _nested(self, c: str) -> Any:
+        """The list, tuple or dict that ``c`` opens."""
         if c in ("[", "("):
             close = "]" if c == "[" else ")"
             self.i += 1
@@ -114,32 +132,25 @@ class _PyReader:
                     break
                 items.append(self.value())
             return items
-        if c == "{":
-            self.i += 1
-            obj: dict[str, Any] = {}
-            while not self._take("}"):
-                if obj and not self._take(","):
-                    raise ValueError("no comma")
-                if self._take("}"):
-                    break
-                key = self.value()
-                if not isinstance(key, str) or not self._take(":"):
-                    raise ValueError("bad key")
-                obj[key] = self.value()
-            return obj
-        if (w := self._match(_PY_WORDS)) is not None:
-            return _PY_WORD_VALUES[w.group(0)]
-        if (n := self._match(_PY_NUMBER)) is not None:
-            text = n.group(0)
-            return float(text) if any(x in text for x in ".eE") else int(text)
-        raise ValueError("no value")
+        self.i += 1
+        obj: dict[str, Any] = {}
+        while not self._take("}"):
+            if obj and not self._take(","):
+                raise ValueError("no comma")
+            if self._take("}"):
+                break
+            key = self.value()
+            if not isinstance(key, str) or not self._take(":"):
+                raise ValueError("bad key")
+            obj[key] = self.value()
+        return obj
 
 
 def pythonic_calls(body: str) -> list[Call] | None:
     """``[name(k=v, ...), ...]`` as calls; None when it is not that."""
     try:
         return _PyReader(body).calls()
-    except (ValueError, SyntaxError, RecursionError, MemoryError):
+    except (ValueError, SyntaxError, MemoryError):
         return None
 
 

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from .markup import NON_SPACE, partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
-
-
-def partial_suffix(text: str, *marks: str) -> int:
-    """The length of the longest end of ``text`` that is a proper beginning of one of
-    ``marks``: what must be held back because the next piece may complete the mark."""
-    best = 0
-    for mark in marks:
-        for n in range(min(len(mark) - 1, len(text)), best, -1):
-            if text.endswith(mark[:n]):
-                best = n
-                break
-    return best
 
 
 class ThinkSplitter:
@@ -35,6 +25,7 @@ class ThinkSplitter:
         self._lead = lead
         self._state: Literal["start", "think", "after", "content"] = "think" if starts_in_reasoning else "start"
         self._buf = ""
+        self._space: list[str] = []  # the reply's leading whitespace, while it may precede the open tag
         self._first = True  # no reasoning emitted yet: its one leading newline is dropped
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -45,13 +36,23 @@ class ThinkSplitter:
         while self._buf:
             buf = self._buf
             if self._state == "start":
-                lead = buf.lstrip()
+                # Whitespace is set aside (not looked at again), the text after it held.
+                m = NON_SPACE.search(buf)
+                if m is None:
+                    self._space.append(buf)
+                    self._buf = ""
+                    break
+                lead = buf[m.start():]
                 if lead.startswith(self._open):
+                    self._space.clear()
                     self._state, self._buf = "think", lead[len(self._open):]
                 elif self._open.startswith(lead):
-                    break  # whitespace, or the start of the tag: wait for more
+                    self._space.append(buf[:m.start()])
+                    self._buf = lead
+                    break  # the start of the tag: wait for more
                 else:
-                    self._state = "content"
+                    self._state, self._buf = "content", "".join((*self._space, buf))
+                    self._space.clear()
             elif self._state == "think":
                 end = buf.find(self._close)
                 if end >= 0:
@@ -78,7 +79,8 @@ class ThinkSplitter:
     def finish(self) -> tuple[str, str]:
         """What is held at the reply's end: an unclosed think block's text is reasoning; a
         reply that was only whitespace or the start of the tag is content."""
-        buf, self._buf = self._buf, ""
+        buf, self._buf = "".join((*self._space, self._buf)), ""
+        self._space.clear()
         if self._state == "think":
             return self._reasoning(buf) + self._unsaid_lead(), ""
         if self._state == "after":

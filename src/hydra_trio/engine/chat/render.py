@@ -7,20 +7,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
+import trio
 
-from ...wire.errors import ErrorCode, ProtocolError, Status
+from ...wire.errors import ErrorCode, ProtocolError, Status, bad_param
 from ...wire.jsontext import parse_json
-from .caps import TemplateCaps
+from .caps import PRESERVE_REASONING, TemplateCaps
 from .formats import dump_arguments, generic_calls_json, tools_system_prompt
-from .jinja import FALLBACK_TEMPLATE, compile_template, date_context
-from .probe import PRESERVE_REASONING
+from .jinja import FALLBACK_TEMPLATE, TEMPLATE_GLOBALS, compile_template, date_context
 from .templates import ChatTemplate
 from .tools import ToolRequest, parse_tools
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
+T = TypeVar("T")
 
 
 class ChatRequestError(ProtocolError):
@@ -260,12 +261,24 @@ def thinking_on(request: dict[str, Any], caps: TemplateCaps) -> bool:
     return thinking
 
 
+# What the engine itself gives a template, from the request it checked: a template kwarg that set
+# one would replace it (``messages`` past a gateway that filters them, ``tools`` never parsed,
+# the special tokens), so none may. The dates and the reasoning switches are the kwargs' to set.
+RENDERED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}) | TEMPLATE_GLOBALS
+
+
 def _template_kwargs_given(request: dict[str, Any]) -> dict[str, Any]:
     given = request.get("chat_template_kwargs")
     if given is None:
         return {}
     if not isinstance(given, dict):
         raise ChatRequestError("chat_template_kwargs must be an object")
+    if taken := sorted(RENDERED_VARIABLES.intersection(given)):
+        raise bad_param(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the engine renders "
+            f"{'it' if len(taken) == 1 else 'them'} from the request itself",
+            f"chat_template_kwargs.{taken[0]}",
+        )
     return given
 
 
@@ -312,6 +325,20 @@ def _add_generation_prompt(request: dict[str, Any]) -> bool:
 
 RunOnWorker = Callable[[Callable[[], str]], Awaitable[str]]
 ApplyBuiltin = Callable[[str, Sequence[tuple[str, str]], bool], str]
+# A request of more messages (and content parts, tools) than this is rendered on a thread: its
+# normalising and the template's loop hold the GIL in 5 ms turns there, where on the event loop
+# they held every stream for the whole render (130,000 tiny messages: ~1 s). Two at once.
+RENDER_INLINE_ITEMS = 256
+RENDER_THREADS = 2
+
+
+def _items(request: dict[str, Any]) -> int:
+    """About how many things the render walks (a bounded count: it stops past the bound)."""
+    messages, tools = request.get("messages"), request.get("tools")
+    n = (len(messages) if isinstance(messages, list) else 0) + (len(tools) if isinstance(tools, list) else 0)
+    if n > RENDER_INLINE_ITEMS or not isinstance(messages, list):
+        return n
+    return n + sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
 
 
 class PromptRenderer:
@@ -340,20 +367,36 @@ class PromptRenderer:
         self._strip_bos = tokenizer_adds_bos and bool(bos_token)
         self._run = run_on_worker
         self._apply_builtin = apply_builtin
+        self._threads = trio.CapacityLimiter(RENDER_THREADS)
 
     async def render(self, request: dict[str, Any]) -> str:
         tpl, caps = self.template, self._caps
         if "messages" not in request or tpl.jinja is not None:
-            text = render_prompt(request, tpl.jinja, caps, bos_token=self._bos, eos_token=self._eos)
-            return text.removeprefix(self._bos) if self._strip_bos and "messages" in request else text
+
+            def jinja() -> str:
+                text = render_prompt(request, tpl.jinja, caps, bos_token=self._bos, eos_token=self._eos)
+                return text.removeprefix(self._bos) if self._strip_bos and "messages" in request else text
+
+            return await self._off_loop(jinja, request)
         builtin = tpl.builtin
         assert builtin is not None
-        # A built-in renders role and content only: tools are described in a system message
-        # and earlier calls written as the generic format's JSON (``tool_messages``).
-        messages = tool_messages(normalise_messages(request["messages"]), caps, parse_tools(request))
+
+        def role_contents() -> list[tuple[str, str]]:
+            _template_kwargs_given(request)  # refused as for a Jinja template, though a built-in reads none
+            # A built-in renders role and content only: tools are described in a system message
+            # and earlier calls written as the generic format's JSON (``tool_messages``).
+            messages = tool_messages(normalise_messages(request["messages"]), caps, parse_tools(request))
+            return [(m["role"], m["content"]) for m in messages]
+
+        pairs = await self._off_loop(role_contents, request)
         add_gen = _add_generation_prompt(request)
-        pairs = [(m["role"], m["content"]) for m in messages]
         try:
             return await self._run(lambda: self._apply_builtin(builtin, pairs, add_gen))
         except ValueError as exc:
             raise ChatRequestError(str(exc)) from None
+
+    async def _off_loop(self, fn: Callable[[], T], request: dict[str, Any]) -> T:
+        """``fn()`` inline for a small request, on a thread (RENDER_THREADS at once) for a large one."""
+        if _items(request) <= RENDER_INLINE_ITEMS:
+            return fn()
+        return await trio.to_thread.run_sync(fn, limiter=self._threads)

@@ -20,6 +20,7 @@ from .config import Config, Ledger
 from .httpfuzz import JSON_ROUTES, Case, check_reply, fuzz_case
 from .rawhttp import Reply, _recv, _ServerClosed, http_request, read_reply
 from .shapes import CampaignShapes
+from .surfaces import id_prediction, own_engine_probes
 
 
 class Campaign(CampaignShapes):
@@ -293,6 +294,15 @@ class Campaign(CampaignShapes):
             "closed_after_s_min": round(min(closed_after), 1) if closed_after else None,
             "closed_after_s_max": round(max(closed_after), 1) if closed_after else None,
         }
+
+    async def surfaces(self) -> None:
+        """Issue 50's probes: decode ids that must not predict one another (here), and auth
+        roles, a reply nested 1,000 deep and cache salts (on an engine of their own)."""
+        try:
+            await id_prediction(self.ledger, self.engine.rpc_port, self.engine.url, self.cfg.hang_s)
+        except (OSError, httpx.HTTPError) as exc:
+            self.ledger.find("decode_ids_missing", f"{type(exc).__name__}: {exc}")
+        await own_engine_probes(self.ledger, self.cfg.hang_s)
 
     async def shapes(self) -> None:
         """The issue's shapes, one at a time, round robin."""

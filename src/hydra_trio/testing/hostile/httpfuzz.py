@@ -31,6 +31,11 @@ JSON_ROUTES: dict[str, dict[str, Any]] = {
     "/apply-template": {"messages": MESSAGES},
     "/v1/chat/completions/render": {"messages": MESSAGES},
     "/v1/completions/render": {"prompt": "hello world"},
+    # The agents' dialects (issue 50): Anthropic's errors are in its own shape, with an error object too.
+    "/v1/messages": {"messages": MESSAGES, "max_tokens": 4, "temperature": 0},
+    "/v1/messages/count_tokens": {"messages": MESSAGES, "system": "be brief"},
+    "/v1/responses": {"input": "hello world", "max_output_tokens": 4, "temperature": 0},
+    "/v1/responses/input_tokens": {"input": "hello world", "instructions": "be brief"},
 }
 OTHER_ROUTES = [
     ("GET", "/health"),

@@ -66,6 +66,7 @@ async def run(
             load.start_soon(timed, "rpc_fuzzer", campaign.rpc_fuzzer, seeds)
             load.start_soon(timed, "idle_connections", campaign.idle_connections)
             load.start_soon(timed, "shapes", campaign.shapes)
+            load.start_soon(timed, "surfaces", campaign.surfaces)
             for i in range(cfg.http_fuzzers):
                 load.start_soon(timed, f"http_fuzzer{i}", campaign.http_fuzzer, i)
             for i in range(cfg.drippers):

@@ -27,6 +27,7 @@ from .config import (
 )
 from .httpfuzz import Case
 from .rawhttp import http_request
+from .surfaces import surface_cases
 
 
 class CampaignShapes:
@@ -184,6 +185,9 @@ class CampaignShapes:
                 ).encode()))
                 for name, grammar in HOSTILE_GRAMMARS.items()
             ),
+            # The dialect routes (issue 50): tiny messages to the cap and to a slot's turns, the
+            # issue's 5xx bodies, template kwargs, schema bounds of 400 digits.
+            *surface_cases(port),
         ]
 
     async def _chunked_sender(self, stream: trio.SocketStream) -> None:
