@@ -47,6 +47,8 @@ REQUEST_FIELDS = (
     "spec_drafted",  # speculation's draft tokens verified (null: it did not run)
     "spec_accepted",  # and accepted
     "error",  # the failure's cause, when it failed
+    "session_id",  # the agent session's id (as its client named it), when it named one
+    "receipt",  # a cut turn's receipt (engine/receipts.py): what it generated, computed, kept
 )
 STATS_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "running", "waiting", "kv_cache_usage")
 
@@ -125,6 +127,17 @@ def generation_fields(res: GenerationResult, *, outcome: str, queue_s: float = 0
         "spec_drafted": res.spec_drafted,
         "spec_accepted": res.spec_accepted,
     }
+
+
+def receipt_note(receipt: dict[str, Any] | None) -> str:
+    """The request line's words for a cut turn's receipt ("" when it was not cut)."""
+    if receipt is None:
+        return ""
+    cached, kept = receipt["prompt_tokens_cached"], receipt["kept"]
+    return (
+        f", cut ({receipt['cut']}): {receipt['prompt_tokens_computed']} prompt tokens computed, cached "
+        f"{cached['slot']} slot / {cached['ram']} RAM / {cached['disk']} disk, kept {kept['n_past']} ({kept['tier']})"
+    )
 
 
 def spec_note(res: GenerationResult) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from ..engine import turn_receipt
 from ..wire.errors import ErrorCode, ProtocolError
 from ..writeturn import WriterTurn
 
@@ -84,6 +85,7 @@ class Tombstone:
     id: int
     state: DecodeState
     ended_at: float
+    receipt: dict[str, Any] | None = None  # a cut request's (engine/receipts.py): what it left
 
 
 @dataclass(slots=True)
@@ -262,7 +264,8 @@ class ResultStore:
         entry.close_subscribers()
         entry.ended.set()
         entry.chunks = []  # a tombstone keeps no text
-        self._tombstones[entry.id] = Tombstone(entry.id, state, self.clock())
+        receipt = turn_receipt(entry.result) if entry.result is not None else None
+        self._tombstones[entry.id] = Tombstone(entry.id, state, self.clock(), receipt)
         while len(self._tombstones) > self.max_tombstones:
             self._tombstones.popitem(last=False)
 

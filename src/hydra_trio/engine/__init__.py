@@ -9,7 +9,9 @@ from .lease import Emit, SlotLease
 from .llama import MAX_TOP_LOGPROBS, DecodeAborted, TokenLogprobs, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams, SamplingParams
-from .requests import REASONING_EFFORTS, Route
+from .receipts import turn_receipt
+from .requests import REASONING_EFFORTS, Route, cache_salt
+from .sched import Finished, TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
 from .worker import CallTiming
 
@@ -22,6 +24,7 @@ __all__ = [
     "Emit",
     "Engine",
     "EngineStats",
+    "Finished",
     "GenerationParams",
     "GenerationResult",
     "KvCopy",
@@ -33,7 +36,11 @@ __all__ = [
     "SamplingParams",
     "SlotInfo",
     "SlotLease",
+    "TenantSessions",
     "TokenLogprobs",
     "ToolCall",
+    "Turn",
     "Vocabulary",
+    "cache_salt",
+    "turn_receipt",
 ]

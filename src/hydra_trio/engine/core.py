@@ -34,6 +34,7 @@ from .kv import (
     HostBlocks,
     KvCopy,
     PromptCache,
+    Retention,
     SlotBlocks,
     check_checkpoint,
     copy_out,
@@ -52,7 +53,7 @@ from .llama import (
 from .output import GenerationResult, OutputProcessor
 from .params import GenerationParams
 from .reload import apply_staged
-from .sched import PartOutcome, SlotScheduler, SlotTable, StepBatcher
+from .sched import PartOutcome, SessionTree, SlotScheduler, SlotTable, StepBatcher
 from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
 from .stats import EngineStats, SlotInfo
 from .worker import CallTiming, GpuWorker
@@ -101,9 +102,13 @@ class EngineCore:
         # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
         self.host_blocks: HostBlocks | None = None  # the prompt cache's blocks, with kv_blocks
-        # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
-        self.prompt_cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
-        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache)
+        # Slots' KV kept past the slots (promptcache.py; None: --cache-ram-mib 0), what of it
+        # leaves first (retention.py), and the agent sessions that own it (session_tree.py).
+        self.retention = Retention(settings.session_policy, trio.current_time)
+        self.prompt_cache = PromptCache(settings.cache_ram_mib << 20, self.retention) if settings.cache_ram_mib > 0 else None
+        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache, self.retention)
+        self.sessions = SessionTree(ttl_s=settings.session_ttl_s)
+        self.sessions.release = self.scheduler.release
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         self._prefilling_alone = 0  # prompts in a chunk call of their own right now
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
@@ -207,6 +212,7 @@ class EngineCore:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self.reconfigurer.run)
+                nursery.start_soon(self.sessions.run)
                 task_status.started()
         with trio.CancelScope(shield=True):
             await self.worker.close(self.backend.close)
@@ -433,21 +439,11 @@ class EngineCore:
         ``salt`` and sample the token after it (None: the context is full); with
         ``want_logits`` also the logits it came from. The plan goes into ``res`` first, so a
         cancelled prefill still reports its work."""
-        from_host = await self.scheduler.swap_in(slot, tokens, salt)
-        res.n_common, logits = self.scheduler.reuse_plan(slot, tokens, salt)
-        res.n_host = min(from_host, res.n_common)
-        res.logits_reused = logits is not None
-        await self.scheduler.keep_history(slot, res.n_common)
-        await self.scheduler.adopt_salt(slot, salt)
+        logits = await self.scheduler.bring(slot, tokens, salt, res)
         if logits is not None:
             reused = logits
             token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
             return token, logits
-        # The slot is cut to the plan here, where the plan can still change: a memory that
-        # refuses a partial cut (recurrent, hybrid) was emptied, and the whole prompt is evaluated.
-        res.n_common = await self.scheduler.cut(slot, res.n_common)
-        res.n_host = min(res.n_host, res.n_common)
-        res.n_prompt_processed = len(tokens) - res.n_common
         return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
 
     async def sample_first(self, slot: int, tokens: Sequence[int], params: GenerationParams) -> tuple[GenerationResult, bytes]:

@@ -26,6 +26,7 @@ from .lease import SlotLease
 from .llama import Vocabulary
 from .params import GenerationParams
 from .requests import Route, cache_salt, check_request
+from .sched import TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
 
 
@@ -197,6 +198,11 @@ class Engine:
 
     # ---- slots -----------------------------------------------------------------------------
 
+    def sessions(self, tenant: str) -> TenantSessions:
+        """The agent sessions of ``tenant`` (the caller's API key): a request's turn, and
+        ``finish`` (engine/sched/session_tree.py). No tenant reaches another's."""
+        return TenantSessions(self._core.sessions, tenant)
+
     @asynccontextmanager
     async def claim(
         self,
@@ -206,11 +212,14 @@ class Engine:
         prompt: Sequence[int] = (),
         salt: str | None = None,
         wait_s: float = math.inf,
+        turn: Turn | None = None,
     ) -> AsyncIterator[SlotLease]:
         """Hold a slot for the block: ``slot`` that one, at once (SLOT_BUSY when it is taken,
         NO_SLOT when there is none); else the free slot the slot-choice policy ranks best for
         ``prompt`` under ``salt``, waiting in line (first come, first served) up to ``wait_s``
-        (then SLOT_BUSY, the one "busy, retry" refusal) within the caller's scope."""
+        (then SLOT_BUSY, the one "busy, retry" refusal) within the caller's scope. ``turn``:
+        the agent session's turn the claim serves; what the slot holds at the end is that
+        session's history (the retention order's to keep or drop)."""
         core = self._core
         if slot is not None:
             held = core.slots.claim(slot, owner)
@@ -219,11 +228,13 @@ class Engine:
                 held = await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt))
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"all slots are busy (waited {wait_s:g} s)")
-        lease = SlotLease(core, held.id)
+        lease = SlotLease(core, held.id, turn)
         try:
             yield lease
         finally:
             lease._end()
+            if lease.touched:
+                core.scheduler.settle(held.id, None if turn is None else turn.session)
             core.slots.release(held)
 
 

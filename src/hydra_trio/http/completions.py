@@ -14,6 +14,8 @@ from . import kv_transfer
 from .common import app_state, generation_owner, json_response, read_request_json, require_engine
 from .generation import generate_buffered, sse_body, start_stream
 from .logprobs import CompletionLogprobs
+from .replies import receipt_fields
+from .session_hints import request_session
 from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ async def completions() -> Response:
     state = app_state()
     engine = require_engine()
     body = await read_request_json()
+    session = request_session(body)  # its agent session (400 for a malformed hint)
     prepared = await engine.prepare("completions", body)  # 400 for what this engine would not honour
     params, tokens = prepared.params, prepared.tokens
     assert tokens is not None, "tokenized"
@@ -35,7 +38,7 @@ async def completions() -> Response:
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
 
-    def render(slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
+    def render(slot_id: int | None, res: GenerationResult, **extra: Any) -> dict[str, Any]:
         lp = None if vocab is None else CompletionLogprobs(vocab).take(res.logprobs)
         return text_completion_body(cid, now_s(), model, slot_id, res, logprobs=lp, **extra)
 
@@ -45,10 +48,12 @@ async def completions() -> Response:
         return plan
     if not params.stream:
         slot_id, res = await generate_buffered(
-            state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore
+            state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore, session=session
         )
         return json_response(render(slot_id, res, **plan.fields()))
-    stream = await start_stream(state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore)
+    stream = await start_stream(
+        state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore, session=session
+    )
 
     created = now_s()
     body = sse_body(
@@ -89,7 +94,7 @@ def text_completion_body(
     cid: str,
     created: int,
     model: str,
-    slot_id: int,
+    slot_id: int | None,
     res: GenerationResult,
     *,
     text: str | None = None,
@@ -120,5 +125,6 @@ def text_completion_body(
             res.n_common,
         ),
         "id_slot": slot_id,
+        **receipt_fields(res),
         **extra,
     }

@@ -52,6 +52,8 @@ ROUTES: tuple[Route, ...] = (
     Route("/tokenize", "POST", Role.PLAIN, "json"),
     Route("/detokenize", "POST", Role.PLAIN, "json"),
     Route("/apply-template", "POST", Role.PLAIN, "json"),
+    # vllm-router's: an agent session is over (scoped by the caller's key and cache_salt).
+    Route("/finish_session", "POST", Role.PLAIN, "small"),
     Route("/v1/decode", "GET", Role.ADMIN),  # every decode id: the ids are the results' capabilities
     Route("/v1/decode/<raw_id>", "GET", Role.PLAIN),
     Route("/v1/decode/<raw_id>", "DELETE", Role.PLAIN),

@@ -27,6 +27,7 @@ from .decode_routes import bp as decode_bp
 from .openai import bp as openai_bp
 from .openai import health_reply
 from .responses import bp as responses_bp
+from .session_routes import bp as sessions_bp
 from .sse import error_body
 from .state_routes import bp as state_bp
 from .state_routes import drain_body, hold_state_uploads
@@ -151,6 +152,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(tokens_bp)
     app.register_blueprint(anthropic_bp)
     app.register_blueprint(responses_bp)
+    app.register_blueprint(sessions_bp)
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]

@@ -9,15 +9,19 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
 from ...config import Settings
 from ...wire.errors import ProtocolError
-from ..kv import CacheHit, PromptCache
+from ..kv import CacheHit, KvOwner, PromptCache, Retention
 from ..llama import DecodeAborted, LlamaBackend
 from ..worker import GpuWorker
 from .slots import SlotTable
+
+if TYPE_CHECKING:
+    from ..output import GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +43,17 @@ class SlotScheduler:
         slots: SlotTable,
         settings: Settings,
         cache: PromptCache | None,
+        retention: Retention,
     ) -> None:
         self._backend = backend
         self._worker = worker
         self._slots = slots
         self._settings = settings
         self._cache = cache
+        self.retention = retention
+        # Whose history each slot holds (None: a one-off request's, or nobody's): set when a
+        # claim that changed the slot's KV ends (``settle``), read by every eviction.
+        self.slot_owner: list[KvOwner | None] = [None] * len(slots)
 
     def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None) -> tuple[int, bytes | None]:
         """How much of the slot's KV a prompt continues from: the one prefix-reuse policy of
@@ -65,6 +74,26 @@ class SlotScheduler:
             n_common -= 1  # re-evaluate the last prompt token for its logits
         return backend.reusable_prefix(slot, n_common), None
 
+    async def bring(self, slot: int, tokens: Sequence[int], salt: str | None, res: GenerationResult) -> bytes | None:
+        """Bring the slot to continue the prompt under ``salt`` as far as any tier holds it
+        (the slot, the prompt cache), the slot's own history kept first; the plan goes into
+        ``res`` (what is reused, from where, what is left to evaluate). Returns the logits
+        to sample the first token from when nothing is left; else the slot is cut to the
+        plan, here, where the plan can still change: a memory that refuses a partial cut
+        (recurrent, hybrid) was emptied, and the whole prompt is evaluated."""
+        from_host = await self.swap_in(slot, tokens, salt)
+        res.n_common, logits = self.reuse_plan(slot, tokens, salt)
+        res.n_host = min(from_host, res.n_common)
+        res.logits_reused = logits is not None
+        await self.keep_history(slot, res.n_common)
+        await self.adopt_salt(slot, salt)
+        if logits is not None:
+            return logits
+        res.n_common = await self.cut(slot, res.n_common)
+        res.n_host = min(res.n_host, res.n_common)
+        res.n_prompt_processed = len(tokens) - res.n_common
+        return None
+
     async def cut(self, slot: int, n_keep: int) -> int:
         """Drop the slot's positions past ``n_keep`` (its history went to the prompt cache
         first: ``keep_history``); returns the positions it kept, 0 when the memory refused a
@@ -75,10 +104,11 @@ class SlotScheduler:
         return await self._worker.call(lambda: backend.truncate_slot(slot, n_keep))
 
     async def make_room(self, needed: int, *, exclude: int) -> None:
-        """Free the KV of idle slots (least recently used first) until ``needed`` more cells
-        fit in the shared cache. A victim is claimed while it is cleared, so no request can
-        start on it halfway."""
+        """Free the KV of idle slots (by the retention order, then least recently used)
+        until ``needed`` more cells fit in the shared cache. A victim is claimed while it is
+        cleared, so no request can start on it halfway."""
         backend = self._backend()
+        rank = self.retention.rank
         while backend.pool_is_tight(needed):
             idle = [
                 s for s in self._slots.slots
@@ -86,20 +116,44 @@ class SlotScheduler:
             ]
             if not idle:
                 return  # nothing to free: llama.cpp reports the shortage
-            victim = min(idle, key=lambda s: s.last_used)
-            self._slots.claim(victim.id, "evict")
-            try:
-                log.info("KV cache full: evicting idle slot %d (%d positions)", victim.id, backend.n_past(victim.id))
-                await self._worker.call(lambda v=victim.id: backend.clear_slot(v))
-            finally:
-                self._slots.release(victim)
+            victim = min(idle, key=lambda s: (rank(self.slot_owner[s.id]), s.last_used))
+            log.info("KV cache full: evicting idle slot %d (%d positions)", victim.id, backend.n_past(victim.id))
+            self.retention.evicted("slot", self.slot_owner[victim.id])
+            await self._clear_idle(victim.id)
 
-    def slot_rank(self, prompt: Sequence[int], salt: str | None = None) -> Callable[[int], tuple[int, int]]:
+    async def _clear_idle(self, slot: int) -> None:
+        """Empty an idle slot, claimed meanwhile so that no request starts on it halfway."""
+        held = self._slots.claim(slot, "evict")
+        try:
+            await self._worker.call(lambda: self._backend().clear_slot(slot))
+            self.slot_owner[slot] = None
+        finally:
+            self._slots.release(held)
+
+    def settle(self, slot: int, owner: KvOwner | None) -> None:
+        """A claim that changed the slot's KV ended: the history is ``owner``'s now."""
+        self.slot_owner[slot] = owner
+
+    async def release(self, owners: set[KvOwner]) -> tuple[int, int, int]:
+        """Drop these sessions' KV at once (their tree was finished): their idle slots are
+        emptied and their entries in RAM and on disk dropped. Returns how many of each."""
+        slots = 0
+        for slot in self._slots.slots:
+            if slot.busy or self.slot_owner[slot.id] not in owners or not self._backend().n_past(slot.id):
+                continue
+            try:
+                await self._clear_idle(slot.id)
+            except ProtocolError:  # a T2/T3 change is emptying every slot anyway
+                continue
+            slots += 1
+        return slots, self._cache.drop_owned(owners) if self._cache is not None else 0, 0
+
+    def slot_rank(self, prompt: Sequence[int], salt: str | None = None) -> Callable[[int], tuple[float, ...]]:
         """The slot-choice policy, as a score of each slot for this prompt (higher is better;
         claim_any breaks ties by least recently used): a slot whose KV shares at least
         ``--slot-prompt-similarity`` of the prompt, the longest shared prefix first; then an
-        empty slot; then any. A 9-token chat template head does not make a prompt take over
-        another session's history.
+        empty slot; then any, the history the retention order ranks lowest first. A 9-token
+        chat template head does not make a prompt take over another session's history.
 
         Scored for every free slot of every claim, so most slots are settled by their first
         few tokens: a slot that differs from the prompt within them shares less than the
@@ -107,18 +161,21 @@ class SlotScheduler:
         least = max(1, math.ceil(self._settings.slot_prompt_similarity * len(prompt)))  # the least shared prefix that counts
         head = list(prompt[: min(least, HEAD_TOKENS)])
         n_head = len(head)
+        rank = self.retention.rank
 
-        def score(slot: int) -> tuple[int, int]:
+        def score(slot: int) -> tuple[float, ...]:
             backend = self._backend()  # the model serving when the slot is taken (a claim may wait out a reload)
             held = backend.seq_tokens[slot]
             if not held:
                 return 0, 1  # an empty slot shares nothing
+            # Among slots it would overwrite, the history the retention order ranks lowest.
+            keep = tuple(-x for x in rank(self.slot_owner[slot]))
             if held[:n_head] != head:
-                return 0, 0
+                return 0, 0, *keep
             # What the slot can continue, not what it shares: a sliding window may have
             # dropped what a shared prefix needs, and then an empty slot is as good.
             n_common = backend.reusable_prefix(slot, backend.shared_prefix(slot, prompt, salt))
-            return (n_common if n_common >= least else 0), 0
+            return (n_common if n_common >= least else 0), 0, *keep
 
         return score
 
@@ -129,7 +186,7 @@ class SlotScheduler:
         if cache is None or self._backend().n_past(slot) - n_keep < MIN_CACHED_TOKENS:
             return
         snap = await self._worker.call(lambda: self._backend().snapshot(slot))
-        if cache.put(snap):
+        if cache.put(snap, self.slot_owner[slot]):
             log.debug("prompt cache: kept slot %d's %d positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
 
     async def adopt_salt(self, slot: int, salt: str | None) -> None:

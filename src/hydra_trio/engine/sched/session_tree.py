@@ -1,0 +1,312 @@
+"""Agent sessions: who a request's KV belongs to, the trees sessions form, and the cancel
+scope of every turn, so that a tree is cancelled as one.
+
+A session is named by the client (wire/agentic.py) and scoped here by the caller's tenant
+(its API key) and cache_salt: the key is ``(tenant, salt, id)``, so one tenant naming
+another's session id names a session of its own, and can neither pin, read, release nor
+time the other's. A session's parent is of the same tenant and salt.
+
+Every request runs in a ``Turn``: a cancel scope (its deadline is the request's
+``deadline_seconds``) registered with its session while it lives. A turn that ends
+cancelled (the client left, DELETE, its deadline, ``finish``) cancels the live turns of
+every descendant session at once: what trio does for a nursery's children, done for
+requests that arrive on their own connections. ``finish`` ends a session's whole tree:
+its live turns are cancelled, waited for, and its KV released (``release``, the
+scheduler's). The eviction order reads a session through ``KvOwner`` (kv/retention.py).
+
+Bounded: at most ``max_sessions`` records; a record whose tree has had no turn for its TTL
+is forgotten by ``sweep`` (KV it owns keeps its rank: expired).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from itertools import count
+
+import trio
+
+from ...wire.agentic import SessionHint
+
+log = logging.getLogger(__name__)
+
+SessionKey = tuple[str, str | None, str]  # (tenant, cache_salt, session id)
+MAX_DEPTH = 64  # a parent chain longer than this is not linked
+FINISH_WAIT_S = 10.0  # cancelled turns end within a step; this bounds the wait regardless
+
+# Why a turn was cut (its receipt's ``cut``).
+DEADLINE, FINISHED, PARENT, GONE = "deadline", "finish_session", "parent_cancelled", "cancelled"
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    key: SessionKey
+    seq: int  # creation order
+    ttl_s: float
+    last_active: float
+    parent: Session | None = None
+    children: list[Session] = field(default_factory=list)
+    turns: set[Turn] = field(default_factory=set)  # live requests
+    priority: int = 0
+    released: bool = False  # finish_session: its KV is dropped
+    done: bool = False  # a finished subagent (its parent went on) or a last turn: evicted first
+    blocks_parent: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.key[2]
+
+    def finished(self) -> bool:
+        return self.released or self.done
+
+    def live(self) -> bool:
+        """A turn of this session or of a descendant is running."""
+        return bool(self.turns) or any(c.live() for c in self.children)
+
+    def expired(self, now: float) -> bool:
+        return not self.live() and now > self.last_active + self.ttl_s
+
+    def subtree(self) -> list[Session]:
+        out, todo = [], [self]
+        while todo:
+            s = todo.pop()
+            out.append(s)
+            todo.extend(s.children)
+        return out
+
+    def touch(self, now: float) -> None:
+        """A turn began or ended: the session and its ancestors are active (a parent that
+        waits on its subagents is not idle)."""
+        s: Session | None = self
+        while s is not None:
+            s.last_active = max(s.last_active, now)
+            s = s.parent
+
+
+@dataclass(eq=False, slots=True)
+class Turn:
+    """One request's life in its session (None: a one-off request)."""
+
+    session: Session | None
+    hint: SessionHint | None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    cut: str | None = None  # why its scope cancelled it (DEADLINE, FINISHED, PARENT) or GONE
+    ended: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def session_id(self) -> str | None:
+        return None if self.session is None else self.session.id
+
+    @property
+    def cause(self) -> str | None:
+        """Why its scope cancelled it so far (None: it did not)."""
+        return self.cut or (DEADLINE if self.scope.cancel_called else None)
+
+    def cancel(self, why: str) -> None:
+        if self.cut is None:
+            self.cut = why
+        self.scope.cancel()
+
+    def cancel_subagents(self) -> None:
+        """Cancel the live turns of every descendant session (the request was stopped by a
+        scope of its own caller's, e.g. DELETE: its tree ends with it)."""
+        if self.session is not None:
+            cancel_below(self.session)
+
+
+def cancel_below(session: Session) -> None:
+    """Cancel every live turn of the session's descendants (not its own): at once, so each
+    stops at its next checkpoint, within one step of the batch it is in."""
+    for child in session.children:
+        for s in child.subtree():
+            for turn in list(s.turns):
+                turn.cancel(PARENT)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """What ``finish`` did: sessions released, live requests cancelled, KV dropped."""
+
+    found: bool
+    sessions: int = 0
+    cancelled: int = 0
+    slots_cleared: int = 0
+    ram_entries: int = 0
+    disk_entries: int = 0
+
+
+Release = Callable[[set[Session]], Awaitable[tuple[int, int, int]]]  # -> slots, RAM entries, disk entries
+
+
+class SessionTree:
+    def __init__(self, *, ttl_s: float, max_sessions: int = 65536) -> None:
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self._sessions: dict[SessionKey, Session] = {}
+        self._seq = count()
+        self.release: Release | None = None  # set by the engine: drops a set's KV everywhere
+        self.turns_cut = 0
+        self.trees_finished = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, key: SessionKey) -> Session | None:
+        return self._sessions.get(key)
+
+    # ---- a request's turn ------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def turn(self, tenant: str, salt: str | None, hint: SessionHint | None) -> AsyncIterator[Turn]:
+        """Run the block as one turn of ``hint``'s session (None: a one-off request). The
+        block ends early, without an exception, when the turn is cut (``Turn.cut``); a
+        cancellation from outside (the client left) passes through, and both cancel the
+        descendants' live turns first."""
+        now = trio.current_time()
+        session = None if hint is None else self._join(tenant, salt, hint, now)
+        turn = Turn(session, hint)
+        if hint is not None and hint.deadline_s is not None:
+            turn.scope.deadline = now + hint.deadline_s
+        if session is not None:
+            session.turns.add(turn)
+            session.done = False
+        cancelled = False
+        try:
+            with turn.scope:
+                yield turn
+        except trio.Cancelled:
+            cancelled = True
+            turn.cut = turn.cause or GONE
+            raise
+        finally:
+            if turn.scope.cancelled_caught:
+                cancelled = True
+                turn.cut = turn.cause or DEADLINE
+                self.turns_cut += 1
+            if session is not None:
+                session.turns.discard(turn)
+                session.touch(trio.current_time())
+                if hint is not None and hint.expected_resume is False:
+                    session.done = True
+                if cancelled:
+                    cancel_below(session)
+            turn.ended.set()
+
+    def _join(self, tenant: str, salt: str | None, hint: SessionHint, now: float) -> Session | None:
+        key = (tenant, salt, hint.session_id)
+        session = self._sessions.get(key)
+        if session is None:
+            session = self._create(key, now, hint.ttl_s)
+            if session is None:
+                return None
+        elif session.released:  # a finished session named again starts anew
+            session.released = False
+        if hint.ttl_s is not None:
+            session.ttl_s = hint.ttl_s
+        session.priority = hint.priority
+        session.blocks_parent = hint.blocks_parent
+        if hint.parent_id is not None and session.parent is None:
+            self._link(session, (tenant, salt, hint.parent_id), now)
+        # A turn of a parent means the subagents it waited on have returned.
+        for child in session.children:
+            if child.blocks_parent and not child.live():
+                child.done = True
+        session.touch(now)
+        return session
+
+    def _create(self, key: SessionKey, now: float, ttl_s: float | None) -> Session | None:
+        if len(self._sessions) >= self.max_sessions:
+            self.sweep(now)
+        if len(self._sessions) >= self.max_sessions:
+            log.warning("session table full (%d): %r served as a one-off request", self.max_sessions, key[2])
+            return None
+        session = Session(key, next(self._seq), self.ttl_s if ttl_s is None else ttl_s, now)
+        self._sessions[key] = session
+        return session
+
+    def _link(self, session: Session, parent_key: SessionKey, now: float) -> None:
+        parent = self._sessions.get(parent_key) or self._create(parent_key, now, None)
+        if parent is None:
+            return
+        depth, up = 0, parent
+        while up is not None:  # no cycles, no endless chains
+            if up is session or depth >= MAX_DEPTH:
+                return
+            up, depth = up.parent, depth + 1
+        session.parent = parent
+        parent.children.append(session)
+
+    # ---- finishing a tree -------------------------------------------------------------------
+
+    async def finish(self, tenant: str, salt: str | None, session_id: str) -> Finished:
+        """End the session's tree: cancel its live turns, wait until they have ended (each
+        within a step), release its KV everywhere, forget its records. Idempotent: a session
+        that is not (or no longer) there is ``found=False``."""
+        session = self._sessions.get((tenant, salt, session_id))
+        if session is None:
+            return Finished(False)
+        tree = session.subtree()
+        turns = [t for s in tree for t in s.turns]
+        for s in tree:
+            s.released = True
+        for turn in turns:
+            turn.cancel(FINISHED)
+        with trio.move_on_after(FINISH_WAIT_S):
+            for turn in turns:
+                await turn.ended.wait()
+        if session.parent is not None:
+            session.parent.children.remove(session)
+            session.parent = None
+        for s in tree:
+            self._sessions.pop(s.key, None)
+            s.children.clear()
+        slots = ram = disk = 0
+        if self.release is not None:
+            slots, ram, disk = await self.release(set(tree))
+        self.trees_finished += 1
+        return Finished(True, len(tree), len(turns), slots, ram, disk)
+
+    # ---- bounds -----------------------------------------------------------------------------
+
+    def sweep(self, now: float) -> int:
+        """Forget the records of sessions whose tree is idle past its TTL, leaves first (KV
+        they own keeps them alive as objects, ranked expired). Returns how many."""
+        gone = 0
+        for key, s in list(self._sessions.items()):
+            if s.children or s.live() or now <= s.last_active + s.ttl_s:
+                continue
+            if s.parent is not None:
+                s.parent.children.remove(s)
+                s.parent = None
+            del self._sessions[key]
+            gone += 1
+        return gone
+
+    async def run(self) -> None:
+        """Forget idle records now and then (also done when the table is full), so an idle
+        engine's table shrinks back."""
+        while True:
+            await trio.sleep(max(1.0, min(60.0, self.ttl_s / 2)))
+            self.sweep(trio.current_time())
+
+    def live_turns(self) -> int:
+        return sum(len(s.turns) for s in self._sessions.values())
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSessions:
+    """One tenant's agent sessions (``Engine.sessions``): its turns and its ``finish``. Every
+    key it makes carries its tenant, so another tenant's sessions are out of its reach."""
+
+    tree: SessionTree
+    tenant: str
+
+    def turn(self, hint: SessionHint | None, salt: str | None) -> AbstractAsyncContextManager[Turn]:
+        """A request's turn (``SessionTree.turn``): ``async with sessions.turn(...) as turn``."""
+        return self.tree.turn(self.tenant, salt, hint)
+
+    async def finish(self, session_id: str, salt: str | None) -> Finished:
+        """vllm-router's ``POST /finish_session``: the session's tree ends, its KV released."""
+        return await self.tree.finish(self.tenant, salt, session_id)
