@@ -128,6 +128,25 @@ class EngineCollector(Collector):
         for rows, seconds in stats.step_decode_s:
             by_rows.add_metric([str(rows)], seconds)
         yield by_rows
+        yield from _session_figures(stats)
+
+
+def _session_figures(stats: EngineStats) -> Iterator[Metric]:
+    """Agent sessions (docs/operations.md, "Agent sessions") and the evictions of every tier
+    by the kind of history they dropped."""
+    s = stats.sessions
+    if s is not None:
+        yield GaugeMetricFamily("hydra_sessions", "agent sessions held (scoped by tenant and cache_salt)", value=s.sessions)
+        yield GaugeMetricFamily("hydra_session_turns_live", "requests running in an agent session", value=s.live_turns)
+        yield CounterMetricFamily("hydra_session_turns_cut", "turns cut by their deadline, their tree's finish or their parent's cancellation", value=s.turns_cut)
+        yield CounterMetricFamily("hydra_session_trees_finished", "POST /finish_session calls that ended a tree", value=s.trees_finished)
+    evicted = CounterMetricFamily(
+        "hydra_kv_evictions", "KV histories evicted for room, by tier (slot, ram, disk) and kind (finished, one_off, expired, live)",
+        labels=["tier", "kind"],
+    )
+    for tier, kind, n in stats.evictions:
+        evicted.add_metric([tier, kind], n)
+    yield evicted
 
 
 class PromptCacheCollector(Collector):

@@ -193,6 +193,7 @@ class DecodeManager:
             ):
                 entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written
                 entry.task = task = OwnedTask(f"decode:{entry.id}")
+                entry.turn = turn
                 entry.replies = prepared.replies
                 entry.logprobs = params.logprobs is not None
                 entry.metrics.kv_bytes = len(frame.kv)
@@ -382,6 +383,8 @@ class DecodeManager:
         entry = found
         if entry.running:
             t0 = time.perf_counter()
+            if entry.turn is not None:  # its subagents stop in the same pass as it does
+                entry.turn.cancel_subagents()
             await entry.task.cancel_and_wait()
             self.metrics.cancel.observe(time.perf_counter() - t0)
             if entry.state == DecodeState.CANCELLED:

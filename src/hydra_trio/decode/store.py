@@ -103,6 +103,7 @@ class DecodeEntry:
     # A fresh parser of the reply's tool calls and reasoning per reading (None: text only).
     replies: Callable[[], Any] | None = None
     logprobs: bool = False  # the request asked for logprobs: its JSON result carries them
+    turn: Any = None  # its agent session's turn (engine Turn): DELETE ends its tree with it
     metrics: DecodeTimings = field(default_factory=lambda: DecodeTimings())
     task: Any = None  # tasks.OwnedTask
     ended: trio.Event = field(default_factory=trio.Event)  # set once it left RUNNING

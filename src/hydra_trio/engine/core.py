@@ -290,6 +290,8 @@ class EngineCore:
             t3_reloads=self.t3_reloads,
             last_t3_reload_ms=self.last_t3_reload_ms,
             prompt_cache=None if self.prompt_cache is None else self.prompt_cache.stats(),
+            sessions=self.sessions.stats(),
+            evictions=tuple((tier, kind, n) for (tier, kind), n in sorted(self.retention.evictions.items())),
         )
 
     def _planner(self) -> DraftPlanner:

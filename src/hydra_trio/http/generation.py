@@ -213,6 +213,7 @@ class GenerationStream:
     slot_id: int | None  # None: its turn was cut before it held a slot
     items: trio.MemoryReceiveChannel[StreamItem]
     turn: WriterTurn
+    line: _Line  # its request line's facts, the agent session's turn among them
 
     async def batches(self) -> AsyncIterator[list[StreamItem]]:
         """The items, each batch everything that was ready when the reader got to it: under
@@ -241,6 +242,10 @@ class GenerationStream:
     async def close(self) -> None:
         """Stop generation (client gone or stream over) and wait until it has stopped."""
         with trio.CancelScope(shield=True):
+            # The client left (or the stream is over): its subagents' requests stop now, in
+            # the same pass, not after this one's step in flight has been waited for.
+            if self.line.turn is not None and not self.line.turn.ended.is_set():
+                self.line.turn.cancel_subagents()
             # Cancel before closing the channel: a producer that ran in between would find
             # it closed and end as a failure, where the client had left (a cancellation).
             await self.task.cancel_and_wait()
@@ -351,9 +356,10 @@ async def start_stream(
                 return
         await put(Delta(delta))
 
+    line = _Line(owner, path)
+
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
-        line = _Line(owner, path)
         # The slot is free before the channel closes: a reader that saw the end sees it free.
         async with send:
             try:
@@ -391,4 +397,4 @@ async def start_stream(
     # The producer belongs to its request: it runs in the request's own nursery, which ends
     # when the client goes away or the response is sent.
     task, slot_id = await start_owned(request_nursery(), owner, produce)
-    return GenerationStream(task, slot_id, recv, turn)
+    return GenerationStream(task, slot_id, recv, turn, line)

@@ -6,8 +6,8 @@ reaches its modules."""
 
 from .batcher import PartOutcome, StepBatcher
 from .scheduler import SlotScheduler
-from .session_tree import Finished, Session, SessionTree, TenantSessions, Turn
+from .session_tree import Finished, Session, SessionStats, SessionTree, TenantSessions, Turn
 from .slots import Slot, SlotTable
 
-__all__ = ["Finished", "PartOutcome", "Session", "SessionTree", "Slot", "SlotScheduler", "SlotTable", "StepBatcher",
+__all__ = ["Finished", "PartOutcome", "Session", "SessionStats", "SessionTree", "Slot", "SlotScheduler", "SlotTable", "StepBatcher",
            "TenantSessions", "Turn"]

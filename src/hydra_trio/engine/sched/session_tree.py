@@ -20,6 +20,7 @@ is forgotten by ``sweep`` (KV it owns keeps its rank: expired).
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -126,6 +127,16 @@ def cancel_below(session: Session) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionStats:
+    """The session table's figures at one moment (``EngineStats.sessions``)."""
+
+    sessions: int  # records held
+    live_turns: int  # requests running in a session
+    turns_cut: int  # turns their own scope cut (deadline, finish, parent cancelled)
+    trees_finished: int  # finish calls that found their session
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     """What ``finish`` did: sessions released, live requests cancelled, KV dropped."""
 
@@ -149,6 +160,13 @@ class SessionTree:
         self.release: Release | None = None  # set by the engine: drops a set's KV everywhere
         self.turns_cut = 0
         self.trees_finished = 0
+        # Turns with a deadline, soonest first: ``run`` cuts each with its tree the moment it
+        # passes (the scope's own deadline would reach the descendants only once the turn has
+        # waited out its step in flight).
+        self._deadlines: list[tuple[float, int, Turn]] = []
+        self._order = count()
+        self._sooner = trio.Event()
+        self._timed = 0  # live turns in the heap (the rest ended: pruned when they dominate)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -169,6 +187,10 @@ class SessionTree:
         turn = Turn(session, hint)
         if hint is not None and hint.deadline_s is not None:
             turn.scope.deadline = now + hint.deadline_s
+            if not self._deadlines or turn.scope.deadline < self._deadlines[0][0]:
+                self._sooner.set()
+            heapq.heappush(self._deadlines, (turn.scope.deadline, next(self._order), turn))
+            self._timed += 1
         if session is not None:
             session.turns.add(turn)
             session.done = False
@@ -185,6 +207,11 @@ class SessionTree:
                 cancelled = True
                 turn.cut = turn.cause or DEADLINE
                 self.turns_cut += 1
+            if hint is not None and hint.deadline_s is not None:
+                self._timed -= 1
+                if len(self._deadlines) > 2 * self._timed + 64:  # bounded by the live turns
+                    self._deadlines = [e for e in self._deadlines if not e[2].ended.is_set() and e[2] is not turn]
+                    heapq.heapify(self._deadlines)
             if session is not None:
                 session.turns.discard(turn)
                 session.touch(trio.current_time())
@@ -285,14 +312,28 @@ class SessionTree:
         return gone
 
     async def run(self) -> None:
-        """Forget idle records now and then (also done when the table is full), so an idle
-        engine's table shrinks back."""
+        """Cut turns whose deadline passed, with their trees, at once; forget idle records now
+        and then (also done when the table is full), so an idle engine's table shrinks back."""
+        period = max(1.0, min(60.0, self.ttl_s / 2))
+        next_sweep = trio.current_time() + period
         while True:
-            await trio.sleep(max(1.0, min(60.0, self.ttl_s / 2)))
-            self.sweep(trio.current_time())
+            now = trio.current_time()
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, turn = heapq.heappop(self._deadlines)
+                if not turn.ended.is_set():
+                    turn.cancel(DEADLINE)
+                    turn.cancel_subagents()
+            if now >= next_sweep:
+                self.sweep(now)
+                next_sweep = now + period
+            wake = min(next_sweep, self._deadlines[0][0] if self._deadlines else next_sweep)
+            self._sooner = trio.Event()
+            with trio.move_on_at(wake):
+                await self._sooner.wait()
 
-    def live_turns(self) -> int:
-        return sum(len(s.turns) for s in self._sessions.values())
+    def stats(self) -> SessionStats:
+        live = sum(len(s.turns) for s in self._sessions.values())
+        return SessionStats(len(self._sessions), live, self.turns_cut, self.trees_finished)
 
 
 @dataclass(frozen=True, slots=True)
