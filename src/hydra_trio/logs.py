@@ -39,6 +39,7 @@ REQUEST_FIELDS = (
     "prompt_tokens",
     "cached_tokens",
     "host_cached_tokens",  # of cached_tokens, those the host prompt cache (RAM) gave back
+    "disk_cached_tokens",  # of cached_tokens, those the disk tier (--cache-disk) gave back
     "completion_tokens",
     "finish_reason",  # stop | length (OpenAI's); abort when cancelled
     "ttft_ms",
@@ -119,6 +120,7 @@ def generation_fields(res: GenerationResult, *, outcome: str, queue_s: float = 0
         "prompt_tokens": res.prompt_tokens,
         "cached_tokens": res.n_common,
         "host_cached_tokens": res.n_host,
+        "disk_cached_tokens": res.n_disk,
         "completion_tokens": res.completion_tokens,
         "finish_reason": res.finish_reason if outcome == "done" else "abort" if outcome == "cancelled" else None,
         "ttft_ms": round(queue_s * 1000.0 + res.prompt_ms, 3) if started else None,

@@ -147,6 +147,20 @@ def _session_figures(stats: EngineStats) -> Iterator[Metric]:
     for tier, kind, n in stats.evictions:
         evicted.add_metric([tier, kind], n)
     yield evicted
+    d = stats.disk
+    if d is None:
+        return
+    yield GaugeMetricFamily("hydra_disk_cache_bytes", "bytes the disk tier's entries hold (--cache-disk)", value=d.nbytes)
+    yield GaugeMetricFamily("hydra_disk_cache_entries", "histories held by the disk tier", value=d.entries)
+    for name, doc, value in (
+        ("hydra_disk_cache_written", "histories RAM dropped, written to disk", d.written),
+        ("hydra_disk_cache_loaded", "disk entries restored into a slot", d.loaded),
+        ("hydra_disk_cache_loaded_tokens", "positions restored from disk (not recomputed)", d.loaded_tokens),
+        ("hydra_disk_cache_rejected", "disk entries that failed a check when read (never restored)", d.rejected),
+        ("hydra_disk_cache_dropped", "histories RAM dropped that were not written (the write queue was full)", d.dropped),
+        ("hydra_disk_cache_cleaned", "files removed at start (unfinished writes, torn, another model's, over the bound)", d.cleaned),
+    ):
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 class PromptCacheCollector(Collector):

@@ -31,13 +31,13 @@ from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
 from .kv import (
-    HostBlocks,
+    HostTiers,
     KvCopy,
-    PromptCache,
     Retention,
     SlotBlocks,
     check_checkpoint,
     copy_out,
+    kv_fingerprint,
     restore_blob,
 )
 from .llama import (
@@ -101,14 +101,13 @@ class EngineCore:
         self.ngram_memories = NgramMemories(settings.spec_ngram_size_n)  # drafts from earlier requests, per salt
         # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
-        self.host_blocks: HostBlocks | None = None  # the prompt cache's blocks, with kv_blocks
-        # Slots' KV kept past the slots (promptcache.py; None: --cache-ram-mib 0), what of it
-        # leaves first (retention.py), and the agent sessions that own it (session_tree.py).
+        # Slots' KV kept past the slots, in RAM (None: --cache-ram-mib 0) and on disk (kv/tiers.py),
+        # what leaves first (retention.py), and the agent sessions that own it (session_tree.py).
         self.retention = Retention(settings.session_policy, trio.current_time)
-        self.prompt_cache = PromptCache(settings.cache_ram_mib << 20, self.retention) if settings.cache_ram_mib > 0 else None
-        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache, self.retention)
-        self.sessions = SessionTree(ttl_s=settings.session_ttl_s)
-        self.sessions.release = self.scheduler.release
+        self.tiers = HostTiers(settings, self.retention, kv_fingerprint(backend, identity.fields()))
+        self.prompt_cache = self.tiers.ram
+        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.tiers, self.retention)
+        self.sessions = SessionTree(ttl_s=settings.session_ttl_s, release=self.scheduler.release)
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         self._prefilling_alone = 0  # prompts in a chunk call of their own right now
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
@@ -188,6 +187,7 @@ class EngineCore:
                 "rejected draft positions; serve it with --spec-type none"
             )
         engine = cls(backend, identity, settings)
+        await engine.tiers.open()  # the disk tier's folder cleaned and indexed
         engine.inputs.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         engine.warmup_ms = engine_warmup_ms
@@ -213,6 +213,7 @@ class EngineCore:
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self.reconfigurer.run)
                 nursery.start_soon(self.sessions.run)
+                nursery.start_soon(self.tiers.run)
                 task_status.started()
         with trio.CancelScope(shield=True):
             await self.worker.close(self.backend.close)
@@ -291,7 +292,8 @@ class EngineCore:
             last_t3_reload_ms=self.last_t3_reload_ms,
             prompt_cache=None if self.prompt_cache is None else self.prompt_cache.stats(),
             sessions=self.sessions.stats(),
-            evictions=tuple((tier, kind, n) for (tier, kind), n in sorted(self.retention.evictions.items())),
+            disk=self.tiers.disk_stats(),
+            evictions=self.retention.counts(),
         )
 
     def _planner(self) -> DraftPlanner:
@@ -311,17 +313,14 @@ class EngineCore:
         after the GPU-worker call that made it (on the trio thread)."""
         self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
         self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
-        if self.prompt_cache is not None:  # histories moved to RAM: medium CPU
-            self.host_blocks = HostBlocks(block_size, publish)
-            self.prompt_cache.watch(self.host_blocks)
+        self.tiers.watch(block_size, publish)  # histories in RAM and on disk: media CPU, DISK
         return self.kv_blocks
 
     async def resync_kv_events(self) -> None:
         """Tell everything the slots hold anew (for a new subscriber), between worker calls."""
         if self.kv_blocks is not None:
             await self.worker.call(self.kv_blocks.resync)  # AllBlocksCleared, then the slots'
-        if self.host_blocks is not None:
-            self.host_blocks.publish_resync()
+        self.tiers.publish_resync()
 
     def slots_emptied(self, backend: LlamaBackend) -> None:
         """On the worker, once a T2/T3 change has emptied every slot (``backend`` serves now)."""

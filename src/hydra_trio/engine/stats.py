@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .kv import PromptCacheStats
+from .kv import DiskStats, PromptCacheStats
 from .sched import SessionStats
 
 
@@ -39,6 +39,7 @@ class EngineStats:
     last_t3_reload_ms: float = 0.0
     prompt_cache: PromptCacheStats | None = None  # None: --cache-ram-mib 0
     sessions: SessionStats | None = None  # agent sessions (engine/sched/session_tree.py)
+    disk: DiskStats | None = None  # the disk tier (--cache-disk); None: off
     # KV histories evicted for room, by tier and kind (kv/retention.py): ((tier, kind, count), ...)
     evictions: tuple[tuple[str, str, int], ...] = ()
 

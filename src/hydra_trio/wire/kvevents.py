@@ -28,6 +28,7 @@ import msgpack
 # "CPU" the host tier (the prompt cache in RAM, vLLM's name for its CPU offload tier).
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
+MEDIUM_DISK = "DISK"  # ours: the disk tier (--cache-disk), as vLLM's KV connectors name a disk tier
 # How events are laid out (--kv-events-encoding): "map" (tagged maps, what vllm-router
 # decodes) or "array" (vLLM's msgspec ``array_like`` structs: each event a positional array
 # led by its tag, what llm-d's KV-cache indexer decodes).

@@ -164,15 +164,17 @@ class SlotBlocks:
 
 
 class HostBlocks:
-    """The host prompt cache's blocks (medium "CPU"), told as each entry comes and goes.
+    """The host prompt cache's blocks (medium "CPU"; the disk tier's: "DISK"), told as each
+    entry comes and goes.
     Used on the trio thread only (the prompt cache lives there): its events go to
     ``publish`` at once. A block several entries share (one system prompt, many sessions)
     is stored with the first and removed with the last, as for slots. The same tokens in a
     slot and in RAM are the same hashes on two media: a router holds one entry per medium."""
 
-    def __init__(self, block_size: int, publish: Callable[[list[Event]], None]) -> None:
+    def __init__(self, block_size: int, publish: Callable[[list[Event]], None], medium: str = MEDIUM_HOST) -> None:
         self.block_size = block_size
         self._publish = publish
+        self.medium = medium
         self._chains: dict[int, list[int]] = {}  # entry key -> its block hashes
         self._refs: dict[int, int] = {}  # block hash -> entries holding it
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
@@ -199,7 +201,7 @@ class HostBlocks:
         if new_from < len(chain):
             parent_hash = chain[new_from - 1] if new_from else None
             self._publish(
-                [block_stored(chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, MEDIUM_HOST)]
+                [block_stored(chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, self.medium)]
             )
 
     def entry_removed(self, key: int) -> None:
@@ -212,13 +214,13 @@ class HostBlocks:
             del self._refs[h], self._tokens[h], self._parents[h]
             gone.append(h)
         if gone:
-            self._publish([block_removed(gone, MEDIUM_HOST)])
+            self._publish([block_removed(gone, self.medium)])
 
     def cleared(self) -> None:
         """The cache was emptied (a context rebuilt or a model reloaded): told as removals,
         which hold even when the change then fails and no AllBlocksCleared follows."""
         if self._refs:
-            self._publish([block_removed(list(self._refs), MEDIUM_HOST)])
+            self._publish([block_removed(list(self._refs), self.medium)])
         self._chains.clear()
         self._refs.clear()
         self._tokens.clear()
@@ -238,7 +240,7 @@ class HostBlocks:
                 continue
             told.update(run)
             tokens = [t for h in run for t in self._tokens[h]]
-            out.append(block_stored(run, self._parents[run[0]], tokens, self.block_size, MEDIUM_HOST))
+            out.append(block_stored(run, self._parents[run[0]], tokens, self.block_size, self.medium))
         return out
 
     @property

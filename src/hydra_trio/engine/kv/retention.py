@@ -79,3 +79,7 @@ class Retention:
 
     def evicted(self, tier: str, owner: KvOwner | None) -> None:
         self.evictions[(tier, self.kind(owner))] += 1
+
+    def counts(self) -> tuple[tuple[str, str, int], ...]:
+        """Evictions so far, as (tier, kind, count) (``EngineStats.evictions``)."""
+        return tuple((tier, kind, n) for (tier, kind), n in sorted(self.evictions.items()))

@@ -15,7 +15,7 @@ import trio
 
 from ...config import Settings
 from ...wire.errors import ProtocolError
-from ..kv import CacheHit, KvOwner, PromptCache, Retention
+from ..kv import CacheHit, HostTiers, KvOwner, Retention
 from ..llama import DecodeAborted, LlamaBackend
 from ..worker import GpuWorker
 from .slots import SlotTable
@@ -42,14 +42,16 @@ class SlotScheduler:
         worker: GpuWorker,
         slots: SlotTable,
         settings: Settings,
-        cache: PromptCache | None,
+        tiers: HostTiers | None,
         retention: Retention,
     ) -> None:
         self._backend = backend
         self._worker = worker
         self._slots = slots
         self._settings = settings
-        self._cache = cache
+        self._tiers = tiers
+        self._cache = tiers.ram if tiers is not None else None
+        self._disk = tiers.disk if tiers is not None else None
         self.retention = retention
         # Whose history each slot holds (None: a one-off request's, or nobody's): set when a
         # claim that changed the slot's KV ends (``settle``), read by every eviction.
@@ -81,16 +83,17 @@ class SlotScheduler:
         to sample the first token from when nothing is left; else the slot is cut to the
         plan, here, where the plan can still change: a memory that refuses a partial cut
         (recurrent, hybrid) was emptied, and the whole prompt is evaluated."""
-        from_host = await self.swap_in(slot, tokens, salt)
+        from_tier, tier = await self.swap_in(slot, tokens, salt)
         res.n_common, logits = self.reuse_plan(slot, tokens, salt)
-        res.n_host = min(from_host, res.n_common)
+        res.n_host = min(from_tier, res.n_common) if tier == "ram" else 0
+        res.n_disk = min(from_tier, res.n_common) if tier == "disk" else 0
         res.logits_reused = logits is not None
         await self.keep_history(slot, res.n_common)
         await self.adopt_salt(slot, salt)
         if logits is not None:
             return logits
         res.n_common = await self.cut(slot, res.n_common)
-        res.n_host = min(res.n_host, res.n_common)
+        res.n_host, res.n_disk = min(res.n_host, res.n_common), min(res.n_disk, res.n_common)
         res.n_prompt_processed = len(tokens) - res.n_common
         return None
 
@@ -146,7 +149,8 @@ class SlotScheduler:
             except ProtocolError:  # a T2/T3 change is emptying every slot anyway
                 continue
             slots += 1
-        return slots, self._cache.drop_owned(owners) if self._cache is not None else 0, 0
+        ram, disk = self._tiers.release(owners) if self._tiers is not None else (0, 0)
+        return slots, ram, disk
 
     def slot_rank(self, prompt: Sequence[int], salt: str | None = None) -> Callable[[int], tuple[float, ...]]:
         """The slot-choice policy, as a score of each slot for this prompt (higher is better;
@@ -201,34 +205,47 @@ class SlotScheduler:
             await self._worker.call(lambda: backend.clear_slot(slot))
         backend.seq_salt[slot] = salt
 
-    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> int:
-        """When the prompt cache holds more of the prompt (under the request's ``salt``) than
-        the slot does, put that entry into the slot (the slot's own history goes to the
-        cache first). Returns the positions put back (0: none)."""
-        cache = self._cache
-        if cache is None:
-            return 0
+    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> tuple[int, str]:
+        """When a tier past the slots (the prompt cache in RAM, the disk tier) holds more of the
+        prompt (under the request's ``salt``) than the slot does, put the entry that holds the
+        most into the slot (the slot's own history goes to RAM first). Returns the positions
+        put back and their tier ("ram", "disk"; 0 and "": none)."""
+        ram, disk = self._cache, self._disk
+        if ram is None:
+            return 0, ""
         backend = self._backend()
         shared = backend.shared_prefix(slot, prompt, salt)
         # Compared by what each could continue (a sliding window may have dropped the rest).
         held = backend.reusable_prefix(slot, min(shared, len(prompt) - 1))
 
-        def worth_it() -> CacheHit | None:
-            hit = cache.best(prompt, salt)
-            if hit is None:
-                return None
-            usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1))
-            return hit if usable >= held + MIN_CACHED_TOKENS else None
+        def worth_it() -> tuple[CacheHit, str] | None:
+            best: tuple[CacheHit, str, int] | None = None
+            for tier, source in (("ram", ram), ("disk", disk)):
+                hit = source.best(prompt, salt) if source is not None else None
+                if hit is None:
+                    continue
+                usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1))
+                if usable >= held + MIN_CACHED_TOKENS and (best is None or usable > best[2]):
+                    best = (hit, tier, usable)
+            return None if best is None else best[:2]
 
         if worth_it() is None:
-            return 0
+            return 0, ""
         await self.keep_history(slot, shared)
         # Looked up again: while the slot's history was copied, another request with the
         # same prompt may have taken the entry (a KeyError, a 500, before).
-        hit = worth_it()
-        if hit is None:
-            return 0
-        snap = cache.take(hit.key)
+        found = worth_it()
+        if found is None:
+            return 0, ""
+        hit, tier = found
+        if tier == "ram":
+            snap = ram.take(hit.key)
+        else:
+            assert disk is not None
+            loaded = await disk.load(hit.key, salt)  # read and checked off the trio thread
+            if loaded is None:
+                return 0, ""
+            snap = loaded
         await self.make_room(len(snap.tokens), exclude=slot)
         view = memoryview(snap.buf)
 
@@ -243,7 +260,7 @@ class SlotScheduler:
             await trio.lowlevel.checkpoint()
             raise
         except ProtocolError as err:  # our own state: only a full shared pool refuses it
-            log.warning("prompt cache: entry of %d positions not restored into slot %d: %s", len(snap.tokens), slot, err.message)
-            return 0
-        log.debug("prompt cache: slot %d continues %d cached positions", slot, len(snap.tokens))
-        return len(snap.tokens)
+            log.warning("%s tier: entry of %d positions not restored into slot %d: %s", tier, len(snap.tokens), slot, err.message)
+            return 0, ""
+        log.debug("%s tier: slot %d continues %d cached positions", tier, slot, len(snap.tokens))
+        return len(snap.tokens), tier

@@ -152,12 +152,12 @@ Release = Callable[[set[Session]], Awaitable[tuple[int, int, int]]]  # -> slots,
 
 
 class SessionTree:
-    def __init__(self, *, ttl_s: float, max_sessions: int = 65536) -> None:
+    def __init__(self, *, ttl_s: float, max_sessions: int = 65536, release: Release | None = None) -> None:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self._sessions: dict[SessionKey, Session] = {}
         self._seq = count()
-        self.release: Release | None = None  # set by the engine: drops a set's KV everywhere
+        self.release = release  # the engine's: drops a set of sessions' KV in every tier
         self.turns_cut = 0
         self.trees_finished = 0
         # Turns with a deadline, soonest first: ``run`` cuts each with its tree the moment it

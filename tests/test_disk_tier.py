@@ -1,0 +1,155 @@
+"""The disk tier (engine/kv/disktier.py, ``--cache-disk``): crash-safe writes, checked reads
+(a torn or altered file is never read back), a bound, a folder cleaned at start, and keys
+salted so that no file names a prompt or a tenant."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from helpers import http, scrape
+from hydra_trio.engine.kv.disktier import SUFFIX, TMP_PREFIX, DiskTier
+from hydra_trio.engine.kv.retention import Retention
+from hydra_trio.engine.llama import Snapshot
+
+FP = b"f" * 32
+
+
+def _snap(tokens: list[int], fill: int, salt: str | None = None, size: int = 1000) -> Snapshot:
+    buf = bytearray(8) + bytearray([fill]) * size  # 8 bytes of room before the state, as snapshots have
+    return Snapshot(tokens, buf, 8, True, salt)
+
+
+async def _tier(folder: Path, max_bytes: int = 1 << 20, fingerprint: bytes = FP) -> DiskTier:
+    tier = DiskTier(folder, max_bytes, fingerprint, Retention("session", trio.current_time))
+    await tier.open()
+    return tier
+
+
+async def _written(tier: DiskTier, *snaps: Snapshot) -> None:
+    """Hand ``snaps`` to the I/O task and run it until each is on disk (and what was queued
+    for deletion is deleted)."""
+    target = tier.stats.written + len(snaps)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tier.run)
+        for snap in snaps:
+            tier.spill(snap, None)
+        with trio.fail_after(10):
+            while tier.stats.written < target or tier._doomed:
+                await trio.sleep(0.01)
+        await trio.sleep(0.05)  # the last deletion's thread call
+        nursery.cancel_scope.cancel()
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(SUFFIX))
+
+
+async def test_an_entry_comes_back_whole_and_only_for_its_salt(tmp_path: Path) -> None:
+    tier = await _tier(tmp_path / "kv")
+    await _written(tier, _snap([1, 2, 3, 4], 7, salt="tenant-a"))
+    (name,) = _files(tmp_path / "kv")
+    assert name.endswith(SUFFIX) and len(name) == 32 + len(SUFFIX)  # a keyed hash: neither tokens nor salt
+    raw = (tmp_path / "kv" / name).read_bytes()
+    assert b"tenant-a" not in raw  # the salt is kept as its keyed hash only
+    assert tier.best([1, 2, 3, 4, 5], "tenant-b") is None and tier.best([1, 2, 3, 4, 5], None) is None
+    hit = tier.best([1, 2, 3, 4, 5], "tenant-a")
+    assert hit is not None and hit.n_common == 4
+    snap = await tier.load(hit.key, "tenant-a")
+    assert snap is not None and snap.tokens == [1, 2, 3, 4] and snap.salt == "tenant-a" and snap.has_logits
+    assert bytes(snap.buf[snap.offset :]) == bytes([7]) * 1000
+    await _written(tier)  # the I/O task deletes what was taken
+    assert _files(tmp_path / "kv") == [] and len(tier) == 0
+    assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "kv" / ".key").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("damage", ["truncate", "payload", "header", "swap"])
+async def test_a_torn_or_altered_file_is_never_read_back(tmp_path: Path, damage: str) -> None:
+    folder = tmp_path / "kv"
+    tier = await _tier(folder)
+    await _written(tier, _snap([5, 6, 7], 1), _snap([8, 9], 2))
+    names = _files(folder)
+    target = folder / names[0]
+    raw = bytearray(target.read_bytes())
+    if damage == "truncate":
+        target.write_bytes(raw[:-10])
+    elif damage == "payload":
+        raw[-3] ^= 0xFF
+        target.write_bytes(raw)
+    elif damage == "header":
+        raw[12] ^= 0x01
+        target.write_bytes(raw)
+    else:  # another entry's bytes under this name
+        target.write_bytes((folder / names[1]).read_bytes())
+    (tokens,) = [e.tokens for _, e in tier.items() if e.name == names[0]]
+    hit = tier.best([*tokens, 1], None)
+    assert hit is not None
+    assert await tier.load(hit.key, None) is None  # checked before any byte is used
+    assert tier.stats.rejected == 1
+    await _written(tier)
+    assert names[0] not in _files(folder)  # and removed
+
+
+async def test_the_folder_is_cleaned_at_start(tmp_path: Path) -> None:
+    folder = tmp_path / "kv"
+    tier = await _tier(folder)
+    await _written(tier, _snap([1, 2], 1), _snap([3, 4], 2), _snap([5, 6], 3))
+    names = _files(folder)
+    (folder / f"{TMP_PREFIX}deadbeef").write_bytes(b"half an entry")  # a write a crash cut
+    (folder / names[0]).write_bytes((folder / names[0]).read_bytes()[:40])  # torn (as no write here leaves one)
+    (folder / "notes.txt").write_text("not ours")
+    again = await _tier(folder)
+    assert again.stats.cleaned == 2 and len(again) == 2
+    assert _files(folder) == names[1:] and (folder / "notes.txt").exists()
+    assert not any(p.name.startswith(TMP_PREFIX) for p in folder.iterdir())
+    other = await _tier(folder, fingerprint=b"o" * 32)  # another model or KV layout: removed
+    assert len(other) == 0 and _files(folder) == []
+
+
+async def test_the_tier_is_bounded(tmp_path: Path) -> None:
+    folder = tmp_path / "kv"
+    tier = await _tier(folder, max_bytes=3000)  # two entries of ~1 KB and their headers
+    await _written(tier, *[_snap([i, i + 1], i) for i in range(1, 6)])
+    assert len(tier) == 2 and sum((folder / n).stat().st_size for n in _files(folder)) <= 3000
+    assert len(_files(folder)) == 2
+    assert tier.retention.evictions[("disk", "one_off")] == 3
+
+
+def _headers(i: int) -> dict[str, str]:
+    return {"x-session-id": f"s{i}"}
+
+
+async def test_histories_ram_drops_come_back_from_disk_and_after_a_restart(
+    run_engine: Callable[..., Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    """One slot and 1 MiB of RAM (three ~1300-token histories): six sessions, so two go to
+    disk; a session's next turn reads its history back from there, also after a restart."""
+    folder = tmp_path / "kv"
+    prompts = [f"session {i} works on its own long task about topic {i} " * 40 for i in range(6)]
+    async with run_engine(tiny_model, slots=1, cache_ram_mib=1, cache_disk=str(folder)) as ep, http(ep) as h:
+        for i, p in enumerate(prompts):
+            r = await h.post("/v1/completions", json={"prompt": p, "max_tokens": 1}, headers=_headers(i))
+            assert r.status_code == 200
+        with trio.fail_after(30):  # written by the I/O task, after the requests
+            while (await scrape(h))[("hydra_disk_cache_written_total", ())] < 2:
+                await trio.sleep(0.05)
+    names = _files(folder)
+    assert len(names) >= 2
+    async with run_engine(tiny_model, slots=1, cache_ram_mib=1, cache_disk=str(folder)) as ep, http(ep) as h:
+        m = await scrape(h)
+        assert m[("hydra_disk_cache_entries", ())] == len(names) and m[("hydra_disk_cache_cleaned_total", ())] == 0
+        served = 0
+        for i, p in enumerate(prompts):  # the sessions whose histories went to disk find them there
+            r = await h.post("/v1/completions", json={"prompt": p + " and more", "max_tokens": 1}, headers=_headers(i))
+            served += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1200
+        assert served == len(names)
+        m = await scrape(h)
+        assert m[("hydra_disk_cache_loaded_total", ())] == len(names) and m[("hydra_disk_cache_rejected_total", ())] == 0
+    assert os.listdir(folder)  # what was kept stays for the next start
