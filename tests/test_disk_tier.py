@@ -153,3 +153,66 @@ async def test_histories_ram_drops_come_back_from_disk_and_after_a_restart(
         m = await scrape(h)
         assert m[("hydra_disk_cache_loaded_total", ())] == len(names) and m[("hydra_disk_cache_rejected_total", ())] == 0
     assert os.listdir(folder)  # what was kept stays for the next start
+
+
+async def _spill_first(h: Any, prompts: list[str], headers: list[dict[str, str]]) -> None:
+    """Turns of each session in order (one slot, 1 MiB of RAM, least recently used first):
+    the first session's history ends up on disk."""
+    for p, hd in zip(prompts, headers, strict=True):
+        r = await h.post("/v1/completions", json={"prompt": p, "max_tokens": 1}, headers=hd)
+        assert r.status_code == 200, r.text
+    with trio.fail_after(30):
+        while (await scrape(h))[("hydra_disk_cache_written_total", ())] < 1:
+            await trio.sleep(0.02)
+
+
+async def test_a_waiting_request_finds_its_history_brought_back_to_ram(
+    start_engine: Callable[..., Any], tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While a request waits for the one slot, its session's history comes from disk into RAM:
+    when the slot frees, the turn restores it from memory."""
+    ep = await start_engine(tiny_model, slots=1, cache_ram_mib=1, cache_disk=str(tmp_path / "kv"), session_policy="lru")
+    prompts = [f"session {i} works on its own long task about topic {i} " * 40 for i in range(5)]
+    async with http(ep) as h:
+        await _spill_first(h, prompts, [_headers(i) for i in range(5)])
+        async with trio.open_nursery() as nursery:
+            busy = trio.Event()
+
+            async def hold_the_slot() -> None:  # a long generation holds the slot
+                async with h.stream("POST", "/v1/completions", json={"prompt": "hold", "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        busy.set()
+
+            nursery.start_soon(hold_the_slot)
+            await busy.wait()
+            caplog.clear()
+            with caplog.at_level("INFO", logger="hydra_trio"):
+                r = await h.post("/v1/completions", json={"prompt": prompts[0] + " next", "max_tokens": 1}, headers=_headers(0))
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1200
+        (line,) = [rec.request for rec in caplog.records if getattr(rec, "request", None) and rec.request["session_id"] == "s0"]
+        assert line["host_cached_tokens"] >= 1200 and line["disk_cached_tokens"] == 0  # from RAM: prefetched
+        m = await scrape(h)
+        assert m[("hydra_disk_cache_prefetched_total", ())] == 1
+
+
+async def test_a_subagents_last_turn_brings_its_parents_history_back(
+    start_engine: Callable[..., Any], tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A blocking subagent's last turn (``expected_resume: false``) says its parent resumes:
+    the parent's history, on disk, comes back to RAM before the parent's next turn."""
+    ep = await start_engine(tiny_model, slots=1, cache_ram_mib=1, cache_disk=str(tmp_path / "kv"), session_policy="lru")
+    prompts = [f"session {i} works on its own long task about topic {i} " * 40 for i in range(5)]
+    root = {"x-claude-code-session-id": "S"}
+    async with http(ep) as h:
+        await _spill_first(h, prompts, [root] + [_headers(i) for i in range(1, 5)])
+        last = {"vllm_xargs": {"agentic_context": {"task_id": "S", "agent_id": "worker", "expected_resume": False}}}
+        r = await h.post("/v1/completions", json={"prompt": "the subagent's answer", "max_tokens": 1, **last}, headers=root)
+        assert r.status_code == 200
+        with trio.fail_after(30):
+            while (await scrape(h))[("hydra_disk_cache_prefetched_total", ())] < 1:
+                await trio.sleep(0.02)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="hydra_trio"):
+            r = await h.post("/v1/completions", json={"prompt": prompts[0] + " next", "max_tokens": 1}, headers=root)
+        (line,) = [rec.request for rec in caplog.records if getattr(rec, "request", None) and rec.request["session_id"] == "S:lead"]
+        assert line["host_cached_tokens"] >= 1200 and line["disk_cached_tokens"] == 0

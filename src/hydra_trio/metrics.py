@@ -159,6 +159,7 @@ def _session_figures(stats: EngineStats) -> Iterator[Metric]:
         ("hydra_disk_cache_rejected", "disk entries that failed a check when read (never restored)", d.rejected),
         ("hydra_disk_cache_dropped", "histories RAM dropped that were not written (the write queue was full)", d.dropped),
         ("hydra_disk_cache_cleaned", "files removed at start (unfinished writes, torn, another model's, over the bound)", d.cleaned),
+        ("hydra_disk_cache_prefetched", "disk entries brought back to RAM ahead of their turn (while it waited for a slot, or its tool ran)", d.prefetched),
     ):
         yield CounterMetricFamily(name, doc, value=value)
 

@@ -107,7 +107,7 @@ class EngineCore:
         self.tiers = HostTiers(settings, self.retention, kv_fingerprint(backend, identity.fields()))
         self.prompt_cache = self.tiers.ram
         self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.tiers, self.retention)
-        self.sessions = SessionTree(ttl_s=settings.session_ttl_s, release=self.scheduler.release)
+        self.sessions = SessionTree(ttl_s=settings.session_ttl_s, release=self.scheduler.release, resuming=self.tiers.want)
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         self._prefilling_alone = 0  # prompts in a chunk call of their own right now
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.

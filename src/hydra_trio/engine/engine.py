@@ -15,6 +15,7 @@ import trio
 
 from ..config import Settings
 from ..model.identity import ModelIdentity
+from ..tasks import raise_single
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvevents import Event
@@ -26,7 +27,7 @@ from .lease import SlotLease
 from .llama import Vocabulary
 from .params import GenerationParams
 from .requests import Route, cache_salt, check_request
-from .sched import TenantSessions, Turn
+from .sched import Slot, TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
 
 
@@ -198,6 +199,12 @@ class Engine:
 
     # ---- slots -----------------------------------------------------------------------------
 
+    async def _in_line(self, owner: str, prompt: Sequence[int], salt: str | None) -> Slot:
+        core = self._core
+        if prompt and (core.slots.waiting or core.slots.n_busy == core.n_slots) and core.tiers.disk is not None:
+            return await _wait_and_prefetch(core, owner, prompt, salt)
+        return await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt))
+
     def sessions(self, tenant: str) -> TenantSessions:
         """The agent sessions of ``tenant`` (the caller's API key): a request's turn, and
         ``finish`` (engine/sched/session_tree.py). No tenant reaches another's."""
@@ -225,7 +232,7 @@ class Engine:
             held = core.slots.claim(slot, owner)
         else:
             with trio.move_on_after(wait_s) as waited:
-                held = await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt))
+                held = await self._in_line(owner, prompt, salt)
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"all slots are busy (waited {wait_s:g} s)")
         lease = SlotLease(core, held.id, turn)
@@ -236,6 +243,19 @@ class Engine:
             if lease.touched:
                 core.scheduler.settle(held.id, None if turn is None else turn.session)
             core.slots.release(held)
+
+
+async def _wait_and_prefetch(core: EngineCore, owner: str, prompt: Sequence[int], salt: str | None) -> Slot:
+    """Wait in line for a slot while the prompt's history, if the disk holds it, comes back
+    into RAM (kv/tiers.py ``promote``): the turn then waits for a memory copy, not a read."""
+    slot: list[Slot] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(core.tiers.promote, prompt, salt)
+            slot.append(await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt)))
+    except BaseExceptionGroup as group:
+        raise_single(group)
+    return slot[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,7 @@ class DiskStats:
     rejected: int = 0  # files that failed a check when read (never restored)
     dropped: int = 0  # evictions not written: the write queue was full
     cleaned: int = 0  # files removed at start (temporary, torn, foreign, over the bound)
+    prefetched: int = 0  # entries brought back to RAM ahead of their turn (tiers.py)
 
 
 class TornEntry(Exception):
@@ -182,6 +183,17 @@ class DiskTier:
         self.stats.loaded += 1
         self.stats.loaded_tokens += len(snap.tokens)
         return Snapshot(snap.tokens, snap.buf, snap.offset, snap.has_logits, salt)
+
+    def owner_of(self, key: int) -> KvOwner | None:
+        return self._index.owner_of(key)
+
+    def holds(self, owner: KvOwner) -> bool:
+        return owner in self._index._by_owner
+
+    def newest_of(self, owner: KvOwner) -> int | None:
+        """The key of the owner's newest entry here (None: it has none)."""
+        keys = self._index._by_owner.get(owner)
+        return next(reversed(keys)) if keys else None
 
     def drop_owned(self, owners: set[Any]) -> int:
         n = self._index.drop_owned(owners)

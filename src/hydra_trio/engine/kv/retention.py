@@ -39,6 +39,9 @@ class KvOwner(Protocol):
     @property
     def last_active(self) -> float: ...
 
+    @property
+    def salt(self) -> str | None: ...  # the cache_salt its histories were computed under
+
     def finished(self) -> bool: ...
 
     def expired(self, now: float) -> bool: ...

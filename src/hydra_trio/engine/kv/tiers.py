@@ -1,12 +1,17 @@
 """The tiers past the slots, as one: the host prompt cache (RAM, ``--cache-ram-mib``), the disk
-tier that takes what RAM drops (``--cache-disk``), the one retention order both evict by, and
-their KV events (medium ``CPU`` and ``DISK``)."""
+tier that takes what RAM drops (``--cache-disk``), the one retention order both evict by,
+their KV events (medium ``CPU`` and ``DISK``), and prefetch: a history on disk brought back
+into RAM before the slot that restores it is there (``promote``: while its request waits for
+a slot; ``want``: when a client says a session resumes, while its tool still runs), so that
+its turn waits for a memory copy, not for a disk read or a prefill."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+
+import trio
 
 from ...config import Settings
 from ...wire.kvevents import MEDIUM_DISK, MEDIUM_HOST, Event
@@ -16,6 +21,8 @@ from .promptcache import PromptCache
 from .retention import KvOwner, Retention
 
 GiB = 1 << 30
+MIN_GAIN = 16  # a disk entry is brought to RAM when it holds this many positions more (a block)
+MAX_WANTED = 64  # sessions waiting for a prefetch; past it a hint is dropped
 
 
 class HostTiers:
@@ -28,6 +35,7 @@ class HostTiers:
             self.ram.spill = self.disk.spill  # what RAM evicts for room goes to disk
         self.ram_blocks: HostBlocks | None = None
         self.disk_blocks: HostBlocks | None = None
+        self._wanted_send, self._wanted = trio.open_memory_channel[KvOwner](MAX_WANTED)
 
     async def open(self) -> None:
         """Clean and index the disk tier's folder (before the engine serves)."""
@@ -35,9 +43,51 @@ class HostTiers:
             await self.disk.open()
 
     async def run(self) -> None:
-        """The disk tier's I/O task, for the engine's life."""
-        if self.disk is not None:
-            await self.disk.run()
+        """The disk tier's I/O task and the prefetch of wanted sessions, for the engine's life."""
+        if self.disk is None:
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.disk.run)
+            async for owner in self._wanted:
+                await self._promote_owned(owner)
+
+    async def promote(self, prompt: Sequence[int], salt: str | None) -> bool:
+        """Bring the disk entry that holds the most of ``prompt`` into RAM, when it holds a
+        block more than RAM does (a request waits for a slot meanwhile). True: it is in RAM."""
+        disk, ram = self.disk, self.ram
+        if disk is None or ram is None:
+            return False
+        hit = disk.best(prompt, salt)
+        in_ram = ram.best(prompt, salt)
+        if hit is None or hit.n_common < (in_ram.n_common if in_ram else 0) + MIN_GAIN:
+            return False
+        owner = disk.owner_of(hit.key)
+        snap = await disk.load(hit.key, salt)
+        if snap is None:
+            return False
+        disk.stats.prefetched += 1
+        return ram.put(snap, owner)
+
+    def want(self, owner: KvOwner) -> None:
+        """A client said this session resumes soon: its newest history on disk comes to RAM
+        (never waits; a full queue drops the hint)."""
+        if self.disk is None or not self.disk.holds(owner):
+            return
+        try:
+            self._wanted_send.send_nowait(owner)
+        except trio.WouldBlock:
+            pass
+
+    async def _promote_owned(self, owner: KvOwner) -> None:
+        disk, ram = self.disk, self.ram
+        assert disk is not None and ram is not None
+        key = disk.newest_of(owner)
+        if key is None:
+            return
+        snap = await disk.load(key, owner.salt)
+        if snap is not None:
+            disk.stats.prefetched += 1
+            ram.put(snap, owner)
 
     def watch(self, block_size: int, publish: Callable[[list[Event]], None]) -> None:
         """KV events from now on: RAM's entries as medium CPU, the disk's as DISK."""

@@ -59,6 +59,10 @@ class Session:
     def id(self) -> str:
         return self.key[2]
 
+    @property
+    def salt(self) -> str | None:
+        return self.key[1]
+
     def finished(self) -> bool:
         return self.released or self.done
 
@@ -152,12 +156,18 @@ Release = Callable[[set[Session]], Awaitable[tuple[int, int, int]]]  # -> slots,
 
 
 class SessionTree:
-    def __init__(self, *, ttl_s: float, max_sessions: int = 65536, release: Release | None = None) -> None:
+    def __init__(
+        self, *, ttl_s: float, max_sessions: int = 65536, release: Release | None = None,
+        resuming: Callable[[Session], None] | None = None,
+    ) -> None:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self._sessions: dict[SessionKey, Session] = {}
         self._seq = count()
         self.release = release  # the engine's: drops a set of sessions' KV in every tier
+        # The engine's prefetch (kv/tiers.py ``want``): told of a session that resumes soon,
+        # as its client says (a subagent's last turn, or a turn that expects its next).
+        self.resuming = resuming
         self.turns_cut = 0
         self.trees_finished = 0
         # Turns with a deadline, soonest first: ``run`` cuts each with its tree the moment it
@@ -217,6 +227,10 @@ class SessionTree:
                 session.touch(trio.current_time())
                 if hint is not None and hint.expected_resume is False:
                     session.done = True
+                    if self.resuming is not None and session.blocks_parent and session.parent is not None:
+                        self.resuming(session.parent)  # it returns to the parent that waits on it
+                elif hint is not None and hint.expected_resume and self.resuming is not None:
+                    self.resuming(session)  # its next turn comes once its tool has run
                 if cancelled:
                     cancel_below(session)
             turn.ended.set()
