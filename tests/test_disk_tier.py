@@ -55,7 +55,7 @@ async def test_an_entry_comes_back_whole_and_only_for_its_salt(tmp_path: Path) -
     tier = await _tier(tmp_path / "kv")
     await _written(tier, _snap([1, 2, 3, 4], 7, salt="tenant-a"))
     (name,) = _files(tmp_path / "kv")
-    assert name.endswith(SUFFIX) and len(name) == 32 + len(SUFFIX)  # a keyed hash: neither tokens nor salt
+    assert name.endswith(SUFFIX) and len(name) == 32 + 1 + 8 + len(SUFFIX)  # a keyed hash (+ a write's own): no tokens, no salt
     raw = (tmp_path / "kv" / name).read_bytes()
     assert b"tenant-a" not in raw  # the salt is kept as its keyed hash only
     assert tier.best([1, 2, 3, 4, 5], "tenant-b") is None and tier.best([1, 2, 3, 4, 5], None) is None
@@ -216,3 +216,15 @@ async def test_a_subagents_last_turn_brings_its_parents_history_back(
             r = await h.post("/v1/completions", json={"prompt": prompts[0] + " next", "max_tokens": 1}, headers=root)
         (line,) = [rec.request for rec in caplog.records if getattr(rec, "request", None) and rec.request["session_id"] == "S:lead"]
         assert line["host_cached_tokens"] >= 1200 and line["disk_cached_tokens"] == 0
+
+
+async def test_a_rewritten_history_survives_the_deletion_of_its_older_copy(tmp_path: Path) -> None:
+    """The same history spilled twice: the older copy's deletion, queued meanwhile, must not
+    remove the newer file (each write has a name of its own)."""
+    tier = await _tier(tmp_path / "kv")
+    await _written(tier, _snap([1, 2, 3], 1), _snap([1, 2, 3], 2))
+    assert len(tier) == 1 and len(_files(tmp_path / "kv")) == 1
+    hit = tier.best([1, 2, 3, 4], None)
+    assert hit is not None
+    snap = await tier.load(hit.key, None)
+    assert snap is not None and bytes(snap.buf[snap.offset :]) == bytes([2]) * 1000 and tier.stats.rejected == 0

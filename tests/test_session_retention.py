@@ -23,12 +23,16 @@ class Owner:
     is_finished: bool = False
     ttl: float = 100.0
     live: bool = False
+    parent: Owner | None = None
 
     def finished(self) -> bool:
         return self.is_finished
 
     def expired(self, now: float) -> bool:
         return not self.live and now > self.last_active + self.ttl
+
+    def lineage(self) -> tuple[int, int]:
+        return (self.seq, 0) if self.parent is None else (self.parent.lineage()[0], self.parent.lineage()[1] + 1)
 
 
 def _snap(tokens: list[int], size: int = 100) -> Snapshot:
@@ -43,10 +47,12 @@ def test_the_order_finished_then_one_off_then_expired_then_live() -> None:
     old_live = Owner(seq=2, last_active=990)
     young_live = Owner(seq=3, last_active=995)
     important = Owner(seq=4, priority=5, last_active=900)
+    sub = Owner(seq=5, last_active=999, parent=old_live)  # a subagent of the older tree
     assert [ret.kind(o) for o in (finished, None, expired, old_live)] == [FINISHED, ONE_OFF, EXPIRED, LIVE]
-    order = sorted([important, young_live, old_live, expired, None, finished], key=ret.rank)
-    # Among live sessions: lower priority first, then the younger one (the older keeps its history).
-    assert order == [finished, None, expired, young_live, old_live, important]
+    order = sorted([important, sub, young_live, old_live, expired, None, finished], key=ret.rank)
+    # Among live sessions: lower priority first, then the younger tree (the older keeps its
+    # histories), and within a tree the subagent before the parent that waits on it.
+    assert order == [finished, None, expired, young_live, sub, old_live, important]
     # Recency alone: every owner ranks alike.
     lru = Retention("lru", lambda: now[0])
     assert len({lru.rank(o) for o in order}) == 1

@@ -227,14 +227,20 @@ class DiskTier:
     # ---- the files -------------------------------------------------------------------------
 
     def _name(self, tokens: Sequence[int], salt_key: str | None) -> str:
+        """The keyed hash of what an entry holds (its file name's first part)."""
         h = hashlib.blake2b(key=self._secret, digest_size=16)
         h.update((salt_key or "").encode() + b"\0")
         h.update(array("i", tokens).tobytes())
-        return h.hexdigest() + SUFFIX
+        return h.hexdigest()
+
+    def _fresh_name(self, tokens: Sequence[int], salt_key: str | None) -> str:
+        """A file name of its own for every write: the deletion of an older copy of the same
+        history (queued meanwhile) can never remove this one."""
+        return f"{self._name(tokens, salt_key)}-{secrets.token_hex(4)}{SUFFIX}"
 
     async def _write(self, snap: Snapshot, owner: KvOwner | None) -> None:
         salt_key = self.salt_key(snap.salt)
-        name = self._name(snap.tokens, salt_key)
+        name = self._fresh_name(snap.tokens, salt_key)
         try:
             size = await trio.to_thread.run_sync(self._write_file, snap, salt_key, name, limiter=self._writes)
         except OSError as exc:
@@ -352,7 +358,7 @@ class DiskTier:
                 with open(path, "rb") as f:
                     st = os.fstat(f.fileno())
                     _, salt, tokens = self._read_head(f, st.st_size)
-                if name != self._name(tokens, salt):
+                if name.split("-")[0] != self._name(tokens, salt):
                     raise TornEntry("another folder secret's")
                 found.append((st.st_mtime, DiskEntry(tokens, salt, name, st.st_size)))
             except (OSError, TornEntry) as exc:

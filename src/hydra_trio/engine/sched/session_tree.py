@@ -73,6 +73,13 @@ class Session:
     def expired(self, now: float) -> bool:
         return not self.live() and now > self.last_active + self.ttl_s
 
+    def lineage(self) -> tuple[int, int]:
+        """(its tree's root's creation order, its depth): the age a tree is ranked by."""
+        depth, root = 0, self
+        while root.parent is not None:
+            root, depth = root.parent, depth + 1
+        return root.seq, depth
+
     def subtree(self) -> list[Session]:
         out, todo = [], [self]
         while todo:
