@@ -131,11 +131,9 @@ def _all_steps(agents: list[Agent]) -> list[tuple[Agent, Step]]:
 
 
 def oracle_computed(agents: list[Agent], system_len: int) -> int:
-    """Prompt tokens an engine holding every history computes: each turn's new tokens, its
-    session's previous prompt being held. A session's first prompt counts whole (sessions
-    open at once, and no slot engine shares a prefix another slot is still computing); a
-    subagent's counts but the system prompt its waiting parent holds."""
-    total = 0
+    """Prompt tokens an engine holding every history computes: each turn's new tokens (the
+    shared system prompt once)."""
+    total, seen_system = 0, False
     for agent in agents:
         prev: list[int] = []
         for i, step in enumerate(agent.steps):
@@ -144,8 +142,8 @@ def oracle_computed(agents: list[Agent], system_len: int) -> int:
                 for s in sub.steps:
                     total += len(s.prompt) - (len(sub_prev) if sub_prev else system_len)
                     sub_prev = s.prompt
-            total += len(step.prompt) - len(prev)
-            prev = step.prompt
+            total += len(step.prompt) - (len(prev) if prev else system_len if seen_system else 0)
+            prev, seen_system = step.prompt, True
     return total
 
 
@@ -244,8 +242,23 @@ def bytes_per_token(url: str, n_vocab: int) -> float:
 
 
 def summarize(rows: list[dict[str, Any]], oracle: int) -> dict[str, Any]:
+    """All turns, and the later turns (each agent's second on): there the oracle computes
+    exactly the turn's new tokens, and what an engine computes more is what it did not keep.
+    (First turns of sessions that open at once compute the shared system prompt in several
+    slots on every engine: no slot shares a prefix another slot is still computing.)"""
     ttfts = [r["ttft_s"] * 1000 for r in rows if r["ttft_s"] is not None]
     computed = sum(r["computed"] for r in rows)
+    prev: dict[tuple[str, str], int] = {}
+    later = later_oracle = 0
+    later_ttfts = []
+    for r in rows:  # each agent's rows are in its own order
+        key = (r["session"], r["agent"])
+        if key in prev:
+            later += r["computed"]
+            later_oracle += r["prompt_tokens"] - prev[key]
+            if r["ttft_s"] is not None:
+                later_ttfts.append(r["ttft_s"] * 1000)
+        prev[key] = r["prompt_tokens"]
     return {
         "turns": len(rows),
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
@@ -253,6 +266,11 @@ def summarize(rows: list[dict[str, Any]], oracle: int) -> dict[str, Any]:
         "x_oracle": computed / oracle if oracle else math.nan,
         "ttft_p50_ms": percentile(ttfts, 50),
         "ttft_p99_ms": percentile(ttfts, 99),
+        "later_computed": later,
+        "later_oracle": later_oracle,
+        "later_x_oracle": later / later_oracle if later_oracle else math.nan,
+        "later_ttft_p50_ms": percentile(later_ttfts, 50),
+        "later_ttft_p99_ms": percentile(later_ttfts, 99),
     }
 
 
@@ -268,14 +286,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     names = [n for n in results["configs"] if results["configs"][n]]
     figs = [results["configs"][n] for n in names]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    ax1.bar(names, [f["x_oracle"] for f in figs], color="#4c72b0")
+    x = range(len(names))
+    ax1.bar([i - 0.2 for i in x], [f["x_oracle"] for f in figs], 0.4, label="all turns")
+    ax1.bar([i + 0.2 for i in x], [f["later_x_oracle"] for f in figs], 0.4, label="later turns")
     ax1.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax1.axhline(1.15, color="#c44e52", lw=0.8, ls=":", label="goal 1.15×")
+    ax1.set_xticks(list(x), names)
     ax1.set_ylabel("prompt tokens computed (× oracle)")
     ax1.legend()
-    x = range(len(names))
-    ax2.bar([i - 0.2 for i in x], [f["ttft_p50_ms"] for f in figs], 0.4, label="p50")
-    ax2.bar([i + 0.2 for i in x], [f["ttft_p99_ms"] for f in figs], 0.4, label="p99")
+    ax2.bar([i - 0.2 for i in x], [f["later_ttft_p50_ms"] for f in figs], 0.4, label="p50, later turns")
+    ax2.bar([i + 0.2 for i in x], [f["later_ttft_p99_ms"] for f in figs], 0.4, label="p99, later turns")
     ax2.set_xticks(list(x), names)
     ax2.set_yscale("log")
     ax2.set_ylabel("turn TTFT (ms)")
@@ -369,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
             results["configs"][name] = figures
         results["rows"][name] = replay.rows
         f = results["configs"][name]
-        print(f"{name}: {f['computed']} prompt tokens computed ({f['x_oracle']:.2f}× oracle), "
-              f"TTFT p50 {f['ttft_p50_ms']:.0f} ms, p99 {f['ttft_p99_ms']:.0f} ms"
+        print(f"{name}: {f['computed']} prompt tokens computed ({f['x_oracle']:.2f}× oracle; later turns "
+              f"{f['later_computed']}, {f['later_x_oracle']:.2f}×), TTFT p50 {f['ttft_p50_ms']:.0f} ms, p99 "
+              f"{f['ttft_p99_ms']:.0f} ms (later turns {f['later_ttft_p50_ms']:.0f}, {f['later_ttft_p99_ms']:.0f})"
               + (f", evictions {f.get('evictions')}" if f.get("evictions") is not None else ""), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     plot(results, Path(args.out).with_suffix(".png"))

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from helpers import http, scrape
+from helpers import http, scrape, wait_until
 from hydra_trio.engine.kv.disktier import SUFFIX, TMP_PREFIX, DiskTier
 from hydra_trio.engine.kv.retention import Retention
 from hydra_trio.engine.llama import Snapshot
@@ -40,11 +40,13 @@ async def _written(tier: DiskTier, *snaps: Snapshot) -> None:
         nursery.start_soon(tier.run)
         for snap in snaps:
             tier.spill(snap, None)
-        with trio.fail_after(10):
-            while tier.stats.written < target or tier._doomed:
-                await trio.sleep(0.01)
+        await wait_until(lambda: tier.stats.written >= target and not tier._doomed, 10)
         await trio.sleep(0.05)  # the last deletion's thread call
         nursery.cancel_scope.cancel()
+
+
+async def _counter(h: Any, name: str, at_least: float) -> bool:
+    return (await scrape(h))[(name, ())] >= at_least
 
 
 def _files(folder: Path) -> list[str]:
@@ -137,9 +139,7 @@ async def test_histories_ram_drops_come_back_from_disk_and_after_a_restart(
         for i, p in enumerate(prompts):
             r = await h.post("/v1/completions", json={"prompt": p, "max_tokens": 1}, headers=_headers(i))
             assert r.status_code == 200
-        with trio.fail_after(30):  # written by the I/O task, after the requests
-            while (await scrape(h))[("hydra_disk_cache_written_total", ())] < 2:
-                await trio.sleep(0.05)
+        await wait_until(lambda: _counter(h, "hydra_disk_cache_written_total", 2), 30)  # by the I/O task, after them
     names = _files(folder)
     assert len(names) >= 2
     async with run_engine(tiny_model, slots=1, cache_ram_mib=1, cache_disk=str(folder)) as ep, http(ep) as h:
@@ -161,9 +161,7 @@ async def _spill_first(h: Any, prompts: list[str], headers: list[dict[str, str]]
     for p, hd in zip(prompts, headers, strict=True):
         r = await h.post("/v1/completions", json={"prompt": p, "max_tokens": 1}, headers=hd)
         assert r.status_code == 200, r.text
-    with trio.fail_after(30):
-        while (await scrape(h))[("hydra_disk_cache_written_total", ())] < 1:
-            await trio.sleep(0.02)
+    await wait_until(lambda: _counter(h, "hydra_disk_cache_written_total", 1), 30)
 
 
 async def test_a_waiting_request_finds_its_history_brought_back_to_ram(
@@ -208,9 +206,7 @@ async def test_a_subagents_last_turn_brings_its_parents_history_back(
         last = {"vllm_xargs": {"agentic_context": {"task_id": "S", "agent_id": "worker", "expected_resume": False}}}
         r = await h.post("/v1/completions", json={"prompt": "the subagent's answer", "max_tokens": 1, **last}, headers=root)
         assert r.status_code == 200
-        with trio.fail_after(30):
-            while (await scrape(h))[("hydra_disk_cache_prefetched_total", ())] < 1:
-                await trio.sleep(0.02)
+        await wait_until(lambda: _counter(h, "hydra_disk_cache_prefetched_total", 1), 30)
         caplog.clear()
         with caplog.at_level("INFO", logger="hydra_trio"):
             r = await h.post("/v1/completions", json={"prompt": prompts[0] + " next", "max_tokens": 1}, headers=root)

@@ -31,8 +31,11 @@ class Owner:
     def expired(self, now: float) -> bool:
         return not self.live and now > self.last_active + self.ttl
 
-    def lineage(self) -> tuple[int, int]:
-        return (self.seq, 0) if self.parent is None else (self.parent.lineage()[0], self.parent.lineage()[1] + 1)
+    def lineage(self) -> tuple[float, int]:
+        if self.parent is None:
+            return self.last_active, 0
+        tree, depth = self.parent.lineage()
+        return tree, depth + 1
 
 
 def _snap(tokens: list[int], size: int = 100) -> Snapshot:
@@ -44,15 +47,15 @@ def test_the_order_finished_then_one_off_then_expired_then_live() -> None:
     ret = Retention("session", lambda: now[0])
     finished = Owner(seq=9, is_finished=True, last_active=999)
     expired = Owner(seq=1, last_active=0)  # idle past its TTL
-    old_live = Owner(seq=2, last_active=990)
-    young_live = Owner(seq=3, last_active=995)
+    waiting = Owner(seq=2, last_active=998)  # a parent whose subagent's turn just ran (its tree is recent)
+    idle = Owner(seq=3, last_active=990)
     important = Owner(seq=4, priority=5, last_active=900)
-    sub = Owner(seq=5, last_active=999, parent=old_live)  # a subagent of the older tree
-    assert [ret.kind(o) for o in (finished, None, expired, old_live)] == [FINISHED, ONE_OFF, EXPIRED, LIVE]
-    order = sorted([important, sub, young_live, old_live, expired, None, finished], key=ret.rank)
-    # Among live sessions: lower priority first, then the younger tree (the older keeps its
-    # histories), and within a tree the subagent before the parent that waits on it.
-    assert order == [finished, None, expired, young_live, sub, old_live, important]
+    sub = Owner(seq=5, last_active=998, parent=waiting)
+    assert [ret.kind(o) for o in (finished, None, expired, idle)] == [FINISHED, ONE_OFF, EXPIRED, LIVE]
+    order = sorted([important, sub, waiting, idle, expired, None, finished], key=ret.rank)
+    # Among live sessions: lower priority first, then the tree idle longest, and within a tree
+    # the subagent before the parent that waits on it.
+    assert order == [finished, None, expired, idle, sub, waiting, important]
     # Recency alone: every owner ranks alike.
     lru = Retention("lru", lambda: now[0])
     assert len({lru.rank(o) for o in order}) == 1

@@ -5,11 +5,10 @@ cache (RAM) and the disk tier (--session-policy).
 (engine/sched/session_tree.py): first the finished ones (a subagent whose parent went on, a
 session whose last turn said so), then one-off prompts (no session), then expired sessions
 (no turn for their retention TTL), then live sessions, the lower priority first and, among
-equals, by the age of their tree: the younger tree first (the older one has the longer
-histories to lose, and a fixed set of kept trees does not thrash the way recency does when
-more sessions take turns than the memory holds), and within a tree the subagents before the
-parent that waits on them. Within one owner, the oldest copy goes first. ``lru`` ranks
-everything alike: least recently used first, as before sessions existed.
+equals, the tree idle longest first (a tree is as recent as its latest turn: a parent that
+waits on its subagents is not idle), and within a tree the subagents before the parent that
+waits on them. Within one owner, the oldest copy goes first. ``lru`` ranks everything
+alike: least recently used first, as before sessions existed.
 
 Pure: no llama_cpp, no trio (the clock is given).
 """
@@ -43,7 +42,7 @@ class KvOwner(Protocol):
     @property
     def salt(self) -> str | None: ...  # the cache_salt its histories were computed under
 
-    def lineage(self) -> tuple[int, int]: ...  # (its tree's root's seq, its depth in the tree)
+    def lineage(self) -> tuple[float, int]: ...  # (its tree's latest activity, its depth in the tree)
 
     def finished(self) -> bool: ...
 
@@ -77,8 +76,8 @@ class Retention:
             return (0.0, owner.last_active)
         if kind == EXPIRED:
             return (2.0, owner.last_active)
-        root_seq, depth = owner.lineage()
-        return (3.0, float(owner.priority), -float(root_seq), -float(depth))
+        tree_active, depth = owner.lineage()
+        return (3.0, float(owner.priority), tree_active, -float(depth))
 
     def victim(self, owners: Iterable[OwnerT | None]) -> OwnerT | None:
         """The owner whose history goes first (ties: the first given, the oldest)."""

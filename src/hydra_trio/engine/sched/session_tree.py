@@ -73,12 +73,13 @@ class Session:
     def expired(self, now: float) -> bool:
         return not self.live() and now > self.last_active + self.ttl_s
 
-    def lineage(self) -> tuple[int, int]:
-        """(its tree's root's creation order, its depth): the age a tree is ranked by."""
+    def lineage(self) -> tuple[float, int]:
+        """(its tree's latest activity, its depth): what the retention order ranks a live
+        session by (``touch`` keeps a root as recent as its latest descendant)."""
         depth, root = 0, self
         while root.parent is not None:
             root, depth = root.parent, depth + 1
-        return root.seq, depth
+        return root.last_active, depth
 
     def subtree(self) -> list[Session]:
         out, todo = [], [self]
