@@ -31,11 +31,11 @@ class Owner:
     def expired(self, now: float) -> bool:
         return not self.live and now > self.last_active + self.ttl
 
-    def lineage(self) -> tuple[float, int]:
-        if self.parent is None:
-            return self.last_active, 0
-        tree, depth = self.parent.lineage()
-        return tree, depth + 1
+    def activity(self) -> tuple[float, float]:
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        return max(root.last_active, self.last_active), self.last_active
 
 
 def _snap(tokens: list[int], size: int = 100) -> Snapshot:
@@ -47,15 +47,15 @@ def test_the_order_finished_then_one_off_then_expired_then_live() -> None:
     ret = Retention("session", lambda: now[0])
     finished = Owner(seq=9, is_finished=True, last_active=999)
     expired = Owner(seq=1, last_active=0)  # idle past its TTL
-    waiting = Owner(seq=2, last_active=998)  # a parent whose subagent's turn just ran (its tree is recent)
+    waiting = Owner(seq=2, last_active=995)  # a parent whose subagent's turn just ran
     idle = Owner(seq=3, last_active=990)
     important = Owner(seq=4, priority=5, last_active=900)
-    sub = Owner(seq=5, last_active=998, parent=waiting)
+    sub = Owner(seq=5, last_active=999, parent=waiting)
     assert [ret.kind(o) for o in (finished, None, expired, idle)] == [FINISHED, ONE_OFF, EXPIRED, LIVE]
     order = sorted([important, sub, waiting, idle, expired, None, finished], key=ret.rank)
-    # Among live sessions: lower priority first, then the tree idle longest, and within a tree
-    # the subagent before the parent that waits on it.
-    assert order == [finished, None, expired, idle, sub, waiting, important]
+    # Among live sessions: lower priority first, then the tree idle longest (the waiting
+    # parent's tree is as recent as its subagent), within a tree the member idle longest.
+    assert order == [finished, None, expired, idle, waiting, sub, important]
     # Recency alone: every owner ranks alike.
     lru = Retention("lru", lambda: now[0])
     assert len({lru.rank(o) for o in order}) == 1
@@ -98,9 +98,9 @@ def _session_headers(session: str, agent: str | None = None) -> dict[str, str]:
     return headers
 
 
-async def _turn(h: Any, text: str, headers: dict[str, str]) -> dict[str, Any]:
+async def _turn(h: Any, text: str, headers: dict[str, str], **extra: Any) -> dict[str, Any]:
     r = await h.post(
-        "/v1/completions", json={"prompt": text, "max_tokens": 1, "temperature": 0}, headers=headers
+        "/v1/completions", json={"prompt": text, "max_tokens": 1, "temperature": 0, **extra}, headers=headers
     )
     assert r.status_code == 200, r.text
     return r.json()
@@ -109,9 +109,11 @@ async def _turn(h: Any, text: str, headers: dict[str, str]) -> dict[str, Any]:
 async def test_subagents_do_not_push_out_the_history_their_parent_waits_on(
     start_engine: Callable[..., Any], tiny_model: Path
 ) -> None:
-    """One slot and a prompt cache that holds two histories: a parent's long history, then its
-    subagents' one-off prompts. Under recency the parent's history leaves RAM and its next
-    turn recomputes it; by session its subagents' finished copies leave first."""
+    """One slot and a prompt cache that holds the parent's history and three subagents': a
+    parent's long history, then its subagents' one-turn tasks, each saying it was its last
+    (``expected_resume: false``, as vllm-router's blocking subagents do). Under recency the
+    parent's history leaves RAM and its next turn recomputes it; by session the finished
+    subagents' copies leave first."""
     # ~1700 and ~600 tokens on the tiny model (~270 bytes a position): a 1 MiB cache holds the
     # parent's history and three subagents'.
     parent = "the parent agent's system prompt and tools and its long history " * 40
@@ -120,8 +122,9 @@ async def test_subagents_do_not_push_out_the_history_their_parent_waits_on(
         ep = await start_engine(tiny_model, slots=1, session_policy=policy, cache_ram_mib=1)
         async with http(ep) as h:
             first = await _turn(h, parent, _session_headers("S"))
+            last = {"vllm_xargs": {"agentic_context": {"expected_resume": False}}}
             for i in range(4):  # the subagents' work, each a fresh prompt
-                await _turn(h, f"subagent {i} explores file number {i} " * 20, _session_headers("S", f"sub-{i}"))
+                await _turn(h, f"subagent {i} explores file number {i} " * 20, _session_headers("S", f"sub-{i}"), **last)
             again = await _turn(h, parent + " and the results", _session_headers("S"))
             cached[policy] = again["usage"]["prompt_tokens_details"]["cached_tokens"]
             m = await scrape(h)

@@ -6,8 +6,10 @@ cache (RAM) and the disk tier (--session-policy).
 session whose last turn said so), then one-off prompts (no session), then expired sessions
 (no turn for their retention TTL), then live sessions, the lower priority first and, among
 equals, the tree idle longest first (a tree is as recent as its latest turn: a parent that
-waits on its subagents is not idle), and within a tree the subagents before the parent that
-waits on them. Within one owner, the oldest copy goes first. ``lru`` ranks everything
+waits on its subagents is not idle), and within a tree the member idle longest (a parent
+waiting on subagents that work goes before them: their next turns come first; the disk tier
+keeps it, and their last turn brings it back, tiers.py ``want``). Within one owner, the
+oldest copy goes first. ``lru`` ranks everything
 alike: least recently used first, as before sessions existed.
 
 Pure: no llama_cpp, no trio (the clock is given).
@@ -42,7 +44,7 @@ class KvOwner(Protocol):
     @property
     def salt(self) -> str | None: ...  # the cache_salt its histories were computed under
 
-    def lineage(self) -> tuple[float, int]: ...  # (its tree's latest activity, its depth in the tree)
+    def activity(self) -> tuple[float, float]: ...  # (its tree's latest activity, its own)
 
     def finished(self) -> bool: ...
 
@@ -76,8 +78,8 @@ class Retention:
             return (0.0, owner.last_active)
         if kind == EXPIRED:
             return (2.0, owner.last_active)
-        tree_active, depth = owner.lineage()
-        return (3.0, float(owner.priority), tree_active, -float(depth))
+        tree_active, own = owner.activity()
+        return (3.0, float(owner.priority), tree_active, own)
 
     def victim(self, owners: Iterable[OwnerT | None]) -> OwnerT | None:
         """The owner whose history goes first (ties: the first given, the oldest)."""

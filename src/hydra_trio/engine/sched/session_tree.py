@@ -46,7 +46,8 @@ class Session:
     key: SessionKey
     seq: int  # creation order
     ttl_s: float
-    last_active: float
+    last_active: float  # its own latest turn (begun or ended)
+    tree_active: float  # the latest turn of it or of a descendant: when its tree was last active
     parent: Session | None = None
     children: list[Session] = field(default_factory=list)
     turns: set[Turn] = field(default_factory=set)  # live requests
@@ -71,15 +72,16 @@ class Session:
         return bool(self.turns) or any(c.live() for c in self.children)
 
     def expired(self, now: float) -> bool:
-        return not self.live() and now > self.last_active + self.ttl_s
+        """No turn of its tree for its TTL (a parent that waits on its subagents is not idle)."""
+        return not self.live() and now > self.tree_active + self.ttl_s
 
-    def lineage(self) -> tuple[float, int]:
-        """(its tree's latest activity, its depth): what the retention order ranks a live
-        session by (``touch`` keeps a root as recent as its latest descendant)."""
-        depth, root = 0, self
+    def activity(self) -> tuple[float, float]:
+        """(its tree's latest activity, its own): what the retention order ranks a live
+        session by."""
+        root = self
         while root.parent is not None:
-            root, depth = root.parent, depth + 1
-        return root.last_active, depth
+            root = root.parent
+        return root.tree_active, self.last_active
 
     def subtree(self) -> list[Session]:
         out, todo = [], [self]
@@ -90,11 +92,12 @@ class Session:
         return out
 
     def touch(self, now: float) -> None:
-        """A turn began or ended: the session and its ancestors are active (a parent that
-        waits on its subagents is not idle)."""
+        """A turn began or ended: the session is active, and so is the tree of every ancestor
+        (a parent that waits on its subagents is not idle)."""
+        self.last_active = max(self.last_active, now)
         s: Session | None = self
         while s is not None:
-            s.last_active = max(s.last_active, now)
+            s.tree_active = max(s.tree_active, now)
             s = s.parent
 
 
@@ -271,7 +274,7 @@ class SessionTree:
         if len(self._sessions) >= self.max_sessions:
             log.warning("session table full (%d): %r served as a one-off request", self.max_sessions, key[2])
             return None
-        session = Session(key, next(self._seq), self.ttl_s if ttl_s is None else ttl_s, now)
+        session = Session(key, next(self._seq), self.ttl_s if ttl_s is None else ttl_s, now, now)
         self._sessions[key] = session
         return session
 
@@ -324,7 +327,7 @@ class SessionTree:
         they own keeps them alive as objects, ranked expired). Returns how many."""
         gone = 0
         for key, s in list(self._sessions.items()):
-            if s.children or s.live() or now <= s.last_active + s.ttl_s:
+            if s.children or s.live() or now <= s.tree_active + s.ttl_s:
                 continue
             if s.parent is not None:
                 s.parent.children.remove(s)
