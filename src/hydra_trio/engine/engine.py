@@ -236,6 +236,8 @@ class Engine:
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"all slots are busy (waited {wait_s:g} s)")
         lease = SlotLease(core, held.id, turn)
+        if core.kv_blocks is not None:  # the KV events of its stores name its session
+            core.kv_blocks.sessions[held.id] = None if turn is None else turn.session_id
         try:
             yield lease
         finally:

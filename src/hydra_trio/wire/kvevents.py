@@ -48,9 +48,12 @@ Event = dict[str, Any]
 
 
 def block_stored(
-    hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int, medium: str = MEDIUM_DEVICE
+    hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int, medium: str = MEDIUM_DEVICE,
+    session_id: str | None = None,
 ) -> Event:
-    return {
+    """``session_id`` (ours, map encoding only: a key vLLM's structs do not have, which the
+    array layout leaves out): the agent session whose turn stored the blocks."""
+    event = {
         "type": "BlockStored",
         "block_hashes": list(hashes),
         "parent_block_hash": parent,
@@ -60,6 +63,9 @@ def block_stored(
         "medium": medium,
         "lora_name": None,
     }
+    if session_id is not None:
+        event["session_id"] = session_id
+    return event
 
 
 def block_removed(hashes: Sequence[int], medium: str = MEDIUM_DEVICE) -> Event:

@@ -55,6 +55,9 @@ class SlotBlocks:
         self._refs: dict[int, int] = {}  # block hash -> slots holding it
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
         self.pending: deque[Event] = deque()
+        # The agent session of the request holding each slot (set at its claim): its stores
+        # name it (``session_id``, map encoding).
+        self.sessions: list[str | None] = [None] * n_slots
 
     def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None) -> None:
         """The slot now holds ``tokens``, computed under ``salt``; its first ``kept``
@@ -99,6 +102,7 @@ class SlotBlocks:
                     chain[first - 1] if first else None,  # a chain's first block: no parent, salted or not
                     tokens[first * bs : n_full * bs],
                     bs,
+                    session_id=self.sessions[slot],
                 )
             )
 
@@ -180,7 +184,7 @@ class HostBlocks:
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
         self._parents: dict[int, int | None] = {}  # block hash -> its parent's (None: a chain's first)
 
-    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None) -> None:
+    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None, session_id: str | None = None) -> None:
         bs = self.block_size
         chain: list[int] = []
         parent = chain_root(salt)
@@ -201,7 +205,7 @@ class HostBlocks:
         if new_from < len(chain):
             parent_hash = chain[new_from - 1] if new_from else None
             self._publish(
-                [block_stored(chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, self.medium)]
+                [block_stored(chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, self.medium, session_id)]
             )
 
     def entry_removed(self, key: int) -> None:

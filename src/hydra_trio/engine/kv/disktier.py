@@ -1,10 +1,11 @@
 """KV that RAM must drop, on disk (``--cache-disk DIR --cache-disk-gib N``): the third tier.
 
 What the prompt cache evicts for room (promptcache.py ``spill``; not what a finished session
-drops) is written here by one I/O task, off the trio thread, and indexed like the prompt
-cache (the same ``PromptCache`` over ``DiskEntry`` records, so the same longest-prefix
-lookup, bound and retention order). A prompt that an entry here continues better than the
-slot or RAM reads it back (``load``) and restores it as RAM's entries are.
+drops) is indexed here at once, like the prompt cache (the same ``PromptCache`` over
+``DiskEntry`` records, so the same longest-prefix lookup, bound and retention order), and
+written by one I/O task, off the trio thread; until its write is done an entry is served
+from the memory it came from. A prompt that an entry here continues better than the slot or
+RAM reads it back (``load``) and restores it as RAM's entries are.
 
 Crash-safe: an entry is written to a temporary file, fsynced, renamed into place and the
 folder fsynced, so a name that exists holds a whole entry; a header and a payload checksum
@@ -97,8 +98,9 @@ class DiskTier:
     _names: dict[int, str] = field(default_factory=dict)  # index key -> file name
     _loading: set[int] = field(default_factory=set)  # taken for a read: not deleted on removal
     _doomed: list[str] = field(default_factory=list)  # files to delete (the I/O task's)
-    _send: trio.MemorySendChannel[tuple[Snapshot, KvOwner | None]] = field(init=False)
-    _recv: trio.MemoryReceiveChannel[tuple[Snapshot, KvOwner | None]] = field(init=False)
+    _pending: dict[int, Snapshot] = field(default_factory=dict)  # index key -> not yet written
+    _send: trio.MemorySendChannel[int] = field(init=False)
+    _recv: trio.MemoryReceiveChannel[int] = field(init=False)
     _wake: trio.Event = field(default_factory=trio.Event)
     _writes: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     _reads: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(2))
@@ -125,26 +127,38 @@ class DiskTier:
         while True:
             await self._delete_doomed()
             try:
-                snap, owner = self._recv.receive_nowait()
+                key = self._recv.receive_nowait()
             except trio.WouldBlock:
                 await self._wake.wait()
                 self._wake = trio.Event()  # re-armed, then the queue looked at again
                 continue
-            self._pending_bytes -= snap.nbytes
-            await self._write(snap, owner)
+            snap = self._pending.get(key)
+            if snap is not None:  # else taken or evicted before its turn: nothing to write
+                await self._write(key, snap)
 
     def spill(self, snap: Snapshot, owner: KvOwner | None) -> None:
-        """The prompt cache evicted this for room: write it (never waits; a full queue drops)."""
+        """The prompt cache evicted this for room: index it now, write it soon (never waits;
+        a full write queue drops it, counted)."""
         if self._pending_bytes + snap.nbytes > self.pending_max_bytes:
             self.stats.dropped += 1
             return
-        try:
-            self._send.send_nowait((snap, owner))
-        except trio.WouldBlock:
+        salt_key = self.salt_key(snap.salt)
+        size = _HEAD.size + _CHECK.size + len(salt_key or "") + 4 * len(snap.tokens) + len(snap.buf) - snap.offset
+        entry = DiskEntry(snap.tokens, salt_key, self._fresh_name(snap.tokens, salt_key), size)
+        if not self._index.put(entry, owner):
             self.stats.dropped += 1
             return
+        key = self._index.newest_key()
+        try:
+            self._send.send_nowait(key)
+        except trio.WouldBlock:
+            self.stats.dropped += 1
+            self._index.drop(key)
+            return
+        self._pending[key] = snap
         self._pending_bytes += snap.nbytes
         self._wake.set()
+        self._sync_stats()
 
     def watch(self, watcher: CacheWatcher) -> None:
         """Tell ``watcher`` (medium DISK events) every entry held now, and each change."""
@@ -165,8 +179,16 @@ class DiskTier:
 
     async def load(self, key: int, salt: str | None) -> Snapshot | None:
         """Take an entry out and read it back, checked (None: it failed a check and is gone);
-        the snapshot is ``salt``'s, the salt it was looked up under."""
+        the snapshot is ``salt``'s, the salt it was looked up under. One not written yet
+        comes from the memory it was to be written from."""
         entry = self._index._entries[key]
+        waiting = self._pending.get(key)
+        if waiting is not None:
+            self._index.take(key)  # (its write is skipped: _removed)
+            self.stats.loaded += 1
+            self.stats.loaded_tokens += len(waiting.tokens)
+            self._sync_stats()
+            return Snapshot(waiting.tokens, waiting.buf, waiting.offset, waiting.has_logits, salt)
         self._loading.add(key)
         try:
             self._index.take(key)
@@ -212,6 +234,7 @@ class DiskTier:
                 self._recv.receive_nowait()
             except trio.WouldBlock:
                 break
+        self._pending.clear()
         self._pending_bytes = 0
         if fingerprint is not None:
             self.fingerprint = fingerprint
@@ -238,17 +261,22 @@ class DiskTier:
         history (queued meanwhile) can never remove this one."""
         return f"{self._name(tokens, salt_key)}-{secrets.token_hex(4)}{SUFFIX}"
 
-    async def _write(self, snap: Snapshot, owner: KvOwner | None) -> None:
-        salt_key = self.salt_key(snap.salt)
-        name = self._fresh_name(snap.tokens, salt_key)
+    async def _write(self, key: int, snap: Snapshot) -> None:
+        entry: DiskEntry = self._index._entries[key]  # type: ignore[assignment]
         try:
-            size = await trio.to_thread.run_sync(self._write_file, snap, salt_key, name, limiter=self._writes)
+            await trio.to_thread.run_sync(self._write_file, snap, entry.salt, entry.name, limiter=self._writes)
         except OSError as exc:
             log.warning("disk tier: entry of %d positions not written: %s", len(snap.tokens), exc)
+            if self._pending.pop(key, None) is not None:
+                self._pending_bytes -= snap.nbytes
+                self._index.drop(key)
+            self._sync_stats()
             return
         self.stats.written += 1
-        if not self._index.put(DiskEntry(snap.tokens, salt_key, name, size), owner):
-            self._doomed.append(name)
+        if self._pending.pop(key, None) is None:  # taken or evicted while it was written
+            self._doomed.append(entry.name)
+        else:
+            self._pending_bytes -= snap.nbytes
         self._sync_stats()
 
     def _write_file(self, snap: Snapshot, salt_key: str | None, name: str) -> int:
@@ -379,6 +407,10 @@ class DiskTier:
 
     def _removed(self, key: int) -> None:
         name = self._names.pop(key, None)
+        waiting = self._pending.pop(key, None)
+        if waiting is not None:  # never written (or being written: _write deletes it after)
+            self._pending_bytes -= waiting.nbytes
+            return
         if name is not None and key not in self._loading:
             self._doomed.append(name)
             self._wake.set()
@@ -393,11 +425,11 @@ class _Forget:
 
     tier: DiskTier
 
-    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None) -> None:
+    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None, session_id: str | None = None) -> None:
         entry = self.tier._index._entries[key]
         self.tier._names[key] = entry.name  # type: ignore[attr-defined]
         if self.tier.watcher is not None:
-            self.tier.watcher.entry_stored(key, tokens, salt)
+            self.tier.watcher.entry_stored(key, tokens, salt, session_id)
 
     def entry_removed(self, key: int) -> None:
         self.tier._removed(key)

@@ -59,7 +59,7 @@ class CacheHit:
 class CacheWatcher(Protocol):
     """Told each entry that comes and goes (blocks.HostBlocks: KV events of medium CPU)."""
 
-    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None) -> None: ...
+    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None, session_id: str | None = None) -> None: ...
     def entry_removed(self, key: int) -> None: ...
     def cleared(self) -> None: ...
 
@@ -121,7 +121,7 @@ class PromptCache:
         self.nbytes += snap.nbytes
         self.saved += 1
         if self.watcher is not None:
-            self.watcher.entry_stored(key, snap.tokens, snap.salt)
+            self.watcher.entry_stored(key, snap.tokens, snap.salt, getattr(owner, "id", None))
         return True
 
     def _victim(self) -> int:
@@ -139,6 +139,14 @@ class PromptCache:
         self._drop(key)
         if self.spill is not None and not (owner is not None and owner.finished()):
             self.spill(snap, owner)
+
+    def newest_key(self) -> int:
+        """The key the last ``put`` gave its entry."""
+        return next(reversed(self._entries))
+
+    def drop(self, key: int) -> None:
+        """Remove an entry (not an eviction: the caller gave up on it)."""
+        self._unlink(key)
 
     def owner_of(self, key: int) -> KvOwner | None:
         return self._owner[key]
