@@ -132,3 +132,21 @@ async def test_subagents_do_not_push_out_the_history_their_parent_waits_on(
             assert first["usage"]["prompt_tokens"] > 1000
     assert cached["session"] >= first["usage"]["prompt_tokens"] - 1
     assert cached["lru"] < first["usage"]["prompt_tokens"] // 2
+
+
+async def test_a_history_another_request_borrows_stays_its_sessions(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """Session b's prompt shares session a's first part: b's turn borrows a's history from RAM
+    (into its slot), keeps that part and puts a's history back; the copy is still a's (not the
+    slot's last owner's), so the retention order ranks it as a's."""
+    ep = await start_engine(tiny_model, slots=1, cache_ram_mib=64)
+    cache = ep.state.engine._core.prompt_cache
+    shared = "the system prompt and the tools every session of this agent shares " * 10
+    async with http(ep) as h:
+        a = await _turn(h, shared + "and session a's own task " * 10, {"x-session-id": "a"})
+        await _turn(h, "an unrelated one-off prompt about something else entirely " * 6, {})  # a's history to RAM
+        b = await _turn(h, shared + "and session b's own different task " * 10, {"x-session-id": "b"})
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(shared.split()) // 2  # a's first part
+    (owner,) = [cache.owner_of(k) for k, snap in cache.items() if len(snap.tokens) >= a["usage"]["prompt_tokens"]]
+    assert owner is not None and owner.id == "a"

@@ -239,9 +239,11 @@ class SlotScheduler:
             return 0, ""
         hit, tier = found
         if tier == "ram":
+            owner = ram.owner_of(hit.key)
             snap = ram.take(hit.key)
         else:
             assert disk is not None
+            owner = disk.owner_of(hit.key)
             loaded = await disk.load(hit.key, salt)  # read and checked off the trio thread
             if loaded is None:
                 return 0, ""
@@ -262,5 +264,8 @@ class SlotScheduler:
         except ProtocolError as err:  # our own state: only a full shared pool refuses it
             log.warning("%s tier: entry of %d positions not restored into slot %d: %s", tier, len(snap.tokens), slot, err.message)
             return 0, ""
+        # The slot holds that history now: a copy the request makes of it (when it keeps less
+        # of it) is still its owner's, whichever request brought it back.
+        self.slot_owner[slot] = owner
         log.debug("%s tier: slot %d continues %d cached positions", tier, slot, len(snap.tokens))
         return len(snap.tokens), tier
