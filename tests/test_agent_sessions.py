@@ -110,6 +110,8 @@ async def test_a_parent_cancelled_stops_its_subagents_decodes_within_one_step(
             await wait_until(lambda rid=rid: _generated(ep, rid) > 2)
         entries = {name: ep.state.decodes.lookup(rid) for name, rid in rids.items()}  # kept: they outlive the store
         async with gate(ep) as g, trio.open_nursery() as nursery:
+            # The worker is held: once every task has taken the last step's token, nothing moves.
+            await trio.testing.wait_all_tasks_blocked(cushion=0.02)
             before = {name: e.result.completion_tokens for name, e in entries.items()}
             deleted: dict[str, Any] = {}
 

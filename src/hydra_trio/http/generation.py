@@ -213,7 +213,7 @@ class GenerationStream:
     slot_id: int | None  # None: its turn was cut before it held a slot
     items: trio.MemoryReceiveChannel[StreamItem]
     turn: WriterTurn
-    line: _Line  # its request line's facts, the agent session's turn among them
+    line: _Line | None = None  # its request line's facts, the agent session's turn among them
 
     async def batches(self) -> AsyncIterator[list[StreamItem]]:
         """The items, each batch everything that was ready when the reader got to it: under
@@ -244,8 +244,9 @@ class GenerationStream:
         with trio.CancelScope(shield=True):
             # The client left (or the stream is over): its subagents' requests stop now, in
             # the same pass, not after this one's step in flight has been waited for.
-            if self.line.turn is not None and not self.line.turn.ended.is_set():
-                self.line.turn.cancel_subagents()
+            turn = self.line.turn if self.line is not None else None
+            if turn is not None and not turn.ended.is_set():
+                turn.cancel_subagents()
             # Cancel before closing the channel: a producer that ran in between would find
             # it closed and end as a failure, where the client had left (a cancellation).
             await self.task.cancel_and_wait()
