@@ -264,8 +264,8 @@ def plain_llama_loop(model: str, prompt_tokens: list[int], n: int) -> float:
     import llama_cpp
 
     from hydra_trio.engine.llama.context import LlamaBackend
-    from hydra_trio.engine.llama.sampling import Sampler
     from hydra_trio.engine.params import SamplingParams
+    from hydra_trio.engine.sample import Sampler
 
     b = LlamaBackend(model, n_slots=1, n_ctx=4096, n_threads=2)
     try:

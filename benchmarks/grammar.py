@@ -124,14 +124,14 @@ def trigger_figures(model: str, tokens: int = 3500) -> dict[str, list[float]]:
     """us a token of the sampler over a free-text reply of ``tokens`` tokens (the first and
     the last 200), with tool_choice auto's lazy grammar waiting for its trigger and with no
     grammar: the trigger check should cost what the new text costs, not grow with the reply
-    (llama.cpp searches its whole buffer each token; engine/llama/grammar.py TriggerWatch)."""
+    (llama.cpp searches its whole buffer each token; engine/structured/triggers.py TriggerWatch)."""
     from dataclasses import replace
 
     import numpy as np
 
     from hydra_trio.app import serve
     from hydra_trio.config import Settings
-    from hydra_trio.engine.llama import Sampler
+    from hydra_trio.engine.sample import Sampler
 
     out: dict[str, list[float]] = {}
 
@@ -141,12 +141,11 @@ def trigger_figures(model: str, tokens: int = 3500) -> dict[str, list[float]]:
             ep = await nursery.start(serve, settings)
             core = ep.state.engine._core
             backend = core.backend
-            lazy = core.inputs.generation_params({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "auto"})
-            await core.inputs.compile_grammar(lazy)
+            lazy = (await ep.state.engine.prepare("chat", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "auto"})).params
             word = backend.tokenize(" word", add_special=False, parse_special=False)[-1]
 
             def run(params: Any) -> list[float]:
-                sampler = Sampler(params, grammars=backend.grammars)
+                sampler = Sampler(params, grammars=core.inputs.grammars)
                 eog = np.fromiter(sorted(backend.eog_ids), dtype=np.intp)
                 logits = np.zeros(backend.info.n_vocab, dtype=np.float32)
                 logits[word] = 10.0
@@ -162,7 +161,7 @@ def trigger_figures(model: str, tokens: int = 3500) -> dict[str, list[float]]:
                 return [statistics.mean(times[:200]) * 1e6, statistics.mean(times[-200:]) * 1e6]
 
             out["auto (lazy, waiting)"] = await core.worker.call(lambda: run(lazy.sampling))
-            out["no grammar"] = await core.worker.call(lambda: run(replace(lazy.sampling, grammar=None, grammar_triggers=())))
+            out["no grammar"] = await core.worker.call(lambda: run(replace(lazy.sampling, grammar=None)))
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -170,10 +169,11 @@ def trigger_figures(model: str, tokens: int = 3500) -> dict[str, list[float]]:
 
 
 def schema_as_gbnf() -> str:
-    """SCHEMA's grammar as the engine writes it, to send as a client's own GBNF."""
-    from hydra_trio.engine.chat import Constraint, constraint_gbnf
+    """SCHEMA as GBNF (llama-cpp-python's converter, here only), to send as a client's own
+    grammar to both servers."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    return constraint_gbnf(Constraint("json_schema", SCHEMA, "json_schema"))[0]
+    return json_schema_to_gbnf(json.dumps(SCHEMA))
 
 
 def resolve_model(name: str) -> str:

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from hydra_trio.engine.llama.context import LlamaBackend
-    from hydra_trio.engine.llama.sampling import Sampler
     from hydra_trio.engine.llama.types import StepRequest
     from hydra_trio.engine.params import SamplingParams
+    from hydra_trio.engine.sample import Sampler
     from hydra_trio.model.synthetic import write_model
 
     model = Path(tempfile.mkdtemp(prefix="hydra-gaps-")) / "tiny.gguf"

@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import trio
 
-from hydra_trio.engine.chat import Chat
+from hydra_trio.engine.chat import Chat, ChatPlan
 from hydra_trio.testing.sse import sse_chunk
 
 # Bounded strings and numbers: a random-weight model under a grammar writes until the
@@ -226,9 +226,10 @@ def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
                 "why": "the template renders reasoning but no think syntax was detected" if renders_reasoning else ""}
     request = {"messages": [{"role": "user", "content": "What is 2+2?"}], "chat_template_kwargs": {"enable_thinking": True}}
     try:
-        prompt = trio.run(chat.render, json.loads(json.dumps(request)))
+        plan = trio.run(_plan, chat, json.loads(json.dumps(request)))
     except Exception as exc:
         return {"result": "ERR", "why": f"render: {exc}"}
+    prompt = plan.prompt or ""
     want = REASONING
     if caps.tool_format.harmony:
         reply = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
@@ -240,7 +241,7 @@ def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
         reply = ("" if opened else open_ + "\n") + REASONING + "\n" + close + "\n\n" + ANSWER
         if opened and caps.think_lead:  # Apriel 1.6: the prompt's opening words are the reasoning's (as llama.cpp)
             want = prompt[prompt.rfind(open_):] + REASONING
-    factory = chat.reply_parsers(None, request, prompt)
+    factory = plan.replies
     if factory is None:
         return {"result": "FAIL", "why": "no reasoning parser for this template", "reply": reply}
     got = {}
@@ -254,3 +255,15 @@ def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
         got[how] = (reasoning + d.reasoning, content + d.content)
     ok = all(v == (want, ANSWER) for v in got.values())
     return {"result": "ok" if ok else "FAIL", "why": "" if ok else f"got {got}", "reply": reply}
+
+
+async def _plan(chat: Chat, request: dict[str, Any]) -> ChatPlan:
+    """The request's chat plan, as the engine makes it (its grammar written on this thread)."""
+    from hydra_trio.engine.params import parse_generation
+
+    params = parse_generation(request, default_n_predict=16, n_ctx=4096)
+
+    async def here(fn: Any) -> Any:
+        return fn()
+
+    return await chat.plan(request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=here)

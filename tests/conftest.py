@@ -68,6 +68,15 @@ def mamba_model(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hybrid_model(model_dir: Path) -> Path:
+    """A hybrid model (llama.cpp's lfm2 architecture): short-convolution layers with a
+    recurrent state beside attention layers with a KV cache; its sequence state holds both."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "hybrid.gguf", "hybrid", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_ctx(model_dir: Path) -> Path:
     """Same shape and vocabulary as tiny_model, with 10x stronger layer weights.
 

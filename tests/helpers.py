@@ -261,7 +261,8 @@ async def stream_then_hang_up(h: httpx.AsyncClient, path: str, body: dict[str, A
 
 def reset_on_close(stream: trio.SocketStream) -> None:
     """SO_LINGER 0: close() sends a reset (RST) instead of a FIN: the peer hangs up for
-    good (a FIN alone may be a half-close, which the engine answers; see rpc/peer.py)."""
+    good (a FIN alone may be a half-close, which the engine answers on DECODE; see
+    rpc/peer.py)."""
     stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
@@ -484,3 +485,19 @@ def assert_same_kv(a: bytes | bytearray, b: bytes | bytearray, *, n_vocab: int |
 # ggml's spinning thread barriers make a 2-thread engine crawl (seconds per request) when other
 # processes hold the CPUs of a small CI box.
 ENGINE = {"threads": 1}
+
+
+def chat_plan(chat: Any, request: dict[str, Any], *, budget: int = -1) -> Any:
+    """``Chat.plan`` of ``request`` outside an engine (its tools and constraint parsed by the
+    one request parser; its grammar written on this thread): for tests of the plan's decisions."""
+    from hydra_trio.engine.params import parse_generation
+
+    params = parse_generation(request, default_n_predict=16, n_ctx=4096, default_reasoning_budget=budget)
+
+    async def off_loop(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    async def plan() -> Any:
+        return await chat.plan(request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=off_loop)
+
+    return trio.run(plan)

@@ -14,10 +14,10 @@ import pytest
 import trio
 
 from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.engine.llama.sampling import Sampler
 from hydra_trio.engine.llama.state import DecodeAborted
 from hydra_trio.engine.llama.types import StepRequest
 from hydra_trio.engine.params import SamplingParams
+from hydra_trio.engine.sample import Sampler
 from hydra_trio.wire.errors import ErrorCode, ProtocolError
 from hydra_trio.wire.kvblob import encode_kv_blob, parse_kv_blob
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ def test_make_model_with_metadata_and_identity(tmp_path: Path, capsys: pytest.Ca
     assert ident["model_name"] == "CodeLlama Tiny"
     assert ident["model_alias"] == "x"
     assert set(ident["model_capabilities_names"]) == {"MTP", "REASONING", "CODE"}
+    assert ident["model_hash"] == hashlib.sha256(out.read_bytes()).hexdigest()
 
 
 def test_settings_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

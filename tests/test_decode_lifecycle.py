@@ -473,25 +473,38 @@ async def _read_after_half_close(stream: trio.SocketStream) -> RpcResponse:
     return resp
 
 
-async def test_half_closed_client_gets_its_prefill_reply(
-    start_engine: Callable[..., Any], tiny_model: Path
+@pytest.mark.parametrize("close", ["fin", "reset"])
+async def test_a_cancelled_prefill_stops_within_the_chunk_it_is_in(
+    start_engine: Callable[..., Any], tiny_model: Path, close: str
 ) -> None:
-    """spec §4.3: a client that only shut down its write side still reads the reply. The EOF
-    reaches the server while the PREFILL waits for the GPU worker."""
-    ep = await start_engine(tiny_model)
-    async with await rpc(ep) as c:
-        expected = await prefill(c, 1, MESSAGES)
-        async with gate(ep) as g:
-            raw = await _raw_stream(ep)
-            await raw.send_all(encode_request(Op.PREFILL, b"0", json.dumps({"messages": MESSAGES}).encode()))
-            await g.wait_queued(1)
-            await raw.send_eof()
-            await trio.testing.wait_all_tasks_blocked()
-        resp = await _read_after_half_close(raw)
+    """A PREFILL whose client closes its socket, normally (a FIN: what the coordinator does
+    when it cancels) or with a reset, stops within the chunk it is in: its next chunk, queued
+    for the GPU worker, never runs, no reply is written, the slot is free. (A FIN looks like a
+    half-close; a PREFILL takes it as the hang-up: rpc/peer.py.)"""
+    ep = await start_engine(tiny_model)  # 64-token chunks: the long prompt takes ~22
+    core = ep.state.engine._core
+    request = json.dumps({"messages": [LONG_TURN]}).encode()
+
+    def connections() -> float:
+        return ep.state.metrics.registry.get_sample_value("hydra_rpc_connections") or 0.0
+
+    async with gate(ep) as g:
+        raw = await _raw_stream(ep)
+        await raw.send_all(encode_request(Op.PREFILL, b"0", request))
+        while core.prompt_tokens_processed < 2 * 64:  # mid-prompt: two chunks computed
+            await g.step()
+        await g.wait_queued(1)  # the next chunk waits for the worker
+        done = core.prompt_tokens_processed
+        if close == "reset":
+            reset_on_close(raw)
         await raw.aclose()
-        assert resp.status == Status.OK, resp.meta
-        assert resp.meta["n_past"] == expected.meta["n_past"]
-        assert len(resp.payload) == len(expected.payload)
+        # Seen while the test still holds the worker: the queued chunk was withdrawn.
+        await wait_until(lambda: g.waiting == 0 and connections() == 0)
+        assert core.prompt_tokens_processed == done
+        assert not core.slots.slots[0].busy
+    async with await rpc(ep) as c:
+        full = await c.prefill(0, {"messages": [LONG_TURN]})  # the slot serves the next one
+    assert done < full.meta["n_past"] - 64
 
 
 async def test_half_closed_client_gets_its_decode_reply_and_the_decode_completes(

@@ -186,6 +186,13 @@ CASES = [
         "RESTORE_FAILED",
         source="tiny_model_wide",
     ),
+    # The resident model's own KV, every claim right but model_hash (another GGUF file's).
+    Case(
+        "model_hash_mismatch",
+        lambda ctx: _req(ctx, model_hash="0" * 64),
+        Status.ERROR,
+        "CAP_MISMATCH",
+    ),
     Case("header_hash_mismatch", _wrong_header_hash, Status.BAD_REQUEST, "HASH_MISMATCH"),
     Case("kv_hash_mismatch", _wrong_kv_hash, Status.BAD_REQUEST, "HASH_MISMATCH"),
     Case("prompt_hash_mismatch", _wrong_prompt_hash, Status.BAD_REQUEST, "HASH_MISMATCH"),
@@ -319,6 +326,9 @@ async def test_refusal_reply(
                 assert m["capabilities_diff_bits"] == ["VISION"] and m["capabilities_xor"] == 0x02
             if case.name == "other_vocab_tokenizer_hash":
                 assert m["tokenizer_hash_match"] is False
+            if case.name == "model_hash_mismatch":
+                assert m["model_hash_match"] is False and m["tokenizer_match"] and m["model_name_match"]
+                assert meta["reason"].startswith("model_hash mismatch")
 
 
 # ---- accepted despite differences ---------------------------------------------------------
@@ -356,6 +366,18 @@ async def test_other_model_name_is_rescued_by_the_resident_alias(
     assert match["model_name_match"] is True and match["model_alias_match"] is True
     assert match["tokenizer_match"] is True
     assert body["usage"]["completion_tokens"] > 0
+
+
+async def test_the_resident_model_hash_is_accepted(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    """kv_metadata.model_hash equal to the resident GGUF's SHA-256 (INFO's): checked, accepted."""
+    ep = await start_engine(tiny_model)
+    async with http(ep) as h, await rpc(ep) as c:
+        pre = await prefill(c, 0, MESSAGES)
+        md = {**kv_meta(pre), "model_hash": pre.meta["model_hash"]}
+        match, body = await _accepted(c, h, 1, frame(MESSAGES, pre.payload, n_predict=N, kv_metadata=md))
+        chat = await chat_completion(h, MESSAGES, N)
+    assert match["model_hash_match"] is True
+    assert text_of(body) == text_of(chat)
 
 
 async def test_quant_difference_is_accepted_and_reported(

@@ -83,9 +83,11 @@ async def test_json_schema_reply_validates_chat_and_completions(engine: Any) -> 
 async def test_json_object_mode_gives_json(engine: Any) -> None:
     async with http(engine) as h:
         stopped = 0
-        for content in ("hello world", "tell me a story", "the engine", "a cache", "slot"):
+        # Sampled, seeded: the random-weight model's greedy walk loops inside one key.
+        for seed, content in enumerate(("hello world", "tell me a story", "the engine", "a cache", "slot")):
             body = await chat(
-                h, messages=[{"role": "user", "content": content}], response_format={"type": "json_object"}, max_tokens=300
+                h, messages=[{"role": "user", "content": content}], response_format={"type": "json_object"}, max_tokens=300,
+                temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed,
             )
             choice = body["choices"][0]
             if choice["finish_reason"] == "stop":
@@ -122,14 +124,20 @@ async def test_logprobs_are_the_constrained_distribution(engine: Any) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "says"),
     [
-        ("grammar", "root ::= foo", "Undefined rule identifier 'foo'"),
+        ("grammar", "root ::= foo", "Rule 'foo' not found"),
         ("grammar", 'rot ::= "a"', "root"),
-        ("grammar", 'root ::= "a', "unexpected end of input"),
+        ("grammar", 'root ::= "a', "end of input"),
         ("grammar", "root ::= " + "(" * 1001 + '"a"' + ")" * 1001, "nests"),
         ("grammar", 5, "must be a string"),
-        ("grammar", 'root ::= ("a"{0,1000}){0,1000}', "exceeds sane defaults"),
-        ("json_schema", {"type": "frob"}, "Unrecognized schema"),
-        ("json_schema", {"$ref": "#/nope"}, "cannot convert"),
+        # llguidance's GBNF reader drops the group's parentheses: still a 400, never a crash
+        ("grammar", 'root ::= ("a"{0,1000}){0,1000}', "Expected value"),
+        ("json_schema", {"type": "string", "minLength": 5, "maxLength": 2}, "no value can satisfy the schema"),
+        ("json_schema", {"$ref": "#/nope"}, "does not exist"),
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"type": "frob"}}},
+            "not a JSON type",
+        ),
         ("response_format", {"type": "xml"}, "not supported"),
         ("response_format", {"type": "json_schema"}, "json_schema must be an object"),
     ],
@@ -159,8 +167,8 @@ async def test_two_constraints_are_refused(engine: Any) -> None:
 
 
 async def test_same_schema_compiles_once(engine: Any) -> None:
-    grammars = engine.state.engine._core.backend.grammars
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    grammars = engine.state.engine._core.inputs.grammars
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
     async with http(engine) as h:
         before = grammars.compiles
         for _ in range(3):
@@ -280,7 +288,7 @@ async def test_decode_with_a_bad_grammar_is_refused_before_the_slot(engine: Any)
     async with await rpc(engine) as c:
         resp = await decode(c, 0, frame(MESSAGES, grammar="root ::= foo"))
         assert resp.status == Status.BAD_REQUEST, resp.meta
-        assert "Undefined rule identifier 'foo'" in json.dumps(resp.meta)
+        assert "Rule 'foo' not found" in json.dumps(resp.meta)
         assert engine.state.engine.stats().slots_busy == 0
         rid = await decode_ok(c, 0, frame(MESSAGES, grammar=YES_NO))
     async with http(engine) as h:
@@ -307,16 +315,15 @@ async def test_pd_handoff_with_a_schema_matches_one_engine(start_engine: Any, ti
     jsonschema.validate(json.loads(reference), PERSON)
 
 
-async def test_a_schema_too_large_to_compile_names_its_field(engine: Any) -> None:
-    """A grammar nested 100k deep overflowed llama.cpp's recursive parser (the process died):
-    refused before it."""
-    too_long = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 100000}}}
+async def test_a_long_bounded_string_compiles_and_holds(engine: Any) -> None:
+    """A maxLength of 100000 was a grammar nested 100k deep for llama.cpp's recursive parser
+    (the process died, so it was refused); llguidance compiles it as a bounded regex."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 100000}}, "required": ["s"], "additionalProperties": False}
     async with http(engine) as h:
-        r = await h.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": json_schema_format(too_long)})
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == "response_format.json_schema.schema"
-        assert "too large" in err["message"], err
+        body = await chat(h, messages=MESSAGES, response_format=json_schema_format(schema), max_tokens=200)
+        if body["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+        assert body["choices"][0]["message"]["content"].startswith("{")
     await assert_server_healthy(engine)
 
 
@@ -350,8 +357,13 @@ async def test_batched_slots_keep_their_own_grammars(start_engine: Any, tiny_mod
     ep = await start_engine(tiny_model, slots=4)
     schemas = [
         PERSON,
-        {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}, "required": ["xs"]},
-        {"type": "object", "properties": {"k": {"enum": ["red", "green", 7]}}, "required": ["k"]},
+        {
+            "type": "object",
+            "properties": {"xs": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+            "required": ["xs"],
+            "additionalProperties": False,
+        },
+        {"type": "object", "properties": {"k": {"enum": ["red", "green", 7]}}, "required": ["k"], "additionalProperties": False},
     ]
     async with http(ep) as h:
         alone = (await chat(h, max_tokens=24))["choices"][0]["message"]["content"]

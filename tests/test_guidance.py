@@ -1,9 +1,9 @@
-"""A client's own GBNF runs on llguidance (engine/llama/grammar.py, GuidanceCache, issue 40): llama.cpp's
-grammar engine has no bound on one token's work, and an ambiguous grammar held every stream
-for minutes. Here: which engine a constraint gets, that llguidance constrains as the grammar
-says, and that a grammar past the per-token bound ends its own request with a clear error
-while another stream goes on and the engine stays healthy. (The time one such token takes is
-measured by the hostile campaign's solo phase, not asserted here.)"""
+"""Every grammar runs on llguidance (engine/structured/guidance.py, issues 40 and 49):
+llama.cpp's grammar engine has no bound on one token's work, and an ambiguous grammar held
+every stream for minutes. Here: what each constraint becomes, that llguidance constrains as
+the grammar says, and that a grammar past the per-token bound ends its own request with a
+clear error while another stream goes on and the engine stays healthy. (The time one such
+token takes is measured by the hostile campaign's solo phase, not asserted here.)"""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import pytest
 import trio
 
 from helpers import MESSAGES, assert_server_healthy, chat, http
-from hydra_trio.engine.chat import parse_constraint
-from hydra_trio.engine.llama import grammar as grammar_module
+from hydra_trio.engine.chat import constraint_grammar
+from hydra_trio.engine.chat.formats import GENERIC
+from hydra_trio.engine.structured import OutputGrammar, output_constraint
+from hydra_trio.engine.structured import guidance as guidance_module
 
 # Ambiguous: every "a" may close either branch, so an Earley parser's items grow each token
 # (llama.cpp's engine expanded its stacks for 265 s on one token of it).
@@ -24,19 +26,23 @@ AMBIGUOUS = 'root ::= s\ns ::= "a" s p | "a" s q | ""\np ::= "a"\nq ::= "a"\n'
 YES_NO = 'root ::= "yes" | "no"'
 
 
-def test_a_clients_gbnf_goes_to_llguidance_and_built_grammars_stay_on_llama() -> None:
-    gbnf = parse_constraint({"grammar": YES_NO})
-    assert gbnf is not None and gbnf.grammar_engine(()) == "llguidance"
-    assert gbnf.grammar_engine(("a trigger",)) == "llama"  # a lazy grammar is llama.cpp's
-    schema = parse_constraint({"json_schema": {"type": "integer"}})
-    assert schema is not None and schema.grammar_engine(()) == "llama"
+def test_a_clients_gbnf_is_its_own_text_and_schemas_are_lark() -> None:
+    gbnf = output_constraint({"grammar": YES_NO})
+    assert gbnf is not None
+    grammar = constraint_grammar(gbnf, GENERIC)
+    assert grammar.syntax == "gbnf" and grammar.text == YES_NO and grammar.param == "grammar"
+    schema = output_constraint({"json_schema": {"type": "integer"}})
+    assert schema is not None
+    lark = constraint_grammar(schema, GENERIC)
+    assert lark.syntax == "lark" and lark.text.startswith("start: %json ")
 
 
 async def test_guidance_state_allows_what_the_grammar_allows(engine: Any) -> None:
     backend = engine.state.engine._core.backend
-    guidance = backend.grammars.guidance
-    await trio.to_thread.run_sync(guidance.compile, YES_NO)
-    state = guidance.new_state(YES_NO)
+    guidance = engine.state.engine._core.inputs.grammars
+    grammar = OutputGrammar(YES_NO, "gbnf")
+    await trio.to_thread.run_sync(guidance.compile, grammar)
+    state = guidance.new_state(grammar)
     pieces = backend.pieces
     allowed = np.flatnonzero(state.allowed())
     assert len(allowed) and all(b"yes".startswith(pieces[t]) or b"no".startswith(pieces[t]) for t in allowed)
@@ -54,7 +60,7 @@ async def test_an_ambiguous_grammar_ends_its_request_and_not_the_engine(
     """Past the per-token bound the request ends with a 400 (streamed: an error event). The
     bound is lowered here so that the tiny vocabulary's ambiguous grammar reaches it within
     a slot's context (with the engine's own bound it needs more tokens than a slot holds)."""
-    monkeypatch.setattr(grammar_module, "LIMITS", {**grammar_module.LIMITS, "step_max_items": 2_000})
+    monkeypatch.setattr(guidance_module, "LIMITS", {**guidance_module.LIMITS, "step_max_items": 2_000})
     ep = await start_engine(tiny_model, slots=2)
     body = {"messages": MESSAGES, "grammar": AMBIGUOUS, "max_tokens": 1800, "min_tokens": 1800}
     async with http(ep) as h:
@@ -92,14 +98,22 @@ async def test_an_ambiguous_grammar_ends_its_request_and_not_the_engine(
 WIDE = "root ::= " + " | ".join(f'"w{i}"' for i in range(20_000)) + "\n"
 
 
-async def test_a_large_client_grammar_is_compiled_off_the_worker(engine: Any) -> None:
-    grammars = engine.state.engine._core.backend.grammars
-    before = grammars.compiles  # llama.cpp parses (on the worker)
+async def test_a_large_client_grammar_is_compiled_off_the_worker(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its compile runs while the GPU worker is free for every stream's steps."""
+    worker = engine.state.engine._core.worker
+    seen: list[bool] = []
+    real = guidance_module.GuidanceCache.compile
+
+    def spy(self: Any, grammar: Any) -> None:
+        seen.append(worker.limiter.borrowed_tokens == 0)
+        real(self, grammar)
+
+    monkeypatch.setattr(guidance_module.GuidanceCache, "compile", spy)
     async with http(engine) as h:
         body = await chat(h, grammar=WIDE, max_tokens=16)
     content = body["choices"][0]["message"]["content"]
     assert content.startswith("w") and content[1:].isdigit() and int(content[1:]) < 20_000
-    assert grammars.compiles == before  # llama.cpp never parsed it
+    assert seen == [True]
 
 
 async def test_gbnf_llguidance_cannot_run_is_a_400_naming_it(engine: Any) -> None:

@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from helpers import MESSAGES, OTHER_MESSAGES, http, parse_sse, stream_chat, wait_slots_idle
-from hydra_trio.engine.llama.logprobs import log_softmax, token_logprobs
 from hydra_trio.engine.requests import IGNORED
+from hydra_trio.engine.sample import log_softmax, token_logprobs
 from test_http_openai import assert_openai_error
 
 

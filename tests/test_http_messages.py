@@ -230,3 +230,46 @@ async def test_reasoning_comes_back_as_thinking_blocks(start_engine: Any, tiny_m
     async with sdk.messages.stream(**kw) as stream:
         final = await stream.get_final_message()
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+
+
+UNSATISFIABLE = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}
+
+
+async def test_refusals_name_what_the_client_sent(ep: Any) -> None:
+    """A refusal on /v1/messages names the request's own keys: ``tools[3].input_schema`` (its
+    index past a server tool the codec drops), ``output_format``; in Anthropic's shape."""
+    tools = [{"type": "web_search_20250305", "name": "web_search"}, *TOOLS, {"name": "bad", "input_schema": UNSATISFIABLE}]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}") as c:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            body: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": USER, "tools": tools}
+            r = await c.post(path, json=body)
+            if path.endswith("count_tokens"):  # counting needs no grammar: the tools are counted
+                assert r.status_code == 200, r.text
+                continue
+            assert r.status_code == 400, r.text
+            err = r.json()
+            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+            message = err["error"]["message"]
+            assert message.startswith("tools[3].input_schema") and "function" not in message, message
+        fmt = {"type": "json_schema", "schema": UNSATISFIABLE}
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": USER, "output_format": fmt})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("output_format.schema"), r.text
+
+
+async def test_a_cut_forced_call_is_never_a_text_block(ep: Any) -> None:
+    """The length cap in the middle of forced calls: the reply's whole calls as tool_use blocks,
+    stop_reason max_tokens, and no text block holding call syntax (issue 49)."""
+    sdk = client(ep)
+    for max_tokens in range(4, 80, 5):
+        msg = await sdk.messages.create(
+            model="m", max_tokens=max_tokens, messages=USER, tools=TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY  # type: ignore[arg-type]
+        )
+        assert all(b.type == "tool_use" for b in msg.content), (max_tokens, msg.content)
+        assert msg.stop_reason in ("max_tokens", "tool_use"), msg
+        for use in (b for b in msg.content if b.type == "tool_use"):
+            jsonschema.validate(use.input, PARAMS_OF[use.name])
+        async with sdk.messages.stream(
+            model="m", max_tokens=max_tokens, messages=USER, tools=TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY  # type: ignore[arg-type]
+        ) as stream:
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]

@@ -216,3 +216,30 @@ async def test_reasoning_comes_back_as_a_reasoning_item(start_engine: Any, tiny_
         async for ev in stream:
             last = ev
     assert last.response.output[0].model_dump()["content"] == resp.output[0].model_dump()["content"]
+
+
+async def test_refusals_name_what_the_client_sent(ep: Any) -> None:
+    """A refusal on /v1/responses names the request's own keys: ``tools[2].parameters`` (its
+    index past a tool the codec drops), ``text.format.schema``, ``max_output_tokens``."""
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}
+    tools = [*CODEX_EXTRAS[:1], TOOLS[0], {"type": "function", "name": "bad", "parameters": bad}]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}") as c:
+        r = await c.post("/v1/responses", json={"input": "hi", "tools": tools, "max_output_tokens": 8})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[2].parameters", r.text
+        assert "function" not in r.json()["error"]["message"], r.text
+        fmt = {"type": "json_schema", "name": "x", "schema": bad, "strict": True}
+        r = await c.post("/v1/responses", json={"input": "hi", "text": {"format": fmt}, "max_output_tokens": 8})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+        r = await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": -3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens", r.text
+
+
+async def test_a_cut_forced_call_is_never_message_text(ep: Any) -> None:
+    sdk = client(ep)
+    for max_tokens in range(4, 80, 5):
+        resp = await sdk.responses.create(
+            model="any", input=INPUT, tools=TOOLS, tool_choice="required", max_output_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
+        )
+        assert all(o.type == "function_call" for o in resp.output), (max_tokens, resp.output)
+        for call in resp.output:
+            jsonschema.validate(json.loads(call.arguments), PARAMS_OF[call.name])  # type: ignore[union-attr]

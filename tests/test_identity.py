@@ -26,6 +26,7 @@ from hydra_trio.model.identity import (
     capabilities_from_metadata,
     capability_names,
     compare_identity,
+    file_sha256,
     read_identity,
     split_words,
 )
@@ -502,6 +503,7 @@ def test_exact_match_accepted() -> None:
     assert m.as_meta() == {
         "tokenizer_match": True,
         "tokenizer_hash_match": None,
+        "model_hash_match": None,
         "model_name_match": True,
         "model_quant_match": True,
         "model_capabilities_match": True,
@@ -517,6 +519,44 @@ def test_real_file_identity_matches_itself(tmp_path: Path) -> None:
     m = compare_identity(r, kv, header_model=None)
     assert m.accepted and m.tokenizer_hash_match is True
     assert m.model_alias_match is False  # nothing named the alias; reported only
+
+
+HASH = "ab" * 32
+
+
+def test_model_hash_is_checked_when_the_kv_side_sends_one() -> None:
+    """model_hash (SHA-256 of the GGUF file) names one file exactly: a DECODE whose
+    kv_metadata carries another is refused; one without it is not checked (mixed
+    quantisation stays allowed), and neither is one where no hash is known here."""
+    r = resident(model_hash=HASH)
+    assert r.fields()["model_hash"] == HASH
+    same = compare_identity(r, kv_of(r), header_model=None)
+    assert same.accepted and same.model_hash_match is True
+    assert compare_identity(r, kv_of(r, model_hash=HASH.upper()), header_model=None).model_hash_match is True
+    for bad in ("cd" * 32, "", 7, ["x"]):
+        m = compare_identity(r, kv_of(r, model_hash=bad), header_model=None)
+        assert not m.accepted and m.model_hash_match is False, bad
+        assert m.reason.startswith("model_hash mismatch: kv ") and HASH in m.reason
+        assert m.as_meta()["model_hash_match"] is False
+    unsent = compare_identity(r, {k: v for k, v in kv_of(r).items() if k != "model_hash"}, header_model=None)
+    assert unsent.accepted and unsent.model_hash_match is None
+    assert compare_identity(r, kv_of(r, model_hash=None), header_model=None).model_hash_match is None
+    unknown = resident()  # no hash computed: nothing to hold it against
+    assert "model_hash" not in unknown.fields()
+    assert compare_identity(unknown, kv_of(r, model_hash="cd" * 32), header_model=None).accepted
+
+
+def test_file_sha256_is_the_files_digest(tmp_path: Path) -> None:
+    import hashlib
+
+    path = write_model(tmp_path / "m.gguf")
+    data = path.read_bytes()
+    calls: list[int] = []
+    got = file_sha256(path, between_chunks=lambda: calls.append(1))
+    assert got == hashlib.sha256(data).hexdigest() and re.fullmatch(r"[0-9a-f]{64}", got)
+    assert len(calls) == -(-len(data) // (8 << 20))  # one check per 8 MiB chunk
+    other = write_model(tmp_path / "o.gguf", seed=1)
+    assert file_sha256(other) != got  # same shape, other weights
 
 
 def test_quant_difference_accepted_and_reported() -> None:

@@ -203,8 +203,8 @@ def test_sliding_window_cache_is_window_sized_by_default(gemma_model: Path) -> N
     full-size cache: the same greedy token."""
     from hydra_trio.config import Settings
     from hydra_trio.engine.llama.context import LlamaBackend
-    from hydra_trio.engine.llama.sampling import Sampler
     from hydra_trio.engine.params import SamplingParams
+    from hydra_trio.engine.sample import Sampler
 
     assert Settings().swa_full is False
     picks = {}
@@ -241,9 +241,10 @@ async def test_a_prompt_that_leaves_the_history_near_its_end_resumes_from_a_chec
     cells a cut just before the prompt's end needs. The prefill's context checkpoint (4
     tokens before the end) lets the next prompt, which leaves the history 2 tokens before
     that end, resume there: it computes 4 + its own tokens, not all 700. What it computes
-    is the model's answer: the first token's distribution matches a recompute from nothing
-    in the same slot (top-5 log-probs within a rounding tolerance; a wrong window would
-    move them by far more)."""
+    is the model's answer: the first token's distribution is the one a slot that still holds
+    those cells computes (the same prompt, prefilled in the same chunks, with one token
+    generated), to the last bit. (A recompute from nothing runs other batch shapes: on this
+    model they move a top-5 log-prob by up to 0.2, so it is no reference.)"""
     ep = await start_engine(gemma_model, threads=1, ctx_size=4096, slots=slots, batch_size=256)
     async with http(ep) as c:
         x = (await _ids(c, "The history of the city of Paris is long and old. " * 60))[:700]
@@ -260,13 +261,13 @@ async def test_a_prompt_that_leaves_the_history_near_its_end_resumes_from_a_chec
         assert resumed["id_slot"] == first["id_slot"]
         assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] == len(x) - 4
         assert (await c.post(f"/slots/{resumed['id_slot']}?action=erase")).status_code == 200
-        fresh = await run(y, 1)
-        assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        held = await run(x, 1)  # the window still holds the cells the cut needs
+        reference = await run(y, 1)
+        assert reference["id_slot"] == held["id_slot"]
+        assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == len(x) - 4
     got = resumed["choices"][0]["logprobs"]["top_logprobs"][0]
-    want = fresh["choices"][0]["logprobs"]["top_logprobs"][0]
-    shared = set(got) & set(want)
-    assert len(shared) >= 4, (got, want)
-    assert all(abs(got[t] - want[t]) < 0.1 for t in shared), (got, want)
+    want = reference["choices"][0]["logprobs"]["top_logprobs"][0]
+    assert got == want
 
 
 async def test_without_checkpoints_the_same_prompt_recomputes(

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from hydra_trio.engine.chat import Chat, ChatTemplate, parse_tools, render_jinja
+from helpers import chat_plan
+from hydra_trio.engine.chat import Chat, ChatTemplate
 from hydra_trio.engine.chat.caps import detect_think_tags
-from hydra_trio.engine.llama import SamplingParams
 
 # The corpus templates' markers, in the places they have them there.
 APRIEL_16 = (
@@ -62,8 +62,7 @@ def read(source: str, reply: str, *, tools: bool = False, **req: Any) -> tuple[s
     same whole, a character at a time and split in two anywhere."""
     chat = chat_for(source)
     body = {"messages": USER, **({"tools": TOOLS} if tools else {}), **req}
-    prompt = render_jinja(body, source, bos_token="", eos_token="")
-    make = chat.reply_parsers(parse_tools(body), body, prompt)
+    make = chat_plan(chat, body).replies
     if make is None:  # nothing to read: the text is the content as it stands
         return reply, "", []
     results = set()
@@ -114,8 +113,7 @@ def test_a_forced_apriel_16_call_waits_for_the_final_response() -> None:
     budget) writes ``[BEGIN FINAL RESPONSE]`` (llama/thinking.py)."""
     chat = chat_for(APRIEL_16)
     body = {"messages": USER, "tools": TOOLS, "tool_choice": "required"}
-    prompt = render_jinja(body, APRIEL_16, bos_token="", eos_token="")
-    plan = chat.think_plan(parse_tools(body), body, prompt, budget=24, sampling=SamplingParams(grammar='root ::= "x"'))
+    plan = chat_plan(chat, body, budget=24).think
     assert plan is not None and plan.starts_in_reasoning and plan.holds_grammar
     assert plan.close_text == b"[BEGIN FINAL RESPONSE]"
 
@@ -155,8 +153,7 @@ def test_a_forced_solar_call_parses_with_thinking_on_or_off(thinking: bool) -> N
     body: dict[str, Any] = {"messages": USER, "tools": TOOLS, "tool_choice": "required"}
     if thinking:
         body["chat_template_kwargs"] = {"enable_thinking": True}
-    prompt = render_jinja(body, SOLAR, bos_token="", eos_token="")
-    plan = chat.think_plan(parse_tools(body), body, prompt, budget=-1, sampling=SamplingParams(grammar='root ::= "x"'))
+    plan = chat_plan(chat, body).think
     call = '<|tool_calls|><|tool_call:begin|>1<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}<|tool_call:end|>'
     if thinking:
         assert plan is not None and plan.force_open and plan.holds_grammar and plan.close_text == b"<|end|>"

@@ -51,7 +51,8 @@ def _tool(name: str, props: dict[str, Any], required: list[str]) -> dict[str, An
 CLAUDE_CODE_LIKE = [
     _tool("Bash", {"command": {"type": "string", "maxLength": 10}, "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 600000}}, ["command"]),
     _tool("Read", {"file_path": {"type": "string", "maxLength": 10}, "offset": {"type": "integer", "minimum": 0}, "limit": {"type": "integer", "exclusiveMinimum": 0}}, ["file_path"]),
-    _tool("WebFetch", {"url": {"type": "string", "format": "uri"}}, ["url"]),
+    # pydantic's HttpUrl: a format with lengths (refused before llguidance)
+    _tool("WebFetch", {"url": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 40}}, ["url"]),
     _tool("WebSearch", {"query": {"type": "string", "minLength": 2, "maxLength": 9}}, ["query"]),
     _tool("Edit", {"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"}, "n": {"type": "integer", "minimum": 1, "maximum": 9}}, ["id", "n"]),
 ]

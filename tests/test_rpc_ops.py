@@ -4,6 +4,7 @@ connection timeout."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
@@ -27,8 +28,15 @@ from helpers import (
     http,
     rpc,
     wait_slots_until,
+    wait_until,
 )
-from hydra_trio.rpc.client import Call, prefill_call
+from hydra_trio.rpc.client import (
+    Call,
+    build_decode_frame,
+    decode_call,
+    identity_kv_metadata,
+    prefill_call,
+)
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.hashing import xxh3_tag
 from hydra_trio.wire.kvblob import parse_kv_blob
@@ -40,8 +48,14 @@ from hydra_trio.wire.protocol import (
     parse_response_header,
 )
 
-IDENTITY_KEYS = ("model_alias", "model_path", "tokenizer", "model_name", "model_quant", "model_capabilities")
+IDENTITY_KEYS = (
+    "model_alias", "model_path", "tokenizer", "model_name", "model_quant", "model_capabilities", "model_hash"
+)
 KV_HASH = re.compile(r"^xxh3:[0-9a-f]{16}$")
+
+
+def sha256_of(model: Path) -> str:
+    return hashlib.sha256(model.read_bytes()).hexdigest()
 
 
 def assert_identity(meta: dict[str, Any], model: Path, alias: str) -> None:
@@ -50,6 +64,7 @@ def assert_identity(meta: dict[str, Any], model: Path, alias: str) -> None:
     assert meta["model_alias"] == alias
     assert meta["model_path"] == str(model)
     assert isinstance(meta["model_capabilities"], int)
+    assert meta["model_hash"] == sha256_of(model)  # the GGUF file's SHA-256, as the upstream protocol's
 
 
 def strip_logits(payload: bytes | bytearray, n_vocab: int) -> bytes:
@@ -92,6 +107,7 @@ async def test_info(engine: Any, tiny_model: Path) -> None:
                 "model_name",
                 "model_quant",
                 "model_capabilities",
+                "model_hash",
             } <= caps
 
 
@@ -610,6 +626,64 @@ async def test_configure_t3_reads_only_regular_files_inside_the_model_dir(
     finally:
         fifo.unlink()
         link.unlink()
+
+
+async def test_model_hash_follows_a_t3_reload(
+    start_engine: Callable[..., Any], tiny_model: Path, tiny_model_other: Path
+) -> None:
+    """model_hash is the loaded file's: a CONFIGURE T3 reload of another GGUF changes it in
+    INFO, STATE_META and PREFILL replies, and a DECODE carrying the old one is refused."""
+    ep = await start_engine(tiny_model)
+    async with await rpc(ep) as c:
+        before = (await c.info()).meta["model_hash"]
+        assert before == sha256_of(tiny_model)
+        old = await c.prefill(0, {"messages": MESSAGES})
+        assert (await c.configure(0, {"model_path": str(tiny_model_other)})).meta["tier"] == "T3"
+    await wait_slots_until(ep.state.engine, lambda: ep.state.engine._core.t3_reloads == 1)
+    async with await rpc(ep) as c:
+        now = sha256_of(tiny_model_other)
+        assert (await c.info()).meta["model_hash"] == now != before
+        assert (await c.state_meta(1)).meta["model_hash"] == now
+        assert (await c.prefill(1, {"messages": MESSAGES})).meta["model_hash"] == now
+        md = {**identity_kv_metadata(old.meta, old.meta["n_past"]), "model_hash": before}
+        r = await c.call(decode_call(0, build_decode_frame({"messages": MESSAGES}, bytes(old.payload), kv_metadata=md)), check=False)
+    assert r.meta["error_code"] == "CAP_MISMATCH" and r.meta["match"]["model_hash_match"] is False, r.meta
+    assert "model_hash mismatch" in r.meta["reason"]
+
+
+async def test_model_hash_runs_in_a_thread_of_its_own(
+    start_engine: Callable[..., Any], tiny_model: Path, tiny_model_other: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A T3 reload's hashing (seconds to minutes on a multi-GB file) is held mid-file: the
+    event loop still answers INFO and the GPU worker still runs calls; then it finishes and
+    the reload takes effect."""
+    import threading
+
+    from hydra_trio.engine import modelfile
+
+    started, release = threading.Event(), threading.Event()
+    real = modelfile.file_sha256
+
+    def held(path: Any, *, between_chunks: Any = None) -> str:
+        started.set()
+        release.wait(30)
+        return real(path, between_chunks=between_chunks)
+
+    ep = await start_engine(tiny_model)
+    core = ep.state.engine._core
+    monkeypatch.setattr(modelfile, "file_sha256", held)
+    try:
+        async with await rpc(ep) as c:
+            assert (await c.configure(0, {"model_path": str(tiny_model_other)})).meta["tier"] == "T3"
+            await wait_until(started.is_set)
+            with trio.fail_after(10):
+                assert (await c.info()).meta["model_hash"] == sha256_of(tiny_model)  # the loop serves
+                assert await core.worker.call(lambda: 7) == 7  # and the worker is free
+            assert core.t3_reloads == 0
+    finally:
+        release.set()
+    await wait_slots_until(ep.state.engine, lambda: core.t3_reloads == 1)
+    assert ep.state.engine.identity.model_hash == sha256_of(tiny_model_other)
 
 
 async def test_configure_tiers_can_be_switched_off(start_engine: Callable[..., Any], tiny_model: Path) -> None:

@@ -26,7 +26,7 @@ from helpers import (
     rpc,
     wait_until,
 )
-from hydra_trio.rpc.client import Call, RpcClient
+from hydra_trio.rpc.client import Call, RpcClient, RpcConnectionClosed
 from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
 from hydra_trio.wire.kvblob import Checkpoint, encode_blob_head, parse_kv_blob
 from hydra_trio.wire.protocol import MAGIC, REQUEST_HEADER, Op, encode_request_header
@@ -213,6 +213,48 @@ async def test_refused_kv_payload_reaches_a_client_that_writes_first(
     finally:
         engine.state.engine._core.slots.release(holder)
     assert engine.state.payload_budget.discarded - before == 3 * len(blob)
+    assert engine.state.payload_budget.used == 0
+    await assert_server_healthy(engine)
+
+
+OVER_BOTH = {"drain_limit_bytes": 8 << 20, "max_json_bytes": 1024, "max_kv_bytes": 2 << 20}
+
+
+async def test_a_refusal_over_the_drain_limit_reaches_a_client_that_writes_first(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """A payload over both the op's cap and --drain-limit-bytes (24 MiB: more than the socket
+    buffers hold), written whole before the client reads, as the coordinator does: the engine
+    writes TOO_LARGE, then reads and discards what the client goes on sending (up to
+    LINGER_FACTOR times the drain bound) before it closes, so the client finishes its write
+    and reads the refusal instead of a reset. Then the connection closes."""
+    engine = await start_engine(tiny_model, **ENGINE, **OVER_BOTH)
+    payload = b"\x02" + b"\x00" * ((24 << 20) - 1)
+    before = engine.state.payload_budget.discarded
+    for op in (Op.PREFILL, Op.STATE_PUT, Op.DECODE, Op.INFO):
+        async with await rpc(engine) as c:
+            resp = await c.call(Call(op, b"0", [payload]), check=False)
+            assert_error(resp, Status.BAD_REQUEST, "TOO_LARGE")
+            await expect_closed(c)
+    assert engine.state.payload_budget.discarded - before == 4 * len(payload)
+    assert engine.state.payload_budget.used == 0
+    await assert_server_healthy(engine)
+
+
+async def test_a_payload_past_the_linger_bound_is_still_answered_and_closed(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """The reading after the refusal is bounded (LINGER_FACTOR x the drain bound): a client
+    declaring and sending more is cut off there, and the engine stays healthy."""
+    engine = await start_engine(tiny_model, **ENGINE, drain_limit_bytes=1 << 20, max_json_bytes=1024)
+    before = engine.state.payload_budget.discarded
+    async with await rpc(engine) as c:
+        with trio.fail_after(30):
+            try:
+                await c.call(Call(Op.PREFILL, b"0", [b" " * (16 << 20)]), check=False)
+            except (trio.BrokenResourceError, RpcConnectionClosed, ConnectionResetError):
+                pass  # cut off mid-write: the reset the bound costs
+    assert engine.state.payload_budget.discarded - before <= 4 << 20
     assert engine.state.payload_budget.used == 0
     await assert_server_healthy(engine)
 
@@ -454,9 +496,10 @@ async def test_client_disconnect_mid_request(engine: Any) -> None:
         assert (await c.state_put(1, blob)).ok
 
 
-async def test_client_disconnect_during_prefill(engine: Any) -> None:
-    """A PREFILL whose caller hangs up (a reset) right after sending is cancelled; nothing is
-    stuck. (A FIN alone may be a half-close: that caller still gets its reply.)"""
+@pytest.mark.parametrize("close", ["fin", "reset"])
+async def test_client_disconnect_during_prefill(engine: Any, close: str) -> None:
+    """A PREFILL whose caller hangs up (a FIN or a reset) right after sending is cancelled;
+    nothing is stuck."""
     long = {"messages": [{"role": "user", "content": "the " * 1500}]}
     payload = json.dumps(long).encode()
     eng = engine.state.engine
@@ -464,7 +507,8 @@ async def test_client_disconnect_during_prefill(engine: Any) -> None:
     for _ in range(3):
         stream = await trio.open_tcp_stream("127.0.0.1", engine.rpc_port)
         await stream.send_all(header(Op.PREFILL, key=b"0", payload_len=len(payload)) + payload)
-        reset_on_close(stream)
+        if close == "reset":
+            reset_on_close(stream)
         await stream.aclose()
 
     def open_connections() -> float:

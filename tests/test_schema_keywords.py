@@ -1,8 +1,8 @@
-"""The schema keywords agents and pydantic/zod send (issue 40): each is enforced by the grammar,
-so every reply on the random-weight tiny model validates (``jsonschema``, formats checked);
-a schema no value can satisfy is a 400 saying so; counts that would size the grammar are
-refused before any grammar text is built. And the exact ranges the converter writes for
-integer and number bounds, checked value by value."""
+"""The schema keywords agents and pydantic/zod send (issues 40, 49): each is enforced by the
+grammar (llguidance's JSON compiler), so every reply on the random-weight tiny model validates
+(``jsonschema``, formats checked); a schema no value can satisfy is a 400 saying so; what
+cannot be enforced is relaxed (tools, and schemas without ``strict``) or refused naming the
+keyword (``strict``), by the one schema policy (engine/structured/schema_policy.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ from typing import Any
 
 import jsonschema
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from helpers import assert_server_healthy, chat, http
-from hydra_trio.engine.chat.grammar import schema_gbnf
-from hydra_trio.engine.llama.schema import int_range, number_range
+from hydra_trio.engine.structured import prepare_schema
+from hydra_trio.engine.structured.schema_policy import DATED_PATTERNS
 from hydra_trio.wire.errors import ProtocolError
 
 NAME = {"type": "string", "maxLength": 6}
@@ -35,15 +33,23 @@ KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
     "date": {"type": "string", "format": "date"},
     "time": {"type": "string", "format": "time"},
     "date_time": {"type": "string", "format": "date-time"},
+    "date_time_and_pattern": {"type": "string", "format": "date-time", "pattern": "^20"},
     "uuid": {"type": "string", "format": "uuid"},
-    "email": {"type": "string", "format": "email"},
+    "email": {"type": "string", "format": "email", "maxLength": 24},  # a format with a length (refused before)
     "ipv4": {"type": "string", "format": "ipv4"},
     "string_lengths": {"type": "string", "minLength": 2, "maxLength": 5},
     "items_counts": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
     "const": {"const": "fixed"},
     "enum": {"enum": ["red", "green", 3, None]},
     "ref_defs": {
-        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["x"]}},
+        "$defs": {
+            "Point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["x"],
+                "additionalProperties": False,
+            }
+        },
         "type": "object",
         "properties": {"p": {"$ref": "#/$defs/Point"}},
         "required": ["p"],
@@ -98,118 +104,146 @@ async def test_each_keyword_gives_only_valid_replies(start_engine: Any, tiny_mod
 @pytest.mark.parametrize(
     ("schema", "says"),
     [
-        ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 is over maxLength 2"),
-        ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems 3 is over maxItems 1"),
-        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "types integer, string at once"),
-        ({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False}, "'b' is required"),
-        ({"type": "string", "pattern": "^[z-a]$"}, "not a valid regular expression"),
-        ({"type": "integer", "minimum": 3, "maximum": 2}, "no integer lies within"),
-        ({"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4}, "no integer lies within"),
-        ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number lies within"),
-        ({"type": "string", "enum": [1, 2]}, "no enum value"),
-        ({"enum": []}, "enum is empty"),
-        ({"type": "integer", "const": "x"}, "const is not"),
+        ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength (5) is greater than maxLength (2)"),
+        ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems (3) is greater than maxItems (1)"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "incompatible types"),
+        ({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False}, "'b'"),
+        ({"type": "integer", "minimum": 3, "maximum": 2}, "minimum (3) is greater than maximum (2)"),
+        ({"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 4}, "no integer values"),
+        ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "exclusiveMinimum (1) is equal to maximum (1)"),
+        ({"type": "string", "enum": [1, 2]}, "incompatible types"),
+        ({"enum": []}, "empty"),
+        ({"type": "integer", "const": "x"}, "incompatible types"),
     ],
 )
 async def test_unsatisfiable_schemas_are_400(engine: Any, schema: dict[str, Any], says: str) -> None:
     async with http(engine) as h:
-        r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "json_schema": schema})
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == "json_schema", err
-        assert "no value can satisfy the schema" in err["message"] and says in err["message"], err
-        assert not re.search(r"\d\d:\d\d:\d\d", err["message"]), err  # the problem, never a log line
+        for strict in (False, True):  # relaxed or not, no reply could follow it
+            body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+            if strict:
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+            else:
+                body["json_schema"] = schema
+            r = await h.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"].startswith("response_format" if strict else "json_schema"), err
+            assert "no value can satisfy the schema" in err["message"] and says in err["message"], err
+            assert not re.search(r"\d\d:\d\d:\d\d", err["message"]), err  # the problem, never a log line
     await assert_server_healthy(engine)
 
 
-def test_a_huge_count_is_refused_before_any_grammar_text() -> None:
-    """The 60-byte schema that took 1.7 GB and froze the loop: refused by the check alone."""
-    with pytest.raises(ProtocolError, match="too large: minLength 100000000 is over 2000"):
-        schema_gbnf({"type": "string", "minLength": 100_000_000}, "json_schema")
-    with pytest.raises(ProtocolError, match="add up to over"):
-        schema_gbnf({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 2000} for i in range(20)}}, "json_schema")
-    with pytest.raises(ProtocolError, match="too large"):
-        schema_gbnf({"type": "string", "pattern": "^a{0,100000}$"}, "json_schema")
+# A bound llguidance's number reader cannot hold (issue 50: a 500 OverflowError before), a
+# keyword it does not implement, a pattern with look-around, an unknown format.
+UNENFORCEABLE: dict[str, tuple[dict[str, Any], str]] = {
+    "huge_bound": ({"type": "integer", "minimum": int("9" * 400)}, "minimum"),
+    "huge_max_length": ({"type": "string", "maxLength": int("9" * 400)}, "maxLength"),
+    "not": ({"type": "string", "not": {"const": "x"}}, "not"),
+    "unique_items": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    "lookaround": ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, "pattern"),
+    "unknown_format": ({"type": "string", "format": "my-format"}, "format"),
+}
 
 
-def test_a_required_property_not_declared_is_written() -> None:
-    """The converter writes only declared properties: a required one it was not told of is
-    declared (any value), so the grammar cannot end the object without it."""
-    gbnf = schema_gbnf({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a", "b"]}, "json_schema")
-    assert 'root ::= "{" space a-kv "," space b-kv' in gbnf, gbnf
+@pytest.mark.parametrize("case", sorted(UNENFORCEABLE))
+async def test_unenforceable_keywords_are_relaxed_unless_strict(engine: Any, case: str, caplog: pytest.LogCaptureFixture) -> None:
+    schema, keyword = UNENFORCEABLE[case]
+    wrapped = {"type": "object", "properties": {"v": schema}, "required": ["v"], "additionalProperties": False}
+    async with http(engine) as h:
+        strict = {"type": "json_schema", "json_schema": {"name": "x", "schema": wrapped, "strict": True}}
+        r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "response_format": strict})
+        assert r.status_code == 400, r.text
+        assert keyword in r.json()["error"]["message"], r.json()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="hydra_trio.structured"):
+            loose = {"type": "json_schema", "json_schema": {"name": "x", "schema": wrapped}}
+            body = await chat(h, response_format=loose, max_tokens=48)
+            tool = {"type": "function", "function": {"name": "f", "parameters": wrapped}}
+            called = await chat(h, tools=[tool], tool_choice="required", max_tokens=48)
+        assert body["choices"][0]["message"]["content"].startswith("{")
+        assert called["choices"][0]["message"].get("tool_calls") or called["choices"][0]["finish_reason"] == "length", called
+        said = [r.getMessage() for r in caplog.records if "relaxed" in r.getMessage()]
+        assert any(keyword in m for m in said), said  # one line names what was left out
+    await assert_server_healthy(engine)
 
 
-def test_what_cannot_be_enforced_is_refused_naming_the_keyword() -> None:
-    for key, value in (("multipleOf", 3), ("uniqueItems", True), ("not", {})):
-        with pytest.raises(ProtocolError, match=f"'{key}' is not supported"):
-            schema_gbnf({"type": "integer", key: value}, "json_schema")
+def test_the_policy_leaves_annotations_out_and_keeps_every_constraint() -> None:
+    """A grammar is keyed by what it enforces: descriptions and titles never reach it (a tool
+    list whose descriptions change compiles once); property names that look like annotations
+    stay, and so does every constraint."""
+    schema = {
+        "type": "object",
+        "title": "T",
+        "description": "what it is",
+        "properties": {"description": {"type": "string", "description": "a property named description", "maxLength": 9}},
+        "required": ["description"],
+        "x-vendor": 1,
+        "$defs": {"D": {"type": "integer", "examples": [1], "minimum": 0}},
+    }
+    out = prepare_schema(schema, "tools[0].function.parameters", strict=False).schema
+    assert out == {
+        "type": "object",
+        "properties": {"description": {"type": "string", "maxLength": 9}},
+        "required": ["description"],
+        "$defs": {"D": {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}},  # numbers I-JSON's: closed
+    }
+    # A call's arguments sit inside the call's object: their references follow them there.
+    refs = prepare_schema({"properties": {"p": {"$ref": "#/$defs/D"}, "me": {"$ref": "#"}}}, "x", strict=False, ref_base="#/a")
+    assert refs.schema["properties"] == {"p": {"$ref": "#/a/$defs/D"}, "me": {"$ref": "#/a"}}
+    with pytest.raises(ProtocolError, match="nests subschemas more than"):
+        deep: dict[str, Any] = {"type": "string"}
+        for _ in range(100):
+            deep = {"anyOf": [deep]}
+        prepare_schema(deep, "json_schema", strict=False)
+    with pytest.raises(ProtocolError, match="must be a JSON schema"):
+        prepare_schema([1], "json_schema", strict=False)
 
 
-# ---- the ranges, value by value ----------------------------------------------------------------
-
-
-def _regex(gbnf: str) -> re.Pattern[str]:
-    """int_range / number_range's GBNF (literals, classes, counts) as a Python regex."""
-    out = re.sub(r'"([^"]*)"', lambda m: re.escape(m.group(1)), gbnf).replace(" ", "")
-    return re.compile(out.replace("[0-9]{1,15}", "[0-9]{1,3}").replace("[0-9]{0,14}", "[0-9]{0,2}"))
-
-
-BOUND = st.one_of(st.none(), st.integers(-2500, 2500), st.integers(-10**7, 10**7))
-
-
-@settings(max_examples=300, deadline=None)
-@given(lo=BOUND, hi=BOUND, probes=st.lists(st.integers(-10**7, 10**7), max_size=20))
-def test_int_range_is_exactly_the_range(lo: int | None, hi: int | None, probes: list[int]) -> None:
-    if lo is not None and hi is not None and lo > hi:
-        lo, hi = hi, lo
-    r = _regex(int_range(lo, hi))
-    edges = [b + d for b in (lo, hi, 0) if b is not None for d in range(-12, 13)]
-    for v in [*edges, *probes]:
-        assert bool(r.fullmatch(str(v))) == ((lo is None or v >= lo) and (hi is None or v <= hi)), (lo, hi, v)
-    for spelling in ("-0", "01", "00", "-01", "+1"):
-        assert not r.fullmatch(spelling)
-
-
-NUM_BOUND = st.one_of(st.none(), st.integers(-30, 30), st.integers(-300, 300).map(lambda x: x / 10))
-
-
-@settings(max_examples=300, deadline=None)
-@given(lo=NUM_BOUND, lo_x=st.booleans(), hi=NUM_BOUND, hi_x=st.booleans(), probes=st.lists(st.integers(-4000, 4000), max_size=40))
-def test_number_range_allows_only_numbers_within(
-    lo: float | None, lo_x: bool, hi: float | None, hi_x: bool, probes: list[int]
-) -> None:
-    if lo is not None and hi is not None and lo > hi:
-        lo, hi = hi, lo
-    try:
-        r = _regex(number_range(lo, lo_x, hi, hi_x))
-    except ValueError:
-        return  # too narrow: refused by the schema check
-    for text in [str(p / 100) for p in probes] + [str(p) for p in range(-40, 41)] + ["0.5", "0.05", "-0.5"]:
-        if r.fullmatch(text):
-            x = float(text)
-            assert lo is None or (x > lo if lo_x else x >= lo), (lo, lo_x, text)
-            assert hi is None or (x < hi if hi_x else x <= hi), (hi, hi_x, text)
-
-
-async def test_schemas_are_converted_off_the_event_loop(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A schema's conversion runs on a worker thread (``Inputs.generation_params_off_loop``):
-    however long it takes, it cannot hold the trio thread and the streams it serves."""
+async def test_grammars_are_written_and_compiled_off_the_event_loop(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schema's policy walk and its compile run on worker threads: however long they take,
+    they cannot hold the trio thread and the streams it serves."""
     import threading
 
-    from hydra_trio.engine.chat import grammar
+    from hydra_trio.engine.structured import grammars, guidance
 
-    seen: list[threading.Thread] = []
-    real = grammar.convert_schema
+    seen: list[tuple[str, threading.Thread]] = []
+    real_prepare, real_compile = grammars.prepare_schema, guidance.GuidanceCache.compile
 
-    def spy(text: str) -> str:
-        seen.append(threading.current_thread())
-        return real(text)
+    def spy_prepare(*args: Any, **kwargs: Any) -> Any:
+        seen.append(("prepare", threading.current_thread()))
+        return real_prepare(*args, **kwargs)
 
-    monkeypatch.setattr(grammar, "convert_schema", spy)
-    grammar._schema_gbnf.cache_clear()
+    def spy_compile(self: Any, grammar: Any) -> None:
+        seen.append(("compile", threading.current_thread()))
+        real_compile(self, grammar)
+
+    monkeypatch.setattr(grammars, "prepare_schema", spy_prepare)
+    monkeypatch.setattr(guidance.GuidanceCache, "compile", spy_compile)
     async with http(engine) as h:
-        schema = {"type": "object", "properties": {"q": {"type": "integer", "minimum": 3, "maximum": 77}}, "required": ["q"]}
+        schema = {"type": "object", "properties": {"q": {"type": "integer", "minimum": 3, "maximum": 77}}, "required": ["q"], "additionalProperties": False}
         body = await chat(h, json_schema=schema, max_tokens=64)
         jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
     loop_thread = threading.current_thread()  # this test runs on the engine's trio thread
-    assert seen and all(t is not loop_thread for t in seen), seen
+    assert {what for what, _ in seen} == {"prepare", "compile"}
+    assert all(t is not loop_thread for _, t in seen), seen
+
+
+def test_the_date_patterns_admit_exactly_the_dates_python_reads() -> None:
+    """Every day of years 0000-9999 (leap days, month ends, year zero): the engine's date
+    pattern matches it exactly when Python's date reads it; times keep at most nanoseconds."""
+    import datetime
+
+    date = re.compile(DATED_PATTERNS["date"])
+    for year in range(10000):
+        for month in range(1, 13):
+            for day in (1, 28, 29, 30, 31):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    datetime.date.fromisoformat(text)
+                    readable = True
+                except ValueError:
+                    readable = False
+                assert bool(date.match(text)) == readable, text
+    stamp = re.compile(DATED_PATTERNS["date-time"])
+    assert stamp.match("2024-02-29T23:59:59.123456789Z") and stamp.match("0001-01-01T00:00:00+05:30")
+    assert not stamp.match("2023-02-29T00:00:00Z") and not stamp.match("2024-01-01T00:00:00.1234567890Z")

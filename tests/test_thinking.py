@@ -15,11 +15,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from helpers import chat, http
+from helpers import chat, chat_plan, http
 from hydra_trio.config import Settings, add_arguments, settings_from
 from hydra_trio.engine.chat import render_jinja
-from hydra_trio.engine.llama import ThinkGate, ThinkPlan
 from hydra_trio.engine.requests import check_request
+from hydra_trio.engine.structured import ThinkGate, ThinkPlan
 from hydra_trio.http.anthropic import to_chat as messages_to_chat
 from hydra_trio.http.common import HttpError
 from hydra_trio.http.responses import to_chat as responses_to_chat
@@ -295,35 +295,33 @@ async def test_a_forced_tool_call_comes_after_the_reasoning(start_engine: Any, t
 
 
 def test_which_replies_get_a_think_plan() -> None:
-    """The one decision (Chat.think_plan): a budget where the reply thinks, a grammar held
-    where it thinks first, and nothing where it does not."""
-    from hydra_trio.engine.chat import Chat, ChatTemplate, render_jinja
-    from hydra_trio.engine.llama import SamplingParams
+    """The one decision (``Chat.plan``'s think block): a budget where the reply thinks, a
+    grammar held where it thinks first, and nothing where it does not."""
+    from hydra_trio.engine.chat import Chat, ChatTemplate
 
-    def plan(source: str, *, grammar: str | None = None, triggers: tuple[str, ...] = (), budget: int = -1, **req: Any) -> ThinkPlan | None:
+    def plan(source: str, *, budget: int = -1, **req: Any) -> ThinkPlan | None:
         chat_ = Chat(ChatTemplate(name="t", source="inline", jinja=source), tool_call_parser="auto", reasoning_format="auto",
                      bos_token="", eos_token="", tokenizer_adds_bos=False, run_on_worker=None, apply_builtin=None)  # type: ignore[arg-type]
-        request = {"messages": USER, "reasoning_budget_tokens": budget, **req}
-        prompt = render_jinja(request, source, bos_token="", eos_token="")
-        return chat_.think_plan(None, request, prompt, budget=budget, sampling=SamplingParams(grammar=grammar, grammar_triggers=triggers))
+        return chat_plan(chat_, {"messages": USER, "reasoning_budget_tokens": budget, **req}, budget=budget).think
 
-    json_gbnf = 'root ::= "{}"'
+    json_gbnf = {"grammar": 'root ::= "{}"'}
     on = {"chat_template_kwargs": {"enable_thinking": True}}
+    auto = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "tool_choice": "auto"}
     assert plan(OPENS_THINK) is None
     p = plan(OPENS_THINK, budget=3)
     assert p is not None and p.starts_in_reasoning and p.budget == 3 and not p.holds_grammar and not p.force_open
-    p = plan(OPENS_THINK, grammar=json_gbnf)
+    p = plan(OPENS_THINK, **json_gbnf)
     assert p is not None and p.holds_grammar and p.budget == -1
     assert plan(OPENS_THINK, grammar='root ::= "a</think>b"') is None  # it spells the reasoning itself
-    p = plan(MAY_THINK, grammar=json_gbnf, **on)
+    p = plan(MAY_THINK, **json_gbnf, **on)
     assert p is not None and p.force_open and p.holds_grammar and not p.starts_in_reasoning
-    assert plan(MAY_THINK, grammar=json_gbnf, chat_template_kwargs={"enable_thinking": False}) is None
-    assert plan(MAY_THINK, grammar=json_gbnf, reasoning_effort="none", **on) is None
-    assert plan(MAY_THINK, grammar=json_gbnf, triggers=("(x)$",), **on) is None  # tool_choice auto: may call at once
+    assert plan(MAY_THINK, **json_gbnf, chat_template_kwargs={"enable_thinking": False}) is None
+    assert plan(MAY_THINK, **json_gbnf, reasoning_effort="none", **on) is None
+    assert plan(MAY_THINK, **auto, **on) is None  # tool_choice auto: may call at once
     p = plan(MAY_THINK, budget=5, **on)
     assert p is not None and not p.force_open and p.budget == 5  # the model opens the block, the budget counts from there
     chatml = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    assert plan(chatml, grammar=json_gbnf, budget=5) is None
+    assert plan(chatml, **json_gbnf, budget=5) is None
 
 
 async def test_pd_handoff_thinks_as_one_engine(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import chat_plan
 from hydra_trio.engine.chat import (
     ChatTemplate,
     ReplyParser,
@@ -511,9 +512,10 @@ def test_a_call_after_an_open_think_block_follows_the_reasoning(choice: Any) -> 
     body = {"messages": [{"role": "user", "content": "time in Paris?"}], "tools": [
         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
     ], "tool_choice": choice}
-    prompt = "<｜User｜>time in Paris?<｜Assistant｜><think>\n"
     call = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
-    make = chat.reply_parsers(parse_tools(body), body, prompt)
+    plan = chat_plan(chat, body)
+    assert plan.prompt.endswith("<｜Assistant｜><think>\n"), plan.prompt
+    make = plan.replies
     assert make is not None
     parser = make()
     deltas = [parser.feed(c) for c in "Paris, then.\n</think>\n\n" + call] + [parser.finish()]
@@ -525,10 +527,10 @@ def test_a_call_after_an_open_think_block_follows_the_reasoning(choice: Any) -> 
 def test_kimi_call_index_is_bounded_in_the_grammar() -> None:
     """The grammar writes Kimi's ``functions.NAME:IDX`` with a bounded index: unbounded, a
     random-weight model wrote digits to max_tokens (found by the corpus benchmark)."""
-    from hydra_trio.engine.chat.grammar import tools_gbnf
+    from hydra_trio.engine.chat.call_grammar import tools_grammar
 
     req = parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
                        "tool_choice": "required"})
     assert req is not None
-    gbnf, _ = tools_gbnf(req, FORMATS["kimi_k2"])
-    assert "[0-9]+" not in gbnf and "[0-9]{1,5}" in gbnf
+    text = tools_grammar(req, FORMATS["kimi_k2"]).text
+    assert "[0-9]+" not in text and "/[0-9]{1,5}/" in text

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from hydra_trio.engine.chat import ToolRequest, parse_reply, parse_tools
+from hydra_trio.engine.chat.call_grammar import tool_triggers, tools_grammar
 from hydra_trio.engine.chat.formats import FORMATS, GENERIC, HERMES, ToolFormat, Trigger
-from hydra_trio.engine.chat.grammar import tool_triggers, tools_gbnf, trigger_pattern
-from hydra_trio.engine.llama.sampling import Sampler
 from hydra_trio.engine.params import SamplingParams
+from hydra_trio.engine.sample import Sampler
 from hydra_trio.wire.errors import ParamError
 from test_grammar import object_schemas
 
@@ -146,23 +146,24 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
 
 async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
     eng = engine.state.engine
-    grammars = eng._core.backend.grammars
+    grammars = eng._core.inputs.grammars
     use_format(eng, HERMES)
     body = {"tools": tools_body([{"type": "object", "properties": {"n": {"type": "integer"}}}]), "max_tokens": 24}
-    params = eng._core.inputs.generation_params(body)
-    assert params.sampling.grammar is not None and params.sampling.grammar_triggers
+    messages = [{"role": "user", "content": "call a tool"}]
+    grammar = (await eng.prepare("chat", {**body, "messages": messages})).params.sampling.grammar
+    assert grammar is not None and grammar.triggers
     before = grammars.compiles
-    free = []
-    for _ in range(2):
-        await eng._core.inputs.compile_grammar(eng._core.inputs.generation_params(body))
-        free.append(await generate(eng, body))
-    assert grammars.compiles == before + 1
-    assert grammars.known(params.sampling.grammar, params.sampling.grammar_triggers)
-    assert not grammars.known(params.sampling.grammar)  # the same GBNF, not lazy: another grammar
-    # Untriggered, the lazy grammar constrains nothing (but valid UTF-8, which the Sampler
-    # keeps under any grammar): this model writes no trigger, so the reply is free text.
+    free = [await generate(eng, body) for _ in range(2)]
+    assert grammars.compiles == before  # compiled once, by the first prepare
+    assert grammars.known(grammar)
+    # The same calls forced: the same grammar text (laziness is the engine's), compiled already.
+    forced = (await eng.prepare("chat", {**body, "tool_choice": "required", "messages": messages})).params.sampling.grammar
+    assert forced is not None and forced.text == grammar.text and not forced.triggers
+    assert grammars.compiles == before
+    # Untriggered, the lazy grammar constrains nothing: this model writes no trigger, so the
+    # reply is free text.
     assert free[0] == free[1] and free[0][1] == "limit"
-    assert "\ufffd" not in free[0][0] and "<tool_call>" not in free[0][0]
+    assert "<tool_call>" not in free[0][0]
     reply = parse_reply(free[0][0], HERMES, parse_tools=True, reasoning=False, tools=parse_tools(body))
     assert reply.content == free[0][0] and reply.tool_calls == []
 
@@ -190,13 +191,14 @@ async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
     eng = engine.state.engine
     backend = eng._core.backend
     fmt = FORMATS[fmt_name]
-    gbnf, triggers = tools_gbnf(OK_TOOL, fmt)  # type: ignore[arg-type]
+    grammar = tools_grammar(OK_TOOL, fmt)  # type: ignore[arg-type]
+    grammars = eng._core.inputs.grammars
     trigger = all_triggers(fmt)[which]
     lead = "" if trigger.at_start else "Hello there "
 
     def run() -> tuple[str, str]:
-        backend.grammars.compile(gbnf, "tools", triggers)
-        sampler = Sampler(SamplingParams(grammar=gbnf, grammar_triggers=triggers), grammars=backend.grammars)
+        grammars.compile(grammar)
+        sampler = Sampler(SamplingParams(grammar=grammar), grammars=grammars)
         eog = np.fromiter(sorted(backend.eog_ids), dtype=np.intp)
         n_vocab = backend.info.n_vocab
         out = bytearray()
@@ -236,13 +238,13 @@ def test_trigger_patterns_match_only_at_the_end_and_at_the_start_when_asked() ->
     """What llama.cpp searches after each token (its std::regex ECMAScript; these patterns
     use only what Python's re reads the same): the trigger, then a beginning of what the
     grammar writes after it, at the end of the text so far, from the capture group on."""
-    hermes = trigger_pattern(HERMES.triggers[0])
+    hermes = HERMES.triggers[0].pattern
     for text, fed in [("Hi <tool_call>", "<tool_call>"), ("<tool_call>\n{", "<tool_call>\n{"), ("a<tool_call>\n{\"name\": \"", None)]:
         m = re.search(hermes, text)
         assert m is not None and m.group(1) == (fed or text[1:])
     assert re.search(hermes, "<tool_call> {") is None  # not what the grammar writes: stays free
     assert re.search(hermes, "<tool_call>\n{x") is None
-    generic = trigger_pattern(GENERIC.triggers[0])
+    generic = GENERIC.triggers[0].pattern
     assert generic.startswith("^") and generic.endswith("$")
     assert re.fullmatch(generic, ' \n{"tool_calls"').group(1) == '{"tool_calls"'  # type: ignore[union-attr]
     assert re.fullmatch(generic, 'x {"tool_calls"') is None
@@ -251,39 +253,42 @@ def test_trigger_patterns_match_only_at_the_end_and_at_the_start_when_asked() ->
 def test_muse_glimmers_trigger_is_a_message_to_a_declared_tool() -> None:
     """As llama.cpp's pattern, which skips ``self`` and ``user``: reasoning and the answer stay
     free; a message to ``tool_0`` starts the grammar, which writes that message from its start."""
-    gbnf, patterns = tools_gbnf(OK_TOOL, FORMATS["muse_glimmer"])  # type: ignore[arg-type]
-    (pattern,) = patterns
+    grammar = tools_grammar(OK_TOOL, FORMATS["muse_glimmer"])  # type: ignore[arg-type]
+    (pattern,) = grammar.triggers
     for free in (" to=self<|message|>", "<|eom|><|start|>assistant to=user<|message|>", " to=tool_1<|message|>"):
         assert re.search(pattern, free) is None, free
     m = re.search(pattern, " to=self<|message|>hm<|eom|><|start|>assistant to=tool_0<|message|><atem:")
     assert m is not None and m.group(1) == " to=tool_0<|message|><atem:"
-    assert '" to=tool_0<|message|><atem:function_calls>' in gbnf
+    assert '" to=tool_0<|message|><atem:function_calls>' in grammar.text
 
 
-async def test_a_schema_the_converter_refuses_names_its_tool(engine: Any) -> None:
+async def test_a_tool_schema_no_value_satisfies_names_its_tool(engine: Any) -> None:
     eng = engine.state.engine
-    bad = {"type": "object", "properties": {"n": {"type": "integer", "minLength": -1}}}
-    body = {"tools": tools_body([{"type": "object"}, bad]), "tool_choice": "required"}
+    messages = [{"role": "user", "content": "call a tool"}]
+    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}
+    body = {"tools": tools_body([{"type": "object"}, bad]), "tool_choice": "required", "messages": messages}
     with pytest.raises(ParamError) as info:
-        eng._core.inputs.generation_params(body)
-    assert info.value.param == "tools[1].function.parameters" and "minLength" in info.value.message
+        await eng.prepare("chat", body)
+    assert info.value.param == "tools[1].function.parameters" and "no value can satisfy" in info.value.message
     # A keyword no grammar enforces is left out of a tool's grammar (Claude Code's tools use
-    # propertyNames), and refused in response_format, where the reply must be valid.
+    # propertyNames), and of a response_format without strict; refused with strict.
     loose = {"type": "object", "properties": {
         "n": {"type": "integer", "multipleOf": 3}, "m": {"type": "object", "propertyNames": {"pattern": "^a"}},
-        "script": {"type": "string", "maxLength": 524288},  # Claude Code's: too large to expand
+        "script": {"type": "string", "maxLength": 524288},  # Claude Code's
         "args": {"description": "any JSON value"},  # annotations alone: any value
     }}
-    relaxed = {"tools": tools_body([loose]), "tool_choice": "required"}
-    assert eng._core.inputs.generation_params(relaxed).sampling.grammar is not None
+    relaxed = {"tools": tools_body([loose]), "tool_choice": "required", "messages": messages}
+    assert (await eng.prepare("chat", relaxed)).params.sampling.grammar is not None
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}
+    assert (await eng.prepare("chat", {"response_format": fmt, "messages": messages})).params.sampling.grammar is not None
     with pytest.raises(ParamError) as info:
-        eng._core.inputs.generation_params({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}})
-    assert "multipleOf" in info.value.message
-    # The named function's grammar converts only that tool's schema.
+        await eng.prepare("chat", {"response_format": {**fmt, "json_schema": {**fmt["json_schema"], "strict": True}}, "messages": messages})
+    assert "propertyNames" in info.value.message
+    # The named function's grammar writes only that tool's call: the unsatisfiable one aside.
     named = {**body, "tool_choice": {"type": "function", "function": {"name": "tool_0"}}}
-    assert eng._core.inputs.generation_params(named).sampling.grammar is not None
+    assert (await eng.prepare("chat", named)).params.sampling.grammar is not None
     # tool_choice "none": no grammar at all, the tools still parsed.
-    none = eng._core.inputs.generation_params({**body, "tool_choice": "none"})
+    none = (await eng.prepare("chat", {**body, "tool_choice": "none"})).params
     assert none.sampling.grammar is None and none.tools is not None
 
 
@@ -295,7 +300,7 @@ def test_functionarys_trigger_is_a_tools_name_never_its_content_line() -> None:
     req = parse_tools({"tools": tools_body([{"type": "object"}]) + [
         {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("allocate", "add", "all")]})
     assert req is not None
-    _, triggers = tools_gbnf(req, fmt)
+    triggers = tools_grammar(req, fmt).triggers
 
     def fed(text: str) -> str | None:  # what llama.cpp feeds its grammar once the text so far matches
         for end in range(1, len(text) + 1):  # a character a token
@@ -311,10 +316,10 @@ def test_functionarys_trigger_is_a_tools_name_never_its_content_line() -> None:
     assert fed(">>>allocate\n{}") == ">>>allo" and fed(">>>add\n{}") == ">>>ad"
     assert fed(">>>all\n{}") is None  # a tool named "all" cannot be told from content: never triggered
     assert re.search(triggers[0], ">>>tool_0\n") and not re.search(triggers[0], '>>>tool_0\n{"')  # a beginning only
-    assert tools_gbnf(parse_tools({"tools": tools_body([{"type": "object"}]), "tool_choice": "required"}), fmt)[1] == ()
+    assert tools_grammar(parse_tools({"tools": tools_body([{"type": "object"}]), "tool_choice": "required"}), fmt).triggers == ()  # type: ignore[arg-type]
     only_all = parse_tools({"tools": [{"type": "function", "function": {"name": "all", "parameters": {"type": "object"}}}]})
     assert only_all is not None
-    lazy = tools_gbnf(only_all, fmt)[1]
+    lazy = tools_grammar(only_all, fmt).triggers
     assert lazy  # still lazy (no trigger would hold the grammar from the first token)
     assert all(re.search(p, ">>>all\nHi") is None for p in lazy)
 
@@ -327,12 +332,13 @@ async def test_functionary_under_auto_leaves_an_all_line_free_and_holds_a_call(e
     fmt = FORMATS["functionary"]
     req = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
     assert req is not None
-    gbnf, triggers = tools_gbnf(req, fmt)
+    grammar = tools_grammar(req, fmt)
+    grammars = eng._core.inputs.grammars
 
     def run(written: str) -> bool:
         """Whether, after ``written``, a token the call's grammar refuses is still taken."""
-        backend.grammars.compile(gbnf, "tools", triggers)
-        sampler = Sampler(SamplingParams(grammar=gbnf, grammar_triggers=triggers), grammars=backend.grammars)
+        grammars.compile(grammar)
+        sampler = Sampler(SamplingParams(grammar=grammar), grammars=grammars)
         eog = np.fromiter(sorted(backend.eog_ids), dtype=np.intp)
         try:
             for token in backend.tokenize(written, add_special=False, parse_special=False):

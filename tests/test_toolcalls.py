@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.engine.chat import ReplyParser, ToolCall, parse_constraint, parse_reply
+from hydra_trio.engine.chat import ReplyParser, ToolCall, parse_reply
 from hydra_trio.engine.chat.caps import detect_format
 from hydra_trio.engine.chat.formats import (
     FORMATS,
@@ -26,6 +26,7 @@ from hydra_trio.engine.chat.formats import (
 )
 from hydra_trio.engine.chat.tools import MAX_TOOLS, parse_tools
 from hydra_trio.engine.params import parse_generation
+from hydra_trio.engine.structured import request_constraint
 from hydra_trio.wire.errors import ParamError
 
 TOOLS = [
@@ -417,18 +418,23 @@ def test_parse_tools_refusals_name_the_param(body: dict[str, Any], param: str, s
 
 
 def test_tools_are_a_constraint_unless_choice_none() -> None:
-    c = parse_constraint({"tools": TOOLS, "tool_choice": "required"})
-    assert c is not None and c.kind == "tools" and c.param == "tools" and c.value.choice == "required"
-    assert parse_constraint({"tools": TOOLS, "tool_choice": "none"}) is None
-    assert parse_constraint({"tools": TOOLS, "tool_choice": "none", "grammar": 'root ::= "a"'}).kind == "gbnf"  # type: ignore[union-attr]
+    def constraint(body: dict[str, Any]) -> Any:
+        return request_constraint(body, parse_tools(body))
+
+    c = constraint({"tools": TOOLS, "tool_choice": "required"})
+    assert c is not None and c.kind == "tools" and c.param == "tools" and c.value.choice == "required" and c.answer is None
+    assert constraint({"tools": TOOLS, "tool_choice": "none"}) is None
+    assert constraint({"tools": TOOLS, "tool_choice": "none", "grammar": 'root ::= "a"'}).kind == "gbnf"
+    # Beside a typed answer: auto is "a call or the answer"; required and named are calls.
+    fmt = {"type": "json_object"}
+    auto = constraint({"tools": TOOLS, "response_format": fmt})
+    assert auto.kind == "tools" and auto.answer is not None and auto.answer.kind == "json_object"
+    assert constraint({"tools": TOOLS, "tool_choice": "required", "response_format": fmt}).answer is None
     with pytest.raises(ParamError) as info:
-        parse_constraint({"tools": TOOLS, "response_format": {"type": "json_object"}})
-    assert info.value.param == "response_format" and "with tools is not supported" in info.value.message
-    seen: list[Any] = []
-    params = parse_generation(
-        {"tools": TOOLS}, default_n_predict=8, n_ctx=64, to_gbnf=lambda c: (seen.append(c) or "root ::= x", ("(x)$",))
-    )
-    assert params.sampling.grammar == "root ::= x" and params.sampling.grammar_triggers == ("(x)$",)
-    assert params.sampling.grammar_param == "tools" and params.tools == seen[0].value
+        constraint({"tools": TOOLS, "grammar": 'root ::= "a"'})
+    assert info.value.param == "grammar" and "with tools is not supported" in info.value.message
+    params = parse_generation({"tools": TOOLS}, default_n_predict=8, n_ctx=64)
+    assert params.constraint is not None and params.constraint.value == params.tools
+    assert params.sampling.grammar is None  # written by the chat plan, not here
     none = parse_generation({"tools": TOOLS, "tool_choice": "none"}, default_n_predict=8, n_ctx=64)
-    assert none.sampling.grammar is None and none.tools is not None and none.tools.choice == "none"
+    assert none.constraint is None and none.tools is not None and none.tools.choice == "none"

@@ -237,7 +237,7 @@ async def test_a_template_that_lists_tools_renders_them_as_llama_server_does(eng
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": TOOLS, "grammar": 'root ::= "a"'}, "grammar"),  # a client's GBNF has no call syntax to join
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         ({"tools": TOOLS, "reasoning_format": "sideways"}, "reasoning_format"),
     ],
@@ -248,6 +248,41 @@ async def test_bad_tool_requests_are_refused_naming_the_parameter(engine: Any, e
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] is not None and err["param"].startswith(param), err
+    await assert_server_healthy(engine)
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
+    "required": ["city", "ok"],
+    "additionalProperties": False,
+}
+
+
+async def test_tools_beside_a_typed_answer(engine: Any) -> None:
+    """An agent framework's turn: tools and a typed final answer together. ``required`` and a
+    named tool write calls (the answer waits for a later turn); ``auto`` writes a call or a
+    document of the answer's schema, nothing else; ``none`` the document."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": ANSWER, "strict": True}}
+    sampled = [{"temperature": 0}] + [{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": s} for s in range(4)]
+    async with http(engine) as h:
+        for sampling in sampled:
+            body = await chat(h, tools=TOOLS, tool_choice="required", response_format=fmt, max_tokens=1500, **sampling)
+            assert body["choices"][0]["finish_reason"] == "tool_calls", body
+            check_calls(body["choices"][0]["message"])
+            named = {"type": "function", "function": {"name": TOOLS[1]["function"]["name"]}}
+            body = await chat(h, tools=TOOLS, tool_choice=named, response_format=fmt, max_tokens=1500, **sampling)
+            assert len(check_calls(body["choices"][0]["message"], name=TOOLS[1]["function"]["name"])) == 1
+            body = await chat(h, tools=TOOLS, tool_choice="auto", response_format=fmt, max_tokens=1500, **sampling)
+            message, reason = body["choices"][0]["message"], body["choices"][0]["finish_reason"]
+            if message.get("tool_calls"):
+                assert reason == "tool_calls" and not message.get("content"), body
+                check_calls(message)
+            else:
+                assert reason == "stop", body
+                jsonschema.validate(json.loads(message["content"]), ANSWER)
+            body = await chat(h, tools=TOOLS, tool_choice="none", response_format=fmt, max_tokens=1500, **sampling)
+            jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), ANSWER)
     await assert_server_healthy(engine)
 
 
@@ -262,7 +297,7 @@ async def test_tool_choice_none_renders_tools_and_parses_nothing(engine: Any) ->
 
 async def test_auto_compiles_a_lazy_grammar_once(engine: Any) -> None:
     async with http(engine) as h:
-        grammars = engine.state.engine._core.backend.grammars
+        grammars = engine.state.engine._core.inputs.grammars
         before = grammars.compiles
         for _ in range(2):
             body = await chat(h, tools=TOOLS, tool_choice="auto", max_tokens=8)
@@ -332,3 +367,21 @@ async def test_reasoning_is_split_out_when_the_prompt_opens_a_think(start_engine
         message = body["choices"][0]["message"]
         assert "reasoning_content" not in message
         assert message["content"].startswith("let me see\n</think>")
+
+
+async def test_a_cut_forced_call_is_never_content(engine: Any) -> None:
+    """The length cap in the middle of forced calls, whole and streamed: the reply's whole calls
+    only, finish_reason length, and no call syntax in content (issue 49)."""
+    async with http(engine) as h:
+        for max_tokens in range(4, 80, 5):
+            body = await chat(h, tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+            choice = body["choices"][0]
+            assert not choice["message"].get("content"), (max_tokens, choice)
+            assert choice["finish_reason"] in ("length", "tool_calls"), choice
+            if choice["message"].get("tool_calls"):
+                check_calls(choice["message"])
+            events, done, _ = await stream_chat(h, tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+            assert done  # [DONE]
+            content, calls, finish = reassembled(events)
+            assert content == "" and finish == choice["finish_reason"], (max_tokens, content)
+            assert without_ids(calls) == without_ids(choice["message"].get("tool_calls") or [])

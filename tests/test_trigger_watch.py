@@ -1,9 +1,9 @@
-"""A lazy grammar's trigger is searched in a bounded window (llama/grammar.py TriggerWatch,
-issue 40): llama.cpp ran each trigger's regex over the whole reply after every token, so a
-token cost more as the reply grew, and ``^\\s*(...)$`` overflowed std::regex's stack past
-~25,000 leading whitespace characters. The watch must fire at the token the whole-text
-search fires at, with the tokens from the one its match starts in; and the sampler must then
-hold the grammar exactly as llama.cpp's own lazy grammar would."""
+"""A lazy grammar's trigger is searched in a bounded window (structured/triggers.py
+TriggerWatch, issue 40): llama.cpp ran each trigger's regex over the whole reply after every
+token, so a token cost more as the reply grew, and ``^\\s*(...)$`` overflowed std::regex's stack
+past ~25,000 leading whitespace characters. The watch must fire at the token the whole-text
+search fires at, with the text from where its match starts (what the grammar is fed); and
+the sampler must then hold the grammar."""
 
 from __future__ import annotations
 
@@ -15,46 +15,42 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydra_trio.engine.chat import parse_tools
+from hydra_trio.engine.chat.call_grammar import tool_triggers, tools_grammar
 from hydra_trio.engine.chat.formats import FORMATS, GENERIC, HERMES
-from hydra_trio.engine.chat.grammar import tool_triggers, tools_gbnf, trigger_pattern
-from hydra_trio.engine.llama import Sampler, SamplingParams
-from hydra_trio.engine.llama.grammar import TriggerWatch
+from hydra_trio.engine.sample import Sampler, SamplingParams
+from hydra_trio.engine.structured import TriggerWatch
 
 _TOOL_0 = parse_tools({"tools": [{"type": "function", "function": {"name": "tool_0", "parameters": {"type": "object"}}}]})
 assert _TOOL_0 is not None
 # Each format's triggers, and the per-tool ones (Muse Glimmer's) for a tool named tool_0.
-PATTERNS = tuple(trigger_pattern(t) for fmt in FORMATS.values() for t in (*fmt.triggers, *tool_triggers(fmt, _TOOL_0)))
+PATTERNS = tuple(t.pattern for fmt in FORMATS.values() for t in (*fmt.triggers, *tool_triggers(fmt, _TOOL_0)))
 # Pieces that build triggers, near-misses, whitespace and filler, in any order.
 PIECES = sorted({" ", "\n", "  ", "x", "Hi ", "{", '"', "tool", "_calls", '{"tool_calls"', "<tool_call>", "<tool", "_call>",
                  "<|python_tag|>", "[TOOL_CALLS]", "\n{", '"name', "é", "\t", " to=", "tool_0", "self", "<|message|>", "<atem:"})
 
 
-def whole_text_fire(patterns: tuple[str, ...], pieces: list[bytes]) -> tuple[int, list[int]] | None:
+def whole_text_fire(patterns: tuple[str, ...], pieces: list[bytes]) -> tuple[int, bytes] | None:
     """llama.cpp's rule on the whole buffer (the reference): after each token, each pattern
-    searched in everything so far; on a match, the tokens overlapping its first non-empty
-    group on."""
+    searched in everything so far; on a match, the text from its first non-empty group on."""
     regexes = [re.compile(p.encode().decode("latin-1")[:-1] + r"\Z", re.ASCII) for p in patterns]
-    text, spans = "", []
+    text = ""
     for i, piece in enumerate(pieces):
-        start = len(text)
         text += piece.decode("latin-1")
-        spans.append((i, start, len(text)))
         for rx in regexes:
             m = rx.search(text)
             if m is not None:
                 group = next((g for g in range(1, rx.groups + 1) if m.group(g)), 0)
-                begin = m.start(group)
-                return i, [t for t, _, end in spans if end > begin]
+                return i, text[m.start(group):].encode("latin-1")
     return None
 
 
-def watch_fire(patterns: tuple[str, ...], pieces: list[bytes], max_piece: int) -> tuple[int, list[int]] | None:
+def watch_fire(patterns: tuple[str, ...], pieces: list[bytes], max_piece: int) -> tuple[int, bytes] | None:
     watch = TriggerWatch(patterns, max_piece)
     for i, piece in enumerate(pieces):
-        replay = watch.push(i, piece)
-        if replay is not None:
+        fed = watch.push(piece)
+        if fed is not None:
             assert watch.fired
-            return i, replay
+            return i, fed
     assert not watch.fired
     return None
 
@@ -68,13 +64,13 @@ def test_the_watch_fires_where_the_whole_text_search_fires(chosen: list[str], wh
 
 
 def test_long_free_text_and_long_leading_whitespace() -> None:
-    hermes, generic = trigger_pattern(HERMES.triggers[0]), trigger_pattern(GENERIC.triggers[0])
-    # 20,000 tokens of free text, then the trigger over two tokens: only those replayed.
+    hermes, generic = HERMES.triggers[0].pattern, GENERIC.triggers[0].pattern
+    # 20,000 tokens of free text, then the trigger over two tokens: only its text is fed.
     pieces = [b"word "] * 20_000 + [b"<tool", b"_call>", b"\n{"]
-    assert watch_fire((hermes,), pieces, 8) == (20_001, [20_000, 20_001])
+    assert watch_fire((hermes,), pieces, 8) == (20_001, b"<tool_call>")
     # 30,000 spaces, then an at-start trigger: it still fires (the spaces are whitespace) ...
     pieces = [b" "] * 30_000 + [b'{"tool_calls"']
-    assert watch_fire((generic,), pieces, 16) == (30_000, [30_000])
+    assert watch_fire((generic,), pieces, 16) == (30_000, b'{"tool_calls"')
     # ... but not after any other text, however far back it left the window.
     assert watch_fire((generic,), [b"x"] + [b" "] * 30_000 + [b'{"tool_calls"'], 16) is None
 
@@ -85,15 +81,16 @@ async def test_the_sampler_triggers_after_30k_spaces_and_then_holds_the_grammar(
     then on a token the grammar refuses is replaced by one it allows."""
     eng = engine.state.engine
     backend = eng._core.backend
+    grammars = eng._core.inputs.grammars
     req = parse_tools({"tools": [{"type": "function", "function": {"name": "tool_0", "parameters": {
         "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}]})
     assert req is not None
-    gbnf, triggers = tools_gbnf(req, GENERIC)
-    assert triggers and triggers[0].startswith("^")
+    grammar = tools_grammar(req, GENERIC)
+    assert grammar.triggers and grammar.triggers[0].startswith("^")
 
     def run() -> str:
-        backend.grammars.compile(gbnf, "tools", triggers)
-        sampler = Sampler(SamplingParams(grammar=gbnf, grammar_triggers=triggers), grammars=backend.grammars)
+        grammars.compile(grammar)
+        sampler = Sampler(SamplingParams(grammar=grammar), grammars=grammars)
         eog = np.fromiter(sorted(backend.eog_ids), dtype=np.intp)
         n_vocab = backend.info.n_vocab
         out = bytearray()

@@ -215,11 +215,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_identity(args: argparse.Namespace) -> int:
-    from .model.identity import read_identity
+    from .model.identity import file_sha256, read_identity
     from .model.registry import resolve_model_arg
 
     path, named_alias = resolve_model_arg(args.model)  # a GGUF path or a named model
-    ident = read_identity(str(path), alias=args.alias or named_alias)
+    ident = read_identity(str(path), alias=args.alias or named_alias).with_hash(file_sha256(path))
     print(json.dumps(ident.info_fields(), indent=2))
     return 0
 
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-model", help="write a synthetic GGUF (random weights; mamba: a recurrent model)")
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default=None, help="general.name")
     p.add_argument("--tag", action="append", help="general.tags entry (repeatable)")
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv", action="append", type=_kv_pair, help="extra metadata KEY=VALUE, e.g. llama.nextn_predict_layers=1")
     p.set_defaults(fn=cmd_make_model)
 
-    p = sub.add_parser("identity", help="print the model identity of a GGUF (spec §5)")
+    p = sub.add_parser("identity", help="print the model identity of a GGUF (spec §5), model_hash (its SHA-256) included")
     p.add_argument("model", help="GGUF path or a named model (gemma3-270m)")
     p.add_argument("--alias", default=None)
     p.set_defaults(fn=cmd_identity)

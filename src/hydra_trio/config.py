@@ -241,6 +241,12 @@ def parse_networks(value: str, name: str) -> tuple[IPNetwork, ...]:
 
 
 # flag name -> (env var, help). The env var is read when the flag is not given.
+# The tool-call families: engine/chat/formats.py FORMATS, in its order (tests/test_architecture.py
+# holds the two equal; this module is below engine/ and cannot import it).
+TOOL_CALL_PARSERS = (
+    "auto", "hermes", "llama3", "mistral", "granite", "nemotron", "apriel", "firefunction", "functionary", "gigachat3", "gigachat3_1", "generic", "qwen3_coder", "seed_oss", "glm", "kimi_k2", "deepseek",
+    "deepseek_dsml", "minimax", "minimax_m1", "gemma4", "cohere", "apertus", "minicpm5", "solar", "kimi_k3", "hy3", "lfm2", "command_r_plus", "harmony", "muse_glimmer",
+)
 _HELP: dict[str, str] = {
     "model": "GGUF model path (default: a synthetic random-weight demo model)",
     "alias": "model alias reported in identity (default: the file stem)",
@@ -272,7 +278,8 @@ _HELP: dict[str, str] = {
     "warmup": "run one prompt and one step at load, so a kernel that faults on this machine stops the start instead of a user's first request (--no-warmup skips it)",
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
     "chat_template_file": "chat template: path of a Jinja file",
-    "tool_call_parser": "tool-call syntax parsed from replies: auto (from the chat template), hermes, llama3, mistral, generic",
+    "tool_call_parser": "tool-call syntax written and parsed: auto (from the chat template's markers), or one family: "
+    + ", ".join(TOOL_CALL_PARSERS[1:]) + " (docs/templates.md)",
     "reasoning_budget": "thinking budget in tokens (llama-server's): -1 unlimited, 0 thinking off (enable_thinking false), N > 0 at most N tokens of reasoning, then the close tag (e.g. </think>) is written and the reply goes on; a request's reasoning_budget_tokens wins",
     "reasoning_format": "reasoning in replies: auto (split <think> into reasoning_content when the template has thinking tags), deepseek (always split), none (keep inline)",
     "default_n_predict": "tokens to generate when a request does not say",
@@ -292,7 +299,7 @@ _HELP: dict[str, str] = {
     "download_grace_s": "seconds a slot state response may take before --min-download-bytes-per-s applies",
     "idle_timeout_s": "an RPC peer idle, or sending/reading no byte mid-request, this long is "
     "closed; also the wait for payload room",
-    "drain_limit_bytes": "a refused request's payload up to this size is drained, larger closes",
+    "drain_limit_bytes": "a refused request's payload up to this size is drained (the connection kept); larger is answered, read on while it comes (up to 4x this), then closed",
     "max_kv_bytes": "largest KV blob accepted",
     "max_json_bytes": "largest JSON payload accepted",
     "max_decode_header_bytes": "largest DECODE control header accepted",
@@ -348,10 +355,6 @@ _ENV_OVERRIDES = {
 _FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool}
 FLASH_ATTN_MODES = ("on", "off", "auto")
 LOG_FORMATS = ("text", "json")
-TOOL_CALL_PARSERS = (  # engine/chat/formats.py FORMATS
-    "auto", "hermes", "llama3", "mistral", "granite", "nemotron", "apriel", "firefunction", "functionary", "gigachat3", "gigachat3_1", "generic", "qwen3_coder", "seed_oss", "glm", "kimi_k2", "deepseek",
-    "deepseek_dsml", "minimax", "minimax_m1", "gemma4", "cohere", "apertus", "minicpm5", "solar", "kimi_k3", "hy3", "lfm2", "command_r_plus", "harmony", "muse_glimmer",
-)
 REASONING_FORMATS = ("auto", "deepseek", "none")
 # KV cache types by llama-server's names (-ctk/-ctv) -> ggml type ids, as gguf numbers them.
 CACHE_TYPES = {

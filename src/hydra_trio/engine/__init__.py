@@ -6,11 +6,12 @@ from .chat import ReplyDelta, ReplyParser, ToolCall
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
-from .llama import MAX_TOP_LOGPROBS, DecodeAborted, TokenLogprobs, Vocabulary
+from .llama import DecodeAborted, Vocabulary
 from .output import GenerationResult
-from .params import GenerationParams, SamplingParams
+from .params import GenerationParams
 from .receipts import turn_receipt
 from .requests import REASONING_EFFORTS, Route, cache_salt
+from .sample import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from .sched import Finished, TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
 from .worker import CallTiming

@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from ..config import CACHE_TYPES, Settings
-from ..model.identity import ModelIdentity, read_identity
+from ..model.identity import ModelIdentity
 from ..wire.errors import ErrorCode, ProtocolError
 from ..wire.kvblob import KvBlob
 from ..wire.kvevents import Event
@@ -46,13 +46,14 @@ from .llama import (
     NoKvSpace,
     OffloadSettings,
     PrefillPart,
-    Sampler,
     StepRequest,
     kv_layout,
 )
+from .modelfile import read_model_identity
 from .output import GenerationResult, OutputProcessor
 from .params import GenerationParams
 from .reload import apply_staged
+from .sample import Sampler
 from .sched import PartOutcome, SessionTree, SlotScheduler, SlotTable, StepBatcher
 from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
 from .stats import EngineStats, SlotInfo
@@ -134,7 +135,7 @@ class EngineCore:
     @classmethod
     async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> EngineCore:
         t0 = time.perf_counter()
-        identity = await trio.to_thread.run_sync(lambda: read_identity(model_path, alias=alias))
+        identity = await read_model_identity(model_path, alias=alias)  # with its SHA-256, in a thread of its own
         worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
         offload = OffloadSettings(
             n_gpu_layers=settings.n_gpu_layers,
@@ -214,6 +215,7 @@ class EngineCore:
                 nursery.start_soon(self.reconfigurer.run)
                 nursery.start_soon(self.sessions.run)
                 nursery.start_soon(self.tiers.run)
+                nursery.start_soon(self.inputs.warm_grammars)
                 task_status.started()
         with trio.CancelScope(shield=True):
             await self.worker.close(self.backend.close)
@@ -447,12 +449,19 @@ class EngineCore:
             return token, logits
         return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
 
+    def new_sampler(self, params: GenerationParams, *, logprobs: int | None = None) -> Sampler:
+        """A request's sampler (engine/sample/), its grammar compiled already (prepare)."""
+        backend = self.backend
+        grammars = self.inputs.grammars if params.sampling.grammar is not None else None
+        think = params.think_gate(backend.text_of(params.shown_tokens))
+        return Sampler(params.sampling, grammars=grammars, think=think, logprobs=logprobs)
+
     async def sample_first(self, slot: int, tokens: Sequence[int], params: GenerationParams) -> tuple[GenerationResult, bytes]:
         """Bring the slot to hold the prompt and sample the one token a P/D prefill answers
         with, by generation's own rules (OutputProcessor: stop decision, text, counts);
         returns it as a completion, with the logits it came from (they travel with the KV)."""
         res = GenerationResult(prompt_tokens=len(tokens))
-        sampler = Sampler(params.sampling, grammars=self.backend.grammars, think=params.think_gate(self.backend.text_of(params.shown_tokens)))
+        sampler = self.new_sampler(params)
         one = replace(params, n_predict=1, logprobs=None)
         out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.text_of(params.shown_tokens))
         t_start = time.perf_counter()
@@ -495,7 +504,7 @@ class EngineCore:
         res = result if result is not None else GenerationResult()
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
-        sampler = Sampler(params.sampling, logprobs=params.logprobs, grammars=backend.grammars, think=params.think_gate(backend.text_of(params.shown_tokens)))
+        sampler = self.new_sampler(params, logprobs=params.logprobs)
         out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.text_of(params.shown_tokens))
         spec = request_speculation(
             self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts,

@@ -147,25 +147,29 @@ class Engine:
     ) -> Prepared:
         """A request under the one request policy (engine/requests.py) of its ``route``:
         refused (400 naming the parameter) when it asks what this engine cannot honour; its
-        parameters (``slot``: over that slot's CONFIGURE T1 settings, by the one precedence),
-        its grammar compiled, its prompt rendered and (``tokenize``) tokenized: all before
-        any slot is claimed."""
+        parameters (``slot``: over that slot's CONFIGURE T1 settings, by the one precedence);
+        its chat side decided once (``Chat.plan``: prompt, grammar, shown tokens, think
+        block, reply parser); its grammar compiled and its prompt (``tokenize``) tokenized:
+        all before any slot is claimed."""
         core = self._core
         inputs = core.inputs
         layers = body if slot is None else sampling_keys.merge(core.slot_settings.generation_defaults(slot), body)
         n_logprobs = check_request(route, layers)
         params = await inputs.generation_params_off_loop(layers)
-        params = replace(params, logprobs=n_logprobs, cache_salt=cache_salt(layers),
-                         shown_tokens=inputs.shown_tokens(params, layers))
-        await inputs.compile_grammar(params)
-        has_prompt = "messages" in layers or isinstance(layers.get("prompt"), str)
-        rendered = inputs.as_rendered(layers, params)
-        prompt = await inputs.render_prompt(rendered) if has_prompt else None
-        params = replace(params, thinking=await inputs.think_plan(params, rendered, prompt))
+        plan = await inputs.plan(layers, params)
+        await inputs.compile_grammar(plan.grammar)
+        params = replace(
+            params,
+            sampling=replace(params.sampling, grammar=plan.grammar),
+            logprobs=n_logprobs,
+            cache_salt=cache_salt(layers),
+            shown_tokens=plan.shown_tokens,
+            thinking=await inputs.think_plan(plan.think, plan.shown_tokens),
+        )
         tokens: list[int] | None = None
         if tokenize:
-            tokens = await inputs.tokenize_text(prompt) if prompt is not None else await inputs.prompt_tokens(layers.get("prompt"))
-        return Prepared(params, prompt, tokens, inputs.reply_parsers(params, layers, prompt or ""))
+            tokens = await inputs.tokenize_text(plan.prompt) if plan.prompt is not None else await inputs.prompt_tokens(layers.get("prompt"))
+        return Prepared(params, plan.prompt, tokens, plan.replies)
 
     async def render(self, body: dict[str, Any]) -> str:
         """A request's prompt text (``messages`` through the chat template, or its ``prompt``)."""

@@ -15,9 +15,10 @@ import trio
 
 from ..config import Settings
 from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
-from .chat import BUDGET_KEYS, Chat, ChatTemplate, ReplyParser
-from .llama import GrammarError, LlamaBackend, ThinkPlan, apply_builtin_chat_template, kv_layout
+from .chat import Chat, ChatPlan, ChatTemplate
+from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
 from .params import GenerationParams, parse_generation
+from .structured import GuidanceCache, OutputGrammar, ThinkPlan
 from .worker import GpuWorker
 
 # The most prompt text per context position: longer text cannot fit a slot with any usual
@@ -27,12 +28,9 @@ MAX_PROMPT_BYTES_PER_POSITION = 32
 # A token id in a JSON array: up to 7 digits, its comma, and the indentation of a
 # pretty-printed body (json.dumps(indent=4) inside an object: 8 spaces and a newline).
 MAX_TOKEN_ID_JSON_BYTES = 24
-# Threads converting requests' schemas and tools to grammars at once: each conversion is
-# bounded (chat/schema.py), and off the trio thread it cannot hold the event loop.
+# Threads writing and compiling requests' grammars at once (schemas, tool lists): off the trio
+# thread and the GPU worker, so neither waits on them; llguidance releases the GIL.
 GRAMMAR_THREADS = 2
-# A client's GBNF llguidance refuses is also parsed by llama.cpp, up to this size, to answer in
-# the words llama-server's users know (a parse on the worker: bounded so it stays short).
-LLAMA_ERROR_GBNF_CHARS = 16 * 1024
 
 
 class Inputs:
@@ -45,6 +43,7 @@ class Inputs:
         self._settings = settings
         self.chat: Chat | None = None  # set with the template (set_chat_template)
         self._grammar_threads = trio.CapacityLimiter(GRAMMAR_THREADS)
+        self._grammars: tuple[LlamaBackend | None, GuidanceCache | None] = (None, None)
         # Think tags' tokens (think_plan), by tags and shown tokens: a template has a few.
         self._tags: tuple[LlamaBackend | None, dict[tuple[bytes, bytes, frozenset[int]], tuple[tuple[int, ...], tuple[int, ...]]]] = (None, {})
 
@@ -77,6 +76,22 @@ class Inputs:
         assert self.chat is not None, "set at construction"
         return self.chat.template
 
+    @property
+    def grammars(self) -> GuidanceCache:
+        """The served model's compiled grammars (a T3 reload's model gets its own)."""
+        backend = self._backend()
+        if self._grammars[0] is not backend:
+            self._grammars = (backend, GuidanceCache(backend.grammar_pieces, backend.eog_ids, backend.info.bos))
+        cache = self._grammars[1]
+        assert cache is not None
+        return cache
+
+    async def warm_grammars(self) -> None:
+        """Build the served model's tokenizer view for llguidance now (about a second for a
+        large vocabulary), off the worker and the trio thread, so the first constrained
+        request does not wait for it."""
+        await trio.to_thread.run_sync(self.grammars.warm, limiter=self._grammar_threads)
+
     def generation_params(self, request: dict[str, Any]) -> GenerationParams:
         """A request's generation settings, with this engine's defaults and limits."""
         s = self._settings
@@ -86,43 +101,28 @@ class Inputs:
             n_ctx=self.n_ctx_slot,
             default_stream_interval=s.stream_interval,
             default_reasoning_budget=s.reasoning_budget,
-            to_gbnf=self._chat().to_gbnf,
         )
 
     async def generation_params_off_loop(self, request: dict[str, Any]) -> GenerationParams:
-        """``generation_params`` on a worker thread (at most GRAMMAR_THREADS at once): a
-        request's schema or tools become GBNF there, never on the trio thread."""
+        """``generation_params`` on a worker thread (at most GRAMMAR_THREADS at once): a long
+        tool list is validated there, never on the trio thread."""
         return await trio.to_thread.run_sync(self.generation_params, request, limiter=self._grammar_threads)
 
-    def reply_parsers(self, params: GenerationParams, request: dict[str, Any], prompt: str) -> Callable[[], ReplyParser] | None:
-        """How a chat reply is read (``Chat.reply_parsers``); None: its text is the content."""
-        return self._chat().reply_parsers(params.tools, request, prompt)
+    async def plan(self, request: dict[str, Any], params: GenerationParams) -> ChatPlan:
+        """The request's chat side, decided once (``Chat.plan``)."""
+        return await self._chat().plan(
+            request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=self._off_loop
+        )
 
-    def shown_tokens(self, params: GenerationParams, request: dict[str, Any]) -> frozenset[int]:
-        """The control tokens a reply shows as text (``Chat.shown_tokens``): a chat
-        request's template syntax; none for text completions (as llama-server without --special)."""
-        return self._chat().shown_tokens(params.tools) if "messages" in request else frozenset()
+    async def _off_loop(self, fn: Callable[[], Any]) -> Any:
+        return await trio.to_thread.run_sync(fn, limiter=self._grammar_threads)
 
-    @staticmethod
-    def as_rendered(request: dict[str, Any], params: GenerationParams) -> dict[str, Any]:
-        """A chat request as its prompt is rendered: the thinking budget in force (its own,
-        else --reasoning-budget) written under its key, so a budget of 0 turns the template's
-        thinking off (chat/render.py ``thinking_on``)."""
-        key = BUDGET_KEYS[0]
-        if "messages" not in request or request.get(key, -1) == params.reasoning_budget:
-            return request
-        return {**request, key: params.reasoning_budget}
-
-    async def think_plan(self, params: GenerationParams, request: dict[str, Any], prompt: str | None) -> ThinkPlan | None:
-        """What generation does with the reply's think block (``Chat.think_plan``), its tags
-        tokenized on the GPU worker; None: nothing."""
-        if prompt is None:
-            return None
-        plan = self._chat().think_plan(params.tools, request, prompt, budget=params.reasoning_budget, sampling=params.sampling)
+    async def think_plan(self, plan: ThinkPlan | None, shown: frozenset[int]) -> ThinkPlan | None:
+        """``plan`` with its tags tokenized on the GPU worker (once per template's tags)."""
         if plan is None:
             return None
         backend = self._backend()
-        key = (plan.open_text, plan.close_text, params.shown_tokens)
+        key = (plan.open_text, plan.close_text, shown)
         if self._tags[0] is not backend:  # a reload's model tokenizes its own way
             self._tags = (backend, {})
         known = self._tags[1].get(key)
@@ -131,7 +131,7 @@ class Inputs:
             open_ids, close_ids = await self._worker.call(
                 lambda: (backend.tokenize(opening, add_special=False), backend.tokenize(closing, add_special=False))
             )
-            text_of = backend.text_of(params.shown_tokens)
+            text_of = backend.text_of(shown)
             known = (_spelling(open_ids, plan.open_text, text_of), _spelling(close_ids, plan.close_text, text_of))
             self._tags[1][key] = known
         return replace(plan, open_tokens=known[0], close_tokens=known[1])
@@ -140,28 +140,15 @@ class Inputs:
         assert self.chat is not None, "set at construction"
         return self.chat
 
-    async def compile_grammar(self, params: GenerationParams) -> None:
-        """Compile the request's grammar before any slot is claimed (a GrammarError, a 400
-        naming the problem, when it cannot be compiled); a cached one costs nothing."""
-        gbnf, triggers, param = params.sampling.grammar, params.sampling.grammar_triggers, params.sampling.grammar_param
-        grammars = self._backend().grammars
-        if gbnf is None:
+    async def compile_grammar(self, grammar: OutputGrammar | None) -> None:
+        """Compile a request's grammar before any slot is claimed (a GrammarError, a 400
+        naming the problem, when it cannot be); a cached one costs nothing. Off the worker and
+        the trio thread (GRAMMAR_THREADS at once): a large grammar takes up to a second."""
+        if grammar is None:
             return
-        if params.sampling.grammar_engine == "llguidance":
-            if grammars.guidance.known(gbnf):
-                return
-            try:
-                # Off the worker and the trio thread (GRAMMAR_THREADS at once): a large grammar
-                # (or the first one's vocabulary view) takes up to seconds; llguidance releases
-                # the GIL. llama.cpp's parse of the same 256 KiB would hold the worker ~1 s.
-                await trio.to_thread.run_sync(grammars.guidance.compile, gbnf, param, limiter=self._grammar_threads)
-            except GrammarError:
-                if len(gbnf) <= LLAMA_ERROR_GBNF_CHARS:  # llama.cpp's words for its syntax, where it has some
-                    await self._worker.call(lambda: grammars.compile(gbnf, param, triggers))
-                raise
-            return
-        if not grammars.known(gbnf, triggers):
-            await self._worker.call(lambda: grammars.compile(gbnf, param, triggers))
+        grammars = self.grammars
+        if not grammars.known(grammar):
+            await trio.to_thread.run_sync(grammars.compile, grammar, limiter=self._grammar_threads)
 
     async def render_prompt(self, request: dict[str, Any]) -> str:
         """The prompt text of a request (chat template or plain prompt); refuses bad shapes."""

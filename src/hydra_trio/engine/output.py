@@ -10,8 +10,8 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .llama import Sampler, TokenLogprobs
 from .params import GenerationParams
+from .sample import Sampler, TokenLogprobs
 from .text import TextAssembler
 
 

@@ -11,9 +11,10 @@ from typing import Any
 from ..wire import sampling as sampling_keys
 from ..wire.errors import bad_param
 from ..wire.sampling import SPEC_TYPES
-from .chat import Constraint, ToolRequest, parse_tools, request_constraint
-from .llama import SamplingParams, ThinkGate, ThinkPlan
+from .chat import ToolRequest, parse_tools
+from .sample import SamplingParams
 from .speculation import SpecRequest
+from .structured import Constraint, ThinkGate, ThinkPlan, request_constraint
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
@@ -35,6 +36,9 @@ class GenerationParams:
     # The request's declared tools (tools.py), tool_choice "none" included: what the reply
     # parser and the prompt renderer read. None: it declares none.
     tools: ToolRequest | None = None
+    # What its output must follow, as it asked (the grammar it becomes is the chat plan's,
+    # in sampling.grammar). None: nothing.
+    constraint: Constraint | None = None
     # The request's own speculative-decoding keys (engine/speculative.py); None: the server's.
     speculative: SpecRequest | None = None
     # Control tokens whose text the reply shows (a chat template's tool and think syntax,
@@ -161,12 +165,10 @@ def parse_generation(
     n_ctx: int,
     default_stream_interval: int = 1,
     default_reasoning_budget: int = -1,
-    to_gbnf: Callable[[Constraint], tuple[str, tuple[str, ...]]] | None = None,
 ) -> GenerationParams:
     """Validate and collect generation settings from one layer, or layers merged already
-    (``wire.sampling.merge``), by the one precedence rule (wire/sampling.py).
-    ``to_gbnf``: the engine's conversion of an output constraint to GBNF and its lazy
-    triggers (chat/grammar.py; without it a constraint is refused)."""
+    (``wire.sampling.merge``), by the one precedence rule (wire/sampling.py). The output
+    constraint is parsed (what the request asks); its grammar is the chat plan's."""
     if req.get("sampling") is not None and not isinstance(req["sampling"], dict):
         raise bad_param("sampling must be an object", "sampling")
     keys = sampling_keys.flatten(req if isinstance(req, sampling_keys.Layer) else {k: v for k, v in req.items() if not (k == "sampling" and v is None)})
@@ -176,10 +178,6 @@ def parse_generation(
         n_predict = n_ctx
     seed = _value(keys, "seed", 0xFFFFFFFF)
     tools = parse_tools(keys)
-    constraint = request_constraint(keys, tools)
-    if constraint is not None and to_gbnf is None:
-        raise bad_param(f"{constraint.param} is not supported here", constraint.param)
-    grammar, triggers = (None, ()) if constraint is None or to_gbnf is None else to_gbnf(constraint)
     params = SamplingParams(
         temperature=_value(keys, "temperature", 0.0),
         top_k=_value(keys, "top_k", 40),
@@ -192,10 +190,6 @@ def parse_generation(
         seed=seed & 0xFFFFFFFF,
         ignore_eos=_boolean(keys, "ignore_eos", False),
         min_tokens=_value(keys, "min_tokens", 0),
-        grammar=grammar,
-        grammar_triggers=triggers,
-        grammar_param="grammar" if constraint is None else constraint.param,
-        grammar_engine="llama" if constraint is None else constraint.grammar_engine(triggers),
     )
     budget = _value(keys, "reasoning_budget_tokens", -1)  # -1: the server's, as llama-server
     if params.min_tokens > n_predict:
@@ -207,6 +201,7 @@ def parse_generation(
         stream=_boolean(keys, "stream", False),
         stream_interval=_value(keys, "stream_interval", default_stream_interval),
         tools=tools,
+        constraint=request_constraint(keys, tools),
         speculative=parse_speculative(keys),
         reasoning_budget=default_reasoning_budget if budget == -1 else budget,
     )

@@ -1,6 +1,7 @@
 """CONFIGURE T2/T3 applied (configure.py stages them; the reconfigurer runs this once every
 slot is idle): the context rebuilt with a new size or cache types, or another model loaded
-from --model-dir, warmed up, and the chat template and speculation planner taken anew."""
+from --model-dir (its identity and model_hash with it: engine/modelfile.py), warmed up, and
+the chat template and speculation planner taken anew."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import threading
 import time
 from typing import Any, Protocol
 
-import trio
-
 from ..config import Settings
-from ..model.identity import ModelIdentity, read_identity
+from ..model.identity import ModelIdentity
 from .chat import resolve_chat_template
 from .inputs import Inputs
 from .kv import HostTiers, kv_fingerprint
 from .llama import LlamaBackend
+from .modelfile import read_model_identity
 from .speculation import DraftPlanner
 from .worker import GpuWorker
 
@@ -52,7 +52,9 @@ async def apply_staged(core: Reloadable, changes: dict[str, Any]) -> None:
 async def _apply(core: Reloadable, changes: dict[str, Any], t0: float) -> None:
     if "model_path" in changes:
         path = changes["model_path"]
-        identity = await trio.to_thread.run_sync(lambda: read_identity(path, alias=core.identity.model_alias if core.settings.alias else None))
+        # Its model_hash first (a thread of its own): the old model serves INFO meanwhile, and
+        # the new one is loaded only from a file that could be read whole.
+        identity = await read_model_identity(path, alias=core.identity.model_alias if core.settings.alias else None)
         old = core.backend
 
         def load(_abort: threading.Event) -> LlamaBackend:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from ..wire.errors import bad_param
 from .chat import BUDGET_KEYS
-from .llama import MAX_TOP_LOGPROBS
+from .sample import MAX_TOP_LOGPROBS
 
 Route = Literal["chat", "completions", "decode"]
 

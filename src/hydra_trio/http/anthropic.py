@@ -13,21 +13,24 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, request
 
 from ..engine import GenerationResult, ReplyParser, ToolCall
+from ..wire.errors import ParamError
 from .common import (
     HttpError,
     app_state,
+    dialect_names,
     generation_owner,
     json_response,
     read_request_json,
     require_engine,
 )
 from .generation import generate_buffered, sse_body, start_stream
-from .replies import Piece, ReplyParserFactory, delta_pieces, receipt_fields, whole_pieces
+from .replies import Piece, ReplyParserFactory, cut, delta_pieces, receipt_fields, whole_pieces
 from .session_hints import request_session
 
 if TYPE_CHECKING:
@@ -193,6 +196,24 @@ def _tool_choice(raw: Any) -> tuple[Any, bool | None]:
     raise bad("tool_choice.type must be auto, any, tool (with name) or none")
 
 
+def param_names(body: dict[str, Any]) -> Callable[[str], str]:
+    """The Messages API's names of the chat request's parameters (a refusal names what the
+    client sent: ``tools[14].input_schema``, the request's own index past a dropped server
+    tool; ``output_format``)."""
+    raw = body.get("tools") if isinstance(body.get("tools"), list) else []
+    kept = [i for i, t in enumerate(raw) if isinstance(t, dict) and t.get("type") in (None, "custom") and "input_schema" in t]
+    fmt = "output_config.format" if isinstance(body.get("output_config"), dict) and body["output_config"].get("format") else "output_format"
+    return dialect_names(
+        kept,
+        ((".function.parameters", ".input_schema"), (".function", "")),
+        (
+            ("response_format.json_schema.schema", fmt + ".schema"), ("response_format", fmt),
+            ("parallel_tool_calls", "tool_choice.disable_parallel_tool_use"), ("stop", "stop_sequences"),
+            ("reasoning_budget_tokens", "thinking.budget_tokens"),
+        ),
+    )
+
+
 def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]:
     """A Messages request as the internal chat request (400 for what cannot be mapped)."""
     messages = _messages(body.get("messages"))
@@ -353,7 +374,7 @@ class MessageEvents:
         return self._pieces(delta_pieces(self.parser.feed(text)))
 
     def done(self, res: GenerationResult) -> bytes:
-        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish()))
+        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish(cut=cut(res))))
         reason, sequence = stop_reason(res, self._calls, self._stop)
         return (
             rest
@@ -407,8 +428,11 @@ async def _chat_request(count_only: bool = False) -> tuple[Engine, dict[str, Any
 
 @bp.post("/v1/messages/count_tokens")
 async def count_tokens() -> Response:
-    engine, _body, chat = await _chat_request(count_only=True)
-    return json_response({"input_tokens": len(await engine.prompt_tokens(chat))})
+    engine, body, chat = await _chat_request(count_only=True)
+    try:
+        return json_response({"input_tokens": len(await engine.prompt_tokens(chat))})
+    except ParamError as exc:
+        raise exc.renamed(param_names(body)) from None
 
 
 @bp.post("/v1/messages")
@@ -416,7 +440,10 @@ async def messages() -> Response:
     state = app_state()
     engine, body, chat = await _chat_request()
     session = request_session(body)  # Claude Code: its x-claude-code-* headers
-    prepared = await engine.prepare("chat", chat)
+    try:
+        prepared = await engine.prepare("chat", chat)
+    except ParamError as exc:
+        raise exc.renamed(param_names(body)) from None
     params, tokens, replies = prepared.params, prepared.tokens, prepared.replies
     assert tokens is not None, "tokenized"
     stop = list(params.stop)

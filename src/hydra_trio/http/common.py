@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -227,3 +229,30 @@ def register_error_handlers(app: Any) -> None:
     async def _internal(err: Exception) -> Response:
         app_state().log.exception("unhandled error in %s %s", request.method, request.path, exc_info=err)
         return json_response(error_body(500, f"internal error: {type(err).__name__}", "server_error"), 500)
+
+
+_TOOL_PARAM = re.compile(r"tools\[(\d+)\](.*)", re.S)
+
+
+def dialect_names(
+    tool_index: Sequence[int], tool_parts: Sequence[tuple[str, str]], keys: Sequence[tuple[str, str]]
+) -> Callable[[str], str]:
+    """A codec's spelling of the engine's parameter names (``ParamError.renamed``): the
+    engine's ``tools[i]`` is the request's ``tools[tool_index[i]]`` (a dialect may drop tools
+    it cannot run), its parts renamed by ``tool_parts``; a key or any part under it by
+    ``keys`` (first match)."""
+
+    def rename(param: str) -> str:
+        if (m := _TOOL_PARAM.fullmatch(param)) is not None:
+            i, rest = int(m.group(1)), m.group(2)
+            for old, new in tool_parts:
+                if rest.startswith(old):
+                    rest = new + rest[len(old):]
+                    break
+            return f"tools[{tool_index[i] if i < len(tool_index) else i}]{rest}"
+        for old, new in keys:
+            if param == old or param.startswith((old + ".", old + "[")):
+                return new + param[len(old):]
+        return param
+
+    return rename

@@ -254,7 +254,7 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
             finally:
                 turn.take_back()
         if entry.state == DecodeState.DONE:
-            rest = b"" if events is None else events.rest()
+            rest = b"" if events is None else events.rest(entry.result)
             parser = None if events is None else events.parser
             yield rest + sse_event(
                 final_chunk(cid, created, model, entry.slot_id, entry.result, parser=parser, hydra_metrics=hydra_metrics(manager.engine, entry))

@@ -167,7 +167,7 @@ async def chat_completions() -> Response:
             stream,
             head=head,
             delta_event=events.delta,
-            done_event=lambda res: events.rest()
+            done_event=lambda res: events.rest(res)
             + sse_event(final_chunk(cid, created, model, stream.slot_id, res, parser=events.parser, **plan.fields())),
             logprobs_event=None if vocab is None else partial(_parsed_logprobs_chunk, vocab, events, cid, created, model),
             direct=False,

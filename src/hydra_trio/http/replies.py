@@ -27,6 +27,11 @@ def tool_call_json(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
+def cut(res: GenerationResult) -> bool:
+    """Whether the length cap ended the reply (a call it left open is then never content)."""
+    return res.finish_reason == "length"
+
+
 def finish_reason(res: GenerationResult, parser: ReplyParser | None) -> str:
     """OpenAI's ``tool_calls`` when a reply that ended by itself made calls; else the
     generation's own reason (a call cut by max_tokens stays ``length``)."""
@@ -40,7 +45,7 @@ def chat_message(res: GenerationResult, parser: ReplyParser | None) -> dict[str,
     if parser is None:
         return {"role": "assistant", "content": res.text}
     parser.feed(res.text)
-    parser.finish()
+    parser.finish(cut=cut(res))
     message: dict[str, Any] = {"role": "assistant", "content": parser.content if parser.content or not parser.calls else None}
     if parser.reasoning:
         message["reasoning_content"] = parser.reasoning
@@ -75,8 +80,8 @@ class ReplyEvents:
         fields = delta_fields(self.parser.feed(text))
         return b"" if fields is None else sse_event(self._chunk(fields))
 
-    def rest(self) -> bytes:
-        fields = delta_fields(self.parser.finish())
+    def rest(self, res: GenerationResult) -> bytes:
+        fields = delta_fields(self.parser.finish(cut=cut(res)))
         return b"" if fields is None else sse_event(self._chunk(fields))
 
 
@@ -101,7 +106,7 @@ def whole_pieces(res: GenerationResult, parser: ReplyParser | None) -> list[Piec
     if parser is None:
         return [("text", res.text)] if res.text else []
     parser.feed(res.text)
-    parser.finish()
+    parser.finish(cut=cut(res))
     out: list[Piece] = []
     if parser.reasoning:
         out.append(("reasoning", parser.reasoning))

@@ -15,21 +15,24 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from quart import Blueprint, Response
 
 from ..engine import REASONING_EFFORTS, GenerationResult, ReplyParser, ToolCall
+from ..wire.errors import ParamError
 from .common import (
     HttpError,
     app_state,
+    dialect_names,
     generation_owner,
     json_response,
     read_request_json,
     require_engine,
 )
 from .generation import error_event_body, generate_buffered, sse_body, start_stream
-from .replies import Piece, delta_pieces, receipt_fields, whole_pieces
+from .replies import Piece, cut, delta_pieces, receipt_fields, whole_pieces
 from .session_hints import request_session
 
 log = logging.getLogger(__name__)
@@ -171,6 +174,21 @@ def _format(text: Any) -> dict[str, Any] | None:
     if fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "output", "schema": fmt["schema"], "strict": fmt.get("strict")}}
     raise bad("text.format must be text, json_object or json_schema (with schema)", "text.format")
+
+
+def param_names(body: dict[str, Any]) -> Callable[[str], str]:
+    """The Responses API's names of the chat request's parameters (a refusal names what the
+    client sent: ``tools[i].parameters``, ``text.format``, ``max_output_tokens``)."""
+    raw = body.get("tools") if isinstance(body.get("tools"), list) else []
+    kept = [i for i, t in enumerate(raw) if isinstance(t, dict) and t.get("type") == "function"]
+    return dialect_names(
+        kept,
+        ((".function", ""),),
+        (
+            ("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+            ("max_tokens", "max_output_tokens"), ("messages", "input"),
+        ),
+    )
 
 
 def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]:
@@ -369,7 +387,7 @@ class ResponseEvents:
         return self._pieces(delta_pieces(self.parser.feed(text)))
 
     def done(self, res: GenerationResult) -> bytes:
-        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish()))
+        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish(cut=cut(res))))
         status = status_of(res)
         final = self.shell.response(status, self._output, res)
         return rest + self._close() + self._event(f"response.{status}", response=final)
@@ -382,8 +400,13 @@ class ResponseEvents:
 @bp.post("/v1/responses/input_tokens")
 async def input_tokens() -> Response:
     engine = require_engine()
-    chat = to_chat(await read_request_json(), count_only=True)
-    return json_response({"object": "response.input_tokens", "input_tokens": len(await engine.prompt_tokens(chat))})
+    body = await read_request_json()
+    chat = to_chat(body, count_only=True)
+    try:
+        n = len(await engine.prompt_tokens(chat))
+    except ParamError as exc:
+        raise exc.renamed(param_names(body)) from None
+    return json_response({"object": "response.input_tokens", "input_tokens": n})
 
 
 @bp.post("/v1/responses")
@@ -392,7 +415,10 @@ async def responses() -> Response:
     engine = require_engine()
     body = await read_request_json()
     chat = to_chat(body)
-    prepared = await engine.prepare("chat", chat)
+    try:
+        prepared = await engine.prepare("chat", chat)
+    except ParamError as exc:
+        raise exc.renamed(param_names(body)) from None
     params, tokens, replies = prepared.params, prepared.tokens, prepared.replies
     assert tokens is not None, "tokenized"
     session = request_session(body)  # its agent session (Codex: the session_id header, prompt_cache_key)

@@ -3,12 +3,13 @@ GGUF's key/value section is read by gguf_meta.py."""
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import re
 import struct
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "capabilities_from_metadata",
     "capability_names",
     "compare_identity",
+    "file_sha256",
     "read_identity",
     "split_words",
 ]
@@ -79,10 +81,14 @@ class ModelIdentity:
     model_quant: str
     model_capabilities: int
     architecture: str
+    # SHA-256 of the GGUF file's bytes, 64 lowercase hex ("": not computed; the engine always
+    # computes it at load: engine/modelfile.py).
+    model_hash: str = ""
 
     def fields(self) -> dict[str, Any]:
-        """The six identity fields of spec §2 (STATE_* / PREFILL meta, INFO, hydra_metrics)."""
-        return {
+        """The identity fields of spec §2 (STATE_* / PREFILL meta, INFO, hydra_metrics):
+        ``model_hash`` among them once computed."""
+        out: dict[str, Any] = {
             "model_alias": self.model_alias,
             "model_path": self.model_path,
             "tokenizer": self.tokenizer,
@@ -90,6 +96,12 @@ class ModelIdentity:
             "model_quant": self.model_quant,
             "model_capabilities": self.model_capabilities,
         }
+        if self.model_hash:
+            out["model_hash"] = self.model_hash
+        return out
+
+    def with_hash(self, model_hash: str) -> ModelIdentity:
+        return replace(self, model_hash=model_hash)
 
     def info_fields(self) -> dict[str, Any]:
         """Identity fields plus the INFO-only extras (ours)."""
@@ -148,6 +160,23 @@ def read_identity(
         model_capabilities=caps,
         architecture=meta.get_str("general.architecture") or "unknown",
     )
+
+
+_HASH_CHUNK = 8 << 20  # hashlib releases the GIL for each update this large
+
+
+def file_sha256(path: str | os.PathLike[str], *, between_chunks: Callable[[], None] | None = None) -> str:
+    """The SHA-256 of a file's bytes, 64 lowercase hex (``model_hash``). Read in 8 MiB chunks
+    into one buffer; ``between_chunks`` runs after each (a caller's cancellation check)."""
+    digest = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+            if between_chunks is not None:
+                between_chunks()
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,6 +312,7 @@ def capabilities_from_metadata(
 class IdentityMatch:
     tokenizer_match: bool
     tokenizer_hash_match: bool | None  # None: the KV side sent no tokenizer_hash
+    model_hash_match: bool | None  # None: the KV side sent no model_hash (or none is known here)
     model_name_match: bool
     model_quant_match: bool
     model_capabilities_match: bool
@@ -297,6 +327,7 @@ class IdentityMatch:
         return {
             "tokenizer_match": self.tokenizer_match,
             "tokenizer_hash_match": self.tokenizer_hash_match,
+            "model_hash_match": self.model_hash_match,
             "model_name_match": self.model_name_match,
             "model_quant_match": self.model_quant_match,
             "model_capabilities_match": self.model_capabilities_match,
@@ -358,6 +389,17 @@ def compare_identity(
                 f"resident {resident.tokenizer_hash!r}"
             )
 
+    # The GGUF file's SHA-256, checked when the KV side sent one: KV made by exactly that file
+    # (one quantisation; a sender allowing mixed quantisation leaves it out).
+    model_hash_match: bool | None = None
+    if kv.get("model_hash") is not None and resident.model_hash:
+        kv_model_hash = kv["model_hash"]
+        model_hash_match = isinstance(kv_model_hash, str) and kv_model_hash.lower() == resident.model_hash
+        if not model_hash_match:
+            reasons.append(
+                f"model_hash mismatch: kv {_short(kv_model_hash)}, resident {resident.model_hash!r}"
+            )
+
     kv_alias = kv.get("model_alias")
     model_alias_match = (isinstance(kv_alias, str) and kv_alias == alias) or (
         isinstance(header_model, str) and header_model == alias
@@ -399,6 +441,7 @@ def compare_identity(
     return IdentityMatch(
         tokenizer_match=tokenizer_match,
         tokenizer_hash_match=tokenizer_hash_match,
+        model_hash_match=model_hash_match,
         model_name_match=model_name_match,
         model_quant_match=model_quant_match,
         model_capabilities_match=xor == 0,

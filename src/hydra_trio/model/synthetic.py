@@ -69,7 +69,9 @@ class Preset:
     file_type: gguf.LlamaFileType
     name: str
     # "llama", or "mamba": a recurrent model (one state per sequence, no per-position KV;
-    # n_head, n_head_kv and n_ff unused), for what only such a memory does (checkpoints).
+    # n_head, n_head_kv and n_ff unused), for what only such a memory does (checkpoints);
+    # or "lfm2": a hybrid (short-convolution layers with a recurrent state, every other layer
+    # attention with a KV cache), for what a memory of both holds.
     arch: str = "llama"
 
 
@@ -82,6 +84,8 @@ PRESETS: dict[str, Preset] = {
     "bench": Preset(32000, 768, 12, 12, 12, 2048, 8192, gguf.LlamaFileType.MOSTLY_F16, "Hydra Synthetic Bench"),
     # ≈0.5 MB: llama.cpp's mamba architecture (llama_model_is_recurrent), loads in milliseconds.
     "mamba": Preset(512, 64, 2, 0, 0, 0, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Mamba", "mamba"),
+    # ≈1.1 MB: llama.cpp's lfm2 architecture (llama_model_is_hybrid): conv, attention, conv, attention.
+    "hybrid": Preset(512, 64, 4, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Hybrid", "lfm2"),
 }
 
 
@@ -199,7 +203,11 @@ def write_model(
     else:
         writer.add_feed_forward_length(spec.n_ff)
         writer.add_head_count(spec.n_head)
-        writer.add_head_count_kv(spec.n_head_kv)
+        if arch == "lfm2":  # no KV heads: a short-convolution layer (its recurrent state)
+            writer.add_head_count_kv([0 if _is_conv(i) else spec.n_head_kv for i in range(spec.n_layer)])
+            writer.add_shortconv_l_cache(_LFM2_L_CACHE)
+        else:
+            writer.add_head_count_kv(spec.n_head_kv)
         writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
         writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -245,7 +253,11 @@ def write_model(
         writer.add_tensor(p + "ffn_down.weight", _tensor(rng, (d, ff), weight_dtype, std), raw_dtype=raw_type)
     if arch == "mamba":
         _add_mamba_layers(writer, rng, spec)
-    writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
+    if arch == "lfm2":
+        _add_lfm2_layers(writer, rng, spec)
+        writer.add_tensor("token_embd_norm.weight", np.ones(d, dtype=np.float32))  # llama.cpp's name for LFM2's output norm
+    else:
+        writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
     # A larger output scale gives peaked, varied logits instead of near-uniform noise.
     writer.add_tensor("output.weight", _tensor(rng, (v, d), weight_dtype, 0.5), raw_dtype=raw_type)
 
@@ -290,6 +302,40 @@ def _add_mamba_layers(writer: gguf.GGUFWriter, rng: np.random.Generator, spec: P
         writer.add_tensor(p + "ssm_a", -np.exp(a_log))
         writer.add_tensor(p + "ssm_d", np.ones(s.d_inner, dtype=f32))
         writer.add_tensor(p + "ssm_out.weight", _tensor(rng, (d, s.d_inner), f32, 0.3))
+
+
+_LFM2_L_CACHE = 3  # the short convolution's width: its recurrent state holds the last 2 positions
+
+
+def _is_conv(layer: int) -> bool:
+    return layer % 2 == 0
+
+
+def _add_lfm2_layers(writer: gguf.GGUFWriter, rng: np.random.Generator, spec: Preset) -> None:
+    """LFM2 blocks as llama.cpp's lfm2 architecture loads them (src/models/lfm2.cpp), all f32:
+    even layers a gated short convolution, odd ones attention with Q/K norms; a SwiGLU FFN
+    after each. Weights strong enough that the next token depends on earlier ones."""
+    d, ff, f32 = spec.n_embd, spec.n_ff, np.float32
+    head = d // spec.n_head
+    d_kv = head * spec.n_head_kv
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(d, dtype=f32))
+        if _is_conv(i):
+            writer.add_tensor(p + "shortconv.conv.weight", _tensor(rng, (d, _LFM2_L_CACHE), f32, 0.5))
+            writer.add_tensor(p + "shortconv.in_proj.weight", _tensor(rng, (3 * d, d), f32, 0.3))
+            writer.add_tensor(p + "shortconv.out_proj.weight", _tensor(rng, (d, d), f32, 0.3))
+        else:
+            writer.add_tensor(p + "attn_q_norm.weight", np.ones(head, dtype=f32))
+            writer.add_tensor(p + "attn_k_norm.weight", np.ones(head, dtype=f32))
+            writer.add_tensor(p + "attn_q.weight", _tensor(rng, (d, d), f32, 0.2))
+            writer.add_tensor(p + "attn_k.weight", _tensor(rng, (d_kv, d), f32, 0.2))
+            writer.add_tensor(p + "attn_v.weight", _tensor(rng, (d_kv, d), f32, 0.2))
+            writer.add_tensor(p + "attn_output.weight", _tensor(rng, (d, d), f32, 0.2))
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(d, dtype=f32))
+        writer.add_tensor(p + "ffn_gate.weight", _tensor(rng, (ff, d), f32, 0.1))
+        writer.add_tensor(p + "ffn_up.weight", _tensor(rng, (ff, d), f32, 0.1))
+        writer.add_tensor(p + "ffn_down.weight", _tensor(rng, (d, ff), f32, 0.1))
 
 
 def _add_kv(writer: gguf.GGUFWriter, key: str, value: Any) -> None:

@@ -20,6 +20,7 @@ from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
 from ..wire.kvpull import KV_PULL_MAX_REQUEST_BYTES, parse_pull_request
 from ..wire.protocol import Op, decode_json_object, parse_slot_key
 from .connection import Connection
+from .peer import HangUp
 
 if TYPE_CHECKING:
     import logging
@@ -97,7 +98,7 @@ class OpSpec:
     cap: Callable[[Settings], int]
     precheck: Callable[[OpContext], None]
     run: Callable[[OpContext, memoryview], Awaitable[Reply]]
-    cancel_on_disconnect: bool = False  # long ops stop when the caller hangs up
+    hang_up: HangUp = HangUp.NEVER  # what stops the op as its caller's hang-up (peer.py)
     # Reads the payload (default: Connection.read_payload); may fill in the context.
     receive: Callable[[OpContext], Awaitable[np.ndarray]] | None = None
     # A refusal before the payload drains up to the op's cap, not just --drain-limit-bytes:
@@ -132,7 +133,7 @@ class OpTable:
             Op.CONFIGURE: OpSpec("CONFIGURE", lambda st: st.max_json_bytes, self._slot_or_empty, self.configure),
             Op.INFO: OpSpec("INFO", no_payload, self._slot_or_empty, self.info),
             Op.PREFILL: OpSpec(
-                "PREFILL", lambda st: st.max_json_bytes, self._slot_free, self.prefill, cancel_on_disconnect=True
+                "PREFILL", lambda st: st.max_json_bytes, self._slot_free, self.prefill, hang_up=HangUp.EOF
             ),
         }
         if state.decodes is not None:
@@ -141,7 +142,7 @@ class OpTable:
                 self._decode_cap,
                 self._slot_exists,
                 self.decode,
-                cancel_on_disconnect=True,
+                hang_up=HangUp.RESET,
                 receive=self._receive_decode,
                 drain_to_cap=True,
             )
@@ -246,6 +247,8 @@ class OpTable:
             caps.insert(0, "merged_decode")
         if Op.KV_PULL in self._ops:
             caps.append("kv_pull")
+        if identity.model_hash:  # computed at every load (engine/modelfile.py)
+            caps.append("model_hash")
         return {
             "engine": "hydra-trio",
             "version": __version__,

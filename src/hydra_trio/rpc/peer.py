@@ -1,24 +1,27 @@
-"""What the peer of an RPC connection did before its reply: reset, half-closed, or nothing.
+"""What the peer of an RPC connection did before its reply: reset, sent its FIN, or nothing.
 
-Spec §4.3: a connection that *closes* before the reply cancels the request; a client that only
-shut down its write side (``shutdown(SHUT_WR)``) still reads the reply and must get it. TCP
-cannot tell the two apart passively: both send a FIN and the socket reads EOF. The difference
-shows only once data reaches the peer: a closed socket answers it with a reset (RST), a
-half-closed one acknowledges it. Hence the policy the connection loop follows:
+A client that closes sends a FIN, and so does one that only shut down its write side
+(``shutdown(SHUT_WR)``) and still reads: TCP cannot tell the two apart passively, both read
+as EOF. The difference shows only once data reaches the peer: a closed socket answers it
+with a reset (RST), a half-closed one acknowledges it. Which ops stop for what (``HangUp``):
 
-- a reset (ECONNRESET, POLLERR/POLLHUP) while the op runs cancels it at once (``wait_reset``);
-- EOF alone cancels nothing: the op finishes and its reply is written; then, for an op that
-  started work (DECODE), ``reset_after_reply`` waits a few round trips for the peer's answer:
-  a reset means nobody read the reply (abandon the work); an acknowledgement, or silence
+- PREFILL (``HangUp.EOF``): EOF or a reset while it runs cancels it at once, within the chunk
+  it is in. Its reply comes only after the whole prompt is computed, seconds on a long one,
+  and a client that cancels closes its socket (the coordinator does): a FIN is the hang-up
+  it sends. The price: a client that half-closes before its PREFILL reply gets none.
+- DECODE (``HangUp.RESET``): a reset cancels it at once; EOF alone cancels nothing. Its reply
+  comes at once (validation and the restore, bounded by --decode-validate-timeout-s), so
+  running to it costs little, and a half-closed client gets it: once it is written,
+  ``reset_after_reply`` waits a few round trips for the peer's answer: a reset means nobody
+  read the reply (abandon the decode request it started); an acknowledgement, or silence
   within the bound, means the reply was taken (commit).
+- every other op (``HangUp.NEVER``) is short and runs to its reply.
 
-The price: a peer that closed with a FIN while a long PREFILL runs is only noticed when the
-reply is written, so that prefill runs to its end (a peer that resets is noticed at once).
 Linux only (POLLRDHUP, TIOCOUTQ, TCP_INFO), like the rest of the RPC server.
 """
-
 from __future__ import annotations
 
+import enum
 import fcntl
 import select
 import socket as stdsocket
@@ -35,6 +38,14 @@ _POLL_S = 0.001  # while waiting for the reply's answer (a few ms at most on loo
 _EOF_POLL_S = 0.050  # after EOF, POLLIN stays set: a later reset can only be polled for
 _TCPI_RTT = struct.Struct("<I")  # struct tcp_info.tcpi_rtt (microseconds), at offset 68
 _TCPI_RTT_OFFSET = 68
+
+
+class HangUp(enum.Enum):
+    """What tells that an op's caller has gone while the op runs (the module's docstring)."""
+
+    NEVER = "never"  # short ops: they run to their reply
+    RESET = "reset"  # a reset; EOF may be a half-close (DECODE: its reply comes at once)
+    EOF = "eof"  # EOF or a reset (PREFILL: a long op whose client closes to cancel)
 
 
 def _events(sock: trio.socket.SocketType) -> int:
@@ -54,15 +65,20 @@ def saw_eof(sock: trio.socket.SocketType) -> bool:
     return bool(_events(sock) & (select.POLLRDHUP | select.POLLERR | select.POLLHUP))
 
 
-async def wait_reset(sock: trio.socket.SocketType) -> None:
-    """Return when the peer resets the connection. Consumes nothing (peeks). Data instead of
-    EOF (a pipelined request, which the protocol does not allow) ends the watch."""
+async def wait_hang_up(sock: trio.socket.SocketType, hang_up: HangUp) -> None:
+    """Return when the peer hangs up as ``hang_up`` counts it (never for NEVER). Consumes
+    nothing (peeks). Data instead of EOF (a pipelined request, which the protocol does not
+    allow) ends the watch."""
+    if hang_up is HangUp.NEVER:
+        await trio.sleep_forever()
     try:
         data = await sock.recv(1, stdsocket.MSG_PEEK)
     except OSError:
         return
     if data:
         await trio.sleep_forever()
+    if hang_up is HangUp.EOF:
+        return
     # EOF: a half-close, or a close we cannot see yet. An abortive close (SO_LINGER 0) after
     # the FIN still sends a reset; POLLIN stays set from now on, so poll for it.
     while not was_reset(sock):  # noqa: ASYNC110 (no event to wait on: a reset after EOF is polled)

@@ -209,6 +209,7 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
             await _send_reply(conn, Reply.error(err))
             if head.payload_len > limit:
                 rlog.info("payload of %d bytes is over the drain limit of %d: closing", head.payload_len, limit)
+                await _linger(conn, min(head.payload_len, LINGER_FACTOR * limit), settings, budget)
             return
         try:
             # The one buffer it lives in.
@@ -224,13 +225,41 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
 
 
 _SCRATCH = 1 << 20  # the one buffer a refused payload passes through
+# After the refusal of a payload too large to drain: read on for at most this many times the
+# drain bound, while the peer goes on sending, and stop at its first pause this long (it has
+# its answer: a peer that stops sending is not writing a request).
+LINGER_FACTOR = 4
+LINGER_SILENCE_S = 1.0
 
 
-async def _discard(conn: Connection, n: int, settings: Settings, budget: ByteBudget) -> bool:
+async def _linger(conn: Connection, n: int, settings: Settings, budget: ByteBudget) -> None:
+    """After the refusal of a payload over the drain bound was written: read and throw away up
+    to ``n`` more of its bytes, then the caller closes. A client that writes its whole request
+    before it reads (the coordinator's, every KV client) is blocked in its send; a close with
+    its bytes unread would answer it with a reset, which can discard the refusal unread, and
+    it would upload again. Bounded as a drain is (the upload floor), by LINGER_SILENCE_S of
+    silence and by --idle-timeout-s in all; the connection closes whatever happens."""
+    silence = min(LINGER_SILENCE_S, conn.idle_timeout_s)
+    with trio.move_on_after(conn.idle_timeout_s):
+        try:
+            await _discard(conn, n, settings, budget, silence_s=silence, what="refused payload after its reply")
+        except PeerClosed:  # it stopped writing, or read its reply and left: nothing to wait for
+            pass
+
+
+async def _discard(
+    conn: Connection,
+    n: int,
+    settings: Settings,
+    budget: ByteBudget,
+    *,
+    silence_s: float | None = None,
+    what: str = "refused payload",
+) -> bool:
     """Read and throw away a refused request's ``n`` payload bytes, so that a client that
     writes its whole request before reading (every KV client does) gets the refusal. The
     bytes pass through one small scratch buffer charged to the payload budget, never held.
-    The upload rules apply: no byte for --idle-timeout-s, or less than
+    The upload rules apply: no byte for ``silence_s`` (default --idle-timeout-s), or less than
     --min-upload-bytes-per-s on average after --upload-grace-s, and the drain stops (False:
     the caller replies and closes), so a refusal cannot become a way to hold a connection.
     The peer leaving mid-drain raises PeerClosed, as any read."""
@@ -238,11 +267,12 @@ async def _discard(conn: Connection, n: int, settings: Settings, budget: ByteBud
         return True
     scratch = memoryview(bytearray(min(n, _SCRATCH)))
     rate = settings.min_upload_bytes_per_s
+    silence = conn.idle_timeout_s if silence_s is None else silence_s
     start = last = trio.current_time()
     got = 0
     with budget.drain_charged(len(scratch)):
         while got < n:
-            deadline = last + conn.idle_timeout_s
+            deadline = last + silence
             if rate:
                 deadline = min(deadline, start + settings.upload_grace_s + got / rate)
             with trio.move_on_at(deadline):
@@ -257,8 +287,8 @@ async def _discard(conn: Connection, n: int, settings: Settings, budget: ByteBud
                 last = trio.current_time()
                 continue
             log.info(
-                "rpc %s: refused payload too slow (%d of %d bytes in %.1f s); closing",
-                conn.peer, got, n, trio.current_time() - start,
+                "rpc %s: %s stopped or too slow (%d of %d bytes in %.1f s); closing",
+                conn.peer, what, got, n, trio.current_time() - start,
             )
             return False
     return True
@@ -269,12 +299,13 @@ async def _answer(
 ) -> bool:
     """Run the op and write its one reply; False when the peer hung up first (close).
 
-    For ops that stop when the caller hangs up (PREFILL, DECODE), a peer that resets cancels
-    everything from the op's start until its reply is written. A peer that sent EOF may only
-    have half-closed (it still reads, spec §4.3): its op finishes and the reply is written,
-    then ``peer.reset_after_reply`` tells a closed peer (it answers with a reset) from a
-    reading one. What the op started (a DECODE request) is committed once the reply is out
-    and was not answered with a reset, and abandoned otherwise: nobody learned its id.
+    For ops that stop when the caller hangs up (``spec.hang_up``, rpc/peer.py), the hang-up
+    cancels everything from the op's start until its reply is written: a reset for both
+    PREFILL and DECODE, EOF too for PREFILL. A DECODE peer that sent EOF may only have
+    half-closed (it still reads): its op finishes and the reply is written, then
+    ``peer.reset_after_reply`` tells a closed peer (it answers with a reset) from a reading
+    one. What the op started (a DECODE request) is committed once the reply is out and was
+    not answered with a reset, and abandoned otherwise: nobody learned its id.
     """
     try:
         return await _answer_or_hang_up(state, spec, ctx, payload, release_payload)
@@ -297,8 +328,8 @@ async def _answer_or_hang_up(
     ctx.release_payload = release_once
     watch = trio.CancelScope()  # the watcher's own: it watches the op, not the reply
     async with trio.open_nursery() as hangup:
-        if spec.cancel_on_disconnect:
-            hangup.start_soon(_cancel_on_reset, sock, hangup.cancel_scope, watch)
+        if spec.hang_up is not peer.HangUp.NEVER:
+            hangup.start_soon(_cancel_on_hang_up, sock, spec.hang_up, hangup.cancel_scope, watch)
         try:
             reply = await _run_op(spec, ctx, memoryview(payload))
         finally:
@@ -312,7 +343,8 @@ async def _answer_or_hang_up(
             state.payload_budget.release(reply.held)  # a snapshot's charge: sent, or never will be
         hangup.cancel_scope.cancel()
         return True
-    ctx.log.info("%s: peer reset the connection before the reply; request cancelled", spec.name)
+    how = "closed or reset" if spec.hang_up is peer.HangUp.EOF else "reset"
+    ctx.log.info("%s: peer %s the connection before the reply; request cancelled", spec.name, how)
     return False
 
 
@@ -320,7 +352,7 @@ async def _deliver(state: AppState, spec: OpSpec, ctx: OpContext, reply: Reply) 
     """Write the reply; commit what it started once the peer took it, abandon it otherwise."""
     sock = ctx.conn.sock
     try:
-        if spec.cancel_on_disconnect and peer.was_reset(sock):
+        if spec.hang_up is not peer.HangUp.NEVER and peer.was_reset(sock):
             # The reset came in the batch that ended the op; the watcher has not run yet.
             raise PeerClosed("peer reset the connection before the reply")
         await _send_reply(ctx.conn, reply)
@@ -338,11 +370,11 @@ async def _deliver(state: AppState, spec: OpSpec, ctx: OpContext, reply: Reply) 
     state.metrics.rpc_bytes_out.inc(reply.payload_len)
 
 
-async def _cancel_on_reset(
-    sock: trio.socket.SocketType, scope: trio.CancelScope, watch: trio.CancelScope
+async def _cancel_on_hang_up(
+    sock: trio.socket.SocketType, hang_up: peer.HangUp, scope: trio.CancelScope, watch: trio.CancelScope
 ) -> None:
     with watch:
-        await peer.wait_reset(sock)
+        await peer.wait_hang_up(sock, hang_up)
         scope.cancel()
 
 

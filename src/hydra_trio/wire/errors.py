@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum, StrEnum
 from typing import Any
 
@@ -97,6 +98,13 @@ class ParamError(ProtocolError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(ErrorCode.BAD_JSON, message, status=Status.BAD_REQUEST)
         self.param = param
+
+    def renamed(self, rename: Callable[[str], str]) -> ParamError:
+        """This refusal with its parameter as another dialect spells it (the engine refuses
+        in chat completions' names; a codec answers in its own)."""
+        if self.param is None or (new := rename(self.param)) == self.param:
+            return self
+        return ParamError(self.message.replace(self.param, new), new)
 
 
 def bad_param(message: str, param: str | None = None) -> ProtocolError:

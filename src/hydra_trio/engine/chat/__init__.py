@@ -1,20 +1,23 @@
 """Chat: the served template and everything that follows from it. What a template can do
-(``TemplateCaps``), prompts rendered from chat requests, a request's tools and output
-constraint as GBNF in the template's tool syntax, and the model's reply read back into
-content, reasoning and tool calls. The engine's input processing holds one ``Chat`` per
-served template; nothing outside this package reaches its modules."""
+(``TemplateCaps``), and a request's chat side decided once (``Chat.plan`` -> ``ChatPlan``,
+as llama.cpp's ``common_chat_templates_apply`` returns one ``common_chat_params``): its
+prompt, its output grammar (tools in the template's syntax), the control tokens its reply
+shows, its think block's plan and the parser that reads its reply, all from one choice of
+template variant. The engine's input processing holds one ``Chat`` per served template;
+nothing outside this package reaches its modules. Imports nothing of engine/llama/."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ...config import REASONING_FORMATS
 from ...wire.errors import bad_param
-from ..llama import SamplingParams, ThinkPlan
+from ..structured import Constraint, OutputGrammar, ThinkPlan
+from .call_grammar import constraint_grammar
 from .caps import TemplateCaps, template_caps
-from .formats import syntax_text
-from .grammar import Constraint, constraint_gbnf, parse_constraint, request_constraint
+from .formats import GENERIC, syntax_text
 from .parser import ReplyDelta, ReplyParser, ToolCall, parse_reply
 from .render import (
     BUDGET_KEYS,
@@ -31,23 +34,35 @@ from .tools import ToolRequest, parse_tools
 __all__ = [
     "BUDGET_KEYS",
     "Chat",
+    "ChatPlan",
     "ChatRequestError",
     "ChatTemplate",
-    "Constraint",
     "ReplyDelta",
     "ReplyParser",
     "TemplateCaps",
     "ToolCall",
     "ToolRequest",
-    "constraint_gbnf",
-    "parse_constraint",
+    "constraint_grammar",
     "parse_reply",
     "parse_tools",
     "render_jinja",
-    "request_constraint",
     "resolve_chat_template",
     "template_caps",
 ]
+
+T = TypeVar("T")
+OffLoop = Callable[[Callable[[], T]], Awaitable[T]]  # runs CPU-bound work off the trio thread
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """A request's chat side, decided once (``Chat.plan``) and read everywhere after."""
+
+    prompt: str | None  # the prompt text (chat template, or a plain prompt); None: token ids, or none
+    grammar: OutputGrammar | None  # what the reply must follow (not compiled yet)
+    shown_tokens: frozenset[int]  # control tokens whose text the reply shows (its template's syntax)
+    think: ThinkPlan | None  # the reply's think block (its tags' tokens left to the engine)
+    replies: Callable[[], ReplyParser] | None  # a fresh parser of the reply; None: its text is the content
 
 
 class _Served:
@@ -118,28 +133,43 @@ class Chat:
         declares = "messages" in request and parse_tools(request) is not None
         return await self._served(declares).renderer.render(request)
 
-    def to_gbnf(self, constraint: Constraint) -> tuple[str, tuple[str, ...]]:
-        """A request's output constraint as GBNF and lazy triggers, tools in the syntax of the
-        template its prompt renders through."""
-        return constraint_gbnf(constraint, self._served(constraint.kind == "tools").caps.tool_format)
+    async def plan(
+        self,
+        request: dict[str, Any],
+        *,
+        tools: ToolRequest | None,
+        constraint: Constraint | None,
+        budget: int,
+        off_loop: OffLoop[Any],
+    ) -> ChatPlan:
+        """The request's chat side (``tools`` and ``constraint`` as parsed from it; ``budget``:
+        the thinking budget in force), from one choice of template variant: the tool_use
+        variant when it declares tools and the model has one. Its grammar is written off the
+        trio thread (``off_loop``: schemas of a long tool list take milliseconds)."""
+        chat = "messages" in request
+        served = self._served(chat and tools is not None)
+        fmt = served.caps.tool_format if chat else GENERIC
+        grammar = None if constraint is None else await off_loop(lambda: constraint_grammar(constraint, fmt))
+        rendered = _with_budget(request, budget)
+        has_prompt = chat or isinstance(request.get("prompt"), str)
+        prompt = await served.renderer.render(rendered) if has_prompt else None
+        if not chat:
+            return ChatPlan(prompt, grammar, frozenset(), None, None)
+        return ChatPlan(
+            prompt,
+            grammar,
+            self._shown[served.template.variant],
+            _think_plan(served.caps, rendered, prompt or "", budget=budget, grammar=grammar),
+            self._reply_parsers(served.caps, tools, request, prompt or ""),
+        )
 
-    def shown_tokens(self, tools: ToolRequest | None) -> frozenset[int]:
-        """The control tokens a chat reply shows as text: those of its template's syntax (tool
-        markers, think tags, the markup its template spells), so the reply parser reads
-        ``<tool_call>`` whether the model wrote it as one special token or as text pieces
-        (llama-server's ``preserved_tokens``). Other control tokens stay unshown."""
-        return self._shown[self._served(tools is not None).template.variant]
-
-    def reply_parsers(
-        self, tools: ToolRequest | None, request: dict[str, Any], prompt: str
+    def _reply_parsers(
+        self, caps: TemplateCaps, tools: ToolRequest | None, request: dict[str, Any], prompt: str
     ) -> Callable[[], ReplyParser] | None:
         """How a chat reply is read: a factory of fresh parsers of its tool calls (tools asked
         with a tool_choice other than none, in this template's format) and its reasoning
         (``reasoning_format``: the request's, else --reasoning-format); None when the text is
-        the content as it stands (text completions, and chat asking neither)."""
-        if "messages" not in request:
-            return None
-        caps = self._served(tools is not None).caps
+        the content as it stands (chat asking neither)."""
         calls = tools if tools is not None and tools.choice != "none" else None
         mode = request.get("reasoning_format")
         if mode is None:
@@ -166,41 +196,48 @@ class Chat:
             reasoning_lead=lead,
         )
 
-    def think_plan(
-        self, tools: ToolRequest | None, request: dict[str, Any], prompt: str, *, budget: int, sampling: SamplingParams
-    ) -> ThinkPlan | None:
-        """What generation does with a chat reply's think block (llama/thinking.py), its tags'
-        tokens left to the caller; None: nothing. ``request`` as rendered (the budget in force
-        written in: ``thinking_on``); ``budget``: -1 unlimited, else the most reasoning tokens.
 
-        The block is the reply's when the prompt opened it, or when the template thinks and
-        thinking is on (the model opens it). A grammar the reply must follow starts after the
-        close tag: the model reasons first and its answer still follows it. Where the prompt
-        did not open the block but thinking is on, the engine opens it (a grammar from the
-        first token would leave no room to think), except for a lazy grammar (tool_choice
-        auto: the model may call at once) and a grammar that spells the close tag itself (it
-        covers the reasoning: it holds from the first token, as llama-server's)."""
-        if "messages" not in request:
-            return None
-        caps = self._served(tools is not None).caps
-        if caps.tool_format.channels:  # gpt-oss and Muse Glimmer reason in a channel, not a think block
-            return None
-        open_tag, close_tag = caps.think_tags
-        grammar = sampling.grammar
-        held = grammar is not None and close_tag not in grammar
-        lazy = bool(sampling.grammar_triggers)
-        opened = _opens_think(prompt, caps)
-        # A prompt ending in a closed block (a template's empty one) leaves the reply none.
-        thinks = caps.thinks and thinking_on(request, caps) and not prompt.rstrip().endswith(close_tag)
-        force_open = not opened and thinks and held and not lazy
-        if not (opened or force_open or (thinks and budget > 0)):
-            return None
-        if not held and budget < 0:
-            return None
-        return ThinkPlan(
-            open_text=open_tag.encode(), close_text=close_tag.encode(), open_tokens=(), close_tokens=(),
-            budget=budget, starts_in_reasoning=opened, force_open=force_open, holds_grammar=held and (opened or force_open),
-        )
+def _with_budget(request: dict[str, Any], budget: int) -> dict[str, Any]:
+    """A chat request as its prompt is rendered: the thinking budget in force (its own, else
+    --reasoning-budget) written under its key, so a budget of 0 turns the template's thinking
+    off (render.py ``thinking_on``)."""
+    key = BUDGET_KEYS[0]
+    if "messages" not in request or request.get(key, -1) == budget:
+        return request
+    return {**request, key: budget}
+
+
+def _think_plan(
+    caps: TemplateCaps, request: dict[str, Any], prompt: str, *, budget: int, grammar: OutputGrammar | None
+) -> ThinkPlan | None:
+    """What generation does with a chat reply's think block (structured/thinking.py), its
+    tags' tokens left to the caller; None: nothing. ``request`` as rendered (the budget in
+    force written in); ``budget``: -1 unlimited, else the most reasoning tokens.
+
+    The block is the reply's when the prompt opened it, or when the template thinks and
+    thinking is on (the model opens it). A grammar the reply must follow starts after the
+    close tag: the model reasons first and its answer still follows it. Where the prompt did
+    not open the block but thinking is on, the engine opens it (a grammar from the first
+    token would leave no room to think), except for a lazy grammar (tool_choice auto: the
+    model may call at once) and a grammar that spells the close tag itself (it covers the
+    reasoning: it holds from the first token, as llama-server's)."""
+    if caps.tool_format.channels:  # gpt-oss and Muse Glimmer reason in a channel, not a think block
+        return None
+    open_tag, close_tag = caps.think_tags
+    held = grammar is not None and close_tag not in grammar.text
+    lazy = grammar is not None and bool(grammar.triggers)
+    opened = _opens_think(prompt, caps)
+    # A prompt ending in a closed block (a template's empty one) leaves the reply none.
+    thinks = caps.thinks and thinking_on(request, caps) and not prompt.rstrip().endswith(close_tag)
+    force_open = not opened and thinks and held and not lazy
+    if not (opened or force_open or (thinks and budget > 0)):
+        return None
+    if not held and budget < 0:
+        return None
+    return ThinkPlan(
+        open_text=open_tag.encode(), close_text=close_tag.encode(), open_tokens=(), close_tokens=(),
+        budget=budget, starts_in_reasoning=opened, force_open=force_open, holds_grammar=held and (opened or force_open),
+    )
 
 
 def _opens_think(prompt: str, caps: TemplateCaps) -> bool:

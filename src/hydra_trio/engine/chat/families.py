@@ -2,8 +2,8 @@
 are blocks of their own markup (Qwen3-Coder's and Seed-OSS's ``<function=...>``, GLM's
 ``<arg_key>``, Kimi K2's and DeepSeek's special-token sections, MiniMax's and DeepSeek
 V3.2's ``<invoke>``). Each ``Block`` holds both readers of its syntax: ``read`` (one block's
-text -> calls, for ``parser.py``) and ``call_rule`` (one tool's call as GBNF, for
-``grammar.tools_gbnf``), so what the grammar makes a model write is what the parser reads.
+text -> calls, for ``parser.py``) and ``call_rule`` (one tool's call as llguidance's Lark, for
+``call_grammar.tools_grammar``), so what the grammar makes a model write is what the parser reads.
 The formats built on them are in ``formats.py``. Pure.
 
 The shapes and expected parses restate llama.cpp's tests (tests/test-chat.cpp) for the
@@ -17,13 +17,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..structured import SchemaExpr, literal, regex, seq
 from .tools import Tool
 
 Call = tuple[str, dict[str, Any], str | None]  # (name, arguments, the id the model wrote or None)
 Props = Mapping[str, Mapping[str, Any]]  # a tool's parameters' properties: name -> schema
 Reader = Callable[[str, str, Callable[[str], Props | None]], list[Call] | None]
-SchemaGbnf = Callable[[Any, str], str]  # grammar.schema_gbnf
-Renamed = Callable[[str, str], str]  # grammar._renamed
+# One call's grammar: (tool, its index, its schemas' expressions) -> (the call's expression, rules)
+CallRule = Callable[[Tool, int, SchemaExpr], tuple[str, list[str]]]
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,26 @@ class Block:
     read: Reader
     tail: str = ""
     closers: tuple[str, ...] = ()  # when given: the closer of each opener (DSML's two spellings)
-    # One call's GBNF: (tool, its index, schema_gbnf, renamed) -> (the call's expression, rules)
-    call_rule: Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]] | None = None
+    call_rule: CallRule | None = None  # one call's grammar
+    # A block of several calls: what ends each call in it, and what closes the calls' list
+    # after one (a JSON list's "]"): a block the length cap cut is read up to its last whole
+    # call (``salvage``). "": a block holds one call.
+    call_end: str = ""
+    list_close: str = ""
 
-
-def _lit(text: str) -> str:
-    return json.dumps(text) if text else ""
+    def salvage(self, body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[Call] | None:
+        """The whole calls of a block cut before its closer (the length cap): its text up to
+        the last call that ends, read as if the block closed there; None: none is whole."""
+        end = len(body)
+        for _ in range(MAX_SALVAGE_TRIES):
+            k = body.rfind(self.call_end, 0, end) if self.call_end else -1
+            if k < 0:
+                return None
+            calls = self.read(body[: k + len(self.call_end)] + self.list_close, opener, props_of)
+            if calls:
+                return calls
+            end = k
+        return None
 
 
 def _json_args(text: str) -> dict[str, Any] | None:
@@ -112,11 +127,14 @@ def _read_function(body: str, opener: str, props_of: Callable[[str], Props | Non
     return [(name, _xml_args(pairs, props_of(name)), None)]
 
 
+MAX_SALVAGE_TRIES = 64  # places a cut block's last whole call is looked for (a nested "}" is no call's end)
+MAX_TEXT_COUNT = 1 << 16  # a text parameter's length bound written into its regex (past it: unbounded)
+
+
 def _xml_param_rules(
     tool: Tool,
     i: int,
-    schema_gbnf: SchemaGbnf,
-    renamed: Renamed,
+    schema: SchemaExpr,
     write: Callable[[str], tuple[str, str]],
     padded: bool = False,
 ) -> tuple[str, list[str]]:
@@ -127,30 +145,30 @@ def _xml_param_rules(
     required = set(tool.parameters.get("required") or ()) if isinstance(tool.parameters, dict) else set()
     rules: list[str] = []
     parts: list[str] = []
-    for j, (key, schema) in enumerate((props or {}).items()):
-        if isinstance(schema, dict) and schema.get("type") == "string":
+    for j, (key, prop) in enumerate((props or {}).items()):
+        value = f"t{i}-p{j}"
+        if isinstance(prop, dict) and prop.get("type") == "string":
             # A string is written as text (typed_value reads it so): no "<" (it would end
             # the value) and, where no newline is written around it, no newline at its edges.
-            value = f"t{i}-p{j}-text"
-            lo, hi = schema.get("minLength"), schema.get("maxLength")
-            lo = lo if isinstance(lo, int) else 0
-            count = f"{{{lo},{hi}}}" if isinstance(hi, int) else f"{{{lo},}}" if lo else "*"
+            lo, hi = prop.get("minLength"), prop.get("maxLength")
+            lo = lo if isinstance(lo, int) and not isinstance(lo, bool) and 0 <= lo <= MAX_TEXT_COUNT else 0
+            bounded = isinstance(hi, int) and not isinstance(hi, bool) and lo <= hi <= MAX_TEXT_COUNT
+            count = f"{{{lo},{hi}}}" if bounded else f"{{{lo},}}" if lo else "*"
             chars = "[^<]" if padded else "[^<\\n]"
-            rules.append(f"{value} ::= {chars}{count}")
+            rules.append(f"{value}: {regex(chars + count)}")
         else:
-            rules.append(renamed(schema_gbnf(schema, f"tools[{i}].function.parameters.properties.{key}"), f"t{i}-p{j}-"))
-            value = f"t{i}-p{j}-root"
+            rules.append(f"{value}: {schema(prop, f'tools[{i}].function.parameters.properties.{key}')}")
         before, after = write(key)
-        part = f"{_lit(before)} {value} {_lit(after)}"
+        part = seq(literal(before), value, literal(after))
         parts.append(part if key in required else f"({part})?")
-    return " ".join(parts), rules
+    return seq(*parts), rules
 
 
-def _qwen_rule(call_open: str, call_close: str) -> Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]]:
-    def rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
-        params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, lambda k: (f"<parameter={k}>\n", "\n</parameter>\n"), True)
-        head = _lit(f"{call_open}\n<function={tool.name}>\n")
-        return " ".join(x for x in (head, params, _lit(f"</function>\n{call_close}")) if x), rules
+def _qwen_rule(call_open: str, call_close: str) -> CallRule:
+    def rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
+        params, rules = _xml_param_rules(tool, i, schema, lambda k: (f"<parameter={k}>\n", "\n</parameter>\n"), True)
+        head = literal(f"{call_open}\n<function={tool.name}>\n")
+        return seq(head, params, literal(f"</function>\n{call_close}")), rules
 
     return rule
 
@@ -175,7 +193,7 @@ SEED_XML = Block(
 #    ":opensource" in each tag, <tool_sep:opensource> after the name (its section's tags are formats.HY3's)
 
 
-def _arg_tags(s: str, sep: str) -> tuple[Reader, Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]]]:
+def _arg_tags(s: str, sep: str) -> tuple[Reader, CallRule]:
     """One call's reader and rule: ``s`` its tags' suffix, ``sep`` what ends the name."""
     arg = re.compile(rf"<arg_key{s}>(.*?)</arg_key{s}>\s*<arg_value{s}>(.*?)</arg_value{s}>", re.S)
 
@@ -190,11 +208,11 @@ def _arg_tags(s: str, sep: str) -> tuple[Reader, Callable[[Tool, int, SchemaGbnf
             return None
         return [(name, _xml_args(pairs, props_of(name)), None)]
 
-    def rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+    def rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
         params, rules = _xml_param_rules(
-            tool, i, schema_gbnf, renamed, lambda k: (f"<arg_key{s}>{k}</arg_key{s}>\n<arg_value{s}>", f"</arg_value{s}>\n")
+            tool, i, schema, lambda k: (f"<arg_key{s}>{k}</arg_key{s}>\n<arg_value{s}>", f"</arg_value{s}>\n")
         )
-        return " ".join(x for x in (_lit(f"<tool_call{s}>{tool.name}{sep}"), params, _lit(f"</tool_call{s}>")) if x), rules
+        return seq(literal(f"<tool_call{s}>{tool.name}{sep}"), params, literal(f"</tool_call{s}>")), rules
 
     return read, rule
 
@@ -208,10 +226,10 @@ HY3 = Block(openers=("<tool_call:opensource>",), closer="</tool_call:opensource>
 # -- JSON arguments between special tokens: Kimi K2 and DeepSeek V3.x/R1
 
 
-def _json_rule(head: Callable[[Tool], str], tail: str) -> Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]]:
-    def rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
-        args = renamed(schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-")
-        return f"{head(tool)} t{i}-root {_lit(tail)}", [args]
+def _json_rule(head: Callable[[Tool], str], tail: str) -> CallRule:
+    def rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
+        args = f"t{i}-args: {schema(tool.parameters, f'tools[{i}].function.parameters')}"
+        return seq(head(tool), f"t{i}-args", literal(tail)), [args]
 
     return rule
 
@@ -241,8 +259,9 @@ KIMI = Block(
     openers=("<|tool_calls_section_begin|>",),
     closer="<|tool_calls_section_end|>",
     read=_read_kimi,
+    call_end="<|tool_call_end|>",
     call_rule=_json_rule(
-        lambda t: f'{_lit("<|tool_call_begin|>functions." + t.name + ":")} [0-9]{{1,5}} {_lit("<|tool_call_argument_begin|>")}',
+        lambda t: seq(literal("<|tool_call_begin|>functions." + t.name + ":"), regex("[0-9]{1,5}"), literal("<|tool_call_argument_begin|>")),
         "<|tool_call_end|>",
     ),
 )
@@ -274,7 +293,8 @@ DEEPSEEK = Block(
     openers=(DS_BEGIN,),
     closer=DS_END,
     read=_read_deepseek,
-    call_rule=_json_rule(lambda t: _lit(f"<｜tool▁call▁begin｜>{t.name}<｜tool▁sep｜>"), "<｜tool▁call▁end｜>"),
+    call_end="<｜tool▁call▁end｜>",
+    call_rule=_json_rule(lambda t: literal(f"<｜tool▁call▁begin｜>{t.name}<｜tool▁sep｜>"), "<｜tool▁call▁end｜>"),
 )
 
 
@@ -306,8 +326,8 @@ def _invoke_reader(p: str) -> Reader:
     return read
 
 
-def _invoke_rule(p: str, dsml: bool) -> Callable[[Tool, int, SchemaGbnf, Renamed], tuple[str, list[str]]]:
-    def rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+def _invoke_rule(p: str, dsml: bool) -> CallRule:
+    def rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
         props = tool.parameters.get("properties") or {} if isinstance(tool.parameters, dict) else {}
 
         def write(k: str) -> tuple[str, str]:
@@ -315,9 +335,9 @@ def _invoke_rule(p: str, dsml: bool) -> Callable[[Tool, int, SchemaGbnf, Renamed
             flag = (' string="true"' if isinstance(s, dict) and s.get("type") == "string" else ' string="false"') if dsml else ""
             return f'<{p}parameter name="{k}"{flag}>', f"</{p}parameter>\n"
 
-        params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, write)
-        head = _lit(f'\n<{p}invoke name="{tool.name}">\n')
-        return " ".join(x for x in (head, params, _lit(f"</{p}invoke>\n")) if x), rules
+        params, rules = _xml_param_rules(tool, i, schema, write)
+        head = literal(f'\n<{p}invoke name="{tool.name}">\n')
+        return seq(head, params, literal(f"</{p}invoke>\n")), rules
 
     return rule
 
@@ -327,6 +347,7 @@ MINIMAX = Block(
     closer="</minimax:tool_call>",
     read=_invoke_reader(""),
     call_rule=_invoke_rule("", False),
+    call_end="</invoke>",
 )
 DSML = Block(
     openers=("<｜DSML｜function_calls>", "<｜DSML｜tool_calls>"),  # V3.2's, V4's
@@ -334,6 +355,7 @@ DSML = Block(
     closers=("</｜DSML｜function_calls>", "</｜DSML｜tool_calls>"),
     read=_invoke_reader("｜DSML｜"),
     call_rule=_invoke_rule("｜DSML｜", True),
+    call_end="</｜DSML｜invoke>",
 )
 
 
@@ -367,7 +389,7 @@ def _read_gemma(body: str, opener: str, props_of: Callable[[str], Props | None])
     return [(name.strip(), args, None)] if name.strip() and args is not None else None
 
 
-def _gemma_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+def _gemma_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
     props = tool.parameters.get("properties") or {} if isinstance(tool.parameters, dict) else {}
 
     def write(k: str) -> tuple[str, str]:
@@ -375,8 +397,8 @@ def _gemma_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -
         quoted = isinstance(s, dict) and s.get("type") == "string"
         return (f"{k}:{GEMMA_QUOTE}" if quoted else f"{k}:"), (f"{GEMMA_QUOTE}," if quoted else ",")
 
-    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, write)
-    return " ".join(x for x in (_lit(f"<|tool_call>call:{tool.name}{{"), params, _lit("}<tool_call|>")) if x), rules
+    params, rules = _xml_param_rules(tool, i, schema, write)
+    return seq(literal(f"<|tool_call>call:{tool.name}{{"), params, literal("}<tool_call|>")), rules
 
 
 GEMMA4 = Block(openers=("<|tool_call>",), closer="<tool_call|>", read=_read_gemma, call_rule=_gemma_rule)
@@ -400,14 +422,15 @@ def _read_cohere(body: str, opener: str, props_of: Callable[[str], Props | None]
     return calls
 
 
-def _cohere_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
-    args = renamed(schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-")
-    head = _lit('{"tool_call_id": "') + " [0-9]{1,3} "
-    name = _lit(f'", "tool_name": "{tool.name}", "parameters": ')
-    return f"{head}{name} t{i}-root {_lit('}')}", [args]
+def _cohere_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
+    args = f"t{i}-args: {schema(tool.parameters, f'tools[{i}].function.parameters')}"
+    head = seq(literal('{"tool_call_id": "'), regex("[0-9]{1,3}"), literal(f'", "tool_name": "{tool.name}", "parameters": '))
+    return seq(head, f"t{i}-args", literal("}")), [args]
 
 
-COHERE = Block(openers=("<|START_ACTION|>",), closer="<|END_ACTION|>", read=_read_cohere, call_rule=_cohere_rule)
+COHERE = Block(
+    openers=("<|START_ACTION|>",), closer="<|END_ACTION|>", read=_read_cohere, call_rule=_cohere_rule, call_end="}", list_close="]"
+)
 
 
 def _object_args(value: Any) -> dict[str, Any] | None:
@@ -447,7 +470,8 @@ MINIMAX_M1 = Block(
     openers=("<tool_calls>",),
     closer="</tool_calls>",
     read=_read_json_lines,
-    call_rule=_json_rule(lambda t: _lit(f'{{"name": "{t.name}", "arguments": '), "}"),
+    call_end="}",
+    call_rule=_json_rule(lambda t: literal(f'{{"name": "{t.name}", "arguments": '), "}"),
 )
 
 
@@ -473,7 +497,9 @@ APERTUS = Block(
     openers=("<|tools_prefix|>",),
     closer="<|tools_suffix|>",
     read=_read_name_keyed,
-    call_rule=_json_rule(lambda t: _lit(f'{{"{t.name}": '), "}"),
+    call_end="}",
+    list_close="]",
+    call_rule=_json_rule(lambda t: literal(f'{{"{t.name}": '), "}"),
 )
 
 
@@ -502,9 +528,9 @@ def _read_minicpm(body: str, opener: str, props_of: Callable[[str], Props | None
     return [(name, args, None)] if name else None
 
 
-def _minicpm_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
-    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, lambda k: (f'<param name="{k}">', "</param>"))
-    return " ".join(x for x in (_lit(f'<function name="{tool.name}">'), params, _lit("</function>")) if x), rules
+def _minicpm_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
+    params, rules = _xml_param_rules(tool, i, schema, lambda k: (f'<param name="{k}">', "</param>"))
+    return seq(literal(f'<function name="{tool.name}">'), params, literal("</function>")), rules
 
 
 MINICPM5 = Block(openers=('<function name="',), closer="</function>", read=_read_minicpm, call_rule=_minicpm_rule)
@@ -525,10 +551,10 @@ def _read_solar(body: str, opener: str, props_of: Callable[[str], Props | None])
     return [(name.strip(), args, given.strip() or None)]
 
 
-def _solar_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
-    args = renamed(schema_gbnf(tool.parameters, f"tools[{i}].function.parameters"), f"t{i}-")
-    head = f"{_lit(SOLAR_BEGIN)} [0-9]{{1,3}} {_lit('<|tool_call:name|>' + tool.name + '<|tool_call:args|>')}"
-    return f"{head} t{i}-root {_lit(SOLAR_END)}", [args]
+def _solar_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
+    args = f"t{i}-args: {schema(tool.parameters, f'tools[{i}].function.parameters')}"
+    head = seq(literal(SOLAR_BEGIN), regex("[0-9]{1,3}"), literal("<|tool_call:name|>" + tool.name + "<|tool_call:args|>"))
+    return seq(head, f"t{i}-args", literal(SOLAR_END)), [args]
 
 
 SOLAR = Block(openers=("<|tool_calls|>" + SOLAR_BEGIN, SOLAR_BEGIN), closer=SOLAR_END, read=_read_solar, call_rule=_solar_rule)
@@ -572,7 +598,7 @@ def _read_kimi_k3(body: str, opener: str, props_of: Callable[[str], Props | None
     return calls if calls and not body[pos:].strip() else None
 
 
-def _k3_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+def _k3_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
     props = tool.parameters.get("properties") or {} if isinstance(tool.parameters, dict) else {}
 
     def write(k: str) -> tuple[str, str]:
@@ -580,13 +606,16 @@ def _k3_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> t
         kind = _K3_TYPES.get(s.get("type"), "object") if isinstance(s, dict) and isinstance(s.get("type"), str) else "object"
         return f'<|open|>argument key="{k}" type="{kind}"<|sep|>', "<|close|>argument<|sep|>"
 
-    params, rules = _xml_param_rules(tool, i, schema_gbnf, renamed, write)
+    params, rules = _xml_param_rules(tool, i, schema, write)
     call_open = '<|open|>call tool="' + tool.name + '" index="'
-    head = f"{_lit(call_open)} [1-9] [0-9]? {_lit(chr(34) + '<|sep|>')}"
-    return " ".join(x for x in (head, params, _lit("<|close|>call<|sep|>")) if x), rules
+    head = seq(literal(call_open), regex("[1-9][0-9]?"), literal('"<|sep|>'))
+    return seq(head, params, literal("<|close|>call<|sep|>")), rules
 
 
-KIMI_K3 = Block(openers=("<|open|>tools<|sep|>",), closer="<|close|>tools<|sep|>", read=_read_kimi_k3, call_rule=_k3_rule)
+KIMI_K3 = Block(
+    openers=("<|open|>tools<|sep|>",), closer="<|close|>tools<|sep|>", read=_read_kimi_k3, call_rule=_k3_rule,
+    call_end="<|close|>call<|sep|>",
+)
 
 
 # -- Cohere Command R+: Action:\n```json\n[{"tool_name": N, "parameters": {...}}, ...]\n``` (Cohere's list, no ids)
@@ -595,5 +624,7 @@ COMMAND_R_PLUS = Block(
     openers=("Action:\n```json",),
     closer="```",
     read=_read_cohere,
-    call_rule=_json_rule(lambda t: _lit(f'{{"tool_name": "{t.name}", "parameters": '), "}"),
+    call_end="}",
+    list_close="]",
+    call_rule=_json_rule(lambda t: literal(f'{{"tool_name": "{t.name}", "parameters": '), "}"),
 )

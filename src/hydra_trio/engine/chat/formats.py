@@ -1,7 +1,7 @@
 """Tool-call formats: how a model writes its calls, the one home of each syntax. Pure.
 
 A ToolFormat's fields are read by both readers of that syntax: ``parser.ReplyParser`` (its
-markers) and ``grammar.tools_gbnf`` (the GBNF and lazy triggers that make a model write it),
+markers) and ``call_grammar.tools_grammar`` (the grammar and lazy triggers that make a model write it),
 so what the grammar makes a model write is what the parser takes as a call. Which format a
 template writes is decided in ``caps.py``.
 """
@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..structured import trigger_pattern
 from . import families, harmony, pythonic
 from .families import Block
 from .tools import ToolRequest
@@ -28,6 +29,11 @@ class Trigger:
     text: str
     at_start: bool  # only as the reply's first non-whitespace text
     then: str  # the fixed text the grammar writes right after it
+
+    @property
+    def pattern(self) -> str:
+        """The trigger as the lazy grammar's pattern (structured/triggers.py)."""
+        return trigger_pattern(self.text, self.at_start, self.then)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Literal
 
-from .families import Block, Props, Renamed, SchemaGbnf, _lit, _xml_param_rules, typed_value
+from ..structured import SchemaExpr, literal, seq
+from .families import Block, Props, _xml_param_rules, typed_value
 from .families import Call as BlockCall
 from .reasoning import partial_suffix
 from .tools import Tool
@@ -58,7 +59,9 @@ class _ChannelSplitter(ABC):
         self._kind: Kind = "content"
         self._name = ""
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, str, list[Call]]:
+    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> tuple[str, str, list[Call]]:
+        """``cut``: the length cap ended the reply: a call message it left open (or a header
+        not yet through to its message) is dropped, never content."""
         self._buf += text
         reasoning: list[str] = []
         content: list[str] = []
@@ -76,7 +79,8 @@ class _ChannelSplitter(ABC):
                     continue
                 if k < 0:
                     if final:
-                        content.append(buf)  # a header with no message: shown as written
+                        if not cut:
+                            content.append(buf)  # a header with no message: shown as written
                         self._buf = ""
                     break
                 self._kind, self._name = head
@@ -88,7 +92,9 @@ class _ChannelSplitter(ABC):
                     self._emit(buf[:j], reasoning, content, calls, done=True)
                     self._state, self._buf = "header", buf[j if mark == self.next_header else j + len(mark):]
                 elif final:
-                    self._emit(buf, reasoning, content, calls, done=True)
+                    if cut:  # a body the cap cut in its end marker: the body without the marker's beginning
+                        buf = buf[: len(buf) - partial_suffix(buf, *self.ends)]
+                    self._emit(buf, reasoning, content, calls, done=True, cut=cut)
                     self._buf = ""
                 elif self._kind in ("call", "drop"):
                     break  # held whole until it ends
@@ -105,8 +111,9 @@ class _ChannelSplitter(ABC):
         start of, unless ``complete``) a header. Incomplete, only that matters."""
 
     @abstractmethod
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool) -> None:
-        """A body (``done``: the whole of it) into reasoning, content or a call."""
+    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
+        """A body (``done``: the whole of it) into reasoning, content or a call (``cut``: the
+        length cap ended it: a call that does not read whole is dropped, never content)."""
 
 
 class HarmonySplitter(_ChannelSplitter):
@@ -132,7 +139,7 @@ class HarmonySplitter(_ChannelSplitter):
             return "reasoning", ""
         return "content", ""
 
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool) -> None:
+    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
         if self._kind == "reasoning":
             reasoning.append(body)
         elif self._kind == "content":
@@ -144,7 +151,7 @@ class HarmonySplitter(_ChannelSplitter):
                 args = None
             if isinstance(args, dict) and self._accept(self._name):
                 calls.append((self._name, args))
-            else:
+            elif not cut:
                 content.append(body)
 
 
@@ -180,13 +187,13 @@ def _read_atem(body: str, opener: str, props_of: Callable[[str], Props | None]) 
     return calls if calls and not body[pos:].strip() else None
 
 
-def _atem_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+def _atem_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
     """One call as its own message to the tool, as the template prints an earlier one."""
     params, rules = _xml_param_rules(
-        tool, i, schema_gbnf, renamed, lambda k: (f'<atem:parameter name="{k}">', "</atem:parameter>\n"), True
+        tool, i, schema, lambda k: (f'<atem:parameter name="{k}">', "</atem:parameter>\n"), True
     )
-    head = _lit(f' to={tool.name}<|message|><atem:function_calls>\n<atem:invoke name="{tool.name}">\n')
-    return " ".join(x for x in (head, params, _lit("</atem:invoke>\n</atem:function_calls>")) if x), rules
+    head = literal(f' to={tool.name}<|message|><atem:function_calls>\n<atem:invoke name="{tool.name}">\n')
+    return seq(head, params, literal("</atem:invoke>\n</atem:function_calls>")), rules
 
 
 ATEM = Block(openers=("<atem:function_calls>",), closer="</atem:function_calls>", read=_read_atem, call_rule=_atem_rule)
@@ -231,7 +238,7 @@ class GlimmerSplitter(_ChannelSplitter):
             return "reasoning" if self._reasoning else "content"
         return "call" if recipient not in ("", "user") and self._parse_tools else "content"
 
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool) -> None:
+    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
         if self._kind == "reasoning":
             reasoning.append(body)
         elif self._kind == "content":
@@ -243,5 +250,5 @@ class GlimmerSplitter(_ChannelSplitter):
                 found = _read_atem(text[len(ATEM.openers[0]):-len(ATEM.closer)], ATEM.openers[0], self._props_of)
             if found and all(self._accept(n) for n, _, _ in found):
                 calls.extend((n, a) for n, a, _ in found)
-            else:
+            elif not cut:
                 content.append(body)

@@ -10,7 +10,7 @@ from typing import Any
 
 from ...wire.errors import ProtocolError
 from ...wire.jsontext import parse_json
-from .families import Props
+from .families import MAX_SALVAGE_TRIES, Props
 from .formats import GENERIC, ToolFormat, dump_arguments
 from .harmony import GlimmerSplitter, HarmonySplitter
 from .reasoning import CLOSE, OPEN, ThinkSplitter, partial_suffix
@@ -95,30 +95,40 @@ class _CallScanner:
         self._name = ""  # the open recipient region's tool name
         self.calls: list[ToolCall] = []
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """``final``: the reply ended; ``cut``: by the length cap, so text that may still be a
+        call (an open region, a marker's beginning) is never released as content, and an open
+        region's whole calls are read (``_salvage``)."""
         self._buf += text
         out: list[str] = []
         new: list[ToolCall] = []
+        done = final and not cut  # whether what is held can no longer become a call
         while self._buf:
-            start, marker = self._find_start(final)
+            start, marker = self._find_start(done)
             self._text(self._buf[:start], out)
             self._buf = self._buf[start:]
             if marker is None:
                 if final:
-                    self._text(self._buf, out)
+                    if not cut:
+                        self._text(self._buf, out)
                     self._buf = ""
                 break
             if marker and self._buf[:marker] in self._fmt.dropped:
                 outcome = marker, None
             elif self._fmt.block is not None:
-                outcome = self._block(marker, final)
+                outcome = self._block(marker, done)
             elif self._fmt.recipient:
-                outcome = self._recipient(marker, final)
+                outcome = self._recipient(marker, done)
             else:
                 outcome = self._region(marker)
             if outcome is None:  # the region is still open
                 if final:
-                    self._text(self._buf, out)
+                    if not cut:
+                        self._text(self._buf, out)
+                    elif calls := self._salvage(marker):
+                        self._ws, self._after_call = "", True
+                        new.extend(calls)
+                        self.calls.extend(calls)
                     self._buf, self._json, self._fresh = "", None, False
                 break
             end, calls = outcome
@@ -267,6 +277,33 @@ class _CallScanner:
             ToolCall(base + i, given or self._new_id(), name, dump_arguments(args)) for i, (name, args, given) in enumerate(found)
         ]
 
+    def _salvage(self, marker: int) -> list[ToolCall]:
+        """The whole calls of the open region the length cap cut (a list or a block of
+        several calls, read up to its last whole call); none for a region of one call."""
+        fmt, buf = self._fmt, self._buf
+        if fmt.block is not None or fmt.recipient:
+            whole = self._block(marker, True) if fmt.block is not None else self._recipient(marker, True)
+            if whole is not None and whole[1]:  # its call ended (a tail after it was cut)
+                return whole[1]
+        if fmt.block is not None:
+            found = fmt.block.salvage(buf[marker:], buf[:marker], self._props.get)
+            if not found or (self._names is not None and any(n not in self._names for n, _, _ in found)):
+                return []
+            base = len(self.calls)
+            return [ToolCall(base + i, given or self._new_id(), n, dump_arguments(a)) for i, (n, a, given) in enumerate(found)]
+        if self._json is None or not (fmt.listed or fmt.list_key):
+            return []
+        text, close = buf[self._json.start:], "]" if fmt.listed else "]}"
+        end = len(text)
+        for _ in range(MAX_SALVAGE_TRIES):
+            k = text.rfind("}", 0, end)
+            if k < 0:
+                return []
+            if calls := self._calls_of(text[: k + 1] + close):
+                return calls
+            end = k
+        return []
+
     def _calls_of(self, text: str) -> list[ToolCall]:
         """The calls a region's JSON holds; none unless every one is a valid call."""
         try:
@@ -363,12 +400,15 @@ class ReplyParser:
     def feed(self, text: str) -> ReplyDelta:
         return self._step(text, final=False)
 
-    def finish(self) -> ReplyDelta:
-        return self._step("", final=True)
+    def finish(self, *, cut: bool = False) -> ReplyDelta:
+        """The rest of the reply. ``cut``: the length cap ended it, so a call it left open is
+        never content: its whole calls are kept (a list cut after its first calls), the rest
+        dropped, as is a marker's beginning."""
+        return self._step("", final=True, cut=cut)
 
-    def _step(self, text: str, *, final: bool) -> ReplyDelta:
+    def _step(self, text: str, *, final: bool, cut: bool = False) -> ReplyDelta:
         if self._harmony is not None:
-            reasoning, text, found = self._harmony.feed(text, final=final)
+            reasoning, text, found = self._harmony.feed(text, final=final, cut=cut)
             base = len(self._harmony_calls)
             calls = [ToolCall(base + i, self._new_id(), n, dump_arguments(a)) for i, (n, a) in enumerate(found)]
             self._harmony_calls.extend(calls)
@@ -383,7 +423,7 @@ class ReplyParser:
                 reasoning, text = reasoning + more_reasoning, text + more
         calls: list[ToolCall] = []
         if self._scanner is not None:
-            text, calls = self._scanner.feed(text, final=final)
+            text, calls = self._scanner.feed(text, final=final, cut=cut)
         self._content.append(text)
         self._reasoning.append(reasoning)
         return ReplyDelta(content=text, reasoning=reasoning, tool_calls=calls)

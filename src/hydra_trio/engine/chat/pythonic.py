@@ -12,7 +12,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .families import Block, Call, Props, Renamed, SchemaGbnf, _lit
+from ..structured import SchemaExpr, literal, seq
+from .families import Block, Call, Props
 from .tools import Tool
 
 # -- LFM2 / LFM2.5: <|tool_call_start|>[name(arg="v", n=1), other()]<|tool_call_end|> (Python-style calls)
@@ -146,7 +147,7 @@ def _read_lfm2(body: str, opener: str, props_of: Callable[[str], Props | None]) 
     return pythonic_calls(body)
 
 
-def _keyword_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed) -> tuple[str, list[str]]:
+def _keyword_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
     """``NAME(k1=V1, k2=V2)``: the schema's properties in order as keyword arguments (required
     ones always, others optional, a comma between two), each value its schema's JSON."""
     props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
@@ -154,24 +155,26 @@ def _keyword_rule(tool: Tool, i: int, schema_gbnf: SchemaGbnf, renamed: Renamed)
     items = list((props or {}).items())
     rules: list[str] = []
     values: list[str] = []
-    for j, (key, schema) in enumerate(items):
-        rules.append(renamed(schema_gbnf(schema, f"tools[{i}].function.parameters.properties.{key}"), f"t{i}-p{j}-"))
-        values.append(f"{_lit(key + '=')} t{i}-p{j}-root")
+    for j, (key, prop) in enumerate(items):
+        rules.append(f"t{i}-p{j}: {schema(prop, f'tools[{i}].function.parameters.properties.{key}')}")
+        values.append(seq(literal(key + "="), f"t{i}-p{j}"))
     n = len(items)
     # t{i}-more{j}: the arguments from j on after one was written; t{i}-args{j}: none yet.
     for j in range(n - 1, -1, -1):
         more_next = f"t{i}-more{j + 1}" if j + 1 < n else ""
         args_next = f"t{i}-args{j + 1}" if j + 1 < n else ""
-        this = f'", " {values[j]} {more_next}'.strip()
-        first = f"{values[j]} {more_next}".strip()
+        this = seq(literal(", "), values[j], more_next)
+        first = seq(values[j], more_next)
         if items[j][0] in required:
-            rules.append(f"t{i}-more{j} ::= {this}")
-            rules.append(f"t{i}-args{j} ::= {first}")
+            rules.append(f"t{i}-more{j}: {this}")
+            rules.append(f"t{i}-args{j}: {first}")
         else:
-            rules.append(f"t{i}-more{j} ::= ({this})" + (f" | {more_next}" if more_next else "?"))
-            rules.append(f"t{i}-args{j} ::= ({first})" + (f" | {args_next}" if args_next else "?"))
-    args = f" t{i}-args0 " if n else " "
-    return f"{_lit(tool.name + '(')}{args}{_lit(')')}", rules
+            rules.append(f"t{i}-more{j}: ({this})" + (f" | {more_next}" if more_next else "?"))
+            rules.append(f"t{i}-args{j}: ({first})" + (f" | {args_next}" if args_next else "?"))
+    return seq(literal(tool.name + "("), f"t{i}-args0" if n else "", literal(")")), rules
 
 
-LFM2 = Block(openers=("<|tool_call_start|>",), closer="<|tool_call_end|>", read=_read_lfm2, call_rule=_keyword_rule)
+LFM2 = Block(
+    openers=("<|tool_call_start|>",), closer="<|tool_call_end|>", read=_read_lfm2, call_rule=_keyword_rule,
+    call_end=")", list_close="]",
+)

@@ -1,6 +1,6 @@
 """OpenAI tool calling, the request side: ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` (and the legacy ``functions`` / ``function_call``) validated into
-one ToolRequest. Pure: the grammar (llama/grammar.py) and the reply parser (toolcalls.py)
+one ToolRequest. Pure: the grammar (call_grammar.py) and the reply parser (parser.py)
 read it."""
 
 from __future__ import annotations

@@ -33,13 +33,11 @@ from .devices import (
     repack_choice,
     repacked_mib,
 )
-from .grammar import GrammarCache
 from .log import captured, init_llama
-from .sampling import Sampler
 from .seqstate import type_name
 from .state import DecodeAborted, NoKvSpace, SlotStates
 from .steps import BatchSteps
-from .types import ModelInfo, SlotWatcher, StepPlanner, Vocabulary, common_prefix_len
+from .types import ModelInfo, SlotWatcher, StepPlanner, TokenSampler, Vocabulary, common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +117,10 @@ class LlamaBackend(SlotStates, BatchSteps):
         }
         self.eog_ids = frozenset(t for t in range(self.info.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
         self._eog_index = np.fromiter(sorted(self.eog_ids), dtype=np.intp)  # ignore_eos masks these
-        # Compiled for this vocabulary: llama.cpp's grammars (worker only), and llguidance's
-        # for a client's own GBNF (compiled off the worker: llama/grammar.py, GuidanceCache).
-        self.grammars = GrammarCache(self._vocab, self.pieces, self._special_text, sorted(self.eog_ids))
+        # Each token's bytes as a grammar reads them: control tokens spelled out, as llama.cpp's
+        # grammars read them (so a template's markup matches its grammar's literals whether
+        # the model writes it as one special token or as text pieces).
+        self.grammar_pieces = [self._special_text.get(t, piece) for t, piece in enumerate(self.pieces)]
         self._ctx = None
         self._abort_flag: threading.Event | None = None
         # ctypes callbacks must outlive the context, or they are garbage-collected under it.
@@ -133,7 +132,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # engine's own work there, and tokens over it the rate a free front end would reach.
         self.decode_s = 0.0
         self.planner: StepPlanner | None = None  # the engine's speculation (engine/speculation/): set after load
-        self._retired: deque[Sampler] = deque()  # freed by the next GPU-worker call
+        self._retired: deque[TokenSampler] = deque()  # freed by the next GPU-worker call
         self.seq_tokens: list[list[int]] = []
         # Per slot: the cache_salt its history was computed under (None: unsalted). With the
         # tokens it is the history's identity: see ``shared_prefix``.
@@ -356,7 +355,7 @@ class LlamaBackend(SlotStates, BatchSteps):
     def is_eog(self, token: int) -> bool:
         return token in self.eog_ids
 
-    def retire(self, sampler: Sampler) -> None:
+    def retire(self, sampler: TokenSampler) -> None:
         """Hand a finished request's sampler back; any thread (deque appends are atomic)."""
         self._retired.append(sampler)
 
@@ -493,7 +492,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         tokens: Sequence[int],
         abort: threading.Event | None,
         *,
-        sampler: Sampler | None = None,
+        sampler: TokenSampler | None = None,
         want_logits: bool = False,
     ) -> tuple[int | None, bytes | None]:
         """Append ``tokens`` (at most n_batch) to the slot's KV.
@@ -523,7 +522,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._advanced(slot, logits)  # after the logits are read: nothing may come between
         return token, logits
 
-    def _sample(self, sampler: Sampler, idx: int, row: np.ndarray | None = None) -> int:
+    def _sample(self, sampler: TokenSampler, idx: int, row: np.ndarray | None = None) -> int:
         """The token ``sampler`` picks from the last decode's output ``idx`` (``row``: those
         logits, when the caller has them): a view of llama.cpp's buffer, which an
         end-of-generation ban edits in place (after any copy of these logits, tail_logits or
@@ -551,7 +550,7 @@ class LlamaBackend(SlotStates, BatchSteps):
     def logits_bytes(self, idx: int) -> bytes:
         return self._logits(idx).tobytes()
 
-    def sample_from_logits(self, sampler: Sampler, logits: bytes | memoryview) -> int:
+    def sample_from_logits(self, sampler: TokenSampler, logits: bytes | memoryview) -> int:
         """Sample with the request's chain from logits that came with a KV blob."""
         return sampler.sample(np.frombuffer(logits, dtype="<f4", count=self.info.n_vocab), self._eog_index)
 

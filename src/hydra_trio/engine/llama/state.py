@@ -21,10 +21,12 @@ from ...wire.kvblob import Checkpoint as BlobCheckpoint
 from ...wire.kvblob import split_trailing_logits
 from .checkpoints import Checkpoint, Checkpoints, reusable_in_state, window_holds
 from .seqstate import (
+    MemoryShape,
     StateLayout,
     StateLayoutError,
     cache_layout,
     layout_mismatch,
+    learn_shape,
     read_layout,
     rewrite_in_place,
     with_streams,
@@ -83,7 +85,7 @@ class SlotStates:
     seq_salt: list[str | None]
     tail_logits: list[bytes | None]
     state_layout: StateLayout | None
-    _n_caches: int
+    _shape: MemoryShape
     _stream_overhead: int
     _kept: list[int]
     _swa_low: list[int]
@@ -100,15 +102,21 @@ class SlotStates:
         tok = self.info.bos if self.info.bos >= 0 else 0
         self._decode_batch([(seq, tok, 0, False)], None)
         probe, _ = self._read_state(seq)
+        # The sections this context's states hold: KV caches (iSWA: two), then a recurrent
+        # or hybrid model's recurrent state, which has no streams (seqstate.py).
+        recurrent = self.info.recurrent or self.info.hybrid
+        n_kv = None if not recurrent else (2 if self.n_swa else 1) if self.info.hybrid else 0
         try:  # what a received state must match (None: a layout seqstate.py does not read)
-            self.state_layout: StateLayout | None = read_layout(probe, None)
+            self._shape = learn_shape(probe, n_kv=n_kv, recurrent=recurrent)
+            self.state_layout: StateLayout | None = read_layout(probe, self._shape)
         except StateLayoutError as exc:
             log.info("KV state layout not checked before restores (%s)", exc)
-            self.state_layout = None
-        self._n_caches = len(self.state_layout.caches) if self.state_layout else 1
+            self._shape, self.state_layout = MemoryShape(1), None
+        n_kv_caches = self.state_layout.n_kv if self.state_layout else 1
         # K/V types and V transposition, read from a state llama.cpp wrote (what blobs carry).
         self.cache_layout = cache_layout(self.state_layout) if self.state_layout else {}
-        self._stream_overhead = 4 * (self.n_stream - 1) * self._n_caches
+        self._stream_room = 4 * self.n_stream * n_kv_caches  # the local form's stream counts
+        self._stream_overhead = 4 * (self.n_stream - 1) * n_kv_caches
         one = self.state_size(seq)
         # What a context checkpoint of a recurrent or hybrid model holds: its recurrent
         # state, one per sequence, the same size at any position (None: no recurrent state).
@@ -199,7 +207,7 @@ class SlotStates:
         here only moves its stream), with room before it for that move, then the slot's
         tail logits: for the prompt cache."""
         size = int(llama_cpp.llama_state_seq_get_size(self._ctx, slot))
-        room = 4 * self.n_stream * self._n_caches
+        room = self._stream_room
         logits = self.tail_logits[slot]
         buf = bytearray(room + size + (len(logits) if logits is not None else 0))
         cbuf = (ctypes.c_uint8 * size).from_buffer(buf, room)
@@ -216,7 +224,7 @@ class SlotStates:
         buf, tokens = self._read_state(slot)
         if self.n_stream > 1:  # compacted in place: the blob is held once
             with memoryview(buf) as view:
-                one = rewrite_in_place(view, 0, 1, 0, self._n_caches)
+                one = rewrite_in_place(view, 0, 1, 0, self._shape)
                 assert one is not None, "dropping streams needs no room"
                 n = len(one)
                 one.release()
@@ -230,10 +238,10 @@ class SlotStates:
         stream = 0 if self.kv_unified else seq
         try:
             if blob is not None and not blob.readonly:
-                local = rewrite_in_place(blob, len(blob) - len(state), self.n_stream, stream, self._n_caches)
+                local = rewrite_in_place(blob, len(blob) - len(state), self.n_stream, stream, self._shape)
                 if local is not None:
                     return local
-            return memoryview(with_streams(state, self.n_stream, stream, self._n_caches))
+            return memoryview(with_streams(state, self.n_stream, stream, self._shape))
         except StateLayoutError:
             return state
 
@@ -245,7 +253,7 @@ class SlotStates:
         if self.state_layout is None:
             return  # llama.cpp alone decides
         try:
-            got = read_layout(state, self._n_caches)
+            got = read_layout(state, self._shape)
         except StateLayoutError as exc:
             raise ProtocolError(ErrorCode.RESTORE_FAILED, f"not a KV state llama.cpp can restore: {exc}") from None
         why = layout_mismatch(got, self.state_layout)

@@ -1,6 +1,8 @@
 """What the model and its context tell and take: the model's description, one slot's share
 of a generation step, a prompt part riding in a step batch, and what the backend's steps ask
-of the engine's speculation (``Drafter``, ``StepPlanner``: engine/speculation/ implements them)."""
+of the engine's speculation (``Drafter``, ``StepPlanner``: engine/speculation/ implements them)
+and of a request's sampler (``TokenSampler``: engine/sample/; ``ChainSettings``, the settings
+a llama.cpp sampler chain is built from)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,40 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .sampling import Sampler
+import numpy as np
+
+
+class TokenSampler(Protocol):
+    """A request's sampler (engine/sample/ ``Sampler``), asked on the worker for each token."""
+
+    def sample(self, logits: np.ndarray, eog_ids: np.ndarray) -> int:
+        """The token picked from one position's ``logits`` (n_vocab f32; a writable view may
+        be edited in place); ``eog_ids``: the vocabulary's end-of-generation tokens."""
+        ...
+
+    def close(self) -> None:
+        """Free what it holds of llama.cpp (on the worker: ``LlamaBackend.retire``)."""
+        ...
+
+
+class ChainSettings(Protocol):
+    """What a llama.cpp sampler chain is built from (engine/sample/ ``SamplingParams``)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    frequency_penalty: float
+    presence_penalty: float
+    seed: int
+
+    @property
+    def greedy(self) -> bool: ...
+
+    @property
+    def penalized(self) -> bool: ...
 
 
 class Drafter(Protocol):
@@ -115,7 +150,7 @@ class StepRequest:
 
     slot: int
     token: int
-    sampler: Sampler
+    sampler: TokenSampler
     n_left: int = 1  # tokens the request may still produce (a draft is capped at n_left - 1)
     spec: Drafter | None = None  # drafts from the request's own tokens (None: no speculation)
 
@@ -128,5 +163,5 @@ class PrefillPart:
     slot: int
     tokens: Sequence[int]
     keep: int | None = None  # the first part of a prompt: truncate the slot first
-    sampler: Sampler | None = None  # the last part: sample the next token from its last position
+    sampler: TokenSampler | None = None  # the last part: sample the next token from its last position
     want_logits: bool = False  # the last part: also return that position's logits

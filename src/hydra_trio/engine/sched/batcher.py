@@ -20,7 +20,7 @@ import outcome
 import trio
 
 from ...wire.errors import ErrorCode, ProtocolError, Status
-from ..llama import PrefillPart, Sampler, StepRequest, StepResult
+from ..llama import PrefillPart, StepRequest, StepResult, TokenSampler
 from ..speculation import Speculation
 from .handover import Handover
 
@@ -46,7 +46,7 @@ class _Job:
 class StepJob(_Job):
     slot: int
     token: int
-    sampler: Sampler
+    sampler: TokenSampler
     n_left: int = 1  # tokens the request may still produce, the one this step samples included
     asked: bool = True  # handed in by the request (False: a look-ahead it has not taken yet)
     spec: Speculation | None = None  # the request's drafting (None: no speculation)
@@ -61,7 +61,7 @@ class PrefillJob(_Job):
     slot: int
     tokens: Sequence[int]
     keep: int  # the slot keeps its first ``keep`` positions, then ``tokens`` follow
-    sampler: Sampler | None = None
+    sampler: TokenSampler | None = None
     want_logits: bool = False
     offset: int = 0  # tokens evaluated so far
     result: tuple[int | None, bytes | None] = (None, None)
@@ -117,7 +117,7 @@ class StepBatcher:
     # ---- request side ------------------------------------------------------------------
 
     def submit(
-        self, slot: int, token: int, sampler: Sampler, n_left: int = 1, spec: Speculation | None = None
+        self, slot: int, token: int, sampler: TokenSampler, n_left: int = 1, spec: Speculation | None = None
     ) -> StepJob:
         """Hand a step to the batcher without waiting (the caller must await ``result``):
         evaluate ``token`` in ``slot`` and sample the next one, the first of the ``n_left``
@@ -155,7 +155,7 @@ class StepBatcher:
         return job.result
 
     async def prefill(
-        self, slot: int, tokens: Sequence[int], keep: int, *, sampler: Sampler | None, want_logits: bool
+        self, slot: int, tokens: Sequence[int], keep: int, *, sampler: TokenSampler | None, want_logits: bool
     ) -> tuple[int | None, bytes | None]:
         """Evaluate a prompt inside the step batches, a budget's worth per batch.
 

@@ -16,7 +16,8 @@ RUNTIME_ALLOWANCE_MIB = 96
 GOAL_GAP_MS = 250.0
 NOTABLE_GAP_MS = 50.0  # gaps above this are attributed to what was in flight
 BIG = 12_000_000  # the issue's 12 MB shapes
-# Schemas a client may send to size or wedge the grammar (issue 40): each is a 400.
+# Schemas a client may send to size or wedge the grammar (issues 40, 49): each is refused (no value
+# satisfies it) or served within the per-token bound, what cannot be enforced relaxed (strict: a 400).
 HOSTILE_SCHEMAS: dict[str, Any] = {
     "min_length_1e8": {"type": "string", "minLength": 100_000_000},
     "max_items_1e9": {"type": "array", "items": {"type": "integer"}, "maxItems": 1_000_000_000},
