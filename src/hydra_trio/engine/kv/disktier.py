@@ -442,8 +442,9 @@ class _Forget:
 
 
 def kv_fingerprint(backend: LlamaBackend, identity: dict[str, Any]) -> bytes:
-    """32 bytes naming the model (its identity, and its file's size and time) and the KV
-    layout a saved state was made in: entries of any other are not read back."""
+    """32 bytes naming the model (its identity, ``model_hash`` among it once computed, and its
+    file's size and time) and the KV layout a saved state was made in: entries of any other
+    are not read back."""
     st = os.stat(backend.model_path)
     b = backend
     parts = (identity, st.st_size, st.st_mtime_ns, b.cache_layout, b.n_slots, b.n_ctx, b.kv_unified, b.swa_full)
