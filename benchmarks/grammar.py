@@ -23,6 +23,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +88,37 @@ async def run_streams(base: str, n_streams: int, tokens: int, extra: dict[str, A
     return sum(counts) / wall
 
 
+def measure_rounds(
+    servers: dict[str, str], cases: dict[str, dict[str, Any]], streams: Sequence[int], rounds: int, tokens: int,
+    report: Callable[[dict[str, Any]], None] = lambda _row: None,
+) -> list[dict[str, Any]]:
+    """Aggregate tok/s of every case on every server at each stream count, ``rounds`` times:
+    one row a round (``{server}_{case}_{n}``, and ``round`` from 1), so ratios are taken within
+    a round. The servers' order alternates between rounds (this VM's speed drifts by minutes:
+    a fixed order would charge the drift to one side); ``report`` sees each row when done."""
+    out: list[dict[str, Any]] = []
+    for r in range(rounds):
+        row: dict[str, Any] = {"round": r + 1}
+        order = list(servers.items())
+        for n in streams:
+            for server, url in order if r % 2 == 0 else order[::-1]:
+                for case, extra in cases.items():
+                    row[f"{server}_{case}_{n}"] = trio.run(run_streams, url, n, tokens, extra)
+        out.append(row)
+        report(row)
+    return out
+
+
+async def request_grammar(inputs: Any, body: dict[str, Any]) -> Any:
+    """The grammar a chat request's plan writes (engine/inputs.py ``Inputs``: its parameters,
+    then the chat side's one decision), not compiled: as ``Engine.prepare`` makes it."""
+    return (await inputs.plan(body, inputs.generation_params(body))).grammar
+
+
 def compile_figures(model: str, threads: int) -> dict[str, list[float]]:
-    """ms of a 32-property schema's and an 8-tool grammar's compile, first then cached, in
-    an engine of this process (the compile is what the figure times, not the HTTP path)."""
+    """ms of a 32-property schema's and an 8-tool grammar's making and compile, first then
+    cached, in an engine of this process (what the figure times is the request's grammar, not
+    the HTTP path)."""
     from dataclasses import replace
 
     from hydra_trio.app import serve
@@ -102,16 +131,17 @@ def compile_figures(model: str, threads: int) -> dict[str, list[float]]:
         async with trio.open_nursery() as nursery:
             ep = await nursery.start(serve, settings)
             inputs = ep.state.engine._core.inputs
+            messages = [{"role": "user", "content": "x"}]
             cases = {
-                "schema (32 properties)": {"response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": COMPILE_SCHEMA}}},
-                "tools (8, required)": {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "required"},
-                "tools (8, auto: lazy)": {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "auto"},
+                "schema (32 properties)": {"messages": messages, "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": COMPILE_SCHEMA}}},
+                "tools (8, required)": {"messages": messages, "tools": TOOLS, "tool_choice": "required"},
+                "tools (8, auto: lazy)": {"messages": messages, "tools": TOOLS, "tool_choice": "auto"},
             }
             for name, body in cases.items():
                 times = []
                 for _ in range(2):
                     t0 = time.perf_counter()
-                    await inputs.compile_grammar(inputs.generation_params(body))
+                    await inputs.compile_grammar(await request_grammar(inputs, body))
                     times.append((time.perf_counter() - t0) * 1000.0)
                 out[name] = times
             nursery.cancel_scope.cancel()
@@ -210,24 +240,16 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-grammar-"))
     schema = {"json_schema": SCHEMA, "ignore_eos": False}
     # The same schema's grammar sent as a client's own GBNF: ours runs it on llguidance
-    # (engine/llama/grammar.py, GuidanceCache), llama-server on llama.cpp's grammar engine.
+    # (engine/structured/guidance.py, GuidanceCache), llama-server on llama.cpp's grammar engine.
     gbnf = {"grammar": schema_as_gbnf(), "ignore_eos": False}
-    rounds: list[dict[str, Any]] = []
     print(f"model {args.model}, {args.tokens} tokens a reply, {args.threads} thread(s) each, {slots} slots; logs in {log_dir}")
     ours = EngineProcess(model, slots=slots, ctx_size=ctx, threads=args.threads).start(log_dir, "hydra")
     peer = LlamaServer(binary, model, ctx=ctx, slots=slots, log_dir=log_dir, tag="llama-server", threads=args.threads) if binary else None
     try:
-        for r in range(args.rounds):
-            row: dict[str, Any] = {"round": r + 1}
-            for n in STREAMS:
-                row[f"ours_plain_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, {})
-                row[f"ours_schema_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, schema)
-                row[f"ours_gbnf_{n}"] = trio.run(run_streams, ours.url, n, args.tokens, gbnf)
-                if peer is not None:
-                    row[f"peer_plain_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, {})
-                    row[f"peer_schema_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, schema)
-                    row[f"peer_gbnf_{n}"] = trio.run(run_streams, peer.url, n, args.tokens, gbnf)
-            rounds.append(row)
+        servers = {"ours": ours.url} | ({"peer": peer.url} if peer is not None else {})
+
+        def report(row: dict[str, Any]) -> None:
+            r = row["round"] - 1
             for n in STREAMS:
                 line = (f"round {r + 1}, {n} stream(s): ours {row[f'ours_plain_{n}']:.1f} plain, {row[f'ours_schema_{n}']:.1f} schema, "
                         f"{row[f'ours_gbnf_{n}']:.1f} gbnf (constrained/plain {row[f'ours_schema_{n}'] / row[f'ours_plain_{n}']:.2f})")
@@ -236,6 +258,8 @@ def main() -> None:
                              f"{row[f'peer_gbnf_{n}']:.1f} gbnf; ours/llama-server with the schema "
                              f"{row[f'ours_schema_{n}'] / row[f'peer_schema_{n}']:.2f}, with the gbnf {row[f'ours_gbnf_{n}'] / row[f'peer_gbnf_{n}']:.2f}")
                 print(line, flush=True)
+
+        rounds = measure_rounds(servers, {"plain": {}, "schema": schema, "gbnf": gbnf}, STREAMS, args.rounds, args.tokens, report)
     finally:
         ours.stop()
         if peer is not None:

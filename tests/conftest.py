@@ -77,6 +77,38 @@ def hybrid_model(model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def embed_model(model_dir: Path) -> Path:
+    """An embedding model (the embed preset: llama with mean pooling); it generates too."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "embed.gguf", "embed", seed=0)
+
+
+@pytest.fixture(scope="session")
+def rerank_model(model_dir: Path) -> Path:
+    """A reranker (the rerank preset: Qwen3-Reranker's layout, a rank head and template)."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "rerank.gguf", "rerank", seed=0)
+
+
+@pytest.fixture(scope="session")
+def bert_model(model_dir: Path) -> Path:
+    """An encoder (the bert preset: no KV cache, no LM head, WordPiece, mean pooling)."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "bert.gguf", "bert", seed=0)
+
+
+@pytest.fixture(scope="session")
+def fim_model(model_dir: Path) -> Path:
+    """A code model with fill-in-the-middle tokens (the fim preset)."""
+    from hydra_trio.model.synthetic import write_model
+
+    return write_model(model_dir / "fim.gguf", "fim", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_ctx(model_dir: Path) -> Path:
     """Same shape and vocabulary as tiny_model, with 10x stronger layer weights.
 

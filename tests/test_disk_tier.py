@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,25 @@ async def test_an_entry_comes_back_whole_and_only_for_its_salt(tmp_path: Path) -
     assert _files(tmp_path / "kv") == [] and len(tier) == 0
     assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700
     assert stat.S_IMODE((tmp_path / "kv" / ".key").stat().st_mode) == 0o600
+
+
+async def test_an_entry_comes_back_only_under_its_lora_set(tmp_path: Path) -> None:
+    """A history computed under a LoRA adapter set is the set's alone, as in RAM: its key
+    is the keyed hash of the salt and the set, and a restart in the same process's set
+    order reads it back under that set."""
+    tier = await _tier(tmp_path / "kv")
+    lora = ((0, 1.0),)
+    await _written(tier, replace(_snap([1, 2, 3, 4], 7), lora=lora), _snap([1, 2, 3, 4, 5, 6], 9, salt="t"))
+    assert tier.best([1, 2, 3, 4, 5], None) is None  # the base model's run holds nothing
+    assert tier.best([1, 2, 3, 4, 5], None, ((0, 0.5),)) is None  # another scale: another set
+    assert tier.best([1, 2, 3, 4, 5, 6, 7], "t", lora) is None  # the salt's history is the base model's
+    hit = tier.best([1, 2, 3, 4, 5], None, lora)
+    assert hit is not None and hit.n_common == 4
+    reopened = await _tier(tmp_path / "kv")  # a restart: indexed from the files
+    again = reopened.best([1, 2, 3, 4, 5], None, lora)
+    assert again is not None and again.n_common == 4 and reopened.best([1, 2, 3, 4, 5], None) is None
+    snap = await tier.load(hit.key, None, lora)
+    assert snap is not None and snap.lora == lora and snap.salt is None
 
 
 @pytest.mark.parametrize("damage", ["truncate", "payload", "header", "swap"])

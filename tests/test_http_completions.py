@@ -144,7 +144,7 @@ async def test_completions_share_batches_with_chat(ctx_engine: Any) -> None:
         ({"prompt": [10**9]}, "outside the vocabulary"),
         ({"prompt": ["a", "b"]}, "one prompt per request"),
         ({"prompt": "x", "n": 2}, "n must be 1"),
-        ({"prompt": "x", "echo": True}, "echo is not supported"),
+        ({"prompt": "x", "echo": "yes"}, "echo must be a boolean"),
         ({"prompt": "x", "logprobs": 21}, "logprobs must be an integer between 0 and 20"),
         ({"prompt": "x", "suffix": "end"}, "suffix is not supported"),
         ({"prompt": "x", "best_of": 2}, "best_of must be 1"),

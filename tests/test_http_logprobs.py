@@ -238,7 +238,7 @@ TEXT = "/v1/completions"
         (TEXT, {"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
         (TEXT, {"prompt": "x", "messages": MESSAGES}, "messages"),
         (TEXT, {"messages": MESSAGES}, "messages"),
-        (TEXT, {"prompt": "x", "echo": True}, "echo"),
+        (TEXT, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo"),  # the prompt's come whole
         (TEXT, {"prompt": "x", "suffix": "end"}, "suffix"),
         (TEXT, {"prompt": "x", "best_of": 2}, "best_of"),
         (TEXT, {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),

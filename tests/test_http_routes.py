@@ -54,5 +54,8 @@ def test_every_decision_reads_the_table() -> None:
     assert body_cap("HEAD", "/v1/decode", state) == 0
     found = routes.by_path("POST", "/v1/completions")
     assert found is not None and found.new_work
-    assert {r.rule for r in routes.ROUTES if r.new_work} == {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"}
+    assert {r.rule for r in routes.ROUTES if r.new_work} == {
+        "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/models/load", "/infill",
+        "/v1/embeddings", "/embeddings", "/v1/rerank", "/rerank", "/v1/reranking", "/reranking",
+    }
     assert routes.by_path("PUT", "/slots/1/state/meta") is None

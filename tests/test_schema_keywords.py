@@ -185,6 +185,7 @@ def test_the_policy_leaves_annotations_out_and_keeps_every_constraint() -> None:
         "type": "object",
         "properties": {"description": {"type": "string", "maxLength": 9}},
         "required": ["description"],
+        "additionalProperties": False,  # the listed properties only, as llama.cpp writes an object
         "$defs": {"D": {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}},  # numbers I-JSON's: closed
     }
     # A call's arguments sit inside the call's object: their references follow them there.

@@ -102,12 +102,12 @@ async def test_a_split_cache_engine_packs_its_streams_a_unified_one_keeps_lru(
 
 class _Held:
     """The two things the slot choice reads of a backend: each slot's tokens and the
-    shared-prefix rule (salts aside: one salt here)."""
+    shared-prefix rule (salts and adapter sets aside: one of each here)."""
 
     def __init__(self, seq_tokens: list[list[int]]) -> None:
         self.seq_tokens = seq_tokens
 
-    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None) -> int:
+    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None, lora: object = ()) -> int:
         return common_prefix_len(self.seq_tokens[slot], tokens)
 
     def reusable_prefix(self, slot: int, n_keep: int) -> int:

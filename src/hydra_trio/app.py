@@ -2,11 +2,12 @@
 entry points (``cli.py``, ``local.py``).
 
 Start order (each with ``nursery.start``, so the next part starts only once the previous one
-is ready): HTTP (answers /health 503 "starting" while the model loads) -> model + engine ->
+is ready): HTTP (answers /health 503 "starting" while the model loads) -> the model pool and
+its first engine (the one --model, or the RPC model and the pinned ones of several) ->
 decode manager -> KV export store (lease expiry) -> RPC listener.
 
 Lifetimes nest: the front ends (HTTP, RPC) end first, then the decode manager's requests,
-then the engine, so nothing waits on a step of a closed engine.
+then the model pool and its engines, so nothing waits on a step of a closed engine.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from .handoff.shm import ShmArea
 from .http.server import serve_http
 from .kvevents import open_kv_events
 from .logs import log_stats
+from .model.catalog import Catalog, read_catalog
+from .modelpool import ModelPool
 from .rpc.server import open_rpc_listeners, serve_rpc
 from .state import AppState, Endpoints
 from .tasks import start_service
@@ -55,10 +58,22 @@ def resolve_model(settings: Settings) -> tuple[str, str | None]:
     return str(path), settings.alias or "hydra-synthetic-small"
 
 
+def catalog_of(settings: Settings) -> Catalog | None:
+    """The models served by name (``--model NAME=PATH``, ``--models-dir``); None: one model."""
+    if not (settings.named_models or settings.models_dir):
+        if settings.model_pin or settings.rpc_model:
+            raise SystemExit("--model-pin and --rpc-model name models of --model NAME=PATH or --models-dir")
+        return None
+    if settings.model or settings.alias:
+        raise SystemExit("give --model PATH (and --alias) for one model, or --model NAME=PATH and/or --models-dir for several")
+    return read_catalog(settings.named_models, settings.models_dir, settings.model_pin, settings.rpc_model)
+
+
 async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the whole engine until cancelled."""
+    catalog = catalog_of(settings)  # a bad flag stops here, before any port is bound
     state = AppState(settings=settings)
-    engine: Engine | None = None
+    pool = ModelPool(settings, catalog)
     decodes: DecodeManager | None = None
     try:
         async with trio.open_nursery() as services:  # engine and decode manager: they end last
@@ -69,11 +84,18 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     rpc_listeners = await open_rpc_listeners(settings)  # a port in use stops us here
                     state.kv_events = open_kv_events(settings, state.metrics.registry)  # also here
                     state.startup_phase = "loading model"
-                    model_path, alias = await trio.to_thread.run_sync(resolve_model, settings)
-                    engine = await Engine.load(model_path, settings, alias=alias)
-                    await start_service(services, engine.run)
+                    await start_service(services, pool.run)
+                    if catalog is None:
+                        model_path, alias = await trio.to_thread.run_sync(resolve_model, settings)
+                        await pool.adopt(await Engine.load(model_path, settings, alias=alias), model_path)
+                    else:
+                        await pool.start_pinned()
+                    engine = pool.engine(pool.default_name)  # the RPC's, the decode manager's
+                    state.models = pool
+                    if settings.sleep_idle_seconds > 0 and all(e.pinned for e in pool.entries()):
+                        log.warning("--sleep-idle-seconds: no model sleeps here (the RPC model and pinned ones never do)")
                     store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
-                    state.metrics.watch_engine(engine, lambda: len(store.running()), settings.kv_events_block_size)
+                    state.metrics.watch_models(pool, engine, lambda: len(store.running()), settings.kv_events_block_size)
                     if settings.log_stats_interval_s > 0:  # reads the engine: ends with the front ends
                         front.start_soon(log_stats, engine, settings.log_stats_interval_s)
                     decodes = DecodeManager(engine, store, settings, state.metrics)
@@ -117,8 +139,7 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                 if decodes is not None:
                     with trio.CancelScope(shield=True), trio.move_on_after(_STOP_WAIT_S):
                         await decodes.stop()
-                if engine is not None:
-                    engine.stop()
+                pool.stop()
     finally:
         if state.kv_events is not None:  # after the engine's last call (later events are dropped)
             state.kv_events.close()

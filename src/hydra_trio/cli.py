@@ -118,18 +118,37 @@ def _kv_pair(text: str) -> tuple[str, object]:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
+    if args.lora is not None:
+        return _make_lora_adapter(args)
     from .model.synthetic import write_model
 
-    path = write_model(
-        args.out,
-        args.preset,
-        seed=args.seed,
-        name=args.name,
-        base_model_name=args.base_model,
-        tags=args.tag or (),
-        tokenizer_pre=args.tokenizer_pre,
-        extra_kv=dict(args.kv or []),
-    )
+    try:
+        path = write_model(
+            args.out,
+            args.preset,
+            seed=args.seed,
+            name=args.name,
+            base_model_name=args.base_model,
+            tags=args.tag or (),
+            tokenizer_pre=args.tokenizer_pre,
+            extra_kv=dict(args.kv or []),
+            pooling=args.pooling,
+        )
+    except ValueError as exc:
+        print(f"make-model: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _make_lora_adapter(args: argparse.Namespace) -> int:
+    from .model.synthetic_lora import write_lora_adapter
+
+    try:
+        path = write_lora_adapter(args.lora, args.out, seed=args.seed, rank=args.lora_rank, alpha=args.lora_alpha, name=args.name)
+    except (OSError, ValueError) as exc:
+        print(f"make-model --lora {args.lora}: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -240,15 +259,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(fn=cmd_serve)
 
-    p = sub.add_parser("make-model", help="write a synthetic GGUF (random weights; mamba: a recurrent model)")
+    p = sub.add_parser(
+        "make-model",
+        help="write a synthetic GGUF (random weights; mamba: a recurrent model; hybrid: lfm2; embed: mean pooling; "
+        "rerank: a rank head; fim: fill-in-the-middle tokens; bert: an encoder; --lora BASE: a LoRA adapter for BASE)",
+    )
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid", "embed", "rerank", "fim", "bert"], default="tiny")
+    p.add_argument("--pooling", choices=["none", "mean", "cls", "last", "rank"], default=None,
+                   help="the model's own pooling type (an embedding model of another preset's size; rank needs --preset rerank)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default=None, help="general.name")
     p.add_argument("--tag", action="append", help="general.tags entry (repeatable)")
     p.add_argument("--base-model", default=None, help="general.base_model.0.name")
     p.add_argument("--tokenizer-pre", default=None, help="tokenizer.ggml.pre")
     p.add_argument("--kv", action="append", type=_kv_pair, help="extra metadata KEY=VALUE, e.g. llama.nextn_predict_layers=1")
+    p.add_argument("--lora", metavar="BASE", default=None, help="write a LoRA adapter GGUF for the base model BASE instead of a model")
+    p.add_argument("--lora-rank", type=int, default=8, help="with --lora: the adapter's rank")
+    p.add_argument("--lora-alpha", type=float, default=None, help="with --lora: adapter.lora.alpha (default: the rank)")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("identity", help="print the model identity of a GGUF (spec §5), model_hash (its SHA-256) included")

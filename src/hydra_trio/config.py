@@ -12,6 +12,7 @@ from typing import Any
 
 import gguf
 
+from .model.lora import adapter_specs
 from .wire.sampling import SPEC_TYPES
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -24,6 +25,21 @@ _GiB = 1024 * _MiB
 class Settings:
     model: str | None = None  # None: the synthetic demo model from the user cache
     alias: str | None = None
+    # Many models (modelpool.py; docs/operations.md "Many models"): named_models has no flag of its own.
+    named_models: tuple[str, ...] = ()
+    models_dir: str | None = None
+    models_max: int = 4
+    model_pin: str = ""
+    sleep_idle_seconds: float = -1.0
+    model_wait_s: float = 300.0
+    rpc_model: str | None = None
+    # LoRA adapters (llama-server's flags, repeated or comma lists): [NAME=]PATH at scale 1,
+    # [NAME=]PATH:SCALE; ids in that order (--lora first). A request's "model" picks one by
+    # NAME (vLLM's), default the file stem; the scales are what requests without "lora" get
+    # (model/lora.py ``adapter_specs``).
+    lora: tuple[str, ...] = ()
+    lora_scaled: tuple[str, ...] = ()
+    lora_init_without_apply: bool = False  # every default scale 0 until POST /lora-adapters
     host: str = "127.0.0.1"
     port: int = 8080  # HTTP; 0 = ephemeral
     rpc_port: int = 9504  # binary RPC; 0 = ephemeral
@@ -112,6 +128,17 @@ class Settings:
     # bounds that planning's work on the worker (docs/performance.md, "Speculative decoding").
     spec_max_batch: int = 8
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
+    # Embeddings and rerank (engine/embedder.py): a second context on the model with a pooling
+    # type. None: on when the GGUF declares a pooling type (an embedding model, a reranker),
+    # --pooling or --reranking is given.
+    embeddings: bool | None = None
+    pooling: str = "model"  # none | mean | cls | last | rank; model: the GGUF's own (llama-server's --pooling)
+    reranking: bool = False  # llama-server's --reranking: embeddings with rank pooling
+    embd_normalize: int = 2  # llama-server's --embd-normalize: -1 none, 0 max-abs int16, 2 Euclidean, p: p-norm
+    embd_batch_inputs: int = 32  # inputs per embedding call at most (the embedding context's sequences)
+    embd_max_waiting: int = 4096  # inputs waiting for the worker at most (one request's too); past it, 503
+    # /infill: llama-server's --spm-infill, suffix first (some code models' own order).
+    spm_infill: bool = False
     # RPC transport (spec §1)
     max_connections: int = 64
     http_idle_timeout_s: float = 30.0  # an HTTP connection with no request in progress this long is closed
@@ -248,8 +275,17 @@ TOOL_CALL_PARSERS = (
     "deepseek_dsml", "minimax", "minimax_m1", "gemma4", "cohere", "apertus", "minicpm5", "solar", "kimi_k3", "hy3", "lfm2", "command_r_plus", "harmony", "muse_glimmer",
 )
 _HELP: dict[str, str] = {
-    "model": "GGUF model path (default: a synthetic random-weight demo model)",
+    "model": "GGUF model path (default: a synthetic random-weight demo model); repeated as NAME=PATH, several models served by name (a request's model picks one, loaded on demand)",
+    "models_dir": "serve every GGUF of this folder by name, as llama-server's router: NAME.gguf at the top, or NAME/ holding one model (mmproj and draft files skipped)",
+    "models_max": "models holding memory at once (loaded or loading); a request for another evicts the least recently used idle one (llama-server's --models-max)",
+    "model_pin": "models kept loaded from start to stop, never evicted nor put to sleep, a comma list of names (the RPC model always is)",
+    "sleep_idle_seconds": "a model idle this long frees its memory (sleeping) and wakes on its next request (llama-server's flag); <= 0 = never; the RPC model and pinned ones never sleep",
+    "model_wait_s": "seconds a request waits for its model to load or wake (and for room to load it) before 503",
+    "rpc_model": "the model the RPC port (PREFILL, DECODE, STATE_*, KV events) serves, pinned (default: the first --model NAME=PATH, else the first of --models-dir by name)",
     "alias": "model alias reported in identity (default: the file stem)",
+    "lora": "LoRA adapter [NAME=]PATH, applied at scale 1 to requests without a \"lora\" list (repeat or comma-separate; llama-server's --lora); a request's \"model\" NAME selects it alone (vLLM's), NAME defaulting to the file stem",
+    "lora_scaled": "LoRA adapter [NAME=]PATH:SCALE, as --lora with that default scale (llama-server's --lora-scaled); ids follow the --lora ones",
+    "lora_init_without_apply": "load the LoRA adapters with every default scale 0 (llama-server's --lora-init-without-apply): requests choose them, or POST /lora-adapters sets the scales",
     "host": "address to bind HTTP and RPC",
     "port": "HTTP port (0 = ephemeral)",
     "rpc_port": "binary RPC port (0 = ephemeral)",
@@ -265,7 +301,14 @@ _HELP: dict[str, str] = {
     "ctx_checkpoints": "context checkpoints kept per slot for sliding-window, recurrent and hybrid models (llama-server's --ctx-checkpoints): a prefill copies the window's or the recurrent state 4 and --batch-size tokens before the prompt's end, and a restored KV blob's checkpoint section is kept as one, so a next prompt that leaves the history there resumes instead of recomputing; 0 = off",
     "swa_full": "full-size KV cache for sliding-window layers (llama.cpp's swa_full): their attention then spans the whole sequence; off (default, llama-server's) keeps only the window, faster prefill of long prompts",
     "threads": "CPU threads for llama.cpp (default: the cores but one, at most 8: the engine's own thread needs a core)",
-    "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call)",
+    "batch_size": "prefill chunk size in tokens (each chunk is one cancellable call); the embedding context's batch too: an embedding or rerank input holds at most this many tokens",
+    "embeddings": "serve /v1/embeddings and /v1/rerank from a second context on the model (default: when the GGUF declares a pooling type, or --pooling or --reranking is given)",
+    "pooling": "the embedding context's pooling (llama-server's --pooling): none, mean, cls, last, rank; model: the GGUF's own",
+    "reranking": "llama-server's --reranking: embeddings with rank pooling (a model with a rank head, for /v1/rerank)",
+    "embd_normalize": "how pooled embeddings are normalised when a request does not say (llama-server's --embd-normalize): -1 none, 0 max absolute in int16's range, 2 Euclidean, p > 2 a p-norm",
+    "embd_batch_inputs": "embedding or rerank inputs per call of the embedding context at most",
+    "embd_max_waiting": "embedding and rerank inputs waiting for the GPU worker at most (one request's included); past it a request gets 503 with Retry-After",
+    "spm_infill": "/infill: suffix before prefix (llama-server's --spm-infill), the order some code models were trained with",
     "stream_interval": "streamed tokens per chunk at most (the first token and the end go at once); a request's stream_interval wins",
     "step_token_budget": "tokens per generation-step batch while streams run (their steps, then prompt tokens; each further waiting prompt adds up to this many)",
     "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: all when the llama.cpp build can offload, else 0)",
@@ -352,7 +395,7 @@ _ENV_OVERRIDES = {
 
 
 # Fields whose default is None still have a type (the rest take the type of their default).
-_FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool}
+_FIELD_TYPES: dict[str, type] = {"n_gpu_layers": int, "repack": bool, "embeddings": bool}
 FLASH_ATTN_MODES = ("on", "off", "auto")
 LOG_FORMATS = ("text", "json")
 REASONING_FORMATS = ("auto", "deepseek", "none")
@@ -373,6 +416,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "spec_type": SPEC_TYPES,
     "kv_events_encoding": ("auto", "map", "array"),
     "session_policy": ("session", "lru"),
+    "pooling": ("model", "none", "mean", "cls", "last", "rank"),
 }
 
 
@@ -406,9 +450,18 @@ def _convert(kind: type, raw: str, name: str) -> Any:
         raise SystemExit(f"{name}: expected {kind.__name__}, got {raw!r}") from None
 
 
+# Settings filled from another flag's values (repeated --model NAME=PATH), with no flag of their own.
+_NO_FLAG = frozenset({"named_models"})
+def _comma_list(given: list[str]) -> tuple[str, ...]:
+    return tuple(item for text in given for item in text.split(",") if item.strip())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
-    for f in fields(Settings):
+    for f in (f for f in fields(Settings) if f.name not in _NO_FLAG):
+        if f.name == "model":  # one PATH, or NAME=PATH repeated
+            parser.add_argument("--model", dest="model", action="append", default=None, help=f"{_HELP['model']} [env HYDRA_MODEL; default None]")
+            continue
         default = getattr(defaults, f.name)
         kind = _field_type(f.name, default)
         help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {default}]"
@@ -418,6 +471,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch: given means True
             parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, default=None, help=help_text)
             continue
+        if kind is tuple:  # repeatable, each a comma list (llama-server's --lora)
+            parser.add_argument(flag_name(f.name), dest=f.name, action="append", default=None, help=help_text)
+            continue
         parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=_CHOICES.get(f.name), default=None, help=help_text)
 
 
@@ -426,19 +482,35 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
     env = dict(os.environ) if env is None else env
     defaults = Settings()
     values: dict[str, Any] = {}
-    for f in fields(Settings):
+    for f in (f for f in fields(Settings) if f.name not in _NO_FLAG):
         default = getattr(defaults, f.name)
         kind = _field_type(f.name, default)
         given = getattr(args, f.name, None) if args is not None else None
+        if f.name == "model" and given is not None:
+            values["model"], values["named_models"] = split_model_flags(given)
+            continue
         if given is not None:
-            values[f.name] = given
+            values[f.name] = _comma_list(given) if kind is tuple else given
         elif env.get(env_name(f.name)):
             raw = env[env_name(f.name)]
-            values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
+            if kind is tuple:
+                values[f.name] = _comma_list([raw])
+            else:
+                values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
     values.update(overrides)
     settings = Settings(**{**{f.name: getattr(defaults, f.name) for f in fields(Settings)}, **values})
     validate(settings)
     return settings
+
+
+def split_model_flags(given: list[str]) -> tuple[str | None, tuple[str, ...]]:
+    """--model flags as (one PATH alone, as always; or NAME=PATH each: an existing file is a PATH)."""
+    named = [v for v in given if "=" in v and not os.path.isfile(v) and "/" not in v.partition("=")[0]]
+    if len(given) == 1 and not named:
+        return given[0], ()
+    if len(named) != len(given):
+        raise SystemExit(f"--model: give one PATH, or NAME=PATH for each of several models; got {', '.join(map(repr, given))}")
+    return None, tuple(named)
 
 
 # Settings that must lie in a closed range.
@@ -458,6 +530,11 @@ _RANGES: dict[str, tuple[float, float]] = {
     "spec_ngram_size_n": (1, 64),
     "spec_ngram_min_n": (1, 64),
     "spec_max_batch": (0, 256),
+    "models_max": (1, 1024),
+    "model_wait_s": (0.001, 1e6),
+    "embd_batch_inputs": (1, 256),  # llama.cpp's LLAMA_MAX_SEQ
+    "embd_max_waiting": (1, 1 << 20),
+    "embd_normalize": (-1, 64),
 }
 
 
@@ -551,8 +628,13 @@ def validate(s: Settings) -> None:
         problems.append(f"spec_draft_n_min ({s.spec_draft_n_min}) must not exceed spec_draft_n_max ({s.spec_draft_n_max})")
     if s.spec_ngram_min_n > s.spec_ngram_size_n:
         problems.append(f"spec_ngram_min_n ({s.spec_ngram_min_n}) must not exceed spec_ngram_size_n ({s.spec_ngram_size_n})")
+    if s.reranking and s.pooling not in ("model", "rank"):
+        problems.append(f"reranking is rank pooling: it cannot go with pooling {s.pooling}")
+    if s.embeddings is False and (s.reranking or s.pooling != "model"):
+        problems.append("no_embeddings cannot go with pooling or reranking (they serve embeddings)")
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
+    adapter_specs(s.lora, s.lora_scaled)  # a malformed or missing adapter stops startup here, named
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
     # An unreadable key file or a bad CIDR stops startup here, with its reason.
@@ -578,6 +660,6 @@ def settings_table() -> str:
     """Markdown table of every setting (docs/operations.md "Every flag")."""
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     defaults = Settings()
-    for f in fields(Settings):
+    for f in (f for f in fields(Settings) if f.name not in _NO_FLAG):
         rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{getattr(defaults, f.name)}` | {_HELP[f.name]} |")
     return "\n".join(rows)

@@ -34,6 +34,7 @@ BASE_FIELDS = ("ts", "level", "logger", "msg")
 REQUEST_FIELDS = (
     "request_id",  # the client's X-Request-Id / RPC trace, else this engine's own id
     "route",  # chat | completions | kv_export | decode | PREFILL | STATE_GET | ...
+    "model",  # the model that served it (its served name)
     "status",  # done | cancelled | failed | ... (DECODE: its final state)
     "slot",
     "prompt_tokens",
@@ -47,6 +48,7 @@ REQUEST_FIELDS = (
     "tokens_per_s",
     "spec_drafted",  # speculation's draft tokens verified (null: it did not run)
     "spec_accepted",  # and accepted
+    "lora",  # the LoRA adapter set it ran under (engine/adapters.py ``label``; null: the base model)
     "error",  # the failure's cause, when it failed
     "session_id",  # the agent session's id (as its client named it), when it named one
     "receipt",  # a cut turn's receipt (engine/receipts.py): what it generated, computed, kept

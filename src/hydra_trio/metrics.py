@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from .engine import Engine, EngineStats, GenerationResult
+    from .modelpool import ModelPool
 
 # Base units (seconds), the old millisecond buckets' bounds.
 _S_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -43,6 +44,9 @@ class Metrics:
         self.cached_prompt_tokens = Counter(
             "hydra_cached_prompt_tokens", "prompt tokens reused from the slot KV", ["path"], registry=r
         )
+        self.pooled_inputs = Counter(
+            "hydra_pooled_inputs", "embedding inputs and rerank pairs computed", ["path"], registry=r
+        )
         self.ttft = Histogram(
             "hydra_ttft_seconds", "engine time to first token (slot claimed -> first token)", ["path"], buckets=_S_BUCKETS, registry=r
         )
@@ -55,27 +59,58 @@ class Metrics:
             "hydra_cancel_seconds", "DELETE until the task stopped", buckets=_S_BUCKETS, registry=r
         )
         self.prefix_cache = PrefixCacheCounts()  # vllm:prefix_cache_* (vllm_metrics.py)
+        # Several models (watch_models): each model's own, by name, kept across its unloads.
+        self.by_model: dict[str, PrefixCacheCounts] | None = None
 
-    def record_generation(self, path: str, res: GenerationResult, *, aborted: bool = False, queue_s: float = 0.0) -> None:
+    def prefix_counts(self, model: str) -> PrefixCacheCounts:
+        """The vLLM request figures of ``model`` (one process-wide set with one model)."""
+        if self.by_model is None:
+            return self.prefix_cache
+        return self.by_model.setdefault(model, PrefixCacheCounts())
+
+    def record_generation(
+        self, path: str, res: GenerationResult, *, model: str = "", aborted: bool = False, queue_s: float = 0.0
+    ) -> None:
         """One finished (or stopped) generation's token counts and latencies; ``queue_s``:
-        how long it waited for its slot."""
+        how long it waited for its slot; ``model``: which model's (several models)."""
         self.completion_tokens.labels(path).inc(res.completion_tokens)
         self.prompt_tokens.labels(path).inc(res.n_prompt_processed)
         self.cached_prompt_tokens.labels(path).inc(res.n_common)
-        self.prefix_cache.observe(res, aborted=aborted, queue_s=queue_s)
+        self.prefix_counts(model).observe(res, aborted=aborted, queue_s=queue_s)
         self.ttft.labels(path).observe(res.prompt_ms / 1000.0)  # the engine's own: no slot wait
+
+    def record_pooled(self, path: str, n_inputs: int, n_tokens: int) -> None:
+        """One embedding or rerank request's inputs and their tokens (prompt tokens of ``path``)."""
+        self.pooled_inputs.labels(path).inc(n_inputs)
+        self.prompt_tokens.labels(path).inc(n_tokens)
 
     def live_gauge(self, name: str, doc: str, read: Callable[[], float]) -> None:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""
         Gauge(name, doc, registry=self.registry).set_function(read)
 
-    def watch_engine(self, engine: Engine, running_decodes: Callable[[], int], block_size: int = 16) -> None:
-        """Gauges read from the engine (and the decode requests) at scrape time;
-        ``block_size``: the KV block vllm:cache_config_info counts in."""
-        self.registry.register(VllmCollector(engine, self.prefix_cache, block_size))
-        if engine.stats().prompt_cache is not None:  # --cache-ram-mib: the cache is there from the start
-            self.registry.register(PromptCacheCollector(engine))
-        self.registry.register(EngineCollector(engine))
+    def watch_models(self, pool: ModelPool, rpc_engine: Engine, running_decodes: Callable[[], int], block_size: int = 16) -> None:
+        """Gauges read from the engines (and the decode requests) at scrape time: every
+        model's, labelled ``model_name`` when the process serves several (vLLM's label), its
+        state and what its loads cost; ``block_size``: the KV block vllm:cache_config_info
+        (the RPC model's cache) counts in."""
+        labelled = pool.strict
+        if labelled:
+            self.by_model = {}
+
+        def models() -> list[tuple[str, Engine | None, PrefixCacheCounts]]:
+            if not labelled:
+                return [(rpc_engine.served_name, rpc_engine, self.prefix_cache)]
+            return [(e.name, e.engine, self.prefix_counts(e.name)) for e in pool.entries()]
+
+        def engines() -> list[tuple[str | None, Engine]]:
+            return [(e.name if labelled else None, engine) for e, engine in pool.loaded()]
+
+        self.registry.register(VllmCollector(models, lambda: rpc_engine, block_size))
+        if rpc_engine.stats().prompt_cache is not None:  # --cache-ram-mib: the cache is there from the start
+            self.registry.register(PromptCacheCollector(engines))
+        self.registry.register(EngineCollector(engines))
+        if labelled:
+            self.registry.register(ModelPoolCollector(pool))
         g = self.live_gauge
         g("hydra_decode_requests_running", "decode requests not yet ended", running_decodes)
         # A leak check for soaks: every task of this process's trio run, read at scrape time
@@ -109,80 +144,121 @@ _ENGINE_FIGURES: tuple[tuple[_Family, str, str, Callable[[EngineStats], float]],
 )
 
 
+# The engines a scrape reads: (model name, engine) of each serving model; the name is None
+# when the process serves one model (its figures then carry no label, as always).
+Engines = Callable[[], "list[tuple[str | None, Engine]]"]
+
+
+def _labelled(family: _Family, name: str, doc: str, extra: list[str], rows: list[tuple[str | None, list[str], float]]) -> Metric:
+    """One family with a sample per (model, extra label values, value) row: ``model_name``
+    leads the labels when the rows name models."""
+    named = any(model is not None for model, _, _ in rows)
+    f = family(name, doc, labels=(["model_name"] if named else []) + extra)
+    for model, values, value in rows:
+        f.add_metric(([model] if named and model is not None else []) + values, value)
+    return f
+
+
 class EngineCollector(Collector):
-    """The engine's figures from one ``Engine.stats()`` snapshot per scrape (no
+    """Each engine's figures from one ``Engine.stats()`` snapshot per scrape (no
     bookkeeping here to drift)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
+        snaps = [(model, engine.stats()) for model, engine in self.engines()]
         for family, name, doc, read in _ENGINE_FIGURES:
-            yield family(name, doc, value=read(stats))
-        by_rows = GaugeMetricFamily(
+            yield _labelled(family, name, doc, [], [(model, [], read(stats)) for model, stats in snaps])
+        yield _labelled(
+            GaugeMetricFamily,
             "hydra_step_decode_seconds",
             "a generation step's llama_decode, mean of the recent ones with this many rows (streams' tokens and draft positions)",
-            labels=["rows"],
+            ["rows"],
+            [(model, [str(rows)], seconds) for model, stats in snaps for rows, seconds in stats.step_decode_s],
         )
-        for rows, seconds in stats.step_decode_s:
-            by_rows.add_metric([str(rows)], seconds)
-        yield by_rows
-        yield from _session_figures(stats)
+        yield from _session_figures(snaps)
 
 
-def _session_figures(stats: EngineStats) -> Iterator[Metric]:
+def _session_figures(snaps: list[tuple[str | None, EngineStats]]) -> Iterator[Metric]:
     """Agent sessions (docs/operations.md, "Agent sessions") and the evictions of every tier
-    by the kind of history they dropped."""
-    s = stats.sessions
-    if s is not None:
-        yield GaugeMetricFamily("hydra_sessions", "agent sessions held (scoped by tenant and cache_salt)", value=s.sessions)
-        yield GaugeMetricFamily("hydra_session_turns_live", "requests running in an agent session", value=s.live_turns)
-        yield CounterMetricFamily("hydra_session_turns_cut", "turns cut by their deadline, their tree's finish or their parent's cancellation", value=s.turns_cut)
-        yield CounterMetricFamily("hydra_session_trees_finished", "POST /finish_session calls that ended a tree", value=s.trees_finished)
-    evicted = CounterMetricFamily(
-        "hydra_kv_evictions", "KV histories evicted for room, by tier (slot, ram, disk) and kind (finished, one_off, expired, live)",
-        labels=["tier", "kind"],
+    by the kind of history they dropped, each engine's (``model_name`` with several)."""
+    live = [(model, s) for model, stats in snaps if (s := stats.sessions) is not None]
+    if live:
+        for family, name, doc, read in (
+            (_G, "hydra_sessions", "agent sessions held (scoped by tenant and cache_salt)", lambda s: s.sessions),
+            (_G, "hydra_session_turns_live", "requests running in an agent session", lambda s: s.live_turns),
+            (_C, "hydra_session_turns_cut", "turns cut by their deadline, their tree's finish or their parent's cancellation", lambda s: s.turns_cut),
+            (_C, "hydra_session_trees_finished", "POST /finish_session calls that ended a tree", lambda s: s.trees_finished),
+        ):
+            yield _labelled(family, name, doc, [], [(model, [], read(s)) for model, s in live])
+    yield _labelled(
+        _C,
+        "hydra_kv_evictions",
+        "KV histories evicted for room, by tier (slot, ram, disk) and kind (finished, one_off, expired, live)",
+        ["tier", "kind"],
+        [(model, [tier, kind], n) for model, stats in snaps for tier, kind, n in stats.evictions],
     )
-    for tier, kind, n in stats.evictions:
-        evicted.add_metric([tier, kind], n)
-    yield evicted
-    d = stats.disk
-    if d is None:
+    disks = [(model, d) for model, stats in snaps if (d := stats.disk) is not None]
+    if not disks:
         return
-    yield GaugeMetricFamily("hydra_disk_cache_bytes", "bytes the disk tier's entries hold (--cache-disk)", value=d.nbytes)
-    yield GaugeMetricFamily("hydra_disk_cache_entries", "histories held by the disk tier", value=d.entries)
-    for name, doc, value in (
-        ("hydra_disk_cache_written", "histories RAM dropped, written to disk", d.written),
-        ("hydra_disk_cache_loaded", "disk entries restored into a slot", d.loaded),
-        ("hydra_disk_cache_loaded_tokens", "positions restored from disk (not recomputed)", d.loaded_tokens),
-        ("hydra_disk_cache_rejected", "disk entries that failed a check when read (never restored)", d.rejected),
-        ("hydra_disk_cache_dropped", "histories RAM dropped that were not written (the write queue was full)", d.dropped),
-        ("hydra_disk_cache_cleaned", "files removed at start (unfinished writes, torn, another model's, over the bound)", d.cleaned),
-        ("hydra_disk_cache_prefetched", "disk entries brought back to RAM ahead of their turn (while it waited for a slot, or its tool ran)", d.prefetched),
+    for family, name, doc, read in (
+        (_G, "hydra_disk_cache_bytes", "bytes the disk tier's entries hold (--cache-disk)", lambda d: d.nbytes),
+        (_G, "hydra_disk_cache_entries", "histories held by the disk tier", lambda d: d.entries),
+        (_C, "hydra_disk_cache_written", "histories RAM dropped, written to disk", lambda d: d.written),
+        (_C, "hydra_disk_cache_loaded", "disk entries restored into a slot", lambda d: d.loaded),
+        (_C, "hydra_disk_cache_loaded_tokens", "positions restored from disk (not recomputed)", lambda d: d.loaded_tokens),
+        (_C, "hydra_disk_cache_rejected", "disk entries that failed a check when read (never restored)", lambda d: d.rejected),
+        (_C, "hydra_disk_cache_dropped", "histories RAM dropped that were not written (the write queue was full)", lambda d: d.dropped),
+        (_C, "hydra_disk_cache_cleaned", "files removed at start (unfinished writes, torn, another model's, over the bound)", lambda d: d.cleaned),
+        (_C, "hydra_disk_cache_prefetched", "disk entries brought back to RAM ahead of their turn (while it waited for a slot, or its tool ran)", lambda d: d.prefetched),
     ):
-        yield CounterMetricFamily(name, doc, value=value)
+        yield _labelled(family, name, doc, [], [(model, [], read(d)) for model, d in disks])
 
 
 class PromptCacheCollector(Collector):
-    """The host-memory prompt cache (--cache-ram-mib), read at scrape time."""
+    """The host-memory prompt cache (--cache-ram-mib) of each engine, read at scrape time."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        c = self.engine.stats().prompt_cache
-        if c is None:
+        caches = [(model, c) for model, engine in self.engines() if (c := engine.stats().prompt_cache) is not None]
+        if not caches:
             return
-        yield GaugeMetricFamily("hydra_prompt_cache_bytes", "host memory held by the prompt cache", value=c.nbytes)
-        yield GaugeMetricFamily("hydra_prompt_cache_entries", "slot histories held by the prompt cache", value=c.entries)
-        for name, doc, value in (
-            ("hydra_prompt_cache_saved", "slot histories copied into the prompt cache", c.saved),
-            ("hydra_prompt_cache_restored", "prompt cache entries restored into a slot", c.restored),
-            ("hydra_prompt_cache_restored_tokens", "positions restored from the prompt cache (not recomputed)", c.restored_tokens),
-            ("hydra_prompt_cache_evicted", "prompt cache entries dropped for room or replaced by a longer one", c.evicted),
+        for family, name, doc, read in (
+            (_G, "hydra_prompt_cache_bytes", "host memory held by the prompt cache", lambda c: c.nbytes),
+            (_G, "hydra_prompt_cache_entries", "slot histories held by the prompt cache", lambda c: c.entries),
+            (_C, "hydra_prompt_cache_saved", "slot histories copied into the prompt cache", lambda c: c.saved),
+            (_C, "hydra_prompt_cache_restored", "prompt cache entries restored into a slot", lambda c: c.restored),
+            (_C, "hydra_prompt_cache_restored_tokens", "positions restored from the prompt cache (not recomputed)", lambda c: c.restored_tokens),
+            (_C, "hydra_prompt_cache_evicted", "prompt cache entries dropped for room or replaced by a longer one", lambda c: c.evicted),
         ):
-            yield CounterMetricFamily(name, doc, value=value)
+            yield _labelled(family, name, doc, [], [(model, [], read(c)) for model, c in caches])
+
+
+class ModelPoolCollector(Collector):
+    """Several models: each one's state (1 for the state it is in), what its loads and
+    wakes cost, how often it was evicted or put to sleep, and the requests holding it."""
+
+    def __init__(self, pool: ModelPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        entries = self.pool.entries()
+        states = ("loaded", "loading", "unloaded", "sleeping")
+        yield _labelled(_G, "hydra_model_state", "1 for the state each model is in", ["state"],
+                        [(e.name, [s], float(e.state == s)) for e in entries for s in states])
+        for family, name, doc, read in (
+            (_G, "hydra_model_requests", "requests holding the model now (it is not unloaded under them)", lambda e: e.users),
+            (_C, "hydra_model_loads", "cold loads of the model", lambda e: e.loads),
+            (_C, "hydra_model_wakes", "wakes of the model from sleep", lambda e: e.wakes),
+            (_C, "hydra_model_sleeps", "times the model was put to sleep (--sleep-idle-seconds)", lambda e: e.sleeps),
+            (_C, "hydra_model_evictions", "times the model was evicted for another (--models-max)", lambda e: e.evictions),
+            (_G, "hydra_model_last_load_seconds", "the model's last cold load, 0 before one", lambda e: e.last_load_s or 0.0),
+            (_G, "hydra_model_last_wake_seconds", "the model's last wake, 0 before one", lambda e: e.last_wake_s or 0.0),
+        ):
+            yield _labelled(family, name, doc, [], [(e.name, [], float(read(e))) for e in entries])
 
 
 def trio_task_count() -> float:

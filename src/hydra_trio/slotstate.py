@@ -22,6 +22,7 @@ class Snapshot:
     ms: float
     send_chunk: int | None = None  # the slot's STATE_GET send chunk (CONFIGURE T1); None: whole
     held: int = 0  # payload-budget bytes charged for it: the sender releases them once sent
+    made_under: dict[str, Any] | None = None  # the LoRA adapter set (``SlotLease.kv_claims``)
 
     @property
     def size(self) -> int:
@@ -42,12 +43,12 @@ async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget,
     try:
         async with engine.claim(owner, slot=slot_id) as lease:
             copy = await lease.copy_out(reserve=reserve)
-            chunk = lease.send_chunk
+            chunk, made_under = lease.send_chunk, lease.kv_claims()
         kv_hash = await copy.kv_hash()
     except BaseException:
         budget.release(held)
         raise
-    return Snapshot(copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, chunk, held)
+    return Snapshot(copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, chunk, held, made_under)
 
 
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .handoff.exports import ExportStore
     from .kvevents import KvEventPublisher
+    from .modelpool import ModelPool
 
 log = logging.getLogger("hydra_trio")
 
@@ -38,7 +39,8 @@ def _llama_version() -> str:
 class AppState:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
-    engine: Engine | None = None  # set once the model is loaded
+    engine: Engine | None = None  # set once the model is loaded (several: the RPC model's)
+    models: ModelPool | None = None  # every model by name (one, or several: modelpool.py)
     decodes: DecodeManager | None = None  # set once the decode manager runs
     # Payload bytes held by RPC requests and HTTP state uploads together (--max-inflight-bytes).
     payload_budget: ByteBudget = field(init=False)
@@ -64,24 +66,31 @@ class AppState:
         """What still runs (a short description), or None: HTTP exchanges (a stream until its
         last byte), requests holding or waiting for a slot, DECODEs, KV exports a decode
         engine has not pulled yet."""
-        engine, decodes, exports = self.engine, self.decodes, self.exports
+        decodes, exports = self.decodes, self.exports
         parts = []
         if self.http_in_flight:
             parts.append(f"{self.http_in_flight} HTTP requests")
-        if engine is not None:
+        for name, engine in self._engines():
             stats = engine.stats()
             if stats.slots_busy or stats.requests_waiting:
-                parts.append(f"{stats.slots_busy} slots busy, {stats.requests_waiting} waiting")
+                of = f" ({name})" if name else ""
+                parts.append(f"{stats.slots_busy} slots busy, {stats.requests_waiting} waiting{of}")
         if decodes is not None and decodes.store.running():
             parts.append(f"{len(decodes.store.running())} decodes")
         if exports is not None and len(exports):
             parts.append(f"{len(exports)} KV exports not pulled")
         return ", ".join(parts) or None
 
+    def _engines(self) -> list[tuple[str | None, Engine]]:
+        """Every serving engine, named when the process serves several models."""
+        if self.models is not None:
+            return [(e.name if self.models.strict else None, engine) for e, engine in self.models.loaded()]
+        return [] if self.engine is None else [(None, self.engine)]
+
     async def wait_drained(self) -> None:
-        """Return once nothing is in flight (bounded by the caller's scope). Slot releases
-        wake it; exports end by their pull or their lease, on their own task, so those are
-        looked at every 100 ms."""
+        """Return once nothing is in flight (bounded by the caller's scope). A slot release
+        of the RPC model wakes it; other models' slots and exports (which end by their pull or
+        their lease, on their own task) are looked at every 100 ms."""
         while self.in_flight() is not None:
             with trio.move_on_after(0.1):
                 if self.engine is not None:

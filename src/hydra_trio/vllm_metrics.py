@@ -9,7 +9,8 @@ inter-token latency, which a small model reaches), the phases of a request:
 ``vllm:request_queue_time_seconds`` (waiting for a slot), ``vllm:request_prefill_time_seconds``
 (slot claimed -> first token) and ``vllm:request_decode_time_seconds`` (first -> last token).
 TTFT and e2e count from the request's arrival, so they include the queue time, as vLLM's do.
-And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
+With LoRA adapters loaded, ``vllm:lora_requests_info``: the adapters requests run under and
+wait for (``lora_requests_info``). And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
 cut into blocks, as vLLM's CacheConfig labels it: ``block_size`` (the KV events' block,
 --kv-events-block-size), ``num_gpu_blocks`` (all slots' cells in those blocks: what llm-d's
 scheduler and the Inference Extension size an endpoint's cache by), ``num_cpu_blocks``
@@ -20,15 +21,16 @@ prometheus-client accepts ':' in metric names (it is legal in the exposition for
 Prometheus docs reserve it for recording rules, and vLLM uses it anyway), so these are
 ordinary metric families, rendered as vLLM renders them (counters with ``_total``), with
 vLLM's labels: ``engine="0"`` (one engine per process: vllm-router counts distinct
-``engine`` labels to size data parallelism) and ``model_name``. Every value is read from
-the engine at scrape time.
+``engine`` labels to size data parallelism) and ``model_name`` (a sample per model when the
+process serves several: modelpool.py). Every value is read from the engines at scrape time.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
@@ -64,14 +66,13 @@ class Buckets:
             counts[bisect_left(bounds, v)] += 1  # le=b holds v <= b
             self.sum += v
 
-    def family(self, name: str, doc: str, labels: list[str], label_values: list[str]) -> HistogramMetricFamily:
+    def add_to(self, h: HistogramMetricFamily, label_values: list[str]) -> None:
+        """These counts as ``h``'s sample with ``label_values`` (a family holds one per model)."""
         cumulative, total = [], 0
         for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
             total += n
             cumulative.append((bound, total))
-        h = HistogramMetricFamily(name, doc, labels=labels)
         h.add_metric(label_values, cumulative, self.sum)
-        return h
 
 
 class PrefixCacheCounts:
@@ -110,63 +111,92 @@ class PrefixCacheCounts:
         self.itl.observe(res.token_gaps_s)
 
 
+# What a scrape reads of each model: its name, its engine (None: not loaded now) and its
+# request figures.
+Models = Callable[[], Sequence[tuple[str, "Engine | None", PrefixCacheCounts]]]
+
+
 class VllmCollector(Collector):
-    def __init__(self, engine: Engine, prefix: PrefixCacheCounts, block_size: int = 16) -> None:
-        self.engine = engine
-        self.prefix = prefix
+    """vLLM's families, one sample per model (``model_name``); ``cache_engine``: the engine
+    whose KV cache ``vllm:cache_config_info`` describes (the RPC model's)."""
+
+    def __init__(self, models: Models, cache_engine: Callable[[], Engine], block_size: int = 16) -> None:
+        self.models = models
+        self.cache_engine = cache_engine
         self.block_size = block_size
 
-    def cache_config_info(self, n_cells: int) -> GaugeMetricFamily:
+    def cache_config_info(self, engine: Engine) -> GaugeMetricFamily:
         """vLLM's info gauge: the cache's shape in labels (read at each scrape: T2 may
         change n_ctx, T3 the cache type)."""
         info = {
             "block_size": str(self.block_size),
-            "cache_dtype": str(self.engine.kv_cache_layout.get("type_k", "auto")),
+            "cache_dtype": str(engine.kv_cache_layout.get("type_k", "auto")),
             "enable_prefix_caching": "True",
             "num_cpu_blocks": "None",
-            "num_gpu_blocks": str(n_cells // self.block_size),
+            "num_gpu_blocks": str(engine.stats().kv_cells_total // self.block_size),
             "engine": "0",
         }
         f = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info))
         f.add_metric(list(info.values()), 1.0)
         return f
 
+    def lora_requests_info(self) -> GaugeMetricFamily | None:
+        """vLLM's LoRA gauge, which the Gateway API Inference Extension and llm-d route on:
+        its value the time of the scrape, its labels the adapters requests run under and wait
+        for (names, comma-joined) and ``max_lora``, the most adapters one batch applies (here
+        all those loaded: a batch runs one set, which may hold each). None: no adapters."""
+        adapters = self.cache_engine().adapters  # --lora applies to the default (RPC) model
+        if not len(adapters):
+            return None
+        running, waiting = adapters.in_use()
+        labels = {
+            "max_lora": str(len(adapters)),
+            "running_lora_adapters": ",".join(running),
+            "waiting_lora_adapters": ",".join(waiting),
+        }
+        f = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.", labels=list(labels))
+        f.add_metric(list(labels.values()), time.time())
+        return f
+
     def collect(self) -> Iterator[Metric]:
-        engine = self.engine
-        stats = engine.stats()
         labels = ["engine", "model_name"]
-        model = ["0", engine.served_name]
-        families: list[Metric] = []
-        p = self.prefix
+        rows = [(["0", name], engine.stats() if engine is not None else None, p) for name, engine, p in self.models()]
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         for family, name, doc, value in (
-            (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.", stats.slots_busy),
-            (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.requests_waiting),
-            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
-            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", p.queries),
-            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", p.hits),
-            (counter, "vllm:prompt_tokens", "Number of prefill tokens processed.", p.prompt_tokens),
-            (counter, "vllm:generation_tokens", "Number of generation tokens processed.", p.generation_tokens),
-            (counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_drafts),
-            (counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_draft_tokens),
-            (counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.spec_accepted_tokens),
+            (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.", lambda s, p: s.slots_busy if s else 0),
+            (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s, p: s.requests_waiting if s else 0),
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s, p: s.kv_cache_usage if s else 0.0),
+            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", lambda s, p: p.queries),
+            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", lambda s, p: p.hits),
+            (counter, "vllm:prompt_tokens", "Number of prefill tokens processed.", lambda s, p: p.prompt_tokens),
+            (counter, "vllm:generation_tokens", "Number of generation tokens processed.", lambda s, p: p.generation_tokens),
+            (counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda s, p: s.spec_drafts if s else 0),
+            (counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", lambda s, p: s.spec_draft_tokens if s else 0),
+            (counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", lambda s, p: s.spec_accepted_tokens if s else 0),
         ):
             f = family(name, doc, labels=labels)
-            f.add_metric(model, value)
-            families.append(f)
+            for model, stats, p in rows:
+                f.add_metric(model, value(stats, p))
+            yield f
         done = CounterMetricFamily(
             "vllm:request_success", "Count of successfully processed requests.", labels=[*labels, "finished_reason"]
         )
-        for reason in ("stop", "length", "abort"):
-            done.add_metric([*model, reason], p.finished[reason])
-        families.append(done)
-        families.append(self.cache_config_info(stats.kv_cells_total))
-        families += [
-            p.ttft.family("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, model),
-            p.itl.family("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels, model),
-            p.e2e.family("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", labels, model),
-            p.queue.family("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", labels, model),
-            p.prefill.family("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", labels, model),
-            p.decode.family("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", labels, model),
-        ]
-        yield from families
+        for model, _stats, p in rows:
+            for reason in ("stop", "length", "abort"):
+                done.add_metric([*model, reason], p.finished[reason])
+        yield done
+        yield self.cache_config_info(self.cache_engine())
+        if (lora := self.lora_requests_info()) is not None:
+            yield lora
+        for attr, name, doc in (
+            ("ttft", "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds."),
+            ("itl", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
+            ("e2e", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
+            ("queue", "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+            ("prefill", "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
+            ("decode", "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
+        ):
+            h = HistogramMetricFamily(name, doc, labels=labels)
+            for model, _stats, p in rows:
+                getattr(p, attr).add_to(h, model)
+            yield h

@@ -178,7 +178,13 @@ class DecodeManager:
                 hint = session_hint(_no_header, merged)
                 # The KV's admission: parsed (no longer than a slot) and held against the
                 # resident model by what the coordinator claims of it (§4.2).
-                admitted = await engine.admit(frame.kv if len(frame.kv) else None, self._claims(frame), header_model=_header_model(frame))
+                # Foreign KV (or claims about it) must have been made under the request's LoRA
+                # adapter set; the slot's own KV is held to it by the slot's history (prefix reuse).
+                claims, own = self._claims(frame)
+                admitted = await engine.admit(
+                    frame.kv if len(frame.kv) else None, claims, header_model=_header_model(frame),
+                    lora=None if own else prepared.params.lora,
+                )
         except trio.TooSlowError:
             raise ProtocolError(ErrorCode.TIMEOUT, "validation timeout") from None
         params, prompt_text = prepared.params, prepared.prompt
@@ -189,7 +195,7 @@ class DecodeManager:
         try:
             async with (
                 engine.sessions(RPC_TENANT).turn(hint, params.cache_salt) as turn,
-                engine.claim(f"decode:{trace or 'rpc'}", slot=slot_id, turn=turn) as lease,  # SLOT_BUSY
+                engine.claim(f"decode:{trace or 'rpc'}", slot=slot_id, lora=params.lora, turn=turn) as lease,  # SLOT_BUSY
             ):
                 entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written
                 entry.task = task = OwnedTask(f"decode:{entry.id}")
@@ -203,7 +209,7 @@ class DecodeManager:
                         self._check_identity(entry, admitted.match, t0)
                         try:
                             with trio.fail_at(deadline):
-                                await self._restore(entry, lease, blob, params.cache_salt)
+                                await self._restore(entry, lease, blob, params)
                         except trio.TooSlowError:
                             # The restore was cancelled (queued or aborted before commit): the slot
                             # holds exactly what it held before, and nothing runs for this id.
@@ -254,19 +260,20 @@ class DecodeManager:
                         entry.result.cut, entry.result.stop_type = turn.cut, "cancelled"
                 self._seal(entry, final, label)
                 if started is not None:
-                    self._log_end(entry, final, trace, rlog)
+                    self._log_end(entry, final, trace, rlog, params.lora_name)
                 entry.task.finished.set()
 
-    def _claims(self, frame: DecodeFrame) -> Any:
-        """What the coordinator claims of the model that made the KV (``kv_metadata``): with
-        no foreign KV and no claims, the slot's KV is this engine's own."""
+    def _claims(self, frame: DecodeFrame) -> tuple[Any, bool]:
+        """What the coordinator claims of the model that made the KV (``kv_metadata``), and
+        whether the KV is the slot's own: with no foreign KV and no claims, it is this
+        engine's."""
         kv_meta = frame.header.get("kv_metadata")
         if not len(frame.kv) and not kv_meta:
             resident = self.engine.identity
-            return resident.fields()
+            return resident.fields(), True
         # KV with no claims about it is checked as claiming nothing (a CAP_MISMATCH naming
         # each missing field), never taken on trust.
-        return {} if kv_meta is None else kv_meta
+        return ({} if kv_meta is None else kv_meta), False
 
     def _check_identity(self, entry: DecodeEntry, match: IdentityMatch | None, t0: float) -> None:
         """The §4.2 identity gate's verdict (``Engine.admit``); CAP_MISMATCH if it failed."""
@@ -280,13 +287,13 @@ class DecodeManager:
                 extra={"valid": False, "match": match.as_meta(), "reason": match.reason},
             )
 
-    async def _restore(self, entry: DecodeEntry, lease: SlotLease, blob: KvBlob | None, salt: str | None) -> None:
+    async def _restore(self, entry: DecodeEntry, lease: SlotLease, blob: KvBlob | None, params: GenerationParams) -> None:
         """Restore the blob into the slot (all-or-nothing), with the logits that came with it."""
         entry.state = DecodeState.RESTORING
         entry.notify()
         t_restore = time.perf_counter()
         if blob is not None:
-            await lease.restore(blob, timing=(timing := CallTiming()), salt=salt)
+            await lease.restore(blob, timing=(timing := CallTiming()), salt=params.cache_salt, lora=params.lora)
             entry.metrics.queue_wait_ms = timing.queue_wait_s * 1000.0
             self.metrics.restore_bytes.inc(entry.metrics.kv_bytes)
         m = entry.metrics
@@ -334,10 +341,9 @@ class DecodeManager:
         entry.metrics.n_past = lease.n_past
         return DecodeState.DONE
 
-    @staticmethod
-    def _log_end(entry: DecodeEntry, final: DecodeState, trace: str, rlog: Any) -> None:
+    def _log_end(self, entry: DecodeEntry, final: DecodeState, trace: str, rlog: Any, lora: str | None) -> None:
         """The DECODE's request line, however it ended (after its reply: a refusal before
-        it is the RPC server's line)."""
+        it is the RPC server's line), with the LoRA adapter set it ran under (``lora``)."""
         res: GenerationResult = entry.result or GenerationResult()
         outcome = final.value  # done | failed | cancelled
         fields = generation_fields(res, outcome=outcome)
@@ -348,19 +354,19 @@ class DecodeManager:
         receipt = turn_receipt(res)
         session = "" if res.session_id is None else f", session {res.session_id}"
         rlog.info(
-            "decode %d %s: %d prompt (%d cached), %d generated, %s%s%s",
-            entry.id, outcome, res.prompt_tokens, res.n_common, res.completion_tokens, detail, session,
-            receipt_note(receipt),
+            "decode %d %s: %d prompt (%d cached), %d generated, %s%s%s%s",
+            entry.id, outcome, res.prompt_tokens, res.n_common, res.completion_tokens, detail,
+            "" if lora is None else f", LoRA {lora}", session, receipt_note(receipt),
             extra=request_extra(
-                request_id=trace or f"decode-{entry.id}", route="decode", slot=entry.slot_id,
-                error=entry.error or None, session_id=res.session_id, receipt=receipt, **fields,
+                request_id=trace or f"decode-{entry.id}", route="decode", model=self.engine.served_name, slot=entry.slot_id,
+                error=entry.error or None, lora=lora, session_id=res.session_id, receipt=receipt, **fields,
             ),
         )
 
     def _seal(self, entry: DecodeEntry, final: DecodeState, label: str | None) -> None:
         res: GenerationResult | None = entry.result
         if res is not None:
-            self.metrics.record_generation("decode", res, aborted=final is DecodeState.CANCELLED)
+            self.metrics.record_generation("decode", res, model=self.engine.served_name, aborted=final is DecodeState.CANCELLED)
             acked = entry.metrics.acked_at
             if acked is not None and res.first_token_at is not None:
                 entry.metrics.ttft_ms = (res.first_token_at - acked) * 1000.0

@@ -2,11 +2,13 @@
 ``Engine`` (and a slot's ``SlotLease``), the parameter, result and stats types the front ends
 read, and the chat room's reply types. Nothing outside engine/ reaches its modules."""
 
+from .adapters import LoraAdapters
 from .chat import ReplyDelta, ReplyParser, ToolCall
+from .embedder import Embedder, Pooled
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
-from .llama import DecodeAborted, Vocabulary
+from .llama import POOLING_TYPES, DecodeAborted, LoraSet, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams
 from .receipts import turn_receipt
@@ -14,14 +16,16 @@ from .requests import REASONING_EFFORTS, Route, cache_salt
 from .sample import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from .sched import Finished, TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
-from .worker import CallTiming
+from .worker import CallTiming, WorkerLane
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
+    "POOLING_TYPES",
     "REASONING_EFFORTS",
     "Admitted",
     "CallTiming",
     "DecodeAborted",
+    "Embedder",
     "Emit",
     "Engine",
     "EngineStats",
@@ -30,6 +34,9 @@ __all__ = [
     "GenerationResult",
     "KvCopy",
     "KvEvents",
+    "LoraAdapters",
+    "LoraSet",
+    "Pooled",
     "Prepared",
     "ReplyDelta",
     "ReplyParser",
@@ -42,6 +49,7 @@ __all__ = [
     "ToolCall",
     "Turn",
     "Vocabulary",
+    "WorkerLane",
     "cache_salt",
     "turn_receipt",
 ]

@@ -24,21 +24,18 @@ import trio
 
 from ..config import CACHE_TYPES, Settings
 from ..model.identity import ModelIdentity
+from ..model.lora import adapter_specs
 from ..wire.errors import ErrorCode, ProtocolError
-from ..wire.kvblob import KvBlob
 from ..wire.kvevents import Event
+from .adapters import LoraAdapters
 from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
 from .kv import (
     HostTiers,
-    KvCopy,
     Retention,
     SlotBlocks,
-    check_checkpoint,
-    copy_out,
     kv_fingerprint,
-    restore_blob,
 )
 from .llama import (
     DecodeAborted,
@@ -57,7 +54,7 @@ from .sample import Sampler
 from .sched import PartOutcome, SessionTree, SlotScheduler, SlotTable, StepBatcher
 from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
 from .stats import EngineStats, SlotInfo
-from .worker import CallTiming, GpuWorker
+from .worker import GpuWorker, WorkerLane
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +69,17 @@ async def _emit_all(emit: Emit, sends: Sequence[str]) -> None:
 class EngineCore:
     """The components and what spans them (engine.py's ``Engine`` is the face over it)."""
 
-    def __init__(self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings) -> None:
+    def __init__(
+        self, backend: LlamaBackend, identity: ModelIdentity, settings: Settings, lane: WorkerLane | None = None,
+        adapters: LoraAdapters | None = None,
+    ) -> None:
         self.backend = backend
         self.identity = identity
         self.settings = settings
-        self.worker = GpuWorker()
+        self.worker = GpuWorker(lane)
         self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified)
         self.inputs = Inputs(lambda: self.backend, self.worker, settings)
+        self.adapters = adapters or LoraAdapters()  # --lora: read by load()
         self.model_load_ms = 0.0
         self.warmup_ms: float | None = None  # None: no warm-up ran (--no-warmup)
         # Prompt tokens per step batch: steps first, then a chunk of an arriving prompt.
@@ -93,6 +94,8 @@ class EngineCore:
             worker_free=self.worker.wait_while_busy,
             is_eog=lambda token: self.backend.is_eog(token),
             wants_turn=self.worker.wants_turn,
+            lora_of=(lambda slot: self.backend.seq_lora[slot]) if self.adapters else None,
+            lora_switch_s=backend.lora_switch_s,
         )
         self.tokens_generated = 0
         # The speculation the backend's steps run with: the draft policy and what a forward
@@ -133,10 +136,11 @@ class EngineCore:
     # ---- lifecycle ---------------------------------------------------------------------
 
     @classmethod
-    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> EngineCore:
+    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None, lane: WorkerLane | None = None) -> EngineCore:
         t0 = time.perf_counter()
         identity = await read_model_identity(model_path, alias=alias)  # with its SHA-256, in a thread of its own
-        worker_limiter = trio.CapacityLimiter(1)  # the engine's worker takes over after load
+        lane = lane or WorkerLane()  # the engine's worker takes it over after load
+        adapters = await LoraAdapters.read(adapter_specs(settings.lora, settings.lora_scaled, init_without_apply=settings.lora_init_without_apply))
         offload = OffloadSettings(
             n_gpu_layers=settings.n_gpu_layers,
             main_gpu=settings.main_gpu,
@@ -144,7 +148,7 @@ class EngineCore:
             kv_offload=not settings.no_kv_offload,
             repack=settings.repack,
         )
-        backend = await trio.to_thread.run_sync(
+        backend = await lane.run_sync(
             lambda: LlamaBackend(
                 model_path,
                 n_slots=settings.slots,
@@ -157,8 +161,8 @@ class EngineCore:
                 kv_unified=settings.kv_unified,
                 swa_full=settings.swa_full,
                 ctx_checkpoints=settings.ctx_checkpoints,
-            ),
-            limiter=worker_limiter,
+                lora_paths=adapters.paths,
+            )
         )
         try:
             if settings.warmup:
@@ -166,10 +170,11 @@ class EngineCore:
                 log.info("warming up: one prompt and one step on slot 0 (--no-warmup skips it; weights %s)",
                          "repacked" if backend.repack.enabled else "not repacked")
                 t_warm = time.perf_counter()
-                await trio.to_thread.run_sync(backend.warmup, limiter=worker_limiter)
+                await lane.run_sync(backend.warmup)
                 engine_warmup_ms: float | None = (time.perf_counter() - t_warm) * 1000.0
             else:
                 engine_warmup_ms = None
+            await lane.run_sync(backend.measure_lora_switch)  # sets' turns (batcher.py)
             template = resolve_chat_template(
                 name=settings.chat_template,
                 file=settings.chat_template_file,
@@ -178,16 +183,17 @@ class EngineCore:
                 gguf_variants=backend.info.chat_template_variants,
             )
         except BaseException:
-            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            with trio.CancelScope(shield=True):  # a load cancelled during its warm-up still frees the model
+                await lane.run_sync(backend.close)
             raise
         if settings.spec_type != "none" and not backend.info.can_roll_back:
-            await trio.to_thread.run_sync(backend.close, limiter=worker_limiter)
+            await lane.run_sync(backend.close)
             kind = "recurrent" if backend.info.recurrent else "hybrid"
             raise SystemExit(
                 f"--spec-type {settings.spec_type}: {identity.model_name} is a {kind} model, whose KV cannot drop "
                 "rejected draft positions; serve it with --spec-type none"
             )
-        engine = cls(backend, identity, settings)
+        engine = cls(backend, identity, settings, lane, adapters)
         await engine.tiers.open()  # the disk tier's folder cleaned and indexed
         engine.inputs.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
@@ -198,6 +204,10 @@ class EngineCore:
             backend.n_slots, backend.n_ctx, engine.kv_layout, backend.n_ctx_slot,
             ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read", backend.n_threads,
         )
+        if adapters:
+            log.info("LoRA adapters: %s; a change of set adds %.2f ms to a decode (a set's turn while others wait: %.0f ms)",
+                     ", ".join(f"{a['id']} {a['name']} ({a['path']}, scale {a['scale']:g})" for a in adapters.listing()),
+                     backend.lora_switch_s * 1000, engine.batcher.turn_s * 1000)
         assert backend.offload is not None
         log.info("offload: %s", backend.offload.summary())
         log.info("chat template: %s", template.describe())
@@ -252,10 +262,6 @@ class EngineCore:
     @property
     def n_slots(self) -> int:
         return len(self.slots)
-
-    async def wait_slot_released(self) -> None:
-        """Until any slot is released (the drain watches the slots empty)."""
-        await self.slots.wait_released()
 
     @property
     def kv_cache_layout(self) -> dict[str, Any]:
@@ -313,9 +319,10 @@ class EngineCore:
     def publish_kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> SlotBlocks:
         """From now on, every change of what the slots hold goes to ``publish`` as KV events,
         after the GPU-worker call that made it (on the trio thread)."""
-        self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size)
+        self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size, self.adapters.event_fields)
         self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
-        self.tiers.watch(block_size, publish)  # histories in RAM and on disk: media CPU, DISK
+        # histories in RAM and on disk: media CPU, DISK, each with its adapter set's fields
+        self.tiers.watch(block_size, publish, self.adapters.event_fields)
         return self.kv_blocks
 
     async def resync_kv_events(self) -> None:
@@ -339,7 +346,8 @@ class EngineCore:
 
     def runtime_fields(self) -> dict[str, Any]:
         """Where the model runs (ggml devices, layers offloaded, flash attention), how its KV
-        cache is laid out and which chat template renders prompts: for /version and INFO."""
+        cache is laid out, which chat template renders prompts and which LoRA adapters it
+        loaded: for /version and INFO."""
         offload = self.backend.offload
         assert offload is not None, "set when the context is built"
         return {
@@ -348,6 +356,7 @@ class EngineCore:
             "n_ctx_slot": self.n_ctx_slot,
             "kv_cache": self.backend.cache_layout,  # type_k, type_v, v_trans
             "chat_template": self.inputs.chat_template.as_dict(),
+            "lora_adapters": self.adapters.listing(),  # GET /lora-adapters' list ([]: none loaded)
         }
 
     # ---- prefill -----------------------------------------------------------------------
@@ -434,15 +443,15 @@ class EngineCore:
         tokens: Sequence[int],
         sampler: Sampler,
         res: GenerationResult,
+        params: GenerationParams,
         *,
         want_logits: bool = False,
-        salt: str | None = None,
     ) -> tuple[int | None, bytes | None]:
-        """Bring the slot to hold the prompt (``reuse_plan``) under the request's cache
-        ``salt`` and sample the token after it (None: the context is full); with
+        """Bring the slot to hold the prompt (``reuse_plan``) under the request's cache salt
+        and LoRA adapter set and sample the token after it (None: the context is full); with
         ``want_logits`` also the logits it came from. The plan goes into ``res`` first, so a
         cancelled prefill still reports its work."""
-        logits = await self.scheduler.bring(slot, tokens, salt, res)
+        logits = await self.scheduler.bring(slot, tokens, params.cache_salt, params.lora, res)
         if logits is not None:
             reused = logits
             token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
@@ -466,7 +475,7 @@ class EngineCore:
         out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.text_of(params.shown_tokens))
         t_start = time.perf_counter()
         try:
-            token, logits = await self.first_token(slot, tokens, sampler, res, want_logits=True, salt=params.cache_salt)
+            token, logits = await self.first_token(slot, tokens, sampler, res, params, want_logits=True)
         finally:
             self.backend.retire(sampler)
         assert token is not None and logits is not None, "a prompt that fits leaves room for one token"
@@ -512,7 +521,7 @@ class EngineCore:
         )
         t_start = time.perf_counter()
         try:
-            token, _ = await self.first_token(slot, prompt_tokens, sampler, res, salt=params.cache_salt)
+            token, _ = await self.first_token(slot, prompt_tokens, sampler, res, params)
             out.started(t_start)
             self.batcher.generating += 1
             try:
@@ -558,36 +567,7 @@ class EngineCore:
         finally:
             backend.retire(sampler)
 
-    # ---- KV copies ---------------------------------------------------------------------
-
-    async def copy_out(
-        self, slot_id: int, *, logits: bytes | None = None, reserve: Callable[[int], Awaitable[None]] | None = None
-    ) -> KvCopy:
-        """The held slot's KV as a v2 blob (kv/copy.py); the slot shows as transferring while
-        its bytes move (slot_info, the byte budget's readers)."""
-        slot = self.slots.get(slot_id)
-        slot.transferring = True
-        try:
-            return await copy_out(self.backend, self.worker, slot_id, logits=logits, reserve=reserve)
-        finally:
-            slot.transferring = False
-
-    async def restore(self, slot_id: int, blob: KvBlob, timing: CallTiming | None = None, *, salt: str | None = None) -> None:
-        """Restore a parsed, admitted v2 blob into the held slot, all-or-nothing, as ``salt``'s
-        history (the cache_salt of the request it serves; None: unsalted); idle slots'
-        KV is evicted for its room first."""
-        backend = self.backend
-        if blob.checkpoint is not None:
-            check_checkpoint(blob, checkpoint_size=backend.checkpoint_size)
-        if blob.n_past >= backend.n_ctx_slot:
-            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {self.inputs.slot_room()}")
-        await self.scheduler.make_room(blob.n_past, exclude=slot_id)
-        slot = self.slots.get(slot_id)
-        slot.transferring = True
-        try:
-            await restore_blob(backend, self.worker, slot_id, blob, timing, salt)
-        finally:
-            slot.transferring = False
+    # ---- a slot's KV (copy-out and restore: lease.py) -------------------------------------
 
     async def clear_slot(self, slot: int) -> None:
         await self.worker.call(lambda: self.backend.clear_slot(slot))

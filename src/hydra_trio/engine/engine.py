@@ -5,11 +5,12 @@ the worker, the slots, the batcher, the scheduler, the prompt cache) is the core
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import trio
 
@@ -17,18 +18,23 @@ from ..config import Settings
 from ..model.identity import ModelIdentity
 from ..tasks import raise_single
 from ..wire import sampling as sampling_keys
-from ..wire.errors import ErrorCode, ProtocolError
+from ..wire.errors import ErrorCode, ProtocolError, bad_param
 from ..wire.kvevents import Event
+from .adapters import LoraAdapters
 from .chat import ReplyParser
 from .configure import ConfigureOutcome, configure
 from .core import EngineCore
+from .embedder import Embedder, embeddings_wanted
 from .kv import Admitted, SlotBlocks, admit_blob
 from .lease import SlotLease
-from .llama import Vocabulary
+from .llama import LoraSet, Vocabulary
 from .params import GenerationParams
 from .requests import Route, cache_salt, check_request
 from .sched import Slot, TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
+from .worker import WorkerLane
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +62,35 @@ class Engine:
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
+        on, pooling = embeddings_wanted(core.settings, core.backend.info.pooling)
+        self._embedder = (
+            Embedder(lambda: core.backend, core.worker, core.settings, pooling=pooling,
+                     streams_running=lambda: core.batcher.generating > 0)
+            if on else None
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None) -> Engine:
-        """Load the model (on a worker thread), warm it up, and pick the chat template."""
-        return cls(await EngineCore.load(model_path, settings, alias=alias))
+    async def load(
+        cls, model_path: str, settings: Settings, *, alias: str | None = None, lane: WorkerLane | None = None
+    ) -> Engine:
+        """Load the model (on the GPU worker's ``lane``: the process's one when it serves
+        several models, else one of its own), warm it up, and pick the chat template; with
+        embeddings, make their context (a model it cannot serve fails the start)."""
+        engine = cls(await EngineCore.load(model_path, settings, alias=alias, lane=lane))
+        if engine._embedder is not None:
+            core = engine._core
+            try:
+                shape = await engine._embedder.open()
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await core.worker.close(core.backend.close)
+                raise
+            log.info("embeddings: pooling %s, %d floats an input%s, calls of up to %d inputs and %d tokens",
+                     shape.pooling, shape.n_out, f" (rank labels {', '.join(shape.labels)})" if shape.labels else "",
+                     shape.n_seq_max, shape.n_batch)
+        return engine
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``stop()``, then free the model (its users have left by then)."""
@@ -108,9 +136,21 @@ class Engine:
         return self._core.kv_cache_layout
 
     @property
+    def adapters(self) -> LoraAdapters:
+        """The LoRA adapters loaded with the model (--lora): their default scales, names, use."""
+        return self._core.adapters
+
+    @property
     def vocab(self) -> Vocabulary:
-        """The vocabulary as text (token pieces, detokenize), read without a llama call."""
-        return self._core.backend.vocabulary
+        """The vocabulary as text (token pieces, detokenize), its tokens with a role (BOS,
+        EOS, FIM, ...) and the chat template prompts render with: read without a llama call."""
+        core = self._core
+        return replace(core.backend.vocabulary, chat_template=core.inputs.chat_template.jinja)
+
+    @property
+    def pooling(self) -> Embedder | None:
+        """Embeddings and rerank scores (engine/embedder.py); None: not served (--embeddings)."""
+        return self._embedder
 
     def json_body_limit(self, *, token_ids: bool = False) -> int:
         """The largest JSON body worth parsing for a prompt route (``token_ids``: a body of
@@ -119,8 +159,10 @@ class Engine:
         return inputs.max_token_ids_json_bytes if token_ids else inputs.max_request_json_bytes
 
     def runtime_fields(self) -> dict[str, Any]:
-        """Where the model runs, how its KV cache is laid out, which chat template renders."""
-        return self._core.runtime_fields()
+        """Where the model runs, how its KV cache is laid out, which chat template renders,
+        and the embedding context's pooling (None: no embeddings)."""
+        shape = None if self._embedder is None else self._embedder.shape
+        return {**self._core.runtime_fields(), "pooling": None if shape is None else shape.pooling}
 
     # ---- figures -------------------------------------------------------------------------
 
@@ -156,6 +198,7 @@ class Engine:
         layers = body if slot is None else sampling_keys.merge(core.slot_settings.generation_defaults(slot), body)
         n_logprobs = check_request(route, layers)
         params = await inputs.generation_params_off_loop(layers)
+        params = core.adapters.choose(params, layers, route, core.identity)  # its LoRA adapter set
         plan = await inputs.plan(layers, params)
         await inputs.compile_grammar(plan.grammar)
         params = replace(
@@ -181,9 +224,28 @@ class Engine:
         inputs = self._core.inputs
         return await inputs.tokenize_text(source) if isinstance(source, str) else await inputs.tokenize_request(source)
 
-    async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        """Text -> tokens (the tokenizer routes), bounded by what a slot could hold."""
-        return await self._core.inputs.tokenize(text, add_special=add_special, parse_special=parse_special)
+    @overload
+    async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
+
+    @overload
+    async def tokenize(self, text: Sequence[str], *, add_special: bool, parse_special: bool = True) -> list[list[int]]: ...
+
+    async def tokenize(self, text: str | Sequence[str], *, add_special: bool, parse_special: bool = True) -> list[int] | list[list[int]]:
+        """Text -> tokens (the tokenizer routes), bounded by what a slot could hold; several
+        texts in one worker call (a prompt built of parts: /infill)."""
+        inputs = self._core.inputs
+        if isinstance(text, str):
+            return await inputs.tokenize(text, add_special=add_special, parse_special=parse_special)
+        texts = list(text)
+        for t in texts:
+            inputs.check_text_fits(t)
+        backend = self._core.backend
+        try:
+            return await self._core.worker.call(
+                lambda: [backend.tokenize(t, add_special=add_special, parse_special=parse_special) for t in texts]
+            )
+        except UnicodeEncodeError:  # JSON's "\ud800": a str, but no UTF-8
+            raise bad_param("text holds a lone surrogate (U+D800..U+DFFF): not valid Unicode") from None
 
     async def configure(self, slot_id: int, body: dict[str, Any]) -> ConfigureOutcome:
         """CONFIGURE: T1 applied to the slot, T2/T3 staged until every slot is idle."""
@@ -191,23 +253,30 @@ class Engine:
         return await configure(core, slot_id, body, core.settings)
 
     async def admit(
-        self, raw: memoryview | bytes | None, claims: Mapping[str, Any] | None = None, *, header_model: str | None = None
+        self,
+        raw: memoryview | bytes | None,
+        claims: Mapping[str, Any] | None = None,
+        *,
+        header_model: str | None = None,
+        lora: LoraSet | None = None,
     ) -> Admitted:
         """KV from elsewhere: ``raw`` parsed (BAD_FRAME; no longer than a slot) and ``claims``
-        (identity fields, ``kv_cache``) held against the resident model (engine/kv/)."""
+        (identity fields, ``kv_cache``, ``lora``) held against the resident model (engine/kv/)
+        and, with ``lora``, the LoRA adapter set of the request that would continue it."""
         core = self._core
         return await admit_blob(
             raw, claims, resident=core.identity, kv_cache_layout=core.kv_cache_layout,
             max_tokens=core.n_ctx_slot, header_model=header_model,
+            lora=None if lora is None else core.adapters.claims(lora),
         )
 
     # ---- slots -----------------------------------------------------------------------------
 
-    async def _in_line(self, owner: str, prompt: Sequence[int], salt: str | None) -> Slot:
+    async def _in_line(self, owner: str, prompt: Sequence[int], salt: str | None, lora: LoraSet) -> Slot:
         core = self._core
         if prompt and (core.slots.waiting or core.slots.n_busy == core.n_slots) and core.tiers.disk is not None:
-            return await _wait_and_prefetch(core, owner, prompt, salt)
-        return await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt))
+            return await _wait_and_prefetch(core, owner, prompt, salt, lora)
+        return await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora))
 
     def sessions(self, tenant: str) -> TenantSessions:
         """The agent sessions of ``tenant`` (the caller's API key): a request's turn, and
@@ -222,28 +291,35 @@ class Engine:
         slot: int | None = None,
         prompt: Sequence[int] = (),
         salt: str | None = None,
+        lora: LoraSet = (),
         wait_s: float = math.inf,
         turn: Turn | None = None,
     ) -> AsyncIterator[SlotLease]:
         """Hold a slot for the block: ``slot`` that one, at once (SLOT_BUSY when it is taken,
         NO_SLOT when there is none); else the free slot the slot-choice policy ranks best for
-        ``prompt`` under ``salt``, waiting in line (first come, first served) up to ``wait_s``
-        (then SLOT_BUSY, the one "busy, retry" refusal) within the caller's scope. ``turn``:
-        the agent session's turn the claim serves; what the slot holds at the end is that
-        session's history (the retention order's to keep or drop)."""
+        ``prompt`` under ``salt`` and the LoRA adapter set ``lora``, waiting in line (first
+        come, first served) up to ``wait_s`` (then SLOT_BUSY, the one "busy, retry" refusal)
+        within the caller's scope. The adapters of ``lora`` count as waiting, then running
+        (vllm:lora_requests_info). ``turn``: the agent session's turn the claim serves; what
+        the slot holds at the end is that session's history (the retention order's to keep or
+        drop)."""
         core = self._core
+        if not core.backend.generates:
+            raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, f"{core.identity.model_name} has no KV cache (an encoder such as "
+                                "BERT): it serves /v1/embeddings, not generation or slots")
         if slot is not None:
             held = core.slots.claim(slot, owner)
         else:
-            with trio.move_on_after(wait_s) as waited:
-                held = await self._in_line(owner, prompt, salt)
+            with trio.move_on_after(wait_s) as waited, core.adapters.waiting(lora):
+                held = await self._in_line(owner, prompt, salt, lora)
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"all slots are busy (waited {wait_s:g} s)")
         lease = SlotLease(core, held.id, turn)
         if core.kv_blocks is not None:  # the KV events of its stores name its session
             core.kv_blocks.sessions[held.id] = None if turn is None else turn.session_id
         try:
-            yield lease
+            with core.adapters.running(lora):
+                yield lease
         finally:
             lease._end()
             if lease.touched:
@@ -251,14 +327,14 @@ class Engine:
             core.slots.release(held)
 
 
-async def _wait_and_prefetch(core: EngineCore, owner: str, prompt: Sequence[int], salt: str | None) -> Slot:
+async def _wait_and_prefetch(core: EngineCore, owner: str, prompt: Sequence[int], salt: str | None, lora: LoraSet) -> Slot:
     """Wait in line for a slot while the prompt's history, if the disk holds it, comes back
     into RAM (kv/tiers.py ``promote``): the turn then waits for a memory copy, not a read."""
     slot: list[Slot] = []
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(core.tiers.promote, prompt, salt)
-            slot.append(await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt)))
+            nursery.start_soon(core.tiers.promote, prompt, salt, lora)
+            slot.append(await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora)))
     except BaseExceptionGroup as group:
         raise_single(group)
     return slot[0]

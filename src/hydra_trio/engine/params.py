@@ -12,6 +12,7 @@ from ..wire import sampling as sampling_keys
 from ..wire.errors import bad_param
 from ..wire.sampling import SPEC_TYPES
 from .chat import ToolRequest, parse_tools
+from .llama import LoraSet
 from .sample import SamplingParams
 from .speculation import SpecRequest
 from .structured import Constraint, ThinkGate, ThinkPlan, request_constraint
@@ -33,6 +34,12 @@ class GenerationParams:
     # vLLM's cache_salt: KV computed under it is reused only by requests with the same one
     # (LlamaBackend.shared_prefix). None: unsalted. Set by the OpenAI routes.
     cache_salt: str | None = None
+    # The LoRA adapter set it runs under (engine/adapters.py ``choose``): its KV is that
+    # set's too; ``lora_name`` names it (logs; None: the base model). ``model``: the adapter
+    # its "model" named, which replies call the model by (None: the served name).
+    lora: LoraSet = ()
+    lora_name: str | None = None
+    model: str | None = None
     # The request's declared tools (tools.py), tool_choice "none" included: what the reply
     # parser and the prompt renderer read. None: it declares none.
     tools: ToolRequest | None = None

@@ -70,6 +70,7 @@ async def _apply(core: Reloadable, changes: dict[str, Any], t0: float) -> None:
                 kv_unified=old.kv_unified,
                 swa_full=old.swa_full,
                 ctx_checkpoints=old.ctx_checkpoints,
+                lora_paths=old.lora_paths,  # the adapters go with the model (one that does not fit fails the reload)
             )
             if core.settings.warmup:  # a kernel that faults on the new model faults here
                 new.warmup()

@@ -124,8 +124,11 @@ def check_request(route: Route, body: dict[str, Any]) -> int | None:
                 raise bad_param(f"{key} is a /v1/chat/completions parameter (a chat template's think block), not supported on /v1/completions", key)
         if "prompt" not in body:
             raise bad_param("prompt is required", "prompt")
-        if body.get("echo") not in (None, False):
-            raise bad_param("echo is not supported", "echo")
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise bad_param("echo must be a boolean", "echo")
+        if echo and body.get("stream") and body.get("logprobs") not in (None, False):  # the prompt's come whole
+            raise bad_param("echo with logprobs is not streamed: ask stream false", "echo")
         if body.get("suffix") not in (None, ""):
             raise bad_param("suffix is not supported", "suffix")
         if body.get("best_of") not in (None, 1) or isinstance(body.get("best_of"), bool):

@@ -23,8 +23,40 @@ class CallTiming:
     run_s: float = 0.0  # inside llama.cpp
 
 
+class WorkerLane:
+    """The one GPU worker's lane: its ``CapacityLimiter(1)``, shared by every engine of the
+    process (each model's ``GpuWorker``), so no two llama.cpp calls ever run at once, loads
+    included. A call that waits for the lane asks every engine's run of look-ahead steps to
+    yield (``want_turn``), not only its own engine's."""
+
+    def __init__(self) -> None:
+        self.limiter = trio.CapacityLimiter(1)
+        self._turn_flags: list[threading.Event] = []
+
+    def join(self, flag: threading.Event) -> None:
+        self._turn_flags.append(flag)
+
+    def leave(self, flag: threading.Event) -> None:
+        if flag in self._turn_flags:
+            self._turn_flags.remove(flag)
+
+    def want_turn(self, but: threading.Event | None = None) -> None:
+        """Ask every engine's run of steps (``but`` its own: a caller whose run polls it) to
+        yield after its current step."""
+        for flag in self._turn_flags:
+            if flag is not but:
+                flag.set()
+
+    async def run_sync(self, fn: Callable[[], T]) -> T:
+        """``fn`` on the lane, when it is no engine's worker call (a model's load, warm-up or
+        failed load's close): its wait asks the running steps to yield as any call's does."""
+        self.want_turn()
+        return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+
+
 class GpuWorker:
-    """Serialises llama.cpp calls through ``trio.to_thread.run_sync`` with a CapacityLimiter(1).
+    """Serialises llama.cpp calls through ``trio.to_thread.run_sync`` with a CapacityLimiter(1)
+    (``lane``: shared with the process's other engines; none given, one of its own).
 
     Waiting for the worker is cancellable (the call never starts). Once a call runs, the
     thread cannot be abandoned (llama.cpp state would race), so cancellation instead raises
@@ -32,8 +64,9 @@ class GpuWorker:
     callback, and other calls check the flag before committing their effect.
     """
 
-    def __init__(self) -> None:
-        self.limiter = trio.CapacityLimiter(1)
+    def __init__(self, lane: WorkerLane | None = None) -> None:
+        self.lane = lane or WorkerLane()
+        self.limiter = self.lane.limiter
         self.busy_s = 0.0  # total seconds the worker spent in calls (utilisation metric)
         self.calls = 0
         self._closed = False
@@ -43,6 +76,7 @@ class GpuWorker:
         # Set by every call that waits for the worker: a long call that ``yields`` (a run of
         # generation steps) polls it and returns early.
         self.wants_turn = threading.Event()
+        self.lane.join(self.wants_turn)
         # Run on the trio thread after every call (the KV events of what the call changed).
         self.after_call: Callable[[], None] | None = None
 
@@ -67,7 +101,10 @@ class GpuWorker:
         while ``fn`` waits or runs is refused, never run on a freed model (calls that came
         before are ahead of it in the limiter's FIFO)."""
         self._closed = True
-        await self._call(fn, yields=False)
+        try:
+            await self._call(fn, yields=False)
+        finally:
+            self.lane.leave(self.wants_turn)
 
     async def call(self, fn: Callable[[], T], *, yields: bool = False) -> T:
         """A short call that needs no abort flag (a generation step, tokenizing, clearing a
@@ -78,8 +115,9 @@ class GpuWorker:
         return await self._call(fn, yields=yields)
 
     async def _call(self, fn: Callable[[], T], *, yields: bool) -> T:
-        if not yields:
-            self.wants_turn.set()
+        # A run of steps that yields to its own engine's calls still asks the other engines'
+        # runs to yield: models sharing the lane take turns step by step.
+        self.lane.want_turn(but=self.wants_turn if yields else None)
 
         def timed() -> T:
             start = time.perf_counter()
@@ -99,7 +137,7 @@ class GpuWorker:
     async def run(self, fn: Callable[[threading.Event], T], timing: CallTiming | None = None) -> T:
         """Run ``fn(abort)`` on the worker; ``abort`` is set if the caller is cancelled."""
         self._refuse_when_closed()
-        self.wants_turn.set()
+        self.lane.want_turn()
         abort = threading.Event()
         submitted = time.perf_counter()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ..engine import Engine, GenerationParams, GenerationResult, KvCopy, SlotLease
 from ..wire.kvpull import IDENTITY_KEYS
@@ -20,6 +21,7 @@ class PrefilledSlot:
     prefill_ms: float
     copy_ms: float  # llama_state_seq_get_data into host memory
     slot_held_ms: float  # the slot's work for the export: what it cost normal traffic
+    made_under: dict[str, Any]  # beyond the model: the LoRA adapter set (``SlotLease.kv_claims``)
 
 
 async def prefill_export(lease: SlotLease, tokens: list[int], params: GenerationParams) -> PrefilledSlot:
@@ -32,15 +34,16 @@ async def prefill_export(lease: SlotLease, tokens: list[int], params: Generation
     copy = await lease.copy_out(logits=logits)
     t_copied = time.perf_counter()
     return PrefilledSlot(
-        res, lease.id, copy, res.prompt_ms, (t_copied - t_prefilled) * 1000.0, (t_copied - t_claim) * 1000.0
+        res, lease.id, copy, res.prompt_ms, (t_copied - t_prefilled) * 1000.0, (t_copied - t_claim) * 1000.0,
+        lease.kv_claims(),
     )
 
 
 async def export_prefill(engine: Engine, exports: ExportStore, out: PrefilledSlot) -> Export | None:
-    """Keep the copy as an export, labelled with the model and KV layout that made it; None
-    when it is larger than --kv-export-max-bytes on its own."""
+    """Keep the copy as an export, labelled with the model, KV layout and LoRA adapter set
+    that made it; None when it is larger than --kv-export-max-bytes on its own."""
     resident = engine.identity
     identity = resident.info_fields()
-    made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": engine.kv_cache_layout}
+    made_by = {**{k: identity[k] for k in IDENTITY_KEYS}, "kv_cache": engine.kv_cache_layout, **out.made_under}
     copy = out.copy
     return await exports.put(copy.parts, copy.n_past, await copy.kv_hash(), made_by)

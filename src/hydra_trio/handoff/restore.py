@@ -19,7 +19,7 @@ import trio
 
 from ..budget import ByteBudget
 from ..config import Settings
-from ..engine import Engine, SlotLease
+from ..engine import Engine, LoraSet, SlotLease
 from ..wire.errors import ProtocolError
 from ..wire.kvblob import KvBlob
 from ..wire.kvpull import HandoffParams, parse_handoff_params
@@ -45,6 +45,7 @@ class Handoff:
     n_restored: int = 0
     transport: str = ""  # how the bytes came: "shm" (mapped on this host) or "tcp"
     engine: Engine | None = None  # the engine whose slot it restores into (None: it names no export)
+    lora: LoraSet = ()  # the LoRA adapter set of the request: the export's must be the same
     # The fetched blob until the restore, and the payload-budget bytes it holds.
     _blob: KvBlob | None = field(default=None, repr=False)
     _budget: ByteBudget | None = field(default=None, repr=False)
@@ -52,22 +53,27 @@ class Handoff:
     _released: trio.Event = field(default_factory=trio.Event, repr=False)
 
     @classmethod
-    async def begin(cls, engine: Engine, exports: ExportStore, raw: object, *, trace: str = "") -> Handoff | None:
+    async def begin(
+        cls, engine: Engine, exports: ExportStore, raw: object, *, trace: str = "", lora: LoraSet = ()
+    ) -> Handoff | None:
         """The hand-off a request's ``kv_transfer_params`` (``raw``) asks for: None when it
         names no hydra export; already a fallback when it is malformed or names KV of
-        another model (the identity gate, before any byte moves)."""
+        another model, or made under another LoRA adapter set than the request's ``lora``
+        (the identity gate, before any byte moves)."""
         try:
             params = parse_handoff_params(raw)
         except ProtocolError as err:
-            h = cls(None, exports, trace, engine=engine)
+            h = cls(None, exports, trace, engine=engine, lora=lora)
             h._fail("bad_params", err.message)
             return h
         if params is None:
             return None
-        h = cls(params, exports, trace, engine=engine)
-        admitted = await engine.admit(None, {**params.identity, "kv_cache": params.kv_cache})
+        h = cls(params, exports, trace, engine=engine, lora=lora)
+        admitted = await engine.admit(None, {**params.identity, "kv_cache": params.kv_cache}, lora=lora)
         assert admitted.match is not None, "claims were given"
-        if not admitted.match.accepted:
+        if admitted.match.lora_match is False:
+            h._fail("lora_mismatch", f"export was made under another LoRA adapter set: {admitted.match.reason}")
+        elif not admitted.match.accepted:
             h._fail("identity_mismatch", f"export was made by another model: {admitted.match.reason}")
         elif admitted.layout_problem is not None:
             h._fail("layout_mismatch", f"export's KV cache layout differs: {admitted.layout_problem}")
@@ -137,7 +143,7 @@ class Handoff:
 
     async def restore(self, lease: SlotLease, salt: str | None = None) -> None:
         """Restore the fetched blob into the caller's (claimed) slot, with the logits that
-        came with it, as the history of the request's cache ``salt``. On failure the slot
+        came with it, as the history of the request's cache ``salt`` and LoRA adapter set. On failure the slot
         is as it was and the request prefills locally. The budget goes back either way."""
         blob = self._blob
         try:
@@ -145,7 +151,7 @@ class Handoff:
                 return
             t0 = time.perf_counter()
             try:
-                await lease.restore(blob, salt=salt)
+                await lease.restore(blob, salt=salt, lora=self.lora)
             except ProtocolError as err:
                 self._fail("restore_failed", err.message)
                 return
@@ -188,11 +194,14 @@ class Handoff:
         # The admission: the identity gate again, on what the engine that served the bytes
         # says of itself, and the blob parsed (no more tokens than a slot holds).
         try:
-            admitted = await engine.admit(pulled.blob, pulled.meta)
+            admitted = await engine.admit(pulled.blob, pulled.meta, lora=self.lora)
         except ProtocolError as err:
             self._fail_network("bad_reply", err.message)
             return None
         assert admitted.match is not None and admitted.blob is not None
+        if admitted.match.lora_match is False:
+            self._fail("lora_mismatch", f"prefill engine made the export under another LoRA adapter set: {admitted.match.reason}")
+            return None
         if not admitted.match.accepted:
             self._fail("identity_mismatch", f"prefill engine serves another model: {admitted.match.reason}")
             return None

@@ -26,10 +26,9 @@ from .common import (
     dialect_names,
     generation_owner,
     json_response,
-    read_request_json,
-    require_engine,
 )
 from .generation import generate_buffered, sse_body, start_stream
+from .model_routes import routed_json
 from .replies import Piece, ReplyParserFactory, cut, delta_pieces, receipt_fields, whole_pieces
 from .session_hints import request_session
 
@@ -236,8 +235,9 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
                 raise bad("thinking.budget_tokens must be a positive integer")
             chat["reasoning_budget_tokens"] = budget
-    if "cache_salt" in body:
-        chat["cache_salt"] = body["cache_salt"]
+    for key in ("cache_salt", "lora"):  # vLLM's salt, llama-server's adapter list
+        if key in body:
+            chat[key] = body[key]
     if count_only:
         return chat
     max_tokens = body.get("max_tokens")
@@ -421,8 +421,7 @@ async def anthropic_errors(response: Response) -> Response:
 
 
 async def _chat_request(count_only: bool = False) -> tuple[Engine, dict[str, Any], dict[str, Any]]:
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     return engine, body, to_chat(body, count_only=count_only)
 
 

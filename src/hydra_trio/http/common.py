@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..tasks import run_cpu_bound
 from ..wire.errors import ErrorCode, ParamError, PromptTooLong, ProtocolError, Status
-from ..wire.jsontext import parse_json_object
+from ..wire.jsontext import parse_json, parse_json_object
 from .sse import RETRY_AFTER, busy_body, error_body
 
 if TYPE_CHECKING:
@@ -65,6 +66,12 @@ def request_nursery() -> trio.Nursery:
 
 def set_request_nursery(nursery: trio.Nursery) -> None:
     _request_nursery.set(nursery)
+
+
+# What an HTTP exchange holds until its last byte, when the request's nursery (a stream's
+# producer included) has ended: its model (http/model_routes.py). The ASGI wrapper that counts
+# the exchanges in flight (server.py) opens and closes it.
+request_holds: ContextVar[ExitStack] = ContextVar("hydra_request_holds")
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -161,11 +168,11 @@ async def read_request_json(*, token_ids: bool = False) -> dict[str, Any]:
     return await read_json_body(cap, why)
 
 
-async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[str, Any]:
-    """The request's JSON object, at most ``max_bytes`` (``why``: what sets it), declared or
-    not: a chunked body is counted as it arrives and refused (413) once past the limit, not
-    buffered to Quart's own cap first; a slow one gets 408 (receive_body). A large body is
-    parsed off the trio thread."""
+async def read_json_body(max_bytes: int, why: str = "--max-json-bytes", *, any_value: bool = False) -> Any:
+    """The request's JSON object (``any_value``: any JSON value), at most ``max_bytes``
+    (``why``: what sets it), declared or not: a chunked body is counted as it arrives and
+    refused (413) once past the limit, not buffered to Quart's own cap first; a slow one
+    gets 408 (receive_body). A large body is parsed off the trio thread."""
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # refuse before reading it
         raise HttpError(413, f"body is {declared} bytes; the limit is {max_bytes} ({why})", "invalid_request_error")
@@ -182,7 +189,7 @@ async def read_json_body(max_bytes: int, why: str = "--max-json-bytes") -> dict[
     await receive_body(app_state().settings, take)
     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     try:  # the RPC paths' rule (wire/jsontext.py); every refusal is the client's 400
-        return await run_cpu_bound(partial(parse_json_object, data, "JSON body"), len(data))
+        return await run_cpu_bound(partial(parse_json if any_value else parse_json_object, data, "JSON body"), len(data))
     except ProtocolError as err:
         raise HttpError(400, err.message, "invalid_request_error") from None
 

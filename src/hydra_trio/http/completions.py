@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
-from ..engine import GenerationResult, TokenLogprobs
+from ..engine import GenerationResult, SlotLease, TokenLogprobs
+from ..wire.errors import bad_param
 from . import kv_transfer
-from .common import app_state, generation_owner, json_response, read_request_json, require_engine
+from .common import app_state, generation_owner, json_response
 from .generation import generate_buffered, sse_body, start_stream
 from .logprobs import CompletionLogprobs
+from .model_routes import routed_json
 from .replies import receipt_fields
 from .session_hints import request_session
 from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
@@ -27,43 +29,72 @@ bp = Blueprint("completions", __name__)
 @bp.post("/v1/completions")
 async def completions() -> Response:
     state = app_state()
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     session = request_session(body)  # its agent session (400 for a malformed hint)
     prepared = await engine.prepare("completions", body)  # 400 for what this engine would not honour
     params, tokens = prepared.params, prepared.tokens
     assert tokens is not None, "tokenized"
     cid = "cmpl-" + secrets.token_hex(12)
-    model = engine.served_name
+    model = params.model or engine.served_name  # a LoRA adapter the request's model named
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
+    # echo: the prompt leads the text (as given, or its tokens' text); with logprobs, each of
+    # its tokens' given those before it (lease.score: evaluated anew, generation goes on from it).
+    echo = body.get("echo") is True
+    if echo and body.get("kv_transfer_params") is not None:
+        raise bad_param("echo is not supported with kv_transfer_params (a P/D hand-off)", "echo")
+    echoed = ""
+    if echo:
+        prompt = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 else body["prompt"]
+        # Token ids: their text as generated text reads (control tokens show none), which the
+        # logprobs' text_offset counts.
+        pieces = engine.vocab
+        echoed = prompt if isinstance(prompt, str) else b"".join(map(pieces.token_bytes, tokens)).decode("utf-8", "replace")
+    scores: list[TokenLogprobs] = []
+    as_ids = body.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise bad_param("return_tokens_as_token_ids must be a boolean", "return_tokens_as_token_ids")
 
     def render(slot_id: int | None, res: GenerationResult, **extra: Any) -> dict[str, Any]:
-        lp = None if vocab is None else CompletionLogprobs(vocab).take(res.logprobs)
-        return text_completion_body(cid, now_s(), model, slot_id, res, logprobs=lp, **extra)
+        lp = None
+        if vocab is not None:
+            lp = CompletionLogprobs(vocab, token_ids=bool(as_ids))
+            lp = lp.merge(lp.echo(tokens, scores), lp.take(res.logprobs)) if echo else lp.take(res.logprobs)
+        return text_completion_body(cid, now_s(), model, slot_id, res, logprobs=lp,
+                                    text=echoed + res.text if echo else None, **extra)
 
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py), as for chat.
     plan = await kv_transfer.route(state, body, engine, tokens, params, render)
     if isinstance(plan, Response):
         return plan
+    prepare = plan.restore
+    if echo and params.logprobs is not None:
+        n_top = params.logprobs
+
+        async def score(lease: SlotLease) -> None:
+            scores[:] = await lease.score(tokens, n_top, salt=params.cache_salt, lora=params.lora)
+
+        prepare = score
+    only = echo and params.n_predict == 0  # max_tokens 0: the prompt alone (lm-eval's loglikelihood)
     if not params.stream:
         slot_id, res = await generate_buffered(
-            state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore, session=session
+            state, engine, tokens, params, owner=owner, path="completions", prepare=prepare, prompt_only=only,
+            session=session,
         )
         return json_response(render(slot_id, res, **plan.fields()))
     stream = await start_stream(
-        state, engine, tokens, params, owner=owner, path="completions", prepare=plan.restore, session=session
+        state, engine, tokens, params, owner=owner, path="completions", prepare=prepare, prompt_only=only, session=session
     )
 
     created = now_s()
     body = sse_body(
         stream,
-        head=b"",
+        head=sse_event(text_chunk(cid, created, model, echoed)) if echoed else b"",
         delta_event=sse_text_events(text_chunk(cid, created, model, HOLE)),
         done_event=lambda res: sse_event(
             text_completion_body(cid, created, model, stream.slot_id, res, text="", **plan.fields())
         ),
-        logprobs_event=None if vocab is None else _logprobs_chunks(CompletionLogprobs(vocab), cid, created, model),
+        logprobs_event=None if vocab is None else _logprobs_chunks(CompletionLogprobs(vocab, token_ids=bool(as_ids)), cid, created, model),
     )
     return Response(
         body,

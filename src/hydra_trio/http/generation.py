@@ -56,12 +56,15 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
 
 
 def slot_for(
-    state: AppState, engine: Engine, tokens: Sequence[int], owner: str, salt: str | None, turn: Turn | None = None
+    state: AppState, engine: Engine, tokens: Sequence[int], owner: str, params: GenerationParams, turn: Turn | None = None
 ) -> Any:
     """The claim of an HTTP generation: the free slot that holds the longest prefix of the
-    prompt under the request's cache ``salt``, waited for up to --slot-wait-s (then the one
-    "busy, retry" refusal: 503 with Retry-After), for the agent session's ``turn``."""
-    return engine.claim(owner, prompt=tokens, salt=salt, wait_s=state.settings.slot_wait_s, turn=turn)
+    prompt under the request's cache salt and LoRA adapter set, waited for up to
+    --slot-wait-s (then the one "busy, retry" refusal: 503 with Retry-After), for the agent
+    session's ``turn``."""
+    return engine.claim(
+        owner, prompt=tokens, salt=params.cache_salt, lora=params.lora, wait_s=state.settings.slot_wait_s, turn=turn
+    )
 
 
 def session_turn(engine: Engine, session: RequestSession | None, salt: str | None) -> AbstractAsyncContextManager[Turn]:
@@ -91,6 +94,8 @@ class _Line:
 
     owner: str
     path: str
+    model: str
+    lora: str | None  # the LoRA adapter set's name (None: the base model)
     slot: int | None = None
     queue_s: float = 0.0
     turn: Turn | None = None
@@ -106,29 +111,35 @@ async def generate_buffered(
     path: str,
     prepare: Prepare | None = None,
     session: RequestSession | None = None,
+    prompt_only: bool = False,
 ) -> tuple[int | None, GenerationResult]:
-    """(slot id, result) of a whole generation; a turn cut before it held a slot has none."""
+    """(slot id, result) of a whole generation; a turn cut before it held a slot has none.
+    ``prompt_only``: the slot held for ``prepare`` alone, no token generated (an echo with
+    max_tokens 0)."""
     t_arrived = trio.current_time()
-    line = _Line(owner, path)
+    line = _Line(owner, path, engine.served_name, params.lora_name)
     res = GenerationResult(prompt_tokens=len(tokens))
     with _logged(line, res):
         async with session_turn(engine, session, params.cache_salt) as turn:
             line.turn = turn
-            async with slot_for(state, engine, tokens, owner, params.cache_salt, turn) as lease:
+            async with slot_for(state, engine, tokens, owner, params, turn) as lease:
                 line.slot, line.queue_s = lease.id, trio.current_time() - t_arrived
                 if prepare is not None:
                     await prepare(lease)
-                await lease.generate(tokens, params, _discard, result=res)
+                if prompt_only:
+                    res.prompt_tokens = res.n_prompt_processed = len(tokens)
+                else:
+                    await lease.generate(tokens, params, _discard, result=res)
         mark_cut(res, turn)
-    state.metrics.record_generation(path, res, queue_s=line.queue_s, aborted=res.cut is not None)
+    state.metrics.record_generation(path, res, model=engine.served_name, queue_s=line.queue_s, aborted=res.cut is not None)
     return line.slot, res
 
 
 @contextmanager
 def _logged(line: _Line, res: GenerationResult) -> Iterator[None]:
     """One request line per HTTP generation, however it ends: done, cut (its receipt),
-    cancelled (the client left), or failed, with its tokens, timings and session (logs.py:
-    its JSON fields). A refusal before any slot was held (busy: 503) is the route's."""
+    cancelled (the client left), or failed, with its tokens, timings, model, LoRA adapter set
+    (its name; None: the base model) and session (logs.py: its JSON fields). A refusal before any slot was held (busy: 503) is the route's."""
     outcome, error = "done", None
     # The client's X-Request-Id, else the completion id (the owner names it then, alone).
     request_id = client_request_id() or line.owner.removeprefix("http:")
@@ -154,12 +165,14 @@ def _log_line(line: _Line, res: GenerationResult, outcome: str, error: str | Non
     receipt = turn_receipt(res)
     slot = "-" if line.slot is None else str(line.slot)
     log.info(
-        "%s %s slot %s %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s%s%s",
-        line.path, line.owner, slot, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
+        "%s %s model %s slot %s %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s%s%s%s",
+        line.path, line.owner, line.model, slot, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
         res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
-        spec_note(res), "" if session_id is None else f", session {session_id}", receipt_note(receipt),
+        spec_note(res), "" if line.lora is None else f", LoRA {line.lora}",
+        "" if session_id is None else f", session {session_id}", receipt_note(receipt),
         extra=request_extra(
-            request_id=request_id, route=line.path, slot=line.slot, error=error, session_id=session_id,
+            request_id=request_id, route=line.path, model=line.model, slot=line.slot, error=error, lora=line.lora,
+            session_id=session_id,
             receipt=receipt, **fields,
         ),
     )
@@ -320,9 +333,11 @@ async def start_stream(
     path: str,
     prepare: Prepare | None = None,
     session: RequestSession | None = None,
+    prompt_only: bool = False,
 ) -> GenerationStream:
     """Claim a slot and start generating into a channel (the claim's refusal is raised here).
-    A turn cut before it held a slot streams its end (and receipt) alone: slot id None."""
+    A turn cut before it held a slot streams its end (and receipt) alone: slot id None.
+    ``prompt_only`` as for ``generate_buffered``."""
     send, recv = trio.open_memory_channel[StreamItem](64)
     stall_s = state.settings.slot_wait_s
     turn = WriterTurn()
@@ -357,7 +372,7 @@ async def start_stream(
                 return
         await put(Delta(delta))
 
-    line = _Line(owner, path)
+    line = _Line(owner, path, engine.served_name, params.lora_name)
 
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
@@ -367,18 +382,23 @@ async def start_stream(
                 with _logged(line, res):
                     async with session_turn(engine, session, params.cache_salt) as agent_turn:
                         line.turn = agent_turn
-                        async with slot_for(state, engine, tokens, owner, params.cache_salt, agent_turn) as lease:
+                        async with slot_for(state, engine, tokens, owner, params, agent_turn) as lease:
                             line.slot, line.queue_s = lease.id, trio.current_time() - t_arrived
                             task_status.started(lease.id)
                             if prepare is not None:
                                 await prepare(lease)
-                            await lease.generate(tokens, params, emit, result=res)
+                            if prompt_only:
+                                res.prompt_tokens = res.n_prompt_processed = len(tokens)
+                            else:
+                                await lease.generate(tokens, params, emit, result=res)
                             if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
                                 await emit("")
                     mark_cut(res, agent_turn)
                 if line.slot is None:  # cut while it waited for a slot
                     task_status.started(None)
-                state.metrics.record_generation(path, res, queue_s=line.queue_s, aborted=res.cut is not None)
+                state.metrics.record_generation(
+                    path, res, model=engine.served_name, queue_s=line.queue_s, aborted=res.cut is not None
+                )
                 await put(Done(res))
             except (trio.TooSlowError, trio.BrokenResourceError) as exc:
                 # The reader stopped reading or left: nobody to tell.

@@ -2,10 +2,10 @@
 
 A route (chat completions; text completions use the same three calls) does:
 
-    exported = await export_completion(state, body, tokens, params, render)
+    exported = await export_completion(state, body, engine, tokens, params, render)
     if exported is not None:
         return exported                        # prefill side: do_remote_decode
-    handoff = begin_handoff(state, body)      # decode side: None unless it names an export
+    handoff = begin_handoff(state, body, engine)  # decode side: None unless it names an export
     await fetch_handoff(state, handoff, tokens)  # the pull, before any slot is claimed
     async with engine.claim(...) as lease:
         await restore_handoff(handoff, lease)
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Response
 
-from ..engine import GenerationParams, SlotLease
+from ..engine import GenerationParams, LoraSet, SlotLease
 from ..handoff.prefill import export_prefill, prefill_export
 from ..handoff.restore import Handoff
 from ..logs import generation_fields, request_extra
@@ -37,7 +37,6 @@ from .common import (
     client_request_id,
     json_response,
     request_nursery,
-    require_engine,
 )
 from .generation import slot_for
 
@@ -50,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 async def export_completion(
-    state: AppState, body: dict[str, Any], tokens: list[int], params: GenerationParams, render: Render
+    state: AppState, body: dict[str, Any], engine: Engine, tokens: list[int], params: GenerationParams, render: Render
 ) -> Response | None:
     """Prefill side: a request with ``kv_transfer_params.do_remote_decode`` true is prefilled,
     answered with the one token sampled after the prompt (what a P/D router asks for) and
@@ -58,25 +57,24 @@ async def export_completion(
     other request. The reply is JSON even if ``stream`` was asked (routers ask stream false)."""
     if not wants_remote_decode(body.get("kv_transfer_params")):
         return None
-    engine = require_engine()
     exports = state.exports
     assert exports is not None, "the export store starts before HTTP serves requests"
     request_id = client_request_id() or secrets.token_hex(6)
     owner = f"http:kv-export:{request_id}"
     t_arrived = trio.current_time()
-    async with slot_for(state, engine, tokens, owner, params.cache_salt) as lease:  # bounds the wait, not the prefill
+    async with slot_for(state, engine, tokens, owner, params) as lease:  # bounds the wait, not the prefill
         queue_s = trio.current_time() - t_arrived
         out = await prefill_export(lease, tokens, params)
     export = await export_prefill(engine, exports, out)
-    state.metrics.record_generation("kv_export", out.result, queue_s=queue_s)
+    state.metrics.record_generation("kv_export", out.result, model=engine.served_name, queue_s=queue_s)
     log.info(
         "kv_export %s slot %d: %d prompt (%d cached) in %.1f ms, %s",
         owner, out.slot_id, out.result.prompt_tokens, out.result.n_common, out.prefill_ms,
         f"export {export.id} ({export.nbytes} bytes)" if export is not None else "not exported (over --kv-export-max-bytes)",
         extra=request_extra(
-            request_id=request_id, route="kv_export", slot=out.slot_id,
+            request_id=request_id, route="kv_export", model=engine.served_name, slot=out.slot_id,
             **generation_fields(out.result, outcome="done" if export is not None else "failed", queue_s=queue_s),
-            error=None if export is not None else "export refused: over --kv-export-max-bytes",
+            error=None if export is not None else "export refused: over --kv-export-max-bytes", lora=params.lora_name,
         ),
     )
     extra: dict[str, Any] = {
@@ -109,15 +107,16 @@ def _rpc_port(state: AppState) -> int:
     return state.rpc_port
 
 
-async def begin_handoff(state: AppState, body: dict[str, Any]) -> Handoff | None:
+async def begin_handoff(state: AppState, body: dict[str, Any], engine: Engine, lora: LoraSet = ()) -> Handoff | None:
     """Decode side: the hand-off the request's ``kv_transfer_params`` asks for (None when
-    it names no hydra export). Nothing moves yet: ``fetch_handoff`` pulls it."""
+    it names no hydra export), for a request under the LoRA adapter set ``lora``. Nothing
+    moves yet: ``fetch_handoff`` pulls it."""
     raw = body.get("kv_transfer_params")
     if raw is None:
         return None
     exports = state.exports
     assert exports is not None
-    return await Handoff.begin(require_engine(), exports, raw, trace=client_request_id())
+    return await Handoff.begin(engine, exports, raw, trace=client_request_id(), lora=lora)
 
 
 async def fetch_handoff(state: AppState, handoff: Handoff | None, tokens: list[int]) -> None:
@@ -133,8 +132,8 @@ async def fetch_handoff(state: AppState, handoff: Handoff | None, tokens: list[i
 
 async def restore_handoff(handoff: Handoff | None, lease: SlotLease, salt: str | None = None) -> None:
     """Restore the fetched export into the claimed slot, with the logits for the first
-    token, as the history of the request's cache ``salt`` (nothing without a hand-off; a
-    failed one falls back to a local prefill)."""
+    token, as the history of the request's cache ``salt`` and LoRA adapter set (nothing
+    without a hand-off; a failed one falls back to a local prefill)."""
     if handoff is not None:
         await handoff.restore(lease, salt)
 
@@ -163,9 +162,9 @@ async def route(
 ) -> Response | DecodeSide:
     """Every completion route's entry: a prefill-side request is answered here (the
     Response); any other gets its decode side (a no-op one without kv_transfer_params)."""
-    exported = await export_completion(state, body, tokens, params, render)
+    exported = await export_completion(state, body, engine, tokens, params, render)
     if exported is not None:
         return exported
-    handoff = await begin_handoff(state, body)
+    handoff = await begin_handoff(state, body, engine, params.lora)
     await fetch_handoff(state, handoff, tokens)
     return DecodeSide(handoff, partial(restore_handoff, handoff, salt=params.cache_salt))

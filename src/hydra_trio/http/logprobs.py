@@ -48,10 +48,27 @@ class CompletionLogprobs:
     completion text, counted on across calls. Each dict of ``top_logprobs`` holds the N most
     likely tokens and the sampled one (up to N + 1, as OpenAI's legacy API)."""
 
-    def __init__(self, vocab: Vocabulary) -> None:
+    def __init__(self, vocab: Vocabulary, *, token_ids: bool = False) -> None:
         self._vocab = vocab
+        # vLLM's return_tokens_as_token_ids: each token named "token_id:N" (text that does not
+        # decode alone, such as a byte token, cannot be told apart otherwise).
+        self._name = (lambda t: f"token_id:{t}") if token_ids else (lambda t: _text(vocab.special_piece(t)))
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as the text's
         self._offset = 0
+
+    def echo(self, tokens: Sequence[int], scores: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """An echoed prompt's part: its first token has no logprob (null, as vLLM), each
+        other token's ``scores`` entry (engine scoring: given the tokens before it)."""
+        vocab = self._vocab
+        first = {"tokens": [self._name(tokens[0])], "token_logprobs": [None], "top_logprobs": [None],
+                 "text_offset": [self._offset]}
+        self._offset += len(self._decoder.decode(vocab.token_bytes(tokens[0])))
+        return self.merge(first, self.take(scores))
+
+    @staticmethod
+    def merge(*parts: dict[str, Any]) -> dict[str, Any]:
+        """Runs of ``take`` (or ``echo``) one after the other, as one."""
+        return {key: [x for part in parts for x in part[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
     def take(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         vocab = self._vocab
@@ -60,9 +77,9 @@ class CompletionLogprobs:
         top_logprobs: list[dict[str, float]] = []
         text_offset: list[int] = []
         for e in entries:
-            tokens.append(_text(vocab.special_piece(e.token)))
+            tokens.append(self._name(e.token))
             token_logprobs.append(_lp(e.logprob))
-            top = {_text(vocab.special_piece(t)): _lp(lp) for t, lp in e.top}
+            top = {self._name(t): _lp(lp) for t, lp in e.top}
             top.setdefault(tokens[-1], _lp(e.logprob))
             top_logprobs.append(top)
             text_offset.append(self._offset)

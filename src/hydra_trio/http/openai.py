@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes and engine status: /health, /version, /v1/models, /slots,
-/v1/chat/completions."""
+"""OpenAI-compatible routes and engine status: /health, /version, /slots,
+/v1/chat/completions (/v1/models: model_routes.py, with the other models' routes)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from quart import Blueprint, Response
 
 from ..engine import GenerationResult, ReplyParser, SlotInfo, TokenLogprobs, Vocabulary
 from . import kv_transfer
-from .common import app_state, generation_owner, json_response, read_request_json, require_engine
+from .common import app_state, generation_owner, json_response, require_engine
 from .generation import generate_buffered, sse_body, start_stream
 from .logprobs import chat_logprobs
+from .model_routes import routed_json
 from .replies import (
     ReplyEvents,
     ReplyParserFactory,
@@ -84,26 +85,6 @@ async def version() -> Response:
     return json_response(body)
 
 
-@bp.get("/v1/models")
-async def models() -> Response:
-    engine = require_engine()
-    ident = engine.identity
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": ident.model_alias,
-                    "object": "model",
-                    "created": int(app_state().started_at),
-                    "owned_by": "hydra-trio",
-                    "meta": {**ident.info_fields(), "n_ctx": engine.n_ctx, "n_vocab": engine.n_vocab},
-                }
-            ],
-        }
-    )
-
-
 @bp.get("/slots")
 async def slots() -> Response:
     engine = require_engine()
@@ -124,8 +105,7 @@ def slot_view(info: SlotInfo) -> dict[str, Any]:
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     state = app_state()
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     session = request_session(body)  # its agent session (400 for a malformed hint)
     prepared = await engine.prepare("chat", body)  # 400 for what this engine would not honour
     params, tokens = prepared.params, prepared.tokens
@@ -133,7 +113,7 @@ async def chat_completions() -> Response:
     # Tool calls and reasoning parsed from the reply (None: the text is the content).
     replies = prepared.replies
     cid = "chatcmpl-" + secrets.token_hex(12)
-    model = engine.served_name
+    model = params.model or engine.served_name  # a LoRA adapter the request's model named
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).

@@ -28,10 +28,9 @@ from .common import (
     dialect_names,
     generation_owner,
     json_response,
-    read_request_json,
-    require_engine,
 )
 from .generation import error_event_body, generate_buffered, sse_body, start_stream
+from .model_routes import routed_json
 from .replies import Piece, cut, delta_pieces, receipt_fields, whole_pieces
 from .session_hints import request_session
 
@@ -215,8 +214,9 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
             raise bad(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "reasoning.effort")
         chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
         chat["reasoning_effort"] = effort
-    if "cache_salt" in body:
-        chat["cache_salt"] = body["cache_salt"]
+    for key in ("cache_salt", "lora"):  # vLLM's salt, llama-server's adapter list
+        if key in body:
+            chat[key] = body[key]
     if count_only:
         return chat
     if (fmt := _format(body.get("text"))) is not None:
@@ -399,8 +399,7 @@ class ResponseEvents:
 
 @bp.post("/v1/responses/input_tokens")
 async def input_tokens() -> Response:
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     chat = to_chat(body, count_only=True)
     try:
         n = len(await engine.prompt_tokens(chat))
@@ -412,8 +411,7 @@ async def input_tokens() -> Response:
 @bp.post("/v1/responses")
 async def responses() -> Response:
     state = app_state()
-    engine = require_engine()
-    body = await read_request_json()
+    engine, body = await routed_json()  # the engine of the model it names
     chat = to_chat(body)
     try:
         prepared = await engine.prepare("chat", chat)

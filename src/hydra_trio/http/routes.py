@@ -40,20 +40,35 @@ ROUTES: tuple[Route, ...] = (
     Route("/version", "GET", Role.PLAIN),
     Route("/metrics", "GET", Role.PLAIN),
     Route("/v1/models", "GET", Role.PLAIN),
+    # llama-server's router routes (http/model_routes.py): loading and unloading is the operator's.
+    Route("/models", "GET", Role.PLAIN),
+    Route("/models/load", "POST", Role.ADMIN, "small", new_work=True),
+    Route("/models/unload", "POST", Role.ADMIN, "small"),
     Route("/v1/chat/completions", "POST", Role.PLAIN, "json", new_work=True),
     Route("/v1/completions", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/infill", "POST", Role.PLAIN, "json", new_work=True),  # llama-server's fill-in-the-middle
     # The agents' dialects (Anthropic Messages, OpenAI Responses): codecs over chat.
     Route("/v1/messages", "POST", Role.PLAIN, "json", new_work=True),
     Route("/v1/messages/count_tokens", "POST", Role.PLAIN, "json"),
     Route("/v1/responses", "POST", Role.PLAIN, "json", new_work=True),
     Route("/v1/responses/input_tokens", "POST", Role.PLAIN, "json"),
+    # Pooled requests on the embedding context (bodies of many inputs: --max-json-bytes).
+    Route("/v1/embeddings", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/embeddings", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/v1/rerank", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/rerank", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/v1/reranking", "POST", Role.PLAIN, "json", new_work=True),
+    Route("/reranking", "POST", Role.PLAIN, "json", new_work=True),
     Route("/v1/chat/completions/render", "POST", Role.PLAIN, "json"),
     Route("/v1/completions/render", "POST", Role.PLAIN, "json"),
     Route("/tokenize", "POST", Role.PLAIN, "json"),
     Route("/detokenize", "POST", Role.PLAIN, "json"),
+    Route("/tokenizer_info", "GET", Role.PLAIN),
     Route("/apply-template", "POST", Role.PLAIN, "json"),
     # vllm-router's: an agent session is over (scoped by the caller's key and cache_salt).
     Route("/finish_session", "POST", Role.PLAIN, "small"),
+    Route("/lora-adapters", "GET", Role.PLAIN),
+    Route("/lora-adapters", "POST", Role.ADMIN, "json"),  # every request's default adapter set
     Route("/v1/decode", "GET", Role.ADMIN),  # every decode id: the ids are the results' capabilities
     Route("/v1/decode/<raw_id>", "GET", Role.PLAIN),
     Route("/v1/decode/<raw_id>", "DELETE", Role.PLAIN),

@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import resource
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import quart.app
@@ -21,9 +22,19 @@ from ..tasks import Started, leaves
 from . import connections, routes
 from .anthropic import bp as anthropic_bp
 from .auth import install_auth
-from .common import busy_reply, client_request_id, register_error_handlers, set_request_nursery
+from .common import (
+    busy_reply,
+    client_request_id,
+    register_error_handlers,
+    request_holds,
+    set_request_nursery,
+)
 from .completions import bp as completions_bp
 from .decode_routes import bp as decode_bp
+from .embed_routes import bp as embed_bp
+from .infill import bp as infill_bp
+from .lora_routes import bp as lora_bp
+from .model_routes import bp as models_bp
 from .openai import bp as openai_bp
 from .openai import health_reply
 from .responses import bp as responses_bp
@@ -153,6 +164,10 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(anthropic_bp)
     app.register_blueprint(responses_bp)
     app.register_blueprint(sessions_bp)
+    app.register_blueprint(models_bp)
+    app.register_blueprint(embed_bp)
+    app.register_blueprint(infill_bp)
+    app.register_blueprint(lora_bp)
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
@@ -244,7 +259,8 @@ def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:
 
 def _count_in_flight(asgi_app: Any, state: AppState) -> Any:
     """ASGI wrapper: HTTP exchanges in flight, from the request until the last body byte (a
-    streaming response outlives its route and its slot), for the shutdown drain."""
+    streaming response outlives its route and its slot), for the shutdown drain; and what the
+    exchange holds that long (``common.request_holds``: its model), let go after its last task."""
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -252,7 +268,12 @@ def _count_in_flight(asgi_app: Any, state: AppState) -> Any:
             return
         state.http_in_flight += 1
         try:
-            await asgi_app(scope, receive, send)
+            with ExitStack() as holds:
+                token = request_holds.set(holds)
+                try:
+                    await asgi_app(scope, receive, send)
+                finally:
+                    request_holds.reset(token)
         finally:
             state.http_in_flight -= 1
 

@@ -8,7 +8,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -321,6 +321,9 @@ class IdentityMatch:
     capabilities_diff_bits: tuple[str, ...]
     accepted: bool
     reason: str  # every failing check, "; "-separated; "" when accepted
+    # The LoRA adapter set the KV claims (``lora``; none claimed: the base model) is the
+    # request's; None: not checked (no request set given: the engine's own slot KV).
+    lora_match: bool | None = None
 
     def as_meta(self) -> dict[str, Any]:
         """The ``match`` object of DECODE replies."""
@@ -334,6 +337,7 @@ class IdentityMatch:
             "model_alias_match": self.model_alias_match,
             "capabilities_xor": self.capabilities_xor,
             "capabilities_diff_bits": list(self.capabilities_diff_bits),
+            **({} if self.lora_match is None else {"lora_match": self.lora_match}),
         }
 
 
@@ -356,9 +360,16 @@ def _kv_str(kv: Mapping[Any, Any], key: str) -> tuple[str | None, str]:
 
 
 def compare_identity(
-    resident: ModelIdentity, kv_meta: Mapping[str, Any] | None, *, header_model: str | None
+    resident: ModelIdentity,
+    kv_meta: Mapping[str, Any] | None,
+    *,
+    header_model: str | None,
+    lora: Sequence[Mapping[str, Any]] | None = None,
 ) -> IdentityMatch:
-    """Check a DECODE's ``kv_metadata`` (+ header ``model``) against the resident model.
+    """Check a DECODE's ``kv_metadata`` (+ header ``model``) against the resident model, and
+    (``lora``: the request's LoRA adapter set as KV claims carry it, engine/adapters.py
+    ``claims``) the adapter set the KV claims against the request's: KV made under one set
+    never continues under another (different weights made it).
 
     Never raises: ``kv_meta`` comes from a coordinator's JSON and may hold anything.
     """
@@ -437,6 +448,16 @@ def compare_identity(
             + (f" ({caps_note})" if caps_note else "")
         )
 
+    lora_match = None
+    if lora is not None:
+        claimed, problem = _lora_claim(kv.get("lora"))
+        lora_match = claimed == _lora_key(lora)
+        if problem:
+            reasons.append(problem)
+        elif not lora_match:
+            reasons.append(
+                f"LoRA adapter set mismatch: kv {_short(_lora_names(kv.get('lora')))}, request {_short(_lora_names(lora))}"
+            )
     accepted = not reasons
     return IdentityMatch(
         tokenizer_match=tokenizer_match,
@@ -450,4 +471,31 @@ def compare_identity(
         capabilities_diff_bits=diff_bits,
         accepted=accepted,
         reason="; ".join(reasons),
+        lora_match=lora_match,
     )
+
+
+def _lora_key(adapters: Sequence[Mapping[str, Any]]) -> list[tuple[str, float]]:
+    """A set as compared: (file digest, scale) pairs, sorted (ids and names are local)."""
+    return sorted((str(a["digest"]), float(a["scale"])) for a in adapters)
+
+
+def _lora_claim(value: Any) -> tuple[list[tuple[str, float]] | None, str]:
+    """The set ``kv_metadata.lora`` claims (absent or null: none, the base model), or why it
+    is malformed."""
+    if value is None:
+        return [], ""
+    ok = isinstance(value, list) and all(
+        isinstance(a, Mapping) and isinstance(a.get("digest"), str)
+        and isinstance(a.get("scale"), int | float) and not isinstance(a.get("scale"), bool)
+        for a in value
+    )
+    if not ok:
+        return None, f"kv_metadata.lora is not a list of {{name, digest, scale}} objects ({_short(value, 40)})"
+    return _lora_key(value), ""
+
+
+def _lora_names(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        return []
+    return [f"{a.get('name', a.get('digest'))}*{a.get('scale')}" for a in value if isinstance(a, Mapping)]

@@ -1,5 +1,6 @@
-"""Write real GGUF files (llama, and mamba for a recurrent model) with random weights (tests,
-demos, benchmarks).
+"""Write real GGUF files (llama, mamba for a recurrent model, qwen3 for a reranker) with random
+weights (tests, demos, benchmarks): generative models, an embedding model (a pooling type),
+a reranker (a rank head) and a code model (fill-in-the-middle tokens).
 
 No model can be downloaded where this project is built and tested, so it writes its own:
 llama.cpp loads them like any other GGUF, and greedy output is deterministic for a seed.
@@ -70,9 +71,15 @@ class Preset:
     name: str
     # "llama", or "mamba": a recurrent model (one state per sequence, no per-position KV;
     # n_head, n_head_kv and n_ff unused), for what only such a memory does (checkpoints);
-    # or "lfm2": a hybrid (short-convolution layers with a recurrent state, every other layer
-    # attention with a KV cache), for what a memory of both holds.
+    # "lfm2": a hybrid (short-convolution layers with a recurrent state, every other layer
+    # attention with a KV cache), for what a memory of both holds;
+    # "qwen3": llama's blocks with q/k norms, the architecture llama.cpp gives a rank head;
+    # "bert": an encoder (bidirectional attention, no KV cache, no LM head), WordPiece vocabulary.
     arch: str = "llama"
+    # The model's own pooling (``{arch}.pooling_type``): "mean", "cls", "last" make an
+    # embedding model; "rank" a reranker (qwen3 only: Qwen3-Reranker's layout, see _RANK).
+    pooling: str | None = None
+    fim: bool = False  # fill-in-the-middle tokens (Qwen2.5-Coder's), for /infill
 
 
 PRESETS: dict[str, Preset] = {
@@ -86,6 +93,29 @@ PRESETS: dict[str, Preset] = {
     "mamba": Preset(512, 64, 2, 0, 0, 0, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Mamba", "mamba"),
     # ≈1.1 MB: llama.cpp's lfm2 architecture (llama_model_is_hybrid): conv, attention, conv, attention.
     "hybrid": Preset(512, 64, 4, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Hybrid", "lfm2"),
+    # ≈0.5 MB each, tiny's shape: an embedding model (mean pooling, as gte-Qwen's GGUFs declare
+    # theirs), a reranker (Qwen3-Reranker's rank head) and a code model with FIM tokens.
+    "embed": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Embed", pooling="mean"),
+    "rerank": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Rerank", "qwen3", pooling="rank"),
+    "fim": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic FIM", fim=True),
+    # ≈0.3 MB: an encoder as most embedding GGUFs are (bge, MiniLM, nomic): BERT, mean pooling.
+    "bert": Preset(512, 64, 2, 4, 4, 128, 512, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic BERT", "bert", pooling="mean"),
+}
+
+POOLING_TYPES = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
+                 "last": gguf.PoolingType.LAST, "rank": gguf.PoolingType.RANK}
+# Qwen3-Reranker as llama.cpp's converter writes it (conversion/qwen.py): a rank pooling, the
+# labels "yes" and "no" (two scores, softmaxed; the score is the first), ``cls.output.weight``
+# in place of the LM head, and a "rerank" template that frames a query and a document.
+_RANK_LABELS = ["yes", "no"]
+RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query.<|im_end|>\n"
+    "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+)
+# Qwen2.5-Coder's FIM tokens and the GGUF keys that name them, at the top of the vocabulary.
+FIM_TOKENS = {
+    "fim_pre": "<|fim_prefix|>", "fim_suf": "<|fim_suffix|>", "fim_mid": "<|fim_middle|>",
+    "fim_pad": "<|fim_pad|>", "fim_rep": "<|repo_name|>", "fim_sep": "<|file_sep|>",
 }
 
 
@@ -159,6 +189,7 @@ def write_model(
     chat_template: str | Sequence[Mapping[str, str]] | None = CHATML_TEMPLATE,
     n_vocab: int | None = None,
     control_tokens: Mapping[int, str] | None = None,
+    pooling: str | None = None,
 ) -> Path:
     """Write a GGUF of the preset's architecture with random weights and return its path.
 
@@ -171,11 +202,18 @@ def write_model(
     "tool_use", ...}]``: ``tokenizer.chat_template``, ``tokenizer.chat_template.tool_use`` and
     the ``tokenizer.chat_templates`` list). ``control_tokens``: vocabulary ids respelled as
     control tokens (``{id: "<tool_call>"}``, a model's own special tokens; the weights stay
-    those of the seed).
+    those of the seed). ``pooling``: the model's own pooling type instead of the preset's
+    (a benchmark's embedding model of another preset's size).
     """
     spec = PRESETS[preset]
     if n_vocab is not None:
         spec = replace(spec, n_vocab=n_vocab)
+    if pooling is not None:
+        spec = replace(spec, pooling=pooling)
+    if spec.arch == "bert":
+        return _write_bert(Path(path), spec, seed=seed, name=name)
+    if spec.pooling == "rank" and spec.arch != "qwen3":
+        raise ValueError("a rank head needs the qwen3 architecture (llama.cpp loads cls.output there)")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -214,7 +252,18 @@ def write_model(
     writer.add_vocab_size(spec.n_vocab)
 
     tokens, scores, types = build_vocab(spec.n_vocab)
-    for token_id, text in (control_tokens or {}).items():
+    control = dict(control_tokens or {})
+    if spec.fim:  # the vocabulary's last ids, named by their keys
+        for i, (key, text) in enumerate(FIM_TOKENS.items()):
+            control[spec.n_vocab - len(FIM_TOKENS) + i] = text
+            writer.add_uint32(f"tokenizer.ggml.{key}_token_id", spec.n_vocab - len(FIM_TOKENS) + i)
+    if spec.pooling is not None:
+        writer.add_pooling_type(POOLING_TYPES[spec.pooling])
+    if spec.pooling == "rank":
+        writer.add_classifier_output_labels(_RANK_LABELS)
+        if isinstance(chat_template, str):
+            chat_template = [{"name": "default", "template": chat_template}, {"name": "rerank", "template": RERANK_TEMPLATE}]
+    for token_id, text in control.items():
         if not len(SPECIAL_TOKENS) + 256 <= token_id < spec.n_vocab:
             raise ValueError(f"control token id {token_id} is not a word piece of the vocabulary")
         tokens[token_id], types[token_id], scores[token_id] = text, int(gguf.TokenType.CONTROL), 0.0
@@ -240,9 +289,12 @@ def write_model(
     std = 0.02
     # numpy shapes are (rows, cols) = ggml's (ne1, ne0): output features first.
     writer.add_tensor("token_embd.weight", _tensor(rng, (v, d), weight_dtype, 1.0), raw_dtype=raw_type)
-    for i in range(spec.n_layer if arch == "llama" else 0):
+    for i in range(spec.n_layer if arch in ("llama", "qwen3") else 0):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", np.ones(d, dtype=np.float32))
+        if arch == "qwen3":
+            writer.add_tensor(p + "attn_q_norm.weight", np.ones(d // spec.n_head, dtype=np.float32))
+            writer.add_tensor(p + "attn_k_norm.weight", np.ones(d // spec.n_head, dtype=np.float32))
         writer.add_tensor(p + "attn_q.weight", _tensor(rng, (d, d), weight_dtype, std), raw_dtype=raw_type)
         writer.add_tensor(p + "attn_k.weight", _tensor(rng, (d_kv, d), weight_dtype, std), raw_dtype=raw_type)
         writer.add_tensor(p + "attn_v.weight", _tensor(rng, (d_kv, d), weight_dtype, std), raw_dtype=raw_type)
@@ -259,7 +311,13 @@ def write_model(
     else:
         writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
     # A larger output scale gives peaked, varied logits instead of near-uniform noise.
-    writer.add_tensor("output.weight", _tensor(rng, (v, d), weight_dtype, 0.5), raw_dtype=raw_type)
+    head = _tensor(rng, (v, d), weight_dtype, 0.5)
+    if spec.pooling == "rank":
+        # In place of the LM head (the model ties its output to token_embd, as Qwen3-Reranker's
+        # GGUF does): two rows, small enough that the softmaxed scores spread over (0, 1).
+        writer.add_tensor("cls.output.weight", _tensor(rng, (len(_RANK_LABELS), d), weight_dtype, 0.05), raw_dtype=raw_type)
+    else:
+        writer.add_tensor("output.weight", head, raw_dtype=raw_type)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -302,6 +360,98 @@ def _add_mamba_layers(writer: gguf.GGUFWriter, rng: np.random.Generator, spec: P
         writer.add_tensor(p + "ssm_a", -np.exp(a_log))
         writer.add_tensor(p + "ssm_d", np.ones(s.d_inner, dtype=f32))
         writer.add_tensor(p + "ssm_out.weight", _tensor(rng, (d, s.d_inner), f32, 0.3))
+
+
+BERT_SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def build_wordpiece_vocab(n_vocab: int) -> list[str]:
+    """A WordPiece vocabulary as llama.cpp's "bert" tokenizer reads it (convert_hf_to_gguf
+    writes a word's first piece with "▁" and a continuation without BERT's "##"): the special
+    tokens, each character as a word start and as a continuation, whole words, then
+    two-letter continuations."""
+    tokens = list(BERT_SPECIAL)
+    seen = set(tokens)
+
+    def add(piece: str) -> None:
+        if piece not in seen and len(tokens) < n_vocab:
+            seen.add(piece)
+            tokens.append(piece)
+
+    for ch in string.ascii_lowercase + string.digits + string.punctuation:
+        add("▁" + ch)
+        add(ch)
+    for word in _WORDS:
+        add("▁" + word)
+    for a in string.ascii_lowercase:
+        for b in string.ascii_lowercase:
+            add(a + b)
+    if len(tokens) < n_vocab:
+        raise ValueError(f"n_vocab {n_vocab} is more than this WordPiece vocabulary's {len(tokens)} pieces")
+    return tokens
+
+
+def _write_bert(out: Path, spec: Preset, *, seed: int, name: str | None) -> Path:
+    """A BERT encoder as llama.cpp's bert architecture loads it (src/models/bert.cpp): token,
+    token-type and position embeddings, post-norm blocks with biases; [CLS] and [SEP] around
+    a text (the tokenizer adds them), bidirectional attention, the preset's pooling."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), "bert")
+    w.add_name(name or spec.name)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_block_count(spec.n_layer)
+    w.add_head_count(spec.n_head)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(POOLING_TYPES[spec.pooling or "mean"])
+    tokens = build_wordpiece_vocab(spec.n_vocab)
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types([int(gguf.TokenType.CONTROL)] * len(BERT_SPECIAL) + [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(BERT_SPECIAL)))
+    w.add_uint32(gguf.Keys.Tokenizer.TOKEN_TYPE_COUNT, 2)
+    pad, unk, cls, sep, _mask = range(len(BERT_SPECIAL))
+    w.add_bos_token_id(cls)  # llama.cpp's bert tokenizer adds BOS and EOS: [CLS] text [SEP]
+    w.add_eos_token_id(sep)
+    w.add_sep_token_id(sep)
+    w.add_pad_token_id(pad)
+    w.add_unk_token_id(unk)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    rng = np.random.default_rng(seed)
+    d, ff = spec.n_embd, spec.n_ff
+
+    def f32(*shape: int, std: float = 0.1) -> np.ndarray:
+        return _tensor(rng, shape, np.float32, std)
+
+    def norm(prefix: str, n: int) -> None:
+        w.add_tensor(prefix + ".weight", np.ones(n, dtype=np.float32))
+        w.add_tensor(prefix + ".bias", np.zeros(n, dtype=np.float32))
+
+    w.add_tensor("token_embd.weight", f32(len(tokens), d))
+    w.add_tensor("token_types.weight", f32(2, d))
+    w.add_tensor("position_embd.weight", f32(spec.n_ctx_train, d))
+    norm("token_embd_norm", d)
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(p + t + ".weight", f32(d, d))
+            w.add_tensor(p + t + ".bias", np.zeros(d, dtype=np.float32))
+        norm(p + "attn_output_norm", d)
+        w.add_tensor(p + "ffn_up.weight", f32(ff, d))
+        w.add_tensor(p + "ffn_up.bias", np.zeros(ff, dtype=np.float32))
+        w.add_tensor(p + "ffn_down.weight", f32(d, ff))
+        w.add_tensor(p + "ffn_down.bias", np.zeros(d, dtype=np.float32))
+        norm(p + "layer_output_norm", d)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(out)
+    return out
 
 
 _LFM2_L_CACHE = 3  # the short convolution's width: its recurrent state holds the last 2 positions

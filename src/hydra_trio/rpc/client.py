@@ -125,8 +125,9 @@ def build_decode_frame(
 
 
 def identity_kv_metadata(meta: dict[str, Any], n_past: int) -> dict[str, Any]:
-    """kv_metadata for a DECODE frame from a PREFILL/STATE_GET reply's identity fields."""
-    keys = ("tokenizer", "model_name", "model_quant", "model_capabilities", "model_alias")
+    """kv_metadata for a DECODE frame from a PREFILL/STATE_GET reply's identity fields, and
+    the LoRA adapter set the KV was made under (``lora``, ours: absent for the base model)."""
+    keys = ("tokenizer", "model_name", "model_quant", "model_capabilities", "model_alias", "lora")
     return {"n_past": n_past, **{k: meta[k] for k in keys if k in meta}}
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import __version__, slotstate
 from ..config import Settings
-from ..engine import KvCopy
+from ..engine import GenerationParams, KvCopy
 from ..logs import request_extra
 from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..wire.errors import ErrorCode, ProtocolError, Status
@@ -219,6 +219,7 @@ class OpTable:
             "state_size": snap.state_size,
             "kv_hash": snap.kv_hash,
             **identity_fields(engine),
+            **(snap.made_under or {}),  # ours: "lora", the adapter set the slot's KV was made under
         }
         reply = Reply.ok(meta, list(snap.parts), send_chunk=snap.send_chunk)
         reply.held = snap.held
@@ -374,18 +375,22 @@ class OpTable:
             await budget.take(size, within_s=self.state.settings.idle_timeout_s, what="a PREFILL reply")
             held = size
 
+        params = prepared.params
         try:
-            async with engine.claim(self._owner(ctx, "PREFILL"), slot=ctx.slot_id) as lease:
-                logits = await lease.prefill(tokens, salt=prepared.params.cache_salt)
+            async with engine.claim(self._owner(ctx, "PREFILL"), slot=ctx.slot_id, lora=params.lora) as lease:
+                logits = await lease.prefill(tokens, salt=params.cache_salt, lora=params.lora)
                 copy = await lease.copy_out(logits=logits, reserve=reserve)
-            return await self._prefill_reply(ctx, body, tokens, copy, t0, held)
+                made_under = lease.kv_claims()  # the LoRA adapter set: a DECODE's kv_metadata claims it
+            return await self._prefill_reply(ctx, body, tokens, copy, t0, held, made_under, params)
         except BaseException:
             budget.release(held)
             raise
 
     async def _prefill_reply(
-        self, ctx: OpContext, body: dict[str, Any], tokens: list[int], copy: KvCopy, t0: float, held: int
+        self, ctx: OpContext, body: dict[str, Any], tokens: list[int], copy: KvCopy, t0: float, held: int,
+        made_under: dict[str, Any], params: GenerationParams,
     ) -> Reply:
+        lora = params.lora_name
         engine = self.engine
         identity = engine.identity
         prefill_ms = (time.perf_counter() - t0) * 1000.0
@@ -393,8 +398,8 @@ class OpTable:
         n_past = copy.n_past
         self.state.metrics.prompt_tokens.labels("prefill").inc(len(tokens))
         ctx.log.info(
-            "PREFILL slot %d: %d tokens in %.1f ms", ctx.slot_id, n_past, prefill_ms,
-            extra=ctx.request_line("PREFILL", "done", prompt_tokens=n_past, e2e_ms=round(prefill_ms, 3)),
+            "PREFILL slot %d: %d tokens in %.1f ms%s", ctx.slot_id, n_past, prefill_ms, "" if lora is None else f", LoRA {lora}",
+            extra=ctx.request_line("PREFILL", "done", prompt_tokens=n_past, e2e_ms=round(prefill_ms, 3), lora=lora),
         )
         meta = {
             "n_past": n_past,
@@ -404,8 +409,10 @@ class OpTable:
             "kv_hash": await copy.kv_hash(),
             # One model is served: a PREFILL that names another is served by it, and says so
             # (the spec's model_fallback), rather than answered as if it were that model.
-            "model_fallback": _names_another_model(body.get("model"), identity.model_alias, identity.model_name),
+            # (A "model" naming a LoRA adapter was served by it: params.model.)
+            "model_fallback": params.model is None and _names_another_model(body.get("model"), identity.model_alias, identity.model_name),
             **identity.fields(),
+            **made_under,
         }
         reply = Reply.ok(meta, parts)
         reply.held = held

@@ -48,10 +48,18 @@ Event = dict[str, Any]
 
 
 def block_stored(
-    hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int, medium: str = MEDIUM_DEVICE,
+    hashes: Sequence[int],
+    parent: int | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    medium: str = MEDIUM_DEVICE,
+    *,
+    lora_id: int | None = None,
+    lora_name: str | None = None,
     session_id: str | None = None,
 ) -> Event:
-    """``session_id`` (ours, map encoding only: a key vLLM's structs do not have, which the
+    """``lora_id``, ``lora_name``: the LoRA adapter (set) the blocks were computed under (None: the base model).
+    ``session_id`` (ours, map encoding only: a key vLLM's structs do not have, which the
     array layout leaves out): the agent session whose turn stored the blocks."""
     event = {
         "type": "BlockStored",
@@ -59,9 +67,9 @@ def block_stored(
         "parent_block_hash": parent,
         "token_ids": list(token_ids),
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": lora_id,
         "medium": medium,
-        "lora_name": None,
+        "lora_name": lora_name,
     }
     if session_id is not None:
         event["session_id"] = session_id

@@ -127,7 +127,8 @@ def export_params(
             "kv_hash": kv_hash,
             "kv_bytes": kv_bytes,
             "ttl_s": ttl_s,
-            **{k: identity[k] for k in (*IDENTITY_KEYS, "kv_cache") if k in identity},
+            # "lora" (ours, only under adapters): the LoRA adapter set the KV was made under.
+            **{k: identity[k] for k in (*IDENTITY_KEYS, "kv_cache", "lora") if k in identity},
             # Where a decode engine on the same host can tell it shares memory with this one.
             **({"shm": dict(shm)} if shm else {}),
         },
@@ -195,7 +196,8 @@ def parse_handoff_params(params: object) -> HandoffParams | None:
     if parse_tag(kv_hash, "kv_transfer_params.hydra.kv_hash") is None:
         raise _bad("kv_hash is required")
     assert isinstance(kv_hash, str)
-    identity = {k: h[k] for k in IDENTITY_KEYS if k in h}
+    # The adapter set ("lora") travels as a claim: the identity gate checks its shape.
+    identity = {k: h[k] for k in (*IDENTITY_KEYS, "lora") if k in h}
     kv_cache = h.get("kv_cache", {})
     if not isinstance(kv_cache, Mapping) or not all(
         isinstance(kv_cache.get(k, ""), str) for k in ("type_k", "type_v")

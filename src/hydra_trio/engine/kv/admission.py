@@ -6,7 +6,7 @@ CAP_MISMATCH reply, a hand-off's fall-back); a malformed blob is always BAD_FRAM
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -36,17 +36,19 @@ async def admit_blob(
     kv_cache_layout: Mapping[str, Any],
     max_tokens: int,
     header_model: str | None = None,
+    lora: Sequence[Mapping[str, Any]] | None = None,
 ) -> Admitted:
     """``raw`` parsed (BAD_FRAME when malformed; at most ``max_tokens`` positions, checked
     before the token list is built) and ``claims`` (identity fields, and ``kv_cache`` when the
     sender says how its cache is laid out) held against the ``resident`` model and this
-    engine's ``kv_cache_layout``. ``header_model``: the model a DECODE header names."""
+    engine's ``kv_cache_layout``. ``header_model``: the model a DECODE header names; ``lora``:
+    the LoRA adapter set the KV must have been made under (the request's; None: unchecked)."""
     blob = None
     if raw is not None:
         blob = await run_cpu_bound(partial(parse_kv_blob, raw, max_tokens=max_tokens), len(raw))
     match = problem = None
     if claims is not None:
-        match = compare_identity(resident, claims, header_model=header_model)
+        match = compare_identity(resident, claims, header_model=header_model, lora=lora)
         layout = claims.get("kv_cache") if isinstance(claims, Mapping) else None
         if isinstance(layout, Mapping):
             problem = cache_layout_mismatch(dict(layout), dict(kv_cache_layout))

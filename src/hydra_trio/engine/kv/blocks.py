@@ -20,6 +20,7 @@ from typing import Protocol
 import xxhash
 
 from ...wire.kvevents import MEDIUM_HOST, Event, all_blocks_cleared, block_removed, block_stored
+from ..llama import LoraSet
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -27,14 +28,26 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(array("i", tokens).tobytes(), seed=parent or 0)
 
 
-def chain_root(salt: str | None) -> int | None:
-    """What a chain's first block is seeded with: nothing (0) unsalted, else the cache_salt's
-    own hash, as vLLM mixes the salt into the first block's hash only (its extra keys for
-    the block at position 0): the same tokens under two salts are two chains from there on,
-    told apart by every later block too."""
-    if salt is None:
+def chain_root(salt: str | None, lora_name: str | None = None) -> int | None:
+    """What a chain's first block is seeded with: nothing (0) unsalted on the base model, else
+    the hash of the cache_salt and the LoRA adapter set's name (engine/adapters.py ``label``),
+    as vLLM mixes the salt and the adapter's name into a block's hash (its extra keys): the
+    same tokens under two salts or sets are two chains from the first block on, told apart
+    by every later block too."""
+    if salt is None and lora_name is None:
         return None
-    return xxhash.xxh3_64_intdigest(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")) or 1
+    key = b"" if salt is None else b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")
+    if lora_name is not None:
+        key += b"\0lora_name\0" + lora_name.encode("utf-8", "surrogatepass")
+    return xxhash.xxh3_64_intdigest(key) or 1
+
+
+# A LoRA adapter set's (lora_id, lora_name) in a BlockStored (engine/adapters.py ``event_fields``).
+LoraFields = Callable[[LoraSet], tuple[int | None, str | None]]
+
+
+def _no_adapters(_lora: LoraSet) -> tuple[int | None, str | None]:
+    return None, None
 
 
 class Watched(Protocol):
@@ -49,9 +62,11 @@ class SlotBlocks:
     appended by the worker, taken by the trio thread after each worker call, so it holds at
     most one call's events)."""
 
-    def __init__(self, n_slots: int, block_size: int) -> None:
+    def __init__(self, n_slots: int, block_size: int, lora_fields: LoraFields = _no_adapters) -> None:
         self.block_size = block_size
+        self._lora_fields = lora_fields
         self._chains: list[list[int]] = [[] for _ in range(n_slots)]
+        self._lora: list[LoraSet] = [() for _ in range(n_slots)]  # each chain's adapter set
         self._refs: dict[int, int] = {}  # block hash -> slots holding it
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
         self.pending: deque[Event] = deque()
@@ -59,15 +74,18 @@ class SlotBlocks:
         # name it (``session_id``, map encoding).
         self.sessions: list[str | None] = [None] * n_slots
 
-    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None) -> None:
-        """The slot now holds ``tokens``, computed under ``salt``; its first ``kept``
-        positions are unchanged since the last call (so a generation step costs nothing
-        until a block fills). A slot's salt changes only with its history emptied first."""
+    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None, lora: LoraSet = ()) -> None:
+        """The slot now holds ``tokens``, computed under ``salt`` and the adapter set ``lora``;
+        its first ``kept`` positions are unchanged since the last call (so a generation step
+        costs nothing until a block fills). A slot's salt and set change only with its
+        history emptied first."""
         bs = self.block_size
         chain = self._chains[slot]
         n_full = len(tokens) // bs
         keep = min(len(chain), kept // bs, n_full)
-        parent = chain[keep - 1] if keep else chain_root(salt)
+        self._lora[slot] = lora
+        lora_id, lora_name = self._lora_fields(lora)
+        parent = chain[keep - 1] if keep else chain_root(salt, lora_name)
         fresh: list[int] = []
         for i in range(keep, n_full):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
@@ -102,6 +120,8 @@ class SlotBlocks:
                     chain[first - 1] if first else None,  # a chain's first block: no parent, salted or not
                     tokens[first * bs : n_full * bs],
                     bs,
+                    lora_id=lora_id,
+                    lora_name=lora_name,
                     session_id=self.sessions[slot],
                 )
             )
@@ -132,14 +152,17 @@ class SlotBlocks:
         no slot change comes between."""
         self.pending.append(all_blocks_cleared())
         told: set[int] = set()
-        for chain in self._chains:
+        for chain, lora in zip(self._chains, self._lora, strict=True):
             first = next((i for i, h in enumerate(chain) if h not in told), len(chain))
             if first == len(chain):
                 continue
             run = chain[first:]
             told.update(run)
             tokens = [t for h in run for t in self._tokens[h]]
-            self.pending.append(block_stored(run, chain[first - 1] if first else None, tokens, self.block_size))
+            lora_id, lora_name = self._lora_fields(lora)
+            self.pending.append(
+                block_stored(run, chain[first - 1] if first else None, tokens, self.block_size, lora_id=lora_id, lora_name=lora_name)
+            )
 
     def _unref(self, h: int) -> bool:
         """Drop one slot's hold on ``h``; True when no slot holds it any more."""
@@ -175,23 +198,36 @@ class HostBlocks:
     is stored with the first and removed with the last, as for slots. The same tokens in a
     slot and in RAM are the same hashes on two media: a router holds one entry per medium."""
 
-    def __init__(self, block_size: int, publish: Callable[[list[Event]], None], medium: str = MEDIUM_HOST) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        publish: Callable[[list[Event]], None],
+        lora_fields: LoraFields = _no_adapters,
+        medium: str = MEDIUM_HOST,
+    ) -> None:
         self.block_size = block_size
         self._publish = publish
+        self._lora_fields = lora_fields
         self.medium = medium
         self._chains: dict[int, list[int]] = {}  # entry key -> its block hashes
+        self._lora: dict[int, LoraSet] = {}  # entry key -> its adapter set (the base model's: absent)
         self._refs: dict[int, int] = {}  # block hash -> entries holding it
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
         self._parents: dict[int, int | None] = {}  # block hash -> its parent's (None: a chain's first)
 
-    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None, session_id: str | None = None) -> None:
+    def entry_stored(
+        self, key: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = (), session_id: str | None = None
+    ) -> None:
         bs = self.block_size
         chain: list[int] = []
-        parent = chain_root(salt)
+        lora_id, lora_name = self._lora_fields(lora)
+        parent = chain_root(salt, lora_name)
         for i in range(len(tokens) // bs):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
             chain.append(parent)
         self._chains[key] = chain
+        if lora:
+            self._lora[key] = lora
         # Held blocks lead the chain (a block's hash covers its prefix, held with it).
         new_from = 0
         for i, h in enumerate(chain):
@@ -204,11 +240,15 @@ class HostBlocks:
                 self._parents[h] = chain[i - 1] if i else None
         if new_from < len(chain):
             parent_hash = chain[new_from - 1] if new_from else None
-            self._publish(
-                [block_stored(chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, self.medium, session_id)]
-            )
+            self._publish([
+                block_stored(
+                    chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, self.medium,
+                    lora_id=lora_id, lora_name=lora_name, session_id=session_id,
+                )
+            ])
 
     def entry_removed(self, key: int) -> None:
+        self._lora.pop(key, None)
         gone = []
         for h in reversed(self._chains.pop(key, [])):
             left = self._refs[h] - 1
@@ -226,6 +266,7 @@ class HostBlocks:
         if self._refs:
             self._publish([block_removed(list(self._refs), self.medium)])
         self._chains.clear()
+        self._lora.clear()
         self._refs.clear()
         self._tokens.clear()
         self._parents.clear()
@@ -238,13 +279,16 @@ class HostBlocks:
         """Every block held, each chain once (after the slots' AllBlocksCleared)."""
         told: set[int] = set()
         out: list[Event] = []
-        for chain in self._chains.values():
+        for key, chain in self._chains.items():
             run = [h for h in chain if h not in told]
             if not run:
                 continue
             told.update(run)
             tokens = [t for h in run for t in self._tokens[h]]
-            out.append(block_stored(run, self._parents[run[0]], tokens, self.block_size, self.medium))
+            lora_id, lora_name = self._lora_fields(self._lora.get(key, ()))
+            out.append(
+                block_stored(run, self._parents[run[0]], tokens, self.block_size, self.medium, lora_id=lora_id, lora_name=lora_name)
+            )
         return out
 
     @property

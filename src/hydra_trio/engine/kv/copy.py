@@ -16,7 +16,7 @@ from ...tasks import run_cpu_bound
 from ...wire.errors import ErrorCode, ProtocolError
 from ...wire.hashing import Buffer, xxh3_tag_of
 from ...wire.kvblob import KvBlob, blob_head_size, encode_blob_head
-from ..llama import DecodeAborted, LlamaBackend
+from ..llama import DecodeAborted, LlamaBackend, LoraSet
 from ..worker import CallTiming, GpuWorker
 
 
@@ -56,15 +56,16 @@ async def copy_out(
 
 
 async def restore_blob(
-    backend: LlamaBackend, worker: GpuWorker, slot: int, blob: KvBlob, timing: CallTiming | None, salt: str | None
+    backend: LlamaBackend, worker: GpuWorker, slot: int, blob: KvBlob, timing: CallTiming | None, salt: str | None,
+    lora: LoraSet = (),
 ) -> None:
     """Restore a parsed v2 blob into the slot, all-or-nothing (engine/llama/state.py), as
-    ``salt``'s history. Trailing logits become the slot's tail logits; a checkpoint section
+    the history of ``salt`` and the LoRA adapter set ``lora``. Trailing logits become the slot's tail logits; a checkpoint section
     (``check_checkpoint`` passed it) becomes the slot's context checkpoint."""
 
     def call(abort: threading.Event) -> None:
         backend.state_restore(
-            slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw, salt=salt, checkpoint=blob.checkpoint
+            slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw, salt=salt, lora=lora, checkpoint=blob.checkpoint
         )
 
     try:

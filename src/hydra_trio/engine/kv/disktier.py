@@ -36,7 +36,7 @@ from typing import Any
 import trio
 import xxhash
 
-from ..llama import LlamaBackend, Snapshot
+from ..llama import LlamaBackend, LoraSet, Snapshot
 from .promptcache import CacheHit, CacheWatcher, PromptCache
 from .retention import KvOwner, Retention
 
@@ -57,13 +57,19 @@ class DiskEntry:
     """An entry as the index keeps it: what a lookup compares, and where its bytes are."""
 
     tokens: list[int]
-    salt: str | None  # the salt's keyed hash (None: unsalted)
+    salt: str | None  # the keyed hash of the salt and the LoRA adapter set (None: neither)
     name: str
     nbytes: int  # the file's size
+    adapters: LoraSet = ()  # the adapter set, when this process wrote it (for KV events)
 
     @property
-    def order(self) -> tuple[str, list[int]]:
-        return (self.salt or "", self.tokens)
+    def lora(self) -> LoraSet:
+        """The set is in the salt's hash: the index's runs are by that alone."""
+        return ()
+
+    @property
+    def order(self) -> tuple[str, LoraSet, list[int]]:
+        return (self.salt or "", (), self.tokens)
 
 
 @dataclass(slots=True)
@@ -142,9 +148,9 @@ class DiskTier:
         if self._pending_bytes + snap.nbytes > self.pending_max_bytes:
             self.stats.dropped += 1
             return
-        salt_key = self.salt_key(snap.salt)
+        salt_key = self.salt_key(snap.salt, snap.lora)
         size = _HEAD.size + _CHECK.size + len(salt_key or "") + 4 * len(snap.tokens) + len(snap.buf) - snap.offset
-        entry = DiskEntry(snap.tokens, salt_key, self._fresh_name(snap.tokens, salt_key), size)
+        entry = DiskEntry(snap.tokens, salt_key, self._fresh_name(snap.tokens, salt_key), size, snap.lora)
         if not self._index.put(entry, owner):
             self.stats.dropped += 1
             return
@@ -164,31 +170,38 @@ class DiskTier:
         """Tell ``watcher`` (medium DISK events) every entry held now, and each change."""
         self.watcher = watcher
         for key, entry in self._index.items():
-            watcher.entry_stored(key, entry.tokens, entry.salt)
+            watcher.entry_stored(key, entry.tokens, entry.salt, entry.adapters)
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    def salt_key(self, salt: str | None) -> str | None:
-        """How a salt is written here: a keyed hash (so no file tells a tenant's salt)."""
-        if salt is None:
+    def salt_key(self, salt: str | None, lora: LoraSet = ()) -> str | None:
+        """How a salt and a LoRA adapter set are written here: a keyed hash (so no file tells a
+        tenant's salt); the set's adapters are the fingerprint's (``kv_fingerprint``)."""
+        if salt is None and not lora:
             return None
-        return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), key=self._secret, digest_size=16).hexdigest()
+        key = (salt or "").encode("utf-8", "surrogatepass")
+        if lora:
+            key = b"cache_salt\0" + key + b"\0lora\0" + repr(tuple(lora)).encode()
+        return hashlib.blake2b(key, key=self._secret, digest_size=16).hexdigest()
 
-    def best(self, prompt: Sequence[int], salt: str | None) -> CacheHit | None:
-        return self._index.best(prompt, self.salt_key(salt))
+    def best(self, prompt: Sequence[int], salt: str | None, lora: LoraSet = ()) -> CacheHit | None:
+        return self._index.best(prompt, self.salt_key(salt, lora))
 
-    async def load(self, key: int, salt: str | None) -> Snapshot | None:
+    async def load(self, key: int, salt: str | None, lora: LoraSet | None = None) -> Snapshot | None:
         """Take an entry out and read it back, checked (None: it failed a check and is gone);
-        the snapshot is ``salt``'s, the salt it was looked up under. One not written yet
-        comes from the memory it was to be written from."""
+        the snapshot is ``salt``'s and ``lora``'s, what it was looked up under (``lora`` None:
+        the set this process wrote it under). One not written yet comes from the memory it
+        was to be written from."""
         entry = self._index._entries[key]
+        if lora is None:
+            lora = entry.adapters
         waiting = self._pending.get(key)
         if waiting is not None:
             self._index.take(key)  # (its write is skipped: _removed)
             self.stats.loaded += 1
             self.stats.loaded_tokens += len(waiting.tokens)
             self._sync_stats()
-            return Snapshot(waiting.tokens, waiting.buf, waiting.offset, waiting.has_logits, salt)
+            return Snapshot(waiting.tokens, waiting.buf, waiting.offset, waiting.has_logits, salt, lora)
         self._loading.add(key)
         try:
             self._index.take(key)
@@ -204,7 +217,7 @@ class DiskTier:
             self._sync_stats()
         self.stats.loaded += 1
         self.stats.loaded_tokens += len(snap.tokens)
-        return Snapshot(snap.tokens, snap.buf, snap.offset, snap.has_logits, salt)
+        return Snapshot(snap.tokens, snap.buf, snap.offset, snap.has_logits, salt, lora)
 
     def owner_of(self, key: int) -> KvOwner | None:
         return self._index.owner_of(key)
@@ -425,11 +438,13 @@ class _Forget:
 
     tier: DiskTier
 
-    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None, session_id: str | None = None) -> None:
+    def entry_stored(
+        self, key: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = (), session_id: str | None = None
+    ) -> None:
         entry = self.tier._index._entries[key]
         self.tier._names[key] = entry.name  # type: ignore[attr-defined]
         if self.tier.watcher is not None:
-            self.tier.watcher.entry_stored(key, tokens, salt, session_id)
+            self.tier.watcher.entry_stored(key, tokens, salt, entry.adapters, session_id)
 
     def entry_removed(self, key: int) -> None:
         self.tier._removed(key)
@@ -443,10 +458,14 @@ class _Forget:
 
 def kv_fingerprint(backend: LlamaBackend, identity: dict[str, Any]) -> bytes:
     """32 bytes naming the model (its identity, ``model_hash`` among it once computed, and its
-    file's size and time) and the KV layout a saved state was made in: entries of any other
-    are not read back."""
+    file's size and time), the LoRA adapters loaded with it (their paths, in the order a set's
+    indices name them) and the KV layout a saved state was made in: entries of any other are
+    not read back."""
     st = os.stat(backend.model_path)
     b = backend
-    parts = (identity, st.st_size, st.st_mtime_ns, b.cache_layout, b.n_slots, b.n_ctx, b.kv_unified, b.swa_full)
+    parts: tuple[Any, ...] = (identity, st.st_size, st.st_mtime_ns, b.cache_layout, b.n_slots, b.n_ctx, b.kv_unified, b.swa_full)
+    adapters = tuple(getattr(b, "lora_paths", ()))
+    if adapters:
+        parts += (adapters,)
     return hashlib.sha256(repr(parts).encode()).digest()
 

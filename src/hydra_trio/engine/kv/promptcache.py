@@ -7,9 +7,10 @@ snapshots as the backend reads them (``LlamaBackend.snapshot``: the state in thi
 own form with room before it, and the tail logits when the slot had them), so a swap back
 is one restore and no copy. Bounded by bytes, least recently used out first.
 
-An entry is a history under one cache_salt, and only a prompt under the same salt continues
-it (``LlamaBackend.shared_prefix`` is the rule for slots; here the salt leads the order, so
-that each salt's entries form their own run and a lookup never crosses into another's).
+An entry is a history under one cache_salt and one LoRA adapter set, and only a prompt under
+the same salt and set continues it (``LlamaBackend.shared_prefix`` is the rule for slots; here
+the salt and the set lead the order, so that each one's entries form their own run and a
+lookup never crosses into another's).
 
 Entries are also kept sorted by their tokens, so that a lookup costs a binary search and
 two comparisons however many entries there are: the entry sharing the longest prefix with
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Protocol
 
-from ..llama import Snapshot, common_prefix_len
+from ..llama import LoraSet, Snapshot, common_prefix_len
 from .retention import KvOwner, Retention
 
 
@@ -59,7 +60,9 @@ class CacheHit:
 class CacheWatcher(Protocol):
     """Told each entry that comes and goes (blocks.HostBlocks: KV events of medium CPU)."""
 
-    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None, session_id: str | None = None) -> None: ...
+    def entry_stored(
+        self, key: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = (), session_id: str | None = None
+    ) -> None: ...
     def entry_removed(self, key: int) -> None: ...
     def cleared(self) -> None: ...
 
@@ -89,7 +92,7 @@ class PromptCache:
         """Tell ``watcher`` every entry held now, and from now on each change."""
         self.watcher = watcher
         for key, snap in self._entries.items():
-            watcher.entry_stored(key, snap.tokens, snap.salt)
+            watcher.entry_stored(key, snap.tokens, snap.salt, snap.lora)
 
     def items(self) -> Iterator[tuple[int, Snapshot]]:
         return iter(self._entries.items())
@@ -100,7 +103,7 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _order_of(self, key: int) -> tuple[str, list[int]]:
+    def _order_of(self, key: int) -> tuple[str, LoraSet, list[int]]:
         return self._entries[key].order
 
     def put(self, snap: Snapshot, owner: KvOwner | None = None) -> bool:
@@ -109,7 +112,7 @@ class PromptCache:
         tokens) is dropped: the new one serves every prompt the old one did."""
         if snap.nbytes > self.max_bytes or not snap.tokens:
             return False
-        for key in self._prefixes_of(snap.tokens, snap.salt):
+        for key in self._prefixes_of(snap.tokens, snap.salt, snap.lora):
             self._drop(key)
         while self._entries and self.nbytes + snap.nbytes > self.max_bytes:
             self._evict(self._victim())
@@ -121,7 +124,7 @@ class PromptCache:
         self.nbytes += snap.nbytes
         self.saved += 1
         if self.watcher is not None:
-            self.watcher.entry_stored(key, snap.tokens, snap.salt, getattr(owner, "id", None))
+            self.watcher.entry_stored(key, snap.tokens, snap.salt, snap.lora, getattr(owner, "id", None))
         return True
 
     def _victim(self) -> int:
@@ -158,8 +161,8 @@ class PromptCache:
             self._unlink(key)
         return len(keys)
 
-    def _prefixes_of(self, tokens: list[int], salt: str | None) -> list[int]:
-        """The entries of ``salt`` whose tokens are a prefix of ``tokens`` (or equal them).
+    def _prefixes_of(self, tokens: list[int], salt: str | None, lora: LoraSet) -> list[int]:
+        """The entries of ``salt`` and ``lora`` whose tokens are a prefix of ``tokens`` (or equal them).
 
         In token order, everything between a prefix p of ``tokens`` and ``tokens`` starts
         with p. So the greatest entry not above ``tokens[:hi]`` is either a prefix (found),
@@ -167,14 +170,14 @@ class PromptCache:
         step finds one or shortens the search."""
         found: list[int] = []
         hi = len(tokens)
-        run = salt or ""
-        i = bisect_right(self._sorted, (run, tokens), key=self._order_of)
+        run = (salt or "", lora)
+        i = bisect_right(self._sorted, (*run, tokens), key=self._order_of)
         while hi and i:
             i -= 1
             key = self._sorted[i]
             entry = self._entries[key]
-            if (entry.salt or "") != run:
-                break  # below this salt's run: only other salts' entries further down
+            if (entry.salt or "", entry.lora) != run:
+                break  # below this run: only other salts' (or sets') entries further down
             held = entry.tokens
             n = common_prefix_len(held, tokens[:hi])
             if n == len(held):
@@ -183,20 +186,20 @@ class PromptCache:
                 continue
             if n < hi:
                 hi = n
-                i = bisect_right(self._sorted, (run, tokens[:hi]), key=self._order_of, hi=i + 1)
+                i = bisect_right(self._sorted, (*run, tokens[:hi]), key=self._order_of, hi=i + 1)
         return found
 
-    def best(self, prompt: Sequence[int], salt: str | None = None) -> CacheHit | None:
-        """The entry of ``salt`` sharing the longest prefix with ``prompt`` (None when none
-        shares any): one of the two entries around the prompt's place in that salt's run."""
+    def best(self, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> CacheHit | None:
+        """The entry of ``salt`` and ``lora`` sharing the longest prefix with ``prompt`` (None
+        when none shares any): one of the two entries around the prompt's place in their run."""
         prompt = list(prompt)
-        run = salt or ""
-        i = bisect_left(self._sorted, (run, prompt), key=self._order_of)
+        run = (salt or "", lora)
+        i = bisect_left(self._sorted, (*run, prompt), key=self._order_of)
         best: CacheHit | None = None
         for key in self._sorted[max(0, i - 1) : i + 1]:
             entry = self._entries[key]
-            if (entry.salt or "") != run:
-                continue  # another salt's run begins or ends here
+            if (entry.salt or "", entry.lora) != run:
+                continue  # another salt's (or set's) run begins or ends here
             n = common_prefix_len(entry.tokens, prompt)
             if n and (best is None or n > best.n_common):
                 best = CacheHit(key, n, len(entry.tokens))
@@ -221,7 +224,7 @@ class PromptCache:
             self.watcher.cleared()
 
     def _unlink(self, key: int) -> None:
-        """Take ``key`` out of both orders ((salt, tokens) are unique: put drops an equal entry)."""
+        """Take ``key`` out of both orders ((salt, lora, tokens) are unique: put drops an equal entry)."""
         i = bisect_left(self._sorted, self._entries[key].order, key=self._order_of)
         assert self._sorted[i] == key
         del self._sorted[i]

@@ -15,7 +15,8 @@ import trio
 
 from ...config import Settings
 from ...wire.kvevents import MEDIUM_DISK, MEDIUM_HOST, Event
-from .blocks import HostBlocks
+from ..llama import LoraSet
+from .blocks import HostBlocks, LoraFields, _no_adapters
 from .disktier import DiskStats, DiskTier
 from .promptcache import PromptCache
 from .retention import KvOwner, Retention
@@ -51,18 +52,19 @@ class HostTiers:
             async for owner in self._wanted:
                 await self._promote_owned(owner)
 
-    async def promote(self, prompt: Sequence[int], salt: str | None) -> bool:
-        """Bring the disk entry that holds the most of ``prompt`` into RAM, when it holds a
+    async def promote(self, prompt: Sequence[int], salt: str | None, lora: LoraSet = ()) -> bool:
+        """Bring the disk entry that holds the most of ``prompt`` (under ``salt`` and the LoRA
+        adapter set ``lora``) into RAM, when it holds a
         block more than RAM does (a request waits for a slot meanwhile). True: it is in RAM."""
         disk, ram = self.disk, self.ram
         if disk is None or ram is None:
             return False
-        hit = disk.best(prompt, salt)
-        in_ram = ram.best(prompt, salt)
+        hit = disk.best(prompt, salt, lora)
+        in_ram = ram.best(prompt, salt, lora)
         if hit is None or hit.n_common < (in_ram.n_common if in_ram else 0) + MIN_GAIN:
             return False
         owner = disk.owner_of(hit.key)
-        snap = await disk.load(hit.key, salt)
+        snap = await disk.load(hit.key, salt, lora)
         if snap is None:
             return False
         disk.stats.prefetched += 1
@@ -89,13 +91,15 @@ class HostTiers:
             disk.stats.prefetched += 1
             ram.put(snap, owner)
 
-    def watch(self, block_size: int, publish: Callable[[list[Event]], None]) -> None:
-        """KV events from now on: RAM's entries as medium CPU, the disk's as DISK."""
+    def watch(self, block_size: int, publish: Callable[[list[Event]], None], lora_fields: LoraFields | None = None) -> None:
+        """KV events from now on: RAM's entries as medium CPU, the disk's as DISK (each with
+        its LoRA adapter set's fields, ``lora_fields``)."""
+        fields = lora_fields or _no_adapters
         if self.ram is not None:
-            self.ram_blocks = HostBlocks(block_size, publish, MEDIUM_HOST)
+            self.ram_blocks = HostBlocks(block_size, publish, fields, medium=MEDIUM_HOST)
             self.ram.watch(self.ram_blocks)
         if self.disk is not None:
-            self.disk_blocks = HostBlocks(block_size, publish, MEDIUM_DISK)
+            self.disk_blocks = HostBlocks(block_size, publish, fields, medium=MEDIUM_DISK)
             self.disk.watch(self.disk_blocks)
 
     def publish_resync(self) -> None:

@@ -2,7 +2,8 @@
 llama_cpp, and it imports nothing of the engine above it (what it needs of the engine's
 speculation, KV events and samplers it takes as the protocols in types.py). log.py routes its
 log; chat.py its built-in chat templates; devices.py the ggml devices, offload and repacking;
-chain.py a request's llama.cpp sampler chain; context.py the model and its context (decode, steps, tokens); steps.py the batched
+chain.py a request's llama.cpp sampler chain; context.py the model and its context (decode, steps, tokens); embedding.py a second
+context for pooled embeddings and rank scores; steps.py the batched
 steps; state.py a slot's KV state out and in; checkpoints.py context checkpoints; seqstate.py
 that state's layout, read without llama.cpp."""
 
@@ -10,41 +11,49 @@ from .chain import LlamaChain
 from .chat import apply_builtin_chat_template
 from .context import LlamaBackend, kv_layout
 from .devices import OffloadSettings
+from .embedding import POOLING_TYPES, PooledShape, normalize
 from .seqstate import cache_layout_mismatch
 from .state import DecodeAborted, NoKvSpace, Snapshot
 from .types import (
     ChainSettings,
     Drafter,
+    LoraSet,
     ModelInfo,
     PrefillPart,
     SlotWatcher,
     StepPlanner,
     StepRequest,
     StepResult,
+    TokenRoles,
     TokenSampler,
     Vocabulary,
     common_prefix_len,
 )
 
 __all__ = [
+    "POOLING_TYPES",
     "ChainSettings",
     "DecodeAborted",
     "Drafter",
     "LlamaBackend",
     "LlamaChain",
+    "LoraSet",
     "ModelInfo",
     "NoKvSpace",
     "OffloadSettings",
+    "PooledShape",
     "PrefillPart",
     "SlotWatcher",
     "Snapshot",
     "StepPlanner",
     "StepRequest",
     "StepResult",
+    "TokenRoles",
     "TokenSampler",
     "Vocabulary",
     "apply_builtin_chat_template",
     "cache_layout_mismatch",
     "common_prefix_len",
     "kv_layout",
+    "normalize",
 ]

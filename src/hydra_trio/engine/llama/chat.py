@@ -1,8 +1,10 @@
-"""The chat templates llama.cpp renders itself (``llama_chat_apply_template``)."""
+"""The chat templates llama.cpp renders itself (``llama_chat_apply_template``), and the
+named templates a GGUF holds."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 from collections.abc import Sequence
 
 import llama_cpp
@@ -33,3 +35,26 @@ def apply_builtin_chat_template(name: str, messages: Sequence[tuple[str, str]], 
             return buf.raw[:n].decode("utf-8", "replace")
         size = n  # the buffer was short: n is the size it needs
     raise RuntimeError("llama_chat_apply_template kept growing")
+
+
+def gguf_template_variants(model: llama_cpp.llama_model_p) -> dict[str, str]:
+    """The GGUF's named templates: those ``tokenizer.chat_templates`` lists, and
+    ``tool_use`` (the one llama.cpp selects) even where the list is missing."""
+    names = {"tool_use"}
+    buf = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_model_meta_val_str(model, b"tokenizer.chat_templates", buf, len(buf))
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        n = llama_cpp.llama_model_meta_val_str(model, b"tokenizer.chat_templates", buf, len(buf))
+    if n > 0:
+        try:  # llama.cpp prints a string array as ["a", "b"]
+            listed = json.loads(buf.value.decode("utf-8", "replace"))
+        except ValueError:
+            listed = []
+        names.update(x for x in listed if isinstance(x, str))
+    out: dict[str, str] = {}
+    for name in sorted(names):
+        ptr = llama_cpp.llama_model_chat_template(model, name.encode())
+        if ptr:
+            out[name] = ptr.decode("utf-8", "replace")
+    return out

@@ -10,7 +10,6 @@ whatever happens to the trio task that asked for the work.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import threading
 import time
@@ -20,7 +19,7 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 import numpy as np
 
-from .chat import builtin_chat_templates
+from .chat import builtin_chat_templates, gguf_template_variants
 from .checkpoints import Checkpoints
 from .devices import (
     OffloadReport,
@@ -33,11 +32,22 @@ from .devices import (
     repack_choice,
     repacked_mib,
 )
+from .embedding import EmbeddingContext, model_pooling
 from .log import captured, init_llama
 from .seqstate import type_name
 from .state import DecodeAborted, NoKvSpace, SlotStates
 from .steps import BatchSteps
-from .types import ModelInfo, SlotWatcher, StepPlanner, TokenSampler, Vocabulary, common_prefix_len
+from .types import (
+    TOKEN_ROLES,
+    LoraSet,
+    ModelInfo,
+    SlotWatcher,
+    StepPlanner,
+    TokenRoles,
+    TokenSampler,
+    Vocabulary,
+    common_prefix_len,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +78,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         kv_unified: bool = True,
         swa_full: bool = False,
         ctx_checkpoints: int = 8,
+        lora_paths: Sequence[str] = (),
     ) -> None:
         init_llama()
         heap_for_buffers()  # before any buffer of the model or context is allocated
@@ -98,6 +109,10 @@ class LlamaBackend(SlotStates, BatchSteps):
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load model {model_path!r}")
         self._load_log = load_log
+        # LoRA adapters (--lora), loaded with the model: an adapter's id is its place here.
+        self.lora_paths = tuple(lora_paths)
+        self._adapters = [self._load_adapter(path) for path in self.lora_paths]
+        self.lora_switch_s = 0.0  # measured by measure_lora_switch (steps.py)
         self.devices = read_ggml_devices()
         self.builtin_templates = builtin_chat_templates()
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
@@ -122,6 +137,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # the model writes it as one special token or as text pieces).
         self.grammar_pieces = [self._special_text.get(t, piece) for t, piece in enumerate(self.pieces)]
         self._ctx = None
+        self._embedding: EmbeddingContext | None = None  # made on first use (embedding_context)
         self._abort_flag: threading.Event | None = None
         # ctypes callbacks must outlive the context, or they are garbage-collected under it.
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
@@ -137,6 +153,9 @@ class LlamaBackend(SlotStates, BatchSteps):
         # Per slot: the cache_salt its history was computed under (None: unsalted). With the
         # tokens it is the history's identity: see ``shared_prefix``.
         self.seq_salt: list[str | None] = []
+        # Per slot: the LoRA adapter set its history was computed under; with the salt, the
+        # rest of the history's identity. A batch runs under its slots' one set (_decode_batch).
+        self.seq_lora: list[LoraSet] = []
         # Told of every change of a slot's KV (engine/kv/ ``SlotBlocks``: the KV events); None: nobody.
         self.watcher: SlotWatcher | None = None
         self.type_k = type_k
@@ -165,30 +184,13 @@ class LlamaBackend(SlotStates, BatchSteps):
             hybrid=bool(llama_cpp.llama_model_is_hybrid(m)),
             bos_text=self._vocab_text(bos),
             eos_text=self._vocab_text(eos),
-            chat_template_variants=self._template_variants(),
+            chat_template_variants=gguf_template_variants(self._model),
+            roles=TokenRoles({r: t for r in TOKEN_ROLES if (t := getattr(llama_cpp, f"llama_vocab_{r}")(v)) >= 0},
+                             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)), add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
+                             add_sep=bool(llama_cpp.llama_vocab_get_add_sep(v))),
+            pooling=model_pooling(m),
+            rerank_template=(llama_cpp.llama_model_chat_template(m, b"rerank") or b"").decode("utf-8", "replace") or None,
         )
-
-    def _template_variants(self) -> dict[str, str]:
-        """The GGUF's named templates: those ``tokenizer.chat_templates`` lists, and
-        ``tool_use`` (the one llama.cpp selects) even where the list is missing."""
-        names = {"tool_use"}
-        buf = ctypes.create_string_buffer(4096)
-        n = llama_cpp.llama_model_meta_val_str(self._model, b"tokenizer.chat_templates", buf, len(buf))
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            n = llama_cpp.llama_model_meta_val_str(self._model, b"tokenizer.chat_templates", buf, len(buf))
-        if n > 0:
-            try:  # llama.cpp prints a string array as ["a", "b"]
-                listed = json.loads(buf.value.decode("utf-8", "replace"))
-            except ValueError:
-                listed = []
-            names.update(x for x in listed if isinstance(x, str))
-        out: dict[str, str] = {}
-        for name in sorted(names):
-            ptr = llama_cpp.llama_model_chat_template(self._model, name.encode())
-            if ptr:
-                out[name] = ptr.decode("utf-8", "replace")
-        return out
 
     def _build_context(self, n_ctx: int, n_threads: int) -> None:
         cp = llama_cpp.llama_context_default_params()
@@ -236,6 +238,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         )
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)
+        self.generates = bool(self._mem)  # no KV cache (an encoder, BERT): no slots to generate in
         # n_ctx_slot: the most one slot can hold; n_ctx: the cells all slots hold together.
         self.n_ctx_slot = int(llama_cpp.llama_n_ctx_seq(ctx))
         self.n_ctx = llama_cpp.llama_n_ctx(ctx) if self.kv_unified else self.n_ctx_slot * self.n_slots
@@ -244,6 +247,8 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
         self.seq_tokens = [[] for _ in range(self.n_slots)]
         self.seq_salt = [None] * self.n_slots
+        self.seq_lora = [()] * self.n_slots
+        self._lora_applied: LoraSet = ()  # a new context applies none
         # Per slot: how many leading positions are unchanged since the watcher last saw it.
         # A cut needs no update (the watcher keeps at most the blocks the slot still fills);
         # a restore, which may replace every position, sets it to 0.
@@ -264,12 +269,34 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._measure_state_size()
         self._sizes = [self._state_base] * self.n_slots
 
+    def _load_adapter(self, path: str) -> ctypes.c_void_p:
+        adapter, said = captured(lambda: llama_cpp.llama_adapter_lora_init(self._model, path.encode()))
+        if not adapter:
+            llama_cpp.llama_model_free(self._model)  # with the adapters loaded so far
+            self._model = None
+            why = "; ".join(line.strip() for line in said if "lora" in line.lower() and ("fail" in line or "error" in line.lower()))
+            raise RuntimeError(f"llama.cpp could not load LoRA adapter {path!r}" + (f": {why}" if why else ""))
+        return adapter
+
+    def _use_lora(self, entries: Sequence[tuple[int, int, int, bool]]) -> None:
+        """Put the adapter set of the entries' slots on the context (llama.cpp applies adapters
+        per context, not per sequence, and reserves its graph again after a change)."""
+        lora = self.seq_lora[entries[0][0]] if entries[0][0] < self.n_slots else ()
+        if any(e[0] < self.n_slots and self.seq_lora[e[0]] != lora for e in entries):
+            raise RuntimeError("one llama_decode would mix LoRA adapter sets (the step batcher groups slots by set)")
+        if lora != self._lora_applied:
+            n = len(lora)
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * max(n, 1))(*(self._adapters[i] for i, _ in lora))
+            scales = (ctypes.c_float * max(n, 1))(*(scale for _, scale in lora))
+            llama_cpp.llama_set_adapters_lora(self._ctx, adapters, n, scales)
+            self._lora_applied = lora
+
     def _advanced(self, slot: int, tail_logits: bytes | None = None) -> None:
         """Bookkeeping after the slot's sequence changed (runs on the worker); ``tail_logits``:
         those of its new last position, when the change computed or restored them."""
         self.tail_logits[slot] = tail_logits
         if self.watcher is not None:
-            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot])
+            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot], self.seq_lora[slot])
         self._kept[slot] = len(self.seq_tokens[slot])
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
@@ -296,8 +323,19 @@ class LlamaBackend(SlotStates, BatchSteps):
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
 
+    def embedding_context(self, pooling: str | None, n_seq_max: int) -> EmbeddingContext:
+        """The model's embedding context (embedding.py: ``pooling``, None for the model's
+        own), made on first use, freed with the model."""
+        if self._embedding is None:
+            self._embedding = EmbeddingContext(self._model, pooling=pooling, n_batch=self.n_batch, n_seq_max=n_seq_max,
+                                               n_threads=self.n_threads, offload=self.offload_settings)
+        return self._embedding
+
     def close(self) -> None:
         self._free_retired()
+        if self._embedding is not None:
+            self._embedding.close()
+            self._embedding = None
         self._free_context()
         if self._model is not None:
             llama_cpp.llama_model_free(self._model)
@@ -338,7 +376,7 @@ class LlamaBackend(SlotStates, BatchSteps):
     @property
     def vocabulary(self) -> Vocabulary:
         """The vocabulary as text (special pieces, detokenize), for any thread."""
-        return Vocabulary(self.pieces, self._special_text)
+        return Vocabulary(self.pieces, self._special_text, self.info.roles)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a generated token contributes to the text (control tokens: none)."""
@@ -373,12 +411,13 @@ class LlamaBackend(SlotStates, BatchSteps):
     def n_past(self, slot: int) -> int:
         return len(self.seq_tokens[slot])
 
-    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None) -> int:
-        """How many leading ``tokens`` the slot's KV holds for a request under ``salt``: the
-        one tenant rule of slot reuse (slot choice, prefix reuse, the prompt cache's swap).
-        KV computed under one cache_salt is never continued under another, so a request
-        learns nothing (cached_tokens, timing) of what other salts' requests sent."""
-        if self.seq_salt[slot] != salt:
+    def shared_prefix(self, slot: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = ()) -> int:
+        """How many leading ``tokens`` the slot's KV holds for a request under ``salt`` and
+        the adapter set ``lora``: the one rule of slot reuse (slot choice, prefix reuse, the
+        prompt cache's swap). KV computed under one cache_salt is never continued under
+        another, so a request learns nothing (cached_tokens, timing) of what other salts'
+        requests sent; nor KV computed under one adapter set under another (other weights)."""
+        if self.seq_salt[slot] != salt or self.seq_lora[slot] != lora:
             return 0
         return common_prefix_len(self.seq_tokens[slot], tokens)
 
@@ -461,6 +500,8 @@ class LlamaBackend(SlotStates, BatchSteps):
             batch.seq_id[i][0] = seq
             batch.logits[i] = logits
         batch.n_tokens = len(entries)
+        if self._adapters:
+            self._use_lora(entries)
         # The abort callback is Python: ggml calls it for every graph node, and each call
         # takes the GIL from the trio thread. So it is attached only to calls that can be
         # cancelled (prefill chunks); a generation step is short and runs without it.
@@ -494,12 +535,14 @@ class LlamaBackend(SlotStates, BatchSteps):
         *,
         sampler: TokenSampler | None = None,
         want_logits: bool = False,
+        rows: Callable[[np.ndarray], None] | None = None,
     ) -> tuple[int | None, bytes | None]:
         """Append ``tokens`` (at most n_batch) to the slot's KV.
 
         With ``sampler``, samples the next token from the last position's logits in the same
         call (another slot's decode would overwrite the logits buffer afterwards). With
-        ``want_logits``, also returns those logits as n_vocab little-endian f32 bytes.
+        ``want_logits``, also returns those logits as n_vocab little-endian f32 bytes. With
+        ``rows``, every position's logits are computed and handed to it (prompt logprobs).
         """
         if not tokens:
             raise ValueError("eval_chunk needs at least one token")
@@ -512,9 +555,11 @@ class LlamaBackend(SlotStates, BatchSteps):
             raise NoKvSpace
         last = len(tokens) - 1
         need_logits = sampler is not None or want_logits
-        entries = [(slot, t, start + i, need_logits and i == last) for i, t in enumerate(tokens)]
+        entries = [(slot, t, start + i, rows is not None or (need_logits and i == last)) for i, t in enumerate(tokens)]
         self._decode_batch(entries, abort)
         self.seq_tokens[slot].extend(tokens)
+        if rows is not None:
+            rows(self._first_logits(len(tokens)))
         logits = self.logits_bytes(-1) if want_logits else None
         token = None
         if sampler is not None:

@@ -31,7 +31,7 @@ from .seqstate import (
     rewrite_in_place,
     with_streams,
 )
-from .types import ModelInfo
+from .types import LoraSet, ModelInfo
 
 
 @dataclass(slots=True)
@@ -44,11 +44,13 @@ class Snapshot:
     offset: int
     has_logits: bool
     salt: str | None = None  # the cache_salt the history was computed under
+    lora: LoraSet = ()  # and the LoRA adapter set
 
     @property
-    def order(self) -> tuple[str, list[int]]:
-        """Where the entry sorts: by salt (validated non-empty: "" is "unsalted"), then tokens."""
-        return (self.salt or "", self.tokens)
+    def order(self) -> tuple[str, LoraSet, list[int]]:
+        """Where the entry sorts: by salt (validated non-empty: "" is "unsalted"), adapter
+        set, then tokens."""
+        return (self.salt or "", self.lora, self.tokens)
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +85,7 @@ class SlotStates:
     n_swa: int
     seq_tokens: list[list[int]]
     seq_salt: list[str | None]
+    seq_lora: list[LoraSet]
     tail_logits: list[bytes | None]
     state_layout: StateLayout | None
     _shape: MemoryShape
@@ -217,7 +220,7 @@ class SlotStates:
             raise RuntimeError(f"llama.cpp wrote {n} of {size} state bytes")
         if logits is not None:
             buf[room + size :] = logits
-        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot])
+        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot], self.seq_lora[slot])
 
     def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
         """The slot's llama sequence state, in the one-stream form, and its tokens."""
@@ -275,10 +278,11 @@ class SlotStates:
         *,
         blob: memoryview | None = None,
         salt: str | None = None,
+        lora: LoraSet = (),
         checkpoint: BlobCheckpoint | None = None,
     ) -> bool:
         """Restore a sequence state into ``slot``, all-or-nothing; its history is then
-        ``salt``'s (the request's that brought it: ``shared_prefix``). ``blob``: the whole blob
+        ``salt``'s and the adapter set ``lora``'s (the request's that brought it: ``shared_prefix``). ``blob``: the whole blob
         ``state`` ends, whose bytes may be rewritten (seqstate.py) for this context's layout.
 
         Unified cache: the state lands in the scratch sequence first; only when llama.cpp
@@ -339,7 +343,7 @@ class SlotStates:
                 llama_cpp.llama_memory_seq_rm(self._mem, slot, -1, -1)
                 llama_cpp.llama_memory_seq_cp(self._mem, target, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
-            self.seq_salt[slot] = salt
+            self.seq_salt[slot], self.seq_lora[slot] = salt, lora
             self._kept[slot] = 0  # every position may differ (kvblocks.py keeps equal blocks)
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)

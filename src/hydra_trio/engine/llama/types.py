@@ -45,6 +45,11 @@ class ChainSettings(Protocol):
     @property
     def penalized(self) -> bool: ...
 
+# A LoRA adapter set: (adapter id, scale) pairs by ascending id, none of scale 0; () is the
+# base model alone. llama.cpp applies adapters per context, so one llama_decode runs under
+# one set; with its cache_salt, the set is what a slot's KV was computed under.
+LoraSet = tuple[tuple[int, float], ...]
+
 
 class Drafter(Protocol):
     """One request's drafting state (engine/speculation/ ``Speculation``), on the worker."""
@@ -78,9 +83,29 @@ class StepPlanner(Protocol):
 class SlotWatcher(Protocol):
     """Told of every change of what a slot's KV holds (engine/kv/ ``SlotBlocks``: KV events)."""
 
-    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None) -> None:
-        """``slot`` holds ``tokens`` now, its first ``kept`` unchanged since last told."""
+    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None, lora: LoraSet = ()) -> None:
+        """``slot`` holds ``tokens`` now, computed under ``salt`` and ``lora``, its first ``kept``
+        unchanged since last told."""
         ...
+
+
+# The tokens a vocabulary may give a role (llama_vocab_<role>): sequence marks, padding, and
+# the fill-in-the-middle tokens of code models (llama-server's /infill).
+TOKEN_ROLES = ("bos", "eos", "eot", "sep", "pad", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRoles:
+    """The vocabulary's tokens with a role, and what its tokenizer adds around a text."""
+
+    ids: Mapping[str, int] = field(default_factory=dict)  # role -> token id; absent: none
+    add_bos: bool = False
+    add_eos: bool = False
+    add_sep: bool = False
+
+    def get(self, role: str) -> int | None:
+        tid = self.ids.get(role, -1)
+        return None if tid < 0 else tid
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +114,10 @@ class Vocabulary:
 
     pieces: Sequence[bytes]  # each token's bytes as generated text (control tokens: none)
     special: Mapping[int, bytes]  # the tokens whose spelled-out text differs (control tokens)
+    roles: TokenRoles = TokenRoles()
+    # The chat template prompts are rendered with (Jinja; None: a llama.cpp built-in), as an
+    # HF tokenizer carries its own (vLLM's /tokenizer_info).
+    chat_template: str | None = None
 
     @property
     def n_vocab(self) -> int:
@@ -137,6 +166,9 @@ class ModelInfo:
     eos_text: str
     # The GGUF's named chat templates (tokenizer.chat_template.NAME: "tool_use", ...) by name.
     chat_template_variants: Mapping[str, str] = field(default_factory=dict)
+    roles: TokenRoles = TokenRoles()
+    pooling: str | None = None  # the GGUF's own pooling type ({arch}.pooling_type): an embedding model's
+    rerank_template: str | None = None  # tokenizer.chat_template.rerank: how a reranker frames a pair
 
     @property
     def can_roll_back(self) -> bool:

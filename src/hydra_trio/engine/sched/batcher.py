@@ -6,12 +6,21 @@ the result. Each batch holds every step handed in by the time the last batch's r
 come back, plus as many prompt tokens as fit in the per-step token budget: a long prompt is
 spread over several batches, so the running streams keep their pace while it is prefilled
 (as vLLM and llama-server do), instead of waiting behind a whole prompt chunk.
+
+llama.cpp applies LoRA adapters per context, not per sequence, so a batch holds the slots of
+one adapter set only (``lora_of``), as llama-server's ``can_batch_with`` refuses to batch
+slots whose sets differ. Where llama-server lets the first slot's set go first until it has
+no more work, here the sets take turns: a turn goes to the set with work that was served
+longest ago, and lasts TURN_SWITCHES times what a change of set costs (llama.cpp reserves its
+compute graph again after one: measured at load, ``lora_switch_s``), so that switching takes
+at most a ninth of the worker's time; the other sets' steps wait for their turn.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,13 +29,14 @@ import outcome
 import trio
 
 from ...wire.errors import ErrorCode, ProtocolError, Status
-from ..llama import PrefillPart, StepRequest, StepResult, TokenSampler
+from ..llama import LoraSet, PrefillPart, StepRequest, StepResult, TokenSampler
 from ..speculation import Speculation
 from .handover import Handover
 
 log = logging.getLogger(__name__)
 
 MAX_STEPS_PER_CALL = 256  # a run of steps returns to trio at least this often
+TURN_SWITCHES = 8  # an adapter set's turn lasts at least this many changes of set cost
 
 # One llama step, on the worker; the callable is run once, just before its llama_decode.
 StepSync = Callable[[Sequence[StepRequest], Callable[[], None]], list[StepResult]]
@@ -80,6 +90,8 @@ class StepBatcher:
         worker_free: Callable[[], Awaitable[None]],
         is_eog: Callable[[int], bool],
         wants_turn: threading.Event,
+        lora_of: Callable[[int], LoraSet] | None = None,
+        lora_switch_s: float = 0.0,
     ) -> None:
         # A slot has at most one job outstanding: the channel never holds more than n_slots.
         self._send, self._recv = trio.open_memory_channel[StepJob | PrefillJob](n_slots)
@@ -113,6 +125,13 @@ class StepBatcher:
         self.prompt_parts = 0  # prompt parts evaluated inside step batches
         self._stopped = False
         self._handover: Handover | None = None  # step results from the worker (while ``run`` runs)
+        # A slot's LoRA adapter set (None: no adapters are loaded, every slot runs the base
+        # model); the sets in the order they were last served, the least recently first.
+        self._lora_of = lora_of
+        self._turns: list[LoraSet] = []
+        self.turn_s = TURN_SWITCHES * lora_switch_s  # an adapter set's turn, while others wait
+        self._turn_ends = 0.0  # time.perf_counter() when the set served now yields its turn
+        self.set_switches = 0  # batches whose set differs from the batch before
 
     # ---- request side ------------------------------------------------------------------
 
@@ -190,11 +209,15 @@ class StepBatcher:
             while True:
                 steps = await self._gather()
                 live = [j for j in steps if not _finish_if_cancelled(j)]
-                prompts = self._next_prompts(len(live))
+                lora, others = self._choose_set(live)
+                if others:  # another set's steps wait for their turn
+                    self._next_steps.extend(j for j in live if self._lora_of(j.slot) != lora)  # type: ignore[misc]
+                    live = [j for j in live if self._lora_of(j.slot) == lora]  # type: ignore[misc]
+                prompts = self._next_prompts(len(live), lora)
                 if prompts:
                     await self._run_with_prompts(live, prompts)
                 elif live:
-                    await self._run_steps_only(live)
+                    await self._run_steps_only(live, until=self._turn_ends if others else None)
                 steps = []
         finally:
             self._stopped = True
@@ -241,8 +264,35 @@ class StepBatcher:
         else:
             steps.append(job)
 
-    def _next_prompts(self, n_steps: int) -> list[tuple[PrefillJob, int]]:
-        """The prompts that get a part in the next batch, each with the end of its part.
+    def _choose_set(self, steps: list[StepJob]) -> tuple[LoraSet | None, bool]:
+        """The adapter set of the next batch, and whether another set has work waiting (None,
+        False: no adapters are loaded). The set whose turn it is keeps it until the turn ends
+        or it has no work; then the set served longest ago gets the next (a set new to the
+        turns before them)."""
+        lora_of = self._lora_of
+        if lora_of is None:
+            return None, False
+        self._prompts = deque(j for j in self._prompts if not _finish_if_cancelled(j))
+        waiting = {lora_of(j.slot) for j in steps} | {lora_of(j.slot) for j in self._prompts}
+        if not waiting:
+            return None, False
+        turns = self._turns
+        current = turns[-1] if turns else None
+        if current in waiting and (len(waiting) == 1 or time.perf_counter() < self._turn_ends):
+            chosen = current
+        else:
+            served = {s: i for i, s in enumerate(turns)}
+            chosen = min(waiting, key=lambda s: served.get(s, -1))
+            self._turn_ends = time.perf_counter() + self.turn_s
+            if current is not None and chosen != current:
+                self.set_switches += 1
+        # Only sets with work keep a place: one that comes back later goes first then.
+        self._turns = [s for s in turns if s in waiting and s != chosen] + [chosen]
+        return chosen, len(waiting) > 1
+
+    def _next_prompts(self, n_steps: int, lora: LoraSet | None = None) -> list[tuple[PrefillJob, int]]:
+        """The prompts that get a part in the next batch, each with the end of its part
+        (``lora``: of that adapter set only; None: any).
 
         The steps go first. The first waiting prompt gets the rest of the token budget, and
         at least a quarter of it so that it progresses however many streams run; each further
@@ -253,6 +303,8 @@ class StepBatcher:
         left = self.alone_budget - n_steps
         chosen: list[tuple[PrefillJob, int]] = []
         for job in self._prompts:
+            if lora is not None and self._lora_of is not None and self._lora_of(job.slot) != lora:
+                continue  # another adapter set's: its own turn
             if n_steps == 0:
                 room = left
             elif not chosen:
@@ -267,10 +319,11 @@ class StepBatcher:
             left -= end - job.offset
         return chosen
 
-    async def _run_steps_only(self, jobs: list[StepJob]) -> None:
+    async def _run_steps_only(self, jobs: list[StepJob], *, until: float | None = None) -> None:
         """Run the steps, then, in the same worker call, the look-ahead steps of the tokens
         they sampled, and so on while every request keeps up and nothing else wants the
-        worker: the worker goes from one step to the next without a trip through trio.
+        worker (``until``: the time.perf_counter() when their adapter set's turn ends, another
+        set waiting): the worker goes from one step to the next without a trip through trio.
 
         Each step's results reach trio as the next step's decode starts (``Handover``, in
         order, and before this returns), so the requests hand out their text meanwhile."""
@@ -296,7 +349,7 @@ class StepBatcher:
                     return
                 hand_over()  # a step that did not decode (no slot had room)
                 nxt: list[StepJob] = []
-                if n < MAX_STEPS_PER_CALL and not self._wants_turn.is_set():
+                if n < MAX_STEPS_PER_CALL and not self._wants_turn.is_set() and (until is None or time.perf_counter() < until):
                     # Read on the worker thread: flags trio may be setting now. A stale
                     # "asked" only ends the run early; a missed "cancelled" is dropped by the
                     # request (drop_ahead), which waits for the step.

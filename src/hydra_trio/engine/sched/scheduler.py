@@ -16,7 +16,7 @@ import trio
 from ...config import Settings
 from ...wire.errors import ProtocolError
 from ..kv import CacheHit, HostTiers, KvOwner, Retention
-from ..llama import DecodeAborted, LlamaBackend
+from ..llama import DecodeAborted, LlamaBackend, LoraSet
 from ..worker import GpuWorker
 from .slots import SlotTable
 
@@ -57,7 +57,7 @@ class SlotScheduler:
         # claim that changed the slot's KV ends (``settle``), read by every eviction.
         self.slot_owner: list[KvOwner | None] = [None] * len(slots)
 
-    def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None) -> tuple[int, bytes | None]:
+    def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> tuple[int, bytes | None]:
         """How much of the slot's KV a prompt continues from: the one prefix-reuse policy of
         every path that continues a slot (generation, the P/D export).
 
@@ -68,7 +68,7 @@ class SlotScheduler:
         """
         backend = self._backend()
         cached = backend.seq_tokens[slot]
-        n_common = backend.shared_prefix(slot, tokens, salt)
+        n_common = backend.shared_prefix(slot, tokens, salt, lora)
         if n_common == len(tokens):
             logits = backend.tail_logits[slot]
             if logits is not None and n_common == len(cached):
@@ -76,20 +76,22 @@ class SlotScheduler:
             n_common -= 1  # re-evaluate the last prompt token for its logits
         return backend.reusable_prefix(slot, n_common), None
 
-    async def bring(self, slot: int, tokens: Sequence[int], salt: str | None, res: GenerationResult) -> bytes | None:
-        """Bring the slot to continue the prompt under ``salt`` as far as any tier holds it
+    async def bring(
+        self, slot: int, tokens: Sequence[int], salt: str | None, lora: LoraSet, res: GenerationResult
+    ) -> bytes | None:
+        """Bring the slot to continue the prompt under ``salt`` and the LoRA adapter set ``lora`` as far as any tier holds it
         (the slot, the prompt cache), the slot's own history kept first; the plan goes into
         ``res`` (what is reused, from where, what is left to evaluate). Returns the logits
         to sample the first token from when nothing is left; else the slot is cut to the
         plan, here, where the plan can still change: a memory that refuses a partial cut
         (recurrent, hybrid) was emptied, and the whole prompt is evaluated."""
-        from_tier, tier = await self.swap_in(slot, tokens, salt)
-        res.n_common, logits = self.reuse_plan(slot, tokens, salt)
+        from_tier, tier = await self.swap_in(slot, tokens, salt, lora)
+        res.n_common, logits = self.reuse_plan(slot, tokens, salt, lora)
         res.n_host = min(from_tier, res.n_common) if tier == "ram" else 0
         res.n_disk = min(from_tier, res.n_common) if tier == "disk" else 0
         res.logits_reused = logits is not None
         await self.keep_history(slot, res.n_common)
-        await self.adopt_salt(slot, salt)
+        await self.adopt(slot, salt, lora)
         if logits is not None:
             return logits
         res.n_common = await self.cut(slot, res.n_common)
@@ -152,7 +154,9 @@ class SlotScheduler:
         ram, disk = self._tiers.release(owners) if self._tiers is not None else (0, 0)
         return slots, ram, disk
 
-    def slot_rank(self, prompt: Sequence[int], salt: str | None = None) -> Callable[[int], tuple[float, ...]]:
+    def slot_rank(
+        self, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()
+    ) -> Callable[[int], tuple[float, ...]]:
         """The slot-choice policy, as a score of each slot for this prompt (higher is better;
         claim_any breaks ties by least recently used): a slot whose KV shares at least
         ``--slot-prompt-similarity`` of the prompt, the longest shared prefix first; then an
@@ -178,7 +182,7 @@ class SlotScheduler:
                 return 0, 0, *keep
             # What the slot can continue, not what it shares: a sliding window may have
             # dropped what a shared prefix needs, and then an empty slot is as good.
-            n_common = backend.reusable_prefix(slot, backend.shared_prefix(slot, prompt, salt))
+            n_common = backend.reusable_prefix(slot, backend.shared_prefix(slot, prompt, salt, lora))
             return (n_common if n_common >= least else 0), 0, *keep
 
         return score
@@ -193,35 +197,36 @@ class SlotScheduler:
         if cache.put(snap, self.slot_owner[slot]):
             log.debug("prompt cache: kept slot %d's %d positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
 
-    async def adopt_salt(self, slot: int, salt: str | None) -> None:
-        """Make the slot's history ``salt``'s. A request under another salt than the slot's
+    async def adopt(self, slot: int, salt: str | None, lora: LoraSet = ()) -> None:
+        """Make the slot's history ``salt``'s and the LoRA adapter set ``lora``'s: from now on
+        its batches run under that set. A request under another salt or set than the slot's
         continues none of it (``shared_prefix`` gave 0, and the prompt cache has it now), so
-        the slot is emptied before it is relabelled: no position computed under one salt
-        ever carries another (a prefill cancelled before its first chunk would leave them)."""
+        the slot is emptied before it is relabelled: no position computed under one salt or
+        set ever carries another (a prefill cancelled before its first chunk would leave them)."""
         backend = self._backend()
-        if backend.seq_salt[slot] == salt:
+        if backend.seq_salt[slot] == salt and backend.seq_lora[slot] == lora:
             return
         if backend.seq_tokens[slot]:
             await self._worker.call(lambda: backend.clear_slot(slot))
-        backend.seq_salt[slot] = salt
+        backend.seq_salt[slot], backend.seq_lora[slot] = salt, lora
 
-    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None) -> tuple[int, str]:
+    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> tuple[int, str]:
         """When a tier past the slots (the prompt cache in RAM, the disk tier) holds more of the
-        prompt (under the request's ``salt``) than the slot does, put the entry that holds the
-        most into the slot (the slot's own history goes to RAM first). Returns the positions
-        put back and their tier ("ram", "disk"; 0 and "": none)."""
+        prompt (under the request's ``salt`` and ``lora``) than the slot does, put the entry that
+        holds the most into the slot (the slot's own history goes to RAM first). Returns the
+        positions put back and their tier ("ram", "disk"; 0 and "": none)."""
         ram, disk = self._cache, self._disk
         if ram is None:
             return 0, ""
         backend = self._backend()
-        shared = backend.shared_prefix(slot, prompt, salt)
+        shared = backend.shared_prefix(slot, prompt, salt, lora)
         # Compared by what each could continue (a sliding window may have dropped the rest).
         held = backend.reusable_prefix(slot, min(shared, len(prompt) - 1))
 
         def worth_it() -> tuple[CacheHit, str] | None:
             best: tuple[CacheHit, str, int] | None = None
             for tier, source in (("ram", ram), ("disk", disk)):
-                hit = source.best(prompt, salt) if source is not None else None
+                hit = source.best(prompt, salt, lora) if source is not None else None
                 if hit is None:
                     continue
                 usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1))
@@ -244,7 +249,7 @@ class SlotScheduler:
         else:
             assert disk is not None
             owner = disk.owner_of(hit.key)
-            loaded = await disk.load(hit.key, salt)  # read and checked off the trio thread
+            loaded = await disk.load(hit.key, salt, lora)  # read and checked off the trio thread
             if loaded is None:
                 return 0, ""
             snap = loaded
@@ -253,7 +258,7 @@ class SlotScheduler:
 
         def call(abort: threading.Event) -> None:
             self._backend().state_restore(
-                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt
+                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt, lora=snap.lora
             )
 
         try:

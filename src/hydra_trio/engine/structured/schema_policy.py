@@ -79,6 +79,10 @@ I_JSON_LIMIT = 2**53 - 1
 FRACTION_STEP = 1e-10
 _LOWER = ("minimum", "exclusiveMinimum")
 _UPPER = ("maximum", "exclusiveMaximum")
+# An object that lists its properties and says nothing of others gets only those, as llama.cpp's
+# converter writes it (llguidance, by the letter of JSON Schema, lets a model add keys: a base
+# model wrote them until its length cap, 44 of 60 SchemaStore schemas against llama-server's 28).
+_OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 MAX_SCHEMA_DEPTH = 64
 # A pattern's counted repetition is compiled into llguidance's lexer: ``a{1000}`` costs it 28 ms
 # a token, ``a{100000}`` 1.4 s (measured, the tiny model's vocabulary): a count past this is
@@ -164,6 +168,8 @@ def _walk(node: Any, where: str, w: _Walk, depth: int) -> Any:
             w.relaxed.append(f"{at} ({why})")
         else:
             out[key] = value
+    if "properties" in out and not any(k in out for k in _OPEN_OBJECT):
+        out["additionalProperties"] = False  # only the listed properties, as llama.cpp writes it
     fmt = out.get("format")
     if isinstance(fmt, str) and (dated := DATED_PATTERNS.get(fmt)) is not None:
         del out["format"]
