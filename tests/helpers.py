@@ -85,6 +85,7 @@ HYDRA_METRICS_KEYS = {
     "ttft_ms",
     "tokens_per_s",
     "stop_type",
+    "session_id",
 }
 MATCH_KEYS = {
     "tokenizer_match",

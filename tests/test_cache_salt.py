@@ -4,11 +4,13 @@ salt, in the slots, in the host prompt cache and in the KV events' block hashes,
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from helpers import http
 from hydra_trio.engine.kv.blocks import SlotBlocks, block_hash
@@ -22,7 +24,7 @@ def _cached(body: dict[str, Any]) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-async def _complete(h: Any, route: str, salt: str | None, **extra: Any) -> dict[str, Any]:
+async def _complete(h: Any, route: str, salt: str | None, *, headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": 2, "temperature": 0, **extra}
     if route == "chat":
         body["messages"] = [{"role": "user", "content": PROMPT}]
@@ -30,7 +32,7 @@ async def _complete(h: Any, route: str, salt: str | None, **extra: Any) -> dict[
         body["prompt"] = PROMPT
     if salt is not None:
         body["cache_salt"] = salt
-    r = await h.post("/v1/chat/completions" if route == "chat" else "/v1/completions", json=body)
+    r = await h.post("/v1/chat/completions" if route == "chat" else "/v1/completions", json=body, headers=headers or {})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -129,3 +131,56 @@ def test_the_salt_is_mixed_into_the_first_blocks_hash() -> None:
     sb.slot_changed(0, tokens, 0, "a")
     sb.slot_changed(1, tokens, 0, "b")
     assert sorted(sb.held().values()) == [1] * 6
+
+
+# ---- agent sessions: a salt is a tenant ---------------------------------------------------------
+
+
+async def _live_child(h: Any, headers: dict[str, str], salt: str | None, out: dict[str, Any], started: trio.Event) -> None:
+    """A stream of a subagent of ``headers``'s session under ``salt``; ``out`` gets its end."""
+    body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    async with h.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                started.set()
+                if event["choices"][0].get("finish_reason"):
+                    out.update(event)
+
+
+async def test_a_salt_cannot_pin_read_release_or_cancel_another_salts_session(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    """Tenants a and b (two salts) name the same session ids. What b says of "s" (a high
+    priority, a long retention), b's finish of "s", b's cancelled "root" reach b's own
+    sessions only: a's session keeps its settings, its KV and its live subagent; and b learns
+    nothing of a's (no cached token)."""
+    ep = await start_engine(tiny_model, slots=3, cache_ram_mib=64)
+    sessions = ep.state.engine._core.sessions
+    s = {"x-session-id": "s"}
+    async with http(ep) as h:
+        first = await _complete(h, "completions", "a", headers=s)
+        n = first["usage"]["prompt_tokens"]
+        pin = {"vllm_xargs": {"agentic_context": {"priority": 1000, "kv_retention_ttl_seconds": 604800}}}
+        other = await _complete(h, "completions", "b", headers=s, **pin)
+        assert _cached(other) == 0  # read, time: nothing of a's
+        mine = sessions.get(("open", "a", "s"))
+        assert mine is not None and (mine.priority, mine.ttl_s) == (0, 300.0)  # pin: untouched
+        done = (await h.post("/finish_session", params={"session_id": "s", "cache_salt": "b"})).json()
+        assert done["found"] and done["sessions"] == 1  # b's own
+        assert sessions.get(("open", "a", "s")) is mine and not mine.released
+        assert _cached(await _complete(h, "completions", "a", headers=s)) >= n - 1  # release: a's KV kept
+        # a's live subagent under "root"; b's "root" is cancelled (its deadline) and finished.
+        out: dict[str, Any] = {}
+        started = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_live_child, h, {"x-session-id": "child", "x-parent-session-id": "root"}, "a", out, started)
+            await started.wait()
+            cut = {"vllm_xargs": {"agentic_context": {"program_id": "root", "deadline_seconds": 0}}}
+            b_root = await _complete(h, "completions", "b", **cut)
+            assert b_root["choices"][0]["finish_reason"] == "abort" and b_root["receipt"]["cut"] == "deadline"
+            assert (await h.post("/finish_session", json={"session_id": "root", "cache_salt": "b"})).json()["found"]
+            assert (await h.post("/finish_session", json={"session_id": "child", "cache_salt": "b"})).json()["found"] is False
+        assert out["choices"][0]["finish_reason"] == "length" and "receipt" not in out  # a's ran to its end

@@ -629,3 +629,28 @@ def test_the_help_and_the_docs_suggest_loopback_or_a_private_network_not_every_i
         text = (docs / page).read_text(encoding="utf-8")
         assert "e.g. `tcp://0.0.0.0" not in text and "tcp://0.0.0.0:557" not in text, page
         assert "loopback" in text and "private network" in text and "--kv-events-curve-secret-key-file" in text, page
+
+
+async def test_a_sessions_stores_name_it_and_the_disk_tier_is_medium_disk(
+    start_engine: Callable[..., Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Issue 52: a turn's BlockStored names its agent session (map encoding), and what RAM
+    drops to the disk tier (--cache-disk) is told as medium DISK, removed when read back."""
+    ep = await start_engine(
+        tiny_model, slots=1, cache_ram_mib=1, cache_disk=str(tmp_path / "kv"),
+        kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0",
+    )
+    eng, pub = ep.state.engine, ep.state.kv_events
+    prompts = [f"session {i} works on its own long task about topic {i} " * 40 for i in range(6)]
+    async with http(ep) as h:
+        for i, p in enumerate(prompts):
+            r = await h.post("/v1/completions", json={"prompt": p, "max_tokens": 1}, headers={"x-session-id": f"s{i}"})
+            assert r.status_code == 200
+        await wait_until(lambda: len(eng._core.tiers.disk) >= 1, 30)
+        await wait_slots_idle(eng)
+        await trio.testing.wait_all_tasks_blocked()
+    events = events_of(await trio.to_thread.run_sync(replay_sync, pub.replay_endpoint, 0))
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    assert {e.get("session_id") for e in stored if e["medium"] == "GPU"} >= {f"s{i}" for i in range(6)}
+    disk = [e for e in stored if e["medium"] == "DISK"]
+    assert disk and all(e.get("session_id") in {f"s{i}" for i in range(6)} for e in disk)

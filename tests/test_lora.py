@@ -241,6 +241,23 @@ def test_kv_events_name_the_set_and_chain_it_apart_from_the_base_model() -> None
     assert [(e["lora_name"]) for e in hb.resync_events()] == ["alpha*0.5,beta*1"]
 
 
+def test_kv_events_carry_the_set_and_the_session_together() -> None:
+    """An agent session's stores under an adapter set name both (map encoding), on every
+    medium: the slots', RAM's and the disk tier's."""
+    table = _table()
+    tokens = list(range(32))
+    sb = SlotBlocks(1, 16, table.event_fields)
+    sb.sessions[0] = "sess-1"
+    sb.slot_changed(0, tokens, 0, None, ((1, 1.0),))
+    (ev,) = [e for e in sb.take() if e["type"] == "BlockStored"]
+    assert (ev["lora_id"], ev["lora_name"], ev["session_id"], ev["medium"]) == (1, "beta", "sess-1", "GPU")
+    for medium in ("CPU", "DISK"):
+        told: list[Any] = []
+        hb = HostBlocks(16, told.extend, table.event_fields, medium=medium)
+        hb.entry_stored(3, tokens, None, ((1, 1.0),), "sess-1")
+        assert [(e["lora_id"], e["lora_name"], e["session_id"], e["medium"]) for e in told] == [(1, "beta", "sess-1", medium)]
+
+
 def test_the_prompt_cache_keeps_each_sets_entries_apart() -> None:
     cache = PromptCache(10_000)
     prompt = list(range(40))

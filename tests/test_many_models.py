@@ -167,6 +167,28 @@ async def test_every_request_is_served_by_the_model_it_names(models: dict[str, P
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == b_text
 
 
+async def test_agent_sessions_live_in_the_model_that_served_them(
+    models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A routed request's session hint makes a turn in its model's engine (its log line names
+    the model and the session); POST /finish_session finds it there, in every loaded model
+    by default or in the one ``model`` names."""
+    headers = {"x-claude-code-session-id": "S", "x-claude-code-agent-id": "sub-1"}
+    async with serve_models(three(models), models_max=3) as ep, http(ep) as h:
+        with caplog.at_level("INFO", logger="hydra_trio"):
+            r = await h.post("/v1/completions", json={"model": "b", "prompt": "hello world", "max_tokens": 2}, headers=headers)
+        assert r.status_code == 200, r.text
+        (line,) = [r.request for r in caplog.records if getattr(r, "request", None) and r.request.get("session_id") == "S:sub-1"]
+        assert line["model"] == "b" and line["route"] == "completions"
+        assert ep.state.models.find("b").engine.stats().sessions.sessions == 2  # the root and its subagent
+        assert ep.state.models.find("a").engine.stats().sessions.sessions == 0
+        r = await h.post("/finish_session", params={"session_id": "S:lead", "model": "a"})
+        assert r.status_code == 200 and r.json()["found"] is False  # not a's
+        r = await h.post("/finish_session", json={"session_id": "S:lead"})
+        assert r.status_code == 200 and r.json()["found"] is True and r.json()["sessions"] == 2, r.text
+        assert ep.state.models.find("b").engine.stats().sessions.sessions == 0
+
+
 async def test_lru_eviction_spares_pinned_and_recently_used_models(models: dict[str, Path]) -> None:
     async with serve_models(models, models_max=4, model_pin="b") as ep, http(ep) as h:
         assert await states(h) == {"a": "loaded", "b": "loaded", "c": "unloaded", "d": "unloaded", "e": "unloaded"}

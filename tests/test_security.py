@@ -298,3 +298,48 @@ async def test_http_errors_still_answer_behind_the_key(start_engine: Any, tiny_m
         assert (await keyed.get("/slots/x/state/meta")).status_code == 400
         with pytest.raises(httpx.HTTPStatusError):
             (await keyed.get("/v1/decode/x")).raise_for_status()
+
+
+# ---- agent sessions: a key is a tenant ------------------------------------------------------------
+
+
+async def test_a_key_cannot_pin_release_or_cancel_another_keys_session(start_engine: Any, tiny_model: Path) -> None:
+    """The plain key and the admin key name the same session ids: each names its own. The
+    admin's hints, its finish and its cancelled "root" leave the plain key's session, its
+    settings and its live subagent alone; a finish of another key's session finds nothing,
+    exactly as an id nobody used."""
+    ep = await start_engine(tiny_model, api_key=KEY, admin_api_key=ADMIN, **{**ENGINE, "slots": 3})
+    sessions = ep.state.engine._core.sessions
+    prompt = {"prompt": "the plain tenant's long task " * 8, "max_tokens": 2, "temperature": 0}
+    async with http(ep, api_key=KEY) as plain, http(ep, api_key=ADMIN) as admin:
+        assert (await plain.post("/v1/completions", json=prompt, headers={"x-session-id": "s"})).status_code == 200
+        mine = sessions.get(("plain", None, "s"))
+        assert mine is not None
+        pin = {"vllm_xargs": {"agentic_context": {"program_id": "s", "priority": 1000, "kv_retention_ttl_seconds": 604800}}}
+        assert (await admin.post("/v1/completions", json={**prompt, **pin})).status_code == 200
+        assert (mine.priority, mine.ttl_s) == (0, 300.0)  # not pinned by the other key
+        nobody = (await plain.post("/finish_session", params={"session_id": "never-named"})).json()
+        for body in ((await admin.post("/finish_session", params={"session_id": "child"})).json(), nobody):
+            assert body["found"] is False and body["sessions"] == 0  # another key's, or nobody's: alike
+        events: list[dict[str, Any]] = []
+        started = trio.Event()
+
+        async def child() -> None:
+            body = {**prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
+            headers = {"x-session-id": "child", "x-parent-session-id": "s"}
+            async with plain.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        started.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(child)
+            await started.wait()
+            cut = {"vllm_xargs": {"agentic_context": {"program_id": "s", "deadline_seconds": 0}}}
+            r = await admin.post("/v1/completions", json={**prompt, **cut})
+            assert r.json()["receipt"]["cut"] == "deadline"  # the admin's own "s": cut, its tree with it
+            done = (await admin.post("/finish_session", params={"session_id": "s"})).json()
+            assert done["found"] and done["cancelled_requests"] == 0
+        assert events[-1]["choices"][0]["finish_reason"] == "length" and "receipt" not in events[-1]
+        assert sessions.get(("plain", None, "s")) is mine and not mine.released

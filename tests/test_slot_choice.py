@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydra_trio.config import Settings
+from hydra_trio.engine.kv.retention import Retention
 from hydra_trio.engine.llama import common_prefix_len
 from hydra_trio.engine.sched.scheduler import SlotScheduler
 from hydra_trio.engine.sched.slots import SlotTable
@@ -113,6 +114,11 @@ class _Held:
         return n_keep  # no sliding window: all of a shared prefix can be continued
 
 
+# Recency alone: the scores below are the slot-choice rule's own (the retention order only
+# breaks ties among slots it would overwrite: tests/test_session_retention.py).
+_LRU = Retention("lru", lambda: 0.0)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     held=st.lists(st.lists(st.integers(1, 3), max_size=9), min_size=1, max_size=8),
@@ -126,7 +132,7 @@ def test_the_slot_score_settles_slots_by_their_head_as_the_plain_rule_would(
     every free slot of every claim); it gives what the rule says: the shared prefix when it
     is at least ``share`` of the prompt (and not empty), 0 otherwise, and an empty slot next."""
     backend = _Held(held)
-    scheduler = SlotScheduler(lambda: backend, None, SlotTable(len(held)), replace(Settings(), slot_prompt_similarity=share), None)  # type: ignore[arg-type]
+    scheduler = SlotScheduler(lambda: backend, None, SlotTable(len(held)), replace(Settings(), slot_prompt_similarity=share), None, _LRU)  # type: ignore[arg-type]
     score = scheduler.slot_rank(prompt)
     for slot, tokens in enumerate(held):
         n = common_prefix_len(tokens, prompt)
@@ -146,10 +152,10 @@ async def test_a_slot_whose_window_dropped_the_shared_prefix_loses_to_an_empty_o
     prompt = [1, 2, 3, 4, 5, 6]
     backend = _Windowed([[1, 2, 3, 4, 5, 9, 9], []])
     table = SlotTable(2)
-    scheduler = SlotScheduler(lambda: backend, None, table, replace(Settings(), slot_prompt_similarity=0.1), None)  # type: ignore[arg-type]
+    scheduler = SlotScheduler(lambda: backend, None, table, replace(Settings(), slot_prompt_similarity=0.1), None, _LRU)  # type: ignore[arg-type]
     score = scheduler.slot_rank(prompt)
     assert score(0) == (0, 0) and score(1) == (0, 1)
     assert (await table.claim_any("turn", score)).id == 1
     plain = _Held(backend.seq_tokens)  # the same slots without a window: the shared prefix wins
-    rank = SlotScheduler(lambda: plain, None, SlotTable(2), replace(Settings(), slot_prompt_similarity=0.1), None)  # type: ignore[arg-type]
+    rank = SlotScheduler(lambda: plain, None, SlotTable(2), replace(Settings(), slot_prompt_similarity=0.1), None, _LRU)  # type: ignore[arg-type]
     assert rank.slot_rank(prompt)(0) == (5, 0)

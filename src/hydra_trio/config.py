@@ -64,6 +64,15 @@ class Settings:
     slot_prompt_similarity: float = 0.5
     # Host memory for slots' KV kept past the slots (llama-server's --cache-ram), MiB; 0: off.
     cache_ram_mib: int = 8192
+    # A third tier for what RAM must drop (engine/kv/disktier.py): a folder and its bound in
+    # GiB; None: off.
+    cache_disk: str | None = None
+    cache_disk_gib: float = 16.0
+    # Agent sessions (engine/sched/session_tree.py): a session's KV is kept this long after
+    # its last turn (a request's kv_retention_ttl_seconds wins), and what leaves for room is
+    # chosen by the session (kv/retention.py) or by recency alone ("lru").
+    session_ttl_s: float = 300.0
+    session_policy: str = "session"
     # One core is left to the trio thread: ggml's spinning thread barriers collapse (3-6
     # instead of 35-44 tok/s measured on 2 cores) when a llama thread has to share a core.
     threads: int = max(1, min(8, (os.cpu_count() or 2) - 1))
@@ -288,6 +297,10 @@ _HELP: dict[str, str] = {
     "ctx_size": "KV cells of all slots together (split cache: each slot holds ctx_size/slots; unified: any slot may hold all)",
     "slot_prompt_similarity": "a prompt reuses a slot's KV only when the shared prefix is at least this share of the prompt (else an empty, then the least recently used slot); 0 = always the longest prefix",
     "cache_ram_mib": "host memory (MiB) for slots' KV kept past the slots: a slot's history is copied here before it is dropped, and comes back for a prompt that continues it; 0 = off",
+    "cache_disk": "a folder for KV that RAM (--cache-ram-mib) must drop: written crash-safe (temporary file, fsync, rename; checksummed, a torn file is never read back), cleaned at start, published as KV events of medium DISK (default: off)",
+    "cache_disk_gib": "GiB the --cache-disk folder may hold (the retention order picks what leaves)",
+    "session_ttl_s": "seconds an agent session's KV is kept after its last turn before it ranks as expired (a request's kv_retention_ttl_seconds wins)",
+    "session_policy": "what KV leaves first for room: session (finished subagents, then one-off prompts, then expired sessions, then live ones by priority and age) or lru (least recently used, sessions ignored)",
     "kv_unified": "one KV cache shared by all slots instead of one stream per slot (a slot may then hold the whole context, but every step's attention spans all slots' cells)",
     "ctx_checkpoints": "context checkpoints kept per slot for sliding-window, recurrent and hybrid models (llama-server's --ctx-checkpoints): a prefill copies the window's or the recurrent state 4 and --batch-size tokens before the prompt's end, and a restored KV blob's checkpoint section is kept as one, so a next prompt that leaves the history there resumes instead of recomputing; 0 = off",
     "swa_full": "full-size KV cache for sliding-window layers (llama.cpp's swa_full): their attention then spans the whole sequence; off (default, llama-server's) keeps only the window, faster prefill of long prompts",
@@ -407,6 +420,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "reasoning_format": REASONING_FORMATS,
     "spec_type": SPEC_TYPES,
     "kv_events_encoding": ("auto", "map", "array"),
+    "session_policy": ("session", "lru"),
     "pooling": ("model", "none", "mean", "cls", "last", "rank"),
 }
 
@@ -564,6 +578,10 @@ def validate(s: Settings) -> None:
         problems.append("configure_tiers must be a comma list of T1, T2, T3")
     if s.cache_ram_mib < 0:
         problems.append("cache_ram_mib must be >= 0 (0 = off)")
+    if s.cache_disk is not None and (not s.cache_disk.strip() or s.cache_ram_mib == 0):
+        problems.append("cache_disk must name a folder and needs cache_ram_mib > 0 (the disk takes what RAM drops)")
+    if not 0 < s.cache_disk_gib <= 1 << 20 or not 0 <= s.session_ttl_s <= 7 * 86400:
+        problems.append("cache_disk_gib must be > 0 and session_ttl_s 0..604800")
     if not s.kv_unified and s.ctx_size // s.slots < 16:
         problems.append(f"ctx_size ({s.ctx_size}) gives each of {s.slots} slots fewer than 16 cells with a split KV cache (--ctx-size, --slots, --kv-unified)")
     if s.threads < 1:

@@ -40,6 +40,7 @@ REQUEST_FIELDS = (
     "prompt_tokens",
     "cached_tokens",
     "host_cached_tokens",  # of cached_tokens, those the host prompt cache (RAM) gave back
+    "disk_cached_tokens",  # of cached_tokens, those the disk tier (--cache-disk) gave back
     "completion_tokens",
     "finish_reason",  # stop | length (OpenAI's); abort when cancelled
     "ttft_ms",
@@ -49,6 +50,8 @@ REQUEST_FIELDS = (
     "spec_accepted",  # and accepted
     "lora",  # the LoRA adapter set it ran under (engine/adapters.py ``label``; null: the base model)
     "error",  # the failure's cause, when it failed
+    "session_id",  # the agent session's id (as its client named it), when it named one
+    "receipt",  # a cut turn's receipt (engine/receipts.py): what it generated, computed, kept
 )
 STATS_FIELDS = ("prompt_tokens_per_s", "generation_tokens_per_s", "running", "waiting", "kv_cache_usage")
 
@@ -119,6 +122,7 @@ def generation_fields(res: GenerationResult, *, outcome: str, queue_s: float = 0
         "prompt_tokens": res.prompt_tokens,
         "cached_tokens": res.n_common,
         "host_cached_tokens": res.n_host,
+        "disk_cached_tokens": res.n_disk,
         "completion_tokens": res.completion_tokens,
         "finish_reason": res.finish_reason if outcome == "done" else "abort" if outcome == "cancelled" else None,
         "ttft_ms": round(queue_s * 1000.0 + res.prompt_ms, 3) if started else None,
@@ -127,6 +131,17 @@ def generation_fields(res: GenerationResult, *, outcome: str, queue_s: float = 0
         "spec_drafted": res.spec_drafted,
         "spec_accepted": res.spec_accepted,
     }
+
+
+def receipt_note(receipt: dict[str, Any] | None) -> str:
+    """The request line's words for a cut turn's receipt ("" when it was not cut)."""
+    if receipt is None:
+        return ""
+    cached, kept = receipt["prompt_tokens_cached"], receipt["kept"]
+    return (
+        f", cut ({receipt['cut']}): {receipt['prompt_tokens_computed']} prompt tokens computed, cached "
+        f"{cached['slot']} slot / {cached['ram']} RAM / {cached['disk']} disk, kept {kept['n_past']} ({kept['tier']})"
+    )
 
 
 def spec_note(res: GenerationResult) -> str:

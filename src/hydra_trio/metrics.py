@@ -177,6 +177,43 @@ class EngineCollector(Collector):
             ["rows"],
             [(model, [str(rows)], seconds) for model, stats in snaps for rows, seconds in stats.step_decode_s],
         )
+        yield from _session_figures(snaps)
+
+
+def _session_figures(snaps: list[tuple[str | None, EngineStats]]) -> Iterator[Metric]:
+    """Agent sessions (docs/operations.md, "Agent sessions") and the evictions of every tier
+    by the kind of history they dropped, each engine's (``model_name`` with several)."""
+    live = [(model, s) for model, stats in snaps if (s := stats.sessions) is not None]
+    if live:
+        for family, name, doc, read in (
+            (_G, "hydra_sessions", "agent sessions held (scoped by tenant and cache_salt)", lambda s: s.sessions),
+            (_G, "hydra_session_turns_live", "requests running in an agent session", lambda s: s.live_turns),
+            (_C, "hydra_session_turns_cut", "turns cut by their deadline, their tree's finish or their parent's cancellation", lambda s: s.turns_cut),
+            (_C, "hydra_session_trees_finished", "POST /finish_session calls that ended a tree", lambda s: s.trees_finished),
+        ):
+            yield _labelled(family, name, doc, [], [(model, [], read(s)) for model, s in live])
+    yield _labelled(
+        _C,
+        "hydra_kv_evictions",
+        "KV histories evicted for room, by tier (slot, ram, disk) and kind (finished, one_off, expired, live)",
+        ["tier", "kind"],
+        [(model, [tier, kind], n) for model, stats in snaps for tier, kind, n in stats.evictions],
+    )
+    disks = [(model, d) for model, stats in snaps if (d := stats.disk) is not None]
+    if not disks:
+        return
+    for family, name, doc, read in (
+        (_G, "hydra_disk_cache_bytes", "bytes the disk tier's entries hold (--cache-disk)", lambda d: d.nbytes),
+        (_G, "hydra_disk_cache_entries", "histories held by the disk tier", lambda d: d.entries),
+        (_C, "hydra_disk_cache_written", "histories RAM dropped, written to disk", lambda d: d.written),
+        (_C, "hydra_disk_cache_loaded", "disk entries restored into a slot", lambda d: d.loaded),
+        (_C, "hydra_disk_cache_loaded_tokens", "positions restored from disk (not recomputed)", lambda d: d.loaded_tokens),
+        (_C, "hydra_disk_cache_rejected", "disk entries that failed a check when read (never restored)", lambda d: d.rejected),
+        (_C, "hydra_disk_cache_dropped", "histories RAM dropped that were not written (the write queue was full)", lambda d: d.dropped),
+        (_C, "hydra_disk_cache_cleaned", "files removed at start (unfinished writes, torn, another model's, over the bound)", lambda d: d.cleaned),
+        (_C, "hydra_disk_cache_prefetched", "disk entries brought back to RAM ahead of their turn (while it waited for a slot, or its tool ran)", lambda d: d.prefetched),
+    ):
+        yield _labelled(family, name, doc, [], [(model, [], read(d)) for model, d in disks])
 
 
 class PromptCacheCollector(Collector):

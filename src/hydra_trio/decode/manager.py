@@ -21,17 +21,32 @@ from typing import Any
 import trio
 
 from ..config import Settings
-from ..engine import CallTiming, Engine, GenerationParams, GenerationResult, SlotLease
-from ..logs import generation_fields, request_extra, spec_note
+from ..engine import (
+    CallTiming,
+    Engine,
+    GenerationParams,
+    GenerationResult,
+    SlotLease,
+    Turn,
+    turn_receipt,
+)
+from ..logs import generation_fields, receipt_note, request_extra, spec_note
 from ..metrics import Metrics
 from ..model.identity import IdentityMatch
 from ..tasks import OwnedTask
+from ..wire.agentic import session_hint
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import DecodeFrame, merged_generation
 from ..wire.kvblob import KvBlob
 from .store import DecodeEntry, DecodeState, ResultStore, Tombstone
 
 log = logging.getLogger(__name__)
+
+RPC_TENANT = "rpc"  # DECODEs' agent sessions: RPC peers are one trust domain (--rpc-allow)
+
+
+def _no_header(_name: str) -> str | None:
+    return None  # a DECODE names its session in its generation (vllm_xargs, prompt_cache_key)
 
 
 @dataclass(slots=True)
@@ -71,6 +86,7 @@ class CancelResult:
     request_id: int
     state: DecodeState | None = None
     completion_tokens: int = 0  # what the request had generated when it stopped
+    receipt: dict[str, Any] | None = None  # what it computed and left (engine/receipts.py)
 
 
 class DecodeManager:
@@ -156,9 +172,10 @@ class DecodeManager:
                 # grammar that cannot compile is a 400, a malformed prompt is refused before
                 # the reply. No prompt at all (an empty prompt segment, spec §4.1): decoding
                 # continues from what the slot holds.
-                prepared = await engine.prepare(
-                    "decode", merged_generation(frame), slot=slot_id, tokenize=False
-                )
+                merged = merged_generation(frame)
+                prepared = await engine.prepare("decode", merged, slot=slot_id, tokenize=False)
+                # Its agent session, as its generation names it (RPC peers are one tenant).
+                hint = session_hint(_no_header, merged)
                 # The KV's admission: parsed (no longer than a slot) and held against the
                 # resident model by what the coordinator claims of it (§4.2).
                 # Foreign KV (or claims about it) must have been made under the request's LoRA
@@ -174,10 +191,15 @@ class DecodeManager:
         entry: DecodeEntry | None = None
         final, label = DecodeState.FAILED, None
         started: StartedDecode | None = None
+        turn: Turn | None = None
         try:
-            async with engine.claim(f"decode:{trace or 'rpc'}", slot=slot_id, lora=params.lora) as lease:  # SLOT_BUSY
+            async with (
+                engine.sessions(RPC_TENANT).turn(hint, params.cache_salt) as turn,
+                engine.claim(f"decode:{trace or 'rpc'}", slot=slot_id, lora=params.lora, turn=turn) as lease,  # SLOT_BUSY
+            ):
                 entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written
                 entry.task = task = OwnedTask(f"decode:{entry.id}")
+                entry.turn = turn
                 entry.replies = prepared.replies
                 entry.logprobs = params.logprobs is not None
                 entry.metrics.kv_bytes = len(frame.kv)
@@ -208,6 +230,8 @@ class DecodeManager:
                         final = await self._generate(entry, lease, prompt_text, params, rlog)
                     if task.scope.cancelled_caught:
                         final = DecodeState.CANCELLED
+                        turn.cut = turn.cut or "delete"
+                        turn.cancel_subagents()  # its tree ends with it
                         if started is None:  # DELETE during validation or restore
                             raise ProtocolError(ErrorCode.RESTORE_FAILED, "decode request cancelled before the restore completed")
                 except trio.Cancelled:  # the caller left before the reply, or the engine stops
@@ -225,8 +249,15 @@ class DecodeManager:
                     if started is None:
                         raise _with_id(ProtocolError(ErrorCode.INTERNAL, entry.error), entry, final) from exc
                     rlog.exception("decode %d failed", entry.id)
+            if turn.cut is not None and started is None:  # cut (deadline, its tree) before its reply
+                err = ProtocolError(ErrorCode.TIMEOUT, f"decode request cut before it started ({turn.cut})")
+                raise err if entry is None else _with_id(err, entry, DecodeState.CANCELLED)
         finally:
             if entry is not None:  # the slot is free by now
+                if turn is not None and turn.cut is not None:
+                    final = DecodeState.CANCELLED
+                    if entry.result is not None:
+                        entry.result.cut, entry.result.stop_type = turn.cut, "cancelled"
                 self._seal(entry, final, label)
                 if started is not None:
                     self._log_end(entry, final, trace, rlog, params.lora_name)
@@ -320,13 +351,15 @@ class DecodeManager:
             detail = f"{res.stop_type}, {res.tokens_per_s:.1f} tok/s{spec_note(res)}"
         else:
             detail = entry.error or "-"
+        receipt = turn_receipt(res)
+        session = "" if res.session_id is None else f", session {res.session_id}"
         rlog.info(
-            "decode %d %s: %d prompt (%d cached), %d generated, %s%s",
+            "decode %d %s: %d prompt (%d cached), %d generated, %s%s%s%s",
             entry.id, outcome, res.prompt_tokens, res.n_common, res.completion_tokens, detail,
-            "" if lora is None else f", LoRA {lora}",
+            "" if lora is None else f", LoRA {lora}", session, receipt_note(receipt),
             extra=request_extra(
                 request_id=trace or f"decode-{entry.id}", route="decode", model=self.engine.served_name, slot=entry.slot_id,
-                error=entry.error or None, lora=lora, **fields,
+                error=entry.error or None, lora=lora, session_id=res.session_id, receipt=receipt, **fields,
             ),
         )
 
@@ -356,6 +389,8 @@ class DecodeManager:
         entry = found
         if entry.running:
             t0 = time.perf_counter()
+            if entry.turn is not None:  # its subagents stop in the same pass as it does
+                entry.turn.cancel_subagents()
             await entry.task.cancel_and_wait()
             self.metrics.cancel.observe(time.perf_counter() - t0)
             if entry.state == DecodeState.CANCELLED:
@@ -365,6 +400,7 @@ class DecodeManager:
                     request_id,
                     entry.state,
                     completion_tokens=res.completion_tokens if res else 0,
+                    receipt=turn_receipt(res) if res else None,
                 )
             # It finished on its own before the cancellation landed: now delete it.
         self.store.delete(entry)

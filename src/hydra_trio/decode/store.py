@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from ..engine import turn_receipt
 from ..wire.errors import ErrorCode, ProtocolError
 from ..writeturn import WriterTurn
 
@@ -84,6 +85,7 @@ class Tombstone:
     id: int
     state: DecodeState
     ended_at: float
+    receipt: dict[str, Any] | None = None  # a cut request's (engine/receipts.py): what it left
 
 
 @dataclass(slots=True)
@@ -101,6 +103,7 @@ class DecodeEntry:
     # A fresh parser of the reply's tool calls and reasoning per reading (None: text only).
     replies: Callable[[], Any] | None = None
     logprobs: bool = False  # the request asked for logprobs: its JSON result carries them
+    turn: Any = None  # its agent session's turn (engine Turn): DELETE ends its tree with it
     metrics: DecodeTimings = field(default_factory=lambda: DecodeTimings())
     task: Any = None  # tasks.OwnedTask
     ended: trio.Event = field(default_factory=trio.Event)  # set once it left RUNNING
@@ -262,7 +265,8 @@ class ResultStore:
         entry.close_subscribers()
         entry.ended.set()
         entry.chunks = []  # a tombstone keeps no text
-        self._tombstones[entry.id] = Tombstone(entry.id, state, self.clock())
+        receipt = turn_receipt(entry.result) if entry.result is not None else None
+        self._tombstones[entry.id] = Tombstone(entry.id, state, self.clock(), receipt)
         while len(self._tombstones) > self.max_tombstones:
             self._tombstones.popitem(last=False)
 

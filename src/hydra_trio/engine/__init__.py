@@ -11,8 +11,10 @@ from .lease import Emit, SlotLease
 from .llama import POOLING_TYPES, DecodeAborted, LoraSet, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams
-from .requests import REASONING_EFFORTS, Route
+from .receipts import turn_receipt
+from .requests import REASONING_EFFORTS, Route, cache_salt
 from .sample import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from .sched import Finished, TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
 from .worker import CallTiming, WorkerLane
 
@@ -27,6 +29,7 @@ __all__ = [
     "Emit",
     "Engine",
     "EngineStats",
+    "Finished",
     "GenerationParams",
     "GenerationResult",
     "KvCopy",
@@ -41,8 +44,12 @@ __all__ = [
     "SamplingParams",
     "SlotInfo",
     "SlotLease",
+    "TenantSessions",
     "TokenLogprobs",
     "ToolCall",
+    "Turn",
     "Vocabulary",
     "WorkerLane",
+    "cache_salt",
+    "turn_receipt",
 ]

@@ -32,9 +32,10 @@ from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
 from .inputs import Inputs
 from .kv import (
-    HostBlocks,
-    PromptCache,
+    HostTiers,
+    Retention,
     SlotBlocks,
+    kv_fingerprint,
 )
 from .llama import (
     DecodeAborted,
@@ -50,7 +51,7 @@ from .output import GenerationResult, OutputProcessor
 from .params import GenerationParams
 from .reload import apply_staged
 from .sample import Sampler
-from .sched import PartOutcome, SlotScheduler, SlotTable, StepBatcher
+from .sched import PartOutcome, SessionTree, SlotScheduler, SlotTable, StepBatcher
 from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
 from .stats import EngineStats, SlotInfo
 from .worker import GpuWorker, WorkerLane
@@ -104,10 +105,13 @@ class EngineCore:
         self.ngram_memories = NgramMemories(settings.spec_ngram_size_n)  # drafts from earlier requests, per salt
         # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
-        self.host_blocks: HostBlocks | None = None  # the prompt cache's blocks, with kv_blocks
-        # Slots' KV kept past the slots (promptcache.py); None: --cache-ram-mib 0.
-        self.prompt_cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_ram_mib > 0 else None
-        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.prompt_cache)
+        # Slots' KV kept past the slots, in RAM (None: --cache-ram-mib 0) and on disk (kv/tiers.py),
+        # what leaves first (retention.py), and the agent sessions that own it (session_tree.py).
+        self.retention = Retention(settings.session_policy, trio.current_time)
+        self.tiers = HostTiers(settings, self.retention, kv_fingerprint(backend, identity.fields()))
+        self.prompt_cache = self.tiers.ram
+        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.tiers, self.retention)
+        self.sessions = SessionTree(ttl_s=settings.session_ttl_s, release=self.scheduler.release, resuming=self.tiers.want)
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         self._prefilling_alone = 0  # prompts in a chunk call of their own right now
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
@@ -190,6 +194,7 @@ class EngineCore:
                 "rejected draft positions; serve it with --spec-type none"
             )
         engine = cls(backend, identity, settings, lane, adapters)
+        await engine.tiers.open()  # the disk tier's folder cleaned and indexed
         engine.inputs.set_chat_template(template)
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         engine.warmup_ms = engine_warmup_ms
@@ -218,6 +223,8 @@ class EngineCore:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.batcher.run)
                 nursery.start_soon(self.reconfigurer.run)
+                nursery.start_soon(self.sessions.run)
+                nursery.start_soon(self.tiers.run)
                 nursery.start_soon(self.inputs.warm_grammars)
                 task_status.started()
         with trio.CancelScope(shield=True):
@@ -292,6 +299,9 @@ class EngineCore:
             t3_reloads=self.t3_reloads,
             last_t3_reload_ms=self.last_t3_reload_ms,
             prompt_cache=None if self.prompt_cache is None else self.prompt_cache.stats(),
+            sessions=self.sessions.stats(),
+            disk=self.tiers.disk_stats(),
+            evictions=self.retention.counts(),
         )
 
     def _planner(self) -> DraftPlanner:
@@ -311,17 +321,15 @@ class EngineCore:
         after the GPU-worker call that made it (on the trio thread)."""
         self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size, self.adapters.event_fields)
         self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
-        if self.prompt_cache is not None:  # histories moved to RAM: medium CPU
-            self.host_blocks = HostBlocks(block_size, publish, self.adapters.event_fields)
-            self.prompt_cache.watch(self.host_blocks)
+        # histories in RAM and on disk: media CPU, DISK, each with its adapter set's fields
+        self.tiers.watch(block_size, publish, self.adapters.event_fields)
         return self.kv_blocks
 
     async def resync_kv_events(self) -> None:
         """Tell everything the slots hold anew (for a new subscriber), between worker calls."""
         if self.kv_blocks is not None:
             await self.worker.call(self.kv_blocks.resync)  # AllBlocksCleared, then the slots'
-        if self.host_blocks is not None:
-            self.host_blocks.publish_resync()
+        self.tiers.publish_resync()
 
     def slots_emptied(self, backend: LlamaBackend) -> None:
         """On the worker, once a T2/T3 change has emptied every slot (``backend`` serves now)."""
@@ -443,22 +451,11 @@ class EngineCore:
         and LoRA adapter set and sample the token after it (None: the context is full); with
         ``want_logits`` also the logits it came from. The plan goes into ``res`` first, so a
         cancelled prefill still reports its work."""
-        salt, lora = params.cache_salt, params.lora
-        from_host = await self.scheduler.swap_in(slot, tokens, salt, lora)
-        res.n_common, logits = self.scheduler.reuse_plan(slot, tokens, salt, lora)
-        res.n_host = min(from_host, res.n_common)
-        res.logits_reused = logits is not None
-        await self.scheduler.keep_history(slot, res.n_common)
-        await self.scheduler.adopt(slot, salt, lora)
+        logits = await self.scheduler.bring(slot, tokens, params.cache_salt, params.lora, res)
         if logits is not None:
             reused = logits
             token = await self.worker.call(lambda: self.backend.sample_from_logits(sampler, reused))
             return token, logits
-        # The slot is cut to the plan here, where the plan can still change: a memory that
-        # refuses a partial cut (recurrent, hybrid) was emptied, and the whole prompt is evaluated.
-        res.n_common = await self.scheduler.cut(slot, res.n_common)
-        res.n_host = min(res.n_host, res.n_common)
-        res.n_prompt_processed = len(tokens) - res.n_common
         return await self.prefill(slot, tokens, res.n_common, sampler=sampler, want_logits=want_logits)
 
     def new_sampler(self, params: GenerationParams, *, logprobs: int | None = None) -> Sampler:

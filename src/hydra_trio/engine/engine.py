@@ -16,6 +16,7 @@ import trio
 
 from ..config import Settings
 from ..model.identity import ModelIdentity
+from ..tasks import raise_single
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, bad_param
 from ..wire.kvevents import Event
@@ -29,6 +30,7 @@ from .lease import SlotLease
 from .llama import LoraSet, Vocabulary
 from .params import GenerationParams
 from .requests import Route, cache_salt, check_request
+from .sched import Slot, TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
 from .worker import WorkerLane
 
@@ -270,6 +272,17 @@ class Engine:
 
     # ---- slots -----------------------------------------------------------------------------
 
+    async def _in_line(self, owner: str, prompt: Sequence[int], salt: str | None, lora: LoraSet) -> Slot:
+        core = self._core
+        if prompt and (core.slots.waiting or core.slots.n_busy == core.n_slots) and core.tiers.disk is not None:
+            return await _wait_and_prefetch(core, owner, prompt, salt, lora)
+        return await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora))
+
+    def sessions(self, tenant: str) -> TenantSessions:
+        """The agent sessions of ``tenant`` (the caller's API key): a request's turn, and
+        ``finish`` (engine/sched/session_tree.py). No tenant reaches another's."""
+        return TenantSessions(self._core.sessions, tenant)
+
     @asynccontextmanager
     async def claim(
         self,
@@ -280,13 +293,16 @@ class Engine:
         salt: str | None = None,
         lora: LoraSet = (),
         wait_s: float = math.inf,
+        turn: Turn | None = None,
     ) -> AsyncIterator[SlotLease]:
         """Hold a slot for the block: ``slot`` that one, at once (SLOT_BUSY when it is taken,
         NO_SLOT when there is none); else the free slot the slot-choice policy ranks best for
         ``prompt`` under ``salt`` and the LoRA adapter set ``lora``, waiting in line (first
         come, first served) up to ``wait_s`` (then SLOT_BUSY, the one "busy, retry" refusal)
         within the caller's scope. The adapters of ``lora`` count as waiting, then running
-        (vllm:lora_requests_info)."""
+        (vllm:lora_requests_info). ``turn``: the agent session's turn the claim serves; what
+        the slot holds at the end is that session's history (the retention order's to keep or
+        drop)."""
         core = self._core
         if not core.backend.generates:
             raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, f"{core.identity.model_name} has no KV cache (an encoder such as "
@@ -295,16 +311,33 @@ class Engine:
             held = core.slots.claim(slot, owner)
         else:
             with trio.move_on_after(wait_s) as waited, core.adapters.waiting(lora):
-                held = await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora))
+                held = await self._in_line(owner, prompt, salt, lora)
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"all slots are busy (waited {wait_s:g} s)")
-        lease = SlotLease(core, held.id)
+        lease = SlotLease(core, held.id, turn)
+        if core.kv_blocks is not None:  # the KV events of its stores name its session
+            core.kv_blocks.sessions[held.id] = None if turn is None else turn.session_id
         try:
             with core.adapters.running(lora):
                 yield lease
         finally:
             lease._end()
+            if lease.touched:
+                core.scheduler.settle(held.id, None if turn is None else turn.session)
             core.slots.release(held)
+
+
+async def _wait_and_prefetch(core: EngineCore, owner: str, prompt: Sequence[int], salt: str | None, lora: LoraSet) -> Slot:
+    """Wait in line for a slot while the prompt's history, if the disk holds it, comes back
+    into RAM (kv/tiers.py ``promote``): the turn then waits for a memory copy, not a read."""
+    slot: list[Slot] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(core.tiers.promote, prompt, salt, lora)
+            slot.append(await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora)))
+    except BaseExceptionGroup as group:
+        raise_single(group)
+    return slot[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from .worker import CallTiming
 
 if TYPE_CHECKING:
     from .core import EngineCore
+    from .sched import Turn
 
 Emit = Callable[[str], Awaitable[None]]
 
@@ -42,17 +43,25 @@ Emit = Callable[[str], Awaitable[None]]
 class SlotLease:
     """One slot, held by its claim's owner until the ``async with`` block ends."""
 
-    __slots__ = ("_core", "_held", "id")
+    __slots__ = ("_core", "_held", "_turn", "id", "touched")
 
-    def __init__(self, core: EngineCore, slot_id: int) -> None:
+    def __init__(self, core: EngineCore, slot_id: int, turn: Turn | None = None) -> None:
         self._core = core
         self.id = slot_id
         self._held = True
+        self._turn = turn
+        self.touched = False  # its KV changed: the history is the claim's session's now
 
     def _check(self) -> EngineCore:
         if not self._held:
             raise RuntimeError(f"slot {self.id}'s lease was used after its release")
         return self._core
+
+    def _change(self) -> EngineCore:
+        """For a call that changes the slot's KV."""
+        core = self._check()
+        self.touched = True
+        return core
 
     def _end(self) -> None:
         self._held = False
@@ -80,14 +89,21 @@ class SlotLease:
     ) -> GenerationResult:
         """Prefill what the slot lacks of the prompt ``tokens``, then sample until a stop
         condition, ``emit`` receiving the text as it comes; ``result`` is filled in as it goes
-        (read it even when cancelled)."""
-        return await self._check().generate(self.id, tokens, params, emit, result=result)
+        (read it even when cancelled), with what the slot holds when it ends (a receipt's)."""
+        core = self._change()
+        res = result if result is not None else GenerationResult()
+        if self._turn is not None:
+            res.session_id = self._turn.session_id
+        try:
+            return await core.generate(self.id, tokens, params, emit, result=res)
+        finally:
+            res.n_past_kept = core.n_past(self.id)
 
     async def prefill(self, tokens: Sequence[int], *, salt: str | None = None, lora: LoraSet = ()) -> bytes:
         """Evaluate the whole prompt into the emptied slot (RPC PREFILL) under ``salt`` and the
         adapter set ``lora``; the logits of its last position, which stay with the slot for a
         DECODE that follows."""
-        core = self._check()
+        core = self._change()
         await core.scheduler.adopt(self.id, salt, lora)
         _, logits = await core.prefill(self.id, tokens, 0, want_logits=True)
         assert logits is not None, "asked for"
@@ -99,12 +115,12 @@ class SlotLease:
         """The prompt evaluated anew into the slot with each token's log-probability given
         those before it (``tokens[1:]``, ``top_n`` alternatives each: ``score_prompt``); a
         ``generate`` of the same tokens then starts from its last position's logits."""
-        return await score_prompt(self._check(), self.id, tokens, top_n, salt=salt, lora=lora)
+        return await score_prompt(self._change(), self.id, tokens, top_n, salt=salt, lora=lora)
 
     async def sample_first(self, tokens: Sequence[int], params: GenerationParams) -> tuple[GenerationResult, bytes]:
         """A P/D prefill: the prompt in the slot (prefix reuse as generation) and the one token
         it answers with, by generation's own stop rules; with the logits it came from."""
-        return await self._check().sample_first(self.id, tokens, params)
+        return await self._change().sample_first(self.id, tokens, params)
 
     # ---- its KV --------------------------------------------------------------------------
 
@@ -128,7 +144,7 @@ class SlotLease:
         """An admitted blob into the slot, all-or-nothing, as the history of ``salt`` and
         ``lora`` (the cache_salt and LoRA adapter set of the request it serves; None and ():
         unsalted, the base model); idle slots' KV is evicted for its room first."""
-        core = self._check()
+        core = self._change()
         backend = core.backend
         if blob.checkpoint is not None:
             check_checkpoint(blob, checkpoint_size=backend.checkpoint_size)
@@ -151,7 +167,7 @@ class SlotLease:
 
     async def clear(self) -> int:
         """Empty the slot's KV; the positions it held."""
-        core = self._check()
+        core = self._change()
         n = core.n_past(self.id)
         await core.clear_slot(self.id)
         return n

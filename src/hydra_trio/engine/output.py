@@ -20,11 +20,12 @@ class GenerationResult:
     prompt_tokens: int = 0
     n_common: int = 0  # prompt tokens found in the slot's KV (not recomputed)
     n_host: int = 0  # of them, those the host prompt cache put back into the slot (--cache-ram-mib)
+    n_disk: int = 0  # of them, those the disk tier put back (--cache-disk)
     n_prompt_processed: int = 0  # prompt tokens evaluated by this request
     logits_reused: bool = False  # first token sampled from logits that came with the KV
     completion_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)  # joined on read: appends stay O(1)
-    stop_type: str = "limit"  # eos | word | limit | context
+    stop_type: str = "limit"  # eos | word | limit | context | cancelled (a cut turn: ``cut`` says why)
     stopping_word: str = ""
     prompt_ms: float = 0.0  # generation start -> first token sampled (prefill of the delta)
     decode_ms: float = 0.0  # first token -> last token
@@ -37,6 +38,11 @@ class GenerationResult:
     # Speculation (engine/speculative.py): draft tokens verified and accepted; None: it did not run.
     spec_drafted: int | None = None
     spec_accepted: int | None = None
+    # The turn's receipt (engine/receipts.py): its session, why it was cut (None: it was
+    # not), and the positions its slot held when it ended.
+    session_id: str | None = None
+    cut: str | None = None
+    n_past_kept: int | None = None
 
     @property
     def text(self) -> str:
@@ -50,6 +56,8 @@ class GenerationResult:
 
     @property
     def finish_reason(self) -> str:
+        if self.stop_type == "cancelled":
+            return "abort"  # vLLM's word for a request stopped from outside
         return "stop" if self.stop_type in ("eos", "word") else "length"
 
     @property

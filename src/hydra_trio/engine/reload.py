@@ -14,7 +14,7 @@ from ..config import Settings
 from ..model.identity import ModelIdentity
 from .chat import resolve_chat_template
 from .inputs import Inputs
-from .kv import PromptCache
+from .kv import HostTiers, kv_fingerprint
 from .llama import LlamaBackend
 from .modelfile import read_model_identity
 from .speculation import DraftPlanner
@@ -32,7 +32,7 @@ class Reloadable(Protocol):
     settings: Settings
     inputs: Inputs
     worker: GpuWorker
-    prompt_cache: PromptCache | None
+    tiers: HostTiers
     t3_reloads: int
     last_t3_reload_ms: float
 
@@ -42,8 +42,14 @@ class Reloadable(Protocol):
 async def apply_staged(core: Reloadable, changes: dict[str, Any]) -> None:
     """Apply staged CONFIGURE T2/T3 changes (configure.py), every slot idle."""
     t0 = time.perf_counter()
-    if core.prompt_cache is not None:
-        core.prompt_cache.clear()  # states of the old context or model fit neither
+    core.tiers.clear()  # states of the old context or model fit neither
+    try:
+        await _apply(core, changes, t0)
+    finally:  # what the disk tier writes from now on is of what serves now
+        core.tiers.refit(kv_fingerprint(core.backend, core.identity.fields()))
+
+
+async def _apply(core: Reloadable, changes: dict[str, Any], t0: float) -> None:
     if "model_path" in changes:
         path = changes["model_path"]
         # Its model_hash first (a thread of its own): the old model serves INFO meanwhile, and

@@ -31,11 +31,11 @@ Route = Literal["chat", "completions", "decode"]
 # Accepted and ignored (docs/http-api.md lists them, with why).
 IGNORED: dict[str, tuple[str, ...]] = {
     "chat": (
-        "model", "user", "safety_identifier", "prompt_cache_key", "metadata", "service_tier",
+        "model", "user", "safety_identifier", "metadata", "service_tier",
         "store", "stream_options",
     ),
     "completions": (
-        "model", "user", "safety_identifier", "prompt_cache_key", "metadata", "service_tier",
+        "model", "user", "safety_identifier", "metadata", "service_tier",
         "stream_options",
     ),
 }

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .kv import PromptCacheStats
+from .kv import DiskStats, PromptCacheStats
+from .sched import SessionStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,10 @@ class EngineStats:
     t3_reloads: int = 0  # CONFIGURE T3 model reloads done
     last_t3_reload_ms: float = 0.0
     prompt_cache: PromptCacheStats | None = None  # None: --cache-ram-mib 0
+    sessions: SessionStats | None = None  # agent sessions (engine/sched/session_tree.py)
+    disk: DiskStats | None = None  # the disk tier (--cache-disk); None: off
+    # KV histories evicted for room, by tier and kind (kv/retention.py): ((tier, kind, count), ...)
+    evictions: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def slots_idle(self) -> int:

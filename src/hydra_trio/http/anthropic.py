@@ -31,7 +31,8 @@ from .common import (
 )
 from .generation import generate_buffered, sse_body, start_stream
 from .model_routes import routed_json
-from .replies import Piece, ReplyParserFactory, cut, delta_pieces, whole_pieces
+from .replies import Piece, ReplyParserFactory, cut, delta_pieces, receipt_fields, whole_pieces
+from .session_hints import request_session
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -267,7 +268,10 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
 
 
 def stop_reason(res: GenerationResult, pieces_have_calls: bool, stop: list[str]) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished generation."""
+    """(stop_reason, stop_sequence) of a finished generation; a cut turn is paused (its
+    receipt says what stays: a request that continues it resumes from there)."""
+    if res.stop_type == "cancelled":
+        return "pause_turn", None
     if res.stop_type in ("limit", "context"):
         return "max_tokens", None
     if pieces_have_calls:
@@ -317,6 +321,7 @@ def message_body(mid: str, model: str, res: GenerationResult, parser: ReplyParse
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": usage(res),
+        **receipt_fields(res),
     }
 
 
@@ -382,7 +387,10 @@ class MessageEvents:
         return (
             rest
             + self._close()
-            + event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(res)})
+            + event(
+                "message_delta",
+                {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(res), **receipt_fields(res)},
+            )
             + event("message_stop", {})
         )
 
@@ -444,6 +452,7 @@ async def count_tokens() -> Response:
 async def messages() -> Response:
     state = app_state()
     engine, body, chat = await _chat_request()
+    session = request_session(body)  # Claude Code: its x-claude-code-* headers
     try:
         prepared = await engine.prepare("chat", chat)
     except ParamError as exc:
@@ -455,9 +464,9 @@ async def messages() -> Response:
     owner = generation_owner(mid)
     model = body.get("model") if isinstance(body.get("model"), str) else engine.served_name
     if not params.stream:
-        _slot, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="messages")
+        _slot, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="messages", session=session)
         return json_response(message_body(mid, model, res, _fresh(replies), stop))
-    stream = await start_stream(state, engine, tokens, params, owner=owner, path="messages")
+    stream = await start_stream(state, engine, tokens, params, owner=owner, path="messages", session=session)
     events = MessageEvents(mid, model, len(tokens), _fresh(replies), stop)
     out = sse_body(
         stream, head=events.head, delta_event=events.delta, done_event=events.done, direct=False, done=b"",

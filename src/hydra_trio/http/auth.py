@@ -19,7 +19,7 @@ import hmac
 import logging
 from typing import TYPE_CHECKING, Any
 
-from quart import Response, request
+from quart import Response, g, request
 
 from ..config import is_loopback
 from .common import json_response
@@ -32,6 +32,16 @@ if TYPE_CHECKING:
     from ..state import AppState
 
 log = logging.getLogger(__name__)
+
+# A request's tenant is the key it was served with: "admin" or "plain" (a key of that role),
+# or OPEN_TENANT (no key needed, or none given). Agent sessions are scoped by it
+# (http/session_hints.py), so two keys never share a session.
+OPEN_TENANT = "open"
+
+
+def request_tenant() -> str:
+    """The tenant of the request being handled (``OPEN_TENANT`` without keys)."""
+    return str(g.get("hydra_tenant", OPEN_TENANT))
 
 
 def _digest(key: str) -> bytes:
@@ -107,8 +117,12 @@ def install_auth(app: QuartTrio, state: AppState) -> None:
     @app.before_request
     async def require_api_key() -> Response | None:
         rule = request.url_rule.rule if request.url_rule is not None else None
-        refused = access(role_of(rule, request.method), ring, authorization_of(request.headers))
+        authorization = authorization_of(request.headers)
+        refused = access(role_of(rule, request.method), ring, authorization)
         if refused is None:
+            token = bearer_token(authorization)
+            granted = ring.role_of(token) if token is not None else None
+            g.hydra_tenant = OPEN_TENANT if granted is None else granted.name.lower()
             return None
         status, message = refused
         if status == 401:

@@ -16,6 +16,8 @@ from .common import app_state, generation_owner, json_response
 from .generation import generate_buffered, sse_body, start_stream
 from .logprobs import CompletionLogprobs
 from .model_routes import routed_json
+from .replies import receipt_fields
+from .session_hints import request_session
 from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ bp = Blueprint("completions", __name__)
 async def completions() -> Response:
     state = app_state()
     engine, body = await routed_json()  # the engine of the model it names
+    session = request_session(body)  # its agent session (400 for a malformed hint)
     prepared = await engine.prepare("completions", body)  # 400 for what this engine would not honour
     params, tokens = prepared.params, prepared.tokens
     assert tokens is not None, "tokenized"
@@ -52,7 +55,7 @@ async def completions() -> Response:
     if as_ids is not None and not isinstance(as_ids, bool):
         raise bad_param("return_tokens_as_token_ids must be a boolean", "return_tokens_as_token_ids")
 
-    def render(slot_id: int, res: GenerationResult, **extra: Any) -> dict[str, Any]:
+    def render(slot_id: int | None, res: GenerationResult, **extra: Any) -> dict[str, Any]:
         lp = None
         if vocab is not None:
             lp = CompletionLogprobs(vocab, token_ids=bool(as_ids))
@@ -75,10 +78,13 @@ async def completions() -> Response:
     only = echo and params.n_predict == 0  # max_tokens 0: the prompt alone (lm-eval's loglikelihood)
     if not params.stream:
         slot_id, res = await generate_buffered(
-            state, engine, tokens, params, owner=owner, path="completions", prepare=prepare, prompt_only=only
+            state, engine, tokens, params, owner=owner, path="completions", prepare=prepare, prompt_only=only,
+            session=session,
         )
         return json_response(render(slot_id, res, **plan.fields()))
-    stream = await start_stream(state, engine, tokens, params, owner=owner, path="completions", prepare=prepare, prompt_only=only)
+    stream = await start_stream(
+        state, engine, tokens, params, owner=owner, path="completions", prepare=prepare, prompt_only=only, session=session
+    )
 
     created = now_s()
     body = sse_body(
@@ -119,7 +125,7 @@ def text_completion_body(
     cid: str,
     created: int,
     model: str,
-    slot_id: int,
+    slot_id: int | None,
     res: GenerationResult,
     *,
     text: str | None = None,
@@ -150,5 +156,6 @@ def text_completion_body(
             res.n_common,
         ),
         "id_slot": slot_id,
+        **receipt_fields(res),
         **extra,
     }

@@ -10,7 +10,7 @@ from quart import Blueprint, Response, request
 
 from ..decode.manager import CancelOutcome, DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
-from ..engine import Engine, GenerationResult
+from ..engine import Engine, GenerationResult, turn_receipt
 from ..wire.protocol import ascii_decimal
 from ..writeturn import Wrote
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
@@ -58,7 +58,10 @@ async def get_decode(raw_id: str) -> Response:
     if found is None:
         return json_response(error_body(404, "no such decode request", "not_found_error", decode_request_id=request_id), 404)
     if isinstance(found, Tombstone):
-        return json_response({"state": found.state.value, "decode_request_id": request_id}, 410)
+        ended: dict[str, Any] = {"state": found.state.value, "decode_request_id": request_id}
+        if found.receipt is not None:  # a cut request's: what it computed and what stays
+            ended["receipt"] = found.receipt
+        return json_response(ended, 410)
     entry: DecodeEntry = found
     if entry.state in (DecodeState.VALIDATING, DecodeState.RESTORING):
         return json_response({"state": entry.state.value, "decode_request_id": entry.id, "id_slot": entry.slot_id}, 202)
@@ -107,6 +110,7 @@ async def delete_decode(raw_id: str) -> Response:
             # counter at this moment (compare later: nothing ran after the reply)
             "completion_tokens": result.completion_tokens,
             "engine_tokens_evaluated": require_engine().stats().tokens_evaluated,
+            "receipt": result.receipt,
         }
     )
 
@@ -182,6 +186,7 @@ def hydra_metrics(engine: Engine, entry: DecodeEntry) -> dict[str, Any]:
         "ttft_ms": round(m.ttft_ms, 3),
         "tokens_per_s": round(res.tokens_per_s, 3) if res else 0.0,
         "stop_type": res.stop_type if res else "",
+        "session_id": res.session_id if res else None,
     }
 
 
@@ -257,8 +262,12 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
             yield SSE_DONE
         else:
             code = "DECODE_FAILED" if entry.state == DecodeState.FAILED else entry.state.value.upper()
+            receipt = turn_receipt(entry.result) if entry.result is not None else None
             yield sse_event(
-                {**error_body(410 if entry.state != DecodeState.FAILED else 400, entry.error or entry.state.value, "decode_ended"), "state": entry.state.value, "error_code": code}
+                {
+                    **error_body(410 if entry.state != DecodeState.FAILED else 400, entry.error or entry.state.value, "decode_ended"),
+                    "state": entry.state.value, "error_code": code, **({"receipt": receipt} if receipt else {}),
+                }
             )
     finally:
         entry.unsubscribe(sub)

@@ -9,19 +9,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..engine import GenerationParams, GenerationResult, SlotLease, TokenLogprobs
-from ..logs import generation_fields, request_extra, spec_note
+from ..engine import (
+    GenerationParams,
+    GenerationResult,
+    SlotLease,
+    TokenLogprobs,
+    Turn,
+    turn_receipt,
+)
+from ..logs import generation_fields, receipt_note, request_extra, spec_note
 from ..tasks import start_owned
 from ..wire.errors import ProtocolError
 from ..writeturn import WriterTurn, Wrote
+from .auth import OPEN_TENANT
 from .common import client_request_id, http_status, request_nursery
 from .connections import chunk_writer
+from .session_hints import RequestSession
 from .sse import SSE_DONE, error_body, sse_event
 
 if TYPE_CHECKING:
@@ -46,15 +55,50 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
     return error_body(500, f"internal error: {type(exc).__name__}", "server_error", error_code="INTERNAL")
 
 
-def slot_for(state: AppState, engine: Engine, tokens: Sequence[int], owner: str, params: GenerationParams) -> Any:
+def slot_for(
+    state: AppState, engine: Engine, tokens: Sequence[int], owner: str, params: GenerationParams, turn: Turn | None = None
+) -> Any:
     """The claim of an HTTP generation: the free slot that holds the longest prefix of the
     prompt under the request's cache salt and LoRA adapter set, waited for up to
-    --slot-wait-s (then the one "busy, retry" refusal: 503 with Retry-After)."""
-    return engine.claim(owner, prompt=tokens, salt=params.cache_salt, lora=params.lora, wait_s=state.settings.slot_wait_s)
+    --slot-wait-s (then the one "busy, retry" refusal: 503 with Retry-After), for the agent
+    session's ``turn``."""
+    return engine.claim(
+        owner, prompt=tokens, salt=params.cache_salt, lora=params.lora, wait_s=state.settings.slot_wait_s, turn=turn
+    )
+
+
+def session_turn(engine: Engine, session: RequestSession | None, salt: str | None) -> AbstractAsyncContextManager[Turn]:
+    """The request's turn in its agent session (a one-off request's own, without one): the
+    cancel scope its tree, its deadline and ``/finish_session`` cut it with."""
+    if session is None:
+        return engine.sessions(OPEN_TENANT).turn(None, salt)
+    return engine.sessions(session.tenant).turn(session.hint, salt)
+
+
+def mark_cut(res: GenerationResult, turn: Turn) -> None:
+    """A turn its scope cut ended early, without an error: say so in its result (the
+    receipt in its reply, its request line, ``finish_reason`` abort)."""
+    if turn.cut is not None:
+        res.cut = turn.cut
+        res.stop_type = "cancelled"
+    res.session_id = turn.session_id
 
 
 async def _discard(_delta: str) -> None:
     return None
+
+
+@dataclass(slots=True)
+class _Line:
+    """What one request line says besides the result: filled in as the request goes."""
+
+    owner: str
+    path: str
+    model: str
+    lora: str | None  # the LoRA adapter set's name (None: the base model)
+    slot: int | None = None
+    queue_s: float = 0.0
+    turn: Turn | None = None
 
 
 async def generate_buffered(
@@ -66,52 +110,72 @@ async def generate_buffered(
     owner: str,
     path: str,
     prepare: Prepare | None = None,
+    session: RequestSession | None = None,
     prompt_only: bool = False,
-) -> tuple[int, GenerationResult]:
-    """(slot id, result) of a whole generation; ``prompt_only``: the slot held for
-    ``prepare`` alone, no token generated (an echo with max_tokens 0)."""
+) -> tuple[int | None, GenerationResult]:
+    """(slot id, result) of a whole generation; a turn cut before it held a slot has none.
+    ``prompt_only``: the slot held for ``prepare`` alone, no token generated (an echo with
+    max_tokens 0)."""
     t_arrived = trio.current_time()
-    async with slot_for(state, engine, tokens, owner, params) as lease:
-        queue_s = trio.current_time() - t_arrived
-        res = GenerationResult()
-        with _logged(owner, path, engine.served_name, lease.id, res, queue_s, params.lora_name):
-            if prepare is not None:
-                await prepare(lease)
-            if prompt_only:
-                res.prompt_tokens = res.n_prompt_processed = len(tokens)
-            else:
-                await lease.generate(tokens, params, _discard, result=res)
-    state.metrics.record_generation(path, res, model=engine.served_name, queue_s=queue_s)
-    return lease.id, res
+    line = _Line(owner, path, engine.served_name, params.lora_name)
+    res = GenerationResult(prompt_tokens=len(tokens))
+    with _logged(line, res):
+        async with session_turn(engine, session, params.cache_salt) as turn:
+            line.turn = turn
+            async with slot_for(state, engine, tokens, owner, params, turn) as lease:
+                line.slot, line.queue_s = lease.id, trio.current_time() - t_arrived
+                if prepare is not None:
+                    await prepare(lease)
+                if prompt_only:
+                    res.prompt_tokens = res.n_prompt_processed = len(tokens)
+                else:
+                    await lease.generate(tokens, params, _discard, result=res)
+        mark_cut(res, turn)
+    state.metrics.record_generation(path, res, model=engine.served_name, queue_s=line.queue_s, aborted=res.cut is not None)
+    return line.slot, res
 
 
 @contextmanager
-def _logged(
-    owner: str, path: str, model: str, slot_id: int, res: GenerationResult, queue_s: float, lora: str | None
-) -> Iterator[None]:
-    """One request line per HTTP generation, however it ends: done, cancelled (the client
-    left), or failed, with its tokens and timings, and the LoRA adapter set it ran under
-    (``lora``, its name; None: the base model) (logs.py: its JSON fields)."""
+def _logged(line: _Line, res: GenerationResult) -> Iterator[None]:
+    """One request line per HTTP generation, however it ends: done, cut (its receipt),
+    cancelled (the client left), or failed, with its tokens, timings, model, LoRA adapter set
+    (its name; None: the base model) and session (logs.py: its JSON fields). A refusal before any slot was held (busy: 503) is the route's."""
     outcome, error = "done", None
     # The client's X-Request-Id, else the completion id (the owner names it then, alone).
-    request_id = client_request_id() or owner.removeprefix("http:")
+    request_id = client_request_id() or line.owner.removeprefix("http:")
     try:
         yield
     except trio.Cancelled:
         outcome = "cancelled"
+        res.cut = res.cut or (line.turn.cut if line.turn is not None else None) or "cancelled"
         raise
     except BaseException as exc:
         outcome, error = "failed", exc.message if isinstance(exc, ProtocolError) else type(exc).__name__
         raise
     finally:
-        fields = generation_fields(res, outcome=outcome, queue_s=queue_s)
-        log.info(
-            "%s %s model %s slot %d %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s%s",
-            path, owner, model, slot_id, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
-            res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
-            spec_note(res), "" if lora is None else f", LoRA {lora}",
-            extra=request_extra(request_id=request_id, route=path, model=model, slot=slot_id, error=error, lora=lora, **fields),
-        )
+        if res.cut is not None:
+            outcome = "cancelled"
+        if line.slot is not None or res.cut is not None:
+            _log_line(line, res, outcome, error, request_id)
+
+
+def _log_line(line: _Line, res: GenerationResult, outcome: str, error: str | None, request_id: str) -> None:
+    fields = generation_fields(res, outcome=outcome, queue_s=line.queue_s)
+    session_id = line.turn.session_id if line.turn is not None else None
+    receipt = turn_receipt(res)
+    slot = "-" if line.slot is None else str(line.slot)
+    log.info(
+        "%s %s model %s slot %s %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s%s%s%s",
+        line.path, line.owner, line.model, slot, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
+        res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
+        spec_note(res), "" if line.lora is None else f", LoRA {line.lora}",
+        "" if session_id is None else f", session {session_id}", receipt_note(receipt),
+        extra=request_extra(
+            request_id=request_id, route=line.path, model=line.model, slot=line.slot, error=error, lora=line.lora,
+            session_id=session_id,
+            receipt=receipt, **fields,
+        ),
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,9 +223,10 @@ class GenerationStream:
     the rest of that chunk, first in line."""
 
     task: OwnedTask
-    slot_id: int
+    slot_id: int | None  # None: its turn was cut before it held a slot
     items: trio.MemoryReceiveChannel[StreamItem]
     turn: WriterTurn
+    line: _Line | None = None  # its request line's facts, the agent session's turn among them
 
     async def batches(self) -> AsyncIterator[list[StreamItem]]:
         """The items, each batch everything that was ready when the reader got to it: under
@@ -190,6 +255,11 @@ class GenerationStream:
     async def close(self) -> None:
         """Stop generation (client gone or stream over) and wait until it has stopped."""
         with trio.CancelScope(shield=True):
+            # The client left (or the stream is over): its subagents' requests stop now, in
+            # the same pass, not after this one's step in flight has been waited for.
+            turn = self.line.turn if self.line is not None else None
+            if turn is not None and not turn.ended.is_set():
+                turn.cancel_subagents()
             # Cancel before closing the channel: a producer that ran in between would find
             # it closed and end as a failure, where the client had left (a cancellation).
             await self.task.cancel_and_wait()
@@ -285,80 +355,90 @@ async def start_stream(
     owner: str,
     path: str,
     prepare: Prepare | None = None,
+    session: RequestSession | None = None,
     prompt_only: bool = False,
 ) -> GenerationStream:
-    """Claim a slot and start generating into a channel (the claim's refusal is raised here);
+    """Claim a slot and start generating into a channel (the claim's refusal is raised here).
+    A turn cut before it held a slot streams its end (and receipt) alone: slot id None.
     ``prompt_only`` as for ``generate_buffered``."""
     send, recv = trio.open_memory_channel[StreamItem](64)
     stall_s = state.settings.slot_wait_s
     turn = WriterTurn()
+    res = GenerationResult(prompt_tokens=len(tokens))
+
+    async def put(item: StreamItem) -> None:
+        turn.take_back()  # the reader writes what is queued, in order
+        # The common case (room in the channel) needs no deadline: a cancel scope per
+        # token was a tenth of the trio thread's work per streamed token (profiled).
+        try:
+            send.send_nowait(item)
+            return
+        except trio.WouldBlock:
+            pass
+        # A reader that stops reading without disconnecting must not hold the slot forever.
+        with trio.fail_after(stall_s):
+            await send.send(item)
+
+    sent_lp = 0  # entries of res.logprobs handed out: each goes with its chunk's text
+
+    async def emit(delta: str) -> None:
+        nonlocal sent_lp
+        if params.logprobs is not None:  # the tokens whose text this delta is
+            await put(Logprobs(res.logprobs[sent_lp:]))
+            sent_lp = len(res.logprobs)
+        elif turn.direct:
+            wrote = turn.write(delta)
+            if wrote is Wrote.ALL:
+                return
+            if wrote is Wrote.PART:
+                await put(_REST)
+                return
+        await put(Delta(delta))
+
+    line = _Line(owner, path, engine.served_name, params.lora_name)
 
     async def produce(task_status: Any) -> None:
         t_arrived = trio.current_time()
         # The slot is free before the channel closes: a reader that saw the end sees it free.
-        async with send, slot_for(state, engine, tokens, owner, params) as lease:
-            queue_s = trio.current_time() - t_arrived
-            task_status.started(lease.id)
-            await _produce(lease, queue_s)
-
-    async def _produce(lease: SlotLease, queue_s: float) -> None:
-
-        async def put(item: StreamItem) -> None:
-            turn.take_back()  # the reader writes what is queued, in order
-            # The common case (room in the channel) needs no deadline: a cancel scope per
-            # token was a tenth of the trio thread's work per streamed token (profiled).
+        async with send:
             try:
-                send.send_nowait(item)
-                return
-            except trio.WouldBlock:
-                pass
-            # A reader that stops reading without disconnecting must not hold the slot forever.
-            with trio.fail_after(stall_s):
-                await send.send(item)
-
-        sent_lp = 0  # entries of res.logprobs handed out: each goes with its chunk's text
-
-        async def emit(delta: str) -> None:
-            nonlocal sent_lp
-            if params.logprobs is not None:  # the tokens whose text this delta is
-                await put(Logprobs(res.logprobs[sent_lp:]))
-                sent_lp = len(res.logprobs)
-            elif turn.direct:
-                wrote = turn.write(delta)
-                if wrote is Wrote.ALL:
-                    return
-                if wrote is Wrote.PART:
-                    await put(_REST)
-                    return
-            await put(Delta(delta))
-
-        res = GenerationResult()
-        try:
-            with _logged(owner, path, engine.served_name, lease.id, res, queue_s, params.lora_name):
-                if prepare is not None:
-                    await prepare(lease)
-                if prompt_only:
-                    res.prompt_tokens = res.n_prompt_processed = len(tokens)
+                with _logged(line, res):
+                    async with session_turn(engine, session, params.cache_salt) as agent_turn:
+                        line.turn = agent_turn
+                        async with slot_for(state, engine, tokens, owner, params, agent_turn) as lease:
+                            line.slot, line.queue_s = lease.id, trio.current_time() - t_arrived
+                            task_status.started(lease.id)
+                            if prepare is not None:
+                                await prepare(lease)
+                            if prompt_only:
+                                res.prompt_tokens = res.n_prompt_processed = len(tokens)
+                            else:
+                                await lease.generate(tokens, params, emit, result=res)
+                            if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
+                                await emit("")
+                    mark_cut(res, agent_turn)
+                if line.slot is None:  # cut while it waited for a slot
+                    task_status.started(None)
+                state.metrics.record_generation(
+                    path, res, model=engine.served_name, queue_s=line.queue_s, aborted=res.cut is not None
+                )
+                await put(Done(res))
+            except (trio.TooSlowError, trio.BrokenResourceError) as exc:
+                # The reader stopped reading or left: nobody to tell.
+                log.info("streaming generation %s ended: reader gone or stalled (%r)", owner, exc)
+            except Exception as exc:
+                if line.slot is None:
+                    raise  # refused before its 200 (no slot): the route answers
+                if not isinstance(exc, ProtocolError):
+                    log.exception("streaming generation %s failed", owner)
                 else:
-                    await lease.generate(tokens, params, emit, result=res)
-                if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
-                    await emit("")
-            state.metrics.record_generation(path, res, model=engine.served_name, queue_s=queue_s)
-            await put(Done(res))
-        except (trio.TooSlowError, trio.BrokenResourceError) as exc:
-            # The reader stopped reading or left: nobody to tell.
-            log.info("streaming generation %s ended: reader gone or stalled (%r)", owner, exc)
-        except Exception as exc:
-            if not isinstance(exc, ProtocolError):
-                log.exception("streaming generation %s failed", owner)
-            else:
-                log.info("streaming generation %s ended early: %s", owner, exc.message)
-            # The reader is told, unless it stalls for the whole stall deadline too.
-            turn.take_back()
-            with trio.move_on_after(stall_s):
-                await send.send(Failed(exc))
+                    log.info("streaming generation %s ended early: %s", owner, exc.message)
+                # The reader is told, unless it stalls for the whole stall deadline too.
+                turn.take_back()
+                with trio.move_on_after(stall_s):
+                    await send.send(Failed(exc))
 
     # The producer belongs to its request: it runs in the request's own nursery, which ends
     # when the client goes away or the response is sent.
     task, slot_id = await start_owned(request_nursery(), owner, produce)
-    return GenerationStream(task, slot_id, recv, turn)
+    return GenerationStream(task, slot_id, recv, turn, line)

@@ -116,7 +116,7 @@ async def infill() -> Response:
     vocab = engine.vocab
     shown = vocab.detokenize(tokens)  # llama-server's "prompt": the tokens, specials spelled out
 
-    def final(slot_id: int, res: GenerationResult, content: str) -> dict[str, Any]:
+    def final(slot_id: int | None, res: GenerationResult, content: str) -> dict[str, Any]:
         return {
             "index": 0, "content": content, "tokens": [], "id_slot": slot_id, "stop": True, "model": model,
             "tokens_predicted": res.completion_tokens, "tokens_evaluated": res.prompt_tokens,

@@ -17,7 +17,15 @@ from .common import app_state, generation_owner, json_response, require_engine
 from .generation import generate_buffered, sse_body, start_stream
 from .logprobs import chat_logprobs
 from .model_routes import routed_json
-from .replies import ReplyEvents, ReplyParserFactory, chat_message, delta_fields, finish_reason
+from .replies import (
+    ReplyEvents,
+    ReplyParserFactory,
+    chat_message,
+    delta_fields,
+    finish_reason,
+    receipt_fields,
+)
+from .session_hints import request_session
 from .sse import (
     HOLE,
     RETRY_AFTER,
@@ -98,6 +106,7 @@ def slot_view(info: SlotInfo) -> dict[str, Any]:
 async def chat_completions() -> Response:
     state = app_state()
     engine, body = await routed_json()  # the engine of the model it names
+    session = request_session(body)  # its agent session (400 for a malformed hint)
     prepared = await engine.prepare("chat", body)  # 400 for what this engine would not honour
     params, tokens = prepared.params, prepared.tokens
     assert tokens is not None, "tokenized"
@@ -114,9 +123,13 @@ async def chat_completions() -> Response:
     if isinstance(plan, Response):
         return plan
     if not params.stream:
-        slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
+        slot_id, res = await generate_buffered(
+            state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore, session=session
+        )
         return json_response(completion_body(cid, model, slot_id, res, vocab=vocab, replies=replies, **plan.fields()))
-    stream = await start_stream(state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore)
+    stream = await start_stream(
+        state, engine, tokens, params, owner=owner, path="chat", prepare=plan.restore, session=session
+    )
 
     created = now_s()
     head = sse_event(completion_chunk(cid, created, model, delta={"role": "assistant", "content": ""}))
@@ -160,7 +173,8 @@ def _parsed_logprobs_chunk(
 
 
 def final_chunk(
-    cid: str, created: int, model: str, slot_id: int, res: GenerationResult, *, parser: ReplyParser | None = None, **extra: Any
+    cid: str, created: int, model: str, slot_id: int | None, res: GenerationResult, *, parser: ReplyParser | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """The last chunk of a stream: finish_reason, usage and timings (then [DONE])."""
     return completion_chunk(
@@ -172,6 +186,7 @@ def final_chunk(
         usage=usage(res.prompt_tokens, res.completion_tokens, res.n_common),
         timings=timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
         id_slot=slot_id,
+        **receipt_fields(res),
         **extra,
     )
 
@@ -179,7 +194,7 @@ def final_chunk(
 def completion_body(
     cid: str,
     model: str,
-    slot_id: int,
+    slot_id: int | None,
     res: GenerationResult,
     *,
     vocab: Vocabulary | None = None,
@@ -201,5 +216,6 @@ def completion_body(
         "usage": usage(res.prompt_tokens, res.completion_tokens, res.n_common),
         "timings": timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
         "id_slot": slot_id,
+        **receipt_fields(res),
         **extra,
     }

@@ -10,10 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import GenerationResult, ReplyDelta, ReplyParser, ToolCall
+from ..engine import GenerationResult, ReplyDelta, ReplyParser, ToolCall, turn_receipt
 from .sse import sse_event
 
 ReplyParserFactory = Callable[[], ReplyParser]  # a fresh parser for each reading of a reply
+
+
+def receipt_fields(res: GenerationResult) -> dict[str, Any]:
+    """A cut turn's ``receipt`` field (engine/receipts.py), for every reply shape; {} when
+    the turn was not cut."""
+    receipt = turn_receipt(res)
+    return {} if receipt is None else {"receipt": receipt}
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:

@@ -33,14 +33,15 @@ from .common import (
 )
 from .generation import error_event_body, generate_buffered, sse_body, start_stream
 from .model_routes import routed_json
-from .replies import Piece, cut, delta_pieces, whole_pieces
+from .replies import Piece, cut, delta_pieces, receipt_fields, whole_pieces
+from .session_hints import request_session
 
 log = logging.getLogger(__name__)
 bp = Blueprint("responses", __name__)
 
 # Accepted and ignored (docs/http-api.md names each).
 IGNORED = (
-    "model", "store", "include", "prompt_cache_key", "metadata", "user", "safety_identifier", "service_tier",
+    "model", "store", "include", "metadata", "user", "safety_identifier", "service_tier",
     "truncation", "top_logprobs", "stream_options", "prompt_cache_retention", "max_tool_calls",
 )
 _STORED = "this server stores no responses: send the whole conversation in input (store: false)"
@@ -299,13 +300,16 @@ class Shell:
             "id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": None, "output": output, **self.fields, "usage": None if res is None else usage(res),
         }
-        if status == "incomplete":
-            body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if status == "incomplete" and res is not None:
+            # A cut turn (its receipt says why and what stays) is ours: "cancelled".
+            reason = "cancelled" if res.stop_type == "cancelled" else "max_output_tokens"
+            body["incomplete_details"] = {"reason": reason}
+            body.update(receipt_fields(res))
         return body
 
 
 def status_of(res: GenerationResult) -> str:
-    return "incomplete" if res.stop_type in ("limit", "context") else "completed"
+    return "incomplete" if res.stop_type in ("limit", "context", "cancelled") else "completed"
 
 
 def response_body(shell: Shell, res: GenerationResult, parser: ReplyParser | None) -> dict[str, Any]:
@@ -428,14 +432,15 @@ async def responses() -> Response:
         raise exc.renamed(param_names(body)) from None
     params, tokens, replies = prepared.params, prepared.tokens, prepared.replies
     assert tokens is not None, "tokenized"
+    session = request_session(body)  # its agent session (Codex: the session_id header, prompt_cache_key)
     rid = _id("resp")
     owner = generation_owner(rid)
     model = body.get("model") if isinstance(body.get("model"), str) else engine.served_name
     shell = Shell(rid, model, body, chat)
     if not params.stream:
-        _slot, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="responses")
+        _slot, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="responses", session=session)
         return json_response(response_body(shell, res, None if replies is None else replies()))
-    stream = await start_stream(state, engine, tokens, params, owner=owner, path="responses")
+    stream = await start_stream(state, engine, tokens, params, owner=owner, path="responses", session=session)
     events = ResponseEvents(shell, None if replies is None else replies())
     out = sse_body(
         stream, head=events.head, delta_event=events.delta, done_event=events.done, direct=False, done=b"",

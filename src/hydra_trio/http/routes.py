@@ -65,6 +65,8 @@ ROUTES: tuple[Route, ...] = (
     Route("/detokenize", "POST", Role.PLAIN, "json"),
     Route("/tokenizer_info", "GET", Role.PLAIN),
     Route("/apply-template", "POST", Role.PLAIN, "json"),
+    # vllm-router's: an agent session is over (scoped by the caller's key and cache_salt).
+    Route("/finish_session", "POST", Role.PLAIN, "small"),
     Route("/lora-adapters", "GET", Role.PLAIN),
     Route("/lora-adapters", "POST", Role.ADMIN, "json"),  # every request's default adapter set
     Route("/v1/decode", "GET", Role.ADMIN),  # every decode id: the ids are the results' capabilities

@@ -39,6 +39,7 @@ from .model_routes import bp as models_bp
 from .openai import bp as openai_bp
 from .openai import health_reply
 from .responses import bp as responses_bp
+from .session_routes import bp as sessions_bp
 from .sse import error_body
 from .state_routes import bp as state_bp
 from .state_routes import drain_body, hold_state_uploads
@@ -163,6 +164,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(tokens_bp)
     app.register_blueprint(anthropic_bp)
     app.register_blueprint(responses_bp)
+    app.register_blueprint(sessions_bp)
     app.register_blueprint(models_bp)
     app.register_blueprint(embed_bp)
     app.register_blueprint(infill_bp)

@@ -28,6 +28,7 @@ import msgpack
 # "CPU" the host tier (the prompt cache in RAM, vLLM's name for its CPU offload tier).
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
+MEDIUM_DISK = "DISK"  # ours: the disk tier (--cache-disk), as vLLM's KV connectors name a disk tier
 # How events are laid out (--kv-events-encoding): "map" (tagged maps, what vllm-router
 # decodes) or "array" (vLLM's msgspec ``array_like`` structs: each event a positional array
 # led by its tag, what llm-d's KV-cache indexer decodes).
@@ -55,9 +56,12 @@ def block_stored(
     *,
     lora_id: int | None = None,
     lora_name: str | None = None,
+    session_id: str | None = None,
 ) -> Event:
-    """``lora_id``, ``lora_name``: the LoRA adapter (set) the blocks were computed under (None: the base model)."""
-    return {
+    """``lora_id``, ``lora_name``: the LoRA adapter (set) the blocks were computed under (None: the base model).
+    ``session_id`` (ours, map encoding only: a key vLLM's structs do not have, which the
+    array layout leaves out): the agent session whose turn stored the blocks."""
+    event = {
         "type": "BlockStored",
         "block_hashes": list(hashes),
         "parent_block_hash": parent,
@@ -67,6 +71,9 @@ def block_stored(
         "medium": medium,
         "lora_name": lora_name,
     }
+    if session_id is not None:
+        event["session_id"] = session_id
+    return event
 
 
 def block_removed(hashes: Sequence[int], medium: str = MEDIUM_DEVICE) -> Event:

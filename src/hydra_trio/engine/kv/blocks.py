@@ -70,6 +70,9 @@ class SlotBlocks:
         self._refs: dict[int, int] = {}  # block hash -> slots holding it
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
         self.pending: deque[Event] = deque()
+        # The agent session of the request holding each slot (set at its claim): its stores
+        # name it (``session_id``, map encoding).
+        self.sessions: list[str | None] = [None] * n_slots
 
     def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None, lora: LoraSet = ()) -> None:
         """The slot now holds ``tokens``, computed under ``salt`` and the adapter set ``lora``;
@@ -119,6 +122,7 @@ class SlotBlocks:
                     bs,
                     lora_id=lora_id,
                     lora_name=lora_name,
+                    session_id=self.sessions[slot],
                 )
             )
 
@@ -187,23 +191,33 @@ class SlotBlocks:
 
 
 class HostBlocks:
-    """The host prompt cache's blocks (medium "CPU"), told as each entry comes and goes.
+    """The host prompt cache's blocks (medium "CPU"; the disk tier's: "DISK"), told as each
+    entry comes and goes.
     Used on the trio thread only (the prompt cache lives there): its events go to
     ``publish`` at once. A block several entries share (one system prompt, many sessions)
     is stored with the first and removed with the last, as for slots. The same tokens in a
     slot and in RAM are the same hashes on two media: a router holds one entry per medium."""
 
-    def __init__(self, block_size: int, publish: Callable[[list[Event]], None], lora_fields: LoraFields = _no_adapters) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        publish: Callable[[list[Event]], None],
+        lora_fields: LoraFields = _no_adapters,
+        medium: str = MEDIUM_HOST,
+    ) -> None:
         self.block_size = block_size
         self._publish = publish
         self._lora_fields = lora_fields
+        self.medium = medium
         self._chains: dict[int, list[int]] = {}  # entry key -> its block hashes
         self._lora: dict[int, LoraSet] = {}  # entry key -> its adapter set (the base model's: absent)
         self._refs: dict[int, int] = {}  # block hash -> entries holding it
         self._tokens: dict[int, tuple[int, ...]] = {}  # block hash -> its tokens (for resync)
         self._parents: dict[int, int | None] = {}  # block hash -> its parent's (None: a chain's first)
 
-    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = ()) -> None:
+    def entry_stored(
+        self, key: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = (), session_id: str | None = None
+    ) -> None:
         bs = self.block_size
         chain: list[int] = []
         lora_id, lora_name = self._lora_fields(lora)
@@ -228,8 +242,8 @@ class HostBlocks:
             parent_hash = chain[new_from - 1] if new_from else None
             self._publish([
                 block_stored(
-                    chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, MEDIUM_HOST,
-                    lora_id=lora_id, lora_name=lora_name,
+                    chain[new_from:], parent_hash, tokens[new_from * bs : len(chain) * bs], bs, self.medium,
+                    lora_id=lora_id, lora_name=lora_name, session_id=session_id,
                 )
             ])
 
@@ -244,13 +258,13 @@ class HostBlocks:
             del self._refs[h], self._tokens[h], self._parents[h]
             gone.append(h)
         if gone:
-            self._publish([block_removed(gone, MEDIUM_HOST)])
+            self._publish([block_removed(gone, self.medium)])
 
     def cleared(self) -> None:
         """The cache was emptied (a context rebuilt or a model reloaded): told as removals,
         which hold even when the change then fails and no AllBlocksCleared follows."""
         if self._refs:
-            self._publish([block_removed(list(self._refs), MEDIUM_HOST)])
+            self._publish([block_removed(list(self._refs), self.medium)])
         self._chains.clear()
         self._lora.clear()
         self._refs.clear()
@@ -273,7 +287,7 @@ class HostBlocks:
             tokens = [t for h in run for t in self._tokens[h]]
             lora_id, lora_name = self._lora_fields(self._lora.get(key, ()))
             out.append(
-                block_stored(run, self._parents[run[0]], tokens, self.block_size, MEDIUM_HOST, lora_id=lora_id, lora_name=lora_name)
+                block_stored(run, self._parents[run[0]], tokens, self.block_size, self.medium, lora_id=lora_id, lora_name=lora_name)
             )
         return out
 

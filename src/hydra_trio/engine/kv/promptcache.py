@@ -18,6 +18,10 @@ a prompt is next to the prompt's place in that order. A scan of every entry per 
 was the trio thread's main cost once the cache held a few thousand histories (the default
 8 GiB holds hundreds of thousands of a small model's).
 
+Which entry leaves for room is the retention order's (retention.py: by the owning agent
+session, or least recently put first under ``--session-policy lru``); an entry evicted for
+room goes to ``spill`` (the disk tier) when there is one.
+
 Pure: no llama_cpp import; the engine does the GPU-worker calls.
 """
 
@@ -25,12 +29,13 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..llama import LoraSet, Snapshot, common_prefix_len
+from .retention import KvOwner, Retention
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,23 +60,33 @@ class CacheHit:
 class CacheWatcher(Protocol):
     """Told each entry that comes and goes (blocks.HostBlocks: KV events of medium CPU)."""
 
-    def entry_stored(self, key: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = ()) -> None: ...
+    def entry_stored(
+        self, key: int, tokens: Sequence[int], salt: str | None, lora: LoraSet = (), session_id: str | None = None
+    ) -> None: ...
     def entry_removed(self, key: int) -> None: ...
     def cleared(self) -> None: ...
+
+
+Spill = Callable[[Any, KvOwner | None], None]
 
 
 @dataclass(slots=True)
 class PromptCache:
     max_bytes: int
+    retention: Retention | None = None  # None: least recently put first
+    tier: str = "ram"  # what evictions are counted as (retention.evicted)
     _entries: OrderedDict[int, Snapshot] = field(default_factory=OrderedDict)  # least recently put first
     _sorted: list[int] = field(default_factory=list)  # the keys, ordered by their entries' tokens
     _keys: count[int] = field(default_factory=count)
+    _owner: dict[int, KvOwner | None] = field(default_factory=dict)  # key -> the session it is
+    _by_owner: dict[KvOwner | None, dict[int, None]] = field(default_factory=dict)  # each owner's keys, oldest first
     nbytes: int = 0
     saved: int = 0  # entries put here
     restored: int = 0  # entries taken back into a slot
     restored_tokens: int = 0  # their positions: prompt tokens not recomputed
     evicted: int = 0  # entries dropped for room (or replaced by a longer one)
     watcher: CacheWatcher | None = None
+    spill: Spill | None = None  # takes what is evicted for room (the disk tier)
 
     def watch(self, watcher: CacheWatcher) -> None:
         """Tell ``watcher`` every entry held now, and from now on each change."""
@@ -91,24 +106,60 @@ class PromptCache:
     def _order_of(self, key: int) -> tuple[str, LoraSet, list[int]]:
         return self._entries[key].order
 
-    def put(self, snap: Snapshot) -> bool:
-        """Keep a snapshot, evicting the least recently used for room; False when it alone
-        is larger than the cache. An entry it extends (a prefix of its tokens) is dropped:
-        the new one serves every prompt the old one did."""
+    def put(self, snap: Snapshot, owner: KvOwner | None = None) -> bool:
+        """Keep a snapshot of ``owner``'s history, evicting by the retention order for room;
+        False when it alone is larger than the cache. An entry it extends (a prefix of its
+        tokens) is dropped: the new one serves every prompt the old one did."""
         if snap.nbytes > self.max_bytes or not snap.tokens:
             return False
         for key in self._prefixes_of(snap.tokens, snap.salt, snap.lora):
             self._drop(key)
         while self._entries and self.nbytes + snap.nbytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            self._evict(self._victim())
         key = next(self._keys)
         self._entries[key] = snap
+        self._owner[key] = owner
+        self._by_owner.setdefault(owner, {})[key] = None
         insort(self._sorted, key, key=self._order_of)
         self.nbytes += snap.nbytes
         self.saved += 1
         if self.watcher is not None:
-            self.watcher.entry_stored(key, snap.tokens, snap.salt, snap.lora)
+            self.watcher.entry_stored(key, snap.tokens, snap.salt, snap.lora, getattr(owner, "id", None))
         return True
+
+    def _victim(self) -> int:
+        """The entry that leaves first: of the owner the retention order ranks lowest, its
+        oldest (under lru, or without one: the least recently put of all)."""
+        if self.retention is None or self.retention.policy == "lru":
+            return next(iter(self._entries))
+        return next(iter(self._by_owner[self.retention.victim(self._by_owner)]))
+
+    def _evict(self, key: int) -> None:
+        owner = self._owner[key]
+        snap = self._entries[key]
+        if self.retention is not None:
+            self.retention.evicted(self.tier, owner)
+        self._drop(key)
+        if self.spill is not None and not (owner is not None and owner.finished()):
+            self.spill(snap, owner)
+
+    def newest_key(self) -> int:
+        """The key the last ``put`` gave its entry."""
+        return next(reversed(self._entries))
+
+    def drop(self, key: int) -> None:
+        """Remove an entry (not an eviction: the caller gave up on it)."""
+        self._unlink(key)
+
+    def owner_of(self, key: int) -> KvOwner | None:
+        return self._owner[key]
+
+    def drop_owned(self, owners: set[Any]) -> int:
+        """Drop every entry of these owners (their sessions were released); how many."""
+        keys = [k for o in owners for k in self._by_owner.get(o, ())]
+        for key in keys:
+            self._unlink(key)
+        return len(keys)
 
     def _prefixes_of(self, tokens: list[int], salt: str | None, lora: LoraSet) -> list[int]:
         """The entries of ``salt`` and ``lora`` whose tokens are a prefix of ``tokens`` (or equal them).
@@ -166,6 +217,8 @@ class PromptCache:
         """Drop everything (the context or the model changed: the states no longer fit)."""
         self._entries.clear()
         self._sorted.clear()
+        self._owner.clear()
+        self._by_owner.clear()
         self.nbytes = 0
         if self.watcher is not None:
             self.watcher.cleared()
@@ -176,6 +229,11 @@ class PromptCache:
         assert self._sorted[i] == key
         del self._sorted[i]
         self.nbytes -= self._entries.pop(key).nbytes
+        owner = self._owner.pop(key)
+        bucket = self._by_owner[owner]
+        del bucket[key]
+        if not bucket:
+            del self._by_owner[owner]
         if self.watcher is not None:  # taken back into a slot or evicted: no longer in RAM
             self.watcher.entry_removed(key)
 

@@ -9,15 +9,19 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
 from ...config import Settings
 from ...wire.errors import ProtocolError
-from ..kv import CacheHit, PromptCache
+from ..kv import CacheHit, HostTiers, KvOwner, Retention
 from ..llama import DecodeAborted, LlamaBackend, LoraSet
 from ..worker import GpuWorker
 from .slots import SlotTable
+
+if TYPE_CHECKING:
+    from ..output import GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +42,20 @@ class SlotScheduler:
         worker: GpuWorker,
         slots: SlotTable,
         settings: Settings,
-        cache: PromptCache | None,
+        tiers: HostTiers | None,
+        retention: Retention,
     ) -> None:
         self._backend = backend
         self._worker = worker
         self._slots = slots
         self._settings = settings
-        self._cache = cache
+        self._tiers = tiers
+        self._cache = tiers.ram if tiers is not None else None
+        self._disk = tiers.disk if tiers is not None else None
+        self.retention = retention
+        # Whose history each slot holds (None: a one-off request's, or nobody's): set when a
+        # claim that changed the slot's KV ends (``settle``), read by every eviction.
+        self.slot_owner: list[KvOwner | None] = [None] * len(slots)
 
     def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> tuple[int, bytes | None]:
         """How much of the slot's KV a prompt continues from: the one prefix-reuse policy of
@@ -65,6 +76,29 @@ class SlotScheduler:
             n_common -= 1  # re-evaluate the last prompt token for its logits
         return backend.reusable_prefix(slot, n_common), None
 
+    async def bring(
+        self, slot: int, tokens: Sequence[int], salt: str | None, lora: LoraSet, res: GenerationResult
+    ) -> bytes | None:
+        """Bring the slot to continue the prompt under ``salt`` and the LoRA adapter set ``lora`` as far as any tier holds it
+        (the slot, the prompt cache), the slot's own history kept first; the plan goes into
+        ``res`` (what is reused, from where, what is left to evaluate). Returns the logits
+        to sample the first token from when nothing is left; else the slot is cut to the
+        plan, here, where the plan can still change: a memory that refuses a partial cut
+        (recurrent, hybrid) was emptied, and the whole prompt is evaluated."""
+        from_tier, tier = await self.swap_in(slot, tokens, salt, lora)
+        res.n_common, logits = self.reuse_plan(slot, tokens, salt, lora)
+        res.n_host = min(from_tier, res.n_common) if tier == "ram" else 0
+        res.n_disk = min(from_tier, res.n_common) if tier == "disk" else 0
+        res.logits_reused = logits is not None
+        await self.keep_history(slot, res.n_common)
+        await self.adopt(slot, salt, lora)
+        if logits is not None:
+            return logits
+        res.n_common = await self.cut(slot, res.n_common)
+        res.n_host, res.n_disk = min(res.n_host, res.n_common), min(res.n_disk, res.n_common)
+        res.n_prompt_processed = len(tokens) - res.n_common
+        return None
+
     async def cut(self, slot: int, n_keep: int) -> int:
         """Drop the slot's positions past ``n_keep`` (its history went to the prompt cache
         first: ``keep_history``); returns the positions it kept, 0 when the memory refused a
@@ -75,10 +109,11 @@ class SlotScheduler:
         return await self._worker.call(lambda: backend.truncate_slot(slot, n_keep))
 
     async def make_room(self, needed: int, *, exclude: int) -> None:
-        """Free the KV of idle slots (least recently used first) until ``needed`` more cells
-        fit in the shared cache. A victim is claimed while it is cleared, so no request can
-        start on it halfway."""
+        """Free the KV of idle slots (by the retention order, then least recently used)
+        until ``needed`` more cells fit in the shared cache. A victim is claimed while it is
+        cleared, so no request can start on it halfway."""
         backend = self._backend()
+        rank = self.retention.rank
         while backend.pool_is_tight(needed):
             idle = [
                 s for s in self._slots.slots
@@ -86,20 +121,47 @@ class SlotScheduler:
             ]
             if not idle:
                 return  # nothing to free: llama.cpp reports the shortage
-            victim = min(idle, key=lambda s: s.last_used)
-            self._slots.claim(victim.id, "evict")
-            try:
-                log.info("KV cache full: evicting idle slot %d (%d positions)", victim.id, backend.n_past(victim.id))
-                await self._worker.call(lambda v=victim.id: backend.clear_slot(v))
-            finally:
-                self._slots.release(victim)
+            victim = min(idle, key=lambda s: (rank(self.slot_owner[s.id]), s.last_used))
+            log.info("KV cache full: evicting idle slot %d (%d positions)", victim.id, backend.n_past(victim.id))
+            self.retention.evicted("slot", self.slot_owner[victim.id])
+            await self._clear_idle(victim.id)
 
-    def slot_rank(self, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> Callable[[int], tuple[int, int]]:
+    async def _clear_idle(self, slot: int) -> None:
+        """Empty an idle slot, claimed meanwhile so that no request starts on it halfway."""
+        held = self._slots.claim(slot, "evict")
+        try:
+            await self._worker.call(lambda: self._backend().clear_slot(slot))
+            self.slot_owner[slot] = None
+        finally:
+            self._slots.release(held)
+
+    def settle(self, slot: int, owner: KvOwner | None) -> None:
+        """A claim that changed the slot's KV ended: the history is ``owner``'s now."""
+        self.slot_owner[slot] = owner
+
+    async def release(self, owners: set[KvOwner]) -> tuple[int, int, int]:
+        """Drop these sessions' KV at once (their tree was finished): their idle slots are
+        emptied and their entries in RAM and on disk dropped. Returns how many of each."""
+        slots = 0
+        for slot in self._slots.slots:
+            if slot.busy or self.slot_owner[slot.id] not in owners or not self._backend().n_past(slot.id):
+                continue
+            try:
+                await self._clear_idle(slot.id)
+            except ProtocolError:  # a T2/T3 change is emptying every slot anyway
+                continue
+            slots += 1
+        ram, disk = self._tiers.release(owners) if self._tiers is not None else (0, 0)
+        return slots, ram, disk
+
+    def slot_rank(
+        self, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()
+    ) -> Callable[[int], tuple[float, ...]]:
         """The slot-choice policy, as a score of each slot for this prompt (higher is better;
         claim_any breaks ties by least recently used): a slot whose KV shares at least
         ``--slot-prompt-similarity`` of the prompt, the longest shared prefix first; then an
-        empty slot; then any. A 9-token chat template head does not make a prompt take over
-        another session's history.
+        empty slot; then any, the history the retention order ranks lowest first. A 9-token
+        chat template head does not make a prompt take over another session's history.
 
         Scored for every free slot of every claim, so most slots are settled by their first
         few tokens: a slot that differs from the prompt within them shares less than the
@@ -107,18 +169,21 @@ class SlotScheduler:
         least = max(1, math.ceil(self._settings.slot_prompt_similarity * len(prompt)))  # the least shared prefix that counts
         head = list(prompt[: min(least, HEAD_TOKENS)])
         n_head = len(head)
+        rank = self.retention.rank
 
-        def score(slot: int) -> tuple[int, int]:
+        def score(slot: int) -> tuple[float, ...]:
             backend = self._backend()  # the model serving when the slot is taken (a claim may wait out a reload)
             held = backend.seq_tokens[slot]
             if not held:
                 return 0, 1  # an empty slot shares nothing
+            # Among slots it would overwrite, the history the retention order ranks lowest.
+            keep = tuple(-x for x in rank(self.slot_owner[slot]))
             if held[:n_head] != head:
-                return 0, 0
+                return 0, 0, *keep
             # What the slot can continue, not what it shares: a sliding window may have
             # dropped what a shared prefix needs, and then an empty slot is as good.
             n_common = backend.reusable_prefix(slot, backend.shared_prefix(slot, prompt, salt, lora))
-            return (n_common if n_common >= least else 0), 0
+            return (n_common if n_common >= least else 0), 0, *keep
 
         return score
 
@@ -129,7 +194,7 @@ class SlotScheduler:
         if cache is None or self._backend().n_past(slot) - n_keep < MIN_CACHED_TOKENS:
             return
         snap = await self._worker.call(lambda: self._backend().snapshot(slot))
-        if cache.put(snap):
+        if cache.put(snap, self.slot_owner[slot]):
             log.debug("prompt cache: kept slot %d's %d positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
 
     async def adopt(self, slot: int, salt: str | None, lora: LoraSet = ()) -> None:
@@ -145,34 +210,49 @@ class SlotScheduler:
             await self._worker.call(lambda: backend.clear_slot(slot))
         backend.seq_salt[slot], backend.seq_lora[slot] = salt, lora
 
-    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> int:
-        """When the prompt cache holds more of the prompt (under the request's ``salt`` and ``lora``) than
-        the slot does, put that entry into the slot (the slot's own history goes to the
-        cache first). Returns the positions put back (0: none)."""
-        cache = self._cache
-        if cache is None:
-            return 0
+    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> tuple[int, str]:
+        """When a tier past the slots (the prompt cache in RAM, the disk tier) holds more of the
+        prompt (under the request's ``salt`` and ``lora``) than the slot does, put the entry that
+        holds the most into the slot (the slot's own history goes to RAM first). Returns the
+        positions put back and their tier ("ram", "disk"; 0 and "": none)."""
+        ram, disk = self._cache, self._disk
+        if ram is None:
+            return 0, ""
         backend = self._backend()
         shared = backend.shared_prefix(slot, prompt, salt, lora)
         # Compared by what each could continue (a sliding window may have dropped the rest).
         held = backend.reusable_prefix(slot, min(shared, len(prompt) - 1))
 
-        def worth_it() -> CacheHit | None:
-            hit = cache.best(prompt, salt, lora)
-            if hit is None:
-                return None
-            usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1))
-            return hit if usable >= held + MIN_CACHED_TOKENS else None
+        def worth_it() -> tuple[CacheHit, str] | None:
+            best: tuple[CacheHit, str, int] | None = None
+            for tier, source in (("ram", ram), ("disk", disk)):
+                hit = source.best(prompt, salt, lora) if source is not None else None
+                if hit is None:
+                    continue
+                usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1))
+                if usable >= held + MIN_CACHED_TOKENS and (best is None or usable > best[2]):
+                    best = (hit, tier, usable)
+            return None if best is None else best[:2]
 
         if worth_it() is None:
-            return 0
+            return 0, ""
         await self.keep_history(slot, shared)
         # Looked up again: while the slot's history was copied, another request with the
         # same prompt may have taken the entry (a KeyError, a 500, before).
-        hit = worth_it()
-        if hit is None:
-            return 0
-        snap = cache.take(hit.key)
+        found = worth_it()
+        if found is None:
+            return 0, ""
+        hit, tier = found
+        if tier == "ram":
+            owner = ram.owner_of(hit.key)
+            snap = ram.take(hit.key)
+        else:
+            assert disk is not None
+            owner = disk.owner_of(hit.key)
+            loaded = await disk.load(hit.key, salt, lora)  # read and checked off the trio thread
+            if loaded is None:
+                return 0, ""
+            snap = loaded
         await self.make_room(len(snap.tokens), exclude=slot)
         view = memoryview(snap.buf)
 
@@ -187,7 +267,10 @@ class SlotScheduler:
             await trio.lowlevel.checkpoint()
             raise
         except ProtocolError as err:  # our own state: only a full shared pool refuses it
-            log.warning("prompt cache: entry of %d positions not restored into slot %d: %s", len(snap.tokens), slot, err.message)
-            return 0
-        log.debug("prompt cache: slot %d continues %d cached positions", slot, len(snap.tokens))
-        return len(snap.tokens)
+            log.warning("%s tier: entry of %d positions not restored into slot %d: %s", tier, len(snap.tokens), slot, err.message)
+            return 0, ""
+        # The slot holds that history now: a copy the request makes of it (when it keeps less
+        # of it) is still its owner's, whichever request brought it back.
+        self.slot_owner[slot] = owner
+        log.debug("%s tier: slot %d continues %d cached positions", tier, slot, len(snap.tokens))
+        return len(snap.tokens), tier

@@ -24,7 +24,7 @@ class Slot:
         return self.owner is not None
 
 
-Score = Callable[[int], tuple[int, ...]]
+Score = Callable[[int], tuple[float, ...]]
 
 
 class SlotTable:
