@@ -142,6 +142,9 @@ UNENFORCEABLE: dict[str, tuple[dict[str, Any], str]] = {
     "unique_items": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     "lookaround": ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, "pattern"),
     "unknown_format": ({"type": "string", "format": "my-format"}, "format"),
+    # What llguidance cannot compile at all (SchemaStore has both): the whole schema but its
+    # type is relaxed, the error named.
+    "dangling_ref": ({"type": "object", "properties": {"a": {"$ref": "#/definitions/gone"}}}, "does not exist"),
 }
 
 

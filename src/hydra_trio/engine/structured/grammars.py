@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ...wire.errors import bad_param
-from .schema_policy import prepare_schema, schema_json
+from .schema_policy import open_schema, prepare_schema, schema_json, whole_schema_problem
 
 Triggers = tuple[str, ...]  # a lazy grammar's trigger patterns; (): the grammar holds from the first token
 MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar's text, a client's GBNF included
@@ -150,8 +150,13 @@ class SchemaRules:
         return prepared.schema
 
     def json(self, schema: dict[str, Any], param: str) -> str:
-        """A prepared schema (or a document built of prepared ones) as one expression."""
+        """A prepared schema (or a document built of prepared ones) as one expression. Without
+        strict, one llguidance cannot compile at all is relaxed whole (to its type: every schema
+        a client sends is served); with strict it is compiled as it is, and refused."""
         expr = "%json " + schema_json(schema, strict=self.strict)
+        if not self.strict and (why := whole_schema_problem(expr)) is not None:
+            self.relaxed.append(f"{param} (the whole schema but its type: {why})")
+            expr = "%json " + schema_json(open_schema(schema), strict=False)
         self.parts.append((param, expr))
         return expr
 

@@ -240,6 +240,25 @@ def _walk(node: Any, where: str, w: _Walk, depth: int, composed: bool = False) -
     return out
 
 
+@lru_cache(maxsize=256)
+def whole_schema_problem(expr: str) -> str | None:
+    """Why llguidance cannot compile a prepared schema's expression at all (a reference it
+    cannot resolve, a regex in a place the policy does not check, a recursion it does not
+    take), None when it can, or when no value satisfies the schema (that stays the client's
+    400). Cached: a client sends the same tools with every turn."""
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_lark("start: " + expr))
+    if not is_error:
+        return None
+    message = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "refused"
+    return None if "Unsatisfiable" in message else message
+
+
+def open_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """What is left of a schema llguidance cannot compile: its value's type, if it says one."""
+    kind = schema.get("type")
+    return {"type": kind} if isinstance(kind, str) and kind in _TYPES else {}
+
+
 def _unenforceable(key: str, value: Any) -> str | None:
     """Why llguidance cannot enforce ``key: value`` alone (None: it can)."""
     if key == "type":
