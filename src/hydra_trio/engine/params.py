@@ -181,7 +181,8 @@ def parse_generation(
     keys = sampling_keys.flatten(req if isinstance(req, sampling_keys.Layer) else {k: v for k, v in req.items() if not (k == "sampling" and v is None)})
 
     n_predict = _value(keys, "n_predict", default_n_predict)
-    if n_predict == 0:  # it would still generate a token (and there is no prompt echo to return)
+    echo_only = req.get("echo") is True and "messages" not in req  # /v1/completions' prompt alone (lm-eval)
+    if n_predict == 0 and not echo_only:  # it would still generate a token (there is no prompt echo to return)
         name = keys.name("n_predict")
         raise bad_param(f"{name} must be at least 1 (or -1: until the context ends), got 0", name)
     if n_predict < 0 or n_predict > n_ctx:  # -1 = until the context ends
