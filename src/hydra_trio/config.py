@@ -189,7 +189,7 @@ class Settings:
     kv_events_replay_endpoint: str | None = None
     kv_events_replay_bytes: int = 64 * _MiB
     # The topic may name {pod} and {model}; "llm-d" is the preset kv@{pod}@{model}, the topic
-    # llm-d's KV-cache indexer reads the pod and model from (kvevents.py).
+    # llm-d's KV-cache indexer reads the pod and model from (observability/kvevents.py).
     kv_events_topic: str = ""
     # Events as tagged maps (vllm-router), or as vLLM's positional arrays (llm-d); auto: arrays
     # with the llm-d preset, maps otherwise.
@@ -210,7 +210,7 @@ class Settings:
     configure_tiers: str = "T1,T2,T3"
     model_dir: str | None = None
     log_level: str = "INFO"
-    log_format: str = "text"  # text | json (one object per line: logs.py)
+    log_format: str = "text"  # text | json (one object per line: observability/logs.py)
     log_requests: bool = True  # a line per finished request (completion, DECODE, hand-off, ...)
     log_stats_interval_s: float = 10.0  # the throughput line while busy; 0: never
     # Security (docs/operations.md "Security"). repr=False: a logged Settings never shows the key.

@@ -12,7 +12,7 @@ from functools import partial
 
 import trio
 
-from ...tasks import run_cpu_bound
+from ...concurrency import run_cpu_bound
 from ...wire.errors import ErrorCode, ProtocolError
 from ...wire.hashing import Buffer, xxh3_tag_of
 from ...wire.kvblob import KvBlob, blob_head_size, encode_blob_head
