@@ -231,3 +231,16 @@ def test_the_front_ends_reach_only_the_engines_face() -> None:
             text = p.read_text(encoding="utf-8")
             assert not chain.search(text), (m, chain.search(text))
             assert ".release(slot" not in text and "slot_claim" not in text, m
+
+
+def test_no_module_name_is_used_twice() -> None:
+    """A module's file name says one thing across the package: two ``server.py`` or two
+    ``metrics.py`` in different rooms make a reader (and a traceback) guess which. Packages'
+    faces (``__init__.py``) and entry points (``__main__.py``) are the exceptions."""
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for m in modules():
+        name = m.rsplit("/", 1)[-1]
+        if name not in ("__init__.py", "__main__.py"):
+            by_name[name].append(m)
+    twice = {name: where for name, where in by_name.items() if len(where) > 1}
+    assert not twice, f"module names used more than once: {twice}"

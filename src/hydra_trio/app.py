@@ -28,7 +28,7 @@ from .http.server import serve_http
 from .model.catalog import Catalog, read_catalog
 from .modelpool import ModelPool
 from .observability import log_stats, open_kv_events
-from .rpc.server import open_rpc_listeners, serve_rpc
+from .rpc.listener import open_rpc_listeners, serve_rpc
 from .serving import AppState, Endpoints
 
 log = logging.getLogger("hydra_trio")

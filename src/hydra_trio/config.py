@@ -189,7 +189,7 @@ class Settings:
     kv_events_replay_endpoint: str | None = None
     kv_events_replay_bytes: int = 64 * _MiB
     # The topic may name {pod} and {model}; "llm-d" is the preset kv@{pod}@{model}, the topic
-    # llm-d's KV-cache indexer reads the pod and model from (observability/kvevents.py).
+    # llm-d's KV-cache indexer reads the pod and model from (observability/kv_publisher.py).
     kv_events_topic: str = ""
     # Events as tagged maps (vllm-router), or as vLLM's positional arrays (llm-d); auto: arrays
     # with the llm-d preset, maps otherwise.

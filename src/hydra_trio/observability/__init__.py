@@ -1,8 +1,8 @@
 """What the process tells the outside about itself: Prometheus metrics (``metrics.py``, with
 vLLM's names in ``vllm_metrics.py``), the log lines (``logs.py``), and the KV events a
-cache-aware router subscribes to (``kvevents.py``, over ZMQ)."""
+cache-aware router subscribes to (``kv_publisher.py``, over ZMQ)."""
 
-from .kvevents import (
+from .kv_publisher import (
     KvEventPublisher,
     event_encoding,
     expand_topic,

@@ -1,4 +1,4 @@
-"""What each opcode does (spec §2). The connection loop (server.py) owns the framing rules."""
+"""What each opcode does (spec §2). The connection loop (listener.py) owns the framing rules."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class OpSpec:
     # Reads the payload (default: Connection.read_payload); may fill in the context.
     receive: Callable[[OpContext], Awaitable[np.ndarray]] | None = None
     # A refusal before the payload drains up to the op's cap, not just --drain-limit-bytes:
-    # clients of the KV ops write the whole blob before they read (rpc/server.py).
+    # clients of the KV ops write the whole blob before they read (rpc/listener.py).
     drain_to_cap: bool = False
 
 
