@@ -219,7 +219,7 @@ class Replay:
 
 
 def scrape_evictions(url: str) -> dict[str, Any]:
-    from hydra_trio.testing.metrics import metric_samples
+    from hydra_trio.testing.metrics_reader import metric_samples
 
     samples = metric_samples(httpx.get(url + "/metrics", timeout=30).text)
     out: dict[str, Any] = {"evictions": {}, "disk": {}}

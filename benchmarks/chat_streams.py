@@ -34,7 +34,7 @@ import httpx
 import trio
 
 from hydra_trio.config import Settings
-from hydra_trio.testing.sse import delta_text, sse_chunk
+from hydra_trio.testing.sse_reader import delta_text, sse_chunk
 
 from .ceiling import cpu_s, thread_cpu_s
 from .harness import EngineProcess, env_info, metric_value, percentile, summary, words_prompt

@@ -17,7 +17,7 @@ import httpx
 import trio
 
 from hydra_trio.rpc.client import RpcClient, SyncRpcClient, build_decode_frame, identity_kv_metadata
-from hydra_trio.testing.sse import sse_chunk
+from hydra_trio.testing.sse_reader import sse_chunk
 from hydra_trio.wire.kvblob import parse_kv_blob
 
 from .harness import EngineProcess, metric_value, percentile, summary, words_prompt

@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 
 # Shared with the tests (hydra_trio.testing); re-exported for the benchmarks' one import.
-from hydra_trio.testing.metrics import sample_value as sample_value
+from hydra_trio.testing.metrics_reader import sample_value as sample_value
 from hydra_trio.testing.net import free_port as free_port
 from hydra_trio.testing.process import EngineProcess as EngineProcess
 from hydra_trio.testing.process import engines as engines
 from hydra_trio.testing.process import wait_http as wait_http
-from hydra_trio.testing.sse import delta_text, sse_chunk
+from hydra_trio.testing.sse_reader import delta_text, sse_chunk
 from hydra_trio.testing.workload import percentile as percentile
 from hydra_trio.testing.workload import words_prompt as words_prompt
 

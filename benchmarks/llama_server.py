@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from hydra_trio.testing.sse import sse_chunk
+from hydra_trio.testing.sse_reader import sse_chunk
 
 from .harness import free_port, summary, wait_http
 

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import trio
 
-from hydra_trio.testing.metrics import sample_value
+from hydra_trio.testing.metrics_reader import sample_value
 from hydra_trio.testing.process import EngineProcess
 from hydra_trio.testing.workload import percentile
 

@@ -33,7 +33,7 @@ import httpx
 import trio
 
 from hydra_trio.rpc.client import RpcClient, RpcConnectionClosed, build_decode_frame, decode_call
-from hydra_trio.testing.sse import DONE, sse_data
+from hydra_trio.testing.sse_reader import DONE, sse_data
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.protocol import Op, encode_request
 

@@ -17,7 +17,7 @@ import jsonschema
 import trio
 
 from hydra_trio.engine.chat import Chat, ChatPlan
-from hydra_trio.testing.sse import sse_chunk
+from hydra_trio.testing.sse_reader import sse_chunk
 
 # Bounded strings and numbers: a random-weight model under a grammar writes until the
 # grammar lets it stop, so an unbounded string is a loop to max_tokens (a property of the

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from hydra_trio.testing.sse import sse_chunk
+from hydra_trio.testing.sse_reader import sse_chunk
 
 from .__main__ import RESULTS, build_models
 from .figures import Tokenizer, chat_request

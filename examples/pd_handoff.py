@@ -15,8 +15,8 @@ from typing import Any
 
 import trio
 
-from hydra_trio.http_client import DecodeHttpClient
 from hydra_trio.rpc.client import RpcClient, build_decode_frame, identity_kv_metadata
+from hydra_trio.transport import DecodeHttpClient
 
 try:
     from _common import add_engine_args, engines

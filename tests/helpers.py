@@ -34,13 +34,13 @@ from hydra_trio.rpc.client import (
 )
 
 # Shared with the benchmarks (hydra_trio.testing); re-exported for the tests' one import.
-from hydra_trio.testing.metrics import MetricSamples as MetricSamples
-from hydra_trio.testing.metrics import metric_samples as metric_samples
+from hydra_trio.testing.metrics_reader import MetricSamples as MetricSamples
+from hydra_trio.testing.metrics_reader import metric_samples as metric_samples
 from hydra_trio.testing.net import free_port as free_port
-from hydra_trio.testing.sse import parse_sse as parse_sse
-from hydra_trio.testing.sse import sse_chunk as sse_chunk
-from hydra_trio.testing.sse import sse_data as sse_data
-from hydra_trio.testing.sse import sse_text as sse_text
+from hydra_trio.testing.sse_reader import parse_sse as parse_sse
+from hydra_trio.testing.sse_reader import sse_chunk as sse_chunk
+from hydra_trio.testing.sse_reader import sse_data as sse_data
+from hydra_trio.testing.sse_reader import sse_text as sse_text
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.frames import encode_v3_raw
 from hydra_trio.wire.kvblob import parse_kv_blob

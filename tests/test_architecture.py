@@ -1,7 +1,9 @@
 """docs/architecture.md's map held against the tree: every module listed (and nothing that
 is not there), llama_cpp imported only by engine/llama/, wire/ pure, chat/ and structured/
 free of llama/, the tool-call parsers' names the format table's, and the import graph of the
-layers (folders and top-level modules) without a circle, so no import runs back up. Rules of
+layers (folders and top-level modules) without a circle, so no import runs back up; the
+top of the package the composition root, the CLI and the settings, every other module in a
+room entered through its face. Rules of
 shape, not sizes: a size limit became a target (modules at 599 of 600 lines)."""
 
 from __future__ import annotations
@@ -122,13 +124,56 @@ def test_callers_use_what_a_package_exports() -> None:
                 assert parts[3] in _package_names(parts[2]), (m, i)
 
 
+# The rooms above the engine and wire/ whose face (``__init__.py``) is the only way in from
+# outside: their modules are the room's own business.
+ROOMS = ("concurrency", "observability", "serving", "transport")
+# What stays at the top of the package: the composition root, the CLI, local engines, the
+# settings, and the model pool (observability/ reads it and serving/ imports observability/,
+# so in serving/ it would close a circle).
+TOP_LEVEL = {"__init__.py", "app.py", "cli.py", "local.py", "config.py", "modelpool.py"}
+
+
+def test_the_top_of_the_package_holds_only_the_root_the_cli_and_the_settings() -> None:
+    top = {p.name for p in PKG.glob("*.py")}
+    assert top == TOP_LEVEL, f"a module at the top belongs in a room: {sorted(top - TOP_LEVEL)}"
+
+
+def test_a_room_is_entered_through_its_face() -> None:
+    """Outside concurrency/, observability/, serving/ and transport/, a module (of the package,
+    the tests, the benchmarks or the examples) imports the room itself, only names its face
+    exports; inside, a module imports its room's modules directly."""
+    callers = [(f"src/hydra_trio/{m}", imports_of(p)) for m, p in modules().items()]
+    for folder in ("tests", "benchmarks", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            callers.append((path.relative_to(ROOT).as_posix(), _absolute_imports(path)))
+    for where, names in callers:
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "hydra_trio" or len(parts) < 3 or parts[1] not in ROOMS:
+                continue
+            if where.startswith(f"src/hydra_trio/{parts[1]}/"):
+                continue
+            assert parts[2] in _package_names(None, parts[1]), (where, name)
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
 def _face_names() -> set[str]:
     return _package_names(None)
 
 
-def _package_names(sub: str | None) -> set[str]:
+def _package_names(sub: str | None, room: str = "engine") -> set[str]:
     """What a package's __init__.py exports (its ``__all__``)."""
-    path = PKG / "engine" / (sub or "") / "__init__.py"
+    path = PKG / room / (sub or "") / "__init__.py"
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
@@ -186,3 +231,16 @@ def test_the_front_ends_reach_only_the_engines_face() -> None:
             text = p.read_text(encoding="utf-8")
             assert not chain.search(text), (m, chain.search(text))
             assert ".release(slot" not in text and "slot_claim" not in text, m
+
+
+def test_no_module_name_is_used_twice() -> None:
+    """A module's file name says one thing across the package: two ``server.py`` or two
+    ``metrics.py`` in different rooms make a reader (and a traceback) guess which. Packages'
+    faces (``__init__.py``) and entry points (``__main__.py``) are the exceptions."""
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for m in modules():
+        name = m.rsplit("/", 1)[-1]
+        if name not in ("__init__.py", "__main__.py"):
+            by_name[name].append(m)
+    twice = {name: where for name, where in by_name.items() if len(where) > 1}
+    assert not twice, f"module names used more than once: {twice}"

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.engine.llama.state import DecodeAborted
+from hydra_trio.engine.llama.kv_state import DecodeAborted
 from hydra_trio.engine.llama.types import StepRequest
 from hydra_trio.engine.params import SamplingParams
 from hydra_trio.engine.sample import Sampler

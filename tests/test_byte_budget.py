@@ -8,7 +8,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from hydra_trio.budget import ByteBudget
+from hydra_trio.concurrency import ByteBudget
 
 
 async def test_a_payload_that_does_not_fit_waits_for_a_release() -> None:

@@ -47,7 +47,7 @@ import jsonschema
 import pytest
 
 from hydra_trio.testing.process import EngineProcess
-from hydra_trio.testing.sse import sse_data
+from hydra_trio.testing.sse_reader import sse_data
 
 pytestmark = pytest.mark.slow
 

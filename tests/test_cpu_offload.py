@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from helpers import decode, rpc
+from hydra_trio.concurrency import CPU_OFFLOAD_MIN_BYTES
 from hydra_trio.rpc import ops
 from hydra_trio.rpc.client import build_decode_frame, prefill_call
-from hydra_trio.tasks import CPU_OFFLOAD_MIN_BYTES
 from hydra_trio.wire.errors import Status
 
 BIG_TEXT = "word " * (CPU_OFFLOAD_MIN_BYTES // 4)  # > 1 MiB of JSON

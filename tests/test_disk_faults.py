@@ -18,7 +18,7 @@ import pytest
 import xxhash
 
 from hydra_trio.engine.kv.disktier import _CHECK, _HEAD, MAGIC, SUFFIX, TMP_PREFIX
-from hydra_trio.testing.metrics import metric_samples
+from hydra_trio.testing.metrics_reader import metric_samples
 from hydra_trio.testing.process import EngineProcess
 
 pytestmark = pytest.mark.slow

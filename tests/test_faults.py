@@ -47,7 +47,7 @@ from helpers import (
     wait_until,
 )
 from hydra_trio.rpc.client import RpcClient, SyncRpcClient, build_decode_frame
-from hydra_trio.testing.sse import DONE
+from hydra_trio.testing.sse_reader import DONE
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.protocol import Op, encode_request
 

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from hydra_trio.engine.chat import render_jinja
-from hydra_trio.testing.sse import parse_sse
+from hydra_trio.testing.sse_reader import parse_sse
 from hydra_trio.wire.errors import ProtocolError
 
 USER = [{"role": "user", "content": "hello world"}]

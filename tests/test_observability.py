@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import MESSAGES, http, metric_samples, scrape, wait_until
 from hydra_trio.config import Settings
-from hydra_trio.logs import BASE_FIELDS, REQUEST_FIELDS, STATS_FIELDS, configure_logging
+from hydra_trio.observability import BASE_FIELDS, REQUEST_FIELDS, STATS_FIELDS, configure_logging
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "hydra-trio.json"
 

@@ -1,4 +1,4 @@
-"""receive.py: the one exact-length read and reply reader, driven as the blocking client
+"""transport/receive.py: the one exact-length read and reply reader, driven as the blocking client
 drives them (run_blocking, no event loop)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gc
 import numpy as np
 import pytest
 
-from hydra_trio.receive import (
+from hydra_trio.transport import (
     PeerClosed,
     RecvInto,
     payload_buffer,

@@ -9,9 +9,8 @@ import pytest
 import trio
 
 from helpers import MESSAGES, http, scrape, stream_then_hang_up, wait_slots_idle
+from hydra_trio.concurrency import WriterTurn, start_owned
 from hydra_trio.http.generation import Delta, GenerationStream
-from hydra_trio.tasks import start_owned
-from hydra_trio.writeturn import WriterTurn
 
 
 async def test_a_completion_leaves_a_log_line_metrics_and_its_request_id(

@@ -14,7 +14,7 @@ import trio
 from helpers import ENGINE, http, rpc
 from hydra_trio import cli
 from hydra_trio.config import is_loopback, settings_from
-from hydra_trio.http_client import DecodeHttpClient
+from hydra_trio.transport import DecodeHttpClient
 
 KEY = "s3cret-key"
 

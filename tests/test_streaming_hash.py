@@ -19,7 +19,7 @@ from helpers import (
     text_of,
     v3_raw,
 )
-from hydra_trio.tasks import CPU_OFFLOAD_MIN_BYTES
+from hydra_trio.concurrency import CPU_OFFLOAD_MIN_BYTES
 from hydra_trio.wire import hashing
 from hydra_trio.wire.errors import Status
 from hydra_trio.wire.frames import (

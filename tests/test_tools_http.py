@@ -28,7 +28,7 @@ from helpers import (
     stream_chat,
 )
 from hydra_trio.rpc.client import build_decode_frame
-from hydra_trio.testing.sse import sse_chunk
+from hydra_trio.testing.sse_reader import sse_chunk
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from hydra_trio.metrics import trio_task_count
+from hydra_trio.observability import trio_task_count
 from hydra_trio.wire.agentic import SessionHint
 
 TREES = int(os.environ.get("HYDRA_TEST_TREES", "1000"))

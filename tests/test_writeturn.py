@@ -3,7 +3,7 @@ writer (chat/text completion streams and DECODE result streams share it)."""
 
 from __future__ import annotations
 
-from hydra_trio.writeturn import WriterTurn, Wrote
+from hydra_trio.concurrency import WriterTurn, Wrote
 
 
 class _Socket:

@@ -17,6 +17,7 @@ import logging
 
 import trio
 
+from .concurrency import start_service
 from .config import Settings
 from .decode.manager import DecodeManager
 from .decode.store import ResultStore
@@ -24,13 +25,11 @@ from .engine import Engine
 from .handoff.exports import ExportStore
 from .handoff.shm import ShmArea
 from .http.server import serve_http
-from .kvevents import open_kv_events
-from .logs import log_stats
 from .model.catalog import Catalog, read_catalog
 from .modelpool import ModelPool
-from .rpc.server import open_rpc_listeners, serve_rpc
-from .state import AppState, Endpoints
-from .tasks import start_service
+from .observability import log_stats, open_kv_events
+from .rpc.listener import open_rpc_listeners, serve_rpc
+from .serving import AppState, Endpoints
 
 log = logging.getLogger("hydra_trio")
 

@@ -22,7 +22,7 @@ async def _serve_until_signal(settings: Settings) -> None:
     "draining"), and what runs (chats, completions, DECODEs, exports not yet pulled) gets
     --shutdown-grace-s to finish."""
     from .app import serve
-    from .state import AppState, Endpoints
+    from .serving import AppState, Endpoints
 
     log = logging.getLogger("hydra_trio")
     endpoints: Endpoints | None = None
@@ -78,7 +78,7 @@ def raise_file_limit() -> tuple[int, int]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    from .logs import configure_logging
+    from .observability import configure_logging
 
     configure_logging(settings)  # --log-level, --log-format, --log-requests
     before, now = raise_file_limit()
@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         trio.run(_serve_until_signal, settings)
     except BaseExceptionGroup as group:
         # Startup failures (port in use, unreadable model) get one clear line, not a trace.
-        from .tasks import leaves
+        from .concurrency import leaves
 
         errors = leaves(group)
         for exc in errors:
@@ -201,7 +201,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_result(args: argparse.Namespace) -> int:
     import httpx
 
-    from .http_client import auth_headers
+    from .transport import auth_headers
 
     url = f"{args.http}/v1/decode/{args.id}"
     auth = auth_headers(args.api_key)
@@ -226,7 +226,7 @@ def cmd_result(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     import httpx
 
-    from .http_client import auth_headers
+    from .transport import auth_headers
 
     resp = httpx.delete(f"{args.http}/v1/decode/{args.id}", headers=auth_headers(args.api_key), timeout=60)
     print(json.dumps(resp.json(), indent=2))

@@ -70,7 +70,7 @@ class Settings:
     cache_disk_gib: float = 16.0
     # Agent sessions (engine/sched/session_tree.py): a session's KV is kept this long after
     # its last turn (a request's kv_retention_ttl_seconds wins), and what leaves for room is
-    # chosen by the session (kv/retention.py) or by recency alone ("lru").
+    # chosen by the session (engine/kv/retention.py) or by recency alone ("lru").
     session_ttl_s: float = 300.0
     session_policy: str = "session"
     # One core is left to the trio thread: ggml's spinning thread barriers collapse (3-6
@@ -116,7 +116,7 @@ class Settings:
     # writes the close tag itself and the reply goes on. A request's reasoning_budget_tokens wins.
     reasoning_budget: int = -1
     default_n_predict: int = 512  # when a request names no max_tokens / n_predict
-    # n-gram speculative decoding (engine/speculative.py), llama-server's flag names: drafts
+    # n-gram speculative decoding (engine/speculation/), llama-server's flag names: drafts
     # from the request's own prompt and output, verified in the step batch.
     spec_type: str = "none"
     # A step's every draft position has a row of logits in llama.cpp's output buffer, which
@@ -128,7 +128,7 @@ class Settings:
     spec_ngram_min_n: int = 1
     # Drafting stops in steps with more generating slots than this. Below it, how much each
     # stream drafts is priced per step at the measured cost of the batch's forward passes
-    # (engine/speculative.py: plan_drafts), which drafts less as the batch grows; the cap
+    # (engine/speculation/policy.py: plan_drafts), which drafts less as the batch grows; the cap
     # bounds that planning's work on the worker (docs/performance.md, "Speculative decoding").
     spec_max_batch: int = 8
     slot_wait_s: float = 30.0  # chat completions wait this long for a free slot, then 503
@@ -189,7 +189,7 @@ class Settings:
     kv_events_replay_endpoint: str | None = None
     kv_events_replay_bytes: int = 64 * _MiB
     # The topic may name {pod} and {model}; "llm-d" is the preset kv@{pod}@{model}, the topic
-    # llm-d's KV-cache indexer reads the pod and model from (kvevents.py).
+    # llm-d's KV-cache indexer reads the pod and model from (observability/kv_publisher.py).
     kv_events_topic: str = ""
     # Events as tagged maps (vllm-router), or as vLLM's positional arrays (llm-d); auto: arrays
     # with the llm-d preset, maps otherwise.
@@ -210,7 +210,7 @@ class Settings:
     configure_tiers: str = "T1,T2,T3"
     model_dir: str | None = None
     log_level: str = "INFO"
-    log_format: str = "text"  # text | json (one object per line: logs.py)
+    log_format: str = "text"  # text | json (one object per line: observability/logs.py)
     log_requests: bool = True  # a line per finished request (completion, DECODE, hand-off, ...)
     log_stats_interval_s: float = 10.0  # the throughput line while busy; 0: never
     # Security (docs/operations.md "Security"). repr=False: a logged Settings never shows the key.

@@ -10,7 +10,7 @@ import trio
 
 from .app import serve
 from .config import Settings
-from .state import Endpoints
+from .serving import Endpoints
 
 
 @asynccontextmanager

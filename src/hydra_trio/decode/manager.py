@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from ..concurrency import OwnedTask
 from ..config import Settings
 from ..engine import (
     CallTiming,
@@ -30,10 +31,8 @@ from ..engine import (
     Turn,
     turn_receipt,
 )
-from ..logs import generation_fields, receipt_note, request_extra, spec_note
-from ..metrics import Metrics
 from ..model.identity import IdentityMatch
-from ..tasks import OwnedTask
+from ..observability import Metrics, generation_fields, receipt_note, request_extra, spec_note
 from ..wire.agentic import session_hint
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import DecodeFrame, merged_generation

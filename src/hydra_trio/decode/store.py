@@ -17,9 +17,9 @@ from typing import Any
 
 import trio
 
+from ..concurrency import WriterTurn
 from ..engine import turn_receipt
 from ..wire.errors import ErrorCode, ProtocolError
-from ..writeturn import WriterTurn
 
 
 @dataclass(slots=True)

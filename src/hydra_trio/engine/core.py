@@ -103,7 +103,7 @@ class EngineCore:
         backend.planner = DraftPlanner(backend.n_batch, split=not backend.kv_unified)
         self.spec_counts = SpecCounts()  # vllm:spec_decode_* (every request's drafts)
         self.ngram_memories = NgramMemories(settings.spec_ngram_size_n)  # drafts from earlier requests, per salt
-        # The slots' KV blocks, for KV events (kvblocks.py); None: nobody subscribes.
+        # The slots' KV blocks, for KV events (engine/kv/blocks.py); None: nobody subscribes.
         self.kv_blocks: SlotBlocks | None = None
         # Slots' KV kept past the slots, in RAM (None: --cache-ram-mib 0) and on disk (kv/tiers.py),
         # what leaves first (retention.py), and the agent sessions that own it (session_tree.py).

@@ -14,9 +14,9 @@ from typing import Any, Protocol, overload
 
 import trio
 
+from ..concurrency import raise_single
 from ..config import Settings
 from ..model.identity import ModelIdentity
-from ..tasks import raise_single
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, ProtocolError, bad_param
 from ..wire.kvevents import Event

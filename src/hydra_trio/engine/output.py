@@ -33,9 +33,10 @@ class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     # Seconds between consecutive sampled tokens (vllm:inter_token_latency_seconds).
     token_gaps_s: array[float] = field(default_factory=lambda: array("d"))
-    # Per generated token (``tokens``), when the request asked for logprobs (engine/logprobs.py).
+    # Per generated token (``tokens``), when the request asked for logprobs
+    # (engine/sample/token_logprobs.py).
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Speculation (engine/speculative.py): draft tokens verified and accepted; None: it did not run.
+    # Speculation (engine/speculation/): draft tokens verified and accepted; None: it did not run.
     spec_drafted: int | None = None
     spec_accepted: int | None = None
     # The turn's receipt (engine/receipts.py): its session, why it was cut (None: it was

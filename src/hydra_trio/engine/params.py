@@ -46,7 +46,8 @@ class GenerationParams:
     # What its output must follow, as it asked (the grammar it becomes is the chat plan's,
     # in sampling.grammar). None: nothing.
     constraint: Constraint | None = None
-    # The request's own speculative-decoding keys (engine/speculative.py); None: the server's.
+    # The request's own speculative-decoding keys (engine/speculation/request.py); None: the
+    # server's.
     speculative: SpecRequest | None = None
     # Control tokens whose text the reply shows (a chat template's tool and think syntax,
     # chat/__init__.py ``Chat.shown_tokens``); every other control token adds no text.

@@ -7,7 +7,7 @@ the slot) meets the rules every route shares.
 
 - Honoured: handed to generation (engine/params.py parses the sampling and length keys and
   the output constraint: ``response_format``, llama-server's ``json_schema`` and
-  ``grammar``, and ``tools``/``tool_choice``/``parallel_tool_calls`` (engine/tools.py);
+  ``grammar``, and ``tools``/``tool_choice``/``parallel_tool_calls`` (engine/chat/tools.py);
   ``logprobs`` is parsed here, as each route spells it its own way).
 - Ignored: the parameters in ``IGNORED``, which change nothing this engine could do
   differently (docs/http-api.md lists them). Keys OpenAI does not define are ignored too, as

@@ -11,7 +11,7 @@ from typing import TypeVar
 import outcome
 import trio
 
-from ..tasks import raise_single
+from ..concurrency import raise_single
 from ..wire.errors import ErrorCode, ProtocolError, Status
 
 T = TypeVar("T")

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import trio
 
+from ..concurrency import run_cpu_bound
 from ..config import IPNetwork
-from ..receive import PeerClosed, payload_buffer, read_reply_head, recv_exactly_hashing
-from ..tasks import run_cpu_bound
+from ..transport import PeerClosed, payload_buffer, read_reply_head, recv_exactly_hashing
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
 from ..wire.protocol import Op, encode_request

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from ..budget import ByteBudget
+from ..concurrency import ByteBudget
 from ..config import Settings
 from ..engine import Engine, LoraSet, SlotLease
 from ..wire.errors import ProtocolError
@@ -229,7 +229,7 @@ class Handoff:
     def _fail(self, reason: str, detail: str) -> None:
         """Fall back to a local prefill. The reply (and the metric) says only ``reason`` (a
         code): the detail can hold a peer's own words or tell a closed port from an open
-        one, so it goes to the log alone (escaped there: logs.py)."""
+        one, so it goes to the log alone (escaped there: observability/logs.py)."""
         self.status, self.reason, self.detail = "fallback", reason, detail
         self.exports.metrics.pulls.labels("fallback", reason).inc()
         log.info("KV hand-off falls back to a local prefill (%s): %s", reason, detail)

@@ -29,7 +29,7 @@ from .sse import error_body
 if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
-    from ..state import AppState
+    from ..serving import AppState
 
 log = logging.getLogger(__name__)
 

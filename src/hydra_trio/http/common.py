@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from ..config import Settings
     from ..engine import Engine
-    from ..state import AppState
+    from ..serving import AppState
 
 _HTTP_STATUS = {
     Status.BAD_REQUEST: 400,

@@ -50,7 +50,7 @@ from .sse import RETRY_AFTER, busy_body
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..state import AppState
+    from ..serving import AppState
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
+from ..concurrency import Wrote
 from ..decode.manager import CancelOutcome, DecodeManager
 from ..decode.store import DecodeEntry, DecodeState, Tombstone
 from ..engine import Engine, GenerationResult, turn_receipt
 from ..wire.protocol import ascii_decimal
-from ..writeturn import Wrote
 from .common import EngineStarting, HttpError, app_state, json_response, require_engine
 from .connections import chunk_writer
 from .openai import completion_body, final_chunk

@@ -16,7 +16,7 @@ import numpy as np
 from quart import Blueprint, Response
 
 from ..engine import Embedder, Engine, Pooled
-from ..logs import request_extra
+from ..observability import request_extra
 from ..wire.errors import bad_param
 from .common import (
     HttpError,

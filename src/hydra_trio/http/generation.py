@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ..concurrency import WriterTurn, Wrote, start_owned
 from ..engine import (
     GenerationParams,
     GenerationResult,
@@ -23,10 +24,8 @@ from ..engine import (
     Turn,
     turn_receipt,
 )
-from ..logs import generation_fields, receipt_note, request_extra, spec_note
-from ..tasks import start_owned
+from ..observability import generation_fields, receipt_note, request_extra, spec_note
 from ..wire.errors import ProtocolError
-from ..writeturn import WriterTurn, Wrote
 from .auth import OPEN_TENANT
 from .common import client_request_id, http_status, request_nursery
 from .connections import chunk_writer
@@ -34,9 +33,9 @@ from .session_hints import RequestSession
 from .sse import SSE_DONE, error_body, sse_event
 
 if TYPE_CHECKING:
+    from ..concurrency import OwnedTask
     from ..engine import Engine
-    from ..state import AppState
-    from ..tasks import OwnedTask
+    from ..serving import AppState
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ async def generate_buffered(
 def _logged(line: _Line, res: GenerationResult) -> Iterator[None]:
     """One request line per HTTP generation, however it ends: done, cut (its receipt),
     cancelled (the client left), or failed, with its tokens, timings, model, LoRA adapter set
-    (its name; None: the base model) and session (logs.py: its JSON fields). A refusal before any slot was held (busy: 503) is the route's."""
+    (its name; None: the base model) and session (observability/logs.py: its JSON fields). A refusal before any slot was held (busy: 503) is the route's."""
     outcome, error = "done", None
     # The client's X-Request-Id, else the completion id (the owner names it then, alone).
     request_id = client_request_id() or line.owner.removeprefix("http:")

@@ -30,7 +30,7 @@ from quart import Response
 from ..engine import GenerationParams, LoraSet, SlotLease
 from ..handoff.prefill import export_prefill, prefill_export
 from ..handoff.restore import Handoff
-from ..logs import generation_fields, request_extra
+from ..observability import generation_fields, request_extra
 from ..wire.kvpull import export_params, wants_remote_decode
 from .common import (
     EngineStarting,
@@ -42,7 +42,7 @@ from .generation import slot_for
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from ..state import AppState
+    from ..serving import AppState
 
 Render = Callable[..., dict[str, Any]]
 log = logging.getLogger(__name__)

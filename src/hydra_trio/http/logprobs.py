@@ -1,5 +1,5 @@
-"""OpenAI's logprobs shapes from the engine's TokenLogprobs (engine/logprobs.py): chat's
-``{"content": [{token, logprob, bytes, top_logprobs}]}`` and text completions' legacy
+"""OpenAI's logprobs shapes from the engine's TokenLogprobs (engine/sample/token_logprobs.py):
+chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}`` and text completions' legacy
 ``{tokens, token_logprobs, top_logprobs, text_offset}``. The values are the model's raw
 distribution at each position (before temperature and the other sampler transforms)."""
 

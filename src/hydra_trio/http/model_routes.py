@@ -32,7 +32,7 @@ from .sse import error_body
 
 if TYPE_CHECKING:
     from ..engine import Engine
-    from ..state import AppState
+    from ..serving import AppState
 
 bp = Blueprint("models", __name__)
 

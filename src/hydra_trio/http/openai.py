@@ -38,7 +38,7 @@ from .sse import (
 )
 
 if TYPE_CHECKING:
-    from ..state import AppState
+    from ..serving import AppState
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__)

@@ -1,5 +1,5 @@
 """A chat reply parsed into OpenAI's message fields: ``content``, ``reasoning_content`` and
-``tool_calls`` (engine/toolcalls.py parses the text), for the whole reply and for a stream's
+``tool_calls`` (engine/chat/parser.py parses the text), for the whole reply and for a stream's
 deltas, so chat, the P/D hand-off and ``GET /v1/decode/{id}`` shape it one way.
 
 A request whose reply needs no parsing (no tools, no reasoning split) has no parser and its

@@ -18,7 +18,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
-from ..tasks import Started, leaves
+from ..concurrency import Started, leaves
 from . import connections, routes
 from .anthropic import bp as anthropic_bp
 from .anthropic import error_shape, on_messages_path
@@ -46,7 +46,7 @@ from .state_routes import drain_body, hold_state_uploads
 from .tokens import bp as tokens_bp
 
 if TYPE_CHECKING:
-    from ..state import AppState
+    from ..serving import AppState
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from .. import slotstate
 from ..config import Settings
-from ..receive import payload_buffer
+from ..serving import slot_state
+from ..transport import payload_buffer
 from ..wire.protocol import ascii_decimal
 from . import routes
 from .common import (
@@ -44,7 +44,7 @@ def _slot_id(raw: str) -> int:
 
 @bp.get("/slots/<raw_id>/state/meta")
 async def state_meta(raw_id: str) -> Response:
-    return json_response(slotstate.slot_meta(require_engine(), _slot_id(raw_id)))
+    return json_response(slot_state.slot_meta(require_engine(), _slot_id(raw_id)))
 
 
 @bp.get("/slots/<raw_id>/state")
@@ -54,7 +54,7 @@ async def state_get(raw_id: str) -> Response:
     state = app_state()
     budget = state.payload_budget
     settings = state.settings
-    snap = await slotstate.snapshot(engine, slot_id, f"http:state_get:{slot_id}", budget, settings.idle_timeout_s)
+    snap = await slot_state.snapshot(engine, slot_id, f"http:state_get:{slot_id}", budget, settings.idle_timeout_s)
     if settings.min_download_bytes_per_s:  # the read-rate floor: grace + size / rate at most
         deadline_s = settings.download_grace_s + snap.size / settings.min_download_bytes_per_s
         close_connection_after(request_nursery(), deadline_s, f"slot {slot_id} state ({snap.size} bytes)")
@@ -122,7 +122,7 @@ async def state_put(raw_id: str) -> Response:
     async with state.payload_budget.held(length, within_s=settings.idle_timeout_s, what="a KV blob upload"):
         buf = payload_buffer(length)
         await _receive_into(memoryview(buf), settings)
-        meta = await slotstate.restore(engine, slot_id, memoryview(buf), f"http:state_put:{slot_id}")
+        meta = await slot_state.restore(engine, slot_id, memoryview(buf), f"http:state_put:{slot_id}")
         del buf
     state.metrics.restore_bytes.inc(length)
     return json_response(meta, headers={"X-Hydra-N-Past": str(meta["n_past"])})
@@ -206,4 +206,4 @@ async def slot_action(raw_id: str) -> Response:
     if request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
         # llama-server's slot API takes a JSON body here ({}); a small object, ignored.
         await read_json_body(routes.SMALL_BODY_BYTES, "the erase route's cap")
-    return json_response(await slotstate.erase(engine, slot_id, f"http:erase:{slot_id}"))
+    return json_response(await slot_state.erase(engine, slot_id, f"http:erase:{slot_id}"))

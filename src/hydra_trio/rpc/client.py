@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ..receive import PeerClosed, RecvInto, read_reply_head, recv_bytes, run_blocking
+from ..transport import PeerClosed, RecvInto, read_reply_head, recv_bytes, run_blocking
 from ..wire.errors import Status
 from ..wire.frames import encode_decode_frame_v3
 from ..wire.protocol import Op, encode_request_header

@@ -1,4 +1,4 @@
-"""Exact-length reads into preallocated buffers on a trio socket (receive.py reads, peer.py
+"""Exact-length reads into preallocated buffers on a trio socket (transport/receive.py reads, peer.py
 watches the peer)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import trio
 
-from ..receive import payload_buffer, recv_exactly, recv_exactly_hashing
+from ..transport import payload_buffer, recv_exactly, recv_exactly_hashing
 
 Buffer = bytes | bytearray | memoryview
 

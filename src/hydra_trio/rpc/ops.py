@@ -1,4 +1,4 @@
-"""What each opcode does (spec §2). The connection loop (server.py) owns the framing rules."""
+"""What each opcode does (spec §2). The connection loop (listener.py) owns the framing rules."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .. import __version__, slotstate
+from .. import __version__
+from ..concurrency import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
 from ..config import Settings
 from ..engine import GenerationParams, KvCopy
-from ..logs import request_extra
-from ..tasks import CPU_OFFLOAD_MIN_BYTES, run_cpu_bound
+from ..observability import request_extra
+from ..serving import slot_state
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.frames import parse_decode_frame, v3_head_len, v3_kv_span
 from ..wire.kvpull import KV_PULL_MAX_REQUEST_BYTES, parse_pull_request
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     import logging
 
     from ..engine import Engine
-    from ..state import AppState
+    from ..serving import AppState
 
 Buffer = bytes | bytearray | memoryview
 
@@ -102,7 +103,7 @@ class OpSpec:
     # Reads the payload (default: Connection.read_payload); may fill in the context.
     receive: Callable[[OpContext], Awaitable[np.ndarray]] | None = None
     # A refusal before the payload drains up to the op's cap, not just --drain-limit-bytes:
-    # clients of the KV ops write the whole blob before they read (rpc/server.py).
+    # clients of the KV ops write the whole blob before they read (rpc/listener.py).
     drain_to_cap: bool = False
 
 
@@ -207,7 +208,7 @@ class OpTable:
     async def state_get(self, ctx: OpContext, _payload: memoryview) -> Reply:
         engine = self.engine
         settings = self.state.settings
-        snap = await slotstate.snapshot(
+        snap = await slot_state.snapshot(
             engine, ctx.slot_id, self._owner(ctx, "STATE_GET"), self.state.payload_budget, settings.idle_timeout_s
         )
         ctx.log.info(
@@ -226,7 +227,7 @@ class OpTable:
         return reply
 
     async def state_put(self, ctx: OpContext, payload: memoryview) -> Reply:
-        meta = await slotstate.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
+        meta = await slot_state.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
         self.state.metrics.restore_bytes.inc(len(payload))
         ctx.log.info(
             "STATE_PUT slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, meta["n_past"], len(payload), meta["restore_ms"],
@@ -235,7 +236,7 @@ class OpTable:
         return Reply.ok(meta)
 
     async def state_meta(self, ctx: OpContext, _payload: memoryview) -> Reply:
-        return Reply.ok(slotstate.slot_meta(self.engine, ctx.slot_id))
+        return Reply.ok(slot_state.slot_meta(self.engine, ctx.slot_id))
 
     async def info(self, _ctx: OpContext, _payload: memoryview) -> Reply:
         return Reply.ok(self.info_meta())

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import trio
 
-from .sse import DONE, sse_data
+from .sse_reader import DONE, sse_data
 
 Path = tuple[str | int, ...]
 SCHEMA = {

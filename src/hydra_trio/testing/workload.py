@@ -9,7 +9,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .sse import DONE, delta_text, sse_data
+from .sse_reader import DONE, delta_text, sse_data
 
 
 @dataclass

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from ...concurrency import run_cpu_bound
 from ...model.identity import IdentityMatch, ModelIdentity, compare_identity
-from ...tasks import run_cpu_bound
 from ...wire.kvblob import KvBlob, parse_kv_blob
 from ..llama import cache_layout_mismatch
 

@@ -12,7 +12,7 @@ from functools import partial
 
 import trio
 
-from ...tasks import run_cpu_bound
+from ...concurrency import run_cpu_bound
 from ...wire.errors import ErrorCode, ProtocolError
 from ...wire.hashing import Buffer, xxh3_tag_of
 from ...wire.kvblob import KvBlob, blob_head_size, encode_blob_head
@@ -59,7 +59,7 @@ async def restore_blob(
     backend: LlamaBackend, worker: GpuWorker, slot: int, blob: KvBlob, timing: CallTiming | None, salt: str | None,
     lora: LoraSet = (),
 ) -> None:
-    """Restore a parsed v2 blob into the slot, all-or-nothing (engine/llama/state.py), as
+    """Restore a parsed v2 blob into the slot, all-or-nothing (engine/llama/kv_state.py), as
     the history of ``salt`` and the LoRA adapter set ``lora``. Trailing logits become the slot's tail logits; a checkpoint section
     (``check_checkpoint`` passed it) becomes the slot's context checkpoint."""
 

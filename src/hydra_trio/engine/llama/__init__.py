@@ -4,7 +4,7 @@ speculation, KV events and samplers it takes as the protocols in types.py). log.
 log; chat.py its built-in chat templates; devices.py the ggml devices, offload and repacking;
 chain.py a request's llama.cpp sampler chain; context.py the model and its context (decode, steps, tokens); embedding.py a second
 context for pooled embeddings and rank scores; steps.py the batched
-steps; state.py a slot's KV state out and in; checkpoints.py context checkpoints; seqstate.py
+steps; kv_state.py a slot's KV state out and in; checkpoints.py context checkpoints; seqstate.py
 that state's layout, read without llama.cpp."""
 
 from .chain import LlamaChain
@@ -12,8 +12,8 @@ from .chat import apply_builtin_chat_template
 from .context import LlamaBackend, kv_layout
 from .devices import OffloadSettings
 from .embedding import POOLING_TYPES, PooledShape, normalize
+from .kv_state import DecodeAborted, NoKvSpace, Snapshot
 from .seqstate import cache_layout_mismatch
-from .state import DecodeAborted, NoKvSpace, Snapshot
 from .types import (
     ChainSettings,
     Drafter,

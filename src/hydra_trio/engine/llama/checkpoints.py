@@ -13,7 +13,7 @@ checkpoint section is kept here too. A later prompt that shares at least a check
 positions restores that partial state and keeps the other layers' cells up to it, evaluating
 only the rest.
 
-Pure bookkeeping: the llama calls are the backend's (state.py)."""
+Pure bookkeeping: the llama calls are the backend's (kv_state.py)."""
 
 from __future__ import annotations
 

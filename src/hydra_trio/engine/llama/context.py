@@ -1,5 +1,5 @@
 """A llama model and its context with one sequence per slot: loading, decoding, sampling,
-tokens. Its slots' KV state in and out is state.py's half of the class; the batched
+tokens. Its slots' KV state in and out is kv_state.py's half of the class; the batched
 generation steps (with speculative drafts) are steps.py's.
 
 Every method here is synchronous and must run on the GPU worker (engine/worker.py). The
@@ -33,9 +33,9 @@ from .devices import (
     repacked_mib,
 )
 from .embedding import EmbeddingContext, model_pooling
+from .kv_state import DecodeAborted, NoKvSpace, SlotStates
 from .log import captured, init_llama
 from .seqstate import type_name
-from .state import DecodeAborted, NoKvSpace, SlotStates
 from .steps import BatchSteps
 from .types import (
     TOKEN_ROLES,

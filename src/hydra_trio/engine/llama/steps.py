@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 import outcome
 
-from .state import NoKvSpace
+from .kv_state import NoKvSpace
 from .types import LoraSet, ModelInfo, PrefillPart, StepPlanner, StepRequest, StepResult
 
 # A step without drafts tells the planner its decode time once in this many (see _measure).

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ...grants import FifoGrants
+from ...concurrency import FifoGrants
 from ...wire.errors import ErrorCode, ProtocolError
 
 

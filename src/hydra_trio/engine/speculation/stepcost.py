@@ -8,7 +8,7 @@ step where one slot carries a draft of 8 and seven slots one token each is two p
 rows, then 8 more), which cost about what 8 + 8 rows cost apart, not what 16 rows cost
 together: on Gemma 3 270M, one thread, 8 slots, 212 ms against 109 ms for the 8 tokens alone
 and 134 ms for 16 rows in one pass (docs/performance.md). A unified cache, or one slot, is
-one pass. Drafting decisions (engine/speculative.py) price a batch through ``BatchCost``.
+one pass. Drafting decisions (engine/speculation/policy.py) price a batch through ``BatchCost``.
 
 Pure Python, no llama call: the split is computed here the way llama.cpp does it.
 """

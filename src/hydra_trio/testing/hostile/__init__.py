@@ -36,7 +36,7 @@ actors), streams (the reader process), report, run (``campaign``, ``main``). Tim
 never in tests (tests/test_hostile_short.py asserts correctness only).
 """
 
-from .config import HOSTILE_SCHEMAS, SHORT, Config
+from .campaign_config import HOSTILE_SCHEMAS, SHORT, Config
 from .report import render
 from .run import campaign, main
 

@@ -16,7 +16,7 @@ import trio
 
 from .. import rpcfuzz as fuzz
 from ..process import EngineProcess
-from .config import Config, Ledger
+from .campaign_config import Config, Ledger
 from .httpfuzz import JSON_ROUTES, Case, check_reply, fuzz_case
 from .rawhttp import Reply, _recv, _ServerClosed, http_request, read_reply
 from .shapes import CampaignShapes

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import rpcfuzz as fuzz
-from .config import DOCUMENTED_5XX, MESSAGES
+from .campaign_config import DOCUMENTED_5XX, MESSAGES
 from .rawhttp import Reply, http_request
 
 # ---- the HTTP fuzzer -------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import trio
 
-from .config import MAX_REPLY
+from .campaign_config import MAX_REPLY
 
 # ---- raw HTTP/1.1 on a socket ----------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Any
 from ..workload import (
     percentile,
 )
-from .config import NOTABLE_GAP_MS, STOPPED
+from .campaign_config import NOTABLE_GAP_MS, STOPPED
 
 # ---- analysis ---------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import trio
 from .. import rpcfuzz as fuzz
 from ..process import EngineProcess
 from .campaign import Campaign
-from .config import GOAL_GAP_MS, RUNTIME_ALLOWANCE_MIB, SHORT, STOPPED, Config, Ledger
+from .campaign_config import GOAL_GAP_MS, RUNTIME_ALLOWANCE_MIB, SHORT, STOPPED, Config, Ledger
 from .report import _first_traceback, _ms, _rss_peak, _span_ms, analyse, render
 from .streams import read_streams
 

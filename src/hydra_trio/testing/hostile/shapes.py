@@ -14,7 +14,7 @@ import trio
 
 from ..net import free_port
 from ..process import EngineProcess
-from .config import (
+from .campaign_config import (
     BIG,
     HOSTILE_GRAMMARS,
     HOSTILE_SCHEMAS,

@@ -16,7 +16,7 @@ from ..workload import (
     consume,
     words_prompt,
 )
-from .config import STOPPED
+from .campaign_config import STOPPED
 
 # ---- the stream reader (its own process) ------------------------------------------------------
 

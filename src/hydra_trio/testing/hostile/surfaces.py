@@ -21,7 +21,7 @@ from ...http import routes
 from ...rpc.client import RpcClient, build_decode_frame, decode_call
 from ..dialectfuzz import BODIES, corpus
 from ..process import EngineProcess
-from .config import MESSAGES, Ledger
+from .campaign_config import MESSAGES, Ledger
 from .httpfuzz import Case
 from .rawhttp import http_request
 

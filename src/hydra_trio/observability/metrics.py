@@ -15,8 +15,8 @@ from .vllm_metrics import PrefixCacheCounts, VllmCollector
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from .engine import Engine, EngineStats, GenerationResult
-    from .modelpool import ModelPool
+    from ..engine import Engine, EngineStats, GenerationResult
+    from ..modelpool import ModelPool
 
 # Base units (seconds), the old millisecond buckets' bounds.
 _S_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .budget import ByteBudget
-from .config import Settings
-from .metrics import Metrics
+from ..concurrency import ByteBudget
+from ..config import Settings
+from ..observability import Metrics
 
 if TYPE_CHECKING:
-    from .decode.manager import DecodeManager
-    from .engine import Engine
-    from .handoff.exports import ExportStore
-    from .kvevents import KvEventPublisher
-    from .modelpool import ModelPool
+    from ..decode.manager import DecodeManager
+    from ..engine import Engine
+    from ..handoff.exports import ExportStore
+    from ..modelpool import ModelPool
+    from ..observability import KvEventPublisher
 
 log = logging.getLogger("hydra_trio")
 

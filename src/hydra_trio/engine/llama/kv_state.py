@@ -344,7 +344,8 @@ class SlotStates:
                 llama_cpp.llama_memory_seq_cp(self._mem, target, slot, -1, -1)
             self.seq_tokens[slot] = list(tokens)
             self.seq_salt[slot], self.seq_lora[slot] = salt, lora
-            self._kept[slot] = 0  # every position may differ (kvblocks.py keeps equal blocks)
+            # every position may differ (engine/kv/blocks.py keeps equal blocks)
+            self._kept[slot] = 0
             # A state holds the SWA cells of its last window only.
             self._swa_low[slot] = max(0, n_past - self.n_swa)
             self.checkpoints.forget(slot)  # they were of the history this state replaces

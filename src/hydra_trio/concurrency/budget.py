@@ -7,8 +7,8 @@ from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
+from ..wire.errors import ErrorCode, ProtocolError, Status
 from .grants import FifoGrants
-from .wire.errors import ErrorCode, ProtocolError, Status
 
 
 class ByteBudget:

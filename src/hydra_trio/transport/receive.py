@@ -19,10 +19,10 @@ import numpy as np
 import trio
 import xxhash
 
-from .tasks import raise_single
-from .wire.errors import ErrorCode, ProtocolError
-from .wire.jsontext import parse_json_object
-from .wire.protocol import RESPONSE_HEADER, ResponseHeader, parse_response_header
+from ..concurrency import raise_single
+from ..wire.errors import ErrorCode, ProtocolError
+from ..wire.jsontext import parse_json_object
+from ..wire.protocol import RESPONSE_HEADER, ResponseHeader, parse_response_header
 
 T = TypeVar("T")
 RecvInto = Callable[[memoryview, int], Awaitable[int]]

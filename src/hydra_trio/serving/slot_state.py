@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .budget import ByteBudget
-from .engine import Engine
-from .wire.hashing import Buffer
+from ..concurrency import ByteBudget
+from ..engine import Engine
+from ..wire.hashing import Buffer
 
 
 @dataclass(slots=True)

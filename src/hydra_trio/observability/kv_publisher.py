@@ -39,8 +39,8 @@ import zmq.auth
 import zmq.utils.z85
 from prometheus_client import CollectorRegistry, Counter
 
-from .config import Settings
-from .wire.kvevents import (
+from ..config import Settings
+from ..wire.kvevents import (
     END_SEQ,
     MAX_EVENTS_PER_BATCH,
     Event,

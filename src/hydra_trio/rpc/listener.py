@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
-from ..budget import ByteBudget
+from ..concurrency import ByteBudget, raise_single
 from ..config import Settings, is_loopback
-from ..receive import PeerClosed
-from ..tasks import raise_single
+from ..transport import PeerClosed
 from ..wire.errors import BadMagic, ErrorCode, ProtocolError, Status
 from ..wire.protocol import REQUEST_HEADER, encode_response, parse_request_header
 from . import peer
@@ -28,7 +27,7 @@ from .connection import Connection
 from .ops import OpContext, OpSpec, OpTable, Reply
 
 if TYPE_CHECKING:
-    from ..state import AppState
+    from ..serving import AppState
 
 log = logging.getLogger(__name__)
 

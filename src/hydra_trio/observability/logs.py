@@ -26,8 +26,8 @@ from typing import IO, TYPE_CHECKING, Any
 import trio
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .engine import Engine, GenerationResult
+    from ..config import Settings
+    from ..engine import Engine, GenerationResult
 
 BASE_FIELDS = ("ts", "level", "logger", "msg")
 # Every request line has all of these in JSON (null where they do not apply), whatever its path.

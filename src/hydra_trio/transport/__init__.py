@@ -1,0 +1,28 @@
+"""Talking to a peer: receiving its bytes (``receive.py``: the payload buffer, the one
+exact-length read, the one RPC reply reader, for every side) and the async HTTP client for
+decode results (``http_client.py``)."""
+
+from .http_client import DecodeHttpClient, auth_headers
+from .receive import (
+    PeerClosed,
+    RecvInto,
+    payload_buffer,
+    read_reply_head,
+    recv_bytes,
+    recv_exactly,
+    recv_exactly_hashing,
+    run_blocking,
+)
+
+__all__ = [
+    "DecodeHttpClient",
+    "PeerClosed",
+    "RecvInto",
+    "auth_headers",
+    "payload_buffer",
+    "read_reply_head",
+    "recv_bytes",
+    "recv_exactly",
+    "recv_exactly_hashing",
+    "run_blocking",
+]
