@@ -13,6 +13,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from llguidance import LLMatcher
 
 from helpers import assert_server_healthy, chat, http
 from hydra_trio.engine.structured import prepare_schema
@@ -251,3 +252,34 @@ def test_the_date_patterns_admit_exactly_the_dates_python_reads() -> None:
     stamp = re.compile(DATED_PATTERNS["date-time"])
     assert stamp.match("2024-02-29T23:59:59.123456789Z") and stamp.match("0001-01-01T00:00:00+05:30")
     assert not stamp.match("2023-02-29T00:00:00Z") and not stamp.match("2024-01-01T00:00:00.1234567890Z")
+
+
+def test_objects_are_closed_as_llama_cpp_writes_them_unless_composed() -> None:
+    """An object listing its properties gets only those (a base model added keys to its cap);
+    where subschemas list one object's properties between them (allOf, alternatives beside
+    other keywords, a $ref an allOf composes), none is closed alone: that would leave no value
+    (SchemaStore's bootstraprc and debugsettings were refused so). Object and array keywords
+    without a type give that type."""
+
+    def policy(schema: dict[str, Any]) -> dict[str, Any]:
+        return prepare_schema(schema, "json_schema", strict=False).schema
+
+    assert policy({"type": "object", "properties": {"a": {}}})["additionalProperties"] is False
+    assert "additionalProperties" not in policy({"type": "object", "properties": {"a": {}}, "required": ["b"]})
+    assert policy({"type": "object", "properties": {"a": {}}, "additionalProperties": True})["additionalProperties"] is True
+    composed = policy({
+        "definitions": {"core": {"properties": {"name": {"type": "string"}}}},
+        "required": ["name", "x"],
+        "allOf": [{"$ref": "#/definitions/core"}, {"anyOf": [{"properties": {"x": {}}}, {"properties": {"y": {}}}]}],
+    })
+    assert "additionalProperties" not in composed["definitions"]["core"]
+    assert all("additionalProperties" not in alt for alt in composed["allOf"][1]["anyOf"])
+    beside = policy({"required": ["name"], "anyOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]})
+    assert all("additionalProperties" not in alt for alt in beside["anyOf"])
+    alone = policy({"anyOf": [{"properties": {"a": {}}}, {"type": "string"}]})
+    assert alone["anyOf"][0] == {"properties": {"a": {}}, "type": "object", "additionalProperties": False}
+    assert policy({"properties": {"a": {}}})["type"] == "object"
+    assert policy({"items": {"type": "integer", "minimum": 0, "maximum": 9}})["type"] == "array"
+    for schema in (composed, beside):  # each still has a value
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        assert not LLMatcher.validate_grammar_with_warnings(grammar)[0]

@@ -83,7 +83,7 @@ _UPPER = ("maximum", "exclusiveMaximum")
 # converter writes it (llguidance, by the letter of JSON Schema, lets a model add keys: a base
 # model wrote them until its length cap). Not where subschemas list one object's properties
 # between them: an allOf's members, alternatives beside listed properties or a $ref, an object
-# with any of those (``_composes``).
+# with any of those (``_composes``); nor one that requires a property it does not list.
 _OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
 MAX_SCHEMA_DEPTH = 64
 # A pattern's counted repetition is compiled into llguidance's lexer: ``a{1000}`` costs it 28 ms
@@ -144,15 +144,18 @@ class _Walk:
 
 # A schema without a type keeps it open where something else says what the value is.
 _UNTYPED_KEEPS = ("$ref", "enum", "const", "anyOf", "oneOf", "allOf", "not", "if")
+# What a schema may hold beside its alternatives and still leave each alternative the whole
+# description of its value (anything else, e.g. ``required`` or ``allOf``, composes with them).
+_ALTERNATIVES_ONLY = frozenset({"anyOf", "oneOf", "type", "$defs", "definitions", "$schema", "$id", "id"}) | ANNOTATIONS
 # Keywords whose subschemas describe the same value as the schema holding them.
 _SAME_VALUE = frozenset({"allOf", "anyOf", "oneOf", "if", "then", "else"})
 
 
 def _composes(node: dict[str, Any], key: str, composed: bool) -> bool:
     """Whether ``node[key]``'s subschemas list their value's properties together with others
-    (an allOf's members; alternatives beside listed properties or a $ref; anything within
-    such a member)."""
-    return key in _SAME_VALUE and (composed or key == "allOf" or "properties" in node or "$ref" in node)
+    (an allOf's members; alternatives beside other keywords of their object, such as listed
+    properties, ``required`` or a $ref; anything within such a member)."""
+    return key in _SAME_VALUE and (composed or key == "allOf" or any(k not in _ALTERNATIVES_ONLY for k in node))
 
 
 def _composed_refs(node: Any, composed: bool, out: set[str], depth: int) -> None:
@@ -220,7 +223,10 @@ def _walk(node: Any, where: str, w: _Walk, depth: int, composed: bool = False) -
             out["type"] = "object"
         elif any(k in out for k in ("items", "prefixItems")):
             out["type"] = "array"
-    if "properties" in out and not composed and not any(k in out for k in _OPEN_OBJECT):
+    listed = out.get("properties")
+    required = out.get("required")
+    names_all = not isinstance(required, list) or not isinstance(listed, dict) or all(r in listed for r in required)
+    if isinstance(listed, dict) and names_all and not composed and not any(k in out for k in _OPEN_OBJECT):
         out["additionalProperties"] = False  # only the listed properties, as llama.cpp writes it
     fmt = out.get("format")
     if isinstance(fmt, str) and (dated := DATED_PATTERNS.get(fmt)) is not None:
