@@ -225,7 +225,7 @@ def _walk(node: Any, where: str, w: _Walk, depth: int, composed: bool = False) -
             out["type"] = "array"
     listed = out.get("properties")
     required = out.get("required")
-    names_all = not isinstance(required, list) or not isinstance(listed, dict) or all(r in listed for r in required)
+    names_all = not isinstance(required, list) or (isinstance(listed, dict) and all(isinstance(r, str) and r in listed for r in required))
     if isinstance(listed, dict) and names_all and not composed and not any(k in out for k in _OPEN_OBJECT):
         out["additionalProperties"] = False  # only the listed properties, as llama.cpp writes it
     fmt = out.get("format")
