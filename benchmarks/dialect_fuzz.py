@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     path = args.json or RESULTS / "dialect-fuzz.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
+    if found:  # the tracebacks themselves, beside the report (the engine's folder is gone)
+        log_copy = path.with_suffix(".engine.log")
+        log_copy.write_text(log_text)
+        print(f"engine log with the tracebacks: {log_copy}")
     print(json.dumps({k: out[k] for k in ("cases", "total", "findings", "tracebacks_by_innermost_file", "elapsed_s",
                                           "clean")}, indent=2))
     print(f"report: {path}")

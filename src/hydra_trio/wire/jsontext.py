@@ -46,11 +46,47 @@ def parse_json(data: Buffer, what: str) -> Any:
     """Any strict JSON value; every failure is BAD_JSON, its message naming ``what``."""
     try:
         # str() of the buffer is the one copy json needs (bytes() then decode would be two).
-        return json.loads(str(data, "utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+        text = str(data, "utf-8")
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         # ValueError: bad UTF-8, bad syntax, the constants above, an integer past Python's
         # 4,300-digit conversion limit; RecursionError: nesting past the parser's depth.
         raise ProtocolError(ErrorCode.BAD_JSON, f"{what}: invalid JSON: {exc}") from None
+    _refuse_lone_surrogates(text, value, what)
+    return value
+
+
+# A ``\uD800``-``\uDFFF`` escape: JSON's grammar lets one stand alone, and json reads it as a
+# lone surrogate, which is no Unicode text: it failed wherever the text was encoded again (a
+# reply, a schema's grammar, the tokenizer: 500s the dialect fuzz found). Refused on input.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _refuse_lone_surrogates(text: str, value: Any, what: str) -> None:
+    """BAD_JSON when a string or key of ``value`` holds a lone surrogate (looked for only in a
+    text that spells a surrogate escape: a pair, as emoji are escaped, is one character)."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            strings: list[Any] = [item]
+        elif isinstance(item, dict):
+            strings = list(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+            continue
+        else:
+            continue
+        for string in strings:
+            try:
+                string.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ProtocolError(
+                    ErrorCode.BAD_JSON, f"{what}: a string holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair): not Unicode text"
+                ) from None
 
 
 def parse_json_object(data: Buffer, what: str) -> dict[str, Any]:
@@ -83,9 +119,11 @@ def parse_json_sliced(text: str, what: str) -> Generator[None, None, Any]:
     container's own). Containers past that are walked here, without recursion. BAD_JSON for
     anything that is not JSON."""
     try:
-        return (yield from _sliced(text))
+        value = yield from _sliced(text)
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(ErrorCode.BAD_JSON, f"{what}: invalid JSON: {exc}") from None
+    _refuse_lone_surrogates(text, value, what)
+    return value
 
 
 _WINDOWS = (256, 4096, SLICE_CHARS)

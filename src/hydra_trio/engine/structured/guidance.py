@@ -26,6 +26,7 @@ import numpy as np
 
 from ...wire.errors import ParamError
 from .grammars import OutputGrammar
+from .schema_policy import checked
 from .vocab_view import guidance_tokenizer
 
 log = logging.getLogger("hydra_trio.structured")
@@ -95,10 +96,10 @@ class GuidanceCache:
                 return found
         tokenizer = self.tokenizer()
         try:
-            text = llguidance.grammar_from(grammar.syntax, grammar.text)
+            text = checked(lambda: llguidance.grammar_from(grammar.syntax, grammar.text))
+            matcher = checked(lambda: llguidance.LLMatcher(tokenizer, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS)))
         except ValueError as exc:
             raise GrammarError(f"{grammar.param}: {UNREADABLE}: {_first_line(str(exc))}", grammar.param) from None
-        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
         self.compiles += 1
         if matcher.is_error():
             param, problem = _culprit(grammar, tokenizer) or (grammar.param, matcher.get_error())
@@ -158,9 +159,12 @@ class GuidanceState:
 def _culprit(grammar: OutputGrammar, tokenizer: llguidance.LLTokenizer) -> tuple[str, str] | None:
     """The first of a failed grammar's schemas that fails alone: (its key, the error)."""
     for param, expr in grammar.parts:
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            llguidance.LLMatcher.grammar_from_lark("start: " + expr), tokenizer
-        )
+        try:
+            is_error, messages = checked(lambda: llguidance.LLMatcher.validate_grammar_with_warnings(
+                llguidance.LLMatcher.grammar_from_lark("start: " + expr), tokenizer  # noqa: B023 (called at once)
+            ))
+        except ValueError as exc:
+            return param, str(exc)
         if is_error:
             return param, messages[0] if messages else "refused"
     return None

@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from llguidance import LLMatcher
 
@@ -246,13 +247,40 @@ def _walk(node: Any, where: str, w: _Walk, depth: int, composed: bool = False) -
     return out
 
 
+T = TypeVar("T")
+
+
+def checked(fn: Callable[[], T]) -> T:
+    """``fn()``, a call into llguidance on a client's text, with a Rust panic in it (pyo3's
+    PanicException: a BaseException, so no ``except Exception`` took it; the dialect fuzz found
+    one formatting an error inside a multi-byte character) as a ValueError: a 400, not a 500."""
+    try:
+        return fn()
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ValueError(f"llguidance could not read it ({str(exc).splitlines()[0][:200] if str(exc) else 'a panic'})") from None
+
+
+def validation_errors(grammar: str) -> tuple[bool, list[str]]:
+    """llguidance's check of a grammar (a panic in it: an error)."""
+    try:
+        return checked(lambda: LLMatcher.validate_grammar_with_warnings(grammar))
+    except ValueError as exc:
+        return True, [str(exc)]
+
+
 @lru_cache(maxsize=256)
 def whole_schema_problem(expr: str) -> str | None:
     """Why llguidance cannot compile a prepared schema's expression at all (a reference it
     cannot resolve, a regex in a place the policy does not check, a recursion it does not
     take), None when it can, or when no value satisfies the schema (that stays the client's
     400). Cached: a client sends the same tools with every turn."""
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_lark("start: " + expr))
+    try:
+        grammar = checked(lambda: LLMatcher.grammar_from_lark("start: " + expr))
+    except ValueError as exc:
+        return str(exc)
+    is_error, messages = validation_errors(grammar)
     if not is_error:
         return None
     message = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "refused"
@@ -301,8 +329,11 @@ def _json_numbers_fit(value: Any) -> bool:
 def _compiles(key: str, value_text: str) -> str | None:
     kind = _CHECKED[key]
     probe = {key: json.loads(value_text)} if kind is None else {"type": kind, key: json.loads(value_text)}
-    grammar = LLMatcher.grammar_from_json_schema(json.dumps(probe))
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    try:
+        grammar = checked(lambda: LLMatcher.grammar_from_json_schema(json.dumps(probe)))
+    except ValueError as exc:
+        return str(exc)
+    is_error, messages = validation_errors(grammar)
     if not is_error:
         return None
     message = messages[0].strip().splitlines()[0] if messages else "refused"
