@@ -276,15 +276,20 @@ def whole_schema_problem(expr: str) -> str | None:
     cannot resolve, a regex in a place the policy does not check, a recursion it does not
     take), None when it can, or when no value satisfies the schema (that stays the client's
     400). Cached: a client sends the same tools with every turn."""
+    message = _first_problem(lambda: LLMatcher.grammar_from_lark("start: " + expr))
+    return None if message is None or "Unsatisfiable" in message else message
+
+
+def _first_problem(make: Callable[[], str]) -> str | None:
+    """The first line of llguidance's error for the grammar ``make`` writes (None: it compiles)."""
     try:
-        grammar = checked(lambda: LLMatcher.grammar_from_lark("start: " + expr))
+        grammar = checked(make)
     except ValueError as exc:
         return str(exc)
     is_error, messages = validation_errors(grammar)
     if not is_error:
         return None
-    message = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "refused"
-    return None if "Unsatisfiable" in message else message
+    return messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "refused"
 
 
 def open_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -329,13 +334,6 @@ def _json_numbers_fit(value: Any) -> bool:
 def _compiles(key: str, value_text: str) -> str | None:
     kind = _CHECKED[key]
     probe = {key: json.loads(value_text)} if kind is None else {"type": kind, key: json.loads(value_text)}
-    try:
-        grammar = checked(lambda: LLMatcher.grammar_from_json_schema(json.dumps(probe)))
-    except ValueError as exc:
-        return str(exc)
-    is_error, messages = validation_errors(grammar)
-    if not is_error:
-        return None
-    message = messages[0].strip().splitlines()[0] if messages else "refused"
+    message = _first_problem(lambda: LLMatcher.grammar_from_json_schema(json.dumps(probe)))
     # A value no string (number, ...) satisfies is the schema's to answer for, not a relaxation.
-    return None if message.startswith("Unsatisfiable") else message
+    return None if message is None or message.startswith("Unsatisfiable") else message
