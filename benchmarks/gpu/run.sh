@@ -230,6 +230,19 @@ build_llama() {
   out=$(unpack_sdist) || { echo "$out"; return 1; }
   echo "$out"
   root=$(head -n 1 <<<"$out")
+  # A kept build folder made from another source folder (a pip temp copy of an earlier run):
+  # CMake refuses such a cache ("does not match the source"), and an ExternalProject's own
+  # cache (Vulkan's shader generator) is not redone by the top-level reconfigure. Drop each
+  # stale cache's folder: the top one means the whole build folder, a sub-project its prefix.
+  local cache home dir
+  while IFS= read -r cache; do
+    home=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$cache")
+    [[ -z $home || $home == "$root"* ]] && continue
+    dir=$(dirname "$cache")
+    [[ $dir == "$BUILD_DIR" ]] || dir=${dir%%-prefix/*}-prefix
+    echo "stale CMake cache ($cache made from $home): removing $dir"
+    rm -rf "$dir"
+  done < <(find "$BUILD_DIR" -name CMakeCache.txt 2>/dev/null)
   python -m pip wheel -v --no-deps --no-build-isolation --no-index --disable-pip-version-check \
     -C build-dir="$BUILD_DIR" -w "$WORK/wheel" "$root" &&
   python -m pip install --no-deps --no-index --disable-pip-version-check "$WORK"/wheel/llama_cpp_python-*.whl
