@@ -1,4 +1,4 @@
-"""Many models behind one process (modelpool.py, http/model_routes.py): a request's ``model``
+"""Many models behind one process (serving/model_pool.py, http/model_routes.py): a request's ``model``
 picks the model on every dialect, at most --models-max hold memory (the least recently used
 idle one evicted), pinned ones stay, an idle one sleeps and wakes, concurrent requests share
 one load, and nothing is unloaded under a running request.
@@ -26,7 +26,7 @@ import trio
 
 from helpers import gate, http, metric_samples
 from hydra_trio.app import serve
-from hydra_trio.modelpool import ModelEntry, ModelState
+from hydra_trio.serving import ModelEntry, ModelState
 from hydra_trio.testing.net import free_port
 
 pytestmark = pytest.mark.slow  # starts engines of several models

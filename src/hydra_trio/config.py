@@ -25,7 +25,7 @@ _GiB = 1024 * _MiB
 class Settings:
     model: str | None = None  # None: the synthetic demo model from the user cache
     alias: str | None = None
-    # Many models (modelpool.py; docs/operations.md "Many models"): named_models has no flag of its own.
+    # Many models (serving/model_pool.py; docs/operations.md "Many models"): named_models has no flag of its own.
     named_models: tuple[str, ...] = ()
     models_dir: str | None = None
     models_max: int = 4

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .engine import Engine, WorkerLane
+from ..engine import Engine, WorkerLane
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .model.catalog import Catalog
+    from ..config import Settings
+    from ..model.catalog import Catalog
 
 log = logging.getLogger("hydra_trio.models")
 
