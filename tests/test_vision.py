@@ -172,7 +172,7 @@ async def test_prompt_tokens_match_llama_server(vision_engine: Any, vision_model
     from hydra_trio.testing.net import free_port
 
     port = free_port()
-    proc = subprocess.Popen(
+    proc = await trio.lowlevel.open_process(
         [str(binary), "-m", str(vision_model), "--mmproj", str(mmproj_path(vision_model)), "--host", "127.0.0.1",
          "--port", str(port), "-c", "2048", "-t", "1", "--no-warmup"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -197,4 +197,7 @@ async def test_prompt_tokens_match_llama_server(vision_engine: Any, vision_model
         assert n_ours == n_theirs
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        with trio.move_on_after(30):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
