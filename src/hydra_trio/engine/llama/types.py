@@ -197,3 +197,36 @@ class PrefillPart:
     keep: int | None = None  # the first part of a prompt: truncate the slot first
     sampler: TokenSampler | None = None  # the last part: sample the next token from its last position
     want_logits: bool = False  # the last part: also return that position's logits
+
+
+class ImageError(ValueError):
+    """An image the projector cannot take (undecodable bytes, a marker count that does not
+    match): the request's fault, a 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """An image's positions in a token list: [start, end), under one id."""
+
+    start: int
+    end: int
+    token: int
+
+
+def media_spans(tokens: Sequence[int], n_tokens_of: dict[int, int]) -> list[Span]:
+    """The image spans of a token list, in order. ``n_tokens_of``: each image id's positions
+    (a run of one id longer than that is that image more than once, back to back)."""
+    spans: list[Span] = []
+    i, n = 0, len(tokens)
+    while i < n:
+        t = tokens[i]
+        if t >= 0:
+            i += 1
+            continue
+        size = n_tokens_of.get(t)
+        if size is None:
+            raise KeyError(t)
+        end = min(i + size, n)  # a list cut inside an image (a slot's history): its part
+        spans.append(Span(i, end, t))
+        i = end
+    return spans
