@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from helpers import http
+from hydra_trio.engine.llama import Span, image_ids, is_image_start, media_spans
 from hydra_trio.model.synthetic_vision import image_tokens, mmproj_path, write_vision_model
 
 
@@ -108,8 +109,20 @@ async def test_prefix_cache_tells_images_apart(vision_engine: Any) -> None:
         assert again >= image_start + N_IMAGE  # the same image: its positions reused
         assert other <= image_start  # another image: nothing from its first position on
     core = vision_engine.state.engine._core
-    held = [t for t in core.backend.seq_tokens[0] + core.backend.seq_tokens[1] if t < 0]
-    assert len(set(held)) == 2  # each image its own id in the slots' token lists
+    held = [media_spans(core.backend.seq_tokens[s]) for s in (0, 1)]
+    ids = {tuple(core.backend.seq_tokens[s][sp.start : sp.end]) for s in (0, 1) for sp in held[s]}
+    assert len(ids) == 2  # each image its own ids in the slots' token lists
+    assert all(len(set(i)) == N_IMAGE for i in ids)  # one id a position: a match needs all of them
+
+
+def test_image_ids_make_spans_from_the_list_alone() -> None:
+    a, b = image_ids("aa" * 32, 4), image_ids("bb" * 32, 4)
+    assert all(t < 0 for t in a + b) and len(set(a + b)) == 8
+    assert [is_image_start(t) for t in a] == [True, False, False, False]
+    tokens = [5, *a, *a, 7, *b, 9, *b[:2]]  # the same image twice back to back; a history cut inside one
+    assert media_spans(tokens) == [Span(1, 5), Span(5, 9), Span(10, 14), Span(15, 17)]
+    with pytest.raises(ValueError):
+        media_spans([5, *a[1:]])
 
 
 async def test_anthropic_and_responses_images(vision_engine: Any) -> None:

@@ -396,7 +396,7 @@ class EngineCore:
         projector = self.backend.projector
         if projector is None or min(tokens, default=0) >= 0:
             return []
-        return media_spans(tokens, projector.n_tokens_of)
+        return media_spans(tokens)
 
     async def _evaluate(
         self, slot: int, tokens: Sequence[int], n_keep: int, *, sampler: Sampler | None, want_logits: bool
@@ -472,10 +472,10 @@ class EngineCore:
                 await self._evaluate(slot, tokens[: span.start], at, sampler=None, want_logits=False)
             await self.scheduler.make_room(span.end - backend.n_past(slot), exclude=slot)
 
-            def call(_abort: threading.Event, keep: int = span.start, token: int = span.token) -> int:
+            def call(_abort: threading.Event, keep: int = span.start, ids: Sequence[int] = tokens[span.start : span.end]) -> int:
                 if backend.truncate_slot(slot, keep) != keep:
                     raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not be cut back to {keep} positions")
-                return backend.eval_image(slot, token)
+                return backend.eval_image(slot, ids)
 
             try:
                 self._chunk_prompt_tokens += await self.worker.run(call)

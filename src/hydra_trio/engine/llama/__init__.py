@@ -30,6 +30,8 @@ from .types import (
     TokenSampler,
     Vocabulary,
     common_prefix_len,
+    image_ids,
+    is_image_start,
     media_spans,
 )
 
@@ -59,6 +61,8 @@ __all__ = [
     "apply_builtin_chat_template",
     "cache_layout_mismatch",
     "common_prefix_len",
+    "image_ids",
+    "is_image_start",
     "kv_layout",
     "media_spans",
     "normalize",

@@ -588,23 +588,24 @@ class LlamaBackend(SlotStates, BatchSteps):
         self._advanced(slot, logits)  # after the logits are read: nothing may come between
         return token, logits
 
-    def eval_image(self, slot: int, token: int) -> int:
-        """Append the image ``token`` names (vision.py) to the slot's KV, all its positions in
-        one call (mtmd encodes it, then decodes its embeddings in n_batch batches); returns
-        the positions it took. No logits: a prompt's last position is always text."""
+    def eval_image(self, slot: int, ids: Sequence[int]) -> int:
+        """Append the image whose positions' ids are ``ids`` (vision.py) to the slot's KV, all
+        its positions in one call (mtmd encodes it, then decodes its embeddings in n_batch
+        batches); returns the positions it took. No logits: a prompt's last position is
+        always text."""
         projector = self.projector
         if projector is None:
             raise RuntimeError("an image position, but no projector is loaded")
         self._free_retired()
         start = len(self.seq_tokens[slot])
-        n = projector.n_tokens_of[token]
+        n = len(ids)
         if start + n > self.n_ctx_slot:
             raise NoKvSpace
         if self._adapters:
             self._use_lora([(slot, 0, start, False)])
         t0 = time.perf_counter()
         try:
-            taken = projector.eval_image(self._ctx, token, start, slot, self.n_batch)
+            taken = projector.eval_image(self._ctx, ids, start, slot, self.n_batch)
         except BaseException:
             self._drop_after(slot, start)
             raise
@@ -613,7 +614,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         if taken != n:
             self._drop_after(slot, start)
             raise RuntimeError(f"an image took {taken} positions, {n} expected")
-        self.seq_tokens[slot].extend([token] * n)
+        self.seq_tokens[slot].extend(ids)
         self._advanced(slot)
         return n
 

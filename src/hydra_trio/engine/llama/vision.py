@@ -2,11 +2,14 @@
 prompt with images tokenized into text tokens and image positions, and an image's positions
 evaluated into a slot's sequence.
 
-An image's positions stand in a prompt's token list as one negative id, repeated once per
-position: the id is drawn from the SHA-256 of the image (mtmd's bitmap id), so the token
-list is the KV's identity as for text. Two different images never share a cached prefix
-(nor a KV block's hash), the same image in the same place reuses it, and nothing that
-compares, hashes or stores token lists needs to know about images. No vocabulary id is
+An image's positions stand in a prompt's token list as negative ids, one per position, each
+30 bits of a hash of the image's SHA-256 (mtmd's bitmap id) and the position: the token list
+is the KV's identity as for text. A cached prefix matches an image only when every one of its
+positions agrees (30 bits a position: a 16-position image is 480 bits), so two different
+images never share a cached prefix (nor a KV block's hash), the same image in the same place
+reuses it, and nothing that compares, hashes or stores token lists needs to know about
+images. An image's first id is marked (its lowest bit set), so a span is read from the list
+alone: it ends at the next text token or the next image's first position. No vocabulary id is
 negative, so an image's id is never fed to llama_decode as a token: the engine evaluates
 image spans here (``eval_image``), whole.
 
@@ -27,7 +30,7 @@ import llama_cpp
 from llama_cpp import mtmd_cpp as mtmd
 
 from .log import captured, route_mtmd_log
-from .types import ImageError
+from .types import ImageError, image_ids
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +39,6 @@ log = logging.getLogger(__name__)
 # preprocessed pixels (a few MB for a large model's image size).
 MAX_HELD_IMAGES = 64
 _CHUNK_TEXT, _CHUNK_IMAGE = 0, 1  # mtmd_input_chunk_type
-
-
-def image_token(digest_hex: str) -> int:
-    """An image's id in token lists: negative, 31 bits of its SHA-256 (two images collide
-    one time in 2**31)."""
-    return -1 - int(digest_hex[:16], 16) % (2**31 - 1)
 
 
 class Projector:
@@ -70,12 +67,12 @@ class Projector:
             self.close()
             raise RuntimeError(f"{path!r}: a projector with M-RoPE positions (Qwen2-VL and kin) is not served yet")
         self.path = path
-        self._chunks: OrderedDict[int, ctypes.c_void_p] = OrderedDict()  # image id -> its chunk (a copy we own)
-        self.n_tokens_of: dict[int, int] = {}  # image id -> its positions (kept: spans of histories)
+        # An image's first id -> (all its ids, its chunk: a copy we own)
+        self._chunks: OrderedDict[int, tuple[tuple[int, ...], ctypes.c_void_p]] = OrderedDict()
         self.encode_s = 0.0
 
     def close(self) -> None:
-        for chunk in self._chunks.values():
+        for _, chunk in self._chunks.values():
             mtmd.mtmd_input_chunk_free(chunk)
         self._chunks.clear()
         if self._ctx:
@@ -120,9 +117,9 @@ class Projector:
                 elif kind == _CHUNK_IMAGE:
                     digest = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
                     n = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-                    token = image_token(digest)
-                    self._hold(token, chunk, n)
-                    tokens.extend([token] * n)
+                    ids = image_ids(digest, n)
+                    self._hold(ids, chunk)
+                    tokens.extend(ids)
                     n_image += n
                 else:
                     raise ImageError("audio chunks are not served")
@@ -132,27 +129,32 @@ class Projector:
             for bitmap in bitmaps:
                 mtmd.mtmd_bitmap_free(bitmap)
 
-    def _hold(self, token: int, chunk: ctypes.c_void_p, n_tokens: int) -> None:
-        if token in self._chunks:
-            self._chunks.move_to_end(token)
+    def _hold(self, ids: tuple[int, ...], chunk: ctypes.c_void_p) -> None:
+        held = self._chunks.get(ids[0])
+        if held is not None and held[0] == ids:
+            self._chunks.move_to_end(ids[0])
             return
         copy = mtmd.mtmd_input_chunk_copy(chunk)
         if not copy:
             raise MemoryError("mtmd could not copy an image chunk")
-        self._chunks[token] = copy
-        self.n_tokens_of[token] = n_tokens
+        if held is not None:  # another image with the same first id (1 in 2**30): the newer one is held
+            mtmd.mtmd_input_chunk_free(held[1])
+        self._chunks[ids[0]] = (ids, copy)
+        self._chunks.move_to_end(ids[0])
         while len(self._chunks) > MAX_HELD_IMAGES:
-            _, old = self._chunks.popitem(last=False)
+            _, (_, old) = self._chunks.popitem(last=False)
             mtmd.mtmd_input_chunk_free(old)
 
-    def eval_image(self, lctx: ctypes.c_void_p, token: int, n_past: int, seq: int, n_batch: int) -> int:
-        """Encode the image ``token`` names and decode its embeddings into sequence ``seq``
-        at ``n_past``; returns the positions it took. KeyError: the image is no longer held
-        (more than MAX_HELD_IMAGES others came between its tokenizing and its turn)."""
-        chunk = self._chunks.get(token)
-        if chunk is None:
-            raise KeyError(token)
-        self._chunks.move_to_end(token)
+    def eval_image(self, lctx: ctypes.c_void_p, ids: Sequence[int], n_past: int, seq: int, n_batch: int) -> int:
+        """Encode the image whose positions' ids are ``ids`` and decode its embeddings into
+        sequence ``seq`` at ``n_past``; returns the positions it took. KeyError: the image is
+        no longer held (more than MAX_HELD_IMAGES others came between its tokenizing and its
+        turn)."""
+        held = self._chunks.get(ids[0])
+        if held is None or held[0] != tuple(ids):
+            raise KeyError(ids[0])
+        chunk = held[1]
+        self._chunks.move_to_end(ids[0])
         new_n_past = llama_cpp.llama_pos(0)
         start = time.perf_counter()
         rc = mtmd.mtmd_helper_eval_chunk_single(self._ctx, lctx, chunk, n_past, seq, n_batch, False, ctypes.byref(new_n_past))
