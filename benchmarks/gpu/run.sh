@@ -11,7 +11,7 @@
 #      CUDA_ARCH for another GPU) or Vulkan, and with --with-llama-server llama-server from the
 #      same build tree (one ggml compile for both);
 #   3. the engine (this checkout, --no-deps);
-#   4. python -m pytest -q -m gpu tests/test_gpu.py  -> OUTDIR/gpu-tests.xml, gpu-tests.log;
+#   4. python -m pytest -q -m gpu tests/system/test_gpu.py  -> OUTDIR/gpu-tests.xml, gpu-tests.log;
 #   5. benchmarks/gpu/figures.py                     -> OUTDIR/figures.json.
 # Every stage has a timeout within the overall budget (GPU_CHECK_BUDGET_S, default 530 s;
 # BUILD_LIMIT_S, default 360, and TESTS_LIMIT_S, default 180, for the two long stages);
@@ -273,7 +273,7 @@ stage offload 60 check_offload
 cat "$OUTDIR/logs/offload.log"
 
 cd "$REPO" || exit 1
-stage gpu-tests "$TESTS_LIMIT_S" python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rA \
+stage gpu-tests "$TESTS_LIMIT_S" python -m pytest -q -m gpu tests/system/test_gpu.py -p no:cacheprovider -rA \
   --junitxml="$OUTDIR/gpu-tests.xml" -o junit_family=xunit2
 TESTS_RC=$?
 cp "$OUTDIR/logs/gpu-tests.log" "$OUTDIR/gpu-tests.log" 2>/dev/null

@@ -278,7 +278,7 @@ def parse_networks(value: str, name: str) -> tuple[IPNetwork, ...]:
 
 
 # flag name -> (env var, help). The env var is read when the flag is not given.
-# The tool-call families: engine/chat/formats.py FORMATS, in its order (tests/test_architecture.py
+# The tool-call families: engine/chat/formats.py FORMATS, in its order (tests/repo/test_architecture.py
 # holds the two equal; this module is below engine/ and cannot import it).
 TOOL_CALL_PARSERS = (
     "auto", "hermes", "llama3", "mistral", "granite", "nemotron", "apriel", "firefunction", "functionary", "gigachat3", "gigachat3_1", "generic", "qwen3_coder", "seed_oss", "glm", "kimi_k2", "deepseek",
