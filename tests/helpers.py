@@ -23,7 +23,7 @@ import trio
 from hypothesis import strategies as st
 
 from hydra_trio.decode.store import DecodeEntry, Tombstone
-from hydra_trio.engine.llama.types import PrefillPart, StepRequest, StepResult
+from hydra_trio.engine.llama import PrefillPart, StepRequest, StepResult
 from hydra_trio.rpc.client import (
     RpcClient,
     RpcConnectionClosed,
@@ -44,9 +44,7 @@ from hydra_trio.testing.sse_reader import parse_sse as parse_sse
 from hydra_trio.testing.sse_reader import sse_chunk as sse_chunk
 from hydra_trio.testing.sse_reader import sse_data as sse_data
 from hydra_trio.testing.sse_reader import sse_text as sse_text
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.frames import encode_v3_raw
-from hydra_trio.wire.kvblob import parse_kv_blob
+from hydra_trio.wire import Status, encode_v3_raw, parse_kv_blob
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
 OTHER_MESSAGES = [
@@ -475,7 +473,7 @@ def assert_same_kv(a: bytes | bytearray, b: bytes | bytearray, *, n_vocab: int |
     Only blobs read from the same slot id can be compared byte for byte: llama.cpp's
     sequence state records the sequence id in its header and in every cell.
     """
-    from hydra_trio.wire.kvblob import parse_kv_blob
+    from hydra_trio.wire import parse_kv_blob
 
     if n_vocab is not None:
         a = a[: len(a) - 4 * n_vocab]

@@ -64,7 +64,7 @@ async def test_a_live_engine_answers_busy_when_payload_memory_stays_full(start_e
     JSON back once parsed, so that its reply's charge does not wait behind it.)"""
     from helpers import assert_error, rpc
     from hydra_trio.rpc.client import configure_call, prefill_call, state_put_call
-    from hydra_trio.wire.errors import Status
+    from hydra_trio.wire import Status
 
     ep = await start_engine(tiny_model, max_inflight_bytes=200, idle_timeout_s=0.3)
     request = {"messages": [{"role": "user", "content": "x" * 80}], "max_tokens": 1}

@@ -44,8 +44,7 @@ from helpers import (
     wait_until,
 )
 from hydra_trio.rpc.client import RpcClient, RpcResponse, decode_call
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.protocol import Op, encode_request
+from hydra_trio.wire import Op, Status, encode_request
 
 N = 12
 LONG_N = 1500  # far more than any of these tests lets run

@@ -32,8 +32,7 @@ from helpers import (
     v3_raw,
     wait_listed,
 )
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.frames import encode_decode_frame_simple
+from hydra_trio.wire import Status, encode_decode_frame_simple
 
 N = 40
 

@@ -41,9 +41,7 @@ from helpers import (
     v3_raw,
 )
 from hydra_trio.rpc.client import RpcResponse
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.hashing import xxh3_64, xxh3_tag
-from hydra_trio.wire.kvblob import parse_kv_blob
+from hydra_trio.wire import Status, parse_kv_blob, xxh3_64, xxh3_tag
 
 N = 12
 

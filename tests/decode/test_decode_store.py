@@ -16,7 +16,7 @@ from hydra_trio.decode.store import (
     Subscription,
     Tombstone,
 )
-from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
+from hydra_trio.wire import ErrorCode, ProtocolError, Status
 
 INT32_MAX = (1 << 31) - 1
 

@@ -15,10 +15,11 @@ import trio
 import trio.testing
 
 from hydra_trio.config import Settings
-from hydra_trio.engine.embedder import Embedder, embeddings_wanted
+from hydra_trio.engine import Embedder
+from hydra_trio.engine.embedder import embeddings_wanted
 from hydra_trio.engine.llama import PooledShape, TokenRoles, normalize
 from hydra_trio.engine.worker import GpuWorker
-from hydra_trio.wire.errors import ProtocolError, Status
+from hydra_trio.wire import ProtocolError, Status
 
 
 @dataclass

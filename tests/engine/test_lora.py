@@ -13,16 +13,17 @@ import trio
 import trio.testing
 
 from helpers import Recorder, no_wait
-from hydra_trio.engine.adapters import LoadedAdapter, LoraAdapters
-from hydra_trio.engine.kv.blocks import HostBlocks, SlotBlocks, chain_root
-from hydra_trio.engine.kv.promptcache import PromptCache
+from hydra_trio.engine import GenerationParams, LoraAdapters
+from hydra_trio.engine.adapters import LoadedAdapter
+from hydra_trio.engine.kv import HostBlocks, PromptCache, SlotBlocks
+from hydra_trio.engine.kv.blocks import chain_root
 from hydra_trio.engine.llama import Snapshot
-from hydra_trio.engine.params import GenerationParams
-from hydra_trio.engine.sched.batcher import StepBatcher
+from hydra_trio.engine.sched import StepBatcher
 from hydra_trio.model.identity import compare_identity, read_identity
 from hydra_trio.model.lora import AdapterMeta, AdapterSpec, adapter_specs, read_adapter
 from hydra_trio.model.synthetic_lora import write_lora_adapter
-from hydra_trio.wire.errors import ParamError, ProtocolError, Status
+from hydra_trio.wire import ProtocolError, Status
+from hydra_trio.wire.errors import ParamError
 
 
 @pytest.fixture(scope="module")

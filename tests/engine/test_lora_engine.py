@@ -32,7 +32,7 @@ from helpers import (
     scrape,
     text_of,
 )
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Status
 
 PROMPT = "tell me about the river and the old mill and why they matter"
 _salts = itertools.count()

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import MESSAGES, assert_error, decode, decode_ok, frame, get_result, http, rpc
 from hydra_trio.rpc.client import configure_call, prefill_call
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Status
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import trio
 from hydra_trio.config import Settings
 from hydra_trio.engine import inputs as inputs_mod
 from hydra_trio.engine.inputs import Inputs
-from hydra_trio.wire.errors import ProtocolError
+from hydra_trio.wire import ProtocolError
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 

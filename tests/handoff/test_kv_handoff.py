@@ -31,9 +31,8 @@ from helpers import (
     wait_until,
 )
 from hydra_trio.rpc.client import Call, info_call
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Op, Status
 from hydra_trio.wire.kvpull import encode_pull_request
-from hydra_trio.wire.protocol import Op
 
 PROMPT = [{"role": "user", "content": "the slot cache engine moves its keys " * 12}]
 N = 12

@@ -17,7 +17,7 @@ import trio
 
 from hydra_trio.engine.chat import render_jinja
 from hydra_trio.testing.sse_reader import parse_sse
-from hydra_trio.wire.errors import ProtocolError
+from hydra_trio.wire import ProtocolError
 
 USER = [{"role": "user", "content": "hello world"}]
 

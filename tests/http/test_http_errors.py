@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from hydra_trio.http.common import http_status
-from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
+from hydra_trio.wire import ErrorCode, ProtocolError, Status
 
 
 @pytest.mark.parametrize(

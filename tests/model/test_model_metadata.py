@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 
 from helpers import chat_plan, http
-from hydra_trio.engine.chat import Chat, resolve_chat_template
-from hydra_trio.engine.chat.templates import ChatTemplate
-from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.engine.params import SamplingParams
+from hydra_trio.engine import SamplingParams
+from hydra_trio.engine.chat import Chat, ChatTemplate, resolve_chat_template
+from hydra_trio.engine.llama import LlamaBackend
 from hydra_trio.engine.sample import Sampler
 from hydra_trio.model.synthetic import BOS_ID, IM_END_ID, IM_START_ID, write_model
 

@@ -16,7 +16,8 @@ import zmq
 
 from helpers import http, rpc, wait_slots_idle, wait_slots_until, wait_until
 from hydra_trio.config import Settings, validate
-from hydra_trio.engine.kv.blocks import SlotBlocks, block_hash
+from hydra_trio.engine.kv import SlotBlocks
+from hydra_trio.engine.kv.blocks import block_hash
 from hydra_trio.observability import KvEventPublisher, Metrics, open_kv_events
 from hydra_trio.wire.kvevents import (
     Event,

@@ -21,8 +21,8 @@ import zmq
 
 from helpers import http
 from hydra_trio.config import Settings, validate
-from hydra_trio.engine.kv.blocks import HostBlocks, block_hash
-from hydra_trio.engine.kv.promptcache import PromptCache
+from hydra_trio.engine.kv import HostBlocks, PromptCache
+from hydra_trio.engine.kv.blocks import block_hash
 from hydra_trio.engine.llama import Snapshot
 from hydra_trio.observability import event_encoding, expand_topic, pod_name, topic_template
 from hydra_trio.wire.kvevents import Event, block_removed, block_stored, decode_batch, encode_batch

@@ -15,7 +15,7 @@ from helpers import decode, rpc
 from hydra_trio.concurrency import CPU_OFFLOAD_MIN_BYTES
 from hydra_trio.rpc import ops
 from hydra_trio.rpc.client import build_decode_frame, prefill_call
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Status
 
 BIG_TEXT = "word " * (CPU_OFFLOAD_MIN_BYTES // 4)  # > 1 MiB of JSON
 

@@ -13,7 +13,7 @@ import pytest
 from helpers import MESSAGES, frame, http, kv_meta, prefill, rpc
 from hydra_trio.rpc.client import decode_call, prefill_call
 from hydra_trio.testing.rpcfuzz import run_campaign
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Status
 
 FRAMES = 2000
 

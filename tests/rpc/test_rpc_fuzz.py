@@ -12,8 +12,8 @@ import trio
 
 from helpers import assert_server_healthy
 from hydra_trio.rpc.client import build_decode_frame, encode_request_header
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.protocol import RESPONSE_HEADER, Op, encode_request, parse_response_header
+from hydra_trio.wire import Op, Status, encode_request, parse_response_header
+from hydra_trio.wire.protocol import RESPONSE_HEADER
 
 OPS = [int(op) for op in Op] + [0x00, 0x2F, 0x48, 0xFF]
 

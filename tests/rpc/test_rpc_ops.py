@@ -37,16 +37,15 @@ from hydra_trio.rpc.client import (
     identity_kv_metadata,
     prefill_call,
 )
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.hashing import xxh3_tag
-from hydra_trio.wire.kvblob import parse_kv_blob
-from hydra_trio.wire.protocol import (
-    RESPONSE_HEADER,
+from hydra_trio.wire import (
     Op,
+    Status,
     encode_request,
-    encode_request_header,
+    parse_kv_blob,
     parse_response_header,
+    xxh3_tag,
 )
+from hydra_trio.wire.protocol import RESPONSE_HEADER, encode_request_header
 
 IDENTITY_KEYS = (
     "model_alias", "model_path", "tokenizer", "model_name", "model_quant", "model_capabilities", "model_hash"

@@ -27,9 +27,17 @@ from helpers import (
     wait_until,
 )
 from hydra_trio.rpc.client import Call, RpcClient, RpcConnectionClosed
-from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
-from hydra_trio.wire.kvblob import Checkpoint, encode_blob_head, parse_kv_blob
-from hydra_trio.wire.protocol import MAGIC, REQUEST_HEADER, Op, encode_request_header
+from hydra_trio.wire import (
+    MAGIC,
+    Checkpoint,
+    ErrorCode,
+    Op,
+    ProtocolError,
+    Status,
+    encode_blob_head,
+    parse_kv_blob,
+)
+from hydra_trio.wire.protocol import REQUEST_HEADER, encode_request_header
 
 N_VOCAB = 512
 PROMPT = {"messages": MESSAGES}
@@ -530,7 +538,8 @@ def test_checkpoint_section_applies_to_recurrent_models_only(recurrent_only: boo
     lies inside the blob's positions and is the size of the model's recurrent state; anywhere
     else it is refused, saying why."""
     from hydra_trio.engine.kv import check_checkpoint
-    from hydra_trio.wire.kvblob import KV_BLOB_V3, encode_kv_blob
+    from hydra_trio.wire import encode_kv_blob
+    from hydra_trio.wire.kvblob import KV_BLOB_V3
 
     def blob(pos_min: int, pos_max: int, n_tok: int) -> Any:
         ck = Checkpoint(pos_min, pos_max, n_tok, memoryview(b"ck"), memoryview(b""), recurrent_only)

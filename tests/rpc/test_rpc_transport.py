@@ -14,7 +14,8 @@ import trio.testing
 
 from helpers import ENGINE, rpc, wait_until
 from hydra_trio.rpc.client import RpcClient
-from hydra_trio.wire.protocol import RESPONSE_HEADER, Op, encode_request_header
+from hydra_trio.wire import Op
+from hydra_trio.wire.protocol import RESPONSE_HEADER, encode_request_header
 
 
 def sample(ep: Any, name: str, labels: dict[str, str] | None = None) -> float:

@@ -20,14 +20,8 @@ from helpers import (
     v3_raw,
 )
 from hydra_trio.concurrency import CPU_OFFLOAD_MIN_BYTES
-from hydra_trio.wire import hashing
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.frames import (
-    encode_decode_frame_simple,
-    encode_decode_frame_v3,
-    v3_head_len,
-    v3_kv_span,
-)
+from hydra_trio.wire import Status, encode_decode_frame_simple, encode_decode_frame_v3, hashing
+from hydra_trio.wire.frames import v3_head_len, v3_kv_span
 
 KV = bytes(range(256)) * 40
 LONG = [{"role": "user", "content": "the wide cache " * 60}]

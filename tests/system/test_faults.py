@@ -48,8 +48,7 @@ from helpers import (
 )
 from hydra_trio.rpc.client import RpcClient, SyncRpcClient, build_decode_frame
 from hydra_trio.testing.sse_reader import DONE
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.protocol import Op, encode_request
+from hydra_trio.wire import Op, Status, encode_request
 
 LONG_N = 1500  # far more than a test lets run before its fault
 N = 8

@@ -41,7 +41,7 @@ from helpers import (
 )
 from hydra_trio.engine.llama.devices import _OFFLOADED_RE, read_ggml_devices
 from hydra_trio.rpc.client import decode_call, state_get_call, state_put_call
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Status
 
 
 def _skip_reason() -> str | None:

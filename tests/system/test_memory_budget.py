@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from hydra_trio.model.synthetic import PRESETS
-from hydra_trio.wire.protocol import Op, encode_request_header
+from hydra_trio.wire import Op
+from hydra_trio.wire.protocol import encode_request_header
 
 pytestmark = pytest.mark.slow  # starts a `hydra-trio serve` process and fills every slot
 

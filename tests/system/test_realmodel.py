@@ -17,7 +17,7 @@ import pytest
 
 from helpers import decode_ok, frame, get_result, http, kv_meta, prefill, rpc, text_of
 from hydra_trio.rpc.client import state_get_call, state_meta_call, state_put_call
-from hydra_trio.wire.kvblob import parse_kv_blob
+from hydra_trio.wire import parse_kv_blob
 
 pytestmark = pytest.mark.realmodel
 
@@ -202,8 +202,8 @@ def test_sliding_window_cache_is_window_sized_by_default(gemma_model: Path) -> N
     a prompt past the window (where those cells are reused) continues exactly as with the
     full-size cache: the same greedy token."""
     from hydra_trio.config import Settings
-    from hydra_trio.engine.llama.context import LlamaBackend
-    from hydra_trio.engine.params import SamplingParams
+    from hydra_trio.engine import SamplingParams
+    from hydra_trio.engine.llama import LlamaBackend
     from hydra_trio.engine.sample import Sampler
 
     assert Settings().swa_full is False

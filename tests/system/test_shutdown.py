@@ -16,7 +16,7 @@ import pytest
 
 from hydra_trio.rpc.client import SyncRpcClient, build_decode_frame, prefill_call
 from hydra_trio.testing.net import free_port
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Status
 
 pytestmark = pytest.mark.slow  # starts `hydra-trio serve` processes and signals them
 
@@ -109,7 +109,7 @@ async def test_the_engine_outlives_its_users_and_refuses_late_work(run_engine: A
     """On shutdown the front ends end first, then the running requests, and only then is the
     model freed: no slot is held when it is. Work that comes later gets a clear error."""
     from helpers import MESSAGES, decode_ok, entry_of, frame, rpc
-    from hydra_trio.wire.errors import ProtocolError
+    from hydra_trio.wire import ProtocolError
 
     held_at_close: list[list[str | None]] = []
     async with run_engine(tiny_model) as ep:

@@ -16,8 +16,8 @@ from hydra_trio.transport import (
     recv_bytes,
     run_blocking,
 )
-from hydra_trio.wire.errors import ErrorCode, ProtocolError
-from hydra_trio.wire.protocol import encode_response, encode_response_header
+from hydra_trio.wire import ErrorCode, ProtocolError, encode_response
+from hydra_trio.wire.protocol import encode_response_header
 
 
 def _feed(data: bytes, step: int = 3) -> RecvInto:

@@ -15,12 +15,18 @@ from hypothesis import strategies as st
 
 from helpers import assert_error, assert_server_healthy, http, rpc
 from hydra_trio.rpc.client import Call
-from hydra_trio.wire import jsontext
-from hydra_trio.wire.errors import ErrorCode, ProtocolError, Status
-from hydra_trio.wire.frames import encode_v3_raw, parse_decode_frame
+from hydra_trio.wire import (
+    ErrorCode,
+    Op,
+    ProtocolError,
+    Status,
+    encode_v3_raw,
+    jsontext,
+    parse_decode_frame,
+)
 from hydra_trio.wire.jsontext import parse_json, parse_json_object, parse_json_sliced
 from hydra_trio.wire.kvpull import parse_pull_request
-from hydra_trio.wire.protocol import Op, decode_json_object
+from hydra_trio.wire.protocol import decode_json_object
 
 # Each is what some JSON library would write, and none is JSON.
 NOT_JSON = [

@@ -13,12 +13,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hydra_trio.engine import GenerationParams
 from hydra_trio.engine.configure import SlotSettings, _validate_t1
-from hydra_trio.engine.params import BOUNDS, GenerationParams, parse_generation
-from hydra_trio.engine.sched.slots import SlotTable
-from hydra_trio.wire import sampling
-from hydra_trio.wire.errors import ParamError, ProtocolError
-from hydra_trio.wire.frames import encode_decode_frame_v3, merged_generation, parse_decode_frame
+from hydra_trio.engine.params import BOUNDS, parse_generation
+from hydra_trio.engine.sched import SlotTable
+from hydra_trio.wire import (
+    ProtocolError,
+    encode_decode_frame_v3,
+    merged_generation,
+    parse_decode_frame,
+    sampling,
+)
+from hydra_trio.wire.errors import ParamError
 
 N_CTX = 4096
 

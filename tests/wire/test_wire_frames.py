@@ -13,12 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hydra_trio.wire import (
+    Checkpoint,
     DecodeFrame,
     ErrorCode,
     ProtocolError,
     check_tag,
     encode_decode_frame_simple,
     encode_decode_frame_v3,
+    encode_kv_blob,
     encode_v3_raw,
     merged_generation,
     parse_decode_frame,
@@ -27,7 +29,6 @@ from hydra_trio.wire import (
     xxh3_tag,
 )
 from hydra_trio.wire.hashing import format_tag
-from hydra_trio.wire.kvblob import Checkpoint, encode_kv_blob
 
 FAST = settings(
     max_examples=200,

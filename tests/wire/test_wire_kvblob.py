@@ -9,18 +9,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.wire.errors import ErrorCode, ProtocolError
+from hydra_trio.wire import (
+    Checkpoint,
+    ErrorCode,
+    KvBlob,
+    ProtocolError,
+    encode_blob_head,
+    encode_kv_blob,
+    parse_kv_blob,
+)
 from hydra_trio.wire.kvblob import (
     FLAG_CHECKPOINT,
     FLAG_RECURRENT_ONLY,
     KV_BLOB_V3,
     LEGACY_MAGIC,
-    Checkpoint,
-    KvBlob,
-    encode_blob_head,
-    encode_kv_blob,
     encode_legacy_blob,
-    parse_kv_blob,
     split_trailing_logits,
 )
 

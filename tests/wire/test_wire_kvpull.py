@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.wire.errors import ErrorCode, ProtocolError
-from hydra_trio.wire.hashing import xxh3_tag
+from hydra_trio.wire import ErrorCode, ProtocolError, xxh3_tag
 from hydra_trio.wire.kvpull import (
     KV_PULL_MAX_REQUEST_BYTES,
     check_pulled,

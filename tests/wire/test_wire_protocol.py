@@ -12,20 +12,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.wire.errors import DEFAULT_STATUS, BadMagic, ErrorCode, ProtocolError, Status
-from hydra_trio.wire.protocol import (
+from hydra_trio.wire import (
     MAGIC,
-    MAX_META_LEN,
+    BadMagic,
+    ErrorCode,
     Op,
-    decode_json_object,
-    encode_meta,
+    ProtocolError,
+    Status,
     encode_request,
-    encode_request_header,
     encode_response,
-    encode_response_header,
-    error_response,
     parse_request_header,
     parse_response_header,
+)
+from hydra_trio.wire.errors import DEFAULT_STATUS
+from hydra_trio.wire.protocol import (
+    MAX_META_LEN,
+    decode_json_object,
+    encode_meta,
+    encode_request_header,
+    encode_response_header,
+    error_response,
     parse_slot_key,
 )
 

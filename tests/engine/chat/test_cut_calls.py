@@ -19,7 +19,7 @@ import pytest
 from hydra_trio.engine.chat import ReplyParser, ToolRequest, parse_reply, parse_tools
 from hydra_trio.engine.chat.call_grammar import tools_grammar
 from hydra_trio.engine.chat.formats import FORMATS, ToolFormat
-from hydra_trio.engine.llama.context import LlamaBackend
+from hydra_trio.engine.llama import LlamaBackend
 from hydra_trio.engine.structured import GuidanceCache
 
 DIGIT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"], "additionalProperties": False}

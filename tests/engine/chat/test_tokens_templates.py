@@ -25,7 +25,7 @@ from helpers import (
     text_of,
 )
 from hydra_trio.engine.chat import resolve_chat_template
-from hydra_trio.wire.kvblob import parse_kv_blob
+from hydra_trio.wire import parse_kv_blob
 
 CHATML_HELLO = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
 GEMMA_HELLO = "<start_of_turn>user\nhello world<end_of_turn>\n<start_of_turn>model\n"

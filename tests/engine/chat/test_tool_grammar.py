@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from helpers import object_schemas
+from hydra_trio.engine import SamplingParams
 from hydra_trio.engine.chat import ToolRequest, parse_reply, parse_tools
 from hydra_trio.engine.chat.call_grammar import tool_triggers, tools_grammar
 from hydra_trio.engine.chat.formats import FORMATS, GENERIC, HERMES, ToolFormat, Trigger
-from hydra_trio.engine.params import SamplingParams
 from hydra_trio.engine.sample import Sampler
 from hydra_trio.wire.errors import ParamError
 

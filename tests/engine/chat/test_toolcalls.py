@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.engine.chat import ReplyParser, ToolCall, parse_reply
+from hydra_trio.engine.chat import ReplyParser, ToolCall, parse_reply, parse_tools
 from hydra_trio.engine.chat.caps import detect_format
 from hydra_trio.engine.chat.formats import (
     FORMATS,
@@ -24,7 +24,7 @@ from hydra_trio.engine.chat.formats import (
     ToolFormat,
     tools_system_prompt,
 )
-from hydra_trio.engine.chat.tools import MAX_TOOLS, parse_tools
+from hydra_trio.engine.chat.tools import MAX_TOOLS
 from hydra_trio.engine.params import parse_generation
 from hydra_trio.engine.structured import request_constraint
 from hydra_trio.wire.errors import ParamError

@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from helpers import http
-from hydra_trio.engine.kv.blocks import SlotBlocks, block_hash
-from hydra_trio.engine.kv.promptcache import PromptCache
+from hydra_trio.engine.kv import PromptCache, SlotBlocks
+from hydra_trio.engine.kv.blocks import block_hash
 from hydra_trio.engine.llama import Snapshot
 
 PROMPT = "tell me about the river and the old mill and why they matter " * 4

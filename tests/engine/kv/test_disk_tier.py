@@ -15,8 +15,8 @@ import pytest
 import trio
 
 from helpers import http, scrape, wait_until
-from hydra_trio.engine.kv.disktier import SUFFIX, TMP_PREFIX, DiskTier
-from hydra_trio.engine.kv.retention import Retention
+from hydra_trio.engine.kv import DiskTier, Retention
+from hydra_trio.engine.kv.disktier import SUFFIX, TMP_PREFIX
 from hydra_trio.engine.llama import Snapshot
 
 FP = b"f" * 32

@@ -13,7 +13,7 @@ import pytest
 from helpers import MESSAGES, decode, frame, http, kv_meta, prefill, rpc, slot_tokens
 from hydra_trio.config import settings_from
 from hydra_trio.rpc.client import RpcResponse, state_put_call
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Status
 
 N = 8
 PD = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import http, scrape
-from hydra_trio.engine.kv.promptcache import PromptCache
+from hydra_trio.engine.kv import PromptCache
 from hydra_trio.engine.llama import Snapshot, common_prefix_len
 
 N = 8

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from helpers import http, scrape
-from hydra_trio.engine.kv.promptcache import PromptCache
-from hydra_trio.engine.kv.retention import EXPIRED, FINISHED, LIVE, ONE_OFF, Retention
+from hydra_trio.engine.kv import PromptCache, Retention
+from hydra_trio.engine.kv.retention import EXPIRED, FINISHED, LIVE, ONE_OFF
 from hydra_trio.engine.llama import Snapshot
 
 

@@ -13,13 +13,10 @@ import numpy as np
 import pytest
 import trio
 
-from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.engine.llama.kv_state import DecodeAborted
-from hydra_trio.engine.llama.types import StepRequest
-from hydra_trio.engine.params import SamplingParams
+from hydra_trio.engine import SamplingParams
+from hydra_trio.engine.llama import DecodeAborted, LlamaBackend, StepRequest
 from hydra_trio.engine.sample import Sampler
-from hydra_trio.wire.errors import ErrorCode, ProtocolError
-from hydra_trio.wire.kvblob import encode_kv_blob, parse_kv_blob
+from hydra_trio.wire import ErrorCode, ProtocolError, encode_kv_blob, parse_kv_blob
 
 PROMPT = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
 N_GEN = 24
@@ -312,7 +309,7 @@ async def test_gpu_worker_cancel_sets_abort_flag() -> None:
 def test_several_prompt_parts_and_a_step_in_one_batch(model: Path, reference: Reference) -> None:
     """Two prompts split into parts, riding in one llama_decode with another slot's step:
     each slot ends with the same KV (same greedy continuation) as when evaluated alone."""
-    from hydra_trio.engine.llama.types import PrefillPart
+    from hydra_trio.engine.llama import PrefillPart
 
     b = new_backend(model, n_slots=3)
     sampler = Sampler(SamplingParams())

@@ -15,13 +15,8 @@ import pytest
 from helpers import ENGINE, http, rpc, wait_slots_until
 from hydra_trio import cli
 from hydra_trio.config import settings_from
-from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.engine.llama.devices import (
-    OffloadSettings,
-    flash_attn_applied,
-    offloaded_layers,
-    read_ggml_devices,
-)
+from hydra_trio.engine.llama import LlamaBackend, OffloadSettings
+from hydra_trio.engine.llama.devices import flash_attn_applied, offloaded_layers, read_ggml_devices
 
 
 @pytest.fixture

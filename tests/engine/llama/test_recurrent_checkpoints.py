@@ -15,8 +15,8 @@ import llama_cpp
 import pytest
 
 from helpers import http
-from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.wire.kvblob import Checkpoint, encode_kv_blob, parse_kv_blob
+from hydra_trio.engine.llama import LlamaBackend
+from hydra_trio.wire import Checkpoint, encode_kv_blob, parse_kv_blob
 
 OCTETS = {"content-type": "application/octet-stream"}
 PROMPT = "the river runs past the old mill and the owls watch it from the trees " * 3

@@ -25,7 +25,7 @@ from helpers import (
     text_of,
 )
 from hydra_trio.rpc.client import prefill_call, state_get_call, state_meta_call, state_put_call
-from hydra_trio.wire.kvblob import parse_kv_blob
+from hydra_trio.wire import parse_kv_blob
 
 MESSAGES = [{"role": "user", "content": "the river runs past the old mill and the owls watch it " * 3}]
 N = 12

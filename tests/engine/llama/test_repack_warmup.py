@@ -14,7 +14,7 @@ import trio
 from helpers import http, rpc
 from hydra_trio.cli import build_parser
 from hydra_trio.config import settings_from
-from hydra_trio.engine.llama.context import LlamaBackend
+from hydra_trio.engine.llama import LlamaBackend
 from hydra_trio.engine.llama.devices import RepackChoice, cpu_flags, repack_choice
 
 # /proc/cpuinfo lines of the two kinds of machine the suite runs on.
@@ -134,7 +134,7 @@ def test_repacked_bytes_read_from_the_load_log() -> None:
 @pytest.mark.realmodel
 @pytest.mark.slow
 def test_gemma_q4_k_weights_are_repacked_only_when_asked(gemma_model: Path) -> None:
-    from hydra_trio.engine.llama.devices import OffloadSettings
+    from hydra_trio.engine.llama import OffloadSettings
 
     if not repack_choice(None, cpu_flags()).enabled:
         pytest.skip("this CPU has AMX: repacked weights would crash llama.cpp here")

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hydra_trio.engine.llama.context import LlamaBackend
+from hydra_trio.engine import SamplingParams
+from hydra_trio.engine.llama import LlamaBackend, StepRequest
 from hydra_trio.engine.llama.seqstate import (
     STATE_MAGIC,
     MemoryShape,
@@ -24,10 +25,8 @@ from hydra_trio.engine.llama.seqstate import (
     rewrite_in_place,
     with_streams,
 )
-from hydra_trio.engine.llama.types import StepRequest
-from hydra_trio.engine.params import SamplingParams
 from hydra_trio.engine.sample import Sampler
-from hydra_trio.wire.errors import ErrorCode, ProtocolError
+from hydra_trio.wire import ErrorCode, ProtocolError
 
 PROMPT = "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
 

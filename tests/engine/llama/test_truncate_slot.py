@@ -15,8 +15,8 @@ import llama_cpp
 import pytest
 
 from helpers import http
-from hydra_trio.engine.llama.context import LlamaBackend
-from hydra_trio.engine.params import SamplingParams
+from hydra_trio.engine import SamplingParams
+from hydra_trio.engine.llama import LlamaBackend
 from hydra_trio.engine.sample import Sampler
 
 PROMPT = "the river runs past the old mill and the owls watch it from the trees " * 4

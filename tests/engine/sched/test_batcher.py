@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from helpers import Recorder, no_wait, wait_until
-from hydra_trio.engine.sched.batcher import StepBatcher
+from hydra_trio.engine.sched import StepBatcher
 
 
 def new_batcher(rec: Recorder, *, budget: int = 8, alone: int = 64) -> StepBatcher:
@@ -102,7 +102,7 @@ async def test_a_step_whose_token_goes_on_is_started_before_the_request_asks() -
 async def test_slot_waiters_are_served_first_come_first_served() -> None:
     """When the one slot frees, the request that has waited longest gets it, whatever a
     later one's prefix score; one that gave up waiting is skipped."""
-    from hydra_trio.engine.sched.slots import SlotTable
+    from hydra_trio.engine.sched import SlotTable
 
     table = SlotTable(1)
     holder = table.claim(0, "holder")
@@ -131,7 +131,7 @@ async def test_slot_waiters_are_served_first_come_first_served() -> None:
 async def test_a_slot_freed_in_the_tick_of_a_cancel_goes_to_the_next_in_line() -> None:
     """The oldest waiter is cancelled and the slot freed before it runs again: it is not
     granted the slot (so it cannot leak it), the next waiter is."""
-    from hydra_trio.engine.sched.slots import SlotTable
+    from hydra_trio.engine.sched import SlotTable
 
     table = SlotTable(1)
     holder = table.claim(0, "holder")

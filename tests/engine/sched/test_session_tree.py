@@ -10,15 +10,8 @@ import pytest
 import trio
 import trio.testing
 
-from hydra_trio.engine.sched.session_tree import (
-    DEADLINE,
-    FINISHED,
-    GONE,
-    PARENT,
-    Session,
-    SessionTree,
-    Turn,
-)
+from hydra_trio.engine.sched import Session, SessionTree, Turn
+from hydra_trio.engine.sched.session_tree import DEADLINE, FINISHED, GONE, PARENT
 from hydra_trio.wire.agentic import SessionHint
 
 

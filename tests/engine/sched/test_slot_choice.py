@@ -17,10 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydra_trio.config import Settings
-from hydra_trio.engine.kv.retention import Retention
+from hydra_trio.engine.kv import Retention
 from hydra_trio.engine.llama import common_prefix_len
-from hydra_trio.engine.sched.scheduler import SlotScheduler
-from hydra_trio.engine.sched.slots import SlotTable
+from hydra_trio.engine.sched import SlotScheduler, SlotTable
 
 
 def busy_runs(table: SlotTable) -> int:

@@ -278,7 +278,7 @@ def test_bad_flag_values_exit_non_zero() -> None:
 async def test_a_model_whose_kv_cannot_roll_back_refuses_spec_type(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hydra_trio.engine.engine import Engine
+    from hydra_trio.engine import Engine
     from hydra_trio.engine.llama import context
 
     monkeypatch.setattr(context.llama_cpp, "llama_model_is_hybrid", lambda _m: True)

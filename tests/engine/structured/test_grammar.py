@@ -31,7 +31,7 @@ from helpers import (
     stream_chat,
 )
 from hydra_trio.rpc.client import build_decode_frame
-from hydra_trio.wire.errors import Status
+from hydra_trio.wire import Status
 
 YES_NO = 'root ::= "yes" | "no"'
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}  # a P/D router's, to the prefill engine

@@ -18,7 +18,7 @@ from llguidance import LLMatcher
 from helpers import assert_server_healthy, chat, http
 from hydra_trio.engine.structured import prepare_schema
 from hydra_trio.engine.structured.schema_policy import DATED_PATTERNS
-from hydra_trio.wire.errors import ProtocolError
+from hydra_trio.wire import ProtocolError
 
 NAME = {"type": "string", "maxLength": 6}
 KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
