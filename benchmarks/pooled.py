@@ -195,7 +195,7 @@ def main() -> None:
     if binary is None:
         raise SystemExit("llama-server is needed for this comparison (--llama-server PATH)")
     paths = models(args.preset)
-    results: dict[str, Any] = {"env": env_info(), "args": vars(args)}
+    results: dict[str, Any] = {"env": env_info(), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory(prefix="bench-pooled-") as tmp:
         for kind in ("embeddings", "rerank"):
             if kind not in args.skip.split(","):
