@@ -135,6 +135,13 @@ else
       cpu_dev=$(awk '/TYPE_CPU/ {print $1; exit}' <<<"$vk_types")
       [[ -n $cpu_dev ]] && export GGML_VK_VISIBLE_DEVICES=$cpu_dev \
         && echo "no GPU-type Vulkan device: using the CPU-type device $cpu_dev (GGML_VK_VISIBLE_DEVICES=$cpu_dev)"
+      # Mesa's lavapipe (22.3, LLVM 15: Debian 12) segfaults in its own worker thread running
+      # ggml-vulkan's flash-attention shader (gdb: the fault is inside libvulkan_lvp.so; the
+      # same engine with flash attention off serves): the lane runs with it off, said here.
+      if [[ -n $cpu_dev && -z ${HYDRA_FLASH_ATTN:-} ]]; then
+        export HYDRA_FLASH_ATTN=off
+        echo "CPU-type Vulkan device: flash attention off (HYDRA_FLASH_ATTN=off; lavapipe faults in its shader)"
+      fi
     fi
   fi
 fi
@@ -147,7 +154,7 @@ env_report() {
   else
     vulkaninfo --summary 2>/dev/null | sed -n '/^Devices:/,$p' || echo "vulkaninfo: not on PATH"
     glslc --version | head -n 1 || echo "glslc: not on PATH"
-    echo "GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-}"
+    echo "GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-} HYDRA_FLASH_ATTN=${HYDRA_FLASH_ATTN:-}"
   fi
   cmake --version | head -n 1 || echo "cmake: not on PATH"
   "$PY" --version; echo "python: $PY"; cat "$PREP/manifest.json" 2>/dev/null | head -n 12

@@ -55,11 +55,13 @@ have_vulkan_sdist() {
   # grep -c reads to the end: grep -q would stop tar with SIGPIPE, a failure under pipefail
   [[ -n $sdist && -d $PREP/wheels ]] && (( $(tar tzf "$sdist" | grep -c '/ggml/src/ggml-vulkan/CMakeLists.txt$') > 0 ))
 }
-if ! have_vulkan_sdist; then
-  "$PREP_PY" -c 'import llama_cpp' 2>/dev/null \
-    || { echo "vulkan.sh: $PREP_PY has no llama-cpp-python: install the project first (README), or set PREP_PYTHON" >&2; exit 1; }
-  "$PREP_PY" "$REPO/benchmarks/gpu/prepare.py" --check || { echo "vulkan.sh: prepare.py failed" >&2; exit 1; }
-fi
+"$PREP_PY" -c 'import llama_cpp' 2>/dev/null \
+  || { echo "vulkan.sh: $PREP_PY has no llama-cpp-python: install the project first (README), or set PREP_PYTHON" >&2; exit 1; }
+# The wheels always: a dependency added since prepared/ was written (orjson) would be missing
+# from the lane's --no-index venv (pip's cache makes a rerun quick); the sdist when it lacks Vulkan.
+skip_sdist=()
+have_vulkan_sdist && skip_sdist=(--skip-sdist)
+"$PREP_PY" "$REPO/benchmarks/gpu/prepare.py" --check "${skip_sdist[@]}" || { echo "vulkan.sh: prepare.py failed" >&2; exit 1; }
 
 # 3. run.sh's steps, with this machine's limits.
 export GPU_CHECK_BUDGET_S=${VULKAN_BUDGET_S:-7200}

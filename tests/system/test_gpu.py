@@ -11,6 +11,7 @@ runs them; benchmarks/gpu/vulkan.sh does so on Mesa's lavapipe (docs/gpu.md, "Th
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,11 @@ N_PARITY = 8
 # (op offload); a shorter prompt keeps the --n-gpu-layers 0 engine on CPU compute.
 OP_OFFLOAD_MIN_BATCH = 32
 STOPPED_N = 64  # for a request held by the gate: more than it can generate before the DELETE
-FULL = {"n_gpu_layers": -1, **ENGINE}
+# The lane's flash-attention setting (benchmarks/gpu/run.sh sets HYDRA_FLASH_ATTN=off on
+# lavapipe, whose flash-attention shader faults), for the CPU and GPU engines alike: their
+# greedy text is compared.
+LANE = {**ENGINE, **({"flash_attn": os.environ["HYDRA_FLASH_ATTN"]} if os.environ.get("HYDRA_FLASH_ATTN") else {})}
+FULL = {"n_gpu_layers": -1, **LANE}
 
 
 def _report(ep: Any) -> Any:
@@ -126,7 +131,7 @@ async def test_greedy_text_matches_cpu_compute(
     with every layer on the GPU equal those of --n-gpu-layers 0 in the same CUDA build (CPU
     compute: weights and KV on the host; the prompt is under ggml's op-offload batch size, so
     no matmul is moved to the GPU). tiny_model_ctx's text depends on the whole context."""
-    cpu = await start_engine(tiny_model_ctx, n_gpu_layers=0, **ENGINE)
+    cpu = await start_engine(tiny_model_ctx, n_gpu_layers=0, **LANE)
     gpu = await start_engine(tiny_model_ctx, **FULL)
     assert _report(cpu).n_gpu_layers == 0
     assert _report(gpu).n_gpu_layers == _report(gpu).n_layers
@@ -195,7 +200,7 @@ async def test_decode_handoff_between_cpu_and_gpu_engines(
     way back: the identity gate lets the same model's KV through whichever backend made it
     (and refuses another model's name on the GPU engine), every prompt position is restored
     and none evaluated, and the text is that of CPU compute for the first 8 tokens."""
-    cpu = await start_engine(tiny_model_ctx, n_gpu_layers=0, **ENGINE)
+    cpu = await start_engine(tiny_model_ctx, n_gpu_layers=0, **LANE)
     gpu = await start_engine(tiny_model_ctx, **FULL)
     assert _report(cpu).n_gpu_layers == 0 and _report(gpu).n_gpu_layers == _report(gpu).n_layers
     ref = await _greedy(cpu)
@@ -273,8 +278,8 @@ async def test_no_kv_offload_and_partial_offload(
     """The engine serves with the KV cache in host memory, and with one layer on the GPU; a
     hand-off (PREFILL, DECODE on the other slot) works in each, and the text is that of CPU
     compute for the first 8 tokens."""
-    cpu = await start_engine(tiny_model_ctx, n_gpu_layers=0, **ENGINE)
-    ep = await start_engine(tiny_model_ctx, **settings, **ENGINE)
+    cpu = await start_engine(tiny_model_ctx, n_gpu_layers=0, **LANE)
+    ep = await start_engine(tiny_model_ctx, **settings, **LANE)
     report = _report(ep)
     want_layers = report.n_layers if settings["n_gpu_layers"] == -1 else 1
     assert report.n_gpu_layers == want_layers
