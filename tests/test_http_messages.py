@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydra_trio.engine import GenerationResult
-from hydra_trio.http.anthropic import MessageEvents, message_body, to_chat
+from hydra_trio.http.messages import MessageEvents, message_body, to_chat
 from test_tools_http import PARAMS_OF, ROOMY, TIME_PARAMS, WEATHER_PARAMS
 
 TOOLS = [

@@ -19,31 +19,29 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..concurrency import Started, leaves
-from . import connections, routes
-from .anthropic import bp as anthropic_bp
-from .anthropic import error_shape, on_messages_path
-from .auth import install_auth
-from .common import (
+from . import (
+    completions,
+    decode_results,
+    infill,
+    messages,
+    models,
+    pooling,
+    responses,
+    sessions,
+    slots,
+    tokenizer,
+)
+from .plumbing import (
     busy_reply,
     client_request_id,
+    connections,
+    error_body,
+    install_auth,
     register_error_handlers,
     request_holds,
+    routes,
     set_request_nursery,
 )
-from .completions import bp as completions_bp
-from .decode_routes import bp as decode_bp
-from .embed_routes import bp as embed_bp
-from .infill import bp as infill_bp
-from .lora_routes import bp as lora_bp
-from .model_routes import bp as models_bp
-from .openai import bp as openai_bp
-from .openai import health_reply
-from .responses import bp as responses_bp
-from .session_routes import bp as sessions_bp
-from .sse import error_body
-from .state_routes import bp as state_bp
-from .state_routes import drain_body, hold_state_uploads
-from .tokens import bp as tokens_bp
 
 if TYPE_CHECKING:
     from ..serving import AppState
@@ -56,7 +54,7 @@ log = logging.getLogger(__name__)
 # pyproject.toml pins the versions this was written against; check_quart_trio_seam() (run by
 # create_app, before anything is served) checks every member, and that upstream's __call__
 # still does only what the copy does, so another version fails at once, by name, instead of
-# serving requests built another way (as http/connections.py does for Hypercorn's seam).
+# serving requests built another way (as http/plumbing/connections.py does for Hypercorn's seam).
 QUART_TRIO_TESTED = "quart-trio>=0.12,<0.13"
 QUART_TESTED = "quart>=0.22,<0.23"
 # Every global and attribute name upstream's __call__ uses: more (or fewer) means it changed.
@@ -157,21 +155,21 @@ def create_app(state: AppState) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 600
     app.config["MAX_CONTENT_LENGTH"] = max(state.settings.max_kv_bytes, state.settings.max_json_bytes) + (1 << 20)
-    app.register_blueprint(openai_bp)
-    app.register_blueprint(decode_bp)
-    app.register_blueprint(state_bp)
-    app.register_blueprint(completions_bp)
-    app.register_blueprint(tokens_bp)
-    app.register_blueprint(anthropic_bp)
-    app.register_blueprint(responses_bp)
-    app.register_blueprint(sessions_bp)
-    app.register_blueprint(models_bp)
-    app.register_blueprint(embed_bp)
-    app.register_blueprint(infill_bp)
-    app.register_blueprint(lora_bp)
+    app.register_blueprint(completions.chat_bp)
+    app.register_blueprint(decode_results.bp)
+    app.register_blueprint(slots.bp)
+    app.register_blueprint(completions.text_bp)
+    app.register_blueprint(tokenizer.bp)
+    app.register_blueprint(messages.bp)
+    app.register_blueprint(responses.bp)
+    app.register_blueprint(sessions.bp)
+    app.register_blueprint(models.bp)
+    app.register_blueprint(pooling.bp)
+    app.register_blueprint(infill.bp)
+    app.register_blueprint(models.lora_bp)
     register_error_handlers(app)
     install_auth(app, state)
-    app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
+    app.asgi_app = slots.hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
     app.asgi_app = _limit_request_bodies(app.asgi_app, state)  # type: ignore[method-assign,assignment]
     app.asgi_app = _count_in_flight(app.asgi_app, state)  # type: ignore[method-assign,assignment]
 
@@ -198,7 +196,7 @@ def create_app(state: AppState) -> QuartTrio:
 
 
 def body_cap(method: str, path: str, state: AppState) -> int:
-    """The largest request body a route takes (http/routes.py), decided before the app sees
+    """The largest request body a route takes (http/plumbing/routes.py), decided before the app sees
     the request: a slot state upload up to --max-kv-bytes, JSON up to --max-json-bytes (the
     prompt routes refine it: common.read_request_json), everything else none; a POST to no
     route is capped as JSON (its 404 is answered after the body). Quart buffers
@@ -236,12 +234,12 @@ def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:
         what = "takes no body" if cap == 0 else f"takes at most {cap} bytes"
         message = f"{scope['method']} {scope['path'][:100]} {what}; got {size}"
         # Answered before the app: each dialect's shape here (as its after-request hook gives it there).
-        shaped = error_shape(413, message) if on_messages_path(scope["path"]) else error_body(413, message, "invalid_request_error")
+        shaped = messages.error_shape(413, message) if messages.on_messages_path(scope["path"]) else error_body(413, message, "invalid_request_error")
         body = json.dumps(shaped).encode()
         async with trio.open_nursery() as nursery:
             # Unread, the body would keep Hypercorn's queue to the app full and our reply's
             # last send waiting behind it: drop what comes (bounded) while the reply goes out.
-            nursery.start_soon(drain_body, receive, state.settings.drain_limit_bytes, state.settings.idle_timeout_s)
+            nursery.start_soon(slots.drain_body, receive, state.settings.drain_limit_bytes, state.settings.idle_timeout_s)
             await send(
                 {
                     "type": "http.response.start",
@@ -292,10 +290,10 @@ async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = tri
     # closed after this, and its descriptor released: idle connections cannot pile up.
     # (Not Hypercorn's read_timeout: a client reading a long SSE stream sends nothing.)
     config.keep_alive_timeout = state.settings.http_idle_timeout_s
-    # At most --max-http-connections; past it, a reserve answers /health (http/connections.py).
+    # At most --max-http-connections; past it, a reserve answers /health (http/plumbing/connections.py).
     file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     connections.install()  # the one patch of Hypercorn (checked: a clear error if it changed)
-    connections.attach(config, state, lambda: health_reply(state), file_limit)
+    connections.attach(config, state, lambda: completions.health_reply(state), file_limit)
     app = create_app(state)
 
     # Hypercorn reports its binds ("host:port"); our caller wants the port.

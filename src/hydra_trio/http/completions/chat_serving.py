@@ -11,34 +11,39 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
-from ..engine import GenerationResult, ReplyParser, SlotInfo, TokenLogprobs, Vocabulary
-from . import kv_transfer
-from .common import app_state, generation_owner, json_response, require_engine
-from .generation import generate_buffered, sse_body, start_stream
-from .logprobs import chat_logprobs
-from .model_routes import routed_json
-from .replies import (
+from ...engine import GenerationResult, ReplyParser, SlotInfo, TokenLogprobs, Vocabulary
+from ..generation import (
     ReplyEvents,
     ReplyParserFactory,
     chat_message,
     delta_fields,
     finish_reason,
+    generate_buffered,
     receipt_fields,
+    sse_body,
+    start_stream,
 )
-from .session_hints import request_session
-from .sse import (
+from ..models import routed_json
+from ..plumbing import (
     HOLE,
     RETRY_AFTER,
+    app_state,
     completion_chunk,
+    generation_owner,
+    json_response,
     now_s,
+    request_session,
+    require_engine,
     sse_event,
     sse_text_events,
     timings,
     usage,
 )
+from . import kv_transfer
+from .logprobs import chat_logprobs
 
 if TYPE_CHECKING:
-    from ..serving import AppState
+    from ...serving import AppState
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__)
@@ -52,7 +57,7 @@ async def health() -> Response:
 
 def health_reply(state: AppState) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(status, body, headers) of /health; also what a connection past
-    --max-http-connections is answered (http/connections.py)."""
+    --max-http-connections is answered (http/plumbing/connections.py)."""
     engine = state.engine
     if engine is None:
         return 503, {"status": "starting", "detail": state.startup_phase}, {}
@@ -74,7 +79,7 @@ def health_reply(state: AppState) -> tuple[int, dict[str, Any], dict[str, str]]:
 
 @bp.get("/version")
 async def version() -> Response:
-    from .. import __version__
+    from ... import __version__
 
     state = app_state()
     body: dict[str, Any] = {"engine": "hydra-trio", "version": __version__, "llama_cpp_python": state.llama_cpp_version}
@@ -116,7 +121,7 @@ async def chat_completions() -> Response:
     model = params.model or engine.served_name  # a LoRA adapter the request's model named
     owner = generation_owner(cid)
     vocab = engine.vocab if params.logprobs is not None else None
-    # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py).
+    # P/D hand-off through a router's kv_transfer_params (http/completions/kv_transfer.py).
     plan = await kv_transfer.route(
         state, body, engine, tokens, params, partial(completion_body, cid, model, vocab=vocab, replies=replies)
     )

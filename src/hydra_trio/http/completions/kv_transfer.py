@@ -27,22 +27,22 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Response
 
-from ..engine import GenerationParams, LoraSet, SlotLease
-from ..handoff.prefill import export_prefill, prefill_export
-from ..handoff.restore import Handoff
-from ..observability import generation_fields, request_extra
-from ..wire.kvpull import export_params, wants_remote_decode
-from .common import (
+from ...engine import GenerationParams, LoraSet, SlotLease
+from ...handoff.prefill import export_prefill, prefill_export
+from ...handoff.restore import Handoff
+from ...observability import generation_fields, request_extra
+from ...wire.kvpull import export_params, wants_remote_decode
+from ..generation import slot_for
+from ..plumbing import (
     EngineStarting,
     client_request_id,
     json_response,
     request_nursery,
 )
-from .generation import slot_for
 
 if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..serving import AppState
+    from ...engine import Engine
+    from ...serving import AppState
 
 Render = Callable[..., dict[str, Any]]
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def handoff_fields(handoff: Handoff | None) -> dict[str, Any]:
 @dataclass(slots=True)
 class DecodeSide:
     """The decode side of a completion route: the hand-off the request asks for (or none),
-    the restore to run in the claimed slot (``prepare`` of http/generation.py), and the
+    the restore to run in the claimed slot (``prepare`` of http/generation/generation.py), and the
     response fields that report it."""
 
     handoff: Handoff | None

@@ -9,7 +9,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine import TokenLogprobs, Vocabulary
+from ...engine import TokenLogprobs, Vocabulary
 
 # JSON has no -Infinity: a token the model rules out (a -inf logit) reads as OpenAI's floor.
 _FLOOR = -9999.0

@@ -9,16 +9,24 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
-from ..engine import GenerationResult, SlotLease, TokenLogprobs
-from ..wire.errors import bad_param
+from ...engine import GenerationResult, SlotLease, TokenLogprobs
+from ...wire.errors import bad_param
+from ..generation import generate_buffered, receipt_fields, sse_body, start_stream
+from ..models import routed_json
+from ..plumbing import (
+    HOLE,
+    app_state,
+    generation_owner,
+    json_response,
+    now_s,
+    request_session,
+    sse_event,
+    sse_text_events,
+    timings,
+    usage,
+)
 from . import kv_transfer
-from .common import app_state, generation_owner, json_response
-from .generation import generate_buffered, sse_body, start_stream
 from .logprobs import CompletionLogprobs
-from .model_routes import routed_json
-from .replies import receipt_fields
-from .session_hints import request_session
-from .sse import HOLE, now_s, sse_event, sse_text_events, timings, usage
 
 if TYPE_CHECKING:
     pass
@@ -63,7 +71,7 @@ async def completions() -> Response:
         return text_completion_body(cid, now_s(), model, slot_id, res, logprobs=lp,
                                     text=echoed + res.text if echo else None, **extra)
 
-    # P/D hand-off through a router's kv_transfer_params (http/kv_transfer.py), as for chat.
+    # P/D hand-off through a router's kv_transfer_params (http/completions/kv_transfer.py), as for chat.
     plan = await kv_transfer.route(state, body, engine, tokens, params, render)
     if isinstance(plan, Response):
         return plan

@@ -8,16 +8,28 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from ..concurrency import Wrote
-from ..decode.manager import CancelOutcome, DecodeManager
-from ..decode.store import DecodeEntry, DecodeState, Tombstone
-from ..engine import Engine, GenerationResult, turn_receipt
-from ..wire.protocol import ascii_decimal
-from .common import EngineStarting, HttpError, app_state, json_response, require_engine
-from .connections import chunk_writer
-from .openai import completion_body, final_chunk
-from .replies import ReplyEvents
-from .sse import HOLE, SSE_DONE, completion_chunk, error_body, sse_event, sse_text_events, wants_sse
+from ...concurrency import Wrote
+from ...decode.manager import CancelOutcome, DecodeManager
+from ...decode.store import DecodeEntry, DecodeState, Tombstone
+from ...engine import Engine, GenerationResult, turn_receipt
+from ...wire.protocol import ascii_decimal
+from ..completions import completion_body, final_chunk
+from ..generation import ReplyEvents
+from ..plumbing import (
+    HOLE,
+    SSE_DONE,
+    EngineStarting,
+    HttpError,
+    app_state,
+    chunk_writer,
+    completion_chunk,
+    error_body,
+    json_response,
+    require_engine,
+    sse_event,
+    sse_text_events,
+    wants_sse,
+)
 
 bp = Blueprint("decode", __name__)
 

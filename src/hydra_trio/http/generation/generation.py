@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..concurrency import WriterTurn, Wrote, start_owned
-from ..engine import (
+from ...concurrency import WriterTurn, Wrote, start_owned
+from ...engine import (
     GenerationParams,
     GenerationResult,
     SlotLease,
@@ -24,18 +24,24 @@ from ..engine import (
     Turn,
     turn_receipt,
 )
-from ..observability import generation_fields, receipt_note, request_extra, spec_note
-from ..wire.errors import ProtocolError
-from .auth import OPEN_TENANT
-from .common import client_request_id, http_status, request_nursery
-from .connections import chunk_writer
-from .session_hints import RequestSession
-from .sse import SSE_DONE, error_body, sse_event
+from ...observability import generation_fields, receipt_note, request_extra, spec_note
+from ...wire.errors import ProtocolError
+from ..plumbing import (
+    OPEN_TENANT,
+    SSE_DONE,
+    RequestSession,
+    chunk_writer,
+    client_request_id,
+    error_body,
+    http_status,
+    request_nursery,
+    sse_event,
+)
 
 if TYPE_CHECKING:
-    from ..concurrency import OwnedTask
-    from ..engine import Engine
-    from ..serving import AppState
+    from ...concurrency import OwnedTask
+    from ...engine import Engine
+    from ...serving import AppState
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engine import GenerationResult, ReplyDelta, ReplyParser, ToolCall, turn_receipt
-from .sse import sse_event
+from ...engine import GenerationResult, ReplyDelta, ReplyParser, ToolCall, turn_receipt
+from ..plumbing import sse_event
 
 ReplyParserFactory = Callable[[], ReplyParser]  # a fresh parser for each reading of a reply
 
@@ -85,7 +85,7 @@ class ReplyEvents:
         return b"" if fields is None else sse_event(self._chunk(fields))
 
 
-# What a reply is made of, for the agents' dialects (http/anthropic.py, http/responses.py):
+# What a reply is made of, for the agents' dialects (http/messages/messages_protocol.py, http/responses/responses_protocol.py):
 # reasoning text, content text, or one whole tool call, in the order they came.
 Piece = tuple[str, str] | ToolCall  # ("reasoning" | "text", text), or a call
 

@@ -12,18 +12,19 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from ..engine import Engine, GenerationResult, Vocabulary
-from ..wire.errors import bad_param
-from .common import (
+from ...engine import Engine, GenerationResult, Vocabulary
+from ...wire.errors import bad_param
+from ..generation import generate_buffered, sse_body, start_stream
+from ..plumbing import (
     HttpError,
     app_state,
     generation_owner,
     json_response,
     read_request_json,
     require_engine,
+    sse_event,
+    timings,
 )
-from .generation import generate_buffered, sse_body, start_stream
-from .sse import sse_event, timings
 
 bp = Blueprint("infill", __name__)
 

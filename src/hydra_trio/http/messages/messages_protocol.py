@@ -1,7 +1,7 @@
 """Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) as a
 codec at the edge: the request becomes the internal chat request (``to_chat``), runs the one
 chat pipeline /v1/chat/completions runs (engine.prepare: template, tools and their grammar,
-reasoning split, prefix cache, cache_salt, limits; http/generation.py: claim, generate, logs,
+reasoning split, prefix cache, cache_salt, limits; http/generation/generation.py: claim, generate, logs,
 metrics), and the result is shaped back as a message or as Anthropic's event stream.
 
 Every error on /v1/messages* (ours, the auth check's, the drain's, a 404) leaves in
@@ -18,9 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response, request
 
-from ..engine import GenerationResult, ReplyParser, ToolCall
-from ..wire.errors import ParamError
-from .common import (
+from ...engine import GenerationResult, ReplyParser, ToolCall
+from ...wire.errors import ParamError
+from ..generation import (
+    Piece,
+    ReplyParserFactory,
+    cut,
+    delta_pieces,
+    generate_buffered,
+    receipt_fields,
+    sse_body,
+    start_stream,
+    whole_pieces,
+)
+from ..models import routed_json
+from ..plumbing import (
     HttpError,
     app_state,
     dialect_names,
@@ -28,14 +40,11 @@ from .common import (
     json_response,
     needs_no_slot,
     off_loop,
+    request_session,
 )
-from .generation import generate_buffered, sse_body, start_stream
-from .model_routes import routed_json
-from .replies import Piece, ReplyParserFactory, cut, delta_pieces, receipt_fields, whole_pieces
-from .session_hints import request_session
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ...engine import Engine
 
 log = logging.getLogger(__name__)
 bp = Blueprint("anthropic", __name__)
@@ -410,7 +419,7 @@ def on_messages_path(path: str) -> bool:
 
 
 def error_event(exc: BaseException) -> bytes:
-    from .generation import error_event_body
+    from ..generation import error_event_body
 
     err = error_event_body(exc)["error"]
     return event("error", {"error": error_shape(int(err["code"]), err["message"])["error"]})

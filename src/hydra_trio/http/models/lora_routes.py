@@ -9,7 +9,7 @@ import logging
 
 from quart import Blueprint, Response
 
-from .common import app_state, json_response, read_json_body, require_engine
+from ..plumbing import app_state, json_response, read_json_body, require_engine
 
 log = logging.getLogger(__name__)
 bp = Blueprint("lora", __name__)

@@ -14,25 +14,25 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Blueprint, Response
 
-from ..modelpool import ModelBusy, ModelEntry, ModelError, ModelLoadFailed, ModelPool, ModelRefused
-from ..wire.errors import bad_param
-from .common import (
+from ...modelpool import ModelBusy, ModelEntry, ModelError, ModelLoadFailed, ModelPool, ModelRefused
+from ...wire.errors import bad_param
+from ..plumbing import (
+    SMALL_BODY_BYTES,
     HttpError,
     app_state,
     busy_reply,
     check_turns,
+    error_body,
     json_response,
     read_json_body,
     read_request_json,
     request_holds,
     require_engine,
 )
-from .routes import SMALL_BODY_BYTES
-from .sse import error_body
 
 if TYPE_CHECKING:
-    from ..engine import Engine
-    from ..serving import AppState
+    from ...engine import Engine
+    from ...serving import AppState
 
 bp = Blueprint("models", __name__)
 

@@ -4,7 +4,7 @@
 Two roles (docs/operations.md "Roles"). The admin key (--admin-api-key) serves every route;
 the plain key (--api-key) serves every route but the admin ones: slot state GET/PUT and its
 meta, erase, /slots (other clients' request ids) and the decode listing. ``access`` is the
-one decision; the rest only feeds it. Which role a route needs is http/routes.py's table.
+one decision; the rest only feeds it. Which role a route needs is http/plumbing/routes.py's table.
 
 Which keys are set decides what a request without a valid key gets (``KeyRing.anonymous``):
 neither key: everything (HTTP open, as before keys); --api-key alone: nothing, and that key
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from quart import Response, g, request
 
-from ..config import is_loopback
+from ...config import is_loopback
 from .common import json_response
 from .routes import Role, role_of
 from .sse import error_body
@@ -29,13 +29,13 @@ from .sse import error_body
 if TYPE_CHECKING:
     from quart_trio import QuartTrio
 
-    from ..serving import AppState
+    from ...serving import AppState
 
 log = logging.getLogger(__name__)
 
 # A request's tenant is the key it was served with: "admin" or "plain" (a key of that role),
 # or OPEN_TENANT (no key needed, or none given). Agent sessions are scoped by it
-# (http/session_hints.py), so two keys never share a session.
+# (http/plumbing/session_hints.py), so two keys never share a session.
 OPEN_TENANT = "open"
 
 

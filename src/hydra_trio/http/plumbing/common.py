@@ -14,15 +14,15 @@ import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from ..wire.errors import ErrorCode, ParamError, PromptTooLong, ProtocolError, Status
-from ..wire.jsontext import SLICED_MIN_CHARS, parse_json, parse_json_object, parse_json_sliced
+from ...wire.errors import ErrorCode, ParamError, PromptTooLong, ProtocolError, Status
+from ...wire.jsontext import SLICED_MIN_CHARS, parse_json, parse_json_object, parse_json_sliced
 from .sse import RETRY_AFTER, busy_body, error_body
 
 if TYPE_CHECKING:
 
-    from ..config import Settings
-    from ..engine import Engine
-    from ..serving import AppState
+    from ...config import Settings
+    from ...engine import Engine
+    from ...serving import AppState
 
 _HTTP_STATUS = {
     Status.BAD_REQUEST: 400,
@@ -67,7 +67,7 @@ def set_request_nursery(nursery: trio.Nursery) -> None:
 
 
 # What an HTTP exchange holds until its last byte, when the request's nursery (a stream's
-# producer included) has ended: its model (http/model_routes.py). The ASGI wrapper that counts
+# producer included) has ended: its model (http/models/model_routes.py). The ASGI wrapper that counts
 # the exchanges in flight (server.py) opens and closes it.
 request_holds: ContextVar[ExitStack] = ContextVar("hydra_request_holds")
 
@@ -340,7 +340,7 @@ def register_error_handlers(app: Any) -> None:
     @app.errorhandler(HTTPException)
     async def _werkzeug(err: HTTPException) -> Response:
         code = err.code or 500
-        # OpenAI's words for an unknown route (Anthropic's shape on /v1/messages*: anthropic.py).
+        # OpenAI's words for an unknown route (Anthropic's shape on /v1/messages*: http/messages/).
         message = f"Invalid URL ({request.method} {request.path[:200]})" if code == 404 else err.description or err.name
         return json_response(error_body(code, message, "invalid_request_error"), code)
 

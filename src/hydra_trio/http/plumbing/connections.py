@@ -49,8 +49,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from .sse import RETRY_AFTER, busy_body
 
 if TYPE_CHECKING:
-    from ..config import Settings
-    from ..serving import AppState
+    from ...config import Settings
+    from ...serving import AppState
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ ROUTES: tuple[Route, ...] = (
     Route("/version", "GET", Role.PLAIN),
     Route("/metrics", "GET", Role.PLAIN),
     Route("/v1/models", "GET", Role.PLAIN),
-    # llama-server's router routes (http/model_routes.py): loading and unloading is the operator's.
+    # llama-server's router routes (http/models/model_routes.py): loading and unloading is the operator's.
     Route("/models", "GET", Role.PLAIN),
     Route("/models/load", "POST", Role.ADMIN, "small", new_work=True),
     Route("/models/unload", "POST", Role.ADMIN, "small"),

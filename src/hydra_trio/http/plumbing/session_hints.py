@@ -1,6 +1,6 @@
 """A request's agent session, read at the edge: its tenant (the API key it came with,
-http/auth.py) and what its headers and body say of its session (wire/agentic.py), the one
-small value the routes hand down to a generation (http/generation.py)."""
+http/plumbing/auth.py) and what its headers and body say of its session (wire/agentic.py), the one
+small value the routes hand down to a generation (http/generation/generation.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from quart import request
 
-from ..wire.agentic import SessionHint, session_hint
+from ...wire.agentic import SessionHint, session_hint
 from .auth import request_tenant
 
 

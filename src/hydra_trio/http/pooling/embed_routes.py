@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 from quart import Blueprint, Response
 
-from ..engine import Embedder, Engine, Pooled
-from ..observability import request_extra
-from ..wire.errors import bad_param
-from .common import (
+from ...engine import Embedder, Engine, Pooled
+from ...observability import request_extra
+from ...wire.errors import bad_param
+from ..plumbing import (
     HttpError,
     app_state,
     client_request_id,

@@ -1,5 +1,5 @@
 """OpenAI's Responses API (``POST /v1/responses``, ``POST /v1/responses/input_tokens``) as a
-codec at the edge, like http/anthropic.py: ``input`` items and ``instructions`` become the
+codec at the edge, like http/messages/messages_protocol.py: ``input`` items and ``instructions`` become the
 internal chat request, the one chat pipeline runs it, and the result is shaped back as a
 response object or as its event stream (each event with its ``sequence_number``).
 
@@ -20,9 +20,21 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from ..engine import REASONING_EFFORTS, GenerationResult, ReplyParser, ToolCall
-from ..wire.errors import ParamError
-from .common import (
+from ...engine import REASONING_EFFORTS, GenerationResult, ReplyParser, ToolCall
+from ...wire.errors import ParamError
+from ..generation import (
+    Piece,
+    cut,
+    delta_pieces,
+    error_event_body,
+    generate_buffered,
+    receipt_fields,
+    sse_body,
+    start_stream,
+    whole_pieces,
+)
+from ..models import routed_json
+from ..plumbing import (
     HttpError,
     app_state,
     dialect_names,
@@ -30,11 +42,8 @@ from .common import (
     json_response,
     needs_no_slot,
     off_loop,
+    request_session,
 )
-from .generation import error_event_body, generate_buffered, sse_body, start_stream
-from .model_routes import routed_json
-from .replies import Piece, cut, delta_pieces, receipt_fields, whole_pieces
-from .session_hints import request_session
 
 log = logging.getLogger(__name__)
 bp = Blueprint("responses", __name__)

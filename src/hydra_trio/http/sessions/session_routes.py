@@ -13,14 +13,19 @@ from typing import Any
 
 from quart import Blueprint, Response, request
 
-from ..engine import Engine, Finished
-from ..engine import cache_salt as checked_salt
-from ..wire.agentic import checked_id
-from ..wire.errors import bad_param
-from . import routes
-from .auth import request_tenant
-from .common import app_state, json_response, read_json_body, require_engine
-from .model_routes import hold_model
+from ...engine import Engine, Finished
+from ...engine import cache_salt as checked_salt
+from ...wire.agentic import checked_id
+from ...wire.errors import bad_param
+from ..models import hold_model
+from ..plumbing import (
+    app_state,
+    json_response,
+    read_json_body,
+    request_tenant,
+    require_engine,
+    routes,
+)
 
 bp = Blueprint("sessions", __name__)
 

@@ -8,21 +8,21 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from ..config import Settings
-from ..serving import slot_state
-from ..transport import payload_buffer
-from ..wire.protocol import ascii_decimal
-from . import routes
-from .common import (
+from ...config import Settings
+from ...serving import slot_state
+from ...transport import payload_buffer
+from ...wire.protocol import ascii_decimal
+from ..plumbing import (
     HttpError,
     app_state,
+    close_connection_after,
     json_response,
     read_json_body,
     receive_body,
     request_nursery,
     require_engine,
+    routes,
 )
-from .connections import close_connection_after
 
 bp = Blueprint("slot_state", __name__)
 

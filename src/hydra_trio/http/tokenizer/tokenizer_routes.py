@@ -11,9 +11,9 @@ from typing import Any
 
 from quart import Blueprint, Response, request
 
-from ..wire.errors import bad_param
-from .common import HttpError, app_state, json_response, needs_no_slot, require_engine
-from .model_routes import hold_model, routed_json
+from ...wire.errors import bad_param
+from ..models import hold_model, routed_json
+from ..plumbing import HttpError, app_state, json_response, needs_no_slot, require_engine
 
 bp = Blueprint("tokens", __name__)
 
