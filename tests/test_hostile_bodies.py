@@ -112,12 +112,13 @@ async def test_a_reply_nested_a_thousand_deep_is_content(start_engine: Any, tiny
 async def test_a_stream_whose_event_cannot_be_built_ends_with_its_error_event(
     start_engine: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hydra_trio.http import generation, messages, responses
+    from hydra_trio.http.completions import ReplyEvents
+    from hydra_trio.http.generation import BlockStream
 
     def broken(self: Any, text: str) -> bytes:
         raise RuntimeError("an event that cannot be built")
 
-    for cls in (generation.ReplyEvents, messages.MessageEvents, responses.ResponseEvents):
+    for cls in (ReplyEvents, BlockStream):
         monkeypatch.setattr(cls, "delta", broken)
     ep = await start_engine(tiny_model)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30) as c:

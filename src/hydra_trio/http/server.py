@@ -19,34 +19,31 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..concurrency import Started, leaves
-from . import (
-    completions,
-    decode_results,
-    infill,
-    messages,
-    models,
-    pooling,
-    responses,
-    sessions,
-    slots,
-    tokenizer,
-)
+from . import decode_results, infill, models, pooling, sessions, slots, status, tokenizer
+from .completions import CHAT, TEXT
+from .generation import Dialect, dialect_blueprint, error_in_shape
+from .messages import MESSAGES
 from .plumbing import (
     busy_reply,
     client_request_id,
     connections,
-    error_body,
+    drain_body,
     install_auth,
     register_error_handlers,
     request_holds,
     routes,
     set_request_nursery,
 )
+from .responses import RESPONSES
 
 if TYPE_CHECKING:
     from ..serving import AppState
 
 log = logging.getLogger(__name__)
+
+# Every generation route's API: its routes (the one dialect route each), and its error shape
+# on its paths, also for a body refused before the app sees it.
+DIALECTS: tuple[Dialect, ...] = (CHAT, TEXT, MESSAGES, RESPONSES)
 
 # ---- the seam: quart-trio's private parts this module relies on --------------------------------
 # quart-trio has no hook for its per-request nursery, so _RequestNurseryConnection re-writes
@@ -155,27 +152,16 @@ def create_app(state: AppState) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 600
     app.config["MAX_CONTENT_LENGTH"] = max(state.settings.max_kv_bytes, state.settings.max_json_bytes) + (1 << 20)
-    app.register_blueprint(completions.chat_bp)
-    app.register_blueprint(decode_results.bp)
-    app.register_blueprint(slots.bp)
-    app.register_blueprint(completions.text_bp)
-    app.register_blueprint(tokenizer.bp)
-    app.register_blueprint(messages.bp)
-    app.register_blueprint(responses.bp)
-    app.register_blueprint(sessions.bp)
-    app.register_blueprint(models.bp)
-    app.register_blueprint(pooling.bp)
-    app.register_blueprint(infill.bp)
-    app.register_blueprint(models.lora_bp)
+    for dialect in DIALECTS:
+        app.register_blueprint(dialect_blueprint(dialect))
+    for api in (status, slots, decode_results, tokenizer, pooling, infill, models, sessions):
+        for bp in api.BLUEPRINTS:
+            app.register_blueprint(bp)
     register_error_handlers(app)
     install_auth(app, state)
     app.asgi_app = slots.hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
     app.asgi_app = _limit_request_bodies(app.asgi_app, state)  # type: ignore[method-assign,assignment]
     app.asgi_app = _count_in_flight(app.asgi_app, state)  # type: ignore[method-assign,assignment]
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), status=200, content_type="text/plain; version=0.0.4")
 
     @app.before_request
     async def refuse_new_work_while_draining() -> Response | None:
@@ -234,12 +220,12 @@ def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:
         what = "takes no body" if cap == 0 else f"takes at most {cap} bytes"
         message = f"{scope['method']} {scope['path'][:100]} {what}; got {size}"
         # Answered before the app: each dialect's shape here (as its after-request hook gives it there).
-        shaped = messages.error_shape(413, message) if messages.on_messages_path(scope["path"]) else error_body(413, message, "invalid_request_error")
+        shaped = error_in_shape(DIALECTS, scope["path"], 413, message)
         body = json.dumps(shaped).encode()
         async with trio.open_nursery() as nursery:
             # Unread, the body would keep Hypercorn's queue to the app full and our reply's
             # last send waiting behind it: drop what comes (bounded) while the reply goes out.
-            nursery.start_soon(slots.drain_body, receive, state.settings.drain_limit_bytes, state.settings.idle_timeout_s)
+            nursery.start_soon(drain_body, receive, state.settings.drain_limit_bytes, state.settings.idle_timeout_s)
             await send(
                 {
                     "type": "http.response.start",
@@ -293,13 +279,13 @@ async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = tri
     # At most --max-http-connections; past it, a reserve answers /health (http/plumbing/connections.py).
     file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     connections.install()  # the one patch of Hypercorn (checked: a clear error if it changed)
-    connections.attach(config, state, lambda: completions.health_reply(state), file_limit)
+    connections.attach(config, state, lambda: status.health_reply(state), file_limit)
     app = create_app(state)
 
     # Hypercorn reports its binds ("host:port"); our caller wants the port.
-    status = Started(lambda binds: task_status.started(int(binds[0].rsplit(":", 1)[1])))
+    started = Started(lambda binds: task_status.started(int(binds[0].rsplit(":", 1)[1])))
     try:
-        await serve(app, config, task_status=status, mode="asgi")  # type: ignore[arg-type]
+        await serve(app, config, task_status=started, mode="asgi")  # type: ignore[arg-type]
     except BaseException as exc:
         found = leaves(exc)
         if len(found) == 1 and isinstance(found[0], OSError):  # e.g. the port is taken

@@ -13,8 +13,7 @@ from ...decode.manager import CancelOutcome, DecodeManager
 from ...decode.store import DecodeEntry, DecodeState, Tombstone
 from ...engine import Engine, GenerationResult, turn_receipt
 from ...wire.protocol import ascii_decimal
-from ..completions import completion_body, final_chunk
-from ..generation import ReplyEvents
+from ..completions import ReplyEvents, completion_body, completion_chunk, final_chunk
 from ..plumbing import (
     HOLE,
     SSE_DONE,
@@ -22,7 +21,6 @@ from ..plumbing import (
     HttpError,
     app_state,
     chunk_writer,
-    completion_chunk,
     error_body,
     json_response,
     require_engine,

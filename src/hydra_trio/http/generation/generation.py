@@ -1,8 +1,9 @@
 """One way for HTTP routes to run a generation: hold a slot (``Engine.claim``), generate in
 it (the entry point every path shares, so requests join the same continuous batches).
 
-Chat completions and text completions differ only in how they shape the result; both use
-``generate_buffered`` or ``start_stream`` from here.
+Every API differs only in how it shapes the result: each answers through
+``generate_buffered`` or ``start_stream`` and ``sse_body`` (http/generation/dialect.py's
+``respond``), its stream written as its ``StreamEvents``.
 """
 
 from __future__ import annotations
@@ -106,38 +107,73 @@ class _Line:
     turn: Turn | None = None
 
 
-async def generate_buffered(
-    state: AppState,
-    engine: Engine,
-    tokens: Sequence[int],
-    params: GenerationParams,
-    *,
-    owner: str,
-    path: str,
-    prepare: Prepare | None = None,
-    session: RequestSession | None = None,
-    prompt_only: bool = False,
-) -> tuple[int | None, GenerationResult]:
-    """(slot id, result) of a whole generation; a turn cut before it held a slot has none.
-    ``prompt_only``: the slot held for ``prepare`` alone, no token generated (an echo with
-    max_tokens 0)."""
-    t_arrived = trio.current_time()
-    line = _Line(owner, path, engine.served_name, params.lora_name)
-    res = GenerationResult(prompt_tokens=len(tokens))
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One generation to run: a prepared request's tokens and parameters, whose it is
+    (``owner``; ``path``: its route in request lines and metrics), what runs in its claimed
+    slot first (``prepare``), its agent session, and whether it generates at all
+    (``prompt_only``: the slot held for ``prepare`` alone, as an echo with max_tokens 0)."""
+
+    state: AppState
+    engine: Engine
+    tokens: Sequence[int]
+    params: GenerationParams
+    owner: str
+    path: str
+    prepare: Prepare | None = None
+    session: RequestSession | None = None
+    prompt_only: bool = False
+
+    def line(self) -> _Line:
+        return _Line(self.owner, self.path, self.engine.served_name, self.params.lora_name)
+
+    def recorded(self, res: GenerationResult, line: _Line) -> None:
+        """Its metrics, once it has ended (not for a refusal before its slot)."""
+        self.state.metrics.record_generation(
+            self.path, res, model=self.engine.served_name, queue_s=line.queue_s, aborted=res.cut is not None
+        )
+
+
+async def generate_buffered(run: Run) -> tuple[int | None, GenerationResult]:
+    """(slot id, result) of a whole generation; a turn cut before it held a slot has none."""
+    line = run.line()
+    res = GenerationResult(prompt_tokens=len(run.tokens))
     with _logged(line, res):
-        async with session_turn(engine, session, params.cache_salt) as turn:
-            line.turn = turn
-            async with slot_for(state, engine, tokens, owner, params, turn) as lease:
-                line.slot, line.queue_s = lease.id, trio.current_time() - t_arrived
-                if prepare is not None:
-                    await prepare(lease)
-                if prompt_only:
-                    res.prompt_tokens = res.n_prompt_processed = len(tokens)
-                else:
-                    await lease.generate(tokens, params, _discard, result=res)
-        mark_cut(res, turn)
-    state.metrics.record_generation(path, res, model=engine.served_name, queue_s=line.queue_s, aborted=res.cut is not None)
+        await _in_a_slot(run, line, res, _discard)
+    run.recorded(res, line)
     return line.slot, res
+
+
+async def _in_a_slot(
+    run: Run,
+    line: _Line,
+    res: GenerationResult,
+    emit: Callable[[str], Awaitable[None]],
+    *,
+    held: Callable[[int], None] | None = None,
+    last: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """The one generation of every route, whole or streamed: its turn in its agent session,
+    the slot claimed for it (``held(slot id)``), ``prepare`` run there, its tokens generated
+    into ``res`` (each delta to ``emit``; ``prompt_only``: none), then ``last`` in the slot;
+    a turn its session's scope cut says so in ``res``. ``line`` records what it got."""
+    engine, tokens, params = run.engine, run.tokens, run.params
+    t_arrived = trio.current_time()
+    async with session_turn(engine, run.session, params.cache_salt) as turn:
+        line.turn = turn
+        async with slot_for(run.state, engine, tokens, run.owner, params, turn) as lease:
+            line.slot, line.queue_s = lease.id, trio.current_time() - t_arrived
+            if held is not None:
+                held(lease.id)
+            if run.prepare is not None:
+                await run.prepare(lease)
+            if run.prompt_only:
+                res.prompt_tokens = res.n_prompt_processed = len(tokens)
+            else:
+                await lease.generate(tokens, params, emit, result=res)
+            if last is not None:
+                await last()
+    mark_cut(res, turn)
 
 
 @contextmanager
@@ -271,27 +307,30 @@ class GenerationStream:
             await self.items.aclose()
 
 
-async def sse_body(
-    stream: GenerationStream,
-    *,
-    head: bytes,
-    delta_event: Callable[[str], bytes],
-    done_event: Callable[[GenerationResult], bytes],
-    logprobs_event: Callable[[str, Sequence[TokenLogprobs]], bytes] | None = None,
-    direct: bool = True,
-    done: bytes = SSE_DONE,
-    error_event: Callable[[BaseException], bytes] | None = None,
-) -> AsyncIterator[bytes]:
-    """The SSE body of a streaming completion (chat or text): ``head``, an event per text
-    delta, the final event, ``[DONE]``; what is ready goes out in one write. Leaving (the
-    client went away, or the stream ended) stops the generation before this returns.
+@dataclass(frozen=True, slots=True)
+class StreamEvents:
+    """What a streamed reply is written as: ``head``, an event per text delta (``delta``;
+    ``logprobs(text, entries)`` instead for a request that asked for logprobs), the final
+    event (``done``), then ``end`` (OpenAI's ``[DONE]``; the agents' dialects end with their
+    own last event: b""); ``error``: the event of a failure after the 200 (None: OpenAI's
+    error chunk). ``direct=False``: the producer never writes deltas itself (a parsed reply's
+    event may be empty, or depend on what came before). An empty event writes nothing."""
 
-    A request that asked for logprobs gets ``Logprobs`` before each delta: that delta's
-    event is then ``logprobs_event(text, entries)``. ``direct=False``: the producer never
-    writes deltas itself (a parsed reply's event may be empty, or depend on what came before).
-    An empty event writes nothing. ``done``: what ends the body (OpenAI's ``[DONE]``; the
-    agents' dialects end with their own last event: b""); ``error_event``: the event of a
-    failure after the 200 (else OpenAI's error chunk)."""
+    head: bytes
+    delta: Callable[[str], bytes]
+    done: Callable[[GenerationResult], bytes]
+    logprobs: Callable[[str, Sequence[TokenLogprobs]], bytes] | None = None
+    direct: bool = True
+    end: bytes = SSE_DONE
+    error: Callable[[BaseException], bytes] | None = None
+
+
+async def sse_body(stream: GenerationStream, events: StreamEvents) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed generation (``events``: what it is written as): what is
+    ready goes out in one write. Leaving (the client went away, or the stream ended) stops
+    the generation before this returns. A request that asked for logprobs gets ``Logprobs``
+    before each delta: that delta's event is then ``events.logprobs(text, entries)``."""
+    delta_event, logprobs_event, error_event = events.delta, events.logprobs, events.error
     held: Sequence[TokenLogprobs] | None = None
 
     def failure(exc: BaseException) -> bytes:
@@ -311,16 +350,16 @@ async def sse_body(
             held = item.entries
             return b""
         if isinstance(item, Done):
-            return done_event(item.result)
+            return events.done(item.result)
         assert isinstance(item, Failed)
         return failure(item.error)
 
     try:
-        if head:
-            yield head
+        if events.head:
+            yield events.head
         # The head is out (Quart sent the response head before asking for the body).
         writer = chunk_writer()
-        if writer is not None and logprobs_event is None and direct:
+        if writer is not None and logprobs_event is None and events.direct:
             stream.turn.attach(writer, delta_event)
         ended = False
         async for batch in stream.batches():
@@ -345,31 +384,20 @@ async def sse_body(
                 yield b"".join(out)
             if ended:
                 break
-        if done:
-            yield done
+        if events.end:
+            yield events.end
     finally:
         await stream.close()
 
 
-async def start_stream(
-    state: AppState,
-    engine: Engine,
-    tokens: Sequence[int],
-    params: GenerationParams,
-    *,
-    owner: str,
-    path: str,
-    prepare: Prepare | None = None,
-    session: RequestSession | None = None,
-    prompt_only: bool = False,
-) -> GenerationStream:
+async def start_stream(run: Run) -> GenerationStream:
     """Claim a slot and start generating into a channel (the claim's refusal is raised here).
-    A turn cut before it held a slot streams its end (and receipt) alone: slot id None.
-    ``prompt_only`` as for ``generate_buffered``."""
+    A turn cut before it held a slot streams its end (and receipt) alone: slot id None."""
+    params, owner = run.params, run.owner
     send, recv = trio.open_memory_channel[StreamItem](64)
-    stall_s = state.settings.slot_wait_s
+    stall_s = run.state.settings.slot_wait_s
     turn = WriterTurn()
-    res = GenerationResult(prompt_tokens=len(tokens))
+    res = GenerationResult(prompt_tokens=len(run.tokens))
 
     async def put(item: StreamItem) -> None:
         turn.take_back()  # the reader writes what is queued, in order
@@ -400,33 +428,21 @@ async def start_stream(
                 return
         await put(Delta(delta))
 
-    line = _Line(owner, path, engine.served_name, params.lora_name)
+    line = run.line()
+
+    async def flush_logprobs() -> None:
+        if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
+            await emit("")
 
     async def produce(task_status: Any) -> None:
-        t_arrived = trio.current_time()
         # The slot is free before the channel closes: a reader that saw the end sees it free.
         async with send:
             try:
                 with _logged(line, res):
-                    async with session_turn(engine, session, params.cache_salt) as agent_turn:
-                        line.turn = agent_turn
-                        async with slot_for(state, engine, tokens, owner, params, agent_turn) as lease:
-                            line.slot, line.queue_s = lease.id, trio.current_time() - t_arrived
-                            task_status.started(lease.id)
-                            if prepare is not None:
-                                await prepare(lease)
-                            if prompt_only:
-                                res.prompt_tokens = res.n_prompt_processed = len(tokens)
-                            else:
-                                await lease.generate(tokens, params, emit, result=res)
-                            if len(res.logprobs) > sent_lp:  # tokens whose text never came (a stop string's)
-                                await emit("")
-                    mark_cut(res, agent_turn)
+                    await _in_a_slot(run, line, res, emit, held=task_status.started, last=flush_logprobs)
                 if line.slot is None:  # cut while it waited for a slot
                     task_status.started(None)
-                state.metrics.record_generation(
-                    path, res, model=engine.served_name, queue_s=line.queue_s, aborted=res.cut is not None
-                )
+                run.recorded(res, line)
                 await put(Done(res))
             except (trio.TooSlowError, trio.BrokenResourceError) as exc:
                 # The reader stopped reading or left: nobody to tell.

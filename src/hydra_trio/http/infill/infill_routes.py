@@ -14,16 +14,15 @@ from quart import Blueprint, Response
 
 from ...engine import Engine, GenerationResult, Vocabulary
 from ...wire.errors import bad_param
-from ..generation import generate_buffered, sse_body, start_stream
+from ..completions import timings
+from ..generation import Answer, Exchange, StreamEvents, respond
 from ..plumbing import (
     HttpError,
     app_state,
     generation_owner,
-    json_response,
     read_request_json,
     require_engine,
     sse_event,
-    timings,
 )
 
 bp = Blueprint("infill", __name__)
@@ -107,7 +106,8 @@ async def infill() -> Response:
     body = await read_request_json()
     tokens = await infill_tokens(engine, body, n_batch=state.settings.batch_size, spm=state.settings.spm_infill)
     request = {k: v for k, v in body.items() if k not in _OWN_KEYS and k not in _IGNORED}
-    prepared = await engine.prepare("completions", {**request, "prompt": tokens})
+    request["prompt"] = tokens
+    prepared = await engine.prepare("completions", request)
     params = prepared.params
     assert prepared.tokens is not None, "tokenized"
     tokens = prepared.tokens
@@ -131,15 +131,16 @@ async def infill() -> Response:
             "timings": timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
         }
 
-    if not params.stream:
-        slot_id, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="infill")
-        return json_response(final(slot_id, res, res.text))
-    stream = await start_stream(state, engine, tokens, params, owner=owner, path="infill")
-    sse = sse_body(
-        stream,
-        head=b"",
-        delta_event=lambda text: sse_event({"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": stream.slot_id}),
-        done_event=lambda res: sse_event(final(stream.slot_id, res, "")),
-        done=b"",  # llama-server's own stream ends with its final event
+    ex = Exchange(state, engine, body, request, prepared, None, "infill", cid, owner)
+    return await respond(
+        ex,
+        Answer(
+            body=lambda slot_id, res: final(slot_id, res, res.text),
+            events=lambda stream: StreamEvents(
+                head=b"",
+                delta=lambda text: sse_event({"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": stream.slot_id}),
+                done=lambda res: sse_event(final(stream.slot_id, res, "")),
+                end=b"",  # llama-server's own stream ends with its final event
+            ),
+        ),
     )
-    return Response(sse, status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})

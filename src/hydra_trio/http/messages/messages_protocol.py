@@ -1,53 +1,29 @@
 """Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) as a
 codec at the edge: the request becomes the internal chat request (``to_chat``), runs the one
 chat pipeline /v1/chat/completions runs (engine.prepare: template, tools and their grammar,
-reasoning split, prefix cache, cache_salt, limits; http/generation/generation.py: claim, generate, logs,
-metrics), and the result is shaped back as a message or as Anthropic's event stream.
+reasoning split, prefix cache, cache_salt, limits; http/generation/generation.py: claim,
+generate, logs, metrics), and the result is shaped back as a message (``message_body``) or
+as Anthropic's event stream (http/messages/messages_serving.py).
 
 Every error on /v1/messages* (ours, the auth check's, the drain's, a 404) leaves in
-Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (``anthropic_errors``).
+Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}`` (``error_reply``).
 docs/http-api.md lists what is mapped, ignored and refused."""
 
 from __future__ import annotations
 
 import json
 import logging
-import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from quart import Blueprint, Response, request
-
 from ...engine import GenerationResult, ReplyParser, ToolCall
-from ...wire.errors import ParamError
-from ..generation import (
-    Piece,
-    ReplyParserFactory,
-    cut,
-    delta_pieces,
-    generate_buffered,
-    receipt_fields,
-    sse_body,
-    start_stream,
-    whole_pieces,
-)
-from ..models import routed_json
-from ..plumbing import (
-    HttpError,
-    app_state,
-    dialect_names,
-    generation_owner,
-    json_response,
-    needs_no_slot,
-    off_loop,
-    request_session,
-)
+from ..generation import Piece, chat_tool, dialect_names, receipt_fields, whole_pieces
+from ..plumbing import HttpError
 
 if TYPE_CHECKING:
-    from ...engine import Engine
+    pass
 
 log = logging.getLogger(__name__)
-bp = Blueprint("anthropic", __name__)
 
 # Claude Code's first system block: a line that changes with every request. Rendered, it
 # would end the cached prefix at the system prompt's start; it tells the model nothing.
@@ -184,10 +160,7 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
             dropped.append(str(tool.get("type") or tool["name"]))  # a server tool (web_search, bash...)
             continue
-        fn = {"name": tool["name"], "parameters": tool["input_schema"]}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
+        out.append(chat_tool(tool["name"], tool["input_schema"], tool.get("description")))
     if dropped:
         log.info("/v1/messages: dropped tools this server cannot run: %s", ", ".join(dropped))
     return out
@@ -273,7 +246,7 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     return chat
 
 
-# ---- reply: the result as a message, or as its event stream ----------------------------------
+# ---- reply: the result as a message, and the error shape ----------------------------------------
 
 
 def stop_reason(res: GenerationResult, pieces_have_calls: bool, stop: list[str]) -> tuple[str, str | None]:
@@ -334,74 +307,13 @@ def message_body(mid: str, model: str, res: GenerationResult, parser: ReplyParse
     }
 
 
-def event(name: str, data: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps({"type": name, **data}, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-class MessageEvents:
-    """One message's event stream: message_start and a ping, then a content block per run of
-    thinking or text (``*_delta`` events) and per tool call (one ``input_json_delta``), then
-    message_delta (stop_reason, usage) and message_stop."""
-
-    def __init__(self, mid: str, model: str, n_prompt: int, parser: ReplyParser | None, stop: list[str]) -> None:
-        self.parser, self._stop = parser, stop
-        self._index = -1
-        self._open: str | None = None  # the kind of the open block: "reasoning" or "text"
-        self._calls = False
-        message = {
-            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
-        }
-        self.head = event("message_start", {"message": message}) + event("ping", {})
-
-    def _close(self) -> bytes:
-        if self._open is None:
-            return b""
-        self._open = None
-        return event("content_block_stop", {"index": self._index})
-
-    def _pieces(self, pieces: list[Piece]) -> bytes:
-        out = []
-        for piece in pieces:
-            if isinstance(piece, ToolCall):
-                out.append(self._close())
-                self._index += 1
-                self._calls = True
-                start = {"type": "tool_use", "id": call_id(piece), "name": piece.name, "input": {}}
-                out.append(event("content_block_start", {"index": self._index, "content_block": start}))
-                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
-                out.append(event("content_block_delta", {"index": self._index, "delta": delta}))
-                out.append(event("content_block_stop", {"index": self._index}))
-                continue
-            kind, text = piece
-            if self._open != kind:
-                out.append(self._close())
-                self._index += 1
-                self._open = kind
-                empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else {"type": "text", "text": ""}
-                out.append(event("content_block_start", {"index": self._index, "content_block": empty}))
-            delta = {"type": "thinking_delta", "thinking": text} if kind == "reasoning" else {"type": "text_delta", "text": text}
-            out.append(event("content_block_delta", {"index": self._index, "delta": delta}))
-        return b"".join(out)
-
-    def delta(self, text: str) -> bytes:
-        if self.parser is None:
-            return self._pieces([("text", text)] if text else [])
-        return self._pieces(delta_pieces(self.parser.feed(text)))
-
-    def done(self, res: GenerationResult) -> bytes:
-        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish(cut=cut(res))))
-        reason, sequence = stop_reason(res, self._calls, self._stop)
-        return (
-            rest
-            + self._close()
-            + event(
-                "message_delta",
-                {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(res), **receipt_fields(res)},
-            )
-            + event("message_stop", {})
-        )
+def error_reply(status: int, err: dict[str, Any]) -> dict[str, Any]:
+    """An error in Anthropic's shape from OpenAI's error object (every route's): a prompt that
+    does not fit is "prompt is too long" (what Claude Code compacts its conversation on)."""
+    message = str(err["message"])
+    if err.get("code") == "context_length_exceeded":
+        message = f"prompt is too long: {message}"
+    return error_shape(status, message)
 
 
 def error_shape(status: int, message: str) -> dict[str, Any]:
@@ -413,76 +325,3 @@ def error_shape(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def on_messages_path(path: str) -> bool:
-    """Whether ``path`` is one whose errors are in Anthropic's shape (/v1/messages*)."""
-    return path.startswith("/v1/messages")
-
-
-def error_event(exc: BaseException) -> bytes:
-    from ..generation import error_event_body
-
-    err = error_event_body(exc)["error"]
-    return event("error", {"error": error_shape(int(err["code"]), err["message"])["error"]})
-
-
-@bp.after_app_request
-async def anthropic_errors(response: Response) -> Response:
-    """Every JSON error on /v1/messages* in Anthropic's shape; a prompt that does not fit is
-    "prompt is too long" (what Claude Code compacts its conversation on)."""
-    if not on_messages_path(request.path) or response.status_code < 400 or response.mimetype != "application/json":
-        return response
-    try:
-        err = json.loads(await response.get_data())["error"]
-        message = str(err["message"])
-    except (ValueError, KeyError, TypeError):
-        return response
-    if err.get("code") == "context_length_exceeded":
-        message = f"prompt is too long: {message}"
-    response.set_data(json.dumps(error_shape(response.status_code, message), separators=(",", ":")))
-    return response
-
-
-async def _chat_request(count_only: bool = False) -> tuple[Engine, dict[str, Any], dict[str, Any]]:
-    engine, body = await routed_json()  # the engine of the model it names
-    return engine, body, await off_loop(lambda: to_chat(body, count_only=count_only))
-
-
-@bp.post("/v1/messages/count_tokens")
-@needs_no_slot
-async def count_tokens() -> Response:
-    engine, body, chat = await _chat_request(count_only=True)
-    try:
-        return json_response({"input_tokens": len(await engine.prompt_tokens(chat))})
-    except ParamError as exc:
-        raise exc.renamed(param_names(body)) from None
-
-
-@bp.post("/v1/messages")
-async def messages() -> Response:
-    state = app_state()
-    engine, body, chat = await _chat_request()
-    session = request_session(body)  # Claude Code: its x-claude-code-* headers
-    try:
-        prepared = await engine.prepare("chat", chat)
-    except ParamError as exc:
-        raise exc.renamed(param_names(body)) from None
-    params, tokens, replies = prepared.params, prepared.tokens, prepared.replies
-    assert tokens is not None, "tokenized"
-    stop = list(params.stop)
-    mid = "msg_" + secrets.token_hex(12)
-    owner = generation_owner(mid)
-    model = body.get("model") if isinstance(body.get("model"), str) else engine.served_name
-    if not params.stream:
-        _slot, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="messages", session=session)
-        return json_response(message_body(mid, model, res, _fresh(replies), stop))
-    stream = await start_stream(state, engine, tokens, params, owner=owner, path="messages", session=session)
-    events = MessageEvents(mid, model, len(tokens), _fresh(replies), stop)
-    out = sse_body(
-        stream, head=events.head, delta_event=events.delta, done_event=events.done, direct=False, done=b"",
-        error_event=error_event,
-    )
-    return Response(out, status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _fresh(replies: ReplyParserFactory | None) -> ReplyParser | None:
-    return None if replies is None else replies()

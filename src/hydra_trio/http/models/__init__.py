@@ -1,7 +1,11 @@
-"""The models of a process over HTTP: which one serves a request (``routed_json``), the
-routes that list, load and unload them, and their LoRA adapters' default scales."""
+"""The models of a process over HTTP: the routes that list, load and unload them
+(``model_routes``), and their LoRA adapters' default scales (``lora_routes``)."""
+
+from quart import Blueprint
 
 from .lora_routes import bp as lora_bp
-from .model_routes import bp, hold_model, routed_json
+from .model_routes import bp as model_bp
 
-__all__ = ["bp", "hold_model", "lora_bp", "routed_json"]
+BLUEPRINTS: tuple[Blueprint, ...] = (model_bp, lora_bp)
+
+__all__ = ["BLUEPRINTS"]

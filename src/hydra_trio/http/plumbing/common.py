@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack, asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -67,7 +66,7 @@ def set_request_nursery(nursery: trio.Nursery) -> None:
 
 
 # What an HTTP exchange holds until its last byte, when the request's nursery (a stream's
-# producer included) has ended: its model (http/models/model_routes.py). The ASGI wrapper that counts
+# producer included) has ended: its model (http/plumbing/model_choice.py). The ASGI wrapper that counts
 # the exchanges in flight (server.py) opens and closes it.
 request_holds: ContextVar[ExitStack] = ContextVar("hydra_request_holds")
 
@@ -141,6 +140,19 @@ async def receive_body(settings: Settings, take: Callable[[bytes], None]) -> int
         last = trio.current_time()
         got += len(chunk)
         take(chunk)
+
+
+async def drain_body(receive: Callable[[], Awaitable[dict[str, Any]]], limit: int, idle_timeout_s: float) -> None:
+    """Drop a refused request's body, up to ``limit`` bytes, so the refusal can be read. One
+    deadline for the whole drain (``idle_timeout_s``), not only per message: a sender
+    dripping a byte just inside the idle timeout would otherwise hold it for ever."""
+    left = limit
+    with trio.move_on_after(idle_timeout_s):
+        while left > 0:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            left -= len(message.get("body", b""))
 
 
 # ---- admission: how much request work runs at once ------------------------------------------------
@@ -350,28 +362,3 @@ def register_error_handlers(app: Any) -> None:
         return json_response(error_body(500, f"internal error: {type(err).__name__}", "server_error"), 500)
 
 
-_TOOL_PARAM = re.compile(r"tools\[(\d+)\](.*)", re.S)
-
-
-def dialect_names(
-    tool_index: Sequence[int], tool_parts: Sequence[tuple[str, str]], keys: Sequence[tuple[str, str]]
-) -> Callable[[str], str]:
-    """A codec's spelling of the engine's parameter names (``ParamError.renamed``): the
-    engine's ``tools[i]`` is the request's ``tools[tool_index[i]]`` (a dialect may drop tools
-    it cannot run), its parts renamed by ``tool_parts``; a key or any part under it by
-    ``keys`` (first match)."""
-
-    def rename(param: str) -> str:
-        if (m := _TOOL_PARAM.fullmatch(param)) is not None:
-            i, rest = int(m.group(1)), m.group(2)
-            for old, new in tool_parts:
-                if rest.startswith(old):
-                    rest = new + rest[len(old):]
-                    break
-            return f"tools[{tool_index[i] if i < len(tool_index) else i}]{rest}"
-        for old, new in keys:
-            if param == old or param.startswith((old + ".", old + "[")):
-                return new + param[len(old):]
-        return param
-
-    return rename

@@ -1,9 +1,9 @@
-"""Server-sent events and OpenAI response shapes."""
+"""Server-sent events (OpenAI's ``data:`` framing, the agents' dialects' named events) and the
+one error shape of every HTTP route, the "busy, retry" reply's among them."""
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +12,11 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def sse_event(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def named_event(kind: str, payload: dict[str, Any]) -> bytes:
+    """A named event (``event: KIND``) with its JSON, the agents' dialects' framing."""
+    return f"event: {kind}\ndata: ".encode() + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 _HOLE = "\x00text\x00"  # a string no chunk holds: json writes it as \u0000text\u0000
@@ -50,39 +55,3 @@ def busy_body(message: str, **extra: Any) -> dict[str, Any]:
     return error_body(503, message, "unavailable_error", **extra)
 
 
-def completion_chunk(cid: str, created: int, model: str, *, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
-    return {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-        **extra,
-    }
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def timings(prompt_n: int, prompt_ms: float, predicted_n: int, predicted_ms: float, cached_n: int) -> dict[str, Any]:
-    return {
-        "cache_n": cached_n,
-        "prompt_n": prompt_n,
-        "prompt_ms": round(prompt_ms, 3),
-        "prompt_per_second": round(prompt_n / (prompt_ms / 1000.0), 3) if prompt_ms > 0 else 0.0,
-        "predicted_n": predicted_n,
-        "predicted_ms": round(predicted_ms, 3),
-        "predicted_per_second": round((predicted_n - 1) / (predicted_ms / 1000.0), 3)
-        if predicted_ms > 0 and predicted_n > 1
-        else 0.0,
-    }
-
-
-def now_s() -> int:
-    return int(time.time())

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``, ``POST /v1/responses/input_tokens``) as a
-codec at the edge, like http/messages/messages_protocol.py: ``input`` items and ``instructions`` become the
-internal chat request, the one chat pipeline runs it, and the result is shaped back as a
-response object or as its event stream (each event with its ``sequence_number``).
+codec at the edge, like http/messages/: ``input`` items and ``instructions`` become the
+internal chat request (``to_chat``), the one chat pipeline runs it, and the result is shaped
+back as a response object (``response_body``) or as its event stream, each event with its
+``sequence_number`` (http/responses/responses_serving.py).
 
 Nothing is stored: ``store`` is accepted and every response says ``"store": false``; a request
 that needs a stored one (``previous_response_id``, ``conversation``, an ``item_reference``) is
@@ -11,42 +12,17 @@ dropped with one log line. docs/http-api.md lists the rest."""
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
-from quart import Blueprint, Response
-
 from ...engine import REASONING_EFFORTS, GenerationResult, ReplyParser, ToolCall
-from ...wire.errors import ParamError
-from ..generation import (
-    Piece,
-    cut,
-    delta_pieces,
-    error_event_body,
-    generate_buffered,
-    receipt_fields,
-    sse_body,
-    start_stream,
-    whole_pieces,
-)
-from ..models import routed_json
-from ..plumbing import (
-    HttpError,
-    app_state,
-    dialect_names,
-    generation_owner,
-    json_response,
-    needs_no_slot,
-    off_loop,
-    request_session,
-)
+from ..generation import Piece, chat_tool, dialect_names, receipt_fields, whole_pieces
+from ..plumbing import HttpError
 
 log = logging.getLogger(__name__)
-bp = Blueprint("responses", __name__)
 
 # Accepted and ignored (docs/http-api.md names each).
 IGNORED = (
@@ -159,10 +135,8 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
             continue
         if not isinstance(tool.get("name"), str):
             raise bad(f"tools[{i}] needs a name", "tools")
-        fn: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
+        parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+        out.append(chat_tool(tool["name"], parameters, tool.get("description")))
     if dropped:
         log.info("/v1/responses: dropped tools this server cannot run: %s", ", ".join(dropped))
     return out
@@ -250,10 +224,10 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     return chat
 
 
-# ---- reply: the result as a response object, or as its event stream --------------------------
+# ---- reply: the result as a response object --------------------------------------------------
 
 
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
@@ -322,137 +296,7 @@ def status_of(res: GenerationResult) -> str:
 
 
 def response_body(shell: Shell, res: GenerationResult, parser: ReplyParser | None) -> dict[str, Any]:
-    output = [item_of(p, _id(_prefix(p))) for p in whole_pieces(res, parser)]
+    output = [item_of(p, new_id(_prefix(p))) for p in whole_pieces(res, parser)]
     return shell.response(status_of(res), output, res)
 
 
-class ResponseEvents:
-    """One response's event stream: response.created and .in_progress, an output item per run
-    of reasoning or text (with its content part and deltas) and per function call, then
-    response.completed (or .incomplete) holding the whole response."""
-
-    def __init__(self, shell: Shell, parser: ReplyParser | None) -> None:
-        self.shell, self.parser = shell, parser
-        self._seq = 0
-        self._output: list[dict[str, Any]] = []
-        self._open: str | None = None  # the open item's kind: "reasoning" or "text"
-        self._text = ""
-        start = shell.response("in_progress", [])
-        self.head = self._event("response.created", response=start) + self._event("response.in_progress", response=start)
-
-    def _event(self, kind: str, /, **data: Any) -> bytes:
-        payload = {"type": kind, "sequence_number": self._seq, **data}
-        self._seq += 1
-        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-        return f"event: {kind}\ndata: ".encode() + body + b"\n\n"
-
-    def _close(self) -> bytes:
-        if self._open is None:
-            return b""
-        kind, self._open = self._open, None
-        index = len(self._output) - 1
-        item = self._output[index]
-        text, self._text = self._text, ""
-        loc = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        if kind == "reasoning":
-            part = {"type": "reasoning_text", "text": text}
-            item["content"] = [part]
-            out = self._event("response.reasoning_text.done", **loc, text=text)
-        else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            item.update(status="completed", content=[part])
-            out = self._event("response.output_text.done", **loc, text=text, logprobs=[])
-        out += self._event("response.content_part.done", **loc, part=part)
-        return out + self._event("response.output_item.done", output_index=index, item=item)
-
-    def _pieces(self, pieces: list[Piece]) -> bytes:
-        out = []
-        for piece in pieces:
-            if isinstance(piece, ToolCall):
-                out.append(self._close())
-                index = len(self._output)
-                item = item_of(piece, _id("fc"))
-                self._output.append(item)
-                out.append(self._event("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "arguments": ""}))
-                loc = {"item_id": item["id"], "output_index": index}
-                out.append(self._event("response.function_call_arguments.delta", **loc, delta=piece.arguments))
-                out.append(self._event("response.function_call_arguments.done", **loc, name=piece.name, arguments=piece.arguments))
-                out.append(self._event("response.output_item.done", output_index=index, item=item))
-                continue
-            kind, text = piece
-            if self._open != kind:
-                out.append(self._close())
-                self._open = kind
-                index = len(self._output)
-                item = item_of((kind, ""), _id("rs" if kind == "reasoning" else "msg"))
-                if kind == "reasoning":
-                    item["content"] = []
-                else:
-                    item.update(status="in_progress", content=[])
-                self._output.append(item)
-                out.append(self._event("response.output_item.added", output_index=index, item=dict(item, content=[])))
-                part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part))
-            index = len(self._output) - 1
-            loc = {"item_id": self._output[index]["id"], "output_index": index, "content_index": 0}
-            self._text += text
-            if kind == "reasoning":
-                out.append(self._event("response.reasoning_text.delta", **loc, delta=text))
-            else:
-                out.append(self._event("response.output_text.delta", **loc, delta=text, logprobs=[]))
-        return b"".join(out)
-
-    def delta(self, text: str) -> bytes:
-        if self.parser is None:
-            return self._pieces([("text", text)] if text else [])
-        return self._pieces(delta_pieces(self.parser.feed(text)))
-
-    def done(self, res: GenerationResult) -> bytes:
-        rest = b"" if self.parser is None else self._pieces(delta_pieces(self.parser.finish(cut=cut(res))))
-        status = status_of(res)
-        final = self.shell.response(status, self._output, res)
-        return rest + self._close() + self._event(f"response.{status}", response=final)
-
-    def error(self, exc: BaseException) -> bytes:
-        err = error_event_body(exc)["error"]
-        return self._event("error", code=str(err["code"]), message=err["message"], param=None)
-
-
-@bp.post("/v1/responses/input_tokens")
-@needs_no_slot
-async def input_tokens() -> Response:
-    engine, body = await routed_json()  # the engine of the model it names
-    chat = await off_loop(lambda: to_chat(body, count_only=True))
-    try:
-        n = len(await engine.prompt_tokens(chat))
-    except ParamError as exc:
-        raise exc.renamed(param_names(body)) from None
-    return json_response({"object": "response.input_tokens", "input_tokens": n})
-
-
-@bp.post("/v1/responses")
-async def responses() -> Response:
-    state = app_state()
-    engine, body = await routed_json()  # the engine of the model it names
-    chat = await off_loop(lambda: to_chat(body))
-    try:
-        prepared = await engine.prepare("chat", chat)
-    except ParamError as exc:
-        raise exc.renamed(param_names(body)) from None
-    params, tokens, replies = prepared.params, prepared.tokens, prepared.replies
-    assert tokens is not None, "tokenized"
-    session = request_session(body)  # its agent session (Codex: the session_id header, prompt_cache_key)
-    rid = _id("resp")
-    owner = generation_owner(rid)
-    model = body.get("model") if isinstance(body.get("model"), str) else engine.served_name
-    shell = Shell(rid, model, body, chat)
-    if not params.stream:
-        _slot, res = await generate_buffered(state, engine, tokens, params, owner=owner, path="responses", session=session)
-        return json_response(response_body(shell, res, None if replies is None else replies()))
-    stream = await start_stream(state, engine, tokens, params, owner=owner, path="responses", session=session)
-    events = ResponseEvents(shell, None if replies is None else replies())
-    out = sse_body(
-        stream, head=events.head, delta_event=events.delta, done_event=events.done, direct=False, done=b"",
-        error_event=events.error,
-    )
-    return Response(out, status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"})

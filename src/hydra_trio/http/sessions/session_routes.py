@@ -17,9 +17,9 @@ from ...engine import Engine, Finished
 from ...engine import cache_salt as checked_salt
 from ...wire.agentic import checked_id
 from ...wire.errors import bad_param
-from ..models import hold_model
 from ..plumbing import (
     app_state,
+    hold_model,
     json_response,
     read_json_body,
     request_tenant,

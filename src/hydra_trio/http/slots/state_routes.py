@@ -1,4 +1,5 @@
-"""Slot state over HTTP (spec §6.5): meta, GET/PUT of the v2 blob, erase."""
+"""A slot's state over HTTP (spec §6.5): its meta, GET and PUT of the v2 blob, and the gate
+that keeps an upload's body in the socket until the payload budget has room for it."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ from quart import Blueprint, Response, request
 from ...config import Settings
 from ...serving import slot_state
 from ...transport import payload_buffer
-from ...wire.protocol import ascii_decimal
 from ..plumbing import (
     HttpError,
     app_state,
     close_connection_after,
+    drain_body,
     json_response,
-    read_json_body,
     receive_body,
     request_nursery,
     require_engine,
     routes,
 )
+from .slot_routes import slot_id_of
 
 bp = Blueprint("slot_state", __name__)
 
@@ -34,23 +35,15 @@ ASGISend = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[dict[str, Any], ASGIReceive, ASGISend], Awaitable[None]]
 
 
-
-def _slot_id(raw: str) -> int:
-    slot = ascii_decimal(raw)
-    if slot is None:
-        raise HttpError(400, f"slot id must be a non-negative integer in ASCII digits, got {raw[:40]!r}", "invalid_request_error")
-    return slot
-
-
 @bp.get("/slots/<raw_id>/state/meta")
 async def state_meta(raw_id: str) -> Response:
-    return json_response(slot_state.slot_meta(require_engine(), _slot_id(raw_id)))
+    return json_response(slot_state.slot_meta(require_engine(), slot_id_of(raw_id)))
 
 
 @bp.get("/slots/<raw_id>/state")
 async def state_get(raw_id: str) -> Response:
     engine = require_engine()
-    slot_id = _slot_id(raw_id)
+    slot_id = slot_id_of(raw_id)
     state = app_state()
     budget = state.payload_budget
     settings = state.settings
@@ -110,7 +103,7 @@ async def state_put(raw_id: str) -> Response:
     """The body goes into one buffer of Content-Length bytes, taken from the payload budget
     RPC payloads use; the upload is held back (hold_state_uploads) until it has that room."""
     engine = require_engine()
-    slot_id = _slot_id(raw_id)
+    slot_id = slot_id_of(raw_id)
     engine.slot_info(slot_id)  # NO_SLOT before any byte is read
     state = app_state()
     settings = state.settings
@@ -181,29 +174,3 @@ def hold_state_uploads(asgi_app: ASGIApp, settings: Settings) -> ASGIApp:
             await asgi_app({**scope, _GATE: gate}, gated_receive, send_reply)
 
     return app
-
-
-async def drain_body(receive: ASGIReceive, limit: int, idle_timeout_s: float) -> None:
-    """Drop a refused request's body, up to ``limit`` bytes, so the refusal can be read. One
-    deadline for the whole drain (``idle_timeout_s``), not only per message: a sender
-    dripping a byte just inside the idle timeout would otherwise hold it for ever."""
-    left = limit
-    with trio.move_on_after(idle_timeout_s):
-        while left > 0:
-            message = await receive()
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                return
-            left -= len(message.get("body", b""))
-
-
-@bp.post("/slots/<raw_id>")
-async def slot_action(raw_id: str) -> Response:
-    engine = require_engine()
-    slot_id = _slot_id(raw_id)
-    action = request.args.get("action", "")
-    if action != "erase":
-        raise HttpError(400, f"unsupported action {action!r} (supported: erase)", "invalid_request_error")
-    if request.content_length or "chunked" in request.headers.get("Transfer-Encoding", "").lower():
-        # llama-server's slot API takes a JSON body here ({}); a small object, ignored.
-        await read_json_body(routes.SMALL_BODY_BYTES, "the erase route's cap")
-    return json_response(await slot_state.erase(engine, slot_id, f"http:erase:{slot_id}"))

@@ -12,8 +12,15 @@ from typing import Any
 from quart import Blueprint, Response, request
 
 from ...wire.errors import bad_param
-from ..models import hold_model, routed_json
-from ..plumbing import HttpError, app_state, json_response, needs_no_slot, require_engine
+from ..plumbing import (
+    HttpError,
+    app_state,
+    hold_model,
+    json_response,
+    needs_no_slot,
+    require_engine,
+    routed_json,
+)
 
 bp = Blueprint("tokens", __name__)
 
