@@ -1,5 +1,5 @@
 """``python -m benchmarks.fuzz``: the live RPC fuzz campaign (hydra_trio.testing.rpcfuzz,
-shared with tests/test_fuzz_live.py) against its own ``hydra-trio serve`` process."""
+shared with tests/rpc/test_fuzz_live.py) against its own ``hydra-trio serve`` process."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``python -m benchmarks.hostile [--duration-s 60] [--short] [--seed 0] [--json PATH]``: the
-hostile-client campaign (hydra_trio.testing.hostile, shared with tests/test_hostile_short.py;
+hostile-client campaign (hydra_trio.testing.hostile, shared with tests/system/test_hostile_short.py;
 what it runs and reports is that package's doc). Writes benchmarks/results/hostile.json
 (``--short``: hostile-short.json)."""
 

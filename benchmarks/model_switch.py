@@ -1,6 +1,6 @@
 """`python -m benchmarks.model_switch [--preset small] [--switches 100] [--wakes 10] [--parts switch,wake,stall,lanes]`
 
-What a model switch costs when one process serves several models (modelpool.py), on three
+What a model switch costs when one process serves several models (serving/model_pool.py), on three
 synthetic models of ``--preset`` (same shape, other weights) with ``--models-max 2``: ``a``,
 the RPC model, stays; ``b`` and ``c`` evict each other, so every request that alternates
 between them is a cold switch (free the other, load, warm up, answer).

@@ -1,5 +1,5 @@
 """A fleet across hosts on one machine: each engine in its own network namespace, all on one
-link-local segment (169.254.N.0/24), for tests/test_fleet_netns.py and ``python -m
+link-local segment (169.254.N.0/24), for tests/system/test_fleet_netns.py and ``python -m
 benchmarks.fleet``.
 
 Layout: a "switch" namespace holds a bridge; every host namespace, and the caller's own

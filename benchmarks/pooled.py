@@ -11,7 +11,7 @@ cache. Both engines run the same llama thread count; llama-server with ``--embed
 and 32 inputs a call. llama-server runs twice: as it starts by default (a KV stream per slot)
 and with ``--kv-unified``: with the split cache, inputs of different lengths that its slots
 batch together come out wrong (a mean pooled over part of the input: ggml-org/llama.cpp#26282,
-measured in tests/test_llama_server_pooled.py), so the unified one is the peer whose answers
+measured in tests/system/test_llama_server_pooled.py), so the unified one is the peer whose answers
 are right. Each client sends requests back to back: an embeddings request is one input of
 about 64 tokens (``--inputs N``: N of them), a rerank request a query and 8 documents. The machine is shared, so every
 figure is a ratio within one round: each round runs a workload on every engine, their order

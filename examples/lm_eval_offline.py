@@ -11,7 +11,7 @@ tokenizer is the engine's own (``tokenizer_backend=remote``: GET /tokenizer_info
 
 ``--lm-eval``: the ``lm_eval`` command (default: the one on PATH, else next to this Python).
 ``--capture FILE``: every request lm-eval sends goes through a recording proxy and lands in
-FILE as JSON (tests/test_evals.py replays such a capture). Without ``--model``, a synthetic
+FILE as JSON (tests/http/test_evals.py replays such a capture). Without ``--model``, a synthetic
 tiny model is written first (its scores mean nothing; the point is that the run completes).
 """
 

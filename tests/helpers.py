@@ -12,15 +12,18 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import outcome
 import trio
+from hypothesis import strategies as st
 
 from hydra_trio.decode.store import DecodeEntry, Tombstone
+from hydra_trio.engine.llama import PrefillPart, StepRequest, StepResult
 from hydra_trio.rpc.client import (
     RpcClient,
     RpcConnectionClosed,
@@ -41,9 +44,7 @@ from hydra_trio.testing.sse_reader import parse_sse as parse_sse
 from hydra_trio.testing.sse_reader import sse_chunk as sse_chunk
 from hydra_trio.testing.sse_reader import sse_data as sse_data
 from hydra_trio.testing.sse_reader import sse_text as sse_text
-from hydra_trio.wire.errors import Status
-from hydra_trio.wire.frames import encode_v3_raw
-from hydra_trio.wire.kvblob import parse_kv_blob
+from hydra_trio.wire import Status, encode_v3_raw, parse_kv_blob
 
 MESSAGES = [{"role": "user", "content": "hello world"}]
 OTHER_MESSAGES = [
@@ -472,7 +473,7 @@ def assert_same_kv(a: bytes | bytearray, b: bytes | bytearray, *, n_vocab: int |
     Only blobs read from the same slot id can be compared byte for byte: llama.cpp's
     sequence state records the sequence id in its header and in every cell.
     """
-    from hydra_trio.wire.kvblob import parse_kv_blob
+    from hydra_trio.wire import parse_kv_blob
 
     if n_vocab is not None:
         a = a[: len(a) - 4 * n_vocab]
@@ -501,3 +502,84 @@ def chat_plan(chat: Any, request: dict[str, Any], *, budget: int = -1) -> Any:
         return await chat.plan(request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=off_loop)
 
     return trio.run(plan)
+
+
+# ---- shared by test modules in different folders (tests/README.md) -------------------------
+
+# OpenAI's error shape (tests/http/test_http_openai.py and the routes' other tests)
+ERROR_TYPES = {"invalid_request_error", "server_error", "unavailable_error"}
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    err = body["error"]
+    assert err["code"] == status
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] in ERROR_TYPES
+    return body
+
+
+PREFILL_PARAMS = {  # what vllm-router's P/D mode sends to the prefill engine
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+# JSON schemas of one object for the grammar properties (hypothesis)
+_SCALARS = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.builds(lambda n: {"type": "string", "minLength": n, "maxLength": n + 3}, st.integers(0, 3)),
+    st.just({"type": "integer"}),
+    st.builds(lambda lo, w: {"type": "integer", "minimum": lo, "maximum": lo + w}, st.integers(-50, 50), st.integers(0, 100)),
+    st.just({"type": "number"}),
+    st.just({"type": "boolean"}),
+    st.builds(
+        lambda vals: {"enum": vals},
+        st.lists(st.one_of(st.text("abcxyz", min_size=1, max_size=4), st.integers(-9, 99)), min_size=1, max_size=4, unique=True),
+    ),
+)
+_VALUES = st.one_of(
+    _SCALARS,
+    st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, _SCALARS, st.integers(0, 3)),
+)
+
+
+@st.composite
+def object_schemas(draw: st.DrawFn) -> dict[str, Any]:
+    names = draw(st.lists(st.text("abcdefgh_", min_size=1, max_size=6), min_size=1, max_size=4, unique=True))
+    props = {name: draw(_VALUES) for name in names}
+    required = [n for n in names if draw(st.booleans())]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+# The step batcher's stand-in llama calls (tests/engine/sched/test_batcher.py)
+class Recorder:
+    """run_steps / run_mixed stand-ins: record each batch; step k of a slot samples 100+k."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[list[int], list[tuple[int, int]]]] = []  # (step slots, (slot, n tokens) parts)
+        self.calls_returned = 0  # runs of steps that returned
+
+    def step_sync(self, reqs: Sequence[StepRequest], before_decode: Callable[[], None]) -> list[StepResult]:
+        before_decode()
+        self.batches.append(([r.slot for r in reqs], []))
+        return [(r.token + 1,) for r in reqs]
+
+    async def run_on_worker(self, fn: Callable[[], None]) -> None:
+        await trio.to_thread.run_sync(fn)
+        self.calls_returned += 1
+
+    async def run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[StepResult], list[Any]]:
+        await trio.lowlevel.checkpoint()
+        self.batches.append(([r.slot for r in reqs], [(p.slot, len(p.tokens)) for p in parts]))
+        return [(r.token + 1,) for r in reqs], [outcome.Value((7, None)) for _ in parts]
+
+
+async def no_wait() -> None:
+    return None

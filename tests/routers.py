@@ -1,4 +1,4 @@
-"""vllm-router, the real binary, as a subprocess of a test (tests/test_router_*.py)."""
+"""vllm-router, the real binary, as a subprocess of a test (tests/system/test_router_*.py)."""
 
 from __future__ import annotations
 

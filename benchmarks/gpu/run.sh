@@ -11,7 +11,7 @@
 #      CUDA_ARCH for another GPU) or Vulkan, and with --with-llama-server llama-server from the
 #      same build tree (one ggml compile for both);
 #   3. the engine (this checkout, --no-deps);
-#   4. python -m pytest -q -m gpu tests/test_gpu.py  -> OUTDIR/gpu-tests.xml, gpu-tests.log;
+#   4. python -m pytest -q -m gpu tests/system/test_gpu.py  -> OUTDIR/gpu-tests.xml, gpu-tests.log;
 #   5. benchmarks/gpu/figures.py                     -> OUTDIR/figures.json.
 # Every stage has a timeout within the overall budget (GPU_CHECK_BUDGET_S, default 530 s;
 # BUILD_LIMIT_S, default 360, and TESTS_LIMIT_S, default 180, for the two long stages);
@@ -230,6 +230,19 @@ build_llama() {
   out=$(unpack_sdist) || { echo "$out"; return 1; }
   echo "$out"
   root=$(head -n 1 <<<"$out")
+  # A kept build folder made from another source folder (a pip temp copy of an earlier run):
+  # CMake refuses such a cache ("does not match the source"), and an ExternalProject's own
+  # cache (Vulkan's shader generator) is not redone by the top-level reconfigure. Drop each
+  # stale cache's folder: the top one means the whole build folder, a sub-project its prefix.
+  local cache home dir
+  while IFS= read -r cache; do
+    home=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$cache")
+    [[ -z $home || $home == "$root"* ]] && continue
+    dir=$(dirname "$cache")
+    [[ $dir == "$BUILD_DIR" ]] || dir=${dir%%-prefix/*}-prefix
+    echo "stale CMake cache ($cache made from $home): removing $dir"
+    rm -rf "$dir"
+  done < <(find "$BUILD_DIR" -name CMakeCache.txt 2>/dev/null)
   python -m pip wheel -v --no-deps --no-build-isolation --no-index --disable-pip-version-check \
     -C build-dir="$BUILD_DIR" -w "$WORK/wheel" "$root" &&
   python -m pip install --no-deps --no-index --disable-pip-version-check "$WORK"/wheel/llama_cpp_python-*.whl
@@ -260,7 +273,7 @@ stage offload 60 check_offload
 cat "$OUTDIR/logs/offload.log"
 
 cd "$REPO" || exit 1
-stage gpu-tests "$TESTS_LIMIT_S" python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rA \
+stage gpu-tests "$TESTS_LIMIT_S" python -m pytest -q -m gpu tests/system/test_gpu.py -p no:cacheprovider -rA \
   --junitxml="$OUTDIR/gpu-tests.xml" -o junit_family=xunit2
 TESTS_RC=$?
 cp "$OUTDIR/logs/gpu-tests.log" "$OUTDIR/gpu-tests.log" 2>/dev/null

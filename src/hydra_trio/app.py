@@ -26,10 +26,9 @@ from .handoff.exports import ExportStore
 from .handoff.shm import ShmArea
 from .http.server import serve_http
 from .model.catalog import Catalog, read_catalog
-from .modelpool import ModelPool
 from .observability import log_stats, open_kv_events
 from .rpc.listener import open_rpc_listeners, serve_rpc
-from .serving import AppState, Endpoints
+from .serving import AppState, Endpoints, ModelPool
 
 log = logging.getLogger("hydra_trio")
 

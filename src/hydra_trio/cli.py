@@ -120,6 +120,8 @@ def _kv_pair(text: str) -> tuple[str, object]:
 def cmd_make_model(args: argparse.Namespace) -> int:
     if args.lora is not None:
         return _make_lora_adapter(args)
+    if args.preset == "vision":
+        return _make_vision_model(args)
     from .model.synthetic import write_model
 
     try:
@@ -138,6 +140,15 @@ def cmd_make_model(args: argparse.Namespace) -> int:
         print(f"make-model: {exc}", file=sys.stderr)
         return 2
     print(path)
+    return 0
+
+
+def _make_vision_model(args: argparse.Namespace) -> int:
+    from .model.synthetic_vision import write_vision_model
+
+    model, proj = write_vision_model(args.out, seed=args.seed)
+    print(model)
+    print(proj)
     return 0
 
 
@@ -262,10 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "make-model",
         help="write a synthetic GGUF (random weights; mamba: a recurrent model; hybrid: lfm2; embed: mean pooling; "
-        "rerank: a rank head; fim: fill-in-the-middle tokens; bert: an encoder; --lora BASE: a LoRA adapter for BASE)",
+        "rerank: a rank head; fim: fill-in-the-middle tokens; bert: an encoder; vision: tiny's text model and its "
+        "projector OUT.mmproj.gguf; --lora BASE: a LoRA adapter for BASE)",
     )
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid", "embed", "rerank", "fim", "bert"], default="tiny")
+    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid", "embed", "rerank", "fim", "bert", "vision"],
+                   default="tiny")
     p.add_argument("--pooling", choices=["none", "mean", "cls", "last", "rank"], default=None,
                    help="the model's own pooling type (an embedding model of another preset's size; rank needs --preset rerank)")
     p.add_argument("--seed", type=int, default=0)

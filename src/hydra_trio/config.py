@@ -25,7 +25,7 @@ _GiB = 1024 * _MiB
 class Settings:
     model: str | None = None  # None: the synthetic demo model from the user cache
     alias: str | None = None
-    # Many models (modelpool.py; docs/operations.md "Many models"): named_models has no flag of its own.
+    # Many models (serving/model_pool.py; docs/operations.md "Many models"): named_models has no flag of its own.
     named_models: tuple[str, ...] = ()
     models_dir: str | None = None
     models_max: int = 4
@@ -40,6 +40,12 @@ class Settings:
     lora: tuple[str, ...] = ()
     lora_scaled: tuple[str, ...] = ()
     lora_init_without_apply: bool = False  # every default scale 0 until POST /lora-adapters
+    # Image input (llama-server's --mmproj): the vision projector GGUF loaded through mtmd beside
+    # the model; --media-path: the one folder file:// image URLs may read (none: refused);
+    # --media-url-prefix: http(s) image URLs fetched only under these prefixes (none: refused).
+    mmproj: str | None = None
+    media_path: str | None = None
+    media_url_prefix: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8080  # HTTP; 0 = ephemeral
     rpc_port: int = 9504  # binary RPC; 0 = ephemeral
@@ -272,7 +278,7 @@ def parse_networks(value: str, name: str) -> tuple[IPNetwork, ...]:
 
 
 # flag name -> (env var, help). The env var is read when the flag is not given.
-# The tool-call families: engine/chat/formats.py FORMATS, in its order (tests/test_architecture.py
+# The tool-call families: engine/chat/formats.py FORMATS, in its order (tests/repo/test_architecture.py
 # holds the two equal; this module is below engine/ and cannot import it).
 TOOL_CALL_PARSERS = (
     "auto", "hermes", "llama3", "mistral", "granite", "nemotron", "apriel", "firefunction", "functionary", "gigachat3", "gigachat3_1", "generic", "qwen3_coder", "seed_oss", "glm", "kimi_k2", "deepseek",
@@ -289,6 +295,9 @@ _HELP: dict[str, str] = {
     "alias": "model alias reported in identity (default: the file stem)",
     "lora": "LoRA adapter [NAME=]PATH, applied at scale 1 to requests without a \"lora\" list (repeat or comma-separate; llama-server's --lora); a request's \"model\" NAME selects it alone (vLLM's), NAME defaulting to the file stem",
     "lora_scaled": "LoRA adapter [NAME=]PATH:SCALE, as --lora with that default scale (llama-server's --lora-scaled); ids follow the --lora ones",
+    "mmproj": "a vision projector GGUF for the model (llama-server's --mmproj), loaded through llama.cpp's mtmd: chat image parts (OpenAI image_url, Anthropic image, Responses input_image) become image positions of the prompt; without it, image parts are refused (400)",
+    "media_path": "the folder whose files file:// image URLs may name (llama-server's --media-path); unset: file:// URLs are refused (400)",
+    "media_url_prefix": "http(s) image URLs the server fetches, by prefix (repeat or comma-separate; e.g. https://images.example.com/); unset: http(s) image URLs are refused (400), only data: URIs are read",
     "lora_init_without_apply": "load the LoRA adapters with every default scale 0 (llama-server's --lora-init-without-apply): requests choose them, or POST /lora-adapters sets the scales",
     "host": "address to bind HTTP and RPC",
     "port": "HTTP port (0 = ephemeral)",
@@ -641,6 +650,12 @@ def validate(s: Settings) -> None:
     if s.chat_template and s.chat_template_file:
         problems.append("give chat_template or chat_template_file, not both")
     adapter_specs(s.lora, s.lora_scaled)  # a malformed or missing adapter stops startup here, named
+    if s.mmproj is not None and not os.path.isfile(s.mmproj):
+        problems.append(f"mmproj {s.mmproj!r}: no such file")
+    if s.media_path is not None and not os.path.isdir(s.media_path):
+        problems.append(f"media_path {s.media_path!r}: no such folder")
+    problems.extend(f"media_url_prefix {p!r} must start with http:// or https://" for p in s.media_url_prefix
+                    if not p.startswith(("http://", "https://")))
     if problems:
         raise SystemExit("invalid settings: " + "; ".join(problems))
     # An unreadable key file or a bad CIDR stops startup here, with its reason.

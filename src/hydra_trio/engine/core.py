@@ -25,7 +25,7 @@ import trio
 from ..config import CACHE_TYPES, Settings
 from ..model.identity import ModelIdentity
 from ..model.lora import adapter_specs
-from ..wire.errors import ErrorCode, ProtocolError
+from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvevents import Event
 from .adapters import LoraAdapters
 from .chat import resolve_chat_template
@@ -43,8 +43,10 @@ from .llama import (
     NoKvSpace,
     OffloadSettings,
     PrefillPart,
+    Span,
     StepRequest,
     kv_layout,
+    media_spans,
 )
 from .modelfile import read_model_identity
 from .output import GenerationResult, OutputProcessor
@@ -162,6 +164,7 @@ class EngineCore:
                 swa_full=settings.swa_full,
                 ctx_checkpoints=settings.ctx_checkpoints,
                 lora_paths=adapters.paths,
+                mmproj=settings.mmproj,
             )
         )
         try:
@@ -377,16 +380,30 @@ class EngineCore:
         ``--batch-size`` chunks, each one cancellable GPU-worker call (the abort flag stops a
         running chunk). Returns the token sampled from the last position (with ``sampler``)
         and its logits (with ``want_logits``)."""
-        # Stops for the context checkpoints of a sliding-window or recurrent model (llama/checkpoints.py).
+        spans = self._image_spans(tokens)
+        # Stops for the context checkpoints of a sliding-window or recurrent model (llama/checkpoints.py);
+        # never inside an image (its positions are evaluated in one call).
         for cut in self.backend.checkpoints.cuts(len(tokens), n_keep):
+            if any(s.start < cut < s.end for s in spans):
+                continue
             await self._evaluate(slot, tokens[:cut], n_keep, sampler=None, want_logits=False)
             await self.worker.call(lambda: self.backend.take_checkpoint(slot))
             n_keep = cut
         return await self._evaluate(slot, tokens, n_keep, sampler=sampler, want_logits=want_logits)
 
+    def _image_spans(self, tokens: Sequence[int]) -> list[Span]:
+        """The image spans of a prompt (none without a projector, or in a text prompt)."""
+        projector = self.backend.projector
+        if projector is None or min(tokens, default=0) >= 0:
+            return []
+        return media_spans(tokens)
+
     async def _evaluate(
         self, slot: int, tokens: Sequence[int], n_keep: int, *, sampler: Sampler | None, want_logits: bool
     ) -> tuple[int | None, bytes | None]:
+        spans = [s for s in self._image_spans(tokens) if s.end > n_keep]
+        if spans:
+            return await self._evaluate_images(slot, tokens, n_keep, spans, sampler=sampler, want_logits=want_logits)
         backend = self.backend
         rest = list(tokens[n_keep:])
         if not rest:
@@ -436,6 +453,39 @@ class EngineCore:
                 ),
             ) from None
         return result
+
+    async def _evaluate_images(
+        self, slot: int, tokens: Sequence[int], n_keep: int, spans: Sequence[Span], *, sampler: Sampler | None, want_logits: bool
+    ) -> tuple[int | None, bytes | None]:
+        """A prompt with images: its text runs as any prompt's (chunks, or the step batches),
+        each image in a GPU-worker call of its own (mtmd encodes it and decodes its
+        embeddings), in order. A slot that holds part of an image continues from its start."""
+        if spans[0].start < n_keep:
+            n_keep = spans[0].start
+        if spans[-1].end >= len(tokens):
+            raise ProtocolError(ErrorCode.BAD_JSON, "a prompt cannot end with an image: its last position must be text",
+                                status=Status.BAD_REQUEST)
+        backend = self.backend
+        at = n_keep
+        for span in spans:
+            if at < span.start:  # the text before it
+                await self._evaluate(slot, tokens[: span.start], at, sampler=None, want_logits=False)
+            await self.scheduler.make_room(span.end - backend.n_past(slot), exclude=slot)
+
+            def call(_abort: threading.Event, keep: int = span.start, ids: Sequence[int] = tokens[span.start : span.end]) -> int:
+                if backend.truncate_slot(slot, keep) != keep:
+                    raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not be cut back to {keep} positions")
+                return backend.eval_image(slot, ids)
+
+            try:
+                self._chunk_prompt_tokens += await self.worker.run(call)
+            except NoKvSpace:
+                raise ProtocolError(ErrorCode.INTERNAL, f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}") from None
+            except KeyError:
+                raise ProtocolError(ErrorCode.SLOT_BUSY, "an image of this prompt was dropped before its turn (too many images "
+                                    "waiting at once); send it again") from None
+            at = span.end
+        return await self._evaluate(slot, tokens, at, sampler=sampler, want_logits=want_logits)
 
     async def first_token(
         self,

@@ -199,6 +199,7 @@ class Engine:
         n_logprobs = check_request(route, layers)
         params = await inputs.generation_params_off_loop(layers)
         params = core.adapters.choose(params, layers, route, core.identity)  # its LoRA adapter set
+        layers, images = await inputs.read_images(layers)  # image parts: placeholders in the text
         plan = await inputs.plan(layers, params)
         await inputs.compile_grammar(plan.grammar)
         params = replace(
@@ -211,7 +212,12 @@ class Engine:
         )
         tokens: list[int] | None = None
         if tokenize:
-            tokens = await inputs.tokenize_text(plan.prompt) if plan.prompt is not None else await inputs.prompt_tokens(layers.get("prompt"))
+            if images and plan.prompt is not None:
+                tokens = await inputs.tokenize_with_images(plan.prompt, images)
+            else:
+                tokens = await inputs.tokenize_text(plan.prompt) if plan.prompt is not None else await inputs.prompt_tokens(layers.get("prompt"))
+        elif images:
+            raise bad_param("images are served on the HTTP chat routes, not in a DECODE's prompt")
         return Prepared(params, plan.prompt, tokens, plan.replies)
 
     async def render(self, body: dict[str, Any]) -> str:

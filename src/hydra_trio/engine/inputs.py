@@ -17,7 +17,8 @@ from ..config import Settings
 from ..wire import sampling as sampling_keys
 from ..wire.errors import ErrorCode, PromptTooLong, ProtocolError, Status, bad_param
 from .chat import Chat, ChatPlan, ChatTemplate
-from .llama import LlamaBackend, apply_builtin_chat_template, kv_layout
+from .llama import ImageError, LlamaBackend, apply_builtin_chat_template, kv_layout
+from .media import has_images, read_images, split_images
 from .params import GenerationParams, parse_generation
 from .slices import tokenize_sliced
 from .structured import GuidanceCache, OutputGrammar, ThinkPlan
@@ -163,11 +164,42 @@ class Inputs:
         return await self._chat().render(request)
 
     async def tokenize_request(self, request: dict[str, Any]) -> list[int]:
-        """A request's prompt tokens: ``messages`` through the chat template, or its
-        ``prompt`` (text, token ids, or a one-element batch of either)."""
+        """A request's prompt tokens: ``messages`` through the chat template (its images'
+        positions included), or its ``prompt`` (text, token ids, or a one-element batch of
+        either)."""
         if "prompt" in request and "messages" not in request:
             return await self.prompt_tokens(request["prompt"])
-        return await self.tokenize_text(await self.render_prompt(request))
+        request, images = await self.read_images(request)
+        prompt = await self.render_prompt(request)
+        return await self.tokenize_with_images(prompt, images) if images else await self.tokenize_text(prompt)
+
+    async def read_images(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+        """A chat request's images read (engine/media.py), each part a placeholder in its
+        text; refused (400) when the model has no projector (--mmproj)."""
+        if not has_images(request):
+            return request, []
+        if self._backend().projector is None:
+            raise bad_param("image input is not supported: this model is served without a vision projector (--mmproj)")
+        return await read_images(request, self._settings)
+
+    async def tokenize_with_images(self, prompt: str, images: list[bytes]) -> list[int]:
+        """Rendered prompt text with image placeholders -> its tokens, each image its
+        positions (engine/llama/vision.py), on the GPU worker; refuses images that do not
+        decode and prompts that cannot fit."""
+        backend = self._backend()
+        projector = backend.projector
+        if projector is None:  # a T3 reload between reading and tokenizing
+            raise bad_param("image input is not supported: this model is served without a vision projector (--mmproj)")
+        self.check_text_fits(prompt)
+        text, ordered = split_images(prompt, images, projector.marker)
+        try:
+            tokens, _ = await self._worker.call(lambda: projector.tokenize(text, ordered))
+        except ImageError as exc:
+            raise bad_param(str(exc)) from None
+        except UnicodeEncodeError:
+            raise bad_param("text holds a lone surrogate (U+D800..U+DFFF): not valid Unicode") from None
+        self.check_prompt_fits(len(tokens))
+        return tokens
 
     async def prompt_tokens(self, prompt: Any) -> list[int]:
         """``prompt`` as a string, a token array, or a one-element array of either (OpenAI's

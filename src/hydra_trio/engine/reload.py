@@ -71,6 +71,8 @@ async def _apply(core: Reloadable, changes: dict[str, Any], t0: float) -> None:
                 swa_full=old.swa_full,
                 ctx_checkpoints=old.ctx_checkpoints,
                 lora_paths=old.lora_paths,  # the adapters go with the model (one that does not fit fails the reload)
+                # The projector too: a new model of another width fails the reload, named.
+                mmproj=old.projector.path if old.projector is not None else None,
             )
             if core.settings.warmup:  # a kernel that faults on the new model faults here
                 new.warmup()

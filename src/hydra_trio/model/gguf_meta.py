@@ -6,7 +6,7 @@ so a Qwen-sized vocabulary (152k tokens + 150k merges + scores + types) takes ~8
 first key can be read. This module walks that section itself (memory-mapped, with the
 ``gguf`` package's type codes and enums): scalar arrays are skipped in O(1), string arrays
 with one length read per element, and tensor data is never touched.
-``tests/test_identity.py`` cross-checks the parsed values against ``GGUFReader``.
+``tests/model/test_identity.py`` cross-checks the parsed values against ``GGUFReader``.
 """
 
 from __future__ import annotations

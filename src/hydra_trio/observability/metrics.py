@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,7 +16,32 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ..engine import Engine, EngineStats, GenerationResult
-    from ..modelpool import ModelPool
+
+class ModelRecord(Protocol):
+    """What the metrics read of one model of a process (``serving.ModelEntry``): a protocol,
+    so this layer, which ``serving/`` imports, does not import the pool back."""
+
+    name: str
+    engine: Engine | None
+    state: str
+    users: int
+    loads: int
+    wakes: int
+    sleeps: int
+    evictions: int
+    last_load_s: float | None
+    last_wake_s: float | None
+
+
+class ModelsView(Protocol):
+    """The models of a process as the metrics read them (``serving.ModelPool``)."""
+
+    strict: bool  # several models by name: rows are labelled model_name
+
+    def entries(self) -> Sequence[ModelRecord]: ...
+
+    def loaded(self) -> Iterable[tuple[ModelRecord, Engine]]: ...
+
 
 # Base units (seconds), the old millisecond buckets' bounds.
 _S_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -88,7 +113,7 @@ class Metrics:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""
         Gauge(name, doc, registry=self.registry).set_function(read)
 
-    def watch_models(self, pool: ModelPool, rpc_engine: Engine, running_decodes: Callable[[], int], block_size: int = 16) -> None:
+    def watch_models(self, pool: ModelsView, rpc_engine: Engine, running_decodes: Callable[[], int], block_size: int = 16) -> None:
         """Gauges read from the engines (and the decode requests) at scrape time: every
         model's, labelled ``model_name`` when the process serves several (vLLM's label), its
         state and what its loads cost; ``block_size``: the KV block vllm:cache_config_info
@@ -241,7 +266,7 @@ class ModelPoolCollector(Collector):
     """Several models: each one's state (1 for the state it is in), what its loads and
     wakes cost, how often it was evicted or put to sleep, and the requests holding it."""
 
-    def __init__(self, pool: ModelPool) -> None:
+    def __init__(self, pool: ModelsView) -> None:
         self.pool = pool
 
     def collect(self) -> Iterator[Metric]:

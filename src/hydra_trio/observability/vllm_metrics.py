@@ -22,7 +22,7 @@ Prometheus docs reserve it for recording rules, and vLLM uses it anyway), so the
 ordinary metric families, rendered as vLLM renders them (counters with ``_total``), with
 vLLM's labels: ``engine="0"`` (one engine per process: vllm-router counts distinct
 ``engine`` labels to size data parallelism) and ``model_name`` (a sample per model when the
-process serves several: modelpool.py). Every value is read from the engines at scrape time.
+process serves several: serving/model_pool.py). Every value is read from the engines at scrape time.
 """
 
 from __future__ import annotations

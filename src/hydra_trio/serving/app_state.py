@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from ..decode.manager import DecodeManager
     from ..engine import Engine
     from ..handoff.exports import ExportStore
-    from ..modelpool import ModelPool
     from ..observability import KvEventPublisher
+    from .model_pool import ModelPool
 
 log = logging.getLogger("hydra_trio")
 
@@ -40,7 +40,7 @@ class AppState:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
     engine: Engine | None = None  # set once the model is loaded (several: the RPC model's)
-    models: ModelPool | None = None  # every model by name (one, or several: modelpool.py)
+    models: ModelPool | None = None  # every model by name (one, or several: serving/model_pool.py)
     decodes: DecodeManager | None = None  # set once the decode manager runs
     # Payload bytes held by RPC requests and HTTP state uploads together (--max-inflight-bytes).
     payload_budget: ByteBudget = field(init=False)

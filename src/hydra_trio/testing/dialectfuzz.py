@@ -14,7 +14,7 @@ with a 4xx or the documented 503; never another 5xx. A stream must end with its 
 past what llguidance reads is relaxed, or a 400 with strict; no 5xx is exempt.)
 
 ``python -m benchmarks.dialect_fuzz --cases 20000`` runs it against its own engine process;
-tests/test_dialect_fuzz.py runs a bounded, derandomized number of cases in-process."""
+tests/http/test_dialect_fuzz.py runs a bounded, derandomized number of cases in-process."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Live RPC fuzz campaign: malformed and mutated requests on persistent connections, every
 reply read (spec §1 rules 1-4, §4).
 
-Unlike tests/test_rpc_fuzz.py (one request per connection, then a half-close), the
+Unlike tests/rpc/test_rpc_fuzz.py (one request per connection, then a half-close), the
 connection stays open: a PREFILL or DECODE that passes the prechecks runs for real, a DECODE
 that is accepted generates and is then read or DELETEd over HTTP, and the next request on the
 same connection shows whether the stream stayed in step.

@@ -1,6 +1,6 @@
 """Writing the corpus: captures scrubbed of machine-specific values, large repeated values
 (tool lists, system prompts, long messages) stored once under ``shared/`` by content hash, and
-``index.json`` describing every file. The replay (tests/test_client_corpus.py) reads it back.
+``index.json`` describing every file. The replay (tests/system/test_client_corpus.py) reads it back.
 
 Layout under the corpus folder (tests/corpus):
 - ``captures/<client>/<scenario>.json``: ``{"client", "versions", "scenario", "note"?,

@@ -5,7 +5,7 @@ log; chat.py its built-in chat templates; devices.py the ggml devices, offload a
 chain.py a request's llama.cpp sampler chain; context.py the model and its context (decode, steps, tokens); embedding.py a second
 context for pooled embeddings and rank scores; steps.py the batched
 steps; kv_state.py a slot's KV state out and in; checkpoints.py context checkpoints; seqstate.py
-that state's layout, read without llama.cpp."""
+that state's layout, read without llama.cpp; vision.py image input through mtmd (--mmproj)."""
 
 from .chain import LlamaChain
 from .chat import apply_builtin_chat_template
@@ -17,10 +17,12 @@ from .seqstate import cache_layout_mismatch
 from .types import (
     ChainSettings,
     Drafter,
+    ImageError,
     LoraSet,
     ModelInfo,
     PrefillPart,
     SlotWatcher,
+    Span,
     StepPlanner,
     StepRequest,
     StepResult,
@@ -28,6 +30,9 @@ from .types import (
     TokenSampler,
     Vocabulary,
     common_prefix_len,
+    image_ids,
+    is_image_start,
+    media_spans,
 )
 
 __all__ = [
@@ -35,6 +40,7 @@ __all__ = [
     "ChainSettings",
     "DecodeAborted",
     "Drafter",
+    "ImageError",
     "LlamaBackend",
     "LlamaChain",
     "LoraSet",
@@ -45,6 +51,7 @@ __all__ = [
     "PrefillPart",
     "SlotWatcher",
     "Snapshot",
+    "Span",
     "StepPlanner",
     "StepRequest",
     "StepResult",
@@ -54,6 +61,9 @@ __all__ = [
     "apply_builtin_chat_template",
     "cache_layout_mismatch",
     "common_prefix_len",
+    "image_ids",
+    "is_image_start",
     "kv_layout",
+    "media_spans",
     "normalize",
 ]

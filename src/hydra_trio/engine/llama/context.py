@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import llama_cpp
 import numpy as np
@@ -49,6 +50,9 @@ from .types import (
     common_prefix_len,
 )
 
+if TYPE_CHECKING:
+    from .vision import Projector
+
 log = logging.getLogger(__name__)
 
 
@@ -79,6 +83,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         swa_full: bool = False,
         ctx_checkpoints: int = 8,
         lora_paths: Sequence[str] = (),
+        mmproj: str | None = None,
     ) -> None:
         init_llama()
         heap_for_buffers()  # before any buffer of the model or context is allocated
@@ -164,6 +169,17 @@ class LlamaBackend(SlotStates, BatchSteps):
         self.offload: OffloadReport | None = None
         self.context_params_applied: dict[str, object] = {}
         self._build_context(n_ctx, n_threads)
+        # Image input (--mmproj): mtmd's projector on this model (vision.py); None: text only.
+        self.projector: Projector | None = None
+        if mmproj is not None:
+            from .vision import Projector  # libmtmd is opened by those who serve images only
+
+            try:
+                self.projector = Projector(self._model, mmproj, n_threads=n_threads,
+                                           use_gpu=self.gpu_offload_supported and mparams.n_gpu_layers != 0)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -335,6 +351,9 @@ class LlamaBackend(SlotStates, BatchSteps):
 
     def close(self) -> None:
         self._free_retired()
+        if getattr(self, "projector", None) is not None:
+            self.projector.close()
+            self.projector = None
         if self._embedding is not None:
             self._embedding.close()
             self._embedding = None
@@ -568,6 +587,41 @@ class LlamaBackend(SlotStates, BatchSteps):
             token = self._sample(sampler, -1)
         self._advanced(slot, logits)  # after the logits are read: nothing may come between
         return token, logits
+
+    def eval_image(self, slot: int, ids: Sequence[int]) -> int:
+        """Append the image whose positions' ids are ``ids`` (vision.py) to the slot's KV, all
+        its positions in one call (mtmd encodes it, then decodes its embeddings in n_batch
+        batches); returns the positions it took. No logits: a prompt's last position is
+        always text."""
+        projector = self.projector
+        if projector is None:
+            raise RuntimeError("an image position, but no projector is loaded")
+        self._free_retired()
+        start = len(self.seq_tokens[slot])
+        n = len(ids)
+        if start + n > self.n_ctx_slot:
+            raise NoKvSpace
+        if self._adapters:
+            self._use_lora([(slot, 0, start, False)])
+        t0 = time.perf_counter()
+        try:
+            taken = projector.eval_image(self._ctx, ids, start, slot, self.n_batch)
+        except BaseException:
+            self._drop_after(slot, start)
+            raise
+        finally:
+            self.decode_s += time.perf_counter() - t0
+        if taken != n:
+            self._drop_after(slot, start)
+            raise RuntimeError(f"an image took {taken} positions, {n} expected")
+        self.seq_tokens[slot].extend(ids)
+        self._advanced(slot)
+        return n
+
+    def _drop_after(self, slot: int, n_keep: int) -> None:
+        # An image that failed part-way: its positions are in the KV, not in seq_tokens.
+        llama_cpp.llama_memory_seq_rm(self._mem, slot, n_keep, -1)
+        self._resync(slot)
 
     def _sample(self, sampler: TokenSampler, idx: int, row: np.ndarray | None = None) -> int:
         """The token ``sampler`` picks from the last decode's output ``idx`` (``row``: those

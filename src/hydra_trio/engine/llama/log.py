@@ -69,3 +69,18 @@ def captured(fn: Callable[[], T]) -> tuple[T, list[str]]:
     finally:
         _log_capture = None
 
+
+
+_mtmd_routed = False
+
+
+def route_mtmd_log() -> None:
+    """mtmd's log (the projector's loader and encoder) into the same logger as llama.cpp's;
+    called when a projector is loaded, so libmtmd is only opened by those who use it."""
+    global _mtmd_routed
+    with _init_lock:
+        if not _mtmd_routed:
+            from llama_cpp import mtmd_cpp
+
+            mtmd_cpp.mtmd_helper_log_set(_route_llama_log, ctypes.c_void_p(0))
+            _mtmd_routed = True

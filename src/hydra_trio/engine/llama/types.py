@@ -6,6 +6,7 @@ a llama.cpp sampler chain is built from)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -197,3 +198,53 @@ class PrefillPart:
     keep: int | None = None  # the first part of a prompt: truncate the slot first
     sampler: TokenSampler | None = None  # the last part: sample the next token from its last position
     want_logits: bool = False  # the last part: also return that position's logits
+
+
+class ImageError(ValueError):
+    """An image the projector cannot take (undecodable bytes, a marker count that does not
+    match): the request's fault, a 400."""
+
+
+def image_ids(digest_hex: str, n_positions: int) -> tuple[int, ...]:
+    """An image's ids in token lists, one a position: negative (-1 - v, v < 2**31), v's upper
+    30 bits from BLAKE2b of the image's SHA-256 and the position, its lowest bit set on the
+    first position alone (where the image starts)."""
+    ids = []
+    for k in range(n_positions):
+        h = int.from_bytes(hashlib.blake2b(f"{digest_hex}:{k}".encode(), digest_size=4).digest(), "big") >> 2
+        ids.append(-1 - (h << 1 | (k == 0)))
+    return tuple(ids)
+
+
+def is_image_start(token: int) -> bool:
+    """Whether ``token`` is the first position of an image (``image_ids``)."""
+    return token < 0 and (-1 - token) & 1 == 1
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """An image's positions in a token list: [start, end)."""
+
+    start: int
+    end: int
+
+
+def media_spans(tokens: Sequence[int]) -> list[Span]:
+    """The image spans of a token list, in order (vision.py's ids: negative, the first of
+    an image marked by its lowest bit). A span ends at the next text token or the next
+    image's first position; a list cut inside an image (a slot's history) holds its part.
+    ValueError: an image position with no start before it."""
+    spans: list[Span] = []
+    i, n = 0, len(tokens)
+    while i < n:
+        if tokens[i] >= 0:
+            i += 1
+            continue
+        if not is_image_start(tokens[i]):
+            raise ValueError(f"position {i}: an image position with no image start before it")
+        end = i + 1
+        while end < n and tokens[end] < 0 and not is_image_start(tokens[end]):
+            end += 1
+        spans.append(Span(i, end))
+        i = end
+    return spans

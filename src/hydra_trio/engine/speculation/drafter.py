@@ -221,6 +221,9 @@ class Speculation:
                 recalled = memory.draft([*history[len(history) - memory.n + 1 :], token], n)
                 if recalled:
                     draft, bucket = recalled, MEMORY_KIND
+        # An image's positions (negative ids, engine/llama/vision.py) are never a token to draft.
+        if min(draft, default=0) < 0:
+            draft = draft[: next(i for i, t in enumerate(draft) if t < 0)]
         if not draft:
             return [], 0.0
         self._bucket = bucket

@@ -88,6 +88,17 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
+def _image_part(source: Any, where: str) -> dict[str, Any]:
+    """An image block's source as OpenAI's ``image_url`` part: base64 data as a data: URI,
+    a URL as it is (the engine decides which URLs it reads)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        return {"type": "image_url", "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise bad(f"{where}.source must be {{type: base64, media_type, data}} or {{type: url, url}}")
+
+
 def _messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty array")
@@ -106,6 +117,7 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(content, list):
             raise bad(f"{where}.content must be a string or an array of content blocks")
         texts: list[str] = []
+        parts: list[dict[str, Any]] = []  # texts and images in order, when a user turn has images
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []
         thinking: list[str] = []
@@ -113,7 +125,10 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
             at = f"{where}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
+                parts.append({"type": "text", "text": ("\n" if texts else "") + block["text"]})
                 texts.append(block["text"])
+            elif kind == "image" and role == "user":
+                parts.append(_image_part(block.get("source"), at))
             elif kind in ("image", "document", "search_result"):
                 raise bad(f"{at}: {kind} blocks are not supported (this server has no multimodal model)")
             elif kind == "tool_use" and role == "assistant":
@@ -136,7 +151,9 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
                 raise bad(f"{at}: a {kind!r} block is not supported in a {role} message")
         if role == "user":
             out.extend(results)  # the results answer the calls just before; the text follows
-            if texts or not results:
+            if len(parts) > len(texts):  # images: the parts in order (engine/media.py reads them)
+                out.append({"role": "user", "content": parts})
+            elif texts or not results:
                 out.append({"role": "user", "content": "\n".join(texts)})
         else:
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}

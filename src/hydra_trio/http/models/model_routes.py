@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import Blueprint, Response
 
-from ...modelpool import ModelBusy, ModelEntry, ModelError, ModelLoadFailed, ModelPool, ModelRefused
+from ...serving import ModelBusy, ModelEntry, ModelError, ModelLoadFailed, ModelPool, ModelRefused
 from ...wire.errors import bad_param
 from ..plumbing import (
     SMALL_BODY_BYTES,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ...modelpool import ModelBusy, ModelPool
+from ...serving import ModelBusy, ModelPool
 from ...wire.errors import bad_param
 from .common import (
     HttpError,

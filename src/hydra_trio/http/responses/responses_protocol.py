@@ -40,22 +40,37 @@ def bad(message: str, param: str | None = None) -> HttpError:
 
 
 def _content_text(content: Any, where: str) -> str:
+    text = _content(content, where, images=False)
+    assert isinstance(text, str)
+    return text
+
+
+def _content(content: Any, where: str, *, images: bool) -> str | list[dict[str, Any]]:
+    """A message's content as text, or (``images``: a user's, with input_image parts) as
+    OpenAI's text and ``image_url`` parts in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or an array of content parts")
-    parts = []
+    parts: list[str] = []
+    ordered: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text") and isinstance(part.get("text"), str):
             parts.append(part["text"])
+            ordered.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and images:
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise bad(f"{where}.content[{j}]: input_image needs image_url (a data: URI or URL; file_id needs stored files)", "input")
+            ordered.append({"type": "image_url", "image_url": {"url": url}})
         elif kind in ("input_image", "input_file", "input_audio"):
             raise bad(f"{where}.content[{j}]: {kind} is not supported (this server has no multimodal model)")
         elif kind == "refusal":
             parts.append(str(part.get("refusal") or ""))
         else:
             raise bad(f"{where}.content[{j}]: content part {kind!r} is not supported")
-    return "".join(parts)
+    return ordered if len(ordered) > len(parts) else "".join(parts)
 
 
 def _input(raw: Any) -> list[dict[str, Any]]:
@@ -86,12 +101,12 @@ def _input(raw: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad(f"{where}.role must be user, assistant, system or developer", "input")
-            text = _content_text(item.get("content"), where)
             if role == "assistant":
                 msg = assistant()
-                msg["content"] += text
+                msg["content"] += _content_text(item.get("content"), where)
             else:  # a developer message is the system prompt's voice to templates
-                out.append({"role": "system" if role == "developer" else role, "content": text})
+                content = _content(item.get("content"), where, images=role == "user")
+                out.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise bad(f"{where}: function_call needs name and call_id", "input")

@@ -33,7 +33,7 @@ benchmarks/results/hostile.json (``--short``: hostile-short.json).
 
 The parts: config (Config, SHORT, the ledger), rawhttp, httpfuzz, campaign and shapes (the
 actors), streams (the reader process), report, run (``campaign``, ``main``). Timing goals live here,
-never in tests (tests/test_hostile_short.py asserts correctness only).
+never in tests (tests/system/test_hostile_short.py asserts correctness only).
 """
 
 from .campaign_config import HOSTILE_SCHEMAS, SHORT, Config

@@ -1,0 +1,232 @@
+"""The embedding line (engine/embedder.py) without a model: how inputs are batched into
+calls, the step budget while streams generate, admission, a cancelled request's inputs, and
+llama.cpp's normalisation (engine/llama/embedding.py ``normalize``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from hydra_trio.config import Settings
+from hydra_trio.engine import Embedder
+from hydra_trio.engine.embedder import embeddings_wanted
+from hydra_trio.engine.llama import PooledShape, TokenRoles, normalize
+from hydra_trio.engine.worker import GpuWorker
+from hydra_trio.wire import ProtocolError, Status
+
+
+@dataclass
+class FakeContext:
+    shape: PooledShape
+    calls: list[list[list[int]]] = field(default_factory=list)
+    gate: threading.Event | None = None  # set: calls may run
+    entered: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        self.calls.append([list(x) for x in inputs])
+        # Each vector names its input: its first token, its length.
+        return [np.array([x[0], len(x)], dtype=np.float32) for x in inputs]
+
+
+@dataclass
+class FakeInfo:
+    n_vocab: int = 1000
+    roles: TokenRoles = field(default_factory=lambda: TokenRoles({"bos": 1, "eos": 2}, add_bos=True, add_eos=True))
+    rerank_template: str | None = None
+
+
+class FakeBackend:
+    def __init__(self, ctx: FakeContext) -> None:
+        self.ctx = ctx
+        self.info = FakeInfo()
+
+    def embedding_context(self, pooling: str | None, n_seq_max: int) -> FakeContext:
+        return self.ctx
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        ids = [100 + len(w) for w in text.split()]
+        return [1, *ids, 2] if add_special else ids
+
+
+def make(n_batch: int = 64, n_seq: int = 4, *, streams: bool = False, **settings: Any) -> tuple[Embedder, FakeContext]:
+    ctx = FakeContext(PooledShape("mean", 2, n_batch, n_seq, ()))
+    backend = FakeBackend(ctx)
+    s = replace(Settings(step_token_budget=8, warmup=False), **settings)
+    emb = Embedder(lambda: backend, GpuWorker(), s, pooling=None, streams_running=lambda: streams)  # type: ignore[arg-type, return-value]
+    return emb, ctx
+
+
+async def test_inputs_that_wait_together_share_calls_in_order() -> None:
+    emb, ctx = make(n_batch=64, n_seq=4)
+    await emb.open()
+    ctx.gate = threading.Event()
+    results: dict[int, Any] = {}
+
+    async def one(i: int, inputs: list[list[int]]) -> None:
+        results[i] = await emb.embed(inputs)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(one, 0, [[10, 11]])
+        await trio.to_thread.run_sync(ctx.entered.wait)  # the first call runs, alone
+        n.start_soon(one, 1, [[20], [21, 22, 23]])
+        await trio.testing.wait_all_tasks_blocked()  # in line first
+        n.start_soon(one, 2, [[30], [31], [32]])
+        await trio.testing.wait_all_tasks_blocked()
+        ctx.gate.set()
+    assert ctx.calls[0] == [[10, 11]]
+    # The next call takes the oldest four (the line's order), the last one the rest.
+    assert ctx.calls[1:] == [[[20], [21, 22, 23], [30], [31]], [[32]]]
+    assert [v[0] for v in results[2].vectors] == [30, 31, 32]
+    assert results[1].n_tokens == [1, 3] and results[1].prompt_tokens == 4
+
+
+async def test_a_call_carries_a_step_budget_while_streams_generate() -> None:
+    emb, ctx = make(n_batch=64, n_seq=8, streams=True)  # --step-token-budget 8
+    await emb.open()
+    pooled = await emb.embed([[1] * 5, [2] * 5, [3] * 20, [4] * 3])
+    # 5 + 5 > 8: one input a call, but one always goes (the 20-token one alone).
+    assert [[x[0] for x in call] for call in ctx.calls] == [[1], [2], [3], [4]]
+    assert [int(v[1]) for v in pooled.vectors] == [5, 5, 20, 3]
+    emb2, ctx2 = make(n_batch=64, n_seq=8, streams=False)
+    await emb2.open()
+    await emb2.embed([[1] * 5, [2] * 5, [3] * 20, [4] * 3])
+    assert len(ctx2.calls) == 1  # no streams: the whole batch
+
+
+async def test_the_line_is_bounded_and_a_full_line_is_busy() -> None:
+    emb, ctx = make(n_batch=64, n_seq=2, embd_max_waiting=4)
+    await emb.open()
+    with pytest.raises(ProtocolError) as too_many:
+        await emb.embed([[1]] * 5)
+    assert too_many.value.status == Status.BAD_REQUEST and "at most 4" in too_many.value.message
+    ctx.gate = threading.Event()
+    async with trio.open_nursery() as n:
+        n.start_soon(emb.embed, [[1], [2]])
+        await trio.to_thread.run_sync(ctx.entered.wait)  # 2 taken into the running call
+        n.start_soon(emb.embed, [[3], [4], [5]])
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(ProtocolError) as busy:
+            await emb.embed([[6], [7]])  # 3 waiting + 2 > 4
+        assert busy.value.status == Status.BUSY
+        ctx.gate.set()
+
+
+async def test_refusals_name_the_input() -> None:
+    emb, _ = make(n_batch=8)
+    await emb.open()
+    for inputs, words in (
+        ([[1] * 9], "input 0 has 9 tokens; an input holds at most 8"),
+        (["a", ""], "input 1 is an empty string"),
+        ([[1, 5000]], "array of token ids (0..999)"),
+        ([[1], "a b c d e f g h i j"], "input 1 has 12 tokens"),  # known only once tokenized, in its call
+    ):
+        with pytest.raises(ProtocolError) as err:
+            await emb.embed(inputs)
+        assert words in err.value.message and err.value.param == "input"  # type: ignore[attr-defined]
+    with pytest.raises(ProtocolError) as err:
+        await emb.rerank("q", ["fine", "a b c d e f g"])
+    assert "document 1 has 11 tokens with the query" in err.value.message
+
+
+async def test_a_cancelled_request_leaves_the_line_and_the_others_are_served() -> None:
+    emb, ctx = make(n_batch=64, n_seq=2)
+    await emb.open()
+    ctx.gate = threading.Event()
+    done: list[Any] = []
+
+    async def served() -> None:
+        done.append(await emb.embed([[7], [8]]))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(emb.embed, [[1], [2]])
+        await trio.to_thread.run_sync(ctx.entered.wait)
+        gone = trio.CancelScope()
+
+        async def leaves() -> None:
+            with gone:
+                await emb.embed([[3], [4]])
+
+        n.start_soon(leaves)
+        await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(served)
+        await trio.testing.wait_all_tasks_blocked()
+        gone.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        ctx.gate.set()
+    assert [[x[0] for x in call] for call in ctx.calls] == [[1, 2], [7, 8]]  # [3], [4] never ran
+    assert not emb._line
+
+
+async def test_open_warms_the_context_up_with_one_input() -> None:
+    emb, ctx = make(warmup=True)
+    shape = await emb.open()
+    assert shape.pooling == "mean" and ctx.calls == [[[1]]]  # BOS alone
+
+
+async def test_texts_are_tokenized_in_the_call_that_computes_them() -> None:
+    """One trip to the worker a call: texts are tokenized there (with BOS/EOS), token ids kept;
+    a text that turns out not to fit the call's budget goes back to the line's head, tokenized."""
+    emb, ctx = make(n_batch=8, n_seq=4)
+    await emb.open()
+    calls = emb._worker.calls
+    pooled = await emb.embed(["ab c", [5, 6], "a b c d e"])
+    assert ctx.calls == [[[1, 102, 101, 2], [5, 6]], [[1, 101, 101, 101, 101, 101, 2]]]
+    assert emb._worker.calls - calls == 2 and pooled.n_tokens == [4, 2, 7]
+    # llama-server's pair: [BOS] query [EOS] (no SEP here) document [EOS]
+    rr = await emb.rerank("q", ["dd", "e"])
+    assert ctx.calls[-2:] == [[[1, 101, 2, 102, 2]], [[1, 101, 2, 101, 2]]] and rr.prompt_tokens == 10  # 5 + 5 > 8
+
+
+def test_normalize_is_llama_cpps() -> None:
+    v = np.array([3.0, -4.0, 0.0], dtype=np.float32)
+    assert np.allclose(normalize(v, 2), [0.6, -0.8, 0.0])
+    assert np.allclose(normalize(v, -1), v)
+    assert np.allclose(normalize(v, 0), v * (32760.0 / 4.0))
+    assert np.allclose(normalize(v, 1), v / 7.0)
+    assert np.allclose(normalize(v, 3), v / (27 + 64) ** (1 / 3))
+    assert not normalize(np.zeros(3, dtype=np.float32), 2).any()
+
+
+def test_which_models_get_embeddings() -> None:
+    base = Settings()
+    assert embeddings_wanted(base, None) == (False, None)
+    assert embeddings_wanted(base, "mean") == (True, None)  # an embedding model: by itself
+    assert embeddings_wanted(base, "none") == (False, None)
+    assert embeddings_wanted(replace(base, embeddings=True), None) == (True, None)
+    assert embeddings_wanted(replace(base, embeddings=False), "rank") == (False, None)
+    assert embeddings_wanted(replace(base, pooling="last"), None) == (True, "last")
+    assert embeddings_wanted(replace(base, reranking=True), None) == (True, "rank")
+
+
+async def test_the_wait_is_for_a_turn_not_for_the_work() -> None:
+    """wait_s bounds the wait until a request's first input is in a call (busy: 503); once
+    one is, the request runs to its end however long its calls take."""
+    emb, ctx = make(n_batch=64, n_seq=1)
+    await emb.open()
+    ctx.gate = threading.Event()
+    async with trio.open_nursery() as n:
+        n.start_soon(emb.embed, [[1]])
+        await trio.to_thread.run_sync(ctx.entered.wait)  # [1] runs, held
+        with pytest.raises(ProtocolError) as busy:
+            await emb.embed([[2]], wait_s=0.05)  # its turn never comes in time
+        ctx.gate.set()
+    assert busy.value.status == Status.BUSY and "waited" in busy.value.message
+    assert not emb._line  # [2] left the line
+    ctx.entered.clear()
+    ctx.gate = threading.Event()
+    async with trio.open_nursery() as n:
+        n.start_soon(lambda: emb.embed([[3], [4]], wait_s=0.05))  # two calls: the second well past 0.05 s
+        await trio.to_thread.run_sync(ctx.entered.wait)
+        await trio.sleep(0.2)
+        ctx.gate.set()
+    assert [c[0][0] for c in ctx.calls[-2:]] == [3, 4]

@@ -1,0 +1,90 @@
+"""transport/receive.py: the one exact-length read and reply reader, driven as the blocking client
+drives them (run_blocking, no event loop)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from hydra_trio.transport import (
+    PeerClosed,
+    RecvInto,
+    payload_buffer,
+    read_reply_head,
+    recv_bytes,
+    run_blocking,
+)
+from hydra_trio.wire import ErrorCode, ProtocolError, encode_response
+from hydra_trio.wire.protocol import encode_response_header
+
+
+def _feed(data: bytes, step: int = 3) -> RecvInto:
+    """A recv_into that hands out ``data`` a few bytes at a time, then EOF."""
+    pos = 0
+
+    async def recv_into(view: memoryview, n: int) -> int:
+        nonlocal pos
+        k = min(n, step, len(data) - pos)
+        view[:k] = data[pos : pos + k]
+        pos += k
+        return k
+
+    return recv_into
+
+
+def test_a_reply_read_in_pieces() -> None:
+    recv = _feed(encode_response(0, {"n_past": 3}, 7) + b"payload")
+    head, meta = run_blocking(read_reply_head(recv))
+    assert meta == {"n_past": 3} and head.payload_len == 7
+    assert run_blocking(recv_bytes(recv, head.payload_len)) == b"payload"
+
+
+def test_a_close_mid_read_says_how_far_it_got() -> None:
+    with pytest.raises(PeerClosed) as info:
+        run_blocking(recv_bytes(_feed(b"abcde"), 8))
+    assert (info.value.got, info.value.n, info.value.cause) == (5, 8, None)
+
+
+def _raw_reply(meta: bytes) -> bytes:
+    return encode_response_header(0, len(meta), 0) + meta
+
+
+@pytest.mark.parametrize(("meta", "code"), [(b"[1,2,3]", ErrorCode.BAD_JSON), (b'{"x":NaN}', ErrorCode.BAD_JSON)])
+def test_reply_meta_is_a_strict_json_object(meta: bytes, code: ErrorCode) -> None:
+    with pytest.raises(ProtocolError) as info:
+        run_blocking(read_reply_head(_feed(_raw_reply(meta))))
+    assert info.value.code is code
+
+
+def test_reply_meta_is_capped() -> None:
+    with pytest.raises(ProtocolError) as info:
+        run_blocking(read_reply_head(_feed(_raw_reply(b'{"x":1}')), max_meta_bytes=2))
+    assert info.value.code is ErrorCode.TOO_LARGE
+
+
+def test_a_large_receive_buffer_is_reused_once_nothing_holds_it() -> None:
+    """Above 64 MiB a payload lands in an anonymous mapping an earlier payload used (a
+    fresh page's first touch is the costly part of a large receive), but never while any
+    array or view of that payload is alive, and never for a payload under half its size."""
+    n = 70 << 20
+
+    def mapping_of(buf: np.ndarray) -> object:
+        return buf.base.obj  # np.frombuffer's memoryview of the mapping
+
+    first = payload_buffer(n)
+    first[:] = 1
+    held = mapping_of(first)
+    view = first[10:20]
+    del first
+    second = payload_buffer(n)  # the first payload's view still holds its mapping
+    assert mapping_of(second) is not held
+    del view
+    gc.collect()
+    third = payload_buffer(n - 1)
+    assert mapping_of(third) is held and third.nbytes == n - 1
+    assert mapping_of(payload_buffer(64 << 20)) is not held  # third holds it
+    del third
+    gc.collect()
+    assert mapping_of(payload_buffer(200 << 20)) is not held  # too small for that payload
