@@ -2,7 +2,7 @@
 GGUF, at 1 and 8 clients.
 
     python -m benchmarks.pooled [--rounds 5] [--threads 1] [--requests 24] [--llama-server PATH]
-                                [--preset small] [--skip embeddings,rerank]
+                                [--preset small] [--skip embeddings,rerank] [--base CHECKOUT]
 
 Models: the ``small`` preset's shape (33 M params) as an embedding model (mean pooling) and as
 a reranker (qwen3 with Qwen3-Reranker's rank head and template), written once into the user
@@ -17,7 +17,9 @@ about 64 tokens (``--inputs N``: N of them), a rerank request a query and 8 docu
 figure is a ratio within one round: each round runs a workload on every engine, their order
 rotating, and every round is printed. Two figures each: inputs per second of wall time, and
 inputs per CPU second of the server process (all its threads: what the work cost it, which
-other processes on a loaded machine move far less than the wall time).
+other processes on a loaded machine move far less than the wall time). ``--base`` adds another
+checkout of the project (``git worktree add /tmp/base COMMIT``: its ``src`` first on the
+engine's PYTHONPATH) as a fourth peer, ``hydra-trio-base``: before and after in the same rounds.
 """
 
 from __future__ import annotations
@@ -111,8 +113,21 @@ def run_kind(kind: str, model: str, binary: Path, args: argparse.Namespace, log_
                          # answers 503 to a request whose turn has not come in 30 s).
                          extra=[*ours_flags, "--embd-batch-inputs", "32", "--slot-wait-s", "600"]).start(log_dir, f"hydra-{kind}")
     peers = {"hydra-trio": (ours.url, ours.pid)}
-    servers = []
+    servers: list[Any] = []
     try:
+        if args.base is not None:
+            before = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = str(args.base / "src")  # the engine process imports that version
+            try:
+                base = EngineProcess(model, slots=2, ctx_size=2048, threads=args.threads, batch_size=512,
+                                     extra=[*ours_flags, "--embd-batch-inputs", "32", "--slot-wait-s", "600"]).start(log_dir, f"base-{kind}")
+            finally:
+                if before is None:
+                    del os.environ["PYTHONPATH"]
+                else:
+                    os.environ["PYTHONPATH"] = before
+            servers.append(base)
+            peers["hydra-trio-base"] = (base.url, base.pid)
         for name, more in (("llama-server", []), ("llama-server-kvu", ["--kv-unified"])):
             server = LlamaServer(binary, model, ctx=8 * 512, slots=8, log_dir=log_dir, tag=f"{name}-{kind}",
                                  threads=args.threads, extra=[*theirs_flags, "-b", "512", "-ub", "512", *more])
@@ -172,12 +187,15 @@ def main() -> None:
     p.add_argument("--llama-server", default=None)
     p.add_argument("--skip", default="")
     p.add_argument("--name", default="pooled")
+    p.add_argument("--base", type=Path, default=None, help="another checkout, run as a fourth peer (its src/ is used)")
     args = p.parse_args()
+    if args.base is not None and not (args.base / "src" / "hydra_trio").is_dir():
+        p.error(f"--base {args.base}: no src/hydra_trio there")
     binary = find_or_build(args.llama_server, build=False)
     if binary is None:
         raise SystemExit("llama-server is needed for this comparison (--llama-server PATH)")
     paths = models(args.preset)
-    results: dict[str, Any] = {"env": env_info(), "args": vars(args)}
+    results: dict[str, Any] = {"env": env_info(), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory(prefix="bench-pooled-") as tmp:
         for kind in ("embeddings", "rerank"):
             if kind not in args.skip.split(","):

@@ -230,3 +230,102 @@ async def test_the_wait_is_for_a_turn_not_for_the_work() -> None:
         await trio.sleep(0.2)
         ctx.gate.set()
     assert [c[0][0] for c in ctx.calls[-2:]] == [3, 4]
+
+
+class Gated(FakeContext):
+    """A call at a time: each waits for its own go (``go[i]`` for the i-th call)."""
+
+    def __init__(self, shape: PooledShape, n: int) -> None:
+        super().__init__(shape)
+        self.go = [threading.Event() for _ in range(n)]
+        self.started = [threading.Event() for _ in range(n)]
+
+    def run(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        i = len(self.calls)
+        self.started[i].set()
+        assert self.go[i].wait(10)
+        return super().run(inputs)
+
+
+def gated(n_batch: int, n_seq: int, calls: int) -> tuple[Embedder, Gated]:
+    emb, ctx = make(n_batch=n_batch, n_seq=n_seq)
+    gated_ctx = Gated(ctx.shape, calls)
+    emb._backend().ctx = gated_ctx  # type: ignore[attr-defined]
+    return emb, gated_ctx
+
+
+async def step(ctx: Gated, i: int) -> None:
+    """Let call ``i`` run, and wait until the next one has started."""
+    ctx.go[i].set()
+    await trio.to_thread.run_sync(ctx.started[i + 1].wait)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_a_request_computed_in_anothers_call_answers_at_once() -> None:
+    """Its wait for the turn is lifted by the call that settles its last input: it answers
+    while the next call runs, not once the turn has come round to it."""
+    emb, ctx = gated(n_batch=64, n_seq=1, calls=5)
+    await emb.open()
+    done: list[str] = []
+
+    async def one(name: str, inputs: list[list[int]]) -> None:
+        await emb.embed(inputs)
+        done.append(name)
+
+    with trio.fail_after(10):
+        await _answers_at_once(ctx, one, done)
+    assert [c[0][0] for c in ctx.calls] == [1, 2, 3, 4, 5] and sorted(done) == ["a", "b", "c", "d"]
+
+
+async def _answers_at_once(ctx: Gated, one: Any, done: list[str]) -> None:
+    async with trio.open_nursery() as n:
+        n.start_soon(one, "a", [[1]])
+        await trio.to_thread.run_sync(ctx.started[0].wait)
+        for name, inputs in (("b", [[2], [3]]), ("c", [[4]]), ("d", [[5]])):
+            n.start_soon(one, name, inputs)
+            await trio.testing.wait_all_tasks_blocked()
+        await step(ctx, 0)  # [1]; b leads [2], then waits for the turn behind c and d
+        await step(ctx, 1)  # c leads the next call: the line's head, b's [3]
+        await step(ctx, 2)  # d leads [4] (c's), held
+        assert done == ["a", "b"]  # b answered while d's call runs
+        ctx.go[3].set()
+        ctx.go[4].set()
+
+
+async def test_inputs_put_back_survive_a_request_leaving_during_the_call() -> None:
+    """A text that does not fit its call goes back to the line's head after the call; a
+    request cancelled while that call ran leaves the line, and the text is still there."""
+    emb, ctx = gated(n_batch=8, n_seq=4, calls=4)
+    await emb.open()
+    served: list[Any] = []
+
+    async def one(inputs: list[Any]) -> None:
+        served.append(await emb.embed(inputs))
+
+    with trio.fail_after(10):  # the text lost from the line: its request would spin for its turn
+        await _put_back(ctx, emb, one)
+    assert [[x[0] for x in call] for call in ctx.calls] == [[9], [1], [1]] and len(served) == 3
+    assert not emb._line
+
+
+async def _put_back(ctx: Gated, emb: Embedder, one: Any) -> None:
+    async with trio.open_nursery() as n:
+        n.start_soon(one, [[9]])
+        await trio.to_thread.run_sync(ctx.started[0].wait)
+        n.start_soon(one, ["ab c"])  # 4 tokens
+        await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(one, ["a b c d e"])  # 7: not with the 4, back to the line after the call
+        await trio.testing.wait_all_tasks_blocked()
+        await step(ctx, 0)
+        gone = trio.CancelScope()
+
+        async def leaves() -> None:
+            with gone:
+                await emb.embed([[7]])
+
+        n.start_soon(leaves)
+        await trio.testing.wait_all_tasks_blocked()
+        gone.cancel()  # leaves the line while the call runs
+        await trio.testing.wait_all_tasks_blocked()
+        for go in ctx.go[1:]:
+            go.set()

@@ -7,6 +7,9 @@ turn (a fair ``trio.Lock``), takes the oldest inputs there, its own or others', 
 worker call, until its own are done. Inputs that arrive together share calls, and every wait
 stays in its request's scope: a request cancelled or out of time takes its inputs out of the
 line (inputs of a call it led that did not finish go back to the line's head for the next).
+A request whose inputs another's call computed leaves its wait for the turn at once (the call
+lifts it), not when the turn comes round to it: it answers while the next call runs, and the
+turn passes straight to a request with inputs to compute.
 An input is tokenized in the call that computes it (texts are a llama.cpp call too): one
 trip to the worker a call, where a separate tokenizing call would wait behind the embedding
 call running then. The worker serves calls first come, first served, so between two
@@ -47,6 +50,19 @@ def embeddings_wanted(settings: Settings, model_pooling: str | None) -> tuple[bo
     return pooling is not None or model_pooling not in (None, "none"), pooling
 
 
+@dataclass(slots=True, eq=False)
+class _Request:
+    """A request's inputs not yet settled, and its wait for the turn: lifted when none is left."""
+
+    left: int
+    wake: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    def settled(self, n: int) -> None:
+        self.left -= n
+        if self.left <= 0:
+            self.wake.cancel()
+
+
 @dataclass(slots=True)
 class _Input:
     name: str  # what a refusal calls it: "input 3", "document 0"
@@ -57,6 +73,7 @@ class _Input:
     error: BaseException | None = None
     # Its request's wait for its turn: lifted once any of the request's inputs is in a call.
     waiting: trio.CancelScope | None = None
+    request: _Request | None = None
 
     @property
     def pending(self) -> bool:
@@ -169,21 +186,29 @@ class Embedder:
         t0 = trio.current_time()
         calls = 0
         waited = trio.CancelScope(deadline=trio.current_time() + wait_s)
+        request = _Request(len(mine))
         for x in mine:
-            x.waiting = waited
+            x.waiting, x.request = waited, request
         self._line.extend(mine)
         try:
             with waited:
-                while any(x.pending for x in mine):
-                    async with self._turn:
-                        if self._line and any(x.pending for x in mine):
-                            await self._call()
-                            calls += 1
+                # Its own (or its inputs in others' calls) until none is pending: a call that
+                # settles the last of them lifts ``wake``, a wait for the turn included.
+                with request.wake:
+                    while any(x.pending for x in mine):
+                        async with self._turn:
+                            if self._line and any(x.pending for x in mine):
+                                await self._call()
+                                calls += 1
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"embedding inputs waited {wait_s:g} s for the worker", status=Status.BUSY)
         finally:
-            ours = set(map(id, mine))
-            self._line = deque(x for x in self._line if id(x) not in ours)  # what is left of ours
+            if any(x.pending for x in mine):  # what is left of ours leaves the line
+                # In place: a call running now puts inputs back into this same deque.
+                ours = set(map(id, mine))
+                kept = [x for x in self._line if id(x) not in ours]
+                self._line.clear()
+                self._line.extend(kept)
         for x in mine:
             if x.error is not None:
                 raise x.error
@@ -241,11 +266,13 @@ class Embedder:
         except ProtocolError as exc:  # the engine stopped
             for x in taken:
                 x.error = exc
+            _settled(taken)
             return
         except Exception as exc:  # each owner raises it; the engine stays up
             err = ProtocolError(ErrorCode.INTERNAL, f"embedding call failed: {type(exc).__name__}: {exc}")
             for x in taken:
                 x.error = err
+            _settled(taken)
             return
         done = iter(vectors)
         for x, t in zip(taken, tokens, strict=True):
@@ -265,6 +292,19 @@ class Embedder:
         line.extendleft(reversed([x for x in taken[fit:] if x.error is None]))  # tokenized now, first in line
         self.inputs_done += sum(1 for x in taken[:fit] if x.vector is not None)
         self.calls += 1
+        _settled(taken)
+
+
+def _settled(taken: list[_Input]) -> None:
+    """Count a call's settled inputs against their requests (each input is taken pending
+    and settles once: one put back to the line is still pending)."""
+    counts: dict[int, tuple[_Request, int]] = {}
+    for x in taken:
+        if not x.pending and x.request is not None:
+            request, n = counts.get(id(x.request), (x.request, 0))
+            counts[id(x.request)] = (request, n + 1)
+    for request, n in counts.values():
+        request.settled(n)
 
 
 def _text_tokens(text: str) -> Tokenizer:
