@@ -152,7 +152,7 @@ class Settings:
     # RPC transport (spec §1)
     max_connections: int = 64
     http_idle_timeout_s: float = 30.0  # an HTTP connection with no request in progress this long is closed
-    # HTTP connections served at once; 0: derived from the open-file limit (http/connections.py).
+    # HTTP connections served at once; 0: derived from the open-file limit (http/plumbing/connections.py).
     max_http_connections: int = 0
     # A request body (state upload, JSON) must average this rate once its grace is over:
     # a trickling sender cannot hold its payload budget or its buffer indefinitely. 0: no floor.
@@ -235,7 +235,7 @@ class Settings:
 
     def http_admin_api_key(self) -> str | None:
         """The admin role's key (--admin-api-key, else the first line of
-        --admin-api-key-file); None when neither is set (http/auth.py says what that means)."""
+        --admin-api-key-file); None when neither is set (http/plumbing/auth.py says what that means)."""
         return _key(self.admin_api_key, self.admin_api_key_file, "admin_api_key_file")
 
     def rpc_networks(self) -> tuple[IPNetwork, ...] | None:

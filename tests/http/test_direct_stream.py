@@ -1,6 +1,6 @@
 """A streamed completion's text written by its producer straight to the socket (http/
-connections.py ``ChunkWriter``, http/generation.py), and a DECODE result stream's by its
-generating task (http/decode_routes.py): the bytes are HTTP/1.1 chunks as h11 frames them,
+connections.py ``ChunkWriter``, http/generation/generation.py), and a DECODE result stream's by its
+generating task (http/decode_results/decode_routes.py): the bytes are HTTP/1.1 chunks as h11 frames them,
 whole and in order however little the socket takes at a time; HTTP/1.0 keeps Hypercorn's
 path."""
 
@@ -27,8 +27,8 @@ from helpers import (
     sse_text,
     text_of,
 )
-from hydra_trio.http import connections, generation
-from hydra_trio.http.connections import ChunkWriter
+from hydra_trio.http.generation import generation
+from hydra_trio.http.plumbing import ChunkWriter, connections
 
 N_TOKENS = 24
 

@@ -112,12 +112,13 @@ async def test_a_reply_nested_a_thousand_deep_is_content(start_engine: Any, tiny
 async def test_a_stream_whose_event_cannot_be_built_ends_with_its_error_event(
     start_engine: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hydra_trio.http import anthropic, replies, responses
+    from hydra_trio.http.completions import ReplyEvents
+    from hydra_trio.http.generation import BlockStream
 
     def broken(self: Any, text: str) -> bytes:
         raise RuntimeError("an event that cannot be built")
 
-    for cls in (replies.ReplyEvents, anthropic.MessageEvents, responses.ResponseEvents):
+    for cls in (ReplyEvents, BlockStream):
         monkeypatch.setattr(cls, "delta", broken)
     ep = await start_engine(tiny_model)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30) as c:
@@ -141,7 +142,7 @@ async def test_routes_that_need_no_slot_are_admitted_a_few_at_a_time(start_engin
     "busy, retry" 503 in their API's shape. Held here at the GPU worker (each waits there to
     tokenize, holding its place)."""
     from helpers import WorkerGate
-    from hydra_trio.http.common import SLOTLESS_AT_ONCE
+    from hydra_trio.http.plumbing import SLOTLESS_AT_ONCE
 
     ep = await start_engine(tiny_model, slot_wait_s=1.0)
     gate = WorkerGate(ep.state.engine)

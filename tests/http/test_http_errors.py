@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import trio
 
-from hydra_trio.http.common import http_status
+from hydra_trio.http.plumbing import http_status
 from hydra_trio.wire import ErrorCode, ProtocolError, Status
 
 

@@ -14,7 +14,11 @@ import trio
 
 from helpers import ENGINE, http, rpc, wait_until
 from hydra_trio.config import Settings, settings_from
-from hydra_trio.http.connections import AUTO_MAX_CONNECTIONS, OVERFLOW_RESERVE, connection_bound
+from hydra_trio.http.plumbing.connections import (
+    AUTO_MAX_CONNECTIONS,
+    OVERFLOW_RESERVE,
+    connection_bound,
+)
 
 BOUND = 8
 # More than the bound and the reserve together: the reserve's oldest are closed to make room.

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydra_trio.engine import GenerationResult
-from hydra_trio.http.anthropic import MessageEvents, message_body, to_chat
+from hydra_trio.http.messages import message_body, message_events, to_chat
 from test_tools_http import PARAMS_OF, ROOMY, TIME_PARAMS, WEATHER_PARAMS
 
 TOOLS = [
@@ -199,7 +199,7 @@ def test_streamed_events_reassemble_to_the_message(text: str, cuts: list[int], t
         return ReplyParser(HERMES, parse_tools=True, reasoning=True)
 
     whole = message_body("msg_1", "m", res, parser(), [])
-    events = MessageEvents("msg_1", "m", 10, parser(), [])
+    events = message_events("msg_1", "m", 10, parser(), [])
     raw = events.head
     points = sorted({c for c in cuts if c < len(reply)} | {0, len(reply)})
     for a, b in itertools.pairwise(points):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from hydra_trio.engine import GenerationResult
-from hydra_trio.http.responses import ResponseEvents, Shell, response_body, to_chat
+from hydra_trio.http.responses import Shell, response_body, response_events, to_chat
 from test_tools_http import PARAMS_OF, ROOMY, TIME_PARAMS, WEATHER_PARAMS
 
 TOOLS: list[Any] = [
@@ -188,7 +188,7 @@ def test_streamed_events_reassemble_to_the_response(text: str, cuts: list[int], 
 
     shell = Shell("resp_1", "m", {"input": "x"}, {})
     whole = response_body(shell, res, parser())
-    events = ResponseEvents(shell, parser())
+    events = response_events(shell, parser())
     raw = events.head
     points = sorted({c for c in cuts if c < len(reply)} | {0, len(reply)})
     for a, b in itertools.pairwise(points):

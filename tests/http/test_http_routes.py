@@ -1,4 +1,4 @@
-"""http/routes.py is the one table of route facts: it names every route the app serves (each
+"""http/plumbing/routes.py is the one table of route facts: it names every route the app serves (each
 rule and method, and nothing the app does not serve), and the auth, body-cap, drain and
 upload-gate decisions all read it."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hydra_trio.http import routes
+from hydra_trio.http.plumbing import routes
 from hydra_trio.http.server import body_cap, create_app
 
 

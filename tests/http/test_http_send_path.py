@@ -12,8 +12,8 @@ import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData
 
-from hydra_trio.http import connections
-from hydra_trio.http.connections import ChunkWriter, _GatedTCPServer
+from hydra_trio.http.plumbing import ChunkWriter, connections
+from hydra_trio.http.plumbing.connections import _GatedTCPServer
 
 
 class _Protocol:

@@ -173,7 +173,7 @@ async def test_a_refused_upload_s_drain_has_one_deadline(autojump_clock: trio.ab
     """Issue 28, 1.10: a sender dripping a byte just inside the idle timeout kept the drain
     of a refused state PUT (and its connection) for ever; now the whole drain ends at the
     idle timeout."""
-    from hydra_trio.http.state_routes import drain_body
+    from hydra_trio.http.plumbing import drain_body
 
     idle_s = 10.0
 

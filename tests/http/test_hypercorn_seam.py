@@ -1,4 +1,4 @@
-"""The one patch of Hypercorn (http/connections.py install): every private member it relies on
+"""The one patch of Hypercorn (http/plumbing/connections.py install): every private member it relies on
 is checked before the server starts, and a Hypercorn without one fails with a clear error
 naming the version and the member, never serves with a gate that silently does nothing."""
 
@@ -13,8 +13,8 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from prometheus_client import CollectorRegistry
 
-from hydra_trio.http import connections
-from hydra_trio.http.connections import HypercornSeamError, _GatedTCPServer
+from hydra_trio.http.plumbing import connections
+from hydra_trio.http.plumbing.connections import HypercornSeamError, _GatedTCPServer
 
 
 def test_the_installed_hypercorn_has_every_member_the_handler_relies_on() -> None:

@@ -17,7 +17,8 @@ from packaging.requirements import Requirement
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
-from hydra_trio.http import connections, server
+from hydra_trio.http import server
+from hydra_trio.http.plumbing import connections
 from hydra_trio.http.server import QuartTrioSeamError
 
 _PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hydra_trio.http.sse import HOLE, completion_chunk, sse_event, sse_text_events
+from hydra_trio.http.completions import completion_chunk
+from hydra_trio.http.plumbing import HOLE, sse_event, sse_text_events
 
 
 @given(st.text())

@@ -2,7 +2,7 @@
 package's own docstrings and comments cite exists.
 
 A cited path is a token ending in ``.py``, ``.md``, ``.sh`` or ``.toml`` outside a URL:
-``engine/sched/batcher.py``, ``src/hydra_trio/app.py``, ``http/openai.py``,
+``engine/sched/batcher.py``, ``src/hydra_trio/app.py``, ``http/completions/chat_serving.py``,
 ``benchmarks/prefill.py``, ``tests/repo/test_docs.py``. It resolves against the repository root,
 the package (``src/hydra_trio/``, so ``engine/...`` and ``http/...`` read as the package's),
 or any folder between the citing file and the root (``sched/batcher.py`` inside

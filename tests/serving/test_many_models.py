@@ -1,4 +1,4 @@
-"""Many models behind one process (serving/model_pool.py, http/model_routes.py): a request's ``model``
+"""Many models behind one process (serving/model_pool.py, http/models/model_routes.py): a request's ``model``
 picks the model on every dialect, at most --models-max hold memory (the least recently used
 idle one evicted), pinned ones stay, an idle one sleeps and wakes, concurrent requests share
 one load, and nothing is unloaded under a running request.

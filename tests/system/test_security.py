@@ -205,9 +205,8 @@ def test_admin_key_settings(tmp_path: Path) -> None:
 
 
 def test_the_access_decision() -> None:
-    from hydra_trio.http.auth import KeyRing, access
-    from hydra_trio.http.routes import Role
-    from hydra_trio.http.routes import role_of as route_role
+    from hydra_trio.http.plumbing import KeyRing, Role, access
+    from hydra_trio.http.plumbing import role_of as route_role
 
     both = KeyRing(KEY, ADMIN)
     assert access(Role.ADMIN, both, f"Bearer {ADMIN}") is None

@@ -2,10 +2,10 @@
 
 A streamed response body has a reader (the body's async generator, whose chunks go through
 Quart and Hypercorn) and, once its head is out on a plain HTTP/1.1 connection, a way to
-write a chunk straight to the socket (``http/connections.py`` ``ChunkWriter``). The direct
+write a chunk straight to the socket (``http/plumbing/connections.py`` ``ChunkWriter``). The direct
 way saves a task switch per token, but only while nothing the reader was given is still
 waiting, or the chunks would leave out of order. ``WriterTurn`` is that rule, in one place,
-for the two streams that use it: a chat or text completion (``http/generation.py``: the
+for the two streams that use it: a chat or text completion (``http/generation/generation.py``: the
 request's producer task writes) and a DECODE result stream (``decode/store.py``
 ``Subscription``: the task that changed the entry writes, per reader).
 
@@ -28,7 +28,7 @@ from typing import Protocol
 
 
 class ChunkSink(Protocol):
-    """What a direct writer writes through (``http/connections.py`` ``ChunkWriter``)."""
+    """What a direct writer writes through (``http/plumbing/connections.py`` ``ChunkWriter``)."""
 
     def send_now(self, data: bytes) -> bytes | None:
         """Write ``data`` as one chunk, what the socket takes at once: None when nothing was

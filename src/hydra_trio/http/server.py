@@ -19,36 +19,31 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from ..concurrency import Started, leaves
-from . import connections, routes
-from .anthropic import bp as anthropic_bp
-from .anthropic import error_shape, on_messages_path
-from .auth import install_auth
-from .common import (
+from . import decode_results, infill, models, pooling, sessions, slots, status, tokenizer
+from .completions import CHAT, TEXT
+from .generation import Dialect, dialect_blueprint, error_in_shape
+from .messages import MESSAGES
+from .plumbing import (
     busy_reply,
     client_request_id,
+    connections,
+    drain_body,
+    install_auth,
     register_error_handlers,
     request_holds,
+    routes,
     set_request_nursery,
 )
-from .completions import bp as completions_bp
-from .decode_routes import bp as decode_bp
-from .embed_routes import bp as embed_bp
-from .infill import bp as infill_bp
-from .lora_routes import bp as lora_bp
-from .model_routes import bp as models_bp
-from .openai import bp as openai_bp
-from .openai import health_reply
-from .responses import bp as responses_bp
-from .session_routes import bp as sessions_bp
-from .sse import error_body
-from .state_routes import bp as state_bp
-from .state_routes import drain_body, hold_state_uploads
-from .tokens import bp as tokens_bp
+from .responses import RESPONSES
 
 if TYPE_CHECKING:
     from ..serving import AppState
 
 log = logging.getLogger(__name__)
+
+# Every generation route's API: its routes (the one dialect route each), and its error shape
+# on its paths, also for a body refused before the app sees it.
+DIALECTS: tuple[Dialect, ...] = (CHAT, TEXT, MESSAGES, RESPONSES)
 
 # ---- the seam: quart-trio's private parts this module relies on --------------------------------
 # quart-trio has no hook for its per-request nursery, so _RequestNurseryConnection re-writes
@@ -56,7 +51,7 @@ log = logging.getLogger(__name__)
 # pyproject.toml pins the versions this was written against; check_quart_trio_seam() (run by
 # create_app, before anything is served) checks every member, and that upstream's __call__
 # still does only what the copy does, so another version fails at once, by name, instead of
-# serving requests built another way (as http/connections.py does for Hypercorn's seam).
+# serving requests built another way (as http/plumbing/connections.py does for Hypercorn's seam).
 QUART_TRIO_TESTED = "quart-trio>=0.12,<0.13"
 QUART_TESTED = "quart>=0.22,<0.23"
 # Every global and attribute name upstream's __call__ uses: more (or fewer) means it changed.
@@ -157,27 +152,16 @@ def create_app(state: AppState) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 600
     app.config["MAX_CONTENT_LENGTH"] = max(state.settings.max_kv_bytes, state.settings.max_json_bytes) + (1 << 20)
-    app.register_blueprint(openai_bp)
-    app.register_blueprint(decode_bp)
-    app.register_blueprint(state_bp)
-    app.register_blueprint(completions_bp)
-    app.register_blueprint(tokens_bp)
-    app.register_blueprint(anthropic_bp)
-    app.register_blueprint(responses_bp)
-    app.register_blueprint(sessions_bp)
-    app.register_blueprint(models_bp)
-    app.register_blueprint(embed_bp)
-    app.register_blueprint(infill_bp)
-    app.register_blueprint(lora_bp)
+    for dialect in DIALECTS:
+        app.register_blueprint(dialect_blueprint(dialect))
+    for api in (status, slots, decode_results, tokenizer, pooling, infill, models, sessions):
+        for bp in api.BLUEPRINTS:
+            app.register_blueprint(bp)
     register_error_handlers(app)
     install_auth(app, state)
-    app.asgi_app = hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
+    app.asgi_app = slots.hold_state_uploads(app.asgi_app, state.settings)  # type: ignore[method-assign,assignment]
     app.asgi_app = _limit_request_bodies(app.asgi_app, state)  # type: ignore[method-assign,assignment]
     app.asgi_app = _count_in_flight(app.asgi_app, state)  # type: ignore[method-assign,assignment]
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), status=200, content_type="text/plain; version=0.0.4")
 
     @app.before_request
     async def refuse_new_work_while_draining() -> Response | None:
@@ -198,7 +182,7 @@ def create_app(state: AppState) -> QuartTrio:
 
 
 def body_cap(method: str, path: str, state: AppState) -> int:
-    """The largest request body a route takes (http/routes.py), decided before the app sees
+    """The largest request body a route takes (http/plumbing/routes.py), decided before the app sees
     the request: a slot state upload up to --max-kv-bytes, JSON up to --max-json-bytes (the
     prompt routes refine it: common.read_request_json), everything else none; a POST to no
     route is capped as JSON (its 404 is answered after the body). Quart buffers
@@ -236,7 +220,7 @@ def _limit_request_bodies(asgi_app: Any, state: AppState) -> Any:
         what = "takes no body" if cap == 0 else f"takes at most {cap} bytes"
         message = f"{scope['method']} {scope['path'][:100]} {what}; got {size}"
         # Answered before the app: each dialect's shape here (as its after-request hook gives it there).
-        shaped = error_shape(413, message) if on_messages_path(scope["path"]) else error_body(413, message, "invalid_request_error")
+        shaped = error_in_shape(DIALECTS, scope["path"], 413, message)
         body = json.dumps(shaped).encode()
         async with trio.open_nursery() as nursery:
             # Unread, the body would keep Hypercorn's queue to the app full and our reply's
@@ -292,16 +276,16 @@ async def serve_http(state: AppState, *, task_status: trio.TaskStatus[int] = tri
     # closed after this, and its descriptor released: idle connections cannot pile up.
     # (Not Hypercorn's read_timeout: a client reading a long SSE stream sends nothing.)
     config.keep_alive_timeout = state.settings.http_idle_timeout_s
-    # At most --max-http-connections; past it, a reserve answers /health (http/connections.py).
+    # At most --max-http-connections; past it, a reserve answers /health (http/plumbing/connections.py).
     file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     connections.install()  # the one patch of Hypercorn (checked: a clear error if it changed)
-    connections.attach(config, state, lambda: health_reply(state), file_limit)
+    connections.attach(config, state, lambda: status.health_reply(state), file_limit)
     app = create_app(state)
 
     # Hypercorn reports its binds ("host:port"); our caller wants the port.
-    status = Started(lambda binds: task_status.started(int(binds[0].rsplit(":", 1)[1])))
+    started = Started(lambda binds: task_status.started(int(binds[0].rsplit(":", 1)[1])))
     try:
-        await serve(app, config, task_status=status, mode="asgi")  # type: ignore[arg-type]
+        await serve(app, config, task_status=started, mode="asgi")  # type: ignore[arg-type]
     except BaseException as exc:
         found = leaves(exc)
         if len(found) == 1 and isinstance(found[0], OSError):  # e.g. the port is taken

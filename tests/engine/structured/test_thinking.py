@@ -20,8 +20,8 @@ from hydra_trio.config import Settings, add_arguments, settings_from
 from hydra_trio.engine.chat import render_jinja
 from hydra_trio.engine.requests import check_request
 from hydra_trio.engine.structured import ThinkGate, ThinkPlan
-from hydra_trio.http.anthropic import to_chat as messages_to_chat
-from hydra_trio.http.common import HttpError
+from hydra_trio.http.messages import to_chat as messages_to_chat
+from hydra_trio.http.plumbing import HttpError
 from hydra_trio.http.responses import to_chat as responses_to_chat
 from hydra_trio.wire.errors import ParamError
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import trio
 
-from ...http import routes
+from ...http.plumbing import routes
 from ...rpc.client import RpcClient, build_decode_frame, decode_call
 from ..dialectfuzz import BODIES, corpus
 from ..process import EngineProcess
