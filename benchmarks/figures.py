@@ -56,7 +56,7 @@ def chat_request(content: str, max_tokens: int) -> dict[str, Any]:
 
 
 def erase_all(engine: EngineProcess) -> None:
-    for i in range(engine._core.slots):
+    for i in range(engine.slots):
         httpx.post(f"{engine.url}/slots/{i}", params={"action": "erase"}, timeout=60).raise_for_status()
 
 

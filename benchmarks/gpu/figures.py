@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 import httpx
 
 from benchmarks import figures as F
-from benchmarks.ceiling import measure
+from benchmarks.ceiling import measure, run_round
 from benchmarks.harness import EngineProcess, env_info, words_prompt
 from benchmarks.llama_server import LlamaServer
 
@@ -136,7 +137,7 @@ def fig_streams(
                 if peer is not None:
                     servers.append(("llama-server", peer.port, peer.proc.pid, None))
                 for name, port, pid, tid in servers if rnd % 2 == 0 else servers[::-1]:
-                    row = measure(name, port, pid, tid, prompts, tokens)
+                    row = measure(name, port, pid, tid, partial(run_round, port, prompts, tokens))
                     row["round"] = rnd
                     rows.append(row)
                     print(f"  {name:12s} {n:3d} streams: {row['tok_s']:8.0f} tok/s, ITL p50 {row['itl_p50_ms']:.2f} ms, "
