@@ -17,6 +17,7 @@ from .seqstate import cache_layout_mismatch
 from .types import (
     ChainSettings,
     Drafter,
+    LogitsRow,
     LoraSet,
     ModelInfo,
     PrefillPart,
@@ -37,6 +38,7 @@ __all__ = [
     "Drafter",
     "LlamaBackend",
     "LlamaChain",
+    "LogitsRow",
     "LoraSet",
     "ModelInfo",
     "NoKvSpace",
