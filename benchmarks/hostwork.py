@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .ceiling import decode_s, measure, run_round, thread_cpu_s, worker_busy_s
+from .ceiling import decode_s, measure, run_round, worker_busy_s
 from .harness import EngineProcess, env_info, wait_http, words_prompt
 from .llama_server import LlamaServer, cached_binary, find_or_build
 
@@ -186,12 +186,15 @@ def run_model(label: str, model: str, args: argparse.Namespace, peer_bin: Path |
                 tid = None if name == "llama-server" else pid  # the trio thread is the main thread
                 if name == "probed":
                     before = srv.dump()
-                    w0, d0, c0 = worker_busy_s(port), decode_s(port), thread_cpu_s(pid, pid)
+                    w0, d0 = worker_busy_s(port), decode_s(port)
                 n_tokens = args.tokens if rnd else 4  # the warm-up: kernels and slots, briefly
                 row = measure(name, port, pid, tid, lambda p=port, ps=prompts, k=n_tokens, s=SAMPLINGS[sampling]: run_round(p, ps, k, sampling=s))
                 if name == "probed":
                     parts = parts_delta(before, srv.dump())
-                    row["split"] = split_row(row, parts, worker_busy_s(port) - w0, thread_cpu_s(pid, pid) - c0)
+                    # The trio thread's CPU in measure's own window: the /metrics scrapes around
+                    # it (rendered on that thread, several ms each) are not the tokens' work.
+                    trio_cpu = row["trio_thread_cpu_us_per_token"] * row["tokens"] / 1e6
+                    row["split"] = split_row(row, parts, worker_busy_s(port) - w0, trio_cpu)
                     row["split"]["decode_metric_s"] = decode_s(port) - d0
                 if name != "llama-server":
                     row["worker_outside_decode_us_per_token"] = row["worker_busy_us_per_token"] - row["decode_us_per_token"]
