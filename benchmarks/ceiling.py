@@ -66,9 +66,11 @@ def thread_cpu_s(pid: int, tid: int) -> float:
     return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
 
 
-def run_round(port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
-    """One streaming completion per prompt, all at once, each read to its end."""
-    return _read_streams(port, [completion_request(port, p, n_tokens) for p in prompts], n_tokens, time.perf_counter(), timeout_s)
+def run_round(port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streaming completion per prompt, all at once, each read to its end (``sampling``:
+    keys that replace greedy's)."""
+    reqs = [completion_request(port, p, n_tokens, sampling) for p in prompts]
+    return _read_streams(port, reqs, n_tokens, time.perf_counter(), timeout_s)
 
 
 def run_health_burst(port: int, n: int, timeout_s: float = 60) -> dict[str, Any]:

@@ -24,7 +24,9 @@ trio thread (overlapped with llama_decode, which releases the GIL; it competes f
 
 Times are the thread's CPU time (a probe costs about 1 us: two CLOCK_THREAD_CPUTIME_ID reads
 and a list); hostwork.py runs the same load on an engine without probes beside it, so that
-cost shows.
+cost shows. An outermost probe also keeps its wall time and how much of that wall time the
+worker spent inside llama_decode meanwhile (``(outermost, during decode)``): for the trio
+thread's parts, the share that overlapped the model's compute.
 """
 
 from __future__ import annotations
@@ -57,10 +59,36 @@ def _stack() -> list[list[Any]]:
 # what its thread waited (for a core, or for the GIL).
 _clock = time.thread_time_ns
 
+# The worker's time inside llama_decode up to now, as [ns of the calls that returned, start of
+# the one running (0: none)]: the measure of the decode intervals up to a moment, so that an
+# interval's overlap with them is the difference of two readings. Written by the worker, read
+# by the trio thread, both holding the GIL.
+_decoding = [0, 0]
+
+
+def _decode_ns(now: int) -> int:
+    done, start = _decoding
+    return done + (now - start if start else 0)
+
+
+def _timed_decode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        _decoding[1] = time.perf_counter_ns()
+        try:
+            return fn(*args, **kw)
+        finally:
+            now = time.perf_counter_ns()
+            _decoding[0] += now - _decoding[1]
+            _decoding[1] = 0
+
+    return wrapper
+
 
 def _enter(part: str) -> list[Any]:
     stack = _stack()
-    frame = [part, _clock(), 0, None if stack else time.perf_counter_ns()]  # part, start, nested, wall start
+    wall = None if stack else time.perf_counter_ns()
+    frame = [part, _clock(), 0, wall, None if wall is None else _decode_ns(wall)]  # part, start, nested, wall start, decode then
     stack.append(frame)
     return frame
 
@@ -72,8 +100,10 @@ def _leave(frame: list[Any]) -> None:
     if stack:
         stack[-1][2] += elapsed
     else:
-        _add(f"{frame[0]} (outermost, wall)", time.perf_counter_ns() - frame[3])
+        now = time.perf_counter_ns()
+        _add(f"{frame[0]} (outermost, wall)", now - frame[3])
         _add(f"{frame[0]} (outermost, cpu)", elapsed)
+        _add(f"{frame[0]} (outermost, during decode)", _decode_ns(now) - frame[4])
     _add(frame[0], elapsed - frame[2])
 
 
@@ -114,6 +144,7 @@ def install() -> None:
     from hydra_trio.engine.sched.handover import Handover
     from hydra_trio.engine.text import TextAssembler
 
+    llama_cpp.llama_decode = _timed_decode(llama_cpp.llama_decode)
     _patch(llama_cpp, "llama_decode", "llama_decode")
     _patch(LlamaBackend, "_decode_batch", "batch fill")
     _patch(BatchSteps, "step", "step composition")
@@ -138,11 +169,15 @@ def install() -> None:
         async def emit_timed(delta: str) -> None:
             # Off the probe stack: another task's emit may start while this one waits (its
             # CPU time then counts that task's work too: an emit rarely waits).
-            t0 = _clock()
+            t0, w0 = _clock(), time.perf_counter_ns()
+            d0 = _decode_ns(w0)
             try:
                 await emit(delta)
             finally:
                 _add("stream-out", _clock() - t0)
+                now = time.perf_counter_ns()
+                _add("stream-out (outermost, wall)", now - w0)
+                _add("stream-out (outermost, during decode)", _decode_ns(now) - d0)
 
         return await generate(self, slot, prompt_tokens, params, emit_timed, **kw)
 

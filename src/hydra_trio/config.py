@@ -108,6 +108,10 @@ class Settings:
     repack: bool | None = None
     # One prompt and one step at load, so a kernel that faults does so before /health is ok.
     warmup: bool = True
+    # Each token picked where its logits are (engine/sample/sampler.py): greedy's argmax on
+    # llama.cpp's row, a sampler chain by llama_sampler_sample on it; off: the path before
+    # (kept to measure one against the other: benchmarks/hostwork.py --ab).
+    sampling_fast_path: bool = True
     # Chat template: a llama.cpp built-in name (or Jinja source), or a Jinja file.
     chat_template: str | None = None
     chat_template_file: str | None = None
@@ -333,6 +337,7 @@ _HELP: dict[str, str] = {
     "no_kv_offload": "keep the KV cache in host memory even when layers are on a GPU",
     "repack": "repack weights into CPU-specific layouts for faster prompts (llama-server's --repack/--no-repack); default: on, except on CPUs with AMX, where llama.cpp's AMX kernels crash on repacked weights (ggml-org/llama.cpp#20824)",
     "warmup": "run one prompt and one step at load, so a kernel that faults on this machine stops the start instead of a user's first request (--no-warmup skips it)",
+    "sampling_fast_path": "pick each token where its logits are: greedy's argmax on llama.cpp's logits row with no other sampler step, a sampler chain's pick (temperature, top-k/p, min-p, penalties) by llama.cpp on that row (llama_sampler_sample); --no-sampling-fast-path: the path before (every step, a chain over a NumPy copy of the row), to measure one against the other",
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
     "chat_template_file": "chat template: path of a Jinja file",
     "tool_call_parser": "tool-call syntax written and parsed: auto (from the chat template's markers), or one family: "

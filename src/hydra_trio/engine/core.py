@@ -513,7 +513,9 @@ class EngineCore:
         backend = self.backend
         grammars = self.inputs.grammars if params.sampling.grammar is not None else None
         think = params.think_gate(backend.text_of(params.shown_tokens))
-        return Sampler(params.sampling, grammars=grammars, think=think, logprobs=logprobs)
+        return Sampler(
+            params.sampling, grammars=grammars, think=think, logprobs=logprobs, fast_path=self.settings.sampling_fast_path
+        )
 
     async def sample_first(self, slot: int, tokens: Sequence[int], params: GenerationParams) -> tuple[GenerationResult, bytes]:
         """Bring the slot to hold the prompt and sample the one token a P/D prefill answers

@@ -8,6 +8,7 @@ import json
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .sse_reader import DONE, delta_text, sse_data
 
@@ -26,9 +27,10 @@ class Stream:
     error: str = ""
 
 
-def completion_request(port: int, prompt: str, n_tokens: int) -> bytes:
+def completion_request(port: int, prompt: str, n_tokens: int, sampling: dict[str, Any] | None = None) -> bytes:
     """A whole HTTP/1.1 request for a greedy streaming ``/v1/completions`` of ``n_tokens``
-    (``ignore_eos``: every stream runs its full length), closed after its reply."""
+    (``ignore_eos``: every stream runs its full length), closed after its reply; ``sampling``:
+    keys that replace greedy's (temperature, seed, ...)."""
     body = json.dumps(
         {
             "prompt": prompt,
@@ -37,6 +39,7 @@ def completion_request(port: int, prompt: str, n_tokens: int) -> bytes:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(sampling or {}),
         }
     ).encode()
     head = (

@@ -40,6 +40,7 @@ from .seqstate import type_name
 from .steps import BatchSteps
 from .types import (
     TOKEN_ROLES,
+    LogitsRow,
     LoraSet,
     ModelInfo,
     SlotWatcher,
@@ -627,8 +628,9 @@ class LlamaBackend(SlotStates, BatchSteps):
         """The token ``sampler`` picks from the last decode's output ``idx`` (``row``: those
         logits, when the caller has them): a view of llama.cpp's buffer, which an
         end-of-generation ban edits in place (after any copy of these logits, tail_logits or
-        a hand-off's, was taken: those stay as the model computed them)."""
-        return sampler.sample(self._logits(idx) if row is None else row, self._eog_index)
+        a hand-off's, was taken: those stay as the model computed them). A chain reads the
+        row there itself (``LogitsRow``)."""
+        return sampler.sample(self._logits(idx) if row is None else row, self._eog_index, LogitsRow(self._ctx, idx))
 
     def _logits(self, idx: int) -> np.ndarray:
         """The last decode's logits of output ``idx``: a view of llama.cpp's buffer, valid

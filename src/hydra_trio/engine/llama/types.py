@@ -9,17 +9,27 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
+
+
+class LogitsRow(NamedTuple):
+    """Where a row of logits lies in llama.cpp: the context and the output's batch index (as
+    ``llama_get_logits_ith`` takes it). A sampler chain reads the row there itself
+    (``llama_sampler_sample``), with no copy of the vocabulary into Python."""
+
+    ctx: object  # llama_context_p
+    idx: int
 
 
 class TokenSampler(Protocol):
     """A request's sampler (engine/sample/ ``Sampler``), asked on the worker for each token."""
 
-    def sample(self, logits: np.ndarray, eog_ids: np.ndarray) -> int:
+    def sample(self, logits: np.ndarray, eog_ids: np.ndarray, at: LogitsRow | None = None) -> int:
         """The token picked from one position's ``logits`` (n_vocab f32; a writable view may
-        be edited in place); ``eog_ids``: the vocabulary's end-of-generation tokens."""
+        be edited in place); ``eog_ids``: the vocabulary's end-of-generation tokens; ``at``:
+        where ``logits`` lie in llama.cpp (None: elsewhere, e.g. a hand-off's blob)."""
         ...
 
     def close(self) -> None:

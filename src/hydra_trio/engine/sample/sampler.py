@@ -7,6 +7,18 @@ Logits come from two places: llama.cpp's output buffer after a decode, and the l
 blob carried (a hand-off's last position). Both go through ``Sampler.sample``, so a token is
 picked the same way wherever its logits came from. Everything here runs on the GPU worker.
 
+Where the logits are read, by what a request asks (issue 53: no copy of the vocabulary into
+Python for a token that needs none):
+
+- greedy, nothing else asked: the argmax of the row, a NumPy view of llama.cpp's buffer (the
+  fastest pick measured: llama.cpp's greedy chain first writes all n_vocab candidates, 7x
+  slower with Gemma 3's 262k vocabulary);
+- a chain's pick (temperature, top-k/p, min-p, seed; penalties): llama.cpp's chain on the row
+  where it lies (``llama_sampler_sample``), an end-of-generation ban written into the row
+  first; under a grammar, the first pick it checks (without penalties) too;
+- a token the grammar refused, the log-probabilities' mask, or logits from a blob: over a
+  NumPy copy of the row.
+
 No UTF-8 guard is needed: llguidance's lexer admits a byte token only where valid UTF-8 can
 continue it, so constrained text is always whole characters.
 """
@@ -19,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..llama import LlamaChain
+from ..llama import LlamaChain, LogitsRow
 from ..structured import GrammarError, GuidanceCache, GuidanceState, ThinkGate, TriggerWatch
 from .sampling_params import SamplingParams
 from .token_logprobs import TokenLogprobs, token_logprobs
@@ -32,6 +44,8 @@ class Chain(Protocol):
 
     def pick(self, logits: np.ndarray) -> int | None: ...
 
+    def sample_at(self, at: LogitsRow, n_vocab: int) -> int: ...
+
     def accept(self, token: int, n_vocab: int) -> None: ...
 
     def close(self) -> None: ...
@@ -43,7 +57,9 @@ class Sampler:
     ``think``: the reply's think block (tags it forces, a grammar it holds); ``logprobs``:
     top alternatives wanted (0..20), each pick's log-probabilities then appended to
     ``picked``, in the worker call that sampled it (the logits are gone after the next
-    decode)."""
+    decode). ``fast_path``: pick where the logits are (the module's list); False: the path
+    before, every pick through every step, a chain's over a NumPy copy of the row (kept to
+    measure one against the other: ``--no-sampling-fast-path``)."""
 
     def __init__(
         self,
@@ -53,6 +69,7 @@ class Sampler:
         grammars: GuidanceCache | None = None,
         think: ThinkGate | None = None,
         logprobs: int | None = None,
+        fast_path: bool = True,
     ) -> None:
         self.params = params
         self.think = think
@@ -74,6 +91,9 @@ class Sampler:
         # Why the grammar ended this request (past its per-token bound): the sampler then
         # picks an end-of-generation token and the request reports this.
         self.failure: str | None = None
+        self._on_context = fast_path  # a chain picks on llama.cpp's row when it is given
+        # Greedy with nothing else asked (the common case): the argmax alone (``sample``).
+        self._plain = fast_path and self.is_argmax and grammar is None and think is None and logprobs is None
 
     @property
     def bans_eog(self) -> bool:
@@ -85,26 +105,31 @@ class Sampler:
     def is_argmax(self) -> bool:
         """Greedy with nothing before it: the token is the argmax of the logits (the first
         of equal maxima, as llama's greedy sampler picks), and no chain is needed. A chain
-        first copies all n_vocab logits into a candidate array: 273 against 59 us a token
-        with Gemma 3's 262k vocabulary, eight times a step at eight streams."""
+        first writes all n_vocab logits into a candidate array, even on llama.cpp's row: 492
+        against 67 us a token with Gemma 3's 262k vocabulary, once a stream a step."""
         return self.params.greedy and not self.params.penalized
 
-    def sample(self, logits: np.ndarray, eog_ids: np.ndarray) -> int:
+    def sample(self, logits: np.ndarray, eog_ids: np.ndarray, at: LogitsRow | None = None) -> int:
         """The token this request picks from one position's ``logits`` (n_vocab f32), with
         its log-probabilities recorded when the request asked (only then: a softmax over the
         vocabulary per token is the cost of asking). A writable ``logits`` (a view of
         llama.cpp's buffer) may be edited in place by a ban; a read-only one (a blob's) is
-        copied first. Log-probabilities are those of the model's own logits (under a grammar,
-        the constrained distribution), before any ban."""
+        copied first. ``at``: where ``logits`` lie in llama.cpp (a chain then reads them
+        there). Log-probabilities are those of the model's own logits (under a grammar, the
+        constrained distribution), before any ban."""
+        if self._plain:  # what the steps below come to for it, with nothing to ask
+            token = int(self._banned(logits, eog_ids).argmax())
+            self.n_picked += 1
+            return token
         think = self.think
         if think is not None and (forced := think.forced()) is not None:
             token, shown = forced, logits  # a think tag being written: the model's logits are not asked
             self._accept_chain(token, len(logits))
         elif self._constrained_now():
-            token, shown = self._constrained(logits, eog_ids)
+            token, shown = self._constrained(logits, eog_ids, at)
         else:
             shown = logits.copy() if self.logprobs is not None and self.bans_eog and logits.flags.writeable else logits
-            token = self._free(logits, eog_ids)
+            token = self._free(logits, eog_ids, at)
             if think is not None and think.holds_grammar and token in eog_ids and (close := think.close_instead()) is not None:
                 token = close
         if think is not None:
@@ -139,12 +164,19 @@ class Sampler:
         if not self.is_argmax:
             self._the_chain().accept(token, n_vocab)
 
-    def _free(self, logits: np.ndarray, eog_ids: np.ndarray) -> int:
+    def _free(self, logits: np.ndarray, eog_ids: np.ndarray, at: LogitsRow | None = None) -> int:
         """A pick with no grammar (or a lazy one still waiting for its trigger)."""
-        token = self._pick(self._banned(logits, eog_ids))
-        if token is None:
-            raise RuntimeError("sampler selected no token")
-        self._accept_chain(token, len(logits))
+        banned = self._banned(logits, eog_ids)
+        if at is not None and banned is logits and self._on_context and not self.is_argmax:
+            # The chain reads the row in llama.cpp's buffer, the ban written there: picked
+            # and accepted in one call.
+            token = self._the_chain().sample_at(at, len(logits))
+        else:
+            picked = self._pick(banned)
+            if picked is None:
+                raise RuntimeError("sampler selected no token")
+            token = picked
+            self._accept_chain(token, len(logits))
         if self._watch is not None and not self._watch.fired and not self._dropped:
             self._watch_trigger(token)
         return token
@@ -158,7 +190,7 @@ class Sampler:
             log.warning("%s: the grammar refused its trigger's text %r; the reply goes on unconstrained", self._grammar_param, matched)
             self._dropped = True
 
-    def _constrained(self, logits: np.ndarray, eog_ids: np.ndarray) -> tuple[int, np.ndarray]:
+    def _constrained(self, logits: np.ndarray, eog_ids: np.ndarray, at: LogitsRow | None = None) -> tuple[int, np.ndarray]:
         """The pick under the grammar, and the logits its log-probabilities are read from
         (the constrained distribution: tokens the grammar refuses at -inf).
 
@@ -170,12 +202,12 @@ class Sampler:
         them it is always computed. The grammar's end wins over an end-of-generation ban: once
         it allows nothing but the end, the reply is complete and ends."""
         if self._watch is not None and not self._watch.fired:
-            return self._free(logits, eog_ids), logits
+            return self._free(logits, eog_ids, at), logits
         if self.failure is not None:  # ended already (a step may sample once more)
             return _end(eog_ids, self.failure), logits
         state = self._grammar_state()
         if self.logprobs is None:
-            token = self._pick(self._banned(logits, eog_ids))
+            token = self._first_pick(logits, eog_ids, at)
             if token is not None and np.isfinite(logits[token]) and state.allows(token):
                 return self._take(state, token, len(logits)), logits
         allowed = state.allowed()
@@ -192,6 +224,16 @@ class Sampler:
         if token is None or not np.isfinite(pick[token]):
             return _end(eog_ids, "the grammar allows no token"), logits
         return self._take(state, token, len(logits)), masked
+
+    def _first_pick(self, logits: np.ndarray, eog_ids: np.ndarray, at: LogitsRow | None) -> int | None:
+        """The unconstrained pick the grammar checks first, not yet accepted. On llama.cpp's
+        row when accepting changes nothing in the chain (no penalties: top-k/p, min-p,
+        temperature and the draw keep no history), since ``llama_sampler_sample`` accepts
+        what it picks, and a refused token must not enter a penalty's history."""
+        banned = self._banned(logits, eog_ids)
+        if at is not None and banned is logits and self._on_context and not self.is_argmax and not self.params.penalized:
+            return self._the_chain().sample_at(at, len(logits))
+        return self._pick(banned)
 
     def _take(self, state: GuidanceState, token: int, n_vocab: int) -> int:
         self._accept_chain(token, n_vocab)
