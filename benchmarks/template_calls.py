@@ -231,9 +231,9 @@ def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
         return {"result": "ERR", "why": f"render: {exc}"}
     prompt = plan.prompt or ""
     want = REASONING
-    if caps.tool_format.harmony:
+    if caps.tool_format.name == "harmony":
         reply = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
-    elif caps.tool_format.channels == "glimmer":  # the prompt ends with <|start|>assistant
+    elif caps.tool_format.name == "muse_glimmer":  # the prompt ends with <|start|>assistant
         reply = f" to=self<|message|>{REASONING}<|eom|><|start|>assistant to=user<|message|>{ANSWER}<|eot|>"
     else:
         open_, close = caps.think_tags

@@ -10,10 +10,35 @@ import logging
 import resource
 import signal
 import sys
+from collections.abc import Collection, Iterator
 
 import trio
 
 from .config import Settings, add_arguments, settings_from, settings_table
+
+
+class _ToolCallParsers(Collection[str]):
+    """--tool-call-parser's words: auto and the engine's tool-call families (their roster,
+    engine/chat/families/), read when argparse first checks or lists them, or a setting is
+    validated: the commands that never serve do not load the engine to build their parser."""
+
+    def _words(self) -> tuple[str, ...]:
+        from .engine import TOOL_CALL_PARSERS
+
+        return TOOL_CALL_PARSERS
+
+    def __contains__(self, word: object) -> bool:
+        return word in self._words()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._words())
+
+    def __len__(self) -> int:
+        return len(self._words())
+
+
+# The settings' words this layer decides (config.py is below the engine).
+CHOICES = {"tool_call_parser": _ToolCallParsers()}
 
 
 async def _serve_until_signal(settings: Settings) -> None:
@@ -77,7 +102,7 @@ def raise_file_limit() -> tuple[int, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+    settings = settings_from(args, choices=CHOICES)
     from .observability import configure_logging
 
     configure_logging(settings)  # --log-level, --log-format, --log-requests
@@ -255,7 +280,7 @@ def cmd_identity(args: argparse.Namespace) -> int:
 
 
 def cmd_settings(_args: argparse.Namespace) -> int:
-    print(settings_table())
+    print(settings_table(CHOICES))
     return 0
 
 
@@ -267,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the engine (HTTP + binary RPC)")
-    add_arguments(p)
+    add_arguments(p, CHOICES)
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser(

@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import os
 import string
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -281,13 +282,8 @@ def parse_networks(value: str, name: str) -> tuple[IPNetwork, ...]:
     return tuple(nets)
 
 
-# flag name -> (env var, help). The env var is read when the flag is not given.
-# The tool-call families: engine/chat/formats.py FORMATS, in its order (tests/repo/test_architecture.py
-# holds the two equal; this module is below engine/ and cannot import it).
-TOOL_CALL_PARSERS = (
-    "auto", "hermes", "llama3", "mistral", "granite", "nemotron", "apriel", "firefunction", "functionary", "gigachat3", "gigachat3_1", "generic", "qwen3_coder", "seed_oss", "glm", "kimi_k2", "deepseek",
-    "deepseek_dsml", "minimax", "minimax_m1", "gemma4", "cohere", "apertus", "minicpm5", "solar", "kimi_k3", "hy3", "lfm2", "command_r_plus", "harmony", "muse_glimmer",
-)
+# flag name -> (env var, help). The env var is read when the flag is not given. "{choices}": the
+# words a layer above hands in (``Choices``), listed where the help is shown.
 _HELP: dict[str, str] = {
     "model": "GGUF model path (default: a synthetic random-weight demo model); repeated as NAME=PATH, several models served by name (a request's model picks one, loaded on demand)",
     "models_dir": "serve every GGUF of this folder by name, as llama-server's router: NAME.gguf at the top, or NAME/ holding one model (mmproj and draft files skipped)",
@@ -340,8 +336,8 @@ _HELP: dict[str, str] = {
     "sampling_fast_path": "pick each token where its logits are: greedy's argmax on llama.cpp's logits row with no other sampler step, a sampler chain's pick (temperature, top-k/p, min-p, penalties) by llama.cpp on that row (llama_sampler_sample); --no-sampling-fast-path: the path before (every step, a chain over a NumPy copy of the row), to measure one against the other",
     "chat_template": "chat template: a llama.cpp built-in name (e.g. gemma, chatml, llama3) or Jinja source",
     "chat_template_file": "chat template: path of a Jinja file",
-    "tool_call_parser": "tool-call syntax written and parsed: auto (from the chat template's markers), or one family: "
-    + ", ".join(TOOL_CALL_PARSERS[1:]) + " (docs/templates.md)",
+    "tool_call_parser": "tool-call syntax written and parsed, one of {choices}: auto reads it from the chat template's "
+    "markers, any other is one tool-call family's (docs/templates.md)",
     "reasoning_budget": "thinking budget in tokens (llama-server's): -1 unlimited, 0 thinking off (enable_thinking false), N > 0 at most N tokens of reasoning, then the close tag (e.g. </think>) is written and the reply goes on; a request's reasoning_budget_tokens wins",
     "reasoning_format": "reasoning in replies: auto (split <think> into reasoning_content when the template has thinking tags), deepseek (always split), none (keep inline)",
     "default_n_predict": "tokens to generate when a request does not say",
@@ -425,12 +421,15 @@ CACHE_TYPES = {
 }
 UNQUANTIZED_CACHE_TYPES = frozenset({"f32", "f16", "bf16"})
 # Settings that take one of a few words: argparse offers them, validate() holds any source to them.
+# Words a layer above decides are handed in by the caller (``Choices``): config.py is below
+# engine/, so the CLI gives tool_call_parser the engine's tool-call families (their roster,
+# engine/chat/families/), and this module keeps no list of them.
+Choices = Mapping[str, Collection[str]]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "flash_attn": FLASH_ATTN_MODES,
     "cache_type_k": tuple(CACHE_TYPES),
     "cache_type_v": tuple(CACHE_TYPES),
     "log_format": LOG_FORMATS,
-    "tool_call_parser": TOOL_CALL_PARSERS,
     "reasoning_format": REASONING_FORMATS,
     "spec_type": SPEC_TYPES,
     "kv_events_encoding": ("auto", "map", "array"),
@@ -475,15 +474,26 @@ def _comma_list(given: list[str]) -> tuple[str, ...]:
     return tuple(item for text in given for item in text.split(",") if item.strip())
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def _help(name: str, choices: Choices, *, listed: bool) -> str:
+    """A setting's help, its "{choices}" the words handed in: listed here, or (``listed``
+    false: argparse's help) argparse's own ``%(choices)s``, read only when help is shown."""
+    words = choices.get(name)
+    if words is None:
+        return _HELP[name].replace("{choices}", "the words its caller gives")
+    return _HELP[name].replace("{choices}", ", ".join(words) if listed else "%(choices)s")
+
+
+def add_arguments(parser: argparse.ArgumentParser, choices: Choices | None = None) -> None:
+    """Every setting's flag; ``choices``: the words of settings a layer above decides."""
     defaults = Settings()
+    words = {**_CHOICES, **(choices or {})}
     for f in (f for f in fields(Settings) if f.name not in _NO_FLAG):
         if f.name == "model":  # one PATH, or NAME=PATH repeated
             parser.add_argument("--model", dest="model", action="append", default=None, help=f"{_HELP['model']} [env HYDRA_MODEL; default None]")
             continue
         default = getattr(defaults, f.name)
         kind = _field_type(f.name, default)
-        help_text = f"{_HELP[f.name]} [env {env_name(f.name)}; default {default}]"
+        help_text = f"{_help(f.name, words, listed=False)} [env {env_name(f.name)}; default {default}]"
         if kind is bool and default is not False:  # on, or decided, by default: --NAME and --no-NAME
             parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             continue
@@ -493,11 +503,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is tuple:  # repeatable, each a comma list (llama-server's --lora)
             parser.add_argument(flag_name(f.name), dest=f.name, action="append", default=None, help=help_text)
             continue
-        parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=_CHOICES.get(f.name), default=None, help=help_text)
+        parser.add_argument(flag_name(f.name), dest=f.name, type=kind, choices=words.get(f.name), default=None, help=help_text)
 
 
-def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
-    """Flags win over HYDRA_* variables, which win over defaults."""
+def settings_from(
+    args: argparse.Namespace | None = None, env: dict[str, str] | None = None, *, choices: Choices | None = None, **overrides: Any
+) -> Settings:
+    """Flags win over HYDRA_* variables, which win over defaults; ``choices``: as ``validate``'s."""
     env = dict(os.environ) if env is None else env
     defaults = Settings()
     values: dict[str, Any] = {}
@@ -518,7 +530,7 @@ def settings_from(args: argparse.Namespace | None = None, env: dict[str, str] | 
                 values[f.name] = _env_bool(raw, env_name(f.name)) if kind is bool else _convert(kind, raw, env_name(f.name))
     values.update(overrides)
     settings = Settings(**{**{f.name: getattr(defaults, f.name) for f in fields(Settings)}, **values})
-    validate(settings)
+    validate(settings, choices)
     return settings
 
 
@@ -578,7 +590,9 @@ def _topic_problem(topic: str) -> str | None:
     return None
 
 
-def validate(s: Settings) -> None:
+def validate(s: Settings, choices: Choices | None = None) -> None:
+    """SystemExit naming every problem; ``choices``: the words of settings a layer above
+    decides (a setting not given its words here is held to them where it is used)."""
     problems = [
         f"{name} must be {lo:g}..{hi:g}" for name, (lo, hi) in _RANGES.items() if not lo <= getattr(s, name) <= hi
     ]
@@ -627,9 +641,9 @@ def validate(s: Settings) -> None:
         problems.append("n_gpu_layers must be -1 (all) or >= 0")
     if s.main_gpu < 0:
         problems.append("main_gpu must be >= 0")
-    for name, choices in _CHOICES.items():
-        if getattr(s, name) not in choices:
-            problems.append(f"{name} must be one of {', '.join(choices)}")
+    for name, words in {**_CHOICES, **(choices or {})}.items():
+        if getattr(s, name) not in words:
+            problems.append(f"{name} must be one of {', '.join(words)}")
     if (problem := cache_type_problem(s.cache_type_v, s.flash_attn)) is not None:
         problems.append(problem)
     if s.ctx_checkpoints < 0:
@@ -682,10 +696,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def settings_table() -> str:
+def settings_table(choices: Choices | None = None) -> str:
     """Markdown table of every setting (docs/operations.md "Every flag")."""
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     defaults = Settings()
     for f in (f for f in fields(Settings) if f.name not in _NO_FLAG):
-        rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{getattr(defaults, f.name)}` | {_HELP[f.name]} |")
+        meaning = _help(f.name, {**_CHOICES, **(choices or {})}, listed=True)
+        rows.append(f"| `{flag_name(f.name)}` | `{env_name(f.name)}` | `{getattr(defaults, f.name)}` | {meaning} |")
     return "\n".join(rows)

@@ -177,7 +177,9 @@ def _flat(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @given(text=st.text(alphabet="ab <>/thinkool_c{}\":", max_size=60), cuts=st.lists(st.integers(0, 60), max_size=8), think=st.booleans())
 def test_streamed_events_reassemble_to_the_response(text: str, cuts: list[int], think: bool) -> None:
     from hydra_trio.engine.chat import ReplyParser
-    from hydra_trio.engine.chat.formats import HERMES
+    from hydra_trio.engine.chat.formats import FORMATS
+
+    HERMES = FORMATS["hermes"]
 
     reply = ("<think>" + text[:10] + "</think>" if think else "") + text + '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
     res = GenerationResult(prompt_tokens=10, n_common=4, completion_tokens=5, stop_type="eos")

@@ -1,6 +1,6 @@
 """docs/architecture.md's map held against the tree: every module listed (and nothing that
 is not there), llama_cpp imported only by engine/llama/, wire/ pure, chat/ and structured/
-free of llama/, the tool-call parsers' names the format table's, and the import graph of the
+free of llama/, the settings naming no tool-call family (the roster's), and the import graph of the
 layers (folders and top-level modules) without a circle, so no import runs back up; the
 top of the package the composition root, the CLI and the settings, every other module in a
 room entered through its face. Rules of
@@ -51,10 +51,17 @@ def unit(module: str) -> str | None:
 
 
 def test_the_module_map_lists_every_module_and_only_those() -> None:
-    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", DOC.read_text(encoding="utf-8"), flags=re.M))
+    """A row is a module, or a folder's ``*.py``: the modules of a folder that holds one
+    module per member of a registry (engine/chat/families/), each registering itself, so
+    that adding one is its file and its tests; the folder's own modules have rows of theirs."""
+    rows = set(re.findall(r"^\| `([\w/]+(?:\*)?\.py)` \|", DOC.read_text(encoding="utf-8"), flags=re.M))
+    listed = {r for r in rows if not r.endswith("/*.py")}
+    folders = {r.removesuffix("*.py") for r in rows - listed}
     tree = {m for m in modules() if not m.endswith("__init__.py")}
-    assert tree - listed == set(), f"modules missing from docs/architecture.md's map: {sorted(tree - listed)}"
+    members = {m for m in tree - listed if any(m.startswith(f) and "/" not in m[len(f):] for f in folders)}
+    assert tree - listed - members == set(), f"modules missing from docs/architecture.md's map: {sorted(tree - listed - members)}"
     assert listed - tree == set(), f"docs/architecture.md lists modules that are not there: {sorted(listed - tree)}"
+    assert all(any(m.startswith(f) for m in members) for f in folders), f"folders of no member module: {sorted(folders)}"
 
 
 def test_only_engine_llama_imports_llama_cpp() -> None:
@@ -212,11 +219,17 @@ def test_chat_and_structured_import_nothing_of_llama() -> None:
                     todo.append(found)
 
 
-def test_the_tool_call_parsers_are_the_format_table() -> None:
-    from hydra_trio.config import TOOL_CALL_PARSERS
+def test_the_settings_keep_no_list_of_tool_call_families() -> None:
+    """--tool-call-parser's words are the roster's (engine/chat/families/), handed to the
+    settings by the CLI (tests/engine/chat/test_toolcall_registry.py): config.py names no family."""
     from hydra_trio.engine.chat.formats import FORMATS
 
-    assert TOOL_CALL_PARSERS == ("auto", *FORMATS)
+    lists = [
+        {e.value for e in node.elts if isinstance(e, ast.Constant)}
+        for node in ast.walk(ast.parse((PKG / "config.py").read_text(encoding="utf-8")))
+        if isinstance(node, ast.Tuple | ast.List | ast.Set)
+    ]
+    assert not [words & set(FORMATS) for words in lists if len(words & set(FORMATS)) > 1]
 
 
 def test_the_front_ends_reach_only_the_engines_face() -> None:

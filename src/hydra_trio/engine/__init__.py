@@ -1,9 +1,10 @@
 """The engine: one model, N slots, one GPU worker. Its face is what this package exports:
 ``Engine`` (and a slot's ``SlotLease``), the parameter, result and stats types the front ends
-read, and the chat room's reply types. Nothing outside engine/ reaches its modules."""
+read, the chat room's reply types and the tool-call families' names (--tool-call-parser).
+Nothing outside engine/ reaches its modules."""
 
 from .adapters import LoraAdapters
-from .chat import ReplyDelta, ReplyParser, ToolCall
+from .chat import TOOL_CALL_PARSERS, ReplyDelta, ReplyParser, ToolCall
 from .embedder import Embedder, Pooled
 from .engine import Engine, KvEvents, Prepared
 from .kv import Admitted, KvCopy
@@ -22,6 +23,7 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "POOLING_TYPES",
     "REASONING_EFFORTS",
+    "TOOL_CALL_PARSERS",
     "Admitted",
     "CallTiming",
     "DecodeAborted",

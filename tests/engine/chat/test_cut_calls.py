@@ -75,7 +75,7 @@ def read_cut(fmt: ToolFormat, req: ToolRequest, text: str) -> tuple[str, list[tu
 def test_a_cut_reply_keeps_its_whole_calls_and_shows_no_syntax(vocab: Any, fmt: ToolFormat) -> None:
     req = parse_tools({"tools": TOOLS, "tool_choice": "required"})
     assert req is not None
-    want = 1 if fmt.harmony else 2  # gpt-oss: one call a reply
+    want = 1 if fmt.one_call else 2  # gpt-oss: one call a reply
     # Seeded walks until two replies of several calls (a walk may close a list after one).
     texts = [t for seed in range(40) if len(parse_reply(t := walk(vocab, fmt, req, seed, 3), fmt, parse_tools=True,
                                                          reasoning=False, tools=req).tool_calls) >= want][:2]

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import family_examples
 from hydra_trio.engine.chat import ReplyParser, parse_reply
 from hydra_trio.engine.chat.formats import FORMATS, ToolFormat
 from hydra_trio.wire.jsontext import MAX_MODEL_DEPTH, parse_json
@@ -102,7 +103,8 @@ def test_nesting_a_thousand_deep_is_content_not_a_crash(name: str) -> None:
 
 
 # Families whose parameter values are text, read as JSON where they are JSON (else kept as text).
-XML_VALUES = {"qwen3_coder", "seed_oss", "glm", "hy3", "minimax", "deepseek_dsml", "minicpm5", "kimi_k3", "muse_glimmer"}
+XML_VALUES = {"qwen3_coder", "seed_oss", "glm", "hy3", "minimax", "deepseek_dsml", "minicpm5", "kimi_k3", "muse_glimmer",
+              *family_examples.XML_VALUES}
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

@@ -1,5 +1,5 @@
-"""The model families whose calls are not one JSON object (engine/chat/families.py) and
-gpt-oss's harmony channels (harmony.py): each family's replies, as llama.cpp's tests expect
+"""The model families whose calls are not one JSON object (engine/chat/families/) and
+gpt-oss's harmony channels (families/harmony.py): each family's replies, as llama.cpp's tests expect
 them parsed (restated in our words), give the same calls, reasoning and content whole and
 streamed split at every point; ``auto`` picks the family from a template's markers. Pure."""
 
@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import family_examples
 from helpers import chat_plan
 from hydra_trio.engine.chat import (
     ChatTemplate,
@@ -313,6 +314,7 @@ CASES: list[Case] = [
      False, "", "", [("get_time", {"city": "42"})]),  # a string parameter stays text
     ("hy3", "<tool_call:opensource>nope<tool_sep:opensource>\n</tool_call:opensource>", False,
      "<tool_call:opensource>nope<tool_sep:opensource>\n</tool_call:opensource>", "", []),  # an undeclared tool: content
+    *family_examples.CASES,  # the families added since, from their own test modules
 ]
 
 

@@ -17,14 +17,17 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+import family_examples
 from helpers import object_schemas
 from hydra_trio.engine import SamplingParams
 from hydra_trio.engine.chat import ToolRequest, parse_reply, parse_tools
 from hydra_trio.engine.chat.call_grammar import tool_triggers, tools_grammar
-from hydra_trio.engine.chat.formats import FORMATS, GENERIC, HERMES, ToolFormat, Trigger
+from hydra_trio.engine.chat.families import ToolFormat, Trigger
+from hydra_trio.engine.chat.formats import FORMATS, GENERIC
 from hydra_trio.engine.sample import Sampler
 from hydra_trio.wire.errors import ParamError
 
+HERMES = FORMATS["hermes"]
 SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 MAX_TOKENS = 3000  # Hy3 writes its long tags in many tokens here: 8 parallel calls can pass 1500
 
@@ -132,6 +135,10 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>",
               "muse_glimmer": ' to=tool_0<|message|><atem:function_calls>\n<atem:invoke name="tool_0">\n<atem:parameter name="x">'}
     for name, fmt in FORMATS.items():
+        if name not in starts:  # a family added since: what its own writer puts before the value
+            written = family_examples.write_calls(fmt, [("tool_0", {"x": True})], lambda _n, _k, v: json.dumps(v))
+            assert written is not None, f"{name}: no writer of its calls (family_examples.py)"
+            starts[name] = written[: written.index("true")]
         use_format(eng, fmt)
         text, _ = await generate(eng, body)
         # llama3's <|python_tag|> is optional: the reply may or may not carry it.

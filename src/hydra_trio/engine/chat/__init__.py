@@ -17,7 +17,7 @@ from ...wire.errors import bad_param
 from ..structured import Constraint, OutputGrammar, ThinkPlan
 from .call_grammar import constraint_grammar
 from .caps import TemplateCaps, template_caps
-from .formats import GENERIC, syntax_text
+from .formats import GENERIC, TOOL_CALL_PARSERS
 from .parser import ReplyDelta, ReplyParser, ToolCall, parse_reply
 from .render import (
     BUDGET_KEYS,
@@ -33,6 +33,7 @@ from .tools import ToolRequest, parse_tools
 
 __all__ = [
     "BUDGET_KEYS",
+    "TOOL_CALL_PARSERS",
     "Chat",
     "ChatPlan",
     "ChatRequestError",
@@ -251,7 +252,7 @@ def _shown_tokens(served: _Served, special_text: Mapping[int, bytes], unshown: f
     think markup, not turn markers such as ``<|im_start|>``, which stay unshown as in
     llama-server). BOS and EOG never reach a reply's text."""
     caps = served.caps
-    syntax = "\n".join((*syntax_text(caps.tool_format), *caps.think_tags))
+    syntax = "\n".join((*caps.tool_format.syntax_text(), *caps.think_tags))
     source = served.template.jinja or ""
     shown = set()
     for token, raw in special_text.items():

@@ -32,11 +32,9 @@ from ..structured import (
     format_expr,
     format_grammar,
     literal,
-    optional_tail,
-    regex_literal,
     seq,
 )
-from .formats import CALL_PREFIX, ToolFormat, Trigger
+from .families import CALL_PREFIX, ToolFormat, Trigger
 from .tools import Tool, ToolRequest
 
 MAX_PARALLEL_CALLS = 8  # calls one reply's tool grammar allows with parallel_tool_calls
@@ -71,7 +69,7 @@ def tools_grammar(request: ToolRequest, fmt: ToolFormat, answer: Constraint | No
     """The grammar of a reply's calls in ``fmt`` (``answer``: under ``auto``, the typed answer
     the reply may be instead), and its lazy triggers (``auto`` without an answer)."""
     rules = SchemaRules()  # tool parameters: relaxed, never refused for a keyword
-    one = request.choice == "function" or not request.parallel or fmt.harmony  # gpt-oss: one call a reply
+    one = request.choice == "function" or not request.parallel or fmt.one_call
     as_documents = answer is not None and fmt.at_start  # the reply may open with either document
     if fmt.list_key and as_documents:  # the generic form: the calls' whole object is one JSON document
         calls_rule, lines = _json_list(request, fmt, rules, one), []
@@ -85,8 +83,8 @@ def tools_grammar(request: ToolRequest, fmt: ToolFormat, answer: Constraint | No
         raise bad_param(f"tools: the tools' grammar is over {MAX_GRAMMAR_CHARS} characters", "tools")
     triggers: Triggers = ()
     if request.choice == "auto" and answer is None:
-        if fmt.recipient:
-            triggers = recipient_patterns(fmt, [t.name for t in request.callable])
+        if fmt.tool_patterns is not None:  # patterns of its own, naming the request's tools (functionary)
+            triggers = fmt.tool_patterns(fmt, [t.name for t in request.callable])
         else:
             triggers = tuple(t.pattern for t in (*fmt.triggers, *tool_triggers(fmt, request)))
     return OutputGrammar(text, triggers=triggers, param="tools", relaxed=tuple(rules.relaxed), parts=tuple(rules.parts))
@@ -108,12 +106,8 @@ def _calls(request: ToolRequest, fmt: ToolFormat, rules: SchemaRules, one: bool,
     more: list[str] = []
     for i, tool in _callable(request):
         where = f"tools[{i}].function.parameters"
-        if fmt.block is not None and fmt.block.call_rule is not None:  # a family's own markup (families.py)
-            head, rest = _leading_literal(_rule_lines(fmt.block.call_rule(tool, i, rules), lines))
-        elif fmt.recipient:  # functionary: the tool's name on its line, then its arguments' JSON
-            head, rest = tool.name + "\n", rules(tool.parameters, where)
-        elif fmt.harmony:  # gpt-oss: a commentary message to the function, its body the JSON
-            head, rest = f"<|channel|>commentary to=functions.{tool.name} <|constrain|>json<|message|>", rules(tool.parameters, where)
+        if fmt.call_rule is not None:  # a family's own call (its module in families/)
+            head, rest = _leading_literal(_rule_lines(fmt.call_rule(tool, i, rules), lines))
         elif as_documents:
             head, rest = "", rules.json(_call_object(rules, tool, i, fmt.args_key), where)
         else:
@@ -180,26 +174,3 @@ def tool_triggers(fmt: ToolFormat, request: ToolRequest) -> tuple[Trigger, ...]:
         return ()
     text, then = fmt.tool_trigger
     return tuple(Trigger(text.replace("{name}", t.name), False, then.replace("{name}", t.name)) for t in request.callable)
-
-
-def recipient_patterns(fmt: ToolFormat, names: list[str]) -> Triggers:
-    """Functionary's lazy trigger: a recipient line after the opener that names a tool.
-    llama.cpp's ``>>>(?!all)``, searched after each token, also matches a ``>>>`` that ends
-    the text before ``all`` comes (a ``>>>all`` content line written over two tokens is
-    forced into a call); this waits for the first character that parts the name from
-    content's ``all\\n`` line, so ``>>>all`` never triggers, and matches only a beginning of
-    ``>>>NAME\\n`` (as much of it as the last token carries): what is fed is a beginning of
-    the grammar. As llama.cpp's, it is searched in the generated text only, so a call the
-    reply opens with (after the prompt's ``>>>``) is not triggered; nor is a tool named ``all``."""
-    content = fmt.recipient + "\n"
-    alternatives = []
-    for name in names:
-        line = name + "\n"
-        parts = next((i for i, (a, b) in enumerate(zip(line, content, strict=False)) if a != b), None)
-        if parts is None:  # the name is content's recipient (a shorter one cannot be: names have no newline)
-            continue
-        alternatives.append(regex_literal(line[: parts + 1]) + optional_tail(line[parts + 1:]))
-    if not alternatives:  # still lazy (no triggers would hold the grammar from the start): one that never matches
-        return ("([^\\s\\S])$",)
-    names_re = "|".join(alternatives)
-    return (f"({regex_literal(fmt.opener)}(?:{names_re}))$",)

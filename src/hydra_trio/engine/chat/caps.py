@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import formats as f
-from .formats import FORMATS, GENERIC, ToolFormat
+from .families import GENERIC, ToolFormat, by_name, detection_order
 from .jinja import compile_template, date_context
 from .reasoning import CLOSE, OPEN
 from .templates import ChatTemplate
@@ -51,40 +50,6 @@ class TemplateCaps:
         }
 
 
-# Each family's own markers, most specific first: several families write ``<tool_call>``
-# (Hermes' JSON, Qwen3-Coder's ``<function=``, GLM's ``<arg_key>``), so theirs come before it.
-_MARKERS: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
-    (("<|channel|>", "<|message|>"), f.HARMONY),
-    (("<atem:function_calls>", "<|eom|>"), f.GLIMMER),  # Muse Glimmer, as llama.cpp tells it
-    (("<|tool_calls_section_begin|>",), f.KIMI_K2),
-    (("<|open|>", "<|close|>", "<|end_of_msg|>"), f.KIMI_K3),  # its tags built from these, as llama.cpp tells it
-    (("｜DSML｜",), f.DEEPSEEK_DSML),
-    (("<｜tool▁calls▁begin｜>",), f.DEEPSEEK),
-    (("<minimax:tool_call>",), f.MINIMAX),
-    (("<|START_ACTION|>", "<|END_ACTION|>"), f.COHERE),
-    (("directly-answer", "Action:", "```json"), f.COMMAND_R_PLUS),
-    (("<|tools_prefix|>", "<|tools_suffix|>"), f.APERTUS),
-    (("<|tool_call:begin|>", "<|tool_call:name|>"), f.SOLAR),
-    (("<|tool_list_start|>", "<|tool_list_end|>"), f.LFM2),  # LFM2 (llama.cpp's is_lfm2_template)
-    (("List of tools: [",), f.LFM2),  # LFM2.5: its tools in plain text
-    (("<|tool_call>", "<tool_call|>"), f.GEMMA4),
-    (("<seed:tool_call>",), f.SEED_OSS),
-    (("Tool usage guidelines:", '<function name="', '<param name="'), f.MINICPM5),  # as llama.cpp tells it
-    (("<tool_sep{}>", "<arg_key{}>", ":opensource"), f.HY3),  # Tencent Hy3 formats its tags with the suffix
-    (("<arg_key>", "<arg_value>"), f.GLM),
-    (("<function=", "<parameter="), f.QWEN3_CODER),
-    (("<TOOLCALL>[",), f.NEMOTRON),
-    (("functools[",), f.FIREFUNCTION),
-    ((">>>all", ">>>${recipient}"), f.FUNCTIONARY),  # functionary v3.2, as llama.cpp tells it
-    (("<|function_call|>", "<|role_sep|>"), f.GIGACHAT3_1),
-    (("<|role_sep|>", "<|message_sep|>", "function call"), f.GIGACHAT3),  # without <|function_call|>, as llama.cpp
-    (("</tool_calls><end_of_sentence>",), f.MINIMAX_M1),
-    (("<tool_calls>[",), f.APRIEL),  # before <tool_call>: Apriel 1.5 names both
-    (("<tool_call>",), f.HERMES),
-    (("[TOOL_CALLS]",), f.MISTRAL),
-    (("<|tool_call|>",), f.GRANITE),
-    (("<|python_tag|>",), f.LLAMA3),
-)
 APRIEL_LEAD = "Here are my reasoning steps:"
 # Reasoning markers other than <think>: the first found in the source is the template's.
 _THINK_TAGS: tuple[tuple[str, str], ...] = (
@@ -105,18 +70,18 @@ HY3_THINK = ("<think:opensource>", "</think:opensource>")
 
 
 def detect_format(source: str) -> ToolFormat:
-    """The tool format a Jinja template's source writes calls in (generic: it has none)."""
-    for marks, fmt in _MARKERS:
-        if all(m in source for m in marks):
+    """The tool format a Jinja template's source writes calls in: the family of the first
+    detection rule that holds, in the roster's order (families/roster.py); generic: none does."""
+    for rule, fmt in detection_order():
+        if rule.holds(source):
             return fmt
-    if "ipython" in source and "parameters" in source:
-        return f.LLAMA3
     return GENERIC
 
 
 def detect_think_tags(source: str) -> tuple[str, str] | None:
     """The markers a template's reasoning is written between; None: it has none (gpt-oss's
-    analysis channel and Muse Glimmer's ``to=self`` messages are their formats', harmony.py)."""
+    analysis channel and Muse Glimmer's ``to=self`` messages are their formats': the channel
+    dialects of families/harmony.py and families/glimmer.py)."""
     if all(m in source for m in ("<|open|>", "<|close|>", "<|end_of_msg|>")):
         return KIMI_K3_THINK  # Kimi K3 builds its tags from these tokens
     if "<think{}>" in source and ":opensource" in source:
@@ -131,13 +96,13 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
     """``template``'s capabilities; ``tool_call_parser`` (--tool-call-parser): a format's name
     overrides what the source suggests. A llama.cpp built-in renders role and content only."""
     source = template.jinja or ""
-    fmt = detect_format(source) if tool_call_parser == "auto" else FORMATS[tool_call_parser]
+    fmt = detect_format(source) if tool_call_parser == "auto" else by_name(tool_call_parser)
     tags = detect_think_tags(source)
     if template.jinja is not None:
         # Rendered, not sniffed: what the template prints of a probe conversation (``probe``).
         seen = probe(template.jinja)
         return TemplateCaps(
-            tool_format=fmt, thinks=tags is not None or bool(fmt.channels), renders_tool_calls=seen.renders_tool_calls,
+            tool_format=fmt, thinks=tags is not None or fmt.channels, renders_tool_calls=seen.renders_tool_calls,
             object_arguments=seen.object_arguments, system_role=seen.system_role, shows_tools=seen.shows_tools,
             thinking_default=seen.thinks, own_template=template.source != "fallback", think_tags=tags or (OPEN, CLOSE),
             turn_text=seen.plain, think_lead=tags is not None and tags[0] == APRIEL_LEAD,
@@ -145,7 +110,7 @@ def template_caps(template: ChatTemplate, tool_call_parser: str = "auto") -> Tem
     compact = source.replace(" ", "")
     return TemplateCaps(
         tool_format=fmt,
-        thinks=tags is not None or bool(fmt.channels),
+        thinks=tags is not None or fmt.channels,
         renders_tool_calls=template.jinja is not None and "tool_calls" in source,
         # Qwen, Hermes and Llama 3 print ``arguments | tojson`` or walk ``arguments.items()``;
         # others print the string as sent.

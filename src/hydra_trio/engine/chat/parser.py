@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...wire.jsontext import JsonSpan, read_bounded
-from .families import MAX_SALVAGE_TRIES, Props
-from .formats import GENERIC, ToolFormat, written_arguments
-from .harmony import GlimmerSplitter, HarmonySplitter
+from .families import GENERIC, MAX_SALVAGE_TRIES, ChannelReader, Props, ToolFormat
+from .formats import written_arguments
 from .markup import NON_SPACE, NextMark, held_back
 from .reasoning import CLOSE, OPEN, ThinkSplitter
 from .tools import ToolRequest
@@ -280,7 +279,7 @@ class _CallScanner:
         return end, [ToolCall(len(self.calls), self._new_id(), st.name, arguments)]
 
     def _block(self, buf: str, p: int, marker: int, final: bool) -> Outcome:
-        """A family's block region (families.py) at ``buf[p]``: a wake while its closer (or the
+        """A family's block region (its ``Block``, families/) at ``buf[p]``: a wake while its closer (or the
         optional tail after it) may still come; else (its end, its calls)."""
         block = self._fmt.block
         assert block is not None
@@ -426,18 +425,16 @@ class ReplyParser:
         names = None if tools is None else frozenset(t.name for t in tools.callable)
         props = {} if tools is None else {t.name: _properties(t.parameters) for t in tools.callable}
         self._new_id = new_id
-        self._harmony: HarmonySplitter | GlimmerSplitter | None = None
+        self._channels: ChannelReader | None = None
         self._think: ThinkSplitter | None = None
         self._scanner: _CallScanner | None = None
-        self._harmony_calls: list[ToolCall] = []
+        self._channel_calls: list[ToolCall] = []
 
         def accept(name: str, args: dict[str, Any]) -> str | None:
             return written_arguments(args) if names is None or name in names else None
 
-        if fmt is not None and fmt.channels == "glimmer":
-            self._harmony = GlimmerSplitter(reasoning=reasoning, parse_tools=parse_tools, accept=accept, props_of=props.get)
-        elif fmt is not None and fmt.harmony:  # its channels carry reasoning, content and calls alike
-            self._harmony = HarmonySplitter(reasoning=reasoning, parse_tools=parse_tools, accept=accept)
+        if fmt is not None and fmt.splitter is not None:  # its channels carry reasoning, content and calls alike
+            self._channels = fmt.splitter(reasoning=reasoning, parse_tools=parse_tools, accept=accept, props_of=props.get)
         else:
             self._think = (
                 ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags, lead=reasoning_lead) if reasoning else None
@@ -462,11 +459,11 @@ class ReplyParser:
         return self._step("", final=True, cut=cut)
 
     def _step(self, text: str, *, final: bool, cut: bool = False) -> ReplyDelta:
-        if self._harmony is not None:
-            reasoning, text, found = self._harmony.feed(text, final=final, cut=cut)
-            base = len(self._harmony_calls)
+        if self._channels is not None:
+            reasoning, text, found = self._channels.feed(text, final=final, cut=cut)
+            base = len(self._channel_calls)
             calls = [ToolCall(base + i, self._new_id(), n, a) for i, (n, a) in enumerate(found)]
-            self._harmony_calls.extend(calls)
+            self._channel_calls.extend(calls)
             self._content.append(text)
             self._reasoning.append(reasoning)
             return ReplyDelta(content=text, reasoning=reasoning, tool_calls=calls)
@@ -493,8 +490,8 @@ class ReplyParser:
 
     @property
     def calls(self) -> list[ToolCall]:
-        if self._harmony is not None:
-            return list(self._harmony_calls)
+        if self._channels is not None:
+            return list(self._channel_calls)
         return list(self._scanner.calls) if self._scanner is not None else []
 
 

@@ -1,7 +1,7 @@
 """Python-style tool calls, ``[name(arg="v", n=1), other()]``: LFM2's and LFM2.5's syntax
-(between ``<|tool_call_start|>`` and ``<|tool_call_end|>``). A ``Block`` as in families.py:
-the reader (Python and JSON literals, as llama.cpp's common/parsers/lfm2.cpp reads them) and
-the call rule (keyword arguments in the schema's order). Pure."""
+(between ``<|tool_call_start|>`` and ``<|tool_call_end|>``): the reader (Python and JSON
+literals, as llama.cpp's common/parsers/lfm2.cpp reads them) and the call rule (keyword
+arguments in the schema's order). Pure."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ...wire.jsontext import MAX_MODEL_DEPTH
-from ..structured import SchemaExpr, literal, seq
-from .families import Block, Call, Props
-from .tools import Tool
+from ....wire.jsontext import MAX_MODEL_DEPTH
+from ...structured import SchemaExpr, literal, seq
+from ..tools import Tool
+from .roster import register
+from .toolformat import Block, Call, Detect, Props, ToolFormat, Trigger
 
 # -- LFM2 / LFM2.5: <|tool_call_start|>[name(arg="v", n=1), other()]<|tool_call_end|> (Python-style calls)
 
@@ -185,7 +186,17 @@ def _keyword_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str
     return seq(literal(tool.name + "("), f"t{i}-args0" if n else "", literal(")")), rules
 
 
-LFM2 = Block(
-    openers=("<|tool_call_start|>",), closer="<|tool_call_end|>", read=_read_lfm2, call_rule=_keyword_rule,
-    call_end=")", list_close="]",
-)
+LFM2 = register(ToolFormat(
+    "lfm2",
+    "arguments",
+    before="<|tool_call_start|>[",
+    between=", ",
+    after="]<|tool_call_end|>",
+    block=Block(openers=("<|tool_call_start|>",), closer="<|tool_call_end|>", read=_read_lfm2, call_end=")", list_close="]"),
+    call_rule=_keyword_rule,
+    triggers=(Trigger("<|tool_call_start|>", False, "["),),
+    detect=(
+        Detect(120, ("<|tool_list_start|>", "<|tool_list_end|>")),  # LFM2 (llama.cpp's is_lfm2_template)
+        Detect(130, ("List of tools: [",)),  # LFM2.5: its tools in plain text
+    ),
+))
