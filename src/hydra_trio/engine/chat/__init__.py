@@ -18,7 +18,7 @@ from ..structured import Constraint, OutputGrammar, ThinkPlan
 from .call_grammar import constraint_grammar
 from .caps import TemplateCaps, template_caps
 from .formats import GENERIC, TOOL_CALL_PARSERS
-from .parser import ReplyDelta, ReplyParser, ToolCall, parse_reply
+from .parser import ReplyDelta, ReplyParser, parse_reply
 from .render import (
     BUDGET_KEYS,
     ApplyBuiltin,
@@ -28,6 +28,7 @@ from .render import (
     render_prompt,
     thinking_on,
 )
+from .scanner import ToolCall
 from .templates import ChatTemplate, resolve_chat_template
 from .tools import ToolRequest, parse_tools
 
