@@ -2,7 +2,8 @@
 
     python -m benchmarks.agents [--preset small | --model gemma3-270m] [--sessions 8] [--turns 8]
                                 [--slots 4] [--ram-share 0.5] [--configs llama-server,lru,session,session+disk]
-                                [--with-llama-server | --llama-server PATH] [--quick]
+                                [--with-llama-server | --llama-server PATH] [--quick] [--seeds 52,53]
+                                [--system 2000] [--task 300] [--answer 16] [--before-src DIR]
 
 The trace has the shape of vLLM's published agent traces (AgentX, September 2026: a median
 session of 43 turns, 142k input tokens, 444 output tokens a turn, more than 96 % of each
@@ -24,6 +25,12 @@ The same trace, replayed with N sessions at once, goes to:
 - ``session``: hydra-trio's session policy (Claude Code's session headers on every request,
   ``expected_resume: false`` on a subagent's last turn, ``POST /finish_session`` at the end);
 - ``session+disk``: the same with ``--cache-disk`` (the third tier);
+- ``router``: vllm-router ``--policy kv_aware`` in front of two hydra-trio engines (session
+  policy, each half the slots and half the RAM), routing on their KV events (both tiers:
+  slots as GPU blocks, RAM as CPU); the same headers, ``/finish_session`` sent to the router
+  and, as the router keeps it to itself, to each engine;
+- ``NAME@before``: configuration NAME on the engine code of ``--before-src`` (another checkout's
+  ``src``: the code before a change, measured in the same run);
 - the oracle: an engine that computes only each turn's new tokens (it holds every history).
 
 The RAM budget holds ``--ram-share`` of the live sessions' histories (KV bytes a token measured
@@ -38,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -54,6 +62,7 @@ from .llama_server import LlamaServer, find_or_build
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("llama-server", "lru", "session", "session+disk")
+ROUTER_ENGINES = 2
 SUBAGENT_SHARE = 0.44  # of sessions that start subagents
 
 
@@ -155,6 +164,7 @@ class Replay:
     url: str
     sessions_aware: bool  # send session hints and /finish_session (hydra-trio)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    finish_also: list[str] = field(default_factory=list)  # engines behind a router: told too
 
     async def run(self, agents: list[Agent]) -> None:
         """The first session's first turn alone (it computes the shared system prompt, as a
@@ -179,7 +189,10 @@ class Replay:
             await self._turn(client, agent, step)
             await trio.sleep(step.think_s)
         if self.sessions_aware and agent.agent == "lead":
-            await client.post("/finish_session", params={"session_id": f"{agent.session}:lead"})
+            params = {"session_id": f"{agent.session}:lead"}
+            await client.post("/finish_session", params=params)
+            for url in self.finish_also:
+                await client.post(url + "/finish_session", params=params)
 
     async def _turn(self, client: httpx.AsyncClient, agent: Agent, step: Step) -> None:
         body: dict[str, Any] = {
@@ -309,6 +322,91 @@ def plot(results: dict[str, Any], path: Path) -> None:
     print(f"plot: {path}")
 
 
+def hydra_extra(name: str, ram_mib: int, work: Path, step_token_budget: int) -> list[str]:
+    """hydra-trio's flags for configuration ``name`` (lru, session, session+disk)."""
+    # Prompt parts of llama-server's ubatch size ride along the streams' steps, as its do
+    # (ours default to 32 tokens a step, which keeps streams' pace and lengthens TTFT).
+    extra = ["--cache-ram-mib", str(ram_mib), "--session-policy", "lru" if name == "lru" else "session",
+             "--step-token-budget", str(step_token_budget)]
+    if name.endswith("+disk"):
+        extra += ["--cache-disk", str(work / f"kv-disk-{name}"), "--cache-disk-gib", "4"]
+    return extra
+
+
+def run_router(model: str, work: Path, tag: str, args: argparse.Namespace, ram_mib: int, trace: list[Agent],
+               env: dict[str, str] | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The trace through vllm-router's kv_aware policy over ROUTER_ENGINES hydra-trio engines
+    that publish KV events; the same slots and RAM in all, split evenly."""
+    from .harness import free_port
+    from .kv_routing import engine_prompt_work, router_decisions
+    from .router import start_router
+
+    slots = max(1, args.slots // ROUTER_ENGINES)
+    engines = []
+    try:
+        for i in range(ROUTER_ENGINES):
+            pub, replay = free_port(), free_port()
+            extra = [*hydra_extra("session", max(1, ram_mib // ROUTER_ENGINES), work, args.step_token_budget),
+                     "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
+            e = EngineProcess(model, slots=slots, ctx_size=slots * args.slot_ctx, threads=args.threads, extra=extra, env=env)
+            engines.append((e.start(work, f"{tag}-{i}"), pub, replay))
+        urls = [e.url for e, _, _ in engines]
+        router_args = ["--policy", "kv_aware", "--worker-urls", *urls, "--kv-event-model", "hydra", "--log-level", "debug"]
+        for e, pub, replay in engines:
+            router_args += ["--kv-event-source", f"{e.url}=tcp://127.0.0.1:{pub}",
+                            "--kv-event-replay-source", f"{e.url}=tcp://127.0.0.1:{replay}"]
+        proc, url = start_router(router_args, work, f"router-{tag}")
+        try:
+            replay_ = Replay(url, sessions_aware=True, finish_also=urls)
+            trio.run(replay_.run, trace)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
+        figures: dict[str, Any] = {"engines": []}
+        for e, _, _ in engines:
+            got = scrape_evictions(e.url)
+            got["prompt_tokens_processed"] = engine_prompt_work(e.url)
+            figures["engines"].append(got)
+        decisions = router_decisions(work / f"router-{tag}.log", urls)
+        figures["router_decisions"] = len(decisions)
+        figures["router_decisions_credited"] = sum(d["credited"] > 0 for d in decisions)
+        figures["turns_per_engine"] = [sum(d["engine"] == i for d in decisions) for i in range(len(urls))]
+    finally:
+        for e, _, _ in engines:
+            e.stop()
+    return figures, replay_.rows
+
+
+def run_config(name: str, model: str, work: Path, args: argparse.Namespace, ram_mib: int, trace: list[Agent],
+               binary: Path | None, tag: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """One configuration's replay: (its figures besides the summary, its rows); None: skipped."""
+    base, _, variant = name.partition("@")
+    env = None
+    if variant == "before":
+        if not args.before_src:
+            raise SystemExit(f"{name}: --before-src DIR names the code to measure as 'before'")
+        env = {**os.environ, "PYTHONPATH": str(Path(args.before_src).resolve())}
+    ctx = args.slots * args.slot_ctx
+    if base == "llama-server":
+        if binary is None:
+            return None
+        with LlamaServer(binary, model, ctx=ctx, slots=args.slots, log_dir=work, tag=tag,
+                         threads=args.threads, extra=["--cache-ram", str(ram_mib)]) as ls:
+            replay = Replay(ls.url, sessions_aware=False)
+            trio.run(replay.run, trace)
+        return {}, replay.rows
+    if base == "router":
+        return run_router(model, work, tag, args, ram_mib, trace, env)
+    eng = EngineProcess(model, slots=args.slots, ctx_size=ctx, threads=args.threads,
+                        extra=hydra_extra(base, ram_mib, work / tag, args.step_token_budget), env=env).start(work, tag)
+    try:
+        replay = Replay(eng.url, sessions_aware=base != "lru")
+        trio.run(replay.run, trace)
+        return scrape_evictions(eng.url), replay.rows
+    finally:
+        eng.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.agents", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny", help="synthetic model preset (ignored with --model)")
@@ -318,18 +416,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--slot-ctx", type=int, default=4096)
     ap.add_argument("--ram-share", type=float, default=0.5, help="RAM budget: this share of the live sessions' histories")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="of llama-server, lru, session, session+disk, router; NAME@before")
     ap.add_argument("--seed", type=int, default=52)
+    ap.add_argument("--seeds", default=None, help="several traces, comma-separated (default: --seed)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--think-scale", type=float, default=1.0, help="multiply the tools' run times")
+    ap.add_argument("--system", type=int, default=Shape.system, help="tokens of the shared system prompt and tools")
+    ap.add_argument("--task", type=int, default=Shape.task, help="tokens of a session's own first message")
+    ap.add_argument("--answer", type=int, default=Shape.answer, help="tokens generated a turn")
     ap.add_argument("--step-token-budget", type=int, default=512, help="hydra-trio's prompt tokens a step (llama-server: its ubatch, 512)")
     ap.add_argument("--quick", action="store_true", help="4 sessions of 4 turns")
     ap.add_argument("--with-llama-server", action="store_true")
     ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--before-src", default=None, help="the src folder of the code 'NAME@before' configurations run")
     ap.add_argument("--out", default=str(RESULTS / "agents.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.sessions, args.turns = 4, 4
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     from hydra_trio.model.synthetic import write_model
 
     work = Path(tempfile.mkdtemp(prefix="hydra-agents-"))
@@ -347,56 +451,67 @@ def main(argv: list[str] | None = None) -> int:
         per_token = bytes_per_token(probe.url, n_vocab)
     finally:
         probe.stop()
-    shape = Shape(think_s=(0.2 * args.think_scale, 1.0 * args.think_scale))
-    trace = make_trace(args.seed, args.sessions, args.turns, (300, n_vocab - 1), shape)
-    oracle = oracle_computed(trace, shape.system)
-    # Live histories at their longest: every session's last prompt, and its subagents'.
-    live = sum(len(a.steps[-1].prompt) + sum(len(s.steps[-1].prompt) for subs in a.spawns.values() for s in subs) for a in trace)
-    ram_mib = max(1, math.ceil(args.ram_share * live * (per_token + 0) / (1 << 20)))
-    print(f"trace: {len(_all_steps(trace))} turns, {live} live tokens at most, {per_token:.0f} KV bytes a token: "
-          f"--cache-ram {ram_mib} MiB; oracle computes {oracle} prompt tokens", flush=True)
+    shape = Shape(system=args.system, task=args.task, answer=args.answer,
+                  think_s=(0.2 * args.think_scale, 1.0 * args.think_scale), sub_task=max(1, args.task * 5 // 6))
     binary = find_or_build(args.llama_server, args.with_llama_server)
+    names = args.configs.split(",")
     results: dict[str, Any] = {
-        "env": env_info(), "args": vars(args), "shape": asdict(shape),
-        "ram_mib": ram_mib, "bytes_per_token": per_token, "oracle_computed": oracle, "configs": {}, "rows": {},
-        "note": "one run; this 2-core machine was shared with other jobs",
+        "env": env_info(), "args": vars(args), "shape": asdict(shape), "bytes_per_token": per_token,
+        "seeds": {}, "note": "this 2-core machine was shared with other jobs: see each configuration's load average",
     }
-    for name in args.configs.split(","):
-        if name == "llama-server":
-            if binary is None:
-                results["configs"][name] = None
+    for seed in seeds:
+        trace = make_trace(seed, args.sessions, args.turns, (300, n_vocab - 1), shape)
+        oracle = oracle_computed(trace, shape.system)
+        # Live histories at their longest: every session's last prompt, and its subagents'.
+        live = sum(len(a.steps[-1].prompt) + sum(len(s.steps[-1].prompt) for subs in a.spawns.values() for s in subs) for a in trace)
+        ram_mib = max(1, math.ceil(args.ram_share * live * per_token / (1 << 20)))
+        print(f"seed {seed}: {len(_all_steps(trace))} turns, {live} live tokens at most, {per_token:.0f} KV bytes a token: "
+              f"--cache-ram {ram_mib} MiB; oracle computes {oracle} prompt tokens", flush=True)
+        one: dict[str, Any] = {"ram_mib": ram_mib, "live_tokens": live, "oracle_computed": oracle, "configs": {}, "rows": {}}
+        results["seeds"][str(seed)] = one
+        for name in names:
+            load_before = os.getloadavg()
+            ran = run_config(name, str(model), work, args, ram_mib, trace, binary, f"{name.replace('@', '-')}-{seed}")
+            if ran is None:
+                one["configs"][name] = None
                 continue
-            with LlamaServer(binary, str(model), ctx=ctx, slots=args.slots, log_dir=work, tag="llama-server",
-                             threads=args.threads, extra=["--cache-ram", str(ram_mib)]) as ls:
-                replay = Replay(ls.url, sessions_aware=False)
-                trio.run(replay.run, trace)
-            results["configs"][name] = summarize(replay.rows, oracle)
-        else:
-            # Prompt parts of llama-server's ubatch size ride along the streams' steps, as its do
-            # (ours default to 32 tokens a step, which keeps streams' pace and lengthens TTFT).
-            extra = ["--cache-ram-mib", str(ram_mib), "--session-policy", "lru" if name == "lru" else "session",
-                     "--step-token-budget", str(args.step_token_budget)]
-            if name.endswith("+disk"):
-                extra += ["--cache-disk", str(work / "kv-disk"), "--cache-disk-gib", "4"]
-            eng = EngineProcess(str(model), slots=args.slots, ctx_size=ctx, threads=args.threads, extra=extra).start(work, name)
-            try:
-                replay = Replay(eng.url, sessions_aware=name != "lru")
-                trio.run(replay.run, trace)
-                figures = summarize(replay.rows, oracle)
-                figures.update(scrape_evictions(eng.url))
-            finally:
-                eng.stop()
-            results["configs"][name] = figures
-        results["rows"][name] = replay.rows
-        f = results["configs"][name]
-        print(f"{name}: {f['computed']} prompt tokens computed ({f['x_oracle']:.2f}× oracle; later turns "
-              f"{f['later_computed']}, {f['later_x_oracle']:.2f}×), TTFT p50 {f['ttft_p50_ms']:.0f} ms, p99 "
-              f"{f['ttft_p99_ms']:.0f} ms (later turns {f['later_ttft_p50_ms']:.0f}, {f['later_ttft_p99_ms']:.0f})"
-              + (f", evictions {f.get('evictions')}" if f.get("evictions") is not None else ""), flush=True)
+            extra, rows = ran
+            f = summarize(rows, oracle)
+            f.update(extra)
+            f["load_avg"] = {"before": load_before, "after": os.getloadavg()}
+            one["configs"][name] = f
+            one["rows"][name] = rows
+            print(f"  {name}: {f['computed']} prompt tokens computed ({f['x_oracle']:.2f}× oracle; later turns "
+                  f"{f['later_computed']}, {f['later_x_oracle']:.2f}×), TTFT p50 {f['ttft_p50_ms']:.0f} ms, p99 "
+                  f"{f['ttft_p99_ms']:.0f} ms (later turns {f['later_ttft_p50_ms']:.0f}, {f['later_ttft_p99_ms']:.0f})"
+                  + (f", evictions {f.get('evictions')}" if f.get("evictions") is not None else "")
+                  + f"; load {load_before[0]:.1f}", flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))  # what has run so far
+    first = results["seeds"][str(seeds[0])]
+    results["configs"], results["rows"], results["oracle_computed"], results["ram_mib"] = (
+        first["configs"], first["rows"], first["oracle_computed"], first["ram_mib"])
+    if len(seeds) > 1:
+        results["over_seeds"] = over_seeds(results, names)
+        for name, agg in results["over_seeds"].items():
+            print(f"{name}: later turns × oracle {agg['later_x_oracle']} (mean {agg['later_x_oracle_mean']:.2f}); "
+                  f"later TTFT p50 {agg['later_ttft_p50_ms']} ms")
     Path(args.out).write_text(json.dumps(results, indent=1))
     plot(results, Path(args.out).with_suffix(".png"))
     print(f"results: {args.out}")
     return 0
+
+
+def over_seeds(results: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Each configuration's later-turn figures, seed by seed, and their mean."""
+    out = {}
+    for name in names:
+        runs = [one["configs"].get(name) for one in results["seeds"].values()]
+        if any(r is None for r in runs):
+            continue
+        xs = [round(r["later_x_oracle"], 3) for r in runs]
+        out[name] = {"later_x_oracle": xs, "later_x_oracle_mean": sum(xs) / len(xs),
+                     "later_ttft_p50_ms": [round(r["later_ttft_p50_ms"]) for r in runs]}
+    return out
 
 
 if __name__ == "__main__":

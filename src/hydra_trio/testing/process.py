@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,7 @@ class EngineProcess:
     rpc_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    env: Mapping[str, str] | None = None  # the process's environment (None: this one's)
 
     @property
     def url(self) -> str:
@@ -49,7 +50,7 @@ class EngineProcess:
             *self.extra,
         ]
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         wait_http(self.url + "/health", self.proc, timeout=300)
         return self
 

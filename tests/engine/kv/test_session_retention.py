@@ -24,6 +24,8 @@ class Owner:
     ttl: float = 100.0
     live: bool = False
     parent: Owner | None = None
+    gap: float | None = None  # its usual gap between turns
+    waits: bool = False  # on subagents still working
 
     def finished(self) -> bool:
         return self.is_finished
@@ -31,11 +33,14 @@ class Owner:
     def expired(self, now: float) -> bool:
         return not self.live and now > self.last_active + self.ttl
 
-    def activity(self) -> tuple[float, float]:
-        root = self
-        while root.parent is not None:
-            root = root.parent
-        return max(root.last_active, self.last_active), self.last_active
+    def running(self) -> bool:
+        return self.live
+
+    def waiting(self) -> bool:
+        return self.waits
+
+    def usual_gap(self) -> tuple[float | None, float | None]:
+        return self.last_active, self.gap
 
 
 def _snap(tokens: list[int], size: int = 100) -> Snapshot:
@@ -47,15 +52,19 @@ def test_the_order_finished_then_one_off_then_expired_then_live() -> None:
     ret = Retention("session", lambda: now[0])
     finished = Owner(seq=9, is_finished=True, last_active=999)
     expired = Owner(seq=1, last_active=0)  # idle past its TTL
-    waiting = Owner(seq=2, last_active=995)  # a parent whose subagent's turn just ran
-    idle = Owner(seq=3, last_active=990)
-    important = Owner(seq=4, priority=5, last_active=900)
-    sub = Owner(seq=5, last_active=999, parent=waiting)
-    assert [ret.kind(o) for o in (finished, None, expired, idle)] == [FINISHED, ONE_OFF, EXPIRED, LIVE]
-    order = sorted([important, sub, waiting, idle, expired, None, finished], key=ret.rank)
-    # Among live sessions: lower priority first, then the tree idle longest (the waiting
-    # parent's tree is as recent as its subagent), within a tree the member idle longest.
-    assert order == [finished, None, expired, idle, waiting, sub, important]
+    waiting = Owner(seq=2, last_active=990, waits=True)  # a parent whose subagents work
+    soon = Owner(seq=3, last_active=997, gap=5)  # its tool runs: back at 1002
+    later = Owner(seq=6, last_active=999, gap=5)  # back at 1004
+    lapsed = Owner(seq=7, last_active=970, gap=5)  # idle 30 s at a 5 s pace: back at 1030, if ever
+    running = Owner(seq=8, last_active=999, live=True)
+    important = Owner(seq=4, priority=5, last_active=900, gap=5)
+    sub = Owner(seq=5, last_active=998, parent=waiting, gap=5)  # back at 1003
+    assert [ret.kind(o) for o in (finished, None, expired, soon)] == [FINISHED, ONE_OFF, EXPIRED, LIVE]
+    order = sorted([important, running, sub, soon, waiting, lapsed, later, expired, None, finished], key=ret.rank)
+    # Among live sessions: lower priority first, then the parent that waits on its subagents,
+    # then the one whose next turn is expected last (one lapsed past twice its pace: as
+    # long again as it has been idle); one whose turn runs last.
+    assert order == [finished, None, expired, waiting, lapsed, later, sub, soon, running, important]
     # Recency alone: every owner ranks alike.
     lru = Retention("lru", lambda: now[0])
     assert len({lru.rank(o) for o in order}) == 1

@@ -155,3 +155,30 @@ async def test_no_parent_chain_makes_a_cycle() -> None:
         pass
     assert a.session is not None and b.session is not None
     assert a.session.parent is b.session and b.session.parent is None
+
+
+async def test_a_session_keeps_its_pace_and_a_waiting_parent_is_known(autojump_clock: trio.testing.MockClock) -> None:
+    """The gap between a turn's end and the session's next is its pace (every session's for
+    one that has none yet), except a wait on its subagents; a parent is waiting while a
+    subagent that blocks it has not returned (the retention order reads these)."""
+    tree = SessionTree(ttl_s=600)
+    async with tree.turn("t", None, _hint("lead")) as turn:
+        lead = turn.session
+    assert lead is not None and lead.usual_gap() == (trio.current_time(), None) and not lead.running()
+    await trio.sleep(2)
+    async with tree.turn("t", None, _hint("lead")):
+        assert lead.running()
+    assert lead.gap_s == pytest.approx(2) and tree.pace.gap_s == pytest.approx(2)
+    await trio.sleep(4)
+    async with tree.turn("t", None, _hint("lead")):
+        pass
+    assert lead.gap_s == pytest.approx(2 + 0.3 * (4 - 2))
+    # A subagent's first turn: the parent waits until its own next turn.
+    async with tree.turn("t", None, _hint("sub", "lead")) as turn:
+        sub = turn.session
+    assert sub is not None and lead.waiting() and sub.usual_gap()[1] == tree.pace.gap_s  # the sub has no pace of its own
+    await trio.sleep(30)
+    async with tree.turn("t", None, _hint("lead")):
+        pass
+    assert not lead.waiting() and sub.done
+    assert lead.gap_s == pytest.approx(2.6)  # the 30 s wait was not its pace

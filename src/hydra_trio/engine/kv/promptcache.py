@@ -22,6 +22,16 @@ Which entry leaves for room is the retention order's (retention.py: by the ownin
 session, or least recently put first under ``--session-policy lru``); an entry evicted for
 room goes to ``spill`` (the disk tier) when there is one.
 
+Histories that start alike hold their first positions once (``_Head``): agents' sessions and
+their subagents open with the same system prompt and tools, thousands of tokens that every
+entry would otherwise hold again (16 histories of a replayed agent trace held 32k copies of a
+2,000-token prompt in 43k positions: benchmarks/agents.py). A put that shares at least
+``MIN_SHARED`` positions with an entry (the lookup a prompt makes) splits both at the shared
+prefix (``Snapshot.split``: the first KV cache's cells below it) and keeps that head once,
+counted in the bytes once, for as long as an entry uses it; ``take`` and a spill join an
+entry to its head again (one copy). A state that does not split (a recurrent one, one whose
+first cache is a window) is kept whole, as before.
+
 Pure: no llama_cpp import; the engine does the GPU-worker calls.
 """
 
@@ -69,6 +79,23 @@ class CacheWatcher(Protocol):
 
 Spill = Callable[[Any, KvOwner | None], None]
 
+# The fewest positions two histories share for their head to be held once: below it a split
+# saves less than the copies it costs.
+MIN_SHARED = 256
+
+
+@dataclass(slots=True)
+class _Head:
+    """The first positions of histories that start alike, held once for the entries that use it."""
+
+    n_tokens: int
+    state: bytes  # Snapshot.split's head: the first KV cache's cells below n_tokens
+    users: int = 0  # entries (and a put in progress) that need it
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state)
+
 
 @dataclass(slots=True)
 class PromptCache:
@@ -87,6 +114,9 @@ class PromptCache:
     evicted: int = 0  # entries dropped for room (or replaced by a longer one)
     watcher: CacheWatcher | None = None
     spill: Spill | None = None  # takes what is evicted for room (the disk tier)
+    min_shared: int = MIN_SHARED  # 0: every entry whole
+    _head: dict[int, _Head] = field(default_factory=dict)  # key -> the head its entry continues
+    shared: int = 0  # puts that held their first positions in a head shared with another entry
 
     def watch(self, watcher: CacheWatcher) -> None:
         """Tell ``watcher`` every entry held now, and from now on each change."""
@@ -112,20 +142,82 @@ class PromptCache:
         tokens) is dropped: the new one serves every prompt the old one did."""
         if snap.nbytes > self.max_bytes or not snap.tokens:
             return False
-        for key in self._prefixes_of(snap.tokens, snap.salt, snap.lora):
-            self._drop(key)
-        while self._entries and self.nbytes + snap.nbytes > self.max_bytes:
+        # The heads of the entries it extends are its own first positions: kept through
+        # their drop for it to share.
+        held = [h for k in self._prefixes_of(snap.tokens, snap.salt, snap.lora) if (h := self._drop(k)) is not None]
+        stored, head = self._share(snap, held)
+        for h in held:
+            self._let_go(h)
+        while self._entries and self.nbytes + stored.nbytes > self.max_bytes:
             self._evict(self._victim())
+        if self.nbytes + stored.nbytes > self.max_bytes:  # its head alone left no room
+            if head is not None:
+                self._let_go(head)
+            return False
         key = next(self._keys)
-        self._entries[key] = snap
+        self._entries[key] = stored
+        if head is not None:
+            self._head[key] = head
         self._owner[key] = owner
         self._by_owner.setdefault(owner, {})[key] = None
         insort(self._sorted, key, key=self._order_of)
-        self.nbytes += snap.nbytes
+        self.nbytes += stored.nbytes
         self.saved += 1
         if self.watcher is not None:
             self.watcher.entry_stored(key, snap.tokens, snap.salt, snap.lora, getattr(owner, "id", None))
         return True
+
+    def _share(self, snap: Snapshot, held: list[_Head]) -> tuple[Snapshot, _Head | None]:
+        """What ``put`` keeps of ``snap``: itself, or its positions past a head it shares,
+        with that head (taken for it: ``users``). The head is one it extends (``held``), or
+        that of the entry it shares the most with when that head starts it, or, when that
+        entry has none, a new one at the prefix they share: that entry is kept past it too."""
+        if self.min_shared <= 0 or getattr(snap, "shape", None) is None:
+            return snap, None
+        n_snap = len(snap.tokens)
+        candidates = [h for h in held if self.min_shared <= h.n_tokens < n_snap]
+        hit = self.best(snap.tokens, snap.salt, snap.lora)
+        if hit is not None and hit.n_common >= self.min_shared:
+            other = self._head.get(hit.key)
+            if other is not None and other.n_tokens <= hit.n_common and other.n_tokens < n_snap:
+                candidates.append(other)
+            elif other is None and not candidates:
+                return self._share_new(snap, hit)
+        if not candidates:
+            return snap, None
+        head = max(candidates, key=lambda h: h.n_tokens)
+        parts = snap.split(head.n_tokens)
+        if parts is None:
+            return snap, None
+        head.users += 1
+        self.shared += 1
+        return parts[1], head
+
+    def _share_new(self, snap: Snapshot, hit: CacheHit) -> tuple[Snapshot, _Head | None]:
+        """A head of the prefix ``snap`` shares with the whole entry ``hit``: both kept past it."""
+        n = min(hit.n_common, len(snap.tokens) - 1, hit.n_tokens - 1)
+        mine = snap.split(n)
+        entry = self._entries[hit.key]
+        theirs = entry.split(n) if mine is not None and isinstance(entry, Snapshot) else None
+        if mine is None or theirs is None:
+            return snap, None
+        head = _Head(n, mine[0], users=2)  # that entry's, and the put's
+        self._entries[hit.key] = theirs[1]
+        self._head[hit.key] = head
+        self.nbytes += head.nbytes + theirs[1].nbytes - entry.nbytes
+        self.shared += 2
+        return mine[1], head
+
+    def _let_go(self, head: _Head) -> None:
+        head.users -= 1
+        if head.users == 0:
+            self.nbytes -= head.nbytes
+
+    def _whole(self, key: int) -> Snapshot:
+        """The entry as a slot restores it (joined to its head when it has one)."""
+        snap = self._entries[key]
+        head = self._head.get(key)
+        return snap if head is None else snap.joined(head.state)
 
     def _victim(self) -> int:
         """The entry that leaves first: of the owner the retention order ranks lowest, its
@@ -136,11 +228,15 @@ class PromptCache:
 
     def _evict(self, key: int) -> None:
         owner = self._owner[key]
-        snap = self._entries[key]
+        spill = self.spill is not None and not (owner is not None and owner.finished())
+        snap = self._whole(key) if spill else None
         if self.retention is not None:
             self.retention.evicted(self.tier, owner)
-        self._drop(key)
-        if self.spill is not None and not (owner is not None and owner.finished()):
+        head = self._drop(key)
+        if head is not None:
+            self._let_go(head)
+        if spill:
+            assert self.spill is not None
             self.spill(snap, owner)
 
     def newest_key(self) -> int:
@@ -149,7 +245,7 @@ class PromptCache:
 
     def drop(self, key: int) -> None:
         """Remove an entry (not an eviction: the caller gave up on it)."""
-        self._unlink(key)
+        self._release(key)
 
     def owner_of(self, key: int) -> KvOwner | None:
         return self._owner[key]
@@ -158,7 +254,7 @@ class PromptCache:
         """Drop every entry of these owners (their sessions were released); how many."""
         keys = [k for o in owners for k in self._by_owner.get(o, ())]
         for key in keys:
-            self._unlink(key)
+            self._release(key)
         return len(keys)
 
     def _prefixes_of(self, tokens: list[int], salt: str | None, lora: LoraSet) -> list[int]:
@@ -207,8 +303,8 @@ class PromptCache:
 
     def take(self, key: int) -> Snapshot:
         """Remove an entry to restore it (the slot holds it from then on)."""
-        snap = self._entries[key]
-        self._unlink(key)
+        snap = self._whole(key)
+        self._release(key)
         self.restored += 1
         self.restored_tokens += len(snap.tokens)
         return snap
@@ -219,12 +315,21 @@ class PromptCache:
         self._sorted.clear()
         self._owner.clear()
         self._by_owner.clear()
+        self._head.clear()
         self.nbytes = 0
         if self.watcher is not None:
             self.watcher.cleared()
 
+    def _release(self, key: int) -> None:
+        """Take ``key`` out, and its head when no other entry uses it."""
+        self._unlink(key)
+        head = self._head.pop(key, None)
+        if head is not None:
+            self._let_go(head)
+
     def _unlink(self, key: int) -> None:
-        """Take ``key`` out of both orders ((salt, lora, tokens) are unique: put drops an equal entry)."""
+        """Take ``key`` out of both orders ((salt, lora, tokens) are unique: put drops an equal
+        entry); its head (``_head``) stays the caller's to let go."""
         i = bisect_left(self._sorted, self._entries[key].order, key=self._order_of)
         assert self._sorted[i] == key
         del self._sorted[i]
@@ -237,6 +342,9 @@ class PromptCache:
         if self.watcher is not None:  # taken back into a slot or evicted: no longer in RAM
             self.watcher.entry_removed(key)
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int) -> _Head | None:
+        """Drop an entry for room or for one that extends it; returns its head, still held
+        (the caller lets it go: ``_let_go``)."""
         self._unlink(key)
         self.evicted += 1
+        return self._head.pop(key, None)

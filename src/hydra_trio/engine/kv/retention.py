@@ -5,12 +5,20 @@ cache (RAM) and the disk tier (--session-policy).
 (engine/sched/session_tree.py): first the finished ones (a subagent whose parent went on, a
 session whose last turn said so), then one-off prompts (no session), then expired sessions
 (no turn for their retention TTL), then live sessions, the lower priority first and, among
-equals, the tree idle longest first (a tree is as recent as its latest turn: a parent that
-waits on its subagents is not idle), and within a tree the member idle longest (a parent
-waiting on subagents that work goes before them: their next turns come first; the disk tier
-keeps it, and their last turn brings it back, tiers.py ``want``). Within one owner, the
-oldest copy goes first. ``lru`` ranks everything
-alike: least recently used first, as before sessions existed.
+equals, the one whose next turn is expected last (Belady's rule, with the next use guessed):
+
+- a parent that waits on subagents still working: its next turn comes after theirs (the
+  disk tier keeps it, and their last turn brings it back: tiers.py ``want``), the most
+  recent wait first;
+- a session between turns (its tool runs): its latest turn's end plus its usual gap
+  between turns (its own, else every session's); once idle past twice that, as long again
+  as it has been idle (a session that stops coming back leaves before ones that keep time);
+- a session whose turn runs: last.
+
+Agents that take turns in a cycle larger than the cache are the case this is for: recency
+(``lru``) drops the history whose turn comes next, and then the next one's. Within one
+owner, the oldest copy goes first. ``lru`` ranks everything alike: least recently used
+first, as before sessions existed.
 
 Pure: no llama_cpp, no trio (the clock is given).
 """
@@ -44,7 +52,11 @@ class KvOwner(Protocol):
     @property
     def salt(self) -> str | None: ...  # the cache_salt its histories were computed under
 
-    def activity(self) -> tuple[float, float]: ...  # (its tree's latest activity, its own)
+    def running(self) -> bool: ...  # a turn of its own runs
+
+    def waiting(self) -> bool: ...  # on subagents that have not returned
+
+    def usual_gap(self) -> tuple[float | None, float | None]: ...  # (its latest turn's end, its usual gap)
 
     def finished(self) -> bool: ...
 
@@ -78,8 +90,23 @@ class Retention:
             return (0.0, owner.last_active)
         if kind == EXPIRED:
             return (2.0, owner.last_active)
-        tree_active, own = owner.activity()
-        return (3.0, float(owner.priority), tree_active, own)
+        return (3.0, float(owner.priority), *self._next_turn(owner))
+
+    def _next_turn(self, owner: KvOwner) -> tuple[float, float]:
+        """A live session's place among equals: (0 waiting on subagents, 1 between turns, 2
+        running; then minus when its next turn is expected: the latest first)."""
+        if owner.running():
+            return (2.0, 0.0)
+        ended, gap = owner.usual_gap()
+        if ended is None:
+            return (1.0, -owner.last_active)
+        if owner.waiting():
+            return (0.0, -ended)
+        now = self.clock()
+        if gap is None:  # no session has shown its pace yet: the latest to end comes back last
+            return (1.0, -ended)
+        idle = now - ended
+        return (1.0, -(ended + gap if idle <= 2 * gap else now + idle))
 
     def victim(self, owners: Iterable[OwnerT | None]) -> OwnerT | None:
         """The owner whose history goes first (ties: the first given, the oldest)."""

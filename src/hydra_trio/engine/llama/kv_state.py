@@ -25,10 +25,12 @@ from .seqstate import (
     StateLayout,
     StateLayoutError,
     cache_layout,
+    join_head,
     layout_mismatch,
     learn_shape,
     read_layout,
     rewrite_in_place,
+    split_head,
     with_streams,
 )
 from .types import LoraSet, ModelInfo
@@ -45,6 +47,9 @@ class Snapshot:
     has_logits: bool
     salt: str | None = None  # the cache_salt the history was computed under
     lora: LoraSet = ()  # and the LoRA adapter set
+    # How its state is laid out, when its first positions can be held apart (seqstate.py
+    # ``split_head``: a KV-only state this context wrote); None: they cannot.
+    shape: MemoryShape | None = None
 
     @property
     def order(self) -> tuple[str, LoraSet, list[int]]:
@@ -55,6 +60,33 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return len(self.buf)
+
+    def split(self, n: int) -> tuple[bytes, Snapshot] | None:
+        """Its first ``n`` positions apart: (their state, a head other histories of the same
+        first tokens can share; this snapshot without them, the same tokens and logits, to be
+        ``joined`` to such a head again). None when its state does not split so."""
+        if self.shape is None:
+            return None
+        view = memoryview(self.buf)[self.offset :]
+        parts = split_head(view, n, self.shape)
+        if parts is None:
+            return None
+        head, rest, end = parts
+        buf = bytearray(self.offset + len(rest) + len(view) - end)
+        buf[self.offset : self.offset + len(rest)] = rest
+        buf[self.offset + len(rest) :] = view[end:]
+        return head, Snapshot(self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape)
+
+    def joined(self, head: bytes) -> Snapshot:
+        """What ``split`` took apart, whole again: a snapshot a slot restores (one copy)."""
+        assert self.shape is not None
+        pieces = join_head(head, memoryview(self.buf)[self.offset :], self.shape)
+        buf = bytearray(self.offset + sum(len(p) for p in pieces))
+        at = self.offset
+        for piece in pieces:
+            buf[at : at + len(piece)] = piece
+            at += len(piece)
+        return Snapshot(self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape)
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +252,11 @@ class SlotStates:
             raise RuntimeError(f"llama.cpp wrote {n} of {size} state bytes")
         if logits is not None:
             buf[room + size :] = logits
-        return Snapshot(list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot], self.seq_lora[slot])
+        # KV caches only, in a layout seqstate.py reads: its first positions may be held apart.
+        shape = self._shape if self.state_layout is not None and self._shape.recurrent is None else None
+        return Snapshot(
+            list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot], self.seq_lora[slot], shape
+        )
 
     def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
         """The slot's llama sequence state, in the one-stream form, and its tokens."""

@@ -412,3 +412,158 @@ def rewrite_in_place(buf: memoryview, start: int, n_stream: int, stream: int, sh
             buf[dst : dst + n] = buf[start + piece[0] : start + piece[1]]
         dst += n
     return buf[first:dst]
+
+
+# ---- a history's first positions held apart (the prompt cache's shared prefixes) ------------
+#
+# A sequence's KV is per cell: its position (the cell's metadata) and one row per layer, so
+# the cells of the first KV cache (full attention: every position) split by position into a
+# head and the rest, and two such parts of the same history join back into the state
+# llama.cpp wrote (cells in another order: a restore places each by its own position). A
+# head computed by one history serves every history that starts with the same tokens: the
+# prompt cache keeps it once for all of them (kv/promptcache.py). The other caches (an iSWA
+# model's window) stay whole with the rest. Parts are in the one-stream form.
+
+
+def _stream_parts(view: memoryview, cache: _Cache, keep: Sequence[tuple[int, int]]) -> tuple[int, list[Any]]:
+    """The cells ``keep`` (runs of cell indices) of one KV stream section: (cells, pieces of
+    its bytes after the cell count)."""
+    assert cache.section is not None and cache.rows is not None
+    n = cache.cells
+    off = cache.section[0] + 4
+    pieces: list[Any] = [view[off + _CELL_META * a : off + _CELL_META * b] for a, b in keep]
+    off += _CELL_META * n
+    pieces.append(view[off : off + 8])  # v_trans, n_layer
+    off += 8
+    v_trans, k_rows, v_rows = cache.rows
+    for _, row in k_rows:
+        pieces.append(view[off : off + _ROW.size])
+        off += _ROW.size
+        pieces += [view[off + row * a : off + row * b] for a, b in keep]
+        off += n * row
+    for v in v_rows:
+        if v_trans:
+            _, el, n_embd = v
+            pieces.append(view[off : off + _VTRANS.size])
+            off += _VTRANS.size
+            for j in range(n_embd):
+                base = off + j * n * el
+                pieces += [view[base + el * a : base + el * b] for a, b in keep]
+            off += n_embd * n * el
+        else:
+            row = v[1]
+            pieces.append(view[off : off + _ROW.size])
+            off += _ROW.size
+            pieces += [view[off + row * a : off + row * b] for a, b in keep]
+            off += n * row
+    return sum(b - a for a, b in keep), pieces
+
+
+def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    start = None
+    for i, f in enumerate(flags):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            out.append((start, i))
+            start = None
+    if start is not None:
+        out.append((start, len(flags)))
+    return out
+
+
+def _kv_only(view: memoryview, shape: MemoryShape) -> list[_Cache] | None:
+    """The caches of a KV-only state whose first cache holds every position once (else None:
+    a recurrent state, or a first cache that is a window)."""
+    if shape.recurrent is not None:
+        return None
+    caches, _ = _parse(view, shape)
+    first = caches[0] if caches else None
+    if first is None or first.section is None or first.recurrent:
+        return None
+    return caches
+
+
+def _positions(view: memoryview, cache: _Cache) -> list[int]:
+    assert cache.section is not None
+    off = cache.section[0] + 4
+    return [struct.unpack_from("<i", view, off + _CELL_META * i)[0] for i in range(cache.cells)]
+
+
+def split_head(state: Bytes, n: int, shape: MemoryShape) -> tuple[bytes, bytes, int] | None:
+    """A state of ``n_past`` positions as (its head: the first KV cache's cells at positions
+    below ``n``, the other caches empty; the rest: the state without them; where the rest ends
+    in ``state``, what follows it there being a blob's logits), each in the one-stream form.
+    None when it cannot split so (not KV only, the first cache not holding positions 0..n-1
+    once each, or nothing past ``n``)."""
+    view = memoryview(state).cast("B")
+    try:
+        caches = _kv_only(view, shape)
+        if caches is None:
+            return None
+        end = _parse(view, shape)[1]
+        pos = _positions(view, caches[0])
+    except StateLayoutError:
+        return None
+    below = [p < n for p in pos]
+    if sum(below) != n or len(set(p for p in pos if p < n)) != n or sum(below) == len(pos):
+        return None
+    head: list[Any] = [view[: _HEAD.size]]
+    rest: list[Any] = [view[: _HEAD.size]]
+    for i, cache in enumerate(caches):
+        if i == 0:
+            for part, keep in ((head, _runs(below)), (rest, _runs([not b for b in below]))):
+                cells, pieces = _stream_parts(view, cache, keep)
+                part += [_U32.pack(1), _U32.pack(cells), *pieces]
+            continue
+        head.append(_U32.pack(1) + _U32.pack(0))
+        if cache.section is None:
+            rest.append(_U32.pack(1) + _U32.pack(0))
+        else:
+            rest += [_U32.pack(1), view[cache.section[0] : cache.section[1]]]
+    return b"".join(head), b"".join(rest), end
+
+
+def join_head(head: Bytes, rest: Bytes, shape: MemoryShape) -> list[Bytes]:
+    """``split_head``'s two parts as one state again (its pieces, to copy once): the head's
+    cells then the rest's in the first KV cache, the rest's other caches as they are. What
+    follows ``rest``'s caches (a blob's logits) follows the joined state. Raises
+    StateLayoutError when they are not two such parts of one model's state."""
+    hv, rv = memoryview(head).cast("B"), memoryview(rest).cast("B")
+    h_caches, _ = _parse(hv, shape)
+    r_caches, r_end = _parse(rv, shape)
+    if len(h_caches) != len(r_caches) or any(c.recurrent for c in r_caches):
+        raise StateLayoutError("head and rest of different states")
+    h0, r0 = h_caches[0], r_caches[0]
+    if h0.section is None or h0.rows is None:
+        raise StateLayoutError("an empty head")
+    if r0.section is None:  # nothing of the first cache past the head
+        first = [_U32.pack(1), hv[h0.section[0] : h0.section[1]]]
+    else:
+        if r0.rows != h0.rows:
+            raise StateLayoutError("head and rest of different KV layouts")
+        _, h_pieces = _stream_parts(hv, h0, [(0, h0.cells)])
+        _, r_pieces = _stream_parts(rv, r0, [(0, r0.cells)])
+        first = [_U32.pack(1), _U32.pack(h0.cells + r0.cells), h_pieces[0], r_pieces[0], h_pieces[1]]
+        hi, ri = 2, 2  # past the meta and (v_trans, n_layer): per layer a header then its rows
+        v_trans, k_rows, v_rows = h0.rows
+        for _ in k_rows:
+            first += [h_pieces[hi], h_pieces[hi + 1], r_pieces[ri + 1]]
+            hi, ri = hi + 2, ri + 2
+        for v in v_rows:
+            if v_trans:
+                first.append(h_pieces[hi])
+                for j in range(v[2]):
+                    first += [h_pieces[hi + 1 + j], r_pieces[ri + 1 + j]]
+                hi, ri = hi + 1 + v[2], ri + 1 + v[2]
+            else:
+                first += [h_pieces[hi], h_pieces[hi + 1], r_pieces[ri + 1]]
+                hi, ri = hi + 2, ri + 2
+    out: list[Bytes] = [rv[: _HEAD.size], *first]
+    for cache in r_caches[1:]:
+        out.append(_U32.pack(1) + _U32.pack(0) if cache.section is None else _U32.pack(1))
+        if cache.section is not None:
+            out.append(rv[cache.section[0] : cache.section[1]])
+    out.append(rv[r_end:])
+    return out

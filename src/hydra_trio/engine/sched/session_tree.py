@@ -39,6 +39,18 @@ FINISH_WAIT_S = 10.0  # cancelled turns end within a step; this bounds the wait 
 
 # Why a turn was cut (its receipt's ``cut``).
 DEADLINE, FINISHED, PARENT, GONE = "deadline", "finish_session", "parent_cancelled", "cancelled"
+PACE_WEIGHT = 0.3  # of the latest gap between turns in a session's usual one (an EWMA)
+
+
+@dataclass(slots=True)
+class Pace:
+    """The usual gap between one turn's end and the next turn of the same session (its tool's
+    run, a human's reading): every session's, for a session that has not shown its own yet."""
+
+    gap_s: float | None = None
+
+    def saw(self, gap: float) -> None:
+        self.gap_s = gap if self.gap_s is None else self.gap_s + PACE_WEIGHT * (gap - self.gap_s)
 
 
 @dataclass(eq=False, slots=True)
@@ -55,6 +67,9 @@ class Session:
     released: bool = False  # finish_session: its KV is dropped
     done: bool = False  # a finished subagent (its parent went on) or a last turn: evicted first
     blocks_parent: bool = False
+    ended: float | None = None  # when its latest turn ended (None: none has)
+    gap_s: float | None = None  # its own usual gap between turns (None: not seen yet)
+    pace: Pace | None = None  # every session's (its tree's table), for when it has none of its own
 
     @property
     def id(self) -> str:
@@ -82,6 +97,31 @@ class Session:
         while root.parent is not None:
             root = root.parent
         return root.tree_active, self.last_active
+
+    def running(self) -> bool:
+        """A turn of its own is running (its KV is in a slot, in use)."""
+        return bool(self.turns)
+
+    def waiting(self) -> bool:
+        """It waits on subagents that have not returned: its next turn comes after theirs."""
+        return any(c.blocks_parent and not c.finished() for c in self.children)
+
+    def usual_gap(self) -> tuple[float | None, float | None]:
+        """(when its latest turn ended, its usual gap before the next: its own, else every
+        session's; None: unknown), what the retention order expects its next turn from."""
+        gap = self.gap_s if self.gap_s is not None else self.pace.gap_s if self.pace is not None else None
+        return self.ended, gap
+
+    def began(self, now: float) -> None:
+        """A turn of its own begins: the gap since its last one is its pace, unless it waited on
+        subagents meanwhile (they have not returned, or its tree had a turn since: that wait
+        is not its pace)."""
+        if self.ended is None or self.turns or self.tree_active > self.ended or self.waiting():
+            return
+        gap = now - self.ended
+        self.gap_s = gap if self.gap_s is None else self.gap_s + PACE_WEIGHT * (gap - self.gap_s)
+        if self.pace is not None:
+            self.pace.saw(gap)
 
     def subtree(self) -> list[Session]:
         out, todo = [], [self]
@@ -175,6 +215,7 @@ class SessionTree:
         self.max_sessions = max_sessions
         self._sessions: dict[SessionKey, Session] = {}
         self._seq = count()
+        self.pace = Pace()  # every session's usual gap between turns (the retention order's)
         self.release = release  # the engine's: drops a set of sessions' KV in every tier
         # The engine's prefetch (kv/tiers.py ``want``): told of a session that resumes soon,
         # as its client says (a subagent's last turn, or a turn that expects its next).
@@ -235,7 +276,8 @@ class SessionTree:
                     heapq.heapify(self._deadlines)
             if session is not None:
                 session.turns.discard(turn)
-                session.touch(trio.current_time())
+                session.ended = trio.current_time()
+                session.touch(session.ended)
                 if hint is not None and hint.expected_resume is False:
                     session.done = True
                     if self.resuming is not None and session.blocks_parent and session.parent is not None:
@@ -261,6 +303,7 @@ class SessionTree:
         session.blocks_parent = hint.blocks_parent
         if hint.parent_id is not None and session.parent is None:
             self._link(session, (tenant, salt, hint.parent_id), now)
+        session.began(now)
         # A turn of a parent means the subagents it waited on have returned.
         for child in session.children:
             if child.blocks_parent and not child.live():
@@ -274,7 +317,7 @@ class SessionTree:
         if len(self._sessions) >= self.max_sessions:
             log.warning("session table full (%d): %r served as a one-off request", self.max_sessions, key[2])
             return None
-        session = Session(key, next(self._seq), self.ttl_s if ttl_s is None else ttl_s, now, now)
+        session = Session(key, next(self._seq), self.ttl_s if ttl_s is None else ttl_s, now, now, pace=self.pace)
         self._sessions[key] = session
         return session
 
