@@ -28,7 +28,8 @@ The same trace, replayed with N sessions at once, goes to:
 - ``router``: vllm-router ``--policy kv_aware`` in front of two hydra-trio engines (session
   policy, each half the slots and half the RAM), routing on their KV events (both tiers:
   slots as GPU blocks, RAM as CPU); the same headers, ``/finish_session`` sent to the router
-  and, as the router keeps it to itself, to each engine;
+  and, as the router keeps it to itself, to each engine; ``router+affinity`` with the
+  router's session affinity (``--kv-aware-session-affinity-ttl-secs 300``);
 - ``NAME@before``: configuration NAME on the engine code of ``--before-src`` (another checkout's
   ``src``: the code before a change, measured in the same run);
 - the oracle: an engine that computes only each turn's new tokens (it holds every history).
@@ -165,6 +166,10 @@ class Replay:
     sessions_aware: bool  # send session hints and /finish_session (hydra-trio)
     rows: list[dict[str, Any]] = field(default_factory=list)
     finish_also: list[str] = field(default_factory=list)  # engines behind a router: told too
+    model: str | None = None  # the body's model (vllm-router's KV index is by model)
+    # llama-server's field. vllm-router 0.1.17 credits no cached prefix to a streamed request
+    # that carries it (its KV decision says credited_prefix_tokens=0 however much is held).
+    cache_prompt: bool = True
 
     async def run(self, agents: list[Agent]) -> None:
         """The first session's first turn alone (it computes the shared system prompt, as a
@@ -197,8 +202,12 @@ class Replay:
     async def _turn(self, client: httpx.AsyncClient, agent: Agent, step: Step) -> None:
         body: dict[str, Any] = {
             "prompt": step.prompt, "max_tokens": step.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "cache_prompt": True,
+            "stream_options": {"include_usage": True},
         }
+        if self.cache_prompt:
+            body["cache_prompt"] = True
+        if self.model is not None:
+            body["model"] = self.model
         headers = {}
         if self.sessions_aware:
             headers = {"x-claude-code-session-id": agent.session}
@@ -334,7 +343,7 @@ def hydra_extra(name: str, ram_mib: int, work: Path, step_token_budget: int) -> 
 
 
 def run_router(model: str, work: Path, tag: str, args: argparse.Namespace, ram_mib: int, trace: list[Agent],
-               env: dict[str, str] | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+               env: dict[str, str] | None, affinity: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The trace through vllm-router's kv_aware policy over ROUTER_ENGINES hydra-trio engines
     that publish KV events; the same slots and RAM in all, split evenly."""
     from .harness import free_port
@@ -352,12 +361,14 @@ def run_router(model: str, work: Path, tag: str, args: argparse.Namespace, ram_m
             engines.append((e.start(work, f"{tag}-{i}"), pub, replay))
         urls = [e.url for e, _, _ in engines]
         router_args = ["--policy", "kv_aware", "--worker-urls", *urls, "--kv-event-model", "hydra", "--log-level", "debug"]
+        if affinity:  # a session's turns stay on one engine while it has turns (idle TTL)
+            router_args += ["--kv-aware-session-affinity-ttl-secs", "300"]
         for e, pub, replay in engines:
             router_args += ["--kv-event-source", f"{e.url}=tcp://127.0.0.1:{pub}",
                             "--kv-event-replay-source", f"{e.url}=tcp://127.0.0.1:{replay}"]
         proc, url = start_router(router_args, work, f"router-{tag}")
         try:
-            replay_ = Replay(url, sessions_aware=True, finish_also=urls)
+            replay_ = Replay(url, sessions_aware=True, finish_also=urls, model="hydra", cache_prompt=False)
             trio.run(replay_.run, trace)
         finally:
             proc.terminate()
@@ -395,8 +406,8 @@ def run_config(name: str, model: str, work: Path, args: argparse.Namespace, ram_
             replay = Replay(ls.url, sessions_aware=False)
             trio.run(replay.run, trace)
         return {}, replay.rows
-    if base == "router":
-        return run_router(model, work, tag, args, ram_mib, trace, env)
+    if base in ("router", "router+affinity"):
+        return run_router(model, work, tag, args, ram_mib, trace, env, affinity=base == "router+affinity")
     eng = EngineProcess(model, slots=args.slots, ctx_size=ctx, threads=args.threads,
                         extra=hydra_extra(base, ram_mib, work / tag, args.step_token_budget), env=env).start(work, tag)
     try:
@@ -421,9 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="several traces, comma-separated (default: --seed)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--think-scale", type=float, default=1.0, help="multiply the tools' run times")
-    ap.add_argument("--system", type=int, default=Shape.system, help="tokens of the shared system prompt and tools")
-    ap.add_argument("--task", type=int, default=Shape.task, help="tokens of a session's own first message")
-    ap.add_argument("--answer", type=int, default=Shape.answer, help="tokens generated a turn")
+    defaults = Shape()
+    ap.add_argument("--system", type=int, default=defaults.system, help="tokens of the shared system prompt and tools")
+    ap.add_argument("--task", type=int, default=defaults.task, help="tokens of a session's own first message")
+    ap.add_argument("--answer", type=int, default=defaults.answer, help="tokens generated a turn")
     ap.add_argument("--step-token-budget", type=int, default=512, help="hydra-trio's prompt tokens a step (llama-server: its ubatch, 512)")
     ap.add_argument("--quick", action="store_true", help="4 sessions of 4 turns")
     ap.add_argument("--with-llama-server", action="store_true")

@@ -8,13 +8,15 @@ head of one history continues another's."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import http, scrape
 from hydra_trio.engine.kv.promptcache import PromptCache
 from hydra_trio.engine.llama import Snapshot
 from hydra_trio.engine.llama.context import LlamaBackend
@@ -224,3 +226,35 @@ def test_one_historys_head_continues_another(backend: LlamaBackend) -> None:
     shared = restored(rest_b[1].joined(head_a[0]))
     if not backend.kv_unified:
         assert shared == want
+
+
+async def test_an_engine_serves_histories_of_one_prompt_from_a_shared_head(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path
+) -> None:
+    """One slot, three histories of one 400-token prompt taking turns: the ones the slot
+    drops share their head in RAM (the bytes say so), and each comes back whole: its next
+    turn reuses as much and continues as the same turns do on an engine with a slot for each
+    (the same batches: a split cache computes a prompt alike in any slot)."""
+    system = [(7 * i) % 400 + 20 for i in range(400)]
+    prompts = [[*system, *(((31 * k + i) % 200) + 30 for i in range(60))] for k in range(3)]
+
+    async def turns(ep: Any, order: list[int]) -> dict[int, dict[str, Any]]:
+        out = {}
+        async with http(ep) as h:
+            for k in order:
+                r = await h.post("/v1/completions", json={"prompt": prompts[k], "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                out[k] = r.json()
+            out[-1] = {"metrics": await scrape(h)}
+        return out
+
+    ep = await start_engine(tiny_model_ctx, slots=1, cache_ram_mib=64)
+    got = await turns(ep, [0, 1, 2, 0])
+    m = got[-1]["metrics"]
+    assert m[("hydra_prompt_cache_shared_bytes", ())] > 0
+    assert got[0]["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompts[0]) - 1  # back from RAM, whole
+    # Each history its own slot (a prompt sharing 87 % with another's slot would take it).
+    kept_ep = await start_engine(tiny_model_ctx, slots=3, ctx_size=3 * 2048, cache_ram_mib=0, slot_prompt_similarity=0.99)
+    kept = await turns(kept_ep, [0, 1, 2, 0])
+    assert got[0]["usage"] == kept[0]["usage"]
+    assert got[0]["choices"][0]["text"] == kept[0]["choices"][0]["text"]

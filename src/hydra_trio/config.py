@@ -309,7 +309,7 @@ _HELP: dict[str, str] = {
     "cache_disk": "a folder for KV that RAM (--cache-ram-mib) must drop: written crash-safe (temporary file, fsync, rename; checksummed, a torn file is never read back), cleaned at start, published as KV events of medium DISK (default: off)",
     "cache_disk_gib": "GiB the --cache-disk folder may hold (the retention order picks what leaves)",
     "session_ttl_s": "seconds an agent session's KV is kept after its last turn before it ranks as expired (a request's kv_retention_ttl_seconds wins)",
-    "session_policy": "what KV leaves first for room: session (finished subagents, then one-off prompts, then expired sessions, then live ones by priority and age) or lru (least recently used, sessions ignored)",
+    "session_policy": "what KV leaves first for room: session (finished subagents, then one-off prompts, then expired sessions, then live ones by priority and when their next turn is expected) or lru (least recently used, sessions ignored)",
     "kv_unified": "one KV cache shared by all slots instead of one stream per slot (a slot may then hold the whole context, but every step's attention spans all slots' cells)",
     "ctx_checkpoints": "context checkpoints kept per slot for sliding-window, recurrent and hybrid models (llama-server's --ctx-checkpoints): a prefill copies the window's or the recurrent state 4 and --batch-size tokens before the prompt's end, and a restored KV blob's checkpoint section is kept as one, so a next prompt that leaves the history there resumes instead of recomputing; 0 = off",
     "swa_full": "full-size KV cache for sliding-window layers (llama.cpp's swa_full): their attention then spans the whole sequence; off (default, llama-server's) keeps only the window, faster prefill of long prompts",

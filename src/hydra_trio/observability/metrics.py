@@ -254,6 +254,7 @@ class PromptCacheCollector(Collector):
         for family, name, doc, read in (
             (_G, "hydra_prompt_cache_bytes", "host memory held by the prompt cache", lambda c: c.nbytes),
             (_G, "hydra_prompt_cache_entries", "slot histories held by the prompt cache", lambda c: c.entries),
+            (_G, "hydra_prompt_cache_shared_bytes", "of the prompt cache's bytes, heads held once for histories that start alike", lambda c: c.shared_bytes),
             (_C, "hydra_prompt_cache_saved", "slot histories copied into the prompt cache", lambda c: c.saved),
             (_C, "hydra_prompt_cache_restored", "prompt cache entries restored into a slot", lambda c: c.restored),
             (_C, "hydra_prompt_cache_restored_tokens", "positions restored from the prompt cache (not recomputed)", lambda c: c.restored_tokens),

@@ -58,6 +58,8 @@ class PromptCacheStats:
     restored: int
     restored_tokens: int
     evicted: int
+    shared_bytes: int = 0  # of nbytes: heads held once for the entries that start alike
+    heads: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +130,11 @@ class PromptCache:
         return iter(self._entries.items())
 
     def stats(self) -> PromptCacheStats:
-        return PromptCacheStats(self.nbytes, len(self), self.saved, self.restored, self.restored_tokens, self.evicted)
+        heads = {id(h): h for h in self._head.values()}
+        return PromptCacheStats(
+            self.nbytes, len(self), self.saved, self.restored, self.restored_tokens, self.evicted,
+            sum(h.nbytes for h in heads.values()), len(heads),
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
