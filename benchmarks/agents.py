@@ -360,7 +360,9 @@ def run_router(model: str, work: Path, tag: str, args: argparse.Namespace, ram_m
             e = EngineProcess(model, slots=slots, ctx_size=slots * args.slot_ctx, threads=args.threads, extra=extra, env=env)
             engines.append((e.start(work, f"{tag}-{i}"), pub, replay))
         urls = [e.url for e, _, _ in engines]
-        router_args = ["--policy", "kv_aware", "--worker-urls", *urls, "--kv-event-model", "hydra", "--log-level", "debug"]
+        router_args = ["--policy", "kv_aware", "--worker-urls", *urls, "--kv-event-model", "hydra", "--log-level", "debug",
+                       # a slow model's turns wait long for a slot: no 503 from the router's own bounds
+                       "--queue-timeout-secs", "1800", "--request-timeout-secs", "1800"]
         if affinity:  # a session's turns stay on one engine while it has turns (idle TTL)
             router_args += ["--kv-aware-session-affinity-ttl-secs", "300"]
         for e, pub, replay in engines:

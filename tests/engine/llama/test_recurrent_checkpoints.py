@@ -57,9 +57,14 @@ def test_a_cut_resumes_from_a_checkpoint_there_and_nowhere_else(backend: LlamaBa
     assert backend.reusable_prefix(0, len(tokens)) == len(tokens)
     assert backend.reusable_prefix(0, len(tokens) - 1) == k  # the checkpoint, not the cut
     assert backend.reusable_prefix(0, k - 1) == 0
-    # A saved state (the prompt cache's) carries no checkpoints: only all of it continues,
-    # or all but its last position when the request's prompt is the whole of it.
+    # A saved state alone: only all of it continues, or all but its last position when the
+    # request's prompt is the whole of it; with its checkpoint (the prompt cache's entries
+    # carry the slot's latest: Snapshot.checkpoint), a cut at or past it resumes there.
     assert [backend.reusable_in_state(100, n) for n in (100, 99, 98, 50)] == [100, 99, 0, 0]
+    assert [backend.reusable_in_state(100, n, 60) for n in (100, 98, 60, 50)] == [100, 60, 60, 0]
+    snap = backend.snapshot(0)
+    assert snap.checkpoint is not None and snap.checkpoint.n_tokens == k
+    assert snap.nbytes == len(snap.buf) + len(snap.checkpoint.data)
     assert backend.truncate_slot(0, k) == k
     mem = llama_cpp.llama_get_memory(backend._ctx)
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == k - 1  # the checkpoint's state
@@ -184,3 +189,27 @@ async def test_a_checkpoint_whose_state_lies_about_its_position_is_not_resumed_f
         r = await h.post("/v1/completions", json={"prompt": diverging, "max_tokens": 1, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["timings"]["prompt_n"] == len(diverging)
+
+
+async def test_a_history_back_from_ram_resumes_at_its_checkpoint(
+    start_engine: Callable[..., Any], mamba_model: Path, backend: LlamaBackend
+) -> None:
+    """One slot: PROMPT's history (its prefill left a checkpoint 4 tokens before the end)
+    goes to the prompt cache when another prompt takes the slot. A prompt that shares PROMPT
+    but its last 2 tokens brings it back and resumes at that checkpoint, as it would have in
+    the slot (its entry carries the checkpoint), not from nothing; the next token's top 5 are
+    those of a cold computation."""
+    tokens = backend.tokenize(PROMPT, add_special=True)
+    then = tokens[:-2] + backend.tokenize(" " + OTHER, add_special=False)
+    ep = await start_engine(mamba_model, slots=1, cache_ram_mib=64)
+    body = {"max_tokens": 1, "temperature": 0, "logprobs": 5}
+    async with http(ep) as h:
+        for prompt in (tokens, backend.tokenize(OTHER * 3, add_special=True)):
+            r = await h.post("/v1/completions", json={**body, "prompt": prompt, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+        r = await h.post("/v1/completions", json={**body, "prompt": then})
+        assert r.status_code == 200, r.text
+        resumed = r.json()
+        assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] == len(tokens) - 4
+        assert resumed["timings"]["prompt_n"] == len(then) - (len(tokens) - 4)
+        await _matches_a_cold_recompute(h, {**body, "prompt": then}, resumed)

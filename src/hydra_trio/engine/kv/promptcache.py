@@ -67,6 +67,7 @@ class CacheHit:
     key: int
     n_common: int  # prompt tokens the entry holds
     n_tokens: int  # positions the entry holds in all
+    checkpoint_at: int | None = None  # positions of its context checkpoint (Snapshot.checkpoint)
 
 
 class CacheWatcher(Protocol):
@@ -304,7 +305,8 @@ class PromptCache:
                 continue  # another salt's (or set's) run begins or ends here
             n = common_prefix_len(entry.tokens, prompt)
             if n and (best is None or n > best.n_common):
-                best = CacheHit(key, n, len(entry.tokens))
+                checkpoint = getattr(entry, "checkpoint", None)
+                best = CacheHit(key, n, len(entry.tokens), checkpoint.n_tokens if checkpoint is not None else None)
         return best
 
     def take(self, key: int) -> Snapshot:

@@ -50,6 +50,10 @@ class Snapshot:
     # How its state is laid out, when its first positions can be held apart (seqstate.py
     # ``split_head``: a KV-only state this context wrote); None: they cannot.
     shape: MemoryShape | None = None
+    # The slot's latest context checkpoint (an iSWA window or a recurrent state, at fewer
+    # positions): a prompt that diverges from this history before its end (a reply rendered
+    # otherwise than it was generated) resumes there instead of computing it all again.
+    checkpoint: Checkpoint | None = None
 
     @property
     def order(self) -> tuple[str, LoraSet, list[int]]:
@@ -59,7 +63,7 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return len(self.buf)
+        return len(self.buf) + (len(self.checkpoint.data) if self.checkpoint is not None else 0)
 
     def split(self, n: int) -> tuple[bytes, Snapshot] | None:
         """Its first ``n`` positions apart: (their state, a head other histories of the same
@@ -75,7 +79,7 @@ class Snapshot:
         buf = bytearray(self.offset + len(rest) + len(view) - end)
         buf[self.offset : self.offset + len(rest)] = rest
         buf[self.offset + len(rest) :] = view[end:]
-        return head, Snapshot(self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape)
+        return head, Snapshot(self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape, self.checkpoint)
 
     def joined(self, head: bytes) -> Snapshot:
         """What ``split`` took apart, whole again: a snapshot a slot restores (one copy)."""
@@ -86,7 +90,7 @@ class Snapshot:
         for piece in pieces:
             buf[at : at + len(piece)] = piece
             at += len(piece)
-        return Snapshot(self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape)
+        return Snapshot(self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape, self.checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +188,16 @@ class SlotStates:
         best = self.checkpoints.best(slot, n_keep)
         return best.n_tokens if best is not None else 0
 
-    def reusable_in_state(self, n_tokens: int, n_keep: int) -> int:
+    def reusable_in_state(self, n_tokens: int, n_keep: int, checkpoint_at: int | None = None) -> int:
         """``reusable_prefix`` for a saved state of ``n_tokens`` positions (the prompt
-        cache's: no checkpoints travel with it)."""
+        cache's), with its context checkpoint at ``checkpoint_at`` positions (None: none)."""
         if not self.info.can_roll_back:  # whole, or but the last position (its logits may come along)
-            return n_keep if n_keep >= n_tokens - 1 else 0
-        return reusable_in_state(self.n_swa, n_tokens, n_keep)
+            whole = n_keep if n_keep >= n_tokens - 1 else 0
+        else:
+            whole = reusable_in_state(self.n_swa, n_tokens, n_keep)
+        if whole or checkpoint_at is None or checkpoint_at > n_keep:
+            return whole
+        return checkpoint_at
 
     def take_checkpoint(self, slot: int) -> None:
         """Copy the part of the slot's state a cut cannot keep, as it is now: the SWA layers'
@@ -254,8 +262,10 @@ class SlotStates:
             buf[room + size :] = logits
         # KV caches only, in a layout seqstate.py reads: its first positions may be held apart.
         shape = self._shape if self.state_layout is not None and self._shape.recurrent is None else None
+        tokens = list(self.seq_tokens[slot])
         return Snapshot(
-            list(self.seq_tokens[slot]), buf, room, logits is not None, self.seq_salt[slot], self.seq_lora[slot], shape
+            tokens, buf, room, logits is not None, self.seq_salt[slot], self.seq_lora[slot], shape,
+            self.checkpoints.best(slot, len(tokens) - 1),
         )
 
     def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
@@ -315,7 +325,7 @@ class SlotStates:
         blob: memoryview | None = None,
         salt: str | None = None,
         lora: LoraSet = (),
-        checkpoint: BlobCheckpoint | None = None,
+        checkpoint: BlobCheckpoint | Checkpoint | None = None,
     ) -> bool:
         """Restore a sequence state into ``slot``, all-or-nothing; its history is then
         ``salt``'s and the adapter set ``lora``'s (the request's that brought it: ``shared_prefix``). ``blob``: the whole blob
@@ -327,8 +337,8 @@ class SlotStates:
         checks, in the slot's own stream, and any failure leaves the slot empty. The logits
         become the slot's ``tail_logits`` (a copy: a view would keep the whole received
         payload alive). ``checkpoint``: the blob's roll-back point of this history (a
-        recurrent state at fewer positions, checked by the caller: engine/kv/copy.py), kept
-        as the slot's context checkpoint.
+        recurrent state at fewer positions, checked by the caller: engine/kv/copy.py; or a
+        prompt cache entry's, ``Snapshot.checkpoint``), kept as the slot's context checkpoint.
         Returns whether the blob carried logits.
         """
         n_vocab = self.info.n_vocab

@@ -229,7 +229,7 @@ class SlotScheduler:
                 hit = source.best(prompt, salt, lora) if source is not None else None
                 if hit is None:
                     continue
-                usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1))
+                usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1), hit.checkpoint_at)
                 if usable >= held + MIN_CACHED_TOKENS and (best is None or usable > best[2]):
                     best = (hit, tier, usable)
             return None if best is None else best[:2]
@@ -258,7 +258,8 @@ class SlotScheduler:
 
         def call(abort: threading.Event) -> None:
             self._backend().state_restore(
-                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt, lora=snap.lora
+                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt, lora=snap.lora,
+                checkpoint=snap.checkpoint,
             )
 
         try:
