@@ -28,6 +28,8 @@ from hydra_trio.engine.llama.seqstate import (
     join_head,
     read_layout,
     split_head,
+    window_at,
+    window_gap,
 )
 from hydra_trio.engine.params import SamplingParams
 from hydra_trio.engine.sample import Sampler
@@ -59,9 +61,11 @@ def _section(cache: int, positions: list[int], n_layer: int, row: int, v_trans: 
     return b"".join(out)
 
 
-def _state(caches: list[tuple[list[int], Cache]], v_trans: bool, n_stream: int = 1, stream: int = 0) -> bytes:
+def _state(caches: list[tuple[list[int], Cache]], v_trans: bool, n_stream: int = 1, stream: int = 0, first: int = 0) -> bytes:
+    """A state of these caches (``first``: the first one's number, which its rows' bytes name:
+    a checkpoint holds the second cache of a state)."""
     out = [struct.pack("<Ii", STATE_MAGIC, 0)]
-    for i, (positions, (n_layer, row)) in enumerate(caches):
+    for i, (positions, (n_layer, row)) in enumerate(caches, start=first):
         out.append(struct.pack("<I", n_stream))
         empty = struct.pack("<I", 0)
         sec = _section(i, positions, n_layer, row, v_trans) if positions else empty
@@ -101,6 +105,39 @@ def test_a_split_state_joins_back_cell_for_cell(case: tuple) -> None:
     joined = b"".join(bytes(p) for p in join_head(head, rest + tail, shape))
     first = [p for p in order if p < n] + [p for p in order if p >= n]
     assert joined == _state([(first, layers[0]), *caches[1:]], v_trans) + tail
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(st.integers(6, 40), st.integers(1, 3), st.booleans(), st.integers(1, 3), st.data())
+def test_a_window_checkpoint_is_held_as_what_the_state_lacks(
+    n_past: int, n_layer: int, v_trans: bool, n_stream: int, data: st.DataObject
+) -> None:
+    """An iSWA checkpoint (the window cache's cells at fewer positions) kept as the cells the
+    state's window lacks, and made again from them and the state: the same cells, with their
+    rows, in position order."""
+    window = data.draw(st.integers(2, n_past - 1))
+    cut = data.draw(st.integers(window, n_past - 1))  # the checkpoint's positions
+    layers = (n_layer, 4)
+    state = _state([(list(range(n_past)), (1, 4)), (list(range(n_past - window, n_past)), layers)], v_trans, n_stream)
+    cells = list(range(cut - window, cut))
+    stream = data.draw(st.integers(0, n_stream - 1))
+    checkpoint = _state([(cells, layers)], v_trans, n_stream, stream, first=1)  # the window cache's rows
+    gap = window_gap(checkpoint, state, MemoryShape(2))
+    lacking = [p for p in cells if p < n_past - window]
+    if len(lacking) == len(cells):
+        assert gap is None  # nothing in common: kept whole
+        return
+    assert gap is not None and gap[1] == cut - window
+    assert read_layout(gap[0], MemoryShape(1)).caches[0].cells == len(lacking)
+    assert window_at(gap[0], state, gap[1], cut, MemoryShape(2)) == _state([(cells, layers)], v_trans, first=1)
+    # A checkpoint all inside the state's window (a history shorter than the window): an
+    # empty gap, the checkpoint made from the state alone.
+    short = _state([(list(range(n_past)), (1, 4)), (list(range(n_past)), layers)], v_trans)
+    empty = window_gap(checkpoint, short, MemoryShape(2))
+    assert empty is not None and read_layout(empty[0], MemoryShape(1)).caches[0].section is None
+    assert window_at(empty[0], short, empty[1], cut, MemoryShape(2)) == _state([(cells, layers)], v_trans, first=1)
+    with pytest.raises(StateLayoutError):  # a gap of another layout
+        window_at(_state([(lacking or [0], (n_layer, 8))], v_trans, first=1), state, gap[1], cut, MemoryShape(2))
 
 
 def test_what_does_not_split_is_named() -> None:

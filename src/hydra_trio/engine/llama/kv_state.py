@@ -31,6 +31,8 @@ from .seqstate import (
     read_layout,
     rewrite_in_place,
     split_head,
+    window_at,
+    window_gap,
     with_streams,
 )
 from .types import LoraSet, ModelInfo
@@ -54,6 +56,9 @@ class Snapshot:
     # positions): a prompt that diverges from this history before its end (a reply rendered
     # otherwise than it was generated) resumes there instead of computing it all again.
     checkpoint: Checkpoint | None = None
+    # Its data holds only the window cells the state lacks (seqstate.py ``window_gap``): the
+    # backend makes it whole again on restore (``LlamaBackend.checkpoint_of``).
+    checkpoint_gap: bool = False
 
     @property
     def order(self) -> tuple[str, LoraSet, list[int]]:
@@ -79,7 +84,9 @@ class Snapshot:
         buf = bytearray(self.offset + len(rest) + len(view) - end)
         buf[self.offset : self.offset + len(rest)] = rest
         buf[self.offset + len(rest) :] = view[end:]
-        return head, Snapshot(self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape, self.checkpoint)
+        return head, Snapshot(
+            self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape, self.checkpoint, self.checkpoint_gap
+        )
 
     def joined(self, head: bytes) -> Snapshot:
         """What ``split`` took apart, whole again: a snapshot a slot restores (one copy)."""
@@ -90,7 +97,9 @@ class Snapshot:
         for piece in pieces:
             buf[at : at + len(piece)] = piece
             at += len(piece)
-        return Snapshot(self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape, self.checkpoint)
+        return Snapshot(
+            self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape, self.checkpoint, self.checkpoint_gap
+        )
 
 log = logging.getLogger(__name__)
 
@@ -263,10 +272,32 @@ class SlotStates:
         # KV caches only, in a layout seqstate.py reads: its first positions may be held apart.
         shape = self._shape if self.state_layout is not None and self._shape.recurrent is None else None
         tokens = list(self.seq_tokens[slot])
+        checkpoint = self.checkpoints.best(slot, len(tokens) - 1)
+        gap = None
+        if checkpoint is not None and shape is not None:  # a window's: held as what the state lacks
+            gap = window_gap(checkpoint.data, memoryview(buf)[room : room + size], shape)
+            if gap is not None:  # its lowest position kept as its swa_low: what it holds, exactly
+                checkpoint = Checkpoint(checkpoint.n_tokens, gap[1], gap[0])
         return Snapshot(
-            tokens, buf, room, logits is not None, self.seq_salt[slot], self.seq_lora[slot], shape,
-            self.checkpoints.best(slot, len(tokens) - 1),
+            tokens, buf, room, logits is not None, self.seq_salt[slot], self.seq_lora[slot], shape, checkpoint,
+            gap is not None,
         )
+
+    def checkpoint_of(self, snap: Snapshot, slot: int) -> Checkpoint | None:
+        """A prompt cache entry's checkpoint as the slot resumes from it: made whole from the
+        entry's state when it holds only what that lacks, in this context's streams."""
+        checkpoint = snap.checkpoint
+        if checkpoint is None or not snap.checkpoint_gap:
+            return checkpoint
+        assert snap.shape is not None
+        try:
+            view = memoryview(snap.buf)[snap.offset :]
+            data = window_at(checkpoint.data, view, checkpoint.swa_low, checkpoint.n_tokens, snap.shape)
+            local = with_streams(data, self.n_stream, 0 if self.kv_unified else slot, MemoryShape(1))
+        except StateLayoutError as exc:
+            log.warning("a prompt cache entry's checkpoint does not fit its state (%s): not kept", exc)
+            return None
+        return Checkpoint(checkpoint.n_tokens, checkpoint.swa_low, bytes(local))
 
     def state_get(self, slot: int) -> tuple[bytearray, list[int]]:
         """The slot's llama sequence state, in the one-stream form, and its tokens."""

@@ -257,9 +257,11 @@ class SlotScheduler:
         view = memoryview(snap.buf)
 
         def call(abort: threading.Event) -> None:
-            self._backend().state_restore(
+            backend = self._backend()
+            checkpoint = backend.checkpoint_of(snap, slot)  # made whole before the state is rewritten in place
+            backend.state_restore(
                 slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt, lora=snap.lora,
-                checkpoint=snap.checkpoint,
+                checkpoint=checkpoint,
             )
 
         try:
