@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import http, scrape
-from hydra_trio.engine.kv.promptcache import PromptCache
-from hydra_trio.engine.llama import Snapshot
-from hydra_trio.engine.llama.context import LlamaBackend
+from hydra_trio.engine import SamplingParams
+from hydra_trio.engine.kv import PromptCache
+from hydra_trio.engine.llama import LlamaBackend, Snapshot
 from hydra_trio.engine.llama.seqstate import (
     STATE_MAGIC,
     MemoryShape,
@@ -31,7 +31,6 @@ from hydra_trio.engine.llama.seqstate import (
     window_at,
     window_gap,
 )
-from hydra_trio.engine.params import SamplingParams
 from hydra_trio.engine.sample import Sampler
 
 # A cache: (n_layer, K/V row bytes (element bytes x elements for a transposed V)).
