@@ -71,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="under 3 minutes on 2 CPU cores")
     ap.add_argument("--name", default=None, help="results file name (default: quick or full)")
-    ap.add_argument("--only", default="", help="comma list: presets,handoff,restore,generation,cancel,concurrency,memory")
+    ap.add_argument("--only", default="", help="comma list: "
+                    "presets,handoff,restore,generation,cancel,concurrency,memory")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "hydra-trio" / "bench"))
-    ap.add_argument("--with-llama-server", action="store_true", help="compare with llama.cpp's llama-server, building it once (~10 min) if needed")
-    ap.add_argument("--llama-server", default=None, metavar="PATH", help="an existing llama-server binary to compare with")
+    ap.add_argument("--with-llama-server", action="store_true", help="compare with llama.cpp's llama-server, building "
+                    "it once (~10 min) if needed")
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="an existing llama-server "
+                    "binary to compare with")
     args = ap.parse_args(argv)
     quick = args.quick
     name = args.name or ("quick" if quick else "full")
@@ -105,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         "memory_mb": 128 if quick else 256,
         "memory_repeats": 2 if quick else 3,
     }
-    results: dict[str, Any] = {"name": name, "quick": quick, "config": cfg, "env": env_info(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    results: dict[str, Any] = {
+        "name": name,
+        "quick": quick,
+        "config": cfg,
+        "env": env_info(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     t_start = time.perf_counter()
 
     if want("presets"):
@@ -151,11 +160,19 @@ def main(argv: list[str] | None = None) -> int:
                     servers.append(started[0])
                     peers["llama_cpp_server"] = started[1]
                 if llama_server:
-                    ls = _peer(results, "llama_server", lambda: LlamaServer(llama_server, bench, ctx=8192, slots=8, log_dir=log_dir, tag="llama-server-p5"))
+                    ls = _peer(
+                        results,
+                        "llama_server",
+                        lambda: LlamaServer(
+                            llama_server, bench, ctx=8192, slots=8, log_dir=log_dir, tag="llama-server-p5"
+                        ),
+                    )
                     if ls:
                         servers.append(ls)
                         peers["llama_server"] = ls.url
-                results["concurrency"] = F.fig_concurrency(b, cfg["concurrency"], cfg["concurrency_tokens"], peers, cfg["concurrency_repeats"])
+                results["concurrency"] = F.fig_concurrency(
+                    b, cfg["concurrency"], cfg["concurrency_tokens"], peers, cfg["concurrency_repeats"]
+                )
             finally:
                 for server in servers:
                     if isinstance(server, LlamaServer):
@@ -181,30 +198,38 @@ def render_table(r: dict[str, Any]) -> str:
     lines = ["| figure | measured | against | ratio (median [min–max]) |", "|---|---|---|---|"]
     if "presets" in r:
         for p, row in r["presets"]["rows"].items():
-            lines.append(f"| preset {p} | load {row['load_ms']:.0f} ms, {fmt_summary(row['tokens_per_s'])} tok/s greedy | | |")
+            lines.append(f"| preset {p} | load {row['load_ms']:.0f} ms, {fmt_summary(row['tokens_per_s'])} tok/s "
+                         "greedy | | |")
     for _n, row in r.get("handoff", {}).items():
         lines.append(
-            f"| 1. TTFT, {row['n_past']}-token prompt ({row['kv_bytes'] / 1e6:.0f} MB KV) | hand-off {fmt_summary(row['handoff_ttft_ms'], ' ms')} "
-            f"| recompute {fmt_summary(row['recompute_ttft_ms'], ' ms')} | **{fmt_summary(row['speedup'], '×')}** faster |"
+            f"| 1. TTFT, {row['n_past']}-token prompt ({row['kv_bytes'] / 1e6:.0f} MB KV) | hand-off "
+            f"{fmt_summary(row['handoff_ttft_ms'], ' ms')} "
+            f"| recompute {fmt_summary(row['recompute_ttft_ms'], ' ms')} "
+            f"| **{fmt_summary(row['speedup'], '×')}** faster |"
         )
     for _mb, row in r.get("restore", {}).items():
         lines.append(
             f"| 2. DECODE ack, {row['blob_bytes'] / 1e6:.0f} MB blob | {fmt_summary(row['decode_ack_ms'], ' ms', 2)} "
-            f"| in-process set_data {fmt_summary(row['inprocess_set_data_ms'], ' ms', 2)} | {fmt_summary(row['ack_over_set_data'], '×')} |"
+            f"| in-process set_data {fmt_summary(row['inprocess_set_data_ms'], ' ms', 2)} | "
+            f"{fmt_summary(row['ack_over_set_data'], '×')} |"
         )
         lines.append(
-            f"| 2. STATE_PUT throughput, {row['blob_bytes'] / 1e6:.0f} MB | {fmt_summary(row['state_put_MBps'], ' MB/s', 0)} "
-            f"| raw loopback {fmt_summary(row['raw_loopback_MBps'], ' MB/s', 0)} | {fmt_summary(row['put_over_raw'], '×', 2)} |"
+            f"| 2. STATE_PUT throughput, {row['blob_bytes'] / 1e6:.0f} MB | "
+            f"{fmt_summary(row['state_put_MBps'], ' MB/s', 0)} "
+            f"| raw loopback {fmt_summary(row['raw_loopback_MBps'], ' MB/s', 0)} | "
+            f"{fmt_summary(row['put_over_raw'], '×', 2)} |"
         )
     if "generation" in r:
         g = r["generation"]
         lines.append(
-            f"| 3. one DECODE over SSE | {fmt_summary(g['decode_sse_tokens_per_s'], ' tok/s')} | plain llama-cpp-python loop "
+            f"| 3. one DECODE over SSE | {fmt_summary(g['decode_sse_tokens_per_s'], ' tok/s')} | plain "
+            "llama-cpp-python loop "
             f"{fmt_summary(g['plain_loop_tokens_per_s'], ' tok/s')} | {fmt_summary(g['ours_over_plain'], '×', 2)} |"
         )
     for phase, row in r.get("cancel", {}).items():
         lines.append(
-            f"| 4. DELETE during {phase.replace('_', ' ')} | {fmt_summary(row['delete_ms'], ' ms')} (max {row['delete_ms_max']:.1f}) "
+            f"| 4. DELETE during {phase.replace('_', ' ')} | {fmt_summary(row['delete_ms'], ' ms')} (max "
+            f"{row['delete_ms_max']:.1f}) "
             f"| tokens evaluated after the reply | max {row['tokens_after_reply_max']:.0f} |"
         )
     for _n, row in r.get("handoff", {}).items():
@@ -212,28 +237,35 @@ def render_table(r: dict[str, Any]) -> str:
         if peer:
             lines.append(
                 f"| P1. TTFT, {row['n_past']}-token prompt | hand-off {row['handoff_ttft_ms']['median']:.1f} ms "
-                f"| llama-server slot restore + first token {fmt_summary(peer['ttft_ms'], ' ms')} ({peer['n_prompt']} tokens) "
+                "| llama-server slot restore + first token "
+                f"{fmt_summary(peer['ttft_ms'], ' ms')} ({peer['n_prompt']} tokens) "
                 f"| **{row['handoff_over_llama_server']:.2f}×** the time |"
             )
     for k, row in r.get("concurrency", {}).items():
         ours, chat = row["ours_decode"], row["ours_chat"]
         lines.append(
-            f"| 5. {k} concurrent | DECODE {ours['aggregate_tokens_per_s']:.0f} tok/s; chat {chat['aggregate_tokens_per_s']:.0f} tok/s, "
-            f"ITL p50 {chat['itl_p50_ms']:.0f} / p99 {chat['itl_p99_ms']:.0f} ms | streams alone (first token to last): DECODE "
-            f"{ours.get('stream_tokens_per_s', float('nan')):.0f}, chat {chat.get('stream_tokens_per_s', float('nan')):.0f} tok/s "
-            f"| DECODE / chat **{ours.get('stream_tokens_per_s', float('nan')) / chat.get('stream_tokens_per_s', float('nan')):.2f}×** |"
+            f"| 5. {k} concurrent | DECODE {ours['aggregate_tokens_per_s']:.0f} tok/s; chat "
+            f"{chat['aggregate_tokens_per_s']:.0f} tok/s, "
+            f"ITL p50 {chat['itl_p50_ms']:.0f} / p99 {chat['itl_p99_ms']:.0f} ms | streams alone (first token to "
+            "last): DECODE "
+            f"{ours.get('stream_tokens_per_s', float('nan')):.0f}, chat "
+            f"{chat.get('stream_tokens_per_s', float('nan')):.0f} tok/s "
+            "| DECODE / chat **"
+            f"{ours.get('stream_tokens_per_s', float('nan')) / chat.get('stream_tokens_per_s', float('nan')):.2f}×** |"
         )
         for peer, label in (("llama_server", "llama-server (C++)"), ("llama_cpp_server", "llama_cpp.server")):
             other = row.get(f"{peer}_chat")
             if other:
                 lines.append(
                     f"| 5. {k} concurrent vs {label} | chat {chat['aggregate_tokens_per_s']:.0f} tok/s | {label} "
-                    f"{other['aggregate_tokens_per_s']:.0f} tok/s, ITL p50 {other['itl_p50_ms']:.0f} / p99 {other['itl_p99_ms']:.0f} ms "
+                    f"{other['aggregate_tokens_per_s']:.0f} tok/s, ITL p50 {other['itl_p50_ms']:.0f} / p99 "
+                    f"{other['itl_p99_ms']:.0f} ms "
                     f"| **{fmt_summary(row[f'ours_chat_over_{peer}'], '×', 2)}** |"
                 )
     if "memory" in r:
         m = r["memory"]
-        lines.append(f"| 6. peak RSS growth receiving a {m['blob_bytes'] / 1e6:.0f} MB blob | | blob size | {fmt_summary(m['peak_rss_growth_over_blob'], '×', 2)} |")
+        lines.append(f"| 6. peak RSS growth receiving a {m['blob_bytes'] / 1e6:.0f} MB blob | | blob size | "
+                     f"{fmt_summary(m['peak_rss_growth_over_blob'], '×', 2)} |")
     return "\n".join(lines)
 
 

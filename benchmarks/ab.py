@@ -57,10 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
         order = list(engines.items())
         for rnd in range(args.rounds + 1):  # round 0 warms both up, unmeasured
-            prompts = [f"{chr(97 + (rnd + k) % 26)}{k} " + words_prompt(12, seed=1000 * rnd + k) for k in range(args.streams)]
+            prompts = [
+                f"{chr(97 + (rnd + k) % 26)}{k} " + words_prompt(12, seed=1000 * rnd + k) for k in range(args.streams)
+            ]
             for name, eng in order if rnd % 2 == 0 else order[::-1]:
                 port = eng.http_port
-                row = measure(name, port, eng.pid, eng.pid, lambda port=port, prompts=prompts: run_round(port, prompts, args.tokens))
+                row = measure(
+                    name,
+                    port,
+                    eng.pid,
+                    eng.pid,
+                    lambda port=port, prompts=prompts: run_round(port, prompts, args.tokens),
+                )
                 if rnd:
                     rows[name].append(row)
         for name, rs in rows.items():

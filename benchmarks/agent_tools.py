@@ -99,7 +99,8 @@ def resolve_model(name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="synthetic", help="synthetic (the small preset), a registry name, or a .gguf path")
+    ap.add_argument("--model", default="synthetic", help="synthetic (the small preset), "
+                    "a registry name, or a .gguf path")
     ap.add_argument("--ctx-size", type=int, default=65536, help="Claude Code's tools alone are ~40k characters")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)

@@ -257,7 +257,9 @@ def scrape_evictions(url: str) -> dict[str, Any]:
 def bytes_per_token(url: str, n_vocab: int) -> float:
     """KV bytes a position takes in this engine (a snapshot of a 1024-token slot, less its logits)."""
     with httpx.Client(base_url=url, timeout=600) as c:
-        c.post("/v1/completions", json={"prompt": [300 + (i % (n_vocab - 301)) for i in range(1024)], "max_tokens": 1}).raise_for_status()
+        c.post(
+            "/v1/completions", json={"prompt": [300 + (i % (n_vocab - 301)) for i in range(1024)], "max_tokens": 1}
+        ).raise_for_status()
         slots = c.get("/slots").json()
     held = max(slots, key=lambda s: s["n_past"])
     return held["state_size"] / held["n_past"]
@@ -324,7 +326,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax2.legend()
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelrotation=20)
-    fig.suptitle(f"{results['args']['sessions']} agent sessions on {results['args']['slots']} slots, RAM for {results['args']['ram_share']:.0%} of their histories")
+    fig.suptitle(f"{results['args']['sessions']} agent sessions on {results['args']['slots']} slots, RAM for "
+                 f"{results['args']['ram_share']:.0%} of their histories")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -357,12 +360,26 @@ def run_router(model: str, work: Path, tag: str, args: argparse.Namespace, ram_m
             pub, replay = free_port(), free_port()
             extra = [*hydra_extra("session", max(1, ram_mib // ROUTER_ENGINES), work, args.step_token_budget),
                      "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}"]
-            e = EngineProcess(model, slots=slots, ctx_size=slots * args.slot_ctx, threads=args.threads, extra=extra, env=env)
+            e = EngineProcess(
+                model, slots=slots, ctx_size=slots * args.slot_ctx, threads=args.threads, extra=extra, env=env
+            )
             engines.append((e.start(work, f"{tag}-{i}"), pub, replay))
         urls = [e.url for e, _, _ in engines]
-        router_args = ["--policy", "kv_aware", "--worker-urls", *urls, "--kv-event-model", "hydra", "--log-level", "debug",
-                       # a slow model's turns wait long for a slot: no 503 from the router's own bounds
-                       "--queue-timeout-secs", "1800", "--request-timeout-secs", "1800"]
+        router_args = [
+            "--policy",
+            "kv_aware",
+            "--worker-urls",
+            *urls,
+            "--kv-event-model",
+            "hydra",
+            "--log-level",
+            "debug",
+            # a slow model's turns wait long for a slot: no 503 from the router's own bounds
+            "--queue-timeout-secs",
+            "1800",
+            "--request-timeout-secs",
+            "1800",
+        ]
         if affinity:  # a session's turns stay on one engine while it has turns (idle TTL)
             router_args += ["--kv-aware-session-affinity-ttl-secs", "300"]
         for e, pub, replay in engines:
@@ -428,8 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--slot-ctx", type=int, default=4096)
-    ap.add_argument("--ram-share", type=float, default=0.5, help="RAM budget: this share of the live sessions' histories")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="of llama-server, lru, session, session+disk, router; NAME@before")
+    ap.add_argument("--ram-share", type=float, default=0.5, help="RAM budget: this share of "
+                    "the live sessions' histories")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="of llama-server, lru, session, session+disk, router; "
+                    "NAME@before")
     ap.add_argument("--seed", type=int, default=52)
     ap.add_argument("--seeds", default=None, help="several traces, comma-separated (default: --seed)")
     ap.add_argument("--threads", type=int, default=1)
@@ -438,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system", type=int, default=defaults.system, help="tokens of the shared system prompt and tools")
     ap.add_argument("--task", type=int, default=defaults.task, help="tokens of a session's own first message")
     ap.add_argument("--answer", type=int, default=defaults.answer, help="tokens generated a turn")
-    ap.add_argument("--step-token-budget", type=int, default=512, help="hydra-trio's prompt tokens a step (llama-server: its ubatch, 512)")
+    ap.add_argument("--step-token-budget", type=int, default=512, help="hydra-trio's prompt tokens a step "
+                    "(llama-server: its ubatch, 512)")
     ap.add_argument("--quick", action="store_true", help="4 sessions of 4 turns")
     ap.add_argument("--with-llama-server", action="store_true")
     ap.add_argument("--llama-server", default=None)
@@ -477,11 +497,21 @@ def main(argv: list[str] | None = None) -> int:
         trace = make_trace(seed, args.sessions, args.turns, (300, n_vocab - 1), shape)
         oracle = oracle_computed(trace, shape.system)
         # Live histories at their longest: every session's last prompt, and its subagents'.
-        live = sum(len(a.steps[-1].prompt) + sum(len(s.steps[-1].prompt) for subs in a.spawns.values() for s in subs) for a in trace)
+        live = sum(
+            len(a.steps[-1].prompt) + sum(len(s.steps[-1].prompt) for subs in a.spawns.values() for s in subs)
+            for a in trace
+        )
         ram_mib = max(1, math.ceil(args.ram_share * live * per_token / (1 << 20)))
-        print(f"seed {seed}: {len(_all_steps(trace))} turns, {live} live tokens at most, {per_token:.0f} KV bytes a token: "
+        print(f"seed {seed}: {len(_all_steps(trace))} turns, {live} "
+              f"live tokens at most, {per_token:.0f} KV bytes a token: "
               f"--cache-ram {ram_mib} MiB; oracle computes {oracle} prompt tokens", flush=True)
-        one: dict[str, Any] = {"ram_mib": ram_mib, "live_tokens": live, "oracle_computed": oracle, "configs": {}, "rows": {}}
+        one: dict[str, Any] = {
+            "ram_mib": ram_mib,
+            "live_tokens": live,
+            "oracle_computed": oracle,
+            "configs": {},
+            "rows": {},
+        }
         results["seeds"][str(seed)] = one
         for name in names:
             load_before = os.getloadavg()

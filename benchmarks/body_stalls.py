@@ -57,10 +57,18 @@ def long_text(route: str, limit: int, unit: str = "word ") -> bytes:
     text = unit * ((limit - 200) // len(unit))
     if route.startswith("/v1/responses"):
         return json.dumps({"input": text, **({"max_output_tokens": 1} if route == "/v1/responses" else {})}).encode()
-    return json.dumps({"messages": [{"role": "user", "content": text}], **({"max_tokens": 1} if "count" not in route else {})}).encode()
+    return json.dumps(
+        {"messages": [{"role": "user", "content": text}], **({"max_tokens": 1} if "count" not in route else {})}
+    ).encode()
 
 
-ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/input_tokens")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/v1/responses/input_tokens",
+)
 
 
 async def send(c: httpx.AsyncClient, path: str, body: bytes) -> tuple[int, float]:
@@ -79,7 +87,8 @@ async def drive(engine: EngineProcess, slot_tokens: int, skip: tuple[str, ...] =
     text_cap = 32 * slot_tokens  # engine/inputs.py MAX_PROMPT_BYTES_PER_POSITION: text past it is refused untokenized
     for route in ("/v1/chat/completions", "/v1/messages/count_tokens"):
         cases.append((f"{route} one long message", route, long_text(route, cap), 1))
-        cases.append((f"{route} special tokens in one message", route, long_text(route, text_cap - 4096, "<|im_end|>a"), 1))
+        cases.append((f"{route} special "
+                      "tokens in one message", route, long_text(route, text_cap - 4096, "<|im_end|>a"), 1))
     for route in ("/v1/messages/count_tokens", "/v1/responses/input_tokens"):
         cases.append((f"{route} tiny messages x6 at once", route, tiny_messages(route, cap), 6))
     cases = [case for case in cases if not any(s in case[0] for s in skip)]
@@ -136,10 +145,20 @@ def main(argv: list[str] | None = None) -> int:
         engine.start(log_dir, "engine")
         stream_out = log_dir / "streams.json"
         try:
-            reader = subprocess.Popen([
-                sys.executable, "-m", "hydra_trio.testing.hostile", "--stream-reader", str(engine.http_port), "2", "3600",
-                "1500", "60", str(stream_out),
-            ])
+            reader = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hydra_trio.testing.hostile",
+                    "--stream-reader",
+                    str(engine.http_port),
+                    "2",
+                    "3600",
+                    "1500",
+                    "60",
+                    str(stream_out),
+                ]
+            )
             cases = trio.run(drive, engine, args.slot_tokens, tuple(args.skip))
             stream_out.with_suffix(".stop").touch()
             reader.wait(timeout=90)

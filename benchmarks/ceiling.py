@@ -66,7 +66,9 @@ def thread_cpu_s(pid: int, tid: int) -> float:
     return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
 
 
-def run_round(port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_round(
+    port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600, sampling: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One streaming completion per prompt, all at once, each read to its end (``sampling``:
     keys that replace greedy's)."""
     reqs = [completion_request(port, p, n_tokens, sampling) for p in prompts]
@@ -97,7 +99,10 @@ def read_reply(sock: socket.socket) -> bytes:
             return data
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), None)
+    length = next(
+        (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")),
+        None,
+    )
     while length is None or len(body) < length:
         chunk = sock.recv(65536)
         if not chunk:
@@ -106,7 +111,9 @@ def read_reply(sock: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-def run_decode_round(port: int, rpc_port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600) -> dict[str, Any]:
+def run_decode_round(
+    port: int, rpc_port: int, prompts: list[str], n_tokens: int, timeout_s: float = 600
+) -> dict[str, Any]:
     """The same streams as DECODE requests, each on its own slot with its prompt and no KV
     (the engine prefills it), read over SSE (``GET /v1/decode/{id}``): the DECODE result
     stream's cost per token against the completion stream's. Timed from the first DECODE;
@@ -188,7 +195,12 @@ def churn(port: int, n_streams: int, n_tokens: int, seed: int) -> None:
     import random
 
     rng = random.Random(seed)
-    reqs = [completion_request(port, f"churn{seed} {i} " + words_prompt(12, seed=50_000 + seed * 1000 + i), rng.randint(1, n_tokens)) for i in range(n_streams)]
+    reqs = [
+        completion_request(
+            port, f"churn{seed} {i} " + words_prompt(12, seed=50_000 + seed * 1000 + i), rng.randint(1, n_tokens)
+        )
+        for i in range(n_streams)
+    ]
     _read_streams(port, reqs, n_tokens, time.perf_counter(), 600)
 
 
@@ -259,7 +271,9 @@ def profile_summary(raw: str, top: int = 20) -> list[str]:
     return [f"{100 * n / total:5.1f}% {f}" for f, n in ranked if not any(x in f for x in skip)][:top] if total else []
 
 
-def engine_alone(model: Path, slots: int, slot_ctx: int, counts: list[int], rounds: int, n_tokens: int) -> list[dict[str, Any]]:
+def engine_alone(
+    model: Path, slots: int, slot_ctx: int, counts: list[int], rounds: int, n_tokens: int
+) -> list[dict[str, Any]]:
     """The engine without HTTP, in this process: the batcher, the GPU worker and one request
     task per stream calling ``Engine.generate``, each token's text discarded. What one trio
     process streams when the front end costs nothing: the bound of this design."""
@@ -299,8 +313,14 @@ def engine_alone(model: Path, slots: int, slot_ctx: int, counts: list[int], roun
                     async with trio.open_nursery() as nursery:
                         for prompt in prompts:
                             nursery.start_soon(one, prompt)
-                    row = {"server": "engine alone", "streams": n, "round": rnd, "tokens": made, "tok_s": made / (time.perf_counter() - t0),
-                           "cpu_ms_per_request": (time.process_time() - c0) / n * 1000}
+                    row = {
+                        "server": "engine alone",
+                        "streams": n,
+                        "round": rnd,
+                        "tokens": made,
+                        "tok_s": made / (time.perf_counter() - t0),
+                        "cpu_ms_per_request": (time.process_time() - c0) / n * 1000,
+                    }
                     rows.append(row)
                     print(f"round {rnd} engine alone {n:4d} streams: {row['tok_s']:8.0f} tok/s", flush=True)
 
@@ -318,15 +338,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra", default="", help="more hydra-trio serve flags, e.g. '--kv-unified'")
     ap.add_argument("--with-llama-server", action="store_true")
     ap.add_argument("--llama-server", default=None)
-    ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count (see --profile-streams)")
-    ap.add_argument("--profile-streams", type=int, default=0, help="streams of the profiled run (default: the largest of --streams)")
-    ap.add_argument("--decode", action="store_true", help="also stream each round as DECODE requests read over GET /v1/decode/{id} (SSE), on hydra-trio")
+    ap.add_argument("--profile", action="store_true", help="py-spy the trio thread at the largest stream count (see "
+                    "--profile-streams)")
+    ap.add_argument("--profile-streams", type=int, default=0, help="streams of the profiled run (default: the largest "
+                    "of --streams)")
+    ap.add_argument("--decode", action="store_true", help="also stream each round as DECODE requests read over GET "
+                    "/v1/decode/{id} (SSE), on hydra-trio")
     ap.add_argument("--burst", type=int, default=0, metavar="N",
-                    help="also N rounds of a request burst: --burst-streams streams of 2 tokens at once (the cost of a request, not of a token)")
+                    help="also N rounds of a request burst: --burst-streams streams of 2 tokens at once (the cost of a "
+                    "request, not of a token)")
     ap.add_argument("--burst-streams", type=int, default=64)
-    ap.add_argument("--profile-gil", action="store_true", help="profile only the trio thread's Python (py-spy --gil: samples holding the GIL)")
-    ap.add_argument("--churn", action="store_true", help="before each round, --slots unmeasured streams of random lengths: the slots' last uses scrambled")
-    ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process (after the servers; with --burst, its bursts too)")
+    ap.add_argument("--profile-gil", action="store_true", help="profile only the trio thread's Python (py-spy --gil: "
+                    "samples holding the GIL)")
+    ap.add_argument("--churn", action="store_true", help="before each round, --slots unmeasured streams of random "
+                    "lengths: the slots' last uses scrambled")
+    ap.add_argument("--engine-alone", action="store_true", help="also run the engine without HTTP, in this process "
+                    "(after the servers; with --burst, its bursts too)")
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.streams.split(",")]
@@ -341,7 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         str(model), slots=args.slots, ctx_size=ctx, threads=1, batch_size=max(512, args.slots),
         extra=[*args.extra.split(), "--step-token-budget", str(max(32, args.slots))],
     ).start(work, "hydra-trio")
-    peer = LlamaServer(binary, str(model), ctx=ctx, slots=args.slots, log_dir=work, tag="llama-server", threads=1) if binary else None
+    peer = (
+        LlamaServer(binary, str(model), ctx=ctx, slots=args.slots, log_dir=work, tag="llama-server", threads=1)
+        if binary
+        else None
+    )
     results: dict[str, Any] = {"env": env_info(), "args": vars(args), "rows": [], "burst": []}
     # (name, HTTP port, pid, trio thread id), in the order of even rounds; odd ones reverse it.
     both: list[tuple[str, int, int, int | None]] = [("hydra-trio", ours.http_port, ours.pid, ours.pid)]
@@ -353,33 +384,52 @@ def main(argv: list[str] | None = None) -> int:
                 for _name, port, _pid, _tid in both:
                     churn(port, args.slots, args.tokens, seed=rnd)
             for n in counts:
-                prompts = [f"{chr(97 + (i + rnd * 7) % 26)}{chr(97 + (i // 26) % 26)} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
+                prompts = [f"{chr(97 + (i + rnd * 7) % 26)}"
+                           f"{chr(97 + (i // 26) % 26)} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
                 servers = both if rnd % 2 == 0 else both[::-1]
-                runs = [(name, port, pid, tid, partial(run_round, port, prompts, args.tokens)) for name, port, pid, tid in servers]
+                runs = [
+                    (name, port, pid, tid, partial(run_round, port, prompts, args.tokens))
+                    for name, port, pid, tid in servers
+                ]
                 if args.decode:
                     wait_slots_free(ours.http_port)
-                    runs.append(("hydra-trio DECODE", ours.http_port, ours.pid, ours.pid, partial(run_decode_round, ours.http_port, ours.rpc_port, prompts, args.tokens)))
+                    runs.append(
+                        (
+                            "hydra-trio DECODE",
+                            ours.http_port,
+                            ours.pid,
+                            ours.pid,
+                            partial(run_decode_round, ours.http_port, ours.rpc_port, prompts, args.tokens),
+                        )
+                    )
                 for name, port, pid, tid, run in runs:
                     row = measure(name, port, pid, tid, run)
                     row["round"] = rnd
                     results["rows"].append(row)
                     print(
-                        f"round {rnd} {name:12s} {n:4d} streams: {row['tok_s']:8.0f} tok/s  ITL p50 {row['itl_p50_ms']:.2f} ms"
+                        f"round {rnd} {name:12s} {n:4d} streams: {row['tok_s']:8.0f} tok/s  ITL p50 "
+                        f"{row['itl_p50_ms']:.2f} ms"
                         f" p99 {row['itl_p99_ms']:.2f} ms  server {row['server_cpu_us_per_token']:.0f} us/token"
-                        + (f" (trio thread {row['trio_thread_cpu_us_per_token']:.0f}, worker busy {row['worker_busy_us_per_token']:.0f}, llama_decode {row['decode_us_per_token']:.0f})" if "trio_thread_cpu_us_per_token" in row else "")
+                        + (f" (trio thread {row['trio_thread_cpu_us_per_token']:.0f}, worker busy "
+                           f"{row['worker_busy_us_per_token']:.0f}, llama_decode "
+                           f"{row['decode_us_per_token']:.0f})" if "trio_thread_cpu_us_per_token" in row else "")
                         + f"  client {row['client_cpu_us_per_token']:.0f} us/token"
                         + (f"  ERRORS {row['errors'][:2]}" if row["errors"] else ""),
                         flush=True,
                     )
         for rnd in range(args.burst):
-            prompts = [f"{chr(97 + rnd % 26)}{i} " + words_prompt(12, seed=7000 + 100 * rnd + i) for i in range(args.burst_streams)]
+            prompts = [
+                f"{chr(97 + rnd % 26)}{i} " + words_prompt(12, seed=7000 + 100 * rnd + i)
+                for i in range(args.burst_streams)
+            ]
             for name, port, pid, tid in both if rnd % 2 == 0 else both[::-1]:
                 row = measure(name, port, pid, tid, partial(run_round, port, prompts, BURST_TOKENS))
                 row.update(burst=True, round=rnd)
                 results["burst"].append(row)
                 health = measure(name, port, pid, tid, partial(run_health_burst, port, args.burst_streams))
                 row["health_cpu_ms_per_request"] = health["server_cpu_us_per_token"] / 1000
-                print(f"burst {rnd} {name:12s} {row['streams']} requests: {row['wall_s'] * 1000:.0f} ms, first token p50 {row['ttft_p50_ms']:.0f} ms,"
+                print(f"burst {rnd} {name:12s} {row['streams']} requests: {row['wall_s'] * 1000:.0f} ms, first token "
+                      f"p50 {row['ttft_p50_ms']:.0f} ms,"
                       f" server {per_request(row, 'server_cpu_us_per_token'):.2f} ms CPU/request"
                       f" (GET /health: {row['health_cpu_ms_per_request']:.2f})", flush=True)
         if args.profile:
@@ -392,7 +442,9 @@ def main(argv: list[str] | None = None) -> int:
             th.start()
             time.sleep(0.5)
             out = Path(args.out)
-            results["profile"] = profile_trio_thread(ours.pid, 5, out.with_name(f"{out.stem}-profile-{n}"), gil=args.profile_gil)
+            results["profile"] = profile_trio_thread(
+                ours.pid, 5, out.with_name(f"{out.stem}-profile-{n}"), gil=args.profile_gil
+            )
             th.join()
             if results["profile"]:
                 results["profile_top"] = profile_summary(results["profile"])
@@ -431,7 +483,8 @@ def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> 
     counts = sorted({r["streams"] for r in rows})
     extra = (" engine alone tok/s (/ llama-server) |", "---|") if alone else ("", "")
     out = [
-        "| streams | llama-server tok/s | hydra-trio tok/s | ratio | ITL p50 / p99 ms (ours) | server CPU µs/token, llama-server / ours (trio thread)"
+        "| streams | llama-server tok/s | hydra-trio tok/s | ratio | ITL p50 / p99 ms (ours) | server CPU µs/token, "
+        "llama-server / ours (trio thread)"
         " | llama_decode µs/token (bound: its rate / llama-server) |" + extra[0],
         "|---|---|---|---|---|---|---|" + extra[1],
     ]
@@ -447,20 +500,24 @@ def render(rows: list[dict[str, Any]], alone: Sequence[dict[str, Any]] = ()) -> 
     for n in counts:
         ls, ht = med("llama-server", n, "tok_s"), med("hydra-trio", n, "tok_s")
         out.append(
-            f"| {n} | {ls:,.0f} | {ht:,.0f} | **{ht / ls:.2f}×** | {med('hydra-trio', n, 'itl_p50_ms'):.2f} / {med('hydra-trio', n, 'itl_p99_ms'):.2f} |"
+            f"| {n} | {ls:,.0f} | {ht:,.0f} | **{ht / ls:.2f}×** | {med('hydra-trio', n, 'itl_p50_ms'):.2f} / "
+            f"{med('hydra-trio', n, 'itl_p99_ms'):.2f} |"
             f" {med('llama-server', n, 'server_cpu_us_per_token'):.0f} / {cpu('hydra-trio', n)} |"
             f" {(dec := med('hydra-trio', n, 'decode_us_per_token')):.0f} ({1e6 / dec / ls:.2f}×) |"
-            + (f" {med('engine alone', n, 'tok_s'):,.0f} ({med('engine alone', n, 'tok_s') / ls:.2f}×) |" if alone else "")
+            + (f" {med('engine alone', n, 'tok_s'):,.0f} "
+               f"({med('engine alone', n, 'tok_s') / ls:.2f}×) |" if alone else "")
         )
     if any(r["server"] == "hydra-trio DECODE" for r in rows):
         out += [
             "",
-            "| streams | completion streams tok/s | DECODE streams tok/s | DECODE / completion | server CPU µs/token, completion / DECODE (trio thread) |",
+            "| streams | completion streams tok/s | DECODE streams tok/s | DECODE / completion | server CPU µs/token, "
+            "completion / DECODE (trio thread) |",
             "|---|---|---|---|---|",
         ]
         for n in counts:
             ht, dc = med("hydra-trio", n, "tok_s"), med("hydra-trio DECODE", n, "tok_s")
-            out.append(f"| {n} | {ht:,.0f} | {dc:,.0f} | **{dc / ht:.2f}×** | {cpu('hydra-trio', n)} / {cpu('hydra-trio DECODE', n)} |")
+            out.append(f"| {n} | {ht:,.0f} | {dc:,.0f} | **{dc / ht:.2f}×** | {cpu('hydra-trio', n)} / "
+                       f"{cpu('hydra-trio DECODE', n)} |")
     return "\n".join(out)
 
 
@@ -480,7 +537,8 @@ def render_burst(rows: list[dict[str, Any]]) -> str:
     import statistics
 
     out = [
-        "| server | requests at once | burst wall ms | first token p50 ms | server CPU ms/request (trio thread) | GET /health CPU ms/request |",
+        "| server | requests at once | burst wall ms | first token p50 ms | server CPU ms/request (trio thread) | GET "
+        "/health CPU ms/request |",
         "|---|---|---|---|---|---|",
     ]
     for name in ("llama-server", "hydra-trio"):
@@ -491,7 +549,11 @@ def render_burst(rows: list[dict[str, Any]]) -> str:
         def med(key: str, rs: list[dict[str, Any]] = mine) -> float:
             return statistics.median(r[key] for r in rs)
 
-        trio = f" ({statistics.median(per_request(r, 'trio_thread_cpu_us_per_token') for r in mine):.2f})" if "trio_thread_cpu_us_per_token" in mine[0] else ""
+        trio = (
+            f" ({statistics.median(per_request(r, 'trio_thread_cpu_us_per_token') for r in mine):.2f})"
+            if "trio_thread_cpu_us_per_token" in mine[0]
+            else ""
+        )
         out.append(
             f"| {name} | {mine[0]['streams']} | {med('wall_s') * 1000:.0f} | {med('ttft_p50_ms'):.0f} |"
             f" {statistics.median(per_request(r, 'server_cpu_us_per_token') for r in mine):.2f}{trio} |"

@@ -14,8 +14,8 @@ start to the last token, ITL, and the server's CPU per streamed token (all threa
 trio thread's for hydra-trio): CPU time is far steadier than wall time on a busy machine, so a
 change in the engine's own work per token shows there first; for hydra-trio also its steps
 (llama_decode calls of the generation steps) and tokens per step, which say how well the
-round's requests were batched, whatever the machine's load. Printed: each ratio per round (each checkout / llama-server, this /
-each base) as median [min-max]: the figure to read on a shared VM, where both sides of a
+round's requests were batched, whatever the machine's load. Printed: each ratio per round (each checkout / llama-server,
+this / each base) as median [min-max]: the figure to read on a shared VM, where both sides of a
 ratio meet the same noise. A base is named by its folder's name.
 """
 
@@ -92,7 +92,8 @@ async def _streams(url: str, prompts: list[str], n_tokens: int) -> dict[str, Any
 def prompts_for(rnd: int, n: int, words: int) -> list[str]:
     """New to every server: the tag that makes a prompt new comes first (slots keep what
     they held, and a shared prefix would be reused)."""
-    return [f"{chr(97 + rnd % 26)}{chr(97 + i % 26)}{rnd} " + words_prompt(words, seed=10_000 * rnd + i) for i in range(n)]
+    return [f"{chr(97 + rnd % 26)}"
+            f"{chr(97 + i % 26)}{rnd} " + words_prompt(words, seed=10_000 * rnd + i) for i in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--words", type=int, default=40)
     ap.add_argument("--preset", default="bench")
-    ap.add_argument("--threads", type=int, default=Settings().threads, help="llama threads of every server (default: the engine's own default here, %(default)s)")
-    ap.add_argument("--base", type=Path, action="append", default=[], help="another checkout (its src/ is used), run beside this one; repeatable")
+    ap.add_argument("--threads", type=int, default=Settings().threads, help="llama threads of every server (default: "
+                    "the engine's own default here, %(default)s)")
+    ap.add_argument("--base", type=Path, action="append", default=[], help="another checkout (its src/ is used), run "
+                    "beside this one; repeatable")
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="a llama-server binary")
     ap.add_argument("--with-llama-server", action="store_true", help="build llama-server once if needed (~10 min)")
     ap.add_argument("--no-llama-server", action="store_true", help="only this checkout (and --base)")
     ap.add_argument("--extra", default="", help="more `hydra-trio serve` flags for this checkout's engine")
-    ap.add_argument("--skip-this", action="store_true", help="only the --base checkouts (and llama-server): a bisection")
+    ap.add_argument("--skip-this", action="store_true", help="only the --base checkouts "
+                    "(and llama-server): a bisection")
     ap.add_argument("--out", type=Path, default=None, help="write the rows and ratios as JSON")
     args = ap.parse_args(argv)
     for base in args.base:
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--streams and --rounds must be at least 1, --tokens at least 2")
     peer_bin = None if args.no_llama_server else find_or_build(args.llama_server, args.with_llama_server)
     if peer_bin is None and not args.base and not args.no_llama_server:
-        ap.error("no llama-server (give --llama-server PATH or --with-llama-server) and no --base: nothing to compare with")
+        ap.error("no llama-server (give --llama-server PATH or "
+                 "--with-llama-server) and no --base: nothing to compare with")
     from .__main__ import build_models
 
     cache = Path.home() / ".cache" / "hydra-trio" / "bench"
@@ -138,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, src in versions:
             os.environ["PYTHONPATH"] = str(src)  # the engine process imports this version
             extra = args.extra.split() if name == "this" else []
-            e = EngineProcess(model, slots=args.streams, ctx_size=ctx, threads=args.threads, extra=extra).start(work, name)
+            e = EngineProcess(model, slots=args.streams, ctx_size=ctx, threads=args.threads, extra=extra).start(
+                work, name
+            )
             stop.append(e)
             servers[name] = e.url
             pids[name] = e.pid
@@ -147,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             os.environ["PYTHONPATH"] = before
         if peer_bin is not None:
-            peer = LlamaServer(peer_bin, model, ctx=ctx, slots=args.streams, log_dir=work, tag="llama-server", threads=args.threads)
+            peer = LlamaServer(
+                peer_bin, model, ctx=ctx, slots=args.streams, log_dir=work, tag="llama-server", threads=args.threads
+            )
             stop.append(peer)
             servers["llama-server"] = peer.url
             pids["llama-server"] = peer.proc.pid
@@ -185,21 +194,29 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": {},
     }
     first = next(iter(rows))  # this checkout, else the first base
-    pairs = [(n, "llama-server") for n in rows if n != "llama-server"] + [(first, n) for n in rows if n not in (first, "llama-server")]
+    pairs = [(n, "llama-server") for n in rows if n != "llama-server"] + [
+        (first, n) for n in rows if n not in (first, "llama-server")
+    ]
     for a, b in pairs:
         if a in rows and b in rows:
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rows[a], rows[b], strict=True)]
             result["ratios"][f"{a}/{b}"] = summary(ratios)
             s = result["ratios"][f"{a}/{b}"]
-            cpu = summary([x["cpu_us_per_token"] / y["cpu_us_per_token"] for x, y in zip(rows[a], rows[b], strict=True)])
+            cpu = summary(
+                [x["cpu_us_per_token"] / y["cpu_us_per_token"] for x, y in zip(rows[a], rows[b], strict=True)]
+            )
             result["ratios"][f"{a}/{b} cpu per token"] = cpu
-            print(f"{a} / {b}: tok/s median {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}] over {len(ratios)} rounds; "
+            print(f"{a} / {b}: tok/s median {s['median']:.2f}x "
+                  f"[{s['min']:.2f}-{s['max']:.2f}] over {len(ratios)} rounds; "
                   f"CPU per token {cpu['median']:.2f}x [{cpu['min']:.2f}-{cpu['max']:.2f}]")
     for n, rs in rows.items():
-        print(f"{n}: median {result['median_tok_s'][n]:.1f} tok/s, ITL p50 {statistics.median(r['itl_p50_ms'] for r in rs):.1f} ms, "
-              f"p99 {statistics.median(r['itl_p99_ms'] for r in rs):.1f} ms, CPU {statistics.median(r['cpu_us_per_token'] for r in rs):.0f} us/token"
+        print(f"{n}: median {result['median_tok_s'][n]:.1f} tok/s, ITL p50 "
+              f"{statistics.median(r['itl_p50_ms'] for r in rs):.1f} ms, "
+              f"p99 {statistics.median(r['itl_p99_ms'] for r in rs):.1f} ms, CPU "
+              f"{statistics.median(r['cpu_us_per_token'] for r in rs):.0f} us/token"
               + (f" (trio thread {statistics.median(r['trio_cpu_us_per_token'] for r in rs):.0f}), "
-                 f"{statistics.median(r['steps'] for r in rs):.0f} steps of {statistics.median(r['tokens_per_step'] for r in rs):.2f} tokens"
+                 f"{statistics.median(r['steps'] for r in rs):.0f} steps of "
+                 f"{statistics.median(r['tokens_per_step'] for r in rs):.2f} tokens"
                  if "steps" in rs[0] else ""))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="hydra-dialect-fuzz-") as tmp:
         model = write_model(Path(tmp) / "tiny.gguf", "tiny", seed=0)
-        engine = EngineProcess(str(model), slots=4, ctx_size=2048, threads=1, batch_size=64, extra=("--slot-wait-s", "30"))
+        engine = EngineProcess(
+            str(model), slots=4, ctx_size=2048, threads=1, batch_size=64, extra=("--slot-wait-s", "30")
+        )
         engine.start(Path(tmp), "engine")
         try:
             report = trio.run(lambda: run_fuzz(engine.http_port, cases_per_route=args.cases, seed=args.seed,

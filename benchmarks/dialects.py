@@ -96,8 +96,12 @@ def one_stream(url: str, dialect: str, question: str, max_tokens: int) -> dict[s
     route, body = request(dialect, SYSTEM, [], question, max_tokens, stream=True)
     events: list[dict[str, Any]] = []
     first = None
-    with httpx.Client(timeout=600) as c, c.stream("POST", url + route, json=body,
-                                                  headers={"x-api-key": "unused", "anthropic-version": "2023-06-01"}) as r:
+    with (
+        httpx.Client(timeout=600) as c,
+        c.stream(
+            "POST", url + route, json=body, headers={"x-api-key": "unused", "anthropic-version": "2023-06-01"}
+        ) as r,
+    ):
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -160,7 +164,9 @@ def session(url: str, dialect: str, n_turns: int, max_tokens: int) -> dict[str, 
     for k in range(n_turns):
         question = words_prompt(30, seed=200 + k) + "?"
         route, body = request(dialect, system, turns, question, max_tokens, stream=False)
-        r = httpx.post(url + route, json=body, timeout=600, headers={"x-api-key": "unused", "anthropic-version": "2023-06-01"})
+        r = httpx.post(
+            url + route, json=body, timeout=600, headers={"x-api-key": "unused", "anthropic-version": "2023-06-01"}
+        )
         r.raise_for_status()
         text, prompt, cached = reply_of(dialect, r.json())
         rows.append({"turn": k, "prompt_tokens": prompt, "cached_tokens": cached})
@@ -193,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     slots, per_slot = max(counts), 4096
     binary = None if args.no_llama_server else find_or_build(args.llama_server, build=False)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-dialects-"))
-    print(f"logs in {log_dir}; template {template.name}; {slots} slots of {per_slot} cells, {args.threads} thread(s)", flush=True)
+    print(f"logs in {log_dir}; template {template.name}; {slots} "
+          f"slots of {per_slot} cells, {args.threads} thread(s)", flush=True)
     hydra = EngineProcess(model, slots=slots, ctx_size=slots * per_slot, threads=args.threads,
                           extra=["--chat-template-file", str(template)]).start(log_dir, "hydra-trio")
     server = None
@@ -211,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                     for d in DIALECTS:
                         res = streams(url, d, n, seed=10_000 * r + 100 * n, max_tokens=args.tokens)
                         rows.append({"round": r, "server": name, "dialect": d, "streams": n, **res})
-                        print(f"round {r} {name} {d} x{n}: {res['tok_s']:.1f} tok/s ({res['tokens']} tokens)", flush=True)
+                        print(f"round {r} {name} {d} x{n}: {res['tok_s']:.1f} "
+                              f"tok/s ({res['tokens']} tokens)", flush=True)
         sessions = {name: {d: session(url, d, args.turns, 32) for d in DIALECTS} for name, url in servers.items()}
     finally:
         if server is not None:
@@ -236,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         for d, s in by_dialect.items():
             share = "n/a" if s["cached_share"] is None else f"{100 * s['cached_share']:.1f} %"
             print(f"session {name} {d}: later turns' prompt served from cache {share} "
-                  f"(prompt tokens {[t['prompt_tokens'] for t in s['turns']]}, cached {[t['cached_tokens'] for t in s['turns']]})")
+                  f"(prompt tokens {[t['prompt_tokens'] for t in s['turns']]}, cached "
+                  f"{[t['cached_tokens'] for t in s['turns']]})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()},
                                     "rows": rows, "summary": summary, "sessions": sessions}, indent=1))

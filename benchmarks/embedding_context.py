@@ -30,7 +30,9 @@ from hydra_trio.model import synthetic
 _quiet = L.llama_log_callback(lambda *_: None)  # kept: ctypes callbacks are collected otherwise
 
 
-def context(model: L.llama_model_p, *, embeddings: bool, unified: bool, n_seq: int, n_ctx: int, n_batch: int = 512) -> L.llama_context_p:
+def context(
+    model: L.llama_model_p, *, embeddings: bool, unified: bool, n_seq: int, n_ctx: int, n_batch: int = 512
+) -> L.llama_context_p:
     cp = L.llama_context_default_params()
     cp.embeddings = embeddings
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
@@ -91,7 +93,8 @@ def main() -> None:
 
     alone = [embed([x])[0] for x in inputs]
     together = embed(inputs)
-    print(f"1. dedicated context, 8 inputs in one decode against each alone: min cosine {min(map(cos, alone, together)):.7f}")
+    print("1. dedicated context, 8 inputs in one decode against each alone: min cosine "
+          f"{min(map(cos, alone, together)):.7f}")
 
     # 2. the generation context, embeddings toggled on for a mixed batch
     for unified in (False, True):
@@ -103,8 +106,10 @@ def main() -> None:
         decode(gen, entries)
         rows = sum(1 for i in range(len(entries)) if L.llama_get_logits_ith(gen, i))
         got = pooled(gen, 1, n_embd)
-        print(f"2. generation context ({'unified' if unified else 'split'} KV), a step and an input in one batch, embeddings on: "
-              f"the input's vector at cosine {cos(got, alone[1]):.7f} of its own; {rows} of {len(entries)} rows have logits; "
+        print(f"2. generation context ({'unified' if unified else 'split'} KV), a step and an input in one batch, "
+              "embeddings on: "
+              f"the input's vector at cosine {cos(got, alone[1]):.7f} "
+              f"of its own; {rows} of {len(entries)} rows have logits; "
               f"the generating slot got a pooled vector too: {L.llama_get_embeddings_seq(gen, 0) is not None}")
         L.llama_free(gen)
 
@@ -130,7 +135,8 @@ def main() -> None:
     uni_s, split_s, each_s = timed(lambda: one_call(ded)), timed(lambda: one_call(split)), timed(per_input)
     n_tok = sum(map(len, inputs))
     print(f"3. {len(inputs)} inputs, {n_tok} tokens, CPU ms: one decode in a unified pool {uni_s * 1e3:.0f}, "
-          f"in a stream each {split_s * 1e3:.0f} ({split_s / uni_s:.3f}x), a decode per input {each_s * 1e3:.0f} ({each_s / uni_s:.3f}x)")
+          f"in a stream each {split_s * 1e3:.0f} ({split_s / uni_s:.3f}x), a decode per input {each_s * 1e3:.0f} "
+          f"({each_s / uni_s:.3f}x)")
 
 
 if __name__ == "__main__":

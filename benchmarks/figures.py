@@ -37,7 +37,12 @@ class Tokenizer:
     def count_chat(self, content: str) -> int:
         from hydra_trio.engine.chat import render_jinja
 
-        text = render_jinja({"messages": [{"role": "user", "content": content}]}, self.llm.metadata.get("tokenizer.chat_template"), bos_token="<s>", eos_token="")
+        text = render_jinja(
+            {"messages": [{"role": "user", "content": content}]},
+            self.llm.metadata.get("tokenizer.chat_template"),
+            bos_token="<s>",
+            eos_token="",
+        )
         return len(self.llm.tokenize(text.encode(), add_bos=True, special=True))
 
     def content_for(self, n_tokens: int, seed: int = 0) -> str:
@@ -83,7 +88,12 @@ def fig_presets(models: dict[str, str], log_dir: Any, n_tokens: int) -> dict[str
             body = chat_request("hello there, how are you today", n_tokens)
             httpx.post(e.url + "/v1/chat/completions", json=body, timeout=120)  # warm-up
             erase_all(e)
-            runs = [httpx.post(e.url + "/v1/chat/completions", json=body, timeout=120).json()["timings"]["predicted_per_second"] for _ in range(3)]
+            runs = [
+                httpx.post(e.url + "/v1/chat/completions", json=body, timeout=120).json()["timings"][
+                    "predicted_per_second"
+                ]
+                for _ in range(3)
+            ]
             rows[preset] = {"load_ms": load_ms, "tokens_per_s": summary(runs)}
         finally:
             e.stop()
@@ -95,7 +105,11 @@ def fig_presets(models: dict[str, str], log_dir: Any, n_tokens: int) -> dict[str
 
 def fig_handoff(a: EngineProcess, b: EngineProcess, tok: Tokenizer, sizes: list[int], repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with SyncRpcClient("127.0.0.1", a.rpc_port, timeout=600) as rpc_a, SyncRpcClient("127.0.0.1", b.rpc_port, timeout=600) as rpc_b, httpx.Client(base_url=b.url, timeout=600) as http_b:
+    with (
+        SyncRpcClient("127.0.0.1", a.rpc_port, timeout=600) as rpc_a,
+        SyncRpcClient("127.0.0.1", b.rpc_port, timeout=600) as rpc_b,
+        httpx.Client(base_url=b.url, timeout=600) as http_b,
+    ):
         for n in sizes:
             content = tok.content_for(n, seed=n)
             req = chat_request(content, 4)
@@ -138,7 +152,9 @@ def fig_handoff_llama_server(
     with LlamaServer(binary, model, ctx=8192, slots=1, log_dir=log_dir, tag="llama-server-p1") as server:
         for n, row in handoff.items():
             req = chat_request(tok.content_for(int(n), seed=int(n)), 4)
-            prompt = httpx.post(f"{b.url}/apply-template", json={"messages": req["messages"]}, timeout=60).json()["prompt"]
+            prompt = httpx.post(f"{b.url}/apply-template", json={"messages": req["messages"]}, timeout=60).json()[
+                "prompt"
+            ]
             peer = slot_restore_ttft_ms(server, prompt, repeats)
             row["llama_server_restore"] = peer
             row["handoff_over_llama_server"] = row["handoff_ttft_ms"]["median"] / peer["ttft_ms"]["median"]
@@ -198,7 +214,11 @@ class InProcessRestore:
         import llama_cpp
 
         b = self.backend
-        buf = (ctypes.c_uint8 * len(state)).from_buffer(state) if not state.readonly else (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        buf = (
+            (ctypes.c_uint8 * len(state)).from_buffer(state)
+            if not state.readonly
+            else (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        )
         llama_cpp.llama_memory_seq_rm(b._mem, 0, -1, -1)
         t0 = time.perf_counter()
         n = llama_cpp.llama_state_seq_set_data(b._ctx, buf, len(state), 0)
@@ -211,12 +231,17 @@ class InProcessRestore:
         self.backend.close()
 
 
-def fig_restore(a: EngineProcess, b: EngineProcess, tok: Tokenizer, sizes_mb: list[int], repeats: int, model: str) -> dict[str, Any]:
+def fig_restore(
+    a: EngineProcess, b: EngineProcess, tok: Tokenizer, sizes_mb: list[int], repeats: int, model: str
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     local = InProcessRestore(model, n_ctx=a.ctx_size)
     per_token = None
     try:
-        with SyncRpcClient("127.0.0.1", a.rpc_port, timeout=600) as rpc_a, SyncRpcClient("127.0.0.1", b.rpc_port, timeout=600) as rpc_b:
+        with (
+            SyncRpcClient("127.0.0.1", a.rpc_port, timeout=600) as rpc_a,
+            SyncRpcClient("127.0.0.1", b.rpc_port, timeout=600) as rpc_b,
+        ):
             for mb in sizes_mb:
                 if per_token is None:
                     probe = rpc_a.prefill(0, chat_request(tok.content_for(64), 1))
@@ -341,7 +366,9 @@ def fig_cancel(b: EngineProcess, tok: Tokenizer, cancels: int, prefill_tokens: i
                 erase_all(b)
                 if phase == "token_loop":
                     pre = rpc.prefill(0, req)
-                    frame = build_decode_frame(req, pre.payload, kv_metadata=identity_kv_metadata(pre.meta, pre.meta["n_past"]))
+                    frame = build_decode_frame(
+                        req, pre.payload, kv_metadata=identity_kv_metadata(pre.meta, pre.meta["n_past"])
+                    )
                 else:
                     frame = build_decode_frame(req, b"")  # the whole prompt is prefilled by DECODE
                 rid = rpc.decode(0, frame).meta["decode_request_id"]
@@ -357,7 +384,8 @@ def fig_cancel(b: EngineProcess, tok: Tokenizer, cancels: int, prefill_tokens: i
                     # Wait until the prefill is visibly under way (counter moves), then cancel.
                     start = metric_value(b.url, "hydra_engine_prompt_tokens_processed_total")
                     deadline = time.monotonic() + 30
-                    while metric_value(b.url, "hydra_engine_prompt_tokens_processed_total") <= start and time.monotonic() < deadline:
+                    while metric_value(b.url, "hydra_engine_prompt_t"
+                                       "okens_processed_total") <= start and time.monotonic() < deadline:
                         time.sleep(0.02)
                 t0 = time.perf_counter()
                 r = http.delete(f"/v1/decode/{rid}").json()
@@ -476,7 +504,9 @@ def _median_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def fig_concurrency(b: EngineProcess, levels: list[int], n_tokens: int, peers: dict[str, str], repeats: int) -> dict[str, Any]:
+def fig_concurrency(
+    b: EngineProcess, levels: list[int], n_tokens: int, peers: dict[str, str], repeats: int
+) -> dict[str, Any]:
     """Aggregate tokens/s and ITL at k concurrent streams: ours (DECODE and chat) and each
     peer's chat endpoint (``peers``: name -> base URL, e.g. llama_server, llama_cpp_server).
 
@@ -526,7 +556,10 @@ def fig_concurrency(b: EngineProcess, levels: list[int], n_tokens: int, peers: d
 
 
 def fig_memory(a: EngineProcess, b: EngineProcess, tok: Tokenizer, mb: int, repeats: int) -> dict[str, Any]:
-    with SyncRpcClient("127.0.0.1", a.rpc_port, timeout=600) as rpc_a, SyncRpcClient("127.0.0.1", b.rpc_port, timeout=600) as rpc_b:
+    with (
+        SyncRpcClient("127.0.0.1", a.rpc_port, timeout=600) as rpc_a,
+        SyncRpcClient("127.0.0.1", b.rpc_port, timeout=600) as rpc_b,
+    ):
         probe = rpc_a.prefill(0, chat_request(tok.content_for(64), 1))
         per_token = probe.meta["state_size"] / probe.meta["n_past"]
         req = chat_request(tok.content_for(int(mb * 1024 * 1024 / per_token), seed=99), 1)

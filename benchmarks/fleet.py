@@ -58,7 +58,12 @@ def _router_binary() -> str | None:
 def _gauges(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
-        for name in ("hydra_slots_busy", "hydra_payload_bytes_held", "hydra_kv_exports_held", "hydra_decode_requests_running"):
+        for name in (
+            "hydra_slots_busy",
+            "hydra_payload_bytes_held",
+            "hydra_kv_exports_held",
+            "hydra_decode_requests_running",
+        ):
             if line.startswith(name + " "):
                 out[name] = float(line.split()[1])
     return out
@@ -91,10 +96,18 @@ class Phase:
             net = f"{fabric.caller_addr.rsplit('.', 1)[0]}.0/24"
             common = ("--slots", "2", "--ctx-size", "1024", "--kv-pull-timeout-s", str(a.pull_timeout_s))
             engines = [
-                NetnsEngine(h, self.model, net, self.log_dir, f"{self.fault}-{role}{i % 2}",
-                            extra=(*common, "--kv-export-ttl-s", "2") if role == "prefill" else common)
-                for i, (h, role) in enumerate(zip(fabric.hosts, ("prefill", "prefill", "decode", "decode"), strict=True))
-            ]  # fmt: skip
+                NetnsEngine(
+                    h,
+                    self.model,
+                    net,
+                    self.log_dir,
+                    f"{self.fault}-{role}{i % 2}",
+                    extra=(*common, "--kv-export-ttl-s", "2") if role == "prefill" else common,
+                )
+                for i, (h, role) in enumerate(
+                    zip(fabric.hosts, ("prefill", "prefill", "decode", "decode"), strict=True)
+                )
+            ]
             try:
                 for e in engines:
                     await trio.to_thread.run_sync(e.start)
@@ -119,11 +132,15 @@ class Phase:
             try:
                 async with httpx.AsyncClient(timeout=a.hang_s) as c:
                     for n in range(a.handoffs):
-                        prefill = NetnsEngine(fabric.hosts[0], self.model, net, self.log_dir, f"{self.fault}-prefill{n}", extra=common)
+                        prefill = NetnsEngine(
+                            fabric.hosts[0], self.model, net, self.log_dir, f"{self.fault}-prefill{n}", extra=common
+                        )
                         await trio.to_thread.run_sync(prefill.start)
                         body = {"messages": [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}], "temperature": 0}
-                        r = await c.post(prefill.url + "/v1/chat/completions",
-                                         json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+                        r = await c.post(
+                            prefill.url + "/v1/chat/completions",
+                            json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                        )
                         params = r.json()["kv_transfer_params"]
                         if self.fault == "handoff-kill9-prefill":
                             prefill.signal(signal.SIGKILL)
@@ -134,8 +151,10 @@ class Phase:
                         outcome = "hung"
                         with trio.move_on_after(a.hang_s + 5):
                             try:
-                                d = await c.post(decode.url + "/v1/chat/completions",
-                                                 json={**body, "max_tokens": a.max_tokens, "kv_transfer_params": params})  # fmt: skip
+                                d = await c.post(
+                                    decode.url + "/v1/chat/completions",
+                                    json={**body, "max_tokens": a.max_tokens, "kv_transfer_params": params},
+                                )
                                 kv = d.json().get("kv_transfer") or {}
                                 outcome = f"{d.status_code} {kv.get('status')} {kv.get('reason', '')}".strip()
                             except httpx.HTTPError as exc:
@@ -147,7 +166,10 @@ class Phase:
                         await trio.to_thread.run_sync(prefill.stop)
                     text = (await c.get(decode.url + "/metrics")).text
                     g = _gauges(text)
-                    leaks = {"engines": {decode.name: {**g, "pulls": _pulls(text)}}, "leaked": {k: v for k, v in g.items() if v}}
+                    leaks = {
+                        "engines": {decode.name: {**g, "pulls": _pulls(text)}},
+                        "leaked": {k: v for k, v in g.items() if v},
+                    }
             finally:
                 await trio.to_thread.run_sync(decode.stop)
         return {
@@ -347,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", nargs="+", default=list(FAULTS + HANDOFF_FAULTS), choices=FAULTS + HANDOFF_FAULTS)
     p.add_argument("--handoffs", type=int, default=3, help="hand-offs per hand-off fault (a fresh prefill engine each)")
     p.add_argument("--clients", type=int, default=4, help="router clients (each also a hand-off)")
-    p.add_argument("--requests", type=int, default=400, help="requests per client at most (the loops end --after-s past the fault)")
+    p.add_argument("--requests", type=int, default=400, help="requests per client at most (the loops end --after-s "
+                   "past the fault)")
     p.add_argument("--after-s", type=float, default=3.0, help="traffic goes on this long after the fault is over")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--fault-after-s", type=float, default=1.0)

@@ -21,7 +21,9 @@ from hydra_trio.testing.rpcfuzz import __doc__ as _CAMPAIGN_DOC
 def main(argv: list[str] | None = None) -> int:
     from hydra_trio.model.synthetic import write_model
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fuzz", description=(_CAMPAIGN_DOC or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.fuzz", description=(_CAMPAIGN_DOC or "").split("\n\n")[0]
+    )
     parser.add_argument("--frames", type=int, default=100_000)
     parser.add_argument("--minutes", type=float, default=10.0, help="stop after this long even if frames remain")
     parser.add_argument("--seed", type=int, default=0)
@@ -33,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         engine.start(Path(tmp), "engine")
         try:
             report = trio.run(
-                lambda: run_campaign(engine.rpc_port, engine.http_port, frames=args.frames, seed=args.seed, time_limit_s=args.minutes * 60)
+                lambda: run_campaign(
+                    engine.rpc_port,
+                    engine.http_port,
+                    frames=args.frames,
+                    seed=args.seed,
+                    time_limit_s=args.minutes * 60,
+                )
             )
             alive = engine.proc is not None and engine.proc.poll() is None
             rss = engine.rss_bytes() if alive else 0

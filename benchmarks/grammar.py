@@ -8,8 +8,8 @@ llama-server's ``json_schema`` field (both engines take it), every reply cut at 
 length (``ignore_eos`` unconstrained; the schema's string is longer than the reply). Each
 round runs the cases back to back and the ratios are taken within the round; every round is
 printed. The same schema's grammar is also sent as ``grammar`` (a client's own GBNF: ours runs
-it on llguidance, llama-server on llama.cpp's engine). Then the compile of a schema and of a tools grammar, first and cached (hydra-trio
-only: llama-server has no such figure).
+it on llguidance, llama-server on llama.cpp's engine). Then the compile of a schema and of a tools grammar, first and
+cached (hydra-trio only: llama-server has no such figure).
 
 The real model (Gemma 3 270M, 262k vocabulary) is the figure that matters: random synthetic
 weights are the worst case (the model's own pick is often refused, so the whole vocabulary
@@ -52,7 +52,8 @@ COMPILE_SCHEMA = {  # a larger schema for the compile figure
 TOOLS = [  # eight tools of four parameters each, for the tools grammar's compile figure
     {"type": "function", "function": {"name": f"tool_{i}", "parameters": {
         "type": "object",
-        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"}, "d": {"type": "number"}},
+        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"},
+                       "d": {"type": "number"}},
         "required": ["a", "b"],
     }}}
     for i in range(8)
@@ -127,13 +128,18 @@ def compile_figures(model: str, threads: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
 
     async def main() -> None:
-        settings = replace(Settings(model=model), host="127.0.0.1", port=0, rpc_port=0, slots=1, ctx_size=2048, threads=threads)
+        settings = replace(
+            Settings(model=model), host="127.0.0.1", port=0, rpc_port=0, slots=1, ctx_size=2048, threads=threads
+        )
         async with trio.open_nursery() as nursery:
             ep = await nursery.start(serve, settings)
             inputs = ep.state.engine._core.inputs
             messages = [{"role": "user", "content": "x"}]
             cases = {
-                "schema (32 properties)": {"messages": messages, "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": COMPILE_SCHEMA}}},
+                "schema (32 properties)": {
+                    "messages": messages,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": COMPILE_SCHEMA}},
+                },
                 "tools (8, required)": {"messages": messages, "tools": TOOLS, "tool_choice": "required"},
                 "tools (8, auto: lazy)": {"messages": messages, "tools": TOOLS, "tool_choice": "auto"},
             }
@@ -166,12 +172,18 @@ def trigger_figures(model: str, tokens: int = 3500) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
 
     async def main() -> None:
-        settings = replace(Settings(model=model), host="127.0.0.1", port=0, rpc_port=0, slots=1, ctx_size=2048, threads=1)
+        settings = replace(
+            Settings(model=model), host="127.0.0.1", port=0, rpc_port=0, slots=1, ctx_size=2048, threads=1
+        )
         async with trio.open_nursery() as nursery:
             ep = await nursery.start(serve, settings)
             core = ep.state.engine._core
             backend = core.backend
-            lazy = (await ep.state.engine.prepare("chat", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "auto"})).params
+            lazy = (
+                await ep.state.engine.prepare(
+                    "chat", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": "auto"}
+                )
+            ).params
             word = backend.tokenize(" word", add_special=False, parse_special=False)[-1]
 
             def run(params: Any) -> list[float]:
@@ -242,24 +254,35 @@ def main() -> None:
     # The same schema's grammar sent as a client's own GBNF: ours runs it on llguidance
     # (engine/structured/guidance.py, GuidanceCache), llama-server on llama.cpp's grammar engine.
     gbnf = {"grammar": schema_as_gbnf(), "ignore_eos": False}
-    print(f"model {args.model}, {args.tokens} tokens a reply, {args.threads} thread(s) each, {slots} slots; logs in {log_dir}")
+    print(f"model {args.model}, {args.tokens} tokens a reply, "
+          f"{args.threads} thread(s) each, {slots} slots; logs in {log_dir}")
     ours = EngineProcess(model, slots=slots, ctx_size=ctx, threads=args.threads).start(log_dir, "hydra")
-    peer = LlamaServer(binary, model, ctx=ctx, slots=slots, log_dir=log_dir, tag="llama-server", threads=args.threads) if binary else None
+    peer = (
+        LlamaServer(binary, model, ctx=ctx, slots=slots, log_dir=log_dir, tag="llama-server", threads=args.threads)
+        if binary
+        else None
+    )
     try:
         servers = {"ours": ours.url} | ({"peer": peer.url} if peer is not None else {})
 
         def report(row: dict[str, Any]) -> None:
             r = row["round"] - 1
             for n in STREAMS:
-                line = (f"round {r + 1}, {n} stream(s): ours {row[f'ours_plain_{n}']:.1f} plain, {row[f'ours_schema_{n}']:.1f} schema, "
-                        f"{row[f'ours_gbnf_{n}']:.1f} gbnf (constrained/plain {row[f'ours_schema_{n}'] / row[f'ours_plain_{n}']:.2f})")
+                line = (f"round {r + 1}, {n} stream(s): ours {row[f'ours_plain_{n}']:.1f} plain, "
+                        f"{row[f'ours_schema_{n}']:.1f} schema, "
+                        f"{row[f'ours_gbnf_{n}']:.1f} gbnf (constrained/plain "
+                        f"{row[f'ours_schema_{n}'] / row[f'ours_plain_{n}']:.2f})")
                 if peer is not None:
-                    line += (f"; llama-server {row[f'peer_plain_{n}']:.1f} plain, {row[f'peer_schema_{n}']:.1f} schema, "
+                    line += (f"; llama-server {row[f'peer_plain_{n}']:.1f} "
+                             f"plain, {row[f'peer_schema_{n}']:.1f} schema, "
                              f"{row[f'peer_gbnf_{n}']:.1f} gbnf; ours/llama-server with the schema "
-                             f"{row[f'ours_schema_{n}'] / row[f'peer_schema_{n}']:.2f}, with the gbnf {row[f'ours_gbnf_{n}'] / row[f'peer_gbnf_{n}']:.2f}")
+                             f"{row[f'ours_schema_{n}'] / row[f'peer_schema_{n}']:.2f}, with the gbnf "
+                             f"{row[f'ours_gbnf_{n}'] / row[f'peer_gbnf_{n}']:.2f}")
                 print(line, flush=True)
 
-        rounds = measure_rounds(servers, {"plain": {}, "schema": schema, "gbnf": gbnf}, STREAMS, args.rounds, args.tokens, report)
+        rounds = measure_rounds(
+            servers, {"plain": {}, "schema": schema, "gbnf": gbnf}, STREAMS, args.rounds, args.tokens, report
+        )
     finally:
         ours.stop()
         if peer is not None:
@@ -268,7 +291,10 @@ def main() -> None:
     for n in STREAMS:
         own = statistics.median(x[f"ours_schema_{n}"] / x[f"ours_plain_{n}"] for x in rounds)
         line = f"  {n} stream(s): constrained/plain {own:.2f}"
-        line += f", gbnf (llguidance)/plain {statistics.median(x[f'ours_gbnf_{n}'] / x[f'ours_plain_{n}'] for x in rounds):.2f}"
+        line += (
+            ", gbnf (llguidance)/plain "
+            f"{statistics.median(x[f'ours_gbnf_{n}'] / x[f'ours_plain_{n}'] for x in rounds):.2f}"
+        )
         if peer is not None:
             vs = statistics.median(x[f"ours_schema_{n}"] / x[f"peer_schema_{n}"] for x in rounds)
             vg = statistics.median(x[f"ours_gbnf_{n}"] / x[f"peer_gbnf_{n}"] for x in rounds)
@@ -279,11 +305,21 @@ def main() -> None:
         print(f"compile of a {name} grammar: first {first:.2f} ms, cached {cached:.3f} ms")
     triggers = trigger_figures(model)
     for name, (first, last) in triggers.items():
-        print(f"sampler over a 3,500-token free-text reply, {name}: {first:.0f} us a token (first 200), {last:.0f} us (last 200)")
+        print(f"sampler over a 3,500-token free-text reply, {name}: {first:.0f} us a token (first 200), {last:.0f} us "
+              "(last 200)")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"model": args.model, "tokens": args.tokens, "rounds": rounds, "compile_ms": compiles, "trigger_us": triggers}, indent=2
-        ))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "tokens": args.tokens,
+                    "rounds": rounds,
+                    "compile_ms": compiles,
+                    "trigger_us": triggers,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ order turning each round: this engine as it ships (``plain``: the headline, the 
 busy time less ``llama_decode``, from /metrics, as issue 53 measured it), the same engine with
 the probes of benchmarks/hostwork_probes.py (``probed``: each part's CPU time on its thread,
 the worker's and the trio thread's; on a shared machine wall time mostly measures the waits
-for a core, CPU time what the part costs), and llama-server. A GPU computes a step of these models in about 1-1.5 ms: host
-work on the worker adds to every step, host work on the trio thread overlaps the next decode
+for a core, CPU time what the part costs), and llama-server. A GPU computes a step of these models in about 1-1.5 ms:
+host work on the worker adds to every step, host work on the trio thread overlaps the next decode
 unless it holds the GIL the worker needs.
 
 ``--steps-ab``: the sampling paths side by side (issue 53, Deliver 3), on the worker's side
@@ -53,7 +53,10 @@ from .llama_server import LlamaServer, cached_binary, find_or_build
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 # What requests ask: greedy (the default) or seeded (temperature 0.8, llama.cpp's other defaults).
-SAMPLINGS: dict[str, dict[str, Any]] = {"greedy": {"ignore_eos": True}, "seeded": {"temperature": 0.8, "seed": 1234, "ignore_eos": True}}
+SAMPLINGS: dict[str, dict[str, Any]] = {
+    "greedy": {"ignore_eos": True},
+    "seeded": {"temperature": 0.8, "seed": 1234, "ignore_eos": True},
+}
 WORKER_PARTS = ["llama_decode", "batch fill", "step composition", "logits read", "sampling", "constraint"]
 TRIO_PARTS = ["detokenize", "stop check", "stream-out", "scheduling"]
 
@@ -99,7 +102,9 @@ def parts_delta(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, d
     return out
 
 
-def split_row(row: dict[str, Any], parts: dict[str, dict[str, float]], worker_s: float, trio_cpu_s: float) -> dict[str, Any]:
+def split_row(
+    row: dict[str, Any], parts: dict[str, dict[str, float]], worker_s: float, trio_cpu_s: float
+) -> dict[str, Any]:
     """Per token and per step (us) of each part (CPU time of its thread), and what no probe
     covers: on the worker, its busy wall time outside the steps' and prompts' outermost
     probes; on the trio thread, its CPU time outside the parts' probes."""
@@ -157,7 +162,9 @@ def find_llama_bench(path: str | None) -> Path | None:
     return cand if cand.is_file() else (Path(w) if (w := shutil.which("llama-bench")) else None)
 
 
-def run_model(label: str, model: str, args: argparse.Namespace, peer_bin: Path | None, bench_bin: Path | None, work: Path) -> dict[str, Any]:
+def run_model(
+    label: str, model: str, args: argparse.Namespace, peer_bin: Path | None, bench_bin: Path | None, work: Path
+) -> dict[str, Any]:
     counts = [int(x) for x in args.streams.split(",")]
     slots = max(counts)
     ctx = slots * 512
@@ -169,14 +176,25 @@ def run_model(label: str, model: str, args: argparse.Namespace, peer_bin: Path |
     if args.ab:  # the engine with the sampling path before issue 53's fast path
         extra = [*common["extra"], "--no-sampling-fast-path"]  # type: ignore[list-item]
         old_path = EngineProcess(model, **{**common, "extra": extra}).start(work, f"{label}-plain-before")  # type: ignore[arg-type]
-    peer = LlamaServer(peer_bin, model, ctx=ctx, slots=slots, log_dir=work, tag=f"{label}-llama-server", threads=args.threads) if peer_bin else None
+    peer = (
+        LlamaServer(
+            peer_bin, model, ctx=ctx, slots=slots, log_dir=work, tag=f"{label}-llama-server", threads=args.threads
+        )
+        if peer_bin
+        else None
+    )
     out: dict[str, Any] = {"model": model, "levels": {}}
     try:
         out["llama_bench"] = llama_bench_tg(bench_bin, model, args.threads, args.tokens)
-        for rnd, n, sampling in ((r, n, s) for r in range(args.rounds + 1) for n in counts for s in args.sampling.split(",")):
+        for rnd, n, sampling in (
+            (r, n, s) for r in range(args.rounds + 1) for n in counts for s in args.sampling.split(",")
+        ):
             # round 0 warms every server up, unmeasured
-            prompts = [f"{chr(97 + (rnd * 7 + i) % 26)}{chr(97 + (i // 26) % 26)}{rnd} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
-            servers: list[tuple[str, Any]] = [("plain", plain), ("probed", probed)] + ([("plain-before", old_path)] if old_path else [])
+            prompts = [f"{chr(97 + (rnd * 7 + i) % 26)}"
+                       f"{chr(97 + (i // 26) % 26)}{rnd} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
+            servers: list[tuple[str, Any]] = [("plain", plain), ("probed", probed)] + (
+                [("plain-before", old_path)] if old_path else []
+            )
             servers += [("llama-server", peer)] if peer else []
             level = str(n) if sampling == "greedy" else f"{n} {sampling}"
             k = rnd % len(servers)
@@ -188,7 +206,13 @@ def run_model(label: str, model: str, args: argparse.Namespace, peer_bin: Path |
                     before = srv.dump()
                     w0, d0 = worker_busy_s(port), decode_s(port)
                 n_tokens = args.tokens if rnd else 4  # the warm-up: kernels and slots, briefly
-                row = measure(name, port, pid, tid, lambda p=port, ps=prompts, k=n_tokens, s=SAMPLINGS[sampling]: run_round(p, ps, k, sampling=s))
+                row = measure(
+                    name,
+                    port,
+                    pid,
+                    tid,
+                    lambda p=port, ps=prompts, k=n_tokens, s=SAMPLINGS[sampling]: run_round(p, ps, k, sampling=s),
+                )
                 if name == "probed":
                     parts = parts_delta(before, srv.dump())
                     # The trio thread's CPU in measure's own window: the /metrics scrapes around
@@ -197,15 +221,22 @@ def run_model(label: str, model: str, args: argparse.Namespace, peer_bin: Path |
                     row["split"] = split_row(row, parts, worker_busy_s(port) - w0, trio_cpu)
                     row["split"]["decode_metric_s"] = decode_s(port) - d0
                 if name != "llama-server":
-                    row["worker_outside_decode_us_per_token"] = row["worker_busy_us_per_token"] - row["decode_us_per_token"]
+                    row["worker_outside_decode_us_per_token"] = (
+                        row["worker_busy_us_per_token"] - row["decode_us_per_token"]
+                    )
                 if rnd == 0:
                     continue
                 row["round"], row["sampling"], row["load"] = rnd, sampling, os.getloadavg()[0]
                 out["levels"].setdefault(level, []).append(row)
-                extra = f", worker outside decode {row['worker_outside_decode_us_per_token']:.0f} us/token wall" if name != "llama-server" else ""
+                extra = (
+                    f", worker outside decode {row['worker_outside_decode_us_per_token']:.0f} us/token wall"
+                    if name != "llama-server"
+                    else ""
+                )
                 if name == "probed":
                     extra += f", {row['split']['worker_cpu_outside_decode_us_per_token']:.1f} us CPU"
-                print(f"[{label}] round {rnd} {n:3d} streams {sampling:6s} {name:12s}: {row['tok_s']:8.1f} tok/s{extra}", flush=True)
+                print(f"[{label}] round {rnd} {n:3d} streams {sampling:6s} {name:12s}: {row['tok_s']:8.1f} "
+                      f"tok/s{extra}", flush=True)
     finally:
         plain.stop()
         probed.stop()
@@ -220,9 +251,16 @@ def summarise(label: str, res: dict[str, Any]) -> list[str]:
     lines = []
     tg = (res.get("llama_bench") or {}).get("tg_tok_s")
     for n, rows in res["levels"].items():
-        by = {name: [r for r in rows if r["server"] == name] for name in ("plain", "probed", "plain-before", "llama-server")}
+        by = {
+            name: [r for r in rows if r["server"] == name]
+            for name in ("plain", "probed", "plain-before", "llama-server")
+        }
         med = lambda name, key, by=by: statistics.median(r[key] for r in by[name]) if by[name] else float("nan")  # noqa: E731
-        cpu = statistics.median(r["split"]["worker_cpu_outside_decode_us_per_token"] for r in by["probed"]) if by["probed"] else float("nan")
+        cpu = (
+            statistics.median(r["split"]["worker_cpu_outside_decode_us_per_token"] for r in by["probed"])
+            if by["probed"]
+            else float("nan")
+        )
         line = (f"{label} {n} streams: plain {med('plain', 'tok_s'):.0f} tok/s, worker busy outside llama_decode "
                 f"{med('plain', 'worker_outside_decode_us_per_token'):.0f} us/token wall (probed: worker CPU outside "
                 f"llama_decode {cpu:.1f} us/token)")
@@ -238,15 +276,24 @@ def summarise(label: str, res: dict[str, Any]) -> list[str]:
             line += f"; llama-bench tg {tg:.0f} tok/s ({med('plain', 'tok_s') / tg:.2f}x)"
         lines.append(line)
         if by["probed"]:
-            parts = {p: statistics.median(r["split"]["us_per_token"][p] for r in by["probed"]) for p in by["probed"][0]["split"]["us_per_token"]}
+            parts = {
+                p: statistics.median(r["split"]["us_per_token"][p] for r in by["probed"])
+                for p in by["probed"][0]["split"]["us_per_token"]
+            }
             steps = statistics.median(r["split"]["tokens_per_step"] for r in by["probed"])
             lines.append("    per token (us): " + ", ".join(f"{p} {v:.1f}" for p, v in parts.items() if p != "prefill")
                          + f"; {steps:.1f} tokens a step")
-            ov = [r["split"]["overlap"] for r in by["probed"] if r["split"].get("overlap", {}).get("trio_parts_overlapped_share") is not None]
+            ov = [
+                r["split"]["overlap"]
+                for r in by["probed"]
+                if r["split"].get("overlap", {}).get("trio_parts_overlapped_share") is not None
+            ]
             if ov:
                 lines.append(
-                    f"    trio parts (detokenize, stop check, stream-out, scheduling): {statistics.median(o['trio_parts_wall_us_per_token'] for o in ov):.1f} us/token wall, "
-                    f"{100 * statistics.median(o['trio_parts_overlapped_share'] for o in ov):.0f}% of it while the worker was inside llama_decode "
+                    "    trio parts (detokenize, stop check, stream-out, scheduling): "
+                    f"{statistics.median(o['trio_parts_wall_us_per_token'] for o in ov):.1f} us/token wall, "
+                    f"{100 * statistics.median(o['trio_parts_overlapped_share'] for o in ov):.0f}% of it while the "
+                    "worker was inside llama_decode "
                     f"({statistics.median(o['trio_parts_not_overlapped_us_per_token'] for o in ov):.1f} us/token not)")
     return lines
 
@@ -262,13 +309,20 @@ def steps_ab(label: str, model: str, args: argparse.Namespace) -> dict[str, Any]
     probes.install()
     counts = [int(x) for x in args.streams.split(",")]
     n_slots = max(counts)
-    backend = LlamaBackend(model, n_slots=n_slots, n_ctx=n_slots * 256, n_threads=args.threads, n_batch=max(512, n_slots))
+    backend = LlamaBackend(
+        model, n_slots=n_slots, n_ctx=n_slots * 256, n_threads=args.threads, n_batch=max(512, n_slots)
+    )
     rows: list[dict[str, Any]] = []
     try:
         for rnd in range(args.rounds + 1):  # round 0 warms up, unmeasured
             for n in counts:
-                prompts = [backend.tokenize(f"{chr(97 + (rnd * 7 + i) % 26)}{rnd} " + words_prompt(12, seed=1000 * rnd + i), add_special=True)
-                           for i in range(n)]
+                prompts = [
+                    backend.tokenize(
+                        f"{chr(97 + (rnd * 7 + i) % 26)}{rnd} " + words_prompt(12, seed=1000 * rnd + i),
+                        add_special=True,
+                    )
+                    for i in range(n)
+                ]
                 for sampling in args.sampling.split(","):
                     paths = [("before", False), ("fast", True)]
                     for path, fast in paths[rnd % 2:] + paths[: rnd % 2]:
@@ -300,9 +354,11 @@ def steps_ab(label: str, model: str, args: argparse.Namespace) -> dict[str, Any]
                                "worker_wall_outside_decode_us_per_token": (wall - decode) / made * 1e6,
                                "us_per_token": by_part, "load": os.getloadavg()[0]}
                         rows.append(row)
-                        print(f"[{label}] round {rnd} {n:3d} streams {sampling:6s} {path:6s}: decode {row['decode_ms_per_step']:7.2f} ms/step, "
+                        print(f"[{label}] round {rnd} {n:3d} streams {sampling:6s} {path:6s}: decode "
+                              f"{row['decode_ms_per_step']:7.2f} ms/step, "
                               f"outside it {row['worker_cpu_outside_decode_us_per_token']:7.1f} us/token CPU "
-                              f"({row['worker_wall_outside_decode_us_per_token']:.1f} wall); sampling {by_part['sampling']:.1f}", flush=True)
+                              f"({row['worker_wall_outside_decode_us_per_token']:.1f} wall); sampling "
+                              f"{by_part['sampling']:.1f}", flush=True)
     finally:
         backend.close()
     return {"model": model, "rows": rows}
@@ -313,14 +369,18 @@ def summarise_ab(label: str, res: dict[str, Any]) -> list[str]:
     rows = res["rows"]
     for n in sorted({r["streams"] for r in rows}):
         for sampling in dict.fromkeys(r["sampling"] for r in rows):
-            pick = {p: [r for r in rows if r["streams"] == n and r["sampling"] == sampling and r["path"] == p] for p in ("before", "fast")}
+            pick = {
+                p: [r for r in rows if r["streams"] == n and r["sampling"] == sampling and r["path"] == p]
+                for p in ("before", "fast")
+            }
             if not pick["before"] or not pick["fast"]:
                 continue
             cpu = {p: [r["worker_cpu_outside_decode_us_per_token"] for r in pick[p]] for p in pick}
             smp = {p: statistics.median(r["us_per_token"]["sampling"] for r in pick[p]) for p in pick}
             ratio = [b / a for a, b in zip(cpu["before"], cpu["fast"], strict=True)]
             lines.append(
-                f"{label} {n} streams {sampling}: worker CPU outside llama_decode before {statistics.median(cpu['before']):.1f} "
+                f"{label} {n} streams {sampling}: worker CPU outside llama_decode before "
+                f"{statistics.median(cpu['before']):.1f} "
                 f"[{min(cpu['before']):.1f}-{max(cpu['before']):.1f}], fast {statistics.median(cpu['fast']):.1f} "
                 f"[{min(cpu['fast']):.1f}-{max(cpu['fast']):.1f}] us/token ({statistics.median(ratio):.2f}x); "
                 f"sampling {smp['before']:.1f} -> {smp['fast']:.1f} us/token"
@@ -335,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(argv[3:], Path(argv[1]))
     ap = argparse.ArgumentParser(prog="python -m benchmarks.hostwork", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="tiny,gemma", help="tiny (synthetic), gemma (Gemma 3 270M, the realmodel extra)")
+    ap.add_argument("--models", default="tiny,gemma", help="tiny (synthetic), gemma (Gemma "
+                    "3 270M, the realmodel extra)")
     ap.add_argument("--streams", default="1,8,64")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
@@ -343,10 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default=None, metavar="PATH")
     ap.add_argument("--with-llama-server", action="store_true")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="default: beside the cached llama-server")
-    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/hostwork.json (--steps-ab: hostwork-steps-ab.json)")
-    ap.add_argument("--steps-ab", action="store_true", help="the path before against the fast path, the worker's side in one process")
-    ap.add_argument("--sampling", default=None, help="greedy, seeded (temperature 0.8, seed 1234); default: greedy (--steps-ab: both)")
-    ap.add_argument("--ab", action="store_true", help="a third engine beside plain and probed: --no-sampling-fast-path (the path before)")
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/hostwork.json (--steps-ab: "
+                    "hostwork-steps-ab.json)")
+    ap.add_argument("--steps-ab", action="store_true", help="the path before against the fast path, the worker's side "
+                    "in one process")
+    ap.add_argument("--sampling", default=None, help="greedy, seeded (temperature 0.8, seed 1234); default: greedy "
+                    "(--steps-ab: both)")
+    ap.add_argument("--ab", action="store_true", help="a third engine beside plain and probed: --no-sampling-fast-path "
+                    "(the path before)")
     args = ap.parse_args(argv)
     args.sampling = args.sampling or ("greedy,seeded" if args.steps_ab else "greedy")
     args.out = args.out or RESULTS / ("hostwork-steps-ab.json" if args.steps_ab else "hostwork.json")
@@ -368,7 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ap.error(f"--models: unknown model {m!r} (tiny, gemma)")
     if args.steps_ab:
-        result = {"config": {k: str(v) for k, v in vars(args).items()}, "env": env_info(), "load_before": os.getloadavg(), "models": {}}
+        result = {
+            "config": {k: str(v) for k, v in vars(args).items()},
+            "env": env_info(),
+            "load_before": os.getloadavg(),
+            "models": {},
+        }
         for label, path in models.items():
             result["models"][label] = steps_ab(label, path, args)
             args.out.write_text(json.dumps(result, indent=2) + "\n")

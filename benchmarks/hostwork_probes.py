@@ -88,7 +88,8 @@ def _timed_decode(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _enter(part: str) -> list[Any]:
     stack = _stack()
     wall = None if stack else time.perf_counter_ns()
-    frame = [part, _clock(), 0, wall, None if wall is None else _decode_ns(wall)]  # part, start, nested, wall start, decode then
+    # part, start, nested, wall start, decode then
+    frame = [part, _clock(), 0, wall, None if wall is None else _decode_ns(wall)]
     stack.append(frame)
     return frame
 

@@ -50,7 +50,8 @@ SCHEDULES = ("sessions", "rounds")
 N_ENGINES = 3
 PROMPT_CACHE_COUNTERS = ("saved", "restored", "restored_tokens", "evicted")
 # vllm-router's kv_aware decision line (policies/kv_aware.rs, at --log-level debug).
-_DECISION = re.compile(r"KV prefix decision.*?worker=\"?(?P<worker>[^\s\"]+)\"?.*?credited_prefix_tokens=(?P<credit>\d+)")
+_DECISION = re.compile(r"KV prefix "
+                       r"decision.*?worker=\"?(?P<worker>[^\s\"]+)\"?.*?credited_prefix_tokens=(?P<credit>\d+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the router colours its log even into a file
 
 
@@ -142,8 +143,10 @@ def run_policy(
                 for turn in range(turns):
                     one_turn(s, turn)
 
-            all_sessions = [Session(i, [{"role": "user", "content": f"session {i}: " + words_prompt(200, seed=7000 + i)}])
-                            for i in range(sessions)]
+            all_sessions = [
+                Session(i, [{"role": "user", "content": f"session {i}: " + words_prompt(200, seed=7000 + i)}])
+                for i in range(sessions)
+            ]
             with ThreadPoolExecutor(clients) as pool:
                 if schedule == "sessions":
                     list(pool.map(whole, all_sessions))
@@ -210,15 +213,18 @@ def multi_turn(model: str, log_dir: Path, out: Path, *, sessions: int, turns: in
     oracle = runs[0]["oracle_computed"]  # the same requests for every policy (greedy, same seeds)
     base = runs[0]
     lines = [f"{sessions} sessions x {turns} turns ({schedule}), {clients} clients at once, "
-             f"{N_ENGINES} engines x {slots} slots, cache-ram-mib {cache_ram_mib if cache_ram_mib is not None else 'default'}",
+             f"{N_ENGINES} engines x {slots} slots, cache-ram-mib "
+             f"{cache_ram_mib if cache_ram_mib is not None else 'default'}",
              f"| policy | prompt tokens computed (x oracle) | cached share | TTFT p50 / p99 (x {base['policy']} p50) "
-             "| later turns to the history's engine / elsewhere | turns served from RAM (tokens) | router decisions crediting a prefix |",
+             "| later turns to the history's engine / elsewhere | turns served from RAM (tokens) | router decisions "
+             "crediting a prefix |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
         credited = f"{r['router_decisions_credited']} / {r['router_decisions']}" if r["router_decisions"] else "-"
         lines.append(f"| {r['policy']} | {r['computed']:.0f} ({r['computed'] / r['oracle_computed']:.2f}x) | "
                      f"{r['cached_share']:.1%} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms "
-                     f"({r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x) | {r['later_to_holder']} / {r['later_elsewhere']} "
+                     f"({r['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x) | {r['later_to_holder']} / "
+                     f"{r['later_elsewhere']} "
                      f"of {r['later_turns']} | {r['from_ram_turns']} ({r['from_ram_tokens']}) | {credited} |")
     lines.append(f"oracle: {oracle:.0f} prompt tokens computed")
     for r in runs:

@@ -86,7 +86,12 @@ def _build(ver: str) -> Path:
     )
     # A job per core: a bare -j starts every compile at once (a load of ~90 and 11 GiB on 2 cores).
     jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "-j", jobs], cwd=root, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs],
+        cwd=root,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return cached_binary(ver)
 
 

@@ -53,7 +53,9 @@ def switch_cost(model: str, adapters: list[str], threads: int, rounds: int) -> d
     """Median seconds of a one-token decode: both slots under one set, and alternating sets."""
     from hydra_trio.engine.llama import LlamaBackend
 
-    backend = LlamaBackend(model, n_slots=2, n_ctx=2048, n_threads=threads, n_batch=512, kv_unified=False, lora_paths=adapters)
+    backend = LlamaBackend(
+        model, n_slots=2, n_ctx=2048, n_threads=threads, n_batch=512, kv_unified=False, lora_paths=adapters
+    )
     try:
         prompt = backend.tokenize(PROMPT, add_special=True)
         for slot in (0, 1):
@@ -92,7 +94,13 @@ async def _streams(url: str, sets: list[Any], streams: int, n: int) -> dict[str,
 
         async def go(i: int) -> None:
             nonlocal tokens
-            body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
+            body: dict[str, Any] = {
+                "prompt": PROMPT,
+                "max_tokens": n,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
             if sets[i % len(sets)] is not None:
                 body["lora"] = sets[i % len(sets)]
             last, t_start = None, time.perf_counter()
@@ -146,16 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one-token decode, two slots in turn (median of {args.rounds} runs of 64):")
     for name, s in cost.items():
         print(f"  {name:>28}: {s * 1000:7.3f} ms")
-    print(f"  switching sets costs {(cost['alternating base / adapter'] - (cost['base'] + cost['one adapter']) / 2) * 1000:.3f} ms a decode")
+    print("  switching sets costs "
+          f"{(cost['alternating base / adapter'] - (cost['base'] + cost['one adapter']) / 2) * 1000:.3f} ms a decode")
 
     # Every server up at once, the workloads interleaved round by round: a busy machine's
     # noise falls on all of them alike.
     from benchmarks.llama_server import LlamaServer, find_or_build
 
-    plain = EngineProcess(model, slots=args.streams, ctx_size=2048 * args.streams, threads=args.threads).start(tmp, "plain")
+    plain = EngineProcess(model, slots=args.streams, ctx_size=2048 * args.streams, threads=args.threads).start(
+        tmp, "plain"
+    )
     loaded = EngineProcess(model, slots=args.streams, ctx_size=2048 * args.streams, threads=args.threads,
                            extra=["--lora", ",".join(adapters), "--lora-init-without-apply"]).start(tmp, "loaded")
-    binary = find_or_build(args.llama_server, args.with_llama_server) if (args.llama_server or args.with_llama_server) else None
+    binary = (
+        find_or_build(args.llama_server, args.with_llama_server)
+        if (args.llama_server or args.with_llama_server)
+        else None
+    )
     peer = None
     if binary is not None:
         peer = LlamaServer(binary, model, ctx=2048 * args.streams, slots=args.streams, log_dir=tmp, tag="llama-server",

@@ -66,7 +66,9 @@ def serve(models: dict[str, str], log_dir: Path, tag: str, *extra: str) -> Engin
 
 def ask(client: httpx.Client, model: str, max_tokens: int = 1) -> float:
     t0 = time.perf_counter()
-    r = client.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
+    r = client.post(
+        "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    )
     r.raise_for_status()
     return time.perf_counter() - t0
 
@@ -113,9 +115,14 @@ def switches(models: dict[str, str], log_dir: Path, n: int) -> dict[str, Any]:
     finally:
         proc.stop()
     return {
-        "cold_switch": ms(cold), "load_server": ms(loads), "resident_request": ms(warm),
-        "before": before, "after": after, "along": along,
-        "loads": {k: v["loads"] for k, v in models_now.items()}, "evictions": {k: v["evictions"] for k, v in models_now.items()},
+        "cold_switch": ms(cold),
+        "load_server": ms(loads),
+        "resident_request": ms(warm),
+        "before": before,
+        "after": after,
+        "along": along,
+        "loads": {k: v["loads"] for k, v in models_now.items()},
+        "evictions": {k: v["evictions"] for k, v in models_now.items()},
     }
 
 

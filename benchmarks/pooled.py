@@ -108,10 +108,16 @@ async def drive(url: str, kind: str, clients: int, work: list[dict[str, Any]]) -
 def run_kind(kind: str, model: str, binary: Path, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     ours_flags = ["--reranking"] if kind == "rerank" else ["--embeddings"]
     theirs_flags = ["--reranking"] if kind == "rerank" else ["--embeddings", "--pooling", "mean"]
-    ours = EngineProcess(model, slots=2, ctx_size=2048, threads=args.threads, batch_size=512,
-                         # llama-server queues without a bound: so does ours here (its default
-                         # answers 503 to a request whose turn has not come in 30 s).
-                         extra=[*ours_flags, "--embd-batch-inputs", "32", "--slot-wait-s", "600"]).start(log_dir, f"hydra-{kind}")
+    ours = EngineProcess(
+        model,
+        slots=2,
+        ctx_size=2048,
+        threads=args.threads,
+        batch_size=512,
+        # llama-server queues without a bound: so does ours here (its default
+        # answers 503 to a request whose turn has not come in 30 s).
+        extra=[*ours_flags, "--embd-batch-inputs", "32", "--slot-wait-s", "600"],
+    ).start(log_dir, f"hydra-{kind}")
     peers = {"hydra-trio": (ours.url, ours.pid)}
     servers: list[Any] = []
     try:
@@ -119,8 +125,14 @@ def run_kind(kind: str, model: str, binary: Path, args: argparse.Namespace, log_
             before = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = str(args.base / "src")  # the engine process imports that version
             try:
-                base = EngineProcess(model, slots=2, ctx_size=2048, threads=args.threads, batch_size=512,
-                                     extra=[*ours_flags, "--embd-batch-inputs", "32", "--slot-wait-s", "600"]).start(log_dir, f"base-{kind}")
+                base = EngineProcess(
+                    model,
+                    slots=2,
+                    ctx_size=2048,
+                    threads=args.threads,
+                    batch_size=512,
+                    extra=[*ours_flags, "--embd-batch-inputs", "32", "--slot-wait-s", "600"],
+                ).start(log_dir, f"base-{kind}")
             finally:
                 if before is None:
                     del os.environ["PYTHONPATH"]
@@ -162,9 +174,14 @@ def _rounds(kind: str, peers: dict[str, tuple[str, int]], args: argparse.Namespa
             rates = {name: m[0] for name, m in measured.items()}
             per_cpu = {f"{name} per cpu s": m[1] for name, m in measured.items()}
             ratios = {f"vs {name}": rates["hydra-trio"] / rates[name] for name in peers if name != "hydra-trio"}
-            ratios |= {f"cpu vs {name}": measured["hydra-trio"][1] / measured[name][1] for name in peers if name != "hydra-trio"}
+            ratios |= {
+                f"cpu vs {name}": measured["hydra-trio"][1] / measured[name][1]
+                for name in peers
+                if name != "hydra-trio"
+            }
             rounds.append({**rates, **per_cpu, **ratios})
-            print(f"{kind} {clients} client(s) round {rnd}: " + ", ".join(f"{n} {r:.1f} {unit}" for n, r in rates.items())
+            print(f"{kind} {clients} "
+                  f"client(s) round {rnd}: " + ", ".join(f"{n} {r:.1f} {unit}" for n, r in rates.items())
                   + "; ratios " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
         summary: dict[str, Any] = {"rounds": rounds}
         for name in peers:
@@ -195,7 +212,10 @@ def main() -> None:
     if binary is None:
         raise SystemExit("llama-server is needed for this comparison (--llama-server PATH)")
     paths = models(args.preset)
-    results: dict[str, Any] = {"env": env_info(), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    results: dict[str, Any] = {
+        "env": env_info(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
     with tempfile.TemporaryDirectory(prefix="bench-pooled-") as tmp:
         for kind in ("embeddings", "rerank"):
             if kind not in args.skip.split(","):
@@ -204,7 +224,8 @@ def main() -> None:
     (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
     for kind in ("embeddings", "rerank"):
         for clients, r in results.get(kind, {}).items():
-            line = ", ".join(f"{k} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]" for k, v in r.items() if isinstance(v, dict))
+            line = ", ".join(f"{k} {v['median']:.3f} "
+                             f"[{v['min']:.3f}-{v['max']:.3f}]" for k, v in r.items() if isinstance(v, dict))
             rates = ", ".join(f"{k.removesuffix(' median')} {v:.1f}/s" for k, v in r.items() if k.endswith(" median"))
             print(f"{kind:10s} {clients} client(s): hydra-trio {line} ({rates})")
 

@@ -96,7 +96,12 @@ def cold(peers: list[Peer], sizes: list[int], rounds: int, tok_url: str) -> list
             row: dict[str, Any] = {"n": n, "round": r}
             for p in order:
                 wall, t = p.complete(prompt, cache=False)
-                row[p.name] = {"wall_s": wall, "cpu_s": t["cpu_s"], "prompt_ms": t.get("prompt_ms"), "prompt_n": t.get("prompt_n")}
+                row[p.name] = {
+                    "wall_s": wall,
+                    "cpu_s": t["cpu_s"],
+                    "prompt_ms": t.get("prompt_ms"),
+                    "prompt_n": t.get("prompt_n"),
+                }
             if len(peers) == 2:
                 row["ratio"] = row["hydra-trio"]["wall_s"] / row["llama-server"]["wall_s"]
                 row["cpu_ratio"] = row["hydra-trio"]["cpu_s"] / row["llama-server"]["cpu_s"]
@@ -114,19 +119,31 @@ def turns(peers: list[Peer], prefix_n: int, n_turns: int, tok_url: str) -> list[
     for p in peers:
         history = list(prefix)
         wall, t = p.complete(history, cache=True)
-        rows.append({"peer": p.name, "turn": 0, "n_prompt": len(history), "wall_s": wall, "prompt_n": t.get("prompt_n")})
+        rows.append(
+            {"peer": p.name, "turn": 0, "n_prompt": len(history), "wall_s": wall, "prompt_n": t.get("prompt_n")}
+        )
         print(f"turns {p.name}: turn 0 ({len(history)} tokens) {wall:.2f}s", flush=True)
         for k, add in enumerate(adds, start=1):
             history += add
             wall, t = p.complete(history, cache=True)
             fresh = tokens(tok_url, len(add), seed=900 + k)
             alone, _ = p.complete(fresh, cache=False)
-            row = {"peer": p.name, "turn": k, "n_prompt": len(history), "n_new": len(add), "wall_s": wall, "cpu_s": t["cpu_s"],
-                   "prompt_n": t.get("prompt_n"), "prompt_ms": t.get("prompt_ms"), "cold_new_s": alone,
-                   "ratio_to_new": wall / alone}
+            row = {
+                "peer": p.name,
+                "turn": k,
+                "n_prompt": len(history),
+                "n_new": len(add),
+                "wall_s": wall,
+                "cpu_s": t["cpu_s"],
+                "prompt_n": t.get("prompt_n"),
+                "prompt_ms": t.get("prompt_ms"),
+                "cold_new_s": alone,
+                "ratio_to_new": wall / alone,
+            }
             rows.append(row)
             print(f"turns {p.name}: turn {k} (+{len(add)} -> {len(history)}) TTFT {wall:.2f}s, evaluated "
-                  f"{row['prompt_n']}, cold {len(add)} tokens {alone:.2f}s, ratio {row['ratio_to_new']:.2f}", flush=True)
+                  f"{row['prompt_n']}, cold {len(add)} tokens {alone:.2f}s, ratio "
+                  f"{row['ratio_to_new']:.2f}", flush=True)
     return rows
 
 
@@ -147,9 +164,18 @@ def turns_pd(a: EngineProcess, b: EngineProcess, prefix_n: int, n_turns: int) ->
         t_export = time.perf_counter() - t0
         body = r.json()
         first = None
-        with httpx.stream("POST", b.url + "/v1/completions", timeout=1800, json={
-            "prompt": history, "max_tokens": 4, "temperature": 0, "stream": True, "kv_transfer_params": body["kv_transfer_params"],
-        }) as resp:
+        with httpx.stream(
+            "POST",
+            b.url + "/v1/completions",
+            timeout=1800,
+            json={
+                "prompt": history,
+                "max_tokens": 4,
+                "temperature": 0,
+                "stream": True,
+                "kv_transfer_params": body["kv_transfer_params"],
+            },
+        ) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
                 if first is None and line.startswith("data: {"):
@@ -163,14 +189,16 @@ def turns_pd(a: EngineProcess, b: EngineProcess, prefix_n: int, n_turns: int) ->
     history = list(prefix)
     row = {"turn": 0, **one(history)}
     rows.append(row)
-    print(f"turns-pd: turn 0 ({len(history)} tokens) TTFT {row['ttft_s']:.2f}s (export {row['export_s']:.2f}s, KV {row['kv_mib']:.1f} MiB)", flush=True)
+    print(f"turns-pd: turn 0 ({len(history)} tokens) TTFT {row['ttft_s']:.2f}s (export {row['export_s']:.2f}s, KV "
+          f"{row['kv_mib']:.1f} MiB)", flush=True)
     for k, add in enumerate(adds, start=1):
         history += add
         row = one(history)
         alone, _ = Peer("hydra-trio", a.url, a.pid, {}).complete(tokens(a.url, len(add), seed=900 + k), cache=False)
         row = {"turn": k, "n_new": len(add), **row, "cold_new_s": alone, "ratio_to_new": row["ttft_s"] / alone}
         rows.append(row)
-        print(f"turns-pd: turn {k} (+{len(add)} -> {len(history)}) TTFT {row['ttft_s']:.2f}s (export {row['export_s']:.2f}s, "
+        print(f"turns-pd: turn {k} (+{len(add)} -> {len(history)}) TTFT {row['ttft_s']:.2f}s (export "
+              f"{row['export_s']:.2f}s, "
               f"evaluated {row['prompt_n']}, KV {row['kv_mib']:.1f} MiB), cold {len(add)} tokens {alone:.2f}s, "
               f"ratio {row['ratio_to_new']:.2f}", flush=True)
     return rows
@@ -183,7 +211,14 @@ def itl_beside(peer: Peer, stream_prompt: list[int], long_prompt: list[int]) -> 
     window: dict[str, float] = {}
 
     def stream() -> None:
-        body = {"prompt": stream_prompt, "max_tokens": 20000, "temperature": 0, "stream": True, "ignore_eos": True, **peer.extra}
+        body = {
+            "prompt": stream_prompt,
+            "max_tokens": 20000,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            **peer.extra,
+        }
         with httpx.Client(timeout=1800) as c, c.stream("POST", peer.url + "/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -221,7 +256,13 @@ def itl(peers: list[Peer], n: int, rounds: int, tok_url: str) -> list[dict[str, 
         stream_prompt = tokens(tok_url, 32, seed=4000 + r)
         for p in order:
             alone_s, _ = p.complete(alone_prompt, cache=False)
-            row = {"peer": p.name, "round": r, "n": n, "alone_wall_s": alone_s, **itl_beside(p, stream_prompt, long_prompt)}
+            row = {
+                "peer": p.name,
+                "round": r,
+                "n": n,
+                "alone_wall_s": alone_s,
+                **itl_beside(p, stream_prompt, long_prompt),
+            }
             row["beside_over_alone"] = row["prefill_wall_s"] / alone_s
             rows.append(row)
             print(f"itl {p.name} round {r}: {n}-token prefill beside a stream {row['prefill_wall_s']:.2f}s "
@@ -255,7 +296,8 @@ def ratios(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.prefill", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1k and 4k prompts, a 4k session prefix, ITL beside 4k, 2 rounds")
+    ap.add_argument("--quick", action="store_true", help="1k and 4k prompts, a 4k session "
+                    "prefix, ITL beside 4k, 2 rounds")
     ap.add_argument("--sizes", default=None, help="comma list of cold prompt sizes (default 1024,4096,16384,30720)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per size (default 3; --quick 2)")
     ap.add_argument("--threads", type=int, default=1)
@@ -286,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         peers = [Peer("hydra-trio", hydra.url, hydra.pid, {})]
         if binary is not None:
-            server = LlamaServer(binary, model, ctx=2 * n_slot, slots=2, log_dir=log_dir, tag="llama-server", threads=args.threads)
+            server = LlamaServer(
+                binary, model, ctx=2 * n_slot, slots=2, log_dir=log_dir, tag="llama-server", threads=args.threads
+            )
             peers.append(Peer("llama-server", server.url, server.proc.pid, {}))
         out: dict[str, Any] = {"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()},
                                "loadavg_start": Path("/proc/loadavg").read_text().split()[:3]}

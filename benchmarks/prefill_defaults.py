@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from hydra_trio.model.registry import named_model_path
 
     settings: dict[str, dict[str, Any]] = {
-        "default (--batch-size 512, --flash-attn auto, repack by the CPU)": {"n_batch": 512, "offload": OffloadSettings()},
+        "default (--batch-size 512, "
+        "--flash-attn auto, repack by the CPU)": {"n_batch": 512, "offload": OffloadSettings()},
         "--batch-size 1024": {"n_batch": 1024, "offload": OffloadSettings()},
         "--batch-size 2048": {"n_batch": 2048, "offload": OffloadSettings()},
         "--flash-attn off": {"n_batch": 512, "offload": OffloadSettings(flash_attn="off")},
@@ -66,11 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                 backend.close()
             print(f"round {r}: {name}: {cpu[name][-1]:.2f} CPU s", flush=True)
     base = statistics.median(cpu[next(iter(settings))])
-    rows = {k: {"cpu_s": v, "median": statistics.median(v), "ratio_to_default": statistics.median(v) / base} for k, v in cpu.items()}
+    rows = {
+        k: {"cpu_s": v, "median": statistics.median(v), "ratio_to_default": statistics.median(v) / base}
+        for k, v in cpu.items()
+    }
     for k, row in rows.items():
         print(f"{k}: median {row['median']:.2f} CPU s, {row['ratio_to_default']:.3f}x the default")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
+    )
     print(f"wrote {args.out}")
     return 0
 

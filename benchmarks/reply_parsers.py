@@ -2,8 +2,8 @@
 tool-call parsers (issue 50), in this thread's CPU time (other work on the machine does not
 count): for each format, an opener, ``--chars`` of whitespace and a closer, read whole and
 streamed a character a piece (as a model emits it), and the same with the opener repeated
-(nesting 1,000 deep, in each family's own call shape, is tests/engine/chat/test_reply_bounds.py's). Runs on whatever ``hydra_trio`` the
-interpreter imports, so another checkout is measured side by side (PYTHONPATH)."""
+(nesting 1,000 deep, in each family's own call shape, is tests/engine/chat/test_reply_bounds.py's). Runs on whatever
+``hydra_trio`` the interpreter imports, so another checkout is measured side by side (PYTHONPATH)."""
 
 from __future__ import annotations
 

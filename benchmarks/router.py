@@ -77,17 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "hydra-trio" / "bench"))
     ap.add_argument("--workload", default="all", choices=["pd", "multi-turn", "all"])
-    ap.add_argument("--multi-turn-model", default="small", help="multi-turn: a synthetic preset, a GGUF path or gemma3-270m")
+    ap.add_argument("--multi-turn-model", default="small", help="multi-turn: a synthetic preset, a GGUF path or "
+                    "gemma3-270m")
     ap.add_argument("--sessions", type=int, default=12, help="multi-turn: sessions")
     ap.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
     ap.add_argument("--clients", type=int, default=3, help="multi-turn: sessions running at once")
     ap.add_argument("--n-predict", type=int, default=16, help="multi-turn: tokens per answer")
     ap.add_argument("--slots", type=int, default=4, help="multi-turn: slots per engine")
-    ap.add_argument("--cache-ram-mib", type=int, default=None, help="multi-turn: the engines' host prompt cache (default: theirs)")
+    ap.add_argument("--cache-ram-mib", type=int, default=None, help="multi-turn: the engines' host prompt cache "
+                    "(default: theirs)")
     ap.add_argument("--schedule", default="sessions", choices=["sessions", "rounds"],
                     help="multi-turn: each client runs whole sessions, or turn t of every session goes before turn t+1")
     ap.add_argument("--policies", default="round_robin,cache_aware,kv_aware",
-                    help="multi-turn: runs, comma-separated (round_robin, cache_aware, kv_aware, kv_aware_no_host_credit)")
+                    help="multi-turn: runs, comma-separated (round_robin, cache_aware, kv_aware, "
+                    "kv_aware_no_host_credit)")
     args = ap.parse_args(argv)
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -128,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         "pull_ms", "restore_ms", "kv_mb", "export_prefill_ms", "export_copy_ms", "export_slot_held_ms")}
     prompt_tokens = 0
     try:
-        pd_proc, pd = start_router(["--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url], log_dir, "router-pd")
+        pd_proc, pd = start_router(
+            ["--vllm-pd-disaggregation", "--prefill", p.url, "--decode", d.url], log_dir, "router-pd"
+        )
         plain_proc, plain = start_router(["--worker-urls", d.url], log_dir, "router-plain")
         procs += [pd_proc, plain_proc]
         ttft(plain, words_prompt(64, seed=999), 4)  # warm both engines and both routers
@@ -138,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                 before = metric_value(d.url, "hydra_engine_prompt_tokens_processed_total")
                 seconds, final = ttft(router, words_prompt(n_words, seed=2 * i + (name == "plain")), 8)
                 rows[f"{name}_ttft_ms"].append(seconds * 1000.0)
-                rows[f"{name}_decode_prompt_tokens"].append(metric_value(d.url, "hydra_engine_prompt_tokens_processed_total") - before)
+                rows[f"{name}_decode_prompt_tokens"].append(
+                    metric_value(d.url, "hydra_engine_prompt_tokens_processed_total") - before
+                )
                 prompt_tokens = final["usage"]["prompt_tokens"]
                 if name == "pd":
                     kv = final["kv_transfer"]
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\npreset {args.preset}, {prompt_tokens}-token prompt, {args.repeats} repeats (median [min–max])")
     print("| figure | P/D hand-off via vllm-router | plain routing (recompute) |")
     print("|---|---|---|")
-    print(f"| TTFT through the router | {fmt_summary(s['pd_ttft_ms'], ' ms', 0)} | {fmt_summary(s['plain_ttft_ms'], ' ms', 0)} |")
+    print(f"| TTFT through the router | {fmt_summary(s['pd_ttft_ms'], ' ms', 0)} | "
+          f"{fmt_summary(s['plain_ttft_ms'], ' ms', 0)} |")
     print(f"| prompt tokens the decode engine computed | {s['pd_decode_prompt_tokens']['median']:.0f} | "
           f"{s['plain_decode_prompt_tokens']['median']:.0f} |")
     print(f"| KV pull + restore on the decode engine | {fmt_summary(s['pull_ms'], ' ms')} + "

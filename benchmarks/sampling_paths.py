@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         for p in PATHS:
             dec = statistics.median(r[0] for r in rows[p])
             out = statistics.median(r[1] for r in rows[p])
-            print(f"{n_seq} seq {p:8s}: llama_decode {dec:.2f} ms a step, outside it {out:.1f} us a token (median of {len(rows[p])})")
+            print(f"{n_seq} seq {p:8s}: llama_decode {dec:.2f} ms a step, outside it {out:.1f} us a token (median of "
+                  f"{len(rows[p])})")
     llama_cpp.llama_model_free(model)
     return 0
 

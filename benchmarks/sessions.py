@@ -12,9 +12,9 @@ default). Figures, over the later turns (2..N): prompt tokens, the share served 
 oracle's share: an engine that holds every history (the previous turn's prompt and answer,
 as this turn's tokens see them). With a real model (``--model gemma3-270m``) an answer's text
 tokenizes back into the tokens that were generated; the synthetic models' random text often
-does not, which no engine can reuse, so their oracle is an upper bound nobody reaches. Goals (issue "Many engines as one cache", item 0): 4 sessions
-on 4 slots >= 0.95x the oracle and >= llama-server; 16 sessions on 4 slots >= 0.8x the oracle
-and >= llama-server.
+does not, which no engine can reuse, so their oracle is an upper bound nobody reaches. Goals (issue "Many engines as one
+cache", item 0): 4 sessions on 4 slots >= 0.95x the oracle and >= llama-server; 16 sessions on 4 slots >= 0.8x the
+oracle and >= llama-server.
 """
 
 from __future__ import annotations
@@ -140,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
                 mine = run(ours.url, n, args.turns, args.n_predict, tok)
                 peer = None
                 if binary is not None:
-                    with LlamaServer(binary, str(model), ctx=ctx, slots=args.slots, log_dir=work, tag=f"llama-server-{n}") as ls:
+                    with LlamaServer(
+                        binary, str(model), ctx=ctx, slots=args.slots, log_dir=work, tag=f"llama-server-{n}"
+                    ) as ls:
                         peer = run(ls.url, n, args.turns, args.n_predict, tok)
         finally:
             ours.stop()
         results["runs"].append({"sessions": n, "hydra-trio": mine, "llama-server": peer})
         o = mine["oracle_share"]
         peer_cell = f"{peer['cached_share']:.1%} ({peer['cached_share'] / peer['oracle_share']:.2f}×)" if peer else "–"
-        lines.append(f"| {n} on {args.slots} | {o:.1%} | {mine['cached_share']:.1%} ({mine['cached_share'] / o:.2f}×) | {peer_cell} |")
+        lines.append(f"| {n} on {args.slots} | {o:.1%} | {mine['cached_share']:.1%} ({mine['cached_share'] / o:.2f}×) "
+                     f"| {peer_cell} |")
         print(lines[-1], flush=True)
     results["table"] = "\n".join(lines)
     print(results["table"])

@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
 
     def run(n_slots: int, active: list[int], unified: bool) -> tuple[float, float]:
-        b = LlamaBackend(str(model), n_slots=n_slots, n_ctx=n_slots * 512, n_threads=1, n_batch=max(512, n_slots), kv_unified=unified)
+        b = LlamaBackend(
+            str(model), n_slots=n_slots, n_ctx=n_slots * 512, n_threads=1, n_batch=max(512, n_slots), kv_unified=unified
+        )
         try:
             samplers = {s: Sampler(SamplingParams(temperature=0.0, ignore_eos=True)) for s in active}
             toks = {s: b.eval_chunk(s, list(range(5, 13)), None, sampler=samplers[s])[0] for s in active}
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = [run(n_slots, active, unified) for _ in range(args.reps)]
             step, dec = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
             every = ", ".join(f"{r[1]:.0f}" for r in runs)
-            print(f"{'unified' if unified else 'split':8s} slots {n_slots:4d} busy {label:12s}: llama_decode {dec:6.1f} (runs {every}), step {step:6.1f}", flush=True)
+            print(f"{'unified' if unified else 'split':8s} slots {n_slots:4d} busy {label:12s}: llama_decode "
+                  f"{dec:6.1f} (runs {every}), step {step:6.1f}", flush=True)
     return 0
 
 

@@ -76,7 +76,12 @@ class Soak:
         return await RpcClient.connect("127.0.0.1", self.rpc_port)
 
     def _frame(self, rng: random.Random) -> bytes:
-        request = {"messages": MESSAGES, "n_predict": rng.randint(8, 192), "temperature": rng.choice([0, 0.8]), "seed": rng.randrange(1 << 30)}
+        request = {
+            "messages": MESSAGES,
+            "n_predict": rng.randint(8, 192),
+            "temperature": rng.choice([0, 0.8]),
+            "seed": rng.randrange(1 << 30),
+        }
         return build_decode_frame(request, b"")
 
     # ---- decode workers -----------------------------------------------------------------------
@@ -111,7 +116,9 @@ class Soak:
                     for c in conns:
                         await c.aclose()
 
-    async def _decode_once(self, h: httpx.AsyncClient, c: RpcClient, slot: int, action: str, rng: random.Random) -> bool:
+    async def _decode_once(
+        self, h: httpx.AsyncClient, c: RpcClient, slot: int, action: str, rng: random.Random
+    ) -> bool:
         """One DECODE and what follows; True when the connection must be replaced."""
         data = self._frame(rng)
         if action in ("hangup_before_ack", "reset_before_ack"):
@@ -200,7 +207,13 @@ class Soak:
             while time.monotonic() < self.deadline:
                 stream = rng.random() < 0.7
                 leave = stream and rng.random() < 0.3
-                body = {"messages": MESSAGES, "max_tokens": rng.randint(8, 160), "temperature": 0.7, "seed": rng.randrange(1 << 30), "stream": stream}
+                body = {
+                    "messages": MESSAGES,
+                    "max_tokens": rng.randint(8, 160),
+                    "temperature": 0.7,
+                    "seed": rng.randrange(1 << 30),
+                    "stream": stream,
+                }
                 kind = "chat stream leave" if leave else "chat stream" if stream else "chat"
                 self.report.actions[kind] += 1
                 try:
@@ -345,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         engine.start(Path(tmp), "engine")
         try:
-            report = trio.run(lambda: run_soak(engine.rpc_port, engine.http_port, minutes=args.minutes, seed=args.seed, rss=engine.rss_bytes))
+            report = trio.run(
+                lambda: run_soak(
+                    engine.rpc_port, engine.http_port, minutes=args.minutes, seed=args.seed, rss=engine.rss_bytes
+                )
+            )
             alive = engine.proc is not None and engine.proc.poll() is None
         finally:
             engine.stop()

@@ -117,7 +117,9 @@ def replay(
         # The engine's own step: its candidates and plan (room: the tokens left after this step's).
         drafts = step_drafts(slots, [(s["spec"], s["history"], out[s["at"]], len(out) - 2 - s["at"]) for s in live],
                              priced, N_UBATCH - len(live))
-        seconds += sum(cost.estimate(rows) or 0.0 for rows in priced.passes(batch_counts(slots, [1 + len(d) for d in drafts])))
+        seconds += sum(
+            cost.estimate(rows) or 0.0 for rows in priced.passes(batch_counts(slots, [1 + len(d) for d in drafts]))
+        )
         seconds += STEP_OVERHEAD_S
         for s, draft in zip(live, drafts, strict=True):
             # A pick is the reply's next token, whatever the draft: the engine's accept rule on it.
@@ -139,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=160, help="reply length (max_tokens)")
     ap.add_argument("--streams", default="1,8", help="comma list of concurrent copies")
     ap.add_argument("--draft-n-max", type=int, default=SpecConfig().n_max, help="drafted tokens per step at most")
-    ap.add_argument("--priors", default=None, help="PRIOR_SURVIVAL to replay instead of the engine's, e.g. 0.4,0.6,0.8,0.95")
+    ap.add_argument("--priors", default=None, help="PRIOR_SURVIVAL to replay instead of the engine's, e.g. "
+                    "0.4,0.6,0.8,0.95")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hydra-trio" / "bench-models")
     ap.add_argument("--out", type=Path, default=RESULTS / "spec-replay.json")
     args = ap.parse_args(argv)
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         backend.close()
     rows: list[dict[str, Any]] = []
-    print(f"{'workload':>10} {'streams':>7} {'off tok/s':>9} {'spec tok/s':>10} {'ratio':>6} {'drafted':>7} {'accepted':>8}")
+    print(f"{'workload':>10} {'streams':>7} {'off tok/s':>9} {'spec tok/s':>10} {'ratio':>6} {'drafted':>7} "
+          f"{'accepted':>8}")
     for streams in (int(s) for s in args.streams.split(",")):
         for name, (prompt_tokens, out) in replies.items():
             off = replay(prompt_tokens, out, streams, table, spec=None)
@@ -172,8 +176,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>10} {streams:>7} {off['tok_s']:>9.1f} {on['tok_s']:>10.1f} {row['ratio']:>5.2f}x "
                   f"{on['drafted']:>7} {on['accepted']:>8}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()},
-                                    "pass_s": table, "prior_survival": speculative.PRIOR_SURVIVAL, "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "env": env_info(),
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "pass_s": table,
+                "prior_survival": speculative.PRIOR_SURVIVAL,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -76,7 +76,8 @@ RENAME_SHOT = "def area(w, h):\n    return w * h\n"
 STORY = "Chapter 1\n\nThe robot had never held a brush before. On the first morning in the studio,"
 WORKLOADS: dict[str, str] = {
     "copy": f"Below is a passage, followed by an exact copy of it.\n\nPassage:\n{PASSAGE}\n\nExact copy:\n",
-    "edit": (f"# Before:\n{RENAME_SHOT}\n# After renaming `w` to `width`:\n{RENAME_SHOT.replace('w,', 'width,').replace('w *', 'width *')}\n"
+    "edit": (f"# Before:\n{RENAME_SHOT}\n# After renaming `w` to `width`:\n"
+             f"{RENAME_SHOT.replace('w,', 'width,').replace('w *', 'width *')}\n"
              f"# Before:\n{CODE}\n# After renaming `items` to `products`:\n"),
     "free": STORY,
     "sampled": STORY,
@@ -205,7 +206,14 @@ async def _peer_run(url: str, prompt: str, workload: str, streams: int, n: int) 
 
 
 def peer_rows(
-    binary: Path, model: str, prompts: dict[str, str], rounds: int, streams_list: list[int], n: int, threads: int, log_dir: Path
+    binary: Path,
+    model: str,
+    prompts: dict[str, str],
+    rounds: int,
+    streams_list: list[int],
+    n: int,
+    threads: int,
+    log_dir: Path,
 ) -> list[dict[str, Any]]:
     """llama-server on the same requests, plain and with each of its n-gram modes (each mode
     a server of its own: the flag is per server), every round printed."""
@@ -222,8 +230,11 @@ def peer_rows(
                     for streams in streams_list:
                         trio.run(_peer_run, server.url, prompt, workload, streams, 1)  # prompt cached, as ours
                         rate = trio.run(_peer_run, server.url, prompt, workload, streams, n)
-                        rows.append({"mode": mode, "round": rnd, "workload": workload, "streams": streams, "tok_s": rate})
-                        print(f"llama-server --spec-type {mode:>12} round {rnd} {workload:>8} x{streams}: {rate:.1f} tok/s", flush=True)
+                        rows.append(
+                            {"mode": mode, "round": rnd, "workload": workload, "streams": streams, "tok_s": rate}
+                        )
+                        print(f"llama-server --spec-type {mode:>12} round "
+                              f"{rnd} {workload:>8} x{streams}: {rate:.1f} tok/s", flush=True)
     return rows
 
 
@@ -272,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hydra-trio" / "bench-models")
     ap.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
     ap.add_argument("--check-logits", action="store_true", help="only compare a position's logits alone and in a batch")
-    ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run llama-server (none, ngram-simple, ngram-mod) on the same requests")
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run llama-server (none, ngram-simple, "
+                    "ngram-mod) on the same requests")
     ap.add_argument("--with-llama-server", action="store_true", help="as --llama-server, building it once if needed")
     args = ap.parse_args(argv)
     if args.check_logits:
@@ -306,8 +318,13 @@ def main(argv: list[str] | None = None) -> int:
 
         binary = find_or_build(args.llama_server, args.with_llama_server)
         prompts = {w: WORKLOADS[w] for w in workloads}
-        peers = peer_rows(binary, model, prompts, args.rounds, streams_list, args.tokens, args.threads, Path(logs)) if binary else []
-    print("\nthe engine's measured step decode, ms by rows: " + ", ".join(f"{r}: {t * 1e3:.0f}" for r, t in step_cost.items()))
+        peers = (
+            peer_rows(binary, model, prompts, args.rounds, streams_list, args.tokens, args.threads, Path(logs))
+            if binary
+            else []
+        )
+    print("\nthe engine's measured "
+          "step decode, ms by rows: " + ", ".join(f"{r}: {t * 1e3:.0f}" for r, t in step_cost.items()))
     print("median over rounds:")
     for workload in workloads:
         for streams in streams_list:
@@ -316,16 +333,32 @@ def main(argv: list[str] | None = None) -> int:
                   f"{statistics.median(r['spec_tok_s'] for r in mine):.1f} tok/s "
                   f"({statistics.median(r['ratio'] for r in mine):.2f}x), acceptance "
                   f"{statistics.median(r['acceptance'] for r in mine):.0%}")
-            theirs = {m: [p["tok_s"] for p in peers if p["mode"] == m and p["workload"] == workload and p["streams"] == streams]
-                      for m in PEER_MODES}
+            theirs = {
+                m: [
+                    p["tok_s"]
+                    for p in peers
+                    if p["mode"] == m and p["workload"] == workload and p["streams"] == streams
+                ]
+                for m in PEER_MODES
+            }
             if all(theirs.values()):
                 spec = statistics.median(r["spec_tok_s"] for r in mine)
                 best = max(statistics.median(v) for m, v in theirs.items() if m != "none")
                 print("        llama-server " + ", ".join(f"{m} {statistics.median(v):.1f}" for m, v in theirs.items())
                       + f" tok/s; ours with speculation / its best n-gram mode {spec / best:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"env": env_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "llama_server": peers,
-                                    "step_cost_s": step_cost}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "env": env_info(),
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "rows": rows,
+                "llama_server": peers,
+                "step_cost_s": step_cost,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

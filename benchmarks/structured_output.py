@@ -309,7 +309,9 @@ def coverage(binary: Path | None, tiny: Path, schemas: list[tuple[str, Any]], lo
                 rows[url]["ours_said"] = said if rows[url]["ours"] != "200" else ""
                 rows[url]["relaxed"] = relaxed_items(tail.new_lines()) if tail and rows[url]["ours"] == "200" else []
                 strict = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema, "strict": True}}
-                rows[url]["ours_strict"], said = post(ours, "/v1/completions", {**body, "response_format": strict}, timeout)
+                rows[url]["ours_strict"], said = post(
+                    ours, "/v1/completions", {**body, "response_format": strict}, timeout
+                )
                 rows[url]["ours_strict_said"] = said if rows[url]["ours_strict"] != "200" else ""
                 if i % 50 == 49:
                     print(f"  ours: {i + 1} of {len(schemas)}", flush=True)
@@ -447,7 +449,9 @@ def openai_tools(tools: list[dict[str, Any]], tag: str = "") -> list[dict[str, A
 
 def tagged(schema: Any, tag: str) -> Any:
     """``schema`` with an unused ``$defs`` entry: new to a grammar cache, the same to enforce."""
-    return {**schema, "$defs": {**schema.get("$defs", {}), tag: {"type": "null"}}} if isinstance(schema, dict) else schema
+    return (
+        {**schema, "$defs": {**schema.get("$defs", {}), tag: {"type": "null"}}} if isinstance(schema, dict) else schema
+    )
 
 
 def ms(seconds: float) -> float:
@@ -502,7 +506,11 @@ def compile_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"compiled": len(done), "refused": len(rows) - len(done)}
     for key, values in (("write_ms", [r["write_ms"] for r in done]), ("compile_ms", [r["compile_ms"] for r in done]),
                         ("total_ms", total), ("first_mask_ms", [r["mask_ms"] for r in done])):
-        out[key] = {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": max(values, default=float("nan"))}
+        out[key] = {
+            "p50": percentile(values, 50),
+            "p99": percentile(values, 99),
+            "max": max(values, default=float("nan")),
+        }
     out["over_100_ms"] = sum(1 for t in total if t > 100)
     return out
 
@@ -602,7 +610,13 @@ def ttft(binary: Path | None, gemma: Path, tools: list[dict[str, Any]], template
                             "max_tokens": 1, "temperature": 0, **extra_body}
                     t0 = time.perf_counter()
                     status, reply = post(server, "/v1/chat/completions", body, 600)
-                    row = {"round": r + 1, "server": name, "case": case, "status": status, "ms": ms(time.perf_counter() - t0)}
+                    row = {
+                        "round": r + 1,
+                        "server": name,
+                        "case": case,
+                        "status": status,
+                        "ms": ms(time.perf_counter() - t0),
+                    }
                     if status == "200":
                         row["prompt_tokens"] = reply["usage"]["prompt_tokens"]
                     else:
@@ -622,7 +636,9 @@ def ttft(binary: Path | None, gemma: Path, tools: list[dict[str, Any]], template
     summary: dict[str, Any] = {}
     for name in servers:
         for case in dict.fromkeys(row["case"] for row in rows):
-            got = [row["ms"] for row in rows if row["server"] == name and row["case"] == case and row["status"] == "200"]
+            got = [
+                row["ms"] for row in rows if row["server"] == name and row["case"] == case and row["status"] == "200"
+            ]
             summary.setdefault(name, {})[case] = statistics.median(got) if got else None
     return {"template": template.name, "rows": rows, "median_ms": summary, "required_reply": enforced}
 
@@ -637,12 +653,21 @@ def throughput(binary: Path | None, gemma: Path, log_dir: Path, rounds: int, tok
     cases = {"plain": {}, "string": {"json_schema": STRING_SCHEMA, "ignore_eos": False},
              "records": {"json_schema": RECORDS_SCHEMA, "ignore_eos": False}}
     ours = EngineProcess(str(gemma), slots=slots, ctx_size=ctx, threads=1).start(log_dir, "throughput-ours")
-    peer = LlamaServer(binary, str(gemma), ctx=ctx, slots=slots, log_dir=log_dir, tag="throughput-peer", threads=1) if binary else None
+    peer = (
+        LlamaServer(binary, str(gemma), ctx=ctx, slots=slots, log_dir=log_dir, tag="throughput-peer", threads=1)
+        if binary
+        else None
+    )
     try:
         servers = {"ours": ours.url} | ({"peer": peer.url} if peer else {})
 
         def report(row: dict[str, Any]) -> None:
-            print("  round {}: {}".format(row["round"], ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "round")), flush=True)
+            print(
+                "  round {}: {}".format(
+                    row["round"], ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "round")
+                ),
+                flush=True,
+            )
 
         rows = measure_rounds(servers, cases, (1, 8), rounds, tokens, report)
     finally:
@@ -722,7 +747,8 @@ def gaps(gemma: Path, template: Path, heavy: list[tuple[str, Any]], tools: list[
                             "tools": openai_tools(tools, tag=f"bench_{r}"), "tool_choice": "required"}))
                 rows.append({"round": r + 1, "case": case, **beside(ours, tokens, bodies)})
                 last = rows[-1]
-                print(f"  round {r + 1} {case}: worst gap {last['max_gap_ms']:.0f} ms, p99 {last['p99_gap_ms']:.0f} ms, "
+                print(f"  round {r + 1} {case}: worst gap {last['max_gap_ms']:.0f} "
+                      f"ms, p99 {last['p99_gap_ms']:.0f} ms, "
                       f"side requests {last['side_status']}", flush=True)
     finally:
         ours.stop()
@@ -730,9 +756,14 @@ def gaps(gemma: Path, template: Path, heavy: list[tuple[str, Any]], tools: list[
     worst = {case: max(x["max_gap_ms"] for x in rows if x["case"] == case) for case in cases}
     # What the constraints add to the worst gap over the same number of unconstrained requests
     # (which add their own prefill and batch to the free stream's steps), round by round.
-    excess = [c["max_gap_ms"] - u["max_gap_ms"] for c, u in zip(
-        [x for x in rows if x["case"] == "beside constrained"], [x for x in rows if x["case"] == "beside unconstrained"],
-        strict=True)]
+    excess = [
+        c["max_gap_ms"] - u["max_gap_ms"]
+        for c, u in zip(
+            [x for x in rows if x["case"] == "beside constrained"],
+            [x for x in rows if x["case"] == "beside unconstrained"],
+            strict=True,
+        )
+    ]
     return {"heavy": [u for u, _ in heavy], "with_tools": bool(tools), "tokens": tokens, "rows": rows,
             "worst_gap_ms": worst, "constraint_excess_ms": excess}
 
@@ -797,11 +828,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="s a coverage request may take (then: restarted)")
     ap.add_argument("--limit", type=int, default=0, help="the first N schemas only (a quick look)")
-    ap.add_argument("--heavy", type=int, default=3, help="schemas slowest to compile (and as many to mask) in the gaps part")
+    ap.add_argument("--heavy", type=int, default=3, help="schemas slowest to compile (and "
+                    "as many to mask) in the gaps part")
     ap.add_argument("--gap-tokens", type=int, default=160, help="the free stream's tokens in the gaps part")
     ap.add_argument("--ttft-rounds", type=int, default=6)
     ap.add_argument("--ttft-template", default="", help="another of llama.cpp's templates (models/templates/) "
-                    "for the ttft part: one that writes the tools into the prompt (~15k tokens) prefills for minutes here")
+                    "for the ttft part: one that writes the tools into "
+                    "the prompt (~15k tokens) prefills for minutes here")
     ap.add_argument("--tools", type=Path, default=TOOLS_FILE, help="Claude Code's tools (the corpus's record)")
     ap.add_argument("--with-llama-server", action="store_true", help="build llama-server once if needed and compare")
     ap.add_argument("--llama-server", default=None, metavar="PATH")
@@ -895,12 +928,14 @@ def print_coverage(c: dict[str, Any]) -> None:
     s = c["summary"]
     for key in ("ours", "ours_strict", "peer"):
         if key in s:
-            print(f"  {key}: {s[key]['compiled']} of {s['n']} compiled ({100 * s[key]['share']:.1f} %): {s[key]['outcomes']}")
+            print(f"  {key}: {s[key]['compiled']} of {s['n']} compiled ({100 * s[key]['share']:.1f} %): "
+                  f"{s[key]['outcomes']}")
     print(f"  restarts: {c['restarts']}; ours relaxed something in {s['ours']['with_relaxations']} schemas")
     for name in ("ours", "peer"):
         v = c["validity"].get(name)
         if v:
-            print(f"  generated ({name}): {v['ended']} of {v['n']} ended, {v['ended_and_valid']} of them valid; {v['checks']}")
+            print(f"  generated ({name}): {v['ended']} of {v['n']} ended, {v['ended_and_valid']} of them valid; "
+                  f"{v['checks']}")
 
 
 def print_compile(c: dict[str, Any]) -> None:

@@ -123,7 +123,10 @@ def forced_calls(client: httpx.Client) -> dict[str, dict[str, Any]]:
                 status, body = _streamed(client, body_in)
             else:
                 r = client.post("/v1/chat/completions", json=body_in)
-                status, body = r.status_code, (r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text)
+                status, body = (
+                    r.status_code,
+                    (r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text),
+                )
         except (httpx.HTTPError, ValueError) as exc:
             status, body = 0, f"{type(exc).__name__}: {exc}"
         ok, why = check_forced(case, status, body)
@@ -151,8 +154,19 @@ def agent_conversation(turns: int = 20, n_tools: int = 20) -> dict[str, Any]:
         if t % 2 == 0:
             cid = f"c{t:08d}"
             args = {"path": f"src/module_{t}.py", "count": t, "recursive": False, "mode": "read"}
-            messages.append({"role": "assistant", "content": "", "tool_calls": [
-                {"id": cid, "type": "function", "function": {"name": f"tool_{t % n_tools:02d}", "arguments": json.dumps(args)}}]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": cid,
+                            "type": "function",
+                            "function": {"name": f"tool_{t % n_tools:02d}", "arguments": json.dumps(args)},
+                        }
+                    ],
+                }
+            )
             messages.append({"role": "tool", "tool_call_id": cid, "content": json.dumps({"lines": 40 + t, "ok": True})})
         messages.append({"role": "assistant", "content": f"Module {t} has {40 + t} lines and looks fine."})
     messages.append({"role": "user", "content": "Summarise what you found."})
@@ -216,15 +230,18 @@ REASONING, ANSWER = "Two plus two is four.", "4"
 
 def reasoning_split(chat: Chat, renders_reasoning: bool) -> dict[str, Any]:
     """A reply with reasoning in the template's own syntax (its think tags, or gpt-oss's
-    analysis channel, Muse Glimmer's ``to=self`` message), after the prompt the template renders with ``enable_thinking``: is it
-    split into reasoning_content and content, whole and streamed a character at a time?
+    analysis channel, Muse Glimmer's ``to=self`` message), after the prompt the template renders with
+    ``enable_thinking``: is it split into reasoning_content and content, whole and streamed a character at a time?
     ``renders_reasoning``: llama-server's render of an earlier turn shows its reasoning (the
     template thinks even if we did not see it)."""
     caps = chat.caps
     if not caps.thinks:
         return {"result": "miss" if renders_reasoning else "-",
                 "why": "the template renders reasoning but no think syntax was detected" if renders_reasoning else ""}
-    request = {"messages": [{"role": "user", "content": "What is 2+2?"}], "chat_template_kwargs": {"enable_thinking": True}}
+    request = {
+        "messages": [{"role": "user", "content": "What is 2+2?"}],
+        "chat_template_kwargs": {"enable_thinking": True},
+    }
     try:
         plan = trio.run(_plan, chat, json.loads(json.dumps(request)))
     except Exception as exc:
@@ -266,4 +283,6 @@ async def _plan(chat: Chat, request: dict[str, Any]) -> ChatPlan:
     async def here(fn: Any) -> Any:
         return fn()
 
-    return await chat.plan(request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=here)
+    return await chat.plan(
+        request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=here
+    )

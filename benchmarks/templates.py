@@ -8,8 +8,8 @@ llama-server built from the same sdist (``--chat-template-file`` on a synthetic 
 ``/apply-template``; the two prompts are compared byte for byte. One row per template, then
 the count ("ok": the same bytes; "ref": both answer 400, the template raising for that
 conversation; "DIF": a difference). Then, unless ``--parity-only`` (template_calls.py):
-forced tool calls (``tool_choice`` "required", greedy; a named tool, sampled; "required", sampled and streamed) through each
-server's ``/v1/chat/completions`` on the synthetic model with that template, whether their
+forced tool calls (``tool_choice`` "required", greedy; a named tool, sampled; "required", sampled and streamed) through
+each server's ``/v1/chat/completions`` on the synthetic model with that template, whether their
 replies come back as ``tool_calls`` whose arguments validate; the reasoning split of a reply
 in the template's own think syntax (our parser; llama-server has no endpoint for it); and
 ``/apply-template`` round trips, per conversation and for a 20-turn agent conversation with
@@ -104,7 +104,9 @@ def _key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16] + ":" + date.today().isoformat()
 
 
-def llama_server_answers(binary: Path, model: Path, template: Path, log_dir: Path, *, http: bool, repeats: int) -> dict[str, Any]:
+def llama_server_answers(
+    binary: Path, model: Path, template: Path, log_dir: Path, *, http: bool, repeats: int
+) -> dict[str, Any]:
     """llama-server's ``/apply-template`` for each conversation ({"prompt": ...} or {"error":
     ...}) under "renders"; with ``http``, its forced calls and render times under "http"."""
     port = free_port()
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.templates", description=__doc__.split("\n\n")[0])
     ap.add_argument("--refresh", action="store_true", help="ask llama-server again (ignore its cached answers)")
     ap.add_argument("-k", default="", help="only templates whose file name contains this")
-    ap.add_argument("--templates", default="", help="only templates whose file name contains one of these (comma-separated)")
+    ap.add_argument("--templates", default="", help="only templates whose file name contains one of these "
+                    "(comma-separated)")
     ap.add_argument("--parity-only", action="store_true", help="render parity only: no servers' forced calls or times")
     ap.add_argument("--repeats", type=int, default=5, help="timed /apply-template calls per conversation (the median)")
     ap.add_argument("--diff", action="store_true", help="print a diff of each differing render")
@@ -234,12 +237,17 @@ def main(argv: list[str] | None = None) -> int:
                 row["tool_format"] = chat.caps.tool_format.name if chat is not None else None
                 row["reasoning"] = tc.reasoning_split(chat, renders_reasoning) if chat is not None else {
                     "result": "ERR", "why": note}
-                row["in_process_ms"] = tc.in_process_times(chat, CONVERSATIONS, args.repeats) if chat is not None else {}
+                row["in_process_ms"] = (
+                    tc.in_process_times(chat, CONVERSATIONS, args.repeats) if chat is not None else {}
+                )
                 row["hydra_http"] = our_answers(model, t, Path(tmp), args.repeats)
                 row["llama_server_http"] = cache[key].get("http", {})
                 row["llama_server_fresh"] = fresh
                 line += "  " + _forced_marks(row["hydra_http"]) + " / " + _forced_marks(row["llama_server_http"])
-                line += f"   {row['reasoning']['result']:5}  {_agent_ms(row['hydra_http'])}/{_agent_ms(row['llama_server_http'])}"
+                line += (
+                    f"   {row['reasoning']['result']:5}  {_agent_ms(row['hydra_http'])}/"
+                    f"{_agent_ms(row['llama_server_http'])}"
+                )
             rows.append(row)
             print(line + (f"  fallback: {note}" if note else ""), flush=True)
             if args.diff:
@@ -266,7 +274,9 @@ def _slim(row: dict[str, Any]) -> dict[str, Any]:
     (the templates are not ours; the differences are kept whole)."""
     out = dict(row)
     for side in ("ours", "llama_server"):
-        out[side] = {n: ({"chars": len(r["prompt"])} if row["same"][n] and "prompt" in r else r) for n, r in row[side].items()}
+        out[side] = {
+            n: ({"chars": len(r["prompt"])} if row["same"][n] and "prompt" in r else r) for n, r in row[side].items()
+        }
     return out
 
 
@@ -289,8 +299,10 @@ def markdown_table(run: dict[str, Any]) -> str:
         marks = [("DIF" if not r["same"][n] else "ref" if "error" in r["ours"][n] else "ok") for n in CONVERSATIONS]
         ours_s, theirs_s = r.get("hydra_http", {}), r.get("llama_server_http", {})
         lines.append(f"| {r['template']} | {r.get('tool_format')} | " + " | ".join(marks)
-                     + f" | {_forced_marks(ours_s)} | {_forced_marks(theirs_s)} | {r.get('reasoning', {}).get('result', '')} "
-                     f"| {conv_ms(ours_s)} / {conv_ms(theirs_s)} | {ms(ours_s, 'agent20')} / {ms(theirs_s, 'agent20')} |")
+                     + f" | {_forced_marks(ours_s)} | {_forced_marks(theirs_s)} | "
+                     f"{r.get('reasoning', {}).get('result', '')} "
+                     f"| {conv_ms(ours_s)} / {conv_ms(theirs_s)} | "
+                     f"{ms(ours_s, 'agent20')} / {ms(theirs_s, 'agent20')} |")
     return "\n".join(lines)
 
 
@@ -329,8 +341,11 @@ def _http_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["agent20_ratio"] = {"median": round(statistics.median(ratios), 2), "max": round(max(ratios), 2),
                                 "n": len(ratios), "within_2x": sum(x <= 2 for x in ratios)}
     if per_conv:
-        out["per_conversation_ratio"] = {"median": round(statistics.median(per_conv), 2), "max": round(max(per_conv), 2),
-                                         "n": len(per_conv)}
+        out["per_conversation_ratio"] = {
+            "median": round(statistics.median(per_conv), 2),
+            "max": round(max(per_conv), 2),
+            "n": len(per_conv),
+        }
     return out
 
 
@@ -338,7 +353,8 @@ def _totals_lines(t: dict[str, Any]) -> list[str]:
     lines = []
     for side, label in (("hydra_http", "hydra-trio"), ("llama_server_http", "llama-server")):
         f = t[side]["forced_ok"]
-        lines.append(f"{label}: forced calls parsed and valid: " + ", ".join(f"{c} {n}/{t['templates']}" for c, n in f.items())
+        lines.append(f"{label}: forced calls "
+                     "parsed and valid: " + ", ".join(f"{c} {n}/{t['templates']}" for c, n in f.items())
                      + f"; all on {t[side]['templates_all_forced_ok']} templates")
     lines.append("reasoning split: " + ", ".join(f"{k} {v}" for k, v in t["reasoning"].items()))
     if "agent20_ratio" in t:
@@ -347,7 +363,8 @@ def _totals_lines(t: dict[str, Any]) -> list[str]:
                      f"within 2x on {a['within_2x']} of {a['n']}")
     if "per_conversation_ratio" in t:
         p = t["per_conversation_ratio"]
-        lines.append(f"per-conversation /apply-template, ours / llama-server: median {p['median']}x, max {p['max']}x (n={p['n']})")
+        lines.append(f"per-conversation /apply-template, ours / llama-server: median {p['median']}x, max {p['max']}x "
+                     f"(n={p['n']})")
     return lines
 
 

@@ -65,8 +65,13 @@ def main(argv: list[str] | None = None) -> int:
             for busy in (False, True):
                 with busy_core(busy):
                     rates = [tok_per_s(e.url, args.tokens, seed=i) for i in range(args.repeats)]
-                rows[f"{threads}-{'busy' if busy else 'quiet'}"] = {"threads": threads, "busy_core": busy, "tok_s": summary(rates)}
-                print(f"threads {threads}, {'one core busy' if busy else 'quiet'}: {summary(rates)['median']:.1f} tok/s", flush=True)
+                rows[f"{threads}-{'busy' if busy else 'quiet'}"] = {
+                    "threads": threads,
+                    "busy_core": busy,
+                    "tok_s": summary(rates),
+                }
+                print(f"threads {threads}, {'one core busy' if busy else 'quiet'}: "
+                      f"{summary(rates)['median']:.1f} tok/s", flush=True)
         finally:
             e.stop()
     out = RESULTS / f"threads-{args.preset}.json"

@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for kind, flags in CACHE.items():
         common = [*flags, "--flash-attn", "on"]
         p = EngineProcess(model, slots=1, ctx_size=8192, extra=common).start(log_dir, f"transport-p-{kind}")
-        d = EngineProcess(model, slots=1, ctx_size=8192, extra=[*common, "--kv-shm-dir", ""]).start(log_dir, f"transport-d-{kind}")
+        d = EngineProcess(model, slots=1, ctx_size=8192, extra=[*common, "--kv-shm-dir", ""]).start(
+            log_dir, f"transport-d-{kind}"
+        )
         try:
             for n in sizes:
                 req = chat_request(tok.content_for(n, seed=n), 8)
@@ -90,18 +92,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         times["restore"].append(kv["restore_ms"])
                 # Greedy text: the hand-off against one engine alone (same shapes: a whole
                 # prompt evaluation, then steps), and the transport actually used.
-                handed = httpx.post(d.url + "/v1/chat/completions", json={**req, "kv_transfer_params": export(p, req)["kv_transfer_params"]}, timeout=900).json()
+                handed = httpx.post(
+                    d.url + "/v1/chat/completions",
+                    json={**req, "kv_transfer_params": export(p, req)["kv_transfer_params"]},
+                    timeout=900,
+                ).json()
                 httpx.post(d.url + "/slots/0?action=erase", timeout=60)
                 alone = httpx.post(d.url + "/v1/chat/completions", json=req, timeout=900).json()
                 rows[f"{kind}-{n}"] = {
-                    "cache_type": kind, "tokens": n_past, "kv_bytes": kv_bytes, "bytes_per_token": kv_bytes / n_past,
+                    "cache_type": kind,
+                    "tokens": n_past,
+                    "kv_bytes": kv_bytes,
+                    "bytes_per_token": kv_bytes / n_past,
                     "prefill_ms": first["kv_export"]["prefill_ms"],
-                    "shm_ttft_ms": summary(times["shm"]), "tcp_ttft_ms": summary(times["tcp"]),
-                    "shm_pull_ms": summary(times["shm_pull"]), "tcp_pull_ms": summary(times["tcp_pull"]),
+                    "shm_ttft_ms": summary(times["shm"]),
+                    "tcp_ttft_ms": summary(times["tcp"]),
+                    "shm_pull_ms": summary(times["shm_pull"]),
+                    "tcp_pull_ms": summary(times["tcp_pull"]),
                     "restore_ms": summary(times["restore"]),
-                    "prompt": httpx.post(f"{d.url}/apply-template", json={"messages": req["messages"]}, timeout=60).json()["prompt"],
+                    "prompt": httpx.post(
+                        f"{d.url}/apply-template", json={"messages": req["messages"]}, timeout=60
+                    ).json()["prompt"],
                     "transport_seen": handed.get("kv_transfer", {}).get("transport"),
-                    "same_text_as_one_engine": handed["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"],
+                    "same_text_as_one_engine": handed["choices"][0]["message"]["content"]
+                    == alone["choices"][0]["message"]["content"],
                 }
                 print(f"{kind} {n_past} tokens: shm {rows[f'{kind}-{n}']['shm_ttft_ms']['median']:.0f} ms, "
                       f"tcp {rows[f'{kind}-{n}']['tcp_ttft_ms']['median']:.0f} ms, {kv_bytes / 1e6:.0f} MB", flush=True)
@@ -110,22 +124,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             d.stop()
         if binary is not None:
             ls_flags = ["-ctk", kind, "-ctv", kind, "-fa", "on"]
-            with LlamaServer(binary, model, ctx=8192, slots=1, log_dir=log_dir, tag=f"llama-server-{kind}", extra=ls_flags) as server:
+            with LlamaServer(
+                binary, model, ctx=8192, slots=1, log_dir=log_dir, tag=f"llama-server-{kind}", extra=ls_flags
+            ) as server:
                 for n in sizes:
                     row = rows[f"{kind}-{n}"]  # the prompt as this engine renders it: the same tokens
-                    row["llama_server_restore_ttft_ms"] = slot_restore_ttft_ms(server, row["prompt"], args.repeats)["ttft_ms"]
+                    row["llama_server_restore_ttft_ms"] = slot_restore_ttft_ms(server, row["prompt"], args.repeats)[
+                        "ttft_ms"
+                    ]
     return rows
 
 
 def table(rows: dict[str, Any]) -> str:
-    lines = ["| cache | tokens | blob bytes/token | TTFT shm (pull) | TTFT tcp (pull) | restore | llama-server restore | shm / llama-server | same text |",
+    lines = ["| cache | tokens | blob bytes/token | TTFT shm (pull) | TTFT tcp (pull) | restore | llama-server restore "
+             "| shm / llama-server | same text |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows.values():
         shm, tcp = r["shm_ttft_ms"]["median"], r["tcp_ttft_ms"]["median"]
         ls = r.get("llama_server_restore_ttft_ms")
         peer, ratio = (f"{ls['median']:.0f} ms", f"{shm / ls['median']:.2f}x") if ls else ("-", "-")
         pulls = (r["shm_pull_ms"]["median"], r["tcp_pull_ms"]["median"])
-        lines.append(f"| {r['cache_type']} | {r['tokens']} | {r['bytes_per_token']:.0f} | {shm:.0f} ms ({pulls[0]:.1f}) | "
+        lines.append(f"| {r['cache_type']} | {r['tokens']} | {r['bytes_per_token']:.0f} | {shm:.0f} ms "
+                     f"({pulls[0]:.1f}) | "
                      f"{tcp:.0f} ms ({pulls[1]:.1f}) | {r['restore_ms']['median']:.1f} ms | {peer} | {ratio} | "
                      f"{r['same_text_as_one_engine']} |")
     by = {(r["cache_type"], r["tokens"]): r for r in rows.values()}
@@ -148,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = run(args)
     out = RESULTS / f"transport-{args.preset}.json"
-    out.write_text(json.dumps({"preset": args.preset, "repeats": args.repeats, "rows": rows, "env": env_info()}, indent=1))
+    out.write_text(
+        json.dumps({"preset": args.preset, "repeats": args.repeats, "rows": rows, "env": env_info()}, indent=1)
+    )
     print(table(rows))
     print(f"wrote {out}")
     return 0

@@ -37,7 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser, names: list[str]) -> None:
 
 
 @asynccontextmanager
-async def engines(given: list[EngineAddress | None], model: str | None, **overrides: object) -> AsyncIterator[list[EngineAddress]]:
+async def engines(
+    given: list[EngineAddress | None], model: str | None, **overrides: object
+) -> AsyncIterator[list[EngineAddress]]:
     """The given addresses, with in-process engines started for the missing ones."""
     missing = [i for i, a in enumerate(given) if a is None]
     if not missing:

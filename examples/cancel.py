@@ -27,7 +27,9 @@ async def cancel_demo(args: argparse.Namespace, out: Any = sys.stdout) -> dict[s
     async with engines([args.e], args.model) as (e,):
         async with await RpcClient.connect(e.host, e.rpc_port, trace="cancel-demo") as rpc:
             pre = await rpc.prefill(args.slot, request)
-            frame = build_decode_frame(request, pre.payload, kv_metadata=identity_kv_metadata(pre.meta, pre.meta["n_past"]))
+            frame = build_decode_frame(
+                request, pre.payload, kv_metadata=identity_kv_metadata(pre.meta, pre.meta["n_past"])
+            )
             ack = await rpc.decode(args.slot, frame)
             rid = ack.meta["decode_request_id"]
             print(f"decode {rid} started on slot {args.slot}, asking for {args.max_tokens} tokens", file=out)
@@ -42,7 +44,8 @@ async def cancel_demo(args: argparse.Namespace, out: Any = sys.stdout) -> dict[s
                 t0 = time.perf_counter()
                 resp = await http.delete(rid)
                 cancel_ms = (time.perf_counter() - t0) * 1000.0
-                print(f"DELETE after {seen} streamed chunks -> {resp.status_code} {resp.json()} in {cancel_ms:.1f} ms", file=out)
+                print(f"DELETE after {seen} streamed chunks -> "
+                      f"{resp.status_code} {resp.json()} in {cancel_ms:.1f} ms", file=out)
                 after = await http.result(rid, wait_s=0)
                 print(f"GET afterwards -> {after.status_code} {after.json()}", file=out)
             meta = (await rpc.state_meta(args.slot)).meta

@@ -144,7 +144,12 @@ def run(args: argparse.Namespace) -> int:
                     "model=hydra", f"base_url={base}/v1/completions", "tokenizer_backend=remote",
                     "tokenized_requests=True", "num_concurrent=1", "max_retries=1", "max_length=2048",
                 ])
-                env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+                env = {
+                    **os.environ,
+                    "HF_DATASETS_OFFLINE": "1",
+                    "HF_HUB_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false",
+                }
                 cmd = [lm_eval, "--model", "local-completions", "--model_args", model_args,
                        "--tasks", "hydra_mc,hydra_gen", "--include_path", str(folder),
                        "--output_path", str(folder / "results"), "--log_samples"]
@@ -158,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
         results = sorted((folder / "results").rglob("results_*.json"))
         if done.returncode == 0 and results:
             scores = json.loads(results[-1].read_text())["results"]
-            print(json.dumps({task: {k: v for k, v in r.items() if k != "alias"} for task, r in scores.items()}, indent=1))
+            print(
+                json.dumps({task: {k: v for k, v in r.items() if k != "alias"} for task, r in scores.items()}, indent=1)
+            )
         return done.returncode
 
 

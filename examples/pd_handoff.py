@@ -40,7 +40,10 @@ async def handoff(args: argparse.Namespace, out: Any = sys.stdout) -> dict[str, 
               f"blob {len(pre.payload)} bytes ({pre.meta['kv_hash']})", file=out)
 
         frame = build_decode_frame(
-            request, pre.payload, model=pre.meta["model_alias"], kv_metadata=identity_kv_metadata(pre.meta, pre.meta["n_past"])
+            request,
+            pre.payload,
+            model=pre.meta["model_alias"],
+            kv_metadata=identity_kv_metadata(pre.meta, pre.meta["n_past"]),
         )
         async with await RpcClient.connect(b.host, b.rpc_port, trace="pd-handoff") as rpc_b:
             t0 = time.perf_counter()

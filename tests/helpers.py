@@ -499,7 +499,9 @@ def chat_plan(chat: Any, request: dict[str, Any], *, budget: int = -1) -> Any:
         return fn()
 
     async def plan() -> Any:
-        return await chat.plan(request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=off_loop)
+        return await chat.plan(
+            request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=off_loop
+        )
 
     return trio.run(plan)
 
@@ -536,12 +538,14 @@ _SCALARS = st.one_of(
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
     st.builds(lambda n: {"type": "string", "minLength": n, "maxLength": n + 3}, st.integers(0, 3)),
     st.just({"type": "integer"}),
-    st.builds(lambda lo, w: {"type": "integer", "minimum": lo, "maximum": lo + w}, st.integers(-50, 50), st.integers(0, 100)),
+    st.builds(lambda lo, w: {"type": "integer", "minimum": lo, "maximum": lo + w}, st.integers(-50, 50),
+              st.integers(0, 100)),
     st.just({"type": "number"}),
     st.just({"type": "boolean"}),
     st.builds(
         lambda vals: {"enum": vals},
-        st.lists(st.one_of(st.text("abcxyz", min_size=1, max_size=4), st.integers(-9, 99)), min_size=1, max_size=4, unique=True),
+        st.lists(st.one_of(st.text("abcxyz", min_size=1, max_size=4), st.integers(-9, 99)), min_size=1, max_size=4,
+                 unique=True),
     ),
 )
 _VALUES = st.one_of(
@@ -575,7 +579,9 @@ class Recorder:
         await trio.to_thread.run_sync(fn)
         self.calls_returned += 1
 
-    async def run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[StepResult], list[Any]]:
+    async def run_mixed(
+        self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]
+    ) -> tuple[list[StepResult], list[Any]]:
         await trio.lowlevel.checkpoint()
         self.batches.append(([r.slot for r in reqs], [(p.slot, len(p.tokens)) for p in parts]))
         return [(r.token + 1,) for r in reqs], [outcome.Value((7, None)) for _ in parts]

@@ -15,7 +15,21 @@ from hydra_trio import cli
 
 def test_make_model_with_metadata_and_identity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "m.gguf"
-    assert cli.main(["make-model", str(out), "--name", "CodeLlama Tiny", "--tag", "reasoning", "--kv", "llama.nextn_predict_layers=1"]) == 0
+    assert (
+        cli.main(
+            [
+                "make-model",
+                str(out),
+                "--name",
+                "CodeLlama Tiny",
+                "--tag",
+                "reasoning",
+                "--kv",
+                "llama.nextn_predict_layers=1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert cli.main(["identity", str(out), "--alias", "x"]) == 0
     ident = json.loads(capsys.readouterr().out)
@@ -31,7 +45,9 @@ def test_settings_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "`--decode-result-ttl-s` | `HYDRA_DECODE_RESULT_TTL_S`" in table
 
 
-async def test_client_commands_against_a_live_engine(engine: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_client_commands_against_a_live_engine(
+    engine: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rpc = f"127.0.0.1:{engine.rpc_port}"
     http = f"http://127.0.0.1:{engine.http_port}"
 
@@ -48,7 +64,20 @@ async def test_client_commands_against_a_live_engine(engine: Any, tmp_path: Path
     assert blob.stat().st_size == meta["blob_bytes"] > 0
     meta_file = tmp_path / "meta.json"
     meta_file.write_text(json.dumps(meta))
-    ack = await run("decode", "hello there", "--rpc", rpc, "--slot", "1", "--kv", str(blob), "--kv-meta", str(meta_file), "--max-tokens", "5")
+    ack = await run(
+        "decode",
+        "hello there",
+        "--rpc",
+        rpc,
+        "--slot",
+        "1",
+        "--kv",
+        str(blob),
+        "--kv-meta",
+        str(meta_file),
+        "--max-tokens",
+        "5",
+    )
     assert ack["valid"] is True and ack["n_past_after_restore"] == meta["n_past"]
     result = await run("result", str(ack["decode_request_id"]), "--http", http)
     assert result["usage"]["completion_tokens"] == 5

@@ -132,7 +132,8 @@ def fig_streams(
         rows = []
         for rnd in range(rounds):
             for n in counts:
-                prompts = [f"{chr(97 + (i + rnd * 7) % 26)}{chr(97 + (i // 26) % 26)} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
+                prompts = [f"{chr(97 + (i + rnd * 7) % 26)}"
+                           f"{chr(97 + (i // 26) % 26)} " + words_prompt(12, seed=1000 * rnd + i) for i in range(n)]
                 servers: list[tuple[str, int, int, int | None]] = [("hydra-trio", ours.http_port, ours.pid, ours.pid)]
                 if peer is not None:
                     servers.append(("llama-server", peer.port, peer.proc.pid, None))
@@ -140,10 +141,17 @@ def fig_streams(
                     row = measure(name, port, pid, tid, partial(run_round, port, prompts, tokens))
                     row["round"] = rnd
                     rows.append(row)
-                    print(f"  {name:12s} {n:3d} streams: {row['tok_s']:8.0f} tok/s, ITL p50 {row['itl_p50_ms']:.2f} ms, "
-                          f"server {row['server_cpu_us_per_token']:.0f} us/token"
-                          + (f" (trio thread {row['trio_thread_cpu_us_per_token']:.0f})" if "trio_thread_cpu_us_per_token" in row else ""),
-                          flush=True)
+                    print(
+                        f"  {name:12s} {n:3d} streams: {row['tok_s']:8.0f} "
+                        f"tok/s, ITL p50 {row['itl_p50_ms']:.2f} ms, "
+                        f"server {row['server_cpu_us_per_token']:.0f} us/token"
+                        + (
+                            f" (trio thread {row['trio_thread_cpu_us_per_token']:.0f})"
+                            if "trio_thread_cpu_us_per_token" in row
+                            else ""
+                        ),
+                        flush=True,
+                    )
         result["rows"] = rows
     finally:
         ours.stop()
@@ -185,14 +193,16 @@ def headline(data: dict[str, Any]) -> list[str]:
         for r in (m.get("streams") or {}).get("rows", []):
             lines.append(f"{label}: {r['server']} {r['streams']} streams round {r['round']}: {r['tok_s']:.0f} tok/s, "
                          f"server CPU {r['server_cpu_us_per_token']:.0f} us/token"
-                         + (f", trio thread {r['trio_thread_cpu_us_per_token']:.0f}" if "trio_thread_cpu_us_per_token" in r else ""))
+                         + (", trio thread "
+                            f"{r['trio_thread_cpu_us_per_token']:.0f}" if "trio_thread_cpu_us_per_token" in r else ""))
         for n, r in (m.get("handoff") or {}).items():
             if isinstance(r, dict) and "handoff_ttft_ms" in r:
                 lines.append(f"{label}: {n}-token hand-off TTFT {r['handoff_ttft_ms']['median']:.1f} ms "
                              f"(recompute {r['recompute_ttft_ms']['median']:.1f} ms, {r['kv_bytes'] / 1e6:.0f} MB KV)")
         for _mb, r in (m.get("restore") or {}).items():
             if isinstance(r, dict) and "decode_ack_ms" in r:
-                lines.append(f"{label}: DECODE ack {r['blob_bytes'] / 1e6:.0f} MB: {r['decode_ack_ms']['median']:.1f} ms "
+                lines.append(f"{label}: DECODE ack {r['blob_bytes'] / 1e6:.0f} "
+                             f"MB: {r['decode_ack_ms']['median']:.1f} ms "
                              f"(set_data {r['inprocess_set_data_ms']['median']:.1f} ms)")
     return lines
 
@@ -201,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--preset", default="bench", help="synthetic preset (default: bench; tiny for --quick on CPU)")
-    ap.add_argument("--quick", action="store_true", help="a tiny configuration: proves the code path on CPU in a minute")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="skip steps that would start past this (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="a tiny configuration: proves "
+                    "the code path on CPU in a minute")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip steps that would start past this (default: "
+                    "%(default)s)")
     ap.add_argument("--streams", default=None, help="stream counts (default: 1,8,64; --quick: 1,8)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per stream (default: 128; --quick: 16)")
     ap.add_argument("--threads", type=int, default=2, help="llama threads per engine (default: %(default)s)")
-    ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help="a llama-server binary to measure beside")
+    ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH", help="a llama-server binary "
+                    "to measure beside")
     ap.add_argument("--no-gemma", action="store_true", help="do not look for Gemma 3 270M")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hydra-trio" / "bench")
     args = ap.parse_args(argv)
@@ -251,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         run.data["models"][label] = {"path": path}
         # Gemma's KV is smaller per token (18 KB): its 128 MiB needs longer slots.
         ctx = pair_ctx if label != "gemma3-270m" or q else 32768
-        run.step(label, "streams", 30, lambda p=path: fig_streams(p, counts, tokens, rounds, args.threads, log_dir, args.llama_server))
+        run.step(
+            label,
+            "streams",
+            30,
+            lambda p=path: fig_streams(p, counts, tokens, rounds, args.threads, log_dir, args.llama_server),
+        )
         if run.left_s() < 40:
             run.data["models"][label]["pair"] = {"skipped": "out of time"}
             continue

@@ -63,7 +63,8 @@ def catalog_of(settings: Settings) -> Catalog | None:
             raise SystemExit("--model-pin and --rpc-model name models of --model NAME=PATH or --models-dir")
         return None
     if settings.model or settings.alias:
-        raise SystemExit("give --model PATH (and --alias) for one model, or --model NAME=PATH and/or --models-dir for several")
+        raise SystemExit("give --model PATH (and --alias) for one model, or "
+                         "--model NAME=PATH and/or --models-dir for several")
     return read_catalog(settings.named_models, settings.models_dir, settings.model_pin, settings.rpc_model)
 
 
@@ -91,9 +92,12 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     engine = pool.engine(pool.default_name)  # the RPC's, the decode manager's
                     state.models = pool
                     if settings.sleep_idle_seconds > 0 and all(e.pinned for e in pool.entries()):
-                        log.warning("--sleep-idle-seconds: no model sleeps here (the RPC model and pinned ones never do)")
+                        log.warning("--sleep-idle-seconds: no model sleeps here "
+                                    "(the RPC model and pinned ones never do)")
                     store = ResultStore(ttl_s=settings.decode_result_ttl_s, max_entries=settings.decode_result_max)
-                    state.metrics.watch_models(pool, engine, lambda: len(store.running()), settings.kv_events_block_size)
+                    state.metrics.watch_models(
+                        pool, engine, lambda: len(store.running()), settings.kv_events_block_size
+                    )
                     if settings.log_stats_interval_s > 0:  # reads the engine: ends with the front ends
                         front.start_soon(log_stats, engine, settings.log_stats_interval_s)
                     decodes = DecodeManager(engine, store, settings, state.metrics)
@@ -106,14 +110,16 @@ async def serve(settings: Settings, *, task_status: trio.TaskStatus[Endpoints] =
                     )
                     await services.start(exports.run)
                     log.info(
-                        "KV hand-offs may pull from %s (--kv-pull-allow)", ", ".join(map(str, settings.kv_pull_networks()))
+                        "KV hand-offs may pull "
+                        "from %s (--kv-pull-allow)", ", ".join(map(str, settings.kv_pull_networks()))
                     )
                     state.engine, state.decodes, state.exports = engine, decodes, exports
                     if state.kv_events is not None:
                         state.kv_events.set_model(engine.served_name)  # the topic's {model}
                         events = engine.kv_events(state.kv_events.publish, state.kv_events.block_size)
                         state.metrics.live_gauge(
-                            "hydra_kv_blocks_held", "distinct KV blocks the slots hold (as KV events told)", lambda: events.n_held
+                            "hydra_kv_blocks_held", "distinct KV blocks the "
+                            "slots hold (as KV events told)", lambda: events.n_held
                         )
                         await front.start(state.kv_events.serve, events.resync)
                     rpc_port = await front.start(serve_rpc, state, rpc_listeners)

@@ -181,7 +181,9 @@ def _make_lora_adapter(args: argparse.Namespace) -> int:
     from .model.synthetic_lora import write_lora_adapter
 
     try:
-        path = write_lora_adapter(args.lora, args.out, seed=args.seed, rank=args.lora_rank, alpha=args.lora_alpha, name=args.name)
+        path = write_lora_adapter(
+            args.lora, args.out, seed=args.seed, rank=args.lora_rank, alpha=args.lora_alpha, name=args.name
+        )
     except (OSError, ValueError) as exc:
         print(f"make-model --lora {args.lora}: {exc}", file=sys.stderr)
         return 2
@@ -302,22 +304,29 @@ def build_parser() -> argparse.ArgumentParser:
         "projector OUT.mmproj.gguf; --lora BASE: a LoRA adapter for BASE)",
     )
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--preset", choices=["tiny", "small", "bench", "mamba", "hybrid", "embed", "rerank", "fim", "bert", "vision"],
-                   default="tiny")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small", "bench", "mamba", "hybrid", "embed", "rerank", "fim", "bert", "vision"],
+        default="tiny",
+    )
     p.add_argument("--pooling", choices=["none", "mean", "cls", "last", "rank"], default=None,
-                   help="the model's own pooling type (an embedding model of another preset's size; rank needs --preset rerank)")
+                   help="the model's own pooling type (an embedding model of another preset's size; rank needs "
+                   "--preset rerank)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default=None, help="general.name")
     p.add_argument("--tag", action="append", help="general.tags entry (repeatable)")
     p.add_argument("--base-model", default=None, help="general.base_model.0.name")
     p.add_argument("--tokenizer-pre", default=None, help="tokenizer.ggml.pre")
-    p.add_argument("--kv", action="append", type=_kv_pair, help="extra metadata KEY=VALUE, e.g. llama.nextn_predict_layers=1")
-    p.add_argument("--lora", metavar="BASE", default=None, help="write a LoRA adapter GGUF for the base model BASE instead of a model")
+    p.add_argument("--kv", action="append", type=_kv_pair, help="extra metadata KEY=VALUE, e.g. "
+                   "llama.nextn_predict_layers=1")
+    p.add_argument("--lora", metavar="BASE", default=None, help="write a LoRA adapter GGUF for the base model BASE "
+                   "instead of a model")
     p.add_argument("--lora-rank", type=int, default=8, help="with --lora: the adapter's rank")
     p.add_argument("--lora-alpha", type=float, default=None, help="with --lora: adapter.lora.alpha (default: the rank)")
     p.set_defaults(fn=cmd_make_model)
 
-    p = sub.add_parser("identity", help="print the model identity of a GGUF (spec §5), model_hash (its SHA-256) included")
+    p = sub.add_parser("identity", help="print the model identity of a GGUF (spec "
+                       "§5), model_hash (its SHA-256) included")
     p.add_argument("model", help="GGUF path or a named model (gemma3-270m)")
     p.add_argument("--alias", default=None)
     p.set_defaults(fn=cmd_identity)
@@ -330,7 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rpc", **rpc)
     p.set_defaults(fn=cmd_info)
 
-    for name, fn, what in (("prefill", cmd_prefill, "PREFILL a message; write the KV blob"), ("decode", cmd_decode, "DECODE a message (with a KV blob)")):
+    for name, fn, what in (
+        ("prefill", cmd_prefill, "PREFILL a message; write the KV blob"),
+        ("decode", cmd_decode, "DECODE a message (with a KV blob)"),
+    ):
         p = sub.add_parser(name, help=what)
         p.add_argument("message")
         p.add_argument("--rpc", **rpc)
@@ -343,7 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--kv-meta", default=None, help="JSON file with the PREFILL meta (identity for the gate)")
         p.set_defaults(fn=fn)
 
-    for name, fn, what in (("result", cmd_result, "read a decode result"), ("cancel", cmd_cancel, "DELETE a decode request")):
+    for name, fn, what in (
+        ("result", cmd_result, "read a decode result"),
+        ("cancel", cmd_cancel, "DELETE a decode request"),
+    ):
         p = sub.add_parser(name, help=what)
         p.add_argument("id", type=int)
         p.add_argument("--http", default="http://127.0.0.1:8080")

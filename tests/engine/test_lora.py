@@ -40,10 +40,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _table(n: int = 2, scales: tuple[float, ...] = (1.0, 0.0)) -> LoraAdapters:
-    return LoraAdapters([
-        LoadedAdapter(i, AdapterSpec(name, f"/x/{name}.gguf", scales[i]), AdapterMeta("llama", 8.0, "", "", f"xxh3:{i:016x}"))
-        for i, name in enumerate(("alpha", "beta")[:n])
-    ])
+    return LoraAdapters(
+        [
+            LoadedAdapter(
+                i, AdapterSpec(name, f"/x/{name}.gguf", scales[i]), AdapterMeta("llama", 8.0, "", "", f"xxh3:{i:016x}")
+            )
+            for i, name in enumerate(("alpha", "beta")[:n])
+        ]
+    )
 
 
 def _params() -> GenerationParams:
@@ -74,7 +78,9 @@ def test_specs_name_scale_and_order_adapters_as_llama_server_and_vllm_do(files: 
         (["={a}"], [], "is empty or taken"),
     ],
 )
-def test_a_malformed_spec_stops_startup_naming_its_flag(files: dict[str, Path], lora: list[str], scaled: list[str], says: str) -> None:
+def test_a_malformed_spec_stops_startup_naming_its_flag(
+    files: dict[str, Path], lora: list[str], scaled: list[str], says: str
+) -> None:
     a = str(files["a"])
     with pytest.raises(SystemExit) as exc:
         adapter_specs([x.format(a=a) for x in lora], [x.format(a=a) for x in scaled])
@@ -114,7 +120,9 @@ def test_the_synthetic_adapter_has_a_pair_for_every_matrix_it_adapts(files: dict
     assert read_identity(files["base"]).model_name  # the base is untouched
 
 
-def test_make_model_writes_an_adapter_for_a_base(files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_make_model_writes_an_adapter_for_a_base(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from hydra_trio import cli
 
     out = tmp_path / "cli-adapter.gguf"
@@ -206,7 +214,12 @@ def test_the_identity_gate_refuses_kv_of_another_adapter_set() -> None:
     ok = compare_identity(resident, under_beta, header_model=None, lora=table.claims(((1, 0.5),)))
     assert ok.accepted and ok.lora_match is True and ok.as_meta()["lora_match"] is True
     # Another scale, another adapter, the base model: refused, and the reason says so.
-    for kv, asked in ((under_beta, ((1, 1.0),)), (under_beta, ((0, 0.5),)), (under_beta, ()), (base_claims, ((1, 0.5),))):
+    for kv, asked in (
+        (under_beta, ((1, 1.0),)),
+        (under_beta, ((0, 0.5),)),
+        (under_beta, ()),
+        (base_claims, ((1, 0.5),)),
+    ):
         m = compare_identity(resident, kv, header_model=None, lora=table.claims(asked))
         assert not m.accepted and m.lora_match is False and "LoRA adapter set mismatch" in m.reason
     # Names and ids are local: the digest and the scale are what is compared.
@@ -231,7 +244,10 @@ def test_kv_events_name_the_set_and_chain_it_apart_from_the_base_model() -> None
     assert sb.n_held == 4
     # A resync tells each chain with its set again.
     sb.resync()
-    assert [(e.get("lora_id"), e.get("lora_name")) for e in sb.take() if e["type"] == "BlockStored"] == [(None, None), (1, "beta")]
+    assert [(e.get("lora_id"), e.get("lora_name")) for e in sb.take() if e["type"] == "BlockStored"] == [
+        (None, None),
+        (1, "beta"),
+    ]
     # The salted chain of the base model is the one it always was; a salt and a set mix.
     assert chain_root("t") == chain_root("t", None) != chain_root("t", "beta") != chain_root(None, "beta")
     assert chain_root(None) is None
@@ -256,7 +272,9 @@ def test_kv_events_carry_the_set_and_the_session_together() -> None:
         told: list[Any] = []
         hb = HostBlocks(16, told.extend, table.event_fields, medium=medium)
         hb.entry_stored(3, tokens, None, ((1, 1.0),), "sess-1")
-        assert [(e["lora_id"], e["lora_name"], e["session_id"], e["medium"]) for e in told] == [(1, "beta", "sess-1", medium)]
+        assert [(e["lora_id"], e["lora_name"], e["session_id"], e["medium"]) for e in told] == [
+            (1, "beta", "sess-1", medium)
+        ]
 
 
 def test_the_prompt_cache_keeps_each_sets_entries_apart() -> None:

@@ -249,7 +249,9 @@ async def test_decode_refuses_kv_made_under_another_set(
     messages = [{"role": "user", "content": PROMPT}]
     async with await rpc(ep) as c:
         pre = await prefill(c, 0, messages, lora=[{"id": 0, "scale": 1}])
-        assert pre.meta["lora"] == [{"name": "style-a", "digest": ep.state.engine.adapters.listing()[0]["digest"], "scale": 1.0}]
+        assert pre.meta["lora"] == [
+            {"name": "style-a", "digest": ep.state.engine.adapters.listing()[0]["digest"], "scale": 1.0}
+        ]
         meta = kv_meta(pre)
         assert meta["lora"] == pre.meta["lora"]  # what a coordinator forwards
         blob = bytes(pre.payload)
@@ -260,7 +262,8 @@ async def test_decode_refuses_kv_made_under_another_set(
         for kv_metadata, asked in (
             (meta, {}),  # the base model continuing style-a's KV
             (meta, {"lora": [{"id": 0, "scale": 0.5}]}),  # another scale
-            ({k: v for k, v in meta.items() if k != "lora"}, {"lora": [{"id": 0, "scale": 1}]}),  # KV said to be the base's
+            # KV said to be the base's
+            ({k: v for k, v in meta.items() if k != "lora"}, {"lora": [{"id": 0, "scale": 1}]}),
         ):
             resp = await decode(c, 1, frame(messages, blob, kv_metadata=kv_metadata, n_predict=4, **asked))
             assert_error(resp, Status.ERROR, "CAP_MISMATCH")

@@ -30,7 +30,9 @@ ENGINE = {"slots": 2, "threads": 1}
         ({"temperature": -1}, "temperature"),
     ],
 )
-async def test_decode_refuses_what_chat_refuses(start_engine: Any, tiny_model: Path, extra: dict[str, Any], param: str) -> None:
+async def test_decode_refuses_what_chat_refuses(
+    start_engine: Any, tiny_model: Path, extra: dict[str, Any], param: str
+) -> None:
     ep = await start_engine(tiny_model, **ENGINE)
     body = {"messages": MESSAGES, "max_tokens": 4, **extra}
     async with http(ep) as h:
@@ -56,7 +58,9 @@ async def test_decode_carries_cache_salt_and_logprobs(start_engine: Any, tiny_mo
         assert_error(resp, Status.BAD_REQUEST, "BAD_JSON")
 
 
-async def test_prefill_labels_the_slot_with_its_salt_and_names_a_model_it_does_not_serve(start_engine: Any, tiny_model: Path) -> None:
+async def test_prefill_labels_the_slot_with_its_salt_and_names_a_model_it_does_not_serve(
+    start_engine: Any, tiny_model: Path
+) -> None:
     ep = await start_engine(tiny_model, **ENGINE)
     core = ep.state.engine._core
     async with await rpc(ep) as c:

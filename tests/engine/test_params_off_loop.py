@@ -35,7 +35,9 @@ def _inputs() -> Inputs:
         ({"messages": [], "functions": [TOOL["function"]]}, 1),
     ],
 )
-async def test_only_a_tool_list_goes_to_a_thread(monkeypatch: pytest.MonkeyPatch, body: dict[str, Any], hops: int) -> None:
+async def test_only_a_tool_list_goes_to_a_thread(
+    monkeypatch: pytest.MonkeyPatch, body: dict[str, Any], hops: int
+) -> None:
     calls: list[Any] = []
     real = trio.to_thread.run_sync
 

@@ -20,8 +20,26 @@ from hydra_trio.engine.worker import GpuWorker
 
 pytestmark = pytest.mark.slow  # loads a model
 
-PIECES = ["<|im_start|>", "<|im_end|>", "user", "assistant", "\n", " ", "  ", "a", "word ", "é", "日本", "<|im_", "|>", "<", ">",
-          "<|endoftext|>", "\t", "0123"]
+PIECES = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "user",
+    "assistant",
+    "\n",
+    " ",
+    "  ",
+    "a",
+    "word ",
+    "é",
+    "日本",
+    "<|im_",
+    "|>",
+    "<",
+    ">",
+    "<|endoftext|>",
+    "\t",
+    "0123",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +58,9 @@ def sliced(backend: LlamaBackend, text: str, add_special: bool) -> list[int]:
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(parts=st.lists(st.sampled_from(PIECES), min_size=1, max_size=400), add_special=st.booleans())
-def test_any_text_tokenizes_the_same_in_slices(backend: LlamaBackend, parts: list[str], add_special: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_any_text_tokenizes_the_same_in_slices(
+    backend: LlamaBackend, parts: list[str], add_special: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(slices, "SLICE_CHARS", 40)  # cuts every few dozen characters
     monkeypatch.setattr(slices, "SEARCH_CHARS", 160)
     text = "".join(parts)

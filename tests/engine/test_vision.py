@@ -39,7 +39,12 @@ def png(width: int, height: int, seed: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"".join(rows))) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"".join(rows)))
+        + chunk(b"IEND", b"")
+    )
 
 
 def data_uri(image: bytes) -> str:
@@ -51,7 +56,12 @@ N_IMAGE = image_tokens()
 
 
 def image_message(image: bytes, text: str = "What is in this picture?") -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_uri(image)}}]}]
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_uri(image)}}],
+        }
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -84,19 +94,38 @@ def test_make_model_vision_preset(tmp_path: Path) -> None:
 
 async def test_chat_image_url_counts_image_positions(vision_engine: Any) -> None:
     async with http(vision_engine) as c:
-        plain = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "What is in this picture?"}], "max_tokens": 4, "temperature": 0})
-        with_image = await c.post("/v1/chat/completions", json={"messages": image_message(IMAGE_A), "max_tokens": 4, "temperature": 0})
+        plain = await c.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "What is in this picture?"}],
+                "max_tokens": 4,
+                "temperature": 0,
+            },
+        )
+        with_image = await c.post(
+            "/v1/chat/completions", json={"messages": image_message(IMAGE_A), "max_tokens": 4, "temperature": 0}
+        )
         assert plain.status_code == 200 and with_image.status_code == 200, with_image.text
         assert with_image.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] + N_IMAGE
-        streamed = await c.post("/v1/chat/completions", json={"messages": image_message(IMAGE_A), "max_tokens": 4, "temperature": 0, "stream": True,
-                                                             "stream_options": {"include_usage": True}})
+        streamed = await c.post(
+            "/v1/chat/completions",
+            json={
+                "messages": image_message(IMAGE_A),
+                "max_tokens": 4,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert streamed.status_code == 200 and "data: [DONE]" in streamed.text
 
 
 async def test_prefix_cache_tells_images_apart(vision_engine: Any) -> None:
     async with http(vision_engine) as c:
         async def cached(image: bytes) -> tuple[int, int]:
-            r = await c.post("/v1/chat/completions", json={"messages": image_message(image), "max_tokens": 2, "temperature": 0})
+            r = await c.post(
+                "/v1/chat/completions", json={"messages": image_message(image), "max_tokens": 2, "temperature": 0}
+            )
             assert r.status_code == 200, r.text
             usage = r.json()["usage"]
             return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
@@ -128,21 +157,63 @@ def test_image_ids_make_spans_from_the_list_alone() -> None:
 async def test_anthropic_and_responses_images(vision_engine: Any) -> None:
     b64 = base64.b64encode(IMAGE_A).decode()
     async with http(vision_engine) as c:
-        plain = await c.post("/v1/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": "What is in this picture?"}]})
+        plain = await c.post(
+            "/v1/messages",
+            json={"max_tokens": 2, "messages": [{"role": "user", "content": "What is in this picture?"}]},
+        )
         r = await c.post("/v1/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is in this picture?"},
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}]})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["input_tokens"] == plain.json()["usage"]["input_tokens"] + N_IMAGE
         plain = await c.post("/v1/responses", json={"max_output_tokens": 2, "input": "What is in this picture?"})
-        r = await c.post("/v1/responses", json={"max_output_tokens": 2, "input": [{"role": "user", "content": [
-            {"type": "input_text", "text": "What is in this picture?"}, {"type": "input_image", "image_url": data_uri(IMAGE_A)}]}]})
+        r = await c.post(
+            "/v1/responses",
+            json={
+                "max_output_tokens": 2,
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "What is in this picture?"},
+                            {"type": "input_image", "image_url": data_uri(IMAGE_A)},
+                        ],
+                    }
+                ],
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["input_tokens"] == plain.json()["usage"]["input_tokens"] + N_IMAGE
-        bad = await c.post("/v1/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(b"not an image").decode()}}]}]})
+        bad = await c.post(
+            "/v1/messages",
+            json={
+                "max_tokens": 2,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": base64.b64encode(b"not an image").decode(),
+                                },
+                            }
+                        ],
+                    }
+                ],
+            },
+        )
         assert bad.status_code == 400 and bad.json()["type"] == "error" and "decoded" in bad.json()["error"]["message"]
-        bad = await c.post("/v1/responses", json={"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,@@@"}]}]})
+        bad = await c.post(
+            "/v1/responses",
+            json={
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,@@@"}]}
+                ]
+            },
+        )
         assert bad.status_code == 400 and "base64" in bad.json()["error"]["message"]
 
 
@@ -159,7 +230,10 @@ async def test_anthropic_and_responses_images(vision_engine: Any) -> None:
 )
 async def test_bad_images_get_400(vision_engine: Any, url: str, says: str) -> None:
     async with http(vision_engine) as c:
-        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]},
+        )
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
 
@@ -173,7 +247,8 @@ async def test_no_projector_refuses_images(engine: Any) -> None:
 def _llama_server() -> Path | None:
     from importlib.metadata import version
 
-    binary = (Path.home() / ".cache" / "hydra-trio" / "llama-server-build" / f"llama_cpp_python-{version('llama-cpp-python')}"
+    binary = (Path.home() / ".cache" / "hydra-trio" / "llama-server-build" / "llama_cpp_python-"
+              f"{version('llama-cpp-python')}"
               / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server")
     return binary if binary.is_file() else None
 

@@ -100,7 +100,9 @@ async def test_stopping_the_store_drops_every_export(autojump_clock: trio.abc.Cl
 
 def _held_in(folder: Path) -> int:
     """Bytes of export files in the shared-memory folder (the probe aside)."""
-    return sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("hydra-kv-") and not p.name.endswith("-probe"))
+    return sum(
+        p.stat().st_size for p in folder.iterdir() if p.name.startswith("hydra-kv-") and not p.name.endswith("-probe")
+    )
 
 
 def _names(folder: Path) -> set[str]:

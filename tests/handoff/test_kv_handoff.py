@@ -102,7 +102,10 @@ async def test_handoff_restores_the_prompt_and_matches_one_engine(pair: tuple[An
     assert prompt_computed(after) - prompt_computed(before) == 0
     chat = (("path", "chat"),)
     assert after[("hydra_prompt_tokens_total", chat)] - before.get(("hydra_prompt_tokens_total", chat), 0) == 0
-    assert after[("hydra_cached_prompt_tokens_total", chat)] - before.get(("hydra_cached_prompt_tokens_total", chat), 0) == n_prompt
+    assert (
+        after[("hydra_cached_prompt_tokens_total", chat)] - before.get(("hydra_cached_prompt_tokens_total", chat), 0)
+        == n_prompt
+    )
     assert after[("hydra_kv_pulls_total", (("outcome", "restored"), ("reason", "")))] == 1
     # Released once pulled.
     assert len(a.state.exports) == 0 and a.state.exports.bytes_held == 0
@@ -130,7 +133,10 @@ async def test_lease_expires_and_decode_falls_back(start_engine: Callable[..., A
     assert text == reference
     kv = body["kv_transfer"]
     assert kv["status"] == "fallback" and kv["reason"] == "not_found", kv
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] < body["usage"]["prompt_tokens"] or body["timings"]["prompt_n"] > 0
+    assert (
+        body["usage"]["prompt_tokens_details"]["cached_tokens"] < body["usage"]["prompt_tokens"]
+        or body["timings"]["prompt_n"] > 0
+    )
     assert m[("hydra_kv_exports_total", (("outcome", "expired"),))] == 1
 
 
@@ -195,7 +201,9 @@ async def test_failed_pull_prefills_locally_and_says_why(pair: tuple[Any, Any], 
     assert kv["status"] == "fallback" and kv["reason"] == how, kv
     assert "detail" not in kv  # a code, never a peer's own words (those go to the log)
     assert after[("hydra_kv_pulls_total", (("outcome", "fallback"), ("reason", how)))] == 1
-    assert prompt_computed(after) > prompt_computed(before) or body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert (
+        prompt_computed(after) > prompt_computed(before) or body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    )
     # A pull that did not happen leaves the export to its lease; one that did took it.
     assert len(a.state.exports) == (0 if how == "hash_mismatch" else 1)
     await assert_server_healthy(b)
@@ -273,7 +281,11 @@ async def test_vllm_gauges_are_measured(start_engine: Callable[..., Any], tiny_m
             busy = await scrape(c)
             assert busy[("vllm:num_requests_running", labels)] == 1
             assert busy[("vllm:num_requests_waiting", labels)] == 1
-            assert busy[("vllm:kv_cache_usage_perc", labels)] == ep.state.engine._core.n_past(0) / ep.state.engine.n_ctx > 0
+            assert (
+                busy[("vllm:kv_cache_usage_perc", labels)]
+                == ep.state.engine._core.n_past(0) / ep.state.engine.n_ctx
+                > 0
+            )
             g.open()
         done = await scrape(c)
     assert done[("vllm:num_requests_running", labels)] == 0
@@ -655,7 +667,13 @@ async def test_a_pulled_export_s_budget_goes_back_when_no_slot_comes(
         assert len(a.state.exports) == 1
         held = [core.slots.claim(s.id, "test:holder") for s in list(core.slots.slots)]
         try:
-            req = {"messages": PROMPT, "max_tokens": N, "temperature": 0, "stream": stream, "kv_transfer_params": params}
+            req = {
+                "messages": PROMPT,
+                "max_tokens": N,
+                "temperature": 0,
+                "stream": stream,
+                "kv_transfer_params": params,
+            }
             r = await cb.post("/v1/chat/completions", json=req)
             assert r.status_code == 503, r.text
             assert len(a.state.exports) == 0  # it was pulled, before the claim was refused

@@ -77,7 +77,8 @@ async def test_expired_exports_and_a_crashed_engine_s_files_are_removed(
 ) -> None:
     # What a crashed engine (a process that no longer runs) left behind.
     dead = 2**22 + 12345  # above the default pid_max: no process has it
-    stale = [tmp_path / f"hydra-kv-{os.getuid()}-{dead}-0badcafe-{'A' * 22}", tmp_path / f"hydra-kv-{os.getuid()}-{dead}-0badcafe-probe"]
+    stale = [tmp_path / f"hydra-kv-{os.getuid()}-{dead}-0badcafe-"
+             f"{'A' * 22}", tmp_path / f"hydra-kv-{os.getuid()}-{dead}-0badcafe-probe"]
     for f in stale:
         f.write_bytes(b"x")
     other_user = tmp_path / f"hydra-kv-{os.getuid() + 1}-{dead}-0badcafe-{'B' * 22}"
@@ -201,7 +202,11 @@ def test_liveness_is_the_owner_s_lock_not_its_pid(tmp_path: Path) -> None:
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+        [sys.executable, "-c", _HOLDER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
     )
     try:
         assert holder.stdout is not None

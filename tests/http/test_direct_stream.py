@@ -196,7 +196,9 @@ async def _decode_stream(ep: Any, monkeypatch: Any, *, max_write: int | None) ->
     return began, rests
 
 
-async def test_a_decode_stream_is_written_by_the_generating_task(start_engine: Any, tiny_model: Any, monkeypatch: Any) -> None:
+async def test_a_decode_stream_is_written_by_the_generating_task(
+    start_engine: Any, tiny_model: Any, monkeypatch: Any
+) -> None:
     began, rests = await _decode_stream(await start_engine(tiny_model), monkeypatch, max_write=None)
     assert began >= 8 and rests == 0
 

@@ -64,7 +64,9 @@ async def test_embeddings_in_openai_shape(start_engine: Callable[..., Any], embe
         assert [len(x["embedding"]) for x in native.json()] == [1, 1]
         assert cos(native.json()[0]["embedding"][0], item["embedding"]) > 1 - 1e-5
         samples = await scrape(h)
-        assert samples.get(("hydra_pooled_inputs_total", (("path", "embeddings"),))) == 1 + 4 + 1 + 2 + 2 + 2 + 1 + 1 + 2
+        assert (
+            samples.get(("hydra_pooled_inputs_total", (("path", "embeddings"),))) == 1 + 4 + 1 + 2 + 2 + 2 + 1 + 1 + 2
+        )
     await assert_server_healthy(ep)
 
 
@@ -196,16 +198,24 @@ async def test_rerank_in_jina_and_tei_shapes(start_engine: Callable[..., Any], r
         assert out["object"] == "list" and out["usage"]["prompt_tokens"] > 0
         # Aliases and top_n; one pair at a time scores the same.
         for path in ("/rerank", "/v1/reranking", "/reranking"):
-            top = (await h.post(path, json={"query": "what is a cache", "documents": docs, "top_n": 2})).json()["results"]
+            top = (await h.post(path, json={"query": "what is a cache", "documents": docs, "top_n": 2})).json()[
+                "results"
+            ]
             assert [x["index"] for x in top] == [x["index"] for x in results[:2]] and "document" not in top[0]
         best = results[0]
-        single = (await h.post("/v1/rerank", json={"query": "what is a cache", "documents": [docs[best["index"]]]})).json()
+        single = (
+            await h.post("/v1/rerank", json={"query": "what is a cache", "documents": [docs[best["index"]]]})
+        ).json()
         assert abs(single["results"][0]["relevance_score"] - best["relevance_score"]) < 1e-5
         tei = (await h.post("/rerank", json={"query": "what is a cache", "texts": docs, "return_text": True})).json()
         assert [(x["index"], x["text"]) for x in tei] == [(x["index"], docs[x["index"]]) for x in results]
         assert all(abs(x["score"] - y["relevance_score"]) < 1e-5 for x, y in zip(tei, results, strict=True))
-        for body, param in (({"documents": ["a"]}, "query"), ({"query": "q", "documents": []}, "documents"),
-                            ({"query": "q", "documents": ["a", 3]}, "documents"), ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n")):
+        for body, param in (
+            ({"documents": ["a"]}, "query"),
+            ({"query": "q", "documents": []}, "documents"),
+            ({"query": "q", "documents": ["a", 3]}, "documents"),
+            ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+        ):
             r = await h.post("/v1/rerank", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         r = await h.post("/v1/embeddings", json={"input": "x"})
@@ -239,8 +249,13 @@ async def test_an_encoder_embeds_and_refuses_generation(start_engine: Callable[.
         tokens = (await h.post("/tokenize", json={"content": "hello world", "add_special": True})).json()["tokens"]
         assert tokens[0] == 2 and tokens[-1] == 3 and len(tokens) == 4  # [CLS] hello world [SEP]
         out = await embed(h, input=["hello world", "the model"])
-        assert out["usage"]["prompt_tokens"] == 8 and cos(out["data"][0]["embedding"], out["data"][1]["embedding"]) < 0.999
-        for path, body in (("/v1/completions", {"prompt": "hello"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        assert (
+            out["usage"]["prompt_tokens"] == 8 and cos(out["data"][0]["embedding"], out["data"][1]["embedding"]) < 0.999
+        )
+        for path, body in (
+            ("/v1/completions", {"prompt": "hello"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ):
             r = await h.post(path, json=body)
             assert r.status_code == 501 and "no KV cache" in r.json()["error"]["message"], r.text
         assert (await embed(h, input="still fine"))["data"]

@@ -23,7 +23,9 @@ async def complete(h: Any, **body: Any) -> dict[str, Any]:
     return r.json()
 
 
-async def test_echoed_prompt_logprobs_equal_the_generated_ones(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> None:
+async def test_echoed_prompt_logprobs_equal_the_generated_ones(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path
+) -> None:
     """Generate 12 tokens greedily with logprobs; then send prompt + those tokens with echo and
     max_tokens 0: each generated token's logprob (and its top alternatives) comes back for
     its prompt position within 1e-3 (a batch of prompt rows rounds otherwise than steps)."""
@@ -62,11 +64,15 @@ async def test_echoed_prompt_logprobs_equal_the_generated_ones(start_engine: Cal
     await assert_server_healthy(ep)
 
 
-async def test_echo_streams_the_prompt_first_and_refuses_what_it_cannot(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+async def test_echo_streams_the_prompt_first_and_refuses_what_it_cannot(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
     ep = await start_engine(tiny_model)
     async with http(ep) as h:
         chunks: list[str] = []
-        async with h.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "echo": True, "stream": True}) as r:
+        async with h.stream(
+            "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "echo": True, "stream": True}
+        ) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
@@ -96,7 +102,9 @@ async def test_vllm_tokenizer_routes(start_engine: Callable[..., Any], tiny_mode
         assert with_bos["tokens"][0] == 1 and with_bos["tokens"][1:] == without["tokens"]
         assert without["count"] == len(without["tokens"]) and without["max_model_len"] == 2048
         # lm-eval finds the EOS id by tokenizing eos_token: one token, the special one.
-        assert (await h.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})).json()["tokens"] == [4]
+        assert (await h.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False})).json()[
+            "tokens"
+        ] == [4]
         strs = (await h.post("/tokenize", json={"prompt": "hello", "return_token_strs": True})).json()["token_strs"]
         assert strs[0] == "<s>" and "".join(strs[1:]).strip() == "hello"
         back = (await h.post("/detokenize", json={"tokens": without["tokens"]})).json()
@@ -126,7 +134,9 @@ async def test_lm_eval_requests_replayed(start_engine: Callable[..., Any], tiny_
                 lp = choice["logprobs"]  # lm-eval's parse_logprobs reads [ctxlen:-1] of both lists
                 assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt) + body["max_tokens"]
                 assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-                for name, tok, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+                for name, tok, top in zip(
+                    lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True
+                ):
                     # Keyed by text (OpenAI's legacy shape): the token's own entry, unless
                     # the top token has the same text (byte tokens all read "\ufffd").
                     assert math.isfinite(tok) and tok <= 0 and tok <= max(top.values()) and name in top

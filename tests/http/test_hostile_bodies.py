@@ -29,7 +29,12 @@ def anthropic_shaped(r: httpx.Response, status: int) -> bool:
 
 def openai_shaped(r: httpx.Response, status: int) -> bool:
     err = r.json().get("error")
-    return r.status_code == status and isinstance(err, dict) and err.get("code") == status and isinstance(err.get("message"), str)
+    return (
+        r.status_code == status
+        and isinstance(err, dict)
+        and err.get("code") == status
+        and isinstance(err.get("message"), str)
+    )
 
 
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
@@ -39,18 +44,23 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/responses/input_tokens", {"input": "hi", "text": {"format": ["x"]}}, "text.format"),
     ("/v1/responses", {"input": [{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}]}, "input"),
     ("/v1/responses", {"input": [{"type": "reasoning", "summary": 7}, {"role": "user", "content": "x"}]}, "input"),
-    ("/v1/responses/input_tokens", {"input": [{"type": "reasoning", "summary": 7}, {"role": "user", "content": "x"}]}, "input"),
+    ("/v1/responses/input_tokens", {"input": [{"type": "reasoning", "summary": 7}, {"role": "user", "content": "x"}]},
+     "input"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"messages": [{"role": "user", "content": "x"}]}},
+    ("/v1/chat/completions",
+     {"messages": USER, "chat_template_kwargs": {"messages": [{"role": "user", "content": "x"}]}},
      "chat_template_kwargs.messages"),
-    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"tools": [{"name": "shown"}]}}, "chat_template_kwargs.tools"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"tools": [{"name": "shown"}]}},
+     "chat_template_kwargs.tools"),
     ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}},
      "chat_template_kwargs.add_generation_prompt"),
-    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"eos_token": "x"}}, "chat_template_kwargs.eos_token"),
-    ("/apply-template", {"messages": USER, "chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs.bos_token"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"eos_token": "x"}},
+     "chat_template_kwargs.eos_token"),
+    ("/apply-template", {"messages": USER, "chat_template_kwargs": {"bos_token": "x"}},
+     "chat_template_kwargs.bos_token"),
     ("/v1/chat/completions/render", {"messages": USER, "chat_template_kwargs": {"raise_exception": 1}},
      "chat_template_kwargs.raise_exception"),
 ]
@@ -60,12 +70,16 @@ async def test_bodies_that_were_5xx_are_400s_in_their_apis_shape(start_engine: A
     ep = await start_engine(tiny_model, max_json_bytes=1 << 20)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30) as c:
         for path, body, param in REFUSED:
-            r = await c.post(path, json={"max_output_tokens": 4, **body} if "responses" in path and path.endswith("s") else body)
+            r = await c.post(
+                path, json={"max_output_tokens": 4, **body} if "responses" in path and path.endswith("s") else body
+            )
             assert openai_shaped(r, 400) and r.json()["error"]["param"] == param, (path, body, r.text)
         assert "messages" in (await c.post(*REFUSED[11][:1], json=REFUSED[11][1])).json()["error"]["message"]
         # None of them generated a token.
         metrics = (await c.get("/metrics")).text
-        assert not any(ln.startswith("vllm:generation_tokens_total") and not ln.endswith(" 0.0") for ln in metrics.splitlines())
+        assert not any(
+            ln.startswith("vllm:generation_tokens_total") and not ln.endswith(" 0.0") for ln in metrics.splitlines()
+        )
         # The early 413 (a declared body past --max-json-bytes, refused before the app) in Anthropic's shape there.
         big = b"{" + b" " * (2 << 20) + b"}"
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
@@ -74,7 +88,9 @@ async def test_bodies_that_were_5xx_are_400s_in_their_apis_shape(start_engine: A
         r = await c.post("/v1/chat/completions", content=big, headers={"content-type": "application/json"})
         assert openai_shaped(r, 413), r.text
         # And the template kwargs that are the request's to set still are.
-        r = await c.post("/apply-template", json={"messages": USER, "chat_template_kwargs": {"enable_thinking": True, "flavour": 1}})
+        r = await c.post(
+            "/apply-template", json={"messages": USER, "chat_template_kwargs": {"enable_thinking": True, "flavour": 1}}
+        )
         assert r.status_code == 200, r.text
 
 
@@ -82,7 +98,16 @@ def test_template_kwargs_may_not_set_what_the_engine_renders() -> None:
     src = "{{ messages | length }}|{{ bos_token }}|{{ tools is defined }}|{{ date_string }}"
     kw = {"bos_token": "<s>", "eos_token": "</s>"}
     assert render_jinja({"messages": USER, "chat_template_kwargs": {"date_string": "D"}}, src, **kw) == "1|<s>|False|D"
-    for name in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "namespace", "range", "strftime_now"):
+    for name in (
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "namespace",
+        "range",
+        "strftime_now",
+    ):
         with pytest.raises(ProtocolError, match=f"may not set {name}"):
             render_jinja({"messages": USER, "chat_template_kwargs": {name: 1}}, src, **kw)
 
@@ -169,12 +194,16 @@ async def test_routes_that_need_no_slot_are_admitted_a_few_at_a_time(start_engin
         assert r.status_code == 200
 
 
-async def test_more_turns_than_a_slot_has_positions_are_refused_before_anything_reads_them(start_engine: Any, tiny_model: Path) -> None:
+async def test_more_turns_than_a_slot_has_positions_are_refused_before_anything_reads_them(
+    start_engine: Any, tiny_model: Path
+) -> None:
     ep = await start_engine(tiny_model)  # 2,048 positions a slot
     turns = [{"role": "user", "content": "a"}] * 2048
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}", timeout=30) as c:
         r = await c.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 1})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" and "turns" in r.text, r.text
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" and "turns" in r.text, (
+            r.text
+        )
         r = await c.post("/v1/messages/count_tokens", json={"messages": turns})
         assert anthropic_shaped(r, 400) and r.json()["error"]["message"].startswith("prompt is too long"), r.text
         r = await c.post("/v1/responses/input_tokens", json={"input": turns})

@@ -188,7 +188,9 @@ async def test_stream_interval_sends_the_first_token_alone_then_up_to_n(ctx_engi
         plain = await complete(c, prompt="the slot", max_tokens=13, ignore_eos=True)
         texts = {}
         for interval in (1, 4):
-            events, done = await stream_complete(c, prompt="the slot", max_tokens=13, ignore_eos=True, stream_interval=interval)
+            events, done = await stream_complete(
+                c, prompt="the slot", max_tokens=13, ignore_eos=True, stream_interval=interval
+            )
             assert done
             texts[interval] = [e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["text"]]
         assert "".join(texts[1]) == "".join(texts[4]) == plain["choices"][0]["text"]

@@ -148,7 +148,9 @@ async def raw_exchange(
     return status, json.loads(payload), elapsed
 
 
-STATE_PUT = "PUT /slots/1/state HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: {n}\r\n\r\n"
+STATE_PUT = (
+    "PUT /slots/1/state HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: {n}\r\n\r\n"
+)
 CHAT = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {n}\r\n\r\n"
 
 
@@ -273,7 +275,8 @@ async def test_detokenize_refuses_more_ids_than_the_cells_unparsed(start_engine:
     assert engine._core.inputs.max_token_ids_json_bytes < engine._core.inputs.max_request_json_bytes
     n = engine._core.inputs.max_token_ids_json_bytes + 1
     status, body, _ = await raw_exchange(
-        ep, f"POST /detokenize HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {n}\r\n\r\n", b""
+        ep, "POST /detokenize HTTP/1.1\r\nhost: x\r\ncontent-type: "
+        f"application/json\r\ncontent-length: {n}\r\n\r\n", b""
     )
     assert status == 413 and "token ids" in body["error"]["message"], body
     async with http(ep) as h:

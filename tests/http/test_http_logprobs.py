@@ -47,7 +47,9 @@ def _same_chat(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
     ]
     for x, y in zip(a, b, strict=True):
         assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
-        assert [t["logprob"] for t in x["top_logprobs"]] == pytest.approx([t["logprob"] for t in y["top_logprobs"]], abs=1e-4)
+        assert [t["logprob"] for t in x["top_logprobs"]] == pytest.approx(
+            [t["logprob"] for t in y["top_logprobs"]], abs=1e-4
+        )
 
 
 def _check_top(top: list[tuple[float, Any]], n: int) -> None:
@@ -226,7 +228,8 @@ TEXT = "/v1/completions"
         (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
         (CHAT, {"messages": MESSAGES, "logprobs": 3}, "logprobs"),
         (CHAT, {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
-        (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+        (CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f g"}}]},
+         "tools[0].function.name"),
         (CHAT, {"messages": MESSAGES, "logit_bias": {"5": 10}}, "logit_bias"),
         (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
         (CHAT, {"messages": MESSAGES, "audio": {"voice": "x"}}, "audio"),
@@ -252,7 +255,9 @@ TEXT = "/v1/completions"
         (TEXT, {"prompt": "x", "min_tokens": 4, "max_tokens": 2}, "min_tokens"),
     ],
 )
-async def test_what_is_not_honoured_is_a_400_naming_it(engine: Any, path: str, body: dict[str, Any], param: str) -> None:
+async def test_what_is_not_honoured_is_a_400_naming_it(
+    engine: Any, path: str, body: dict[str, Any], param: str
+) -> None:
     async with http(engine) as c:
         err = assert_openai_error(await c.post(path, json=body), 400)["error"]
     assert err["param"] == param, err

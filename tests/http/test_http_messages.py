@@ -32,7 +32,9 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def client(ep: Any, **kw: Any) -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{ep.http_port}", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+    return anthropic.AsyncAnthropic(
+        base_url=f"http://127.0.0.1:{ep.http_port}", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw
+    )
 
 
 @pytest.fixture
@@ -42,11 +44,15 @@ async def ep(start_engine: Any, tiny_model: Path) -> Any:
 
 async def test_create_stream_and_count_tokens(ep: Any) -> None:
     sdk = client(ep)
-    msg = await sdk.messages.create(model="claude-any", max_tokens=8, messages=USER, extra_body=GREEDY, system="Be brief.")
+    msg = await sdk.messages.create(
+        model="claude-any", max_tokens=8, messages=USER, extra_body=GREEDY, system="Be brief."
+    )
     assert msg.type == "message" and msg.role == "assistant"
     assert msg.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
     assert msg.usage.output_tokens >= 1 and msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) > 0
-    async with sdk.messages.stream(model="claude-any", max_tokens=8, messages=USER, extra_body=GREEDY, system="Be brief.") as stream:
+    async with sdk.messages.stream(
+        model="claude-any", max_tokens=8, messages=USER, extra_body=GREEDY, system="Be brief."
+    ) as stream:
         async for _ in stream:
             pass
         final = await stream.get_final_message()
@@ -72,7 +78,11 @@ async def test_forced_tool(ep: Any) -> None:
             jsonschema.validate(use.input, PARAMS_OF[use.name])
     # Streamed, through the SDK's accumulator (input_json_delta), and a round trip after it.
     async with sdk.messages.stream(
-        model="claude-any", max_tokens=1500, messages=USER, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[arg-type]
+        model="claude-any",
+        max_tokens=1500,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[arg-type]
         extra_body=GREEDY,
     ) as stream:
         final = await stream.get_final_message()
@@ -80,7 +90,9 @@ async def test_forced_tool(ep: Any) -> None:
     jsonschema.validate(use.input, WEATHER_PARAMS)
     history = [*USER, {"role": "assistant", "content": [b.model_dump() for b in final.content]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
-    again = await sdk.messages.create(model="claude-any", max_tokens=4, messages=history, tools=TOOLS, extra_body=GREEDY)  # type: ignore[arg-type]
+    again = await sdk.messages.create(
+        model="claude-any", max_tokens=4, messages=history, tools=TOOLS, extra_body=GREEDY
+    )  # type: ignore[arg-type]
     assert again.usage.output_tokens >= 1
 
 
@@ -96,7 +108,9 @@ async def test_errors_auth_and_billing_header(start_engine: Any, tiny_model: Pat
         r = await c.post("/v1/nope", headers=hdr, json={})
         assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"  # OpenAI's shape
         image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
-        r = await c.post("/v1/messages", headers=hdr, json={"max_tokens": 4, "messages": [{"role": "user", "content": [image]}]})
+        r = await c.post(
+            "/v1/messages", headers=hdr, json={"max_tokens": 4, "messages": [{"role": "user", "content": [image]}]}
+        )
         assert r.status_code == 400 and "not supported" in r.json()["error"]["message"], r.text
         huge = [{"role": "user", "content": "the " * 20000}]
         r = await c.post("/v1/messages", headers=hdr, json={"max_tokens": 4, "messages": huge})
@@ -106,14 +120,24 @@ async def test_errors_auth_and_billing_header(start_engine: Any, tiny_model: Pat
         r = await c.post("/v1/chat/completions", headers=hdr, json={"max_tokens": 4, "messages": huge})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         # Unknown fields are ignored; the billing-header line changes nothing in the prompt.
-        extra = {"metadata": {"user_id": "u"}, "context_management": {}, "output_config": {"effort": "low"}, "thinking": {"type": "adaptive"}}
+        extra = {
+            "metadata": {"user_id": "u"},
+            "context_management": {},
+            "output_config": {"effort": "low"},
+            "thinking": {"type": "adaptive"},
+        }
         counts = []
         for n in (1, 2):
-            system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.{n}; cch={n}"}, {"type": "text", "text": "You are Claude Code."}]
-            r = await c.post("/v1/messages/count_tokens", headers=hdr, json={"messages": USER, "system": system, **extra})
+            system = [{"type": "text", "text": "x-anthropic-billing-header: "
+                       f"cc_version=2.1.{n}; cch={n}"}, {"type": "text", "text": "You are Claude Code."}]
+            r = await c.post(
+                "/v1/messages/count_tokens", headers=hdr, json={"messages": USER, "system": system, **extra}
+            )
             assert r.status_code == 200, r.text
             counts.append(r.json()["input_tokens"])
-        plain = await c.post("/v1/messages/count_tokens", headers=hdr, json={"messages": USER, "system": "You are Claude Code."})
+        plain = await c.post(
+            "/v1/messages/count_tokens", headers=hdr, json={"messages": USER, "system": "You are Claude Code."}
+        )
         assert counts == [plain.json()["input_tokens"]] * 2
     sdk = client(ep, api_key="sekrit")
     assert (await sdk.messages.create(model="m", max_tokens=2, messages=USER)).usage.output_tokens >= 1
@@ -121,12 +145,18 @@ async def test_errors_auth_and_billing_header(start_engine: Any, tiny_model: Pat
 
 def test_system_blocks_tool_results_and_choices_map_to_chat() -> None:
     chat = to_chat({
-        "max_tokens": 9, "stop_sequences": ["END"], "top_k": 5, "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
-        "tools": [*TOOLS, {"type": "web_search_20250305", "name": "web_search"}], "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "max_tokens": 9, "stop_sequences": ["END"], "top_k": 5,
+        "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        "tools": [*TOOLS, {"type": "web_search_20250305", "name": "web_search"}],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "messages": [
             *USER,
-            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}, {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "UTC"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "12:00"}]}, {"type": "text", "text": "thanks"}]},
+            {"role": "assistant",
+             "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                         {"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {"zone": "UTC"}}]},
+            {"role": "user",
+             "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                          "content": [{"type": "text", "text": "12:00"}]}, {"type": "text", "text": "thanks"}]},
         ],
     })
     assert chat["messages"][0] == {"role": "system", "content": "a\n\nb"}
@@ -135,12 +165,22 @@ def test_system_blocks_tool_results_and_choices_map_to_chat() -> None:
     assert chat["messages"][3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "12:00"}
     assert chat["messages"][4] == {"role": "user", "content": "thanks"}
     assert [t["function"]["name"] for t in chat["tools"]] == ["get_weather", "get_time"]  # the server tool dropped
-    assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["stop"], chat["top_k"]) == ("required", False, ["END"], 5)
-    assert to_chat({"max_tokens": 1, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "none"}})["tool_choice"] == "none"
+    assert (chat["tool_choice"], chat["parallel_tool_calls"], chat["stop"], chat["top_k"]) == (
+        "required",
+        False,
+        ["END"],
+        5,
+    )
+    assert (
+        to_chat({"max_tokens": 1, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "none"}})["tool_choice"]
+        == "none"
+    )
     # Claude Code (2.1.x) sends system messages between the turns (its agent list, reminders).
     mid = to_chat({"max_tokens": 1, "messages": [*USER, {"role": "system", "content": "agents: claude"}, *USER]})
     assert mid["messages"][1] == {"role": "system", "content": "agents: claude"}
-    blocks = to_chat({"max_tokens": 1, "messages": [*USER, {"role": "system", "content": [{"type": "text", "text": "r"}]}]})
+    blocks = to_chat(
+        {"max_tokens": 1, "messages": [*USER, {"role": "system", "content": [{"type": "text", "text": "r"}]}]}
+    )
     assert blocks["messages"][1] == {"role": "system", "content": "r"}
 
 
@@ -186,14 +226,22 @@ def _joined(blocks: list[dict[str, Any]]) -> tuple[str, str, list[Any]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(text=st.text(alphabet="ab <>/thinkool_c{}\":", max_size=60), cuts=st.lists(st.integers(0, 60), max_size=8), think=st.booleans())
+@given(
+    text=st.text(alphabet='ab <>/thinkool_c{}":', max_size=60),
+    cuts=st.lists(st.integers(0, 60), max_size=8),
+    think=st.booleans(),
+)
 def test_streamed_events_reassemble_to_the_message(text: str, cuts: list[int], think: bool) -> None:
     from hydra_trio.engine.chat import ReplyParser
     from hydra_trio.engine.chat.formats import FORMATS
 
     HERMES = FORMATS["hermes"]
 
-    reply = ("<think>" + text[:10] + "</think>" if think else "") + text + '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    reply = (
+        ("<think>" + text[:10] + "</think>" if think else "")
+        + text
+        + '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    )
     res = GenerationResult(prompt_tokens=10, n_common=4, completion_tokens=5, stop_type="eos")
     res.text = reply
 
@@ -234,13 +282,21 @@ async def test_reasoning_comes_back_as_thinking_blocks(start_engine: Any, tiny_m
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
 
 
-UNSATISFIABLE = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}
+UNSATISFIABLE = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
+    "required": ["n"],
+}
 
 
 async def test_refusals_name_what_the_client_sent(ep: Any) -> None:
     """A refusal on /v1/messages names the request's own keys: ``tools[3].input_schema`` (its
     index past a server tool the codec drops), ``output_format``; in Anthropic's shape."""
-    tools = [{"type": "web_search_20250305", "name": "web_search"}, *TOOLS, {"name": "bad", "input_schema": UNSATISFIABLE}]
+    tools = [
+        {"type": "web_search_20250305", "name": "web_search"},
+        *TOOLS,
+        {"name": "bad", "input_schema": UNSATISFIABLE},
+    ]
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ep.http_port}") as c:
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
             body: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": USER, "tools": tools}

@@ -89,7 +89,10 @@ async def test_concurrent_requests_match_sequential(ctx_engine: Any) -> None:
     """Two requests generating at once (batched steps) give the same text as alone."""
     engine = ctx_engine
     async with http(engine) as c:
-        alone = [(await chat(c, messages=m, max_tokens=48))["choices"][0]["message"]["content"] for m in (MESSAGES, OTHER_MESSAGES)]
+        alone = [
+            (await chat(c, messages=m, max_tokens=48))["choices"][0]["message"]["content"]
+            for m in (MESSAGES, OTHER_MESSAGES)
+        ]
         together: list[str] = ["", ""]
 
         async def one(i: int, messages: list[dict[str, str]]) -> None:
@@ -281,7 +284,8 @@ async def test_health_version_models_slots(engine: Any) -> None:
         slots = r.json()
         assert [s["id"] for s in slots] == [0, 1]
         for s in slots:
-            assert s["is_processing"] is False and s["n_past"] == 0 and s["n_ctx"] == 2048  # a split cache: 4096 / 2 slots
+            # a split cache: 4096 / 2 slots
+            assert s["is_processing"] is False and s["n_past"] == 0 and s["n_ctx"] == 2048
 
         body = await chat(c, max_tokens=5)
         slots = (await c.get("/slots")).json()
@@ -409,7 +413,9 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(
         ({"messages": MESSAGES, "response_format": {"type": "regex"}}, "response_format type 'regex' is not supported"),
     ],
 )
-async def test_unsupported_chat_parameters_get_a_400_that_names_them(engine: Any, body: dict[str, Any], needle: str) -> None:
+async def test_unsupported_chat_parameters_get_a_400_that_names_them(
+    engine: Any, body: dict[str, Any], needle: str
+) -> None:
     """Not a quiet different answer (a prompt-only body used to generate 512 tokens, n=2 one
     choice, logprobs None; test_http_logprobs.py has the whole policy)."""
     async with http(engine) as c:

@@ -52,12 +52,16 @@ async def ep(start_engine: Any, tiny_model: Path) -> Any:
 
 async def test_create_and_stream(ep: Any) -> None:
     sdk = client(ep)
-    resp = await sdk.responses.create(model="any", input="hello there", instructions="Be brief.", max_output_tokens=8, temperature=0, store=False)
+    resp = await sdk.responses.create(
+        model="any", input="hello there", instructions="Be brief.", max_output_tokens=8, temperature=0, store=False
+    )
     assert resp.object == "response" and resp.status in ("completed", "incomplete")
     assert resp.output_text and resp.usage is not None and resp.usage.output_tokens >= 1
     seqs: list[int] = []
     last: Any = None
-    async with sdk.responses.stream(model="any", input="hello there", instructions="Be brief.", max_output_tokens=8, temperature=0) as stream:
+    async with sdk.responses.stream(
+        model="any", input="hello there", instructions="Be brief.", max_output_tokens=8, temperature=0
+    ) as stream:
         async for ev in stream:
             seqs.append(ev.sequence_number)
             last = ev
@@ -74,7 +78,9 @@ async def test_create_and_stream(ep: Any) -> None:
         r = await c.post("/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"})
         assert r.status_code == 400 and "stores no responses" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "previous_response_id"
-        r = await c.post("/v1/responses", json={"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
+        r = await c.post(
+            "/v1/responses", json={"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}
+        )
         assert r.status_code == 400 and "not supported" in r.json()["error"]["message"]
 
 
@@ -82,7 +88,12 @@ async def test_forced_function_call_and_round_trip(ep: Any) -> None:
     sdk = client(ep)
     for choice in ({"type": "function", "name": "get_time"}, "required"):
         resp = await sdk.responses.create(
-            model="any", input=INPUT, tools=TOOLS + CODEX_EXTRAS, tool_choice=choice, max_output_tokens=1500, temperature=0,  # type: ignore[arg-type]
+            model="any",
+            input=INPUT,
+            tools=TOOLS + CODEX_EXTRAS,
+            tool_choice=choice,
+            max_output_tokens=1500,
+            temperature=0,  # type: ignore[arg-type]
             parallel_tool_calls=False,
         )
         calls = [o for o in resp.output if o.type == "function_call"]
@@ -91,7 +102,12 @@ async def test_forced_function_call_and_round_trip(ep: Any) -> None:
             assert calls[0].name == "get_time"
         jsonschema.validate(json.loads(calls[0].arguments), PARAMS_OF[calls[0].name])
     async with sdk.responses.stream(
-        model="any", input=INPUT, tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=1500, temperature=0,
+        model="any",
+        input=INPUT,
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=1500,
+        temperature=0,
     ) as stream:
         final = await stream.get_final_response()
     call = next(o for o in final.output if o.type == "function_call")
@@ -100,15 +116,21 @@ async def test_forced_function_call_and_round_trip(ep: Any) -> None:
     turn = [*INPUT, {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look it up"}]},
             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
-    again = await sdk.responses.create(model="any", input=turn, tools=TOOLS, max_output_tokens=4, temperature=0, store=False)  # type: ignore[arg-type]
+    again = await sdk.responses.create(
+        model="any", input=turn, tools=TOOLS, max_output_tokens=4, temperature=0, store=False
+    )  # type: ignore[arg-type]
     assert again.usage is not None and again.usage.output_tokens >= 1
 
 
 async def test_text_format(ep: Any) -> None:
     sdk = client(ep)
-    parsed = await sdk.responses.parse(model="any", input="forecast?", text_format=Forecast, max_output_tokens=200, temperature=0)
+    parsed = await sdk.responses.parse(
+        model="any", input="forecast?", text_format=Forecast, max_output_tokens=200, temperature=0
+    )
     assert isinstance(parsed.output_parsed, Forecast), parsed.output
-    resp = await sdk.responses.create(model="any", input="json please", text={"format": {"type": "json_object"}}, max_output_tokens=60, temperature=0)
+    resp = await sdk.responses.create(
+        model="any", input="json please", text={"format": {"type": "json_object"}}, max_output_tokens=60, temperature=0
+    )
     if resp.status == "completed":
         assert isinstance(json.loads(resp.output_text), dict)
 
@@ -123,12 +145,16 @@ def test_input_items_map_to_chat() -> None:
             {"type": "function_call_output", "call_id": "c1", "output": "12:00"},
             {"type": "web_search_call", "id": "ws_1"},
         ],
-        "tools": TOOLS + CODEX_EXTRAS, "tool_choice": "required", "reasoning": {"effort": "none"}, "max_output_tokens": 7,
-        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "store": False, "include": ["reasoning.encrypted_content"],
+        "tools": TOOLS + CODEX_EXTRAS, "tool_choice": "required", "reasoning": {"effort": "none"},
+        "max_output_tokens": 7,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "store": False,
+        "include": ["reasoning.encrypted_content"],
     })
     roles = [m["role"] for m in chat["messages"]]
     assert roles == ["system", "system", "user", "assistant", "tool"]
-    assert chat["messages"][3]["reasoning_content"] == "hm" and [c["id"] for c in chat["messages"][3]["tool_calls"]] == ["c1", "c2"]
+    assert chat["messages"][3]["reasoning_content"] == "hm" and [
+        c["id"] for c in chat["messages"][3]["tool_calls"]
+    ] == ["c1", "c2"]
     assert [t["function"]["name"] for t in chat["tools"]] == ["get_weather", "get_time"]
     assert chat["chat_template_kwargs"] == {"enable_thinking": False} and chat["max_tokens"] == 7
     assert chat["response_format"]["json_schema"]["schema"] == {"type": "object"} and chat["tool_choice"] == "required"
@@ -152,7 +178,8 @@ def reassemble(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ev["type"] == "response.output_item.added":
             assert ev["output_index"] == len(items)
             items.append({"type": ev["item"]["type"], "text": "", "name": ev["item"].get("name")})
-        elif ev["type"] in ("response.output_text.delta", "response.reasoning_text.delta", "response.function_call_arguments.delta"):
+        elif ev["type"] in ("response.output_text.delta", "response.reasoning_text.delta", "response.function_call_"
+                            "arguments.delta"):
             items[ev["output_index"]]["text"] += ev["delta"]
     return items
 
@@ -174,14 +201,22 @@ def _flat(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(text=st.text(alphabet="ab <>/thinkool_c{}\":", max_size=60), cuts=st.lists(st.integers(0, 60), max_size=8), think=st.booleans())
+@given(
+    text=st.text(alphabet='ab <>/thinkool_c{}":', max_size=60),
+    cuts=st.lists(st.integers(0, 60), max_size=8),
+    think=st.booleans(),
+)
 def test_streamed_events_reassemble_to_the_response(text: str, cuts: list[int], think: bool) -> None:
     from hydra_trio.engine.chat import ReplyParser
     from hydra_trio.engine.chat.formats import FORMATS
 
     HERMES = FORMATS["hermes"]
 
-    reply = ("<think>" + text[:10] + "</think>" if think else "") + text + '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    reply = (
+        ("<think>" + text[:10] + "</think>" if think else "")
+        + text
+        + '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    )
     res = GenerationResult(prompt_tokens=10, n_common=4, completion_tokens=5, stop_type="eos")
     res.text = reply
 
@@ -198,7 +233,9 @@ def test_streamed_events_reassemble_to_the_response(text: str, cuts: list[int], 
     raw += events.done(res)
     evs = _sse(raw)
     assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
-    assert [e["type"] for e in evs[:2]] == ["response.created", "response.in_progress"] and evs[-1]["type"] == "response.completed"
+    assert [e["type"] for e in evs[:2]] == ["response.created", "response.in_progress"] and evs[-1][
+        "type"
+    ] == "response.completed"
     final = evs[-1]["response"]
     assert final["usage"] == whole["usage"] and final["status"] == whole["status"]
     assert _joined(reassemble(evs)) == _joined(_flat(whole["output"])) == _joined(_flat(final["output"]))

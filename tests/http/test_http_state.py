@@ -153,7 +153,9 @@ async def test_an_upload_waiting_for_room_is_not_buffered(start_engine: Any, wid
     assert peak < 0.5 * len(blob), (peak, len(blob))
 
 
-async def test_a_snapshot_is_charged_to_the_payload_budget_until_it_is_sent(start_engine: Any, wide_kv_model: Path) -> None:
+async def test_a_snapshot_is_charged_to_the_payload_budget_until_it_is_sent(
+    start_engine: Any, wide_kv_model: Path
+) -> None:
     """A slow reader of GET /slots/{id}/state holds the snapshot: its bytes count in the
     payload budget until the last one is sent (or the reader leaves), so snapshots for slow
     readers cannot pile up outside --max-inflight-bytes."""
@@ -187,7 +189,9 @@ async def test_a_refused_upload_s_drain_has_one_deadline(autojump_clock: trio.ab
     assert trio.current_time() - t0 == pytest.approx(idle_s)
 
 
-@pytest.mark.parametrize("raw", ["%C2%B2", "%C2%B9", "%D9%A1", "%EF%BC%91", "%201", "1_0", "+1", "-1", "0x1", "12345678901"])
+@pytest.mark.parametrize(
+    "raw", ["%C2%B2", "%C2%B9", "%D9%A1", "%EF%BC%91", "%201", "1_0", "+1", "-1", "0x1", "12345678901"]
+)
 async def test_slot_ids_that_are_not_ascii_digits_are_400_everywhere(
     start_engine: Any, tiny_model: Path, raw: str
 ) -> None:

@@ -97,7 +97,8 @@ async def test_refusals(start_engine: Callable[..., Any], fim_model: Path, tiny_
             ({"input_prefix": "a", "input_suffix": "b", "prompt": 5}, "prompt", "string"),
             ({"input_prefix": "a", "input_suffix": "b", "input_extra": {}}, "input_extra", "array"),
             ({"input_prefix": "a", "input_suffix": "b", "input_extra": [{"filename": "x"}]}, "input_extra", '"text"'),
-            ({"input_prefix": "a", "input_suffix": "b", "input_extra": [{"text": "t", "filename": 1}]}, "input_extra", "filename"),
+            ({"input_prefix": "a", "input_suffix": "b", "input_extra": [{"text": "t", "filename": 1}]}, "input_extra",
+             "filename"),
             ({"input_prefix": "a", "input_suffix": "b", "n": 2}, "n", "n must be 1"),
         ):
             r = await h.post("/infill", json=body)
@@ -109,5 +110,6 @@ async def test_refusals(start_engine: Callable[..., Any], fim_model: Path, tiny_
         r = await h.post("/infill", json={"input_prefix": "a", "input_suffix": "b"})
         assert r.status_code == 400
         assert r.json()["error"]["message"] == (
-            "Infill is not supported by this model: prefix token is missing. suffix token is missing. middle token is missing."
+            "Infill is not supported by this model: prefix token is "
+            "missing. suffix token is missing. middle token is missing."
         )

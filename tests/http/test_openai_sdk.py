@@ -44,7 +44,11 @@ async def sdk(start_engine: Any, tiny_model: Path) -> openai.AsyncOpenAI:
 async def test_parse_with_a_pydantic_model(sdk: openai.AsyncOpenAI) -> None:
     for prompt in ("forecast?", "weather in Oslo"):
         completion = await sdk.chat.completions.parse(
-            model="any", messages=[{"role": "user", "content": prompt}], response_format=Forecast, max_tokens=80, temperature=0
+            model="any",
+            messages=[{"role": "user", "content": prompt}],
+            response_format=Forecast,
+            max_tokens=80,
+            temperature=0,
         )
         message = completion.choices[0].message
         assert isinstance(message.parsed, Forecast), message

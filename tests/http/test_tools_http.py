@@ -48,7 +48,10 @@ TIME_PARAMS = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER_PARAMS}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER_PARAMS},
+    },
     {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME_PARAMS}},
 ]
 PARAMS_OF = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
@@ -120,7 +123,9 @@ def reassembled(events: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]
         delta = choice["delta"]
         content += delta.get("content") or ""
         for part in delta.get("tool_calls") or []:
-            call = calls.setdefault(part["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            call = calls.setdefault(
+                part["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
             call["id"] += part.get("id") or ""
             fn = part.get("function") or {}
             call["function"]["name"] += fn.get("name") or ""
@@ -183,15 +188,25 @@ async def test_stream_deltas_reassemble_to_the_whole_reply(start_engine: Any, ti
     assert all(c["id"].startswith("call_") for c in calls)
 
 
-async def test_tool_messages_round_trip_through_the_template(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+async def test_tool_messages_round_trip_through_the_template(
+    start_engine: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     template = tmp_path / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
     ep = await start_engine(tiny_model, chat_template_file=str(template), **ROOMY)
     history = [
         {"role": "user", "content": "weather in Rome for 2 days?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'}}
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
     ]
     async with http(ep) as h:
@@ -214,7 +229,12 @@ async def test_a_template_that_lists_tools_renders_them_as_llama_server_does(eng
     history = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "time?"},
-        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone":"UTC"}'}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone":"UTC"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
     ]
     async with http(engine) as h:
@@ -242,7 +262,9 @@ async def test_a_template_that_lists_tools_renders_them_as_llama_server_does(eng
         ({"tools": TOOLS, "reasoning_format": "sideways"}, "reasoning_format"),
     ],
 )
-async def test_bad_tool_requests_are_refused_naming_the_parameter(engine: Any, extra: dict[str, Any], param: str) -> None:
+async def test_bad_tool_requests_are_refused_naming_the_parameter(
+    engine: Any, extra: dict[str, Any], param: str
+) -> None:
     async with http(engine) as h:
         r = await h.post("/v1/chat/completions", json={"messages": MESSAGES, **extra})
         assert r.status_code == 400, r.text
@@ -264,7 +286,9 @@ async def test_tools_beside_a_typed_answer(engine: Any) -> None:
     named tool write calls (the answer waits for a later turn); ``auto`` writes a call or a
     document of the answer's schema, nothing else; ``none`` the document."""
     fmt = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": ANSWER, "strict": True}}
-    sampled = [{"temperature": 0}] + [{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": s} for s in range(4)]
+    sampled = [{"temperature": 0}] + [
+        {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": s} for s in range(4)
+    ]
     async with http(engine) as h:
         for sampling in sampled:
             body = await chat(h, tools=TOOLS, tool_choice="required", response_format=fmt, max_tokens=1500, **sampling)
@@ -334,7 +358,9 @@ async def test_pd_handoff_with_tools_matches_one_engine(start_engine: Any, tiny_
     async with http(a) as ca, http(b) as cb:
         reference = (await chat(ca, **body, max_tokens=1500))["choices"][0]
         pre = await chat(ca, **body, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
-        r = await cb.post("/v1/chat/completions", json={**body, "max_tokens": 1500, "kv_transfer_params": pre["kv_transfer_params"]})
+        r = await cb.post(
+            "/v1/chat/completions", json={**body, "max_tokens": 1500, "kv_transfer_params": pre["kv_transfer_params"]}
+        )
         assert r.status_code == 200, r.text
         handed = r.json()
         assert handed["kv_transfer"]["status"] == "restored", handed["kv_transfer"]
@@ -343,7 +369,9 @@ async def test_pd_handoff_with_tools_matches_one_engine(start_engine: Any, tiny_
     assert without_ids(check_calls(choice["message"])) == without_ids(check_calls(reference["message"]))
 
 
-async def test_reasoning_is_split_out_when_the_prompt_opens_a_think(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+async def test_reasoning_is_split_out_when_the_prompt_opens_a_think(
+    start_engine: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     """A template whose generation prompt opens <think> (DeepSeek-R1's way): the reply starts
     in its reasoning. The grammar forces ``...</think>`` then an answer, so the split is seen
     on random weights; ``reasoning_format: none`` keeps it inline."""

@@ -241,7 +241,9 @@ def test_tool_syntax_parses_as_one_special_token_or_as_text_pieces(special_model
 # its bytes), which is the spelling the model was trained on. A model that writes the markup as
 # text pieces, unforced, is read the same (the test above).
 @pytest.mark.parametrize("seed", [0, 37])
-async def test_a_forced_call_parses_on_a_model_with_special_tool_tokens(start_engine: Any, tmp_path: Path, seed: int) -> None:
+async def test_a_forced_call_parses_on_a_model_with_special_tool_tokens(
+    start_engine: Any, tmp_path: Path, seed: int
+) -> None:
     ep = await start_engine(_special_model(tmp_path / "special.gguf", seed), slots=1)
     async with http(ep) as h:
         r = await h.post("/v1/chat/completions", json={

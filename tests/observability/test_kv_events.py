@@ -261,7 +261,9 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * bs
         # One slot's state into another that holds something else: a shared chain, held twice.
         src, dst, *_ = (s for s in range(3) if eng._core.n_past(s) >= 2 * bs)
-        assert eng._core.slot_tokens(dst)[:bs] != eng._core.slot_tokens(src)[:bs] or eng._core.n_past(dst) != eng._core.n_past(src)
+        assert eng._core.slot_tokens(dst)[:bs] != eng._core.slot_tokens(src)[:bs] or eng._core.n_past(
+            dst
+        ) != eng._core.n_past(src)
         state = await h.get(f"/slots/{src}/state")
         assert state.status_code == 200
         put = await h.put(f"/slots/{dst}/state", content=state.content)
@@ -291,7 +293,9 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
         assert "hydra_kv_event_batches_total" in metrics and f"hydra_kv_blocks_held {float(len(index))}" in metrics
 
 
-async def test_a_subscriber_receives_the_batches_the_ring_keeps(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+async def test_a_subscriber_receives_the_batches_the_ring_keeps(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
     ep = await start_engine(
         tiny_model, kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0"
     )
@@ -483,7 +487,20 @@ async def test_replay_requests_are_rate_limited_per_peer() -> None:
 async def test_while_the_ring_reaches_seq_0_a_new_subscriber_replays_and_nobody_is_cleared() -> None:
     pub = _publisher()
     for i in range(5):
-        pub.publish([{"type": "BlockStored", "block_hashes": [i], "parent_block_hash": None, "token_ids": [i], "block_size": 1, "lora_id": None, "medium": "GPU", "lora_name": None}])
+        pub.publish(
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [i],
+                    "parent_block_hash": None,
+                    "token_ids": [i],
+                    "block_size": 1,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                }
+            ]
+        )
     calls, resync = await _resync_recorder(pub)
     first = _socket(zmq.SUB, pub.endpoint)
     second = _socket(zmq.SUB, pub.endpoint)
@@ -550,7 +567,9 @@ def _curve_files(tmp_path: Path) -> tuple[Path, Path, bytes, tuple[bytes, bytes]
 @pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 async def test_with_curve_only_an_allowed_client_gets_events_and_replays(tmp_path: Path) -> None:
     secret_file, allowed_file, server_public, (a_pub, a_sec), (s_pub, s_sec) = _curve_files(tmp_path)
-    pub = _publisher(kv_events_curve_secret_key_file=str(secret_file), kv_events_curve_allowed_keys_file=str(allowed_file))
+    pub = _publisher(
+        kv_events_curve_secret_key_file=str(secret_file), kv_events_curve_allowed_keys_file=str(allowed_file)
+    )
     assert pub.describe()["curve_public_key"] == server_public.decode()
 
     def curve(public: bytes, secret: bytes) -> dict[str, Any]:
@@ -593,13 +612,16 @@ async def test_with_curve_only_an_allowed_client_gets_events_and_replays(tmp_pat
         pub.close()
 
 
-def test_curve_settings_that_cannot_work_stop_startup_with_their_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_curve_settings_that_cannot_work_stop_startup_with_their_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     secret_file, allowed_file, *_ = _curve_files(tmp_path)
     bad = tmp_path / "bad.key"
     bad.write_text("not a key\n")
     for kw, match in (
         ({"kv_events_curve_secret_key_file": str(bad)}, r"kv_events_curve_secret_key_file: .* line 1 is not a Z85"),
-        ({"kv_events_curve_secret_key_file": str(tmp_path / "missing")}, "kv_events_curve_secret_key_file: cannot read"),
+        ({"kv_events_curve_secret_key_file": str(tmp_path / "missing")},
+         "kv_events_curve_secret_key_file: cannot read"),
         (
             {"kv_events_curve_secret_key_file": str(secret_file), "kv_events_curve_allowed_keys_file": str(bad)},
             r"kv_events_curve_allowed_keys_file: .* line 1 is not a Z85",

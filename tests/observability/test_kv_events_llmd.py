@@ -226,7 +226,12 @@ async def test_an_engine_publishes_on_its_pod_and_model_topic_cpu_blocks_include
     RAM arrives as medium CPU. And /metrics has vllm:cache_config_info."""
     monkeypatch.setenv("POD_NAME", "pod-a")
     ep = await start_engine(
-        tiny_model, slots=1, ctx_size=512, cache_ram_mib=16, kv_events_endpoint="tcp://127.0.0.1:0", kv_events_topic="llm-d"
+        tiny_model,
+        slots=1,
+        ctx_size=512,
+        cache_ram_mib=16,
+        kv_events_endpoint="tcp://127.0.0.1:0",
+        kv_events_topic="llm-d",
     )
     pub = ep.state.kv_events
     assert pub.topic == f"kv@pod-a@{ep.state.engine.served_name}".encode()
@@ -247,7 +252,8 @@ async def test_an_engine_publishes_on_its_pod_and_model_topic_cpu_blocks_include
             while not got:
                 await trio.to_thread.run_sync(drain)
         async with http(ep) as h:
-            for text in ("the river and the mill " * 6, "a red kite over the hills " * 6):  # one slot: the first goes to RAM
+            # one slot: the first goes to RAM
+            for text in ("the river and the mill " * 6, "a red kite over the hills " * 6):
                 r = await h.post("/v1/completions", json={"prompt": text, "max_tokens": 4, "temperature": 0})
                 assert r.status_code == 200, r.text
             with trio.fail_after(20):

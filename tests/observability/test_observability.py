@@ -49,7 +49,9 @@ async def test_json_log_lines_parse_and_request_lines_carry_their_fields(start_e
         async with http(ep) as c:
             r = await c.post("/v1/chat/completions", json=_chat_body(5), headers={"X-Request-Id": "rq-json-1"})
             assert r.status_code == 200
-            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": True})
+            r = await c.post(
+                "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True, "stream": True}
+            )
             assert r.status_code == 200
         lines = [json.loads(line) for line in buf.getvalue().splitlines()]  # every line is one object
     assert any(rec["msg"].startswith("ready: ") for rec in lines)
@@ -107,7 +109,9 @@ async def test_throughput_line_after_work_and_none_while_idle(start_engine: Any,
             idle_before = len(seen.records)
             r = await c.post("/v1/chat/completions", json=_chat_body(8))
             assert r.status_code == 200
-            await wait_until(lambda: any(rec.stats["generation_tokens_per_s"] > 0 for rec in seen.records), timeout_s=30)
+            await wait_until(
+                lambda: any(rec.stats["generation_tokens_per_s"] > 0 for rec in seen.records), timeout_s=30
+            )
     finally:
         stats.removeHandler(seen)
         stats.setLevel(level)
@@ -145,7 +149,13 @@ async def test_metrics_values_after_known_requests(engine: Any) -> None:
     assert m[("vllm:request_success_total", lab(finished_reason="length"))] == 2
     assert m[("vllm:request_success_total", lab(finished_reason="stop"))] == 0
     assert m[("vllm:request_success_total", lab(finished_reason="abort"))] == 0
-    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time"):
+    for hist in (
+        "time_to_first_token",
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+    ):
         assert m[(f"vllm:{hist}_seconds_count", labels)] == 2, hist
         assert m[(f"vllm:{hist}_seconds_bucket", lab(le="+Inf"))] == 2, hist
     assert m[("vllm:inter_token_latency_seconds_count", labels)] == 4 + 6  # gaps between tokens
@@ -162,7 +172,13 @@ async def test_metrics_values_after_known_requests(engine: Any) -> None:
     # Base units and counter types: no millisecond metric is left, and what only grows is a counter.
     assert not [name for name, _ in m if "_ms" in name]
     types = {fam.name: fam.type for fam in text_string_to_metric_families(text)}
-    for name in ("hydra_step_batches", "hydra_gpu_worker_calls", "hydra_gpu_worker_busy_seconds", "hydra_llama_decode_seconds", "hydra_engine_tokens_evaluated"):
+    for name in (
+        "hydra_step_batches",
+        "hydra_gpu_worker_calls",
+        "hydra_gpu_worker_busy_seconds",
+        "hydra_llama_decode_seconds",
+        "hydra_engine_tokens_evaluated",
+    ):
         assert types[name] == "counter", name
 
 
@@ -207,9 +223,13 @@ def _exposed(text: str) -> set[str]:
 
 
 def test_promql_metric_names_parser() -> None:
-    expr = 'histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{instance=~"$instance"}[$__rate_interval])))'
+    expr = (
+        'histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{instance=~"$instance"}[$_'
+        "_rate_interval])))"
+    )
     assert promql_metric_names(expr) == {"vllm:time_to_first_token_seconds_bucket"}
-    assert promql_metric_names("sum(rate(a_total[5m])) / clamp_min(sum(rate(b_total[5m])), 1)") == {"a_total", "b_total"}
+    assert promql_metric_names("sum(rate(a_total[5m])) / "
+                               "clamp_min(sum(rate(b_total[5m])), 1)") == {"a_total", "b_total"}
 
 
 async def test_dashboard_queries_name_metrics_the_engine_exposes(engine: Any) -> None:
@@ -223,7 +243,8 @@ async def test_dashboard_queries_name_metrics_the_engine_exposes(engine: Any) ->
         assert r.status_code == 200
         exposed = _exposed((await c.get("/metrics")).text)
     wanted = set().union(*map(promql_metric_names, exprs))
-    for must in ("vllm:prompt_tokens_total", "vllm:inter_token_latency_seconds_bucket", "hydra_kv_pulls_total", "hydra_kv_exports_total"):
+    for must in ("vllm:prompt_tokens_total", "vllm:inter_token_la"
+                 "tency_seconds_bucket", "hydra_kv_pulls_total", "hydra_kv_exports_total"):
         assert must in wanted, must
     assert wanted <= exposed, sorted(wanted - exposed)
 

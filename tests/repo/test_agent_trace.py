@@ -21,7 +21,9 @@ def test_the_trace_has_the_published_shape() -> None:
     assert min(shares[len(shares) // 2 :]) > 0.94 and sum(shares) / len(shares) > 0.96
     with_subagents = [a for a in trace if a.spawns]
     assert len(with_subagents) == round(SUBAGENT_SHARE * 25)
-    assert all(s.steps[-1].last and not s.steps[0].last for a in with_subagents for subs in a.spawns.values() for s in subs)
+    assert all(
+        s.steps[-1].last and not s.steps[0].last for a in with_subagents for subs in a.spawns.values() for s in subs
+    )
     # The oracle: the shared system prompt once, then each turn's new tokens.
     expected = -shape.system * (len(trace) - 1)
     for a in trace:

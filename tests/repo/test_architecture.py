@@ -59,13 +59,19 @@ def test_the_module_map_lists_every_module_and_only_those() -> None:
     folders = {r.removesuffix("*.py") for r in rows - listed}
     tree = {m for m in modules() if not m.endswith("__init__.py")}
     members = {m for m in tree - listed if any(m.startswith(f) and "/" not in m[len(f):] for f in folders)}
-    assert tree - listed - members == set(), f"modules missing from docs/architecture.md's map: {sorted(tree - listed - members)}"
+    assert tree - listed - members == set(), (
+        f"modules missing from docs/architecture.md's map: {sorted(tree - listed - members)}"
+    )
     assert listed - tree == set(), f"docs/architecture.md lists modules that are not there: {sorted(listed - tree)}"
-    assert all(any(m.startswith(f) for m in members) for f in folders), f"folders of no member module: {sorted(folders)}"
+    assert all(any(m.startswith(f) for m in members) for f in folders), (
+        f"folders of no member module: {sorted(folders)}"
+    )
 
 
 def test_only_engine_llama_imports_llama_cpp() -> None:
-    importers = {m for m, p in modules().items() if any(i == "llama_cpp" or i.startswith("llama_cpp.") for i in imports_of(p))}
+    importers = {
+        m for m, p in modules().items() if any(i == "llama_cpp" or i.startswith("llama_cpp.") for i in imports_of(p))
+    }
     assert importers and all(m.startswith("engine/llama/") for m in importers), sorted(importers)
 
 
@@ -108,7 +114,9 @@ def test_engine_llama_imports_nothing_of_the_engine_above_it() -> None:
     for m, p in modules().items():
         if m.startswith("engine/llama/"):
             ours = {i for i in imports_of(p) if i.startswith("hydra_trio.")}
-            above = {i for i in ours if i.startswith("hydra_trio.engine.") and not i.startswith("hydra_trio.engine.llama")}
+            above = {
+                i for i in ours if i.startswith("hydra_trio.engine.") and not i.startswith("hydra_trio.engine.llama")
+            }
             assert not above, (m, sorted(above))
 
 

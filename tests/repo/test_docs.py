@@ -150,7 +150,9 @@ def test_a_broken_link_is_caught(tmp_path: Path, monkeypatch):
 def serve_flags() -> list[str]:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return sorted({opt for action in parser._actions for opt in action.option_strings if opt.startswith("--") and opt != "--help"})
+    return sorted(
+        {opt for action in parser._actions for opt in action.option_strings if opt.startswith("--") and opt != "--help"}
+    )
 
 
 def test_every_flag_is_in_operations():

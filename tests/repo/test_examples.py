@@ -75,7 +75,9 @@ def _check_task_files(folder: Path) -> None:
     gen = yaml.safe_load((folder / "hydra_gen.yaml").read_text())
     assert mc["output_type"] == "multiple_choice" and gen["output_type"] == "generate_until"
     data = Path(mc["dataset_kwargs"]["data_files"]["test"])
-    assert [json.loads(line)["answer"] for line in data.read_text().splitlines()] == [d["answer"] for d in lm_eval_offline.DOCS]
+    assert [json.loads(line)["answer"] for line in data.read_text().splitlines()] == [
+        d["answer"] for d in lm_eval_offline.DOCS
+    ]
     assert gen["generation_kwargs"]["until"] == ["\n"]
 
 
@@ -91,6 +93,8 @@ def test_lm_eval_example_completes() -> None:
     if not command:
         pytest.skip("lm-eval not installed (pip install 'lm-eval[api]'; HYDRA_LM_EVAL=PATH)")
     example = Path(__file__).resolve().parents[2] / "examples" / "lm_eval_offline.py"
-    done = subprocess.run([sys.executable, str(example), "--lm-eval", command], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(example), "--lm-eval", command], capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert '"acc,none"' in done.stdout and '"exact_match,none"' in done.stdout

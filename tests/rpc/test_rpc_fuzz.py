@@ -45,7 +45,9 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
         body = len(b) - 16
         b[6:14] = rng.randrange(0, max(body, 1)).to_bytes(8, "little")
     elif kind == 4:  # garbage key
-        return bytes(encode_request_header(b[2], key_len=3, payload_len=0)) + bytes(rng.randrange(256) for _ in range(3))
+        return bytes(encode_request_header(b[2], key_len=3, payload_len=0)) + bytes(
+            rng.randrange(256) for _ in range(3)
+        )
     else:  # bad magic
         b[0] ^= 0xFF
     return bytes(b)

@@ -335,7 +335,9 @@ async def test_cross_engine_handoff(start_engine: Callable[..., Any], tiny_model
     assert cont["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
 
 
-async def test_cross_engine_state_get_blob_without_logits(start_engine: Callable[..., Any], tiny_model_ctx: Path) -> None:
+async def test_cross_engine_state_get_blob_without_logits(
+    start_engine: Callable[..., Any], tiny_model_ctx: Path
+) -> None:
     """A STATE_GET blob (no logits) hands over the same way."""
     a = await start_engine(tiny_model_ctx, **ENGINE, slots=1)
     b = await start_engine(tiny_model_ctx, **ENGINE, slots=1)
@@ -356,7 +358,10 @@ async def test_cross_engine_state_get_blob_without_logits(start_engine: Callable
         on_a = await chat(ha, messages=follow, max_tokens=24)
         on_b = await chat(hb, messages=follow, max_tokens=24)
     assert on_b["choices"][0]["message"]["content"] == on_a["choices"][0]["message"]["content"]
-    assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] == on_a["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert (
+        on_b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == on_a["usage"]["prompt_tokens_details"]["cached_tokens"]
+    )
 
 
 # ---- CONFIGURE ------------------------------------------------------------------------------
@@ -645,7 +650,9 @@ async def test_model_hash_follows_a_t3_reload(
         assert (await c.state_meta(1)).meta["model_hash"] == now
         assert (await c.prefill(1, {"messages": MESSAGES})).meta["model_hash"] == now
         md = {**identity_kv_metadata(old.meta, old.meta["n_past"]), "model_hash": before}
-        r = await c.call(decode_call(0, build_decode_frame({"messages": MESSAGES}, bytes(old.payload), kv_metadata=md)), check=False)
+        r = await c.call(
+            decode_call(0, build_decode_frame({"messages": MESSAGES}, bytes(old.payload), kv_metadata=md)), check=False
+        )
     assert r.meta["error_code"] == "CAP_MISMATCH" and r.meta["match"]["model_hash_match"] is False, r.meta
     assert "model_hash mismatch" in r.meta["reason"]
 

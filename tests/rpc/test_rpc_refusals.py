@@ -44,7 +44,11 @@ PROMPT = {"messages": MESSAGES}
 
 
 def header(op: int, *, key: bytes = b"", payload_len: int = 0, trace: bytes = b"", flags: int = 0) -> bytes:
-    return encode_request_header(op, key_len=len(key), payload_len=payload_len, trace_len=len(trace), flags=flags) + key + trace
+    return (
+        encode_request_header(op, key_len=len(key), payload_len=payload_len, trace_len=len(trace), flags=flags)
+        + key
+        + trace
+    )
 
 
 async def prefill_blob(ep: Any, slot: int = 0, request: dict[str, Any] = PROMPT) -> bytes:

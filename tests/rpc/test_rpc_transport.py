@@ -104,7 +104,9 @@ async def test_a_peer_that_stops_sending_mid_payload_frees_its_budget(start_engi
     ep = await start_engine(tiny_model, max_connections=1, idle_timeout_s=0.3, **ENGINE)
     budget = ep.state.payload_budget
     async with await trio.open_tcp_stream("127.0.0.1", ep.rpc_port) as stream:
-        await stream.send_all(encode_request_header(Op.STATE_PUT, key_len=1, payload_len=50_000) + b"0" + b"\x02" * 1000)
+        await stream.send_all(
+            encode_request_header(Op.STATE_PUT, key_len=1, payload_len=50_000) + b"0" + b"\x02" * 1000
+        )
         await wait_until(lambda: _async(budget.used == 50_000))
         # ... and nothing more: closed after the idle timeout, its budget and place released.
         with trio.fail_after(10):

@@ -120,15 +120,21 @@ async def test_every_request_is_served_by_the_model_it_names(models: dict[str, P
         # the Anthropic and Responses codecs (the same prompt, the same greedy reply).
         chat: dict[str, str] = {}
         for name in "abc":
-            r = await h.post("/v1/chat/completions", json={"model": name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0})
+            r = await h.post(
+                "/v1/chat/completions", json={"model": name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+            )
             assert r.status_code == 200 and r.json()["model"] == name, r.text
             chat[name] = r.json()["choices"][0]["message"]["content"]
         assert len(set(chat.values())) == 3, chat
         for name in "cab":
-            r = await h.post("/v1/messages", json={"model": name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0})
+            r = await h.post(
+                "/v1/messages", json={"model": name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+            )
             assert r.status_code == 200, r.text
             assert r.json()["content"][0]["text"] == chat[name]
-            r = await h.post("/v1/responses", json={"model": name, "input": "hello world", "max_output_tokens": 8, "temperature": 0})
+            r = await h.post(
+                "/v1/responses", json={"model": name, "input": "hello world", "max_output_tokens": 8, "temperature": 0}
+            )
             assert r.status_code == 200, r.text
             assert r.json()["output"][0]["content"][0]["text"] == chat[name]
         # The tokenizer routes too: only c's vocabulary holds id 599.
@@ -136,7 +142,10 @@ async def test_every_request_is_served_by_the_model_it_names(models: dict[str, P
         assert r.status_code == 200, r.text
         r = await h.post("/detokenize", json={"model": "a", "tokens": [599]})
         assert r.status_code == 400 and "outside the vocabulary" in r.text
-        tokens = [(await h.post("/tokenize", json={"model": n, "prompt": "hello world"})).json()["max_model_len"] for n in "ab"]
+        tokens = [
+            (await h.post("/tokenize", json={"model": n, "prompt": "hello world"})).json()["max_model_len"]
+            for n in "ab"
+        ]
         assert tokens[0] == tokens[1] > 0
 
         # No ``model``: the default (the RPC model); an unknown one: 404 in each dialect's shape.
@@ -150,9 +159,17 @@ async def test_every_request_is_served_by_the_model_it_names(models: dict[str, P
         ):
             r = await h.post(path, json={"model": "nope", **body})
             assert r.status_code == 404, (path, r.text)
-            assert r.json()["error"] == {"message": "The model `nope` does not exist.", "type": "invalid_request_error", "param": "model", "code": 404}
+            assert r.json()["error"] == {
+                "message": "The model `nope` does not exist.",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": 404,
+            }
         r = await h.post("/v1/messages", json={"model": "nope", "messages": MESSAGES, "max_tokens": 4})
-        assert r.status_code == 404 and r.json() == {"type": "error", "error": {"type": "not_found_error", "message": "The model `nope` does not exist."}}
+        assert r.status_code == 404 and r.json() == {
+            "type": "error",
+            "error": {"type": "not_found_error", "message": "The model `nope` does not exist."},
+        }
         r = await h.post("/v1/completions", json={"model": 7, "prompt": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
         # Every engine runs its llama.cpp calls on the pool's one lane.
@@ -163,7 +180,9 @@ async def test_every_request_is_served_by_the_model_it_names(models: dict[str, P
 
     # The pool's b is the model b alone: a process serving only its file says the same.
     async with run_engine(models["b"]) as single, http(single) as h:
-        r = await h.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 8, "temperature": 0, "model": "anything"})
+        r = await h.post(
+            "/v1/completions", json={"prompt": "hello world", "max_tokens": 8, "temperature": 0, "model": "anything"}
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == b_text
 
 
@@ -176,9 +195,15 @@ async def test_agent_sessions_live_in_the_model_that_served_them(
     headers = {"x-claude-code-session-id": "S", "x-claude-code-agent-id": "sub-1"}
     async with serve_models(three(models), models_max=3) as ep, http(ep) as h:
         with caplog.at_level("INFO", logger="hydra_trio"):
-            r = await h.post("/v1/completions", json={"model": "b", "prompt": "hello world", "max_tokens": 2}, headers=headers)
+            r = await h.post(
+                "/v1/completions", json={"model": "b", "prompt": "hello world", "max_tokens": 2}, headers=headers
+            )
         assert r.status_code == 200, r.text
-        (line,) = [r.request for r in caplog.records if getattr(r, "request", None) and r.request.get("session_id") == "S:sub-1"]
+        (line,) = [
+            r.request
+            for r in caplog.records
+            if getattr(r, "request", None) and r.request.get("session_id") == "S:sub-1"
+        ]
         assert line["model"] == "b" and line["route"] == "completions"
         assert ep.state.models.find("b").engine.stats().sessions.sessions == 2  # the root and its subagent
         assert ep.state.models.find("a").engine.stats().sessions.sessions == 0
@@ -266,7 +291,9 @@ async def test_a_request_gives_up_on_its_deadline_and_the_load_goes_on(models: d
         assert c.loads == 1
 
 
-async def test_a_model_that_fails_to_load_fails_its_requests_and_is_tried_again(models: dict[str, Path], tmp_path: Path) -> None:
+async def test_a_model_that_fails_to_load_fails_its_requests_and_is_tried_again(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all")
     async with serve_models({"a": models["a"], "bad": bad}, models_max=2) as ep, http(ep) as h:
@@ -362,15 +389,29 @@ def test_sigterm_drains_the_requests_of_every_model(models: dict[str, Path]) -> 
 def test_bad_model_flags_stop_the_start_with_one_line(models: dict[str, Path], tmp_path: Path) -> None:
     def start(*args: str) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(
-            [sys.executable, "-m", "hydra_trio.cli", "serve", "--port", "0", "--rpc-port", "0", "--log-level", "WARNING", *args],
-            capture_output=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "hydra_trio.cli",
+                "serve",
+                "--port",
+                "0",
+                "--rpc-port",
+                "0",
+                "--log-level",
+                "WARNING",
+                *args,
+            ],
+            capture_output=True,
+            timeout=60,
         )
 
     a, b = f"a={models['a']}", f"b={models['b']}"
     for args, said in (
         (("--model", a, "--model", f"c={tmp_path / 'none.gguf'}"), "no such file"),
         (("--model", a, "--model", b, "--rpc-model", "x"), "--rpc-model: no model named x"),
-        (("--model", a, "--model", b, "--model", f"c={models['c']}", "--model-pin", "b", "--models-max", "2"), "--models-max 2 leaves no room"),
+        (("--model", a, "--model", b, "--model", f"c={models['c']}", "--model-pin", "b", "--models-max", "2"),
+         "--models-max 2 leaves no room"),
         (("--model", a, "--model", str(models["b"])), "give one PATH, or NAME=PATH"),
         (("--model", str(models["a"]), "--model-pin", "a"), "name models of --model NAME=PATH"),
         (("--models-dir", str(tmp_path)), "holds no GGUF model"),

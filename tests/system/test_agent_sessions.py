@@ -23,7 +23,9 @@ SUB = {**ROOT, "x-claude-code-agent-id": "sub-1"}
 
 
 async def _complete(h: Any, headers: dict[str, str], prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
-    r = await h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}, headers=headers)
+    r = await h.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}, headers=headers
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -62,7 +64,9 @@ async def test_finish_session_cuts_the_tree_and_releases_its_kv(
         caplog.clear()
         with caplog.at_level("INFO", logger="hydra_trio"):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(_stream_until_cut, h, SUB, started, last, prompt="a subagent's own task " * 20))
+                nursery.start_soon(
+                    partial(_stream_until_cut, h, SUB, started, last, prompt="a subagent's own task " * 20)
+                )
                 await started.wait()
                 r = await h.post("/finish_session", params={"session_id": "S:lead"})
         assert r.status_code == 200, r.text
@@ -77,7 +81,11 @@ async def test_finish_session_cuts_the_tree_and_releases_its_kv(
         assert receipt["kept"] == {"n_past": 0, "tier": "released"}
         assert receipt["completion_tokens"] == last["usage"]["completion_tokens"] > 0
         assert receipt["prompt_tokens_computed"] == last["usage"]["prompt_tokens"]
-        (line,) = [r.request for r in caplog.records if getattr(r, "request", None) and r.request.get("session_id") == "S:sub-1"]
+        (line,) = [
+            r.request
+            for r in caplog.records
+            if getattr(r, "request", None) and r.request.get("session_id") == "S:sub-1"
+        ]
         assert line["status"] == "cancelled" and line["receipt"] == receipt and line["finish_reason"] == "abort"
         # Released at once: the root's next turn recomputes its history.
         assert _cached(await _complete(h, ROOT)) == 0
@@ -152,7 +160,9 @@ async def test_a_deadline_cuts_the_turn_and_a_later_turn_continues_what_it_kept(
         started = trio.Event()
         async with gate(ep, closed=False) as g, trio.open_nursery() as nursery:
             t0 = trio.current_time()
-            nursery.start_soon(partial(_stream_until_cut, h, {}, started, last, vllm_xargs={"agentic_context": context}))
+            nursery.start_soon(
+                partial(_stream_until_cut, h, {}, started, last, vllm_xargs={"agentic_context": context})
+            )
             await started.wait()  # it generates; then the worker is held past its deadline
             await g.close()
             await trio.sleep_until(t0 + 1.2)
@@ -164,7 +174,9 @@ async def test_a_deadline_cuts_the_turn_and_a_later_turn_continues_what_it_kept(
         assert 0 < n_gen < 1500 and receipt["completion_tokens"] == n_gen
         assert receipt["prompt_tokens_computed"] == n_prompt - _cached(last)
         # The slot keeps the prompt and what was generated (the last token sampled is not in it yet).
-        assert receipt["kept"]["tier"] == "slot" and n_prompt + n_gen - 1 <= receipt["kept"]["n_past"] <= n_prompt + n_gen
+        assert (
+            receipt["kept"]["tier"] == "slot" and n_prompt + n_gen - 1 <= receipt["kept"]["n_past"] <= n_prompt + n_gen
+        )
         text = (await _complete(h, {}, max_tokens=n_gen, ignore_eos=True))["choices"][0]["text"]  # the same greedy text
         again = await _complete(h, {"x-session-id": "job-1"}, prompt=PROMPT + text)
         assert _cached(again) >= n_prompt  # it continues what the cut turn kept

@@ -22,8 +22,8 @@ typed answer that ended validates against its schema; no text holds raw call syn
 What the replay changes, and why: the synthetic model never stops, so the output cap is small
 (``CAP``, ``FORCED_CAP``) and decoding greedy; the conversation's texts (system prompt, messages,
 tool results) are cut to ``TEXT_CHARS`` characters, since Claude Code's ~40k-token prompt
-takes minutes to prefill on a CPU (124 s for its first turn on the 2-core test VM); and the engine's template names the tools without printing
-their schemas (``NAMES_TEMPLATE``, Hermes' ``<tool_call>`` syntax), for the same reason. Tools,
+takes minutes to prefill on a CPU (124 s for its first turn on the 2-core test VM); and the engine's template names the
+tools without printing their schemas (``NAMES_TEMPLATE``, Hermes' ``<tool_call>`` syntax), for the same reason. Tools,
 schemas and typed answers go to the engine byte for byte as captured.
 
 Every case passes: when recorded, 159 were refused or leaked call syntax (issue 49: allOf on a
@@ -204,7 +204,9 @@ class Case:
         return f"Case({self.id})"
 
 
-def _case(case_id: str, dialect: str, path: str, headers: dict[str, str], body: dict[str, Any], choice: Any = None) -> Case:
+def _case(
+    case_id: str, dialect: str, path: str, headers: dict[str, str], body: dict[str, Any], choice: Any = None
+) -> Case:
     tools = function_tools(body, dialect)
     if choice is not None:
         body = {**body, "tool_choice": choice}
@@ -212,7 +214,9 @@ def _case(case_id: str, dialect: str, path: str, headers: dict[str, str], body: 
     typed = typed_schema(body, dialect)
     cap = CAP if forced is None and typed is None else FORCED_CAP
     now = body.get("tool_choice")
-    single = body.get("parallel_tool_calls") is False or (isinstance(now, dict) and bool(now.get("disable_parallel_tool_use")))
+    single = body.get("parallel_tool_calls") is False or (
+        isinstance(now, dict) and bool(now.get("disable_parallel_tool_use"))
+    )
     kept = {k: v for k, v in headers.items() if k.startswith("anthropic-") or k == "content-type"}
     return Case(case_id, dialect, path, kept, prepared(body, dialect, cap), tools, forced, single, typed)
 
@@ -236,18 +240,26 @@ def load_cases() -> list[Case]:
         key = digest([dialect, sorted(tools), [tools[n] for n in sorted(tools)]])
         if key not in lists:
             lists.add(key)
-            cases.append(_case(f"required:{cid}", dialect, r["path"], r["headers"], untyped(body), choice_for(dialect, "any")))
+            cases.append(
+                _case(f"required:{cid}", dialect, r["path"], r["headers"], untyped(body), choice_for(dialect, "any"))
+            )
         for name, schema in tools.items():
             if (name, digest(schema)) not in named:
                 named.add((name, digest(schema)))
-                cases.append(_case(f"tool={name}:{cid}", dialect, r["path"], r["headers"], untyped(body), choice_for(dialect, name)))
+                cases.append(
+                    _case(
+                        f"tool={name}:{cid}", dialect, r["path"], r["headers"], untyped(body), choice_for(dialect, name)
+                    )
+                )
         answer = typed_schema(body, dialect)
         if answer is not None and digest([key, answer]) not in typed:
             typed.add(digest([key, answer]))
             first = next(iter(tools))
             for forced in ("any", first):
                 label = "required" if forced == "any" else f"tool={first}"
-                cases.append(_case(f"typed-{label}:{cid}", dialect, r["path"], r["headers"], body, choice_for(dialect, forced)))
+                cases.append(
+                    _case(f"typed-{label}:{cid}", dialect, r["path"], r["headers"], body, choice_for(dialect, forced))
+                )
     cases += schema_cases()
     return cases
 
@@ -265,14 +277,27 @@ def schema_cases() -> list[Case]:
                 continue
             seen.add(digest(schema))
             cid = f"{doc['source']}/{name}"
-            strict = name.startswith(("to_strict_json_schema", "pydantic_function_tool", "zod-to-json-schema/openAi")) or (
-                doc["source"] == "zod" and name.startswith("toJSONSchema/") and name != "toJSONSchema/Open")
+            strict = name.startswith(
+                ("to_strict_json_schema", "pydantic_function_tool", "zod-to-json-schema/openAi")
+            ) or (doc["source"] == "zod" and name.startswith("toJSONSchema/") and name != "toJSONSchema/Open")
             fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": strict}}
             out.append(_case(f"schema-format:{cid}", "chat", "/v1/chat/completions", {},
                              {"model": "any", "messages": user, "response_format": fmt}))
             tool = {"name": "fill", "description": "Fill in the form", "input_schema": schema}
-            out.append(_case(f"schema-tool:{cid}", "messages", "/v1/messages", {"anthropic-version": "2023-06-01"},
-                             {"model": "any", "messages": user, "tools": [tool], "tool_choice": {"type": "tool", "name": "fill"}}))
+            out.append(
+                _case(
+                    f"schema-tool:{cid}",
+                    "messages",
+                    "/v1/messages",
+                    {"anthropic-version": "2023-06-01"},
+                    {
+                        "model": "any",
+                        "messages": user,
+                        "tools": [tool],
+                        "tool_choice": {"type": "tool", "name": "fill"},
+                    },
+                )
+            )
     return out
 
 
@@ -408,7 +433,11 @@ def fetch(client: httpx.Client, case: Case) -> Raw:
                 return Raw(r.status_code, error=error_of(r))
             return Raw(200, lines=list(r.iter_lines()))
     r = client.post(case.path, json=case.body, headers=case.headers)
-    return Raw(r.status_code, body=r.json(), error=error_of(r)) if r.status_code == 200 else Raw(r.status_code, error=error_of(r))
+    return (
+        Raw(r.status_code, body=r.json(), error=error_of(r))
+        if r.status_code == 200
+        else Raw(r.status_code, error=error_of(r))
+    )
 
 
 def read(case: Case, raw: Raw) -> Reply:

@@ -44,7 +44,9 @@ def fleet(tiny_model_ctx: Path, tmp_path: Path) -> Iterator[tuple[Fabric, NetnsE
 
 
 def _chat(url: str) -> dict[str, Any]:
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": PROMPT, "max_tokens": N, "temperature": 0}, timeout=60)
+    r = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": PROMPT, "max_tokens": N, "temperature": 0}, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r.json()
 

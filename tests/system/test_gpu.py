@@ -211,7 +211,9 @@ async def test_decode_handoff_between_cpu_and_gpu_engines(
             n_past = pre.meta["n_past"]
             if dst is gpu:
                 other = {**kv_meta(pre), "model_name": "Other Tiny", "model_alias": "other-tiny"}
-                refused = await cd.call(decode_call(1, frame(MESSAGES, pre.payload, n_predict=N_PARITY, kv_metadata=other)), check=False)
+                refused = await cd.call(
+                    decode_call(1, frame(MESSAGES, pre.payload, n_predict=N_PARITY, kv_metadata=other)), check=False
+                )
                 assert refused.status == Status.ERROR and refused.meta["error_code"] == "CAP_MISMATCH", refused.meta
             rid = await decode_ok(cd, 1, frame(MESSAGES, pre.payload, n_predict=N_PARITY, kv_metadata=kv_meta(pre)))
             body = await get_result(hd, rid)
@@ -220,7 +222,10 @@ async def test_decode_handoff_between_cpu_and_gpu_engines(
         assert m["kv_bytes"] == len(pre.payload)
         # The same counts as CPU compute's, the restored prompt reported as cached (none computed)
         usage, want = body["usage"], ref["usage"]
-        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (want["prompt_tokens"], want["completion_tokens"])
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+            want["prompt_tokens"],
+            want["completion_tokens"],
+        )
         assert usage["prompt_tokens_details"]["cached_tokens"] == n_past, usage
         assert text_of(body) == text_of(ref), (src is cpu, text_of(body), text_of(ref))
 

@@ -24,7 +24,13 @@ pytestmark = pytest.mark.slow  # runs the hostile campaign against a served proc
 
 # What the schema policy (engine/structured/schema_policy.py) makes of each: no value satisfies
 # it (a 400 in every use), or served, with what cannot be enforced relaxed unless strict.
-UNSATISFIABLE = {"min_length_1e8", "min_over_max", "all_of_string_integer", "required_not_allowed", "empty_integer_range"}
+UNSATISFIABLE = {
+    "min_length_1e8",
+    "min_over_max",
+    "all_of_string_integer",
+    "required_not_allowed",
+    "empty_integer_range",
+}
 UNENFORCEABLE = {"pattern_repeat_1e7", "pattern_bad_range"}  # strict: a 400 naming the pattern
 
 
@@ -116,7 +122,9 @@ async def test_a_body_cut_short_by_eof_does_not_end_the_server(
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_SCHEMAS))
-async def test_hostile_schemas_are_refused_or_served_never_wedge(start_engine: Any, tiny_model: Path, name: str) -> None:
+async def test_hostile_schemas_are_refused_or_served_never_wedge(
+    start_engine: Any, tiny_model: Path, name: str
+) -> None:
     """Each sized or wedged the grammar (minLength 1e8: 1.7 GB, the loop frozen for seconds;
     a{10000000}: llguidance's lexer 2.6 s a token) or was accepted though no reply could satisfy
     it: now a 400 saying the problem, decided before any slot, or served within the per-token
@@ -127,7 +135,9 @@ async def test_hostile_schemas_are_refused_or_served_never_wedge(start_engine: A
     strict = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
     async with http(ep) as h:
         for body in ({"json_schema": schema}, {"response_format": strict}):
-            r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **body})
+            r = await h.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **body}
+            )
             refused = name in UNSATISFIABLE or ("response_format" in body and name in UNENFORCEABLE)
             assert r.status_code == (400 if refused else 200), r.text
             if refused:

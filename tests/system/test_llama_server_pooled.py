@@ -31,7 +31,9 @@ def binary() -> Path:
     return BINARY
 
 
-async def ask_llama_server(binary: Path, model: Path, tmp_path: Path, flags: list[str], asks: list[tuple[str, Any]]) -> list[Any]:
+async def ask_llama_server(
+    binary: Path, model: Path, tmp_path: Path, flags: list[str], asks: list[tuple[str, Any]]
+) -> list[Any]:
     """llama-server on ``model`` answers each (path, JSON body), off the trio thread."""
 
     def run() -> list[Any]:
@@ -58,7 +60,9 @@ async def test_embeddings_equal_llama_servers(
     0.80 of themselves alone here, ggml-org/llama.cpp#26282), against ours for all the inputs
     in one request (one batch) and one at a time."""
     ep = await start_engine(embed_model, batch_size=256)
-    asks = [("/v1/embeddings", {"input": t}) for t in TEXTS] + [("/v1/embeddings", {"input": t, "embd_normalize": -1}) for t in TEXTS[:2]]
+    asks = [("/v1/embeddings", {"input": t}) for t in TEXTS] + [
+        ("/v1/embeddings", {"input": t, "embd_normalize": -1}) for t in TEXTS[:2]
+    ]
     answers = await ask_llama_server(binary, embed_model, tmp_path, ["--embeddings"], asks)
     theirs, theirs_raw = answers[: len(TEXTS)], answers[len(TEXTS) :]
     async with http(ep) as h:
@@ -80,7 +84,9 @@ async def test_encoder_embeddings_equal_llama_servers(
 ) -> None:
     """BERT, an encoder without a KV cache (llama.cpp computes it in one ubatch, no memory)."""
     ep = await start_engine(bert_model, batch_size=256)
-    theirs = await ask_llama_server(binary, bert_model, tmp_path, ["--embeddings"], [("/v1/embeddings", {"input": t}) for t in TEXTS])
+    theirs = await ask_llama_server(
+        binary, bert_model, tmp_path, ["--embeddings"], [("/v1/embeddings", {"input": t}) for t in TEXTS]
+    )
     async with http(ep) as h:
         batch = (await h.post("/v1/embeddings", json={"input": TEXTS})).json()
     for i, b in enumerate(theirs):

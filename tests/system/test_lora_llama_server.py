@@ -19,7 +19,12 @@ from helpers import http
 
 PROMPT = "tell me about the river and the old mill and why they matter"
 # The last: every adapter at 0, the base model (an empty list would ask for the defaults).
-SETS = ([{"id": 0, "scale": 0.5}], [{"id": 0, "scale": 1.0}], [{"id": 1, "scale": 0.75}, {"id": 0, "scale": 0.25}], [{"id": 0, "scale": 0}])
+SETS = (
+    [{"id": 0, "scale": 0.5}],
+    [{"id": 0, "scale": 1.0}],
+    [{"id": 1, "scale": 0.75}, {"id": 0, "scale": 0.25}],
+    [{"id": 0, "scale": 0}],
+)
 
 
 def _binary() -> Path:
@@ -39,7 +44,9 @@ async def test_lora_output_equals_llama_servers(
     from hydra_trio.model.synthetic_lora import write_lora_adapter
 
     binary = _binary()
-    adapters = [str(write_lora_adapter(tiny_model_ctx, model_dir / f"ctx-style-{i}.gguf", seed=10 + i)) for i in range(2)]
+    adapters = [
+        str(write_lora_adapter(tiny_model_ctx, model_dir / f"ctx-style-{i}.gguf", seed=10 + i)) for i in range(2)
+    ]
     ep = await start_engine(
         tiny_model_ctx, lora=tuple(adapters), lora_init_without_apply=True, slots=1, ctx_size=2048, cache_ram_mib=0,
     )

@@ -136,7 +136,9 @@ async def test_sliding_window_slots_reuse_only_what_they_still_hold(
     the engine recomputes the prompt (same text as on a fresh slot), and the slot's state
     size (STATE_META, no llama call) is still exact."""
     # One slot: the prompts share too little for the slot choice to put them in one slot.
-    ep = await start_engine(gemma_model, **{**REAL, "ctx_size": 1024, "batch_size": 512, "slots": 1, "ctx_checkpoints": 0})
+    ep = await start_engine(
+        gemma_model, **{**REAL, "ctx_size": 1024, "batch_size": 512, "slots": 1, "ctx_checkpoints": 0}
+    )
     assert ep.state.engine._core.backend.n_swa == 512
     long_prompt = "The history of the city of Paris is long and old. " * 60  # ~660 tokens
     short_prompt = "The history of the city of Paris is long and old. " * 25 + "Bananas are"

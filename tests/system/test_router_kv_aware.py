@@ -27,7 +27,12 @@ def kv_aware_args(eps: list[Any]) -> list[str]:
     args = ["--policy", "kv_aware", "--worker-urls", *map(url, eps), "--kv-event-model", "tiny"]
     for ep in eps:
         pub = ep.state.kv_events
-        args += ["--kv-event-source", f"{url(ep)}={pub.endpoint}", "--kv-event-replay-source", f"{url(ep)}={pub.replay_endpoint}"]
+        args += [
+            "--kv-event-source",
+            f"{url(ep)}={pub.endpoint}",
+            "--kv-event-replay-source",
+            f"{url(ep)}={pub.replay_endpoint}",
+        ]
     return args
 
 
@@ -51,7 +56,9 @@ async def synced(router: Router, eps: list[Any]) -> None:
 
 
 def served(ep: Any) -> float:
-    return ep.state.metrics.registry.get_sample_value("hydra_http_requests_total", {"route": CHAT, "status": "200"}) or 0.0
+    return (
+        ep.state.metrics.registry.get_sample_value("hydra_http_requests_total", {"route": CHAT, "status": "200"}) or 0.0
+    )
 
 
 async def turn(client: Any, conv: list[dict[str, str]], eps: list[Any]) -> tuple[int, dict[str, Any]]:
@@ -62,7 +69,10 @@ async def turn(client: Any, conv: list[dict[str, str]], eps: list[Any]) -> tuple
     assert r.status_code == 200, r.text
     body = r.json()
     (where,) = [i for i, ep in enumerate(eps) if served(ep) > before[i]]
-    conv += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}, {"role": "user", "content": f"and then, after {len(conv)}?"}]
+    conv += [
+        {"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+        {"role": "user", "content": f"and then, after {len(conv)}?"},
+    ]
     return where, body
 
 
@@ -121,7 +131,11 @@ async def test_an_engine_that_dropped_a_history_gets_no_credit_for_it(
 
 
 async def test_a_restarted_engine_gets_no_credit_for_what_it_held(
-    nursery: trio.Nursery, tmp_path: Path, start_engine: Callable[..., Any], run_engine: Callable[..., Any], tiny_model: Path
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    start_engine: Callable[..., Any],
+    run_engine: Callable[..., Any],
+    tiny_model: Path,
 ) -> None:
     """Engine 1 restarts on the same ports: its seq starts at 0 again, which the router reads
     as a restart (it drops engine 1's blocks), and its new subscription brings a resync."""

@@ -74,7 +74,11 @@ async def reference_text(ep: Any) -> str:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_pd_through_vllm_router(
-    engines: tuple[Any, Any], router_over: Callable[..., Any], start_engine: Callable[..., Any], tiny_model_ctx: Path, stream: bool
+    engines: tuple[Any, Any],
+    router_over: Callable[..., Any],
+    start_engine: Callable[..., Any],
+    tiny_model_ctx: Path,
+    stream: bool,
 ) -> None:
     a, b = engines
     reference = await reference_text(await start_engine(tiny_model_ctx, **ENGINE))  # one engine alone

@@ -42,7 +42,12 @@ async def test_http_routes_need_the_api_key_but_health(start_engine: Any, tiny_m
             r = await anonymous.get("/v1/models", headers=headers)
             assert r.status_code == 401, (headers, r.text)
             assert r.json() == {
-                "error": {"code": 401, "message": r.json()["error"]["message"], "type": "authentication_error", "param": None}
+                "error": {
+                    "code": 401,
+                    "message": r.json()["error"]["message"],
+                    "type": "authentication_error",
+                    "param": None,
+                }
             }
             assert r.headers["www-authenticate"] == "Bearer"
             assert sample(ep, "hydra_http_auth_rejected_total") == i + 1
@@ -55,7 +60,9 @@ async def test_http_routes_need_the_api_key_but_health(start_engine: Any, tiny_m
     async with http(ep) as keyed:  # the helper sends the engine's key
         assert keyed.headers["authorization"] == f"Bearer {KEY}"
         assert (await keyed.get("/v1/models")).status_code == 200
-        r = await keyed.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        r = await keyed.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        )
         assert r.status_code == 200, r.text
         assert (await keyed.get("/v1/decode/1")).status_code == 404  # past the check: a real answer
         assert "hydra_http_auth_rejected_total" in (await keyed.get("/metrics")).text
@@ -314,7 +321,9 @@ async def test_a_key_cannot_pin_release_or_cancel_another_keys_session(start_eng
         assert (await plain.post("/v1/completions", json=prompt, headers={"x-session-id": "s"})).status_code == 200
         mine = sessions.get(("plain", None, "s"))
         assert mine is not None
-        pin = {"vllm_xargs": {"agentic_context": {"program_id": "s", "priority": 1000, "kv_retention_ttl_seconds": 604800}}}
+        pin = {
+            "vllm_xargs": {"agentic_context": {"program_id": "s", "priority": 1000, "kv_retention_ttl_seconds": 604800}}
+        }
         assert (await admin.post("/v1/completions", json={**prompt, **pin})).status_code == 200
         assert (mine.priority, mine.ttl_s) == (0, 300.0)  # not pinned by the other key
         nobody = (await plain.post("/finish_session", params={"session_id": "never-named"})).json()

@@ -112,7 +112,8 @@ async def test_rpc_refuses_as_bad_json(start_engine: Any, tiny_model: Path) -> N
     ep = await start_engine(tiny_model, log_level="WARNING")
     async with await rpc(ep) as c:
         for op in (Op.CONFIGURE, Op.PREFILL):
-            resp = await c.call(Call(op, b"0", [b'{"messages":[{"role":"user","content":"hi"}],"temperature":NaN}']), check=False)
+            resp = await c.call(Call(op, b"0", [b'{"messages":[{"role":"user","co'
+                                                b'ntent":"hi"}],"temperature":NaN}']), check=False)
             assert_error(resp, Status.ERROR, "BAD_JSON")
         assert (await c.info()).ok
     await assert_server_healthy(ep)
@@ -138,8 +139,15 @@ def _sliced(text: str) -> tuple[Any, int]:
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(value=JSON_VALUES, indent=st.sampled_from([None, 0, 2]), cut=st.integers(0, 10_000), junk=st.sampled_from(["", "x", ",", "]", "}", "NaN", "\\"]))
-def test_a_body_parsed_in_slices_is_what_json_reads(value: Any, indent: int | None, cut: int, junk: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@given(
+    value=JSON_VALUES,
+    indent=st.sampled_from([None, 0, 2]),
+    cut=st.integers(0, 10_000),
+    junk=st.sampled_from(["", "x", ",", "]", "}", "NaN", "\\"]),
+)
+def test_a_body_parsed_in_slices_is_what_json_reads(
+    value: Any, indent: int | None, cut: int, junk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same value for any JSON text, and a refusal exactly where json refuses: windows and
     slices made tiny so every path (a window's C parse, a run of members, the walk) is taken."""
     monkeypatch.setattr(jsontext, "SLICE_CHARS", 16)

@@ -184,7 +184,9 @@ def test_configure_t1_refuses_what_every_request_refuses(key: str, value: Any) -
 
 
 def test_configure_t1_reports_what_it_does_not_apply() -> None:
-    keys, unused = _validate_t1({"temperature": 0.5, "batch": 512, "ctx": 4096, "n_keep": 4, "bogus": 1, "sampling": {"temp": 0.2}})
+    keys, unused = _validate_t1(
+        {"temperature": 0.5, "batch": 512, "ctx": 4096, "n_keep": 4, "bogus": 1, "sampling": {"temp": 0.2}}
+    )
     assert dict(keys) == {"temperature": 0.2}  # the sampling object's spelling beats the top level
     assert set(unused) == {"batch", "ctx", "n_keep", "bogus"} and all(unused.values())
     slots = SlotSettings(SlotTable(1))

@@ -260,7 +260,13 @@ def test_legacy_blob_is_llama_cpps_sequence_file() -> None:
     raw = struct.pack("<III", 0x67677371, 2, 3) + struct.pack("<3i", 9, 8, 7) + b"state"
     assert raw[:4] == b"qsgg" and LEGACY_MAGIC == 0x67677371
     blob = parse_kv_blob(raw)
-    assert (blob.version, blob.n_past, blob.tokens, bytes(blob.state), blob.checkpoint) == (0, 3, [9, 8, 7], b"state", None)
+    assert (blob.version, blob.n_past, blob.tokens, bytes(blob.state), blob.checkpoint) == (
+        0,
+        3,
+        [9, 8, 7],
+        b"state",
+        None,
+    )
     assert encode_legacy_blob([9, 8, 7], b"state") == raw
 
 

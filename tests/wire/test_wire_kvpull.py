@@ -177,7 +177,9 @@ _JSON = st.recursive(
 @given(
     base=st.sampled_from(["valid", "empty"]),
     where=st.sampled_from(["top", "hydra"]),
-    key=st.sampled_from(["remote_host", "remote_port", "hydra", "v", "export_id", "n_past", "kv_hash", "kv_bytes", "x"]),
+    key=st.sampled_from(
+        ["remote_host", "remote_port", "hydra", "v", "export_id", "n_past", "kv_hash", "kv_bytes", "x"]
+    ),
     value=_JSON,
 )
 def test_any_params_parse_or_refuse_cleanly(base: str, where: str, key: str, value: Any) -> None:
@@ -236,7 +238,9 @@ def test_malformed_hosts_are_bad_frames(host: str) -> None:
     assert err.value.code == ErrorCode.BAD_FRAME
 
 
-@pytest.mark.parametrize("host", ["prefill-0", "prefill-0.pd.svc.cluster.local.", "10.0.0.7", "::1", "fe80::1%eth0", "a" * 63])
+@pytest.mark.parametrize(
+    "host", ["prefill-0", "prefill-0.pd.svc.cluster.local.", "10.0.0.7", "::1", "fe80::1%eth0", "a" * 63]
+)
 def test_well_formed_hosts_parse(host: str) -> None:
     parsed = parse_handoff_params({**_params(), "remote_host": host})
     assert parsed is not None and parsed.host == host

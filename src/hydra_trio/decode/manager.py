@@ -194,7 +194,8 @@ class DecodeManager:
         try:
             async with (
                 engine.sessions(RPC_TENANT).turn(hint, params.cache_salt) as turn,
-                engine.claim(f"decode:{trace or 'rpc'}", slot=slot_id, lora=params.lora, turn=turn) as lease,  # SLOT_BUSY
+                # SLOT_BUSY
+                engine.claim(f"decode:{trace or 'rpc'}", slot=slot_id, lora=params.lora, turn=turn) as lease,
             ):
                 entry = self.store.create(slot_id)  # RESULT_STORE_FULL before anything is written
                 entry.task = task = OwnedTask(f"decode:{entry.id}")
@@ -232,7 +233,8 @@ class DecodeManager:
                         turn.cut = turn.cut or "delete"
                         turn.cancel_subagents()  # its tree ends with it
                         if started is None:  # DELETE during validation or restore
-                            raise ProtocolError(ErrorCode.RESTORE_FAILED, "decode request cancelled before the restore completed")
+                            raise ProtocolError(ErrorCode.RESTORE_FAILED, "decode request cancelled "
+                                                "before the restore completed")
                 except trio.Cancelled:  # the caller left before the reply, or the engine stops
                     final = DecodeState.CANCELLED
                     raise
@@ -286,7 +288,9 @@ class DecodeManager:
                 extra={"valid": False, "match": match.as_meta(), "reason": match.reason},
             )
 
-    async def _restore(self, entry: DecodeEntry, lease: SlotLease, blob: KvBlob | None, params: GenerationParams) -> None:
+    async def _restore(
+        self, entry: DecodeEntry, lease: SlotLease, blob: KvBlob | None, params: GenerationParams
+    ) -> None:
         """Restore the blob into the slot (all-or-nothing), with the logits that came with it."""
         entry.state = DecodeState.RESTORING
         entry.notify()
@@ -357,7 +361,8 @@ class DecodeManager:
             entry.id, outcome, res.prompt_tokens, res.n_common, res.completion_tokens, detail,
             "" if lora is None else f", LoRA {lora}", session, receipt_note(receipt),
             extra=request_extra(
-                request_id=trace or f"decode-{entry.id}", route="decode", model=self.engine.served_name, slot=entry.slot_id,
+                request_id=trace or f"decode-{entry.id}", route="decode", model=self.engine.served_name,
+                slot=entry.slot_id,
                 error=entry.error or None, lora=lora, session_id=res.session_id, receipt=receipt, **fields,
             ),
         )
@@ -365,7 +370,9 @@ class DecodeManager:
     def _seal(self, entry: DecodeEntry, final: DecodeState, label: str | None) -> None:
         res: GenerationResult | None = entry.result
         if res is not None:
-            self.metrics.record_generation("decode", res, model=self.engine.served_name, aborted=final is DecodeState.CANCELLED)
+            self.metrics.record_generation(
+                "decode", res, model=self.engine.served_name, aborted=final is DecodeState.CANCELLED
+            )
             acked = entry.metrics.acked_at
             if acked is not None and res.first_token_at is not None:
                 entry.metrics.ttft_ms = (res.first_token_at - acked) * 1000.0

@@ -275,7 +275,9 @@ class ResultStore:
         than the TTL are forgotten."""
         now = self.clock()
         expired = [
-            e for e in self._entries.values() if not e.running and e.ended_at is not None and now - e.ended_at >= self.ttl_s
+            e
+            for e in self._entries.values()
+            if not e.running and e.ended_at is not None and now - e.ended_at >= self.ttl_s
         ]
         for e in expired:
             self._bury(e, DecodeState.EVICTED)

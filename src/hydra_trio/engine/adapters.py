@@ -88,7 +88,9 @@ class LoraAdapters:
 
     # ---- a request's set ---------------------------------------------------------------------
 
-    def choose(self, params: GenerationParams, body: Mapping[str, Any], route: str, resident: ModelIdentity) -> GenerationParams:
+    def choose(
+        self, params: GenerationParams, body: Mapping[str, Any], route: str, resident: ModelIdentity
+    ) -> GenerationParams:
         """``params`` with the set the request runs under: its ``lora`` list (llama-server's:
         adapters it does not list at scale 0; an empty list, as llama-server reads it, asks
         for nothing: the base model is every adapter at 0), else the one adapter at scale 1 its ``model``
@@ -101,7 +103,8 @@ class LoraAdapters:
         listed = self._parse(body["lora"], "lora") if body.get("lora") is not None else None
         if listed is not None and body["lora"]:  # an empty list is no list (llama-server's reading)
             if adapter is not None:
-                raise bad_param(f"model names the LoRA adapter {asked!r}, and a lora list is given too: give one", "lora")
+                raise bad_param(f"model names the LoRA adapter {asked!r}, "
+                                "and a lora list is given too: give one", "lora")
             return self._with(params, listed)
         if adapter is not None:
             return self._with(params, ((adapter.id, 1.0),), model=adapter.spec.name)
@@ -109,7 +112,8 @@ class LoraAdapters:
             if not isinstance(asked, str):
                 raise bad_param("model must be a string", "model")
             if asked not in (resident.model_alias, resident.model_name):
-                err = ParamError(f"The model `{asked[:200]}` does not exist (served: {resident.model_alias}, and the LoRA adapters {', '.join(self.names)}).", "model")
+                err = ParamError(f"The model `{asked[:200]}` does not exist (served: {resident.model_alias}, and the "
+                                 f"LoRA adapters {', '.join(self.names)}).", "model")
                 err.status = Status.NOT_FOUND
                 raise err
         return self._with(params, self.default_set())
@@ -130,12 +134,14 @@ class LoraAdapters:
                 raise bad_param(f'{where} must be an object {{"id", "scale"}}', "lora")
             aid, scale = entry.get("id"), entry.get("scale")
             if isinstance(aid, bool) or not isinstance(aid, int) or not 0 <= aid < len(self.adapters):
-                raise bad_param(f"{where}.id: no LoRA adapter {aid!r} (ids 0..{len(self.adapters) - 1}: GET /lora-adapters)", "lora")
+                raise bad_param(f"{where}.id: no LoRA adapter {aid!r} (ids 0..{len(self.adapters) - 1}: GET "
+                                "/lora-adapters)", "lora")
             if (
                 isinstance(scale, bool) or not isinstance(scale, int | float)
                 or not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE
             ):
-                raise bad_param(f"{where}.scale must be a number between {-MAX_LORA_SCALE:g} and {MAX_LORA_SCALE:g}", "lora")
+                raise bad_param(f"{where}.scale must be a number between {-MAX_LORA_SCALE:g} and "
+                                f"{MAX_LORA_SCALE:g}", "lora")
             if aid in chosen:
                 raise bad_param(f"{where}.id: adapter {aid} is listed twice", "lora")
             chosen[aid] = float(scale)
@@ -160,7 +166,9 @@ class LoraAdapters:
     def claims(self, lora: LoraSet) -> list[dict[str, Any]]:
         """A set as KV claims carry it (``lora`` in a hand-off, PREFILL's meta, a DECODE's
         kv_metadata): each adapter's name, scale and file digest; [] for the base model."""
-        return [{"name": self.adapters[i].spec.name, "digest": self.adapters[i].meta.digest, "scale": s} for i, s in lora]
+        return [
+            {"name": self.adapters[i].spec.name, "digest": self.adapters[i].meta.digest, "scale": s} for i, s in lora
+        ]
 
     # ---- use (vllm:lora_requests_info) -----------------------------------------------------------
 
@@ -176,7 +184,9 @@ class LoraAdapters:
 
     def in_use(self) -> tuple[list[str], list[str]]:
         """Names of the adapters requests run under, and of those requests wait for a slot under."""
-        return [self.adapters[i].spec.name for i in sorted(self._running)], [self.adapters[i].spec.name for i in sorted(self._waiting)]
+        return [self.adapters[i].spec.name for i in sorted(self._running)], [
+            self.adapters[i].spec.name for i in sorted(self._waiting)
+        ]
 
 
 @contextmanager

@@ -49,7 +49,12 @@ class ConfigureOutcome:
     deferred: list[str] = field(default_factory=list)
 
     def meta(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"success": True, "tier": self.tier, "params_applied": self.applied, "deferred_keys": self.deferred}
+        meta: dict[str, Any] = {
+            "success": True,
+            "tier": self.tier,
+            "params_applied": self.applied,
+            "deferred_keys": self.deferred,
+        }
         if self.unused:
             meta["params_unused"] = self.unused
         return meta
@@ -76,7 +81,8 @@ async def configure(engine: Configurable, slot_id: int, body: dict[str, Any], se
     allowed = settings.configure_tier_set()
     for name, used in (("T1", t1), ("T2", _T2_KEYS & staged.keys()), ("T3", _T3_KEYS & staged.keys())):
         if used and name not in allowed:
-            raise _refused(f"CONFIGURE {name} ({', '.join(sorted(used))}) is off on this engine (--configure-tiers {settings.configure_tiers})")
+            raise _refused(f"CONFIGURE {name} ({', '.join(sorted(used))}) is off on this engine (--configure-tiers "
+                           f"{settings.configure_tiers})")
     if staged:
         staged = _validate_staged(staged, flash_attn=engine.flash_attn_applied)
         if "model_path" in staged:

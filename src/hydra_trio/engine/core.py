@@ -112,8 +112,12 @@ class EngineCore:
         self.retention = Retention(settings.session_policy, trio.current_time)
         self.tiers = HostTiers(settings, self.retention, kv_fingerprint(backend, identity.fields()))
         self.prompt_cache = self.tiers.ram
-        self.scheduler = SlotScheduler(lambda: self.backend, self.worker, self.slots, settings, self.tiers, self.retention)
-        self.sessions = SessionTree(ttl_s=settings.session_ttl_s, release=self.scheduler.release, resuming=self.tiers.want)
+        self.scheduler = SlotScheduler(
+            lambda: self.backend, self.worker, self.slots, settings, self.tiers, self.retention
+        )
+        self.sessions = SessionTree(
+            ttl_s=settings.session_ttl_s, release=self.scheduler.release, resuming=self.tiers.want
+        )
         self._chunk_prompt_tokens = 0  # prompt tokens evaluated in chunks of their own
         self._prefilling_alone = 0  # prompts in a chunk call of their own right now
         # CONFIGURE: T1 settings per slot, and staged T2/T3 changes applied when all are idle.
@@ -138,11 +142,15 @@ class EngineCore:
     # ---- lifecycle ---------------------------------------------------------------------
 
     @classmethod
-    async def load(cls, model_path: str, settings: Settings, *, alias: str | None = None, lane: WorkerLane | None = None) -> EngineCore:
+    async def load(
+        cls, model_path: str, settings: Settings, *, alias: str | None = None, lane: WorkerLane | None = None
+    ) -> EngineCore:
         t0 = time.perf_counter()
         identity = await read_model_identity(model_path, alias=alias)  # with its SHA-256, in a thread of its own
         lane = lane or WorkerLane()  # the engine's worker takes it over after load
-        adapters = await LoraAdapters.read(adapter_specs(settings.lora, settings.lora_scaled, init_without_apply=settings.lora_init_without_apply))
+        adapters = await LoraAdapters.read(
+            adapter_specs(settings.lora, settings.lora_scaled, init_without_apply=settings.lora_init_without_apply)
+        )
         offload = OffloadSettings(
             n_gpu_layers=settings.n_gpu_layers,
             main_gpu=settings.main_gpu,
@@ -202,14 +210,17 @@ class EngineCore:
         engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
         engine.warmup_ms = engine_warmup_ms
         log.info(
-            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx %d, KV cache %s (a slot holds up to %d; %s), %d threads",
+            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx "
+            "%d, KV cache %s (a slot holds up to %d; %s), %d threads",
             engine.model_load_ms, identity.model_name, identity.model_quant, identity.tokenizer,
             backend.n_slots, backend.n_ctx, engine.kv_layout, backend.n_ctx_slot,
             ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read", backend.n_threads,
         )
         if adapters:
-            log.info("LoRA adapters: %s; a change of set adds %.2f ms to a decode (a set's turn while others wait: %.0f ms)",
-                     ", ".join(f"{a['id']} {a['name']} ({a['path']}, scale {a['scale']:g})" for a in adapters.listing()),
+            log.info("LoRA adapters: %s; a change of set adds %.2f ms to "
+                     "a decode (a set's turn while others wait: %.0f ms)",
+                     ", ".join(f"{a['id']} {a['name']} "
+                               f"({a['path']}, scale {a['scale']:g})" for a in adapters.listing()),
                      backend.lora_switch_s * 1000, engine.batcher.turn_s * 1000)
         assert backend.offload is not None
         log.info("offload: %s", backend.offload.summary())
@@ -425,9 +436,12 @@ class EngineCore:
                 chunk = rest[done : done + backend.n_batch]
                 last = done + len(chunk) == len(rest)
 
-                def call(abort: threading.Event, chunk: list[int] = chunk, keep: int = keep, last: bool = last) -> tuple[int | None, bytes | None]:
+                def call(
+                    abort: threading.Event, chunk: list[int] = chunk, keep: int = keep, last: bool = last
+                ) -> tuple[int | None, bytes | None]:
                     if backend.truncate_slot(slot, keep) != keep:  # first_token cut it already: a no-op
-                        raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not be cut back to {keep} positions")
+                        raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not "
+                                            f"be cut back to {keep} positions")
                     return backend.eval_chunk(
                         slot, chunk, abort, sampler=sampler if last else None, want_logits=want_logits and last
                     )
@@ -455,7 +469,14 @@ class EngineCore:
         return result
 
     async def _evaluate_images(
-        self, slot: int, tokens: Sequence[int], n_keep: int, spans: Sequence[Span], *, sampler: Sampler | None, want_logits: bool
+        self,
+        slot: int,
+        tokens: Sequence[int],
+        n_keep: int,
+        spans: Sequence[Span],
+        *,
+        sampler: Sampler | None,
+        want_logits: bool,
     ) -> tuple[int | None, bytes | None]:
         """A prompt with images: its text runs as any prompt's (chunks, or the step batches),
         each image in a GPU-worker call of its own (mtmd encodes it and decodes its
@@ -472,17 +493,22 @@ class EngineCore:
                 await self._evaluate(slot, tokens[: span.start], at, sampler=None, want_logits=False)
             await self.scheduler.make_room(span.end - backend.n_past(slot), exclude=slot)
 
-            def call(_abort: threading.Event, keep: int = span.start, ids: Sequence[int] = tokens[span.start : span.end]) -> int:
+            def call(
+                _abort: threading.Event, keep: int = span.start, ids: Sequence[int] = tokens[span.start : span.end]
+            ) -> int:
                 if backend.truncate_slot(slot, keep) != keep:
-                    raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not be cut back to {keep} positions")
+                    raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not "
+                                        f"be cut back to {keep} positions")
                 return backend.eval_image(slot, ids)
 
             try:
                 self._chunk_prompt_tokens += await self.worker.run(call)
             except NoKvSpace:
-                raise ProtocolError(ErrorCode.INTERNAL, f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}") from None
+                raise ProtocolError(ErrorCode.INTERNAL, f"KV cache full: the prompt needs {len(tokens)} positions in "
+                                    f"slot {slot}") from None
             except KeyError:
-                raise ProtocolError(ErrorCode.SLOT_BUSY, "an image of this prompt was dropped before its turn (too many images "
+                raise ProtocolError(ErrorCode.SLOT_BUSY, "an image of this prompt was dropped before its turn (too "
+                                    "many images "
                                     "waiting at once); send it again") from None
             at = span.end
         return await self._evaluate(slot, tokens, at, sampler=sampler, want_logits=want_logits)
@@ -514,17 +540,25 @@ class EngineCore:
         grammars = self.inputs.grammars if params.sampling.grammar is not None else None
         think = params.think_gate(backend.text_of(params.shown_tokens))
         return Sampler(
-            params.sampling, grammars=grammars, think=think, logprobs=logprobs, fast_path=self.settings.sampling_fast_path
+            params.sampling,
+            grammars=grammars,
+            think=think,
+            logprobs=logprobs,
+            fast_path=self.settings.sampling_fast_path,
         )
 
-    async def sample_first(self, slot: int, tokens: Sequence[int], params: GenerationParams) -> tuple[GenerationResult, bytes]:
+    async def sample_first(
+        self, slot: int, tokens: Sequence[int], params: GenerationParams
+    ) -> tuple[GenerationResult, bytes]:
         """Bring the slot to hold the prompt and sample the one token a P/D prefill answers
         with, by generation's own rules (OutputProcessor: stop decision, text, counts);
         returns it as a completion, with the logits it came from (they travel with the KV)."""
         res = GenerationResult(prompt_tokens=len(tokens))
         sampler = self.new_sampler(params)
         one = replace(params, n_predict=1, logprobs=None)
-        out = OutputProcessor(one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.text_of(params.shown_tokens))
+        out = OutputProcessor(
+            one, res, sampler, is_eog=self.backend.is_eog, token_bytes=self.backend.text_of(params.shown_tokens)
+        )
         t_start = time.perf_counter()
         try:
             token, logits = await self.first_token(slot, tokens, sampler, res, params, want_logits=True)
@@ -541,7 +575,9 @@ class EngineCore:
 
     # ---- generation steps (batched) ----------------------------------------------------
 
-    async def _run_mixed(self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]) -> tuple[list[int | None], list[PartOutcome]]:
+    async def _run_mixed(
+        self, reqs: Sequence[StepRequest], parts: Sequence[PrefillPart]
+    ) -> tuple[list[int | None], list[PartOutcome]]:
         return await self.worker.call(lambda: self.backend.step_mixed(reqs, parts))
 
     # ---- generation --------------------------------------------------------------------
@@ -566,7 +602,9 @@ class EngineCore:
         res.prompt_tokens = len(prompt_tokens)
         backend = self.backend
         sampler = self.new_sampler(params, logprobs=params.logprobs)
-        out = OutputProcessor(params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.text_of(params.shown_tokens))
+        out = OutputProcessor(
+            params, res, sampler, is_eog=backend.is_eog, token_bytes=backend.text_of(params.shown_tokens)
+        )
         spec = request_speculation(
             self.settings, params.speculative, self.backend.info.can_roll_back, self.spec_counts,
             self.ngram_memories.for_salt(params.cache_salt),

@@ -149,7 +149,8 @@ class Embedder:
             elif t and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n_vocab for x in t):
                 items.append(_Input(f"input {i}", "input", list(t)))
             else:
-                raise bad_param(f"input {i} must be a non-empty string or array of token ids (0..{n_vocab - 1})", "input")
+                raise bad_param(f"input {i} must be a non-empty string or array of token ids "
+                                f"(0..{n_vocab - 1})", "input")
         return await self._run(items, wait_s)
 
     async def rerank(self, query: str, documents: Sequence[str], *, wait_s: float = math.inf) -> Pooled:
@@ -161,7 +162,10 @@ class Embedder:
         self._check_text(query, "the query", "query", limit)
         for i, d in enumerate(documents):
             self._check_text(d, f"document {i}", "documents", limit)
-        return await self._run([_Input(f"document {i}", "documents", None, _pair_tokens(query, d)) for i, d in enumerate(documents)], wait_s)
+        return await self._run(
+            [_Input(f"document {i}", "documents", None, _pair_tokens(query, d)) for i, d in enumerate(documents)],
+            wait_s,
+        )
 
     def _text_limit(self) -> int:
         return _BYTES_PER_TOKEN * self._shape().n_batch
@@ -169,7 +173,8 @@ class Embedder:
     def _check_text(self, text: str, name: str, param: str, limit: int) -> None:
         """Text no embedding batch could hold is refused before it is tokenized."""
         if len(text) > limit // 4 and len(text.encode("utf-8", "surrogatepass")) > limit:
-            raise bad_param(f"{name} is over {limit} bytes: an input holds at most {self._shape().n_batch} tokens (--batch-size)", param)
+            raise bad_param(f"{name} is over {limit} bytes: an input holds at most {self._shape().n_batch} tokens "
+                            "(--batch-size)", param)
 
     # ---- the line --------------------------------------------------------------------------
 
@@ -182,7 +187,8 @@ class Embedder:
             param = mine[0].param
             raise bad_param(f"{len(mine)} {param}; at most {s.embd_max_waiting} a request (--embd-max-waiting)", param)
         if len(self._line) + len(mine) > s.embd_max_waiting:
-            raise ProtocolError(ErrorCode.SLOT_BUSY, f"{len(self._line)} embedding inputs are waiting (--embd-max-waiting {s.embd_max_waiting})", status=Status.BUSY)
+            raise ProtocolError(ErrorCode.SLOT_BUSY, f"{len(self._line)} embedding inputs are waiting "
+                                f"(--embd-max-waiting {s.embd_max_waiting})", status=Status.BUSY)
         t0 = trio.current_time()
         calls = 0
         waited = trio.CancelScope(deadline=trio.current_time() + wait_s)
@@ -201,7 +207,8 @@ class Embedder:
                                 await self._call()
                                 calls += 1
             if waited.cancelled_caught:
-                raise ProtocolError(ErrorCode.SLOT_BUSY, f"embedding inputs waited {wait_s:g} s for the worker", status=Status.BUSY)
+                raise ProtocolError(ErrorCode.SLOT_BUSY, "embedding inputs waited "
+                                    f"{wait_s:g} s for the worker", status=Status.BUSY)
         finally:
             if any(x.pending for x in mine):  # what is left of ours leaves the line
                 # In place: a call running now puts inputs back into this same deque.
@@ -244,7 +251,8 @@ class Embedder:
                 try:
                     tokens.append(x.tokens if x.tokens is not None else x.tokenizer(backend))  # type: ignore[misc]
                 except UnicodeEncodeError:  # JSON's "\ud800": a str, but no UTF-8
-                    tokens.append(bad_param(f"{x.name} holds a lone surrogate (U+D800..U+DFFF): not valid Unicode", x.param))
+                    tokens.append(bad_param(f"{x.name} holds a lone surrogate "
+                                            "(U+D800..U+DFFF): not valid Unicode", x.param))
             # The inputs this call takes, in line order: a refused one (it never runs), and the
             # first that runs, and the next while the budget holds.
             fit, total = 0, 0
@@ -284,8 +292,10 @@ class Embedder:
                 x.error = bad_param(f"{x.name} has no tokens", x.param)
             elif len(t) > shape.n_batch:
                 x.error = bad_param(
-                    f"{x.name} has {len(t)} tokens{' with the query' if x.param == 'documents' else ''}; an input holds at "
-                    f"most {shape.n_batch} (--batch-size: the embedding context's batch, which pools an input whole)", x.param)
+                    f"{x.name} has {len(t)} "
+                    f"tokens{' with the query' if x.param == 'documents' else ''}; an input holds at "
+                    f"most {shape.n_batch} (--batch-size: the embedding "
+                    "context's batch, which pools an input whole)", x.param)
         for x in taken[:fit]:
             if x.error is None:
                 x.vector = next(done)
@@ -316,10 +326,17 @@ def _pair_tokens(query: str, document: str) -> Tokenizer:
     def tokens(backend: LlamaBackend) -> list[int]:
         template = backend.info.rerank_template
         if template is not None:
-            return backend.tokenize(template.replace("{query}", query).replace("{document}", document), add_special=False)
+            return backend.tokenize(
+                template.replace("{query}", query).replace("{document}", document), add_special=False
+            )
         roles = backend.info.roles
         eos = roles.get("eos") if roles.get("eos") is not None else roles.get("sep")
-        marks = [(roles.add_bos, roles.get("bos")), (roles.add_eos, eos), (roles.add_sep, roles.get("sep")), (roles.add_eos, eos)]
+        marks = [
+            (roles.add_bos, roles.get("bos")),
+            (roles.add_eos, eos),
+            (roles.add_sep, roles.get("sep")),
+            (roles.add_eos, eos),
+        ]
         bos, q_end, sep, d_end = ([t] if add and t is not None else [] for add, t in marks)
         q = backend.tokenize(query, add_special=False, parse_special=False)
         d = backend.tokenize(document, add_special=False, parse_special=False)

@@ -215,7 +215,11 @@ class Engine:
             if images and plan.prompt is not None:
                 tokens = await inputs.tokenize_with_images(plan.prompt, images)
             else:
-                tokens = await inputs.tokenize_text(plan.prompt) if plan.prompt is not None else await inputs.prompt_tokens(layers.get("prompt"))
+                tokens = (
+                    await inputs.tokenize_text(plan.prompt)
+                    if plan.prompt is not None
+                    else await inputs.prompt_tokens(layers.get("prompt"))
+                )
         elif images:
             raise bad_param("images are served on the HTTP chat routes, not in a DECODE's prompt")
         return Prepared(params, plan.prompt, tokens, plan.replies)
@@ -234,9 +238,13 @@ class Engine:
     async def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]: ...
 
     @overload
-    async def tokenize(self, text: Sequence[str], *, add_special: bool, parse_special: bool = True) -> list[list[int]]: ...
+    async def tokenize(
+        self, text: Sequence[str], *, add_special: bool, parse_special: bool = True
+    ) -> list[list[int]]: ...
 
-    async def tokenize(self, text: str | Sequence[str], *, add_special: bool, parse_special: bool = True) -> list[int] | list[list[int]]:
+    async def tokenize(
+        self, text: str | Sequence[str], *, add_special: bool, parse_special: bool = True
+    ) -> list[int] | list[list[int]]:
         """Text -> tokens (the tokenizer routes), bounded by what a slot could hold; several
         texts in one worker call (a prompt built of parts: /infill)."""
         inputs = self._core.inputs
@@ -311,7 +319,8 @@ class Engine:
         drop)."""
         core = self._core
         if not core.backend.generates:
-            raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, f"{core.identity.model_name} has no KV cache (an encoder such as "
+            raise ProtocolError(ErrorCode.NOT_IMPLEMENTED, f"{core.identity.model_name} has "
+                                "no KV cache (an encoder such as "
                                 "BERT): it serves /v1/embeddings, not generation or slots")
         if slot is not None:
             held = core.slots.claim(slot, owner)
@@ -333,7 +342,9 @@ class Engine:
             core.slots.release(held)
 
 
-async def _wait_and_prefetch(core: EngineCore, owner: str, prompt: Sequence[int], salt: str | None, lora: LoraSet) -> Slot:
+async def _wait_and_prefetch(
+    core: EngineCore, owner: str, prompt: Sequence[int], salt: str | None, lora: LoraSet
+) -> Slot:
     """Wait in line for a slot while the prompt's history, if the disk holds it, comes back
     into RAM (kv/tiers.py ``promote``): the turn then waits for a memory copy, not a read."""
     slot: list[Slot] = []

@@ -48,7 +48,9 @@ class Inputs:
         self._grammar_threads = trio.CapacityLimiter(GRAMMAR_THREADS)
         self._grammars: tuple[LlamaBackend | None, GuidanceCache | None] = (None, None)
         # Think tags' tokens (think_plan), by tags and shown tokens: a template has a few.
-        self._tags: tuple[LlamaBackend | None, dict[tuple[bytes, bytes, frozenset[int]], tuple[tuple[int, ...], tuple[int, ...]]]] = (None, {})
+        self._tags: tuple[
+            LlamaBackend | None, dict[tuple[bytes, bytes, frozenset[int]], tuple[tuple[int, ...], tuple[int, ...]]]
+        ] = (None, {})
 
     @property
     def n_ctx(self) -> int:
@@ -120,7 +122,11 @@ class Inputs:
     async def plan(self, request: dict[str, Any], params: GenerationParams) -> ChatPlan:
         """The request's chat side, decided once (``Chat.plan``)."""
         return await self._chat().plan(
-            request, tools=params.tools, constraint=params.constraint, budget=params.reasoning_budget, off_loop=self._off_loop
+            request,
+            tools=params.tools,
+            constraint=params.constraint,
+            budget=params.reasoning_budget,
+            off_loop=self._off_loop,
         )
 
     async def _off_loop(self, fn: Callable[[], Any]) -> Any:
@@ -265,7 +271,8 @@ class Inputs:
             )
         except UnicodeEncodeError:  # JSON's "\ud800": a str, but no UTF-8 (benchmarks/hostile.py)
             raise ProtocolError(
-                ErrorCode.BAD_JSON, "text holds a lone surrogate (U+D800..U+DFFF): not valid Unicode", status=Status.BAD_REQUEST
+                ErrorCode.BAD_JSON, "text holds a lone surrogate "
+                "(U+D800..U+DFFF): not valid Unicode", status=Status.BAD_REQUEST
             ) from None
 
     async def tokenize_text(self, text: str) -> list[int]:

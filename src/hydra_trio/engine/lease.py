@@ -149,7 +149,8 @@ class SlotLease:
         if blob.checkpoint is not None:
             check_checkpoint(blob, checkpoint_size=backend.checkpoint_size)
         if blob.n_past >= backend.n_ctx_slot:
-            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; {core.inputs.slot_room()}")
+            raise ProtocolError(ErrorCode.RESTORE_FAILED, f"blob holds {blob.n_past} positions; "
+                                f"{core.inputs.slot_room()}")
         await core.scheduler.make_room(blob.n_past, exclude=self.id)
         slot = core.slots.get(self.id)
         slot.transferring = True
@@ -196,7 +197,8 @@ async def score_prompt(
 
         def call(abort: threading.Event, part: list[int] = part, keep: int = done, last: bool = last) -> None:
             if backend.truncate_slot(slot, keep) != keep:
-                raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not be cut back to {keep} positions")
+                raise ProtocolError(ErrorCode.INTERNAL, f"slot {slot}: its KV could not "
+                                    f"be cut back to {keep} positions")
             backend.eval_chunk(slot, part, abort, want_logits=last, rows=rows)
 
         try:
@@ -205,7 +207,8 @@ async def score_prompt(
             await trio.lowlevel.checkpoint()  # the cancellation that raised the flag
             raise
         except NoKvSpace:
-            raise ProtocolError(ErrorCode.INTERNAL, f"KV cache full: the prompt needs {len(tokens)} positions in slot {slot}") from None
+            raise ProtocolError(ErrorCode.INTERNAL, "KV cache full: the prompt needs "
+                                f"{len(tokens)} positions in slot {slot}") from None
         done += len(part)
         core._chunk_prompt_tokens += len(part)  # the engine's prompt figures count them
     return out

@@ -101,7 +101,8 @@ async def _read(image_url: Any, where: str, settings: Settings) -> bytes:
         return await _file(url, where, settings)
     if scheme in ("http", "https"):
         return await _fetch(url, where, settings)
-    raise bad_param(f"{where}.url: {scheme or 'no'} scheme: images come as data: URIs (base64), or file:// and http(s) URLs where the server allows them")
+    raise bad_param(f"{where}.url: {scheme or 'no'} scheme: images come as data: URIs (base64), or file:// and http(s) "
+                    "URLs where the server allows them")
 
 
 def _data_uri(url: str, where: str) -> bytes:
@@ -121,7 +122,8 @@ def _data_uri(url: str, where: str) -> bytes:
 
 async def _file(url: str, where: str, settings: Settings) -> bytes:
     if settings.media_path is None:
-        raise bad_param(f"{where}.url: file:// URLs are not read by this server (start it with --media-path DIR to allow a folder)")
+        raise bad_param(f"{where}.url: file:// URLs are not read by this server (start it with --media-path DIR to "
+                        "allow a folder)")
     folder = settings.media_path
     relative = unquote(urlsplit(url).path).lstrip("/")
 
@@ -146,7 +148,8 @@ async def _file(url: str, where: str, settings: Settings) -> bytes:
 
 async def _fetch(url: str, where: str, settings: Settings) -> bytes:
     if not any(url.startswith(prefix) for prefix in settings.media_url_prefix):
-        raise bad_param(f"{where}.url: http(s) image URLs are not fetched by this server unless a --media-url-prefix allows them; send the image as a data: URI")
+        raise bad_param(f"{where}.url: http(s) image URLs are not fetched by this server unless a --media-url-prefix "
+                        "allows them; send the image as a data: URI")
     try:
         with trio.fail_after(FETCH_TIMEOUT_S):
             async with httpx.AsyncClient(follow_redirects=False) as client, client.stream("GET", url) as r:

@@ -107,7 +107,11 @@ def check_value(key: str, value: Any, name: str | None = None) -> int | float:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad_param(f"{name} must be an integer", name)
     # (math.isfinite of an int past float's range raises OverflowError: floats only.)
-    elif isinstance(value, bool) or not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
+    elif (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
         raise bad_param(f"{name} must be a number", name)
     if not bound.lo <= value <= bound.hi:
         lo, hi = (int(bound.lo), int(bound.hi)) if bound.kind is int else (bound.lo, bound.hi)
@@ -179,7 +183,11 @@ def parse_generation(
     constraint is parsed (what the request asks); its grammar is the chat plan's."""
     if req.get("sampling") is not None and not isinstance(req["sampling"], dict):
         raise bad_param("sampling must be an object", "sampling")
-    keys = sampling_keys.flatten(req if isinstance(req, sampling_keys.Layer) else {k: v for k, v in req.items() if not (k == "sampling" and v is None)})
+    keys = sampling_keys.flatten(
+        req
+        if isinstance(req, sampling_keys.Layer)
+        else {k: v for k, v in req.items() if not (k == "sampling" and v is None)}
+    )
 
     n_predict = _value(keys, "n_predict", default_n_predict)
     echo_only = req.get("echo") is True and "messages" not in req  # /v1/completions' prompt alone (lm-eval)

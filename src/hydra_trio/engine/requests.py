@@ -118,10 +118,12 @@ def check_request(route: Route, body: dict[str, Any]) -> int | None:
         for key in _CHAT_ONLY:
             if key in body if key == "messages" else body.get(key) is not None:
                 hint = " (ask logprobs: N)" if key == "top_logprobs" else ""
-                raise bad_param(f"{key} is a /v1/chat/completions parameter{hint}, not supported on /v1/completions", key)
+                raise bad_param(f"{key} is a /v1/chat/completions parameter{hint}, not supported on "
+                                "/v1/completions", key)
         for key in BUDGET_KEYS:  # a chat template's think block's: on a plain prompt it would do nothing
             if body.get(key) not in (None, -1):
-                raise bad_param(f"{key} is a /v1/chat/completions parameter (a chat template's think block), not supported on /v1/completions", key)
+                raise bad_param(f"{key} is a /v1/chat/completions parameter (a chat template's think block), not "
+                                "supported on /v1/completions", key)
         if "prompt" not in body:
             raise bad_param("prompt is required", "prompt")
         echo = body.get("echo")
@@ -162,7 +164,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 def _check_reasoning_effort(body: dict[str, Any]) -> None:
     effort = body.get("reasoning_effort")
     if effort is not None and effort not in REASONING_EFFORTS:
-        raise bad_param(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "reasoning_effort")
+        raise bad_param(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                        f"{effort!r}", "reasoning_effort")
 
 
 def _top_n(v: Any, name: str) -> int:

@@ -141,7 +141,8 @@ class ExportStore:
             return None
         if not self._make_room(nbytes):
             self.metrics.exports.labels("refused").inc()
-            log.warning("KV export of %d bytes refused: exports being copied hold the rest of --kv-export-max-bytes", nbytes)
+            log.warning("KV export of %d bytes refused: exports being copied hold the rest of "
+                        "--kv-export-max-bytes", nbytes)
             return None
         # The room is taken before the copy (off this thread) starts: concurrent puts
         # cannot together pass the bound.

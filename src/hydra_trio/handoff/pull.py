@@ -115,7 +115,8 @@ async def pull_export(
             if handed is not None and head.payload_len == 0:
                 if meta.get("kv_bytes") != params.kv_bytes:  # before anything is mapped
                     raise network_failure(
-                        "bad_reply", f"KV_PULL reply holds {meta.get('kv_bytes')!r} bytes; the export has {params.kv_bytes}"
+                        "bad_reply", f"KV_PULL reply holds {meta.get('kv_bytes')!r} bytes; the export has "
+                        f"{params.kv_bytes}"
                     )
                 if reserve is not None:
                     await reserve(params.kv_bytes)
@@ -125,7 +126,8 @@ async def pull_export(
             else:
                 if head.payload_len != params.kv_bytes:
                     raise network_failure(
-                        "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has {params.kv_bytes}"
+                        "bad_reply", f"KV_PULL reply announces {head.payload_len} bytes; the export has "
+                        f"{params.kv_bytes}"
                     )
                 if reserve is not None:
                     await reserve(head.payload_len)

@@ -108,7 +108,9 @@ class Handoff:
         deadline = trio.current_time() + settings.kv_pull_timeout_s
         try:
             blob = await self._pull(settings, budget, deadline)
-            if blob is not None and (len(blob.tokens) > len(prompt_tokens) or blob.tokens != prompt_tokens[: len(blob.tokens)]):
+            if blob is not None and (
+                len(blob.tokens) > len(prompt_tokens) or blob.tokens != prompt_tokens[: len(blob.tokens)]
+            ):
                 self._fail("prompt_mismatch", "the export holds another prompt than this request's")
                 blob = None
         except BaseException:
@@ -211,7 +213,8 @@ class Handoff:
             return None
         assert admitted.match is not None and admitted.blob is not None
         if admitted.match.lora_match is False:
-            self._fail("lora_mismatch", f"prefill engine made the export under another LoRA adapter set: {admitted.match.reason}")
+            self._fail("lora_mismatch", "prefill engine made the export under another LoRA adapter set: "
+                       f"{admitted.match.reason}")
             return None
         if not admitted.match.accepted:
             self._fail("identity_mismatch", f"prefill engine serves another model: {admitted.match.reason}")

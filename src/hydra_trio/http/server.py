@@ -191,7 +191,9 @@ def body_cap(method: str, path: str, state: AppState) -> int:
     long as its response runs (a stream: minutes)."""
     settings = state.settings
     route = routes.by_path(method, path)
-    body = "json" if route is None and method in ("POST", "PUT", "PATCH") else route.body if route is not None else "none"
+    body = (
+        "json" if route is None and method in ("POST", "PUT", "PATCH") else route.body if route is not None else "none"
+    )
     caps = {"kv": settings.max_kv_bytes, "json": settings.max_json_bytes, "small": routes.SMALL_BODY_BYTES, "none": 0}
     return caps[body]
 

@@ -45,7 +45,9 @@ def scan_models_dir(folder: str) -> list[CatalogEntry]:
     found: list[CatalogEntry] = []
     for item in sorted(root.iterdir()):
         if item.is_dir():
-            ggufs = sorted(p for p in item.iterdir() if p.name.endswith(".gguf") and p.is_file() and not _companion(p.name))
+            ggufs = sorted(
+                p for p in item.iterdir() if p.name.endswith(".gguf") and p.is_file() and not _companion(p.name)
+            )
             shards = [p for p in ggufs if "-00001-of-" in p.name]
             if shards or ggufs:
                 found.append(CatalogEntry(item.name, str((shards or ggufs)[0]), "models_dir"))

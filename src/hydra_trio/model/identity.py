@@ -456,7 +456,8 @@ def compare_identity(
             reasons.append(problem)
         elif not lora_match:
             reasons.append(
-                f"LoRA adapter set mismatch: kv {_short(_lora_names(kv.get('lora')))}, request {_short(_lora_names(lora))}"
+                f"LoRA adapter set mismatch: kv {_short(_lora_names(kv.get('lora')))}, request "
+                f"{_short(_lora_names(lora))}"
             )
     accepted = not reasons
     return IdentityMatch(

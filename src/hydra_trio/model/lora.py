@@ -29,7 +29,9 @@ class AdapterSpec:
     scale: float  # the default scale: what requests without a ``lora`` list get
 
 
-def adapter_specs(lora: Sequence[str], lora_scaled: Sequence[str], *, init_without_apply: bool = False) -> tuple[AdapterSpec, ...]:
+def adapter_specs(
+    lora: Sequence[str], lora_scaled: Sequence[str], *, init_without_apply: bool = False
+) -> tuple[AdapterSpec, ...]:
     """``--lora [NAME=]PATH`` (scale 1) then ``--lora-scaled [NAME=]PATH:SCALE``, in that order
     (their ids); NAME defaults to the file stem. SystemExit naming the flag for a malformed
     spec, a missing file or a name given twice (llama-server's flags, vLLM's names)."""
@@ -78,7 +80,8 @@ def read_adapter(path: str | os.PathLike[str]) -> AdapterMeta:
         raise ValueError(f"{path}: not a readable GGUF file: {exc}") from exc
     kind, adapter = meta.get_str("general.type"), meta.get_str("adapter.type")
     if kind != "adapter" or adapter != "lora":
-        raise ValueError(f"{path}: not a LoRA adapter (general.type {kind!r}, adapter.type {adapter!r}; a model GGUF goes to --model)")
+        raise ValueError(f"{path}: not a LoRA adapter (general.type {kind!r}, adapter.type {adapter!r}; a model GGUF "
+                         "goes to --model)")
     alpha = meta.scalars.get("adapter.lora.alpha")
     return AdapterMeta(
         architecture=meta.get_str("general.architecture") or "",

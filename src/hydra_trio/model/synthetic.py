@@ -96,10 +96,12 @@ PRESETS: dict[str, Preset] = {
     # ≈0.5 MB each, tiny's shape: an embedding model (mean pooling, as gte-Qwen's GGUFs declare
     # theirs), a reranker (Qwen3-Reranker's rank head) and a code model with FIM tokens.
     "embed": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Embed", pooling="mean"),
-    "rerank": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Rerank", "qwen3", pooling="rank"),
+    "rerank": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic Rerank", "qwen3",
+                     pooling="rank"),
     "fim": Preset(512, 64, 2, 4, 2, 192, 4096, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic FIM", fim=True),
     # ≈0.3 MB: an encoder as most embedding GGUFs are (bge, MiniLM, nomic): BERT, mean pooling.
-    "bert": Preset(512, 64, 2, 4, 4, 128, 512, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic BERT", "bert", pooling="mean"),
+    "bert": Preset(512, 64, 2, 4, 4, 128, 512, gguf.LlamaFileType.ALL_F32, "Hydra Synthetic BERT", "bert",
+                   pooling="mean"),
 }
 
 POOLING_TYPES = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
@@ -262,7 +264,10 @@ def write_model(
     if spec.pooling == "rank":
         writer.add_classifier_output_labels(_RANK_LABELS)
         if isinstance(chat_template, str):
-            chat_template = [{"name": "default", "template": chat_template}, {"name": "rerank", "template": RERANK_TEMPLATE}]
+            chat_template = [
+                {"name": "default", "template": chat_template},
+                {"name": "rerank", "template": RERANK_TEMPLATE},
+            ]
     for token_id, text in control.items():
         if not len(SPECIAL_TOKENS) + 256 <= token_id < spec.n_vocab:
             raise ValueError(f"control token id {token_id} is not a word piece of the vocabulary")
@@ -307,7 +312,8 @@ def write_model(
         _add_mamba_layers(writer, rng, spec)
     if arch == "lfm2":
         _add_lfm2_layers(writer, rng, spec)
-        writer.add_tensor("token_embd_norm.weight", np.ones(d, dtype=np.float32))  # llama.cpp's name for LFM2's output norm
+        # llama.cpp's name for LFM2's output norm
+        writer.add_tensor("token_embd_norm.weight", np.ones(d, dtype=np.float32))
     else:
         writer.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
     # A larger output scale gives peaked, varied logits instead of near-uniform noise.
@@ -315,7 +321,9 @@ def write_model(
     if spec.pooling == "rank":
         # In place of the LM head (the model ties its output to token_embd, as Qwen3-Reranker's
         # GGUF does): two rows, small enough that the softmaxed scores spread over (0, 1).
-        writer.add_tensor("cls.output.weight", _tensor(rng, (len(_RANK_LABELS), d), weight_dtype, 0.05), raw_dtype=raw_type)
+        writer.add_tensor(
+            "cls.output.weight", _tensor(rng, (len(_RANK_LABELS), d), weight_dtype, 0.05), raw_dtype=raw_type
+        )
     else:
         writer.add_tensor("output.weight", head, raw_dtype=raw_type)
 
@@ -411,7 +419,10 @@ def _write_bert(out: Path, spec: Preset, *, seed: int, name: str | None) -> Path
     tokens = build_wordpiece_vocab(spec.n_vocab)
     w.add_tokenizer_model("bert")
     w.add_token_list(tokens)
-    w.add_token_types([int(gguf.TokenType.CONTROL)] * len(BERT_SPECIAL) + [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(BERT_SPECIAL)))
+    w.add_token_types(
+        [int(gguf.TokenType.CONTROL)] * len(BERT_SPECIAL)
+        + [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(BERT_SPECIAL))
+    )
     w.add_uint32(gguf.Keys.Tokenizer.TOKEN_TYPE_COUNT, 2)
     pad, unk, cls, sep, _mask = range(len(BERT_SPECIAL))
     w.add_bos_token_id(cls)  # llama.cpp's bert tokenizer adds BOS and EOS: [CLS] text [SEP]

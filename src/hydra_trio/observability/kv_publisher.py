@@ -171,7 +171,8 @@ def load_curve_keys(settings: Settings) -> CurveKeys | None:
         return None
     name = "kv_events_curve_secret_key_file"
     if not zmq.has("curve"):
-        raise SystemExit(f"{name}: this libzmq ({zmq.zmq_version()}) was built without CURVE; unset it or install a libzmq with CURVE (libsodium)")
+        raise SystemExit(f"{name}: this libzmq ({zmq.zmq_version()}) was built without CURVE; unset it or install a "
+                         "libzmq with CURVE (libsodium)")
     text = _read(path, name)
     if "curve_secret_key" in text:  # a zmq.auth certificate (zmq.auth.create_certificates)
         try:
@@ -265,7 +266,8 @@ class KvEventPublisher:
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
         self._events = Counter("hydra_kv_events", "KV events published, by type", ["type"], registry=registry)
-        self._batches = Counter("hydra_kv_event_batches", "KV event batches published (one seq each)", registry=registry)
+        self._batches = Counter("hydra_kv_event_batches", "KV event batches "
+                                "published (one seq each)", registry=registry)
         self._replays = Counter("hydra_kv_event_replays", "replay requests answered", registry=registry)
         self._refused = Counter(
             "hydra_kv_event_replays_refused",
@@ -273,11 +275,14 @@ class KvEventPublisher:
             ["reason"],
             registry=registry,
         )
-        self._subscriptions = Counter("hydra_kv_event_subscriptions", "subscriptions to the topic heard", registry=registry)
+        self._subscriptions = Counter(
+            "hydra_kv_event_subscriptions", "subscriptions to the topic heard", registry=registry
+        )
         self._resyncs = Counter(
             "hydra_kv_event_resyncs", "times everything held was told anew, for a new subscription", registry=registry
         )
-        self._zap_refused = Counter("hydra_kv_event_curve_refused", "CURVE clients refused (key not allowed)", registry=registry)
+        self._zap_refused = Counter("hydra_kv_event_curve_refused", "CURVE clients refused "
+                                    "(key not allowed)", registry=registry)
 
     def _bind(self, kind: int, endpoint: str, name: str, hwm: int) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(kind)

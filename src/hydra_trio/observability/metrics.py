@@ -73,7 +73,8 @@ class Metrics:
             "hydra_pooled_inputs", "embedding inputs and rerank pairs computed", ["path"], registry=r
         )
         self.ttft = Histogram(
-            "hydra_ttft_seconds", "engine time to first token (slot claimed -> first token)", ["path"], buckets=_S_BUCKETS, registry=r
+            "hydra_ttft_seconds", "engine time to first token "
+            "(slot claimed -> first token)", ["path"], buckets=_S_BUCKETS, registry=r
         )
         self.decode_requests = Counter("hydra_decode_requests", "decode requests by final state", ["state"], registry=r)
         self.decode_ack = Histogram(
@@ -113,7 +114,9 @@ class Metrics:
         """A gauge read at scrape time from engine state (no bookkeeping to drift)."""
         Gauge(name, doc, registry=self.registry).set_function(read)
 
-    def watch_models(self, pool: ModelsView, rpc_engine: Engine, running_decodes: Callable[[], int], block_size: int = 16) -> None:
+    def watch_models(
+        self, pool: ModelsView, rpc_engine: Engine, running_decodes: Callable[[], int], block_size: int = 16
+    ) -> None:
         """Gauges read from the engines (and the decode requests) at scrape time: every
         model's, labelled ``model_name`` when the process serves several (vLLM's label), its
         state and what its loads cost; ``block_size``: the KV block vllm:cache_config_info
@@ -155,16 +158,21 @@ _ENGINE_FIGURES: tuple[tuple[_Family, str, str, Callable[[EngineStats], float]],
     (_G, "hydra_slots_total", "slots", lambda s: s.slots),
     (_G, "hydra_kv_cells_used", "KV positions held by all slots", lambda s: s.kv_cells_used),
     (_G, "hydra_kv_cells_total", "KV cells shared by all slots", lambda s: s.kv_cells_total),
-    (_G, "hydra_step_batch_mean_size", "mean number of sequences per generation step", lambda s: s.step_batch_mean_size),
+    (_G, "hydra_step_batch_mean_size", "mean number of sequences per generation step",
+     lambda s: s.step_batch_mean_size),
     (_G, "hydra_model_load_seconds", "model load time", lambda s: s.model_load_s),
     (_C, "hydra_gpu_worker_busy_seconds", "time the GPU worker spent in llama.cpp calls", lambda s: s.worker_busy_s),
     (_C, "hydra_gpu_worker_calls", "llama.cpp calls made on the GPU worker", lambda s: s.worker_calls),
-    (_C, "hydra_llama_decode_seconds", "time inside llama_decode, the model's compute (the rest of the worker's busy time is the engine's)", lambda s: s.llama_decode_s),
+    (_C, "hydra_llama_decode_seconds",
+     "time inside llama_decode, the model's compute (the rest of the worker's busy time is the engine's)",
+     lambda s: s.llama_decode_s),
     (_C, "hydra_step_batches", "batched generation steps", lambda s: s.step_batches),
     (_C, "hydra_engine_tokens_generated", "tokens sampled by the engine (all paths)", lambda s: s.tokens_generated),
-    (_C, "hydra_engine_prompt_tokens_processed", "prompt tokens evaluated by the engine (all paths)", lambda s: s.prompt_tokens_processed),
+    (_C, "hydra_engine_prompt_tokens_processed", "prompt tokens evaluated by the engine (all paths)",
+     lambda s: s.prompt_tokens_processed),
     (_C, "hydra_engine_step_tokens", "tokens evaluated by batched generation steps", lambda s: s.step_tokens),
-    (_C, "hydra_engine_step_prompt_tokens", "prompt tokens evaluated inside generation-step batches (chunked prefill)", lambda s: s.step_prompt_tokens),
+    (_C, "hydra_engine_step_prompt_tokens", "prompt tokens evaluated inside generation-step batches (chunked prefill)",
+     lambda s: s.step_prompt_tokens),
     (_C, "hydra_engine_tokens_evaluated", "prompt + step tokens evaluated by llama.cpp", lambda s: s.tokens_evaluated),
 )
 
@@ -174,7 +182,9 @@ _ENGINE_FIGURES: tuple[tuple[_Family, str, str, Callable[[EngineStats], float]],
 Engines = Callable[[], "list[tuple[str | None, Engine]]"]
 
 
-def _labelled(family: _Family, name: str, doc: str, extra: list[str], rows: list[tuple[str | None, list[str], float]]) -> Metric:
+def _labelled(
+    family: _Family, name: str, doc: str, extra: list[str], rows: list[tuple[str | None, list[str], float]]
+) -> Metric:
     """One family with a sample per (model, extra label values, value) row: ``model_name``
     leads the labels when the rows name models."""
     named = any(model is not None for model, _, _ in rows)
@@ -198,7 +208,8 @@ class EngineCollector(Collector):
         yield _labelled(
             GaugeMetricFamily,
             "hydra_step_decode_seconds",
-            "a generation step's llama_decode, mean of the recent ones with this many rows (streams' tokens and draft positions)",
+            "a generation step's llama_decode, mean of the recent ones with this many rows (streams' tokens and draft "
+            "positions)",
             ["rows"],
             [(model, [str(rows)], seconds) for model, stats in snaps for rows, seconds in stats.step_decode_s],
         )
@@ -213,8 +224,10 @@ def _session_figures(snaps: list[tuple[str | None, EngineStats]]) -> Iterator[Me
         for family, name, doc, read in (
             (_G, "hydra_sessions", "agent sessions held (scoped by tenant and cache_salt)", lambda s: s.sessions),
             (_G, "hydra_session_turns_live", "requests running in an agent session", lambda s: s.live_turns),
-            (_C, "hydra_session_turns_cut", "turns cut by their deadline, their tree's finish or their parent's cancellation", lambda s: s.turns_cut),
-            (_C, "hydra_session_trees_finished", "POST /finish_session calls that ended a tree", lambda s: s.trees_finished),
+            (_C, "hydra_session_turns_cut", "turns cut by their deadline, their tree's finish or their parent's "
+             "cancellation", lambda s: s.turns_cut),
+            (_C, "hydra_session_trees_finished", "POST /finish_session "
+             "calls that ended a tree", lambda s: s.trees_finished),
         ):
             yield _labelled(family, name, doc, [], [(model, [], read(s)) for model, s in live])
     yield _labelled(
@@ -232,11 +245,17 @@ def _session_figures(snaps: list[tuple[str | None, EngineStats]]) -> Iterator[Me
         (_G, "hydra_disk_cache_entries", "histories held by the disk tier", lambda d: d.entries),
         (_C, "hydra_disk_cache_written", "histories RAM dropped, written to disk", lambda d: d.written),
         (_C, "hydra_disk_cache_loaded", "disk entries restored into a slot", lambda d: d.loaded),
-        (_C, "hydra_disk_cache_loaded_tokens", "positions restored from disk (not recomputed)", lambda d: d.loaded_tokens),
-        (_C, "hydra_disk_cache_rejected", "disk entries that failed a check when read (never restored)", lambda d: d.rejected),
-        (_C, "hydra_disk_cache_dropped", "histories RAM dropped that were not written (the write queue was full)", lambda d: d.dropped),
-        (_C, "hydra_disk_cache_cleaned", "files removed at start (unfinished writes, torn, another model's, over the bound)", lambda d: d.cleaned),
-        (_C, "hydra_disk_cache_prefetched", "disk entries brought back to RAM ahead of their turn (while it waited for a slot, or its tool ran)", lambda d: d.prefetched),
+        (_C, "hydra_disk_cache_loaded_tokens", "positions restored from disk (not recomputed)",
+         lambda d: d.loaded_tokens),
+        (_C, "hydra_disk_cache_rejected", "disk entries that failed a check when read (never restored)",
+         lambda d: d.rejected),
+        (_C, "hydra_disk_cache_dropped", "histories RAM dropped that were not written (the write queue was full)",
+         lambda d: d.dropped),
+        (_C, "hydra_disk_cache_cleaned",
+         "files removed at start (unfinished writes, torn, another model's, over the bound)", lambda d: d.cleaned),
+        (_C, "hydra_disk_cache_prefetched",
+         "disk entries brought back to RAM ahead of their turn (while it waited for a slot, or its tool ran)",
+         lambda d: d.prefetched),
     ):
         yield _labelled(family, name, doc, [], [(model, [], read(d)) for model, d in disks])
 
@@ -254,11 +273,14 @@ class PromptCacheCollector(Collector):
         for family, name, doc, read in (
             (_G, "hydra_prompt_cache_bytes", "host memory held by the prompt cache", lambda c: c.nbytes),
             (_G, "hydra_prompt_cache_entries", "slot histories held by the prompt cache", lambda c: c.entries),
-            (_G, "hydra_prompt_cache_shared_bytes", "of the prompt cache's bytes, heads held once for histories that start alike", lambda c: c.shared_bytes),
+            (_G, "hydra_prompt_cache_shared_bytes",
+             "of the prompt cache's bytes, heads held once for histories that start alike", lambda c: c.shared_bytes),
             (_C, "hydra_prompt_cache_saved", "slot histories copied into the prompt cache", lambda c: c.saved),
             (_C, "hydra_prompt_cache_restored", "prompt cache entries restored into a slot", lambda c: c.restored),
-            (_C, "hydra_prompt_cache_restored_tokens", "positions restored from the prompt cache (not recomputed)", lambda c: c.restored_tokens),
-            (_C, "hydra_prompt_cache_evicted", "prompt cache entries dropped for room or replaced by a longer one", lambda c: c.evicted),
+            (_C, "hydra_prompt_cache_restored_tokens", "positions restored from the prompt cache (not recomputed)",
+             lambda c: c.restored_tokens),
+            (_C, "hydra_prompt_cache_evicted", "prompt cache entries dropped for room or replaced by a longer one",
+             lambda c: c.evicted),
         ):
             yield _labelled(family, name, doc, [], [(model, [], read(c)) for model, c in caches])
 
@@ -276,13 +298,17 @@ class ModelPoolCollector(Collector):
         yield _labelled(_G, "hydra_model_state", "1 for the state each model is in", ["state"],
                         [(e.name, [s], float(e.state == s)) for e in entries for s in states])
         for family, name, doc, read in (
-            (_G, "hydra_model_requests", "requests holding the model now (it is not unloaded under them)", lambda e: e.users),
+            (_G, "hydra_model_requests", "requests holding the model now (it is not unloaded under them)",
+             lambda e: e.users),
             (_C, "hydra_model_loads", "cold loads of the model", lambda e: e.loads),
             (_C, "hydra_model_wakes", "wakes of the model from sleep", lambda e: e.wakes),
             (_C, "hydra_model_sleeps", "times the model was put to sleep (--sleep-idle-seconds)", lambda e: e.sleeps),
-            (_C, "hydra_model_evictions", "times the model was evicted for another (--models-max)", lambda e: e.evictions),
-            (_G, "hydra_model_last_load_seconds", "the model's last cold load, 0 before one", lambda e: e.last_load_s or 0.0),
-            (_G, "hydra_model_last_wake_seconds", "the model's last wake, 0 before one", lambda e: e.last_wake_s or 0.0),
+            (_C, "hydra_model_evictions", "times the model was evicted for another (--models-max)",
+             lambda e: e.evictions),
+            (_G, "hydra_model_last_load_seconds", "the model's last cold load, 0 before one",
+             lambda e: e.last_load_s or 0.0),
+            (_G, "hydra_model_last_wake_seconds", "the model's last wake, 0 before one",
+             lambda e: e.last_wake_s or 0.0),
         ):
             yield _labelled(family, name, doc, [], [(e.name, [], float(read(e))) for e in entries])
 

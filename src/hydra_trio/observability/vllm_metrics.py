@@ -10,8 +10,8 @@ inter-token latency, which a small model reaches), the phases of a request:
 (slot claimed -> first token) and ``vllm:request_decode_time_seconds`` (first -> last token).
 TTFT and e2e count from the request's arrival, so they include the queue time, as vLLM's do.
 With LoRA adapters loaded, ``vllm:lora_requests_info``: the adapters requests run under and
-wait for (``lora_requests_info``). And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV cache is
-cut into blocks, as vLLM's CacheConfig labels it: ``block_size`` (the KV events' block,
+wait for (``lora_requests_info``). And ``vllm:cache_config_info``, an info gauge (value 1) whose labels say how the KV
+cache is cut into blocks, as vLLM's CacheConfig labels it: ``block_size`` (the KV events' block,
 --kv-events-block-size), ``num_gpu_blocks`` (all slots' cells in those blocks: what llm-d's
 scheduler and the Inference Extension size an endpoint's cache by), ``num_cpu_blocks``
 ("None": the host prompt cache is sized in bytes, its entries' size varies by model),
@@ -45,9 +45,78 @@ if TYPE_CHECKING:
     from ..engine import Engine, GenerationResult
 
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 PHASE_BUCKETS = E2E_BUCKETS  # vLLM uses its request-latency buckets for queue, prefill and decode too
 
 
@@ -163,16 +232,25 @@ class VllmCollector(Collector):
         rows = [(["0", name], engine.stats() if engine is not None else None, p) for name, engine, p in self.models()]
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         for family, name, doc, value in (
-            (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.", lambda s, p: s.slots_busy if s else 0),
-            (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s, p: s.requests_waiting if s else 0),
-            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s, p: s.kv_cache_usage if s else 0.0),
-            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", lambda s, p: p.queries),
-            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", lambda s, p: p.hits),
+            (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.", lambda s,
+             p: s.slots_busy if s else 0),
+            (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s,
+             p: s.requests_waiting if s else 0),
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s,
+             p: s.kv_cache_usage if s else 0.0),
+            (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             lambda s, p: p.queries),
+            (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", lambda s,
+             p: p.hits),
             (counter, "vllm:prompt_tokens", "Number of prefill tokens processed.", lambda s, p: p.prompt_tokens),
-            (counter, "vllm:generation_tokens", "Number of generation tokens processed.", lambda s, p: p.generation_tokens),
-            (counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda s, p: s.spec_drafts if s else 0),
-            (counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", lambda s, p: s.spec_draft_tokens if s else 0),
-            (counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", lambda s, p: s.spec_accepted_tokens if s else 0),
+            (counter, "vllm:generation_tokens", "Number of generation tokens processed.", lambda s,
+             p: p.generation_tokens),
+            (counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda s,
+             p: s.spec_drafts if s else 0),
+            (counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", lambda s,
+             p: s.spec_draft_tokens if s else 0),
+            (counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", lambda s,
+             p: s.spec_accepted_tokens if s else 0),
         ):
             f = family(name, doc, labels=labels)
             for model, stats, p in rows:

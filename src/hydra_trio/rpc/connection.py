@@ -48,7 +48,9 @@ class Connection:
         if want is None:
             await self.read_into(view[got:])
             return buf, None
-        digest = await recv_exactly_hashing(self.sock.recv_into, view, want, got=got, idle_timeout_s=self.idle_timeout_s)
+        digest = await recv_exactly_hashing(
+            self.sock.recv_into, view, want, got=got, idle_timeout_s=self.idle_timeout_s
+        )
         return buf, digest
 
     async def read_payload(self, n: int) -> np.ndarray:

@@ -45,7 +45,10 @@ async def open_rpc_listeners(settings: Settings) -> list[trio.SocketListener]:
 
 
 async def serve_rpc(
-    state: AppState, listeners: list[trio.SocketListener], *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    state: AppState,
+    listeners: list[trio.SocketListener],
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     settings = state.settings
     port = listeners[0].socket.getsockname()[1]
@@ -189,11 +192,14 @@ async def _connection_loop(state: AppState, ops: OpTable, conn: Connection, budg
         spec: OpSpec | None = None
         try:
             if head.flags != 0:
-                raise ProtocolError(ErrorCode.BAD_FRAME, f"unsupported flags 0x{head.flags:02x}", status=Status.BAD_REQUEST)
+                raise ProtocolError(
+                    ErrorCode.BAD_FRAME, f"unsupported flags 0x{head.flags:02x}", status=Status.BAD_REQUEST
+                )
             spec = ops.get(head.op)
             cap = spec.cap(settings)
             if head.payload_len > cap:
-                raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the cap of {cap}")
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"{op_name} payload of {head.payload_len} bytes exceeds the "
+                                    f"cap of {cap}")
             spec.precheck(ctx)
             await budget.take(head.payload_len, within_s=settings.idle_timeout_s, what=f"a {op_name} payload")
         except ProtocolError as err:

@@ -230,7 +230,8 @@ class OpTable:
         meta = await slot_state.restore(self.engine, ctx.slot_id, payload, self._owner(ctx, "STATE_PUT"))
         self.state.metrics.restore_bytes.inc(len(payload))
         ctx.log.info(
-            "STATE_PUT slot %d: n_past %d, %d bytes in %.1f ms", ctx.slot_id, meta["n_past"], len(payload), meta["restore_ms"],
+            "STATE_PUT slot %d: n_past "
+            "%d, %d bytes in %.1f ms", ctx.slot_id, meta["n_past"], len(payload), meta["restore_ms"],
             extra=ctx.request_line("STATE_PUT", "done", e2e_ms=round(meta["restore_ms"], 3)),
         )
         return Reply.ok(meta)
@@ -399,7 +400,8 @@ class OpTable:
         n_past = copy.n_past
         self.state.metrics.prompt_tokens.labels("prefill").inc(len(tokens))
         ctx.log.info(
-            "PREFILL slot %d: %d tokens in %.1f ms%s", ctx.slot_id, n_past, prefill_ms, "" if lora is None else f", LoRA {lora}",
+            "PREFILL slot %d: %d "
+            "tokens in %.1f ms%s", ctx.slot_id, n_past, prefill_ms, "" if lora is None else f", LoRA {lora}",
             extra=ctx.request_line("PREFILL", "done", prompt_tokens=n_past, e2e_ms=round(prefill_ms, 3), lora=lora),
         )
         meta = {
@@ -411,7 +413,8 @@ class OpTable:
             # One model is served: a PREFILL that names another is served by it, and says so
             # (the spec's model_fallback), rather than answered as if it were that model.
             # (A "model" naming a LoRA adapter was served by it: params.model.)
-            "model_fallback": params.model is None and _names_another_model(body.get("model"), identity.model_alias, identity.model_name),
+            "model_fallback": params.model is None and _names_another_model(body.get("model"), identity.model_alias,
+                                                                            identity.model_name),
             **identity.fields(),
             **made_under,
         }

@@ -265,7 +265,8 @@ class ModelPool:
                 continue
             victim = None if self._freeing() else self._lru_idle()  # room being made: wait for it
             if victim is not None:
-                self._begin_unload(victim, ModelState.UNLOADED, f"evicted for {entry.name} (--models-max {self.models_max})")
+                self._begin_unload(victim, ModelState.UNLOADED, f"evicted for {entry.name} (--models-max "
+                                   f"{self.models_max})")
                 victim.evictions += 1
                 continue
             await self._wait(entry, self._change)  # a model is being freed, or every resident one serves requests
@@ -322,7 +323,9 @@ class ModelPool:
         engine: Engine | None = None
         try:
             with scope:
-                engine = await Engine.load(entry.path, self._settings_for(entry, wake), alias=entry.name, lane=self.lane)
+                engine = await Engine.load(
+                    entry.path, self._settings_for(entry, wake), alias=entry.name, lane=self.lane
+                )
         except (Exception, SystemExit) as exc:  # SystemExit: the engine's refusal of a setting for this model
             entry.failure = exc
             log.error("model %s failed to load: %s", entry.name, exc)
@@ -398,7 +401,12 @@ class ModelPool:
             while True:
                 now, due = trio.current_time(), math.inf
                 for entry in self._entries.values():
-                    if entry.pinned or entry.state is not ModelState.LOADED or entry.transition is not None or entry.users:
+                    if (
+                        entry.pinned
+                        or entry.state is not ModelState.LOADED
+                        or entry.transition is not None
+                        or entry.users
+                    ):
                         continue
                     at = entry.last_used + self._sleep_s
                     if at <= now:

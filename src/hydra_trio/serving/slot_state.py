@@ -48,7 +48,9 @@ async def snapshot(engine: Engine, slot_id: int, owner: str, budget: ByteBudget,
     except BaseException:
         budget.release(held)
         raise
-    return Snapshot(copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, chunk, held, made_under)
+    return Snapshot(
+        copy.parts, copy.n_past, copy.state_size, kv_hash, (time.perf_counter() - t0) * 1000.0, chunk, held, made_under
+    )
 
 
 async def restore(engine: Engine, slot_id: int, blob: memoryview, owner: str) -> dict[str, Any]:

@@ -67,7 +67,8 @@ BODIES: dict[str, list[dict[str, Any]]] = {
                 {"role": "assistant", "content": [
                     {"type": "thinking", "thinking": "plan", "signature": ""},
                     {"type": "tool_use", "id": "t1", "name": "get_time", "input": {"city": "Paris"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "noon", "is_error": False}]},
+                {"role": "user",
+                 "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "noon", "is_error": False}]},
             ],
             "tools": [{"name": "get_time", "description": "d", "input_schema": SCHEMA}],
             "tool_choice": {"type": "auto", "disable_parallel_tool_use": False},
@@ -80,7 +81,8 @@ BODIES: dict[str, list[dict[str, Any]]] = {
     ],
     "/v1/responses": [
         {
-            "model": "m", "max_output_tokens": 4, "temperature": 0, "stream": False, "store": False, "instructions": "be brief",
+            "model": "m", "max_output_tokens": 4, "temperature": 0, "stream": False, "store": False,
+            "instructions": "be brief",
             "input": [
                 {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
                 {"role": "user", "content": "hi"},
@@ -89,7 +91,8 @@ BODIES: dict[str, list[dict[str, Any]]] = {
                 {"type": "function_call_output", "call_id": "c1", "output": "noon"},
             ],
             "tools": [{"type": "function", "name": "get_time", "parameters": SCHEMA}, {"type": "web_search"}],
-            "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"effort": "low"}, "text": {"format": {"type": "text"}},
+            "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"effort": "low"},
+            "text": {"format": {"type": "text"}},
         },
         {
             "input": "a forecast", "max_output_tokens": 8, "stream": True, "cache_salt": "s",
@@ -97,20 +100,59 @@ BODIES: dict[str, list[dict[str, Any]]] = {
         },
     ],
 }
-BODIES["/v1/messages/count_tokens"] = [{k: v for k, v in b.items() if k not in ("max_tokens", "stream")} for b in BODIES["/v1/messages"]]
+BODIES["/v1/messages/count_tokens"] = [
+    {k: v for k, v in b.items() if k not in ("max_tokens", "stream")} for b in BODIES["/v1/messages"]
+]
 BODIES["/v1/responses/input_tokens"] = [
     {k: v for k, v in b.items() if k not in ("max_output_tokens", "stream")} for b in BODIES["/v1/responses"]
 ]
 ROUTES = tuple(BODIES)
 # Keys a case may add where the valid bodies lack them (every codec reads or refuses them).
 NEW_KEYS = (
-    "max_tokens", "max_completion_tokens", "n", "logit_bias", "grammar", "json_schema", "response_format", "previous_response_id",
-    "conversation", "background", "output_format", "thinking", "chat_template_kwargs", "kv_transfer_params", "speculative",
-    "min_tokens", "ignore_eos", "reasoning_budget_tokens", "reasoning_format", "prompt", "functions", "function_call", "x",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "logit_bias",
+    "grammar",
+    "json_schema",
+    "response_format",
+    "previous_response_id",
+    "conversation",
+    "background",
+    "output_format",
+    "thinking",
+    "chat_template_kwargs",
+    "kv_transfer_params",
+    "speculative",
+    "min_tokens",
+    "ignore_eos",
+    "reasoning_budget_tokens",
+    "reasoning_format",
+    "prompt",
+    "functions",
+    "function_call",
+    "x",
 )
 SCHEMA_KEYWORDS = (
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "minItems", "maxItems", "pattern",
-    "format", "enum", "const", "$ref", "anyOf", "allOf", "items", "properties", "required", "additionalProperties",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "pattern",
+    "format",
+    "enum",
+    "const",
+    "$ref",
+    "anyOf",
+    "allOf",
+    "items",
+    "properties",
+    "required",
+    "additionalProperties",
 )
 
 
@@ -171,16 +213,54 @@ def strategies(route: str) -> Any:
     from hypothesis import strategies as st
 
     scalars = (
-        st.none() | st.booleans() | st.integers() | st.sampled_from([0, -1, 1, 2**31, 2**63, 10**30, -(10**400), 10**400])
-        | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20)
-        | st.sampled_from(["", "none", "auto", "required", "text", "json", "json_object", "json_schema", "function", "tool", "any",
-                           "user", "assistant", "system", "developer", "tool_use", "tool_result", "thinking", "reasoning", "message",
-                           "function_call", "image", "enabled", "\ud800", "<|im_start|>", "{{ 7*7 }}", "x" * 5000])
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.sampled_from([0, -1, 1, 2**31, 2**63, 10**30, -(10**400), 10**400])
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=20)
+        | st.sampled_from(
+            [
+                "",
+                "none",
+                "auto",
+                "required",
+                "text",
+                "json",
+                "json_object",
+                "json_schema",
+                "function",
+                "tool",
+                "any",
+                "user",
+                "assistant",
+                "system",
+                "developer",
+                "tool_use",
+                "tool_result",
+                "thinking",
+                "reasoning",
+                "message",
+                "function_call",
+                "image",
+                "enabled",
+                "\ud800",
+                "<|im_start|>",
+                "{{ 7*7 }}",
+                "x" * 5000,
+            ]
+        )
     )
     values = st.recursive(
         scalars,
-        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["type", "text", "name", "content", "role",
-                                                                                     "schema", *SCHEMA_KEYWORDS, "x"]), inner, max_size=4),
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(["type", "text", "name", "content", "role", "schema", *SCHEMA_KEYWORDS, "x"]),
+                inner,
+                max_size=4,
+            )
+        ),
         max_leaves=8,
     )
 
@@ -219,7 +299,9 @@ class DialectFuzzReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "cases": dict(self.cases), "total": sum(self.cases.values()), "by_route_and_status": dict(sorted(self.statuses.items())),
+            "cases": dict(self.cases),
+            "total": sum(self.cases.values()),
+            "by_route_and_status": dict(sorted(self.statuses.items())),
             "findings": self.findings,
             "elapsed_s": round(self.elapsed_s, 1),
         }
@@ -248,7 +330,9 @@ def stream_problem(route: str, text: str) -> str | None:
             return f"chat stream without [DONE]: ...{text[-200:]!r}"
         return None
     events = [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
-    ends = ("message_stop", "error") if route == "/v1/messages" else ("response.completed", "response.incomplete", "error")
+    ends = (
+        ("message_stop", "error") if route == "/v1/messages" else ("response.completed", "response.incomplete", "error")
+    )
     if not events or events[-1] not in ends:
         return f"{route} stream ended with {events[-1:]} (want one of {ends}): ...{text[-200:]!r}"
     return None
@@ -279,7 +363,9 @@ async def exchange(client: httpx.AsyncClient, route: str, body: dict[str, Any], 
             report.find("not_json", f"{route} HTTP {r.status_code} {raw[:200]!r} for {case}")
 
 
-async def run_fuzz(port: int, *, cases_per_route: int, seed: int = 0, concurrency: int = 4, time_limit_s: float = 3600.0) -> DialectFuzzReport:
+async def run_fuzz(
+    port: int, *, cases_per_route: int, seed: int = 0, concurrency: int = 4, time_limit_s: float = 3600.0
+) -> DialectFuzzReport:
     """``cases_per_route`` cases of each route (hypothesis, seeded; the routes one after the
     other), ``concurrency`` at a time."""
     from hypothesis import HealthCheck, Phase, given, settings

@@ -40,5 +40,7 @@ async def engine_health(rpc_port: int, http: httpx.AsyncClient, *, settle_s: flo
     r = await http.get(f"/v1/decode/{rid}", params={"wait": 30})
     out["final_decode"] = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
     out["health_status"] = (await http.get("/health")).status_code
-    out["ok"] = out["running_after"] == 0 and out["stuck_slots"] == 0 and out["final_decode"] and out["health_status"] == 200
+    out["ok"] = (
+        out["running_after"] == 0 and out["stuck_slots"] == 0 and out["final_decode"] and out["health_status"] == 200
+    )
     return out

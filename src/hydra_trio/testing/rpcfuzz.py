@@ -250,7 +250,9 @@ def _replace_somewhere(rng: random.Random, obj: Any, depth: int = 0) -> Any:
         if roll < 0.1:
             del out[key]
         elif roll < 0.2:
-            out[rng.choice(["n_predict", "stop", "stream", "seed", "messages", "prompt", "v", "x"])] = rng.choice(INTERESTING)
+            out[rng.choice(["n_predict", "stop", "stream", "seed", "messages", "prompt", "v", "x"])] = rng.choice(
+                INTERESTING
+            )
         else:
             out[key] = _replace_somewhere(rng, out[key], depth + 1)
         return out
@@ -269,7 +271,9 @@ def _deep_decode(rng: random.Random, seeds: Seeds) -> bytes:
     chat: Any = {"messages": MESSAGES, "n_predict": rng.choice([1, 4, 16]), "temperature": 0}
     if rng.random() < 0.6:
         chat = _replace_somewhere(rng, chat)
-    prompt = json.dumps(chat).encode() if rng.random() < 0.9 else bytes(rng.randrange(256) for _ in range(rng.randrange(8)))
+    prompt = (
+        json.dumps(chat).encode() if rng.random() < 0.9 else bytes(rng.randrange(256) for _ in range(rng.randrange(8)))
+    )
     kv = rng.choice([seeds.blob, b"", seeds.blob[: rng.randrange(1, len(seeds.blob))]])
     if kv and rng.random() < 0.2:
         flipped = bytearray(kv)
@@ -282,7 +286,12 @@ def _deep_decode(rng: random.Random, seeds: Seeds) -> bytes:
     if rng.random() < 0.9:
         head["segments"] = [
             {"id": "prompt", "offset": 0, "len": len(prompt), "hash": xxh3_tag(prompt) if rng.random() < 0.7 else ""},
-            {"id": "kv", "offset": len(prompt), "len": len(kv), "hash": xxh3_tag(kv) if kv and rng.random() < 0.7 else ""},
+            {
+                "id": "kv",
+                "offset": len(prompt),
+                "len": len(kv),
+                "hash": xxh3_tag(kv) if kv and rng.random() < 0.7 else "",
+            },
         ]
     header_json = json.dumps(head, separators=(",", ":")).encode()
     return encode_v3_raw(header_json, prompt + kv)
@@ -306,7 +315,11 @@ def mutate(rng: random.Random, seeds: Seeds) -> Request:
     elif kind == 5:  # extended payload
         req.payload = req.payload + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
     elif kind == 6:  # another key
-        req.key = rng.choice([b"", b"0", b"1", b"2", b"-1", b" 1", b"01", b"99999999999999999999", b"x"]) if rng.random() < 0.7 else rng.randbytes(rng.randrange(1, 9))
+        req.key = (
+            rng.choice([b"", b"0", b"1", b"2", b"-1", b" 1", b"01", b"99999999999999999999", b"x"])
+            if rng.random() < 0.7
+            else rng.randbytes(rng.randrange(1, 9))
+        )
     elif kind == 7:  # a trace id, possibly not UTF-8
         req.trace = rng.randbytes(rng.randrange(1, 300))
     elif kind == 8:  # splice two valid payloads
@@ -326,10 +339,17 @@ def hypothesis_requests(seeds: Seeds) -> Any:
     """A hypothesis strategy of whole requests."""
     from hypothesis import strategies as st
 
-    scalars = st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats(allow_nan=False) | st.text(max_size=12)
-    values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
+    scalars = (
+        st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats(allow_nan=False) | st.text(max_size=12)
+    )
+    values = st.recursive(
+        scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12
+    )
     message = st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | st.text(max_size=5) | values, "content": st.text(max_size=40) | values}
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | st.text(max_size=5) | values,
+            "content": st.text(max_size=40) | values,
+        }
     )
     chat = st.fixed_dictionaries(
         {},
@@ -350,7 +370,12 @@ def hypothesis_requests(seeds: Seeds) -> Any:
     kv_meta = st.fixed_dictionaries({}, optional={k: st.just(v) | values for k, v in ident.items()})
     header = st.fixed_dictionaries(
         {"v": st.just(3) | values},
-        optional={"model": st.just("") | values, "kv_metadata": kv_meta | values, "model_metadata": kv_meta, "generation": chat | values},
+        optional={
+            "model": st.just("") | values,
+            "kv_metadata": kv_meta | values,
+            "model_metadata": kv_meta,
+            "generation": chat | values,
+        },
     )
     blob = seeds.blob
     kvs = st.sampled_from([b"", blob]) | st.binary(max_size=64) | st.integers(1, len(blob) - 1).map(lambda n: blob[:n])
@@ -383,7 +408,18 @@ def hypothesis_requests(seeds: Seeds) -> Any:
     payloads = {
         Op.DECODE: decode_frames,
         Op.PREFILL: (chat | values).map(encode_json),
-        Op.CONFIGURE: st.fixed_dictionaries({}, optional={"n_predict": values, "seed": values, "n_keep": values, "antiprompt": values, "sampling": values, "state_chunk_size": values}).map(encode_json) | values.map(encode_json),
+        Op.CONFIGURE: st.fixed_dictionaries(
+            {},
+            optional={
+                "n_predict": values,
+                "seed": values,
+                "n_keep": values,
+                "antiprompt": values,
+                "sampling": values,
+                "state_chunk_size": values,
+            },
+        ).map(encode_json)
+        | values.map(encode_json),
         Op.STATE_PUT: kvs,
     }
     ops = st.sampled_from(OPS)
@@ -403,7 +439,9 @@ def hypothesis_requests(seeds: Seeds) -> Any:
 
 
 class Campaign:
-    def __init__(self, rpc_port: int, http_port: int, seeds: Seeds, report: FuzzReport, *, hang_s: float, seed: int) -> None:
+    def __init__(
+        self, rpc_port: int, http_port: int, seeds: Seeds, report: FuzzReport, *, hang_s: float, seed: int
+    ) -> None:
         self.rpc_port = rpc_port
         self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=hang_s)
         self.seeds = seeds
@@ -520,7 +558,9 @@ async def _hypothesis_block(campaign: Campaign, seeds: Seeds, n: int, seed: int,
     strategy = hypothesis_requests(seeds)
 
     @hseed(seed)
-    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+    )
     @given(strategy)
     def run(req: Request) -> None:
         if time.monotonic() < deadline:

@@ -36,7 +36,8 @@ class DecodeHttpClient:
         async with self.http.stream("GET", f"/v1/decode/{request_id}", headers={"Accept": "text/event-stream"}) as resp:
             if resp.status_code != 200:
                 body = await resp.aread()
-                raise httpx.HTTPStatusError(f"GET /v1/decode/{request_id}: {resp.status_code} {body[:300]!r}", request=resp.request, response=resp)
+                raise httpx.HTTPStatusError(f"GET /v1/decode/{request_id}: {resp.status_code} "
+                                            f"{body[:300]!r}", request=resp.request, response=resp)
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue

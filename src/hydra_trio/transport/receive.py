@@ -129,7 +129,9 @@ async def recv_bytes(recv_into: RecvInto, n: int) -> bytearray:
     return buf
 
 
-async def read_reply_head(recv_into: RecvInto, *, max_meta_bytes: int | None = None) -> tuple[ResponseHeader, dict[str, Any]]:
+async def read_reply_head(
+    recv_into: RecvInto, *, max_meta_bytes: int | None = None
+) -> tuple[ResponseHeader, dict[str, Any]]:
     """A reply's header and its meta (strict JSON, an object; ``{}`` when empty); the caller
     reads its ``payload_len`` bytes of payload as it sees fit. BAD_FRAME for a malformed
     header, TOO_LARGE for a meta over ``max_meta_bytes``, BAD_JSON for a bad meta."""

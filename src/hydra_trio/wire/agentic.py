@@ -100,7 +100,8 @@ def _agentic_context(body: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     if isinstance(raw, str):
         if len(raw) > MAX_CONTEXT_CHARS:
-            raise bad_param(f"vllm_xargs.agentic_context is over {MAX_CONTEXT_CHARS} characters", "vllm_xargs.agentic_context")
+            raise bad_param(f"vllm_xargs.agentic_context is over {MAX_CONTEXT_CHARS} "
+                            "characters", "vllm_xargs.agentic_context")
         try:
             raw = json.loads(raw)
         except ValueError:
@@ -139,7 +140,12 @@ def _seconds(context: Mapping[str, Any], *keys: str) -> float | None:
         value = context.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or not 0 <= value <= MAX_SECONDS
+        ):
             raise bad_param(f"{_where(key)} must be seconds, 0..{MAX_SECONDS:g}", _where(key))
         return float(value)
     return None

@@ -165,7 +165,9 @@ def parse_decode_frame(
     )
 
 
-def v3_kv_span(head: Buffer, payload_len: int, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> tuple[int, int] | None:
+def v3_kv_span(
+    head: Buffer, payload_len: int, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+) -> tuple[int, int] | None:
     """Where the kv segment of a v3 DECODE payload lies, from its first bytes alone: the
     u32 length, the header hash and the header. ``(start, length)`` within the payload when
     the header is intact and names a kv hash to check; None otherwise (too few bytes yet, a

@@ -85,7 +85,8 @@ def _refuse_lone_surrogates(text: str, value: Any, what: str) -> None:
                 string.encode("utf-8")
             except UnicodeEncodeError:
                 raise ProtocolError(
-                    ErrorCode.BAD_JSON, f"{what}: a string holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair): not Unicode text"
+                    ErrorCode.BAD_JSON, f"{what}: a string holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "
+                    "without its pair): not Unicode text"
                 ) from None
 
 
@@ -337,6 +338,12 @@ def read_bounded(text: str, max_depth: int = MAX_MODEL_DEPTH) -> Any:
 
 
 __all__ = [
-    "MAX_MODEL_DEPTH", "SLICED_MIN_CHARS", "JsonSpan", "parse_json", "parse_json_object", "parse_json_sliced", "read_bounded",
+    "MAX_MODEL_DEPTH",
+    "SLICED_MIN_CHARS",
+    "JsonSpan",
+    "parse_json",
+    "parse_json_object",
+    "parse_json_sliced",
+    "read_bounded",
     "read_bounded_at",
 ]

@@ -84,7 +84,8 @@ def parse_pull_request(payload: Buffer) -> tuple[str, bool]:
     """(the export id a KV_PULL names, whether the puller takes the shared-memory form);
     BAD_JSON / BAD_FRAME otherwise."""
     if len(payload) > KV_PULL_MAX_REQUEST_BYTES:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"KV_PULL payload of {len(payload)} bytes exceeds {KV_PULL_MAX_REQUEST_BYTES}")
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"KV_PULL payload of {len(payload)} bytes exceeds "
+                            f"{KV_PULL_MAX_REQUEST_BYTES}")
     body = parse_json_object(payload, "KV_PULL")
     return check_export_id(body.get("export_id")), body.get("shm") is True
 
@@ -230,7 +231,8 @@ def check_pulled(params: HandoffParams, meta: Mapping[str, Any], payload: Buffer
     expected = parse_tag(params.kv_hash, "kv_hash")
     actual = xxh3_64(payload) if digest is None else digest
     if actual != expected or str(meta.get("kv_hash", "")).lower() != params.kv_hash:
-        raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got {format_tag(actual)})")
+        raise ProtocolError(ErrorCode.HASH_MISMATCH, f"KV_PULL: kv hash mismatch (export {params.kv_hash}, got "
+                            f"{format_tag(actual)})")
 
 
 __all__ = [

@@ -64,7 +64,8 @@ class Session:
         except Exception as exc:  # the client's own failure is part of what is recorded
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
             traceback.print_exc(limit=2)
-        self.save(scenario, self.rec.take(), note if error is None else f"{note + '; ' if note else ''}client raised {error}")
+        self.save(scenario, self.rec.take(), note if error is None else f"{note + '; ' if note else ''}client "
+                  f"raised {error}")
 
     def save(self, scenario: str, captured: list[Captured], note: str | None = None) -> None:
         requests = [self._request(i, c) for i, c in enumerate(c for c in captured if c.body is not None)]
@@ -107,10 +108,16 @@ def record_claude_code(rec: Recorder, store: Store, work: Path, npm: Path) -> No
         def run() -> None:
             base = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_", "ENABLE_"))}
             base.update(
-                ANTHROPIC_BASE_URL=rec.url, ANTHROPIC_API_KEY="dummy", HOME=str(home), CLAUDE_CONFIG_DIR=str(home / ".claude"),
+                ANTHROPIC_BASE_URL=rec.url,
+                ANTHROPIC_API_KEY="dummy",
+                HOME=str(home),
+                CLAUDE_CONFIG_DIR=str(home / ".claude"),
                 # No traffic but the conversation: no telemetry, update checks or error reports.
-                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", DISABLE_ERROR_REPORTING="1",
-                DISABLE_AUTOUPDATER="1", **env,
+                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+                DISABLE_TELEMETRY="1",
+                DISABLE_ERROR_REPORTING="1",
+                DISABLE_AUTOUPDATER="1",
+                **env,
             )
             p = subprocess.run([str(exe), "-p", *args], cwd=project, env=base, capture_output=True, text=True,
                                timeout=300, stdin=subprocess.DEVNULL)
@@ -121,9 +128,12 @@ def record_claude_code(rec: Recorder, store: Store, work: Path, npm: Path) -> No
     ask = "Read notes.txt and tell me what it says."
     session.run("tool-search-off", Plan(prefer=["Read"], args=read), claude(ask, ENABLE_TOOL_SEARCH="false"),
                 note="ENABLE_TOOL_SEARCH=false: all 21 tools on every turn")
-    session.run("tool-search-on", Plan(prefer=["ToolSearch"], args={"ToolSearch": {"query": "select:SendMessage,WebFetch"}}),
-                claude(ask, ENABLE_TOOL_SEARCH="true"),
-                note="ENABLE_TOOL_SEARCH=true: 12 tools with a deferred placeholder; turn 1 loads SendMessage and WebFetch")
+    session.run(
+        "tool-search-on",
+        Plan(prefer=["ToolSearch"], args={"ToolSearch": {"query": "select:SendMessage,WebFetch"}}),
+        claude(ask, ENABLE_TOOL_SEARCH="true"),
+        note="ENABLE_TOOL_SEARCH=true: 12 tools with a deferred placeholder; turn 1 loads SendMessage and WebFetch",
+    )
     session.run("default-custom-base-url", Plan(prefer=["Read"], args=read), claude(ask),
                 note="ENABLE_TOOL_SEARCH unset, as a user of a custom ANTHROPIC_BASE_URL has it")
     session.run("model-local", Plan(prefer=["Read"], args=read),
@@ -134,8 +144,12 @@ def record_claude_code(rec: Recorder, store: Store, work: Path, npm: Path) -> No
     session.run("subagent", Plan(prefer=["Agent", "Read"], args={"Agent": agent, **read}, once=["Agent"]),
                 claude(ask, ENABLE_TOOL_SEARCH="false"),
                 note="turn 1 starts a general-purpose subagent; its own requests follow")
-    schema = {"type": "object", "properties": {"summary": {"type": "string"}, "lines": {"type": "integer", "minimum": 0}},
-              "required": ["summary", "lines"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"summary": {"type": "string"}, "lines": {"type": "integer", "minimum": 0}},
+        "required": ["summary", "lines"],
+        "additionalProperties": False,
+    }
     session.run("json-schema", Plan(prefer=["Read"], args=read, final_tools=["StructuredOutput"]),
                 claude("--json-schema", json.dumps(schema), ask, ENABLE_TOOL_SEARCH="false"),
                 note="--json-schema: a typed final answer beside the tools")
@@ -162,20 +176,42 @@ def record_codex(rec: Recorder, store: Store, work: Path, npm: Path) -> None:
             )
             env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "CODEX_"))}
             env.update(CODEX_HOME=str(home), RECORDER_API_KEY="dummy", HOME=str(work / "codex-user"))
-            p = subprocess.run([str(exe), "exec", "--skip-git-repo-check", *extra, "List the files here, then read notes.txt."],
-                               cwd=project, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+            p = subprocess.run(
+                [str(exe), "exec", "--skip-git-repo-check", *extra, "List the files here, then read notes.txt."],
+                cwd=project,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                stdin=subprocess.DEVNULL,
+            )
             if p.returncode:
                 said = [line for line in p.stderr.splitlines() if "rror" in line or "How to fix" in line]
                 raise RuntimeError(f"codex exited {p.returncode}: {' '.join(said)[-400:]}")
         return run
 
-    plan = Plan(prefer=["exec_command", "shell", "shell_command"], args={"exec_command": {"cmd": "ls"}, "shell": {"command": ["ls"]}})
+    plan = Plan(
+        prefer=["exec_command", "shell", "shell_command"],
+        args={"exec_command": {"cmd": "ls"}, "shell": {"command": ["ls"]}},
+    )
     session.run("exec-responses", plan, codex("responses"), note='wire_api = "responses"')
     schema = work / "codex-schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"files": {"type": "array", "items": {"type": "string"}}},
-                                  "required": ["files"], "additionalProperties": False}))
-    session.run("exec-output-schema", Plan(prefer=plan.prefer, args=plan.args), codex("responses", "--output-schema", str(schema)),
-                note="--output-schema: the tools beside a typed final answer (text.format)")
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"files": {"type": "array", "items": {"type": "string"}}},
+                "required": ["files"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    session.run(
+        "exec-output-schema",
+        Plan(prefer=plan.prefer, args=plan.args),
+        codex("responses", "--output-schema", str(schema)),
+        note="--output-schema: the tools beside a typed final answer (text.format)",
+    )
     session.run("exec-chat", plan, codex("chat"), note='wire_api = "chat"')
 
 
@@ -256,8 +292,18 @@ WEATHER_TOOL = {
                        "required": ["city", "days"], "additionalProperties": False},
     },
 }
-TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "description": "IANA zone, e.g. Europe/Paris"}}, "required": ["zone"]}}}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Time in a zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "description": "IANA zone, e.g. Europe/Paris"}},
+            "required": ["zone"],
+        },
+    },
+}
 
 
 def record_openai_python(rec: Recorder, store: Store, work: Path, npm: Path) -> None:
@@ -281,7 +327,11 @@ def record_openai_python(rec: Recorder, store: Store, work: Path, npm: Path) -> 
         client.chat.completions.create(model="gpt-test", messages=messages, **kw)
 
     session.run("chat-tools-auto", weather, lambda: chat_loop(tools=tools))
-    session.run("chat-tools-required", weather, lambda: chat_loop(tools=tools, tool_choice="required", parallel_tool_calls=False))
+    session.run(
+        "chat-tools-required",
+        weather,
+        lambda: chat_loop(tools=tools, tool_choice="required", parallel_tool_calls=False),
+    )
 
     def stream_named() -> None:
         with client.chat.completions.stream(model="gpt-test", messages=user, tools=tools,  # type: ignore[arg-type]
@@ -292,24 +342,49 @@ def record_openai_python(rec: Recorder, store: Store, work: Path, npm: Path) -> 
         plan = Plan(args={"$format": values[name]})
         session.run(f"chat-parse-{name}", plan, lambda m=models[name]: client.chat.completions.parse(
             model="gpt-test", messages=user, response_format=m))
-    session.run("chat-json-object", Plan(args={"$format": {"ok": True}}), lambda: client.chat.completions.create(
-        model="gpt-test", messages=[{"role": "user", "content": "Answer in JSON."}], response_format={"type": "json_object"}))
-    strict_tools = [openai.pydantic_function_tool(models["GetWeather"]), openai.pydantic_function_tool(models["Person"]),
-                    openai.pydantic_function_tool(models["TreeNode"])]
-    session.run("chat-pydantic-function-tools", Plan(prefer=["GetWeather"], args={"GetWeather": {"city": "Rome", "days": 2}}),
-                lambda: client.chat.completions.parse(model="gpt-test", messages=user, tools=strict_tools, tool_choice="required"))
+    session.run(
+        "chat-json-object",
+        Plan(args={"$format": {"ok": True}}),
+        lambda: client.chat.completions.create(
+            model="gpt-test",
+            messages=[{"role": "user", "content": "Answer in JSON."}],
+            response_format={"type": "json_object"},
+        ),
+    )
+    strict_tools = [
+        openai.pydantic_function_tool(models["GetWeather"]),
+        openai.pydantic_function_tool(models["Person"]),
+        openai.pydantic_function_tool(models["TreeNode"]),
+    ]
+    session.run(
+        "chat-pydantic-function-tools",
+        Plan(prefer=["GetWeather"], args={"GetWeather": {"city": "Rome", "days": 2}}),
+        lambda: client.chat.completions.parse(
+            model="gpt-test", messages=user, tools=strict_tools, tool_choice="required"
+        ),
+    )
 
     def typed_and_tools() -> None:
         messages: list[Any] = list(user)
         tools_ = [openai.pydantic_function_tool(models["GetWeather"])]
-        first = client.chat.completions.parse(model="gpt-test", messages=messages, tools=tools_, response_format=models["Forecast"])
+        first = client.chat.completions.parse(
+            model="gpt-test", messages=messages, tools=tools_, response_format=models["Forecast"]
+        )
         msg = first.choices[0].message
-        messages.append({"role": "assistant", "content": msg.content, "tool_calls": [c.model_dump() for c in msg.tool_calls or []]})
+        messages.append(
+            {"role": "assistant", "content": msg.content, "tool_calls": [c.model_dump() for c in msg.tool_calls or []]}
+        )
         for call in msg.tool_calls or []:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
-        client.chat.completions.parse(model="gpt-test", messages=messages, tools=tools_, response_format=models["Forecast"])
-    session.run("chat-parse-tools-and-format", Plan(prefer=["GetWeather"], args={"GetWeather": {"city": "Rome", "days": 2},
-                                                                                "$format": values["Forecast"]}), typed_and_tools)
+        client.chat.completions.parse(
+            model="gpt-test", messages=messages, tools=tools_, response_format=models["Forecast"]
+        )
+
+    session.run(
+        "chat-parse-tools-and-format",
+        Plan(prefer=["GetWeather"], args={"GetWeather": {"city": "Rome", "days": 2}, "$format": values["Forecast"]}),
+        typed_and_tools,
+    )
 
     # Responses
     rtools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
@@ -329,7 +404,9 @@ def record_openai_python(rec: Recorder, store: Store, work: Path, npm: Path) -> 
         with client.responses.stream(model="gpt-test", input=USER, tools=rtools, tool_choice=choice) as s:
             s.get_final_response()
     session.run("responses-tools-required-stream", weather, lambda: responses_stream("required"))
-    session.run("responses-tools-named-stream", Plan(), lambda: responses_stream({"type": "function", "name": "get_time"}))
+    session.run(
+        "responses-tools-named-stream", Plan(), lambda: responses_stream({"type": "function", "name": "get_time"})
+    )
     for name in ("Person", "TreeNode"):
         session.run(f"responses-parse-{name}", Plan(args={"$format": values[name]}),
                     lambda m=models[name]: client.responses.parse(model="gpt-test", input=USER, text_format=m))
@@ -342,8 +419,12 @@ def record_openai_python(rec: Recorder, store: Store, work: Path, npm: Path) -> 
             if out.type == "function_call":
                 items.append({"type": "function_call_output", "call_id": out.call_id, "output": "sunny"})
         client.responses.parse(model="gpt-test", input=items, tools=rtools, text_format=models["Forecast"])
-    session.run("responses-parse-tools-and-format", Plan(prefer=["get_weather"], args={**weather.args, "$format": values["Forecast"]}),
-                responses_typed_and_tools)
+
+    session.run(
+        "responses-parse-tools-and-format",
+        Plan(prefer=["get_weather"], args={**weather.args, "$format": values["Forecast"]}),
+        responses_typed_and_tools,
+    )
 
 
 def record_anthropic_python(rec: Recorder, store: Store, work: Path, npm: Path) -> None:
@@ -361,31 +442,60 @@ def record_anthropic_python(rec: Recorder, store: Store, work: Path, npm: Path) 
         messages: list[Any] = list(user)
         first = client.messages.create(model="claude-test", max_tokens=1024, messages=messages, **kw)
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]})
-        results = [{"type": "tool_result", "tool_use_id": b.id, "content": "sunny, 21 C"} for b in first.content if b.type == "tool_use"]
+        results = [
+            {"type": "tool_result", "tool_use_id": b.id, "content": "sunny, 21 C"}
+            for b in first.content
+            if b.type == "tool_use"
+        ]
         if results:
             messages.append({"role": "user", "content": results})
         client.messages.create(model="claude-test", max_tokens=1024, messages=messages, **kw)
     session.run("messages-tools-auto", weather, lambda: loop(tools=tools, tool_choice={"type": "auto"}))
 
     def stream_any() -> None:
-        with client.messages.stream(model="claude-test", max_tokens=1024, messages=user, tools=tools, tool_choice={"type": "any"}) as s:
+        with client.messages.stream(
+            model="claude-test", max_tokens=1024, messages=user, tools=tools, tool_choice={"type": "any"}
+        ) as s:
             s.get_final_message()
     session.run("messages-tools-any-stream", weather, stream_any)
-    session.run("messages-tool-named", Plan(), lambda: loop(tools=tools, tool_choice={"type": "tool", "name": "get_weather",
-                                                                                       "disable_parallel_tool_use": True}))
+    session.run(
+        "messages-tool-named",
+        Plan(),
+        lambda: loop(
+            tools=tools, tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+        ),
+    )
     for name in ("Forecast", "Person", "TreeNode"):
-        session.run(f"messages-parse-{name}", Plan(args={"$format": values[name]}), lambda m=models[name]: client.messages.parse(
-            model="claude-test", max_tokens=1024, messages=user, output_format=m))
+        session.run(
+            f"messages-parse-{name}",
+            Plan(args={"$format": values[name]}),
+            lambda m=models[name]: client.messages.parse(
+                model="claude-test", max_tokens=1024, messages=user, output_format=m
+            ),
+        )
 
     def typed_and_tools() -> None:
         messages: list[Any] = list(user)
-        first = client.messages.parse(model="claude-test", max_tokens=1024, messages=messages, tools=tools, output_format=models["Forecast"])
-        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True, exclude={"parsed_output"}) for b in first.content]})
+        first = client.messages.parse(
+            model="claude-test", max_tokens=1024, messages=messages, tools=tools, output_format=models["Forecast"]
+        )
+        messages.append(
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True, exclude={"parsed_output"}) for b in first.content],
+            }
+        )
         messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "sunny"}
                                                      for b in first.content if b.type == "tool_use"]})
-        client.messages.parse(model="claude-test", max_tokens=1024, messages=messages, tools=tools, output_format=models["Forecast"])
-    session.run("messages-parse-tools-and-format", Plan(prefer=["get_weather"], args={**weather.args, "$format": values["Forecast"]}),
-                typed_and_tools)
+        client.messages.parse(
+            model="claude-test", max_tokens=1024, messages=messages, tools=tools, output_format=models["Forecast"]
+        )
+
+    session.run(
+        "messages-parse-tools-and-format",
+        Plan(prefer=["get_weather"], args={**weather.args, "$format": values["Forecast"]}),
+        typed_and_tools,
+    )
 
     @anthropic.beta_tool
     def search_docs(query: str, limit: int = 5, since: dt.date | None = None) -> str:
@@ -404,10 +514,16 @@ def record_anthropic_python(rec: Recorder, store: Store, work: Path, npm: Path) 
         return "1.0"
 
     def runner() -> None:
-        for _ in client.beta.messages.tool_runner(model="claude-test", max_tokens=1024, messages=user, tools=[search_docs, convert]):
+        for _ in client.beta.messages.tool_runner(
+            model="claude-test", max_tokens=1024, messages=user, tools=[search_docs, convert]
+        ):
             pass
     session.run("beta-tool-runner", Plan(prefer=["search_docs"], args={"search_docs": {"query": "weather"}}), runner)
-    session.run("count-tokens-tools", Plan(), lambda: client.messages.count_tokens(model="claude-test", messages=user, tools=tools))
+    session.run(
+        "count-tokens-tools",
+        Plan(),
+        lambda: client.messages.count_tokens(model="claude-test", messages=user, tools=tools),
+    )
 
 
 def record_pydantic(rec: Recorder, store: Store, work: Path, npm: Path) -> None:
@@ -425,8 +541,10 @@ def record_pydantic(rec: Recorder, store: Store, work: Path, npm: Path) -> None:
         schemas[f"to_strict_json_schema/{name}"] = to_strict_json_schema(model)
         schemas[f"pydantic_function_tool/{name}"] = openai.pydantic_function_tool(model)["function"]["parameters"]
         schemas[f"anthropic_transform_schema/{name}"] = transform_schema(model)
-    path = store.write_schemas("pydantic", {"source": "pydantic", "versions": pyversions("pydantic", "openai", "anthropic"),
-                                            "schemas": schemas})
+    path = store.write_schemas(
+        "pydantic",
+        {"source": "pydantic", "versions": pyversions("pydantic", "openai", "anthropic"), "schemas": schemas},
+    )
     print(f"  pydantic: {len(schemas)} schemas -> {path.name}")
 
 
@@ -493,15 +611,32 @@ def record_openai_agents(rec: Recorder, store: Store, work: Path, npm: Path) -> 
     def model(api: str) -> Any:
         # A client a run: each scenario is its own asyncio.run, and a pool outlives no loop.
         client = openai.AsyncOpenAI(base_url=f"{rec.url}/v1", api_key="dummy", max_retries=0)
-        return agents.OpenAIResponsesModel(OPENAI_MODEL, client) if api == "responses" else agents.OpenAIChatCompletionsModel(OPENAI_MODEL, client)
+        return (
+            agents.OpenAIResponsesModel(OPENAI_MODEL, client)
+            if api == "responses"
+            else agents.OpenAIChatCompletionsModel(OPENAI_MODEL, client)
+        )
 
     for api in ("responses", "chat"):
         plan = Plan(**FRAMEWORK_PLAN)
         plan.args["$format"] = values["Forecast"]
-        agent = agents.Agent(name="weather", instructions="Answer with a forecast.", tools=tools, output_type=models["Forecast"], model=model(api))
+        agent = agents.Agent(
+            name="weather",
+            instructions="Answer with a forecast.",
+            tools=tools,
+            output_type=models["Forecast"],
+            model=model(api),
+        )
         session.run(f"agent-tools-output-type-{api}", plan, lambda a=agent: agents.Runner.run(a, USER))
-        forced = agents.Agent(name="weather", instructions="Use a tool.", tools=tools, output_type=models["Forecast"], model=model(api),
-                              model_settings=agents.ModelSettings(tool_choice="required"), reset_tool_choice=True)
+        forced = agents.Agent(
+            name="weather",
+            instructions="Use a tool.",
+            tools=tools,
+            output_type=models["Forecast"],
+            model=model(api),
+            model_settings=agents.ModelSettings(tool_choice="required"),
+            reset_tool_choice=True,
+        )
         session.run(f"agent-required-output-type-{api}", plan, lambda a=forced: agents.Runner.run(a, USER))
 
 
@@ -513,7 +648,9 @@ def record_pydantic_ai(rec: Recorder, store: Store, work: Path, npm: Path) -> No
     from pydantic_ai.providers.openai import OpenAIProvider
 
     models, values = pydantic_models(), example_instances()
-    session = Session(rec, store, "pydantic-ai", pyversions("pydantic-ai-slim", "openai", "anthropic", "pydantic"), work)
+    session = Session(
+        rec, store, "pydantic-ai", pyversions("pydantic-ai-slim", "openai", "anthropic", "pydantic"), work
+    )
     openai_provider = OpenAIProvider(base_url=f"{rec.url}/v1", api_key="dummy")
     chat = OpenAIChatModel(OPENAI_MODEL, provider=openai_provider)
     responses = OpenAIResponsesModel(OPENAI_MODEL, provider=openai_provider)
@@ -523,7 +660,12 @@ def record_pydantic_ai(rec: Recorder, store: Store, work: Path, npm: Path) -> No
     native = Plan(**FRAMEWORK_PLAN)
     native.args["$format"] = values["Forecast"]
     for label, model in (("chat", chat), ("responses", responses), ("anthropic", claude)):
-        agent = Agent(model, output_type=models["Forecast"], tools=[get_weather, search_docs], instructions="Answer with a forecast.")
+        agent = Agent(
+            model,
+            output_type=models["Forecast"],
+            tools=[get_weather, search_docs],
+            instructions="Answer with a forecast.",
+        )
         session.run(f"tool-output-{label}", tool_output, lambda a=agent: a.run(USER))
     for label, model in (("chat", chat), ("responses", responses), ("anthropic", claude)):
         agent = Agent(model, output_type=NativeOutput(models["Forecast"]), tools=[get_weather, search_docs])
@@ -546,10 +688,19 @@ def record_langchain(rec: Recorder, store: Store, work: Path, npm: Path) -> None
     from langchain_openai import ChatOpenAI
 
     models, values = pydantic_models(), example_instances()
-    session = Session(rec, store, "langchain", pyversions("langchain", "langchain-core", "langchain-openai", "langchain-anthropic",
-                                                          "langgraph", "openai", "anthropic"), work)
+    session = Session(
+        rec,
+        store,
+        "langchain",
+        pyversions(
+            "langchain", "langchain-core", "langchain-openai", "langchain-anthropic", "langgraph", "openai", "anthropic"
+        ),
+        work,
+    )
     chat = ChatOpenAI(model=OPENAI_MODEL, base_url=f"{rec.url}/v1", api_key="dummy", max_retries=0)  # type: ignore[arg-type]
-    responses = ChatOpenAI(model=OPENAI_MODEL, base_url=f"{rec.url}/v1", api_key="dummy", max_retries=0, use_responses_api=True)  # type: ignore[arg-type]
+    responses = ChatOpenAI(
+        model=OPENAI_MODEL, base_url=f"{rec.url}/v1", api_key="dummy", max_retries=0, use_responses_api=True
+    )  # type: ignore[arg-type]
     claude = ChatAnthropic(model=ANTHROPIC_MODEL, base_url=rec.url, api_key="dummy", max_retries=0)  # type: ignore[arg-type,call-arg]
     tools = [tool(get_weather), tool(search_docs)]
     strategy_tool = Plan(**FRAMEWORK_PLAN, final_tools=["Forecast"])
@@ -562,16 +713,27 @@ def record_langchain(rec: Recorder, store: Store, work: Path, npm: Path) -> None
         both.args.update({"Forecast": values["Forecast"], "$format": values["Forecast"]})
         session.run(f"create-agent-auto-{label}", both, lambda a=agent: a.invoke({"messages": [("user", USER)]}))
         agent = create_agent(model, tools=tools, response_format=ToolStrategy(models["Forecast"]))
-        session.run(f"create-agent-tool-strategy-{label}", strategy_tool, lambda a=agent: a.invoke({"messages": [("user", USER)]}))
+        session.run(
+            f"create-agent-tool-strategy-{label}",
+            strategy_tool,
+            lambda a=agent: a.invoke({"messages": [("user", USER)]}),
+        )
     agent = create_agent(chat, tools=tools, response_format=ProviderStrategy(models["Forecast"]))
     session.run("create-agent-provider-strategy-chat", provider, lambda: agent.invoke({"messages": [("user", USER)]}))
     session.run("with-structured-output-chat", Plan(args={"$format": values["Person"]}),
                 lambda: chat.with_structured_output(models["Person"]).invoke(USER))
     session.run("with-structured-output-function-calling-chat", Plan(args={"Person": values["Person"]}),
                 lambda: chat.with_structured_output(models["Person"], method="function_calling").invoke(USER))
-    session.run("with-structured-output-anthropic", Plan(args={"Forecast": values["Forecast"], "$format": values["Forecast"]}),
-                lambda: claude.with_structured_output(models["Forecast"]).invoke(USER))
-    session.run("bind-tools-stream-chat", Plan(**FRAMEWORK_PLAN), lambda: list(chat.bind_tools(tools, tool_choice="any").stream(USER)))
+    session.run(
+        "with-structured-output-anthropic",
+        Plan(args={"Forecast": values["Forecast"], "$format": values["Forecast"]}),
+        lambda: claude.with_structured_output(models["Forecast"]).invoke(USER),
+    )
+    session.run(
+        "bind-tools-stream-chat",
+        Plan(**FRAMEWORK_PLAN),
+        lambda: list(chat.bind_tools(tools, tool_choice="any").stream(USER)),
+    )
 
 
 # The captures' folder of a recorder whose client has another name (zod's requests are the
@@ -592,7 +754,8 @@ RECORDERS: dict[str, Callable[[Recorder, Store, Path, Path], None]] = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--npm-prefix", type=Path, required=True, help="where @anthropic-ai/claude-code, @openai/codex, openai, zod are installed")
+    ap.add_argument("--npm-prefix", type=Path, required=True, help="where @anthropic-ai/claude-code, @openai/codex, "
+                    "openai, zod are installed")
     ap.add_argument("--out", type=Path, default=CORPUS, help="the corpus folder (default: tests/corpus)")
     ap.add_argument("--only", nargs="*", choices=sorted(RECORDERS), help="record these clients only")
     args = ap.parse_args()
@@ -620,9 +783,19 @@ def write_claude_code_tools(out: Path) -> None:
     doc = json.loads(path.read_text())
     first = doc["requests"][0]
     tools = resolve(first["body"]["tools"], out)
-    (out / "claude-code-tools.json").write_text(json.dumps(
-        {"client": "claude-code", "versions": doc["versions"], "source": path.relative_to(out).as_posix(), "tools": tools},
-        indent=1, ensure_ascii=False) + "\n")
+    (out / "claude-code-tools.json").write_text(
+        json.dumps(
+            {
+                "client": "claude-code",
+                "versions": doc["versions"],
+                "source": path.relative_to(out).as_posix(),
+                "tools": tools,
+            },
+            indent=1,
+            ensure_ascii=False,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -106,7 +106,11 @@ def tool_results(body: dict[str, Any], kind: str) -> int:
         return sum(1 for m in body.get("messages") or [] if m.get("role") == "tool")
     if kind == "responses":
         items = body.get("input")
-        return sum(1 for i in items if isinstance(i, dict) and i.get("type") == "function_call_output") if isinstance(items, list) else 0
+        return (
+            sum(1 for i in items if isinstance(i, dict) and i.get("type") == "function_call_output")
+            if isinstance(items, list)
+            else 0
+        )
     if kind == "messages":
         n = 0
         for m in body.get("messages") or []:
@@ -319,7 +323,11 @@ def reply(kind: str, body: dict[str, Any], plan: Plan) -> tuple[bytes, str, str]
     if kind == "chat":
         return _chat(model, action, what, stream, body), "text/event-stream" if stream else "application/json", label
     if kind == "responses":
-        return _responses(model, action, what, stream, body), "text/event-stream" if stream else "application/json", label
+        return (
+            _responses(model, action, what, stream, body),
+            "text/event-stream" if stream else "application/json",
+            label,
+        )
     raise KeyError(kind)
 
 
@@ -418,7 +426,9 @@ def _responses(model: str, action: str, what: Any, stream: bool, body: dict[str,
         events += [
             ev("response.output_item.added", output_index=0, item={**item, "arguments": "", "status": "in_progress"}),
             ev("response.function_call_arguments.delta", output_index=0, item_id=item["id"], delta=item["arguments"]),
-            ev("response.function_call_arguments.done", output_index=0, item_id=item["id"], arguments=item["arguments"]),
+            ev(
+                "response.function_call_arguments.done", output_index=0, item_id=item["id"], arguments=item["arguments"]
+            ),
         ]
     else:
         part = item["content"][0]
@@ -426,8 +436,10 @@ def _responses(model: str, action: str, what: Any, stream: bool, body: dict[str,
             ev("response.output_item.added", output_index=0, item={**item, "content": [], "status": "in_progress"}),
             ev("response.content_part.added", output_index=0, item_id=item["id"], content_index=0,
                part={**part, "text": ""}),
-            ev("response.output_text.delta", output_index=0, item_id=item["id"], content_index=0, delta=what, logprobs=[]),
-            ev("response.output_text.done", output_index=0, item_id=item["id"], content_index=0, text=what, logprobs=[]),
+            ev("response.output_text.delta", output_index=0, item_id=item["id"], content_index=0, delta=what,
+               logprobs=[]),
+            ev("response.output_text.done", output_index=0, item_id=item["id"], content_index=0, text=what,
+               logprobs=[]),
             ev("response.content_part.done", output_index=0, item_id=item["id"], content_index=0, part=part),
         ]
     events += [ev("response.output_item.done", output_index=0, item=item), ev("response.completed", response=response)]
@@ -513,10 +525,16 @@ class Recorder:
                             data, ctype, label = reply(kind, body, recorder.plan)
                             status = 200
                         else:
-                            data, ctype, label = b'{"error": {"type": "not_found", "message": "not recorded"}}', "application/json", "404"
+                            data, ctype, label = (
+                                b'{"error": {"type": "not_found", "message": "not recorded"}}',
+                                "application/json",
+                                "404",
+                            )
                             status = 404
                     except Exception as exc:  # a reply the recorder could not make: say so, keep the capture
-                        data = json.dumps({"type": "error", "error": {"type": "api_error", "message": repr(exc)}}).encode()
+                        data = json.dumps(
+                            {"type": "error", "error": {"type": "api_error", "message": repr(exc)}}
+                        ).encode()
                         ctype, label, status = "application/json", f"error:{exc!r}", 500
                     recorder.captured.append(Captured(self.command, self.path, headers, body, recorder.name, label))
                 self._answer(status, data, ctype)

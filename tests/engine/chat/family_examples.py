@@ -1,8 +1,9 @@
 """The replies of tool-call families added to engine/chat/families/ after the first thirty,
 for the checks every family goes through (test_tool_families.py: whole and split anywhere;
 test_toolcalls.py: one and parallel calls; test_reply_bounds.py: nesting, arguments that
-cannot be written out, linear work; test_tool_grammar.py: what its grammar writes first). The first families' replies are written in those files;
-a family added since brings its own in its one test module, ``tests/engine/chat/test_family_<name>.py``:
+cannot be written out, linear work; test_tool_grammar.py: what its grammar writes first). The first families' replies
+are written in those files; a family added since brings its own in its one test module,
+``tests/engine/chat/test_family_<name>.py``:
 
 - ``CASES``: (format name, reply, starts in reasoning, content, reasoning, calls), as
   test_tool_families.CASES (calling its TOOLS), at least one a single call of

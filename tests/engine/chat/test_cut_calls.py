@@ -22,14 +22,21 @@ from hydra_trio.engine.chat.formats import FORMATS, ToolFormat
 from hydra_trio.engine.llama import LlamaBackend
 from hydra_trio.engine.structured import GuidanceCache
 
-DIGIT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"], "additionalProperties": False}
+DIGIT = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
 CHOICE = {
     "type": "object",
     "properties": {"b": {"enum": ["x", "y"]}, "c": {"type": "boolean"}},
     "required": ["b", "c"],
     "additionalProperties": False,
 }
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (("tool_0", DIGIT), ("tool_1", CHOICE))]
+TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": p}} for n, p in (("tool_0", DIGIT), ("tool_1", CHOICE))
+]
 MAX_STEPS = 4000
 
 
@@ -37,12 +44,18 @@ MAX_STEPS = 4000
 def vocab(tiny_model: Path) -> Iterator[tuple[GuidanceCache, list[bytes], frozenset[int]]]:
     backend = LlamaBackend(str(tiny_model), n_slots=1, n_ctx=256, n_threads=1, n_batch=64, kv_unified=True)
     try:
-        yield GuidanceCache(backend.grammar_pieces, backend.eog_ids, backend.info.bos), backend.grammar_pieces, backend.eog_ids
+        yield (
+            GuidanceCache(backend.grammar_pieces, backend.eog_ids, backend.info.bos),
+            backend.grammar_pieces,
+            backend.eog_ids,
+        )
     finally:
         backend.close()
 
 
-def walk(vocab: tuple[GuidanceCache, list[bytes], frozenset[int]], fmt: ToolFormat, req: ToolRequest, seed: int, calls: int) -> str:
+def walk(
+    vocab: tuple[GuidanceCache, list[bytes], frozenset[int]], fmt: ToolFormat, req: ToolRequest, seed: int, calls: int
+) -> str:
     """A reply the grammar allows, picked token by token at random (seeded), ended as soon as
     the grammar lets it end once ``calls`` calls are written (never before)."""
     cache, pieces, eog = vocab
@@ -56,7 +69,9 @@ def walk(vocab: tuple[GuidanceCache, list[bytes], frozenset[int]], fmt: ToolForm
         assert allowed, (fmt.name, text)
         ends = [t for t in allowed if t in eog]
         rest = [t for t in allowed if t not in eog]
-        written = len(parse_reply(text.decode("utf-8", "replace"), fmt, parse_tools=True, reasoning=False, tools=req).tool_calls)
+        written = len(
+            parse_reply(text.decode("utf-8", "replace"), fmt, parse_tools=True, reasoning=False, tools=req).tool_calls
+        )
         if ends and (not rest or written >= calls):
             return text.decode()
         token = rng.choice(rest)

@@ -59,19 +59,25 @@ CASES: list[tuple[str, str, bool, str, str, list[tuple[str, dict[str, Any]]]]] =
     ("minimax_m3", block(invoke("get_time", el("city", "Tokyo"))), False, "", "", [("get_time", {"city": "Tokyo"})]),
     ("minimax_m3", "</mm:think>" + block(invoke("special_function", el("arg1", "1"))), False, "", "", ONE),
     ("minimax_m3", block(invoke("empty_args")), False, "", "", [("empty_args", {})]),
-    ("minimax_m3", block(invoke("special_function", el("arg1", "1")), invoke("special_function_with_opt", el("arg1", "1"),
+    ("minimax_m3",
+     block(invoke("special_function", el("arg1", "1")), invoke("special_function_with_opt", el("arg1", "1"),
                                                                               el("arg2", "2"))), False, "", "", TWO),
     ("minimax_m3", "Let me call the function." + block(invoke("special_function", el("arg1", "1"))), False,
      "Let me call the function.", "", ONE),
     ("minimax_m3", block(invoke("toggle", el("enabled", "true"))), False, "", "", [("toggle", {"enabled": True})]),
-    ("minimax_m3", block(invoke("get_time", el("city", "42"))), False, "", "", [("get_time", {"city": "42"})]),  # text stays text
+    # text stays text
+    ("minimax_m3", block(invoke("get_time", el("city", "42"))), False, "", "", [("get_time", {"city": "42"})]),
     ("minimax_m3", block(invoke("html", el("markup", '<a href="/x">hi</a>'))), False, "", "",
      [("html", {"markup": '<a href="/x">hi</a>'})]),
     # an array of strings and an object the schema leaves open, expanded as the template prints them
-    ("minimax_m3", block(invoke("Calendar_create_event", el("title", "demo"), el("participants", el("item", "Alice") + el("item", "Bob")),
+    ("minimax_m3",
+     block(invoke("Calendar_create_event", el("title", "demo"),
+                  el("participants", el("item", "Alice") + el("item", "Bob")),
                                 el("metadata", el("priority", "high") + el("reminder", "true")))), False, "", "",
-     [("Calendar_create_event", {"title": "demo", "participants": ["Alice", "Bob"], "metadata": {"priority": "high", "reminder": True}})]),
-    ("minimax_m3", block(invoke("nope", el("a", "1"))), False, block(invoke("nope", el("a", "1"))), "", []),  # undeclared: content
+     [("Calendar_create_event",
+       {"title": "demo", "participants": ["Alice", "Bob"], "metadata": {"priority": "high", "reminder": True}})]),
+    # undeclared: content
+    ("minimax_m3", block(invoke("nope", el("a", "1"))), False, block(invoke("nope", el("a", "1"))), "", []),
     ("minimax_m3", block(invoke("special_function", el("arg1", "1") + "stray")), False,
      block(invoke("special_function", el("arg1", "1") + "stray")), "", []),  # text between elements: not a call
 ]
@@ -97,7 +103,8 @@ TOOLS = parse_tools({"tools": [
     _tool("imaginary_number", {"number": {"type": "object", "properties": {"real": NUM, "imaginary": NUM},
                                           "required": ["real", "imaginary"]}}, ["number"]),
     _tool("nested_args", {"tags": {"type": "array", "items": STR},
-                          "entries": {"type": "array", "items": {"type": "object", "properties": {"id": INT, "label": STR},
+                          "entries": {"type": "array",
+                                      "items": {"type": "object", "properties": {"id": INT, "label": STR},
                                                                  "required": ["id", "label"]}}}, ["tags", "entries"]),
     _tool("union_args", {
         "filter": {"anyOf": [{"type": "array", "items": STR},
@@ -112,38 +119,51 @@ THINK = ("<mm:think>", "</mm:think>")
 LLAMA_CASES: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
     ("</mm:think>Hello, world!\nWhat's up?", "", "Hello, world!\nWhat's up?", []),
     ("<mm:think>I'm\nthinking</mm:think>Hello, world!\nWhat's up?", "I'm\nthinking", "Hello, world!\nWhat's up?", []),
-    ("<mm:think>Let me check the time</mm:think>" + block(invoke("get_time", el("city", "Tokyo"))), "Let me check the time", "",
+    ("<mm:think>Let me check the time</mm:think>" + block(invoke("get_time", el("city", "Tokyo"))),
+     "Let me check the time", "",
      [("get_time", {"city": "Tokyo"})]),
     ("</mm:think>" + block(invoke("special_function", el("arg1", "1"))), "", "", [("special_function", {"arg1": 1})]),
-    ("<mm:think>Let's call a tool:</mm:think>" + block(invoke("empty_args")), "Let's call a tool:", "", [("empty_args", {})]),
-    ("<mm:think>Calling both</mm:think>" + block(invoke("get_time", el("city", "Paris")), invoke("get_weather", el("city", "Paris"))),
+    ("<mm:think>Let's call a tool:</mm:think>" + block(invoke("empty_args")), "Let's call a tool:", "",
+     [("empty_args", {})]),
+    ("<mm:think>Calling both</mm:think>" + block(invoke("get_time", el("city", "Paris")),
+                                                 invoke("get_weather", el("city", "Paris"))),
      "Calling both", "", [("get_time", {"city": "Paris"}), ("get_weather", {"city": "Paris"})]),
-    ("<mm:think>Thinking about it</mm:think>Let me call the function." + block(invoke("special_function", el("arg1", "1"))),
+    ("<mm:think>Thinking about it</mm:think>Let me call the function." + block(invoke("special_function",
+                                                                                      el("arg1", "1"))),
      "Thinking about it", "Let me call the function.", [("special_function", {"arg1": 1})]),
     ("<mm:think>Test negative</mm:think>" + block(invoke("magic_int", el("ref", "-14"))), "Test negative", "",
      [("magic_int", {"ref": -14})]),
-    ("<mm:think>Test decimal</mm:think>" + block(invoke("amount", el("orig", "3.14"))), "Test decimal", "", [("amount", {"orig": 3.14})]),
+    ("<mm:think>Test decimal</mm:think>" + block(invoke("amount", el("orig", "3.14"))), "Test decimal", "",
+     [("amount", {"orig": 3.14})]),
     ("<mm:think>Test boolean</mm:think>" + block(invoke("toggle", el("enabled", "true"))), "Test boolean", "",
      [("toggle", {"enabled": True})]),
-    ("<mm:think>Multi-arg call</mm:think>" + block(invoke("magic_int", el("ref", "42"), el("name", "foo bar"))), "Multi-arg call", "",
+    ("<mm:think>Multi-arg call</mm:think>" + block(invoke("magic_int", el("ref", "42"), el("name", "foo bar"))),
+     "Multi-arg call", "",
      [("magic_int", {"ref": 42, "name": "foo bar"})]),
-    ("<mm:think>Nested object</mm:think>" + block(invoke("imaginary_number", el("number", el("real", "1.5") + el("imaginary", "-2.5")))),
+    ("<mm:think>Nested object</mm:think>" + block(invoke("imaginary_number",
+                                                         el("number", el("real", "1.5") + el("imaginary", "-2.5")))),
      "Nested object", "", [("imaginary_number", {"number": {"real": 1.5, "imaginary": -2.5}})]),
-    ("<mm:think>Nested arrays</mm:think>" + block(invoke("nested_args", el("tags", el("item", "alpha") + el("item", "beta")),
-                                                         el("entries", el("item", el("id", "1") + el("label", "one"))))),
+    ("<mm:think>Nested arrays</mm:think>" + block(invoke("nested_args",
+                                                         el("tags", el("item", "alpha") + el("item", "beta")),
+                                                         el("entries",
+                                                            el("item", el("id", "1") + el("label", "one"))))),
      "Nested arrays", "", [("nested_args", {"tags": ["alpha", "beta"], "entries": [{"id": 1, "label": "one"}]})]),
-    ("<mm:think>Union array</mm:think>" + block(invoke("union_args", el("filter", el("item", "alpha") + el("item", "beta")))),
+    ("<mm:think>Union array</mm:think>" + block(invoke("union_args",
+                                                       el("filter", el("item", "alpha") + el("item", "beta")))),
      "Union array", "", [("union_args", {"filter": ["alpha", "beta"]})]),
     ("<mm:think>Union scalar</mm:think>" + block(invoke("union_args", el("limit", "5"))), "Union scalar", "",
      [("union_args", {"limit": 5})]),
-    ("<mm:think>Union nested</mm:think>" + block(invoke("union_args", el("limit", el("max", "10")))), "Union nested", "",
+    ("<mm:think>Union nested</mm:think>" + block(invoke("union_args", el("limit", el("max", "10")))), "Union nested",
+     "",
      [("union_args", {"limit": {"max": 10}})]),
     ("<mm:think>Union string</mm:think>" + block(invoke("union_args", el("label", "hi"))), "Union string", "",
      [("union_args", {"label": "hi"})]),
     # a union with a string alternative is a string, even when the value looks structured
-    ("<mm:think>Union string</mm:think>" + block(invoke("union_args", el("label", el("text", "hi")))), "Union string", "",
+    ("<mm:think>Union string</mm:think>" + block(invoke("union_args", el("label", el("text", "hi")))), "Union string",
+     "",
      [("union_args", {"label": el("text", "hi")})]),
-    ("<mm:think></mm:think>" + block(invoke("get_time", el("city", "XYZCITY"))), "", "", [("get_time", {"city": "XYZCITY"})]),
+    ("<mm:think></mm:think>" + block(invoke("get_time", el("city", "XYZCITY"))), "", "",
+     [("get_time", {"city": "XYZCITY"})]),
     # ours: the object form of a union of an array and an object; a union's object form of a member
     ("</mm:think>" + block(invoke("union_args", el("filter", el("field", "a") + el("op", "eq")))), "", "",
      [("union_args", {"filter": {"field": "a", "op": "eq"}})]),
@@ -156,7 +176,9 @@ def ids() -> Any:
 
 
 def _read(pieces: list[str]) -> tuple[str, str, list[tuple[str, Any]]]:
-    p = ReplyParser(FORMATS["minimax_m3"], parse_tools=True, reasoning=True, tools=TOOLS, new_id=ids(), think_tags=THINK)
+    p = ReplyParser(
+        FORMATS["minimax_m3"], parse_tools=True, reasoning=True, tools=TOOLS, new_id=ids(), think_tags=THINK
+    )
     deltas = [p.feed(x) for x in pieces] + [p.finish()]
     calls = [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls]
     return "".join(d.content for d in deltas), "".join(d.reasoning for d in deltas), calls
@@ -165,8 +187,14 @@ def _read(pieces: list[str]) -> tuple[str, str, list[tuple[str, Any]]]:
 @pytest.mark.parametrize("case", LLAMA_CASES, ids=[str(i) for i in range(len(LLAMA_CASES))])
 def test_llama_cpps_minimax_m3_replies_parse_whole_and_split_anywhere(case: Any) -> None:
     text, reasoning, content, calls = case
-    r = parse_reply(text, FORMATS["minimax_m3"], parse_tools=True, reasoning=True, tools=TOOLS, new_id=ids(), think_tags=THINK)
-    assert (r.content, r.reasoning, [(c.name, json.loads(c.arguments)) for c in r.tool_calls]) == (content, reasoning, calls)
+    r = parse_reply(
+        text, FORMATS["minimax_m3"], parse_tools=True, reasoning=True, tools=TOOLS, new_id=ids(), think_tags=THINK
+    )
+    assert (r.content, r.reasoning, [(c.name, json.loads(c.arguments)) for c in r.tool_calls]) == (
+        content,
+        reasoning,
+        calls,
+    )
     for k in range(len(text) + 1):
         assert _read([text[:k], text[k:]]) == (content, reasoning, calls), k
 
@@ -177,7 +205,9 @@ def test_a_cut_block_keeps_its_whole_invokes() -> None:
     p = ReplyParser(FORMATS["minimax_m3"], parse_tools=True, reasoning=False, tools=TOOLS, new_id=ids())
     deltas = [p.feed(cut), p.finish(cut=True)]
     assert "".join(d.content for d in deltas) == ""
-    assert [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls] == [("get_time", {"city": "Paris"})]
+    assert [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls] == [
+        ("get_time", {"city": "Paris"})
+    ]
 
 
 TEMPLATE_HEAD = (  # MiniMax-M3.jinja's tokens and its tools' example, as the template spells them
@@ -189,7 +219,8 @@ TEMPLATE_HEAD = (  # MiniMax-M3.jinja's tokens and its tools' example, as the te
 
 def test_auto_picks_minimax_m3_before_hermes() -> None:
     assert detect_format(TEMPLATE_HEAD) is FORMATS["minimax_m3"]
-    assert detect_format(TEMPLATE_HEAD.replace("]<]minimax[>[", "")) is FORMATS["hermes"]  # its <tool_call> is Hermes' mark
+    # its <tool_call> is Hermes' mark
+    assert detect_format(TEMPLATE_HEAD.replace("]<]minimax[>[", "")) is FORMATS["hermes"]
     order = [fmt.name for _, fmt in detection_order()]
     assert order.index("minimax_m3") < order.index("hermes")
     caps = template_caps(ChatTemplate(name="t", source="inline", jinja=TEMPLATE_HEAD))
@@ -215,8 +246,10 @@ def test_the_grammar_writes_what_the_template_prints() -> None:
         if reply is None or "<text>" in reply or "<field>" in reply:  # (ours: the optional order of a union's object)
             continue
         assert _accepts(grammar, reply), reply
-        assert [(c.name, json.loads(c.arguments)) for c in parse_reply(reply, FORMATS["minimax_m3"], parse_tools=True,
-                                                                          reasoning=False, tools=req).tool_calls] == calls
+        assert [
+            (c.name, json.loads(c.arguments))
+            for c in parse_reply(reply, FORMATS["minimax_m3"], parse_tools=True, reasoning=False, tools=req).tool_calls
+        ] == calls
     assert not _accepts(grammar, block(invoke("get_time", el("city", "a]b"))))  # a string's text holds no "]"
     assert not _accepts(grammar, block(invoke("magic_int", el("name", "x"))))  # ref is required
     lazy = tools_grammar(parse_tools({"tools": [{"type": "function", "function": {"name": "get_time", "parameters":

@@ -21,13 +21,15 @@ from hydra_trio.engine.chat.caps import detect_think_tags
 # The corpus templates' markers, in the places they have them there.
 APRIEL_16 = (
     "{{ '<|begin_system|>\\nAnalyze each question carefully, then provide the final response after the marker "
-    "[BEGIN FINAL RESPONSE].' }}{% if tools %}Return calls within <tool_calls>[{\"name\": ..., \"arguments\": ...}]</tool_calls>"
+    "[BEGIN FINAL RESPONSE].' }}{% if tools %}Return calls within <tool_calls>[{\"name\": ..., \"arguments\": "
+    "...}]</tool_calls>"
     "{% endif %}{% set reasoning_asst_turn_start = 'Here are my reasoning steps:\\n' %}"
     "{% for m in messages %}{% if m.role == 'user' %}{{ '\\n<|begin_user|>\\n' + m.content }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '\\n<|begin_assistant|>\\n' + reasoning_asst_turn_start }}{% endif %}"
 )
 APRIEL_15 = (  # names the final response's markers too, but its prompt opens no reasoning
-    "{{ '<|system|>\\nprovide the final solution in the following format: [BEGIN FINAL RESPONSE] ... [END FINAL RESPONSE].' }}"
+    "{{ '<|system|>\\nprovide the final solution in the following format: [BEGIN FINAL RESPONSE] ... [END FINAL "
+    "RESPONSE].' }}"
     "{% if tools %}<tool_calls>[{\"name\": ...}]</tool_calls>{% endif %}"
     "{% for m in messages %}{{ '<|user|>\\n' + m.content + '\\n<|end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
@@ -39,8 +41,15 @@ SOLAR = (
     "{{ '<|begin|>assistant<|think|><|end|>' }}{% endif %}{{ '<|begin|>assistant' }}{% endif %}"
 )
 USER = [{"role": "user", "content": "Hi"}]
-TOOLS = [{"type": "function", "function": {"name": "special_function",
-                                           "parameters": {"type": "object", "properties": {"arg1": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "special_function",
+            "parameters": {"type": "object", "properties": {"arg1": {"type": "integer"}}},
+        },
+    }
+]
 ONE = [("special_function", {"arg1": 1})]
 
 
@@ -53,8 +62,16 @@ def _no_builtin(*_: Any) -> str:
 
 
 def chat_for(source: str) -> Chat:
-    return Chat(ChatTemplate(name="t", source="inline", jinja=source), tool_call_parser="auto", reasoning_format="auto",
-                bos_token="", eos_token="", tokenizer_adds_bos=False, run_on_worker=_no_worker, apply_builtin=_no_builtin)
+    return Chat(
+        ChatTemplate(name="t", source="inline", jinja=source),
+        tool_call_parser="auto",
+        reasoning_format="auto",
+        bos_token="",
+        eos_token="",
+        tokenizer_adds_bos=False,
+        run_on_worker=_no_worker,
+        apply_builtin=_no_builtin,
+    )
 
 
 def read(source: str, reply: str, *, tools: bool = False, **req: Any) -> tuple[str, str, list[Any]]:
@@ -89,7 +106,8 @@ def test_apriel_16s_reasoning_is_what_comes_before_its_final_response() -> None:
     assert read(APRIEL_16, "I'm\nthinking\n[BEGIN FINAL RESPONSE]\nHello, world!\nWhat's up?") == (
         "Hello, world!\nWhat's up?", LEAD + "\nI'm\nthinking", [])
     # its reasoning, then a call (llama.cpp's second case)
-    assert read(APRIEL_16, 'I\'m\nthinking\n[BEGIN FINAL RESPONSE]\n<tool_calls>[{"name": "special_function", "arguments": '
+    assert read(APRIEL_16, 'I\'m\nthinking\n[BEGIN FINAL RESPONSE]\n<tool_calls>[{"name": "special_function", '
+                '"arguments": '
                 '{"arg1": 1}}]</tool_calls>', tools=True) == ("", LEAD + "\nI'm\nthinking", ONE)
     # ours: no reasoning of its own (the lead alone, trimmed as llama.cpp trims reasoning), and
     # a reply cut inside the reasoning (all of it reasoning)
@@ -131,7 +149,10 @@ def test_solars_reasoning_and_content_wrapper() -> None:
     assert read(SOLAR, said) == ("Hello, world!\nWhat's up?", "I'm\nthinking", [])
     assert read(SOLAR, "<|content|>Hello, world!<|end|>") == ("Hello, world!", "", [])
     assert read(SOLAR, "<|content|>Hello, world!<|end|>", reasoning_format="none") == ("Hello, world!", "", [])
-    call = '<|tool_calls|><|tool_call:begin|>a1b2c3d4e5<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}<|tool_call:end|>'
+    call = (
+        '<|tool_calls|><|tool_call:begin|>a1b2c3d4e5<|tool_call:name|>special_function<|tool_call:args|>{"arg1": '
+        "1}<|tool_call:end|>"
+    )
     assert read(SOLAR, "<|think|>plan<|end|><|begin|>assistant" + call, tools=True) == ("", "plan", ONE)
     assert read(SOLAR, "<|content|>On it.<|end|><|begin|>assistant" + call, tools=True) == ("On it.", "", ONE)
     # reasoning_effort low: the prompt closes an empty think block and asks for the answer
@@ -141,7 +162,8 @@ def test_solars_reasoning_and_content_wrapper() -> None:
 def test_solars_think_tag_is_not_gemma_4s() -> None:
     """Gemma 4's templates name ``<|think|>`` too; theirs stays their thought channel."""
     assert detect_think_tags(SOLAR) == ("<|think|>", "<|end|>")
-    assert detect_think_tags("{{ '<|think|>' }}{{ '<|channel>thought\\n' + r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")
+    assert detect_think_tags("{{ '<|think|>' }}{{ '<|channel>thought\\n' "
+                             "+ r + '<channel|>' }}") == ("<|channel>thought", "<channel|>")
 
 
 @pytest.mark.parametrize("thinking", [False, True])
@@ -154,7 +176,10 @@ def test_a_forced_solar_call_parses_with_thinking_on_or_off(thinking: bool) -> N
     if thinking:
         body["chat_template_kwargs"] = {"enable_thinking": True}
     plan = chat_plan(chat, body).think
-    call = '<|tool_calls|><|tool_call:begin|>1<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}<|tool_call:end|>'
+    call = (
+        '<|tool_calls|><|tool_call:begin|>1<|tool_call:name|>special_function<|tool_call:args|>{"arg1": '
+        "1}<|tool_call:end|>"
+    )
     if thinking:
         assert plan is not None and plan.force_open and plan.holds_grammar and plan.close_text == b"<|end|>"
         assert read(SOLAR, "<|think|>plan<|end|>" + call, tools=True, tool_choice="required",

@@ -103,8 +103,18 @@ def test_nesting_a_thousand_deep_is_content_not_a_crash(name: str) -> None:
 
 
 # Families whose parameter values are text, read as JSON where they are JSON (else kept as text).
-XML_VALUES = {"qwen3_coder", "seed_oss", "glm", "hy3", "minimax", "deepseek_dsml", "minicpm5", "kimi_k3", "muse_glimmer",
-              *family_examples.XML_VALUES}
+XML_VALUES = {
+    "qwen3_coder",
+    "seed_oss",
+    "glm",
+    "hy3",
+    "minimax",
+    "deepseek_dsml",
+    "minicpm5",
+    "kimi_k3",
+    "muse_glimmer",
+    *family_examples.XML_VALUES,
+}
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -212,7 +222,22 @@ def test_any_text_of_a_familys_marks_parses_the_same_however_split(name: str, da
     whitespace, in any order, never raise, and any split of it reads as the whole does."""
     fmt = FORMATS[name]
     reply = REPLIES[name].replace(ARG, "1")
-    pieces = [*_openers(fmt), *_closers(fmt), *TAG.findall(reply), reply, "[", "]", "{", "}", '"', "\\", " ", "\n", "x", "1"]
+    pieces = [
+        *_openers(fmt),
+        *_closers(fmt),
+        *TAG.findall(reply),
+        reply,
+        "[",
+        "]",
+        "{",
+        "}",
+        '"',
+        "\\",
+        " ",
+        "\n",
+        "x",
+        "1",
+    ]
     text = "".join(data.draw(st.lists(st.sampled_from(pieces), max_size=30)))
     whole = _parse(fmt, text)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))

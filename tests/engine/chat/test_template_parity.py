@@ -12,8 +12,16 @@ import pytest
 from hydra_trio.engine.chat import ChatRequestError, ChatTemplate, template_caps
 from hydra_trio.engine.chat.render import render_prompt
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
@@ -26,14 +34,18 @@ def test_arguments_go_as_an_object_where_the_template_iterates_them() -> None:
     # Walking ``arguments.items()`` on text was a 500 TypeError (Qwen3-Coder, GLM, MiniMax).
     src = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
            "{% for k, v in c.function.arguments.items() %}<{{ k }}={{ v }}>{% endfor %}{% endfor %}{% endfor %}")
-    out = render(src, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}])
+    out = render(
+        src, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    )
     assert out == "<city=Paris>"
     assert template_caps(ChatTemplate(name="t", source="inline", jinja=src)).object_arguments
 
 
 def test_arguments_stay_text_where_the_template_prints_them() -> None:
     src = "{% for m in messages %}{% for c in m.tool_calls or [] %}[{{ c.function.arguments }}]{% endfor %}{% endfor %}"
-    out = render(src, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}])
+    out = render(
+        src, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
+    )
     assert out == '[{"city": "Paris"}]'
 
 
@@ -61,7 +73,10 @@ def test_enable_thinking_defaults_on_for_a_template_with_a_reasoning_form() -> N
     # Earlier reasoning is kept (llama-server's preserve_reasoning default).
     keep = ("{% for m in messages %}{% if not clear_thinking and m.reasoning_content %}"
             "<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}{% endfor %}")
-    out = render(keep, messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}])
+    out = render(
+        keep,
+        messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}],
+    )
     assert out == "q<think>r</think>a"
 
 
@@ -93,7 +108,10 @@ def test_a_system_message_the_template_refuses_opens_the_next() -> None:
 
 def test_no_generic_description_for_a_template_of_the_models_own() -> None:
     # A Jinja template that lists the tools renders with nothing of ours added.
-    src = "{% for t in tools or [] %}<tool>{{ t.function.name }}</tool>{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    src = (
+        "{% for t in tools or [] %}<tool>{{ t.function.name }}</tool>{% endfor %}{% for m in messages %}{{ m.content "
+        "}}{% endfor %}"
+    )
     out = render(src, messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
     assert out == "<tool>get_weather</tool>hi"
     # The ChatML fallback (no template at all) still describes them.
@@ -108,11 +126,17 @@ def test_a_gguf_template_that_does_not_compile_falls_back_and_says_so(caplog: py
     assert tpl.source == "fallback" and tpl.jinja is not None
     assert "does not compile" in tpl.as_dict()["fallback_reason"]
     assert "serving ChatML" in caplog.text
-    assert render(tpl.jinja, messages=[{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        render(tpl.jinja, messages=[{"role": "user", "content": "hi"}])
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
-THOUGHT = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
-           {"role": "user", "content": "and 3+3?"}]
+THOUGHT = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+    {"role": "user", "content": "and 3+3?"},
+]
 
 
 def test_lfm2_templates_read_the_reasoning_as_thinking() -> None:
@@ -141,8 +165,12 @@ def test_gemma4s_older_templates_read_a_calls_results_from_the_model_turn() -> N
     the call, its results and the reply after them are one assistant turn with tool_responses."""
     src = ("{# '<|tool_call>call:' #}{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
            "{% for r in m.tool_responses or [] %}<{{ r.name }}={{ r.response.t }}>{% endfor %}|{% endfor %}")
-    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-            {"role": "tool", "tool_call_id": "call_1", "content": '{"t": 21}'}, {"role": "assistant", "content": "21 C"}]
+    msgs = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"t": 21}'},
+        {"role": "assistant", "content": "21 C"},
+    ]
     assert render(src, messages=msgs) == "user:weather?|assistant:21 C<get_weather=21>|"
     newer = src.replace("#}", "{#- OpenAI Chat Completions: #}")  # the current template reads role tool itself
     assert render(newer, messages=msgs) == "user:weather?|assistant:|tool:{\"t\": 21}|assistant:21 C|"

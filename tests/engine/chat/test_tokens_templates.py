@@ -148,7 +148,8 @@ async def test_builtin_template_used_by_chat_prefill_and_decode(
         r = await c.post("/apply-template", json={"messages": MESSAGES, "tools": [tool]})
         assert r.status_code == 200, r.text
         prompt = r.json()["prompt"]
-        assert prompt.startswith("<start_of_turn>user\nYou can call the following tools") and '"name": "lookup"' in prompt
+        assert prompt.startswith("<start_of_turn>user\nYou "
+                                 "can call the following tools") and '"name": "lookup"' in prompt
     await _same_prompt_everywhere(ep, MESSAGES, GEMMA_HELLO)
 
 
@@ -276,5 +277,8 @@ async def test_vllm_render_and_tokenize_give_the_tokens_a_completion_runs(engine
         assert await tokenize(c, "the slot cache", add_special=True) == text["token_ids"]
         back = (await c.post("/detokenize", json={"model": "m", "tokens": text["token_ids"][1:]})).json()
         assert back["prompt"] == back["content"] and "slot cache" in back["prompt"]
-        for path, body in (("/v1/chat/completions/render", {"prompt": "x"}), ("/v1/completions/render", {"messages": other})):
+        for path, body in (
+            ("/v1/chat/completions/render", {"prompt": "x"}),
+            ("/v1/completions/render", {"messages": other}),
+        ):
             assert_openai_error(await c.post(path, json=body), 400)

@@ -29,16 +29,20 @@ from hydra_trio.engine.chat.formats import FORMATS, ToolFormat
 INT = {"type": "integer"}
 TOOLS = parse_tools({
     "tools": [
-        {"type": "function", "function": {"name": "special_function", "parameters": {"type": "object", "properties": {"arg1": INT}}}},
+        {"type": "function",
+         "function": {"name": "special_function", "parameters": {"type": "object", "properties": {"arg1": INT}}}},
         {"type": "function", "function": {"name": "special_function_with_opt",
                                           "parameters": {"type": "object", "properties": {"arg1": INT, "arg2": INT}}}},
-        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+        {"type": "function",
+         "function": {"name": "get_time",
+                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
         {"type": "function", "function": {"name": "empty_args", "parameters": {"type": "object", "properties": {}}}},
         *({"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": p}}} for n, p in (
             ("toggle", {"enabled": {"type": "boolean"}}), ("set_nullable", {"value": {"type": "null"}}),
             ("set_config", {"config": {"type": "object"}}), ("python", {"code": {"type": "string"}}),
             ("html", {"markup": {"type": "string"}}),
-            ("Calendar_create_event", {"title": {"type": "string"}, "participants": {"type": "array"}, "metadata": {"type": "object"}}),
+            ("Calendar_create_event",
+             {"title": {"type": "string"}, "participants": {"type": "array"}, "metadata": {"type": "object"}}),
         )),
     ],
     "parallel_tool_calls": True,
@@ -52,20 +56,25 @@ def ids() -> Callable[[], str]:
     return lambda: f"call_{next(counter)}"
 
 
-ATEM_CALL = ('<atem:function_calls>\n<atem:invoke name="special_function">\n<atem:parameter name="arg1">1</atem:parameter>\n'
+ATEM_CALL = ('<atem:function_calls>\n<atem:invoke name="special_function">\n'
+             '<atem:parameter name="arg1">1</atem:parameter>\n'
              "</atem:invoke>\n</atem:function_calls>")
-HY3_ONE = ("<tool_calls:opensource>\n<tool_call:opensource>special_function<tool_sep:opensource>\n<arg_key:opensource>arg1"
+HY3_ONE = ("<tool_calls:opensource>\n<tool_call:opensource>special_function<tool_sep:opensource>\n"
+           "<arg_key:opensource>arg1"
            "</arg_key:opensource>\n<arg_value:opensource>1</arg_value:opensource>\n</tool_call:opensource>\n</tool_calls:opensource>")
 
 # (format, reply, starts in reasoning, content, reasoning, calls)
 Case = tuple[str, str, bool, str, str, list[tuple[str, dict[str, Any]]]]
 CASES: list[Case] = [
     # Qwen3-Coder (and Qwen3.5, Nemotron 3, StepFun 3.5): XML parameters, typed by the schema.
-    ("qwen3_coder", "<tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>",
+    ("qwen3_coder",
+     "<tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>",
      False, "", "", ONE),
-    ("qwen3_coder", "Let me call it.\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>",
+    ("qwen3_coder",
+     "Let me call it.\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>",
      False, "Let me call it.", "", ONE),  # the opening <tool_call> skipped, as some models do
-    ("qwen3_coder", "<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+    ("qwen3_coder",
+     "<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
      "<function=special_function_with_opt>\n<parameter=arg1>\n1\n</parameter>\n<parameter=arg2>\n2\n</parameter>\n</function>\n"
      "</tool_call>", False, "", "", TWO),
     ("qwen3_coder", "<tool_call>\n<function=get_time>\n<parameter=city>\n42\n</parameter>\n</function>\n</tool_call>",
@@ -76,38 +85,50 @@ CASES: list[Case] = [
     ("seed_oss", "<seed:tool_call>\n<function=special_function>\n<parameter=arg1>\n1\n</parameter>\n</function>\n"
      "</seed:tool_call>", False, "", "", ONE),
     # GLM-4.6 (newlines) and GLM-4.7 (none); its prompt may end inside <think>.
-    ("glm", "<tool_call>special_function\n<arg_key>arg1</arg_key>\n<arg_value>1</arg_value>\n</tool_call>", False, "", "", ONE),
-    ("glm", "I'm\nthinking</think><tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value></tool_call>",
+    ("glm", "<tool_call>special_function\n<arg_key>arg1</arg_key>\n<arg_value>1</arg_value>\n</tool_call>", False, "",
+     "", ONE),
+    ("glm",
+     "I'm\nthinking</think><tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value></tool_call>",
      True, "", "I'm\nthinking", ONE),
     ("glm", "<tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value></tool_call><tool_call>"
      "special_function_with_opt<arg_key>arg1</arg_key><arg_value>1</arg_value><arg_key>arg2</arg_key><arg_value>2</arg_value>"
      "</tool_call>", False, "", "", TWO),
-    ("glm", "Let me read it.</think><tool_call>empty_args</tool_call>", True, "", "Let me read it.", [("empty_args", {})]),
+    ("glm", "Let me read it.</think><tool_call>empty_args</tool_call>", True, "", "Let me read it.",
+     [("empty_args", {})]),
     ("glm", "I'm\nthinking</think>Hello, world!\nWhat's up?", True, "Hello, world!\nWhat's up?", "I'm\nthinking", []),
     # Kimi K2: the id is the model's own functions.NAME:IDX.
-    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.special_function:0<|tool_call_argument_begin|>"
+    ("kimi_k2",
+     "<|tool_calls_section_begin|><|tool_call_begin|>functions.special_function:0<|tool_call_argument_begin|>"
      '{"arg1": 1}<|tool_call_end|><|tool_calls_section_end|>', False, "", "", ONE),
     ("kimi_k2", "<think>I'm thinking about this</think>Hello<|tool_calls_section_begin|><|tool_call_begin|>"
      'functions.special_function:0<|tool_call_argument_begin|>{"arg1": 1}<|tool_call_end|><|tool_call_begin|>'
      'functions.special_function_with_opt:1<|tool_call_argument_begin|>{"arg1": 1, "arg2": 2}<|tool_call_end|>'
      "<|tool_calls_section_end|>", False, "Hello", "I'm thinking about this", TWO),
     # DeepSeek V3.1 (NAME<sep>JSON) and R1 (function<sep>NAME ```json```), prompt ending in <think>.
-    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "XYZCITY"}<｜tool▁call▁end｜>'
+    ("deepseek",
+     '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "XYZCITY"}<｜tool▁call▁end｜>'
      "<｜tool▁calls▁end｜>", False, "", "", [("get_time", {"city": "XYZCITY"})]),
-    ("deepseek", 'REASONING</think>CONTENT<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Paris"}'
-     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>special_function<｜tool▁sep｜>{"arg1": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    ("deepseek",
+     'REASONING</think>CONTENT<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Paris"}'
+     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>special_function<｜tool▁sep｜>{"arg1": '
+     '1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
      True, "CONTENT", "REASONING", [("get_time", {"city": "Paris"}), ("special_function", {"arg1": 1})]),
     ("deepseek", "</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>special_function\n```json\n"
      '{"arg1": 1}```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', True, "", "", ONE),
     # DeepSeek V3.2 (function_calls) and V4 (tool_calls) DSML; string="false" is JSON.
-    ("deepseek_dsml", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_time">\n<｜DSML｜parameter name="city" string="true">'
-     "Tokyo</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>", False, "", "", [("get_time", {"city": "Tokyo"})]),
+    ("deepseek_dsml",
+     '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_time">\n<｜DSML｜parameter name="city" string="true">'
+     "Tokyo</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>", False, "", "",
+     [("get_time", {"city": "Tokyo"})]),
     ("deepseek_dsml", '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="special_function">\n<｜DSML｜parameter name="arg1" '
      'string="false">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>', False, "", "", ONE),
     # MiniMax M2: its prompt ends inside <think>.
-    ("minimax", 'Let\'s call a tool:\n</think>\n\n<minimax:tool_call>\n<invoke name="empty_args">\n</invoke>\n</minimax:tool_call>',
+    ("minimax",
+     'Let\'s call a tool:\n</think>\n\n<minimax:tool_call>\n<invoke name="empty_args">\n</invoke>\n'
+     '</minimax:tool_call>',
      True, "", "Let's call a tool:", [("empty_args", {})]),
-    ("minimax", '\n</think>\n\n<minimax:tool_call>\n<invoke name="special_function">\n<parameter name="arg1">1</parameter>\n'
+    ("minimax",
+     '\n</think>\n\n<minimax:tool_call>\n<invoke name="special_function">\n<parameter name="arg1">1</parameter>\n'
      "</invoke>\n</minimax:tool_call>", True, "", "", ONE),
     # Gemma 4: bare keys, strings between <|"|>; its reasoning is the "thought" channel.
     ("gemma4", '<|tool_call>call:get_time{city:<|"|>San Francisco<|"|>}<tool_call|>', False, "", "",
@@ -117,12 +138,15 @@ CASES: list[Case] = [
      "<|tool_call>call:special_function{arg1:1}<tool_call|>", False, "Hello, world!\nWhat's up?", "",
      [("get_time", {"city": "Paris"}), ("special_function", {"arg1": 1})]),
     # Nemotron Nano v2 (its prompt may end inside <think>), Apriel 1.5/1.6, Granite 3.3: a JSON list of calls.
-    ("nemotron", 'I\'m\nthinking\n</think>\n<TOOLCALL>[{"name": "special_function", "arguments": {"arg1": 1}}]</TOOLCALL>',
+    ("nemotron",
+     'I\'m\nthinking\n</think>\n<TOOLCALL>[{"name": "special_function", "arguments": {"arg1": 1}}]</TOOLCALL>',
      True, "", "I'm\nthinking", ONE),
-    ("nemotron", '<TOOLCALL>[{"name": "special_function", "arguments": {"arg1": 1}}, {"name": "special_function_with_opt", '
+    ("nemotron",
+     '<TOOLCALL>[{"name": "special_function", "arguments": {"arg1": 1}}, {"name": "special_function_with_opt", '
      '"arguments": {"arg1": 1, "arg2": 2}}]</TOOLCALL>\n', False, "", "", TWO),
     ("apriel", '<tool_calls>[{"name": "special_function", "arguments": {"arg1": 1}}]</tool_calls>', False, "", "", ONE),
-    ("apriel", 'Sure.\n<tool_calls>[{"name": "get_time", "arguments": {"city": "Paris"}, "id": "abc"}]</tool_calls>', False,
+    ("apriel", 'Sure.\n<tool_calls>[{"name": "get_time", "arguments": {"city": "Paris"}, "id": "abc"}]</tool_calls>',
+     False,
      "Sure.", "", [("get_time", {"city": "Paris"})]),
     ("granite", '<|tool_call|>[{"name": "special_function", "arguments": {"arg1": 1}}]', False, "", "", ONE),
     # Cohere Command R7B (a reply may open with its thinking) and Cohere2MoE (its prompt opens it).
@@ -134,10 +158,14 @@ CASES: list[Case] = [
     # LFM2 and LFM2.5: Python-style calls (Python's literals become JSON's; JSON's are taken too).
     ("lfm2", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("lfm2", "<|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "", "", ONE),
-    ("lfm2", '<|tool_call_start|>[get_time(city="XYZCITY")]<|tool_call_end|>', False, "", "", [("get_time", {"city": "XYZCITY"})]),
-    ("lfm2", "<|tool_call_start|>[get_time(city='Paris')]<|tool_call_end|>", False, "", "", [("get_time", {"city": "Paris"})]),
-    ("lfm2", "<|tool_call_start|>[toggle(enabled=True)]<|tool_call_end|>", False, "", "", [("toggle", {"enabled": True})]),
-    ("lfm2", "<|tool_call_start|>[set_nullable(value=None)]<|tool_call_end|>", False, "", "", [("set_nullable", {"value": None})]),
+    ("lfm2", '<|tool_call_start|>[get_time(city="XYZCITY")]<|tool_call_end|>', False, "", "",
+     [("get_time", {"city": "XYZCITY"})]),
+    ("lfm2", "<|tool_call_start|>[get_time(city='Paris')]<|tool_call_end|>", False, "", "",
+     [("get_time", {"city": "Paris"})]),
+    ("lfm2", "<|tool_call_start|>[toggle(enabled=True)]<|tool_call_end|>", False, "", "",
+     [("toggle", {"enabled": True})]),
+    ("lfm2", "<|tool_call_start|>[set_nullable(value=None)]<|tool_call_end|>", False, "", "",
+     [("set_nullable", {"value": None})]),
     ("lfm2", '<|tool_call_start|>[set_config(config={"enabled": True, "count": 3})]<|tool_call_end|>', False, "", "",
      [("set_config", {"config": {"enabled": True, "count": 3}})]),
     ("lfm2", '<|tool_call_start|>[set_config(config={"enabled": true, "note": null})]<|tool_call_end|>', False, "", "",
@@ -145,7 +173,8 @@ CASES: list[Case] = [
     # (llama.cpp names this tool Calendar.create_event: our tool names are OpenAI's, no dots)
     ("lfm2", '<|tool_call_start|>[Calendar_create_event(title="demo", participants=["Alice", "Bob"], '
      'metadata={"priority": "high", "reminder": true})]<|tool_call_end|>', False, "", "",
-     [("Calendar_create_event", {"title": "demo", "participants": ["Alice", "Bob"], "metadata": {"priority": "high", "reminder": True}})]),
+     [("Calendar_create_event",
+       {"title": "demo", "participants": ["Alice", "Bob"], "metadata": {"priority": "high", "reminder": True}})]),
     ("lfm2", "Use this format: [link text](url). Example: [Wikipedia](https://www.wikipedia.org).", False,
      "Use this format: [link text](url). Example: [Wikipedia](https://www.wikipedia.org).", "", []),
     ("lfm2", '<|tool_call_start|>[python(code="def hello():\\n    print(\'hey\')")]<|tool_call_end|>', False, "", "",
@@ -156,7 +185,8 @@ CASES: list[Case] = [
      [("python", {"code": 'print("hi")'})]),
     ("lfm2", 'Let me check the time.<|tool_call_start|>[get_time(city="Paris")]<|tool_call_end|>', False,
      "Let me check the time.", "", [("get_time", {"city": "Paris"})]),
-    ("lfm2", "<|tool_call_start|>[special_function(arg1=1), special_function_with_opt(arg1=1, arg2=2)]<|tool_call_end|>",
+    ("lfm2",
+     "<|tool_call_start|>[special_function(arg1=1), special_function_with_opt(arg1=1, arg2=2)]<|tool_call_end|>",
      False, "", "", TWO),
     ("lfm2", "<|tool_call_start|>[empty_args()]<|tool_call_end|>", False, "", "", [("empty_args", {})]),
     ("lfm2", "<|tool_call_start|>[special_function(arg1=", False, "<|tool_call_start|>[special_function(arg1=", "", []),
@@ -164,11 +194,13 @@ CASES: list[Case] = [
     ("lfm2", "<think>I'm\nthinking</think><|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "",
      "I'm\nthinking", ONE),
     ("lfm2", '<think>I need to call a function</think>Let me check the time.<|tool_call_start|>[get_time(city="Paris")]'
-     "<|tool_call_end|>", False, "Let me check the time.", "I need to call a function", [("get_time", {"city": "Paris"})]),
+     "<|tool_call_end|>", False, "Let me check the time.", "I need to call a function",
+     [("get_time", {"city": "Paris"})]),
     ("lfm2", "<think>Let me think about <|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|> hmm</think>"
      "<|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|>", False, "",
      "Let me think about <|tool_call_start|>[special_function(arg1=1)]<|tool_call_end|> hmm", ONE),
-    ("lfm2", "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>", False, "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>",
+    ("lfm2", "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>", False,
+     "<|tool_call_start|>[nope(a=1)]<|tool_call_end|>",
      "", []),  # an undeclared tool: content
     # firefunction v2: a JSON list after "functools" (no closing marker).
     ("firefunction", 'Hello, world!\nWhat\'s up?', False, "Hello, world!\nWhat's up?", "", []),
@@ -180,34 +212,43 @@ CASES: list[Case] = [
     # it prints | tojson, so a string of JSON, are taken too).
     ("minimax_m1", 'Sure.\n<tool_calls>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_calls>', False,
      "Sure.", "", ONE),
-    ("minimax_m1", '<tool_calls>\n{"name": "special_function", "arguments": {"arg1": 1}}\n{"name": "special_function_with_opt", '
+    ("minimax_m1",
+     '<tool_calls>\n{"name": "special_function", "arguments": {"arg1": 1}}\n{"name": "special_function_with_opt", '
      '"arguments": {"arg1": 1, "arg2": 2}}\n</tool_calls>', False, "", "", TWO),
-    ("minimax_m1", '<tool_calls>\n{"name": "special_function", "arguments": "{\\"arg1\\": 1}"}\n</tool_calls>', False, "", "", ONE),
+    ("minimax_m1", '<tool_calls>\n{"name": "special_function", "arguments": "{\\"arg1\\": 1}"}\n</tool_calls>', False,
+     "", "", ONE),
     ("minimax_m1", "<tool_calls>\nnot a call\n</tool_calls>", False, "<tool_calls>\nnot a call\n</tool_calls>", "", []),
     # Apertus: the tool's name is the key of its arguments; <|inner_prefix|>...<|inner_suffix|> its deliberation.
     ("apertus", '<|tools_prefix|>[{"special_function": {"arg1": 1}}]<|tools_suffix|>', False, "", "", ONE),
-    ("apertus", '<|inner_prefix|>I\'m\nthinking<|inner_suffix|>Sure.<|tools_prefix|>[{"special_function": {"arg1": 1}}, '
+    ("apertus",
+     '<|inner_prefix|>I\'m\nthinking<|inner_suffix|>Sure.<|tools_prefix|>[{"special_function": {"arg1": 1}}, '
      '{"special_function_with_opt": {"arg1": 1, "arg2": 2}}]<|tools_suffix|>', False, "Sure.", "I'm\nthinking", TWO),
     ("apertus", '<|tools_prefix|>[{"special_function": "{\\"arg1\\": 1}"}]<|tools_suffix|>', False, "", "", ONE),
     ("apertus", '<|tools_prefix|>[{"special_function": {"arg1": 1}, "x": 2}]<|tools_suffix|>', False,
      '<|tools_prefix|>[{"special_function": {"arg1": 1}, "x": 2}]<|tools_suffix|>', "", []),  # not one name: content
     # GigaChat3: the call is a "function call" role's message; GigaChat3.1: after <|function_call|>.
     ("gigachat3", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
-    ("gigachat3", '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "special_function", "arguments": {"arg1": 1}}', False,
+    ("gigachat3",
+     '<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "special_function", "arguments": {"arg1": 1}}', False,
      "", "", ONE),
-    ("gigachat3", 'Hello, world!\nWhat\'s up?<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "special_function", '
+    ("gigachat3",
+     'Hello, world!\nWhat\'s up?<|message_sep|>\n\nfunction call<|role_sep|>\n{"name": "special_function", '
      '"arguments": {"arg1": 1}}', False, "Hello, world!\nWhat's up?", "", ONE),
     ("gigachat3_1", '<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}', False, "", "", ONE),
-    ("gigachat3_1", 'Hello, world!\nWhat\'s up?<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}', False,
+    ("gigachat3_1", 'Hello, world!\nWhat\'s up?<|function_call|>{"name": "special_function", "arguments": {"arg1": 1}}',
+     False,
      "Hello, world!\nWhat's up?", "", ONE),
     # MiniCPM5: XML parameters (a string's text as written, a CDATA block's as is); its prompt may open <think>.
     ("minicpm5", "Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
-    ("minicpm5", '<function name="python"><param name="code">print(\'Hello, World!\')</param></function>', False, "", "",
+    ("minicpm5", '<function name="python"><param name="code">print(\'Hello, World!\')</param></function>', False, "",
+     "",
      [("python", {"code": "print('Hello, World!')"})]),
     ("minicpm5", '<function name="empty_args"></function>', False, "", "", [("empty_args", {})]),
-    ("minicpm5", '<function name="html"><param name="markup"><![CDATA[<a href="/x">hi</a> </param>]]></param></function>', False,
+    ("minicpm5",
+     '<function name="html"><param name="markup"><![CDATA[<a href="/x">hi</a> </param>]]></param></function>', False,
      "", "", [("html", {"markup": '<a href="/x">hi</a> </param>'})]),
-    ("minicpm5", 'I\'m thinking</think><function name="python"><param name="code">print(\'hey\')</param></function>', True,
+    ("minicpm5", 'I\'m thinking</think><function name="python"><param name="code">print(\'hey\')</param></function>',
+     True,
      "", "I'm thinking", [("python", {"code": "print('hey')"})]),
     ("minicpm5", '<function name="python"><param name="code">print(\'x\')</param></function>\n<function name="python">'
      '<param name="code">print(\'y\')</param></function>', False, "", "",
@@ -217,7 +258,8 @@ CASES: list[Case] = [
     # functionary v3.2: the prompt ends with ">>>"; a message's recipient line, "all" for content.
     ("functionary", "all\nHello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("functionary", 'special_function\n{"arg1": 1}', False, "", "", ONE),
-    ("functionary", 'all\nLet me check.>>>special_function\n{"arg1": 1}>>>special_function_with_opt\n{"arg1": 1, "arg2": 2}',
+    ("functionary",
+     'all\nLet me check.>>>special_function\n{"arg1": 1}>>>special_function_with_opt\n{"arg1": 1, "arg2": 2}',
      False, "Let me check.", "", TWO),
     ("functionary", 'special_function\n{"arg1": 1}\n>>>all\nDone.', False, "Done.", "", ONE),
     ("functionary", "Hello there, no recipient", False, "Hello there, no recipient", "", []),
@@ -225,56 +267,78 @@ CASES: list[Case] = [
     # Upstage Solar Open: the model's id, the name, the JSON arguments (its template's own form).
     ("solar", '<|tool_calls|><|tool_call:begin|>abc123<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}'
      "<|tool_call:end|>", False, "", "", ONE),
-    ("solar", '<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>{"arg1": 1}<|tool_call:end|>'
+    ("solar",
+     '<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>{"arg1": '
+     '1}<|tool_call:end|>'
      '<|tool_call:begin|>b<|tool_call:name|>special_function_with_opt<|tool_call:args|>{"arg1": 1, "arg2": 2}'
      "<|tool_call:end|>", False, "", "", TWO),
-    ("solar", "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>",
-     False, "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>", "", []),
+    ("solar",
+     "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>",
+     False,
+     "<|tool_calls|><|tool_call:begin|>a<|tool_call:name|>special_function<|tool_call:args|>nope<|tool_call:end|>", "",
+     []),
     # Kimi K3: XTML tags; its prompt opens the think (or response) section; response and message tags dropped.
-    ("kimi_k3", "<|open|>response<|sep|>Hello, world!\nWhat's up?<|close|>response<|sep|><|close|>message<|sep|>", False,
+    ("kimi_k3", "<|open|>response<|sep|>Hello, world!\nWhat's up?<|close|>response<|sep|><|close|>message<|sep|>",
+     False,
      "Hello, world!\nWhat's up?", "", []),
     ("kimi_k3", "I'm thinking about this<|close|>think<|sep|><|open|>response<|sep|>Hello, world!\nWhat's up?"
-     "<|close|>response<|sep|><|close|>message<|sep|>", True, "Hello, world!\nWhat's up?", "I'm thinking about this", []),
+     "<|close|>response<|sep|><|close|>message<|sep|>", True, "Hello, world!\nWhat's up?", "I'm thinking about this",
+     []),
     ("kimi_k3", "<|open|>response<|sep|>Use the response tag, then message the handler.<|close|>response<|sep|>"
      "<|close|>message<|sep|>", False, "Use the response tag, then message the handler.", "", []),
-    ("kimi_k3", "I was still thinking when the budget ran out", True, "", "I was still thinking when the budget ran out", []),
-    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="special_function" '
+    ("kimi_k3", "I was still thinking when the budget ran out", True, "",
+     "I was still thinking when the budget ran out", []),
+    ("kimi_k3",
+     '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="special_function" '
      'index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
      "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", ONE),
-    ("kimi_k3", 'I should call it<|close|>think<|sep|><|open|>response<|sep|>On it.<|close|>response<|sep|><|open|>tools<|sep|>'
+    ("kimi_k3",
+     'I should call it<|close|>think<|sep|><|open|>response<|sep|>On it.<|close|>response<|sep|><|open|>tools<|sep|>'
      '<|open|>call tool="special_function" index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1'
      "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>", True, "On it.",
      "I should call it", ONE),
-    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="special_function" '
+    ("kimi_k3",
+     '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="special_function" '
      'index="1"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
      '<|open|>call tool="special_function_with_opt" index="2"<|sep|><|open|>argument key="arg1" type="number"<|sep|>1'
-     '<|close|>argument<|sep|><|open|>argument key="arg2" type="number"<|sep|>2<|close|>argument<|sep|><|close|>call<|sep|>'
+     '<|close|>argument<|sep|><|open|>argument key="arg2" type="number"<|sep|>2<|close|>argument<|sep|><|close|>'
+     'call<|sep|>'
      "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", TWO),
-    ("kimi_k3", '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="python" index="1"<|sep|>'
+    ("kimi_k3",
+     '<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="python" index="1"<|sep|>'
      '<|open|>argument key="code" type="string"<|sep|>print(\'hey\')<|close|>argument<|sep|><|close|>call<|sep|>'
      "<|close|>tools<|sep|><|close|>message<|sep|>", False, "", "", [("python", {"code": "print('hey')"})]),
-    ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="special_function" index="1"<|sep|><|open|>json type="object"<|sep|>'
-     '{"arg1": 1}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', False, "", "", ONE),  # arguments as one JSON
+    ("kimi_k3",
+     '<|open|>tools<|sep|><|open|>call tool="special_function" index="1"<|sep|><|open|>json type="object"<|sep|>'
+     # arguments as one JSON
+     '{"arg1": 1}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', False, "", "", ONE),
     # Cohere's content wrappers (R7B's response, Cohere2MoE's text) are not content.
-    ("cohere", "<|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>", False, "Hello, world!\nWhat's up?", "", []),
-    ("cohere", "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>",
+    ("cohere", "<|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>", False, "Hello, world!\nWhat's up?", "",
+     []),
+    ("cohere",
+     "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>",
      False, "Hello, world!\nWhat's up?", "I'm\nthinking", []),
     ("cohere", "I'm\nthinking<|END_THINKING|><|START_TEXT|>Hello, world!\nWhat's up?<|END_TEXT|>", True,
      "Hello, world!\nWhat's up?", "I'm\nthinking", []),
     # Cohere Command R+: "Action:" and a JSON code block; its turn tokens are not content.
-    ("command_r_plus", "<|CHATBOT_TOKEN|>Hello, world!\nWhat's up?<|END_OF_TURN_TOKEN|>", False, "Hello, world!\nWhat's up?", "", []),
-    ("command_r_plus", 'Action:\n```json\n[{"tool_name": "special_function", "parameters": {"arg1": 1}}]\n```', False, "", "", ONE),
-    ("command_r_plus", 'Action:\n```json\n[\n    {"tool_name": "special_function", "parameters": {"arg1": 1}},\n    {"tool_name": '
+    ("command_r_plus", "<|CHATBOT_TOKEN|>Hello, world!\nWhat's up?<|END_OF_TURN_TOKEN|>", False,
+     "Hello, world!\nWhat's up?", "", []),
+    ("command_r_plus", 'Action:\n```json\n[{"tool_name": "special_function", "parameters": {"arg1": 1}}]\n```', False,
+     "", "", ONE),
+    ("command_r_plus",
+     'Action:\n```json\n[\n    {"tool_name": "special_function", "parameters": {"arg1": 1}},\n    {"tool_name": '
      '"special_function_with_opt", "parameters": {"arg1": 1, "arg2": 2}}\n]\n```', False, "", "", TWO),
     # gpt-oss harmony: analysis is reasoning, final (and commentary to no one) content, to=functions.NAME a call.
     ("harmony", "<|channel|>final<|message|>Hello, world!\nWhat's up?", False, "Hello, world!\nWhat's up?", "", []),
     ("harmony", "<|channel|>commentary<|message|>Hello, world!", False, "Hello, world!", "", []),
-    ("harmony", "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>Hello, world!",
+    ("harmony",
+     "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>Hello, world!",
      False, "Hello, world!", "I'm\nthinking", []),
     ("harmony", "<|channel|>analysis<|message|>I'm\nthinking", False, "", "I'm\nthinking", []),
     ("harmony", ' to=functions.special_function<|channel|>analysis<|message|>{"arg1": 1}', False, "", "", ONE),
     ("harmony", '<|channel|>analysis to=functions.special_function<|message|>{"arg1": 1}', False, "", "", ONE),
-    ("harmony", ' to=functions.special_function<|channel|>analysis <|constrain|>json<|message|>{"arg1": 1}', False, "", "", ONE),
+    ("harmony", ' to=functions.special_function<|channel|>analysis <|constrain|>json<|message|>{"arg1": 1}', False, "",
+     "", ONE),
     ("harmony", "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>commentary "
      'to=functions.special_function <|constrain|>json<|message|>{"arg1": 1}<|call|>', False, "", "I'm\nthinking", ONE),
     ("harmony", "<|channel|>analysis<|message|>run python<|end|><|start|>assistant<|channel|>commentary to=python "
@@ -284,26 +348,38 @@ CASES: list[Case] = [
     # message to a tool its call; a message's end is <|eom|> (more follow) or <|eot|>.
     ("muse_glimmer", " to=user<|message|>Hello, world!\nWhat's up?<|eot|>", False, "Hello, world!\nWhat's up?", "", []),
     ("muse_glimmer", " to=special_function<|message|>" + ATEM_CALL, False, "", "", ONE),  # a call right away
-    ("muse_glimmer", " to=user<|message|>Hello, world!\nWhat's up?<|eom|><|start|>assistant to=special_function<|message|>"
+    ("muse_glimmer",
+     " to=user<|message|>Hello, world!\nWhat's up?<|eom|><|start|>assistant to=special_function<|message|>"
      + ATEM_CALL, False, "Hello, world!\nWhat's up?", "", ONE),  # an answer, then a call in the same reply
     ("muse_glimmer", " to=user<|message|>You invoke it like this:\n" + ATEM_CALL + "<|eot|>", False,
      "You invoke it like this:\n" + ATEM_CALL, "", []),  # markup quoted in the answer is no call
-    ("muse_glimmer", " to=self<|message|>I need to output JSON<|eom|><|start|>assistant to=user<|message|>{\"a\": 1}", False,
+    ("muse_glimmer", " to=self<|message|>I need to output JSON<|eom|><|start|>assistant to=user<|message|>{\"a\": 1}",
+     False,
      '{"a": 1}', "I need to output JSON", []),
-    ("muse_glimmer", " to=self<|message|>I could use " + ATEM_CALL + " here<|eom|><|start|>assistant to=user<|message|>Hello!<|eot|>",
+    ("muse_glimmer",
+     " to=self<|message|>I could use " + ATEM_CALL + " here<|eom|><|start|>assistant to=user<|message|>Hello!<|eot|>",
      False, "Hello!", "I could use " + ATEM_CALL + " here", []),  # markup in the reasoning is reasoning
-    ("muse_glimmer", " to=self<|message|>I'm\nthinking<|eom|><|start|>assistant to=special_function<|message|>" + ATEM_CALL
-     + "<|eom|><|start|>assistant to=special_function_with_opt<|message|>" + ATEM_CALL.replace('special_function">', 'special_'
-     'function_with_opt">').replace("1</atem:parameter>\n", '1</atem:parameter>\n<atem:parameter name="arg2">2</atem:parameter>\n'),
+    ("muse_glimmer",
+     " to=self<|message|>I'm\nthinking<|eom|><|start|>assistant to=special_function<|message|>" + ATEM_CALL
+     + "<|eom|><|start|>assistant "
+     "to=special_function_with_opt<|message|>" + ATEM_CALL.replace('special_function">', 'special_'
+     'function_with_opt">').replace("1</atem:parameter>\n",
+                                    '1</atem:parameter>\n<atem:parameter name="arg2">2</atem:parameter>\n'),
      False, "", "I'm\nthinking", TWO),
-    ("muse_glimmer", ' to=get_time<|message|><atem:function_calls>\n<atem:invoke name="get_time">\n<atem:parameter name="city">'
-     " 42\n</atem:parameter>\n</atem:invoke>\n</atem:function_calls>", False, "", "", [("get_time", {"city": " 42\n"})]),
-    ("muse_glimmer", ' to=nope<|message|><atem:function_calls>\n<atem:invoke name="nope">\n</atem:invoke>\n</atem:function_calls>',
-     False, '<atem:function_calls>\n<atem:invoke name="nope">\n</atem:invoke>\n</atem:function_calls>', "", []),  # undeclared
+    ("muse_glimmer",
+     ' to=get_time<|message|><atem:function_calls>\n<atem:invoke name="get_time">\n<atem:parameter name="city">'
+     " 42\n</atem:parameter>\n</atem:invoke>\n</atem:function_calls>", False, "", "",
+     [("get_time", {"city": " 42\n"})]),
+    ("muse_glimmer",
+     ' to=nope<|message|><atem:function_calls>\n<atem:invoke name="nope">\n</atem:invoke>\n</atem:function_calls>',
+     # undeclared
+     False, '<atem:function_calls>\n<atem:invoke name="nope">\n</atem:invoke>\n</atem:function_calls>', "", []),
     ("muse_glimmer", "Plain text, no messages.", False, "Plain text, no messages.", "", []),
     # Tencent Hy3 (llama.cpp reads it with its autoparser, with no parse test: as its template prints calls).
     ("hy3", HY3_ONE, False, "", "", ONE),
-    ("hy3", HY3_ONE.replace("</tool_call:opensource>\n", "</tool_call:opensource>\n<tool_call:opensource>special_function_with_opt"
+    ("hy3",
+     HY3_ONE.replace("</tool_call:opensource>\n",
+                     "</tool_call:opensource>\n<tool_call:opensource>special_function_with_opt"
      "<tool_sep:opensource>\n<arg_key:opensource>arg1</arg_key:opensource>\n<arg_value:opensource>1</arg_value:opensource>\n"
      "<arg_key:opensource>arg2</arg_key:opensource>\n<arg_value:opensource>2</arg_value:opensource>\n</tool_call:opensource>\n"),
      False, "", "", TWO),
@@ -319,17 +395,32 @@ CASES: list[Case] = [
 
 
 # A family's think markers where they are not <think> (caps.detect_think_tags reads them from its template).
-THINK_TAGS = {"hy3": ("<think:opensource>", "</think:opensource>"), "kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"), "cohere": ("<|START_THINKING|>", "<|END_THINKING|>"), "apertus": ("<|inner_prefix|>", "<|inner_suffix|>")}
+THINK_TAGS = {
+    "hy3": ("<think:opensource>", "</think:opensource>"),
+    "kimi_k3": ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
+    "cohere": ("<|START_THINKING|>", "<|END_THINKING|>"),
+    "apertus": ("<|inner_prefix|>", "<|inner_suffix|>"),
+}
 
 
 def _whole(fmt: ToolFormat, text: str, starts_in: bool) -> tuple[str, str, list[Any]]:
-    r = parse_reply(text, fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids(),
-                    **_tags(fmt))
+    r = parse_reply(
+        text,
+        fmt,
+        parse_tools=True,
+        reasoning=True,
+        starts_in_reasoning=starts_in,
+        tools=TOOLS,
+        new_id=ids(),
+        **_tags(fmt),
+    )
     return r.content, r.reasoning, r.tool_calls
 
 
 def _streamed(fmt: ToolFormat, pieces: list[str], starts_in: bool) -> tuple[str, str, list[Any]]:
-    p = ReplyParser(fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids(), **_tags(fmt))
+    p = ReplyParser(
+        fmt, parse_tools=True, reasoning=True, starts_in_reasoning=starts_in, tools=TOOLS, new_id=ids(), **_tags(fmt)
+    )
     deltas = [p.feed(x) for x in pieces] + [p.finish()]
     assert [c for d in deltas for c in d.tool_calls] == p.calls
     return "".join(d.content for d in deltas), "".join(d.reasoning for d in deltas), p.calls
@@ -386,9 +477,11 @@ def test_content_markup_is_removed_without_tools_too() -> None:
     for name, text, content in (
         ("functionary", "all\nHello, world!", "Hello, world!"),
         ("functionary", 'special_function\n{"arg1": 1}', 'special_function\n{"arg1": 1}'),
-        ("kimi_k3", "<|open|>response<|sep|>Hello, world!<|close|>response<|sep|><|close|>message<|sep|>", "Hello, world!"),
+        ("kimi_k3", "<|open|>response<|sep|>Hello, world!<|close|>response<|sep|><|close|>message<|sep|>",
+         "Hello, world!"),
         # reasoning not split: the think block stays, the response wrapper goes (llama.cpp's "unparsed" R7B case)
-        ("cohere", "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>",
+        ("cohere",
+         "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_RESPONSE|>Hello, world!\nWhat's up?<|END_RESPONSE|>",
          "<|START_THINKING|>I'm\nthinking<|END_THINKING|>Hello, world!\nWhat's up?"),
     ):
         fmt = FORMATS[name]
@@ -410,7 +503,8 @@ def test_harmony_without_reasoning_shows_the_analysis_as_content() -> None:
 # ---- detection from a template's markers --------------------------------------------------------
 
 HY3_SOURCE = ("{%- set HYTK = ':opensource' %}{%- set think_begin_token = '<think{}>'.format(HYTK) %}"
-              "{%- set toolsep_token = '<tool_sep{}>'.format(HYTK) %}{%- set argkey_begin_token = '<arg_key{}>'.format(HYTK) %}")
+              "{%- set toolsep_token = '<tool_sep{}>'.format(HYTK) %}{%- set argkey_begin_token = "
+              "'<arg_key{}>'.format(HYTK) %}")
 
 SNIPPETS = [
     ("{{ '<tool_call>\\n<function=' + name + '>\\n<parameter=' + k + '>' }}", "qwen3_coder"),
@@ -430,18 +524,23 @@ SNIPPETS = [
     ("{%- set ns.content = ns.content + ' functools[' + tool.calls | join(', ') + ']' -%}", "firefunction"),
     ("{{ '<beginning_of_sentence>ai name=assistant\\n<tool_calls>\\n' -}}...{{ '</tool_calls><end_of_sentence>\\n' -}}",
      "minimax_m1"),
-    ("{%- set tool_calls_token = '<|tools_prefix|>' -%}{%- set end_tool_calls_token = '<|tools_suffix|>' -%}", "apertus"),
+    ("{%- set tool_calls_token = '<|tools_prefix|>' -%}{%- set end_tool_calls_token = '<|tools_suffix|>' -%}",
+     "apertus"),
     ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", message_sep=\"<|message_sep|>\\n\\n\") -%}"
      "{%- set call = {'role': 'function call'} -%}", "gigachat3"),
-    ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", function_call=\"<|function_call|>\") -%}", "gigachat3_1"),
-    ("Tool usage guidelines:\n...<function name=\"function-name\"><param name=\"param-name\">param-value</param></function>",
+    ("{%- set add_tokens = namespace(role_sep=\"<|role_sep|>\\n\", function_call=\"<|function_call|>\") -%}",
+     "gigachat3_1"),
+    ("Tool usage guidelines:\n...<function name=\"function-name\"><param "
+     "name=\"param-name\">param-value</param></function>",
      "minicpm5"),
     ("Respond in this format:\\n>>>${recipient}\\n${content}...{{ '>>>all\\n' + message['content'] }}", "functionary"),
-    ("{{- \"<|tool_call:begin|>\" + tool_call.id +\"<|tool_call:name|>\" + tool_call.function.name + \"<|tool_call:args|>\" }}",
+    ("{{- \"<|tool_call:begin|>\" + tool_call.id +\"<|tool_call:name|>\" + tool_call.function.name + "
+     "\"<|tool_call:args|>\" }}",
      "solar"),
     ("{{- '<|open|>' + tag -}}...{{- '<|close|>' + tag + '<|sep|>' -}}...<|end_of_msg|>", "kimi_k3"),
     (HY3_SOURCE, "hy3"),
-    ("{{- '<atem:function_calls>\\n<atem:invoke name=\"' + tc.function.name + '\">\\n' -}}...{{- '<|eom|>' -}}", "muse_glimmer"),
+    ("{{- '<atem:function_calls>\\n<atem:invoke name=\"' + tc.function.name + '\">\\n' -}}...{{- '<|eom|>' -}}",
+     "muse_glimmer"),
     ("{{- '\\nAction:\\n```json\\n[\\n' }}...You should use the `directly-answer` tool if ...", "command_r_plus"),
     ("{{- '<TOOLCALL>[' -}}{% for c in calls %}{{ c | tojson }}{% endfor %}{{- ']</TOOLCALL>' -}}", "nemotron"),
     ("Return all function calls as a list of json objects within <tool_call></tool_call> XML tags:\n"
@@ -455,14 +554,17 @@ def test_auto_picks_the_family_from_the_templates_markers(source: str, name: str
     caps = template_caps(ChatTemplate(name="t", source="inline", jinja=source))
     assert caps.tool_format is FORMATS[name] and caps.as_dict()["tool_format"] == name
     # a named parser overrides what the source suggests
-    assert template_caps(ChatTemplate(name="t", source="inline", jinja=source), "hermes").tool_format is FORMATS["hermes"]
+    assert (
+        template_caps(ChatTemplate(name="t", source="inline", jinja=source), "hermes").tool_format is FORMATS["hermes"]
+    )
 
 
 def test_each_familys_think_markers() -> None:
     assert detect_think_tags("{{ '<seed:think>' + r + '</seed:think>' }}") == ("<seed:think>", "</seed:think>")
     assert detect_think_tags("[THINK]{{ r }}[/THINK]") == ("[THINK]", "[/THINK]")
     assert detect_think_tags("<|START_THINKING|>{{ r }}<|END_THINKING|>") == ("<|START_THINKING|>", "<|END_THINKING|>")
-    assert detect_think_tags("{%- set inner_token = '<|inner_prefix|>' -%}{%- set outer_token = '<|inner_suffix|>' -%}") == (
+    assert detect_think_tags("{%- set inner_token = '<|inner_prefix|>' "
+                             "-%}{%- set outer_token = '<|inner_suffix|>' -%}") == (
         "<|inner_prefix|>", "<|inner_suffix|>")
     assert detect_think_tags("{{- '<|open|>' + tag -}}{{- '<|close|>' + tag -}}<|end_of_msg|>") == (
         "<|open|>think<|sep|>", "<|close|>think<|sep|>")  # Kimi K3 builds its tags
@@ -475,7 +577,9 @@ def test_each_familys_think_markers() -> None:
     assert (gemma.reasoning, gemma.content) == ("I'm\nthinking", "Hello")
     assert detect_think_tags("{{ messages }}") is None
     seed = "<seed:think>plan</seed:think>Answer"
-    r = parse_reply(seed, FORMATS["seed_oss"], parse_tools=False, reasoning=True, think_tags=("<seed:think>", "</seed:think>"))
+    r = parse_reply(
+        seed, FORMATS["seed_oss"], parse_tools=False, reasoning=True, think_tags=("<seed:think>", "</seed:think>")
+    )
     assert (r.reasoning, r.content) == ("plan", "Answer")
     caps = template_caps(ChatTemplate(name="t", source="inline", jinja="<|channel|>analysis<|message|>"))
     assert caps.thinks  # harmony's analysis channel is its reasoning
@@ -511,17 +615,32 @@ def test_a_call_after_an_open_think_block_follows_the_reasoning(choice: Any) -> 
     chat = Chat(tpl, tool_call_parser="auto", reasoning_format="auto", bos_token="<s>", eos_token="</s>",
                 tokenizer_adds_bos=True, run_on_worker=_no_worker, apply_builtin=_no_builtin)
     assert chat.caps.tool_format is FORMATS["deepseek"]
-    body = {"messages": [{"role": "user", "content": "time in Paris?"}], "tools": [
-        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-    ], "tool_choice": choice}
-    call = '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    body = {
+        "messages": [{"role": "user", "content": "time in Paris?"}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_time",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ],
+        "tool_choice": choice,
+    }
+    call = (
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"city": '
+        '"Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
     plan = chat_plan(chat, body)
     assert plan.prompt.endswith("<｜Assistant｜><think>\n"), plan.prompt
     make = plan.replies
     assert make is not None
     parser = make()
     deltas = [parser.feed(c) for c in "Paris, then.\n</think>\n\n" + call] + [parser.finish()]
-    assert [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls] == [("get_time", {"city": "Paris"})]
+    assert [(c.name, json.loads(c.arguments)) for d in deltas for c in d.tool_calls] == [
+        ("get_time", {"city": "Paris"})
+    ]
     assert "".join(d.reasoning for d in deltas) == "Paris, then."
     assert "".join(d.content for d in deltas) == ""
 
@@ -531,8 +650,14 @@ def test_kimi_call_index_is_bounded_in_the_grammar() -> None:
     random-weight model wrote digits to max_tokens (found by the corpus benchmark)."""
     from hydra_trio.engine.chat.call_grammar import tools_grammar
 
-    req = parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
-                       "tool_choice": "required"})
+    req = parse_tools(
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+            ],
+            "tool_choice": "required",
+        }
+    )
     assert req is not None
     text = tools_grammar(req, FORMATS["kimi_k2"]).text
     assert "[0-9]+" not in text and "/[0-9]{1,5}/" in text

@@ -68,7 +68,9 @@ def use_format(engine: Any, fmt: ToolFormat) -> None:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=list(FORMATS))
-async def test_required_and_named_calls_validate_in_every_format(start_engine: Any, tiny_model: Path, fmt: ToolFormat) -> None:
+async def test_required_and_named_calls_validate_in_every_format(
+    start_engine: Any, tiny_model: Path, fmt: ToolFormat
+) -> None:
     ep = await start_engine(tiny_model, slots=1)
     engine = ep.state.engine
     cases: list[tuple[list[dict[str, Any]], Any, bool]] = []
@@ -88,7 +90,12 @@ async def test_required_and_named_calls_validate_in_every_format(start_engine: A
     seen = 0
     use_format(engine, fmt)
     for n, (schemas, choice, parallel) in enumerate(cases):
-        body = {"tools": tools_body(schemas), "tool_choice": choice, "parallel_tool_calls": parallel, "max_tokens": MAX_TOKENS}
+        body = {
+            "tools": tools_body(schemas),
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+            "max_tokens": MAX_TOKENS,
+        }
         req = parse_tools(body)
         assert req is not None
         for sampling in ({"temperature": 0}, {**SAMPLED, "seed": n}):
@@ -96,7 +103,9 @@ async def test_required_and_named_calls_validate_in_every_format(start_engine: A
             assert stop == "eos", (fmt.name, text)
             check_calls(text, fmt, req, exactly_one=not parallel)
             if choice != "required":
-                assert {c.name for c in parse_reply(text, fmt, parse_tools=True, reasoning=False).tool_calls} == {req.function}
+                assert {c.name for c in parse_reply(text, fmt, parse_tools=True, reasoning=False).tool_calls} == {
+                    req.function
+                }
             seen += 1
     assert seen == 2 * len(cases)
 
@@ -106,13 +115,15 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
     body = {"tools": tools_body([{"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]}]),
             "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200}
     starts = {"hermes": '<tool_call>\n{"name": "tool_0", "arguments": ', "llama3": '{"name": "tool_0", "parameters": ',
-              "mistral": '[TOOL_CALLS][{"name": "tool_0", "arguments": ', "generic": '{"tool_calls": [{"name": "tool_0", "arguments": ',
+              "mistral": '[TOOL_CALLS][{"name": "tool_0", "arguments": ',
+              "generic": '{"tool_calls": [{"name": "tool_0", "arguments": ',
               "qwen3_coder": "<tool_call>\n<function=tool_0>\n<parameter=x>\n",
               "seed_oss": "<seed:tool_call>\n<function=tool_0>\n<parameter=x>\n",
               "glm": "<tool_call>tool_0\n<arg_key>x</arg_key>\n<arg_value>",
               "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.tool_0:",
               "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>tool_0<｜tool▁sep｜>",
-              "deepseek_dsml": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="tool_0">\n<｜DSML｜parameter name="x" string="false">',
+              "deepseek_dsml": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="tool_0">\n'
+              '<｜DSML｜parameter name="x" string="false">',
               "minimax": '<minimax:tool_call>\n<invoke name="tool_0">\n<parameter name="x">',
               "gemma4": "<|tool_call>call:tool_0{x:",
               "granite": '<|tool_call|>[{"name": "tool_0", "arguments": ',
@@ -133,7 +144,8 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "hy3": "<tool_calls:opensource>\n<tool_call:opensource>tool_0<tool_sep:opensource>\n<arg_key:opensource>x"
                      "</arg_key:opensource>\n<arg_value:opensource>",
               "harmony": "<|channel|>commentary to=functions.tool_0 <|constrain|>json<|message|>",
-              "muse_glimmer": ' to=tool_0<|message|><atem:function_calls>\n<atem:invoke name="tool_0">\n<atem:parameter name="x">'}
+              "muse_glimmer": ' to=tool_0<|message|><atem:function_calls>\n<atem:invoke name="tool_0">\n'
+              '<atem:parameter name="x">'}
     for name, fmt in FORMATS.items():
         if name not in starts:  # a family added since: what its own writer puts before the value
             written = family_examples.write_calls(fmt, [("tool_0", {"x": True})], lambda _n, _k, v: json.dumps(v))
@@ -146,7 +158,8 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
         if name == "cohere":
             assert re.match(r'\d{1,3}", "tool_name": "tool_0", "parameters": ', text[len(starts[name]):]), text
         if name == "kimi_k3":
-            assert re.match(r'[1-9][0-9]?"<\|sep\|><\|open\|>argument key="x" type="boolean"<\|sep\|>', text[len(starts[name]):]), text
+            assert re.match(r'[1-9][0-9]?"<\|sep\|><\|open\|>argument key="x" '
+                            r'type="boolean"<\|sep\|>', text[len(starts[name]):]), text
         if name == "solar":
             assert re.match(r"\d{1,3}<\|tool_call:name\|>tool_0<\|tool_call:args\|>", text[len(starts[name]):]), text
 
@@ -164,7 +177,9 @@ async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
     assert grammars.compiles == before  # compiled once, by the first prepare
     assert grammars.known(grammar)
     # The same calls forced: the same grammar text (laziness is the engine's), compiled already.
-    forced = (await eng.prepare("chat", {**body, "tool_choice": "required", "messages": messages})).params.sampling.grammar
+    forced = (
+        await eng.prepare("chat", {**body, "tool_choice": "required", "messages": messages})
+    ).params.sampling.grammar
     assert forced is not None and forced.text == grammar.text and not forced.triggers
     assert grammars.compiles == before
     # Untriggered, the lazy grammar constrains nothing: this model writes no trigger, so the
@@ -178,7 +193,9 @@ async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:
 # DeepSeek's markers hold U+2581, which this SentencePiece vocabulary reads as its space
 # piece: the trigger cannot be written token by token here (its grammar still holds: the
 # required-call test writes the marker in byte tokens).
-OK_TOOL = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
+OK_TOOL = parse_tools(
+    {"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])}
+)
 assert OK_TOOL is not None
 
 
@@ -187,11 +204,15 @@ def all_triggers(fmt: ToolFormat) -> tuple[Trigger, ...]:
     return (*fmt.triggers, *tool_triggers(fmt, OK_TOOL))  # type: ignore[arg-type]
 
 
-TRIGGERS = [(name, i) for name, fmt in FORMATS.items() for i, t in enumerate(all_triggers(fmt)) if "\u2581" not in t.text]
+TRIGGERS = [
+    (name, i) for name, fmt in FORMATS.items() for i, t in enumerate(all_triggers(fmt)) if "\u2581" not in t.text
+]
 
 
 @pytest.mark.parametrize(("fmt_name", "which"), TRIGGERS, ids=[f"{n}-{i}" for n, i in TRIGGERS])
-async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(engine: Any, fmt_name: str, which: int) -> None:
+async def test_a_lazy_grammar_triggers_on_a_trigger_written_over_several_tokens(
+    engine: Any, fmt_name: str, which: int
+) -> None:
     """Drive a Sampler token by token (logits that favour one token each time): free text
     first, then the trigger, a piece at a time; from then on the grammar holds, so a token
     it refuses is replaced by one it allows."""
@@ -246,7 +267,11 @@ def test_trigger_patterns_match_only_at_the_end_and_at_the_start_when_asked() ->
     use only what Python's re reads the same): the trigger, then a beginning of what the
     grammar writes after it, at the end of the text so far, from the capture group on."""
     hermes = HERMES.triggers[0].pattern
-    for text, fed in [("Hi <tool_call>", "<tool_call>"), ("<tool_call>\n{", "<tool_call>\n{"), ("a<tool_call>\n{\"name\": \"", None)]:
+    for text, fed in [
+        ("Hi <tool_call>", "<tool_call>"),
+        ("<tool_call>\n{", "<tool_call>\n{"),
+        ('a<tool_call>\n{"name": "', None),
+    ]:
         m = re.search(hermes, text)
         assert m is not None and m.group(1) == (fed or text[1:])
     assert re.search(hermes, "<tool_call> {") is None  # not what the grammar writes: stays free
@@ -287,9 +312,14 @@ async def test_a_tool_schema_no_value_satisfies_names_its_tool(engine: Any) -> N
     relaxed = {"tools": tools_body([loose]), "tool_choice": "required", "messages": messages}
     assert (await eng.prepare("chat", relaxed)).params.sampling.grammar is not None
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": loose}}
-    assert (await eng.prepare("chat", {"response_format": fmt, "messages": messages})).params.sampling.grammar is not None
+    assert (
+        await eng.prepare("chat", {"response_format": fmt, "messages": messages})
+    ).params.sampling.grammar is not None
     with pytest.raises(ParamError) as info:
-        await eng.prepare("chat", {"response_format": {**fmt, "json_schema": {**fmt["json_schema"], "strict": True}}, "messages": messages})
+        await eng.prepare(
+            "chat",
+            {"response_format": {**fmt, "json_schema": {**fmt["json_schema"], "strict": True}}, "messages": messages},
+        )
     assert "propertyNames" in info.value.message
     # The named function's grammar writes only that tool's call: the unsatisfiable one aside.
     named = {**body, "tool_choice": {"type": "function", "function": {"name": "tool_0"}}}
@@ -304,8 +334,15 @@ def test_functionarys_trigger_is_a_tools_name_never_its_content_line() -> None:
     line, a tool's name a call. Searched after each token, its lookahead also passes on a
     ``>>>`` that ends the text; ours waits for the character that parts a name from ``all``."""
     fmt = FORMATS["functionary"]
-    req = parse_tools({"tools": tools_body([{"type": "object"}]) + [
-        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("allocate", "add", "all")]})
+    req = parse_tools(
+        {
+            "tools": tools_body([{"type": "object"}])
+            + [
+                {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+                for n in ("allocate", "add", "all")
+            ]
+        }
+    )
     assert req is not None
     triggers = tools_grammar(req, fmt).triggers
 
@@ -323,8 +360,13 @@ def test_functionarys_trigger_is_a_tools_name_never_its_content_line() -> None:
     assert fed(">>>allocate\n{}") == ">>>allo" and fed(">>>add\n{}") == ">>>ad"
     assert fed(">>>all\n{}") is None  # a tool named "all" cannot be told from content: never triggered
     assert re.search(triggers[0], ">>>tool_0\n") and not re.search(triggers[0], '>>>tool_0\n{"')  # a beginning only
-    assert tools_grammar(parse_tools({"tools": tools_body([{"type": "object"}]), "tool_choice": "required"}), fmt).triggers == ()  # type: ignore[arg-type]
-    only_all = parse_tools({"tools": [{"type": "function", "function": {"name": "all", "parameters": {"type": "object"}}}]})
+    assert (
+        tools_grammar(parse_tools({"tools": tools_body([{"type": "object"}]), "tool_choice": "required"}), fmt).triggers
+        == ()
+    )  # type: ignore[arg-type]
+    only_all = parse_tools(
+        {"tools": [{"type": "function", "function": {"name": "all", "parameters": {"type": "object"}}}]}
+    )
     assert only_all is not None
     lazy = tools_grammar(only_all, fmt).triggers
     assert lazy  # still lazy (no trigger would hold the grammar from the first token)
@@ -337,7 +379,9 @@ async def test_functionary_under_auto_leaves_an_all_line_free_and_holds_a_call(e
     eng = engine.state.engine
     backend = eng._core.backend
     fmt = FORMATS["functionary"]
-    req = parse_tools({"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])})
+    req = parse_tools(
+        {"tools": tools_body([{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}])}
+    )
     assert req is not None
     grammar = tools_grammar(req, fmt)
     grammars = eng._core.inputs.grammars

@@ -24,7 +24,13 @@ from hydra_trio.engine.structured import request_constraint
 from hydra_trio.wire.errors import ParamError
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
     {"type": "function", "function": {"name": "add", "description": "sum", "parameters": {"type": "object"}}},
 ]
 REQ = parse_tools({"tools": TOOLS})
@@ -57,7 +63,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
     if fmt.name in ("qwen3_coder", "seed_oss"):
         tag = "tool_call" if fmt.name == "qwen3_coder" else "seed:tool_call"
         return "\n".join(
-            f"<{tag}>\n<function={n}>\n" + "".join(f"<parameter={k}>\n{_xml(n, k, v)}\n</parameter>\n" for k, v in a.items())
+            f"<{tag}>\n<function={n}>\n" + "".join(f"<parameter={k}>\n{_xml(n, k, v)}\n"
+                                                   "</parameter>\n" for k, v in a.items())
             + f"</function>\n</{tag}>"
             for n, a in calls
         )
@@ -65,7 +72,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         s, sep = ("", "\n") if fmt.name == "glm" else (":opensource", "<tool_sep:opensource>\n")
         return fmt.before + "\n".join(
             f"<tool_call{s}>{n}{sep}"
-            + "".join(f"<arg_key{s}>{k}</arg_key{s}>\n<arg_value{s}>{_xml(n, k, v)}</arg_value{s}>\n" for k, v in a.items())
+            + "".join(f"<arg_key{s}>{k}</arg_key{s}>\n<arg_val"
+                      f"ue{s}>{_xml(n, k, v)}</arg_value{s}>\n" for k, v in a.items())
             + f"</tool_call{s}>"
             for n, a in calls
         ) + fmt.after
@@ -91,7 +99,8 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
             return f'<|"|>{v}<|"|>' if isinstance(v, str) else json.dumps(v)
 
         return "".join(
-            f"<|tool_call>call:{n}{{" + ",".join(f"{k}:{value(v)}" for k, v in a.items()) + "}<tool_call|>" for n, a in calls
+            f"<|tool_call>call:{n}{{" + ",".join(f"{k}:{value(v)}" for k, v in a.items()) + "}<tool_call|>"
+            for n, a in calls
         )
     if fmt is HERMES:
         return "\n".join(f"<tool_call>\n{call_json(fmt, n, a)}\n</tool_call>" for n, a in calls)
@@ -100,9 +109,14 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
     if fmt is MISTRAL:
         return "[TOOL_CALLS][" + ", ".join(call_json(fmt, n, a) for n, a in calls) + "]"
     if fmt.name == "cohere":
-        return "<|START_ACTION|>[\n" + ",\n".join(
-            "    " + json.dumps({"tool_call_id": str(i), "tool_name": n, "parameters": a}) for i, (n, a) in enumerate(calls)
-        ) + "\n]<|END_ACTION|>"
+        return (
+            "<|START_ACTION|>[\n"
+            + ",\n".join(
+                "    " + json.dumps({"tool_call_id": str(i), "tool_name": n, "parameters": a})
+                for i, (n, a) in enumerate(calls)
+            )
+            + "\n]<|END_ACTION|>"
+        )
     if fmt.name == "minimax_m1":
         return "<tool_calls>\n" + "\n".join(call_json(fmt, n, a) for n, a in calls) + "\n</tool_calls>"
     if fmt.name == "apertus":
@@ -111,7 +125,9 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
         return "".join(fmt.before + call_json(fmt, n, a) for n, a in calls)
     if fmt.name == "minicpm5":
         return "\n".join(
-            f'<function name="{n}">' + "".join(f'<param name="{k}">{_xml(n, k, v)}</param>' for k, v in a.items()) + "</function>"
+            f'<function name="{n}">'
+            + "".join(f'<param name="{k}">{_xml(n, k, v)}</param>' for k, v in a.items())
+            + "</function>"
             for n, a in calls
         )
     if fmt.name == "functionary":  # the first recipient's ">>>" ends the prompt
@@ -132,7 +148,11 @@ def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str
             ) + "<|close|>call<|sep|>" for i, (n, a) in enumerate(calls)
         ) + "<|close|>tools<|sep|>"
     if fmt.name == "command_r_plus":
-        return "Action:\n```json\n[" + ", ".join(json.dumps({"tool_name": n, "parameters": a}) for n, a in calls) + "]\n```"
+        return (
+            "Action:\n```json\n["
+            + ", ".join(json.dumps({"tool_name": n, "parameters": a}) for n, a in calls)
+            + "]\n```"
+        )
     if fmt.name == "lfm2":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls
@@ -163,7 +183,8 @@ def test_each_format_parses_one_and_parallel_calls(fmt: ToolFormat) -> None:
         assert names_args(r.tool_calls) == calls
         assert [c.index for c in r.tool_calls] == list(range(len(calls)))
         given = ([f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)] if fmt.name == "kimi_k2"
-                 else [str(i) for i in range(len(calls))] if fmt.name in ("cohere", "solar") else None)  # the model's own ids
+                 # the model's own ids
+                 else [str(i) for i in range(len(calls))] if fmt.name in ("cohere", "solar") else None)
         assert [c.id for c in r.tool_calls] == (given or [f"call_{i}" for i in range(len(calls))])
         assert r.tool_calls[0].arguments == json.dumps(calls[0][1], separators=(",", ":"))
 
@@ -203,7 +224,8 @@ def test_llama3_bare_json_at_the_start_and_generic_whitespace() -> None:
         (LLAMA3, '{"name": "nope", "parameters": {}}'),
         (LLAMA3, '<|python_tag|>{"name": "add", "parameters": 3}'),
         (LLAMA3, '{"name": "add", "parameters": {'),
-        (MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {}}, {"name": "nope", "arguments": {}}]'),  # all or nothing
+        # all or nothing
+        (MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {}}, {"name": "nope", "arguments": {}}]'),
         (MISTRAL, '[TOOL_CALLS]{"name": "add", "arguments": {}}'),  # not a list
         (MISTRAL, "[TOOL_CALLS][]"),
         (GENERIC, '{"tool_calls": [{"name": "add", "arguments": 5}]}'),
@@ -232,7 +254,8 @@ def test_without_tool_parsing_everything_is_content() -> None:
 
 
 def test_any_name_is_a_call_without_a_tool_list() -> None:
-    r = parse_reply('<tool_call>{"name": "whatever", "arguments": {}}</tool_call>', HERMES, parse_tools=True, reasoning=False)
+    r = parse_reply('<tool_call>{"name": "whatever", '
+                    '"arguments": {}}</tool_call>', HERMES, parse_tools=True, reasoning=False)
     assert [c.name for c in r.tool_calls] == ["whatever"]
     assert r.tool_calls[0].id.startswith("call_") and len(r.tool_calls[0].id) == 5 + 24
 
@@ -256,10 +279,12 @@ _JUNK = st.lists(
     st.one_of(
         st.text("ab <>[]{}\";:\n\\/|_", max_size=6),
         st.sampled_from(
-            ["<tool_call>", "</tool_call>", "<tool", "[TOOL_CALLS]", "[TOOL", "<|python_tag|>", "<|py", "<think>", "</think>",
+            ["<tool_call>", "</tool_call>", "<tool", "[TOOL_CALLS]", "[TOOL", "<|python_tag|>", "<|py", "<think>",
+             "</think>",
              "</th", "{", "}", "[", "]", '"', '{"name": "add", "arguments": {}}', '{"name": "add", "parameters": {}}',
              '{"tool_calls": [', "; ", "\n", "  ", "<function=add>", "</function>", "<parameter=x>", "</parameter>",
-             "<arg_key>", "</arg_value>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<｜tool▁calls▁begin｜>",
+             "<arg_key>", "</arg_value>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+             "<｜tool▁calls▁begin｜>",
              "<｜tool▁sep｜>", '<invoke name="add">', "</minimax:tool_call>"]
         ),
     ),
@@ -270,7 +295,9 @@ _JUNK = st.lists(
 @st.composite
 def replies(draw: st.DrawFn, fmt: ToolFormat) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
     """A reply in ``fmt``: optional reasoning, text, calls (a few groups for hermes)."""
-    args = st.dictionaries(st.text("xyz", min_size=1, max_size=3), st.one_of(st.integers(), st.text("a\"}{ \\", max_size=4)), max_size=3)
+    args = st.dictionaries(
+        st.text("xyz", min_size=1, max_size=3), st.one_of(st.integers(), st.text('a"}{ \\', max_size=4)), max_size=3
+    )
     calls = draw(st.lists(st.tuples(st.sampled_from(["get_weather", "add"]), args), max_size=3))
     think = draw(st.sampled_from(["", "<think>\nplan </think>\n", "<think>a\n\n</think>"]))
     lead_ok = fmt in (HERMES, MISTRAL) or fmt.block is not None
@@ -299,7 +326,9 @@ def _streamed(pieces: list[str], fmt: ToolFormat, reasoning: bool, starts_in: bo
 def test_any_split_of_a_reply_gives_the_whole_replys_parse(fmt: ToolFormat, data: st.DataObject) -> None:
     text, calls = data.draw(st.one_of(replies(fmt), _JUNK.map(lambda t: (t, None))))
     reasoning, starts_in = data.draw(st.booleans()), data.draw(st.booleans())
-    whole = parse_reply(text, fmt, parse_tools=True, reasoning=reasoning, starts_in_reasoning=starts_in, tools=REQ, new_id=ids())
+    whole = parse_reply(
+        text, fmt, parse_tools=True, reasoning=reasoning, starts_in_reasoning=starts_in, tools=REQ, new_id=ids()
+    )
     assert _streamed(_splits(data.draw, text), fmt, reasoning, starts_in) == (
         whole.content,
         whole.reasoning,
@@ -335,7 +364,11 @@ def test_reasoning_is_split_from_the_content(text: str, starts_in: bool, reasoni
 def test_reasoning_then_a_call() -> None:
     text = "<think>\nweather needed\n</think>\n" + write_calls(HERMES, [("get_weather", {"city": "Rome"})])
     r = parse(text, HERMES, reasoning=True)
-    assert r.reasoning == "weather needed" and r.content == "" and names_args(r.tool_calls) == [("get_weather", {"city": "Rome"})]
+    assert (
+        r.reasoning == "weather needed"
+        and r.content == ""
+        and names_args(r.tool_calls) == [("get_weather", {"city": "Rome"})]
+    )
 
 
 # ---- formats from templates --------------------------------------------------------------------
@@ -351,7 +384,9 @@ def test_detect_format_from_template_source() -> None:
 
 
 def test_the_generic_system_prompt_describes_tools_and_the_reply_form() -> None:
-    text = tools_system_prompt(parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}}))
+    text = tools_system_prompt(
+        parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    )
     assert '"name": "add"' in text and "get_weather" not in text
     assert '{"tool_calls": [' in text and "You must call add." in text
     assert "plain text" in tools_system_prompt(REQ)
@@ -367,11 +402,17 @@ def test_parse_tools_reads_tools_choice_and_parallel() -> None:
     assert r is not None and (r.choice, r.function, r.parallel) == ("auto", None, True)
     assert r.tools[0].parameters == {"type": "object", "properties": {"city": {"type": "string"}}}
     assert r.tools[1].description == "sum" and not r.tools[1].strict
-    r = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}, "parallel_tool_calls": False})
+    r = parse_tools(
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}, "parallel_tool_calls": False}
+    )
     assert r is not None and (r.choice, r.function, r.parallel) == ("function", "add", False)
     assert [t.name for t in r.callable] == ["add"]
     noparams = parse_tools({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]})
-    assert noparams is not None and noparams.tools[0].parameters == {"type": "object", "properties": {}} and noparams.tools[0].strict
+    assert (
+        noparams is not None
+        and noparams.tools[0].parameters == {"type": "object", "properties": {}}
+        and noparams.tools[0].strict
+    )
     legacy = parse_tools({"functions": [{"name": "f"}], "function_call": {"name": "f"}})
     assert legacy is not None and (legacy.choice, legacy.function, legacy.parallel) == ("function", "f", False)
 
@@ -385,13 +426,17 @@ def test_parse_tools_reads_tools_choice_and_parallel() -> None:
         ({"tools": [{"type": "function"}]}, "tools[0].function", "object"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", "1 to 64"),
         ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools[0].function.name", "1 to 64"),
-        ({"tools": [{"type": "function", "function": {"name": "a", "description": 3}}]}, "tools[0].function.description", "string"),
-        ({"tools": [{"type": "function", "function": {"name": "a", "parameters": []}}]}, "tools[0].function.parameters", "schema"),
+        ({"tools": [{"type": "function", "function": {"name": "a", "description": 3}}]},
+         "tools[0].function.description", "string"),
+        ({"tools": [{"type": "function", "function": {"name": "a", "parameters": []}}]}, "tools[0].function.parameters",
+         "schema"),
         ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"description": "x" * 70000}}}]},
          "tools[0].function.parameters", "at most 65536"),
-        ({"tools": [{"type": "function", "function": {"name": "a", "strict": "yes"}}]}, "tools[0].function.strict", "boolean"),
+        ({"tools": [{"type": "function", "function": {"name": "a", "strict": "yes"}}]}, "tools[0].function.strict",
+         "boolean"),
         ({"tools": [*TOOLS, TOOLS[0]]}, "tools[2].function.name", "twice"),
-        ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]}, "tools", "at most 128"),
+        ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]}, "tools",
+         "at most 128"),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "one of"),
         ({"tools": TOOLS, "tool_choice": 3}, "tool_choice", "string or an object"),
         ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "function"),
@@ -420,7 +465,9 @@ def test_tools_are_a_constraint_unless_choice_none() -> None:
         return request_constraint(body, parse_tools(body))
 
     c = constraint({"tools": TOOLS, "tool_choice": "required"})
-    assert c is not None and c.kind == "tools" and c.param == "tools" and c.value.choice == "required" and c.answer is None
+    assert (
+        c is not None and c.kind == "tools" and c.param == "tools" and c.value.choice == "required" and c.answer is None
+    )
     assert constraint({"tools": TOOLS, "tool_choice": "none"}) is None
     assert constraint({"tools": TOOLS, "tool_choice": "none", "grammar": 'root ::= "a"'}).kind == "gbnf"
     # Beside a typed answer: auto is "a call or the answer"; required and named are calls.

@@ -24,7 +24,9 @@ def _cached(body: dict[str, Any]) -> int:
     return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-async def _complete(h: Any, route: str, salt: str | None, *, headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+async def _complete(
+    h: Any, route: str, salt: str | None, *, headers: dict[str, str] | None = None, **extra: Any
+) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": 2, "temperature": 0, **extra}
     if route == "chat":
         body["messages"] = [{"role": "user", "content": PROMPT}]
@@ -136,7 +138,9 @@ def test_the_salt_is_mixed_into_the_first_blocks_hash() -> None:
 # ---- agent sessions: a salt is a tenant ---------------------------------------------------------
 
 
-async def _live_child(h: Any, headers: dict[str, str], salt: str | None, out: dict[str, Any], started: trio.Event) -> None:
+async def _live_child(
+    h: Any, headers: dict[str, str], salt: str | None, out: dict[str, Any], started: trio.Event
+) -> None:
     """A stream of a subagent of ``headers``'s session under ``salt``; ``out`` gets its end."""
     body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
     if salt is not None:
@@ -176,11 +180,15 @@ async def test_a_salt_cannot_pin_read_release_or_cancel_another_salts_session(
         out: dict[str, Any] = {}
         started = trio.Event()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_live_child, h, {"x-session-id": "child", "x-parent-session-id": "root"}, "a", out, started)
+            nursery.start_soon(
+                _live_child, h, {"x-session-id": "child", "x-parent-session-id": "root"}, "a", out, started
+            )
             await started.wait()
             cut = {"vllm_xargs": {"agentic_context": {"program_id": "root", "deadline_seconds": 0}}}
             b_root = await _complete(h, "completions", "b", **cut)
             assert b_root["choices"][0]["finish_reason"] == "abort" and b_root["receipt"]["cut"] == "deadline"
             assert (await h.post("/finish_session", json={"session_id": "root", "cache_salt": "b"})).json()["found"]
-            assert (await h.post("/finish_session", json={"session_id": "child", "cache_salt": "b"})).json()["found"] is False
+            assert (await h.post("/finish_session", json={"session_id": "child", "cache_salt": "b"})).json()[
+                "found"
+            ] is False
         assert out["choices"][0]["finish_reason"] == "length" and "receipt" not in out  # a's ran to its end

@@ -57,7 +57,9 @@ def _engine(model: Path, folder: Path) -> EngineProcess:
 
 def _metrics(url: str) -> dict[str, float]:
     samples = metric_samples(httpx.get(url + "/metrics", timeout=30).text)
-    return {name: value for (name, labels), value in samples.items() if name.startswith("hydra_disk_cache") and not labels}
+    return {
+        name: value for (name, labels), value in samples.items() if name.startswith("hydra_disk_cache") and not labels
+    }
 
 
 def _turns(url: str, stop: threading.Event, errors: list[str]) -> None:
@@ -66,7 +68,11 @@ def _turns(url: str, stop: threading.Event, errors: list[str]) -> None:
         i = 0
         while not stop.is_set():
             try:
-                client.post("/v1/completions", json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 1}, headers={"x-session-id": f"s{i % len(PROMPTS)}"})
+                client.post(
+                    "/v1/completions",
+                    json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 1},
+                    headers={"x-session-id": f"s{i % len(PROMPTS)}"},
+                )
             except httpx.HTTPError:
                 return  # killed
             i += 1

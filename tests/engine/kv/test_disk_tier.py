@@ -57,7 +57,8 @@ async def test_an_entry_comes_back_whole_and_only_for_its_salt(tmp_path: Path) -
     tier = await _tier(tmp_path / "kv")
     await _written(tier, _snap([1, 2, 3, 4], 7, salt="tenant-a"))
     (name,) = _files(tmp_path / "kv")
-    assert name.endswith(SUFFIX) and len(name) == 32 + 1 + 8 + len(SUFFIX)  # a keyed hash (+ a write's own): no tokens, no salt
+    # a keyed hash (+ a write's own): no tokens, no salt
+    assert name.endswith(SUFFIX) and len(name) == 32 + 1 + 8 + len(SUFFIX)
     raw = (tmp_path / "kv" / name).read_bytes()
     assert b"tenant-a" not in raw  # the salt is kept as its keyed hash only
     assert tier.best([1, 2, 3, 4, 5], "tenant-b") is None and tier.best([1, 2, 3, 4, 5], None) is None
@@ -170,7 +171,9 @@ async def test_histories_ram_drops_come_back_from_disk_and_after_a_restart(
             served += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1200
         assert served == len(names)
         m = await scrape(h)
-        assert m[("hydra_disk_cache_loaded_total", ())] == len(names) and m[("hydra_disk_cache_rejected_total", ())] == 0
+        assert (
+            m[("hydra_disk_cache_loaded_total", ())] == len(names) and m[("hydra_disk_cache_rejected_total", ())] == 0
+        )
     assert os.listdir(folder)  # what was kept stays for the next start
 
 
@@ -196,7 +199,11 @@ async def test_a_waiting_request_finds_its_history_brought_back_to_ram(
             busy = trio.Event()
 
             async def hold_the_slot() -> None:  # a long generation holds the slot
-                async with h.stream("POST", "/v1/completions", json={"prompt": "hold", "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+                async with h.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={"prompt": "hold", "max_tokens": 300, "ignore_eos": True, "stream": True},
+                ) as r:
                     async for _ in r.aiter_lines():
                         busy.set()
 
@@ -204,9 +211,13 @@ async def test_a_waiting_request_finds_its_history_brought_back_to_ram(
             await busy.wait()
             caplog.clear()
             with caplog.at_level("INFO", logger="hydra_trio"):
-                r = await h.post("/v1/completions", json={"prompt": prompts[0] + " next", "max_tokens": 1}, headers=_headers(0))
+                r = await h.post(
+                    "/v1/completions", json={"prompt": prompts[0] + " next", "max_tokens": 1}, headers=_headers(0)
+                )
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1200
-        (line,) = [rec.request for rec in caplog.records if getattr(rec, "request", None) and rec.request["session_id"] == "s0"]
+        (line,) = [
+            rec.request for rec in caplog.records if getattr(rec, "request", None) and rec.request["session_id"] == "s0"
+        ]
         assert line["host_cached_tokens"] >= 1200 and line["disk_cached_tokens"] == 0  # from RAM: prefetched
         m = await scrape(h)
         assert m[("hydra_disk_cache_prefetched_total", ())] == 1
@@ -223,13 +234,19 @@ async def test_a_subagents_last_turn_brings_its_parents_history_back(
     async with http(ep) as h:
         await _spill_first(h, prompts, [root] + [_headers(i) for i in range(1, 5)])
         last = {"vllm_xargs": {"agentic_context": {"task_id": "S", "agent_id": "worker", "expected_resume": False}}}
-        r = await h.post("/v1/completions", json={"prompt": "the subagent's answer", "max_tokens": 1, **last}, headers=root)
+        r = await h.post(
+            "/v1/completions", json={"prompt": "the subagent's answer", "max_tokens": 1, **last}, headers=root
+        )
         assert r.status_code == 200
         await wait_until(lambda: _counter(h, "hydra_disk_cache_prefetched_total", 1), 30)
         caplog.clear()
         with caplog.at_level("INFO", logger="hydra_trio"):
             r = await h.post("/v1/completions", json={"prompt": prompts[0] + " next", "max_tokens": 1}, headers=root)
-        (line,) = [rec.request for rec in caplog.records if getattr(rec, "request", None) and rec.request["session_id"] == "S:lead"]
+        (line,) = [
+            rec.request
+            for rec in caplog.records
+            if getattr(rec, "request", None) and rec.request["session_id"] == "S:lead"
+        ]
         assert line["host_cached_tokens"] >= 1200 and line["disk_cached_tokens"] == 0
 
 

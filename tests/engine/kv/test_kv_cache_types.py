@@ -118,7 +118,9 @@ async def test_a_q8_0_hand_off_gives_a_q8_0_engine_s_own_text(
     async with http(alone) as h:
         want = (await h.post("/v1/chat/completions", json=req)).json()["choices"][0]["message"]["content"]
     async with http(p) as hp:
-        params = (await hp.post("/v1/chat/completions", json={**req, "max_tokens": 1, "kv_transfer_params": PD})).json()["kv_transfer_params"]
+        params = (
+            await hp.post("/v1/chat/completions", json={**req, "max_tokens": 1, "kv_transfer_params": PD})
+        ).json()["kv_transfer_params"]
     async with http(d) as hd:
         body = (await hd.post("/v1/chat/completions", json={**req, "kv_transfer_params": params})).json()
     assert body["kv_transfer"]["status"] == "restored", body["kv_transfer"]

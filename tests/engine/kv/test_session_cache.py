@@ -70,7 +70,9 @@ async def test_a_history_past_the_slots_comes_back_from_host_memory(
             caplog.clear()
             with caplog.at_level("INFO", logger="hydra_trio"):
                 _, again = await _turn(h, convs[0])
-            (line,) = [r.request for r in caplog.records if getattr(r, "request", None) and r.request["route"] == "chat"]
+            (line,) = [
+                r.request for r in caplog.records if getattr(r, "request", None) and r.request["route"] == "chat"
+            ]
             assert line["host_cached_tokens"] == (_cached(again) if cache_mib else 0)
             if cache_mib:
                 assert _cached(again) >= firsts[0]["usage"]["prompt_tokens"]

@@ -133,7 +133,8 @@ async def test_subagents_do_not_push_out_the_history_their_parent_waits_on(
             first = await _turn(h, parent, _session_headers("S"))
             last = {"vllm_xargs": {"agentic_context": {"expected_resume": False}}}
             for i in range(4):  # the subagents' work, each a fresh prompt
-                await _turn(h, f"subagent {i} explores file number {i} " * 20, _session_headers("S", f"sub-{i}"), **last)
+                await _turn(h, f"subagent {i} explores "
+                            f"file number {i} " * 20, _session_headers("S", f"sub-{i}"), **last)
             again = await _turn(h, parent + " and the results", _session_headers("S"))
             cached[policy] = again["usage"]["prompt_tokens_details"]["cached_tokens"]
             m = await scrape(h)

@@ -60,7 +60,9 @@ def _section(cache: int, positions: list[int], n_layer: int, row: int, v_trans: 
     return b"".join(out)
 
 
-def _state(caches: list[tuple[list[int], Cache]], v_trans: bool, n_stream: int = 1, stream: int = 0, first: int = 0) -> bytes:
+def _state(
+    caches: list[tuple[list[int], Cache]], v_trans: bool, n_stream: int = 1, stream: int = 0, first: int = 0
+) -> bytes:
     """A state of these caches (``first``: the first one's number, which its rows' bytes name:
     a checkpoint holds the second cache of a state)."""
     out = [struct.pack("<Ii", STATE_MAGIC, 0)]
@@ -231,7 +233,9 @@ def _prefill(backend: LlamaBackend, slot: int, tokens: list[int]) -> None:
 @pytest.fixture(params=["unified", "split"])
 def backend(tiny_model_ctx: Path, request: pytest.FixtureRequest) -> Iterator[LlamaBackend]:
     unified = request.param == "unified"
-    b = LlamaBackend(str(tiny_model_ctx), n_slots=3, n_ctx=1024 if unified else 3 * 1024, n_threads=1, n_batch=64, kv_unified=unified)
+    b = LlamaBackend(
+        str(tiny_model_ctx), n_slots=3, n_ctx=1024 if unified else 3 * 1024, n_threads=1, n_batch=64, kv_unified=unified
+    )
     yield b
     b.close()
 
@@ -290,7 +294,9 @@ async def test_an_engine_serves_histories_of_one_prompt_from_a_shared_head(
     assert m[("hydra_prompt_cache_shared_bytes", ())] > 0
     assert got[0]["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompts[0]) - 1  # back from RAM, whole
     # Each history its own slot (a prompt sharing 87 % with another's slot would take it).
-    kept_ep = await start_engine(tiny_model_ctx, slots=3, ctx_size=3 * 2048, cache_ram_mib=0, slot_prompt_similarity=0.99)
+    kept_ep = await start_engine(
+        tiny_model_ctx, slots=3, ctx_size=3 * 2048, cache_ram_mib=0, slot_prompt_similarity=0.99
+    )
     kept = await turns(kept_ep, [0, 1, 2, 0])
     assert got[0]["usage"] == kept[0]["usage"]
     assert got[0]["choices"][0]["text"] == kept[0]["choices"][0]["text"]

@@ -328,7 +328,10 @@ def test_several_prompt_parts_and_a_step_in_one_batch(model: Path, reference: Re
             assert [o.unwrap() for o in outcomes] == [(None, None), (None, None)]
             results, outcomes = b.step_mixed(
                 [StepRequest(0, reference.continuation[1], sampler)],
-                [PrefillPart(1, prompt[half:], sampler=s1), PrefillPart(2, prompt[half:], sampler=s2, want_logits=True)],
+                [
+                    PrefillPart(1, prompt[half:], sampler=s1),
+                    PrefillPart(2, prompt[half:], sampler=s2, want_logits=True),
+                ],
             )
             assert results == [(reference.continuation[2],)]
             (tok1, logits1), (tok2, logits2) = (o.unwrap() for o in outcomes)
@@ -383,7 +386,12 @@ def test_each_stream_of_a_step_reads_its_own_logits(model: Path, kv_unified: boo
     read after the same decode), whatever order the requests come in, and a llama sampler
     chain in the same batch picks what the argmax of its row picks."""
     b = new_backend(model, n_slots=4, kv_unified=kv_unified)
-    samplers = [Sampler(SamplingParams()), Sampler(SamplingParams()), _ChainGreedy(SamplingParams()), Sampler(SamplingParams())]
+    samplers = [
+        Sampler(SamplingParams()),
+        Sampler(SamplingParams()),
+        _ChainGreedy(SamplingParams()),
+        Sampler(SamplingParams()),
+    ]
     try:
         tokens = {}
         for slot in range(4):
@@ -406,7 +414,9 @@ def test_each_stream_of_a_step_reads_its_own_logits(model: Path, kv_unified: boo
 
 
 @pytest.mark.parametrize("sampler_class", [Sampler, _ChainGreedy])
-def test_ignore_eos_never_samples_an_end_of_generation_token(backend: LlamaBackend, sampler_class: type[Sampler]) -> None:
+def test_ignore_eos_never_samples_an_end_of_generation_token(
+    backend: LlamaBackend, sampler_class: type[Sampler]
+) -> None:
     """Logits whose maximum is an end-of-generation token: picked without ignore_eos, masked
     with it, through the argmax and the llama chain alike; in llama.cpp's buffer and from a
     hand-off's logits (which keep the model's own values)."""
@@ -418,7 +428,9 @@ def test_ignore_eos_never_samples_an_end_of_generation_token(backend: LlamaBacke
     try:
         assert backend.sample_from_logits(plain, logits) == eos
         picked = backend.sample_from_logits(banned, logits)
-        assert picked not in backend.eog_ids and values[picked] == max(v for t, v in enumerate(values) if t not in backend.eog_ids)
+        assert picked not in backend.eog_ids and values[picked] == max(
+            v for t, v in enumerate(values) if t not in backend.eog_ids
+        )
         assert logits == values.tobytes()  # the caller's logits are untouched
         # In llama.cpp's buffer: the prompt's last logits with EOS forced to the top.
         prompt = backend.tokenize(PROMPT, add_special=True)

@@ -165,7 +165,9 @@ async def test_a_checkpoint_of_another_size_or_outside_the_blob_is_refused(
     async with http(ep) as h:
         assert (await h.put("/slots/0/state", content=good, headers=OCTETS)).status_code == 200
         for ck, said in ((short, "of 64 bytes; the resident model's recurrent state is"), (outside, "outside the")):
-            r = await h.put("/slots/0/state", content=encode_kv_blob(len(tokens), tokens, state, checkpoint=ck), headers=OCTETS)
+            r = await h.put(
+                "/slots/0/state", content=encode_kv_blob(len(tokens), tokens, state, checkpoint=ck), headers=OCTETS
+            )
             assert r.status_code == 400 and said in r.text, r.text
         assert (await h.get("/slots/0/state/meta")).json()["n_past"] == len(tokens)
         # What this engine writes has no checkpoint section: its state is whole at n_past.

@@ -24,7 +24,8 @@ EPYC_FLAGS = "fpu vme avx2 avx512f avx512_bf16 avx512_vnni clzero"
 
 def test_cpu_flags_read_from_cpuinfo(tmp_path: Path) -> None:
     info = tmp_path / "cpuinfo"
-    info.write_text(f"processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: {SAPPHIRE_RAPIDS_FLAGS}\n\nprocessor\t: 1\n")
+    info.write_text(f"processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: {SAPPHIRE_RAPIDS_FLAGS}\n\n"
+                    "processor\t: 1\n")
     assert {"amx_tile", "amx_int8", "avx2"} <= cpu_flags(str(info))
     assert cpu_flags(str(tmp_path / "absent")) == frozenset()
 
@@ -139,7 +140,9 @@ def test_gemma_q4_k_weights_are_repacked_only_when_asked(gemma_model: Path) -> N
     if not repack_choice(None, cpu_flags()).enabled:
         pytest.skip("this CPU has AMX: repacked weights would crash llama.cpp here")
     for repack in (True, False):
-        backend = LlamaBackend(str(gemma_model), n_slots=1, n_ctx=512, n_threads=1, offload=OffloadSettings(repack=repack))
+        backend = LlamaBackend(
+            str(gemma_model), n_slots=1, n_ctx=512, n_threads=1, offload=OffloadSettings(repack=repack)
+        )
         try:
             backend.warmup()
             assert backend.offload is not None

@@ -250,7 +250,8 @@ def test_a_blob_moves_between_layouts_and_slot_counts(backends: dict[str, LlamaB
 
 
 def test_a_state_with_another_k_type_is_refused_before_the_slot_is_touched(tiny_model_ctx: Path) -> None:
-    f32 = _backend(tiny_model_ctx, n_slots=2, kv_unified=False, type_k=0)  # GGML_TYPE_F32 (quantized types need a wider head than the tiny model's)
+    # GGML_TYPE_F32 (quantized types need a wider head than the tiny model's)
+    f32 = _backend(tiny_model_ctx, n_slots=2, kv_unified=False, type_k=0)
     f16 = _backend(tiny_model_ctx, n_slots=2, kv_unified=False)
     try:
         prompt = f32.tokenize(PROMPT, add_special=True)

@@ -62,7 +62,9 @@ def test_a_recurrent_state_cut_back_empties_the_slot_and_reports_nothing_kept(re
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == -1  # the KV agrees: nothing held
 
 
-async def test_a_prompt_recomputes_when_its_slot_cannot_be_cut(start_engine: Callable[..., Any], mamba_model: Path) -> None:
+async def test_a_prompt_recomputes_when_its_slot_cannot_be_cut(
+    start_engine: Callable[..., Any], mamba_model: Path
+) -> None:
     """One slot holds PROMPT + an answer; a prompt sharing only part of it needs a cut the
     recurrent state cannot take. It is computed whole (0 cached tokens) and answers as from
     an empty slot, instead of continuing a state that still holds the old tail."""

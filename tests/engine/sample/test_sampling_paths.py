@@ -68,7 +68,9 @@ def test_the_chain_on_llama_s_row_picks_what_it_picks_from_a_copy(
         first, _ = backend.eval_chunk(0, prompt, None, sampler=on_row)
         assert first is not None
         assert backend._sample(on_copy, -1) == first  # the prompt's last row, read again
-        other_tok, _ = backend.eval_chunk(1, backend.tokenize("<|im_start|>user\nthe other stream", add_special=True), None, sampler=other)
+        other_tok, _ = backend.eval_chunk(
+            1, backend.tokenize("<|im_start|>user\nthe other stream", add_special=True), None, sampler=other
+        )
         tokens = [first]
         for _ in range(N_GEN):
             res_other, res = backend.step([StepRequest(1, other_tok, other), StepRequest(0, tokens[-1], on_row)])

@@ -71,7 +71,9 @@ async def test_the_target_decides_the_parts_of_a_prompt_beside_a_stream(
     prompt goes in whole batches once the costs are measured (the first part is the token
     budget's); with one below any step, in parts of a quarter budget. The text is the same
     as alone either way."""
-    ep = await start_engine(tiny_model_ctx, ctx_size=8192, batch_size=512, step_token_budget=32, itl_target_ms=target_ms)
+    ep = await start_engine(
+        tiny_model_ctx, ctx_size=8192, batch_size=512, step_token_budget=32, itl_target_ms=target_ms
+    )
     batcher = ep.state.engine._core.batcher
     async with http(ep) as h, await rpc(ep) as c:
         alone_b = await chat_completion(h, LONG_PROMPT, 8)

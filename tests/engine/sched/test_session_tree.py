@@ -20,7 +20,13 @@ def _hint(sid: str, parent: str | None = None, **kw: object) -> SessionHint:
 
 
 async def _run_turn(
-    tree: SessionTree, hint: SessionHint | None, out: dict[str, Turn], name: str, *, tenant: str = "t", salt: str | None = None,
+    tree: SessionTree,
+    hint: SessionHint | None,
+    out: dict[str, Turn],
+    name: str,
+    *,
+    tenant: str = "t",
+    salt: str | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """A request that waits for ever inside its turn (as a generation waits on its steps)."""
@@ -55,7 +61,8 @@ async def test_a_parent_cancelled_from_outside_cancels_its_tree_at_once() -> Non
                 await nursery.start(_run_turn, tree, _hint("child", "root"), turns, "child")
                 await nursery.start(_run_turn, tree, _hint("grandchild", "child"), turns, "grandchild")
                 await nursery.start(_run_turn, tree, _hint("other"), turns, "other")
-                await nursery.start(partial(_run_turn, tree, _hint("root"), turns, "root-again", tenant="u"))  # another tenant's "root"
+                # another tenant's "root"
+                await nursery.start(partial(_run_turn, tree, _hint("root"), turns, "root-again", tenant="u"))
                 parent_scope.cancel()
         # The cancellation reached both descendants before anything else ran: their turns
         # ended with the parent's, in the same pass of the scheduler.
@@ -176,7 +183,8 @@ async def test_a_session_keeps_its_pace_and_a_waiting_parent_is_known(autojump_c
     # A subagent's first turn: the parent waits until its own next turn.
     async with tree.turn("t", None, _hint("sub", "lead")) as turn:
         sub = turn.session
-    assert sub is not None and lead.waiting() and sub.usual_gap()[1] == tree.pace.gap_s  # the sub has no pace of its own
+    # the sub has no pace of its own
+    assert sub is not None and lead.waiting() and sub.usual_gap()[1] == tree.pace.gap_s
     await trio.sleep(30)
     async with tree.turn("t", None, _hint("lead")):
         pass

@@ -131,7 +131,9 @@ def test_the_slot_score_settles_slots_by_their_head_as_the_plain_rule_would(
     every free slot of every claim); it gives what the rule says: the shared prefix when it
     is at least ``share`` of the prompt (and not empty), 0 otherwise, and an empty slot next."""
     backend = _Held(held)
-    scheduler = SlotScheduler(lambda: backend, None, SlotTable(len(held)), replace(Settings(), slot_prompt_similarity=share), None, _LRU)  # type: ignore[arg-type]
+    scheduler = SlotScheduler(
+        lambda: backend, None, SlotTable(len(held)), replace(Settings(), slot_prompt_similarity=share), None, _LRU
+    )  # type: ignore[arg-type]
     score = scheduler.slot_rank(prompt)
     for slot, tokens in enumerate(held):
         n = common_prefix_len(tokens, prompt)

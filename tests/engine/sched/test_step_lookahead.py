@@ -97,7 +97,11 @@ async def test_a_stop_word_drops_the_step_and_leaves_a_consistent_slot(
         usage = stopped["usage"]
         held = engine._core.n_past(0)
         assert held == kv_positions(engine, 0)
-        assert usage["prompt_tokens"] + usage["completion_tokens"] - 1 <= held <= usage["prompt_tokens"] + usage["completion_tokens"]
+        assert (
+            usage["prompt_tokens"] + usage["completion_tokens"] - 1
+            <= held
+            <= usage["prompt_tokens"] + usage["completion_tokens"]
+        )
         # The slot is reused from that state (common prefix) and still gives the same text.
         again = await chat_completion(h, MESSAGES, N)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1

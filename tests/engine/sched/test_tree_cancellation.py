@@ -33,7 +33,9 @@ async def test_a_thousand_cancelled_trees_leave_nothing_held(
     tasks_before = trio_task_count()
     cut: dict[str, int] = {}
 
-    async def generate(tenant: str, hint: SessionHint, prompt: str, started: trio.Event, scope: trio.CancelScope) -> None:
+    async def generate(
+        tenant: str, hint: SessionHint, prompt: str, started: trio.Event, scope: trio.CancelScope
+    ) -> None:
         prepared = await engine.prepare("completions", {"prompt": prompt, "max_tokens": 200, "ignore_eos": True})
 
         async def emit(_text: str) -> None:

@@ -62,7 +62,8 @@ def test_ngram_lookup_takes_the_occurrence_whose_context_matches_furthest_back()
     assert ix.draft(history, 3, 3) == ([4, 9, 1], 3)
     # "0 0 7 2 3" matches 5 tokens back at 7..11, only "2 3" (2) at the later 19..20.
     h = [0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 2, 3, 8, 8, 0, 0, 0, 0, 0, 2, 3, 6, 6, 0, 0, 7, 2]
-    assert NgramIndex(1, 12).draft(h, 3, 2) == ([8, 8], 5) and NgramIndex(1, 2).draft(h, 3, 2) == ([6, 6], 2)  # compared over 2 at most
+    # compared over 2 at most
+    assert NgramIndex(1, 12).draft(h, 3, 2) == ([8, 8], 5) and NgramIndex(1, 2).draft(h, 3, 2) == ([6, 6], 2)
     assert NgramIndex(1, 12).draft([5, 6], 7, 4) == ([], 0)  # never occurred
     # A match that runs into the present repeats itself: a cycle is drafted on.
     assert NgramIndex(2, 12).draft([9, 5, 6, 9], 5, 5) == ([6, 9, 5, 6, 9], 2)
@@ -270,7 +271,11 @@ def test_bad_flag_values_exit_non_zero() -> None:
         (["--spec-draft-n-max", "0"], "spec_draft_n_max must be 1..256"),
     ):
         proc = subprocess.run(
-            [sys.executable, "-m", "hydra_trio.cli", "serve", *argv], env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "hydra_trio.cli", "serve", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert proc.returncode != 0 and said in proc.stderr, proc.stderr
 
@@ -282,7 +287,9 @@ async def test_a_model_whose_kv_cannot_roll_back_refuses_spec_type(
     from hydra_trio.engine.llama import context
 
     monkeypatch.setattr(context.llama_cpp, "llama_model_is_hybrid", lambda _m: True)
-    settings = settings_from(None, env={}, model=str(tiny_model), slots=1, ctx_size=256, threads=1, spec_type="ngram-simple")
+    settings = settings_from(
+        None, env={}, model=str(tiny_model), slots=1, ctx_size=256, threads=1, spec_type="ngram-simple"
+    )
     with pytest.raises(SystemExit, match="hybrid model, whose KV cannot drop rejected draft positions"):
         await Engine.load(str(tiny_model), settings)
 
@@ -312,7 +319,9 @@ async def pinned(start_engine: Callable[..., Any], model: Path, **settings: Any)
     return ep
 
 
-async def _complete(h: httpx.AsyncClient, ep: Any, prompt: str, spec: dict[str, Any], slot_empty: bool = True, **body: Any) -> dict[str, Any]:
+async def _complete(
+    h: httpx.AsyncClient, ep: Any, prompt: str, spec: dict[str, Any], slot_empty: bool = True, **body: Any
+) -> dict[str, Any]:
     """A greedy completion in slot 0, started from an empty slot (the same shape each time)."""
     if slot_empty:
         await ep.state.engine._core.clear_slot(0)
@@ -331,7 +340,9 @@ def kv_positions(engine: Any, slot: int) -> int:
     return int(llama_cpp.llama_memory_seq_pos_max(engine._core.backend._mem, slot)) + 1
 
 
-async def test_greedy_text_is_the_same_and_drafts_were_accepted(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+async def test_greedy_text_is_the_same_and_drafts_were_accepted(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
     ep = await pinned(start_engine, tiny_model, slots=1, spec_type="ngram-simple")
     engine = ep.state.engine
     async with http(ep) as h:
@@ -346,7 +357,11 @@ async def test_greedy_text_is_the_same_and_drafts_were_accepted(start_engine: Ca
                 # The slot holds exactly the prompt and every token but the last (rejected
                 # positions are gone from the KV and from the history).
                 usage = spec_run["usage"]
-                assert engine._core.n_past(0) == kv_positions(engine, 0) == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+                assert (
+                    engine._core.n_past(0)
+                    == kv_positions(engine, 0)
+                    == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+                )
         after = await scrape(h)
 
     def grew(name: str) -> float:
@@ -359,7 +374,9 @@ async def test_greedy_text_is_the_same_and_drafts_were_accepted(start_engine: Ca
     assert drafts >= len(PROMPTS) and drafted >= drafts and 0 < accepted <= drafted
     print("drafts", drafts, "drafted", drafted, "accepted", accepted)
     # Steps of several sizes ran (with and without drafts), each measured.
-    by_rows = {int(dict(labels)["rows"]): v for (name, labels), v in after.items() if name == "hydra_step_decode_seconds"}
+    by_rows = {
+        int(dict(labels)["rows"]): v for (name, labels), v in after.items() if name == "hydra_step_decode_seconds"
+    }
     assert 1 in by_rows and len(by_rows) > 1 and all(0 < v < 60 for v in by_rows.values())
 
 
@@ -461,7 +478,9 @@ async def test_concurrent_streams_with_speculation_match_each_alone_without(
         for prompt in PROMPTS:
             for s in range(4):
                 await engine._core.clear_slot(s)
-            r = await h.post("/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 64, "speculative": OFF})
+            r = await h.post(
+                "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 64, "speculative": OFF}
+            )
             alone.append(_text(r.json()))
         for s in range(4):
             await engine._core.clear_slot(s)
@@ -479,7 +498,9 @@ async def test_concurrent_streams_with_speculation_match_each_alone_without(
     assert engine._core.spec_counts.accepted > accepted
 
 
-async def test_no_drafts_in_a_batch_larger_than_spec_max_batch(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+async def test_no_drafts_in_a_batch_larger_than_spec_max_batch(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
     ep = await pinned(start_engine, tiny_model, slots=4, spec_type="ngram-simple", spec_max_batch=1)
     engine = ep.state.engine
     gate = trio.Event()
@@ -487,7 +508,9 @@ async def test_no_drafts_in_a_batch_larger_than_spec_max_batch(start_engine: Cal
 
         async def one(i: int) -> None:
             await gate.wait()
-            await h.post("/v1/completions", json={"prompt": PROMPTS[i], "temperature": 0, "max_tokens": 64, "ignore_eos": True})
+            await h.post(
+                "/v1/completions", json={"prompt": PROMPTS[i], "temperature": 0, "max_tokens": 64, "ignore_eos": True}
+            )
 
         async with trio.open_nursery() as nursery:
             for i in range(4):
@@ -522,7 +545,9 @@ async def test_a_decode_speculates_and_gives_the_chat_text(start_engine: Callabl
     engine = ep.state.engine
     async with http(ep) as h:
         await engine._core.clear_slot(0)
-        r = await h.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "speculative": OFF})
+        r = await h.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "speculative": OFF}
+        )
         plain = r.json()
         await engine._core.clear_slot(0)
         accepted = engine._core.spec_counts.accepted

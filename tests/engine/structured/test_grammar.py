@@ -71,7 +71,8 @@ async def test_json_schema_reply_validates_chat_and_completions(engine: Any) -> 
             await chat(h, json_schema=PERSON, max_tokens=200),
         ]
         r = await h.post(
-            "/v1/completions", json={"prompt": "a person:", "response_format": json_schema_format(PERSON), "max_tokens": 200}
+            "/v1/completions",
+            json={"prompt": "a person:", "response_format": json_schema_format(PERSON), "max_tokens": 200},
         )
         assert r.status_code == 200, r.text
         texts = [b["choices"][0]["message"]["content"] for b in bodies] + [r.json()["choices"][0]["text"]]
@@ -87,8 +88,15 @@ async def test_json_object_mode_gives_json(engine: Any) -> None:
         # Sampled, seeded: the random-weight model's greedy walk loops inside one key.
         for seed, content in enumerate(("hello world", "tell me a story", "the engine", "a cache", "slot")):
             body = await chat(
-                h, messages=[{"role": "user", "content": content}], response_format={"type": "json_object"}, max_tokens=300,
-                temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed,
+                h,
+                messages=[{"role": "user", "content": content}],
+                response_format={"type": "json_object"},
+                max_tokens=300,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                min_p=0.0,
+                seed=seed,
             )
             choice = body["choices"][0]
             if choice["finish_reason"] == "stop":
@@ -133,7 +141,9 @@ async def test_logprobs_are_the_constrained_distribution(engine: Any) -> None:
         # llguidance's GBNF reader drops the group's parentheses: still a 400, never a crash
         ("grammar", 'root ::= ("a"{0,1000}){0,1000}', "Expected value"),
         ("json_schema", {"type": "string", "minLength": 5, "maxLength": 2}, "no value can satisfy the schema"),
-        (  # without strict, a schema llguidance cannot compile is relaxed whole (tests/engine/structured/test_schema_keywords.py)
+        # without strict, a schema llguidance cannot compile is relaxed whole
+        # (tests/engine/structured/test_schema_keywords.py)
+        (
             "response_format",
             {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"$ref": "#/nope"}}},
             "does not exist",
@@ -173,7 +183,12 @@ async def test_two_constraints_are_refused(engine: Any) -> None:
 
 async def test_same_schema_compiles_once(engine: Any) -> None:
     grammars = engine.state.engine._core.inputs.grammars
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     async with http(engine) as h:
         before = grammars.compiles
         for _ in range(3):
@@ -254,14 +269,21 @@ async def test_decode_carries_the_constraint(engine: Any, where: str) -> None:
         if where == "prompt":
             payload = frame(MESSAGES, n_predict=200, **constraint)
         else:
-            payload = build_decode_frame({"messages": MESSAGES, "n_predict": 200, "temperature": 0}, generation=constraint)
+            payload = build_decode_frame(
+                {"messages": MESSAGES, "n_predict": 200, "temperature": 0}, generation=constraint
+            )
         rid = await decode_ok(c, 0, payload)
         body = await get_result(h, rid)
         assert body["choices"][0]["finish_reason"] == "stop"
         text = body["choices"][0]["message"]["content"]
         jsonschema.validate(json.loads(text), PERSON)
         # The same text as chat with the same schema (one rule, one grammar).
-        assert text == (await chat(h, response_format=json_schema_format(PERSON), max_tokens=200))["choices"][0]["message"]["content"]
+        assert (
+            text
+            == (await chat(h, response_format=json_schema_format(PERSON), max_tokens=200))["choices"][0]["message"][
+                "content"
+            ]
+        )
 
 
 async def test_decode_with_a_bad_grammar_is_refused_before_the_slot(engine: Any) -> None:
@@ -289,7 +311,9 @@ async def test_pd_handoff_with_a_schema_matches_one_engine(start_engine: Any, ti
         for stream in (False, True):
             if stream:
                 pre = await chat(ca, **body, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
-            text, final = await chat_text(cb, stream=stream, **body, max_tokens=200, kv_transfer_params=pre["kv_transfer_params"])
+            text, final = await chat_text(
+                cb, stream=stream, **body, max_tokens=200, kv_transfer_params=pre["kv_transfer_params"]
+            )
             assert final["kv_transfer"]["status"] == "restored", final["kv_transfer"]
             assert text == reference
     jsonschema.validate(json.loads(reference), PERSON)
@@ -298,7 +322,12 @@ async def test_pd_handoff_with_a_schema_matches_one_engine(start_engine: Any, ti
 async def test_a_long_bounded_string_compiles_and_holds(engine: Any) -> None:
     """A maxLength of 100000 was a grammar nested 100k deep for llama.cpp's recursive parser
     (the process died, so it was refused); llguidance compiles it as a bounded regex."""
-    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 100000}}, "required": ["s"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "maxLength": 100000}},
+        "required": ["s"],
+        "additionalProperties": False,
+    }
     async with http(engine) as h:
         body = await chat(h, messages=MESSAGES, response_format=json_schema_format(schema), max_tokens=200)
         if body["choices"][0]["finish_reason"] == "stop":
@@ -312,7 +341,14 @@ async def test_sampled_and_penalized_replies_follow_the_grammar(engine: Any) -> 
     async with http(engine) as h:
         for s in range(6):
             body = await chat(
-                h, response_format=json_schema_format(PERSON), max_tokens=200, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=s
+                h,
+                response_format=json_schema_format(PERSON),
+                max_tokens=200,
+                temperature=1.5,
+                top_k=0,
+                top_p=1.0,
+                min_p=0.0,
+                seed=s,
             )
             assert body["choices"][0]["finish_reason"] == "stop"
             jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
@@ -343,7 +379,8 @@ async def test_batched_slots_keep_their_own_grammars(start_engine: Any, tiny_mod
             "required": ["xs"],
             "additionalProperties": False,
         },
-        {"type": "object", "properties": {"k": {"enum": ["red", "green", 7]}}, "required": ["k"], "additionalProperties": False},
+        {"type": "object", "properties": {"k": {"enum": ["red", "green", 7]}}, "required": ["k"],
+         "additionalProperties": False},
     ]
     async with http(ep) as h:
         alone = (await chat(h, max_tokens=24))["choices"][0]["message"]["content"]

@@ -39,7 +39,8 @@ KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
     "email": {"type": "string", "format": "email", "maxLength": 24},  # a format with a length (refused before)
     "ipv4": {"type": "string", "format": "ipv4"},
     "string_lengths": {"type": "string", "minLength": 2, "maxLength": 5},
-    "items_counts": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    "items_counts": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2,
+                     "maxItems": 4},
     "const": {"const": "fixed"},
     "enum": {"enum": ["red", "green", 3, None]},
     "ref_defs": {
@@ -122,7 +123,10 @@ async def test_unsatisfiable_schemas_are_400(engine: Any, schema: dict[str, Any]
         for strict in (False, True):  # relaxed or not, no reply could follow it
             body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
             if strict:
-                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema, "strict": True},
+                }
             else:
                 body["json_schema"] = schema
             r = await h.post("/v1/chat/completions", json=body)
@@ -150,12 +154,16 @@ UNENFORCEABLE: dict[str, tuple[dict[str, Any], str]] = {
 
 
 @pytest.mark.parametrize("case", sorted(UNENFORCEABLE))
-async def test_unenforceable_keywords_are_relaxed_unless_strict(engine: Any, case: str, caplog: pytest.LogCaptureFixture) -> None:
+async def test_unenforceable_keywords_are_relaxed_unless_strict(
+    engine: Any, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     schema, keyword = UNENFORCEABLE[case]
     wrapped = {"type": "object", "properties": {"v": schema}, "required": ["v"], "additionalProperties": False}
     async with http(engine) as h:
         strict = {"type": "json_schema", "json_schema": {"name": "x", "schema": wrapped, "strict": True}}
-        r = await h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "response_format": strict})
+        r = await h.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "response_format": strict}
+        )
         assert r.status_code == 400, r.text
         assert keyword in r.json()["error"]["message"], r.json()
         caplog.clear()
@@ -165,7 +173,9 @@ async def test_unenforceable_keywords_are_relaxed_unless_strict(engine: Any, cas
             tool = {"type": "function", "function": {"name": "f", "parameters": wrapped}}
             called = await chat(h, tools=[tool], tool_choice="required", max_tokens=48)
         assert body["choices"][0]["message"]["content"].startswith("{")
-        assert called["choices"][0]["message"].get("tool_calls") or called["choices"][0]["finish_reason"] == "length", called
+        assert called["choices"][0]["message"].get("tool_calls") or called["choices"][0]["finish_reason"] == "length", (
+            called
+        )
         said = [r.getMessage() for r in caplog.records if "relaxed" in r.getMessage()]
         assert any(keyword in m for m in said), said  # one line names what was left out
     await assert_server_healthy(engine)
@@ -179,7 +189,8 @@ def test_the_policy_leaves_annotations_out_and_keeps_every_constraint() -> None:
         "type": "object",
         "title": "T",
         "description": "what it is",
-        "properties": {"description": {"type": "string", "description": "a property named description", "maxLength": 9}},
+        "properties": {"description": {"type": "string", "description": "a property named description",
+                                       "maxLength": 9}},
         "required": ["description"],
         "x-vendor": 1,
         "$defs": {"D": {"type": "integer", "examples": [1], "minimum": 0}},
@@ -193,7 +204,9 @@ def test_the_policy_leaves_annotations_out_and_keeps_every_constraint() -> None:
         "$defs": {"D": {"type": "integer", "minimum": 0, "maximum": 2**53 - 1}},  # numbers I-JSON's: closed
     }
     # A call's arguments sit inside the call's object: their references follow them there.
-    refs = prepare_schema({"properties": {"p": {"$ref": "#/$defs/D"}, "me": {"$ref": "#"}}}, "x", strict=False, ref_base="#/a")
+    refs = prepare_schema(
+        {"properties": {"p": {"$ref": "#/$defs/D"}, "me": {"$ref": "#"}}}, "x", strict=False, ref_base="#/a"
+    )
     assert refs.schema["properties"] == {"p": {"$ref": "#/a/$defs/D"}, "me": {"$ref": "#/a"}}
     with pytest.raises(ProtocolError, match="nests subschemas more than"):
         deep: dict[str, Any] = {"type": "string"}
@@ -204,7 +217,9 @@ def test_the_policy_leaves_annotations_out_and_keeps_every_constraint() -> None:
         prepare_schema([1], "json_schema", strict=False)
 
 
-async def test_grammars_are_written_and_compiled_off_the_event_loop(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_grammars_are_written_and_compiled_off_the_event_loop(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A schema's policy walk and its compile run on worker threads: however long they take,
     they cannot hold the trio thread and the streams it serves."""
     import threading
@@ -225,7 +240,12 @@ async def test_grammars_are_written_and_compiled_off_the_event_loop(engine: Any,
     monkeypatch.setattr(grammars, "prepare_schema", spy_prepare)
     monkeypatch.setattr(guidance.GuidanceCache, "compile", spy_compile)
     async with http(engine) as h:
-        schema = {"type": "object", "properties": {"q": {"type": "integer", "minimum": 3, "maximum": 77}}, "required": ["q"], "additionalProperties": False}
+        schema = {
+            "type": "object",
+            "properties": {"q": {"type": "integer", "minimum": 3, "maximum": 77}},
+            "required": ["q"],
+            "additionalProperties": False,
+        }
         body = await chat(h, json_schema=schema, max_tokens=64)
         jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
     loop_thread = threading.current_thread()  # this test runs on the engine's trio thread
@@ -266,7 +286,10 @@ def test_objects_are_closed_as_llama_cpp_writes_them_unless_composed() -> None:
 
     assert policy({"type": "object", "properties": {"a": {}}})["additionalProperties"] is False
     assert "additionalProperties" not in policy({"type": "object", "properties": {"a": {}}, "required": ["b"]})
-    assert policy({"type": "object", "properties": {"a": {}}, "additionalProperties": True})["additionalProperties"] is True
+    assert (
+        policy({"type": "object", "properties": {"a": {}}, "additionalProperties": True})["additionalProperties"]
+        is True
+    )
     composed = policy({
         "definitions": {"core": {"properties": {"name": {"type": "string"}}}},
         "required": ["name", "x"],

@@ -71,7 +71,14 @@ def test_reasoning_effort_reaches_the_template() -> None:
     kw: dict[str, Any] = {"bos_token": "", "eos_token": ""}
     assert render_jinja({"messages": USER, "reasoning_effort": "high"}, source, **kw).startswith("high/")
     assert render_jinja({"messages": USER, "reasoning_effort": "none"}, source, **kw) == "unset/False"
-    assert render_jinja({"messages": USER, "reasoning_budget_tokens": 0, "chat_template_kwargs": {"enable_thinking": True}}, source, **kw) == "unset/False"
+    assert (
+        render_jinja(
+            {"messages": USER, "reasoning_budget_tokens": 0, "chat_template_kwargs": {"enable_thinking": True}},
+            source,
+            **kw,
+        )
+        == "unset/False"
+    )
 
 
 def test_responses_reasoning_effort_passes_through() -> None:
@@ -177,14 +184,18 @@ def _before_close(tokens: list[str]) -> int:
     raise AssertionError(f"no </think> in {tokens!r}")
 
 
-async def test_a_budget_ends_the_reasoning_and_the_reply_goes_on(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+async def test_a_budget_ends_the_reasoning_and_the_reply_goes_on(
+    start_engine: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     template = tmp_path / "think.jinja"
     template.write_text(OPENS_THINK)
     ep = await start_engine(tiny_model, chat_template_file=str(template), reasoning_budget=6, **ROOMY)
     async with http(ep) as h:
         for field, budget in (("reasoning_budget_tokens", 4), ("thinking_budget_tokens", 2), (None, 6)):
             extra = {field: budget} if field else {}
-            raw = await chat(h, messages=USER, max_tokens=16, temperature=0, logprobs=True, reasoning_format="none", **extra)
+            raw = await chat(
+                h, messages=USER, max_tokens=16, temperature=0, logprobs=True, reasoning_format="none", **extra
+            )
             tokens = _tokens(raw)
             assert _before_close(tokens) == budget, tokens
             assert raw["usage"]["completion_tokens"] == len(tokens) == 16  # the forced tokens are generated ones
@@ -238,7 +249,9 @@ async def _streamed(h: Any, body: dict[str, Any]) -> tuple[str, str]:
     return reasoning, content
 
 
-async def test_messages_thinking_budget_gives_a_thinking_block_then_text(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+async def test_messages_thinking_budget_gives_a_thinking_block_then_text(
+    start_engine: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     template = tmp_path / "think.jinja"
     template.write_text(OPENS_THINK)
     ep = await start_engine(tiny_model, chat_template_file=str(template), reasoning_budget=3, **ROOMY)
@@ -277,7 +290,9 @@ async def test_reasoning_effort_over_http(start_engine: Any, tiny_model: Path, t
         assert error["param"] == "reasoning_effort" and error["type"] == "invalid_request_error"
 
 
-async def test_a_forced_tool_call_comes_after_the_reasoning(start_engine: Any, tiny_model: Path, tmp_path: Path) -> None:
+async def test_a_forced_tool_call_comes_after_the_reasoning(
+    start_engine: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     template = tmp_path / "think.jinja"
     template.write_text(OPENS_THINK)
     ep = await start_engine(tiny_model, chat_template_file=str(template), **ROOMY)
@@ -300,13 +315,24 @@ def test_which_replies_get_a_think_plan() -> None:
     from hydra_trio.engine.chat import Chat, ChatTemplate
 
     def plan(source: str, *, budget: int = -1, **req: Any) -> ThinkPlan | None:
-        chat_ = Chat(ChatTemplate(name="t", source="inline", jinja=source), tool_call_parser="auto", reasoning_format="auto",
-                     bos_token="", eos_token="", tokenizer_adds_bos=False, run_on_worker=None, apply_builtin=None)  # type: ignore[arg-type]
+        chat_ = Chat(
+            ChatTemplate(name="t", source="inline", jinja=source),
+            tool_call_parser="auto",
+            reasoning_format="auto",
+            bos_token="",
+            eos_token="",
+            tokenizer_adds_bos=False,
+            run_on_worker=None,
+            apply_builtin=None,
+        )  # type: ignore[arg-type]
         return chat_plan(chat_, {"messages": USER, "reasoning_budget_tokens": budget, **req}, budget=budget).think
 
     json_gbnf = {"grammar": 'root ::= "{}"'}
     on = {"chat_template_kwargs": {"enable_thinking": True}}
-    auto = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "tool_choice": "auto"}
+    auto = {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": "auto",
+    }
     assert plan(OPENS_THINK) is None
     p = plan(OPENS_THINK, budget=3)
     assert p is not None and p.starts_in_reasoning and p.budget == 3 and not p.holds_grammar and not p.force_open
@@ -319,7 +345,8 @@ def test_which_replies_get_a_think_plan() -> None:
     assert plan(MAY_THINK, **json_gbnf, reasoning_effort="none", **on) is None
     assert plan(MAY_THINK, **auto, **on) is None  # tool_choice auto: may call at once
     p = plan(MAY_THINK, budget=5, **on)
-    assert p is not None and not p.force_open and p.budget == 5  # the model opens the block, the budget counts from there
+    # the model opens the block, the budget counts from there
+    assert p is not None and not p.force_open and p.budget == 5
     chatml = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert plan(chatml, **json_gbnf, budget=5) is None
 
@@ -335,8 +362,12 @@ async def test_pd_handoff_thinks_as_one_engine(start_engine: Any, tiny_model: Pa
             "chat_template_kwargs": {"enable_thinking": True}}
     async with http(a) as ca, http(b) as cb:
         reference = (await chat(ca, **body, max_tokens=64))["choices"][0]["message"]
-        pre = await chat(ca, **body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
-        r = await cb.post("/v1/chat/completions", json={**body, "max_tokens": 64, "kv_transfer_params": pre["kv_transfer_params"]})
+        pre = await chat(
+            ca, **body, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False}
+        )
+        r = await cb.post(
+            "/v1/chat/completions", json={**body, "max_tokens": 64, "kv_transfer_params": pre["kv_transfer_params"]}
+        )
         assert r.status_code == 200, r.text
         handed = r.json()
         assert handed["kv_transfer"]["status"] == "restored", handed["kv_transfer"]
@@ -354,7 +385,9 @@ async def test_a_budget_of_zero_turns_thinking_off(start_engine: Any, tiny_model
         ep = await start_engine(tiny_model, chat_template_file=str(template), reasoning_budget=0, **ROOMY)
         async with http(ep) as h:
             kw = {"chat_template_kwargs": {"enable_thinking": True}}
-            prompt = (await h.post("/apply-template", json={"messages": USER, "reasoning_budget_tokens": 0, **kw})).json()["prompt"]
+            prompt = (
+                await h.post("/apply-template", json={"messages": USER, "reasoning_budget_tokens": 0, **kw})
+            ).json()["prompt"]
             assert prompt.endswith("</think>\n\n") if source is MAY_THINK else prompt.endswith("<think>\n")
             raw = await chat(h, messages=USER, max_tokens=16, temperature=0, reasoning_format="none", **kw)
             message = (await chat(h, messages=USER, max_tokens=16, temperature=0, **kw))["choices"][0]["message"]

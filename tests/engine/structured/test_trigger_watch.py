@@ -20,14 +20,42 @@ from hydra_trio.engine.chat.formats import FORMATS, GENERIC
 from hydra_trio.engine.sample import Sampler, SamplingParams
 from hydra_trio.engine.structured import TriggerWatch
 
-_TOOL_0 = parse_tools({"tools": [{"type": "function", "function": {"name": "tool_0", "parameters": {"type": "object"}}}]})
+_TOOL_0 = parse_tools(
+    {"tools": [{"type": "function", "function": {"name": "tool_0", "parameters": {"type": "object"}}}]}
+)
 assert _TOOL_0 is not None
 # Each format's triggers, and the per-tool ones (Muse Glimmer's) for a tool named tool_0.
 HERMES = FORMATS["hermes"]
 PATTERNS = tuple(t.pattern for fmt in FORMATS.values() for t in (*fmt.triggers, *tool_triggers(fmt, _TOOL_0)))
 # Pieces that build triggers, near-misses, whitespace and filler, in any order.
-PIECES = sorted({" ", "\n", "  ", "x", "Hi ", "{", '"', "tool", "_calls", '{"tool_calls"', "<tool_call>", "<tool", "_call>",
-                 "<|python_tag|>", "[TOOL_CALLS]", "\n{", '"name', "é", "\t", " to=", "tool_0", "self", "<|message|>", "<atem:"})
+PIECES = sorted(
+    {
+        " ",
+        "\n",
+        "  ",
+        "x",
+        "Hi ",
+        "{",
+        '"',
+        "tool",
+        "_calls",
+        '{"tool_calls"',
+        "<tool_call>",
+        "<tool",
+        "_call>",
+        "<|python_tag|>",
+        "[TOOL_CALLS]",
+        "\n{",
+        '"name',
+        "é",
+        "\t",
+        " to=",
+        "tool_0",
+        "self",
+        "<|message|>",
+        "<atem:",
+    }
+)
 
 
 def whole_text_fire(patterns: tuple[str, ...], pieces: list[bytes]) -> tuple[int, bytes] | None:

@@ -70,7 +70,12 @@ class ChatPlan:
 class _Served:
     """One template as served: what it can do and its renderer."""
 
-    def __init__(self, template: ChatTemplate, tool_call_parser: str, renderer: Callable[[ChatTemplate, TemplateCaps], PromptRenderer]) -> None:
+    def __init__(
+        self,
+        template: ChatTemplate,
+        tool_call_parser: str,
+        renderer: Callable[[ChatTemplate, TemplateCaps], PromptRenderer],
+    ) -> None:
         self.template = template
         self.caps = template_caps(template, tool_call_parser)
         self.renderer = renderer(template, self.caps)

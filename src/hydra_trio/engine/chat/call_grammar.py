@@ -57,7 +57,11 @@ def constraint_grammar(constraint: Constraint, fmt: ToolFormat) -> OutputGrammar
         if found is not None:
             _written.move_to_end(key)
             return found
-    grammar = format_grammar(constraint) if constraint.kind != "tools" else tools_grammar(constraint.value, fmt, constraint.answer)
+    grammar = (
+        format_grammar(constraint)
+        if constraint.kind != "tools"
+        else tools_grammar(constraint.value, fmt, constraint.answer)
+    )
     with _written_lock:
         _written[key] = grammar
         while len(_written) > WRITTEN_CACHE_SIZE:
@@ -90,7 +94,9 @@ def tools_grammar(request: ToolRequest, fmt: ToolFormat, answer: Constraint | No
     return OutputGrammar(text, triggers=triggers, param="tools", relaxed=tuple(rules.relaxed), parts=tuple(rules.parts))
 
 
-def _calls(request: ToolRequest, fmt: ToolFormat, rules: SchemaRules, one: bool, as_documents: bool) -> tuple[str, list[str]]:
+def _calls(
+    request: ToolRequest, fmt: ToolFormat, rules: SchemaRules, one: bool, as_documents: bool
+) -> tuple[str, list[str]]:
     """The calls' expression and the rules it names: before, one call block or more, after
     (``as_documents``: a JSON call is one ``%json`` of its object).
 
@@ -145,9 +151,16 @@ _STRING = json.JSONDecoder()
 def _json_list(request: ToolRequest, fmt: ToolFormat, rules: SchemaRules, one: bool) -> str:
     """The generic form's reply, ``{"tool_calls": [call, ...]}``, as one JSON document."""
     items = f"#/properties/{fmt.list_key}/items/anyOf"
-    options = [_call_object(rules, tool, i, fmt.args_key, f"{items}/{k}") for k, (i, tool) in enumerate(_callable(request))]
+    options = [
+        _call_object(rules, tool, i, fmt.args_key, f"{items}/{k}") for k, (i, tool) in enumerate(_callable(request))
+    ]
     calls = {"type": "array", "items": {"anyOf": options}, "minItems": 1, "maxItems": 1 if one else MAX_PARALLEL_CALLS}
-    document = {"type": "object", "properties": {fmt.list_key: calls}, "required": [fmt.list_key], "additionalProperties": False}
+    document = {
+        "type": "object",
+        "properties": {fmt.list_key: calls},
+        "required": [fmt.list_key],
+        "additionalProperties": False,
+    }
     return rules.json(document, "tools")
 
 
@@ -173,4 +186,6 @@ def tool_triggers(fmt: ToolFormat, request: ToolRequest) -> tuple[Trigger, ...]:
     if not fmt.tool_trigger:
         return ()
     text, then = fmt.tool_trigger
-    return tuple(Trigger(text.replace("{name}", t.name), False, then.replace("{name}", t.name)) for t in request.callable)
+    return tuple(
+        Trigger(text.replace("{name}", t.name), False, then.replace("{name}", t.name)) for t in request.callable
+    )

@@ -174,7 +174,9 @@ def _render(
 
 
 def probe(source: str) -> Probed:
-    plain = out = _render(source, [{"role": "system", "content": _SYS}, {"role": "user", "content": "User message"}], None)
+    plain = out = _render(
+        source, [{"role": "system", "content": _SYS}, {"role": "user", "content": "User message"}], None
+    )
     system_role = out is not None and _SYS in out  # Gemma's raise on a system message
     with_objects = _render(source, _round_trip({"arg": _ARG}), _tools())
     # A template that prints the object whole as Python would (``{{ arguments }}``) wants text.
@@ -197,7 +199,10 @@ def _thinks(source: str) -> bool:
     block only when thinking is enabled."""
     reply = [{"role": "user", "content": "User message"},
              {"role": "assistant", "content": "Assistant message", "reasoning_content": _THOUGHT}]
-    calling = [reply[0], {**reply[1], "content": "", "tool_calls": _round_trip(f'{{"arg": "{_ARG}"}}')[1]["tool_calls"]}]
+    calling = [
+        reply[0],
+        {**reply[1], "content": "", "tool_calls": _round_trip(f'{{"arg": "{_ARG}"}}')[1]["tool_calls"]},
+    ]
     for messages, tools in ((reply, None), (calling, _tools())):  # some print it only before a call
         shown = _render(source, messages, tools, add_generation_prompt=False, **PRESERVE_REASONING)
         if shown is not None and _THOUGHT in shown:

@@ -54,10 +54,14 @@ class ReplyParser:
             return written_arguments(args) if names is None or name in names else None
 
         if fmt is not None and fmt.splitter is not None:  # its channels carry reasoning, content and calls alike
-            self._channels = fmt.splitter(reasoning=reasoning, parse_tools=parse_tools, accept=accept, props_of=props.get)
+            self._channels = fmt.splitter(
+                reasoning=reasoning, parse_tools=parse_tools, accept=accept, props_of=props.get
+            )
         else:
             self._think = (
-                ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags, lead=reasoning_lead) if reasoning else None
+                ThinkSplitter(starts_in_reasoning=starts_in_reasoning, tags=think_tags, lead=reasoning_lead)
+                if reasoning
+                else None
             )
             if parse_tools:
                 self._scanner = CallScanner(fmt or GENERIC, names, new_id, props)
@@ -144,4 +148,6 @@ def parse_reply(
         reasoning_lead=reasoning_lead,
     )
     first, last = parser.feed(text), parser.finish()
-    return ReplyDelta(first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls)
+    return ReplyDelta(
+        first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls
+    )

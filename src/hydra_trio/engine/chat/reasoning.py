@@ -16,7 +16,9 @@ class ThinkSplitter:
     ``</think>`` as reasoning, without the tags and one newline on each side; the content
     after it starts at its first non-whitespace character."""
 
-    def __init__(self, *, starts_in_reasoning: bool = False, tags: tuple[str, str] = (OPEN, CLOSE), lead: str = "") -> None:
+    def __init__(
+        self, *, starts_in_reasoning: bool = False, tags: tuple[str, str] = (OPEN, CLOSE), lead: str = ""
+    ) -> None:
         # ``tags``: the family's think markers (``<think>``, Seed-OSS's ``<seed:think>``, ...)
         self._open, self._close = tags
         # ``lead``: what the prompt wrote in the block it opened, when that is the reasoning's

@@ -207,7 +207,12 @@ def _gemma4_model_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         turn: dict[str, Any] = {"role": "assistant", "tool_calls": calls}
         if responses:
             turn["tool_responses"] = responses
-        if i < len(messages) and messages[i]["role"] == "assistant" and not messages[i].get("tool_calls") and messages[i].get("content"):
+        if (
+            i < len(messages)
+            and messages[i]["role"] == "assistant"
+            and not messages[i].get("tool_calls")
+            and messages[i].get("content")
+        ):
             turn["content"] = messages[i]["content"]
             i += 1
         if "reasoning_content" in m:
@@ -264,7 +269,9 @@ def thinking_on(request: dict[str, Any], caps: TemplateCaps) -> bool:
 # What the engine itself gives a template, from the request it checked: a template kwarg that set
 # one would replace it (``messages`` past a gateway that filters them, ``tools`` never parsed,
 # the special tokens), so none may. The dates and the reasoning switches are the kwargs' to set.
-RENDERED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}) | TEMPLATE_GLOBALS
+RENDERED_VARIABLES = (
+    frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}) | TEMPLATE_GLOBALS
+)
 
 
 def _template_kwargs_given(request: dict[str, Any]) -> dict[str, Any]:

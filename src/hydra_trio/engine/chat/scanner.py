@@ -78,7 +78,11 @@ class CallScanner:
     what it waits for comes (``_Wake``)."""
 
     def __init__(
-        self, fmt: ToolFormat, names: frozenset[str] | None, new_id: Callable[[], str], props: dict[str, Props] | None = None
+        self,
+        fmt: ToolFormat,
+        names: frozenset[str] | None,
+        new_id: Callable[[], str],
+        props: dict[str, Props] | None = None,
     ) -> None:
         self._fmt = fmt
         self._names = names
@@ -176,7 +180,9 @@ class CallScanner:
             else:
                 return p, 0
         if fmt.block is not None:
-            found = [hit for hit in (self._openers.at(buf, max(p, self._skip)), self._dropped.at(buf, p)) if hit is not None]
+            found = [
+                hit for hit in (self._openers.at(buf, max(p, self._skip)), self._dropped.at(buf, p)) if hit is not None
+            ]
             if found:
                 return min(found)
             return (len(buf) - (0 if final else held_back(buf, p, self._marks))), None
@@ -319,13 +325,19 @@ class CallScanner:
         block of several calls, read up to its last whole call); none for a region of one call."""
         fmt = self._fmt
         if fmt.block is not None or fmt.recipient:
-            whole = self._block(buf, p, marker, True) if fmt.block is not None else self._recipient(buf, p, marker, True)
+            whole = (
+                self._block(buf, p, marker, True) if fmt.block is not None else self._recipient(buf, p, marker, True)
+            )
             if not isinstance(whole, _Wake) and whole[1]:  # its call ended (a tail after it was cut)
                 return whole[1]
         if fmt.block is not None:
             found = fmt.block.salvage(buf[p + marker:], buf[p:p + marker], self._props.get)
             written = [written_arguments(a) for _, a, _ in found or ()]
-            if not found or None in written or (self._names is not None and any(n not in self._names for n, _, _ in found)):
+            if (
+                not found
+                or None in written
+                or (self._names is not None and any(n not in self._names for n, _, _ in found))
+            ):
                 return []
             base = len(self.calls)
             return [

@@ -133,7 +133,8 @@ def _tool(fn: dict[str, Any], where: str) -> Tool:
         raise bad_param(f"{where}.parameters must be a JSON schema (an object)", f"{where}.parameters")
     size = len(json.dumps(parameters, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     if size > MAX_SCHEMA_BYTES:
-        raise bad_param(f"{where}.parameters is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES}", f"{where}.parameters")
+        raise bad_param(f"{where}.parameters is {size} bytes of JSON; at most "
+                        f"{MAX_SCHEMA_BYTES}", f"{where}.parameters")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_param(f"{where}.strict must be a boolean", f"{where}.strict")
@@ -146,7 +147,9 @@ def _checked(tools: list[Tool], key: str) -> tuple[Tool, ...]:
     seen: set[str] = set()
     for i, t in enumerate(tools):
         if t.name in seen:
-            raise bad_param(f"{key} declares {t.name!r} twice", f"{key}[{i}]" + (".function.name" if key == "tools" else ".name"))
+            raise bad_param(
+                f"{key} declares {t.name!r} twice", f"{key}[{i}]" + (".function.name" if key == "tools" else ".name")
+            )
         seen.add(t.name)
     return tuple(tools)
 

@@ -74,7 +74,9 @@ class SlotBlocks:
         # name it (``session_id``, map encoding).
         self.sessions: list[str | None] = [None] * n_slots
 
-    def slot_changed(self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None, lora: LoraSet = ()) -> None:
+    def slot_changed(
+        self, slot: int, tokens: Sequence[int], kept: int, salt: str | None = None, lora: LoraSet = ()
+    ) -> None:
         """The slot now holds ``tokens``, computed under ``salt`` and the adapter set ``lora``;
         its first ``kept`` positions are unchanged since the last call (so a generation step
         costs nothing until a block fills). A slot's salt and set change only with its
@@ -161,7 +163,14 @@ class SlotBlocks:
             tokens = [t for h in run for t in self._tokens[h]]
             lora_id, lora_name = self._lora_fields(lora)
             self.pending.append(
-                block_stored(run, chain[first - 1] if first else None, tokens, self.block_size, lora_id=lora_id, lora_name=lora_name)
+                block_stored(
+                    run,
+                    chain[first - 1] if first else None,
+                    tokens,
+                    self.block_size,
+                    lora_id=lora_id,
+                    lora_name=lora_name,
+                )
             )
 
     def _unref(self, h: int) -> bool:
@@ -287,7 +296,15 @@ class HostBlocks:
             tokens = [t for h in run for t in self._tokens[h]]
             lora_id, lora_name = self._lora_fields(self._lora.get(key, ()))
             out.append(
-                block_stored(run, self._parents[run[0]], tokens, self.block_size, self.medium, lora_id=lora_id, lora_name=lora_name)
+                block_stored(
+                    run,
+                    self._parents[run[0]],
+                    tokens,
+                    self.block_size,
+                    self.medium,
+                    lora_id=lora_id,
+                    lora_name=lora_name,
+                )
             )
         return out
 

@@ -60,12 +60,20 @@ async def restore_blob(
     lora: LoraSet = (),
 ) -> None:
     """Restore a parsed v2 blob into the slot, all-or-nothing (engine/llama/kv_state.py), as
-    the history of ``salt`` and the LoRA adapter set ``lora``. Trailing logits become the slot's tail logits; a checkpoint section
-    (``check_checkpoint`` passed it) becomes the slot's context checkpoint."""
+    the history of ``salt`` and the LoRA adapter set ``lora``. Trailing logits become the slot's tail logits; a
+    checkpoint section (``check_checkpoint`` passed it) becomes the slot's context checkpoint."""
 
     def call(abort: threading.Event) -> None:
         backend.state_restore(
-            slot, blob.state, blob.tokens, blob.n_past, abort, blob=blob.raw, salt=salt, lora=lora, checkpoint=blob.checkpoint
+            slot,
+            blob.state,
+            blob.tokens,
+            blob.n_past,
+            abort,
+            blob=blob.raw,
+            salt=salt,
+            lora=lora,
+            checkpoint=blob.checkpoint,
         )
 
     try:

@@ -126,7 +126,8 @@ class DiskTier:
             if not self._index.put(entry, None):  # over the bound: its file goes
                 self._doomed.append(entry.name)
         self._sync_stats()
-        log.info("disk tier %s: %d entries (%d bytes) kept, %d files cleaned", self.folder, len(self._index), self._index.nbytes, cleaned)
+        log.info("disk tier %s: %d entries (%d "
+                 "bytes) kept, %d files cleaned", self.folder, len(self._index), self._index.nbytes, cleaned)
 
     async def run(self) -> None:
         """The one I/O task: write what RAM dropped, delete what left the index."""
@@ -463,7 +464,16 @@ def kv_fingerprint(backend: LlamaBackend, identity: dict[str, Any]) -> bytes:
     not read back."""
     st = os.stat(backend.model_path)
     b = backend
-    parts: tuple[Any, ...] = (identity, st.st_size, st.st_mtime_ns, b.cache_layout, b.n_slots, b.n_ctx, b.kv_unified, b.swa_full)
+    parts: tuple[Any, ...] = (
+        identity,
+        st.st_size,
+        st.st_mtime_ns,
+        b.cache_layout,
+        b.n_slots,
+        b.n_ctx,
+        b.kv_unified,
+        b.swa_full,
+    )
     adapters = tuple(getattr(b, "lora_paths", ()))
     if adapters:
         parts += (adapters,)

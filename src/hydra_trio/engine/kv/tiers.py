@@ -91,7 +91,9 @@ class HostTiers:
             disk.stats.prefetched += 1
             ram.put(snap, owner)
 
-    def watch(self, block_size: int, publish: Callable[[list[Event]], None], lora_fields: LoraFields | None = None) -> None:
+    def watch(
+        self, block_size: int, publish: Callable[[list[Event]], None], lora_fields: LoraFields | None = None
+    ) -> None:
         """KV events from now on: RAM's entries as medium CPU, the disk's as DISK (each with
         its LoRA adapter set's fields, ``lora_fields``)."""
         fields = lora_fields or _no_adapters

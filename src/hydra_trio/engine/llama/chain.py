@@ -42,7 +42,10 @@ class LlamaChain:
         candidates["logit"] = logits
         candidates["p"] = 0.0
         cur = llama_cpp.llama_token_data_array(
-            data=candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=n_vocab, selected=-1, sorted=False
+            data=candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+            size=n_vocab,
+            selected=-1,
+            sorted=False,
         )
         llama_cpp.llama_sampler_apply(self._chain(n_vocab), ctypes.byref(cur))
         return int(cur.data[cur.selected].id) if 0 <= cur.selected < cur.size else None

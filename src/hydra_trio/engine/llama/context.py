@@ -204,10 +204,12 @@ class LlamaBackend(SlotStates, BatchSteps):
             eos_text=self._vocab_text(eos),
             chat_template_variants=gguf_template_variants(self._model),
             roles=TokenRoles({r: t for r in TOKEN_ROLES if (t := getattr(llama_cpp, f"llama_vocab_{r}")(v)) >= 0},
-                             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)), add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
+                             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
+                             add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
                              add_sep=bool(llama_cpp.llama_vocab_get_add_sep(v))),
             pooling=model_pooling(m),
-            rerank_template=(llama_cpp.llama_model_chat_template(m, b"rerank") or b"").decode("utf-8", "replace") or None,
+            rerank_template=(llama_cpp.llama_model_chat_template(m,
+                                                                 b"rerank") or b"").decode("utf-8", "replace") or None,
         )
 
     def _build_context(self, n_ctx: int, n_threads: int) -> None:
@@ -231,7 +233,9 @@ class LlamaBackend(SlotStates, BatchSteps):
         cp.offload_kqv = self.offload_settings.kv_offload
         ctx, ctx_log = captured(lambda: llama_cpp.llama_init_from_model(self._model, cp))
         if not ctx:
-            said = "; ".join(line.strip() for line in ctx_log if line.startswith("llama_init_from_model") or "error" in line.lower())
+            said = "; ".join(
+                line.strip() for line in ctx_log if line.startswith("llama_init_from_model") or "error" in line.lower()
+            )
             raise RuntimeError(
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, --cache-type-k {type_label(self.type_k)}, "
                 f"--cache-type-v {type_label(self.type_v)}, --flash-attn {self.offload_settings.flash_attn})"
@@ -247,7 +251,8 @@ class LlamaBackend(SlotStates, BatchSteps):
             requested=self.offload_settings,
             gpu_offload_supported=self.gpu_offload_supported,
             n_gpu_layers_param=self.model_params_applied["n_gpu_layers"],
-            n_gpu_layers=offloaded_layers(self._load_log, n_layers, self.gpu_offload_supported, self.model_params_applied["n_gpu_layers"]),
+            n_gpu_layers=offloaded_layers(self._load_log, n_layers, self.gpu_offload_supported,
+                                          self.model_params_applied["n_gpu_layers"]),
             n_layers=n_layers,
             flash_attn=flash_attn_applied(ctx_log, self.offload_settings.flash_attn),
             repack=self.repack,
@@ -292,7 +297,9 @@ class LlamaBackend(SlotStates, BatchSteps):
         if not adapter:
             llama_cpp.llama_model_free(self._model)  # with the adapters loaded so far
             self._model = None
-            why = "; ".join(line.strip() for line in said if "lora" in line.lower() and ("fail" in line or "error" in line.lower()))
+            why = "; ".join(
+                line.strip() for line in said if "lora" in line.lower() and ("fail" in line or "error" in line.lower())
+            )
             raise RuntimeError(f"llama.cpp could not load LoRA adapter {path!r}" + (f": {why}" if why else ""))
         return adapter
 
@@ -314,13 +321,17 @@ class LlamaBackend(SlotStates, BatchSteps):
         those of its new last position, when the change computed or restored them."""
         self.tail_logits[slot] = tail_logits
         if self.watcher is not None:
-            self.watcher.slot_changed(slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot], self.seq_lora[slot])
+            self.watcher.slot_changed(
+                slot, self.seq_tokens[slot], self._kept[slot], self.seq_salt[slot], self.seq_lora[slot]
+            )
         self._kept[slot] = len(self.seq_tokens[slot])
         if self.n_swa:
             self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
             self._sizes[slot] = self.state_size(slot)
 
-    def rebuild_context(self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None) -> None:
+    def rebuild_context(
+        self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None
+    ) -> None:
         """Recreate the context (CONFIGURE T2). All slot contents are dropped."""
         old = (self.n_ctx, self.type_k, self.type_v)
         self.type_k = type_k if type_k is not None else self.type_k

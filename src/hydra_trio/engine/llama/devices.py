@@ -138,10 +138,12 @@ def repack_choice(asked: bool | None, flags: frozenset[str]) -> RepackChoice:
     if asked is not None:
         said = "--repack" if asked else "--no-repack"
         if asked and amx:
-            return RepackChoice(True, f"{said} given, although this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash on repacked weights (ggml-org/llama.cpp#20824)")
+            return RepackChoice(True, f"{said} given, although this CPU has AMX ({' '.join(amx)}), whose llama.cpp "
+                                "kernels crash on repacked weights (ggml-org/llama.cpp#20824)")
         return RepackChoice(asked, f"{said} given")
     if amx:
-        return RepackChoice(False, f"off by default: this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash on repacked weights (ggml-org/llama.cpp#20824); --repack forces it")
+        return RepackChoice(False, f"off by default: this CPU has AMX ({' '.join(amx)}), whose llama.cpp kernels crash "
+                            "on repacked weights (ggml-org/llama.cpp#20824); --repack forces it")
     return RepackChoice(True, "on by default (no AMX on this CPU)")
 
 

@@ -70,14 +70,17 @@ class EmbeddingContext:
         ctx, ctx_log = captured(lambda: llama_cpp.llama_init_from_model(model, cp))
         if not ctx:
             said = "; ".join(line.strip() for line in ctx_log if "error" in line.lower())
-            raise RuntimeError(f"llama.cpp could not create the embedding context (n_batch={n_batch})" + (f": {said}" if said else ""))
+            raise RuntimeError("llama.cpp could not create the embedding context "
+                               f"(n_batch={n_batch})" + (f": {said}" if said else ""))
         self._ctx = ctx
         self._mem = llama_cpp.llama_get_memory(ctx)  # NULL for a model without a KV cache (BERT)
         kind = POOLING_NAMES[llama_cpp.llama_pooling_type(ctx)]
         labels: tuple[str, ...] = ()
         if kind == "rank":
             n_cls = max(1, llama_cpp.llama_model_n_cls_out(model))
-            labels = tuple((llama_cpp.llama_model_cls_label(model, i) or b"").decode("utf-8", "replace") for i in range(n_cls))
+            labels = tuple(
+                (llama_cpp.llama_model_cls_label(model, i) or b"").decode("utf-8", "replace") for i in range(n_cls)
+            )
         n_out = len(labels) if kind == "rank" else llama_cpp.llama_model_n_embd_out(model)
         self.shape = PooledShape(kind, n_out, n_batch, n_seq_max, labels)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, n_seq_max)
@@ -90,7 +93,8 @@ class EmbeddingContext:
         ``n_batch`` tokens (a Python callback per graph node would cost the trio thread the GIL)."""
         shape = self.shape
         if not inputs or len(inputs) > shape.n_seq_max or sum(map(len, inputs)) > shape.n_batch or not all(inputs):
-            raise ValueError(f"an embedding call takes 1..{shape.n_seq_max} non-empty inputs of {shape.n_batch} tokens in all")
+            raise ValueError(f"an embedding call takes 1..{shape.n_seq_max} "
+                             f"non-empty inputs of {shape.n_batch} tokens in all")
         batch = self._batch
         i = 0
         for seq, tokens in enumerate(inputs):

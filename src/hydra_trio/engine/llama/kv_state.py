@@ -85,7 +85,15 @@ class Snapshot:
         buf[self.offset : self.offset + len(rest)] = rest
         buf[self.offset + len(rest) :] = view[end:]
         return head, Snapshot(
-            self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape, self.checkpoint, self.checkpoint_gap
+            self.tokens,
+            buf,
+            self.offset,
+            self.has_logits,
+            self.salt,
+            self.lora,
+            self.shape,
+            self.checkpoint,
+            self.checkpoint_gap,
         )
 
     def joined(self, head: bytes) -> Snapshot:
@@ -98,7 +106,15 @@ class Snapshot:
             buf[at : at + len(piece)] = piece
             at += len(piece)
         return Snapshot(
-            self.tokens, buf, self.offset, self.has_logits, self.salt, self.lora, self.shape, self.checkpoint, self.checkpoint_gap
+            self.tokens,
+            buf,
+            self.offset,
+            self.has_logits,
+            self.salt,
+            self.lora,
+            self.shape,
+            self.checkpoint,
+            self.checkpoint_gap,
         )
 
 log = logging.getLogger(__name__)
@@ -227,7 +243,9 @@ class SlotStates:
         if best is None or best.n_tokens != n_keep:
             return False
         src = (ctypes.c_uint8 * len(best.data)).from_buffer_copy(best.data)
-        if int(llama_cpp.llama_state_seq_set_data_ext(self._ctx, src, len(best.data), slot, _PARTIAL)) != len(best.data):
+        if int(llama_cpp.llama_state_seq_set_data_ext(self._ctx, src, len(best.data), slot, _PARTIAL)) != len(
+            best.data
+        ):
             return False
         self._swa_low[slot] = best.swa_low
         return True
@@ -359,8 +377,8 @@ class SlotStates:
         checkpoint: BlobCheckpoint | Checkpoint | None = None,
     ) -> bool:
         """Restore a sequence state into ``slot``, all-or-nothing; its history is then
-        ``salt``'s and the adapter set ``lora``'s (the request's that brought it: ``shared_prefix``). ``blob``: the whole blob
-        ``state`` ends, whose bytes may be rewritten (seqstate.py) for this context's layout.
+        ``salt``'s and the adapter set ``lora``'s (the request's that brought it: ``shared_prefix``). ``blob``: the
+        whole blob ``state`` ends, whose bytes may be rewritten (seqstate.py) for this context's layout.
 
         Unified cache: the state lands in the scratch sequence first; only when llama.cpp
         accepted it, it holds exactly ``n_past`` positions, and what follows it is either

@@ -259,22 +259,33 @@ def layout_mismatch(got: StateLayout, local: StateLayout) -> str | None:
         (vt_a, k_a, v_a), (vt_b, k_b, v_b) = a.rows, b.rows
         if vt_a != vt_b:
             what = "transposed" if vt_a else "not transposed"
-            return f"{where}V rows {what} (flash attention {'off' if vt_a else 'on'} where the KV was made), here the opposite"
+            return (
+                f"{where}V rows {what} (flash attention {'off' if vt_a else 'on'} "
+                "where the KV was made), here the opposite"
+            )
         if len(k_a) != len(k_b):
             return f"{where}{len(k_a)} layers, the resident model has {len(k_b)}"
-        if (said := _rows_mismatch(f"{where}layer", ("K/V cache types", "K/V row sizes"), (k_a, v_a), (k_b, v_b))) is not None:
+        if (
+            said := _rows_mismatch(f"{where}layer", ("K/V cache types", "K/V row sizes"), (k_a, v_a), (k_b, v_b))
+        ) is not None:
             return said
     return None
 
 
 def _rows_mismatch(
-    label: str, says: tuple[str, str], got: tuple[Sequence[Any], Sequence[Any]], local: tuple[Sequence[Any], Sequence[Any]]
+    label: str,
+    says: tuple[str, str],
+    got: tuple[Sequence[Any], Sequence[Any]],
+    local: tuple[Sequence[Any], Sequence[Any]],
 ) -> str | None:
     """The first layer whose pair of row shapes (K/V, or a recurrent state's R/S) differs: its
     types, else its sizes; None: all the same."""
     for layer, (xa, xb, ya, yb) in enumerate(zip(got[0], local[0], got[1], local[1], strict=True)):
         if xa[0] != xb[0] or ya[0] != yb[0]:
-            return f"{label} {layer}: {says[0]} {type_name(xa[0])}/{type_name(ya[0])}, here {type_name(xb[0])}/{type_name(yb[0])}"
+            return (
+                f"{label} {layer}: {says[0]} {type_name(xa[0])}/{type_name(ya[0])}, here "
+                f"{type_name(xb[0])}/{type_name(yb[0])}"
+            )
         if xa != xb or ya != yb:
             return f"{label} {layer}: {says[1]} {xa[1:]}/{ya[1:]}, here {xb[1:]}/{yb[1:]}"
     return None
@@ -288,7 +299,10 @@ def _recurrent_mismatch(got: StateRows | None, local: StateRows | None) -> str |
     (n_a, r_a, s_a), (n_b, r_b, s_b) = got, local
     if n_a != n_b:
         return f"recurrent state of {n_a} layers, the resident model has {n_b}"
-    return _rows_mismatch("recurrent row", ("R/S types", "R/S row sizes"), (r_a, s_a), (r_b, s_b)) or "recurrent state rows differ"
+    return (
+        _rows_mismatch("recurrent row", ("R/S types", "R/S row sizes"), (r_a, s_a), (r_b, s_b))
+        or "recurrent state rows differ"
+    )
 
 
 def _parse(view: memoryview, shape: MemoryShape, *, allow_empty: bool = False) -> tuple[list[_Cache], int]:
@@ -631,7 +645,14 @@ def window_at(gap: Bytes, state: Bytes, low: int, n_tokens: int, shape: MemorySh
     # Both in runs: the gap's one, the state's ``len(w_runs)``; per layer a header then rows.
     w_runs = _runs([low <= p < n_tokens for p in _positions(sv, window)])
     k = len(w_runs)
-    out: list[Any] = [gv[: _HEAD.size], _U32.pack(1), _U32.pack(g.cells + w_cells), g_pieces[0], *w_pieces[:k], g_pieces[1]]
+    out: list[Any] = [
+        gv[: _HEAD.size],
+        _U32.pack(1),
+        _U32.pack(g.cells + w_cells),
+        g_pieces[0],
+        *w_pieces[:k],
+        g_pieces[1],
+    ]
     gi, wi = 2, k + 1
     v_trans, k_rows, v_rows = g.rows
     for _ in k_rows:

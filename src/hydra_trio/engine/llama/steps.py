@@ -97,7 +97,8 @@ class BatchSteps:
             else planner.drafts(
                 [requests[i].slot for i in live],
                 [
-                    (r.spec, seq_tokens[r.slot], r.token, min(r.n_left - 1, self.n_ctx_slot - len(seq_tokens[r.slot]) - 1))
+                    (r.spec, seq_tokens[r.slot], r.token,
+                     min(r.n_left - 1, self.n_ctx_slot - len(seq_tokens[r.slot]) - 1))
                     for r in (requests[i] for i in live)
                 ],
                 room,
@@ -147,7 +148,9 @@ class BatchSteps:
             if draft:
                 base = row
                 assert self.planner is not None, "drafts come from the planner"
-                picks = self.planner.verify(draft, lambda k, s=sampler, base=base: self._sample(s, base + k, rows[base + k]), self.is_eog)
+                picks = self.planner.verify(
+                    draft, lambda k, s=sampler, base=base: self._sample(s, base + k, rows[base + k]), self.is_eog
+                )
                 n_ok = len(picks) - 1
                 history.append(r.token)
                 history.extend(draft[:n_ok])

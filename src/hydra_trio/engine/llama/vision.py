@@ -58,7 +58,11 @@ class Projector:
         params.media_marker = self._marker_bytes
         self._ctx, said = captured(lambda: mtmd.mtmd_init_from_file(path.encode(), model, params))
         if not self._ctx:
-            why = "; ".join(line.strip() for line in said if "error" in line.lower() or "mismatch" in line.lower() or "failed" in line.lower())
+            why = "; ".join(
+                line.strip()
+                for line in said
+                if "error" in line.lower() or "mismatch" in line.lower() or "failed" in line.lower()
+            )
             raise RuntimeError(f"mtmd could not load the projector {path!r}" + (f": {why}" if why else ""))
         if not mtmd.mtmd_support_vision(self._ctx):
             self.close()
@@ -91,7 +95,8 @@ class Projector:
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
                 bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self._ctx, buf, len(data), False)
                 if not bitmap:
-                    raise ImageError(f"image {i + 1} of the request could not be decoded (PNG, JPEG, GIF, BMP, ... as stb_image reads them)")
+                    raise ImageError(f"image {i + 1} of the request could not be decoded (PNG, JPEG, GIF, BMP, ... as "
+                                     "stb_image reads them)")
                 bitmaps.append(bitmap)
                 if mtmd.mtmd_bitmap_is_audio(bitmap):
                     raise ImageError(f"image {i + 1} of the request is audio, not an image")
@@ -157,7 +162,9 @@ class Projector:
         self._chunks.move_to_end(ids[0])
         new_n_past = llama_cpp.llama_pos(0)
         start = time.perf_counter()
-        rc = mtmd.mtmd_helper_eval_chunk_single(self._ctx, lctx, chunk, n_past, seq, n_batch, False, ctypes.byref(new_n_past))
+        rc = mtmd.mtmd_helper_eval_chunk_single(
+            self._ctx, lctx, chunk, n_past, seq, n_batch, False, ctypes.byref(new_n_past)
+        )
         self.encode_s += time.perf_counter() - start
         if rc != 0:
             raise RuntimeError(f"mtmd could not evaluate an image (mtmd_helper_eval_chunk_single: {rc})")

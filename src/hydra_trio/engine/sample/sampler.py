@@ -85,7 +85,9 @@ class Sampler:
         self._state: GuidanceState | None = None  # made on first use (on the worker)
         # A lazy grammar (tool_choice auto) waits for its trigger here.
         self._watch = (
-            TriggerWatch(grammar.triggers, grammars.max_piece) if grammar is not None and grammar.triggers and grammars else None
+            TriggerWatch(grammar.triggers, grammars.max_piece)
+            if grammar is not None and grammar.triggers and grammars
+            else None
         )
         self._dropped = False  # the grammar refused its own trigger's text: the reply goes on free
         # Why the grammar ended this request (past its per-token bound): the sampler then
@@ -130,7 +132,12 @@ class Sampler:
         else:
             shown = logits.copy() if self.logprobs is not None and self.bans_eog and logits.flags.writeable else logits
             token = self._free(logits, eog_ids, at)
-            if think is not None and think.holds_grammar and token in eog_ids and (close := think.close_instead()) is not None:
+            if (
+                think is not None
+                and think.holds_grammar
+                and token in eog_ids
+                and (close := think.close_instead()) is not None
+            ):
                 token = close
         if think is not None:
             think.accept(token)
@@ -187,10 +194,13 @@ class Sampler:
         if matched is not None and not self._grammar_state().feed(matched):
             # The trigger's text is a beginning of the grammar by construction (triggers.py);
             # should it not be, the reply goes on unconstrained rather than fail.
-            log.warning("%s: the grammar refused its trigger's text %r; the reply goes on unconstrained", self._grammar_param, matched)
+            log.warning("%s: the grammar refused its trigger's text %r; the reply goes on "
+                        "unconstrained", self._grammar_param, matched)
             self._dropped = True
 
-    def _constrained(self, logits: np.ndarray, eog_ids: np.ndarray, at: LogitsRow | None = None) -> tuple[int, np.ndarray]:
+    def _constrained(
+        self, logits: np.ndarray, eog_ids: np.ndarray, at: LogitsRow | None = None
+    ) -> tuple[int, np.ndarray]:
         """The pick under the grammar, and the logits its log-probabilities are read from
         (the constrained distribution: tokens the grammar refuses at -inf).
 
@@ -231,7 +241,13 @@ class Sampler:
         temperature and the draw keep no history), since ``llama_sampler_sample`` accepts
         what it picks, and a refused token must not enter a penalty's history."""
         banned = self._banned(logits, eog_ids)
-        if at is not None and banned is logits and self._on_context and not self.is_argmax and not self.params.penalized:
+        if (
+            at is not None
+            and banned is logits
+            and self._on_context
+            and not self.is_argmax
+            and not self.params.penalized
+        ):
             return self._the_chain().sample_at(at, len(logits))
         return self._pick(banned)
 

@@ -9,5 +9,16 @@ from .scheduler import SlotScheduler
 from .session_tree import Finished, Session, SessionStats, SessionTree, TenantSessions, Turn
 from .slots import Slot, SlotTable
 
-__all__ = ["Finished", "PartOutcome", "Session", "SessionStats", "SessionTree", "Slot", "SlotScheduler", "SlotTable", "StepBatcher",
-           "TenantSessions", "Turn"]
+__all__ = [
+    "Finished",
+    "PartOutcome",
+    "Session",
+    "SessionStats",
+    "SessionTree",
+    "Slot",
+    "SlotScheduler",
+    "SlotTable",
+    "StepBatcher",
+    "TenantSessions",
+    "Turn",
+]

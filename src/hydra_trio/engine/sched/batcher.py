@@ -44,7 +44,9 @@ TURN_SWITCHES = 8  # an adapter set's turn lasts at least this many changes of s
 StepSync = Callable[[Sequence[StepRequest], Callable[[], None]], list[StepResult]]
 RunOnWorker = Callable[[Callable[[], None]], Awaitable[None]]  # run a function as one worker call
 PartOutcome = outcome.Outcome[tuple[int | None, bytes | None]]
-RunMixed = Callable[[Sequence[StepRequest], Sequence[PrefillPart]], Awaitable[tuple[list[StepResult], list[PartOutcome]]]]
+RunMixed = Callable[
+    [Sequence[StepRequest], Sequence[PrefillPart]], Awaitable[tuple[list[StepResult], list[PartOutcome]]]
+]
 
 
 @dataclass(slots=True, eq=False)
@@ -364,7 +366,11 @@ class StepBatcher:
                 hand_over()  # a step that did not decode (no slot had room)
                 timed.append((len(cur), time.perf_counter() - t0))
                 nxt: list[StepJob] = []
-                if n < MAX_STEPS_PER_CALL and not self._wants_turn.is_set() and (until is None or time.perf_counter() < until):
+                if (
+                    n < MAX_STEPS_PER_CALL
+                    and not self._wants_turn.is_set()
+                    and (until is None or time.perf_counter() < until)
+                ):
                     # Read on the worker thread: flags trio may be setting now. A stale
                     # "asked" only ends the run early; a missed "cancelled" is dropped by the
                     # request (drop_ahead), which waits for the step.

@@ -57,7 +57,9 @@ class SlotScheduler:
         # claim that changed the slot's KV ends (``settle``), read by every eviction.
         self.slot_owner: list[KvOwner | None] = [None] * len(slots)
 
-    def reuse_plan(self, slot: int, tokens: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> tuple[int, bytes | None]:
+    def reuse_plan(
+        self, slot: int, tokens: Sequence[int], salt: str | None = None, lora: LoraSet = ()
+    ) -> tuple[int, bytes | None]:
         """How much of the slot's KV a prompt continues from: the one prefix-reuse policy of
         every path that continues a slot (generation, the P/D export).
 
@@ -79,8 +81,8 @@ class SlotScheduler:
     async def bring(
         self, slot: int, tokens: Sequence[int], salt: str | None, lora: LoraSet, res: GenerationResult
     ) -> bytes | None:
-        """Bring the slot to continue the prompt under ``salt`` and the LoRA adapter set ``lora`` as far as any tier holds it
-        (the slot, the prompt cache), the slot's own history kept first; the plan goes into
+        """Bring the slot to continue the prompt under ``salt`` and the LoRA adapter set ``lora`` as far as any tier
+        holds it (the slot, the prompt cache), the slot's own history kept first; the plan goes into
         ``res`` (what is reused, from where, what is left to evaluate). Returns the logits
         to sample the first token from when nothing is left; else the slot is cut to the
         plan, here, where the plan can still change: a memory that refuses a partial cut
@@ -166,7 +168,8 @@ class SlotScheduler:
         Scored for every free slot of every claim, so most slots are settled by their first
         few tokens: a slot that differs from the prompt within them shares less than the
         least prefix that counts."""
-        least = max(1, math.ceil(self._settings.slot_prompt_similarity * len(prompt)))  # the least shared prefix that counts
+        # the least shared prefix that counts
+        least = max(1, math.ceil(self._settings.slot_prompt_similarity * len(prompt)))
         head = list(prompt[: min(least, HEAD_TOKENS)])
         n_head = len(head)
         rank = self.retention.rank
@@ -195,7 +198,8 @@ class SlotScheduler:
             return
         snap = await self._worker.call(lambda: self._backend().snapshot(slot))
         if cache.put(snap, self.slot_owner[slot]):
-            log.debug("prompt cache: kept slot %d's %d positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
+            log.debug("prompt cache: kept slot %d's %d "
+                      "positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
 
     async def adopt(self, slot: int, salt: str | None, lora: LoraSet = ()) -> None:
         """Make the slot's history ``salt``'s and the LoRA adapter set ``lora``'s: from now on
@@ -210,7 +214,9 @@ class SlotScheduler:
             await self._worker.call(lambda: backend.clear_slot(slot))
         backend.seq_salt[slot], backend.seq_lora[slot] = salt, lora
 
-    async def swap_in(self, slot: int, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> tuple[int, str]:
+    async def swap_in(
+        self, slot: int, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()
+    ) -> tuple[int, str]:
         """When a tier past the slots (the prompt cache in RAM, the disk tier) holds more of the
         prompt (under the request's ``salt`` and ``lora``) than the slot does, put the entry that
         holds the most into the slot (the slot's own history goes to RAM first). Returns the
@@ -260,7 +266,14 @@ class SlotScheduler:
             backend = self._backend()
             checkpoint = backend.checkpoint_of(snap, slot)  # made whole before the state is rewritten in place
             backend.state_restore(
-                slot, view[snap.offset :], snap.tokens, len(snap.tokens), abort, blob=view, salt=snap.salt, lora=snap.lora,
+                slot,
+                view[snap.offset :],
+                snap.tokens,
+                len(snap.tokens),
+                abort,
+                blob=view,
+                salt=snap.salt,
+                lora=snap.lora,
                 checkpoint=checkpoint,
             )
 
@@ -270,7 +283,8 @@ class SlotScheduler:
             await trio.lowlevel.checkpoint()
             raise
         except ProtocolError as err:  # our own state: only a full shared pool refuses it
-            log.warning("%s tier: entry of %d positions not restored into slot %d: %s", tier, len(snap.tokens), slot, err.message)
+            log.warning("%s tier: entry of %d positions "
+                        "not restored into slot %d: %s", tier, len(snap.tokens), slot, err.message)
             return 0, ""
         # The slot holds that history now: a copy the request makes of it (when it keeps less
         # of it) is still its owner's, whichever request brought it back.

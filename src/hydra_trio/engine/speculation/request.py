@@ -42,7 +42,9 @@ def spec_config(
     n_min = req.n_min if req.n_min is not None else n_min
     if n_max < 1:
         return None
-    return SpecConfig(n_max=n_max, n_min=min(n_min, n_max), ngram_max=ngram_max, ngram_min=ngram_min, max_batch=max_batch)
+    return SpecConfig(
+        n_max=n_max, n_min=min(n_min, n_max), ngram_max=ngram_max, ngram_min=ngram_min, max_batch=max_batch
+    )
 
 
 def request_speculation(

@@ -77,7 +77,8 @@ def output_constraint(req: dict[str, Any]) -> Constraint | None:
         elif kind == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict):
-                raise bad_param("response_format.json_schema must be an object (name, schema, strict)", "response_format")
+                raise bad_param("response_format.json_schema must "
+                                "be an object (name, schema, strict)", "response_format")
             if spec.get("name") is not None and not isinstance(spec["name"], str):
                 raise bad_param("response_format.json_schema.name must be a string", "response_format")
             if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
@@ -86,7 +87,9 @@ def output_constraint(req: dict[str, Any]) -> Constraint | None:
             found.append(
                 Constraint("json_object", None, "response_format")
                 if schema is None
-                else Constraint("json_schema", schema, "response_format.json_schema.schema", strict=spec.get("strict") is True)
+                else Constraint(
+                    "json_schema", schema, "response_format.json_schema.schema", strict=spec.get("strict") is True
+                )
             )
         elif kind != "text":
             raise bad_param(
@@ -110,7 +113,8 @@ def request_constraint(req: dict[str, Any], tools: Any) -> Constraint | None:
     if tools is None or tools.choice == "none":
         return constraint
     if constraint is not None and constraint.kind == "gbnf":
-        raise bad_param('grammar with tools is not supported (unless tool_choice is "none"): send a JSON schema', "grammar")
+        raise bad_param('grammar with tools is not supported (unless '
+                        'tool_choice is "none"): send a JSON schema', "grammar")
     if constraint is not None and tools.choice == "auto":
         return Constraint("tools", tools, "tools", answer=constraint)
     return Constraint("tools", tools, "tools")

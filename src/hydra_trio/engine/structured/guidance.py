@@ -97,7 +97,9 @@ class GuidanceCache:
         tokenizer = self.tokenizer()
         try:
             text = checked(lambda: llguidance.grammar_from(grammar.syntax, grammar.text))
-            matcher = checked(lambda: llguidance.LLMatcher(tokenizer, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS)))
+            matcher = checked(
+                lambda: llguidance.LLMatcher(tokenizer, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+            )
         except ValueError as exc:
             raise GrammarError(f"{grammar.param}: {UNREADABLE}: {_first_line(str(exc))}", grammar.param) from None
         self.compiles += 1
@@ -111,7 +113,9 @@ class GuidanceCache:
             if key not in self._matchers:
                 self._matchers[key] = matcher
                 self._bytes += len(grammar.text)
-            while len(self._matchers) > MATCHER_CACHE_SIZE or (self._bytes > MATCHER_CACHE_BYTES and len(self._matchers) > 1):
+            while len(self._matchers) > MATCHER_CACHE_SIZE or (
+                self._bytes > MATCHER_CACHE_BYTES and len(self._matchers) > 1
+            ):
                 (_, old), _ = self._matchers.popitem(last=False)
                 self._bytes -= len(old)
         return matcher
@@ -122,7 +126,9 @@ class GuidanceState:
     which tokens may come next, take this token, take this text) and the error that ended it
     (``failure``: a grammar past LIMITS; the request ends with it)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, n_vocab: int, param: str, tokenizer: llguidance.LLTokenizer) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, n_vocab: int, param: str, tokenizer: llguidance.LLTokenizer
+    ) -> None:
         self._matcher = matcher
         self._n_vocab = n_vocab
         self._tokenizer = tokenizer
@@ -133,7 +139,10 @@ class GuidanceState:
     def failure(self) -> str | None:
         if not self._matcher.is_error():
             return None
-        return f"{self.param}: the grammar is too complex for the engine's per-token bound ({_first_line(self._matcher.get_error())})"
+        return (
+            f"{self.param}: the grammar is too complex for the engine's per-token bound "
+            f"({_first_line(self._matcher.get_error())})"
+        )
 
     def allows(self, token: int) -> bool:
         return self._matcher.validate_tokens([token]) == 1

@@ -94,7 +94,8 @@ MAX_PATTERN_COUNT = 1000
 _COUNTS = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 # A minimum size no reply can reach (minLength 1e8 characters): no value satisfies it here.
 MAX_MINIMUM_SIZE = 1 << 20
-_MINIMUMS = ("minLength", "minItems", "minProperties")  # nested subschemas: deeper than any real schema, bounded for the walk
+# nested subschemas: deeper than any real schema, bounded for the walk
+_MINIMUMS = ("minLength", "minItems", "minProperties")
 # JSON whitespace between tokens, as llama.cpp's converter bounds it (a base model asked for
 # JSON may otherwise write whitespace until its length cap).
 WHITESPACE = "(?: |\\n{1,2}[ \\t]{0,20})?"
@@ -198,21 +199,26 @@ def _walk(node: Any, where: str, w: _Walk, depth: int, composed: bool = False) -
         if key in _ONE:
             out[key] = _walk(value, at, w, depth + 1, same)
         elif key in _MAP and isinstance(value, dict):
-            out[key] = {k: _walk(v, f"{at}/{k}", w, depth + 1, f"{at}/{k}" in w.composed_refs) for k, v in value.items()}
+            out[key] = {
+                k: _walk(v, f"{at}/{k}", w, depth + 1, f"{at}/{k}" in w.composed_refs) for k, v in value.items()
+            }
         elif key in _LIST and isinstance(value, list):
             out[key] = [_walk(v, f"{at}/{i}", w, depth + 1, same) for i, v in enumerate(value)]
         elif key == "$ref" and isinstance(value, str):
             if value.startswith("#"):
                 out[key] = w.ref_base + value[1:]
             elif w.strict:
-                raise bad_param(f"{w.param} at {where or '/'}: $ref {value!r} is not in the schema (only local references resolve)", w.param)
+                raise bad_param(f"{w.param} at {where or '/'}: $ref {value!r} is not in the schema (only local "
+                                "references resolve)", w.param)
             else:
                 w.relaxed.append(f"{at} (a reference outside the schema)")
         elif key in _MINIMUMS and isinstance(value, int) and value > MAX_MINIMUM_SIZE:
-            raise bad_param(f"{w.param} at {at}: no value can satisfy the schema within a reply: {key} {value}", w.param)
+            raise bad_param(f"{w.param} at {at}: no value can satisfy "
+                            f"the schema within a reply: {key} {value}", w.param)
         elif key in _CHECKED and (why := _unenforceable(key, value)) is not None:
             if w.strict:
-                raise bad_param(f"{w.param} at {at}: {key} cannot be enforced ({why}); without strict it is relaxed", w.param)
+                raise bad_param(f"{w.param} at {at}: {key} cannot be enforced "
+                                f"({why}); without strict it is relaxed", w.param)
             w.relaxed.append(f"{at} ({why})")
         else:
             out[key] = value
@@ -226,7 +232,9 @@ def _walk(node: Any, where: str, w: _Walk, depth: int, composed: bool = False) -
             out["type"] = "array"
     listed = out.get("properties")
     required = out.get("required")
-    names_all = not isinstance(required, list) or (isinstance(listed, dict) and all(isinstance(r, str) and r in listed for r in required))
+    names_all = not isinstance(required, list) or (
+        isinstance(listed, dict) and all(isinstance(r, str) and r in listed for r in required)
+    )
     if isinstance(listed, dict) and names_all and not composed and not any(k in out for k in _OPEN_OBJECT):
         out["additionalProperties"] = False  # only the listed properties, as llama.cpp writes it
     fmt = out.get("format")
@@ -259,7 +267,8 @@ def checked(fn: Callable[[], T]) -> T:
     except BaseException as exc:
         if type(exc).__name__ != "PanicException":
             raise
-        raise ValueError(f"llguidance could not read it ({str(exc).splitlines()[0][:200] if str(exc) else 'a panic'})") from None
+        raise ValueError("llguidance could not read it "
+                         f"({str(exc).splitlines()[0][:200] if str(exc) else 'a panic'})") from None
 
 
 def validation_errors(grammar: str) -> tuple[bool, list[str]]:

@@ -48,7 +48,9 @@ class _ByteTokenizer:
         return out
 
 
-def guidance_tokenizer(grammar_pieces: Sequence[bytes], eog_ids: Collection[int], bos: int | None) -> llguidance.LLTokenizer:
+def guidance_tokenizer(
+    grammar_pieces: Sequence[bytes], eog_ids: Collection[int], bos: int | None
+) -> llguidance.LLTokenizer:
     """The tokenizer view of a vocabulary (built once per model: about a second for 262k
     tokens). ``grammar_pieces``: each token's bytes, control tokens spelled out."""
     unshown = set(eog_ids) | ({bos} if bos is not None and bos >= 0 else set())

@@ -17,7 +17,9 @@ from ..plumbing import sse_event
 from .logprobs import chat_logprobs
 
 
-def completion_chunk(cid: str, created: int, model: str, *, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+def completion_chunk(
+    cid: str, created: int, model: str, *, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any
+) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "chat.completion.chunk",
@@ -73,7 +75,10 @@ def chat_message(res: GenerationResult, parser: ReplyParser | None) -> dict[str,
         return {"role": "assistant", "content": res.text}
     parser.feed(res.text)
     parser.finish(cut=cut(res))
-    message: dict[str, Any] = {"role": "assistant", "content": parser.content if parser.content or not parser.calls else None}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": parser.content if parser.content or not parser.calls else None,
+    }
     if parser.reasoning:
         message["reasoning_content"] = parser.reasoning
     if parser.calls:
@@ -113,7 +118,13 @@ class ReplyEvents:
 
 
 def final_chunk(
-    cid: str, created: int, model: str, slot_id: int | None, res: GenerationResult, *, parser: ReplyParser | None = None,
+    cid: str,
+    created: int,
+    model: str,
+    slot_id: int | None,
+    res: GenerationResult,
+    *,
+    parser: ReplyParser | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """The last chunk of a stream: finish_reason, usage and timings (then [DONE])."""
@@ -144,7 +155,11 @@ def completion_body(
     """A whole chat completion; with ``vocab`` (logprobs asked) its choice carries them, with
     ``replies`` its text is parsed into content, reasoning and tool calls."""
     parser = replies() if replies is not None else None
-    choice: dict[str, Any] = {"index": 0, "message": chat_message(res, parser), "finish_reason": finish_reason(res, parser)}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": chat_message(res, parser),
+        "finish_reason": finish_reason(res, parser),
+    }
     if vocab is not None:
         choice["logprobs"] = chat_logprobs(vocab, res.logprobs)
     return {

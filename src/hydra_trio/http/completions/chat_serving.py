@@ -32,12 +32,19 @@ async def answer_chat(ex: Exchange) -> Answer | Response:
     vocab = engine.vocab if params.logprobs is not None else None
     # P/D hand-off through a router's kv_transfer_params (http/completions/kv_transfer.py).
     plan = await kv_transfer.route(
-        ex.state, ex.body, engine, ex.tokens, params, partial(completion_body, ex.id, model, vocab=vocab, replies=replies)
+        ex.state,
+        ex.body,
+        engine,
+        ex.tokens,
+        params,
+        partial(completion_body, ex.id, model, vocab=vocab, replies=replies),
     )
     if isinstance(plan, Response):
         return plan
     return Answer(
-        body=lambda slot_id, res: completion_body(ex.id, model, slot_id, res, vocab=vocab, replies=replies, **plan.fields()),
+        body=lambda slot_id, res: completion_body(
+            ex.id, model, slot_id, res, vocab=vocab, replies=replies, **plan.fields()
+        ),
         events=partial(_events, ex.id, model, vocab, replies, plan),
         prepare=plan.restore,
     )
@@ -67,7 +74,9 @@ def _events(
     )
 
 
-def _logprobs_chunk(vocab: Vocabulary, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]) -> bytes:
+def _logprobs_chunk(
+    vocab: Vocabulary, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]
+) -> bytes:
     """A stream's chunk with its tokens' logprobs (requests that asked for them)."""
     chunk = completion_chunk(cid, created, model, delta={"content": text})
     chunk["choices"][0]["logprobs"] = chat_logprobs(vocab, entries)
@@ -75,7 +84,13 @@ def _logprobs_chunk(vocab: Vocabulary, cid: str, created: int, model: str, text:
 
 
 def _parsed_logprobs_chunk(
-    vocab: Vocabulary, events: ReplyEvents, cid: str, created: int, model: str, text: str, entries: Sequence[TokenLogprobs]
+    vocab: Vocabulary,
+    events: ReplyEvents,
+    cid: str,
+    created: int,
+    model: str,
+    text: str,
+    entries: Sequence[TokenLogprobs],
 ) -> bytes:
     """A parsed stream's chunk with its tokens' logprobs: every token's entry goes out when
     it comes, with whatever its text parsed into (an empty content while a call is held)."""

@@ -70,7 +70,8 @@ async def export_completion(
     log.info(
         "kv_export %s slot %d: %d prompt (%d cached) in %.1f ms, %s",
         owner, out.slot_id, out.result.prompt_tokens, out.result.n_common, out.prefill_ms,
-        f"export {export.id} ({export.nbytes} bytes)" if export is not None else "not exported (over --kv-export-max-bytes)",
+        f"export {export.id} "
+        f"({export.nbytes} bytes)" if export is not None else "not exported (over --kv-export-max-bytes)",
         extra=request_extra(
             request_id=request_id, route="kv_export", model=engine.served_name, slot=out.slot_id,
             **generation_fields(out.result, outcome="done" if export is not None else "failed", queue_s=queue_s),

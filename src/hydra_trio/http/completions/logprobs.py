@@ -68,7 +68,10 @@ class CompletionLogprobs:
     @staticmethod
     def merge(*parts: dict[str, Any]) -> dict[str, Any]:
         """Runs of ``take`` (or ``echo``) one after the other, as one."""
-        return {key: [x for part in parts for x in part[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        return {
+            key: [x for part in parts for x in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
 
     def take(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
         vocab = self._vocab
@@ -84,4 +87,9 @@ class CompletionLogprobs:
             top_logprobs.append(top)
             text_offset.append(self._offset)
             self._offset += len(self._decoder.decode(vocab.token_bytes(e.token)))
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }

@@ -36,7 +36,9 @@ async def answer_text(ex: Exchange) -> Answer | Response:
         # Token ids: their text as generated text reads (control tokens show none), which the
         # logprobs' text_offset counts.
         pieces = engine.vocab
-        echoed = prompt if isinstance(prompt, str) else b"".join(map(pieces.token_bytes, tokens)).decode("utf-8", "replace")
+        echoed = (
+            prompt if isinstance(prompt, str) else b"".join(map(pieces.token_bytes, tokens)).decode("utf-8", "replace")
+        )
     scores: list[TokenLogprobs] = []
     as_ids = body.get("return_tokens_as_token_ids")
     if as_ids is not None and not isinstance(as_ids, bool):
@@ -71,14 +73,24 @@ async def answer_text(ex: Exchange) -> Answer | Response:
 
 
 def _events(
-    cid: str, model: str, echoed: str, vocab: Vocabulary | None, as_ids: bool, plan: DecodeSide, stream: GenerationStream
+    cid: str,
+    model: str,
+    echoed: str,
+    vocab: Vocabulary | None,
+    as_ids: bool,
+    plan: DecodeSide,
+    stream: GenerationStream,
 ) -> StreamEvents:
     created = now_s()
     return StreamEvents(
         head=sse_event(text_chunk(cid, created, model, echoed)) if echoed else b"",
         delta=sse_text_events(text_chunk(cid, created, model, HOLE)),
-        done=lambda res: sse_event(text_completion_body(cid, created, model, stream.slot_id, res, text="", **plan.fields())),
-        logprobs=None if vocab is None else _logprobs_chunks(CompletionLogprobs(vocab, token_ids=as_ids), cid, created, model),
+        done=lambda res: sse_event(
+            text_completion_body(cid, created, model, stream.slot_id, res, text="", **plan.fields())
+        ),
+        logprobs=None
+        if vocab is None
+        else _logprobs_chunks(CompletionLogprobs(vocab, token_ids=as_ids), cid, created, model),
     )
 
 

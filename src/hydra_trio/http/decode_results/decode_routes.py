@@ -47,7 +47,8 @@ def _request_id(raw: str) -> int:
     # more than 10 digits names none.
     rid = ascii_decimal(raw, max_digits=10)
     if rid is None:
-        raise HttpError(400, f"decode_request_id must be an integer in ASCII digits, got {raw[:40]!r}", "invalid_request_error")
+        raise HttpError(400, "decode_request_id must be an integer in ASCII digits, got "
+                        f"{raw[:40]!r}", "invalid_request_error")
     return rid
 
 
@@ -66,7 +67,9 @@ async def get_decode(raw_id: str) -> Response:
     request_id = _request_id(raw_id)
     found = manager.lookup(request_id)
     if found is None:
-        return json_response(error_body(404, "no such decode request", "not_found_error", decode_request_id=request_id), 404)
+        return json_response(
+            error_body(404, "no such decode request", "not_found_error", decode_request_id=request_id), 404
+        )
     if isinstance(found, Tombstone):
         ended: dict[str, Any] = {"state": found.state.value, "decode_request_id": request_id}
         if found.receipt is not None:  # a cut request's: what it computed and what stays
@@ -79,7 +82,10 @@ async def get_decode(raw_id: str) -> Response:
         return _failed(entry)
     if wants_sse(request.headers.get("Accept")):
         return Response(
-            _sse_stream(manager, entry), status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            _sse_stream(manager, entry),
+            status=200,
+            content_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
         )
     if entry.running:
         wait_s = _wait_param()
@@ -92,7 +98,10 @@ async def get_decode(raw_id: str) -> Response:
     if entry.running:
         return json_response(
             # docs/rpc-protocol.md §6.1 fixes this compat body key for key (coordinators retry on it).
-            {"error": {"code": 404, "message": "decode_request_id not ready", "type": "not_ready"}, "state": entry.state.value},
+            {
+                "error": {"code": 404, "message": "decode_request_id not ready", "type": "not_ready"},
+                "state": entry.state.value,
+            },
             404,
             headers={"Retry-After": "1"},
         )
@@ -105,7 +114,9 @@ async def delete_decode(raw_id: str) -> Response:
     request_id = _request_id(raw_id)
     result = await manager.cancel(request_id)
     if result.outcome == CancelOutcome.UNKNOWN:
-        return json_response(error_body(404, "no such decode request", "not_found_error", decode_request_id=request_id), 404)
+        return json_response(
+            error_body(404, "no such decode request", "not_found_error", decode_request_id=request_id), 404
+        )
     state = result.state.value if result.state is not None else ""
     if result.outcome == CancelOutcome.ENDED:
         return json_response({"state": state, "decode_request_id": request_id}, 410)
@@ -143,7 +154,11 @@ async def _wait_finished(entry: DecodeEntry, wait_s: float) -> None:
 
 def _failed(entry: DecodeEntry) -> Response:
     return json_response(
-        {**error_body(400, entry.error or "decode failed", "decode_failed"), "error_code": "DECODE_FAILED", "reason_code": entry.error_code},
+        {
+            **error_body(400, entry.error or "decode failed", "decode_failed"),
+            "error_code": "DECODE_FAILED",
+            "reason_code": entry.error_code,
+        },
         400,
     )
 
@@ -217,7 +232,11 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
     delta_event = sse_text_events(completion_chunk(cid, created, model, delta={"content": HOLE}))
     # A reply parsed for tool calls or reasoning: each reader parses it (its events depend on
     # what came before), and the generating task never writes them itself.
-    events = None if entry.replies is None else ReplyEvents(entry.replies(), lambda delta: completion_chunk(cid, created, model, delta=delta))
+    events = (
+        None
+        if entry.replies is None
+        else ReplyEvents(entry.replies(), lambda delta: completion_chunk(cid, created, model, delta=delta))
+    )
     if events is not None:
         delta_event = events.delta
     sub = entry.subscribe()
@@ -267,7 +286,15 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
             rest = b"" if events is None else events.rest(entry.result)
             parser = None if events is None else events.parser
             yield rest + sse_event(
-                final_chunk(cid, created, model, entry.slot_id, entry.result, parser=parser, hydra_metrics=hydra_metrics(manager.engine, entry))
+                final_chunk(
+                    cid,
+                    created,
+                    model,
+                    entry.slot_id,
+                    entry.result,
+                    parser=parser,
+                    hydra_metrics=hydra_metrics(manager.engine, entry),
+                )
             )
             yield SSE_DONE
         else:
@@ -275,8 +302,14 @@ async def _sse_stream(manager: DecodeManager, entry: DecodeEntry) -> AsyncIterat
             receipt = turn_receipt(entry.result) if entry.result is not None else None
             yield sse_event(
                 {
-                    **error_body(410 if entry.state != DecodeState.FAILED else 400, entry.error or entry.state.value, "decode_ended"),
-                    "state": entry.state.value, "error_code": code, **({"receipt": receipt} if receipt else {}),
+                    **error_body(
+                        410 if entry.state != DecodeState.FAILED else 400,
+                        entry.error or entry.state.value,
+                        "decode_ended",
+                    ),
+                    "state": entry.state.value,
+                    "error_code": code,
+                    **({"receipt": receipt} if receipt else {}),
                 }
             )
     finally:

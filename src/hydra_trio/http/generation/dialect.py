@@ -105,7 +105,8 @@ class Dialect:
     answer: Callable[[Exchange], Awaitable[Answer | Response]]  # a Response: answered before any slot
     prepares_as: Route = "chat"  # the engine's request it becomes (engine.prepare)
     codec: Codec | None = None  # None: the body is the engine's request already
-    names: Callable[[dict[str, Any]], Callable[[str], str]] | None = None  # the client's names of the engine's parameters
+    # the client's names of the engine's parameters
+    names: Callable[[dict[str, Any]], Callable[[str], str]] | None = None
     count_rule: str | None = None  # its route that counts a prompt's tokens
     count_reply: Callable[[int], dict[str, Any]] | None = None
     # Its error object from OpenAI's (the one shape every route answers in), for every error on
@@ -133,7 +134,10 @@ async def respond(ex: Exchange, answer: Answer) -> Response:
         return json_response(answer.body(slot_id, res))
     stream = await start_stream(run)
     return Response(
-        sse_body(stream, answer.events(stream)), status=200, content_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        sse_body(stream, answer.events(stream)),
+        status=200,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
     )
 
 
@@ -180,7 +184,11 @@ def dialect_blueprint(dialect: Dialect) -> Blueprint:
 
         @bp.after_app_request
         async def in_its_shape(response: Response) -> Response:
-            if not request.path.startswith(dialect.rule) or response.status_code < 400 or response.mimetype != "application/json":
+            if (
+                not request.path.startswith(dialect.rule)
+                or response.status_code < 400
+                or response.mimetype != "application/json"
+            ):
                 return response
             try:
                 shaped = shape(response.status_code, json.loads(await response.get_data())["error"])

@@ -55,7 +55,11 @@ class BlockStream:
     def _write(self, events: list[Event]) -> bytes:
         out = []
         for kind, fields in events:
-            payload = {"type": kind, "sequence_number": self._seq, **fields} if self.table.numbered else {"type": kind, **fields}
+            payload = (
+                {"type": kind, "sequence_number": self._seq, **fields}
+                if self.table.numbered
+                else {"type": kind, **fields}
+            )
             self._seq += 1
             out.append(named_event(kind, payload))
         return b"".join(out)

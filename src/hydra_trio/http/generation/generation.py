@@ -62,7 +62,12 @@ def error_event_body(exc: BaseException) -> dict[str, Any]:
 
 
 def slot_for(
-    state: AppState, engine: Engine, tokens: Sequence[int], owner: str, params: GenerationParams, turn: Turn | None = None
+    state: AppState,
+    engine: Engine,
+    tokens: Sequence[int],
+    owner: str,
+    params: GenerationParams,
+    turn: Turn | None = None,
 ) -> Any:
     """The claim of an HTTP generation: the free slot that holds the longest prefix of the
     prompt under the request's cache salt and LoRA adapter set, waited for up to
@@ -180,7 +185,8 @@ async def _in_a_slot(
 def _logged(line: _Line, res: GenerationResult) -> Iterator[None]:
     """One request line per HTTP generation, however it ends: done, cut (its receipt),
     cancelled (the client left), or failed, with its tokens, timings, model, LoRA adapter set
-    (its name; None: the base model) and session (observability/logs.py: its JSON fields). A refusal before any slot was held (busy: 503) is the route's."""
+    (its name; None: the base model) and session (observability/logs.py: its JSON fields). A refusal before any slot was
+    held (busy: 503) is the route's."""
     outcome, error = "done", None
     # The client's X-Request-Id, else the completion id (the owner names it then, alone).
     request_id = client_request_id() or line.owner.removeprefix("http:")
@@ -207,7 +213,8 @@ def _log_line(line: _Line, res: GenerationResult, outcome: str, error: str | Non
     slot = "-" if line.slot is None else str(line.slot)
     log.info(
         "%s %s model %s slot %s %s: %d prompt (%d cached), %d generated, %s, ttft %.1f ms, %.1f tok/s%s%s%s%s",
-        line.path, line.owner, line.model, slot, outcome if error is None else f"failed: {error}", res.prompt_tokens, res.n_common,
+        line.path, line.owner, line.model, slot, outcome if error is None else f"failed: {error}", res.prompt_tokens,
+        res.n_common,
         res.completion_tokens, res.stop_type if outcome == "done" else "-", fields["ttft_ms"] or 0.0, res.tokens_per_s,
         spec_note(res), "" if line.lora is None else f", LoRA {line.lora}",
         "" if session_id is None else f", session {session_id}", receipt_note(receipt),

@@ -38,7 +38,9 @@ def _fim_tokens(vocab: Vocabulary) -> tuple[int, int, int]:
     roles = vocab.roles
     pre, suf, mid = roles.get("fim_pre"), roles.get("fim_suf"), roles.get("fim_mid")
     if pre is None or suf is None or mid is None:
-        missing = " ".join(f"{name} token is missing." for name, t in (("prefix", pre), ("suffix", suf), ("middle", mid)) if t is None)
+        missing = " ".join(
+            f"{name} token is missing." for name, t in (("prefix", pre), ("suffix", suf), ("middle", mid)) if t is None
+        )
         raise HttpError(400, f"Infill is not supported by this model: {missing}", "invalid_request_error")
     return pre, suf, mid
 
@@ -128,7 +130,8 @@ async def infill() -> Response:
             "prompt": shown, "has_new_line": "\n" in res.text, "truncated": False,
             "stop_type": _STOP_TYPES.get(res.stop_type, "none"), "stopping_word": res.stopping_word,
             "tokens_cached": res.prompt_tokens + res.completion_tokens,
-            "timings": timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms, res.n_common),
+            "timings": timings(res.n_prompt_processed, res.prompt_ms, res.completion_tokens, res.decode_ms,
+                               res.n_common),
         }
 
     ex = Exchange(state, engine, body, request, prepared, None, "infill", cid, owner)
@@ -138,7 +141,8 @@ async def infill() -> Response:
             body=lambda slot_id, res: final(slot_id, res, res.text),
             events=lambda stream: StreamEvents(
                 head=b"",
-                delta=lambda text: sse_event({"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": stream.slot_id}),
+                delta=lambda text: sse_event({"index": 0, "content": text, "tokens": [], "stop": False,
+                                              "id_slot": stream.slot_id}),
                 done=lambda res: sse_event(final(stream.slot_id, res, "")),
                 end=b"",  # llama-server's own stream ends with its final event
             ),

@@ -135,7 +135,13 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
                     raise bad(f"{at}: tool_use needs id and name")
                 args = block.get("input", {})
-                calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": json.dumps(args)}})
+                calls.append(
+                    {
+                        "id": block["id"],
+                        "type": "function",
+                        "function": {"name": block["name"], "arguments": json.dumps(args)},
+                    }
+                )
             elif kind == "tool_result" and role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise bad(f"{at}: tool_result needs tool_use_id")
@@ -207,8 +213,16 @@ def param_names(body: dict[str, Any]) -> Callable[[str], str]:
     client sent: ``tools[14].input_schema``, the request's own index past a dropped server
     tool; ``output_format``)."""
     raw = body.get("tools") if isinstance(body.get("tools"), list) else []
-    kept = [i for i, t in enumerate(raw) if isinstance(t, dict) and t.get("type") in (None, "custom") and "input_schema" in t]
-    fmt = "output_config.format" if isinstance(body.get("output_config"), dict) and body["output_config"].get("format") else "output_format"
+    kept = [
+        i
+        for i, t in enumerate(raw)
+        if isinstance(t, dict) and t.get("type") in (None, "custom") and "input_schema" in t
+    ]
+    fmt = (
+        "output_config.format"
+        if isinstance(body.get("output_config"), dict) and body["output_config"].get("format")
+        else "output_format"
+    )
     return dialect_names(
         kept,
         ((".function.parameters", ".input_schema"), (".function", "")),
@@ -301,14 +315,20 @@ def block_of(piece: Piece) -> dict[str, Any]:
     if isinstance(piece, ToolCall):
         return {"type": "tool_use", "id": call_id(piece), "name": piece.name, "input": _tool_input(piece)}
     kind, text = piece
-    return {"type": "thinking", "thinking": text, "signature": ""} if kind == "reasoning" else {"type": "text", "text": text}
+    return (
+        {"type": "thinking", "thinking": text, "signature": ""}
+        if kind == "reasoning"
+        else {"type": "text", "text": text}
+    )
 
 
 def call_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def message_body(mid: str, model: str, res: GenerationResult, parser: ReplyParser | None, stop: list[str]) -> dict[str, Any]:
+def message_body(
+    mid: str, model: str, res: GenerationResult, parser: ReplyParser | None, stop: list[str]
+) -> dict[str, Any]:
     pieces = whole_pieces(res, parser)
     reason, sequence = stop_reason(res, any(isinstance(p, ToolCall) for p in pieces), stop)
     return {

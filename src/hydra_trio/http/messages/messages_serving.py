@@ -23,18 +23,36 @@ class MessageTable:
 
     def start(self) -> list[Event]:
         message = {
-            "id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.n_prompt, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
+            "id": self.mid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.n_prompt,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
         }
         return [("message_start", {"message": message}), ("ping", {})]
 
     def open(self, index: int, kind: str) -> list[Event]:
-        empty = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else {"type": "text", "text": ""}
+        empty = (
+            {"type": "thinking", "thinking": "", "signature": ""}
+            if kind == "reasoning"
+            else {"type": "text", "text": ""}
+        )
         return [("content_block_start", {"index": index, "content_block": empty})]
 
     def text(self, index: int, kind: str, text: str) -> list[Event]:
-        delta = {"type": "thinking_delta", "thinking": text} if kind == "reasoning" else {"type": "text_delta", "text": text}
+        delta = (
+            {"type": "thinking_delta", "thinking": text}
+            if kind == "reasoning"
+            else {"type": "text_delta", "text": text}
+        )
         return [("content_block_delta", {"index": index, "delta": delta})]
 
     def close(self, index: int, kind: str, text: str) -> list[Event]:

@@ -26,5 +26,8 @@ async def set_adapters() -> Response:
     adapters = require_engine().adapters
     body = await read_json_body(app_state().settings.max_json_bytes, any_value=True)
     adapters.set_scales(body)  # a 400 naming the entry at fault; nothing changes then
-    log.info("LoRA adapters' default scales set: %s", ", ".join(f"{a['name']} {a['scale']:g}" for a in adapters.listing()) or "none loaded")
+    log.info(
+        "LoRA adapters' default scales set: %s",
+        ", ".join(f"{a['name']} {a['scale']:g}" for a in adapters.listing()) or "none loaded",
+    )
     return json_response({"success": True})

@@ -86,7 +86,14 @@ async def models() -> Response:
     # Each LoRA adapter as a model of its own, as vLLM lists them: its name selects it.
     adapters = engine.adapters
     loras = [
-        {"id": a["name"], "object": "model", "created": created, "owned_by": "hydra-trio", "root": a["path"], "parent": ident.model_alias}
+        {
+            "id": a["name"],
+            "object": "model",
+            "created": created,
+            "owned_by": "hydra-trio",
+            "root": a["path"],
+            "parent": ident.model_alias,
+        }
         for a in adapters.listing()
     ]
     return json_response({"object": "list", "data": [base, *loras]})
@@ -107,7 +114,9 @@ async def _named_entry(not_found: int) -> tuple[ModelPool, ModelEntry]:
         raise bad_param("model must be a non-empty string", "model")
     entry = pool.find(name) if pool.strict else pool.find(None)
     if entry is None:
-        raise HttpError(not_found, "model is not found", "not_found_error" if not_found == 404 else "invalid_request_error")
+        raise HttpError(
+            not_found, "model is not found", "not_found_error" if not_found == 404 else "invalid_request_error"
+        )
     return pool, entry
 
 
@@ -119,7 +128,8 @@ async def load_model() -> Response:
     with trio.move_on_after(settings.model_wait_s) as waited:
         await pool.load(entry)
     if waited.cancelled_caught:
-        raise ModelBusy(f"model {entry.name} is not loaded after {settings.model_wait_s:g} s (--model-wait-s); it goes on loading")
+        raise ModelBusy(f"model {entry.name} is not loaded after {settings.model_wait_s:g} s (--model-wait-s); it goes "
+                        "on loading")
     return json_response({"success": True})
 
 

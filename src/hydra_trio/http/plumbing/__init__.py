@@ -48,10 +48,13 @@ from .sse import (
 
 __all__ = [
     "HOLE", "OPEN_TENANT", "RETRY_AFTER", "SLOTLESS_AT_ONCE", "SMALL_BODY_BYTES", "SSE_DONE", "ChunkWriter",
-    "EngineStarting", "HttpError", "KeyRing", "RequestSession", "Role", "access", "app_state", "busy_body", "busy_reply",
+    "EngineStarting", "HttpError", "KeyRing", "RequestSession", "Role", "access", "app_state", "busy_body",
+    "busy_reply",
     "check_turns", "chunk_writer", "client_request_id", "close_connection_after", "connections",
-    "drain_body", "error_body", "generation_owner", "hold_model", "http_status", "install_auth", "json_response", "named_event", "needs_no_slot",
+    "drain_body", "error_body", "generation_owner", "hold_model", "http_status", "install_auth", "json_response",
+    "named_event", "needs_no_slot",
     "off_loop", "read_json_body", "read_request_json", "receive_body", "register_error_handlers",
-    "request_holds", "request_nursery", "request_session", "request_tenant", "require_engine", "role_of", "routed_json", "routes",
+    "request_holds", "request_nursery", "request_session", "request_tenant", "require_engine", "role_of", "routed_json",
+    "routes",
     "set_request_nursery", "sse_event", "sse_text_events", "wants_sse",
 ]

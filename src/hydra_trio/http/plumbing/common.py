@@ -259,7 +259,8 @@ def check_turns(engine: Engine, body: dict[str, Any]) -> None:
         items = body.get(key)
         if isinstance(items, list) and len(items) >= engine.n_ctx_slot:
             raise PromptTooLong(
-                f"{key} holds {len(items)} turns; a slot holds {engine.n_ctx_slot} positions and each turn takes one at least"
+                f"{key} holds {len(items)} turns; a slot holds "
+                f"{engine.n_ctx_slot} positions and each turn takes one at least"
             )
 
 
@@ -319,7 +320,9 @@ async def _parse_sliced(data: bytes, *, any_value: bool = False) -> Any:
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
+    def __init__(
+        self, status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -167,7 +167,9 @@ class ConnectionGate:
         ):
             status, body, headers = self._health()
         else:
-            message = f"engine busy: {self.open} HTTP connections are open, the limit (--max-http-connections); retry later"
+            message = (
+                f"engine busy: {self.open} HTTP connections are open, the limit (--max-http-connections); retry later"
+            )
             status, body, headers = 503, busy_body(message), RETRY_AFTER
         head_only = isinstance(request, h11.Request) and request.method == b"HEAD"
         return _response(conn, status, body, headers, head_only=head_only)
@@ -431,7 +433,8 @@ def _seam_missing() -> list[str]:
             None, Config(), WorkerContext(None), None, {}, False, None, None, probe.protocol_send, "http/1.1"  # type: ignore[arg-type]
         )
     except TypeError as exc:
-        missing.append(f"ProtocolWrapper(app, config, context, task_group, state, ssl, client, server, send, alpn_protocol) ({exc})")
+        missing.append("ProtocolWrapper(app, config, context, task_group, state, ssl, client, server, send, "
+                       f"alpn_protocol) ({exc})")
         return missing
     proto = getattr(wrapper, "protocol", None)
     need(isinstance(proto, H11Protocol), "ProtocolWrapper.protocol (an H11Protocol for http/1.1)")

@@ -1,7 +1,7 @@
 """Every HTTP route's facts, in one table: who may call it (its auth role, for every method it
 serves, HEAD as GET), what body it takes (none, a small JSON object up to 4 KiB, JSON up to
---max-json-bytes, a KV blob up to --max-kv-bytes), and whether it starts new work (refused while draining, with the one "busy,
-retry" reply). The auth check, the body caps, the drain and the upload gate all read it; a
+--max-json-bytes, a KV blob up to --max-kv-bytes), and whether it starts new work (refused while draining, with the one
+"busy, retry" reply). The auth check, the body caps, the drain and the upload gate all read it; a
 test holds it to the app's own routes (tests/http/test_http_routes.py)."""
 
 from __future__ import annotations

@@ -16,7 +16,11 @@ def sse_event(obj: Any) -> bytes:
 
 def named_event(kind: str, payload: dict[str, Any]) -> bytes:
     """A named event (``event: KIND``) with its JSON, the agents' dialects' framing."""
-    return f"event: {kind}\ndata: ".encode() + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return (
+        f"event: {kind}\ndata: ".encode()
+        + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        + b"\n\n"
+    )
 
 
 _HOLE = "\x00text\x00"  # a string no chunk holds: json writes it as \u0000text\u0000

@@ -42,7 +42,8 @@ def _pooling(engine: Engine, *, rank: bool) -> Embedder:
             f"(--reranking){'' if shape is None else f'; this one pools with {shape.pooling}'}", "not_supported_error",
         )
     if pooling is None or shape is None:
-        raise HttpError(501, "This server does not support embeddings. Start it with `--embeddings`", "not_supported_error")
+        raise HttpError(501, "This server does not support embeddings. Start it with "
+                        "`--embeddings`", "not_supported_error")
     return pooling
 
 
@@ -61,20 +62,23 @@ def _inputs(value: Any, name: str) -> list[str | list[int]]:
             return [value]
         if all(isinstance(x, str) for x in value) or all(isinstance(x, list) for x in value):
             return list(value)
-    raise bad_param(f"{name} must be a non-empty string, array of strings, array of token ids, or array of such arrays", name)
+    raise bad_param(f"{name} must be a non-empty string, array of "
+                    "strings, array of token ids, or array of such arrays", name)
 
 
 def _normalize(body: dict[str, Any]) -> int | None:
     norm = body.get("embd_normalize")
     if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int) or not -1 <= norm <= 64):
-        raise bad_param("embd_normalize must be an integer from -1 to 64 (-1 none, 0 max-abs, 2 Euclidean, p: p-norm)", "embd_normalize")
+        raise bad_param("embd_normalize must be an integer from -1 to "
+                        "64 (-1 none, 0 max-abs, 2 Euclidean, p: p-norm)", "embd_normalize")
     return norm
 
 
 def _logged(route: str, n_inputs: int, pooled: Pooled | None, t0: float, error: str | None = None) -> None:
     ms = (time.perf_counter() - t0) * 1000.0
     tokens = 0 if pooled is None else pooled.prompt_tokens
-    log.info("%s: %d inputs, %d tokens, %s in %.1f ms", route, n_inputs, tokens, "done" if error is None else f"failed: {error}", ms,
+    log.info("%s: %d inputs, %d "
+             "tokens, %s in %.1f ms", route, n_inputs, tokens, "done" if error is None else f"failed: {error}", ms,
              extra=request_extra(request_id=client_request_id() or None, route=route, prompt_tokens=tokens,
                                  status="done" if error is None else "failed", e2e_ms=round(ms, 3), error=error))
 
@@ -128,9 +132,11 @@ async def _embeddings(*, oai: bool) -> Response:
     assert pooling.shape is not None
     shape = pooling.shape
     if shape.pooling == "rank":
-        raise bad_param("this model pools with rank (a reranker): it scores query-document pairs at /v1/rerank", "input")
+        raise bad_param("this model pools with rank (a reranker): it scores query-document pairs at "
+                        "/v1/rerank", "input")
     if oai and shape.pooling == "none":
-        raise bad_param("pooling none gives a vector per token, which OpenAI's shape has no room for: use /embeddings", "input")
+        raise bad_param("pooling none gives a vector per token, which OpenAI's shape has no room for: use "
+                        "/embeddings", "input")
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad_param('encoding_format must be "float" or "base64"', "encoding_format")
@@ -143,10 +149,17 @@ async def _embeddings(*, oai: bool) -> Response:
     pooled = await _run("embeddings", len(inputs), pooling.embed(inputs, wait_s=app_state().settings.slot_wait_s))
     vectors = [v if shape.pooling == "none" else pooling.normalized(v, norm) for v in pooled.vectors]
     if not oai:  # llama-server's /embeddings: a list of rows per input (one row when pooled)
-        return _vectors_response([{"index": i, "embedding": (v if v.ndim == 2 else v[None, :]).tolist()} for i, v in enumerate(vectors)])
+        return _vectors_response(
+            [{"index": i, "embedding": (v if v.ndim == 2 else v[None, :]).tolist()} for i, v in enumerate(vectors)]
+        )
     data = [
-        {"object": "embedding", "index": i,
-         "embedding": base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii") if fmt == "base64" else v.tolist()}
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
+            if fmt == "base64"
+            else v.tolist(),
+        }
         for i, v in enumerate(vectors)
     ]
     return _vectors_response({"object": "list", "data": data, "model": engine.served_name, "usage": _usage(pooled)})
@@ -179,6 +192,11 @@ async def rerank() -> Response:
     scores = [float(v[0]) for v in pooled.vectors]
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[:top_n]  # stable: equal scores by index
     if tei:
-        return json_response([{"index": i, "score": scores[i], **({"text": docs[i]} if with_docs else {})} for i in order])
-    results = [{"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}} if with_docs else {})} for i in order]
+        return json_response(
+            [{"index": i, "score": scores[i], **({"text": docs[i]} if with_docs else {})} for i in order]
+        )
+    results = [
+        {"index": i, "relevance_score": scores[i], **({"document": {"text": docs[i]}} if with_docs else {})}
+        for i in order
+    ]
     return json_response({"model": engine.served_name, "object": "list", "usage": _usage(pooled), "results": results})

@@ -56,13 +56,16 @@ def _content(content: Any, where: str, *, images: bool) -> str | list[dict[str, 
     ordered: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text") and isinstance(part.get("text"), str):
+        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text") and isinstance(
+            part.get("text"), str
+        ):
             parts.append(part["text"])
             ordered.append({"type": "text", "text": part["text"]})
         elif kind == "input_image" and images:
             url = part.get("image_url")
             if not isinstance(url, str):
-                raise bad(f"{where}.content[{j}]: input_image needs image_url (a data: URI or URL; file_id needs stored files)", "input")
+                raise bad(f"{where}.content[{j}]: input_image needs image_url (a data: URI or URL; file_id needs "
+                          "stored files)", "input")
             ordered.append({"type": "image_url", "image_url": {"url": url}})
         elif kind in ("input_image", "input_file", "input_audio"):
             raise bad(f"{where}.content[{j}]: {kind} is not supported (this server has no multimodal model)")
@@ -111,7 +114,11 @@ def _input(raw: Any) -> list[dict[str, Any]]:
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise bad(f"{where}: function_call needs name and call_id", "input")
             msg = out[-1] if out and out[-1]["role"] == "assistant" and not reasoning else assistant()
-            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
+            }
             msg.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
@@ -178,7 +185,10 @@ def _format(text: Any) -> dict[str, Any] | None:
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "output", "schema": fmt["schema"], "strict": fmt.get("strict")}}
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.get("name") or "output", "schema": fmt["schema"], "strict": fmt.get("strict")},
+        }
     raise bad("text.format must be text, json_object or json_schema (with schema)", "text.format")
 
 
@@ -218,7 +228,8 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
     if effort is not None:  # "none" turns the template's thinking switch off; a level goes to the template
         if effort not in REASONING_EFFORTS:
-            raise bad(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", "reasoning.effort")
+            raise bad(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                      f"{effort!r}", "reasoning.effort")
         chat["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
         chat["reasoning_effort"] = effort
     for key in ("cache_salt", "lora"):  # vLLM's salt, llama-server's adapter list
@@ -248,10 +259,22 @@ def new_id(prefix: str) -> str:
 
 def item_of(piece: Piece, item_id: str) -> dict[str, Any]:
     if isinstance(piece, ToolCall):
-        return {"id": item_id, "type": "function_call", "status": "completed", "call_id": piece.id, "name": piece.name, "arguments": piece.arguments}
+        return {
+            "id": item_id,
+            "type": "function_call",
+            "status": "completed",
+            "call_id": piece.id,
+            "name": piece.name,
+            "arguments": piece.arguments,
+        }
     kind, text = piece
     if kind == "reasoning":
-        return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+        return {
+            "id": item_id,
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {"id": item_id, "type": "message", "role": "assistant", "status": "completed", "content": [part]}
 
@@ -286,14 +309,17 @@ class Shell:
             "top_p": body.get("top_p"),
             "max_output_tokens": body.get("max_output_tokens"),
             "previous_response_id": None,
-            "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {"effort": None, "summary": None},
+            "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"),
+                                                             dict) else {"effort": None, "summary": None},
             "store": False,
             "text": text,
             "truncation": "disabled",
             "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
         }
 
-    def response(self, status: str, output: list[dict[str, Any]], res: GenerationResult | None = None) -> dict[str, Any]:
+    def response(
+        self, status: str, output: list[dict[str, Any]], res: GenerationResult | None = None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": None, "output": output, **self.fields, "usage": None if res is None else usage(res),

@@ -10,6 +10,12 @@ from .responses_protocol import param_names, to_chat
 from .responses_serving import answer_responses
 
 RESPONSES = Dialect(
-    "responses", "/v1/responses", "resp_", answer_responses, codec=to_chat, names=param_names,
-    count_rule="/v1/responses/input_tokens", count_reply=lambda n: {"object": "response.input_tokens", "input_tokens": n},
+    "responses",
+    "/v1/responses",
+    "resp_",
+    answer_responses,
+    codec=to_chat,
+    names=param_names,
+    count_rule="/v1/responses/input_tokens",
+    count_reply=lambda n: {"object": "response.input_tokens", "input_tokens": n},
 )

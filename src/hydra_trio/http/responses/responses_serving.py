@@ -34,10 +34,17 @@ class ResponseTable:
         else:
             item.update(status="in_progress", content=[])
         self.output.append(item)
-        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        part = (
+            {"type": "reasoning_text", "text": ""}
+            if kind == "reasoning"
+            else {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        )
         return [
             ("response.output_item.added", {"output_index": index, "item": dict(item, content=[])}),
-            ("response.content_part.added", {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part}),
+            (
+                "response.content_part.added",
+                {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
+            ),
         ]
 
     def text(self, index: int, kind: str, text: str) -> list[Event]:
@@ -57,14 +64,21 @@ class ResponseTable:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item.update(status="completed", content=[part])
             done = ("response.output_text.done", {**loc, "text": text, "logprobs": []})
-        return [done, ("response.content_part.done", {**loc, "part": part}), ("response.output_item.done", {"output_index": index, "item": item})]
+        return [
+            done,
+            ("response.content_part.done", {**loc, "part": part}),
+            ("response.output_item.done", {"output_index": index, "item": item}),
+        ]
 
     def call(self, index: int, call: ToolCall) -> list[Event]:
         item = item_of(call, new_id("fc"))
         self.output.append(item)
         loc = {"item_id": item["id"], "output_index": index}
         return [
-            ("response.output_item.added", {"output_index": index, "item": {**item, "status": "in_progress", "arguments": ""}}),
+            (
+                "response.output_item.added",
+                {"output_index": index, "item": {**item, "status": "in_progress", "arguments": ""}},
+            ),
             ("response.function_call_arguments.delta", {**loc, "delta": call.arguments}),
             ("response.function_call_arguments.done", {**loc, "name": call.name, "arguments": call.arguments}),
             ("response.output_item.done", {"output_index": index, "item": item}),

@@ -45,8 +45,12 @@ async def finish_session() -> Response:
     for one in await _engines(engine, fields.get("model")):
         part = await one.sessions(request_tenant()).finish(session_id, salt)
         done = Finished(
-            done.found or part.found, done.sessions + part.sessions, done.cancelled + part.cancelled,
-            done.slots_cleared + part.slots_cleared, done.ram_entries + part.ram_entries, done.disk_entries + part.disk_entries,
+            done.found or part.found,
+            done.sessions + part.sessions,
+            done.cancelled + part.cancelled,
+            done.slots_cleared + part.slots_cleared,
+            done.ram_entries + part.ram_entries,
+            done.disk_entries + part.disk_entries,
         )
     return json_response(
         {
@@ -54,7 +58,8 @@ async def finish_session() -> Response:
             "found": done.found,
             "sessions": done.sessions,
             "cancelled_requests": done.cancelled,
-            "released": {"slots": done.slots_cleared, "ram_entries": done.ram_entries, "disk_entries": done.disk_entries},
+            "released": {"slots": done.slots_cleared, "ram_entries": done.ram_entries,
+                         "disk_entries": done.disk_entries},
         }
     )
 

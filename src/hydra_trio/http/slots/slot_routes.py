@@ -36,7 +36,8 @@ def slot_view(info: SlotInfo) -> dict[str, Any]:
 def slot_id_of(raw: str) -> int:
     slot = ascii_decimal(raw)
     if slot is None:
-        raise HttpError(400, f"slot id must be a non-negative integer in ASCII digits, got {raw[:40]!r}", "invalid_request_error")
+        raise HttpError(400, "slot id must be a non-negative integer in ASCII digits, got "
+                        f"{raw[:40]!r}", "invalid_request_error")
     return slot
 
 

@@ -109,9 +109,11 @@ async def state_put(raw_id: str) -> Response:
     settings = state.settings
     length = request.content_length
     if length is None:
-        raise HttpError(411, "a Content-Length is required (the blob is received into one buffer)", "invalid_request_error")
+        raise HttpError(411, "a Content-Length is required (the "
+                        "blob is received into one buffer)", "invalid_request_error")
     if length > settings.max_kv_bytes:
-        raise HttpError(413, f"blob of {length} bytes exceeds the cap of {settings.max_kv_bytes}", "invalid_request_error")
+        raise HttpError(413, f"blob of {length} bytes exceeds the cap of "
+                        f"{settings.max_kv_bytes}", "invalid_request_error")
     async with state.payload_budget.held(length, within_s=settings.idle_timeout_s, what="a KV blob upload"):
         buf = payload_buffer(length)
         await _receive_into(memoryview(buf), settings)

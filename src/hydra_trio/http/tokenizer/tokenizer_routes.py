@@ -111,7 +111,8 @@ async def detokenize() -> Response:
     if not isinstance(tokens, list):
         raise bad_param("tokens must be an array of token ids")
     if len(tokens) > engine.n_ctx:  # what all slots hold together: checked before each id is
-        raise HttpError(413, f"{len(tokens)} tokens; at most {engine.n_ctx} (the KV cells of all slots)", "invalid_request_error")
+        raise HttpError(413, f"{len(tokens)} tokens; at most "
+                        f"{engine.n_ctx} (the KV cells of all slots)", "invalid_request_error")
     n_vocab = engine.n_vocab
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise bad_param("tokens must be an array of token ids")

@@ -127,11 +127,14 @@ def render(report: dict[str, Any]) -> str:
     r = report
     s = r["streams"]
     lines = [
-        f"hostile campaign: {r['config']['duration_s']:g} s, {r['requests']:,} HTTP/shape requests, {r['rpc_frames']:,} RPC frames",
+        f"hostile campaign: {r['config']['duration_s']:g} s, {r['requests']:,} HTTP/shape requests, "
+        f"{r['rpc_frames']:,} RPC frames",
         f"  findings: {r['findings'] or 'none'}",
-        f"  engine: alive={r['engine_alive_at_end']} exit={r['engine_exit_code']} tracebacks={r['tracebacks_in_log']} healthy after={r['after'].get('ok')}",
+        f"  engine: alive={r['engine_alive_at_end']} exit={r['engine_exit_code']} tracebacks={r['tracebacks_in_log']} "
+        f"healthy after={r['after'].get('ok')}",
         f"  RSS MB: start {r['rss_mb']['start']}, peak {r['rss_mb']['peak']}, budget {r['rss_mb']['budget']}; "
-        f"in flight at the sampled peak: {[k for k in r['rss_mb'].get('in_flight_at_peak', []) if not k.startswith('fuzz ')]}",
+        "in flight at the sampled peak: "
+        f"{[k for k in r['rss_mb'].get('in_flight_at_peak', []) if not k.startswith('fuzz ')]}",
         f"  /health ms: from the driver {r['health_ms']}; from a light client {r['health_ms_light_client']}",
         f"  streams: {s['stream_runs']} runs, {s['tokens_timed']:,} tokens; gap ms {s['gap_ms']}",
         f"  the engine's own inter-token gaps (all generating requests): {report['after'].get('server_itl')}",

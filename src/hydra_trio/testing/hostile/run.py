@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None, *, results: Path = Path("benchmarks") / 
         read_streams(int(port), int(n), float(dur), int(tokens), float(hang), Path(out))
         return 0
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.hostile", description="Hostile-client campaign: everything a bad or broken client can send, at once."
+        prog="python -m benchmarks.hostile", description="Hostile-client campaign: everything a bad or broken client "
+        "can send, at once."
     )
     ap.add_argument(
         "--duration-s",

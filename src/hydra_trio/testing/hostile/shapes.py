@@ -181,7 +181,8 @@ class CampaignShapes:
                     # 400 tokens: the engine's own per-token bound serves this grammar to the end
                     # (1800 took 26 s at load 8, past the campaign's hang limit), while the
                     # streams beside it go on; tests/engine/structured/test_guidance.py lowers the bound to see it end.
-                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "min_tokens": 400, "grammar": grammar}
+                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "min_tokens": 400,
+                     "grammar": grammar}
                 ).encode()))
                 for name, grammar in HOSTILE_GRAMMARS.items()
             ),

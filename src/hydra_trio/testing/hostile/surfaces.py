@@ -29,7 +29,15 @@ TINY = {"role": "user", "content": "a"}
 SLOT_POSITIONS = 2048  # the campaign engine's (run.py: 16 slots of 2,048 cells)
 BODY_CAP = 3 * 32 * SLOT_POSITIONS + (1 << 20)  # its prompt routes' body cap (engine/inputs.py)
 # Variables the engine renders itself: a template kwarg that sets one is a 400 naming it.
-RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "namespace", "raise_exception")
+RESERVED_KWARGS = (
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "namespace",
+    "raise_exception",
+)
 HUGE = int("9" * 400)  # a schema bound no float holds (the schema policy relaxes it, or a 400 with strict)
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength")
 DEEP = "[" * 1000 + "]" * 1000
@@ -41,7 +49,11 @@ def tiny_messages_body(route: str, limit: int, count: int | None = None) -> byte
     item = json.dumps(TINY, separators=(",", ":")).encode()
     n = min((limit - 200) // (len(item) + 1), count or limit)
     items = b"[" + b",".join([item] * n) + b"]"
-    key, extra = (b"input", b'"max_output_tokens":1,') if route.startswith("/v1/responses") else (b"messages", b'"max_tokens":1,')
+    key, extra = (
+        (b"input", b'"max_output_tokens":1,')
+        if route.startswith("/v1/responses")
+        else (b"messages", b'"max_tokens":1,')
+    )
     if route.endswith(("count_tokens", "input_tokens")):
         extra = b""
     return b"{" + extra + b'"' + key + b'":' + items + b"}"
@@ -59,22 +71,75 @@ def surface_cases(port: int, body_cap: int = BODY_CAP) -> list[tuple[str, Case]]
     for route in BODIES:
         name = route.removeprefix("/v1/").replace("/", "_")
         out.append((f"tiny_messages_cap_{name}", post(route, tiny_messages_body(route, body_cap))))
-        out.append((f"tiny_messages_{SLOT_POSITIONS - 1}_{name}", post(route, tiny_messages_body(route, body_cap, SLOT_POSITIONS - 1))))
+        out.append(
+            (
+                f"tiny_messages_{SLOT_POSITIONS - 1}_{name}",
+                post(route, tiny_messages_body(route, body_cap, SLOT_POSITIONS - 1)),
+            )
+        )
     for i, (route, body) in enumerate(corpus()):  # the issue's 5xx bodies
         out.append((f"issue50_body_{i}_{route.removeprefix('/v1/').replace('/', '_')}", post(route, body)))
     for name in RESERVED_KWARGS:
-        out.append((f"template_kwarg_{name}", post("/v1/chat/completions", {
-            "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {name: [{"role": "user", "content": "x"}]}})))
+        out.append(
+            (
+                f"template_kwarg_{name}",
+                post(
+                    "/v1/chat/completions",
+                    {
+                        "messages": MESSAGES,
+                        "max_tokens": 2,
+                        "chat_template_kwargs": {name: [{"role": "user", "content": "x"}]},
+                    },
+                ),
+            )
+        )
     for bound in BOUNDS:
-        schema = {"type": "object", "properties": {"n": {"type": "integer" if "Length" not in bound else "string", bound: HUGE}}}
-        out.append((f"{BOUND_SHAPES}{bound}_chat", post("/v1/chat/completions", {
-            "messages": MESSAGES, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})))
-        out.append((f"{BOUND_SHAPES}{bound}_responses", post("/v1/responses", {
-            "input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}})))
+        schema = {
+            "type": "object",
+            "properties": {"n": {"type": "integer" if "Length" not in bound else "string", bound: HUGE}},
+        }
+        out.append(
+            (
+                f"{BOUND_SHAPES}{bound}_chat",
+                post(
+                    "/v1/chat/completions",
+                    {
+                        "messages": MESSAGES,
+                        "max_tokens": 2,
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+                    },
+                ),
+            )
+        )
+        out.append(
+            (
+                f"{BOUND_SHAPES}{bound}_responses",
+                post(
+                    "/v1/responses",
+                    {
+                        "input": "hi",
+                        "max_output_tokens": 2,
+                        "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}},
+                    },
+                ),
+            )
+        )
         out.append((f"{BOUND_SHAPES}{bound}_messages", post("/v1/messages", {
             "messages": MESSAGES, "max_tokens": 2, "output_format": {"type": "json_schema", "schema": schema}})))
-        out.append((f"{BOUND_SHAPES}{bound}_input_schema", post("/v1/messages", {
-            "messages": MESSAGES, "max_tokens": 2, "tools": [{"name": "t", "input_schema": schema}], "tool_choice": {"type": "any"}})))
+        out.append(
+            (
+                f"{BOUND_SHAPES}{bound}_input_schema",
+                post(
+                    "/v1/messages",
+                    {
+                        "messages": MESSAGES,
+                        "max_tokens": 2,
+                        "tools": [{"name": "t", "input_schema": schema}],
+                        "tool_choice": {"type": "any"},
+                    },
+                ),
+            )
+        )
     return out
 
 
@@ -113,7 +178,10 @@ async def decode_ids(rpc_port: int, http_url: str, n: int, hang_s: float) -> lis
     """``n`` DECODE ids from one-token decodes (each result then deleted)."""
     ids: list[int] = []
     frame = build_decode_frame({"messages": MESSAGES, "n_predict": 1, "temperature": 0}, b"")
-    async with await RpcClient.connect("127.0.0.1", rpc_port) as c, httpx.AsyncClient(base_url=http_url, timeout=hang_s) as h:
+    async with (
+        await RpcClient.connect("127.0.0.1", rpc_port) as c,
+        httpx.AsyncClient(base_url=http_url, timeout=hang_s) as h,
+    ):
         tries = 0
         while len(ids) < n and tries < 4 * n:
             tries += 1
@@ -134,9 +202,14 @@ async def id_prediction(ledger: Ledger, rpc_port: int, http_url: str, hang_s: fl
     seen = set(ids)
     hits = sum(len(predicted_after(i) & (seen - {i})) for i in ids)
     steps = {(b - a) & _MASK for a, b in itertools.pairwise(ids)}
-    ledger.notes["decode_ids"] = {"ids": len(ids), "predicted_by_the_former_inversion": hits, "distinct_steps": len(steps)}
+    ledger.notes["decode_ids"] = {
+        "ids": len(ids),
+        "predicted_by_the_former_inversion": hits,
+        "distinct_steps": len(steps),
+    }
     if hits or (len(ids) > 2 and len(steps) == 1):
-        ledger.find("decode_ids_predictable", f"{hits} of {len(ids)} decode ids predicted from another ({sorted(ids)[:6]}...)")
+        ledger.find("decode_ids_predictable", f"{hits} of {len(ids)} decode ids predicted from another "
+                    f"({sorted(ids)[:6]}...)")
     if len(ids) < n // 2:
         ledger.find("decode_ids_missing", f"only {len(ids)} of {n} DECODEs were accepted")
 
@@ -178,8 +251,12 @@ async def auth_roles(ledger: Ledger, h: httpx.AsyncClient) -> None:
     for route in routes.ROUTES:
         path = _path(route.rule)
         body = b"{}" if route.body != "none" else b""
-        for who, headers in (("none", {}), ("wrong", {"Authorization": "Bearer nope"}), ("plain", {"Authorization": f"Bearer {KEY}"}),
-                             ("admin", {"x-api-key": ADMIN})):
+        for who, headers in (
+            ("none", {}),
+            ("wrong", {"Authorization": "Bearer nope"}),
+            ("plain", {"Authorization": f"Bearer {KEY}"}),
+            ("admin", {"x-api-key": ADMIN}),
+        ):
             try:
                 # A connection each (Connection: close): a refusal answered before its body is
                 # read may close a kept-alive connection just as the next request goes out on it
@@ -225,7 +302,9 @@ async def cache_salts(ledger: Ledger, h: httpx.AsyncClient) -> None:
     prompt = [{"role": "user", "content": "the salted conversation " * 20}]
 
     async def cached(salt: str) -> int:
-        r = await h.post("/v1/chat/completions", json={"messages": prompt, "max_tokens": 1, "cache_salt": salt, "temperature": 0})
+        r = await h.post(
+            "/v1/chat/completions", json={"messages": prompt, "max_tokens": 1, "cache_salt": salt, "temperature": 0}
+        )
         return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]) if r.status_code == 200 else -1
 
     first, again, other = await cached("tenant-a"), await cached("tenant-a"), await cached("tenant-b")
@@ -252,7 +331,9 @@ async def own_engine_probes(ledger: Ledger, hang_s: float) -> None:
         try:
             async with httpx.AsyncClient(base_url=engine.url, timeout=hang_s * 4) as anyone:
                 await auth_roles(ledger, anyone)
-            async with httpx.AsyncClient(base_url=engine.url, timeout=hang_s * 4, headers={"Authorization": f"Bearer {ADMIN}"}) as h:
+            async with httpx.AsyncClient(
+                base_url=engine.url, timeout=hang_s * 4, headers={"Authorization": f"Bearer {ADMIN}"}
+            ) as h:
                 await deep_reply(ledger, h)
                 await cache_salts(ledger, h)
         except httpx.HTTPError as exc:

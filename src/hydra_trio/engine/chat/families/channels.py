@@ -108,6 +108,8 @@ class ChannelSplitter(ABC):
         start of, unless ``complete``) a header. Incomplete, only that matters."""
 
     @abstractmethod
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
+    def _emit(
+        self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False
+    ) -> None:
         """A body (``done``: the whole of it) into reasoning, content or a call (``cut``: the
         length cap ended it: a call that does not read whole is dropped, never content)."""

@@ -32,7 +32,9 @@ def _read_cohere(body: str, opener: str, props_of: Callable[[str], Props | None]
 
 def _cohere_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
     args = f"t{i}-args: {schema(tool.parameters, f'tools[{i}].function.parameters')}"
-    head = seq(literal('{"tool_call_id": "'), regex("[0-9]{1,3}"), literal(f'", "tool_name": "{tool.name}", "parameters": '))
+    head = seq(
+        literal('{"tool_call_id": "'), regex("[0-9]{1,3}"), literal(f'", "tool_name": "{tool.name}", "parameters": ')
+    )
     return seq(head, f"t{i}-args", literal("}")), [args]
 
 
@@ -42,7 +44,8 @@ COHERE = register(ToolFormat(
     before="<|START_ACTION|>[\n    ",
     between=",\n    ",
     after="\n]<|END_ACTION|>",
-    block=Block(openers=("<|START_ACTION|>",), closer="<|END_ACTION|>", read=_read_cohere, call_end="}", list_close="]"),
+    block=Block(openers=("<|START_ACTION|>",), closer="<|END_ACTION|>", read=_read_cohere, call_end="}",
+                list_close="]"),
     call_rule=_cohere_rule,
     dropped=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),  # R7B's, Cohere2MoE's
     triggers=(Trigger("<|START_ACTION|>", False, '[\n    {"tool_call_id": "'),),

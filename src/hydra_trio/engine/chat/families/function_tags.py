@@ -56,5 +56,9 @@ def _function_tags(name: str, call_open: str, call_close: str, detect: Detect) -
     )
 
 
-QWEN3_CODER = register(_function_tags("qwen3_coder", "<tool_call>", "</tool_call>", Detect(190, ("<function=", "<parameter="))))
-SEED_OSS = register(_function_tags("seed_oss", "<seed:tool_call>", "</seed:tool_call>", Detect(150, ("<seed:tool_call>",))))
+QWEN3_CODER = register(
+    _function_tags("qwen3_coder", "<tool_call>", "</tool_call>", Detect(190, ("<function=", "<parameter=")))
+)
+SEED_OSS = register(
+    _function_tags("seed_oss", "<seed:tool_call>", "</seed:tool_call>", Detect(150, ("<seed:tool_call>",)))
+)

@@ -20,7 +20,16 @@ from .toolformat import Call as BlockCall
 
 EOM, EOT = "<|eom|>", "<|eot|>"
 NEXT = "<|start|>assistant"  # opens each message after the first (the prompt ends with it)
-GLIMMER_MARKS = ("<|start|>", MESSAGE, EOM, EOT, "<atem:invoke", "</atem:invoke>", "<atem:parameter", "</atem:parameter>")
+GLIMMER_MARKS = (
+    "<|start|>",
+    MESSAGE,
+    EOM,
+    EOT,
+    "<atem:invoke",
+    "</atem:invoke>",
+    "<atem:parameter",
+    "</atem:parameter>",
+)
 
 
 def _read_atem(body: str, opener: str, props_of: Callable[[str], Props | None]) -> list[BlockCall] | None:
@@ -81,7 +90,9 @@ class GlimmerSplitter(ChannelSplitter):
             return "reasoning" if self._reasoning else "content"
         return "call" if recipient not in ("", "user") and self._parse_tools else "content"
 
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
+    def _emit(
+        self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False
+    ) -> None:
         if self._kind == "reasoning":
             reasoning.append(body)
         elif self._kind == "content":

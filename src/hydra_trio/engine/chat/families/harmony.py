@@ -51,7 +51,9 @@ class HarmonySplitter(ChannelSplitter):
             return "reasoning", ""
         return "content", ""
 
-    def _emit(self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False) -> None:
+    def _emit(
+        self, body: str, reasoning: list[str], content: list[str], calls: list[Call], *, done: bool, cut: bool = False
+    ) -> None:
         if self._kind == "reasoning":
             reasoning.append(body)
         elif self._kind == "content":

@@ -44,7 +44,11 @@ def _invoke_rule(p: str, dsml: bool) -> CallRule:
 
         def write(k: str) -> tuple[str, str]:
             s = props.get(k)
-            flag = (' string="true"' if isinstance(s, dict) and s.get("type") == "string" else ' string="false"') if dsml else ""
+            flag = (
+                (' string="true"' if isinstance(s, dict) and s.get("type") == "string" else ' string="false"')
+                if dsml
+                else ""
+            )
             return f'<{p}parameter name="{k}"{flag}>', f"</{p}parameter>\n"
 
         params, rules = xml_param_rules(tool, i, schema, write)
@@ -59,7 +63,8 @@ MINIMAX = register(ToolFormat(
     "arguments",
     before="<minimax:tool_call>",
     after="</minimax:tool_call>",
-    block=Block(openers=("<minimax:tool_call>",), closer="</minimax:tool_call>", read=_invoke_reader(""), call_end="</invoke>"),
+    block=Block(openers=("<minimax:tool_call>",), closer="</minimax:tool_call>", read=_invoke_reader(""),
+                call_end="</invoke>"),
     call_rule=_invoke_rule("", False),
     triggers=(Trigger("<minimax:tool_call>", False, '\n<invoke name="'),),
     detect=(Detect(70, ("<minimax:tool_call>",)),),

@@ -39,7 +39,8 @@ KIMI_K2 = register(ToolFormat(
         call_end="<|tool_call_end|>",
     ),
     call_rule=json_rule(
-        lambda t: seq(literal("<|tool_call_begin|>functions." + t.name + ":"), regex("[0-9]{1,5}"), literal("<|tool_call_argument_begin|>")),
+        lambda t: seq(literal("<|tool_call_begin|>functions." + t.name + ":"), regex("[0-9]{1,5}"),
+                      literal("<|tool_call_argument_begin|>")),
         "<|tool_call_end|>",
     ),
     triggers=(Trigger("<|tool_calls_section_begin|>", False, "<|tool_call_begin|>functions."),),

@@ -54,7 +54,11 @@ def _k3_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
 
     def write(k: str) -> tuple[str, str]:
         s = props.get(k)
-        kind = _K3_TYPES.get(s.get("type"), "object") if isinstance(s, dict) and isinstance(s.get("type"), str) else "object"
+        kind = (
+            _K3_TYPES.get(s.get("type"), "object")
+            if isinstance(s, dict) and isinstance(s.get("type"), str)
+            else "object"
+        )
         return f'<|open|>argument key="{k}" type="{kind}"<|sep|>', "<|close|>argument<|sep|>"
 
     params, rules = xml_param_rules(tool, i, schema, write)
@@ -69,10 +73,12 @@ KIMI_K3 = register(ToolFormat(
     before="<|open|>tools<|sep|>",
     after="<|close|>tools<|sep|>",
     block=Block(
-        openers=("<|open|>tools<|sep|>",), closer="<|close|>tools<|sep|>", read=_read_kimi_k3, call_end="<|close|>call<|sep|>"
+        openers=("<|open|>tools<|sep|>",), closer="<|close|>tools<|sep|>", read=_read_kimi_k3,
+        call_end="<|close|>call<|sep|>"
     ),
     call_rule=_k3_rule,
     dropped=("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>"),
     triggers=(Trigger("<|open|>tools<|sep|>", False, '<|open|>call tool="'),),
-    detect=(Detect(40, ("<|open|>", "<|close|>", "<|end_of_msg|>")),),  # its tags built from these, as llama.cpp tells it
+    # its tags built from these, as llama.cpp tells it
+    detect=(Detect(40, ("<|open|>", "<|close|>", "<|end_of_msg|>")),),
 ))

@@ -47,7 +47,13 @@ def _alternatives(schema: Any) -> list[Mapping[str, Any]]:
 
 def _types(schema: Mapping[str, Any]) -> set[str]:
     kind = schema.get("type")
-    return {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)} if isinstance(kind, list) else set()
+    return (
+        {kind}
+        if isinstance(kind, str)
+        else {k for k in kind if isinstance(k, str)}
+        if isinstance(kind, list)
+        else set()
+    )
 
 
 def _may_be_string(schema: Any) -> bool:
@@ -177,7 +183,11 @@ class _Writer:
         required = set(schema.get("required") or ())
         parts = []
         for key, prop in (props.items() if isinstance(props, Mapping) else ()):
-            part = seq(literal(f"{NS}<{key}>"), self.value(prop, f"{where}.properties.{key}", depth + 1), literal(f"{NS}</{key}>"))
+            part = seq(
+                literal(f"{NS}<{key}>"),
+                self.value(prop, f"{where}.properties.{key}", depth + 1),
+                literal(f"{NS}</{key}>"),
+            )
             parts.append(part if key in required else f"({part})?")
         return seq(*parts)
 
@@ -193,7 +203,11 @@ class _Writer:
         if isinstance(schema.get("properties"), Mapping) and schema["properties"]:
             return self.rule(self.members(schema, where, depth))
         if isinstance(schema.get("items"), Mapping):
-            item = seq(literal(f"{NS}<item>"), self.value(schema["items"], f"{where}.items", depth + 1), literal(f"{NS}</item>"))
+            item = seq(
+                literal(f"{NS}<item>"),
+                self.value(schema["items"], f"{where}.items", depth + 1),
+                literal(f"{NS}</item>"),
+            )
             return self.rule(f"({item})*")
         return self.rule(self.schema(schema, where))
 

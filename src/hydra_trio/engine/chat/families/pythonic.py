@@ -192,7 +192,8 @@ LFM2 = register(ToolFormat(
     before="<|tool_call_start|>[",
     between=", ",
     after="]<|tool_call_end|>",
-    block=Block(openers=("<|tool_call_start|>",), closer="<|tool_call_end|>", read=_read_lfm2, call_end=")", list_close="]"),
+    block=Block(openers=("<|tool_call_start|>",), closer="<|tool_call_end|>", read=_read_lfm2, call_end=")",
+                list_close="]"),
     call_rule=_keyword_rule,
     triggers=(Trigger("<|tool_call_start|>", False, "["),),
     detect=(

@@ -28,7 +28,9 @@ def _read_solar(body: str, opener: str, props_of: Callable[[str], Props | None])
 
 def _solar_rule(tool: Tool, i: int, schema: SchemaExpr) -> tuple[str, list[str]]:
     args = f"t{i}-args: {schema(tool.parameters, f'tools[{i}].function.parameters')}"
-    head = seq(literal(SOLAR_BEGIN), regex("[0-9]{1,3}"), literal("<|tool_call:name|>" + tool.name + "<|tool_call:args|>"))
+    head = seq(
+        literal(SOLAR_BEGIN), regex("[0-9]{1,3}"), literal("<|tool_call:name|>" + tool.name + "<|tool_call:args|>")
+    )
     return seq(head, f"t{i}-args", literal(SOLAR_END)), [args]
 
 
