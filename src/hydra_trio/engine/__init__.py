@@ -1,7 +1,13 @@
 """The engine: one model, N slots, one GPU worker. Its face is what this package exports:
 ``Engine`` (and a slot's ``SlotLease``), the parameter, result and stats types the front ends
 read, the chat room's reply types and the tool-call families' names (--tool-call-parser).
-Nothing outside engine/ reaches its modules."""
+Nothing outside engine/ reaches its modules.
+
+Eighteen modules stand here beside the rooms (chat, kv, llama, sample, sched, speculation,
+structured): the request's path through one engine (requests, params, inputs, media, core,
+lease, output, receipts, stats) and the engine's lifecycle around it (engine, configure,
+reload, modelfile, worker, adapters, embedder, slices, text). Each is the one home of a step
+that the rooms below share; grouping them again would add a room that every room imports."""
 
 from .adapters import LoraAdapters
 from .chat import TOOL_CALL_PARSERS, ReplyDelta, ReplyParser, ToolCall

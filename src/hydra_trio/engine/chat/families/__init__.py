@@ -6,6 +6,9 @@ Loading this package loads each module in the folder, and each registers its ``T
 table and --tool-call-parser's names, ``caps.py`` the detection order, ``parser.py`` and
 ``call_grammar.py`` a format's fields), so nothing else lists them.
 
+The folder holds more than a dozen modules by design: one a family (and the shared types,
+roster and rules), so that a new family is one new file and nothing else.
+
 To add a family, write one module here and its tests (tests/engine/chat/test_family_*.py):
 
 - its ``ToolFormat`` (toolformat.py), passed to ``register``: the name (--tool-call-parser's),
