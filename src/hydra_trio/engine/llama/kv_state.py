@@ -12,7 +12,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llama_cpp
 
@@ -84,17 +84,7 @@ class Snapshot:
         buf = bytearray(self.offset + len(rest) + len(view) - end)
         buf[self.offset : self.offset + len(rest)] = rest
         buf[self.offset + len(rest) :] = view[end:]
-        return head, Snapshot(
-            self.tokens,
-            buf,
-            self.offset,
-            self.has_logits,
-            self.salt,
-            self.lora,
-            self.shape,
-            self.checkpoint,
-            self.checkpoint_gap,
-        )
+        return head, replace(self, buf=buf)
 
     def joined(self, head: bytes) -> Snapshot:
         """What ``split`` took apart, whole again: a snapshot a slot restores (one copy)."""
@@ -105,17 +95,7 @@ class Snapshot:
         for piece in pieces:
             buf[at : at + len(piece)] = piece
             at += len(piece)
-        return Snapshot(
-            self.tokens,
-            buf,
-            self.offset,
-            self.has_logits,
-            self.salt,
-            self.lora,
-            self.shape,
-            self.checkpoint,
-            self.checkpoint_gap,
-        )
+        return replace(self, buf=buf)
 
 log = logging.getLogger(__name__)
 
