@@ -99,6 +99,9 @@ def test_settings_llama_cpp_would_abort_on_are_refused_naming_the_flags() -> Non
     for bad in ({"stream_interval": 0}, {"slot_prompt_similarity": 1.5}, {"cache_ram_mib": -1}):
         with pytest.raises(SystemExit, match="invalid settings"):
             settings_from(None, env={}, **bad)
+    # No slots is a range's problem, named, not a division by zero in the split-cache rule.
+    with pytest.raises(SystemExit, match=r"slots must be 1\.\.256"):
+        settings_from(None, env={}, slots=0)
 
 
 def test_version_and_a_dead_engine_are_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:

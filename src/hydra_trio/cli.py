@@ -37,7 +37,7 @@ class _ToolCallParsers(Collection[str]):
         return len(self._words())
 
 
-# The settings' words this layer decides (config.py is below the engine).
+# The settings' words this layer decides (config/ is below the engine).
 CHOICES = {"tool_call_parser": _ToolCallParsers()}
 
 

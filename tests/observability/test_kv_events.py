@@ -269,7 +269,7 @@ async def test_events_replayed_reproduce_exactly_the_blocks_the_slots_hold(
         put = await h.put(f"/slots/{dst}/state", content=state.content)
         assert put.status_code == 200, put.text
         await check()
-        assert any(n == 2 for n in eng._core.kv_blocks.held().values())
+        assert any(n == 2 for n in eng._readout.kv_blocks.held().values())
         assert (await h.post(f"/slots/{src}?action=erase")).status_code == 200
         await check()
         assert (await h.post(f"/slots/{dst}?action=erase")).status_code == 200
@@ -340,7 +340,7 @@ async def test_a_late_subscriber_learns_everything_held_from_a_resync(
         for t in ("the first long conversation about rivers", "a second one about mills and bread"):
             await _chat(h, t * 4)
     await wait_slots_idle(eng)
-    held_before = eng._core.kv_blocks.n_held
+    held_before = eng._readout.kv_blocks.n_held
     assert held_before > 0
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)

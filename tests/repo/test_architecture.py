@@ -2,8 +2,8 @@
 is not there), llama_cpp imported only by engine/llama/, wire/ pure, chat/ and structured/
 free of llama/, the settings naming no tool-call family (the roster's), and the import graph of the
 layers (folders and top-level modules) without a circle, so no import runs back up; the
-top of the package the composition root, the CLI and the settings, every other module in a
-room entered through its face. Rules of
+top of the package the composition root, the CLI and local engines, every other module (the
+settings' too) in a room entered through its face. Rules of
 shape, not sizes: a size limit became a target (modules at 599 of 600 lines)."""
 
 from __future__ import annotations
@@ -141,20 +141,18 @@ def test_callers_use_what_a_package_exports() -> None:
 
 # The rooms above the engine and wire/ whose face (``__init__.py``) is the only way in from
 # outside: their modules are the room's own business.
-ROOMS = ("concurrency", "observability", "serving", "transport")
-# What stays at the top of the package: the composition root, the CLI, local engines, the
-# settings, and the model pool (observability/ reads it and serving/ imports observability/,
-# so in serving/ it would close a circle).
-TOP_LEVEL = {"__init__.py", "app.py", "cli.py", "local.py", "config.py"}
+ROOMS = ("concurrency", "config", "observability", "serving", "transport")
+# What stays at the top of the package: the composition root, the CLI and local engines.
+TOP_LEVEL = {"__init__.py", "app.py", "cli.py", "local.py"}
 
 
-def test_the_top_of_the_package_holds_only_the_root_the_cli_and_the_settings() -> None:
+def test_the_top_of_the_package_holds_only_the_root_the_cli_and_local_engines() -> None:
     top = {p.name for p in PKG.glob("*.py")}
     assert top == TOP_LEVEL, f"a module at the top belongs in a room: {sorted(top - TOP_LEVEL)}"
 
 
 def test_a_room_is_entered_through_its_face() -> None:
-    """Outside concurrency/, observability/, serving/ and transport/, a module (of the package,
+    """Outside concurrency/, config/, observability/, serving/ and transport/, a module (of the package,
     the tests, the benchmarks or the examples) imports the room itself, only names its face
     exports; inside, a module imports its room's modules directly."""
     callers = [(f"src/hydra_trio/{m}", imports_of(p)) for m, p in modules().items()]
@@ -229,12 +227,13 @@ def test_chat_and_structured_import_nothing_of_llama() -> None:
 
 def test_the_settings_keep_no_list_of_tool_call_families() -> None:
     """--tool-call-parser's words are the roster's (engine/chat/families/), handed to the
-    settings by the CLI (tests/engine/chat/test_toolcall_registry.py): config.py names no family."""
+    settings by the CLI (tests/engine/chat/test_toolcall_registry.py): config/ names no family."""
     from hydra_trio.engine.chat.formats import FORMATS
 
     lists = [
         {e.value for e in node.elts if isinstance(e, ast.Constant)}
-        for node in ast.walk(ast.parse((PKG / "config.py").read_text(encoding="utf-8")))
+        for path in sorted((PKG / "config").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
         if isinstance(node, ast.Tuple | ast.List | ast.Set)
     ]
     assert not [words & set(FORMATS) for words in lists if len(words & set(FORMATS)) > 1]

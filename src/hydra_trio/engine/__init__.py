@@ -3,21 +3,23 @@
 read, the chat room's reply types and the tool-call families' names (--tool-call-parser).
 Nothing outside engine/ reaches its modules.
 
-Eighteen modules stand here beside the rooms (chat, kv, llama, sample, sched, speculation,
+Nineteen modules stand here beside the rooms (chat, kv, llama, sample, sched, speculation,
 structured): the request's path through one engine (requests, params, inputs, media, core,
-lease, output, receipts, stats) and the engine's lifecycle around it (engine, configure,
-reload, modelfile, worker, adapters, embedder, slices, text). Each is the one home of a step
+lease, output, receipts), what its readers see of it (readout, stats) and the engine's
+lifecycle around it (engine, configure, reload, modelfile, worker, adapters, embedder,
+slices, text). Each is the one home of a step
 that the rooms below share; grouping them again would add a room that every room imports."""
 
 from .adapters import LoraAdapters
 from .chat import TOOL_CALL_PARSERS, ReplyDelta, ReplyParser, ToolCall
 from .embedder import Embedder, Pooled
-from .engine import Engine, KvEvents, Prepared
+from .engine import Engine, Prepared
 from .kv import Admitted, KvCopy
 from .lease import Emit, SlotLease
 from .llama import POOLING_TYPES, DecodeAborted, LoraSet, Vocabulary
 from .output import GenerationResult
 from .params import GenerationParams
+from .readout import KvEvents
 from .receipts import turn_receipt
 from .requests import REASONING_EFFORTS, Route, cache_salt
 from .sample import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs

@@ -1,6 +1,7 @@
 """The engine's core: one model, N slots, one GPU worker; its components, lifecycle,
-prefill, generation, KV copies, CONFIGURE's apply step and figures. Internal to engine/:
-front ends use the face (engine.py ``Engine``, lease.py ``SlotLease``).
+prefill, generation, KV copies and CONFIGURE's apply step. Internal to engine/: front ends
+use the face (engine.py ``Engine``, lease.py ``SlotLease``); what readers see of the core
+(figures, slot descriptions, runtime fields, KV events) is readout.py's.
 
 Request tasks never call llama.cpp themselves: they ask the engine for work (a prefill
 chunk, a generation step). Generation steps of all generating slots are batched into one
@@ -26,7 +27,6 @@ from ..config import CACHE_TYPES, Settings
 from ..model.identity import ModelIdentity
 from ..model.lora import adapter_specs
 from ..wire.errors import ErrorCode, ProtocolError, Status
-from ..wire.kvevents import Event
 from .adapters import LoraAdapters
 from .chat import resolve_chat_template
 from .configure import Reconfigurer, SlotSettings
@@ -34,7 +34,6 @@ from .inputs import Inputs
 from .kv import (
     HostTiers,
     Retention,
-    SlotBlocks,
     kv_fingerprint,
 )
 from .llama import (
@@ -55,7 +54,6 @@ from .reload import apply_staged
 from .sample import Sampler
 from .sched import PartOutcome, SessionTree, SlotScheduler, SlotTable, StepBatcher
 from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
-from .stats import EngineStats, SlotInfo
 from .worker import GpuWorker, WorkerLane
 
 log = logging.getLogger(__name__)
@@ -105,8 +103,9 @@ class EngineCore:
         backend.planner = DraftPlanner(backend.n_batch, split=not backend.kv_unified)
         self.spec_counts = SpecCounts()  # vllm:spec_decode_* (every request's drafts)
         self.ngram_memories = NgramMemories(settings.spec_ngram_size_n)  # drafts from earlier requests, per salt
-        # The slots' KV blocks, for KV events (engine/kv/blocks.py); None: nobody subscribes.
-        self.kv_blocks: SlotBlocks | None = None
+        # Told on the worker once a T2/T3 change has emptied every slot: the KV events' watch
+        # (readout.py) looks at the new context. None: nobody subscribes.
+        self.slots_emptied_watch: Callable[[LlamaBackend], None] | None = None
         # Slots' KV kept past the slots, in RAM (None: --cache-ram-mib 0) and on disk (kv/tiers.py),
         # what leaves first (retention.py), and the agent sessions that own it (session_tree.py).
         self.retention = Retention(settings.session_policy, trio.current_time)
@@ -213,7 +212,7 @@ class EngineCore:
             "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx "
             "%d, KV cache %s (a slot holds up to %d; %s), %d threads",
             engine.model_load_ms, identity.model_name, identity.model_quant, identity.tokenizer,
-            backend.n_slots, backend.n_ctx, engine.kv_layout, backend.n_ctx_slot,
+            backend.n_slots, backend.n_ctx, kv_layout(backend), backend.n_ctx_slot,
             ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read", backend.n_threads,
         )
         if adapters:
@@ -270,10 +269,6 @@ class EngineCore:
         return self.backend.n_ctx_slot
 
     @property
-    def kv_layout(self) -> str:
-        return kv_layout(self.backend)
-
-    @property
     def n_slots(self) -> int:
         return len(self.slots)
 
@@ -286,69 +281,10 @@ class EngineCore:
     def n_vocab(self) -> int:
         return self.backend.info.n_vocab
 
-    def stats(self) -> EngineStats:
-        """A snapshot for metrics, logs and /health: no reader counts slots itself."""
-        slots, batcher, worker = self.slots, self.batcher, self.worker
-        return EngineStats(
-            slots=len(slots),
-            slots_busy=slots.n_busy,
-            requests_waiting=slots.waiting,
-            kv_cells_total=self.n_ctx,
-            kv_cells_used=self.backend.cells_in_use(),
-            kv_cells_running=sum(self.backend.n_past(s.id) for s in slots.slots if s.busy),
-            tokens_generated=self.tokens_generated,
-            prompt_tokens_processed=self.prompt_tokens_processed,
-            tokens_evaluated=self.tokens_evaluated,
-            step_batches=batcher.batches,
-            step_tokens=batcher.tokens,
-            step_prompt_tokens=batcher.prompt_tokens,
-            worker_busy_s=worker.busy_s,
-            worker_calls=worker.calls,
-            llama_decode_s=self.backend.decode_s,
-            model_load_s=self.model_load_ms / 1000.0,
-            spec_drafts=self.spec_counts.drafts,
-            spec_draft_tokens=self.spec_counts.draft_tokens,
-            spec_accepted_tokens=self.spec_counts.accepted,
-            step_decode_s=tuple(sorted(self._planner().step_cost.measured().items())),
-            t3_reloads=self.t3_reloads,
-            last_t3_reload_ms=self.last_t3_reload_ms,
-            prompt_cache=None if self.prompt_cache is None else self.prompt_cache.stats(),
-            sessions=self.sessions.stats(),
-            disk=self.tiers.disk_stats(),
-            evictions=self.retention.counts(),
-        )
-
-    def _planner(self) -> DraftPlanner:
-        planner = self.backend.planner
-        assert isinstance(planner, DraftPlanner), "set when the backend is taken"
-        return planner
-
-    def slot_info(self, slot_id: int) -> SlotInfo:
-        """The one description of a slot (/slots, STATE_META); NO_SLOT for an unknown id."""
-        slot = self.slots.get(slot_id)
-        return SlotInfo(
-            slot.id, slot.owner, slot.transferring, self.n_past(slot_id), self.n_ctx_slot, self.state_size(slot_id)
-        )
-
-    def publish_kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> SlotBlocks:
-        """From now on, every change of what the slots hold goes to ``publish`` as KV events,
-        after the GPU-worker call that made it (on the trio thread)."""
-        self.kv_blocks = SlotBlocks(self.backend.n_slots, block_size, self.adapters.event_fields)
-        self.worker.after_call = self.kv_blocks.watch(self.backend, publish)
-        # histories in RAM and on disk: media CPU, DISK, each with its adapter set's fields
-        self.tiers.watch(block_size, publish, self.adapters.event_fields)
-        return self.kv_blocks
-
-    async def resync_kv_events(self) -> None:
-        """Tell everything the slots hold anew (for a new subscriber), between worker calls."""
-        if self.kv_blocks is not None:
-            await self.worker.call(self.kv_blocks.resync)  # AllBlocksCleared, then the slots'
-        self.tiers.publish_resync()
-
     def slots_emptied(self, backend: LlamaBackend) -> None:
         """On the worker, once a T2/T3 change has emptied every slot (``backend`` serves now)."""
-        if self.kv_blocks is not None:
-            self.kv_blocks.rewatch(backend)
+        if self.slots_emptied_watch is not None:
+            self.slots_emptied_watch(backend)
 
     # ---- CONFIGURE T2/T3 ---------------------------------------------------------------
 
@@ -357,21 +293,6 @@ class EngineCore:
         """on | off: what the context uses (CONFIGURE T2 checks cache types against it)."""
         assert self.backend.offload is not None, "set when the context is built"
         return self.backend.offload.flash_attn
-
-    def runtime_fields(self) -> dict[str, Any]:
-        """Where the model runs (ggml devices, layers offloaded, flash attention), how its KV
-        cache is laid out, which chat template renders prompts and which LoRA adapters it
-        loaded: for /version and INFO."""
-        offload = self.backend.offload
-        assert offload is not None, "set when the context is built"
-        return {
-            **offload.as_dict(),
-            "kv_unified": self.backend.kv_unified,
-            "n_ctx_slot": self.n_ctx_slot,
-            "kv_cache": self.backend.cache_layout,  # type_k, type_v, v_trans
-            "chat_template": self.inputs.chat_template.as_dict(),
-            "lora_adapters": self.adapters.listing(),  # GET /lora-adapters' list ([]: none loaded)
-        }
 
     # ---- prefill -----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, overload
+from typing import Any, overload
 
 import trio
 
@@ -25,10 +25,11 @@ from .chat import ReplyParser
 from .configure import ConfigureOutcome, configure
 from .core import EngineCore
 from .embedder import Embedder, embeddings_wanted
-from .kv import Admitted, SlotBlocks, admit_blob
+from .kv import Admitted, admit_blob
 from .lease import SlotLease
 from .llama import LoraSet, Vocabulary
 from .params import GenerationParams
+from .readout import KvEvents, Readout
 from .requests import Route, cache_salt, check_request
 from .sched import Slot, TenantSessions, Turn
 from .stats import EngineStats, SlotInfo
@@ -48,20 +49,12 @@ class Prepared:
     replies: Callable[[], ReplyParser] | None  # None: the text is the content
 
 
-class KvEvents(Protocol):
-    """What ``Engine.kv_events`` gives: tell everything anew, and how many blocks are held."""
-
-    async def resync(self) -> None: ...
-
-    @property
-    def n_held(self) -> int: ...
-
-
 class Engine:
     """One model, N slots, one GPU worker."""
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
+        self._readout = Readout(core)  # what readers see: figures, slots, runtime, KV events
         on, pooling = embeddings_wanted(core.settings, core.backend.info.pooling)
         self._embedder = (
             Embedder(lambda: core.backend, core.worker, core.settings, pooling=pooling,
@@ -162,16 +155,16 @@ class Engine:
         """Where the model runs, how its KV cache is laid out, which chat template renders,
         and the embedding context's pooling (None: no embeddings)."""
         shape = None if self._embedder is None else self._embedder.shape
-        return {**self._core.runtime_fields(), "pooling": None if shape is None else shape.pooling}
+        return {**self._readout.runtime_fields(), "pooling": None if shape is None else shape.pooling}
 
     # ---- figures -------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return self._core.stats()
+        return self._readout.stats()
 
     def slot_info(self, slot_id: int) -> SlotInfo:
         """The one description of a slot; NO_SLOT for an id this engine does not have."""
-        return self._core.slot_info(slot_id)
+        return self._readout.slot_info(slot_id)
 
     async def wait_slot_released(self) -> None:
         """Until any slot is released (the drain watches the slots empty)."""
@@ -180,7 +173,7 @@ class Engine:
     def kv_events(self, publish: Callable[[list[Event]], None], block_size: int) -> KvEvents:
         """From now on, every change of what the slots hold goes to ``publish`` as KV events;
         the handle's ``resync`` tells everything anew (for a new subscriber)."""
-        return _KvEventsHandle(self._core, self._core.publish_kv_events(publish, block_size))
+        return self._readout.kv_events(publish, block_size)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -330,8 +323,8 @@ class Engine:
             if waited.cancelled_caught:
                 raise ProtocolError(ErrorCode.SLOT_BUSY, f"all slots are busy (waited {wait_s:g} s)")
         lease = SlotLease(core, held.id, turn)
-        if core.kv_blocks is not None:  # the KV events of its stores name its session
-            core.kv_blocks.sessions[held.id] = None if turn is None else turn.session_id
+        if (blocks := self._readout.kv_blocks) is not None:  # the KV events of its stores name its session
+            blocks.sessions[held.id] = None if turn is None else turn.session_id
         try:
             with core.adapters.running(lora):
                 yield lease
@@ -355,16 +348,3 @@ async def _wait_and_prefetch(
     except BaseExceptionGroup as group:
         raise_single(group)
     return slot[0]
-
-
-@dataclass(frozen=True, slots=True)
-class _KvEventsHandle:
-    core: EngineCore
-    blocks: SlotBlocks
-
-    async def resync(self) -> None:
-        await self.core.resync_kv_events()
-
-    @property
-    def n_held(self) -> int:
-        return self.blocks.n_held

@@ -1,5 +1,5 @@
 """Typed snapshots of the engine for its readers (metrics, logs, /health, /slots, STATE_META,
-drain): the one place the engine's figures are counted, so no reader counts slots itself."""
+drain), filled in one place (readout.py), so no reader counts slots itself."""
 
 from __future__ import annotations
 
