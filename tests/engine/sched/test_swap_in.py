@@ -110,3 +110,30 @@ async def test_a_turn_waits_for_its_history_leaving_another_slot(
             go_on.set()
         assert _cached(results["c"]) == len(c) == first_c["usage"]["prompt_tokens"]
         assert _cached(results["a"]) == len(a)  # continued from a's history, back from RAM
+
+
+async def test_a_borrowed_history_stays_in_ram(start_engine: Callable[..., Any], tiny_model: Path) -> None:
+    """b's prompt shares a's head only: b's turn restores a copy of a's history, cut to the
+    head, and a's entry stays in RAM (it is not taken and copied back), in one worker call."""
+    ep = await start_engine(tiny_model, slots=1, cache_ram_mib=64)
+    core = ep.state.engine._core
+    a, b = SYSTEM + _tokens(1, 120), SYSTEM + _tokens(2, 120)
+    calls: list[int] = []
+    bring = core.scheduler.bring
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        before = core.worker.calls
+        try:
+            return await bring(*args, **kwargs)
+        finally:
+            calls.append(core.worker.calls - before)
+
+    core.scheduler.bring = counted
+    async with http(ep) as h:
+        await _complete(h, a)
+        await _complete(h, _tokens(9, 100))  # a one-off prompt: a's history goes to RAM
+        got = await _complete(h, b)
+        assert _cached(got) == len(SYSTEM)  # a's head, borrowed
+        assert calls[-1] == 1
+        held = sorted(len(snap.tokens) for _, snap in core.prompt_cache.items())
+        assert held == [100 + 3, len(a) + 3]  # the one-off's history, and a's still

@@ -200,8 +200,13 @@ class SlotScheduler:
         cache = self._cache
         if cache is None or self._backend().n_past(slot) - n_keep < MIN_CACHED_TOKENS:
             return
-        snap = await self._worker.call(lambda: self._backend().snapshot(slot))
-        self._keep(slot, snap, self.slot_owner[slot])
+        backend = self._backend()
+        self._leaving[slot] = (list(backend.seq_tokens[slot]), backend.seq_salt[slot], backend.seq_lora[slot])
+        try:
+            snap = await self._worker.call(lambda: self._backend().snapshot(slot))
+            self._keep(slot, snap, self.slot_owner[slot])
+        finally:
+            self._landed(slot)
 
     def _keep(self, slot: int, snap: Snapshot, owner: KvOwner | None) -> None:
         cache = self._cache
@@ -261,7 +266,8 @@ class SlotScheduler:
             await self._left.wait()
         if best is None:
             return 0, ""
-        hit, tier, _ = best
+        hit, tier, usable = best
+        lent = False
         leaving = self.slot_owner[slot]
         # The slot's history is in no tier until the call below has returned: a turn that
         # wants it meanwhile waits for it (``_arriving``).
@@ -274,7 +280,10 @@ class SlotScheduler:
             # request can take the entry meanwhile, and the copy's room never evicts it.
             if tier == "ram":
                 owner = ram.owner_of(hit.key)
-                snap = ram.take(hit.key)
+                # Borrowed (another session's history sharing a head with the prompt): the
+                # entry stays in RAM for its session, and the slot keeps what the prompt uses.
+                lent = hit.n_tokens - usable >= MIN_CACHED_TOKENS
+                snap = ram.lend(hit.key) if lent else ram.take(hit.key)
             else:
                 assert disk is not None
                 owner = disk.owner_of(hit.key)
@@ -283,20 +292,26 @@ class SlotScheduler:
                     return 0, ""
                 snap = loaded
             await self.make_room(len(snap.tokens), exclude=slot)
-            return await self._restore(slot, prompt, salt, lora, snap, owner, tier, out, saved)
+            return await self._restore(slot, prompt, salt, lora, snap, owner, tier, out, saved, lent)
         finally:
-            self._leaving.pop(slot, None)
             if saved:
                 self._keep(slot, saved[0], leaving)
-            self._left.set()
-            self._left = trio.Event()
+            self._landed(slot)
+
+    def _landed(self, slot: int) -> None:
+        """The history copied out of ``slot`` is in RAM now (or was not copied): wake the turns
+        that wait for it."""
+        self._leaving.pop(slot, None)
+        self._left.set()
+        self._left = trio.Event()
 
     async def _restore(
         self, slot: int, prompt: Sequence[int], salt: str | None, lora: LoraSet, snap: Snapshot,
-        owner: KvOwner | None, tier: str, out: bool, saved: list[Snapshot],
+        owner: KvOwner | None, tier: str, out: bool, saved: list[Snapshot], lent: bool,
     ) -> tuple[int, str]:
         """``swap_in``'s one GPU-worker call: the slot's history copied into ``saved`` (with
-        ``out``), ``snap`` restored, cut when ``bring`` would cut it."""
+        ``out``), ``snap`` restored, cut to the prompt when that loses nothing (less than a
+        block, or ``lent``: the entry is still in RAM)."""
         view = memoryview(snap.buf)
 
         def call(abort: threading.Event) -> None:
@@ -315,10 +330,11 @@ class SlotScheduler:
                 lora=snap.lora,
                 checkpoint=checkpoint,
             )
-            # The cut ``bring`` would make next, when it drops less than a block (it keeps
-            # nothing of that tail): bring's own plan then finds nothing to cut.
+            # The cut ``bring`` would make next, when it keeps nothing of the tail (less than a
+            # block, or held in RAM still): bring's own plan then finds nothing to cut.
             n_keep, logits = self.reuse_plan(slot, prompt, salt, lora)
-            if logits is None and 0 < backend.n_past(slot) - n_keep < MIN_CACHED_TOKENS:
+            tail = backend.n_past(slot) - n_keep
+            if logits is None and tail > 0 and (lent or tail < MIN_CACHED_TOKENS):
                 backend.truncate_slot(slot, n_keep)
 
         try:
