@@ -119,10 +119,12 @@ async def test_subagents_do_not_push_out_the_history_their_parent_waits_on(
     start_engine: Callable[..., Any], tiny_model: Path
 ) -> None:
     """One slot and a prompt cache that holds the parent's history and three subagents': a
-    parent's long history, then its subagents' one-turn tasks, each saying it was its last
-    (``expected_resume: false``, as vllm-router's blocking subagents do). Under recency the
-    parent's history leaves RAM and its next turn recomputes it; by session the finished
-    subagents' copies leave first."""
+    parent's long history, then five subagents' one-turn tasks, each saying it was its last
+    (``expected_resume: false``, as vllm-router's blocking subagents do). The fifth's turn
+    puts the fourth's history where four do not fit beside the parent's: under recency the
+    parent's leaves RAM and its next turn recomputes it; by session the finished subagents'
+    copies leave first. (A turn takes its entry out of RAM before the slot's history goes in:
+    the parent's next turn alone would not fill the cache.)"""
     # ~1700 and ~600 tokens on the tiny model (~270 bytes a position): a 1 MiB cache holds the
     # parent's history and three subagents'.
     parent = "the parent agent's system prompt and tools and its long history " * 40
@@ -132,7 +134,7 @@ async def test_subagents_do_not_push_out_the_history_their_parent_waits_on(
         async with http(ep) as h:
             first = await _turn(h, parent, _session_headers("S"))
             last = {"vllm_xargs": {"agentic_context": {"expected_resume": False}}}
-            for i in range(4):  # the subagents' work, each a fresh prompt
+            for i in range(5):  # the subagents' work, each a fresh prompt
                 await _turn(h, f"subagent {i} explores "
                             f"file number {i} " * 20, _session_headers("S", f"sub-{i}"), **last)
             again = await _turn(h, parent + " and the results", _session_headers("S"))

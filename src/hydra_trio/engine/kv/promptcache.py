@@ -40,7 +40,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Any, Protocol
 
@@ -313,6 +313,16 @@ class PromptCache:
         """Remove an entry to restore it (the slot holds it from then on)."""
         snap = self._whole(key)
         self._release(key)
+        self.restored += 1
+        self.restored_tokens += len(snap.tokens)
+        return snap
+
+    def lend(self, key: int) -> Snapshot:
+        """A copy of an entry to restore, the entry kept: for a request that continues less of
+        it than a block short of the whole (it would copy the rest back at once)."""
+        snap = self._whole(key)
+        if snap is self._entries[key]:  # held whole: a restore rewrites its buffer in place
+            snap = replace(snap, buf=bytearray(snap.buf))
         self.restored += 1
         self.restored_tokens += len(snap.tokens)
         return snap

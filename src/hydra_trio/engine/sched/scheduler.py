@@ -16,7 +16,7 @@ import trio
 from ...config import Settings
 from ...wire.errors import ProtocolError
 from ..kv import CacheHit, HostTiers, KvOwner, Retention
-from ..llama import DecodeAborted, LlamaBackend, LoraSet
+from ..llama import DecodeAborted, LlamaBackend, LoraSet, Snapshot, common_prefix_len
 from ..worker import GpuWorker
 from .slots import SlotTable
 
@@ -56,6 +56,10 @@ class SlotScheduler:
         # Whose history each slot holds (None: a one-off request's, or nobody's): set when a
         # claim that changed the slot's KV ends (``settle``), read by every eviction.
         self.slot_owner: list[KvOwner | None] = [None] * len(slots)
+        # Slots whose history a swap_in is copying out to RAM now (its tokens, salt), and the
+        # event each such copy sets when it has landed.
+        self._leaving: dict[int, tuple[list[int], str | None, LoraSet]] = {}
+        self._left = trio.Event()
 
     def reuse_plan(
         self, slot: int, tokens: Sequence[int], salt: str | None = None, lora: LoraSet = ()
@@ -196,8 +200,18 @@ class SlotScheduler:
         cache = self._cache
         if cache is None or self._backend().n_past(slot) - n_keep < MIN_CACHED_TOKENS:
             return
-        snap = await self._worker.call(lambda: self._backend().snapshot(slot))
-        if cache.put(snap, self.slot_owner[slot]):
+        backend = self._backend()
+        self._leaving[slot] = (list(backend.seq_tokens[slot]), backend.seq_salt[slot], backend.seq_lora[slot])
+        try:
+            snap = await self._worker.call(lambda: self._backend().snapshot(slot))
+            self._keep(slot, snap, self.slot_owner[slot])
+        finally:
+            self._landed(slot)
+
+    def _keep(self, slot: int, snap: Snapshot, owner: KvOwner | None) -> None:
+        cache = self._cache
+        assert cache is not None
+        if cache.put(snap, owner):
             log.debug("prompt cache: kept slot %d's %d "
                       "positions (%d entries, %d bytes)", slot, len(snap.tokens), len(cache), cache.nbytes)
 
@@ -219,51 +233,91 @@ class SlotScheduler:
     ) -> tuple[int, str]:
         """When a tier past the slots (the prompt cache in RAM, the disk tier) holds more of the
         prompt (under the request's ``salt`` and ``lora``) than the slot does, put the entry that
-        holds the most into the slot (the slot's own history goes to RAM first). Returns the
-        positions put back and their tier ("ram", "disk"; 0 and "": none)."""
+        holds the most into the slot (the slot's own history goes to RAM). Returns the
+        positions put back and their tier ("ram", "disk"; 0 and "": none).
+
+        One GPU-worker call does it all: the slot's history copied out, the entry restored and,
+        where nothing of the entry is lost by it, cut to what the prompt continues. Each call
+        waits for the step in flight, and a turn that comes back from RAM waited for three
+        (benchmarks/agents.py: most later turns of agents that outnumber the slots)."""
         ram, disk = self._cache, self._disk
         if ram is None:
             return 0, ""
         backend = self._backend()
-        shared = backend.shared_prefix(slot, prompt, salt, lora)
-        # Compared by what each could continue (a sliding window may have dropped the rest).
-        held = backend.reusable_prefix(slot, min(shared, len(prompt) - 1))
-
-        def worth_it() -> tuple[CacheHit, str] | None:
+        while True:
+            shared = backend.shared_prefix(slot, prompt, salt, lora)
+            # Compared by what each could continue (a sliding window may have dropped the rest).
+            held = backend.reusable_prefix(slot, min(shared, len(prompt) - 1))
             best: tuple[CacheHit, str, int] | None = None
             for tier, source in (("ram", ram), ("disk", disk)):
                 hit = source.best(prompt, salt, lora) if source is not None else None
                 if hit is None:
                     continue
-                usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1), hit.checkpoint_at)
+                usable = backend.reusable_in_state(
+                    hit.n_tokens, min(hit.n_common, len(prompt) - 1), hit.checkpoint_at
+                )
                 if usable >= held + MIN_CACHED_TOKENS and (best is None or usable > best[2]):
                     best = (hit, tier, usable)
-            return None if best is None else best[:2]
+            # A history another swap_in is copying out of its slot is in no tier until that
+            # call returns: when it holds more of the prompt, it is worth the wait (it is
+            # likely this session's own, taken over by another turn a moment ago).
+            if not self._arriving(prompt, salt, lora, max(held, best[2] if best else 0) + MIN_CACHED_TOKENS):
+                break
+            await self._left.wait()
+        if best is None:
+            return 0, ""
+        hit, tier, usable = best
+        lent = False
+        leaving = self.slot_owner[slot]
+        # The slot's history is in no tier until the call below has returned: a turn that
+        # wants it meanwhile waits for it (``_arriving``).
+        out = backend.n_past(slot) - shared >= MIN_CACHED_TOKENS  # keep_history's rule
+        if out:
+            self._leaving[slot] = (list(backend.seq_tokens[slot]), backend.seq_salt[slot], backend.seq_lora[slot])
+        saved: list[Snapshot] = []
+        try:
+            # Taken (RAM) or read (disk) before the slot's history is copied out: no other
+            # request can take the entry meanwhile, and the copy's room never evicts it.
+            if tier == "ram":
+                owner = ram.owner_of(hit.key)
+                # Borrowed (another session's history sharing a head with the prompt): the
+                # entry stays in RAM for its session, and the slot keeps what the prompt uses.
+                lent = hit.n_tokens - usable >= MIN_CACHED_TOKENS
+                snap = ram.lend(hit.key) if lent else ram.take(hit.key)
+            else:
+                assert disk is not None
+                owner = disk.owner_of(hit.key)
+                loaded = await disk.load(hit.key, salt, lora)  # read and checked off the trio thread
+                if loaded is None:
+                    return 0, ""
+                snap = loaded
+            await self.make_room(len(snap.tokens), exclude=slot)
+            return await self._restore(slot, prompt, salt, lora, snap, owner, tier, out, saved, lent)
+        finally:
+            if saved:
+                self._keep(slot, saved[0], leaving)
+            self._landed(slot)
 
-        if worth_it() is None:
-            return 0, ""
-        await self.keep_history(slot, shared)
-        # Looked up again: while the slot's history was copied, another request with the
-        # same prompt may have taken the entry (a KeyError, a 500, before).
-        found = worth_it()
-        if found is None:
-            return 0, ""
-        hit, tier = found
-        if tier == "ram":
-            owner = ram.owner_of(hit.key)
-            snap = ram.take(hit.key)
-        else:
-            assert disk is not None
-            owner = disk.owner_of(hit.key)
-            loaded = await disk.load(hit.key, salt, lora)  # read and checked off the trio thread
-            if loaded is None:
-                return 0, ""
-            snap = loaded
-        await self.make_room(len(snap.tokens), exclude=slot)
+    def _landed(self, slot: int) -> None:
+        """The history copied out of ``slot`` is in RAM now (or was not copied): wake the turns
+        that wait for it."""
+        self._leaving.pop(slot, None)
+        self._left.set()
+        self._left = trio.Event()
+
+    async def _restore(
+        self, slot: int, prompt: Sequence[int], salt: str | None, lora: LoraSet, snap: Snapshot,
+        owner: KvOwner | None, tier: str, out: bool, saved: list[Snapshot], lent: bool,
+    ) -> tuple[int, str]:
+        """``swap_in``'s one GPU-worker call: the slot's history copied into ``saved`` (with
+        ``out``), ``snap`` restored, cut to the prompt when that loses nothing (less than a
+        block, or ``lent``: the entry is still in RAM)."""
         view = memoryview(snap.buf)
 
         def call(abort: threading.Event) -> None:
             backend = self._backend()
+            if out:
+                saved.append(backend.snapshot(slot))
             checkpoint = backend.checkpoint_of(snap, slot)  # made whole before the state is rewritten in place
             backend.state_restore(
                 slot,
@@ -276,6 +330,12 @@ class SlotScheduler:
                 lora=snap.lora,
                 checkpoint=checkpoint,
             )
+            # The cut ``bring`` would make next, when it keeps nothing of the tail (less than a
+            # block, or held in RAM still): bring's own plan then finds nothing to cut.
+            n_keep, logits = self.reuse_plan(slot, prompt, salt, lora)
+            tail = backend.n_past(slot) - n_keep
+            if logits is None and tail > 0 and (lent or tail < MIN_CACHED_TOKENS):
+                backend.truncate_slot(slot, n_keep)
 
         try:
             await self._worker.run(call)
@@ -291,3 +351,10 @@ class SlotScheduler:
         self.slot_owner[slot] = owner
         log.debug("%s tier: slot %d continues %d cached positions", tier, slot, len(snap.tokens))
         return len(snap.tokens), tier
+
+    def _arriving(self, prompt: Sequence[int], salt: str | None, lora: LoraSet, least: int) -> bool:
+        """Whether a history being copied out to RAM holds at least ``least`` of ``prompt``."""
+        return any(
+            s == salt and lo == lora and common_prefix_len(tokens, prompt) >= least
+            for tokens, s, lo in self._leaving.values()
+        )
