@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import trio
 import trio.testing
 
 from hydra_trio.config import Settings
-from hydra_trio.engine import Embedder
+from hydra_trio.engine import Embedder, Engine
 from hydra_trio.engine.embedder import embeddings_wanted
 from hydra_trio.engine.llama import PooledShape, TokenRoles, normalize
 from hydra_trio.engine.worker import GpuWorker
@@ -58,16 +59,22 @@ class FakeBackend:
         return [1, *ids, 2] if add_special else ids
 
 
-def make(n_batch: int = 64, n_seq: int = 4, *, streams: bool = False, **settings: Any) -> tuple[Embedder, FakeContext]:
+def make(
+    nursery: trio.Nursery | None, n_batch: int = 64, n_seq: int = 4, *, streams: bool = False, **settings: Any
+) -> tuple[Embedder, FakeContext]:
+    """An embedder on a fake context, its pump running in ``nursery`` (the engine's, there;
+    None: the caller runs it)."""
     ctx = FakeContext(PooledShape("mean", 2, n_batch, n_seq, ()))
     backend = FakeBackend(ctx)
     s = replace(Settings(step_token_budget=8, warmup=False), **settings)
     emb = Embedder(lambda: backend, GpuWorker(), s, pooling=None, streams_running=lambda: streams)  # type: ignore[arg-type, return-value]
+    if nursery is not None:
+        nursery.start_soon(emb.run)
     return emb, ctx
 
 
-async def test_inputs_that_wait_together_share_calls_in_order() -> None:
-    emb, ctx = make(n_batch=64, n_seq=4)
+async def test_inputs_that_wait_together_share_calls_in_order(nursery: trio.Nursery) -> None:
+    emb, ctx = make(nursery, n_batch=64, n_seq=4)
     await emb.open()
     ctx.gate = threading.Event()
     results: dict[int, Any] = {}
@@ -90,21 +97,21 @@ async def test_inputs_that_wait_together_share_calls_in_order() -> None:
     assert results[1].n_tokens == [1, 3] and results[1].prompt_tokens == 4
 
 
-async def test_a_call_carries_a_step_budget_while_streams_generate() -> None:
-    emb, ctx = make(n_batch=64, n_seq=8, streams=True)  # --step-token-budget 8
+async def test_a_call_carries_a_step_budget_while_streams_generate(nursery: trio.Nursery) -> None:
+    emb, ctx = make(nursery, n_batch=64, n_seq=8, streams=True)  # --step-token-budget 8
     await emb.open()
     pooled = await emb.embed([[1] * 5, [2] * 5, [3] * 20, [4] * 3])
     # 5 + 5 > 8: one input a call, but one always goes (the 20-token one alone).
     assert [[x[0] for x in call] for call in ctx.calls] == [[1], [2], [3], [4]]
     assert [int(v[1]) for v in pooled.vectors] == [5, 5, 20, 3]
-    emb2, ctx2 = make(n_batch=64, n_seq=8, streams=False)
+    emb2, ctx2 = make(nursery, n_batch=64, n_seq=8, streams=False)
     await emb2.open()
     await emb2.embed([[1] * 5, [2] * 5, [3] * 20, [4] * 3])
     assert len(ctx2.calls) == 1  # no streams: the whole batch
 
 
-async def test_the_line_is_bounded_and_a_full_line_is_busy() -> None:
-    emb, ctx = make(n_batch=64, n_seq=2, embd_max_waiting=4)
+async def test_the_line_is_bounded_and_a_full_line_is_busy(nursery: trio.Nursery) -> None:
+    emb, ctx = make(nursery, n_batch=64, n_seq=2, embd_max_waiting=4)
     await emb.open()
     with pytest.raises(ProtocolError) as too_many:
         await emb.embed([[1]] * 5)
@@ -121,8 +128,8 @@ async def test_the_line_is_bounded_and_a_full_line_is_busy() -> None:
         ctx.gate.set()
 
 
-async def test_refusals_name_the_input() -> None:
-    emb, _ = make(n_batch=8)
+async def test_refusals_name_the_input(nursery: trio.Nursery) -> None:
+    emb, _ = make(nursery, n_batch=8)
     await emb.open()
     for inputs, words in (
         ([[1] * 9], "input 0 has 9 tokens; an input holds at most 8"),
@@ -138,8 +145,8 @@ async def test_refusals_name_the_input() -> None:
     assert "document 1 has 11 tokens with the query" in err.value.message
 
 
-async def test_a_cancelled_request_leaves_the_line_and_the_others_are_served() -> None:
-    emb, ctx = make(n_batch=64, n_seq=2)
+async def test_a_cancelled_request_leaves_the_line_and_the_others_are_served(nursery: trio.Nursery) -> None:
+    emb, ctx = make(nursery, n_batch=64, n_seq=2)
     await emb.open()
     ctx.gate = threading.Event()
     done: list[Any] = []
@@ -167,16 +174,16 @@ async def test_a_cancelled_request_leaves_the_line_and_the_others_are_served() -
     assert not emb._line
 
 
-async def test_open_warms_the_context_up_with_one_input() -> None:
-    emb, ctx = make(warmup=True)
+async def test_open_warms_the_context_up_with_one_input(nursery: trio.Nursery) -> None:
+    emb, ctx = make(nursery, warmup=True)
     shape = await emb.open()
     assert shape.pooling == "mean" and ctx.calls == [[[1]]]  # BOS alone
 
 
-async def test_texts_are_tokenized_in_the_call_that_computes_them() -> None:
+async def test_texts_are_tokenized_in_the_call_that_computes_them(nursery: trio.Nursery) -> None:
     """One trip to the worker a call: texts are tokenized there (with BOS/EOS), token ids kept;
     a text that turns out not to fit the call's budget goes back to the line's head, tokenized."""
-    emb, ctx = make(n_batch=8, n_seq=4)
+    emb, ctx = make(nursery, n_batch=8, n_seq=4)
     await emb.open()
     calls = emb._worker.calls
     pooled = await emb.embed(["ab c", [5, 6], "a b c d e"])
@@ -208,10 +215,10 @@ def test_which_models_get_embeddings() -> None:
     assert embeddings_wanted(replace(base, reranking=True), None) == (True, "rank")
 
 
-async def test_the_wait_is_for_a_turn_not_for_the_work() -> None:
+async def test_the_wait_is_for_a_turn_not_for_the_work(nursery: trio.Nursery) -> None:
     """wait_s bounds the wait until a request's first input is in a call (busy: 503); once
     one is, the request runs to its end however long its calls take."""
-    emb, ctx = make(n_batch=64, n_seq=1)
+    emb, ctx = make(nursery, n_batch=64, n_seq=1)
     await emb.open()
     ctx.gate = threading.Event()
     async with trio.open_nursery() as n:
@@ -247,8 +254,8 @@ class Gated(FakeContext):
         return super().run(inputs)
 
 
-def gated(n_batch: int, n_seq: int, calls: int) -> tuple[Embedder, Gated]:
-    emb, ctx = make(n_batch=n_batch, n_seq=n_seq)
+def gated(nursery: trio.Nursery, n_batch: int, n_seq: int, calls: int) -> tuple[Embedder, Gated]:
+    emb, ctx = make(nursery, n_batch=n_batch, n_seq=n_seq)
     gated_ctx = Gated(ctx.shape, calls)
     emb._backend().ctx = gated_ctx  # type: ignore[attr-defined]
     return emb, gated_ctx
@@ -261,10 +268,10 @@ async def step(ctx: Gated, i: int) -> None:
     await trio.testing.wait_all_tasks_blocked()
 
 
-async def test_a_request_computed_in_anothers_call_answers_at_once() -> None:
+async def test_a_request_computed_in_anothers_call_answers_at_once(nursery: trio.Nursery) -> None:
     """Its wait for the turn is lifted by the call that settles its last input: it answers
     while the next call runs, not once the turn has come round to it."""
-    emb, ctx = gated(n_batch=64, n_seq=1, calls=5)
+    emb, ctx = gated(nursery, n_batch=64, n_seq=1, calls=5)
     await emb.open()
     done: list[str] = []
 
@@ -292,10 +299,10 @@ async def _answers_at_once(ctx: Gated, one: Any, done: list[str]) -> None:
         ctx.go[4].set()
 
 
-async def test_inputs_put_back_survive_a_request_leaving_during_the_call() -> None:
+async def test_inputs_put_back_survive_a_request_leaving_during_the_call(nursery: trio.Nursery) -> None:
     """A text that does not fit its call goes back to the line's head after the call; a
     request cancelled while that call ran leaves the line, and the text is still there."""
-    emb, ctx = gated(n_batch=8, n_seq=4, calls=4)
+    emb, ctx = gated(nursery, n_batch=8, n_seq=4, calls=4)
     await emb.open()
     served: list[Any] = []
 
@@ -329,3 +336,164 @@ async def _put_back(ctx: Gated, emb: Embedder, one: Any) -> None:
         await trio.testing.wait_all_tasks_blocked()
         for go in ctx.go[1:]:
             go.set()
+
+
+# ---- the pump ------------------------------------------------------------------------------
+
+
+async def test_the_next_call_computes_while_the_last_ones_requests_reply(nursery: trio.Nursery) -> None:
+    """The pump hands the worker the next call before the requests of the call before are
+    woken: a request that holds the trio thread for its reply (as writing one does) finds
+    the next call already computing. When requests led calls in turn, the next one waited
+    for that reply: the trio thread was the next leader's too."""
+    emb, ctx = gated(nursery, n_batch=64, n_seq=1, calls=2)
+    await emb.open()
+    seen: list[tuple[bool, int]] = []
+    replied = trio.Event()
+
+    async def a() -> None:
+        await emb.embed([[1]])
+        # Its reply, on the trio thread: nothing else of trio runs meanwhile.
+        seen.append((ctx.started[1].wait(5), len(ctx.calls)))
+        replied.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(a)
+            await trio.to_thread.run_sync(ctx.started[0].wait)
+            n.start_soon(emb.embed, [[2]])
+            await trio.testing.wait_all_tasks_blocked()
+            ctx.go[0].set()
+            await replied.wait()
+            ctx.go[1].set()
+    assert seen == [(True, 1)]  # the second call was running, not yet done, as [1]'s reply was written
+
+
+async def test_a_call_waiting_for_the_worker_wakes_the_last_ones_requests_at_once(nursery: trio.Nursery) -> None:
+    """The worker is first come, first served: a step batch that waits when a call ends runs
+    before the next call, and the requests of the call that ended answer without waiting
+    for it."""
+    emb, ctx = gated(nursery, n_batch=64, n_seq=1, calls=2)
+    await emb.open()
+    step_go, step_in = threading.Event(), threading.Event()
+    answered = trio.Event()
+
+    def step_batch() -> None:
+        step_in.set()
+        assert step_go.wait(10)
+
+    async def a() -> None:
+        await emb.embed([[1]])
+        answered.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(a)
+            await trio.to_thread.run_sync(ctx.started[0].wait)
+            n.start_soon(emb.embed, [[2]])
+            await trio.testing.wait_all_tasks_blocked()
+            n.start_soon(emb._worker.call, step_batch)  # waits behind the call running
+            await trio.testing.wait_all_tasks_blocked()
+            ctx.go[0].set()
+            await trio.to_thread.run_sync(step_in.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            # The step holds the worker, the next call waits behind it, and [1]'s request has answered.
+            assert answered.is_set() and not ctx.started[1].is_set()
+            step_go.set()
+            ctx.go[1].set()
+    assert [c[0][0] for c in ctx.calls] == [1, 2]
+
+
+async def test_a_request_cancelled_while_its_inputs_compute_is_dropped(nursery: trio.Nursery) -> None:
+    """Its inputs in the running call are computed and dropped; the one that did not fit
+    that call is not put back; the line goes on with the others'."""
+    emb, ctx = gated(nursery, n_batch=8, n_seq=4, calls=3)
+    await emb.open()
+    served: list[Any] = []
+    gone = trio.CancelScope()
+
+    async def leaves() -> None:
+        with gone:
+            await emb.embed(["ab c", "a b c d e"])  # 4 + 7 tokens: the second not in the first's call
+
+    async def stays() -> None:
+        served.append(await emb.embed([[5]]))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(stays)  # [5] first, held
+            await trio.to_thread.run_sync(ctx.started[0].wait)
+            n.start_soon(leaves)
+            await trio.testing.wait_all_tasks_blocked()
+            n.start_soon(stays)
+            await trio.testing.wait_all_tasks_blocked()
+            await step(ctx, 0)  # the second call: "ab c" (and, untokenized, "a b c d e" and [5])
+            gone.cancel()  # leaves while its inputs compute
+            await trio.testing.wait_all_tasks_blocked()
+            assert not emb._line  # nothing of its was left there
+            ctx.go[1].set()
+            await trio.to_thread.run_sync(ctx.started[2].wait)
+            ctx.go[2].set()
+    # "a b c d e" did not fit the second call and was not put back: the third is [5] alone.
+    assert [[x[0] for x in call] for call in ctx.calls] == [[5], [1], [5]]
+    assert len(served) == 2 and not emb._line
+
+
+async def test_the_pump_ends_with_the_engine() -> None:
+    """Stopping the engine cancels the pump: a call running then finishes and answers its
+    inputs (its thread cannot be abandoned); those still in line are refused, and so is
+    every request after; the pump re-raises its Cancelled (its owner's scope catches it)."""
+    emb, ctx = make(None, n_batch=64, n_seq=1)
+    results: dict[str, Any] = {}
+    engine = trio.CancelScope()  # the engine's lifetime
+    ended = trio.Event()
+
+    async def pump() -> None:
+        with engine:
+            await emb.run()
+        ended.set()
+
+    async def one(name: str, inputs: list[list[int]]) -> None:
+        try:
+            results[name] = await emb.embed(inputs)
+        except ProtocolError as exc:
+            results[name] = exc
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(pump)
+            await emb.open()
+            ctx.gate = threading.Event()
+            n.start_soon(one, "running", [[1]])
+            await trio.to_thread.run_sync(ctx.entered.wait)
+            n.start_soon(one, "waiting", [[2]])
+            await trio.testing.wait_all_tasks_blocked()
+            engine.cancel()  # the engine stops while [1] computes
+            await trio.testing.wait_all_tasks_blocked()
+            assert not results and not ended.is_set()  # the pump waits for its call
+            ctx.gate.set()
+            await ended.wait()
+    assert engine.cancelled_caught
+    assert [v[0] for v in results["running"].vectors] == [1]
+    assert results["waiting"].status == Status.BUSY and "engine is stopped" in results["waiting"].message
+    assert ctx.calls == [[[1]]] and not emb._line
+    with pytest.raises(ProtocolError, match="engine is stopped"):
+        await emb.embed([[3]])
+
+
+async def test_the_engine_runs_and_stops_its_pump(embed_model: Path) -> None:
+    """On a real engine: the pump is one of its tasks (embeddings served while it runs), and
+    ``stop()`` ends ``run`` with it."""
+    from conftest import test_settings  # (imported here: at the top, pytest would collect it)
+
+    engine = await Engine.load(str(embed_model), test_settings(embed_model))
+    pooling = engine.pooling
+    assert pooling is not None
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(engine.run)
+            pooled = await pooling.embed(["hello world", [5, 6, 7]])
+            assert len(pooled.vectors) == 2 and pooled.calls == 1
+            engine.stop()
+    with pytest.raises(ProtocolError, match="engine is stopped"):
+        await pooling.embed(["hello"])

@@ -226,8 +226,12 @@ class EngineCore:
         log.info("chat template: %s", template.describe())
         return engine
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the step batcher and the reconfigurer until ``stop()``, then close the model.
+    async def run(
+        self, *, also: Sequence[Callable[[], Awaitable[object]]] = (),
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the step batcher and the reconfigurer (and ``also``: the face's own tasks, the
+        embedder's pump) until ``stop()``, then close the model.
 
         Cancelling the caller does not stop them: whoever owns the engine calls ``stop()``
         after everything that uses the engine has ended, so no request is left waiting on a
@@ -239,6 +243,8 @@ class EngineCore:
                 nursery.start_soon(self.sessions.run)
                 nursery.start_soon(self.tiers.run)
                 nursery.start_soon(self.inputs.warm_grammars)
+                for task in also:
+                    nursery.start_soon(task)
                 task_status.started()
         with trio.CancelScope(shield=True):
             await self.worker.close(self.backend.close)

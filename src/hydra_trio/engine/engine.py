@@ -87,7 +87,8 @@ class Engine:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``stop()``, then free the model (its users have left by then)."""
-        await self._core.run(task_status=task_status)
+        also = () if self._embedder is None else (self._embedder.run,)  # its pump
+        await self._core.run(also=also, task_status=task_status)
 
     def stop(self) -> None:
         """End ``run``: late work is refused with a clear error."""

@@ -86,6 +86,11 @@ class GpuWorker:
         if self._in_call:
             await self._call_ended.wait()
 
+    def idle(self) -> bool:
+        """No call runs or waits for the worker: one asked for now gets it at once."""
+        stats = self.limiter.statistics()
+        return stats.borrowed_tokens < stats.total_tokens and stats.tasks_waiting == 0
+
     def _ended(self) -> None:
         self._call_ended.set()
         self._call_ended = trio.Event()
