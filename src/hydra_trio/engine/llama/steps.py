@@ -112,7 +112,8 @@ class BatchSteps:
             r = requests[i]
             pos = len(seq_tokens[r.slot])
             entries.append((r.slot, r.token, pos, True))
-            entries += [(r.slot, t, pos + 1 + j, True) for j, t in enumerate(draft)]
+            if draft:
+                entries += [(r.slot, t, pos + 1 + j, True) for j, t in enumerate(draft)]
         return entries, drafts
 
     def _measure(
