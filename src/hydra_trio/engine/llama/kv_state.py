@@ -183,7 +183,8 @@ class SlotStates:
         # writes, every position in the base cache, those in the window of the last one in
         # the SWA cache (llama.cpp writes no masked cell). The SWA cache alone is the partial
         # state: its size per cell apart from the base's.
-        self._swa_per_cell = two_swa - one_swa if self._swa_cells_computed() else 0
+        # (A memory with no SWA cache of its own writes its whole state as the partial one.)
+        self._swa_per_cell = two_swa - one_swa if two_swa < two and self._swa_cells_computed() else 0
         self._state_per_pos = two - one - self._swa_per_cell
         # Header of a non-empty sequence.
         self._state_first = one - self._state_per_pos - self._swa_per_cell
