@@ -267,7 +267,13 @@ class LlamaBackend(SlotStates, BatchSteps):
         self.n_ctx = llama_cpp.llama_n_ctx(ctx) if self.kv_unified else self.n_ctx_slot * self.n_slots
         self.n_stream = 1 if self.kv_unified else self.n_slots
         self.n_threads = n_threads
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
+        self._batch = batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_slots + 1)
+        # The batch's arrays as ctypes pointers made once: reading a field of the struct makes
+        # a new pointer object each time, five a token, cache misses each after a decode.
+        # Every entry names one sequence.
+        self._b_arrays = (batch.token, batch.pos, batch.logits, [batch.seq_id[i] for i in range(self.n_batch)])
+        for i in range(self.n_batch):
+            batch.n_seq_id[i] = 1
         self.seq_tokens = [[] for _ in range(self.n_slots)]
         self.seq_salt = [None] * self.n_slots
         self.seq_lora = [()] * self.n_slots
@@ -283,8 +289,11 @@ class LlamaBackend(SlotStates, BatchSteps):
         # rounds differently). Any change of the slot's KV drops them (``_advanced``).
         self.tail_logits: list[bytes | None] = [None] * self.n_slots
         # Lowest position each slot's SWA cells still hold (see n_swa), and, for SWA models,
-        # the slot's exact state size, re-measured on the worker after each change.
+        # what gives the slot's exact state size, kept on the worker after each change: the
+        # cells of its SWA cache its state holds (``_swa_cells``), or, where those are not
+        # computed, the size itself.
         self._swa_low = [0] * self.n_slots
+        self._swa_n = [0] * self.n_slots
         # Only a window-sized SWA cache and a recurrent state lose what a cut needs
         # (checkpoints.py), as llama-server takes checkpoints for them alone.
         needed = (self.n_swa and not self.swa_full) or not self.info.can_roll_back
@@ -326,8 +335,12 @@ class LlamaBackend(SlotStates, BatchSteps):
             )
         self._kept[slot] = len(self.seq_tokens[slot])
         if self.n_swa:
-            self._swa_low[slot] = max(self._swa_low[slot], len(self.seq_tokens[slot]) - self.n_swa)
-            self._sizes[slot] = self.state_size(slot)
+            n_past = len(self.seq_tokens[slot])
+            self._swa_low[slot] = max(self._swa_low[slot], n_past - self.n_swa)
+            if self._swa_per_cell:
+                self._swa_n[slot] = self._swa_cells(slot, n_past)
+            else:
+                self._sizes[slot] = self.state_size(slot)
 
     def rebuild_context(
         self, *, n_ctx: int | None = None, type_k: int | None = None, type_v: int | None = None
@@ -524,14 +537,15 @@ class LlamaBackend(SlotStates, BatchSteps):
 
     def _decode_batch(self, entries: Sequence[tuple[int, int, int, bool]], abort: threading.Event | None) -> None:
         """Decode (seq, token, pos, want_logits) entries as one llama_batch."""
-        self._free_retired()
+        if self._retired:
+            self._free_retired()
         batch = self._batch
+        tokens, positions, want, seq_ids = self._b_arrays
         for i, (seq, token, pos, logits) in enumerate(entries):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = logits
+            tokens[i] = token
+            positions[i] = pos
+            seq_ids[i][0] = seq
+            want[i] = logits
         batch.n_tokens = len(entries)
         if self._adapters:
             self._use_lora(entries)

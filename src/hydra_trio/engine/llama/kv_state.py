@@ -102,6 +102,11 @@ log = logging.getLogger(__name__)
 # A sequence's partial state: its SWA layers' cells, or its recurrent state (llama.h).
 _PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
+# Sliding-window architectures whose window is not a sequence's last n_swa positions
+# (llama_hparams::is_masked_swa: llama4's chunks; the symmetric window of two encoders): their
+# SWA cell count is asked of llama.cpp, not computed (``_swa_cells``).
+_WINDOW_NOT_TRAILING = frozenset({b"llama4", b"gemma-embedding", b"modern-bert"})
+
 
 class DecodeAborted(Exception):
     """llama_decode was stopped by the abort flag; the batch's cells were removed."""
@@ -135,6 +140,9 @@ class SlotStates:
     _swa_low: list[int]
     checkpoints: Checkpoints
     checkpoint_size: int | None
+    _model: ctypes.c_void_p
+    _sizes: list[int]
+    _swa_n: list[int]
 
     def _measure_state_size(self) -> None:
         # A sequence's state is a fixed header plus a fixed size per position: measure both
@@ -162,16 +170,46 @@ class SlotStates:
         self._stream_room = 4 * self.n_stream * n_kv_caches  # the local form's stream counts
         self._stream_overhead = 4 * (self.n_stream - 1) * n_kv_caches
         one = self.state_size(seq)
+        one_swa = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, _PARTIAL))
         # What a context checkpoint of a recurrent or hybrid model holds: its recurrent
         # state, one per sequence, the same size at any position (None: no recurrent state).
-        partial = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, _PARTIAL))
-        self.checkpoint_size = None if self.info.can_roll_back else partial
+        self.checkpoint_size = None if self.info.can_roll_back else one_swa
         self._decode_batch([(seq, tok, 1, False)], None)
         two = self.state_size(seq)
+        two_swa = int(llama_cpp.llama_state_seq_get_size_ext(self._ctx, seq, _PARTIAL))
         llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._state_base = self.state_size(seq)
-        self._state_per_pos = two - one
-        self._state_first = one - self._state_per_pos  # header of a non-empty sequence
+        # A sliding-window model's state is its two caches': each linear in the cells it
+        # writes, every position in the base cache, those in the window of the last one in
+        # the SWA cache (llama.cpp writes no masked cell). The SWA cache alone is the partial
+        # state: its size per cell apart from the base's.
+        # (A memory with no SWA cache of its own writes its whole state as the partial one.)
+        self._swa_per_cell = two_swa - one_swa if two_swa < two and self._swa_cells_computed() else 0
+        self._state_per_pos = two - one - self._swa_per_cell
+        # Header of a non-empty sequence.
+        self._state_first = one - self._state_per_pos - self._swa_per_cell
+
+    def _swa_cells_computed(self) -> bool:
+        """Whether the slots' SWA cell counts (hence their exact state sizes) come from their
+        positions (``_swa_cells``) rather than a llama.cpp size call, which walks every cell
+        of both caches (34 us a call at one slot on Gemma 3, every slot of every step).
+        Sliding-window models only, not recurrent or hybrid ones, whose window is the last
+        n_swa positions."""
+        if not self.n_swa or self.info.recurrent or self.info.hybrid:
+            return False
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_model_meta_val_str(self._model, b"general.architecture", buf, len(buf))
+        return n > 0 and buf.value not in _WINDOW_NOT_TRAILING
+
+    def _swa_cells(self, slot: int, n_past: int) -> int:
+        """The cells of the slot's SWA cache its state holds: its positions within the window
+        of the last one (llama.cpp keeps a sequence's cells contiguous, from its lowest
+        position to its highest, ``apply_ubatch``; the lowest is one cheap call), less any
+        position below the window that has not been overwritten yet."""
+        if n_past == 0:
+            return 0
+        low = int(llama_cpp.llama_memory_seq_pos_min(self._mem, slot))
+        return n_past - max(low, n_past - self.n_swa)
 
     # ---- context checkpoints (checkpoints.py: the bookkeeping) -------------------------
 
@@ -231,11 +269,19 @@ class SlotStates:
         return True
 
     def slot_state_size(self, slot: int) -> int:
-        """Exact serialized size of the slot's sequence, without a llama call."""
-        return self._sizes[slot] if self.n_swa else self.state_size_for(len(self.seq_tokens[slot]))
+        """Exact serialized size of the slot's sequence, without a llama call (any thread)."""
+        if not self.n_swa:
+            return self.state_size_for(len(self.seq_tokens[slot]))
+        if self._swa_per_cell:
+            return self.state_size_for(len(self.seq_tokens[slot]), self._swa_n[slot])
+        return self._sizes[slot]
 
-    def state_size_for(self, n_past: int) -> int:
-        return self._state_base if n_past == 0 else self._state_first + n_past * self._state_per_pos
+    def state_size_for(self, n_past: int, n_swa_cells: int = 0) -> int:
+        """The state size of a sequence of ``n_past`` positions (a sliding-window model's:
+        with ``n_swa_cells`` of them in its SWA cache, ``_swa_cells``)."""
+        if n_past == 0:
+            return self._state_base
+        return self._state_first + n_past * self._state_per_pos + n_swa_cells * self._swa_per_cell
 
     def state_size(self, slot: int) -> int:
         """The size of the slot's state in the one-stream form blobs travel in."""

@@ -74,8 +74,11 @@ class BatchSteps:
             for i in live:
                 results[i] = self.step([requests[i]], drafts=False)[0]
             return results
-        self._measure(requests, live, proposed, self.decode_s - decode_s)
-        self._roll_back(self._verify_steps(requests, live, proposed, len(entries), results))
+        if self.planner is not None:
+            self._measure(requests, live, proposed, self.decode_s - decode_s)
+        cuts = self._verify_steps(requests, live, proposed, len(entries), results)
+        if cuts:
+            self._roll_back(cuts)
         for i in live:
             self._advanced(requests[i].slot)
         return results
@@ -109,7 +112,8 @@ class BatchSteps:
             r = requests[i]
             pos = len(seq_tokens[r.slot])
             entries.append((r.slot, r.token, pos, True))
-            entries += [(r.slot, t, pos + 1 + j, True) for j, t in enumerate(draft)]
+            if draft:
+                entries += [(r.slot, t, pos + 1 + j, True) for j, t in enumerate(draft)]
         return entries, drafts
 
     def _measure(
@@ -180,10 +184,12 @@ class BatchSteps:
         (measured, cause not pinned down): on the bare llama API, 8 streams at positions
         200-280 of a unified cache stepped ~1.5x slower with the slots in a new order each
         step than in the same order."""
-        return sorted(
-            (i for i, r in enumerate(requests) if len(self.seq_tokens[r.slot]) < self.n_ctx_slot),
-            key=lambda i: requests[i].slot,
-        )
+        seq_tokens, room = self.seq_tokens, self.n_ctx_slot
+        live = [i for i, r in enumerate(requests) if len(seq_tokens[r.slot]) < room]
+        slots = [requests[i].slot for i in live]
+        if slots != sorted(slots):  # the batcher sends them in order: no key to call per request
+            live.sort(key=lambda i: requests[i].slot)
+        return live
 
     def step_mixed(
         self, requests: Sequence[StepRequest], parts: Sequence[PrefillPart]

@@ -96,6 +96,7 @@ class Sampler:
         self._on_context = fast_path  # a chain picks on llama.cpp's row when it is given
         # Greedy with nothing else asked (the common case): the argmax alone (``sample``).
         self._plain = fast_path and self.is_argmax and grammar is None and think is None and logprobs is None
+        self._eog: tuple[np.ndarray, frozenset[int]] | None = None  # _eog_set's
 
     @property
     def bans_eog(self) -> bool:
@@ -120,7 +121,11 @@ class Sampler:
         there). Log-probabilities are those of the model's own logits (under a grammar, the
         constrained distribution), before any ban."""
         if self._plain:  # what the steps below come to for it, with nothing to ask
-            token = int(self._banned(logits, eog_ids).argmax())
+            token = int(logits.argmax())
+            # The ban changes the argmax only when it is an end-of-generation token (the
+            # first of equal maxima stays the first): the row is edited then alone.
+            if token in self._eog_set(eog_ids) and self.bans_eog:
+                token = int(self._banned(logits, eog_ids).argmax())
             self.n_picked += 1
             return token
         think = self.think
@@ -153,6 +158,12 @@ class Sampler:
         if self.params.grammar is None or self._dropped:
             return False
         return not (self.think is not None and self.think.holds_grammar)
+
+    def _eog_set(self, eog_ids: np.ndarray) -> frozenset[int]:
+        """``eog_ids`` as a set (the vocabulary's, the same array at every pick)."""
+        if self._eog is None or self._eog[0] is not eog_ids:
+            self._eog = (eog_ids, frozenset(eog_ids.tolist()))
+        return self._eog[1]
 
     def _banned(self, logits: np.ndarray, eog_ids: np.ndarray) -> np.ndarray:
         """The ban step: end-of-generation tokens at -inf while the request may not end."""
