@@ -335,3 +335,29 @@ def test_wire_imports_without_heavy_dependencies() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_image_positions_go_out_unsigned_with_their_blocks_media_keys() -> None:
+    """An image's positions (negative ids in the engine's token lists) are published as the
+    unsigned 31-bit values they stand for, never negative (llm-d's indexer decodes
+    ``token_ids`` as uint32), and each block holding some names them in ``extra_keys`` as
+    vLLM names a block's multimodal inputs; a text-only chain carries no ``extra_keys``."""
+    from hydra_trio.wire.kvevents import MEDIA_KEY, block_stored, decode_batch, encode_batch
+
+    image_a = [-1 - (5 << 1 | 1), -1 - (9 << 1), -1 - (7 << 1)]
+    image_b = [-1 - (6 << 1 | 1), -1 - (9 << 1), -1 - (7 << 1)]
+    text = [11, 12, 13, 14, 15]
+    ev_a = block_stored([1, 2], None, [*text[:1], *image_a, *text[1:]], 4)
+    ev_b = block_stored([3, 4], None, [*text[:1], *image_b, *text[1:]], 4)
+    assert ev_a["token_ids"] == [11, 11, 18, 14, 12, 13, 14, 15]
+    assert all(0 <= t < 2**31 for t in ev_a["token_ids"])
+    keys_a, keys_b = ev_a["extra_keys"], ev_b["extra_keys"]
+    assert keys_a[1] is None and keys_a[0][0] == MEDIA_KEY
+    assert keys_a[0] != keys_b[0]  # two images at the same place: two keys
+    plain = block_stored([5], None, text[:4], 4)
+    assert "extra_keys" not in plain
+    for encoding in ("map", "array"):
+        (_, [back, back_plain], _) = decode_batch(encode_batch(0.0, [ev_a, plain], encoding=encoding))
+        assert back["token_ids"] == ev_a["token_ids"]
+        assert [tuple(k) if k else None for k in back["extra_keys"]] == keys_a
+        assert "extra_keys" not in back_plain

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from array import array
 from typing import Any
 
 import msgpack
+
+from .hashing import xxh3_64
 
 # Where a chain's blocks live, in the router's terms: "GPU" is the device tier (the slots),
 # "CPU" the host tier (the prompt cache in RAM, vLLM's name for its CPU offload tier).
@@ -35,10 +38,17 @@ MEDIUM_DISK = "DISK"  # ours: the disk tier (--cache-disk), as vLLM's KV connect
 ENCODINGS = ("map", "array")
 # Each event type's fields in vLLM's struct order (the positional layout of "array").
 _FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"
+    ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
+# Fields an event may leave out (vLLM's defaults: its array layout drops them at the end).
+_OPTIONAL = frozenset({"extra_keys"})
+# The first of a block's ``extra_keys`` when it holds image positions (vLLM's are its
+# multimodal identifiers).
+MEDIA_KEY = "mm"
 # The replay stream's last frame carries seq -1 (signed), with an empty topic and payload.
 END_SEQ = struct.pack(">q", -1)
 # vllm-router refuses a batch of more than this many events (and payloads over 16 MiB).
@@ -60,20 +70,36 @@ def block_stored(
 ) -> Event:
     """``lora_id``, ``lora_name``: the LoRA adapter (set) the blocks were computed under (None: the base model).
     ``session_id`` (ours, map encoding only: a key vLLM's structs do not have, which the
-    array layout leaves out): the agent session whose turn stored the blocks."""
+    array layout leaves out): the agent session whose turn stored the blocks.
+
+    A negative id is a position that holds an image, not a vocabulary token (its id in the
+    engine's token lists: ``-1 - v``, v < 2**31 a hash of the image and the position):
+    consumers read ``token_ids`` as unsigned 32-bit (llm-d's indexer) or 32-bit ints, so it
+    goes out as ``v``, and each block holding such positions carries
+    ``extra_keys[i] = ("mm", <xxh3-64 hex of its v>)``, as vLLM names a block's multimodal
+    inputs there (None for a block without; no ``extra_keys`` when no block has any)."""
+    ids = list(token_ids)
     event = {
         "type": "BlockStored",
         "block_hashes": list(hashes),
         "parent_block_hash": parent,
-        "token_ids": list(token_ids),
+        "token_ids": ids,
         "block_size": block_size,
         "lora_id": lora_id,
         "medium": medium,
         "lora_name": lora_name,
     }
+    if ids and min(ids) < 0:
+        event["token_ids"] = [t if t >= 0 else -1 - t for t in ids]
+        event["extra_keys"] = [_media_key(ids[i : i + block_size]) for i in range(0, len(ids), block_size)]
     if session_id is not None:
         event["session_id"] = session_id
     return event
+
+
+def _media_key(block: Sequence[int]) -> tuple[str, str] | None:
+    media = [-1 - t for t in block if t < 0]
+    return (MEDIA_KEY, f"{xxh3_64(array('I', media).tobytes()):016x}") if media else None
 
 
 def block_removed(hashes: Sequence[int], medium: str = MEDIUM_DEVICE) -> Event:
@@ -99,7 +125,8 @@ def encode_batch(ts: float, events: Sequence[Event], dp_rank: int | None = None,
     """The payload ``[ts, events, dp_rank]``; ``encoding`` "array" lays each event out as
     ``[tag, *fields]`` in vLLM's field order instead of a map."""
     if encoding == "array":
-        events = [[ev["type"], *(ev[f] for f in _FIELDS[ev["type"]])] for ev in events]
+        events = [[ev["type"], *(ev[f] for f in _FIELDS[ev["type"]] if f in ev or f not in _OPTIONAL)]
+                  for ev in events]
     return msgpack.packb([ts, list(events), dp_rank], use_bin_type=True)
 
 
@@ -112,7 +139,11 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event], int | None]:
 def _as_map(ev: Any) -> Event:
     if isinstance(ev, list):  # "array": [tag, *fields]; trailing defaults may be left off
         fields = _FIELDS.get(ev[0], ())
-        return {"type": ev[0], **{f: (ev[i + 1] if i + 1 < len(ev) else None) for i, f in enumerate(fields)}}
+        return {
+            "type": ev[0],
+            **{f: (ev[i + 1] if i + 1 < len(ev) else None) for i, f in enumerate(fields)
+               if i + 1 < len(ev) or f not in _OPTIONAL},
+        }
     return dict(ev)
 
 
