@@ -19,8 +19,8 @@ Pure: importable without llama_cpp or zmq (docs/protocol-extensions.md §7).
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
