@@ -32,13 +32,8 @@ def _cached(body: dict[str, Any]) -> int:
     return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-async def test_a_history_back_from_ram_takes_one_worker_call(
-    start_engine: Callable[..., Any], tiny_model: Path
-) -> None:
-    ep = await start_engine(tiny_model, slots=1, cache_ram_mib=64)
-    core = ep.state.engine._core
-    a = SYSTEM + _tokens(1, 120)
-    b = SYSTEM + _tokens(2, 120)
+def _count_bring_calls(core: Any) -> list[int]:
+    """The GPU-worker calls of each ``scheduler.bring`` from now on, one entry a bring."""
     calls: list[int] = []
     bring = core.scheduler.bring
 
@@ -50,6 +45,17 @@ async def test_a_history_back_from_ram_takes_one_worker_call(
             calls.append(core.worker.calls - before)
 
     core.scheduler.bring = counted
+    return calls
+
+
+async def test_a_history_back_from_ram_takes_one_worker_call(
+    start_engine: Callable[..., Any], tiny_model: Path
+) -> None:
+    ep = await start_engine(tiny_model, slots=1, cache_ram_mib=64)
+    core = ep.state.engine._core
+    a = SYSTEM + _tokens(1, 120)
+    b = SYSTEM + _tokens(2, 120)
+    calls = _count_bring_calls(core)
     async with http(ep) as h:
         await _complete(h, a)  # the slot holds a's history, and 3 generated positions
         await _complete(h, b)  # a's history goes to RAM; the slot holds b's
@@ -118,17 +124,7 @@ async def test_a_borrowed_history_stays_in_ram(start_engine: Callable[..., Any],
     ep = await start_engine(tiny_model, slots=1, cache_ram_mib=64)
     core = ep.state.engine._core
     a, b = SYSTEM + _tokens(1, 120), SYSTEM + _tokens(2, 120)
-    calls: list[int] = []
-    bring = core.scheduler.bring
-
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        before = core.worker.calls
-        try:
-            return await bring(*args, **kwargs)
-        finally:
-            calls.append(core.worker.calls - before)
-
-    core.scheduler.bring = counted
+    calls = _count_bring_calls(core)
     async with http(ep) as h:
         await _complete(h, a)
         await _complete(h, _tokens(9, 100))  # a one-off prompt: a's history goes to RAM
