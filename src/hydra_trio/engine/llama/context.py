@@ -39,7 +39,7 @@ from .kv_state import DecodeAborted, NoKvSpace, SlotStates
 from .log import captured, init_llama
 from .lora_sets import LoraSets
 from .model_info import read_model_info
-from .seqstate import type_name
+from .statematch import type_name
 from .steps import BatchSteps
 from .types import (
     LogitsRow,
