@@ -1,6 +1,6 @@
 """Histories that start alike hold their first positions once in the prompt cache: a state
 split at a position into its head (the first KV cache's cells below it) and the rest, joined
-back into what a slot restores (engine/llama/seqstate.py ``split_head``/``join_head``,
+back into what a slot restores (engine/llama/statesplice.py ``split_head``/``join_head``,
 ``Snapshot.split``/``joined``, kv/promptcache.py's ``_Head``). Synthetic states check the byte
 surgery cell by cell; a real backend checks llama.cpp restores a joined state, and that the
 head of one history continues another's."""
@@ -25,12 +25,9 @@ from hydra_trio.engine.llama.seqstate import (
     MemoryShape,
     RecurrentShape,
     StateLayoutError,
-    join_head,
     read_layout,
-    split_head,
-    window_at,
-    window_gap,
 )
+from hydra_trio.engine.llama.statesplice import join_head, split_head, window_at, window_gap
 from hydra_trio.engine.sample import Sampler
 
 # A cache: (n_layer, K/V row bytes (element bytes x elements for a transposed V)).

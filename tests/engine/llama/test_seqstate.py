@@ -1,6 +1,7 @@
 """KV states between layouts (engine/llama/seqstate.py): the one-stream form blobs travel in, a
 split cache's per-slot streams, and the layout check a restore makes before it touches a
-slot. Synthetic states check the byte surgery; real backends check llama.cpp agrees."""
+slot (engine/llama/statematch.py). Synthetic states check the byte surgery; real backends
+check llama.cpp agrees."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from hydra_trio.engine.llama.seqstate import (
     MemoryShape,
     RecurrentShape,
     StateLayoutError,
-    layout_mismatch,
     learn_shape,
     read_layout,
     rewrite_in_place,
     with_streams,
 )
+from hydra_trio.engine.llama.statematch import layout_mismatch
 from hydra_trio.engine.sample import Sampler
 from hydra_trio.wire import ErrorCode, ProtocolError
 

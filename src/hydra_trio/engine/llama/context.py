@@ -1,6 +1,7 @@
 """A llama model and its context with one sequence per slot: loading, decoding, sampling,
 tokens. Its slots' KV state in and out is kv_state.py's half of the class; the batched
-generation steps (with speculative drafts) are steps.py's.
+generation steps (with speculative drafts) are steps.py's; its LoRA adapter sets lora_sets.py's.
+What the model says of itself (``ModelInfo``) is read by model_info.py.
 
 Every method here is synchronous and must run on the GPU worker (engine/worker.py). The
 backend owns the per-slot token lists so they always describe exactly what the KV holds,
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 import llama_cpp
 import numpy as np
 
-from .chat import builtin_chat_templates, gguf_template_variants
+from .chat import builtin_chat_templates
 from .checkpoints import Checkpoints
 from .devices import (
     OffloadReport,
@@ -33,19 +34,18 @@ from .devices import (
     repack_choice,
     repacked_mib,
 )
-from .embedding import EmbeddingContext, model_pooling
+from .embedding import EmbeddingContext
 from .kv_state import DecodeAborted, NoKvSpace, SlotStates
 from .log import captured, init_llama
-from .seqstate import type_name
+from .lora_sets import LoraSets
+from .model_info import read_model_info
+from .statematch import type_name
 from .steps import BatchSteps
 from .types import (
-    TOKEN_ROLES,
     LogitsRow,
     LoraSet,
-    ModelInfo,
     SlotWatcher,
     StepPlanner,
-    TokenRoles,
     TokenSampler,
     Vocabulary,
     common_prefix_len,
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LlamaBackend(SlotStates, BatchSteps):
+class LlamaBackend(SlotStates, BatchSteps, LoraSets):
     """One llama model + context with ``n_slots`` sequences, one per slot.
 
     The KV cache is unified (one pool of cells shared by all slots, any slot may use all of
@@ -127,7 +127,7 @@ class LlamaBackend(SlotStates, BatchSteps):
         # position cannot be continued (the window before the cut is gone), and its state
         # size is not linear in n_past. 0: no SWA layers.
         self.n_swa = max(0, int(llama_cpp.llama_model_n_swa(self._model)))
-        self.info = self._read_model_info()
+        self.info = read_model_info(self._model, self._vocab)
         # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
         # the GPU worker) so the token loop needs no llama call on the trio thread.
         self.pieces: list[bytes] = [self._piece(t) for t in range(self.info.n_vocab)]
@@ -183,34 +183,6 @@ class LlamaBackend(SlotStates, BatchSteps):
                 raise
 
     # ---- setup -------------------------------------------------------------------------
-
-    def _read_model_info(self) -> ModelInfo:
-        m, v = self._model, self._vocab
-        tpl_ptr = llama_cpp.llama_model_chat_template(m, None)
-        template = tpl_ptr.decode("utf-8", "replace") if tpl_ptr else None
-        bos, eos = llama_cpp.llama_vocab_bos(v), llama_cpp.llama_vocab_eos(v)
-        return ModelInfo(
-            n_vocab=llama_cpp.llama_vocab_n_tokens(v),
-            n_ctx_train=llama_cpp.llama_model_n_ctx_train(m),
-            n_embd=llama_cpp.llama_model_n_embd(m),
-            n_layer=llama_cpp.llama_model_n_layer(m),
-            bos=bos,
-            eos=eos,
-            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
-            chat_template=template,
-            recurrent=bool(llama_cpp.llama_model_is_recurrent(m)),
-            hybrid=bool(llama_cpp.llama_model_is_hybrid(m)),
-            bos_text=self._vocab_text(bos),
-            eos_text=self._vocab_text(eos),
-            chat_template_variants=gguf_template_variants(self._model),
-            roles=TokenRoles({r: t for r in TOKEN_ROLES if (t := getattr(llama_cpp, f"llama_vocab_{r}")(v)) >= 0},
-                             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
-                             add_eos=bool(llama_cpp.llama_vocab_get_add_eos(v)),
-                             add_sep=bool(llama_cpp.llama_vocab_get_add_sep(v))),
-            pooling=model_pooling(m),
-            rerank_template=(llama_cpp.llama_model_chat_template(m,
-                                                                 b"rerank") or b"").decode("utf-8", "replace") or None,
-        )
 
     def _build_context(self, n_ctx: int, n_threads: int) -> None:
         cp = llama_cpp.llama_context_default_params()
@@ -300,30 +272,6 @@ class LlamaBackend(SlotStates, BatchSteps):
         self.checkpoints = Checkpoints(self.n_slots, self.ctx_checkpoints if needed else 0, self.n_batch)
         self._measure_state_size()
         self._sizes = [self._state_base] * self.n_slots
-
-    def _load_adapter(self, path: str) -> ctypes.c_void_p:
-        adapter, said = captured(lambda: llama_cpp.llama_adapter_lora_init(self._model, path.encode()))
-        if not adapter:
-            llama_cpp.llama_model_free(self._model)  # with the adapters loaded so far
-            self._model = None
-            why = "; ".join(
-                line.strip() for line in said if "lora" in line.lower() and ("fail" in line or "error" in line.lower())
-            )
-            raise RuntimeError(f"llama.cpp could not load LoRA adapter {path!r}" + (f": {why}" if why else ""))
-        return adapter
-
-    def _use_lora(self, entries: Sequence[tuple[int, int, int, bool]]) -> None:
-        """Put the adapter set of the entries' slots on the context (llama.cpp applies adapters
-        per context, not per sequence, and reserves its graph again after a change)."""
-        lora = self.seq_lora[entries[0][0]] if entries[0][0] < self.n_slots else ()
-        if any(e[0] < self.n_slots and self.seq_lora[e[0]] != lora for e in entries):
-            raise RuntimeError("one llama_decode would mix LoRA adapter sets (the step batcher groups slots by set)")
-        if lora != self._lora_applied:
-            n = len(lora)
-            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * max(n, 1))(*(self._adapters[i] for i, _ in lora))
-            scales = (ctypes.c_float * max(n, 1))(*(scale for _, scale in lora))
-            llama_cpp.llama_set_adapters_lora(self._ctx, adapters, n, scales)
-            self._lora_applied = lora
 
     def _advanced(self, slot: int, tail_logits: bytes | None = None) -> None:
         """Bookkeeping after the slot's sequence changed (runs on the worker); ``tail_logits``:
@@ -446,11 +394,6 @@ class LlamaBackend(SlotStates, BatchSteps):
     def _free_retired(self) -> None:
         while self._retired:
             self._retired.popleft().close()
-
-    def _vocab_text(self, token: int) -> str:
-        if token < 0:
-            return ""
-        return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
 
     # ---- sequences ---------------------------------------------------------------------
 

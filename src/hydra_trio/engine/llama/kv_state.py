@@ -24,17 +24,13 @@ from .seqstate import (
     MemoryShape,
     StateLayout,
     StateLayoutError,
-    cache_layout,
-    join_head,
-    layout_mismatch,
     learn_shape,
     read_layout,
     rewrite_in_place,
-    split_head,
-    window_at,
-    window_gap,
     with_streams,
 )
+from .statematch import cache_layout, layout_mismatch
+from .statesplice import join_head, split_head, window_at, window_gap
 from .types import LoraSet, ModelInfo
 
 
@@ -49,14 +45,14 @@ class Snapshot:
     has_logits: bool
     salt: str | None = None  # the cache_salt the history was computed under
     lora: LoraSet = ()  # and the LoRA adapter set
-    # How its state is laid out, when its first positions can be held apart (seqstate.py
+    # How its state is laid out, when its first positions can be held apart (statesplice.py
     # ``split_head``: a KV-only state this context wrote); None: they cannot.
     shape: MemoryShape | None = None
     # The slot's latest context checkpoint (an iSWA window or a recurrent state, at fewer
     # positions): a prompt that diverges from this history before its end (a reply rendered
     # otherwise than it was generated) resumes there instead of computing it all again.
     checkpoint: Checkpoint | None = None
-    # Its data holds only the window cells the state lacks (seqstate.py ``window_gap``): the
+    # Its data holds only the window cells the state lacks (statesplice.py ``window_gap``): the
     # backend makes it whole again on restore (``LlamaBackend.checkpoint_of``).
     checkpoint_gap: bool = False
 
