@@ -12,8 +12,17 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import HealthCheck, settings
 
 from hydra_trio.config import Settings
+
+# Property tests: the same examples on every run and machine (derandomized, no example
+# database), and no wall-clock deadline or too-slow check, which a loaded machine trips
+# (a test's own @settings overrides a field, and inherits the rest).
+settings.register_profile(
+    "hydra", deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("hydra")
 
 # A test that takes one of these starts an engine (or loads a model into llama.cpp): it is
 # ``slow`` by that alone, so ``pytest -m "not slow"`` (the quick loop, under a minute) skips it
