@@ -20,7 +20,8 @@ for 64 to 511; at 8k a 128-token budget cost the prompt ~5% against 512 (docs/pe
 Sized by time alone, parts fell to ~32 tokens at 16k depth and the prompt took 1.8x its time
 alone. The split into ubatches is not the cause: with split KV llama.cpp's split_equal runs
 a stream token and a part as two ubatches ({stream, 1 prompt token}, then the rest), and the
-stream's token so costs about one stream step on top of the part (measured), as assumed. So the default target is the larger of ``AUTO_STEPS`` one-stream steps
+stream's token so costs about one stream step on top of the part (measured), as assumed.
+So the default target is the larger of ``AUTO_STEPS`` one-stream steps
 and a step with an ``EFFICIENT_CHUNK``-token part beside one stream, as measured lately (it
 grows with the prompt's depth). A given target is kept as given. Pure Python, trio thread only.
 """
