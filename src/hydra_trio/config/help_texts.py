@@ -82,7 +82,8 @@ HELP: dict[str, str] = {
     "step_token_budget": "prompt tokens per generation-step batch while streams run, until the ITL target's step costs "
     "are measured (each further waiting prompt adds up to this many)",
     "itl_target_ms": "inter-token latency target while a prompt is prefilled beside running streams: each step carries "
-    "as many prompt tokens as keep it under this; 0 = the machine's own (20 one-stream steps, as measured)",
+    "as many prompt tokens as keep it under this; 0 = the machine's own (the larger of 20 one-stream steps and a "
+    "step with a 128-token part, as measured, so parts stay efficient)",
     "n_gpu_layers": "layers to offload to the GPU, -1 = all (default: "
     "all when the llama.cpp build can offload, else 0)",
     "main_gpu": "llama.cpp's main_gpu: the GPU for scratch work and, when layers are not split across GPUs, the model",

@@ -84,8 +84,9 @@ class Settings:
     # a GPU takes hundreds at almost no extra step time.
     step_token_budget: int = 32
     # While streams run, each step carries as many prompt tokens as keep it under this
-    # inter-token latency (engine/sched/chunks.py); 0: the machine's own, 20 one-stream steps
-    # as measured (a long prompt then goes about as fast as alone).
+    # inter-token latency (engine/sched/chunks.py); 0: the machine's own, the larger of 20
+    # one-stream steps and a step with an efficient 128-token part, as measured (a long prompt
+    # then goes about as fast as alone).
     itl_target_ms: float = 0.0
     # Streaming: up to this many tokens per chunk (vLLM's --stream-interval); the first token
     # and the end are sent at once. A request's own "stream_interval" wins.

@@ -1,6 +1,7 @@
 """Prefill beside streams by an inter-token latency target (engine/sched/chunks.py): each
-step carries as many prompt tokens as keep it under ``--itl-target-ms`` (by default 20
-one-stream steps, as measured), from the step times the batcher measures."""
+step carries as many prompt tokens as keep it under ``--itl-target-ms`` (by default the larger
+of 20 one-stream steps and a step with an efficient part, as measured), from the step times the
+batcher measures."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import trio
 
 from helpers import LONG_TURN, MESSAGES, chat_completion, decode_ok, frame, gate, http, rpc, text_of
-from hydra_trio.engine.sched.chunks import AUTO_STEPS, ChunkSizer
+from hydra_trio.engine.sched.chunks import AUTO_STEPS, EFFICIENT_CHUNK, ChunkSizer
 
 LONG_PROMPT = [*MESSAGES, LONG_TURN]  # ~1370 tokens
 
@@ -31,6 +32,31 @@ def test_the_default_target_is_twenty_one_stream_steps() -> None:
     sizer.prompt_ran(1, 32, 0.010 + 32 * 0.001)  # 1 ms a prompt token beside the stream
     # (0.9 x 200 ms - 10 ms) / 1 ms a token
     assert sizer.chunk(1) == 170
+
+
+def test_the_default_target_grows_to_an_efficient_part_when_tokens_are_dear() -> None:
+    """A CPU deep in a long prompt: 14 ms a prompt token, 24 ms a one-stream step. Twenty
+    steps (480 ms) would hold ~29 tokens, a size that costs ~1.5x a token of a full batch;
+    the default target is instead the step of an efficient part, and the part that size."""
+    sizer = ChunkSizer(0.0, budget=32, n_batch=512)
+    sizer.steps_ran(1, 0.024)
+    sizer.prompt_ran(1, 32, 0.024 + 32 * 0.014)
+    assert sizer.target_s == pytest.approx((0.024 + EFFICIENT_CHUNK * 0.014) / 0.9)
+    assert sizer.target_s > AUTO_STEPS * 0.024
+    assert sizer.chunk(1) == EFFICIENT_CHUNK
+    assert sizer.report()["part_floor_tokens"] == EFFICIENT_CHUNK
+
+
+def test_under_the_default_target_a_part_is_never_below_the_efficient_size() -> None:
+    """Beside many streams whose own step is over the target, the part is still efficient,
+    but never more than the batch has room for beside the streams."""
+    sizer = ChunkSizer(0.0, budget=32, n_batch=512)
+    sizer.steps_ran(1, 0.010)
+    sizer.steps_ran(64, 0.500)  # over 20 one-stream steps already
+    sizer.prompt_ran(64, 32, 0.500 + 32 * 0.001)
+    assert sizer.chunk(64) == EFFICIENT_CHUNK
+    sizer.steps_ran(480, 0.900)
+    assert sizer.chunk(480) == 32  # 512 cells of batch, 480 of them the streams'
 
 
 def test_a_given_target_sizes_the_part_and_the_batch_bounds_it() -> None:
@@ -52,6 +78,7 @@ def test_a_step_over_the_target_leaves_the_floor() -> None:
     sizer.steps_ran(4, 0.020)
     sizer.prompt_ran(4, 8, 0.028)
     assert sizer.chunk(4) == 8  # a quarter of the budget: the prompt still progresses
+    assert sizer.part_floor == 8  # a given target is kept: no efficient-size floor
 
 
 def test_an_unmeasured_stream_count_is_priced_as_the_nearest() -> None:

@@ -12,14 +12,27 @@ one-stream step as measured here. A prompt part then costs the prefill little be
 own compute (each part also runs the streams' step: about 1 / AUTO_STEPS more), so a long
 prompt beside a stream is ready about as soon as alone, while the stream still gets a
 token every target; a GPU's short steps give a short target, a CPU's long ones a long one.
-Pure Python, trio thread only.
+
+A prompt part is never sized below ``EFFICIENT_CHUNK`` tokens under the default target: on a
+CPU a part's cost per token depends on its size (matmul efficiency). Measured (Gemma 3 270M,
+1 thread, 4k deep, a loaded machine) a 16- or 32-token part costs ~14 ms a token against ~9.4
+for 64 to 511; at 8k a 128-token budget cost the prompt ~5% against 512 (docs/performance.md).
+Sized by time alone, parts fell to ~32 tokens at 16k depth and the prompt took 1.8x its time
+alone. The split into ubatches is not the cause: with split KV llama.cpp's split_equal runs
+a stream token and a part as two ubatches ({stream, 1 prompt token}, then the rest), and the
+stream's token so costs about one stream step on top of the part (measured), as assumed.
+So the default target is the larger of ``AUTO_STEPS`` one-stream steps
+and a step with an ``EFFICIENT_CHUNK``-token part beside one stream, as measured lately (it
+grows with the prompt's depth). A given target is kept as given. Pure Python, trio thread only.
 """
 
 from __future__ import annotations
 
-__all__ = ["AUTO_STEPS", "ChunkSizer"]
+__all__ = ["AUTO_STEPS", "EFFICIENT_CHUNK", "ChunkSizer"]
 
 AUTO_STEPS = 20  # the default ITL target, in one-stream steps (see the module's docstring)
+# The smallest prompt part whose cost a token is within ~5% of a full batch's (see above).
+EFFICIENT_CHUNK = 128
 _STEP_WEIGHT = 0.2  # the latest steps-only step's weight in its stream count's mean
 _TOKEN_WEIGHT = 0.5  # the latest prompt step's weight in the cost per prompt token
 _AIM = 0.9  # steps are sized for this share of the target: the cost per token rises as it goes
@@ -43,7 +56,17 @@ class ChunkSizer:
         if self.configured_s > 0:
             return self.configured_s
         one = self._step_s.get(1)
-        return None if one is None else AUTO_STEPS * one
+        if one is None:
+            return None
+        if self._token_s is None:
+            return AUTO_STEPS * one
+        return max(AUTO_STEPS * one, (one + EFFICIENT_CHUNK * self._token_s) / _AIM)
+
+    @property
+    def part_floor(self) -> int:
+        """The fewest prompt tokens a step carries once measured: under the default target,
+        an efficient part; under a given one, a quarter of the token budget."""
+        return self.floor if self.configured_s > 0 else max(self.floor, EFFICIENT_CHUNK)
 
     def steps_ran(self, n: int, seconds: float) -> None:
         """A step of ``n`` streams and no prompt tokens took ``seconds``."""
@@ -77,10 +100,10 @@ class ChunkSizer:
             return min(room, max(self.budget - n, self.floor))  # not measured yet
         left = _AIM * target - base
         if left <= 0:
-            return min(room, self.floor)  # the streams' own step is over the target already
+            return min(room, self.part_floor)  # the streams' own step is over the target already
         if per_token <= 0:
             return room
-        return min(room, max(int(left / per_token), self.floor))
+        return min(room, max(int(left / per_token), self.part_floor))
 
     def report(self) -> dict[str, float | None]:
         """What it has measured, for /metrics and the docs' figures."""
@@ -89,4 +112,5 @@ class ChunkSizer:
             "itl_target_s": target,
             "one_stream_step_s": self._step_s.get(1),
             "prompt_token_s": self._token_s,
+            "part_floor_tokens": float(self.part_floor),
         }
