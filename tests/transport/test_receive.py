@@ -7,13 +7,18 @@ import gc
 
 import numpy as np
 import pytest
+import trio
+import xxhash
 
 from hydra_trio.transport import (
     PeerClosed,
     RecvInto,
+    draining_recv_into,
     payload_buffer,
     read_reply_head,
     recv_bytes,
+    recv_exactly,
+    recv_exactly_hashing,
     run_blocking,
 )
 from hydra_trio.wire import ErrorCode, ProtocolError, encode_response
@@ -88,3 +93,37 @@ def test_a_large_receive_buffer_is_reused_once_nothing_holds_it() -> None:
     del third
     gc.collect()
     assert mapping_of(payload_buffer(200 << 20)) is not held  # too small for that payload
+
+
+async def test_draining_recv_into_fills_a_large_read_and_its_hash() -> None:
+    """Across many sends and more than one 8 MiB drain, the bytes land in order and the
+    digest taken behind them is the whole payload's."""
+    data = np.random.default_rng(7).integers(0, 256, 20 << 20, dtype=np.uint8).tobytes()
+    a, b = trio.socket.socketpair()
+    with a, b:
+        async with trio.open_nursery() as nursery:
+            async def send() -> None:
+                view = memoryview(data)
+                off = 0
+                while off < len(view):
+                    off += await a.send(view[off : off + 333_333])
+
+            nursery.start_soon(send)
+            buf = bytearray(len(data))
+            digest = await recv_exactly_hashing(
+                draining_recv_into(b), memoryview(buf), (0, len(buf)), idle_timeout_s=10
+            )
+    assert bytes(buf) == data
+    assert digest == xxhash.xxh3_64_intdigest(data)
+
+
+async def test_draining_recv_into_reports_a_close_and_a_silent_peer() -> None:
+    a, b = trio.socket.socketpair()
+    with b:
+        with a:
+            await a.send(b"abc")
+        with pytest.raises(PeerClosed):
+            await recv_exactly(draining_recv_into(b), memoryview(bytearray(10)))
+    a, b = trio.socket.socketpair()
+    with a, b, pytest.raises(trio.TooSlowError):
+        await recv_exactly(draining_recv_into(b), memoryview(bytearray(10)), idle_timeout_s=0.05)

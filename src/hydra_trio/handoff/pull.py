@@ -21,7 +21,7 @@ import trio
 
 from ..concurrency import run_cpu_bound
 from ..config import IPNetwork
-from ..transport import PeerClosed, payload_buffer, read_reply_head, recv_exactly_hashing
+from ..transport import PeerClosed, draining_recv_into, payload_buffer, read_reply_head, recv_exactly_hashing
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from ..wire.kvpull import HandoffParams, check_pulled, encode_pull_request
 from ..wire.protocol import Op, encode_request
@@ -132,7 +132,7 @@ async def pull_export(
                 if reserve is not None:
                     await reserve(head.payload_len)
                 blob = payload_buffer(head.payload_len)  # the one buffer the KV lives in until restored
-                digest = await recv_exactly_hashing(sock.recv_into, memoryview(blob), (0, len(blob)))
+                digest = await recv_exactly_hashing(draining_recv_into(sock), memoryview(blob), (0, len(blob)))
                 transport = "tcp"
         except PeerClosed as exc:
             if exc.cause is None:

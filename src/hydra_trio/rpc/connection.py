@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import trio
 
-from ..transport import payload_buffer, recv_exactly, recv_exactly_hashing
+from ..transport import draining_recv_into, payload_buffer, recv_exactly, recv_exactly_hashing
 
 Buffer = bytes | bytearray | memoryview
 
@@ -22,11 +22,12 @@ class Connection:
         self.sock = stream.socket
         self.peer = _peer_name(self.sock)
         self.idle_timeout_s = idle_timeout_s
+        self._recv_into = draining_recv_into(self.sock)  # payloads of MBs: no trio yield per read
 
     async def read_into(self, view: memoryview, on_progress: Callable[[int], None] | None = None) -> None:
         """Fill ``view`` (reading.recv_exactly): PeerClosed when the peer leaves mid-read,
         trio.TooSlowError when it is silent for idle_timeout_s."""
-        await recv_exactly(self.sock.recv_into, view, idle_timeout_s=self.idle_timeout_s, on_progress=on_progress)
+        await recv_exactly(self._recv_into, view, idle_timeout_s=self.idle_timeout_s, on_progress=on_progress)
 
     async def read_payload_hashing(self, n: int, span_of: SpanOf) -> tuple[np.ndarray, int | None]:
         """Read ``n`` bytes like ``read_payload``, and hash one span of them as it arrives.
@@ -49,7 +50,7 @@ class Connection:
             await self.read_into(view[got:])
             return buf, None
         digest = await recv_exactly_hashing(
-            self.sock.recv_into, view, want, got=got, idle_timeout_s=self.idle_timeout_s
+            self._recv_into, view, want, got=got, idle_timeout_s=self.idle_timeout_s
         )
         return buf, digest
 

@@ -6,6 +6,7 @@ from .http_client import DecodeHttpClient, auth_headers
 from .receive import (
     PeerClosed,
     RecvInto,
+    draining_recv_into,
     payload_buffer,
     read_reply_head,
     recv_bytes,
@@ -19,6 +20,7 @@ __all__ = [
     "PeerClosed",
     "RecvInto",
     "auth_headers",
+    "draining_recv_into",
     "payload_buffer",
     "read_reply_head",
     "recv_bytes",

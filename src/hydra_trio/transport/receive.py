@@ -11,6 +11,7 @@ a trio socket's, or a blocking socket's wrapped in a coroutine that never suspen
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -64,6 +65,40 @@ async def recv_exactly(
         got += k
         if on_progress is not None:
             on_progress(got)
+
+
+_DRAIN_MAX = 8 << 20  # most bytes one draining receive takes before it lets other tasks run
+
+
+def draining_recv_into(sock: trio.socket.SocketType) -> RecvInto:
+    """``sock.recv_into`` for large reads: each call takes what the socket holds, up to
+    ``nbytes`` (at most 8 MiB), in non-blocking reads without a trio checkpoint between
+    them, and waits for readability only when the socket is empty. trio's own
+    ``recv_into`` yields to the scheduler after every read: 148.5 MB over loopback took
+    135 ms that way against 99 ms for a blocking ``recv_into`` loop (benchmarks/
+    handoff_parts.py). It checkpoints once per call, as trio's does, so a cancellation or
+    the caller's ``fail_after`` still bounds it."""
+    fd = sock.fileno()
+
+    async def recv_into(view: memoryview, nbytes: int) -> int:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        want = min(nbytes, len(view), _DRAIN_MAX)
+        got = 0
+        while got < want:
+            try:
+                k = os.readv(fd, [view[got:want]])
+            except BlockingIOError:
+                if got:
+                    break
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            if k == 0:
+                break
+            got += k
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return got
+
+    return recv_into
 
 
 _HASH_CHUNK = 8 << 20  # hashed per worker-thread hop: ~0.4 ms of XXH3, ~0.1 ms of hop
