@@ -127,3 +127,18 @@ async def test_draining_recv_into_reports_a_close_and_a_silent_peer() -> None:
     a, b = trio.socket.socketpair()
     with a, b, pytest.raises(trio.TooSlowError):
         await recv_exactly(draining_recv_into(b), memoryview(bytearray(10)), idle_timeout_s=0.05)
+
+
+async def test_draining_recv_into_on_a_closed_socket_reads_no_other_descriptor() -> None:
+    """After its socket closes, a draining receive made for it raises (EBADF) rather than
+    reading whatever socket has reused the descriptor number since."""
+    a, b = trio.socket.socketpair()
+    recv_into = draining_recv_into(b)
+    b.close()
+    c, d = trio.socket.socketpair()  # likely given b's old number
+    with c, d:
+        await c.send(b"not yours")
+        with pytest.raises(OSError):
+            await recv_into(memoryview(bytearray(16)), 16)
+        assert await d.recv(16) == b"not yours"  # still unread: nothing took it
+    a.close()
