@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import trio
 
+from .. import rpcframes as frames
 from .. import rpcfuzz as fuzz
 from ..process import EngineProcess
 from .campaign_config import Config, Ledger
@@ -119,7 +120,7 @@ class Campaign(CampaignShapes):
                 f"mutation {'/'.join(mutation)} {reply.status if reply else 'none'}"
             ] += 1
 
-    async def rpc_fuzzer(self, seeds: fuzz.Seeds) -> None:
+    async def rpc_fuzzer(self, seeds: frames.Seeds) -> None:
         remaining = max(1.0, self.deadline - time.monotonic())
         try:
             report = await self._rpc_campaign(seeds, remaining)
@@ -128,7 +129,7 @@ class Campaign(CampaignShapes):
             return
         self._rpc_report(report)
 
-    async def _rpc_campaign(self, seeds: fuzz.Seeds, remaining: float) -> fuzz.FuzzReport:
+    async def _rpc_campaign(self, seeds: frames.Seeds, remaining: float) -> fuzz.FuzzReport:
         return await fuzz.run_campaign(
             self.engine.rpc_port,
             self.port,

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from .. import rpcfuzz as fuzz
+from .. import rpcframes as frames
 from .campaign_config import DOCUMENTED_5XX, MESSAGES
 from .rawhttp import Reply, http_request
 
@@ -53,7 +53,7 @@ OTHER_ROUTES = [
 ]
 ODD_IDS = ["-1", "99999999999999999999", "abc", "%00", "0x1", "１", "1.5", "", "..", "0" * 5000]
 HOSTILE_VALUES: list[Any] = [
-    *fuzz.INTERESTING,
+    *frames.INTERESTING,
     10**30,
     -(10**30),
     2**31 - 1,
@@ -82,8 +82,8 @@ CONTENT_TYPES = [
 
 
 def _replace(rng: random.Random, obj: Any) -> Any:
-    """fuzz.py's one-value replacement, then (half the time) a hostile value somewhere."""
-    out = fuzz._replace_somewhere(rng, obj)
+    """rpcframes.replace_somewhere's one-value replacement, then (half the time) a hostile value somewhere."""
+    out = frames.replace_somewhere(rng, obj)
     if isinstance(out, dict) and rng.random() < 0.5:
         out = dict(out)
         out[

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import trio
 
+from .. import rpcframes as frames
 from .. import rpcfuzz as fuzz
 from ..process import EngineProcess
 from .campaign import Campaign
@@ -45,7 +46,7 @@ def budget_bytes(model: Path, ctx: int, args: dict[str, int]) -> dict[str, int]:
 
 
 async def run(
-    engine: EngineProcess, cfg: Config, seeds: fuzz.Seeds
+    engine: EngineProcess, cfg: Config, seeds: frames.Seeds
 ) -> tuple[Ledger, list[tuple[float, int]]]:
     ledger = Ledger()
     campaign = Campaign(engine, cfg, ledger)
@@ -161,7 +162,7 @@ def campaign(cfg: Config, *, log_dir: Path, engine_args: tuple[str, ...] = ()) -
     try:
         rss_start = engine.rss_bytes()
         seeds = trio.run(
-            fuzz.capture_seeds, engine.rpc_port
+            frames.capture_seeds, engine.rpc_port
         )  # needs slots 0 and 1 free: before any load
         # The well-formed streams, read in their own process (see read_streams).
         reader = subprocess.Popen(
