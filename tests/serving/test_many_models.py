@@ -186,6 +186,46 @@ async def test_every_request_is_served_by_the_model_it_names(models: dict[str, P
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == b_text
 
 
+async def test_pooled_and_infill_routes_are_served_by_the_model_they_name(
+    models: dict[str, Path], embed_model: Path, rerank_model: Path, fim_model: Path, run_engine: Any
+) -> None:
+    """A RAG setup in one process: a chat model (the default), an embedding model, a reranker
+    and a code model. /v1/embeddings, /v1/rerank and /infill go to the model their ``model``
+    names (they went to the default model whatever it said: a 501 here), an unknown name is
+    a 404, and no ``model`` is the default model's answer."""
+    named = {"a": models["a"], "emb": embed_model, "rr": rerank_model, "fim": fim_model}
+    async with serve_models(named, models_max=4, batch_size=256) as ep, http(ep) as h:
+        r = await h.post("/v1/embeddings", json={"model": "emb", "input": ["hello world", "bye"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "emb" and len(r.json()["data"]) == 2
+        vectors = [d["embedding"] for d in r.json()["data"]]
+        r = await h.post("/v1/rerank", json={"model": "rr", "query": "hello", "documents": ["a", "b c"]})
+        assert r.status_code == 200, r.text
+        assert sorted(x["index"] for x in r.json()["results"]) == [0, 1]
+        r = await h.post("/infill", json={"model": "fim", "input_prefix": "a", "input_suffix": "b", "n_predict": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "fim"
+        assert [m for m in "emb rr fim".split() if entry(ep, m).loads != 1] == []
+        for path, body in (
+            ("/v1/embeddings", {"input": "x"}),
+            ("/v1/rerank", {"query": "x", "documents": ["y"]}),
+            ("/infill", {"input_prefix": "a", "input_suffix": "b"}),
+        ):
+            r = await h.post(path, json={"model": "nope", **body})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "model", (path, r.text)
+            r = await h.post(path, json=body)  # the default model: a chat model without them
+            assert r.status_code in (400, 501), (path, r.text)
+        assert (await h.get("/health")).json()["status"] == "ok"
+
+    # The pool's embedding model is that model alone: a process serving only its file agrees.
+    async with run_engine(embed_model) as single, http(single) as h:
+        r = await h.post("/v1/embeddings", json={"input": ["hello world", "bye"]})
+        assert r.status_code == 200, r.text
+        alone = [d["embedding"] for d in r.json()["data"]]
+        assert len(alone) == len(vectors)
+        assert all(a == pytest.approx(v, abs=1e-5) for a, v in zip(alone, vectors, strict=True))
+
+
 async def test_agent_sessions_live_in_the_model_that_served_them(
     models: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:

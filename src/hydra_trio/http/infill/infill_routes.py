@@ -20,8 +20,7 @@ from ..plumbing import (
     HttpError,
     app_state,
     generation_owner,
-    read_request_json,
-    require_engine,
+    routed_json,
     sse_event,
 )
 
@@ -103,9 +102,9 @@ async def infill_tokens(engine: Engine, body: dict[str, Any], *, n_batch: int, s
 
 @bp.post("/infill")
 async def infill() -> Response:
-    state, engine = app_state(), require_engine()
-    _fim_tokens(engine.vocab)  # before reading the body: a model without them says so
-    body = await read_request_json()
+    state = app_state()
+    engine, body = await routed_json()  # the model its ``model`` names (several models)
+    _fim_tokens(engine.vocab)  # a model without them says so, whatever else the body holds
     tokens = await infill_tokens(engine, body, n_batch=state.settings.batch_size, spm=state.settings.spm_infill)
     request = {k: v for k, v in body.items() if k not in _OWN_KEYS and k not in _IGNORED}
     request["prompt"] = tokens

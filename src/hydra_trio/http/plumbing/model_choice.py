@@ -29,22 +29,27 @@ if TYPE_CHECKING:
     from ...serving import AppState
 
 
-async def routed_json(*, token_ids: bool = False) -> tuple[Engine, dict[str, Any]]:
+async def routed_json(*, token_ids: bool = False, pooled: bool = False) -> tuple[Engine, dict[str, Any]]:
     """A prompt route's JSON body and the engine of the model its ``model`` names (several
     models), held until the exchange's last byte: never unloaded under it. Loading or waking
-    the model, and making room for it, is waited for up to --model-wait-s (then 503)."""
+    the model, and making room for it, is waited for up to --model-wait-s (then 503).
+    ``pooled`` (embeddings, rerank): many inputs a request, so the body is capped by
+    --max-json-bytes, not by what one slot's prompt can use, and its ``input`` is no turns."""
     state = app_state()
     engine = require_engine()  # 503 until the process is ready (the RPC model's engine is set last)
     pool = state.models
-    if pool is None or not pool.strict:  # one model: as always, whatever ``model`` says
+    strict = pool is not None and pool.strict
+    if not strict and not pooled:  # one model: as always, whatever ``model`` says
         return engine, await read_request_json(token_ids=token_ids)
     # The body is read before its model is known: capped by --max-json-bytes alone.
     body = await read_json_body(state.settings.max_json_bytes)
+    if pool is None or not pool.strict:
+        return engine, body
     name = body.get("model")
     if name is not None and not isinstance(name, str):
         raise bad_param("model must be a string", "model")
     engine = await hold_model(state, pool, name)
-    if not token_ids:
+    if not token_ids and not pooled:
         check_turns(engine, body)
     return engine, body
 

@@ -24,8 +24,7 @@ from ..plumbing import (
     app_state,
     client_request_id,
     json_response,
-    read_json_body,
-    require_engine,
+    routed_json,
 )
 
 bp = Blueprint("embed_routes", __name__)
@@ -45,11 +44,6 @@ def _pooling(engine: Engine, *, rank: bool) -> Embedder:
         raise HttpError(501, "This server does not support embeddings. Start it with "
                         "`--embeddings`", "not_supported_error")
     return pooling
-
-
-async def _body() -> dict[str, Any]:
-    # Many inputs per request: the --max-json-bytes cap, not one slot's prompt's.
-    return await read_json_body(app_state().settings.max_json_bytes)
 
 
 def _inputs(value: Any, name: str) -> list[str | list[int]]:
@@ -120,9 +114,8 @@ async def embeddings_native() -> Response:
 
 
 async def _embeddings(*, oai: bool) -> Response:
-    engine = require_engine()
+    engine, body = await routed_json(pooled=True)  # the model its ``model`` names
     pooling = _pooling(engine, rank=False)
-    body = await _body()
     if "input" not in body and "content" in body:  # llama-server's own key: its own shape
         oai, source = False, body["content"]
     elif "input" in body:
@@ -170,9 +163,8 @@ async def _embeddings(*, oai: bool) -> Response:
 @bp.post("/v1/reranking")
 @bp.post("/reranking")
 async def rerank() -> Response:
-    engine = require_engine()
+    engine, body = await routed_json(pooled=True)
     pooling = _pooling(engine, rank=True)
-    body = await _body()
     query = body.get("query")
     if not isinstance(query, str):
         raise bad_param('"query" must be a string', "query")
