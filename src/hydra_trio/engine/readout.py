@@ -67,6 +67,7 @@ class Readout:
             sessions=core.sessions.stats(),
             disk=core.tiers.disk_stats(),
             evictions=core.retention.counts(),
+            chunking=batcher.chunks.report(),
         )
 
     def _planner(self) -> DraftPlanner:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .kv import DiskStats, PromptCacheStats
-from .sched import SessionStats
+from .sched import ChunkingStats, SessionStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,8 @@ class EngineStats:
     disk: DiskStats | None = None  # the disk tier (--cache-disk); None: off
     # KV histories evicted for room, by tier and kind (kv/retention.py): ((tier, kind, count), ...)
     evictions: tuple[tuple[str, str, int], ...] = ()
+    # Prompt parts beside running streams: the ITL target in force (engine/sched/chunks.py).
+    chunking: ChunkingStats | None = None
 
     @property
     def slots_idle(self) -> int:

@@ -213,7 +213,30 @@ class EngineCollector(Collector):
             ["rows"],
             [(model, [str(rows)], seconds) for model, stats in snaps for rows, seconds in stats.step_decode_s],
         )
+        yield from _chunking_figures(snaps)
         yield from _session_figures(snaps)
+
+
+def _chunking_figures(snaps: list[tuple[str | None, EngineStats]]) -> Iterator[Metric]:
+    """How a prompt part beside running streams is sized (engine/sched/chunks.py): the ITL
+    target in force and what it is sized from, each once measured (absent before)."""
+    for name, doc, read in (
+        ("hydra_itl_target_seconds", "the inter-token latency target prompt parts beside running streams are sized "
+         "for (--itl-target-ms, or the machine's own once measured)", lambda c: c.itl_target_s),
+        ("hydra_one_stream_step_seconds", "a step of one stream and no prompt tokens, as measured lately",
+         lambda c: c.one_stream_step_s),
+        ("hydra_prompt_token_seconds", "what a prompt token adds to a step beside running streams, as measured lately",
+         lambda c: c.prompt_token_s),
+        ("hydra_prompt_part_floor_tokens", "the fewest prompt tokens a step beside running streams carries once "
+         "measured", lambda c: c.part_floor_tokens),
+    ):
+        rows = [
+            (model, [], float(value))
+            for model, stats in snaps
+            if stats.chunking is not None and (value := read(stats.chunking)) is not None
+        ]
+        if rows:
+            yield _labelled(_G, name, doc, [], rows)
 
 
 def _session_figures(snaps: list[tuple[str | None, EngineStats]]) -> Iterator[Metric]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from helpers import LONG_TURN, MESSAGES, chat_completion, decode_ok, frame, gate, http, rpc, text_of
+from helpers import LONG_TURN, MESSAGES, chat_completion, decode_ok, frame, gate, http, rpc, scrape, text_of
 from hydra_trio.engine.sched.chunks import AUTO_STEPS, EFFICIENT_CHUNK, ChunkSizer
 
 LONG_PROMPT = [*MESSAGES, LONG_TURN]  # ~1370 tokens
@@ -44,7 +44,7 @@ def test_the_default_target_grows_to_an_efficient_part_when_tokens_are_dear() ->
     assert sizer.target_s == pytest.approx((0.024 + EFFICIENT_CHUNK * 0.014) / 0.9)
     assert sizer.target_s > AUTO_STEPS * 0.024
     assert sizer.chunk(1) == EFFICIENT_CHUNK
-    assert sizer.report()["part_floor_tokens"] == EFFICIENT_CHUNK
+    assert sizer.report().part_floor_tokens == EFFICIENT_CHUNK
 
 
 def test_under_the_default_target_a_part_is_never_below_the_efficient_size() -> None:
@@ -97,7 +97,7 @@ async def test_the_target_decides_the_parts_of_a_prompt_beside_a_stream(
     """A stream generates; a long prompt arrives. With a target far above any step, the
     prompt goes in whole batches once the costs are measured (the first part is the token
     budget's); with one below any step, in parts of a quarter budget. The text is the same
-    as alone either way."""
+    as alone either way. /metrics says the target in force and what it was sized from."""
     ep = await start_engine(
         tiny_model_ctx, ctx_size=8192, batch_size=512, step_token_budget=32, itl_target_ms=target_ms
     )
@@ -120,7 +120,12 @@ async def test_the_target_decides_the_parts_of_a_prompt_beside_a_stream(
             nursery.start_soon(request_b)
             g.open()
         assert (await h.delete(f"/v1/decode/{rid}")).status_code == 200  # the stream outlived the prompt
+        figures = await scrape(h)
     parts = batcher.prompt_parts - parts_before
+    assert figures[("hydra_itl_target_seconds", ())] == pytest.approx(target_ms / 1000)
+    assert figures[("hydra_prompt_part_floor_tokens", ())] == 8  # a given target: a quarter of the budget
+    assert figures[("hydra_one_stream_step_seconds", ())] > 0
+    assert figures[("hydra_prompt_token_seconds", ())] >= 0
     assert text_of(got["b"]) == text_of(alone_b)
     if few_parts:
         assert parts <= 1 + math.ceil((n_prompt - 31) / 511), parts

@@ -5,11 +5,13 @@ and step results handed from the worker to trio (handover.py). Nothing outside t
 reaches its modules."""
 
 from .batcher import PartOutcome, StepBatcher
+from .chunks import ChunkingStats
 from .scheduler import SlotScheduler
 from .session_tree import Finished, Session, SessionStats, SessionTree, TenantSessions, Turn
 from .slots import Slot, SlotTable
 
 __all__ = [
+    "ChunkingStats",
     "Finished",
     "PartOutcome",
     "Session",

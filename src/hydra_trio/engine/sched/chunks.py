@@ -28,7 +28,9 @@ grows with the prompt's depth). A given target is kept as given. Pure Python, tr
 
 from __future__ import annotations
 
-__all__ = ["AUTO_STEPS", "EFFICIENT_CHUNK", "ChunkSizer"]
+from dataclasses import dataclass
+
+__all__ = ["AUTO_STEPS", "EFFICIENT_CHUNK", "ChunkSizer", "ChunkingStats"]
 
 AUTO_STEPS = 20  # the default ITL target, in one-stream steps (see the module's docstring)
 # The smallest prompt part whose cost a token is within ~5% of a full batch's (see above).
@@ -36,6 +38,16 @@ EFFICIENT_CHUNK = 128
 _STEP_WEIGHT = 0.2  # the latest steps-only step's weight in its stream count's mean
 _TOKEN_WEIGHT = 0.5  # the latest prompt step's weight in the cost per prompt token
 _AIM = 0.9  # steps are sized for this share of the target: the cost per token rises as it goes
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkingStats:
+    """What the sizer has measured and the target in force (/metrics): None until measured."""
+
+    itl_target_s: float | None
+    one_stream_step_s: float | None
+    prompt_token_s: float | None
+    part_floor_tokens: int
 
 
 class ChunkSizer:
@@ -105,12 +117,6 @@ class ChunkSizer:
             return room
         return min(room, max(int(left / per_token), self.part_floor))
 
-    def report(self) -> dict[str, float | None]:
+    def report(self) -> ChunkingStats:
         """What it has measured, for /metrics and the docs' figures."""
-        target = self.target_s
-        return {
-            "itl_target_s": target,
-            "one_stream_step_s": self._step_s.get(1),
-            "prompt_token_s": self._token_s,
-            "part_floor_tokens": float(self.part_floor),
-        }
+        return ChunkingStats(self.target_s, self._step_s.get(1), self._token_s, self.part_floor)
