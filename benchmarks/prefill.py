@@ -247,6 +247,20 @@ def itl_beside(peer: Peer, stream_prompt: list[int], long_prompt: list[int]) -> 
     }
 
 
+def _chunking(peer: Peer) -> dict[str, float]:
+    """The ITL target hydra-trio sized the prompt's parts for, and its part floor, as its
+    /metrics says after the run (absent ones left out)."""
+    from hydra_trio.testing.metrics_reader import metric_samples
+
+    samples = metric_samples(httpx.get(peer.url + "/metrics", timeout=30).text)
+    out = {}
+    if (target := samples.get(("hydra_itl_target_seconds", ()))) is not None:
+        out["itl_target_ms"] = target * 1e3
+    if (floor := samples.get(("hydra_prompt_part_floor_tokens", ()))) is not None:
+        out["part_floor_tokens"] = floor
+    return out
+
+
 def itl(peers: list[Peer], n: int, rounds: int, tok_url: str) -> list[dict[str, Any]]:
     rows = []
     for r in range(rounds):
@@ -264,11 +278,15 @@ def itl(peers: list[Peer], n: int, rounds: int, tok_url: str) -> list[dict[str, 
                 **itl_beside(p, stream_prompt, long_prompt),
             }
             row["beside_over_alone"] = row["prefill_wall_s"] / alone_s
+            if p.name == "hydra-trio":
+                row.update(_chunking(p))
             rows.append(row)
             print(f"itl {p.name} round {r}: {n}-token prefill beside a stream {row['prefill_wall_s']:.2f}s "
                   f"(alone {alone_s:.2f}s: {row['beside_over_alone']:.2f}x); stream ITL "
                   f"p50 {row['itl_p50_ms']:.0f} ms p99 {row['itl_p99_ms']:.0f} ms max {row['itl_max_ms']:.0f} ms "
-                  f"({row['gaps']} gaps; alone {row['itl_alone_ms']:.0f} ms)", flush=True)
+                  f"({row['gaps']} gaps; alone {row['itl_alone_ms']:.0f} ms)"
+                  + (f"; ITL target {row['itl_target_ms']:.0f} ms, parts >= {row['part_floor_tokens']:.0f} tokens"
+                     if "itl_target_ms" in row else ""), flush=True)
         by = {row["peer"]: row for row in rows if row["round"] == r}
         if "hydra-trio" in by and "llama-server" in by:
             print(f"itl round {r}: hydra-trio beside / llama-server beside "
