@@ -90,7 +90,7 @@ def test_resolution_follows_llama_cpp() -> None:
 async def test_requests_with_tools_render_through_tool_use(
     start_engine: Any, variant_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="hydra_trio.engine.core"):
+    with caplog.at_level(logging.INFO, logger="hydra_trio.engine.startup"):
         ep = await start_engine(variant_model, slots=1)
     assert "chat template: gguf (gguf, default); requests with tools: gguf:tool_use (tool_use)" in caplog.text
     async with http(ep) as h:

@@ -1,7 +1,8 @@
 """The engine's core: one model, N slots, one GPU worker; its components, lifecycle,
-prefill, generation, KV copies and CONFIGURE's apply step. Internal to engine/: front ends
-use the face (engine.py ``Engine``, lease.py ``SlotLease``); what readers see of the core
-(figures, slot descriptions, runtime fields, KV events) is readout.py's.
+prefill, generation, KV copies and CONFIGURE's apply step. How it starts (the model loaded
+and warmed up, the start-up log) is startup.py's. Internal to engine/: front ends use the
+face (engine.py ``Engine``, lease.py ``SlotLease``); what readers see of the core (figures,
+slot descriptions, runtime fields, KV events) is readout.py's.
 
 Request tasks never call llama.cpp themselves: they ask the engine for work (a prefill
 chunk, a generation step). Generation steps of all generating slots are batched into one
@@ -12,7 +13,6 @@ batches on the one GPU worker. CONFIGURE's per-slot settings and staged rebuilds
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -23,9 +23,8 @@ from typing import Any
 
 import trio
 
-from ..config import CACHE_TYPES, Settings
+from ..config import Settings
 from ..model.identity import ModelIdentity
-from ..model.lora import adapter_specs
 from ..wire.errors import ErrorCode, ProtocolError, Status
 from .adapters import LoraAdapters
 from .chat import resolve_chat_template
@@ -40,14 +39,11 @@ from .llama import (
     DecodeAborted,
     LlamaBackend,
     NoKvSpace,
-    OffloadSettings,
     PrefillPart,
     Span,
     StepRequest,
-    kv_layout,
     media_spans,
 )
-from .modelfile import read_model_identity
 from .output import GenerationResult, OutputProcessor
 from .params import GenerationParams
 from .reload import apply_staged
@@ -55,8 +51,6 @@ from .sample import Sampler
 from .sched import PartOutcome, SessionTree, SlotScheduler, SlotTable, StepBatcher
 from .speculation import DraftPlanner, NgramMemories, SpecCounts, request_speculation
 from .worker import GpuWorker, WorkerLane
-
-log = logging.getLogger(__name__)
 
 Emit = Callable[[str], Awaitable[None]]
 
@@ -79,7 +73,7 @@ class EngineCore:
         self.worker = GpuWorker(lane)
         self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified)
         self.inputs = Inputs(lambda: self.backend, self.worker, settings)
-        self.adapters = adapters or LoraAdapters()  # --lora: read by load()
+        self.adapters = adapters or LoraAdapters()  # --lora: read at start (startup.py)
         self.model_load_ms = 0.0
         self.warmup_ms: float | None = None  # None: no warm-up ran (--no-warmup)
         budget = min(settings.step_token_budget, backend.n_batch)  # before the ITL target's costs are measured
@@ -130,7 +124,7 @@ class EngineCore:
         self.model_path = backend.model_path
         # Where CONFIGURE T3 may load from: fixed at start, whatever T3 loads later.
         self.model_dir = settings.model_dir or os.path.dirname(os.path.realpath(backend.model_path))
-        # The GGUF's own template (else ChatML) until load() applies --chat-template[-file].
+        # The GGUF's own template (else ChatML) until startup.py applies --chat-template[-file].
         self.inputs.set_chat_template(
             resolve_chat_template(
                 name=None, file=None, gguf_template=backend.info.chat_template, builtin_names=(),
@@ -139,92 +133,6 @@ class EngineCore:
         )
 
     # ---- lifecycle ---------------------------------------------------------------------
-
-    @classmethod
-    async def load(
-        cls, model_path: str, settings: Settings, *, alias: str | None = None, lane: WorkerLane | None = None
-    ) -> EngineCore:
-        t0 = time.perf_counter()
-        identity = await read_model_identity(model_path, alias=alias)  # with its SHA-256, in a thread of its own
-        lane = lane or WorkerLane()  # the engine's worker takes it over after load
-        adapters = await LoraAdapters.read(
-            adapter_specs(settings.lora, settings.lora_scaled, init_without_apply=settings.lora_init_without_apply)
-        )
-        offload = OffloadSettings(
-            n_gpu_layers=settings.n_gpu_layers,
-            main_gpu=settings.main_gpu,
-            flash_attn=settings.flash_attn,
-            kv_offload=not settings.no_kv_offload,
-            repack=settings.repack,
-        )
-        backend = await lane.run_sync(
-            lambda: LlamaBackend(
-                model_path,
-                n_slots=settings.slots,
-                n_ctx=settings.ctx_size,
-                n_threads=settings.threads,
-                n_batch=settings.batch_size,
-                type_k=CACHE_TYPES[settings.cache_type_k],
-                type_v=CACHE_TYPES[settings.cache_type_v],
-                offload=offload,
-                kv_unified=settings.kv_unified,
-                swa_full=settings.swa_full,
-                ctx_checkpoints=settings.ctx_checkpoints,
-                lora_paths=adapters.paths,
-                mmproj=settings.mmproj,
-            )
-        )
-        try:
-            if settings.warmup:
-                # Said before the call: if a kernel faults, this is the last line in the log.
-                log.info("warming up: one prompt and one step on slot 0 (--no-warmup skips it; weights %s)",
-                         "repacked" if backend.repack.enabled else "not repacked")
-                t_warm = time.perf_counter()
-                await lane.run_sync(backend.warmup)
-                engine_warmup_ms: float | None = (time.perf_counter() - t_warm) * 1000.0
-            else:
-                engine_warmup_ms = None
-            await lane.run_sync(backend.measure_lora_switch)  # sets' turns (batcher.py)
-            template = resolve_chat_template(
-                name=settings.chat_template,
-                file=settings.chat_template_file,
-                gguf_template=backend.info.chat_template,
-                builtin_names=backend.builtin_templates,
-                gguf_variants=backend.info.chat_template_variants,
-            )
-        except BaseException:
-            with trio.CancelScope(shield=True):  # a load cancelled during its warm-up still frees the model
-                await lane.run_sync(backend.close)
-            raise
-        if settings.spec_type != "none" and not backend.info.can_roll_back:
-            await lane.run_sync(backend.close)
-            kind = "recurrent" if backend.info.recurrent else "hybrid"
-            raise SystemExit(
-                f"--spec-type {settings.spec_type}: {identity.model_name} is a {kind} model, whose KV cannot drop "
-                "rejected draft positions; serve it with --spec-type none"
-            )
-        engine = cls(backend, identity, settings, lane, adapters)
-        await engine.tiers.open()  # the disk tier's folder cleaned and indexed
-        engine.inputs.set_chat_template(template)
-        engine.model_load_ms = (time.perf_counter() - t0) * 1000.0
-        engine.warmup_ms = engine_warmup_ms
-        log.info(
-            "model loaded in %.0f ms: %s (%s, %s), %d slots, n_ctx "
-            "%d, KV cache %s (a slot holds up to %d; %s), %d threads",
-            engine.model_load_ms, identity.model_name, identity.model_quant, identity.tokenizer,
-            backend.n_slots, backend.n_ctx, kv_layout(backend), backend.n_ctx_slot,
-            ", ".join(f"{k} {v}" for k, v in backend.cache_layout.items()) or "layout not read", backend.n_threads,
-        )
-        if adapters:
-            log.info("LoRA adapters: %s; a change of set adds %.2f ms to "
-                     "a decode (a set's turn while others wait: %.0f ms)",
-                     ", ".join(f"{a['id']} {a['name']} "
-                               f"({a['path']}, scale {a['scale']:g})" for a in adapters.listing()),
-                     backend.lora_switch_s * 1000, engine.batcher.turn_s * 1000)
-        assert backend.offload is not None
-        log.info("offload: %s", backend.offload.summary())
-        log.info("chat template: %s", template.describe())
-        return engine
 
     async def run(
         self, *, also: Sequence[Callable[[], Awaitable[object]]] = (),

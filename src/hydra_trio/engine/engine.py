@@ -32,6 +32,7 @@ from .params import GenerationParams
 from .readout import KvEvents, Readout
 from .requests import Route, cache_salt, check_request
 from .sched import Slot, TenantSessions, Turn
+from .startup import load_core
 from .stats import EngineStats, SlotInfo
 from .worker import WorkerLane
 
@@ -71,7 +72,7 @@ class Engine:
         """Load the model (on the GPU worker's ``lane``: the process's one when it serves
         several models, else one of its own), warm it up, and pick the chat template; with
         embeddings, make their context (a model it cannot serve fails the start)."""
-        engine = cls(await EngineCore.load(model_path, settings, alias=alias, lane=lane))
+        engine = cls(await load_core(model_path, settings, alias=alias, lane=lane))
         if engine._embedder is not None:
             core = engine._core
             try:

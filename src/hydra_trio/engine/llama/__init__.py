@@ -2,12 +2,13 @@
 llama_cpp, and it imports nothing of the engine above it (what it needs of the engine's
 speculation, KV events and samplers it takes as the protocols in types.py). log.py routes its
 log; chat.py its built-in chat templates; devices.py the ggml devices, offload and repacking;
-chain.py a request's llama.cpp sampler chain; context.py the model and its context (decode, steps, tokens);
-model_info.py what the model says of itself; lora_sets.py its LoRA adapters on the context; embedding.py
-a second context for pooled embeddings and rank scores; steps.py the batched
-steps; kv_state.py a slot's KV state out and in; checkpoints.py context checkpoints; seqstate.py
-that state's layout, read without llama.cpp; statematch.py layouts compared for admission;
-statesplice.py states spliced for the prompt cache; vision.py image input through mtmd (--mmproj)."""
+chain.py a request's llama.cpp sampler chain; context.py the model and its context (decode,
+steps); tokens.py its tokens and their text; model_info.py what the model says of itself;
+lora_sets.py its LoRA adapters on the context; embedding.py a second context for pooled
+embeddings and rank scores; steps.py the batched steps; kv_state.py a slot's KV state out and
+in; checkpoints.py context checkpoints; seqstate.py that state's layout, read without
+llama.cpp; statematch.py layouts compared for admission; statesplice.py states spliced for the
+prompt cache; vision.py image input through mtmd (--mmproj)."""
 
 from .chain import LlamaChain
 from .chat import apply_builtin_chat_template

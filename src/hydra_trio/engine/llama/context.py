@@ -1,7 +1,8 @@
-"""A llama model and its context with one sequence per slot: loading, decoding, sampling,
-tokens. Its slots' KV state in and out is kv_state.py's half of the class; the batched
-generation steps (with speculative drafts) are steps.py's; its LoRA adapter sets lora_sets.py's.
-What the model says of itself (``ModelInfo``) is read by model_info.py.
+"""A llama model and its context with one sequence per slot: loading, decoding, sampling.
+Its slots' KV state in and out is kv_state.py's half of the class; the batched generation
+steps (with speculative drafts) are steps.py's; its LoRA adapter sets lora_sets.py's; its
+tokens (tokenizing, each token's text, end of generation) tokens.py's. What the model says of
+itself (``ModelInfo``) is read by model_info.py.
 
 Every method here is synchronous and must run on the GPU worker (engine/worker.py). The
 backend owns the per-slot token lists so they always describe exactly what the KV holds,
@@ -41,13 +42,13 @@ from .lora_sets import LoraSets
 from .model_info import read_model_info
 from .statematch import type_name
 from .steps import BatchSteps
+from .tokens import VocabTokens
 from .types import (
     LogitsRow,
     LoraSet,
     SlotWatcher,
     StepPlanner,
     TokenSampler,
-    Vocabulary,
     common_prefix_len,
 )
 
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LlamaBackend(SlotStates, BatchSteps, LoraSets):
+class LlamaBackend(SlotStates, BatchSteps, LoraSets, VocabTokens):
     """One llama model + context with ``n_slots`` sequences, one per slot.
 
     The KV cache is unified (one pool of cells shared by all slots, any slot may use all of
@@ -128,20 +129,7 @@ class LlamaBackend(SlotStates, BatchSteps, LoraSets):
         # size is not linear in n_past. 0: no SWA layers.
         self.n_swa = max(0, int(llama_cpp.llama_model_n_swa(self._model)))
         self.info = read_model_info(self._model, self._vocab)
-        # Text pieces and end-of-generation ids of the whole vocabulary, read once here (on
-        # the GPU worker) so the token loop needs no llama call on the trio thread.
-        self.pieces: list[bytes] = [self._piece(t) for t in range(self.info.n_vocab)]
-        # The few tokens (control tokens) whose spelled-out text differs: with these, showing
-        # tokens (/tokenize pieces, /detokenize) needs no llama call and no GPU worker.
-        self._special_text = {
-            t: special for t in range(self.info.n_vocab) if (special := self._piece(t, special=True)) != self.pieces[t]
-        }
-        self.eog_ids = frozenset(t for t in range(self.info.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t))
-        self._eog_index = np.fromiter(sorted(self.eog_ids), dtype=np.intp)  # ignore_eos masks these
-        # Each token's bytes as a grammar reads them: control tokens spelled out, as llama.cpp's
-        # grammars read them (so a template's markup matches its grammar's literals whether
-        # the model writes it as one special token or as text pieces).
-        self.grammar_pieces = [self._special_text.get(t, piece) for t, piece in enumerate(self.pieces)]
+        self._read_tokens()  # tokens.py
         self._ctx = None
         self._embedding: EmbeddingContext | None = None  # made on first use (embedding_context)
         self._abort_flag: threading.Event | None = None
@@ -346,46 +334,7 @@ class LlamaBackend(SlotStates, BatchSteps, LoraSets):
         flag = self._abort_flag
         return flag is not None and flag.is_set()
 
-    # ---- tokens ------------------------------------------------------------------------
-
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        arr = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
-        if n < 0:
-            n_max = -n
-            arr = (llama_cpp.llama_token * n_max)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
-        return list(arr[:n])
-
-    def _piece(self, token: int, *, special: bool = False) -> bytes:
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
-
-    @property
-    def vocabulary(self) -> Vocabulary:
-        """The vocabulary as text (special pieces, detokenize), for any thread."""
-        return Vocabulary(self.pieces, self._special_text, self.info.roles)
-
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes a generated token contributes to the text (control tokens: none)."""
-        return self.pieces[token]
-
-    def text_of(self, shown: frozenset[int]) -> Callable[[int], bytes]:
-        """``token_bytes``, with the control tokens in ``shown`` spelled out (a chat
-        template's syntax tokens: the reply parser reads their text)."""
-        if not shown:
-            return self.token_bytes
-        special, pieces = self._special_text, self.pieces
-        return lambda token: special[token] if token in shown else pieces[token]
-
-    def is_eog(self, token: int) -> bool:
-        return token in self.eog_ids
+    # ---- samplers ----------------------------------------------------------------------
 
     def retire(self, sampler: TokenSampler) -> None:
         """Hand a finished request's sampler back; any thread (deque appends are atomic)."""
