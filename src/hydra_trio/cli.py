@@ -83,7 +83,20 @@ async def _serve_until_signal(settings: Settings) -> None:
                     break
                 nursery.cancel_scope.cancel()  # what still runs is cancelled as the engine stops
 
+            async def on_dump_signals() -> None:
+                # SIGUSR1: what every task waits on and every thread runs, for a hang.
+                from .observability import dump_lines
+
+                with trio.open_signal_receiver(signal.SIGUSR1) as dumps:
+                    async for _ in dumps:
+                        now = "nothing in flight" if endpoints is None else endpoints.state.in_flight()
+                        lines = dump_lines()
+                        log.warning("SIGUSR1: %s; what runs now (%d lines):", now or "nothing in flight", len(lines))
+                        for line in lines:  # a record each: the log's escaping keeps each one line
+                            log.warning("| %s", line)
+
             nursery.start_soon(on_signals)
+            nursery.start_soon(on_dump_signals)
             endpoints = await nursery.start(serve, settings)
     log.info("stopped")
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,43 @@ def test_sigint_drains_a_running_decode_before_exit(tiny_model: Path) -> None:
     # follows the ack within milliseconds); it then ran to its end before the exit.
     assert f"decode {rid} done" in text, text
     assert text.index("received SIGINT") < text.index(f"decode {rid} done") < text.index("stopped")
+
+
+def test_sigusr1_writes_what_runs_and_the_engine_goes_on(tiny_model: Path) -> None:
+    """For a hang: SIGUSR1 logs every trio task with the line it waits on and every thread's
+    stack, and the engine goes on serving."""
+    proc, http, _ = _start(tiny_model)
+    assert proc.stdout is not None
+    seen: list[str] = []
+    dumped = threading.Event()
+
+    def read_all() -> None:  # every line to the end (communicate() would miss what it buffered)
+        left = -1
+        for raw in proc.stdout:  # type: ignore[union-attr]
+            line = raw.decode()
+            seen.append(line)
+            if "what runs now (" in line:
+                left = int(line.split("what runs now (")[1].split()[0])
+            elif left > 0 and "| " in line:
+                left -= 1
+                if left == 0:
+                    dumped.set()
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    proc.send_signal(signal.SIGUSR1)
+    assert dumped.wait(30), "".join(seen)
+    assert httpx.get(f"http://127.0.0.1:{http}/health", timeout=30).json()["status"] == "ok"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    reader.join(30)
+    text = "".join(seen)
+    assert proc.returncode == 0, text
+    dump = text[text.index("SIGUSR1: ") : text.index("received SIGTERM")]
+    assert dump.startswith("SIGUSR1: ") and "; what runs now (" in dump.splitlines()[0], dump[:200]
+    assert "trio tasks:" in dump and "thread MainThread" in dump
+    assert "hydra_trio/" in dump.split("thread MainThread")[0]  # tasks waiting in the engine's code
+    assert "Traceback" not in text
 
 
 def _serve_once(*args: str) -> subprocess.CompletedProcess[bytes]:

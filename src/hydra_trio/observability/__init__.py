@@ -1,6 +1,7 @@
 """What the process tells the outside about itself: Prometheus metrics (``metrics.py``, with
-vLLM's names in ``vllm_metrics.py``), the log lines (``logs.py``), and the KV events a
-cache-aware router subscribes to (``kv_publisher.py``, over ZMQ)."""
+vLLM's names in ``vllm_metrics.py``), the log lines (``logs.py``), the KV events a
+cache-aware router subscribes to (``kv_publisher.py``, over ZMQ), and what every task waits
+on when something hangs (``task_dump.py``, on SIGUSR1)."""
 
 from .kv_publisher import (
     KvEventPublisher,
@@ -22,6 +23,7 @@ from .logs import (
     spec_note,
 )
 from .metrics import Metrics, trio_task_count
+from .task_dump import dump_lines
 
 __all__ = [
     "BASE_FIELDS",
@@ -30,6 +32,7 @@ __all__ = [
     "KvEventPublisher",
     "Metrics",
     "configure_logging",
+    "dump_lines",
     "event_encoding",
     "expand_topic",
     "generation_fields",
