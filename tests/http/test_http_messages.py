@@ -184,6 +184,39 @@ def test_system_blocks_tool_results_and_choices_map_to_chat() -> None:
     assert blocks["messages"][1] == {"role": "system", "content": "r"}
 
 
+def test_a_deferred_tool_is_offered_once_loaded() -> None:
+    """Anthropic's tool search (Claude Code with ENABLE_TOOL_SEARCH on, as a custom base URL
+    leaves it): a ``defer_loading`` tool is not shown to the model until a ``tool_reference``
+    names it (a ToolSearch result), the history calls it, or ``tool_choice`` forces it; Claude
+    Code's DeferredToolPlaceholder ("never call this tool") is never offered."""
+    placeholder = {"name": "DeferredToolPlaceholder", "description": "never call this tool",
+                   "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+    fetch = {"name": "WebFetch", "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+    send = {"name": "SendMessage", "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+    tools = [*TOOLS, placeholder, fetch, send]
+
+    def offered(messages: list[dict[str, Any]], **extra: Any) -> list[str]:
+        chat = to_chat({"max_tokens": 1, "messages": messages, "tools": tools, **extra})
+        return [t["function"]["name"] for t in chat.get("tools", [])]
+
+    assert offered(USER) == ["get_weather", "get_time"]
+    search = [
+        *USER,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "tool_reference", "tool_name": "WebFetch"}]}]},
+    ]
+    assert offered(search) == ["get_weather", "get_time", "WebFetch"]
+    called = [*search[:-1], {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t2", "name": "SendMessage", "input": {}}]}]
+    assert offered(called) == ["get_weather", "get_time", "SendMessage"]
+    forced = offered(USER, tool_choice={"type": "tool", "name": "WebFetch"})
+    assert forced == ["get_weather", "get_time", "WebFetch"]
+    # Only deferred tools, none loaded: no tools at all (and a tool_choice of any is moot).
+    assert "tools" not in to_chat({"max_tokens": 1, "messages": USER, "tools": [placeholder],
+                                   "tool_choice": {"type": "any"}})
+
+
 def _sse(raw: bytes) -> list[dict[str, Any]]:
     out = []
     for chunk in raw.decode().split("\n\n"):

@@ -171,22 +171,61 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
+def _kept_tools(body: dict[str, Any]) -> tuple[list[int], list[str]]:
+    """Which of the request's tools the model is offered (their indexes), and the server tools
+    dropped (this server cannot run them: web_search, bash...). A tool with ``defer_loading``
+    is offered only once loaded, as Anthropic's tool search has it: named by a
+    ``tool_reference`` block (a ToolSearch result), called in the history, or forced by
+    ``tool_choice``; until then the model does not see it (Claude Code's
+    DeferredToolPlaceholder, "never call this tool", is never loaded)."""
+    raw = body.get("tools")
     if raw is None:
-        return None
+        return [], []
     if not isinstance(raw, list):
         raise bad("tools must be an array")
-    out, dropped = [], []
+    loaded = _loaded_tools(body)
+    kept, dropped = [], []
     for i, tool in enumerate(raw):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise bad(f"tools[{i}] must be an object with a name")
         if tool.get("type") not in (None, "custom") or "input_schema" not in tool:
-            dropped.append(str(tool.get("type") or tool["name"]))  # a server tool (web_search, bash...)
-            continue
-        out.append(chat_tool(tool["name"], tool["input_schema"], tool.get("description")))
+            dropped.append(str(tool.get("type") or tool["name"]))
+        elif tool.get("defer_loading") is not True or tool["name"] in loaded:
+            kept.append(i)
+    return kept, dropped
+
+
+def _loaded_tools(body: dict[str, Any]) -> set[str]:
+    """The deferred tools the conversation has loaded (see _kept_tools); read after the
+    messages are checked, defensively all the same."""
+    names: set[str] = set()
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and isinstance(choice.get("name"), str):
+        names.add(choice["name"])
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        for block in content if isinstance(content, list) else ():
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "tool_use" and isinstance(block.get("name"), str):
+                names.add(block["name"])
+            inner = block.get("content") if block.get("type") == "tool_result" else None
+            for ref in inner if isinstance(inner, list) else ():
+                name = ref.get("tool_name") if isinstance(ref, dict) and ref.get("type") == "tool_reference" else None
+                if isinstance(name, str):
+                    names.add(name)
+    return names
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    if body.get("tools") is None:
+        return None
+    kept, dropped = _kept_tools(body)
     if dropped:
         log.info("/v1/messages: dropped tools this server cannot run: %s", ", ".join(dropped))
-    return out
+    raw = body["tools"]
+    return [chat_tool(raw[i]["name"], raw[i]["input_schema"], raw[i].get("description")) for i in kept]
 
 
 def _tool_choice(raw: Any) -> tuple[Any, bool | None]:
@@ -212,12 +251,7 @@ def param_names(body: dict[str, Any]) -> Callable[[str], str]:
     """The Messages API's names of the chat request's parameters (a refusal names what the
     client sent: ``tools[14].input_schema``, the request's own index past a dropped server
     tool; ``output_format``)."""
-    raw = body.get("tools") if isinstance(body.get("tools"), list) else []
-    kept = [
-        i
-        for i, t in enumerate(raw)
-        if isinstance(t, dict) and t.get("type") in (None, "custom") and "input_schema" in t
-    ]
+    kept, _ = _kept_tools(body)
     fmt = (
         "output_config.format"
         if isinstance(body.get("output_config"), dict) and body["output_config"].get("format")
@@ -239,7 +273,7 @@ def to_chat(body: dict[str, Any], *, count_only: bool = False) -> dict[str, Any]
     messages = _messages(body.get("messages"))
     system = _system_text(body.get("system"))
     chat: dict[str, Any] = {"messages": ([{"role": "system", "content": system}] if system else []) + messages}
-    tools = _tools(body.get("tools"))
+    tools = _tools(body)
     if tools:
         chat["tools"] = tools
         choice, parallel = _tool_choice(body.get("tool_choice"))
