@@ -138,6 +138,8 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
               "minicpm5": '<function name="tool_0"><param name="x">',
               "functionary": "tool_0\n",  # the prompt ends with its ">>>" (which the grammar may repeat)
               "solar": "<|tool_calls|><|tool_call:begin|>",  # then the model's id, the name, the arguments
+              "mistral_args": "[TOOL_CALLS]tool_0[ARGS]{",  # then the arguments' JSON, spaced as it goes
+              "mistral_call_id": "[TOOL_CALLS]tool_0[CALL_ID]",  # then the model's id, the arguments
               "kimi_k3": '<|open|>tools<|sep|><|open|>call tool="tool_0" index="',
               "command_r_plus": 'Action:\n```json\n[\n    {"tool_name": "tool_0", "parameters": ',
               "lfm2": "<|tool_call_start|>[tool_0(x=",
@@ -162,6 +164,8 @@ async def test_each_format_starts_with_its_syntax(engine: Any) -> None:
                             r'type="boolean"<\|sep\|>', text[len(starts[name]):]), text
         if name == "solar":
             assert re.match(r"\d{1,3}<\|tool_call:name\|>tool_0<\|tool_call:args\|>", text[len(starts[name]):]), text
+        if name == "mistral_call_id":  # the 9 characters its template demands of an id
+            assert re.match(r"[a-zA-Z0-9]{9}\[ARGS\]\{", text[len(starts[name]):]), text
 
 
 async def test_auto_is_a_lazy_grammar_compiled_once(engine: Any) -> None:

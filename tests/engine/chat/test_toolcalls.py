@@ -184,7 +184,8 @@ def test_each_format_parses_one_and_parallel_calls(fmt: ToolFormat) -> None:
         assert [c.index for c in r.tool_calls] == list(range(len(calls)))
         given = ([f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)] if fmt.name == "kimi_k2"
                  # the model's own ids
-                 else [str(i) for i in range(len(calls))] if fmt.name in ("cohere", "solar") else None)
+                 else [str(i) for i in range(len(calls))] if fmt.name in ("cohere", "solar")
+                 else [f"{i + 1:09d}" for i in range(len(calls))] if fmt.name == "mistral_call_id" else None)
         assert [c.id for c in r.tool_calls] == (given or [f"call_{i}" for i in range(len(calls))])
         assert r.tool_calls[0].arguments == json.dumps(calls[0][1], separators=(",", ":"))
 

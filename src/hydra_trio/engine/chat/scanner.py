@@ -1,7 +1,8 @@
 """Tool calls read out of a reply's content as it streams, in its ``ToolFormat``'s markers:
 JSON regions (an opener, a JSON value, a closer), a family's blocks of markup (its ``Block``'s
-reader), recipient lines (Functionary). Linear in the text however it is split: every search
-starts where the last one stopped, and an open region sleeps until what it waits for comes.
+reader), headed calls (a head, then the arguments' JSON: Functionary's recipient lines,
+Mistral's ``NAME[ARGS]``). Linear in the text however it is split: every search starts where
+the last one stopped, and an open region sleeps until what it waits for comes.
 ``parser.ReplyParser`` runs it after the think split. Pure."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-MAX_RECIPIENT = 128  # characters of a recipient's line (functionary) before it is taken as text
+MAX_HEAD = 128  # characters of a call's head (functionary's recipient line, Mistral's name and id) before it is text
 
 
 @dataclass
@@ -40,7 +41,8 @@ class _Open:
     json_at: int = -1  # a JSON region's value starts here (-1: not yet seen)
     span: JsonSpan | None = None
     name: str = ""  # a recipient region's tool
-    line_end: int = -1  # a recipient region's name line ends here
+    head_end: int = -1  # a headed region's head ends here (its end mark passed)
+    given: str = ""  # the id the model wrote in the head (Mistral's [CALL_ID])
 
 
 class _Wake:
@@ -132,8 +134,8 @@ class CallScanner:
                 outcome = p + marker, None
             elif self._fmt.block is not None:
                 outcome = self._block(buf, p, marker, done)
-            elif self._fmt.recipient:
-                outcome = self._recipient(buf, p, marker, done)
+            elif self._fmt.headed:
+                outcome = self._headed(buf, p, marker, done)
             else:
                 outcome = self._region(buf, p, marker)
             if isinstance(outcome, _Wake):  # the region is still open
@@ -235,29 +237,35 @@ class CallScanner:
             end = k + len(fmt.closer)
         return end, self._calls_of(value_text)
 
-    def _recipient(self, buf: str, p: int, marker: int, final: bool) -> Outcome:
-        """A recipient format's message at ``buf[p]`` (``marker`` 0: the reply's first, its
-        marker in the prompt): a wake while it is open; (its line's end, None) for content's
-        recipient (the line dropped); else (its end, its call), no call when it is not one
-        (the marker is then content)."""
+    def _headed(self, buf: str, p: int, marker: int, final: bool) -> Outcome:
+        """A headed call at ``buf[p]``: a recipient format's message (``marker`` 0: the reply's
+        first, its marker in the prompt), its head a line, or Mistral's, its head the name (and
+        the id) before ``args_mark``. A wake while it is open; (its line's end, None) for
+        content's recipient (the line dropped); else (its end, its call), no call when it is not
+        one (the marker is then content)."""
         fmt, st = self._fmt, self._open
         if st is None:
             at = p + marker
-            nl = buf.find("\n", at, at + MAX_RECIPIENT + 1)
-            if nl < 0:
-                if not final and len(buf) - at <= MAX_RECIPIENT:
-                    return _Wake("text")  # at most MAX_RECIPIENT characters are looked at again
+            mark = fmt.args_mark or "\n"
+            k = buf.find(mark, at, at + MAX_HEAD + len(mark))
+            if k < 0:
+                if not final and len(buf) - at < MAX_HEAD + len(mark):
+                    return _Wake("text")  # at most MAX_HEAD characters are looked at again
                 self._fresh = False
                 return at, []
-            name = buf[at:nl].strip()
+            name, given = buf[at:k].strip(), ""
             self._fresh = False
-            if name == fmt.recipient:
-                return nl + 1, None
+            if fmt.recipient and name == fmt.recipient:
+                return k + len(mark), None
+            if fmt.id_mark and fmt.id_mark in name:
+                name, given = (part.strip() for part in name.split(fmt.id_mark, 1))
+                if not given or any(c.isspace() for c in given):
+                    return at, []
             if not name or any(c.isspace() for c in name) or (self._names is not None and name not in self._names):
                 return at, []
-            st = self._open = _Open(marker, name=name, line_end=nl - p)
+            st = self._open = _Open(marker, name=name, head_end=k + len(mark) - p, given=given)
         if st.span is None:
-            m = NON_SPACE.search(buf, p + st.line_end + 1)
+            m = NON_SPACE.search(buf, p + st.head_end)
             if m is None:
                 return _Wake("nonspace")
             j = m.start()
@@ -275,7 +283,7 @@ class CallScanner:
         arguments = written_arguments(args) if isinstance(args, dict) else None
         if arguments is None:
             return p + max(marker, len(fmt.opener) if buf.startswith(fmt.opener, p) else 0), []
-        return end, [ToolCall(len(self.calls), self._new_id(), st.name, arguments)]
+        return end, [ToolCall(len(self.calls), st.given or self._new_id(), st.name, arguments)]
 
     def _block(self, buf: str, p: int, marker: int, final: bool) -> Outcome:
         """A family's block region (its ``Block``, families/) at ``buf[p]``: a wake while its closer (or the
@@ -324,10 +332,8 @@ class CallScanner:
         """The whole calls of the open region at ``buf[p]`` the length cap cut (a list or a
         block of several calls, read up to its last whole call); none for a region of one call."""
         fmt = self._fmt
-        if fmt.block is not None or fmt.recipient:
-            whole = (
-                self._block(buf, p, marker, True) if fmt.block is not None else self._recipient(buf, p, marker, True)
-            )
+        if fmt.block is not None or fmt.headed:
+            whole = self._block(buf, p, marker, True) if fmt.block is not None else self._headed(buf, p, marker, True)
             if not isinstance(whole, _Wake) and whole[1]:  # its call ended (a tail after it was cut)
                 return whole[1]
         if fmt.block is not None:

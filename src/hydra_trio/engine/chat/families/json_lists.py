@@ -1,7 +1,8 @@
 """The families whose calls are one JSON list of ``{"name": ..., "arguments": {...}}`` after a
-marker of their own: Mistral (``[TOOL_CALLS]``), IBM Granite 3.3 (``<|tool_call|>``), NVIDIA
-Nemotron Nano v2 (``<TOOLCALL>``), ServiceNow Apriel 1.5 and 1.6 (``<tool_calls>``), and
-Fireworks' firefunction v2 (`` functools``). Pure."""
+marker of their own: Mistral Nemo and older Mistral templates (``[TOOL_CALLS]``; the current
+ones write ``[TOOL_CALLS]NAME[ARGS]{...}``: mistral_args.py, detected before this), IBM Granite
+3.3 (``<|tool_call|>``), NVIDIA Nemotron Nano v2 (``<TOOLCALL>``), ServiceNow Apriel 1.5 and 1.6
+(``<tool_calls>``), and Fireworks' firefunction v2 (`` functools``). Pure."""
 
 from __future__ import annotations
 

@@ -143,6 +143,11 @@ class ToolFormat:
     # line (the reply's first one right at its start: the prompt ends with the opener);
     # ``all`` is content (the line dropped), a tool's name a call whose arguments' JSON follows.
     recipient: str = ""
+    # Mistral's named calls, each ``opener`` NAME ``args_mark`` and the arguments' JSON, no closer
+    # (``[TOOL_CALLS]NAME[ARGS]{...}``): with ``id_mark``, the name may be followed by it and the
+    # id the model wrote, which the call keeps (``[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}``).
+    args_mark: str = ""
+    id_mark: str = ""
     dropped: tuple[str, ...] = ()  # markup around content (a block family's), removed from it
     # A trigger per declared tool (text, then), "{name}" its name: where the call's start names it
     tool_trigger: tuple[str, str] = ()
@@ -153,6 +158,12 @@ class ToolFormat:
     marks: tuple[str, ...] = ()  # more literals of its syntax (a dialect's message markers)
 
     @property
+    def headed(self) -> bool:
+        """Each call is a head (a recipient's line, a name before ``args_mark``) after the
+        opener, then its arguments' JSON, which ends it."""
+        return bool(self.recipient or self.args_mark)
+
+    @property
     def channels(self) -> bool:
         """A channel dialect: reasoning is a channel of its messages, not a think block."""
         return self.splitter is not None
@@ -161,7 +172,8 @@ class ToolFormat:
         """Every literal the format's calls are written with (markers, and the fixed text the
         grammar writes): a model's special token spelled inside one is part of the syntax, so
         a reply shows it as text for the parser (as llama-server's ``preserved_tokens``)."""
-        parts = [self.opener, self.closer, self.before, self.call_open, self.call_close, self.after]
+        parts = [self.opener, self.closer, self.before, self.call_open, self.call_close, self.after, self.args_mark,
+                 self.id_mark]
         parts += [t.text + t.then for t in self.triggers]
         if self.block is not None:
             parts += [*self.block.openers, self.block.closer, self.block.tail, *self.block.closers, *self.dropped]
