@@ -147,6 +147,20 @@ def test_a_cut_reply_keeps_its_whole_calls() -> None:
     assert r.content == half[len(first):]
 
 
+def test_a_marker_without_a_call_is_content_and_the_next_one_is_read() -> None:
+    """Any tool's name taken (no tools given): a second marker before ``[ARGS]`` is where the
+    call starts, the first one's text content; a head that never reaches ``[ARGS]`` is content."""
+    text = "[TOOL_CALLS]" + call("special_function", '{"arg1": 1}')
+    for fmt in (ARGS, WITH_ID):
+        r = parse_reply(text, fmt, parse_tools=True, reasoning=False, new_id=ids())
+        assert (r.content, _calls(r.tool_calls)) == ("[TOOL_CALLS]", [("special_function", {"arg1": 1}, None)])
+        cut = "[TOOL_CALLS]special_function"
+        r = parse_reply(cut, fmt, parse_tools=True, reasoning=False, new_id=ids())
+        assert (r.content, r.tool_calls) == (cut, [])
+        long = "[TOOL_CALLS]" + "x" * 200 + '[ARGS]{"a": 1}'  # no tool's name is that long
+        assert parse_reply(long, fmt, parse_tools=True, reasoning=False, new_id=ids()).content == long
+
+
 # The templates' lines that tell them apart (llama.cpp's models/templates/), as they spell them
 MISTRAL_SMALL_32 = (  # Mistral-Small-3.2-24B-Instruct-2506.jinja
     "{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"

@@ -261,7 +261,12 @@ class CallScanner:
                 name, given = (part.strip() for part in name.split(fmt.id_mark, 1))
                 if not given or any(c.isspace() for c in given):
                     return at, []
-            if not name or any(c.isspace() for c in name) or (self._names is not None and name not in self._names):
+            if (
+                not name
+                or any(c.isspace() for c in name)
+                or (fmt.opener and fmt.opener in name)  # a marker again: the call starts there, if anywhere
+                or (self._names is not None and name not in self._names)
+            ):
                 return at, []
             st = self._open = _Open(marker, name=name, head_end=k + len(mark) - p, given=given)
         if st.span is None:
