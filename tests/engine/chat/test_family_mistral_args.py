@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
-from hydra_trio.engine.chat import ChatTemplate, ReplyParser, parse_reply, parse_tools, template_caps
+from hydra_trio.engine.chat import ChatRequestError, ChatTemplate, ReplyParser, parse_reply, parse_tools, template_caps
 from hydra_trio.engine.chat.call_grammar import tools_grammar
 from hydra_trio.engine.chat.caps import detect_format
 from hydra_trio.engine.chat.families import detection_order
 from hydra_trio.engine.chat.formats import FORMATS
+from hydra_trio.engine.chat.render import render_prompt
 from hydra_trio.engine.structured import GuidanceCache
 
 ARGS, WITH_ID = FORMATS["mistral_args"], FORMATS["mistral_call_id"]
@@ -248,3 +249,33 @@ def test_auto_is_lazy_from_the_tool_calls_marker(name: str) -> None:
     assert re.search(pattern, "Hello, world![TOOL_CALL") is None
     fed = call("special_function", '{"arg1": 1}', "000000001" if name == "mistral_call_id" else None)
     assert _accepts(grammar, fed)
+
+
+# Mistral-Small-3.2-24B-Instruct-2506.jinja's assistant turn with calls, as it prints them
+SMALL_32_TURNS = (
+    "{%- for message in messages %}{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
+    "{%- elif message.role == 'assistant' and message.get('tool_calls') %}"
+    "{%- for tool_call in message.tool_calls %}{{- '[TOOL_CALLS]' + tool_call.function.name }}"
+    "{%- if not tool_call.id is defined or tool_call.id is not string or tool_call.id|length != 9 %}"
+    "{{- raise_exception(\"Tool call IDs should be alphanumeric strings with length 9!\") }}{%- endif %}"
+    "{{- '[CALL_ID]' + tool_call.id }}{{- '[ARGS]' + tool_call['function']['arguments']|tojson }}"
+    "{%- endfor %}{{- eos_token }}{%- endif %}{%- endfor %}"
+)
+
+
+def test_the_models_id_lets_its_template_print_the_call_back() -> None:
+    """Mistral Small 3.2's template refuses a call id that is not 9 characters: the reply's
+    calls, ids as the model wrote them, go back into the next turn's prompt as they were written."""
+    text = call("special_function", '{"arg1": 1}', "000000001") + call("special_function_with_opt",
+                                                                        '{"arg1": 1, "arg2": 2}', "000000002")
+    r = parse_reply(text, WITH_ID, parse_tools=True, reasoning=False, tools=TOOLS)
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in r.tool_calls]
+    caps = template_caps(ChatTemplate(name="t", source="inline", jinja=SMALL_32_TURNS))
+    request = {"messages": [{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "", "tool_calls": calls}]}
+    prompt = render_prompt(request, SMALL_32_TURNS, caps, bos_token="<s>", eos_token="</s>")
+    assert prompt == "[INST]hi[/INST]" + text + "</s>"
+    calls[0]["id"] = "call_" + "0" * 24  # an id of ours instead: the template refuses it
+    with pytest.raises(ChatRequestError, match="length 9"):
+        render_prompt(request, SMALL_32_TURNS, caps, bos_token="<s>", eos_token="</s>")
