@@ -245,12 +245,20 @@ def scrape_evictions(url: str) -> dict[str, Any]:
 
     samples = metric_samples(httpx.get(url + "/metrics", timeout=30).text)
     out: dict[str, Any] = {"evictions": {}, "disk": {}}
+    sums: dict[str, float] = {}
     for (name, labels), value in samples.items():
+        if name.startswith(("vllm:request_queue_time_seconds_", "vllm:request_prefill_time_seconds_")):
+            sums[name] = sums.get(name, 0.0) + value
         if name == "hydra_kv_evictions_total":
             d = dict(labels)
             out["evictions"][f"{d['tier']}/{d['kind']}"] = int(value)
         elif name.startswith("hydra_disk_cache_"):
             out["disk"][name.removeprefix("hydra_disk_cache_")] = value
+    # Where a turn's wait went, over all turns: the wait for a slot, then the prefill (the
+    # restore from RAM included).
+    for part in ("queue", "prefill"):
+        n = sums.get(f"vllm:request_{part}_time_seconds_count", 0.0)
+        out[f"{part}_mean_ms"] = 1000.0 * sums.get(f"vllm:request_{part}_time_seconds_sum", 0.0) / n if n else None
     return out
 
 
@@ -529,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f['later_computed']}, {f['later_x_oracle']:.2f}×), TTFT p50 {f['ttft_p50_ms']:.0f} ms, p99 "
                   f"{f['ttft_p99_ms']:.0f} ms (later turns {f['later_ttft_p50_ms']:.0f}, {f['later_ttft_p99_ms']:.0f})"
                   + (f", evictions {f.get('evictions')}" if f.get("evictions") is not None else "")
+                  + (f", mean slot wait {f['queue_mean_ms']:.0f} ms, prefill {f['prefill_mean_ms']:.0f} ms"
+                     if f.get("queue_mean_ms") is not None else "")
                   + f"; load {load_before[0]:.1f}", flush=True)
         Path(args.out).write_text(json.dumps(results, indent=1))  # what has run so far
     first = results["seeds"][str(seeds[0])]

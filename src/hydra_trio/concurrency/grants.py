@@ -1,6 +1,6 @@
-"""A first-come-first-served line for a resource that is granted by whoever frees it (the
-payload byte budget, the slot table): one ParkingLot, the grant made in the same tick as the
-release that allows it."""
+"""Lines for a resource that is granted by whoever frees it, the grant made in the same tick as
+the release that allows it: first come, first served (the payload byte budget), or cheapest
+first with a bound on overtaking (the slot table)."""
 
 from __future__ import annotations
 
@@ -77,3 +77,77 @@ class FifoGrants(Generic[R, G]):
             head.grant = grant
             woken = self._lot.unpark()
             assert woken == [head.task], "the lot and the line disagree"
+
+
+@dataclass(eq=False, slots=True)
+class _Costed(Generic[R, G]):
+    request: R
+    task: trio.lowlevel.Task
+    cost: float
+    passed: int = 0  # grants made to waiters that came after this one
+    grant: G | None = None
+
+
+class CheapestFirstGrants(Generic[R, G]):
+    """Waiters are served cheapest first (the least expected work, the oldest among equals),
+    but none is overtaken more than ``overtakes`` times: once the oldest waiter has been
+    passed that often, it is served next. (A waiter is passed by every grant to one that came
+    after it, so an older waiter has been passed at least as often as a younger one: the
+    oldest reaches the bound first, and nobody goes past it.) ``overtakes=0`` is first come,
+    first served. For a resource every waiter can take as soon as any can (a free slot);
+    ``FifoGrants`` keeps a large request from being starved by small ones where that differs.
+
+    ``take(request)`` as in ``FifoGrants``; ``acquire``'s ``cost`` is asked once, and only
+    when the waiter has to wait. A cancelled waiter leaves the line in the tick it is
+    cancelled (its abort), so a grant only ever goes to a live waiter.
+    """
+
+    def __init__(self, take: Callable[[R], G | None], overtakes: int) -> None:
+        self._take = take
+        self.overtakes = overtakes
+        self._line: list[_Costed[R, G]] = []  # in order of arrival
+
+    def __len__(self) -> int:
+        """Waiters in line."""
+        return len(self._line)
+
+    async def acquire(self, request: R, cost: Callable[[], float]) -> G:
+        """The grant for ``request``, at once when nobody waits and it can be taken, else in
+        its turn; the caller's cancel scope bounds the wait, and a cancelled wait takes
+        nothing."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._line and (grant := self._take(request)) is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return grant
+        ticket: _Costed[R, G] = _Costed(request, trio.lowlevel.current_task(), cost())
+        self._line.append(ticket)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._line.remove(ticket)  # never granted: grants take the ticket out first
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        assert ticket.grant is not None
+        return ticket.grant
+
+    def serve(self) -> None:
+        """Grant to the waiters in their order (``_next``) while the resource can be taken."""
+        while self._line:
+            i = self._next()
+            ticket = self._line[i]
+            grant = self._take(ticket.request)
+            if grant is None:
+                return
+            del self._line[i]
+            for older in self._line[:i]:
+                older.passed += 1
+            ticket.grant = grant
+            trio.lowlevel.reschedule(ticket.task)
+
+    def _next(self) -> int:
+        """The index of the waiter served next: the oldest once it was passed ``overtakes``
+        times, else the cheapest (``min`` keeps the first, the oldest, among equals)."""
+        line = self._line
+        if line[0].passed >= self.overtakes:
+            return 0
+        return min(range(len(line)), key=lambda i: line[i].cost)

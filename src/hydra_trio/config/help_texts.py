@@ -40,6 +40,9 @@ HELP: dict[str, str] = {
     "slots": "number of slots (llama sequences)",
     "ctx_size": "KV cells of all slots together (split cache: each slot "
     "holds ctx_size/slots; unified: any slot may hold all)",
+    "slot_overtakes": "requests waiting for a slot go least work first (prompt tokens to compute: a history in a "
+    "slot or the prompt cache before a full prefill); each is overtaken at most this many times; 0 = first come, "
+    "first served",
     "slot_prompt_similarity": "a prompt reuses a slot's KV only when the shared prefix is at least this share of the "
     "prompt (else an empty, then the least recently used slot); 0 = always the longest prefix",
     "cache_ram_mib": "host memory (MiB) for slots' KV kept past the slots: a slot's history is copied here before it "

@@ -48,6 +48,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "step_token_budget": (1, 8192),
     "itl_target_ms": (0.0, 600_000.0),
     "slot_prompt_similarity": (0.0, 1.0),
+    "slot_overtakes": (0, 1_000_000),
     "stream_interval": (1, 4096),
     "kv_events_block_size": (1, 4096),
     "kv_events_hwm": (1, 10_000_000),

@@ -64,6 +64,10 @@ class Settings:
     # only when the shared prefix is at least this share of the prompt; otherwise it takes an
     # empty slot, else the least recently used. 0: always the longest shared prefix.
     slot_prompt_similarity: float = 0.5
+    # Requests waiting for a slot are served least work first (the prompt tokens they would
+    # compute: a turn whose history is in a slot or the prompt cache before a full prefill),
+    # each overtaken at most this many times by later ones; 0: first come, first served.
+    slot_overtakes: int = 8
     # Host memory for slots' KV kept past the slots (llama-server's --cache-ram), MiB; 0: off.
     cache_ram_mib: int = 8192
     # A third tier for what RAM must drop (engine/kv/disktier.py): a folder and its bound in

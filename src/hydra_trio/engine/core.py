@@ -71,7 +71,7 @@ class EngineCore:
         self.identity = identity
         self.settings = settings
         self.worker = GpuWorker(lane)
-        self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified)
+        self.slots = SlotTable(backend.n_slots, compact=not backend.kv_unified, overtakes=settings.slot_overtakes)
         self.inputs = Inputs(lambda: self.backend, self.worker, settings)
         self.adapters = adapters or LoraAdapters()  # --lora: read at start (startup.py)
         self.model_load_ms = 0.0

@@ -285,7 +285,7 @@ class Engine:
         core = self._core
         if prompt and (core.slots.waiting or core.slots.n_busy == core.n_slots) and core.tiers.disk is not None:
             return await _wait_and_prefetch(core, owner, prompt, salt, lora)
-        return await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora))
+        return await _claim_any(core, owner, prompt, salt, lora)
 
     def sessions(self, tenant: str) -> TenantSessions:
         """The agent sessions of ``tenant`` (the caller's API key): a request's turn, and
@@ -337,6 +337,15 @@ class Engine:
             core.slots.release(held)
 
 
+async def _claim_any(core: EngineCore, owner: str, prompt: Sequence[int], salt: str | None, lora: LoraSet) -> Slot:
+    """A free slot by the slot-choice policy; a request that waits for one is served by the
+    prompt tokens it would compute (the scheduler's ``work_left``), least first."""
+    scheduler = core.scheduler
+    return await core.slots.claim_any(
+        owner, scheduler.slot_rank(prompt, salt, lora), lambda: scheduler.work_left(prompt, salt, lora)
+    )
+
+
 async def _wait_and_prefetch(
     core: EngineCore, owner: str, prompt: Sequence[int], salt: str | None, lora: LoraSet
 ) -> Slot:
@@ -346,7 +355,7 @@ async def _wait_and_prefetch(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(core.tiers.promote, prompt, salt, lora)
-            slot.append(await core.slots.claim_any(owner, core.scheduler.slot_rank(prompt, salt, lora)))
+            slot.append(await _claim_any(core, owner, prompt, salt, lora))
     except BaseExceptionGroup as group:
         raise_single(group)
     return slot[0]

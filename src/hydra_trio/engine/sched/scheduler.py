@@ -249,13 +249,7 @@ class SlotScheduler:
             # Compared by what each could continue (a sliding window may have dropped the rest).
             held = backend.reusable_prefix(slot, min(shared, len(prompt) - 1))
             best: tuple[CacheHit, str, int] | None = None
-            for tier, source in (("ram", ram), ("disk", disk)):
-                hit = source.best(prompt, salt, lora) if source is not None else None
-                if hit is None:
-                    continue
-                usable = backend.reusable_in_state(
-                    hit.n_tokens, min(hit.n_common, len(prompt) - 1), hit.checkpoint_at
-                )
+            for hit, tier, usable in self._tier_hits(prompt, salt, lora):
                 if usable >= held + MIN_CACHED_TOKENS and (best is None or usable > best[2]):
                     best = (hit, tier, usable)
             # A history another swap_in is copying out of its slot is in no tier until that
@@ -297,6 +291,41 @@ class SlotScheduler:
             if saved:
                 self._keep(slot, saved[0], leaving)
             self._landed(slot)
+
+    def _tier_hits(
+        self, prompt: Sequence[int], salt: str | None, lora: LoraSet
+    ) -> list[tuple[CacheHit, str, int]]:
+        """Each tier's (RAM, disk) best entry for the prompt, with what of it the prompt could
+        continue (a sliding window may have dropped the rest), at least the last token left to
+        compute."""
+        backend = self._backend()
+        out = []
+        for tier, source in (("ram", self._cache), ("disk", self._disk)):
+            hit = source.best(prompt, salt, lora) if source is not None else None
+            if hit is not None:
+                usable = backend.reusable_in_state(hit.n_tokens, min(hit.n_common, len(prompt) - 1), hit.checkpoint_at)
+                out.append((hit, tier, usable))
+        return out
+
+    def work_left(self, prompt: Sequence[int], salt: str | None = None, lora: LoraSet = ()) -> int:
+        """The prompt tokens a request would compute if it had a slot now: the prompt less the
+        most that any slot, a history being copied out of one, or a tier past them holds of it.
+        The order of the requests waiting for a slot (SlotTable: least work first), asked once
+        per waiting request: an estimate, as a waiting turn's histories may move meanwhile."""
+        backend = self._backend()
+        n = len(prompt)
+        if n == 0:
+            return 0
+        held = max(
+            backend.reusable_prefix(s, min(backend.shared_prefix(s, prompt, salt, lora), n - 1))
+            for s in range(len(self._slots))
+        )
+        for tokens, s, lo in self._leaving.values():
+            if s == salt and lo == lora:
+                held = max(held, min(common_prefix_len(tokens, prompt), n - 1))
+        for _hit, _tier, usable in self._tier_hits(prompt, salt, lora):
+            held = max(held, usable)
+        return n - held
 
     def _landed(self, slot: int) -> None:
         """The history copied out of ``slot`` is in RAM now (or was not copied): wake the turns

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ...concurrency import FifoGrants
+from ...concurrency import CheapestFirstGrants
 from ...wire.errors import ErrorCode, ProtocolError
 
 
@@ -28,7 +28,7 @@ Score = Callable[[int], tuple[float, ...]]
 
 
 class SlotTable:
-    def __init__(self, n_slots: int, *, compact: bool = False) -> None:
+    def __init__(self, n_slots: int, *, compact: bool = False, overtakes: int = 0) -> None:
         self.slots = [Slot(i) for i in range(n_slots)]
         # Split KV cache: llama.cpp puts only consecutive sequence ids into one ubatch (a
         # forward pass of its own), so a step over busy slots 0, 2, 4, ... costs a pass per
@@ -37,10 +37,11 @@ class SlotTable:
         self.compact = compact
         self._released = trio.Event()
         self.frozen = False  # true while a staged context rebuild / model reload runs
-        # Requests waiting in claim_any, first come first served: a freed slot goes to the
-        # oldest (its own best pick), so a later request cannot overtake one that then
-        # times out with 503.
-        self._line: FifoGrants[tuple[str, Score], Slot] = FifoGrants(self._take)
+        # Requests waiting in claim_any: a freed slot goes to the one with the least work
+        # expected (a turn whose history a slot or the prompt cache holds before one that
+        # computes its prompt), but no waiter is overtaken more than ``overtakes`` times (a
+        # cold request is not starved into a 503); 0: first come, first served.
+        self._line: CheapestFirstGrants[tuple[str, Score], Slot] = CheapestFirstGrants(self._take, overtakes)
 
     @property
     def waiting(self) -> int:
@@ -68,11 +69,12 @@ class SlotTable:
         slot.owner = owner
         return slot
 
-    async def claim_any(self, owner: str, score: Score) -> Slot:
+    async def claim_any(self, owner: str, score: Score, cost: Callable[[], float] = lambda: 0.0) -> Slot:
         """Claim the free slot with the highest score (the engine's slot-choice policy), the
-        least recently used among equals, waiting in line (FIFO) for one for as long as the
-        caller's scope allows."""
-        return await self._line.acquire((owner, score))
+        least recently used among equals, waiting in line for one for as long as the caller's
+        scope allows: cheapest ``cost`` first (asked once, when the request has to wait; the
+        prompt tokens it would compute), overtaken at most ``overtakes`` times."""
+        return await self._line.acquire((owner, score), cost)
 
     def _take(self, request: tuple[str, Score]) -> Slot | None:
         owner, score = request
