@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from hydra_trio.engine.chat import ChatRequestError, ChatTemplate, ReplyParser, parse_reply, parse_tools, template_caps
+from hydra_trio.engine.chat import ChatTemplate, ReplyParser, parse_reply, parse_tools, template_caps
 from hydra_trio.engine.chat.call_grammar import tools_grammar
 from hydra_trio.engine.chat.caps import detect_format
 from hydra_trio.engine.chat.families import detection_order
@@ -259,13 +259,17 @@ SMALL_32_TURNS = (
     "{%- if not tool_call.id is defined or tool_call.id is not string or tool_call.id|length != 9 %}"
     "{{- raise_exception(\"Tool call IDs should be alphanumeric strings with length 9!\") }}{%- endif %}"
     "{{- '[CALL_ID]' + tool_call.id }}{{- '[ARGS]' + tool_call['function']['arguments']|tojson }}"
-    "{%- endfor %}{{- eos_token }}{%- endif %}{%- endfor %}"
+    "{%- endfor %}{{- eos_token }}"
+    # its tool results (restated shorter): the id they answer
+    "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.tool_call_id }}[TOOL_CONTENT]{{ message.content }}"
+    "[/TOOL_RESULTS]{%- endif %}{%- endfor %}"
 )
 
 
 def test_the_models_id_lets_its_template_print_the_call_back() -> None:
     """Mistral Small 3.2's template refuses a call id that is not 9 characters: the reply's
-    calls, ids as the model wrote them, go back into the next turn's prompt as they were written."""
+    calls, ids as the model wrote them, go back into the next turn's prompt as they were
+    written; any other id is mapped to 9 letters and digits."""
     text = call("special_function", '{"arg1": 1}', "000000001") + call("special_function_with_opt",
                                                                         '{"arg1": 1, "arg2": 2}', "000000002")
     r = parse_reply(text, WITH_ID, parse_tools=True, reasoning=False, tools=TOOLS)
@@ -276,6 +280,15 @@ def test_the_models_id_lets_its_template_print_the_call_back() -> None:
                             {"role": "assistant", "content": "", "tool_calls": calls}]}
     prompt = render_prompt(request, SMALL_32_TURNS, caps, bos_token="<s>", eos_token="</s>")
     assert prompt == "[INST]hi[/INST]" + text + "</s>"
-    calls[0]["id"] = "call_" + "0" * 24  # an id of ours instead: the template refuses it
-    with pytest.raises(ChatRequestError, match="length 9"):
-        render_prompt(request, SMALL_32_TURNS, caps, bos_token="<s>", eos_token="</s>")
+    # Ids of other makers (ours, Anthropic's, a client's): 9 letters and digits from each, the
+    # same for a call and the result that answers it, and the same every turn (llama-server
+    # hands the template the id as it is, which it refuses: "length 9").
+    for other in ("call_" + "0" * 24, "toolu_01AbC-dEf_gh", "x"):
+        calls[0]["id"] = other
+        turn = {"messages": [*request["messages"], {"role": "tool", "tool_call_id": other, "content": "ok"}]}
+        prompt = render_prompt(turn, SMALL_32_TURNS, caps, bos_token="<s>", eos_token="</s>")
+        mapped = prompt.split("[CALL_ID]")[1].split("[ARGS]")[0]
+        assert len(mapped) == 9 and mapped.isascii() and mapped.isalnum() and mapped != other
+        assert f"[TOOL_RESULTS]{mapped}[TOOL_CONTENT]ok" in prompt
+        assert render_prompt(turn, SMALL_32_TURNS, caps, bos_token="<s>", eos_token="</s>") == prompt
+    assert "000000002" in prompt  # an id that is already 9 letters and digits is kept

@@ -5,7 +5,9 @@ Jinja template or a llama.cpp built-in. HTTP chat, PREFILL and DECODE all render
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -21,6 +23,11 @@ from .templates import ChatTemplate
 from .tools import ToolRequest, parse_tools
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
+# Mistral Nemo's and Small 3.2's templates refuse a call id that is not 9 letters and digits
+# (raise_exception with these words); clients send back the ids they were given (ours
+# ``call_`` + 24 hex, Anthropic's ``toolu_...``, their own), so those are mapped (_nine_char_id).
+_NINE_CHAR_IDS = "alphanumeric strings with length 9"
+_ALNUM = string.ascii_letters + string.digits
 T = TypeVar("T")
 
 
@@ -111,13 +118,14 @@ def tool_messages(
     JSON in the assistant's content."""
     wants_object, renders_calls = caps.object_arguments, caps.renders_tool_calls
     keep_developer = "<|channel|>" in source
+    call_id: Callable[[str], str] = _nine_char_id if _NINE_CHAR_IDS in source else str
     out = []
     for m in messages:
         role = "system" if m["role"] == "developer" and not keep_developer else m["role"]
         msg: dict[str, Any] = {"role": role, "content": m["content"]}
         for key in ("reasoning_content", "name", "tool_call_id"):
             if isinstance(m.get(key), str) and m[key]:
-                msg[key] = m[key]
+                msg[key] = call_id(m[key]) if key == "tool_call_id" else m[key]
         calls = m.get("tool_calls")
         if calls:
             if renders_calls or not caps.describes_tools:
@@ -125,7 +133,7 @@ def tool_messages(
                     {"type": "function",
                      "function": {"name": c["function"]["name"],
                                   "arguments": c["_arguments_object"] if wants_object else c["function"]["arguments"]},
-                     "id": c["id"]}
+                     "id": call_id(c["id"])}
                     for c in calls
                 ]
             else:
@@ -146,6 +154,22 @@ def tool_messages(
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return _as_handler_gives(out, source)
+
+
+def _nine_char_id(call_id: str) -> str:
+    """A call id as a template that takes only 9 letters and digits needs it: kept when it
+    is one, else 9 of them from its hash, so a call and its result still pair, and the same
+    id gives the same prompt every turn (the prefix cache). vLLM keeps the last 9 characters
+    instead, which fails on ids with other characters there; llama-server passes the id as
+    it is, and the template refuses the turn."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    n = int.from_bytes(hashlib.blake2b(call_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+    out = []
+    for _ in range(9):
+        n, k = divmod(n, len(_ALNUM))
+        out.append(_ALNUM[k])
+    return "".join(out)
 
 
 def _as_handler_gives(messages: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
