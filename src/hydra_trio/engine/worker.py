@@ -73,6 +73,7 @@ class GpuWorker:
         self.running = False  # a call is inside llama.cpp now
         self._in_call = False  # a call's function runs in the worker thread now
         self._call_ended = trio.Event()  # set (and replaced) whenever a call returns
+        self._calls_ended = 0  # calls that returned (on the trio thread)
         # Set by every call that waits for the worker: a long call that ``yields`` (a run of
         # generation steps) polls it and returns early.
         self.wants_turn = threading.Event()
@@ -86,12 +87,35 @@ class GpuWorker:
         if self._in_call:
             await self._call_ended.wait()
 
+    async def wait_for_calls_ahead(self, max_s: float) -> int:
+        """Return once the call running now and the calls waiting for the worker now have
+        returned (their count), or after ``max_s`` once the running one has: a batch composed
+        then includes what those calls bring, e.g. the prompts of a burst of requests whose
+        tokenizations queued behind a prefill (else the first prompts of a burst go alone and
+        the rest join their streams' steps, issue 53). Those calls run before a call asked for
+        now anyway (the limiter is FIFO); the deadline bounds a wait for a waiting call that
+        is cancelled and never runs."""
+        await self.wait_while_busy()
+        stats = self.limiter.statistics()
+        ahead = stats.tasks_waiting + stats.borrowed_tokens  # queued, and one the worker passed to
+        if not ahead:
+            return 0
+        done = self._calls_ended + ahead
+        with trio.move_on_after(max_s):
+            while self._calls_ended < done:
+                stats = self.limiter.statistics()
+                if not (self._in_call or stats.tasks_waiting or stats.borrowed_tokens):
+                    break
+                await self._call_ended.wait()
+        return ahead
+
     def idle(self) -> bool:
         """No call runs or waits for the worker: one asked for now gets it at once."""
         stats = self.limiter.statistics()
         return stats.borrowed_tokens < stats.total_tokens and stats.tasks_waiting == 0
 
     def _ended(self) -> None:
+        self._calls_ended += 1
         self._call_ended.set()
         self._call_ended = trio.Event()
         if self.after_call is not None:
