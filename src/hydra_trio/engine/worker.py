@@ -32,6 +32,20 @@ class WorkerLane:
     def __init__(self) -> None:
         self.limiter = trio.CapacityLimiter(1)
         self._turn_flags: list[threading.Event] = []
+        # Every call on the lane, any engine's, counted and signalled as it returns (on the
+        # trio thread): what GpuWorker.wait_for_calls_ahead waits on.
+        self.calls_ended = 0
+        self.call_ended = trio.Event()
+
+    @property
+    def shared(self) -> bool:
+        """More than one engine's worker is on the lane."""
+        return len(self._turn_flags) > 1
+
+    def ended(self) -> None:
+        self.calls_ended += 1
+        self.call_ended.set()
+        self.call_ended = trio.Event()
 
     def join(self, flag: threading.Event) -> None:
         self._turn_flags.append(flag)
@@ -51,7 +65,10 @@ class WorkerLane:
         """``fn`` on the lane, when it is no engine's worker call (a model's load, warm-up or
         failed load's close): its wait asks the running steps to yield as any call's does."""
         self.want_turn()
-        return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+        try:
+            return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+        finally:
+            self.ended()
 
 
 class GpuWorker:
@@ -73,7 +90,6 @@ class GpuWorker:
         self.running = False  # a call is inside llama.cpp now
         self._in_call = False  # a call's function runs in the worker thread now
         self._call_ended = trio.Event()  # set (and replaced) whenever a call returns
-        self._calls_ended = 0  # calls that returned (on the trio thread)
         # Set by every call that waits for the worker: a long call that ``yields`` (a run of
         # generation steps) polls it and returns early.
         self.wants_turn = threading.Event()
@@ -94,19 +110,24 @@ class GpuWorker:
         tokenizations queued behind a prefill (else the first prompts of a burst go alone and
         the rest join their streams' steps, issue 53). Those calls run before a call asked for
         now anyway (the limiter is FIFO); the deadline bounds a wait for a waiting call that
-        is cancelled and never runs."""
+        is cancelled and never runs. On a lane shared with other engines, only the running
+        call: a call ahead may be another model's run of steps, which yields only once a call
+        is queued (as before issue 53's change)."""
         await self.wait_while_busy()
+        if self.lane.shared:
+            return 0
         stats = self.limiter.statistics()
         ahead = stats.tasks_waiting + stats.borrowed_tokens  # queued, and one the worker passed to
         if not ahead:
             return 0
-        done = self._calls_ended + ahead
+        lane = self.lane  # the limiter is the lane's: the calls ahead may be another engine's
+        done = lane.calls_ended + ahead
         with trio.move_on_after(max_s):
-            while self._calls_ended < done:
+            while lane.calls_ended < done:
                 stats = self.limiter.statistics()
-                if not (self._in_call or stats.tasks_waiting or stats.borrowed_tokens):
+                if not (stats.tasks_waiting or stats.borrowed_tokens):
                     break
-                await self._call_ended.wait()
+                await lane.call_ended.wait()
         return ahead
 
     def idle(self) -> bool:
@@ -115,7 +136,7 @@ class GpuWorker:
         return stats.borrowed_tokens < stats.total_tokens and stats.tasks_waiting == 0
 
     def _ended(self) -> None:
-        self._calls_ended += 1
+        self.lane.ended()
         self._call_ended.set()
         self._call_ended = trio.Event()
         if self.after_call is not None:
