@@ -518,3 +518,41 @@ async def test_gpu_worker_waits_for_the_calls_queued_ahead() -> None:
             gates["queued-2"].set()
     # The two queued calls started in one tick: trio may queue them in either order.
     assert waited == [(2, ran)] and ran[0] == "running" and sorted(ran[1:]) == ["queued-1", "queued-2"]
+
+
+async def test_gpu_worker_on_a_shared_lane_waits_for_the_running_call_only() -> None:
+    """Two engines on one lane: a call queued ahead may be the other model's run of steps,
+    which yields only once a call is queued, so the batch is composed (and queued) as soon
+    as the running call returns."""
+    import threading
+
+    from hydra_trio.engine.worker import GpuWorker, WorkerLane
+
+    lane = WorkerLane()
+    mine, other = GpuWorker(lane), GpuWorker(lane)
+    assert lane.shared
+    gates = {"running": threading.Event(), "queued": threading.Event()}
+    ran: list[str] = []
+
+    def call(name: str) -> None:
+        gates[name].wait(10)
+        ran.append(name)
+
+    waited: list[tuple[int, list[str]]] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(mine.call, lambda: call("running"))
+            await wait_until(lambda: mine._in_call)
+            n.start_soon(other.call, lambda: call("queued"))
+            await wait_until(lambda: lane.limiter.statistics().tasks_waiting == 1)
+
+            async def waiter() -> None:
+                got = await mine.wait_for_calls_ahead(5.0)
+                waited.append((got, list(ran)))
+
+            n.start_soon(waiter)
+            gates["running"].set()
+            await wait_until(lambda: bool(waited))
+            gates["queued"].set()
+    assert waited == [(0, ["running"])]
+    assert lane.calls_ended == 2
