@@ -58,10 +58,6 @@ from .worker import GpuWorker, WorkerLane
 
 log = logging.getLogger(__name__)
 
-# The most a batch waits, before it is composed, for the worker calls queued ahead of it to run
-# (GpuWorker.wait_for_calls_ahead): a burst's tokenizations take well under a millisecond each.
-CALLS_AHEAD_MAX_S = 0.05
-
 Emit = Callable[[str], Awaitable[None]]
 
 
@@ -94,7 +90,7 @@ class EngineCore:
             self._run_mixed,
             token_budget=budget,
             alone_budget=backend.n_batch,
-            worker_free=lambda: self.worker.wait_for_calls_ahead(CALLS_AHEAD_MAX_S),
+            worker_free=self.worker.wait_for_calls_ahead,
             is_eog=lambda token: self.backend.is_eog(token),
             wants_turn=self.worker.wants_turn,
             lora_of=(lambda slot: self.backend.seq_lora[slot]) if self.adapters else None,

@@ -16,6 +16,10 @@ from ..wire.errors import ErrorCode, ProtocolError, Status
 
 T = TypeVar("T")
 
+# The most a batch waits, before it is composed, for the worker calls queued ahead of it to run
+# (GpuWorker.wait_for_calls_ahead): a burst's tokenizations take well under a millisecond each.
+CALLS_AHEAD_MAX_S = 0.05
+
 
 @dataclass(slots=True)
 class CallTiming:
@@ -103,7 +107,7 @@ class GpuWorker:
         if self._in_call:
             await self._call_ended.wait()
 
-    async def wait_for_calls_ahead(self, max_s: float) -> int:
+    async def wait_for_calls_ahead(self, max_s: float = CALLS_AHEAD_MAX_S) -> int:
         """Return once the call running now and the calls waiting for the worker now have
         returned (their count), or after ``max_s`` once the running one has: a batch composed
         then includes what those calls bring, e.g. the prompts of a burst of requests whose
