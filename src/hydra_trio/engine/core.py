@@ -84,7 +84,7 @@ class EngineCore:
             self._run_mixed,
             token_budget=budget,
             alone_budget=backend.n_batch,
-            worker_free=self.worker.wait_while_busy,
+            worker_free=self.worker.wait_for_calls_ahead,
             is_eog=lambda token: self.backend.is_eog(token),
             wants_turn=self.worker.wants_turn,
             lora_of=(lambda slot: self.backend.seq_lora[slot]) if self.adapters else None,

@@ -16,6 +16,10 @@ from ..wire.errors import ErrorCode, ProtocolError, Status
 
 T = TypeVar("T")
 
+# The most a batch waits, before it is composed, for the worker calls queued ahead of it to run
+# (GpuWorker.wait_for_calls_ahead): a burst's tokenizations take well under a millisecond each.
+CALLS_AHEAD_MAX_S = 0.05
+
 
 @dataclass(slots=True)
 class CallTiming:
@@ -32,6 +36,20 @@ class WorkerLane:
     def __init__(self) -> None:
         self.limiter = trio.CapacityLimiter(1)
         self._turn_flags: list[threading.Event] = []
+        # Every call on the lane, any engine's, counted and signalled as it returns (on the
+        # trio thread): what GpuWorker.wait_for_calls_ahead waits on.
+        self.calls_ended = 0
+        self.call_ended = trio.Event()
+
+    @property
+    def shared(self) -> bool:
+        """More than one engine's worker is on the lane."""
+        return len(self._turn_flags) > 1
+
+    def ended(self) -> None:
+        self.calls_ended += 1
+        self.call_ended.set()
+        self.call_ended = trio.Event()
 
     def join(self, flag: threading.Event) -> None:
         self._turn_flags.append(flag)
@@ -51,7 +69,10 @@ class WorkerLane:
         """``fn`` on the lane, when it is no engine's worker call (a model's load, warm-up or
         failed load's close): its wait asks the running steps to yield as any call's does."""
         self.want_turn()
-        return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+        try:
+            return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+        finally:
+            self.ended()
 
 
 class GpuWorker:
@@ -86,12 +107,40 @@ class GpuWorker:
         if self._in_call:
             await self._call_ended.wait()
 
+    async def wait_for_calls_ahead(self, max_s: float = CALLS_AHEAD_MAX_S) -> int:
+        """Return once the call running now and the calls waiting for the worker now have
+        returned (their count), or after ``max_s`` once the running one has: a batch composed
+        then includes what those calls bring, e.g. the prompts of a burst of requests whose
+        tokenizations queued behind a prefill (else the first prompts of a burst go alone and
+        the rest join their streams' steps, issue 53). Those calls run before a call asked for
+        now anyway (the limiter is FIFO); the deadline bounds a wait for a waiting call that
+        is cancelled and never runs. On a lane shared with other engines, only the running
+        call: a call ahead may be another model's run of steps, which yields only once a call
+        is queued (as before issue 53's change)."""
+        await self.wait_while_busy()
+        if self.lane.shared:
+            return 0
+        stats = self.limiter.statistics()
+        ahead = stats.tasks_waiting + stats.borrowed_tokens  # queued, and one the worker passed to
+        if not ahead:
+            return 0
+        lane = self.lane  # the limiter is the lane's: the calls ahead may be another engine's
+        done = lane.calls_ended + ahead
+        with trio.move_on_after(max_s):
+            while lane.calls_ended < done:
+                stats = self.limiter.statistics()
+                if not (stats.tasks_waiting or stats.borrowed_tokens):
+                    break
+                await lane.call_ended.wait()
+        return ahead
+
     def idle(self) -> bool:
         """No call runs or waits for the worker: one asked for now gets it at once."""
         stats = self.limiter.statistics()
         return stats.borrowed_tokens < stats.total_tokens and stats.tasks_waiting == 0
 
     def _ended(self) -> None:
+        self.lane.ended()
         self._call_ended.set()
         self._call_ended = trio.Event()
         if self.after_call is not None:

@@ -12,7 +12,9 @@ import llama_cpp
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
+from helpers import wait_until
 from hydra_trio.engine import SamplingParams
 from hydra_trio.engine.llama import DecodeAborted, LlamaBackend, StepRequest
 from hydra_trio.engine.sample import Sampler
@@ -474,3 +476,83 @@ async def test_a_call_that_comes_while_the_worker_closes_is_refused() -> None:
             await w.call(lambda: ran.append("late"))
         release.set()
     assert ran == ["close"]
+
+
+async def test_gpu_worker_waits_for_the_calls_queued_ahead() -> None:
+    """``wait_for_calls_ahead`` returns once the running call and those queued behind it
+    have run (a batch composed then takes in what they brought), and says how many were
+    queued; with nothing queued it returns at once."""
+    import threading
+
+    from hydra_trio.engine.worker import GpuWorker
+
+    w = GpuWorker()
+    assert await w.wait_for_calls_ahead(1.0) == 0
+    gates = {"running": threading.Event(), "queued-1": threading.Event(), "queued-2": threading.Event()}
+    ran: list[str] = []
+
+    def call(name: str) -> None:
+        gates[name].wait(10)
+        ran.append(name)
+
+    waited: list[tuple[int, list[str]]] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(w.call, lambda: call("running"))
+            await wait_until(lambda: w._in_call)
+            for name in ("queued-1", "queued-2"):
+                n.start_soon(w.call, lambda name=name: call(name))
+            await wait_until(lambda: w.limiter.statistics().tasks_waiting == 2)
+
+            async def waiter() -> None:
+                got = await w.wait_for_calls_ahead(5.0)
+                waited.append((got, list(ran)))
+
+            n.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            gates["running"].set()
+            await wait_until(lambda: ran == ["running"] and w._in_call)  # a queued call runs now
+            await trio.testing.wait_all_tasks_blocked()
+            assert not waited, "returned with calls still queued ahead"
+            gates["queued-1"].set()
+            gates["queued-2"].set()
+    # The two queued calls started in one tick: trio may queue them in either order.
+    assert waited == [(2, ran)] and ran[0] == "running" and sorted(ran[1:]) == ["queued-1", "queued-2"]
+
+
+async def test_gpu_worker_on_a_shared_lane_waits_for_the_running_call_only() -> None:
+    """Two engines on one lane: a call queued ahead may be the other model's run of steps,
+    which yields only once a call is queued, so the batch is composed (and queued) as soon
+    as the running call returns."""
+    import threading
+
+    from hydra_trio.engine.worker import GpuWorker, WorkerLane
+
+    lane = WorkerLane()
+    mine, other = GpuWorker(lane), GpuWorker(lane)
+    assert lane.shared
+    gates = {"running": threading.Event(), "queued": threading.Event()}
+    ran: list[str] = []
+
+    def call(name: str) -> None:
+        gates[name].wait(10)
+        ran.append(name)
+
+    waited: list[tuple[int, list[str]]] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(mine.call, lambda: call("running"))
+            await wait_until(lambda: mine._in_call)
+            n.start_soon(other.call, lambda: call("queued"))
+            await wait_until(lambda: lane.limiter.statistics().tasks_waiting == 1)
+
+            async def waiter() -> None:
+                got = await mine.wait_for_calls_ahead(5.0)
+                waited.append((got, list(ran)))
+
+            n.start_soon(waiter)
+            gates["running"].set()
+            await wait_until(lambda: bool(waited))
+            gates["queued"].set()
+    assert waited == [(0, ["running"])]
+    assert lane.calls_ended == 2

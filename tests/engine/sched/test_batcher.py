@@ -150,3 +150,38 @@ async def test_a_slot_freed_in_the_tick_of_a_cancel_goes_to_the_next_in_line() -
         scopes["cancelled"].cancel()
         table.release(holder)  # the same tick
     assert got == ["next"] and table.slots[0].owner == "next" and table.waiting == 0
+
+
+async def test_prompts_of_the_calls_queued_ahead_join_the_batch() -> None:
+    """The worker reports calls that were queued ahead of the batch (a burst's tokenizations,
+    GpuWorker.wait_for_calls_ahead): the prompts their requests hand in a tick after those
+    return share the batch with the prompt that was waiting. With none reported, the batch
+    goes at once, the late prompt in the next one (the burst split, issue 53)."""
+    for ahead, expected in ((1, [[(0, 10), (1, 10)]]), (0, [[(0, 10)], [(1, 10)]])):
+        rec = Recorder()
+        async with trio.open_nursery() as nursery:
+            batcher: StepBatcher
+
+            async def late_request() -> None:
+                await trio.lowlevel.checkpoint()  # its tokenization returned: a tick to its prefill
+                await batcher.prefill(1, list(range(10)), 0, sampler=None, want_logits=False)  # noqa: B023
+
+            async def worker_free(ahead: int = ahead, rec: Recorder = rec) -> int:
+                if not rec.batches:
+                    nursery.start_soon(late_request)
+                return ahead
+
+            batcher = StepBatcher(
+                4, rec.step_sync, rec.run_on_worker, rec.run_mixed, token_budget=8, alone_budget=64,
+                worker_free=worker_free, is_eog=lambda t: t == 0, wants_turn=threading.Event(),
+            )
+
+            async def first() -> None:
+                await batcher.prefill(0, list(range(10)), 0, sampler=None, want_logits=False)  # noqa: B023
+
+            nursery.start_soon(first)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(batcher.run)
+            await wait_until(lambda: sum(len(parts) for _, parts in rec.batches) >= 2)  # noqa: B023
+            nursery.cancel_scope.cancel()
+        assert [sorted(parts) for _, parts in rec.batches] == expected, ahead

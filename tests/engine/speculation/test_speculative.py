@@ -12,6 +12,7 @@ starts both runs from an empty slot with the same prompt (the same computation s
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,25 @@ def test_a_batch_splits_into_passes_as_llama_cpp_splits_it() -> None:
     assert ubatch_rows([5] * 8, 16, split=True) == [16, 16, 8]  # at most n_ubatch rows a pass
     assert ubatch_rows([9, 1, 9], 512, split=False) == [19]  # a unified cache: one pass
     assert batch_counts([2, 3, 5], [1, 4, 2]) == [1, 4, 0, 2]
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unified"])
+def test_a_step_of_single_rows_is_measured_as_its_counts_would_be(split: bool) -> None:
+    """``measured_singles`` (a step without drafts, measured in constant time) counts a
+    decode into the same pass size as ``measured`` over the step's counts, or drops it alike
+    (a gap between slots under a split cache, more rows than a ubatch)."""
+    rng = random.Random(7)
+    by_counts, by_singles = DraftPlanner(6, split=split), DraftPlanner(6, split=split)
+    cases = [[0, 1, 2], [3], [0, 2], list(range(6)), list(range(7)), [4, 5, 6, 7]]
+    cases += [sorted(rng.sample(range(12), rng.randint(1, 9))) for _ in range(200)]
+    for k, slots in enumerate(cases):
+        seconds = 0.001 * (k % 13 + 1)
+        by_counts.measured(slots, [1] * len(slots), seconds)
+        by_singles.measured_singles(slots[0], slots[-1], len(slots), seconds)
+        assert by_singles.step_cost.measured() == by_counts.step_cost.measured(), slots
+    assert by_counts.step_cost.steps == by_singles.step_cost.steps > 20
+    assert (3 in by_counts.step_cost.measured()) is True
+    assert (7 in by_counts.step_cost.measured()) is False  # past a ubatch: never one pass
 
 
 # Gemma 3 270M Q4_K_M, one thread, an Intel Xeon 2-core VM: ms of a pass by rows

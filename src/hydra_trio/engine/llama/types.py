@@ -32,6 +32,16 @@ class TokenSampler(Protocol):
         where ``logits`` lie in llama.cpp (None: elsewhere, e.g. a hand-off's blob)."""
         ...
 
+    @property
+    def plain(self) -> bool:
+        """Whether the token is the argmax of the row, nothing else asked: a step then takes
+        the argmax of its plain rows in one call and hands each its own (``take_argmax``)."""
+        ...
+
+    def take_argmax(self, token: int, logits: np.ndarray, eog_ids: np.ndarray) -> int:
+        """A plain pick: the token, given ``token``, the first argmax of ``logits``."""
+        ...
+
     def close(self) -> None:
         """Free what it holds of llama.cpp (on the worker: ``LlamaBackend.retire``)."""
         ...
@@ -83,6 +93,10 @@ class StepPlanner(Protocol):
 
     def measured(self, slots: Sequence[int], rows: Sequence[int], seconds: float) -> None:
         """A step's llama_decode took ``seconds`` for ``rows`` positions of each slot."""
+        ...
+
+    def measured_singles(self, first: int, last: int, n: int, seconds: float) -> None:
+        """``measured`` for ``n`` slots from ``first`` to ``last``, one position each."""
         ...
 
     def verify(self, draft: Sequence[int], pick: Callable[[int], int], is_eog: Callable[[int], bool]) -> list[int]:

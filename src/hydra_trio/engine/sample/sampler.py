@@ -99,6 +99,23 @@ class Sampler:
         self._eog: tuple[np.ndarray, frozenset[int]] | None = None  # _eog_set's
 
     @property
+    def plain(self) -> bool:
+        """Whether the pick is the argmax of the row and nothing else is asked (greedy, no
+        penalty, grammar, think block or log-probabilities): a step may then take the argmax
+        of many such rows in one call and hand each its own (``take_argmax``)."""
+        return self._plain
+
+    def take_argmax(self, token: int, logits: np.ndarray, eog_ids: np.ndarray) -> int:
+        """A plain pick (``plain``) given ``token``, the argmax of ``logits`` (the first of
+        equal maxima): the token, after the end-of-generation ban. The ban changes the
+        argmax only when it is an end-of-generation token (the first of equal maxima stays
+        the first): the row is edited then alone."""
+        if token in self._eog_set(eog_ids) and self.bans_eog:
+            token = int(self._banned(logits, eog_ids).argmax())
+        self.n_picked += 1
+        return token
+
+    @property
     def bans_eog(self) -> bool:
         """Whether the next pick may not end the generation (ignore_eos, or min_tokens not
         reached yet)."""
@@ -121,13 +138,7 @@ class Sampler:
         there). Log-probabilities are those of the model's own logits (under a grammar, the
         constrained distribution), before any ban."""
         if self._plain:  # what the steps below come to for it, with nothing to ask
-            token = int(logits.argmax())
-            # The ban changes the argmax only when it is an end-of-generation token (the
-            # first of equal maxima stays the first): the row is edited then alone.
-            if token in self._eog_set(eog_ids) and self.bans_eog:
-                token = int(self._banned(logits, eog_ids).argmax())
-            self.n_picked += 1
-            return token
+            return self.take_argmax(int(logits.argmax()), logits, eog_ids)
         think = self.think
         if think is not None and (forced := think.forced()) is not None:
             token, shown = forced, logits  # a think tag being written: the model's logits are not asked

@@ -91,7 +91,7 @@ class StepBatcher:
         *,
         token_budget: int,
         alone_budget: int,
-        worker_free: Callable[[], Awaitable[None]],
+        worker_free: Callable[[], Awaitable[int | None]],
         is_eog: Callable[[int], bool],
         wants_turn: threading.Event,
         lora_of: Callable[[int], LoraSet] | None = None,
@@ -253,8 +253,13 @@ class StepBatcher:
                 break
             await trio.lowlevel.checkpoint()
         # Compose the batch when the worker can run it: what arrives while another call
-        # runs (requests that come together, each prefilled alone otherwise) joins it.
-        await self._worker_free()
+        # runs (requests that come together, each prefilled alone otherwise) joins it, and
+        # so do the prompts of the calls that were queued for the worker (a burst's
+        # tokenizations): their requests hand them in a tick or two after those return.
+        if await self._worker_free():
+            for _ in range(3):
+                self._take_waiting(steps)
+                await trio.lowlevel.checkpoint()
         self._take_waiting(steps)
         return steps
 

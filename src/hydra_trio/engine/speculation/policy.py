@@ -140,4 +140,11 @@ class DraftPlanner:
         if len(passes) == 1:
             self.step_cost.add(passes[0], seconds)
 
+    def measured_singles(self, first: int, last: int, n: int, seconds: float) -> None:
+        """``measured`` for a step of ``n`` slots, one position each, ``first`` to ``last``
+        (ascending), in constant time: it was one pass if its ``n`` rows fit a ubatch and,
+        under a split cache, its slots are consecutive (a gap starts a pass of its own)."""
+        if self._cost.one_pass_of_singles(first, last, n):
+            self.step_cost.add(n, seconds)
+
     verify = staticmethod(verify)

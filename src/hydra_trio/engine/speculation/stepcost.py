@@ -137,6 +137,11 @@ class BatchCost:
     def passes(self, counts: Sequence[int]) -> list[int]:
         return ubatch_rows(counts, self._n_ubatch, self._split)
 
+    def one_pass_of_singles(self, first: int, last: int, n: int) -> bool:
+        """Whether ``n`` sequences, ``first`` to ``last`` (ascending), one token each, are one
+        forward pass: what ``len(passes(...)) == 1`` says of them, without the counts."""
+        return n <= self._n_ubatch and (not self._split or last - first + 1 == n)
+
     def seconds(self, counts: Sequence[int]) -> float | None:
         """The step's estimated seconds; None when a pass's size has no estimate yet."""
         total = 0.0
