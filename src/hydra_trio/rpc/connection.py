@@ -34,8 +34,9 @@ class Connection:
 
         ``span_of(head)`` looks at the bytes received so far: it answers how many leading
         bytes it needs (an int), the span to hash (``(start, length)``), or None (nothing
-        to hash). The span is hashed (XXH3-64) in a worker thread, a few MB behind the
-        receive, so the digest is ready when the last byte is. Returns (buffer, digest or None).
+        to hash). The span is hashed (XXH3-64) as its bytes land, each read's after it
+        (transport.recv_exactly_hashing), so the digest is ready when the last byte is.
+        Returns (buffer, digest or None).
         """
         buf = payload_buffer(n)
         view = memoryview(buf)
