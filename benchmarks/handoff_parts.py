@@ -10,6 +10,8 @@ Where a TCP hand-off's time goes on this machine, by part (issue 53): one blob o
 - ``trio_hash``: the same with ``recv_exactly_hashing`` (XXH3 behind it) over trio's
   ``recv_into`` (the pull's read before issue 53);
 - ``drain_hash``: the same over ``draining_recv_into`` (the pull's read now);
+- ``drain_inline``: ``draining_recv_into`` with XXH3 on the event loop's thread, each read
+  hashed as it lands (no hashing thread beside the receive: a variant, not the engine's);
 - ``hash``: XXH3-64 of the blob alone, in memory.
 
 Also the socket buffer sizes each side gets. Median ms and GB/s; writes
@@ -107,7 +109,7 @@ def _raw(port: int, n: int, fresh: bool, keep: list[Any]) -> float:
     return dt
 
 
-async def _trio(port: int, n: int, hashing: bool, drain: bool = False) -> float:
+async def _trio(port: int, n: int, hashing: bool, drain: bool = False, inline: bool = False) -> float:
     t0 = time.perf_counter()
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
@@ -116,13 +118,25 @@ async def _trio(port: int, n: int, hashing: bool, drain: bool = False) -> float:
         buf = payload_buffer(n)
         view = memoryview(buf)
         recv_into = draining_recv_into(stream.socket) if drain else stream.socket.recv_into
-        if hashing:
+        if inline:  # hashed on the event loop's thread, each read as it lands
+            await recv_exactly(recv_into, view, on_progress=_inline_hasher(view))
+        elif hashing:
             await recv_exactly_hashing(recv_into, view, (0, n))
         else:
             await recv_exactly(recv_into, view)
         view.release()
         del view, buf
     return time.perf_counter() - t0
+
+
+def _inline_hasher(view: memoryview) -> Any:
+    hasher, done = xxhash.xxh3_64(), [0]
+
+    def progress(got: int) -> None:
+        hasher.update(view[done[0] : got])
+        done[0] = got
+
+    return progress
 
 
 def _bufsizes() -> dict[str, int]:
@@ -149,7 +163,8 @@ def run(mb: float, repeats: int) -> dict[str, Any]:
                 trio.run(_trio, port, n, False)
                 cases = {"trio": lambda: trio.run(_trio, port, n, False),  # noqa: B023
                          "trio_hash": lambda: trio.run(_trio, port, n, True),  # noqa: B023
-                         "drain_hash": lambda: trio.run(_trio, port, n, True, True)}  # noqa: B023
+                         "drain_hash": lambda: trio.run(_trio, port, n, True, True),  # noqa: B023
+                         "drain_inline": lambda: trio.run(_trio, port, n, True, True, True)}  # noqa: B023
             for name, fn in cases.items():
                 out[name] = [fn() * 1000.0 for _ in range(repeats)]
         finally:
@@ -178,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = run(args.mb, args.repeats)
     n = res["bytes"]
-    for name in ("raw", "raw_fresh", "trio", "trio_hash", "drain_hash", "hash"):
+    for name in ("raw", "raw_fresh", "trio", "trio_hash", "drain_hash", "drain_inline", "hash"):
         med = statistics.median(res[name])
         print(f"{name:10s} median {med:7.1f} ms  ({n / med / 1e6:5.2f} GB/s)  all {[round(x) for x in res[name]]}")
     print(f"socket {res['socket']}; load {res['load_before']} -> {res['load_after']}")

@@ -142,3 +142,18 @@ async def test_draining_recv_into_on_a_closed_socket_reads_no_other_descriptor()
             await recv_into(memoryview(bytearray(16)), 16)
         assert await d.recv(16) == b"not yours"  # still unread: nothing took it
     a.close()
+
+
+@pytest.mark.parametrize(("got", "span"), [(0, (0, 1000)), (0, (17, 500)), (40, (17, 500)), (600, (17, 500)),
+                                           (40, (0, 1000)), (600, (500, 500)), (0, (999, 1)), (5, (0, 0))])
+def test_the_hash_is_the_spans_whatever_arrived_before_and_however_it_comes(got: int, span: tuple[int, int]) -> None:
+    """The digest is of ``span`` alone, its bytes hashed once each and in order, whether
+    some were already in the buffer (``got``) and however the reads split them (7 bytes at
+    a time here, across the span's edges); no event loop needed (the blocking client)."""
+    data = np.random.default_rng(3).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    buf = bytearray(len(data))
+    buf[:got] = data[:got]
+    digest = run_blocking(recv_exactly_hashing(_feed(data[got:], step=7), memoryview(buf), span, got=got))
+    assert bytes(buf) == data
+    start, length = span
+    assert digest == xxhash.xxh3_64_intdigest(data[start : start + length])

@@ -2,8 +2,8 @@
 
 One request on a fresh connection: the reply's sizes are checked against this engine's
 caps before anything is read (a peer cannot make us allocate more than ``max_kv_bytes``),
-the payload is read into one preallocated buffer and hashed as it arrives (a worker thread,
-a few MB behind the receive), and its bytes are checked against the hash the export was
+the payload is read into one preallocated buffer and hashed as it arrives (each read as it
+lands: transport.recv_exactly_hashing), and its bytes are checked against the hash the export was
 announced with. The caller's cancel scope bounds everything; leaving
 it closes the connection, which is all the prefill engine needs to let the bytes go.
 """

@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ..transport import PeerClosed, RecvInto, read_reply_head, recv_bytes, run_blocking
+from ..transport import PeerClosed, RecvInto, draining_send, read_reply_head, recv_bytes, run_blocking
 from ..wire.errors import Status
 from ..wire.frames import encode_decode_frame_v3
 from ..wire.protocol import Op, encode_request_header
@@ -213,9 +213,8 @@ class RpcClient(_Methods):
             if self._broken is not None:
                 raise RpcConnectionClosed(self._broken)
             try:
-                for part in _request_bytes(call, t):
-                    if len(part):
-                        await self._stream.send_all(part)
+                # No yield per write (a STATE_SET's blob is MBs); the caller's scope bounds it.
+                await draining_send(self._stream.socket, _request_bytes(call, t), idle_timeout_s=None)
                 resp = await self._read_response()
             except BaseException as exc:
                 # Cancelled or failed between the first byte sent and the last byte read: the

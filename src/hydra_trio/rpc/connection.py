@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import trio
 
-from ..transport import draining_recv_into, payload_buffer, recv_exactly, recv_exactly_hashing
+from ..transport import draining_recv_into, draining_send, payload_buffer, recv_exactly, recv_exactly_hashing
 
 Buffer = bytes | bytearray | memoryview
 
@@ -34,8 +34,9 @@ class Connection:
 
         ``span_of(head)`` looks at the bytes received so far: it answers how many leading
         bytes it needs (an int), the span to hash (``(start, length)``), or None (nothing
-        to hash). The span is hashed (XXH3-64) in a worker thread, a few MB behind the
-        receive, so the digest is ready when the last byte is. Returns (buffer, digest or None).
+        to hash). The span is hashed (XXH3-64) as its bytes land, each read's after it
+        (transport.recv_exactly_hashing), so the digest is ready when the last byte is.
+        Returns (buffer, digest or None).
         """
         buf = payload_buffer(n)
         view = memoryview(buf)
@@ -68,21 +69,12 @@ class Connection:
         return buf
 
     async def send(self, parts: Sequence[Buffer], chunk: int | None = None) -> None:
-        """Send every part. A peer that accepts no byte for idle_timeout_s raises
-        trio.TooSlowError: the deadline restarts at each bit of progress, so a large reply
-        to a slow reader may take long, a reader that stopped may not hold the connection."""
-        for part in parts:
-            view = memoryview(part).cast("B") if len(part) else None
-            if view is None:
-                continue
-            step = len(view) if chunk is None else chunk  # state_chunk_size: most bytes per send
-            off = 0
-            while off < len(view):
-                try:
-                    with trio.fail_after(self.idle_timeout_s):
-                        off += await self.sock.send(view[off : off + step])
-                except OSError as exc:  # what SocketStream.send_all raises: callers catch it
-                    raise trio.BrokenResourceError(f"send failed after {off}/{len(view)} bytes: {exc}") from exc
+        """Send every part (transport.draining_send: no trio yield per write). A peer that
+        accepts no byte for idle_timeout_s raises trio.TooSlowError: the deadline restarts
+        at each bit of progress, so a large reply to a slow reader may take long, a reader
+        that stopped may not hold the connection. ``chunk``: most bytes per write
+        (state_chunk_size)."""
+        await draining_send(self.sock, parts, idle_timeout_s=self.idle_timeout_s, chunk=chunk)
 
     async def aclose(self) -> None:
         await self.stream.aclose()

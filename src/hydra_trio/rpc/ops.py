@@ -277,8 +277,8 @@ class OpTable:
         return Reply.ok(outcome.meta())
 
     async def _receive_decode(self, ctx: OpContext) -> np.ndarray:
-        """A large DECODE's kv segment is hashed as it arrives (off the trio thread), so its
-        check costs nothing once the last byte is in."""
+        """A large DECODE's kv segment is hashed as it arrives (each read as it lands), so
+        its check costs nothing once the last byte is in."""
         if ctx.payload_len < CPU_OFFLOAD_MIN_BYTES:
             return await ctx.conn.read_payload(ctx.payload_len)
         max_header = self.state.settings.max_decode_header_bytes
