@@ -26,20 +26,16 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from hydra_trio.testing.process import EngineProcess
-from hydra_trio.testing.sse_reader import sse_chunk
 
 from .__main__ import RESULTS, build_models
 from .figures import Tokenizer, chat_request
 from .handoff_probe import SITECUSTOMIZE, read
 from .harness import env_info
-from .transport import PD
+from .transport import decode_stream, export
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--cache-type-k", "f16", "--cache-type-v", "f16", "--flash-attn", "on"]
@@ -90,22 +86,10 @@ def _stamps(decode: str, prefill: str, t0: float, t_first: float) -> dict[str, f
 
 
 def _round(d: EngineProcess, p: EngineProcess, req: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
-    r = httpx.post(p.url + "/v1/chat/completions", json={**req, "max_tokens": 1, "kv_transfer_params": PD}, timeout=900)
-    r.raise_for_status()
-    params = r.json()["kv_transfer_params"]
+    params = export(p, req)["kv_transfer_params"]
     params["hydra"].pop("shm", None)  # over TCP
-    body = {**req, "kv_transfer_params": params, "stream": True}
-    first, kv = None, {}
-    with httpx.Client(timeout=900) as c:
-        t0 = time.perf_counter()
-        with c.stream("POST", d.url + "/v1/chat/completions", json=body) as resp:
-            for line in resp.iter_lines():
-                if (chunk := sse_chunk(line)) is None:
-                    continue
-                if first is None and any(ch["delta"].get("content") for ch in chunk.get("choices") or []):
-                    first = time.perf_counter()
-                kv = chunk.get("kv_transfer") or kv
-    if first is None or kv.get("status") != "restored" or kv.get("transport") != "tcp":
+    t0, first, kv = decode_stream(d, req, params)
+    if kv.get("status") != "restored" or kv.get("transport") != "tcp":
         raise RuntimeError(f"not a TCP hand-off: {kv}")
     return t0, first, kv
 
@@ -130,8 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             p = EngineProcess(model, slots=1, ctx_size=8192, extra=COMMON, env=env(probes[1]))
             d = EngineProcess(model, slots=1, ctx_size=8192, extra=[*COMMON, "--kv-shm-dir", ""], env=env(probes[0]))
             running[name] = (p.start(log_dir, f"p-{name}"), d.start(log_dir, f"d-{name}"), *probes)
-            httpx.post(p.url + "/v1/chat/completions",  # the prefill, once
-                       json={**req, "max_tokens": 1, "kv_transfer_params": PD}, timeout=900).raise_for_status()
+            export(p, req)  # the prefill, once
             _round(d, p, req)  # warm both sides (first buffers, first connections)
         per: dict[str, list[dict[str, float]]] = {n: [] for n in trees}
         for _ in range(args.repeats):

@@ -40,8 +40,9 @@ def export(p: EngineProcess, req: dict[str, Any]) -> dict[str, Any]:
     return r.json()
 
 
-def decode_ttft(d: EngineProcess, req: dict[str, Any], params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(ms to the first content token on the decode engine, the reply's kv_transfer)."""
+def decode_stream(d: EngineProcess, req: dict[str, Any], params: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
+    """A streamed DECODE of ``req`` with ``params`` on the decode engine: (its start, its first
+    content token, both ``time.perf_counter()``; the reply's kv_transfer)."""
     body = {**req, "kv_transfer_params": params, "stream": True}
     first, kv = None, {}
     t0 = time.perf_counter()
@@ -54,6 +55,12 @@ def decode_ttft(d: EngineProcess, req: dict[str, Any], params: dict[str, Any]) -
             kv = chunk.get("kv_transfer") or kv
     if first is None:
         raise RuntimeError("stream ended without any text")
+    return t0, first, kv
+
+
+def decode_ttft(d: EngineProcess, req: dict[str, Any], params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(ms to the first content token on the decode engine, the reply's kv_transfer)."""
+    t0, first, kv = decode_stream(d, req, params)
     return (first - t0) * 1000.0, kv
 
 

@@ -4,6 +4,7 @@ instances, and restore refusals that must leave the slot clean and usable."""
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -478,23 +479,28 @@ async def test_a_call_that_comes_while_the_worker_closes_is_refused() -> None:
     assert ran == ["close"]
 
 
-async def test_gpu_worker_waits_for_the_calls_queued_ahead() -> None:
-    """``wait_for_calls_ahead`` returns once the running call and those queued behind it
-    have run (a batch composed then takes in what they brought), and says how many were
-    queued; with nothing queued it returns at once."""
-    import threading
-
-    from hydra_trio.engine.worker import GpuWorker
-
-    w = GpuWorker()
-    assert await w.wait_for_calls_ahead(1.0) == 0
-    gates = {"running": threading.Event(), "queued-1": threading.Event(), "queued-2": threading.Event()}
+def _gated_calls(*names: str) -> tuple[dict[str, threading.Event], list[str], Callable[[str], None]]:
+    """Worker calls held until their gate is set: (the gates, the names in the order the calls
+    ran, the call to hand the worker)."""
+    gates = {name: threading.Event() for name in names}
     ran: list[str] = []
 
     def call(name: str) -> None:
         gates[name].wait(10)
         ran.append(name)
 
+    return gates, ran, call
+
+
+async def test_gpu_worker_waits_for_the_calls_queued_ahead() -> None:
+    """``wait_for_calls_ahead`` returns once the running call and those queued behind it
+    have run (a batch composed then takes in what they brought), and says how many were
+    queued; with nothing queued it returns at once."""
+    from hydra_trio.engine.worker import GpuWorker
+
+    w = GpuWorker()
+    assert await w.wait_for_calls_ahead(1.0) == 0
+    gates, ran, call = _gated_calls("running", "queued-1", "queued-2")
     waited: list[tuple[int, list[str]]] = []
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
@@ -524,20 +530,12 @@ async def test_gpu_worker_on_a_shared_lane_waits_for_the_running_call_only() -> 
     """Two engines on one lane: a call queued ahead may be the other model's run of steps,
     which yields only once a call is queued, so the batch is composed (and queued) as soon
     as the running call returns."""
-    import threading
-
     from hydra_trio.engine.worker import GpuWorker, WorkerLane
 
     lane = WorkerLane()
     mine, other = GpuWorker(lane), GpuWorker(lane)
     assert lane.shared
-    gates = {"running": threading.Event(), "queued": threading.Event()}
-    ran: list[str] = []
-
-    def call(name: str) -> None:
-        gates[name].wait(10)
-        ran.append(name)
-
+    gates, ran, call = _gated_calls("running", "queued")
     waited: list[tuple[int, list[str]]] = []
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
