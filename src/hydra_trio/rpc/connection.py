@@ -9,8 +9,7 @@ import numpy as np
 import trio
 
 from ..transport import draining_recv_into, draining_send, payload_buffer, recv_exactly, recv_exactly_hashing
-
-Buffer = bytes | bytearray | memoryview
+from ..wire.hashing import Buffer
 
 
 class Connection:

@@ -66,7 +66,8 @@ async def recv_exactly(
             on_progress(got)
 
 
-_DRAIN_MAX = 8 << 20  # most bytes one draining receive takes before it lets other tasks run
+# Most bytes a draining receive takes, or a draining send writes (send.py), before other tasks run.
+DRAIN_MAX = 8 << 20
 
 
 def draining_recv_into(sock: trio.socket.SocketType) -> RecvInto:
@@ -82,7 +83,7 @@ def draining_recv_into(sock: trio.socket.SocketType) -> RecvInto:
     async def recv_into(view: memoryview, nbytes: int) -> int:
         await trio.lowlevel.checkpoint_if_cancelled()
         fd = sock.fileno()
-        want = min(nbytes, len(view), _DRAIN_MAX)
+        want = min(nbytes, len(view), DRAIN_MAX)
         got = 0
         while got < want:
             try:

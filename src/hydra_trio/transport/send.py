@@ -9,9 +9,8 @@ from collections.abc import Sequence
 
 import trio
 
-Buffer = bytes | bytearray | memoryview
-
-_DRAIN_MAX = 8 << 20  # most bytes written between two checks for other tasks
+from ..wire.hashing import Buffer
+from .receive import DRAIN_MAX
 
 
 async def draining_send(
@@ -32,7 +31,7 @@ async def draining_send(
         view = memoryview(part).cast("B") if len(part) else None
         if view is None:
             continue
-        step = min(len(view) if chunk is None else max(1, chunk), _DRAIN_MAX)
+        step = min(len(view) if chunk is None else max(1, chunk), DRAIN_MAX)
         off = 0
         while off < len(view):
             try:
@@ -49,7 +48,7 @@ async def draining_send(
                 raise trio.BrokenResourceError(f"send failed after {off}/{len(view)} bytes: {exc}") from exc
             off += k
             since_yield += k
-            if since_yield >= _DRAIN_MAX:
+            if since_yield >= DRAIN_MAX:
                 await trio.lowlevel.checkpoint()
                 since_yield = 0
     await trio.lowlevel.cancel_shielded_checkpoint()
